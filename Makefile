@@ -1,0 +1,32 @@
+# Every target creates .venv when it is missing (python3 -m venv) and installs the pinned
+# versions from constraints.txt, so `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+
+.PHONY: venv demo test bench lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/extractor demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+bench: $(STAMP)
+	$(PY) tests/bench.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check extractor tests jobs
+
+clean:
+	rm -rf demo .bench .pytest_cache .ruff_cache

@@ -1,0 +1,33 @@
+"""extractor: push image collections through PyTorch models and keep chosen layers as Zarr.
+
+The public surface is small; everything else is private. ``open_store`` needs only numpy
+and zarr; the rest is imported on first use, so importing the package pulls in neither
+torch nor Ray.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["open_store", "load_spec", "JobSpec", "run", "__version__"]
+
+if TYPE_CHECKING:
+    from .reader import open_store
+    from .runner import run
+    from .spec import JobSpec, load_spec
+
+_LAZY = {
+    "open_store": "reader",
+    "load_spec": "spec",
+    "JobSpec": "spec",
+    "run": "runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'extractor' has no attribute {name!r}")

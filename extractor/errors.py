@@ -1,0 +1,49 @@
+"""Errors raised by extractor.
+
+Every error is an :class:`ExtractorError` and also inherits the built-in exception a
+caller would naturally catch (``ValueError``, ``KeyError``, ``FileNotFoundError``...).
+Messages say what went wrong, where (field path, file, shard, row) and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DataError",
+    "ExtractorError",
+    "LayerError",
+    "ModelError",
+    "ShardError",
+    "SpecError",
+    "StoreError",
+]
+
+
+class ExtractorError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class SpecError(ExtractorError, ValueError):
+    """The job spec is invalid: unknown key, wrong type or bad value (names the field path)."""
+
+
+class DataError(ExtractorError, ValueError):
+    """The image source cannot be used: missing root, empty data set, bad manifest."""
+
+
+class ModelError(ExtractorError, ValueError):
+    """The model cannot be built: unknown name, missing weights, bad checkpoint or factory."""
+
+
+class LayerError(ExtractorError, KeyError):
+    """A capture names a layer the model does not have, or takes what the layer lacks."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it as written
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreError(ExtractorError, OSError):
+    """The Zarr store cannot be created, resumed or read as asked."""
+
+
+class ShardError(ExtractorError, RuntimeError):
+    """A shard failed as a whole (not just some of its rows)."""

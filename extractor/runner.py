@@ -1,0 +1,261 @@
+"""Planning and running a job: list rows, plan shards, create or resume the store, run shards.
+
+``run(spec)`` is the whole job on one machine (the ``local`` backend: the worker runs in this
+process). The driver only ever holds shard descriptors and done flags, never activations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .errors import StoreError
+from .sources import Rows, Shard, list_rows, plan
+from .spec import JobSpec, content_of, spec_digest
+from .store import (
+    FAILED,
+    FORMAT_VERSION,
+    PENDING,
+    create_store,
+    done_shards,
+    now,
+    read_attrs,
+    update_attrs,
+)
+from .worker import ShardSummary, Worker
+
+__all__ = ["run", "RunSummary"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    """What a run did; ``failures`` lists up to 20 failed rows as (row, id, error)."""
+
+    store: str
+    rows: int
+    ok: int
+    failed: int
+    pending: int
+    shards: int
+    shards_skipped: int
+    shards_run: int
+    seconds: float
+    images_per_s: float
+    bytes_per_row: dict[str, int] = field(default_factory=dict)
+    failures: list[tuple[int, str, str]] = field(default_factory=list)
+    per_shard: list[ShardSummary] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.__dict__.copy()
+        d["per_shard"] = [s.to_dict() for s in self.per_shard]
+        return d
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import torchvision
+    import zarr
+
+    return {
+        "extractor": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "zarr": zarr.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def _ids_digest(ids: list[str]) -> str:
+    h = hashlib.sha256()
+    for i in ids:
+        h.update(i.encode("utf-8", "surrogateescape") + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        out = {}
+        for i, v in enumerate(d):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: d}
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    a, b = _flatten(old), _flatten(new)
+    diffs = []
+    for k in sorted(set(a) | set(b)):
+        if a.get(k, "(unset)") != b.get(k, "(unset)"):
+            diffs.append(f"{k}: {json.dumps(a.get(k, '(unset)'))} in the store, {json.dumps(b.get(k, '(unset)'))} now")
+    return diffs
+
+
+def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Refuse to resume a store made by another format, spec, model or data listing."""
+    problems: list[str] = []
+    if old.get("format_version") != FORMAT_VERSION:
+        problems.append(f"format version {old.get('format_version')} in the store, {FORMAT_VERSION} now")
+    else:
+        if old.get("spec_digest") != new["spec_digest"]:
+            old_spec = content_of(old.get("spec", {}))
+            new_spec = content_of(new["spec"])
+            problems += _differences(old_spec, new_spec) or ["the job spec differs"]
+        if old.get("model", {}).get("state_dict_sha256") != new["model"]["state_dict_sha256"]:
+            problems.append("the model's weights differ (state-dict hash)")
+        if old.get("captures") != new["captures"]:
+            problems += ["capture " + d for d in _differences(old.get("captures", {}), new["captures"])]
+        if old.get("ids_digest") != new["ids_digest"]:
+            problems.append(f"the image list differs ({old.get('n_rows')} rows in the store, {new['n_rows']} now)")
+    if problems:
+        listed = "\n  ".join(problems[:10])
+        raise StoreError(
+            f"cannot resume {url}: it was made by a different job:\n  {listed}\n"
+            "Use --overwrite to replace it, or set output.store to write a new store."
+        )
+
+
+def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any]) -> Any:
+    import zarr
+
+    url = spec.output.store
+    old = read_attrs(url)
+    mode = spec.output.if_exists
+    if old is not None and mode == "error":
+        group = zarr.open_group(url, mode="r")
+        done = int(done_shards(group).sum())
+        raise StoreError(
+            f"store {url} already exists ({done} of {old.get('n_shards', '?')} shards done, status "
+            f"{old.get('status', '?')}); pass --resume to finish it or --overwrite to replace it"
+        )
+    if old is not None and mode == "resume":
+        _check_resumable(url, old, json.loads(json.dumps(attrs)))
+        update_attrs(url, status="running", resumed=now())
+        return zarr.open_group(url, mode="r+")
+    if old is not None:
+        log.info("overwriting %s", url)
+    return create_store(
+        url,
+        ids=rows.ids,
+        paths=rows.paths,
+        labels=rows.labels,
+        shard_size=spec.data.shard_size,
+        chunk_rows=spec.output.chunk_rows,
+        captures=attrs["captures"],
+        compression=spec.output.compression,
+        compression_level=spec.output.compression_level,
+        attrs=attrs,
+    )
+
+
+def _bytes_per_row(captures: dict[str, dict[str, Any]]) -> dict[str, int]:
+    return {k: int(np.prod(m["shape"], dtype=np.int64)) * np.dtype(m["dtype"]).itemsize for k, m in captures.items()}
+
+
+def run(
+    spec: JobSpec,
+    *,
+    on_start: Callable[[int, dict[str, int]], None] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> RunSummary:
+    """Run a whole job on this machine; returns when every shard is done.
+
+    ``on_start(rows_to_process, bytes_per_row)`` is called once the plan is known,
+    ``on_batch(n)`` after every batch (both for progress display).
+    """
+    t0 = time.perf_counter()
+    rows = list_rows(spec.data)
+    shards = plan(len(rows), spec.data.shard_size)
+    log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
+    worker = Worker(spec)  # builds the model and resolves every layer before any image is read
+    try:
+        captures = worker.probe()
+        attrs = {
+            "format_version": FORMAT_VERSION,
+            "created": now(),
+            "updated": now(),
+            "status": "running",
+            "spec": spec.to_dict(),
+            "spec_digest": spec_digest(spec),
+            "model": worker.model_info,
+            "captures": captures,
+            "classes": rows.classes,
+            "n_rows": len(rows),
+            "n_shards": len(shards),
+            "shard_size": spec.data.shard_size,
+            "chunk_rows": spec.output.chunk_rows,
+            "ids_digest": _ids_digest(rows.ids),
+            "versions": _versions(),
+        }
+        group = _open_store(spec, rows, shards, attrs)
+        done = done_shards(group)
+        todo = [s for s in shards if not done[s.index]]
+        per_row = _bytes_per_row(captures)
+        if on_start is not None:
+            on_start(sum(len(s) for s in todo), per_row)
+        url = spec.output.store
+        summaries: list[ShardSummary] = []
+        try:
+            for shard in todo:
+                summaries.append(worker.run_shard(shard, url, on_batch=on_batch))
+        except BaseException as err:
+            status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+            update_attrs(url, status=status, error=f"{type(err).__name__}: {err}"[:1000])
+            raise
+    finally:
+        worker.close()
+    return _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0)
+
+
+def _finish(
+    spec: JobSpec,
+    group: Any,
+    shards: list[Shard],
+    todo: list[Shard],
+    summaries: list[ShardSummary],
+    per_row: dict[str, int],
+    seconds: float,
+) -> RunSummary:
+    status = np.asarray(group["status"][:])
+    failed_rows = np.flatnonzero(status == FAILED)
+    failures = []
+    if len(failed_rows):
+        ids = group["ids"]
+        errors = group["errors"]
+        for r in failed_rows[:20]:
+            failures.append((int(r), str(ids[int(r)]), str(errors[int(r)])))
+    n_pending = int((status == PENDING).sum())
+    complete = bool(done_shards(group).all())
+    update_attrs(spec.output.store, status="complete" if complete else "incomplete", error=None)
+    processed = sum(s.rows for s in summaries)
+    return RunSummary(
+        store=spec.output.store,
+        rows=len(status),
+        ok=int((status == 1).sum()),
+        failed=len(failed_rows),
+        pending=n_pending,
+        shards=len(shards),
+        shards_skipped=len(shards) - len(todo),
+        shards_run=len(summaries),
+        seconds=seconds,
+        images_per_s=processed / max(sum(s.seconds for s in summaries), 1e-9),
+        bytes_per_row=per_row,
+        failures=failures,
+        per_shard=summaries,
+    )

@@ -1,0 +1,299 @@
+"""The job spec: one YAML file parsed into a frozen, strictly validated tree of models.
+
+Unknown keys, wrong types and bad values raise :class:`~extractor.errors.SpecError` whose
+message names the field path (``capture[1].reduce: ...``). ``load_spec(path, overrides)``
+applies ``--set a.b=value`` overrides before validation, so they are checked the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import SpecError
+
+__all__ = ["JobSpec", "load_spec", "parse_spec", "apply_overrides"]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class ModelSpec(_Section):
+    name: str | None = "resnet18"
+    """A torchvision classification builder (``torchvision.models.list_models()``)."""
+    weights: str | None = None
+    """null (random init), a torchvision weights name (``IMAGENET1K_V1``, ``DEFAULT``) or a checkpoint path."""
+    factory: str | None = None
+    """``pkg.module:function`` returning an ``nn.Module``; used instead of ``name``."""
+    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to ``factory``."""
+    device: str = "auto"
+    """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda``, ``cuda:1``..."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype; bfloat16/float16 run the forward under autocast."""
+    channels_last: bool = True
+    """Run convolutions in channels-last memory format (faster on CPU and recent GPUs)."""
+
+    @model_validator(mode="after")
+    def _name_or_factory(self) -> ModelSpec:
+        if self.factory is not None and self.name and "name" in self.model_fields_set:
+            raise ValueError("set either model.name or model.factory, not both")
+        if self.factory is None and not self.name:
+            raise ValueError("set model.name (a torchvision model) or model.factory")
+        if self.factory is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.factory):
+            raise ValueError(f"model.factory must look like 'pkg.module:function', got {self.factory!r}")
+        return self
+
+
+class DataSpec(_Section):
+    source: Literal["folder", "manifest"] = "folder"
+    """``folder`` (recursive walk; ImageFolder labels) or ``manifest`` (CSV/JSONL)."""
+    root: str | None = None
+    """Folder of images; for a manifest, the base of relative paths (default: the manifest's folder)."""
+    manifest: str | None = None
+    """CSV or JSONL file with a ``path`` column and optional ``id`` and ``label``."""
+    extensions: tuple[str, ...] = IMAGE_EXTENSIONS
+    """File name endings taken as images by the folder source (case-insensitive)."""
+    resize: int | None = Field(default=256, gt=0)
+    """Resize the shorter side to this many pixels (null: no resize)."""
+    crop: int = Field(default=224, gt=0)
+    """Centre crop to a square of this size (the model's input size)."""
+    interpolation: Literal["bilinear", "bicubic", "nearest"] = "bilinear"
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    shard_size: int = Field(default=1024, gt=0)
+    """Rows per shard, the unit of work, retry and resume."""
+    batch_size: int = Field(default=64, gt=0)
+    decode_workers: int = Field(default=2, ge=0)
+    """Threads decoding images ahead of the forward pass (0: decode inline)."""
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> DataSpec:
+        if self.source == "folder" and not self.root:
+            raise ValueError("data.source 'folder' needs data.root (the image folder)")
+        if self.source == "manifest" and not self.manifest:
+            raise ValueError("data.source 'manifest' needs data.manifest (a .csv or .jsonl file)")
+        if any(s <= 0 for s in self.std):
+            raise ValueError("data.std values must be positive")
+        return self
+
+
+class CaptureSpec(_Section):
+    layer: str
+    """Module name as in ``model.named_modules()`` or a glob (``layer4.*.conv2``)."""
+    what: Literal["output", "input"] = "output"
+    """Take the module's output or its (first positional) input."""
+    index: int | str | None = None
+    """Element of a tuple/list (int) or dict/dataclass (str) output or input."""
+    reduce: Literal["none", "mean", "max", "flatten", "cls"] = "none"
+    """none; mean/max over spatial positions or tokens; flatten; cls (token 0)."""
+    dtype: Literal["float32", "float16"] = "float32"
+    """Stored dtype."""
+    key: str | None = None
+    """Array name in the store (default: the layer name); only for a capture matching one layer."""
+
+
+class OutputSpec(_Section):
+    store: str = "out.zarr"
+    """Path of the Zarr store to write."""
+    chunk_rows: int = Field(default=256, gt=0)
+    """Rows per chunk of each capture array; must divide data.shard_size."""
+    compression: Literal["zstd", "blosc", "gzip", "none"] = "zstd"
+    compression_level: int | None = None
+    if_exists: Literal["error", "resume", "overwrite"] = "error"
+    """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
+
+
+class ClusterSpec(_Section):
+    backend: Literal["local"] = "local"
+    """``local`` runs the worker in this process."""
+
+
+class JobSpec(_Section):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec
+    capture: tuple[CaptureSpec, ...] = Field(min_length=1)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+
+    @model_validator(mode="after")
+    def _chunks_fit_shards(self) -> JobSpec:
+        if self.data.shard_size % self.output.chunk_rows:
+            raise ValueError(
+                f"output.chunk_rows ({self.output.chunk_rows}) must divide data.shard_size "
+                f"({self.data.shard_size}) so that no two shards share a chunk"
+            )
+        keys = [c.key for c in self.capture if c.key]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"capture keys must be unique; repeated: {', '.join(dup)}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved spec as plain JSON-able data (what the store records)."""
+        return self.model_dump(mode="json")
+
+    def content_dict(self) -> dict[str, Any]:
+        """The parts of the spec that decide what the store contains (compared on resume)."""
+        return content_of(self.to_dict())
+
+
+# Fields that change how a job runs but not what it stores: a store may be resumed with them changed.
+RUN_ONLY_FIELDS = (
+    ("model", "device"),
+    ("model", "channels_last"),
+    ("data", "batch_size"),
+    ("data", "decode_workers"),
+    ("output", "if_exists"),
+    ("output", "store"),
+    ("cluster", None),
+)
+
+
+def content_of(spec_dict: dict[str, Any]) -> dict[str, Any]:
+    """``spec_dict`` (a resolved spec as plain data) without the run-only fields."""
+    d = copy.deepcopy(spec_dict)
+    for section, name in RUN_ONLY_FIELDS:
+        if name is None:
+            d.pop(section, None)
+        elif isinstance(d.get(section), dict):
+            d[section].pop(name, None)
+    return d
+
+
+def _loc_to_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that holds the field at ``loc`` (for listing valid keys)."""
+    model: Any = JobSpec
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ()) or (ann,)
+        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        path = _loc_to_path(loc)
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc)
+            valid = ", ".join(owner.model_fields) if owner else ""
+            lines.append(f"{path}: unknown key (valid keys here: {valid})")
+        elif e["type"] == "missing":
+            lines.append(f"{path}: required key is missing")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = e.get("input")
+            shown = "" if isinstance(got, (dict, list)) or e["type"] == "value_error" else f" (got {got!r})"
+            lines.append(f"{path}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def parse_spec(raw: Any, source: str = "job spec") -> JobSpec:
+    """Validate a plain mapping into a :class:`JobSpec`, raising :class:`SpecError`."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: expected a mapping with sections model, data, capture, output, cluster")
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(f"{source} is invalid:\n{_format_errors(err)}") from None
+
+
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _split_path(path: str) -> list[str | int]:
+    parts: list[str | int] = []
+    for name, idx in _PATH_PART.findall(path):
+        if idx:
+            parts.append(int(idx))
+        elif name.isdigit():
+            parts.append(int(name))
+        else:
+            parts.append(name)
+    if not parts:
+        raise SpecError(f"--set {path!r}: empty key path")
+    return parts
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` / ``capture[0].reduce=mean`` overrides; values are YAML-parsed."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. data.batch_size=16")
+        path, _, text = item.partition("=")
+        parts = _split_path(path.strip())
+        value = yaml.safe_load(text) if text.strip() else None
+        node: Any = out
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            where = _loc_to_path(tuple(parts[: i + 1]))
+            if isinstance(part, int):
+                if not isinstance(node, list) or part >= len(node):
+                    n = len(node) if isinstance(node, list) else 0
+                    raise SpecError(f"--set {path}: {where} does not exist (the list has {n} entries)")
+            elif not isinstance(node, dict):
+                raise SpecError(f"--set {path}: {_loc_to_path(tuple(parts[:i]))} is not a mapping")
+            if last:
+                node[part] = value
+            else:
+                if isinstance(node, dict) and node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+    return out
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read a YAML job spec (safe loader), apply ``--set`` overrides and validate it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"job spec {path} does not exist") from None
+    except OSError as err:
+        raise SpecError(f"cannot read job spec {path}: {err}") from err
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path} is not valid YAML: {err}") from None
+    if raw is None:
+        raise SpecError(f"{path} is empty; see jobs/demo.yaml for an example job spec")
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: expected a mapping with sections model, data, capture, output, cluster")
+    return parse_spec(apply_overrides(raw, overrides or []), source=str(path))
+
+
+def spec_digest(spec: JobSpec) -> str:
+    """A short stable hash of what decides the store's contents."""
+    import hashlib
+
+    blob = json.dumps(spec.content_dict(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,193 @@
+"""The Zarr v3 store layout: creating it, writing a shard's rows, done markers, provenance.
+
+Imports only numpy and zarr, so the reader can use it without torch.
+
+Layout (format version 1), all arrays at the root, row dimension named ``row``::
+
+    zarr.json           root attributes under "extractor" (see README "Store layout")
+    ids      (N,)       str      image id (relative path or manifest id)
+    paths    (N,)       str      where the image was read from
+    labels   (N,)       int64    class index, -1 when none
+    status   (N,)       uint8    0 pending, 1 ok, 2 failed
+    errors   (N,)       str      why a failed row failed ("" otherwise)
+    shard_done (S,)     uint8    1 once shard s is durable (one object per shard)
+    <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok
+
+Per-row arrays are chunked by shard and capture arrays by ``chunk_rows`` (which divides the
+shard size), so no two shards ever write into the same storage object.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import zarr
+
+from .errors import StoreError
+
+FORMAT_VERSION = 1
+PENDING, OK, FAILED = 0, 1, 2
+STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
+ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors")
+ATTR = "extractor"  # root attribute holding everything this package records
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _compressors(name: str, level: int | None) -> Any:
+    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+    if name == "zstd":
+        return ZstdCodec(level=3 if level is None else level)
+    if name == "blosc":
+        return BloscCodec(cname="zstd", clevel=5 if level is None else level, shuffle="bitshuffle")
+    if name == "gzip":
+        return GzipCodec(level=5 if level is None else level)
+    return None
+
+
+def _open(url: str, mode: str, storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
+    kwargs: dict[str, Any] = {"mode": mode}
+    if storage_options:
+        kwargs["storage_options"] = dict(storage_options)
+    return zarr.open_group(url, **kwargs)
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The store's extractor attributes, or None when nothing is at ``url``."""
+    if is_local(url):
+        path = url.removeprefix("file://")
+        if not os.path.exists(path):
+            return None
+        if not os.path.exists(os.path.join(path, "zarr.json")):
+            if os.path.isdir(path) and not os.listdir(path):
+                return None
+            raise StoreError(
+                f"{url} exists and is not a Zarr store; choose another output.store "
+                "(extractor never deletes folders it did not create)"
+            )
+    try:
+        group = _open(url, "r", storage_options)
+    except FileNotFoundError:
+        return None
+    except Exception as err:
+        raise StoreError(f"cannot open {url} as a Zarr group: {err}") from err
+    attrs = dict(group.attrs).get(ATTR)
+    if not isinstance(attrs, dict):
+        raise StoreError(
+            f"{url} is a Zarr store not written by extractor; choose another output.store "
+            "(extractor never deletes stores it did not create)"
+        )
+    return attrs
+
+
+def create_store(
+    url: str,
+    *,
+    ids: Sequence[str],
+    paths: Sequence[str],
+    labels: Sequence[int],
+    shard_size: int,
+    chunk_rows: int,
+    captures: Mapping[str, Mapping[str, Any]],
+    compression: str,
+    compression_level: int | None,
+    attrs: Mapping[str, Any],
+    storage_options: Mapping[str, Any] | None = None,
+) -> zarr.Group:
+    """Create the layout (wiping what is at ``url``); the caller checked that this is allowed."""
+    n = len(ids)
+    n_shards = -(-n // shard_size)
+    group = _open(url, "w", storage_options)
+    comp = _compressors(compression, compression_level)
+    row_chunk = (min(shard_size, max(n, 1)),)
+
+    def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:
+        arr = group.create_array(
+            name, shape=(n,), dtype=dtype, chunks=row_chunk, fill_value=fill, dimension_names=["row"]
+        )
+        if data is not None:
+            arr[:] = data
+
+    row_array("ids", str, "", np.asarray(ids, dtype=np.dtypes.StringDType()))
+    row_array("paths", str, "", np.asarray(paths, dtype=np.dtypes.StringDType()))
+    row_array("labels", "int64", -1, np.asarray(labels, dtype=np.int64))
+    row_array("status", "uint8", PENDING)
+    row_array("errors", str, "")
+    group.create_array(
+        "shard_done", shape=(n_shards,), dtype="uint8", chunks=(1,), fill_value=0, dimension_names=["shard"]
+    )
+    for key, meta in captures.items():
+        shape = tuple(meta["shape"])
+        group.create_array(
+            key,
+            shape=(n, *shape),
+            dtype=meta["dtype"],
+            chunks=(min(chunk_rows, max(n, 1)), *shape),
+            fill_value=np.nan,
+            compressors=comp,
+            dimension_names=["row", *meta["dims"]],
+            attributes={"extractor": dict(meta), "coordinates": "ids labels"},
+        )
+    group.attrs.update({ATTR: dict(attrs)})
+    return group
+
+
+def update_attrs(url: str, storage_options: Mapping[str, Any] | None = None, **changes: Any) -> None:
+    """Update the root's extractor attributes (driver only)."""
+    group = _open(url, "r+", storage_options)
+    attrs = dict(group.attrs[ATTR])
+    attrs.update(changes, updated=now())
+    group.attrs.update({ATTR: attrs})
+
+
+def done_shards(group: zarr.Group) -> np.ndarray:
+    """Boolean per shard: True once its data and row status are durable."""
+    return np.asarray(group["shard_done"][:], dtype=bool)
+
+
+class ShardWriter:
+    """Writes the rows of one shard; ``finish`` writes status, errors, then the done marker."""
+
+    def __init__(self, url: str, start: int, stop: int, index: int, storage_options: Mapping[str, Any] | None = None):
+        self.group = _open(url, "r+", storage_options)
+        self.start, self.stop, self.index = start, stop, index
+        self.bytes = 0
+
+    def paths(self) -> list[str]:
+        return [str(p) for p in self.group["paths"][self.start : self.stop]]
+
+    def write(self, key: str, offset: int, data: np.ndarray) -> None:
+        """Write rows ``start+offset ...`` of capture ``key`` (whole chunks only)."""
+        a = self.start + offset
+        self.group[key][a : a + len(data)] = data
+        self.bytes += data.nbytes
+
+    def finish(self, status: np.ndarray, errors: Sequence[str]) -> None:
+        self.group["status"][self.start : self.stop] = status
+        self.group["errors"][self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
+        self.group["shard_done"][self.index] = 1  # last: a crash before this never looks complete
+
+
+def disk_usage(url: str) -> int | None:
+    """Bytes on disk of a local store (None for remote stores)."""
+    if not is_local(url):
+        return None
+    total = 0
+    for dirpath, _dirs, files in os.walk(url.removeprefix("file://")):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total

@@ -1,0 +1,188 @@
+"""One worker: builds the model once, then processes shards start to end.
+
+The same class runs in-process (local backend) and inside a Ray actor. A shard's rows are
+decoded on a thread pool, forwarded through the hooked model, reduced on the device,
+copied to the host, gathered into whole chunks and written to the store; the shard's
+status and done marker are written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .capture import Capturer, Target, dim_names, resolve_targets
+from .errors import ShardError
+from .model import build_model, resolve_device
+from .sources import ImageDecoder, Shard, iter_batches
+from .spec import JobSpec
+from .store import FAILED, OK, ShardWriter
+
+__all__ = ["Worker", "ShardSummary"]
+
+log = logging.getLogger(__name__)
+
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    shard: int
+    rows: int
+    ok: int
+    failed: int
+    seconds: float
+    bytes: int
+    pid: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Worker:
+    """Holds the model and its hooks' targets for the life of a job."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.device = resolve_device(spec.model.device)
+        model, self.model_info = build_model(spec.model)
+        self.targets: list[Target] = resolve_targets(model, spec.capture)
+        self.channels_last = spec.model.channels_last
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model.to(self.device)
+        self.decode = ImageDecoder(spec.data)
+        workers = spec.data.decode_workers
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers else None
+        self.mean = torch.tensor(spec.data.mean, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(spec.data.std, device=self.device).view(1, 3, 1, 1)
+        self.captures: dict[str, dict[str, Any]] | None = None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        dtype = _AUTOCAST.get(self.spec.model.dtype)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _prepare(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (B,3,H,W) on the host -> normalised float on the device."""
+        x = images.to(self.device, non_blocking=True).float().div_(255.0).sub_(self.mean).div_(self.std)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def _forward(self, cap: Capturer, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        with torch.inference_mode(), self._autocast():
+            return cap.run(self._prepare(images))
+
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Captured tensors (on the device) for a uint8 batch: one hooked forward."""
+        with Capturer(self.model, self.targets) as cap:
+            return self._forward(cap, images)
+
+    def probe(self) -> dict[str, dict[str, Any]]:
+        """Run one blank image through the model: the stored shape and metadata of each capture."""
+        crop = self.spec.data.crop
+        with Capturer(self.model, self.targets) as cap:
+            values = self._forward(cap, torch.zeros(1, 3, crop, crop, dtype=torch.uint8))
+            original = dict(cap.original_shapes)
+        modules = dict(self.model.named_modules())
+        self.captures = {
+            t.key: {
+                "layer": t.layer,
+                "module_type": type(modules[t.layer]).__name__,
+                "what": t.what,
+                "index": t.index,
+                "reduce": t.reduce,
+                "dtype": t.dtype,
+                "shape": list(values[t.key].shape[1:]),
+                "original_shape": list(original[t.key]),
+                "dims": dim_names(t.key, original[t.key], t.reduce),
+                "capture": t.capture,
+            }
+            for t in self.targets
+        }
+        return self.captures
+
+    def run_shard(
+        self,
+        shard: Shard,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> ShardSummary:
+        """Process every row of ``shard`` and write it; the done marker comes last."""
+        if self.captures is None:
+            self.probe()
+        assert self.captures is not None
+        t0 = time.perf_counter()
+        writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options)
+        paths = writer.paths()
+        n = len(shard)
+        chunk = self.spec.output.chunk_rows
+        status = np.zeros(n, dtype=np.uint8)
+        errors = [""] * n
+        buffers = {
+            k: np.full((chunk, *m["shape"]), np.nan, dtype=m["dtype"]) for k, m in self.captures.items()
+        }
+        current = 0  # index of the chunk being filled, relative to the shard
+
+        def flush(c: int) -> None:
+            rows = min(chunk, n - c * chunk)
+            for key, buf in buffers.items():
+                writer.write(key, c * chunk, buf[:rows])
+                buf.fill(np.nan)
+
+        try:
+            with Capturer(self.model, self.targets) as cap:
+                for batch in iter_batches(paths, self.spec.data.batch_size, self.decode, self.pool):
+                    for off, err in batch.failed.items():
+                        status[off], errors[off] = FAILED, err
+                    if batch.images is not None:
+                        host = {k: v.cpu().numpy() for k, v in self._forward(cap, batch.images).items()}
+                        offsets = np.asarray(batch.offsets)
+                        status[offsets] = OK
+                        for c in np.unique(offsets // chunk):
+                            while current < c:
+                                flush(current)
+                                current += 1
+                            sel = (offsets // chunk) == c
+                            for key, buf in buffers.items():
+                                buf[offsets[sel] - c * chunk] = host[key][sel]
+                    if on_batch is not None:
+                        on_batch(len(batch.offsets) + len(batch.failed))
+            last = (n - 1) // chunk
+            while current <= last:
+                flush(current)
+                current += 1
+            writer.finish(status, errors)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as err:
+            raise ShardError(
+                f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        return ShardSummary(
+            shard=shard.index,
+            rows=n,
+            ok=int((status == OK).sum()),
+            failed=int((status == FAILED).sum()),
+            seconds=time.perf_counter() - t0,
+            bytes=writer.bytes,
+            pid=os.getpid(),
+        )

@@ -1,0 +1,143 @@
+"""`make bench`: extractor against a bare decode-and-forward loop, measured in the same run.
+
+Each variant runs in its own process (fresh allocator, no shared caches), `--repeats` times;
+the median images/s is reported with its ratio to the bare loop. The bare loop is the
+best-configured plain PyTorch loop (DataLoader processes decoding with PIL, channels_last,
+inference_mode, torch's huge-page allocator), not a naive one.
+
+    python tests/bench.py [--model resnet50] [--images 256] [--batch-size 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".bench"
+
+
+def bare(args: argparse.Namespace) -> dict:
+    import torch
+    import torchvision
+    from torch.utils.data import DataLoader
+    from torchvision import transforms as T
+
+    tf = T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(),
+                    T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    ds = torchvision.datasets.ImageFolder(args.images, transform=tf)
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(args.model, weights=None).eval().to(memory_format=torch.channels_last)
+    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.decode_workers)
+    t0 = time.perf_counter()
+    n = 0
+    with torch.inference_mode():
+        for x, _y in loader:
+            model(x.contiguous(memory_format=torch.channels_last))
+            n += len(x)
+    seconds = time.perf_counter() - t0
+    return {"images": n, "seconds": seconds, "images_per_s": n / seconds}
+
+
+CAPTURES = {
+    "pooled": [{"layer": "avgpool", "reduce": "flatten"}, {"layer": "layer3", "reduce": "mean"}],
+    "fullmap": [{"layer": "layer3", "reduce": "none", "dtype": "float16"}],
+    "early": [{"layer": "layer2", "reduce": "mean"}],
+}
+
+
+def extract(args: argparse.Namespace) -> dict:
+    from extractor.runner import run
+    from extractor.spec import parse_spec
+
+    store = WORK / f"{args.variant}.zarr"
+    spec = parse_spec({
+        "model": {"name": args.model, "weights": None, "device": "cpu"},
+        "data": {"root": args.images, "batch_size": args.batch_size, "shard_size": 256,
+                 "decode_workers": args.decode_workers},
+        "capture": CAPTURES[args.variant],
+        "output": {"store": str(store), "chunk_rows": 64, "compression": "zstd", "if_exists": "overwrite"},
+    })
+    import logging
+
+    logging.getLogger("extractor.model").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    summary = run(spec)
+    wall = time.perf_counter() - t0
+    shard_seconds = sum(s.seconds for s in summary.per_shard)
+    return {"images": summary.ok, "seconds": shard_seconds, "images_per_s": summary.ok / shard_seconds,
+            "wall_seconds": wall, "store_bytes": sum(s.bytes for s in summary.per_shard)}
+
+
+def child(args: argparse.Namespace) -> None:
+    result = bare(args) if args.variant == "bare" else extract(args)
+    print("RESULT " + json.dumps(result))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--images", type=int, default=256, help="number of sample JPEG images")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--decode-workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default="bare,pooled,fullmap,early")
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.variant:
+        args.images = args.image_dir_arg
+        child(args)
+        return
+
+    from extractor.demo import CLASSES, _draw
+
+    image_dir = WORK / f"images-{args.images}"
+    if not image_dir.exists():
+        import numpy as np
+
+        per_class = -(-args.images // len(CLASSES))
+        for c, name in enumerate(CLASSES):
+            (image_dir / name).mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                if c * per_class + i < args.images:
+                    _draw(c, np.random.default_rng([7, c, i]), 256).save(image_dir / name / f"{i:05d}.jpg", quality=90)
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
+    results: dict[str, list[dict]] = {}
+    print(f"model {args.model}, {args.images} JPEG images 256x256, batch {args.batch_size}, "
+          f"{args.decode_workers} decode workers, {os.cpu_count()} cores; median of {args.repeats}", flush=True)
+    for rep in range(args.repeats):
+        for variant in args.variants.split(","):
+            cmd = [sys.executable, __file__, "--variant", variant, "--image-dir", str(image_dir),
+                   "--model", args.model, "--batch-size", str(args.batch_size),
+                   "--decode-workers", str(args.decode_workers)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"variant {variant} failed:\n{out.stderr[-3000:]}")
+            r = json.loads(line.removeprefix("RESULT "))
+            results.setdefault(variant, []).append(r)
+            print(f"  run {rep + 1} {variant:8s} {r['images_per_s']:.2f} images/s", flush=True)
+    base = statistics.median(r["images_per_s"] for r in results["bare"]) if "bare" in results else None
+    print(f"\n{'variant':10s} {'images/s':>9s} {'ratio':>6s} {'wall s':>7s}  what")
+    what = {"bare": "DataLoader + forward, outputs discarded (reference)",
+            "pooled": "extractor: avgpool + layer3 mean-pooled, float32",
+            "fullmap": "extractor: layer3 full map, float16, zstd",
+            "early": "extractor: layer2 mean-pooled (stops after layer2)"}
+    for variant, rs in results.items():
+        ips = statistics.median(r["images_per_s"] for r in rs)
+        wall = statistics.median(r.get("wall_seconds", r["seconds"]) for r in rs)
+        ratio = f"{ips / base:.2f}" if base else "-"
+        print(f"{variant:10s} {ips:9.2f} {ratio:>6s} {wall:7.1f}  {what.get(variant, '')}")
+    print("\nratio = median images/s over the bare loop's; extractor's images/s counts shard time "
+          "(decode, forward, copy, write), its wall time adds model build and store creation.")
+
+
+if __name__ == "__main__":
+    main()

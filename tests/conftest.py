@@ -1,0 +1,62 @@
+"""Shared fixtures: real image files on disk and job specs small enough for 2 CPU cores."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+# Ray started by any test binds to loopback only and needs no token (see shared NOTES.md).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def make_images(
+    root: Path, per_class: int = 6, classes: tuple[str, ...] = ("cats", "dogs"), size: int = 80
+) -> list[Path]:
+    """Real JPEG and PNG files of random content in an ImageFolder tree."""
+    from PIL import Image
+
+    out = []
+    rng = np.random.default_rng(1)
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            h, w = size + int(rng.integers(0, 40)), size + int(rng.integers(0, 40))
+            arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            arr = (arr // 32 * 32).astype(np.uint8)  # blocky: compresses, stays non-trivial
+            img = Image.fromarray(arr)
+            p = root / c / f"{c}{i:02d}.{'jpg' if i % 2 == 0 else 'png'}"
+            img.save(p)
+            out.append(p)
+    return out
+
+
+def job(root: Path, store: Path, **sections: Any) -> dict[str, Any]:
+    """A small job spec as plain data; ``sections`` replace or extend the defaults."""
+    raw: dict[str, Any] = {
+        "model": {"name": "resnet18", "weights": None, "device": "cpu"},
+        "data": {"source": "folder", "root": str(root), "resize": 72, "crop": 64,
+                 "shard_size": 4, "batch_size": 3, "decode_workers": 2},
+        "capture": [
+            {"layer": "layer3", "reduce": "none"},
+            {"layer": "layer4", "reduce": "mean"},
+        ],
+        "output": {"store": str(store), "chunk_rows": 2},
+    }
+    for k, v in sections.items():
+        if isinstance(v, dict) and isinstance(raw.get(k), dict):
+            raw[k] = {**raw[k], **v}
+        else:
+            raw[k] = v
+    return raw
+
+
+@pytest.fixture(scope="session")
+def image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    make_images(root)
+    return root

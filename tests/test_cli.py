@@ -1,0 +1,114 @@
+"""The command line as a user runs it: real processes, exit codes, messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+from conftest import job, make_images
+
+from extractor.reader import open_store
+
+TESTS = Path(__file__).resolve().parent
+
+
+def extractor(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    return subprocess.run([sys.executable, "-m", "extractor.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def write_job(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_run_inspect_and_resume(image_dir: Path, tmp_path: Path):
+    spec = write_job(tmp_path / "job.yaml", job(image_dir, tmp_path / "s.zarr"))
+    r = extractor("run", str(spec), "--set", "data.batch_size=4", "-q")
+    assert r.returncode == 0, r.stderr
+    assert "12 ok, 0 failed, 0 pending rows; 3 shards run" in r.stdout
+
+    r = extractor("inspect", str(tmp_path / "s.zarr"), "--json")
+    info = json.loads(r.stdout)
+    assert info["row_status"] == {"pending": 0, "ok": 12, "failed": 0}
+    assert info["shards"] == {"total": 3, "done": 3}
+    assert info["captures"]["layer3"]["shape"] == [12, 256, 4, 4]
+    assert info["bytes_on_disk"] > 0
+    r = extractor("inspect", str(tmp_path / "s.zarr"))
+    assert "layer3" in r.stdout and "12 ok" in r.stdout and "shards 3/3 done" in r.stdout
+
+    r = extractor("run", str(spec), "-q")
+    assert r.returncode == 1 and "already exists (3 of 3 shards done" in r.stderr and "--resume" in r.stderr
+    r = extractor("run", str(spec), "-q", "--resume")
+    assert r.returncode == 0 and "0 shards run, 3 already done" in r.stdout
+
+
+def test_spec_errors_are_one_line_and_write_nothing(image_dir: Path, tmp_path: Path):
+    raw = job(image_dir, tmp_path / "s.zarr")
+    raw["data"]["batchsize"] = 3
+    r = extractor("run", str(write_job(tmp_path / "job.yaml", raw)))
+    assert r.returncode == 1
+    assert "data.batchsize: unknown key" in r.stderr and "Traceback" not in r.stderr
+    r = extractor("run", str(write_job(tmp_path / "job2.yaml", job(image_dir, tmp_path / "s.zarr"))),
+                  "--set", "capture[0].layer=layer9")
+    assert r.returncode == 1 and "capture[0].layer 'layer9'" in r.stderr and "extractor layers" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_failed_rows_are_listed_and_exit_is_zero(tmp_path: Path):
+    root = tmp_path / "imgs"
+    make_images(root, per_class=2, classes=("a",))
+    (root / "a" / "broken.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    r = extractor("run", str(write_job(tmp_path / "job.yaml", job(root, tmp_path / "s.zarr"))), "-q")
+    assert r.returncode == 0, r.stderr
+    assert "2 ok, 1 failed" in r.stdout and "a/broken.jpg" in r.stdout
+
+
+def test_layers_lists_names_shapes_and_parameters():
+    r = extractor("layers", "resnet18", "--input-size", "64", "--depth", "1")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("layer4 "))
+    assert "Sequential" in line and "1x512x2x2" in line and "8,393,728" in line
+    assert "layer4.0" not in r.stdout
+    r = extractor("layers", "resnet_18")
+    assert r.returncode == 1 and "closest: resnet18" in r.stderr
+
+
+def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
+    root = tmp_path / "imgs"
+    make_images(root, per_class=10, classes=("a", "b"), size=40)
+    raw = job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:slow_net", "device": "cpu"},
+              data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 1, "decode_workers": 1},
+              capture=[{"layer": "conv", "reduce": "mean"}],
+              output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
+    spec = write_job(tmp_path / "job.yaml", raw)
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    proc = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done_marker = tmp_path / "s.zarr" / "shard_done" / "c" / "1"
+    deadline = time.time() + 120
+    while not done_marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "--resume" in err
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["status"] == "interrupted"
+    done = int(s.done_shards.sum())
+    assert 2 <= done < 10
+    r = extractor("run", str(spec), "-q", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"{10 - done} shards run, {done} already done" in r.stdout
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert (s.status == 1).all() and s.attrs["status"] == "complete"
+    assert np.isfinite(s.numpy("conv")).all()

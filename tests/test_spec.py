@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extractor.demo import DEMO_JOB
+from extractor.errors import SpecError
+from extractor.spec import apply_overrides, load_spec, parse_spec
+
+BASE = {"data": {"root": "images"}, "capture": [{"layer": "layer3"}]}
+
+
+def test_defaults_fill_in():
+    spec = parse_spec(BASE)
+    assert spec.model.name == "resnet18" and spec.model.weights is None
+    assert spec.data.crop == 224 and spec.data.shard_size == 1024
+    assert spec.capture[0].what == "output" and spec.capture[0].reduce == "none"
+    assert spec.output.store == "out.zarr" and spec.cluster.backend == "local"
+
+
+def test_spec_is_frozen():
+    spec = parse_spec(BASE)
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="frozen"):
+        spec.data.batch_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "words"),
+    [
+        ({**BASE, "modle": {}}, "modle", "unknown key"),
+        ({**BASE, "data": {"root": "x", "batchsize": 3}}, "data.batchsize", "unknown key"),
+        ({**BASE, "capture": [{"layer": "a"}, {"layer": "b", "reduce": "avg"}]}, "capture[1].reduce", "'mean'"),
+        ({**BASE, "capture": [{"layer": "a", "dtype": "int8"}]}, "capture[0].dtype", "float16"),
+        ({**BASE, "data": {"root": "x", "batch_size": "many"}}, "data.batch_size", "integer"),
+        ({**BASE, "data": {"root": "x", "batch_size": 0}}, "data.batch_size", "greater than 0"),
+        ({"data": {"root": "x"}}, "capture", "missing"),
+        ({**BASE, "capture": [{"reduce": "mean"}]}, "capture[0].layer", "missing"),
+        ({**BASE, "data": {"source": "folder"}}, "data", "data.root"),
+        ({**BASE, "output": {"chunk_rows": 300}}, "chunk_rows", "divide"),
+        ({**BASE, "model": {"factory": "not a factory"}}, "model", "pkg.module:function"),
+    ],
+)
+def test_bad_specs_name_the_field(raw, path, words):
+    with pytest.raises(SpecError) as err:
+        parse_spec(raw)
+    msg = str(err.value)
+    assert path in msg and words in msg, msg
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(SpecError, match=r"capture\[0\]\.layers: unknown key \(valid keys here: layer, what"):
+        parse_spec({**BASE, "capture": [{"layers": "x"}]})
+
+
+def test_overrides_paths_and_types():
+    raw = apply_overrides(
+        {**BASE, "capture": [{"layer": "a"}, {"layer": "b"}]},
+        ["data.batch_size=16", "capture[1].reduce=mean", "capture.0.dtype=float16", "model.weights=null",
+         "data.mean=[0.5, 0.5, 0.5]"],
+    )
+    spec = parse_spec(raw)
+    assert spec.data.batch_size == 16
+    assert spec.capture[1].reduce == "mean" and spec.capture[0].dtype == "float16"
+    assert spec.data.mean == (0.5, 0.5, 0.5)
+    with pytest.raises(SpecError, match=r"capture\[5\] does not exist"):
+        apply_overrides(BASE, ["capture[5].reduce=mean"])
+    with pytest.raises(SpecError, match="KEY=VALUE"):
+        apply_overrides(BASE, ["data.batch_size"])
+
+
+def test_load_spec_errors(tmp_path: Path):
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "missing.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(SpecError, match="is empty"):
+        load_spec(tmp_path / "empty.yaml")
+    (tmp_path / "bad.yaml").write_text("data: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(tmp_path / "bad.yaml")
+    # a safe loader: python tags are refused, never executed
+    (tmp_path / "evil.yaml").write_text("data: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(tmp_path / "evil.yaml")
+
+
+def test_jobs_demo_yaml_is_the_demo_job():
+    repo = Path(__file__).resolve().parents[1]
+    assert (repo / "jobs" / "demo.yaml").read_text() == DEMO_JOB
+    spec = load_spec(repo / "jobs" / "demo.yaml", ["model.device=cpu"])
+    assert spec.data.shard_size % spec.output.chunk_rows == 0
+    assert yaml.safe_load(DEMO_JOB)["capture"][1]["layer"] == "layer4.*.conv2"
+
+
+def test_content_digest_ignores_run_only_fields():
+    from extractor.spec import spec_digest
+
+    a = parse_spec(BASE)
+    b = parse_spec(apply_overrides(BASE, ["data.batch_size=7", "model.device=cpu", "output.if_exists=resume"]))
+    c = parse_spec(apply_overrides(BASE, ["capture[0].reduce=mean"]))
+    assert spec_digest(a) == spec_digest(b) != spec_digest(c)

@@ -1,0 +1,91 @@
+"""The store layout is a contract: these tests pin what the README documents."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from conftest import job
+
+from extractor.runner import run
+from extractor.spec import parse_spec
+from extractor.store import FORMAT_VERSION
+
+
+@pytest.fixture(scope="module")
+def store(image_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("layout") / "s.zarr"
+    raw = job(image_dir, path, capture=[
+        {"layer": "layer3", "reduce": "none", "dtype": "float16"},
+        {"layer": "layer4", "reduce": "mean", "key": "pooled"},
+    ])
+    run(parse_spec(raw))
+    return path
+
+
+def test_documented_layout(store: Path):
+    g = zarr.open_group(str(store), mode="r")
+    assert sorted(g.array_keys()) == sorted(["ids", "paths", "labels", "status", "errors", "shard_done",
+                                             "layer3", "pooled"])
+    n = 12
+    expect = {"ids": ("row",), "paths": ("row",), "labels": ("row",), "status": ("row",), "errors": ("row",),
+              "shard_done": ("shard",), "layer3": ("row", "layer3.channel", "layer3.y", "layer3.x"),
+              "pooled": ("row", "pooled.channel")}
+    for name, dims in expect.items():
+        assert g[name].metadata.dimension_names == dims, name
+    assert g["labels"].dtype == np.int64 and g["status"].dtype == np.uint8
+    assert g["layer3"].shape == (n, 256, 4, 4) and g["layer3"].dtype == np.float16
+    assert g["layer3"].chunks == (2, 256, 4, 4)  # chunk_rows
+    assert g["status"].chunks == (4,)  # one chunk per shard
+    assert g["shard_done"].shape == (3,) and g["shard_done"].chunks == (1,)
+    assert g["pooled"].shape == (n, 512) and g["pooled"].dtype == np.float32
+    assert np.isnan(g["pooled"].fill_value)
+
+
+def test_documented_attributes(store: Path):
+    meta = json.loads((store / "zarr.json").read_text())
+    a = meta["attributes"]["extractor"]
+    for key in ("format_version", "created", "updated", "status", "spec", "spec_digest", "model", "captures",
+                "classes", "n_rows", "n_shards", "shard_size", "chunk_rows", "ids_digest", "versions"):
+        assert key in a, key
+    assert a["format_version"] == FORMAT_VERSION == 1
+    assert a["status"] == "complete"
+    assert a["classes"] == ["cats", "dogs"]
+    assert set(a["model"]) >= {"name", "weights", "parameters", "state_dict_sha256"}
+    assert set(a["versions"]) >= {"extractor", "torch", "torchvision", "zarr", "numpy", "python"}
+    assert a["spec"]["capture"][1]["key"] == "pooled"
+    cap = a["captures"]["pooled"]
+    assert cap == {"layer": "layer4", "module_type": "Sequential", "what": "output", "index": None,
+                   "reduce": "mean", "dtype": "float32", "shape": [512], "original_shape": [512, 2, 2],
+                   "dims": ["pooled.channel"], "capture": 1}
+
+
+def test_capture_attributes_make_ids_and_labels_coordinates(store: Path):
+    arr = json.loads((store / "layer3" / "zarr.json").read_text())
+    assert arr["attributes"]["coordinates"] == "ids labels"
+    assert arr["attributes"]["extractor"]["layer"] == "layer3"
+
+
+def test_reader_needs_only_numpy_and_zarr(store: Path):
+    """Open and read a store in a process where torch, torchvision, pydantic, PIL and ray cannot be imported."""
+    code = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {{"torch", "torchvision", "pydantic", "ray", "tqdm", "PIL"}}:
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        import extractor
+        s = extractor.open_store({str(store)!r})
+        x = s.numpy("pooled")
+        rows, b = next(s.batches("pooled", 5))
+        print(x.shape, len(rows), s.ids[0], s.summary()["row_status"]["ok"])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["(12,", "512)", "5", "cats/cats00.jpg", "12"]

@@ -1,0 +1,234 @@
+"""End-to-end extraction on real image files, checked against independent computations."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import job, make_images
+from PIL import Image
+
+from extractor.errors import DataError, LayerError, StoreError
+from extractor.reader import open_store
+from extractor.runner import run
+from extractor.spec import parse_spec
+
+
+def reference_batch(paths: list[Path], resize: int, crop: int) -> torch.Tensor:
+    """Independent preprocessing: PIL + the classic torchvision transforms."""
+    from torchvision import transforms as T
+
+    tf = T.Compose([T.Resize(resize), T.CenterCrop(crop), T.ToTensor(),
+                    T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    return torch.stack([tf(Image.open(p).convert("RGB")) for p in paths])
+
+
+def test_matches_create_feature_extractor_on_real_jpeg_and_png(image_dir: Path, tmp_path: Path):
+    from torchvision.models import resnet18
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[
+        {"layer": "layer1", "reduce": "none"},
+        {"layer": "layer2.1.conv2", "reduce": "max"},
+        {"layer": "layer3", "reduce": "mean"},
+        {"layer": "layer3", "reduce": "none", "dtype": "float16", "key": "layer3_f16"},
+        {"layer": "avgpool", "reduce": "flatten"},
+        {"layer": "fc"},
+    ])
+    summary = run(parse_spec(raw))
+    assert summary.ok == 12 and summary.failed == 0
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert any(p.endswith(".jpg") for p in s.paths) and any(p.endswith(".png") for p in s.paths)
+
+    torch.manual_seed(0)  # extractor seeds random-init models with 0
+    model = resnet18().eval()
+    assert s.model["parameters"] == sum(p.numel() for p in model.parameters())
+    nodes = ["layer1", "layer2.1.conv2", "layer3", "avgpool", "fc"]
+    fx = create_feature_extractor(model, return_nodes=nodes)
+    with torch.no_grad():
+        ref = fx(reference_batch([Path(p) for p in s.paths], 72, 64))
+    expected = {
+        "layer1": ref["layer1"],
+        "layer2.1.conv2": ref["layer2.1.conv2"].amax(dim=(2, 3)),
+        "layer3": ref["layer3"].mean(dim=(2, 3)),
+        "layer3_f16": ref["layer3"],
+        "avgpool": ref["avgpool"].flatten(1),
+        "fc": ref["fc"],
+    }
+    for key, value in expected.items():
+        got = s.numpy(key)
+        assert got.shape == tuple(value.shape), key
+        tol = 2e-3 if key == "layer3_f16" else 1e-4
+        np.testing.assert_allclose(got.astype(np.float32), value.numpy(), rtol=tol, atol=tol, err_msg=key)
+    assert s["layer3_f16"].dtype == np.float16
+
+
+def test_batch_and_shard_sizes_do_not_change_results(image_dir: Path, tmp_path: Path):
+    a = job(image_dir, tmp_path / "a.zarr", data={"shard_size": 12, "batch_size": 12, "decode_workers": 0},
+            output={"store": str(tmp_path / "a.zarr"), "chunk_rows": 4})
+    b = job(image_dir, tmp_path / "b.zarr", data={"shard_size": 2, "batch_size": 1},
+            output={"store": str(tmp_path / "b.zarr"), "chunk_rows": 1})
+    run(parse_spec(a))
+    run(parse_spec(b))
+    sa, sb = open_store(str(tmp_path / "a.zarr")), open_store(str(tmp_path / "b.zarr"))
+    for key in ("layer3", "layer4"):
+        np.testing.assert_allclose(sa.numpy(key), sb.numpy(key), rtol=1e-4, atol=1e-4)
+    assert list(sa.ids) == list(sb.ids)
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(image_dir: Path, tmp_path: Path):
+    full = job(image_dir, tmp_path / "full.zarr", output={"store": str(tmp_path / "full.zarr"), "chunk_rows": 2})
+    run(parse_spec(full))
+    raw = job(image_dir, tmp_path / "r.zarr", output={"store": str(tmp_path / "r.zarr"), "chunk_rows": 2})
+    seen = []
+
+    def stop_midway(n: int) -> None:
+        seen.append(n)
+        if sum(seen) >= 7:  # inside the second of three shards
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_spec(raw), on_batch=stop_midway)
+    s = open_store(str(tmp_path / "r.zarr"))
+    assert s.attrs["status"] == "interrupted"
+    assert s.done_shards.tolist() == [True, False, False]
+    assert (s.status[4:] == 0).all()  # pending rows of unfinished shards never look done
+
+    with pytest.raises(StoreError, match="--resume"):
+        run(parse_spec(raw))
+    raw["output"]["if_exists"] = "resume"
+    summary = run(parse_spec(raw))
+    assert summary.shards_skipped == 1 and summary.shards_run == 2 and summary.ok == 12
+    a, b = open_store(str(tmp_path / "full.zarr")), open_store(str(tmp_path / "r.zarr"))
+    assert b.attrs["status"] == "complete"
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_resume_refuses_a_store_from_a_different_spec(image_dir: Path, tmp_path: Path):
+    raw = job(image_dir, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    changed = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer3", "reduce": "max"},
+                                                          {"layer": "layer4", "reduce": "mean"}],
+                  output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2, "if_exists": "resume"})
+    with pytest.raises(StoreError, match=r"capture\[0\]\.reduce: \"none\" in the store, \"max\" now"):
+        run(parse_spec(changed))
+    # run-only settings may change on resume
+    same = job(image_dir, tmp_path / "s.zarr", data={"batch_size": 5},
+               output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2, "if_exists": "resume"})
+    assert run(parse_spec(same)).shards_run == 0
+    changed["output"]["if_exists"] = "overwrite"
+    assert run(parse_spec(changed)).shards_run == 3
+
+
+def test_never_overwrites_a_folder_it_did_not_create(image_dir: Path, tmp_path: Path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    raw = job(image_dir, precious, output={"store": str(precious), "chunk_rows": 2, "if_exists": "overwrite"})
+    with pytest.raises(StoreError, match="not a Zarr store"):
+        run(parse_spec(raw))
+    assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_corrupt_files_fail_their_rows_only(tmp_path: Path):
+    root = tmp_path / "imgs"
+    make_images(root, per_class=3, classes=("a",))
+    (root / "a" / "zero.jpg").write_bytes(b"")
+    good = (root / "a" / "a00.jpg").read_bytes()
+    (root / "a" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (root / "a" / "text.jpg").write_text("this is not an image\n")
+    raw = job(root, tmp_path / "s.zarr")
+    summary = run(parse_spec(raw))
+    assert summary.ok == 3 and summary.failed == 3 and summary.pending == 0
+    s = open_store(str(tmp_path / "s.zarr"))
+    failed = {str(i): str(e) for i, e, st in zip(s.ids, s.errors, s.status, strict=True) if st == 2}
+    assert set(failed) == {"a/zero.jpg", "a/truncated.jpg", "a/text.jpg"}
+    assert "cannot identify image file" in failed["a/text.jpg"]
+    assert "truncated" in failed["a/truncated.jpg"].lower()
+    # failed rows hold NaN, ok rows real numbers
+    allrows = s.numpy("layer4", only_ok=False)
+    assert np.isnan(allrows[s.status == 2]).all() and np.isfinite(allrows[s.status == 1]).all()
+
+
+def test_missing_manifest_file_fails_its_row(image_dir: Path, tmp_path: Path):
+    manifest = tmp_path / "m.csv"
+    manifest.write_text(f"path,id,label\n{image_dir}/cats/cats00.jpg,x0,3\nmissing.jpg,x1,4\n"
+                        f"{image_dir}/dogs/dogs01.png,x2,\n")
+    raw = job(image_dir, tmp_path / "s.zarr", data={"source": "manifest", "root": None, "manifest": str(manifest)})
+    summary = run(parse_spec(raw))
+    assert (summary.ok, summary.failed) == (2, 1)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert list(s.ids) == ["x0", "x1", "x2"] and s.labels.tolist() == [3, 4, -1]
+    assert "FileNotFoundError" in str(s.errors[1])
+
+
+def test_unreadable_file_fails_its_row(tmp_path: Path):
+    """A file without read permission. Root reads anything, so root runs the job without that power."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = tmp_path / "imgs"
+    make_images(root, per_class=2, classes=("a",))
+    (root / "a" / "a01.png").chmod(0)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job(root, tmp_path / "s.zarr")))
+    cmd = [sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"]
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv to drop the permission-override capabilities")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "1 ok, 1 failed" in out.stdout and "PermissionError" in out.stdout
+
+
+def test_image_modes_become_rgb(tmp_path: Path):
+    from extractor.sources import open_rgb
+
+    rgb = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    base = Image.fromarray(rgb)
+    cases = {
+        "gray.png": base.convert("L"),
+        "palette.png": base.convert("P"),
+        "rgba.png": base.convert("RGBA"),
+        "cmyk.jpg": base.convert("CMYK"),
+        "gray16.png": Image.fromarray(np.asarray(base.convert("L"), dtype=np.uint16) * 257),
+    }
+    for name, img in cases.items():
+        img.save(tmp_path / name)
+        out = open_rgb(str(tmp_path / name))
+        assert out.mode == "RGB" and out.size == (30, 20), name
+    gray = np.asarray(base.convert("L"))
+    np.testing.assert_array_equal(np.asarray(open_rgb(str(tmp_path / "gray16.png")))[..., 0], gray)
+    np.testing.assert_array_equal(np.asarray(open_rgb(str(tmp_path / "gray.png")))[..., 1], gray)
+
+
+def test_bad_inputs_fail_before_any_work(image_dir: Path, tmp_path: Path):
+    store = tmp_path / "s.zarr"
+    with pytest.raises(DataError, match="does not exist"):
+        run(parse_spec(job(tmp_path / "nope", store)))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no images found"):
+        run(parse_spec(job(tmp_path / "empty", store)))
+    with pytest.raises(LayerError, match="Closest: layer4"):
+        run(parse_spec(job(image_dir, store, capture=[{"layer": "layer4."}])))
+    assert not store.exists()
+
+
+def test_dataset_moved_after_run_is_not_resumable(image_dir: Path, tmp_path: Path):
+    root = tmp_path / "imgs"
+    shutil.copytree(image_dir, root)
+    raw = job(root, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    (root / "cats" / "cats00.jpg").unlink()
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match="image list differs"):
+        run(parse_spec(raw))

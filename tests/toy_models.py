@@ -1,0 +1,109 @@
+"""Tiny models for tests, importable as model.factory "toy_models:NAME"."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TutorialNet(nn.Module):
+    """The hooks tutorial's net: Conv2d(1, 2, 3) with kernels of 1s and 2s, zero bias, MaxPool2d(2, 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3)
+        self.pool = nn.MaxPool2d(2, 2)
+        with torch.no_grad():
+            self.conv.weight[0].fill_(1.0)
+            self.conv.weight[1].fill_(2.0)
+            self.conv.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.conv(x[:, :1]))  # one input channel, as in the tutorial
+
+
+def tutorial_net() -> nn.Module:
+    return TutorialNet()
+
+
+class TwoHeads(nn.Module):
+    """A layer with a tuple output and one with a dict output."""
+
+    def forward(self, x: torch.Tensor):
+        return x.mean(dim=(2, 3)), x.amax(dim=(2, 3))
+
+
+class DictOut(nn.Module):
+    def forward(self, x: torch.Tensor):
+        return {"mean": x.mean(dim=(2, 3)), "min": x.amin(dim=(2, 3))}
+
+
+class TupleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.heads = TwoHeads()
+        self.dict = DictOut()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        a, b = self.heads(y)
+        d = self.dict(y)
+        return a + b + d["mean"]
+
+
+def tuple_net() -> nn.Module:
+    return TupleNet()
+
+
+class InplaceNet(nn.Module):
+    """conv -> ReLU(inplace=True): the conv's output tensor is overwritten after its hook ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.relu(self.conv(x))).flatten(1)
+
+
+def inplace_net() -> nn.Module:
+    return InplaceNet()
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+class RaisingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.boom = Boom()
+        self.head = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.boom(self.conv(x)))
+
+
+class SlowNet(nn.Module):
+    """Sleeps in every forward, so that a test can interrupt a job midway."""
+
+    def __init__(self, seconds: float = 0.15) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.seconds)
+        return self.pool(self.conv(x)).flatten(1)
+
+
+def slow_net(seconds: float = 0.15) -> nn.Module:
+    return SlowNet(seconds)
