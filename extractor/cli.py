@@ -54,13 +54,13 @@ def _run_spec(spec: Any, quiet: bool = False) -> int:
             )
         bar.append(tqdm(total=total, unit="img", disable=quiet, dynamic_ncols=True, file=sys.stderr))
 
-    def on_batch(n: int) -> None:
+    def on_progress(n: int) -> None:
         if bar:
-            bar[0].update(n)
+            bar[0].update(n - bar[0].n)
 
     argv = " ".join(shlex.quote(a) for a in sys.argv)
     try:
-        summary = run(spec, on_start=on_start, on_batch=on_batch)
+        summary = run(spec, on_start=on_start, on_progress=on_progress)
     except KeyboardInterrupt:
         if bar:
             bar[0].close()
@@ -75,6 +75,10 @@ def _run_spec(spec: Any, quiet: bool = False) -> int:
         f"{summary.shards_run} shards run, {summary.shards_skipped} already done; "
         f"{summary.seconds:.1f} s, {summary.images_per_s:.1f} images/s"
     )
+    if len(summary.workers) > 1 or any(w["retries"] for w in summary.workers):
+        rows = [[str(w["worker"]), ",".join(map(str, w["pids"])), str(w["shards"]), str(w["images"]),
+                 f"{w['images_per_s']:.1f}", str(w["retries"])] for w in summary.workers]
+        print(_table(rows, ["worker", "pids", "shards", "images", "images/s", "retries"]))
     if summary.failures:
         print(f"failed rows ({summary.failed}):")
         for row, id_, err in summary.failures:

@@ -8,6 +8,7 @@ Messages say what went wrong, where (field path, file, shard, row) and how to fi
 from __future__ import annotations
 
 __all__ = [
+    "ClusterError",
     "DataError",
     "ExtractorError",
     "LayerError",
@@ -47,3 +48,7 @@ class StoreError(ExtractorError, OSError):
 
 class ShardError(ExtractorError, RuntimeError):
     """A shard failed as a whole (not just some of its rows)."""
+
+
+class ClusterError(ExtractorError, RuntimeError):
+    """The Ray cluster cannot run the job as asked (no such cluster, not enough resources)."""

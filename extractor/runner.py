@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ __all__ = ["run", "RunSummary"]
 
 log = logging.getLogger(__name__)
 
+Progress = Callable[[int], None]
+Event = Callable[[str, dict[str, Any]], None]
+
 
 @dataclass
 class RunSummary:
@@ -55,6 +59,7 @@ class RunSummary:
     bytes_per_row: dict[str, int] = field(default_factory=dict)
     failures: list[tuple[int, str, str]] = field(default_factory=list)
     per_shard: list[ShardSummary] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = self.__dict__.copy()
@@ -168,24 +173,95 @@ def _bytes_per_row(captures: dict[str, dict[str, Any]]) -> dict[str, int]:
     return {k: int(np.prod(m["shape"], dtype=np.int64)) * np.dtype(m["dtype"]).itemsize for k, m in captures.items()}
 
 
+class LocalBackend:
+    """The worker in this process: shards run one after another."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.worker = Worker(spec)  # builds the model and resolves every layer before any image is read
+
+    def probe(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        return self.worker.probe(), self.worker.model_info
+
+    def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event) -> list[ShardSummary]:
+        summaries: list[ShardSummary] = []
+        processed = [0]
+        pid = os.getpid()
+
+        def on_batch(n: int) -> None:
+            processed[0] += n
+            on_progress(processed[0])
+
+        on_event("worker_started", {"worker": 0, "pid": pid})
+        for shard in todo:
+            on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": pid})
+            summary = self.worker.run_shard(shard, url, on_batch=on_batch)
+            on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
+            summaries.append(summary)
+        return summaries
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _backend(spec: JobSpec) -> Any:
+    if spec.cluster.backend == "local":
+        return LocalBackend(spec)
+    from .ray_backend import RayBackend
+
+    return RayBackend(spec)
+
+
+def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per worker slot: shards, images, seconds, images/s, retries (from the event log)."""
+    table: dict[int, dict[str, Any]] = {}
+    for name, info in events:
+        if "worker" not in info:
+            continue
+        row = table.setdefault(info["worker"], {"worker": info["worker"], "pids": [], "shards": 0, "images": 0,
+                                                "seconds": 0.0, "retries": 0})
+        if name == "worker_started" and info["pid"] not in row["pids"]:
+            row["pids"].append(info["pid"])
+        elif name == "shard_done":
+            s = info["summary"]
+            row["shards"] += 1
+            row["images"] += s.rows
+            row["seconds"] += s.seconds
+        elif name in ("shard_failed", "worker_died"):
+            row["retries"] += 1
+    for row in table.values():
+        row["images_per_s"] = row["images"] / row["seconds"] if row["seconds"] else 0.0
+    return [table[k] for k in sorted(table)]
+
+
 def run(
     spec: JobSpec,
     *,
     on_start: Callable[[int, dict[str, int]], None] | None = None,
-    on_batch: Callable[[int], None] | None = None,
+    on_progress: Progress | None = None,
+    on_event: Event | None = None,
 ) -> RunSummary:
-    """Run a whole job on this machine; returns when every shard is done.
+    """Run a whole job; returns when every shard is done.
 
     ``on_start(rows_to_process, bytes_per_row)`` is called once the plan is known,
-    ``on_batch(n)`` after every batch (both for progress display).
+    ``on_progress(rows_processed)`` as batches finish, and ``on_event(name, info)`` on
+    worker and shard events (``worker_started``, ``shard_started``, ``shard_done``,
+    ``shard_failed``, ``worker_died``).
     """
     t0 = time.perf_counter()
     rows = list_rows(spec.data)
     shards = plan(len(rows), spec.data.shard_size)
     log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
-    worker = Worker(spec)  # builds the model and resolves every layer before any image is read
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def event(name: str, info: dict[str, Any]) -> None:
+        events.append((name, info))
+        log.debug("%s %s", name, info)
+        if on_event is not None:
+            on_event(name, info)
+
+    backend = _backend(spec)
     try:
-        captures = worker.probe()
+        captures, model_info = backend.probe()
         attrs = {
             "format_version": FORMAT_VERSION,
             "created": now(),
@@ -193,7 +269,7 @@ def run(
             "status": "running",
             "spec": spec.to_dict(),
             "spec_digest": spec_digest(spec),
-            "model": worker.model_info,
+            "model": model_info,
             "captures": captures,
             "classes": rows.classes,
             "n_rows": len(rows),
@@ -210,17 +286,17 @@ def run(
         if on_start is not None:
             on_start(sum(len(s) for s in todo), per_row)
         url = spec.output.store
-        summaries: list[ShardSummary] = []
         try:
-            for shard in todo:
-                summaries.append(worker.run_shard(shard, url, on_batch=on_batch))
+            summaries = backend.run(todo, url, on_progress or (lambda n: None), event)
         except BaseException as err:
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             update_attrs(url, status=status, error=f"{type(err).__name__}: {err}"[:1000])
             raise
     finally:
-        worker.close()
-    return _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0)
+        backend.close()
+    summary = _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0)
+    summary.workers = _worker_table(events)
+    return summary
 
 
 def _finish(

@@ -114,8 +114,22 @@ class OutputSpec(_Section):
 
 
 class ClusterSpec(_Section):
-    backend: Literal["local"] = "local"
-    """``local`` runs the worker in this process."""
+    backend: Literal["ray", "local"] = "ray"
+    """``ray`` runs one worker actor per GPU on a Ray cluster; ``local`` runs the worker in this process."""
+    address: str | None = None
+    """null starts an embedded local Ray for the job (loopback only); ``auto`` or ``HOST:PORT`` joins a cluster."""
+    workers: int | None = Field(default=None, gt=0)
+    """Worker actors (default: one per GPU in the cluster, or 1 on CPU-only clusters)."""
+    gpus_per_worker: float | None = Field(default=None, ge=0)
+    """GPUs per worker, fractions allowed (default: 1 when the cluster has GPUs, else 0)."""
+    cpus_per_worker: float | None = Field(default=None, gt=0)
+    """CPUs per worker for decoding and torch threads (default: the cluster's CPUs / workers, at most 8)."""
+    max_retries: int = Field(default=3, ge=0)
+    """Times a shard is retried after its worker died or raised, before the job fails."""
+    local_cpus: int | None = Field(default=None, gt=0)
+    """CPUs of the embedded local Ray (default: all of this machine's)."""
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    """How long to wait for the workers to build their models."""
 
 
 class JobSpec(_Section):

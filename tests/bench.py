@@ -53,26 +53,33 @@ CAPTURES = {
 
 
 def extract(args: argparse.Namespace) -> dict:
+    import logging
+
     from extractor.runner import run
     from extractor.spec import parse_spec
 
     store = WORK / f"{args.variant}.zarr"
+    ray = args.variant == "ray"
+    cpus = os.cpu_count() or 1
     spec = parse_spec({
         "model": {"name": args.model, "weights": None, "device": "cpu"},
         "data": {"root": args.images, "batch_size": args.batch_size, "shard_size": 256,
                  "decode_workers": args.decode_workers},
-        "capture": CAPTURES[args.variant],
+        "capture": CAPTURES["pooled" if ray else args.variant],
         "output": {"store": str(store), "chunk_rows": 64, "compression": "zstd", "if_exists": "overwrite"},
+        "cluster": {"backend": "ray", "workers": 1, "cpus_per_worker": cpus, "local_cpus": cpus} if ray
+        else {"backend": "local"},
     })
-    import logging
-
     logging.getLogger("extractor.model").setLevel(logging.ERROR)
+    first: list[float] = []
     t0 = time.perf_counter()
-    summary = run(spec)
-    wall = time.perf_counter() - t0
-    shard_seconds = sum(s.seconds for s in summary.per_shard)
-    return {"images": summary.ok, "seconds": shard_seconds, "images_per_s": summary.ok / shard_seconds,
-            "wall_seconds": wall, "store_bytes": sum(s.bytes for s in summary.per_shard)}
+    summary = run(spec, on_event=lambda name, info: first.append(time.perf_counter())
+                  if name == "shard_started" and not first else None)
+    end = time.perf_counter()
+    seconds = end - first[0]  # from the first shard's start: excludes start-up
+    return {"images": summary.ok, "seconds": seconds, "images_per_s": summary.ok / seconds,
+            "wall_seconds": end - t0, "startup_seconds": first[0] - t0,
+            "store_bytes": sum(s.bytes for s in summary.per_shard)}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -87,7 +94,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="bare,pooled,fullmap,early")
+    p.add_argument("--variants", default="bare,pooled,fullmap,early,ray")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -125,18 +132,25 @@ def main() -> None:
             results.setdefault(variant, []).append(r)
             print(f"  run {rep + 1} {variant:8s} {r['images_per_s']:.2f} images/s", flush=True)
     base = statistics.median(r["images_per_s"] for r in results["bare"]) if "bare" in results else None
-    print(f"\n{'variant':10s} {'images/s':>9s} {'ratio':>6s} {'wall s':>7s}  what")
+    print(f"\n{'variant':10s} {'images/s':>9s} {'ratio':>6s} {'wall s':>7s} {'start s':>7s}  what")
     what = {"bare": "DataLoader + forward, outputs discarded (reference)",
             "pooled": "extractor: avgpool + layer3 mean-pooled, float32",
             "fullmap": "extractor: layer3 full map, float16, zstd",
-            "early": "extractor: layer2 mean-pooled (stops after layer2)"}
+            "early": "extractor: layer2 mean-pooled (stops after layer2)",
+            "ray": "extractor on an embedded Ray, 1 worker: the pooled job"}
     for variant, rs in results.items():
         ips = statistics.median(r["images_per_s"] for r in rs)
         wall = statistics.median(r.get("wall_seconds", r["seconds"]) for r in rs)
+        start = statistics.median(r.get("startup_seconds", 0.0) for r in rs)
         ratio = f"{ips / base:.2f}" if base else "-"
-        print(f"{variant:10s} {ips:9.2f} {ratio:>6s} {wall:7.1f}  {what.get(variant, '')}")
-    print("\nratio = median images/s over the bare loop's; extractor's images/s counts shard time "
-          "(decode, forward, copy, write), its wall time adds model build and store creation.")
+        print(f"{variant:10s} {ips:9.2f} {ratio:>6s} {wall:7.1f} {start:7.1f}  {what.get(variant, '')}")
+    if "ray" in results and "pooled" in results:
+        ray_ips = statistics.median(r["images_per_s"] for r in results["ray"])
+        local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])
+        print(f"\nray backend over local backend (same pooled job, start-up excluded): {ray_ips / local_ips:.2f}")
+    print("\nratio = median images/s over the bare loop's. extractor's images/s runs from the first shard's "
+          "start to the job's end (decode, forward, copy, write); 'start s' before it is start-up: Ray, "
+          "model build, probe, store creation.")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def job(root: Path, store: Path, **sections: Any) -> dict[str, Any]:
             {"layer": "layer4", "reduce": "mean"},
         ],
         "output": {"store": str(store), "chunk_rows": 2},
+        "cluster": {"backend": "local"},
     }
     for k, v in sections.items():
         if isinstance(v, dict) and isinstance(raw.get(k), dict):

@@ -29,6 +29,7 @@ def test_tutorial_example_through_hooks_and_store(tmp_path: Path):
                  "shard_size": 1},
         "capture": [{"layer": "conv"}, {"layer": "pool"}, {"layer": "conv", "reduce": "max", "key": "conv_max"}],
         "output": {"store": str(tmp_path / "t.zarr"), "chunk_rows": 1},
+        "cluster": {"backend": "local"},
     })
     run(spec)
     s = open_store(str(tmp_path / "t.zarr"))

@@ -17,7 +17,7 @@ def test_defaults_fill_in():
     assert spec.model.name == "resnet18" and spec.model.weights is None
     assert spec.data.crop == 224 and spec.data.shard_size == 1024
     assert spec.capture[0].what == "output" and spec.capture[0].reduce == "none"
-    assert spec.output.store == "out.zarr" and spec.cluster.backend == "local"
+    assert spec.output.store == "out.zarr" and spec.cluster.backend == "ray"
 
 
 def test_spec_is_frozen():

@@ -107,3 +107,21 @@ class SlowNet(nn.Module):
 
 def slow_net(seconds: float = 0.15) -> nn.Module:
     return SlowNet(seconds)
+
+
+class PickyNet(nn.Module):
+    """Raises on any batch holding a saturated (white) pixel: a shard whose images always fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x > 2.2).any():
+            raise ValueError("PickyNet cannot handle saturated pixels")
+        return self.pool(self.conv(x)).flatten(1)
+
+
+def picky_net() -> nn.Module:
+    return PickyNet()

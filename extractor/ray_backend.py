@@ -1,0 +1,242 @@
+"""The Ray backend: one actor per GPU holds the model; the driver hands out shards.
+
+Actors run the same :class:`~extractor.worker.Worker` as the local backend and write their
+shard's rows straight into the store; only small summaries travel back. The driver keeps
+shard descriptors and done flags. A dead actor is replaced and its shard redone; a shard
+that fails ``max_retries + 1`` times fails the job after the running shards finish.
+Ray is imported here only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from .errors import ClusterError, ExtractorError, ShardError
+from .sources import Shard
+from .spec import JobSpec
+from .worker import ShardSummary
+
+__all__ = ["RayBackend"]
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often the driver asks busy actors for their progress
+
+
+class _WorkerActor:
+    """Holds one Worker for the life of the job (wrapped by ray.remote in RayBackend)."""
+
+    def __init__(self, spec_dict: dict[str, Any], threads: int) -> None:
+        self.error: BaseException | None = None
+        self.current: tuple[int, int] = (-1, 0)  # (shard, rows done in it)
+        try:
+            import torch
+
+            torch.set_num_threads(max(threads, 1))
+            from .spec import parse_spec
+            from .worker import Worker
+
+            self.worker = Worker(parse_spec(spec_dict))
+            self.worker.probe()
+        except Exception as err:  # noqa: BLE001 - reported to the driver by ready()
+            self.error = err
+
+    def ready(self) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.worker.device)}
+
+    def probe(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        assert self.worker.captures is not None
+        return self.worker.captures, self.worker.model_info
+
+    def run_shard(self, index: int, start: int, stop: int, url: str) -> ShardSummary:
+        self.current = (index, 0)
+
+        def on_batch(n: int) -> None:
+            self.current = (index, self.current[1] + n)
+
+        return self.worker.run_shard(Shard(index, start, stop), url, on_batch=on_batch)
+
+    def progress(self) -> tuple[int, int]:
+        return self.current
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The user-facing exception inside a Ray error, when it carries one."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+class RayBackend:
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        c = spec.cluster
+        self.started_ray = False
+        if not ray.is_initialized():
+            self._init_ray()
+        total = ray.cluster_resources()
+        n_cpus, n_gpus = float(total.get("CPU", 0)), float(total.get("GPU", 0))
+        gpus = c.gpus_per_worker if c.gpus_per_worker is not None else (1.0 if n_gpus else 0.0)
+        workers = c.workers or (max(int(n_gpus // gpus), 1) if gpus else 1)
+        cpus = c.cpus_per_worker if c.cpus_per_worker is not None else max(min(n_cpus // workers, 8), 1)
+        if workers * cpus > n_cpus or workers * gpus > n_gpus:
+            self.close()
+            raise ClusterError(
+                f"the job asks for {workers} workers x ({cpus:g} CPUs, {gpus:g} GPUs) = {workers * cpus:g} CPUs, "
+                f"{workers * gpus:g} GPUs, but the Ray cluster has {n_cpus:g} CPUs and {n_gpus:g} GPUs; "
+                "lower cluster.workers, cluster.cpus_per_worker or cluster.gpus_per_worker"
+            )
+        self.n_workers, self.cpus, self.gpus = workers, cpus, gpus
+        self.actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=2, max_restarts=0)(_WorkerActor)
+        self.spec_dict = spec.to_dict()
+        self.actors: list[Any] = [self._new_actor() for _ in range(workers)]
+        self.pids: list[int | None] = [None] * workers
+        self._wait_ready(range(workers))
+        log.info("%d Ray workers ready (%g CPUs, %g GPUs each)", workers, cpus, gpus)
+
+    # ------------------------------------------------------------------ set-up
+    def _init_ray(self) -> None:
+        c = self.spec.cluster
+        kwargs: dict[str, Any] = {"configure_logging": False, "log_to_driver": True}
+        if c.address is None:
+            # an embedded single-job cluster: loopback only, no dashboard
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            kwargs.update(include_dashboard=False, num_cpus=c.local_cpus or os.cpu_count())
+        else:
+            kwargs["address"] = c.address
+        try:
+            ray.init(**kwargs)
+        except Exception as err:  # ConnectionError, RuntimeError, ValueError depending on the cause
+            where = c.address or "an embedded local cluster"
+            raise ClusterError(f"cannot start or join Ray at {where}: {type(err).__name__}: {err}") from err
+        self.started_ray = True
+
+    def _new_actor(self) -> Any:
+        threads = max(int(self.cpus), 1)
+        return self.actor_cls.remote(self.spec_dict, threads)
+
+    def _wait_ready(self, slots: Any) -> None:
+        slots = list(slots)
+        refs = [self.actors[i].ready.remote() for i in slots]
+        try:
+            infos = ray.get(refs, timeout=self.spec.cluster.startup_timeout_s)
+        except GetTimeoutError:
+            self.close()
+            raise ClusterError(
+                f"{len(slots)} Ray workers did not start within {self.spec.cluster.startup_timeout_s:g} s; "
+                f"free resources now: {ray.available_resources()}"
+            ) from None
+        except (RayTaskError, RayActorError) as err:
+            self.close()
+            cause = _cause(err)
+            if isinstance(cause, ExtractorError):
+                raise cause from None
+            raise ClusterError(f"a Ray worker failed to start: {cause}") from err
+        for i, info in zip(slots, infos, strict=True):
+            self.pids[i] = info["pid"]
+
+    def probe(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return ray.get(self.actors[0].probe.remote())
+
+    # ------------------------------------------------------------------ the job
+    def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any) -> list[ShardSummary]:
+        for i, pid in enumerate(self.pids):
+            on_event("worker_started", {"worker": i, "pid": pid})
+        queue: deque[Shard] = deque(todo)
+        attempts: dict[int, int] = {}
+        running: dict[Any, tuple[int, Shard]] = {}  # task ref -> (worker slot, shard)
+        partial: dict[int, int] = {}  # worker slot -> rows done in its current shard
+        summaries: list[ShardSummary] = []
+        finished_rows = 0
+        failure: tuple[Shard, str] | None = None
+        last_poll = 0.0
+        while queue or running:
+            busy = {slot for slot, _ in running.values()}
+            for slot in range(self.n_workers):
+                if slot in busy or not queue or failure is not None:
+                    continue
+                shard = queue.popleft()
+                ref = self.actors[slot].run_shard.remote(shard.index, shard.start, shard.stop, url)
+                running[ref] = (slot, shard)
+                partial[slot] = 0
+                on_event("shard_started", {"shard": shard.index, "worker": slot, "pid": self.pids[slot]})
+            if not running:
+                break
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                slot, shard = running.pop(ref)
+                partial.pop(slot, None)
+                try:
+                    summary: ShardSummary = ray.get(ref)
+                except RayActorError as err:
+                    error = f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}"
+                    on_event("worker_died", {"worker": slot, "pid": self.pids[slot], "shard": shard.index})
+                    log.warning("%s while running shard %d; starting a replacement", error, shard.index)
+                    self._replace(slot)
+                    on_event("worker_started", {"worker": slot, "pid": self.pids[slot]})
+                except RayTaskError as err:
+                    cause = _cause(err)
+                    error = f"{type(cause).__name__}: {cause}"
+                    on_event("shard_failed", {"worker": slot, "shard": shard.index, "error": error})
+                    log.warning("shard %d failed on worker %d: %s", shard.index, slot, error)
+                else:
+                    summaries.append(summary)
+                    finished_rows += summary.rows
+                    on_event("shard_done", {"shard": shard.index, "worker": slot, "summary": summary})
+                    continue
+                attempts[shard.index] = attempts.get(shard.index, 0) + 1
+                if attempts[shard.index] > self.spec.cluster.max_retries:
+                    failure = failure or (shard, error)
+                    queue.clear()
+                else:
+                    queue.appendleft(shard)
+            if time.monotonic() - last_poll >= POLL_S and running:
+                last_poll = time.monotonic()
+                self._poll(running, partial)
+            on_progress(finished_rows + sum(partial.values()))
+        if failure is not None:
+            shard, error = failure
+            raise ShardError(
+                f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {attempts[shard.index]} times "
+                f"(cluster.max_retries={self.spec.cluster.max_retries}); last error: {error}. Finished shards are "
+                "kept: fix the cause and run the same command with --resume"
+            )
+        return summaries
+
+    def _poll(self, running: dict[Any, tuple[int, Shard]], partial: dict[int, int]) -> None:
+        refs = {slot: self.actors[slot].progress.remote() for slot, _ in running.values()}
+        for slot, ref in refs.items():
+            try:
+                shard_index, rows = ray.get(ref, timeout=5)
+            except Exception:  # noqa: BLE001 - a dying actor; its task result says what happened
+                continue
+            current = next((s for sl, s in running.values() if sl == slot), None)
+            if current is not None and shard_index == current.index:
+                partial[slot] = rows
+
+    def _replace(self, slot: int) -> None:
+        try:
+            ray.kill(self.actors[slot], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.actors[slot] = self._new_actor()
+        self._wait_ready([slot])
+
+    def close(self) -> None:
+        for actor in getattr(self, "actors", []):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors = []
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+            self.started_ray = False

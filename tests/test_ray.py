@@ -1,0 +1,178 @@
+"""The Ray backend on a real Ray instance bound to loopback (2 CPUs, a temp dir)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import job, make_images
+from PIL import Image
+
+from extractor.errors import ClusterError, LayerError, ShardError
+from extractor.reader import open_store
+from extractor.runner import run
+from extractor.spec import parse_spec
+
+ray = pytest.importorskip("ray")
+TESTS = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay under 107 bytes
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def slow_job(root: Path, store: Path, **cluster) -> dict:
+    return job(root, store, model={"name": None, "factory": "toy_models:slow_net", "device": "cpu"},
+               data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 1, "decode_workers": 1},
+               capture=[{"layer": "conv", "reduce": "mean"}, {"layer": "conv", "key": "map"}],
+               output={"store": str(store), "chunk_rows": 1},
+               cluster={"backend": "ray", **cluster})
+
+
+@pytest.fixture(scope="module")
+def slow_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("slow")
+    make_images(root, per_class=6, classes=("a", "b"), size=40)
+    return root
+
+
+def test_two_workers_equal_the_local_backend(ray_cluster, image_dir: Path, tmp_path: Path):
+    local = job(image_dir, tmp_path / "local.zarr")
+    remote = job(image_dir, tmp_path / "ray.zarr", cluster={"backend": "ray", "workers": 2, "cpus_per_worker": 1})
+    run(parse_spec(local))
+    events: list[tuple[str, dict]] = []
+    summary = run(parse_spec(remote), on_event=lambda n, i: events.append((n, i)))
+    assert summary.ok == 12 and summary.shards_run == 3
+    workers = {i["worker"] for n, i in events if n == "shard_done"}
+    pids = {i["pid"] for n, i in events if n == "worker_started"}
+    assert workers == {0, 1} and os.getpid() not in pids and len(pids) == 2
+    a, b = open_store(str(tmp_path / "local.zarr")), open_store(str(tmp_path / "ray.zarr"))
+    assert list(a.ids) == list(b.ids)
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+    assert [w["shards"] for w in summary.workers] and sum(w["shards"] for w in summary.workers) == 3
+
+
+def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images: Path, tmp_path: Path):
+    ref = slow_job(slow_images, tmp_path / "ref.zarr")
+    ref["cluster"] = {"backend": "local"}
+    run(parse_spec(ref))
+    killed: list[int] = []
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_started" and info["worker"] == 0 and info["shard"] >= 2 and not killed:
+            time.sleep(0.3)  # let it start on the shard's rows
+            os.kill(info["pid"], signal.SIGKILL)
+            killed.append(info["pid"])
+
+    events: list[tuple[str, dict]] = []
+    spec = parse_spec(slow_job(slow_images, tmp_path / "s.zarr", workers=2, cpus_per_worker=1))
+    summary = run(spec, on_event=lambda n, i: (events.append((n, i)), on_event(n, i)))
+    assert killed and ("worker_died", ) == tuple(n for n, i in events if n == "worker_died")[:1]
+    died = next(i for n, i in events if n == "worker_died")
+    assert died["pid"] == killed[0]
+    done = sorted(s.shard for s in summary.per_shard)
+    assert done == list(range(6))  # each shard done exactly once
+    assert summary.ok == 12 and summary.failed == 0
+    assert summary.workers[0]["retries"] == 1 and len(summary.workers[0]["pids"]) == 2
+    a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
+    assert (b.status == 1).all() and b.done_shards.all()
+    for key in ("conv", "map"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_shard_failing_every_time_fails_the_job_then_resume_completes(ray_cluster, tmp_path: Path):
+    root = tmp_path / "imgs"
+    make_images(root, per_class=4, classes=("a",), size=40)
+    for p in (root / "a").iterdir():  # dark images: PickyNet accepts them
+        Image.fromarray((np.asarray(Image.open(p).convert("RGB")) // 3).astype(np.uint8)).save(p)
+    bad = root / "a" / "a02.jpg"  # rows 2-3 are shard 1
+    Image.new("RGB", (40, 40), (255, 255, 255)).save(bad)
+    raw = job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:picky_net", "device": "cpu"},
+              data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 2},
+              capture=[{"layer": "conv", "reduce": "mean"}],
+              cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1, "max_retries": 1})
+    with pytest.raises(ShardError) as err:
+        run(parse_spec(raw))
+    msg = str(err.value)
+    assert "shard 1 (rows 2-3) failed 2 times" in msg and "saturated pixels" in msg and "--resume" in msg
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.done_shards.tolist() == [True, False] and s.attrs["status"] == "failed"
+    assert (s.status[:2] == 1).all() and (s.status[2:] == 0).all()
+    Image.new("RGB", (40, 40), (20, 30, 40)).save(bad)  # the cause, fixed
+    raw["output"]["if_exists"] = "resume"
+    summary = run(parse_spec(raw))
+    assert summary.shards_run == 1 and summary.shards_skipped == 1
+    assert (open_store(str(tmp_path / "s.zarr")).status == 1).all()
+
+
+def test_unmeetable_resources_fail_fast(ray_cluster, image_dir: Path, tmp_path: Path):
+    raw = job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 3, "cpus_per_worker": 1})
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"3 workers x \(1 CPUs, 0 GPUs\).*has 2 CPUs"):
+        run(parse_spec(raw))
+    assert time.monotonic() - t0 < 30
+    raw = job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "gpus_per_worker": 1})
+    with pytest.raises(ClusterError, match="0 GPUs"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_layer_errors_from_workers_reach_the_driver(ray_cluster, image_dir: Path, tmp_path: Path):
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer44"}],
+              cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1})
+    with pytest.raises(LayerError, match="Closest: layer4"):
+        run(parse_spec(raw))
+
+
+def test_killed_driver_then_resume_redoes_only_unfinished_shards(slow_images: Path, tmp_path: Path):
+    """SIGKILL `extractor run` (embedded Ray) midway; `--resume` finishes with the same arrays."""
+    ref = slow_job(slow_images, tmp_path / "ref.zarr")
+    ref["cluster"] = {"backend": "local"}
+    run(parse_spec(ref))
+    raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, local_cpus=2)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "RAY_TMPDIR": ray_tmp}
+    cmd = [sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    marker = tmp_path / "s.zarr" / "shard_done" / "c" / "1"
+    deadline = time.time() + 180
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        # the embedded Ray that driver started: end its processes (they share the driver's session)
+        time.sleep(2)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    s = open_store(str(tmp_path / "s.zarr"))
+    done_before = int(s.done_shards.sum())
+    assert s.attrs["status"] == "running" and 2 <= done_before < 6
+    out = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    assert f"{6 - done_before} shards run, {done_before} already done" in out.stdout
+    a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
+    assert (b.status == 1).all() and b.attrs["status"] == "complete"
+    for key in ("conv", "map"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
