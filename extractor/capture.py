@@ -26,7 +26,7 @@ from .spec import CaptureSpec
 
 __all__ = ["Target", "resolve_targets", "Capturer", "RESERVED_KEYS"]
 
-RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done"})
+RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done", "target", "target_score"})
 _DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -41,6 +41,12 @@ class Target:
     reduce: str
     dtype: str
     capture: int  # position in spec.capture (for error messages)
+    target: int | str | None = None  # gradient captures: predicted, label or a class index
+    size: str = "layer"  # gradcam: layer or input resolution
+
+    @property
+    def gradient(self) -> bool:
+        return self.what in ("grad_output", "gradcam")
 
 
 def _is_glob(pattern: str) -> bool:
@@ -70,9 +76,12 @@ def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec]) -> list[T
                 f"{where}.key {c.key!r} names one array but {c.layer!r} matches {len(layers)} layers "
                 f"({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}); drop key or name one layer"
             )
+        suffix = {"output": "", "input": ".input", "grad_output": ".grad", "gradcam": ".gradcam"}[c.what]
         for layer in layers:
-            key = c.key or (layer if c.what == "output" else f"{layer}.input")
-            targets.append(Target(key, layer, c.what, c.index, c.reduce, c.dtype, i))
+            key = c.key or f"{layer}{suffix}"
+            dtype = "float32" if c.what == "gradcam" else c.dtype
+            target = c.score_target if c.gradient else None
+            targets.append(Target(key, layer, c.what, c.index, c.reduce, dtype, i, target, c.size))
     seen: dict[str, Target] = {}
     for t in targets:
         if t.key in RESERVED_KEYS:
@@ -140,10 +149,12 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str) -> torch.Tensor:
     raise LayerError(f"{where}: unknown reduce {how!r}")
 
 
-def dim_names(key: str, original: tuple[int, ...], reduce: str) -> list[str]:
+def dim_names(key: str, original: tuple[int, ...], reduce: str, what: str = "output") -> list[str]:
     """Feature dimension names of a stored capture (without the leading ``row``)."""
     nd = len(original)  # feature dims, batch excluded
-    if reduce == "flatten":
+    if what == "gradcam":
+        names = ["y", "x"]
+    elif reduce == "flatten":
         names = ["feature"]
     elif reduce in ("mean", "max"):
         names = ["feature"] if nd == 2 else ["channel"]
@@ -169,14 +180,19 @@ class Capturer:
 
     ``run(x)`` returns ``{key: tensor}`` on the model's device, reduced and cast to the
     stored dtype, each a detached copy. With ``stop_early`` the forward ends once every
-    target has fired.
+    target has fired. Gradient targets (``grad_output``, ``gradcam``) make ``run`` a
+    forward with autograd from the first such layer on, then one ``torch.autograd.grad``
+    of the target scores: parameter ``.grad`` fields are never touched and no graph
+    outlives the call.
     """
 
     def __init__(self, model: nn.Module, targets: Sequence[Target], stop_early: bool = True) -> None:
         self.model = model
         self.targets = list(targets)
-        self.stop_early = stop_early
+        self.gradient = [t for t in self.targets if t.gradient]
+        self.stop_early = stop_early and not self.gradient  # gradients need the logits
         self.values: dict[str, torch.Tensor] = {}
+        self.anchors: dict[str, torch.Tensor] = {}
         self.original_shapes: dict[str, tuple[int, ...]] = {}
         self._stack: contextlib.ExitStack | None = None
 
@@ -189,7 +205,9 @@ class Capturer:
             self.model.eval()
             for t in self.targets:
                 module = modules[t.layer]
-                if t.what == "output":
+                if t.gradient:
+                    handle = module.register_forward_hook(self._anchor_hook(t))
+                elif t.what == "output":
                     handle = module.register_forward_hook(self._output_hook(t))
                 else:
                     handle = module.register_forward_pre_hook(self._input_hook(t), with_kwargs=True)
@@ -205,6 +223,12 @@ class Capturer:
         self._stack.close()
         self._stack = None
         self.values.clear()
+        self.anchors.clear()
+
+    def _store(self, t: Target, tensor: torch.Tensor, where: str) -> None:
+        reduced = reduce_tensor(tensor, t.reduce, where)
+        # copy=True: a later in-place op on the model's tensor must not change what we keep
+        self.values[t.key] = reduced.to(dtype=_DTYPES[t.dtype], memory_format=torch.contiguous_format, copy=True)
 
     def _keep(self, t: Target, value: Any) -> None:
         if t.key in self.values:  # a module called twice in one forward: keep the first call
@@ -212,9 +236,7 @@ class Capturer:
         where = f"layer {t.layer!r} {t.what}"
         tensor = select(value, t.index, where).detach()
         self.original_shapes[t.key] = tuple(tensor.shape[1:])
-        reduced = reduce_tensor(tensor, t.reduce, where)
-        # copy=True: a later in-place op on the model's tensor must not change what we keep
-        self.values[t.key] = reduced.to(dtype=_DTYPES[t.dtype], memory_format=torch.contiguous_format, copy=True)
+        self._store(t, tensor, where)
         if self.stop_early and len(self.values) == len(self.targets):
             raise _StopForward
 
@@ -233,20 +255,103 @@ class Capturer:
 
         return hook
 
-    def run(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One forward pass; returns the captured tensors by key."""
+    def _anchor_hook(self, t: Target):
+        """Keep the layer's output as the tensor to differentiate against; the model goes on
+        with a copy, so an in-place op after the layer (``ReLU(inplace=True)``) cannot change it."""
+
+        def hook(_module: nn.Module, _args: Any, output: Any) -> Any:
+            if not isinstance(output, torch.Tensor):
+                raise LayerError(
+                    f"layer {t.layer!r} gives a {_describe(output)}; {t.what} needs a layer whose output is a tensor"
+                )
+            self.original_shapes.setdefault(t.key, tuple(output.shape[1:]))
+            if t.layer in self.anchors:  # a second gradient target on this layer, or a second call
+                return None
+            anchor = output if output.requires_grad else output.detach().requires_grad_(True)
+            self.anchors[t.layer] = anchor
+            return anchor.clone()
+
+        return hook
+
+    def run(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """One forward pass (and one backward for gradient targets); captured tensors by key.
+
+        With gradient targets the result also holds ``target`` (the class whose logit was
+        differentiated, per image), ``target_score`` (that logit) and, per Grad-CAM key,
+        ``KEY.range`` (per-image min and max of the map). ``labels`` are needed for
+        ``target: label``.
+        """
         if self._stack is None:
             raise RuntimeError("Capturer.run() must be called inside `with Capturer(...)`")
-        self.values = {}
+        self.values, self.anchors = {}, {}
         try:
-            self.model(x)
-        except _StopForward:
-            pass
-        missing = [t for t in self.targets if t.key not in self.values]
-        if missing:
+            if self.gradient:
+                with torch.inference_mode(False), torch.enable_grad():
+                    self._gradients(x, labels)
+            else:
+                try:
+                    self.model(x)
+                except _StopForward:
+                    pass
+            missing = [t for t in self.targets if t.key not in self.values]
+            if missing:
+                raise LayerError(
+                    "these layers never ran during the forward pass, so nothing was captured: "
+                    + ", ".join(f"{t.layer} ({t.what})" for t in missing)
+                )
+            values, self.values = self.values, {}
+            return values
+        finally:
+            self.anchors = {}
+
+    def _gradients(self, x: torch.Tensor, labels: torch.Tensor | None) -> None:
+        x = x.clone()  # a normal tensor even if the caller made it under inference_mode
+        logits = self.model(x)
+        if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
             raise LayerError(
-                "these layers never ran during the forward pass, so nothing was captured: "
-                + ", ".join(f"{t.layer} ({t.what})" for t in missing)
+                f"gradient captures need a model that returns (batch, classes) logits; it returned {_describe(logits)}"
             )
-        values, self.values = self.values, {}
-        return values
+        which = self.gradient[0].target
+        if which == "predicted":
+            target = logits.detach().argmax(dim=1)
+        elif which == "label":
+            if labels is None or (labels < 0).any() or (labels >= logits.shape[1]).any():
+                raise LayerError(
+                    f"target: label needs every row to have a label in [0, {logits.shape[1]}); "
+                    "this data set has rows without one. Use target: predicted or a class index"
+                )
+            target = labels.to(logits.device)
+        else:
+            assert isinstance(which, int)
+            if which >= logits.shape[1]:
+                raise LayerError(f"target {which} is not a class of a model with {logits.shape[1]} outputs")
+            target = torch.full((len(logits),), which, device=logits.device, dtype=torch.long)
+        score = logits.gather(1, target[:, None])[:, 0]  # (B,) pre-softmax logit of the target
+        layers = list(self.anchors)
+        if [t for t in self.gradient if t.layer not in self.anchors]:
+            return  # reported as missing by run()
+        # one backward for the whole batch: in eval mode each image's score depends on its own
+        # activations only, so d(sum of scores)/d(activation) is the per-image gradient
+        grads = dict(zip(layers, torch.autograd.grad(score.sum(), [self.anchors[k] for k in layers]), strict=True))
+        for t in self.gradient:
+            g = grads[t.layer]
+            where = f"layer {t.layer!r} gradient"
+            if t.what == "grad_output":
+                self._store(t, g, where)
+                continue
+            feature = self.anchors[t.layer].detach()
+            if feature.ndim != 4:
+                raise LayerError(
+                    f"gradcam needs a (batch, channels, y, x) map; {t.layer!r} gives {tuple(feature.shape)}"
+                )
+            weights = g.float().mean(dim=(2, 3), keepdim=True)  # (B, C, 1, 1)
+            cam = torch.relu((weights * feature.float()).sum(dim=1, keepdim=True))  # (B, 1, h, w)
+            if t.size == "input":
+                cam = torch.nn.functional.interpolate(cam, size=x.shape[-2:], mode="bilinear", align_corners=False)
+            cam = cam[:, 0].contiguous()
+            self.values[t.key] = cam
+            self.values[f"{t.key}.range"] = torch.stack([cam.amin(dim=(1, 2)), cam.amax(dim=(1, 2))], dim=1)
+        self.values["target"] = target.detach()
+        self.values["target_score"] = score.detach().float()

@@ -159,6 +159,30 @@ def cmd_layers(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- show
+
+
+def _parse_rows(text: str | None) -> slice | None:
+    if not text:
+        return None
+    try:
+        parts = [int(p) if p else None for p in text.split(":")]
+    except ValueError:
+        raise ExtractorError(f"--rows {text!r}: expected START:STOP, e.g. 0:16") from None
+    return slice(*parts) if len(parts) > 1 else slice(parts[0], (parts[0] or 0) + 1)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from .reader import open_store
+    from .show import gradcam_grid
+
+    store = open_store(args.store)
+    sheet = gradcam_grid(store, key=args.key, rows=_parse_rows(args.rows), columns=args.columns)
+    sheet.save(args.out)
+    print(f"wrote {args.out} ({sheet.size[0]}x{sheet.size[1]})")
+    return 0
+
+
 # --------------------------------------------------------------------------- demo
 
 
@@ -219,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--depth", type=int, default=None, help="show modules down to this nesting depth")
     la.add_argument("--json", action="store_true")
     la.set_defaults(func=cmd_layers)
+
+    sh = sub.add_parser("show", help="draw Grad-CAM maps over their images (a PNG grid)")
+    sh.add_argument("store")
+    sh.add_argument("--key", help="gradcam capture to draw (default: the first)")
+    sh.add_argument("--rows", default="0:16", help="rows START:STOP (default 0:16)")
+    sh.add_argument("--columns", type=int, default=4)
+    sh.add_argument("--out", default="gradcam.png")
+    sh.set_defaults(func=cmd_show)
 
     d = sub.add_parser("demo", help="write sample images, run the demo job, show the store")
     d.add_argument("--dir", default="demo", help="folder for the images and the store (default: demo)")

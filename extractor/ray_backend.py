@@ -53,9 +53,8 @@ class _WorkerActor:
             raise self.error
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.worker.device)}
 
-    def probe(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        assert self.worker.captures is not None
-        return self.worker.captures, self.worker.model_info
+    def layout(self) -> dict[str, Any]:
+        return self.worker.layout()
 
     def run_shard(self, index: int, start: int, stop: int, url: str) -> ShardSummary:
         self.current = (index, 0)
@@ -143,8 +142,8 @@ class RayBackend:
         for i, info in zip(slots, infos, strict=True):
             self.pids[i] = info["pid"]
 
-    def probe(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return ray.get(self.actors[0].probe.remote())
+    def probe(self) -> dict[str, Any]:
+        return ray.get(self.actors[0].layout.remote())
 
     # ------------------------------------------------------------------ the job
     def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any) -> list[ShardSummary]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .errors import StoreError
+from .errors import DataError, StoreError
 from .sources import Rows, Shard, list_rows, plan
 from .spec import JobSpec, content_of, spec_digest
 from .store import (
@@ -163,10 +163,21 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
         shard_size=spec.data.shard_size,
         chunk_rows=spec.output.chunk_rows,
         captures=attrs["captures"],
+        extras=attrs["extras"],
         compression=spec.output.compression,
         compression_level=spec.output.compression_level,
         attrs=attrs,
     )
+
+
+def _check_targets(spec: JobSpec, rows: Rows) -> None:
+    if any(c.gradient and c.score_target == "label" for c in spec.capture):
+        missing = [i for i, label in enumerate(rows.labels) if label < 0]
+        if missing:
+            raise DataError(
+                f"target: label needs a label on every row, but {len(missing)} rows have none "
+                f"(first: {rows.ids[missing[0]]}); use target: predicted or a class index"
+            )
 
 
 def _bytes_per_row(captures: dict[str, dict[str, Any]]) -> dict[str, int]:
@@ -179,8 +190,8 @@ class LocalBackend:
     def __init__(self, spec: JobSpec) -> None:
         self.worker = Worker(spec)  # builds the model and resolves every layer before any image is read
 
-    def probe(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-        return self.worker.probe(), self.worker.model_info
+    def probe(self) -> dict[str, Any]:
+        return self.worker.layout()
 
     def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event) -> list[ShardSummary]:
         summaries: list[ShardSummary] = []
@@ -261,7 +272,9 @@ def run(
 
     backend = _backend(spec)
     try:
-        captures, model_info = backend.probe()
+        layout = backend.probe()
+        captures = layout["captures"]
+        _check_targets(spec, rows)
         attrs = {
             "format_version": FORMAT_VERSION,
             "created": now(),
@@ -269,8 +282,9 @@ def run(
             "status": "running",
             "spec": spec.to_dict(),
             "spec_digest": spec_digest(spec),
-            "model": model_info,
+            "model": layout["model"],
             "captures": captures,
+            "extras": layout["extras"],
             "classes": rows.classes,
             "n_rows": len(rows),
             "n_shards": len(shards),

@@ -90,16 +90,43 @@ class DataSpec(_Section):
 class CaptureSpec(_Section):
     layer: str
     """Module name as in ``model.named_modules()`` or a glob (``layer4.*.conv2``)."""
-    what: Literal["output", "input"] = "output"
-    """Take the module's output or its (first positional) input."""
+    what: Literal["output", "input", "grad_output", "gradcam"] = "output"
+    """The module's output or (first positional) input; the gradient of the target score with
+    respect to its output; or a Grad-CAM map built from its output and that gradient."""
     index: int | str | None = None
     """Element of a tuple/list (int) or dict/dataclass (str) output or input."""
     reduce: Literal["none", "mean", "max", "flatten", "cls"] = "none"
     """none; mean/max over spatial positions or tokens; flatten; cls (token 0)."""
     dtype: Literal["float32", "float16"] = "float32"
-    """Stored dtype."""
+    """Stored dtype (Grad-CAM maps are always float32)."""
     key: str | None = None
     """Array name in the store (default: the layer name); only for a capture matching one layer."""
+    target: int | Literal["predicted", "label"] | None = None
+    """For grad_output and gradcam: whose logit to differentiate: the arg-max class (default),
+    the row's label, or a class index."""
+    size: Literal["layer", "input"] = "layer"
+    """For gradcam: keep the map at the layer's resolution or upsample it (bilinear) to the crop."""
+
+    @model_validator(mode="after")
+    def _gradient_fields(self) -> CaptureSpec:
+        grad = self.what in ("grad_output", "gradcam")
+        if self.target is not None and not grad:
+            raise ValueError("target applies only to what: grad_output or gradcam")
+        if self.size != "layer" and self.what != "gradcam":
+            raise ValueError("size applies only to what: gradcam")
+        if self.what == "gradcam" and (self.reduce != "none" or self.index is not None):
+            raise ValueError("a gradcam capture takes no reduce or index: it is one map per image")
+        if isinstance(self.target, int) and self.target < 0:
+            raise ValueError("target must be a class index >= 0, 'predicted' or 'label'")
+        return self
+
+    @property
+    def gradient(self) -> bool:
+        return self.what in ("grad_output", "gradcam")
+
+    @property
+    def score_target(self) -> int | str:
+        return "predicted" if self.target is None else self.target
 
 
 class OutputSpec(_Section):
@@ -145,6 +172,12 @@ class JobSpec(_Section):
             raise ValueError(
                 f"output.chunk_rows ({self.output.chunk_rows}) must divide data.shard_size "
                 f"({self.data.shard_size}) so that no two shards share a chunk"
+            )
+        targets = {c.score_target for c in self.capture if c.gradient}
+        if len(targets) > 1:
+            raise ValueError(
+                f"gradient captures must share one target, got {sorted(map(str, targets))}; "
+                "run one job per target"
             )
         keys = [c.key for c in self.capture if c.key]
         dup = sorted({k for k in keys if keys.count(k) > 1})

@@ -12,6 +12,8 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
     errors   (N,)       str      why a failed row failed ("" otherwise)
     shard_done (S,)     uint8    1 once shard s is durable (one object per shard)
     <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok
+    target, target_score, <gradcam key>.range   (gradient jobs) per-row target class,
+                        its logit, and each Grad-CAM map's min and max
 
 Per-row arrays are chunked by shard and capture arrays by ``chunk_rows`` (which divides the
 shard size), so no two shards ever write into the same storage object.
@@ -100,6 +102,7 @@ def create_store(
     shard_size: int,
     chunk_rows: int,
     captures: Mapping[str, Mapping[str, Any]],
+    extras: Mapping[str, Mapping[str, Any]],
     compression: str,
     compression_level: int | None,
     attrs: Mapping[str, Any],
@@ -127,6 +130,15 @@ def create_store(
     group.create_array(
         "shard_done", shape=(n_shards,), dtype="uint8", chunks=(1,), fill_value=0, dimension_names=["shard"]
     )
+    for key, meta in extras.items():  # per-row results of gradient jobs, chunked by shard
+        group.create_array(
+            key,
+            shape=(n, *meta["shape"]),
+            dtype=meta["dtype"],
+            chunks=(row_chunk[0], *meta["shape"]),
+            fill_value=-1 if meta["dtype"] == "int64" else np.nan,
+            dimension_names=["row", *meta["dims"]],
+        )
     for key, meta in captures.items():
         shape = tuple(meta["shape"])
         group.create_array(
@@ -167,13 +179,18 @@ class ShardWriter:
     def paths(self) -> list[str]:
         return [str(p) for p in self.group["paths"][self.start : self.stop]]
 
+    def labels(self) -> np.ndarray:
+        return np.asarray(self.group["labels"][self.start : self.stop], dtype=np.int64)
+
     def write(self, key: str, offset: int, data: np.ndarray) -> None:
         """Write rows ``start+offset ...`` of capture ``key`` (whole chunks only)."""
         a = self.start + offset
         self.group[key][a : a + len(data)] = data
         self.bytes += data.nbytes
 
-    def finish(self, status: np.ndarray, errors: Sequence[str]) -> None:
+    def finish(self, status: np.ndarray, errors: Sequence[str], extras: Mapping[str, np.ndarray] | None = None) -> None:
+        for key, values in (extras or {}).items():
+            self.group[key][self.start : self.stop] = values
         self.group["status"][self.start : self.stop] = status
         self.group["errors"][self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
         self.group["shard_done"][self.index] = 1  # last: a crash before this never looks complete

@@ -56,6 +56,7 @@ class Worker:
         self.device = resolve_device(spec.model.device)
         model, self.model_info = build_model(spec.model)
         self.targets: list[Target] = resolve_targets(model, spec.capture)
+        model.requires_grad_(False)  # extraction never trains: gradients flow only from captured layers on
         self.channels_last = spec.model.channels_last
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -66,6 +67,7 @@ class Worker:
         self.mean = torch.tensor(spec.data.mean, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(spec.data.std, device=self.device).view(1, 3, 1, 1)
         self.captures: dict[str, dict[str, Any]] | None = None
+        self.extras: dict[str, dict[str, Any]] = {}  # per-row results of gradient jobs (target, score, ...)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -85,9 +87,13 @@ class Worker:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def _forward(self, cap: Capturer, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        with torch.inference_mode(), self._autocast():
-            return cap.run(self._prepare(images))
+    def _forward(
+        self, cap: Capturer, images: torch.Tensor, labels: np.ndarray | None = None
+    ) -> dict[str, torch.Tensor]:
+        # gradient jobs need autograd; every other job runs under inference_mode
+        with torch.inference_mode(not cap.gradient), self._autocast():
+            lab = torch.as_tensor(labels, device=self.device) if labels is not None else None
+            return cap.run(self._prepare(images), lab)
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Captured tensors (on the device) for a uint8 batch: one hooked forward."""
@@ -98,7 +104,7 @@ class Worker:
         """Run one blank image through the model: the stored shape and metadata of each capture."""
         crop = self.spec.data.crop
         with Capturer(self.model, self.targets) as cap:
-            values = self._forward(cap, torch.zeros(1, 3, crop, crop, dtype=torch.uint8))
+            values = self._forward(cap, torch.zeros(1, 3, crop, crop, dtype=torch.uint8), np.zeros(1, np.int64))
             original = dict(cap.original_shapes)
         modules = dict(self.model.named_modules())
         self.captures = {
@@ -111,12 +117,29 @@ class Worker:
                 "dtype": t.dtype,
                 "shape": list(values[t.key].shape[1:]),
                 "original_shape": list(original[t.key]),
-                "dims": dim_names(t.key, original[t.key], t.reduce),
+                "dims": dim_names(t.key, original[t.key], t.reduce, t.what),
                 "capture": t.capture,
+                **({"target": t.target} if t.gradient else {}),
+                **({"size": t.size} if t.what == "gradcam" else {}),
             }
             for t in self.targets
         }
+        self.extras = {
+            key: {
+                "dtype": "int64" if key == "target" else "float32",
+                "shape": list(v.shape[1:]),
+                "dims": [f"{key}.minmax"] if key.endswith(".range") else [],
+            }
+            for key, v in values.items()
+            if key not in self.captures
+        }
         return self.captures
+
+    def layout(self) -> dict[str, Any]:
+        """What the driver needs to create the store: captures, per-row extras, the model."""
+        if self.captures is None:
+            self.probe()
+        return {"captures": self.captures, "extras": self.extras, "model": self.model_info}
 
     def run_shard(
         self,
@@ -132,6 +155,7 @@ class Worker:
         t0 = time.perf_counter()
         writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options)
         paths = writer.paths()
+        labels = writer.labels() if self.extras else None
         n = len(shard)
         chunk = self.spec.output.chunk_rows
         status = np.zeros(n, dtype=np.uint8)
@@ -139,6 +163,8 @@ class Worker:
         buffers = {
             k: np.full((chunk, *m["shape"]), np.nan, dtype=m["dtype"]) for k, m in self.captures.items()
         }
+        extras = {k: np.full((n, *m["shape"]), -1 if m["dtype"] == "int64" else np.nan, dtype=m["dtype"])
+                  for k, m in self.extras.items()}
         current = 0  # index of the chunk being filled, relative to the shard
 
         def flush(c: int) -> None:
@@ -153,8 +179,11 @@ class Worker:
                     for off, err in batch.failed.items():
                         status[off], errors[off] = FAILED, err
                     if batch.images is not None:
-                        host = {k: v.cpu().numpy() for k, v in self._forward(cap, batch.images).items()}
                         offsets = np.asarray(batch.offsets)
+                        lab = labels[offsets] if labels is not None else None
+                        host = {k: v.cpu().numpy() for k, v in self._forward(cap, batch.images, lab).items()}
+                        for key, arr in extras.items():
+                            arr[offsets] = host[key]
                         status[offsets] = OK
                         for c in np.unique(offsets // chunk):
                             while current < c:
@@ -169,7 +198,7 @@ class Worker:
             while current <= last:
                 flush(current)
                 current += 1
-            writer.finish(status, errors)
+            writer.finish(status, errors, extras)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:

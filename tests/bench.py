@@ -49,6 +49,7 @@ CAPTURES = {
     "pooled": [{"layer": "avgpool", "reduce": "flatten"}, {"layer": "layer3", "reduce": "mean"}],
     "fullmap": [{"layer": "layer3", "reduce": "none", "dtype": "float16"}],
     "early": [{"layer": "layer2", "reduce": "mean"}],
+    "gradcam": [{"layer": "layer4", "what": "gradcam", "key": "cam"}],
 }
 
 
@@ -94,7 +95,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="bare,pooled,fullmap,early,ray")
+    p.add_argument("--variants", default="bare,pooled,fullmap,early,ray,gradcam")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -137,7 +138,8 @@ def main() -> None:
             "pooled": "extractor: avgpool + layer3 mean-pooled, float32",
             "fullmap": "extractor: layer3 full map, float16, zstd",
             "early": "extractor: layer2 mean-pooled (stops after layer2)",
-            "ray": "extractor on an embedded Ray, 1 worker: the pooled job"}
+            "ray": "extractor on an embedded Ray, 1 worker: the pooled job",
+            "gradcam": "extractor: Grad-CAM of layer4 (forward + backward from the logit)"}
     for variant, rs in results.items():
         ips = statistics.median(r["images_per_s"] for r in rs)
         wall = statistics.median(r.get("wall_seconds", r["seconds"]) for r in rs)
@@ -148,6 +150,10 @@ def main() -> None:
         ray_ips = statistics.median(r["images_per_s"] for r in results["ray"])
         local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])
         print(f"\nray backend over local backend (same pooled job, start-up excluded): {ray_ips / local_ips:.2f}")
+    if "gradcam" in results and "pooled" in results:
+        cam_ips = statistics.median(r["images_per_s"] for r in results["gradcam"])
+        local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])
+        print(f"Grad-CAM job over the forward-only pooled job: {cam_ips / local_ips:.2f}")
     print("\nratio = median images/s over the bare loop's. extractor's images/s runs from the first shard's "
           "start to the job's end (decode, forward, copy, write); 'start s' before it is start-up: Ray, "
           "model build, probe, store creation.")

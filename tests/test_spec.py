@@ -102,3 +102,11 @@ def test_content_digest_ignores_run_only_fields():
     b = parse_spec(apply_overrides(BASE, ["data.batch_size=7", "model.device=cpu", "output.if_exists=resume"]))
     c = parse_spec(apply_overrides(BASE, ["capture[0].reduce=mean"]))
     assert spec_digest(a) == spec_digest(b) != spec_digest(c)
+
+
+def test_every_job_in_jobs_folder_is_valid():
+    repo = Path(__file__).resolve().parents[1]
+    specs = sorted((repo / "jobs").glob("*.yaml"))
+    assert len(specs) >= 2
+    for path in specs:
+        load_spec(path)

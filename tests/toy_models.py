@@ -125,3 +125,34 @@ class PickyNet(nn.Module):
 
 def picky_net() -> nn.Module:
     return PickyNet()
+
+
+class Ident(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x**2
+
+
+class SquareMean(nn.Module):
+    """The gradient tutorial: x = [2, 2, 2, 2], y = x**2, z = mean(y); z is the one logit."""
+
+    def __init__(self, double_grad: bool = False) -> None:
+        super().__init__()
+        self.ident = Ident()
+        self.square = Square()
+        self.double_grad = double_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ident(x[:, :1])  # (B, 1, 2, 2): four values per image
+        y = self.square(x)
+        if self.double_grad and y.requires_grad:
+            y.register_hook(lambda g: g * 2)  # the tutorial's hook that doubles the gradient
+        return y.flatten(1).mean(dim=1, keepdim=True)
+
+
+def square_mean(double_grad: bool = False) -> nn.Module:
+    return SquareMean(double_grad)
