@@ -79,6 +79,8 @@ def _run_spec(spec: Any, quiet: bool = False) -> int:
         rows = [[str(w["worker"]), ",".join(map(str, w["pids"])), str(w["shards"]), str(w["images"]),
                  f"{w['images_per_s']:.1f}", str(w["retries"])] for w in summary.workers]
         print(_table(rows, ["worker", "pids", "shards", "images", "images/s", "retries"]))
+    for key, (count, first) in summary.nonfinite.items():
+        print(f"warning: {count} rows of {key} hold NaN or Inf (stored as computed); first rows: {first[:10]}")
     if summary.failures:
         print(f"failed rows ({summary.failed}):")
         for row, id_, err in summary.failures:
@@ -128,6 +130,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     print()
     print(_table(rows, ["key", "layer", "what", "reduce", "dtype", "shape", "stored"]))
+    if s["stats"]:
+        def g(v: object) -> str:
+            return "-" if v is None else f"{v:.4g}"
+
+        rows = []
+        for k, st in s["stats"].items():
+            mean = sum(st["mean"]) / max(len(st["mean"]), 1)
+            std = sum(st["std"]) / max(len(st["std"]), 1)
+            rows.append([k, g(mean), g(std), g(st["min"]), g(st["max"]), g(st["mean_l2"]), str(st["nan"]),
+                         str(st["inf"]), str(st["nonfinite_rows"])])
+        print()
+        print(_table(rows, ["key", "mean", "std", "min", "max", "row L2", "NaN", "Inf", "rows NaN/Inf"]))
+        print("(mean and std: averaged over the per-feature values; --json has them per feature)")
     print(f"\nbytes on disk {_bytes(s['bytes_on_disk'])}")
     return 0
 
@@ -173,13 +188,51 @@ def _parse_rows(text: str | None) -> slice | None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .analysis import image_grid, pca, scatter_plot
     from .reader import open_store
     from .show import gradcam_grid
 
     store = open_store(args.store)
-    sheet = gradcam_grid(store, key=args.key, rows=_parse_rows(args.rows), columns=args.columns)
+    cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
+    key = args.key or (cams[0] if cams else None)
+    if key is None:
+        raise ExtractorError(f"name a capture with --key (one of: {', '.join(store.keys)})")
+    if key not in store.captures:
+        raise ExtractorError(f"{key!r} is not a capture of {args.store}; captures: {', '.join(store.keys)}")
+    if key in cams:
+        sheet = gradcam_grid(store, key=key, rows=_parse_rows(args.rows or "0:16"), columns=args.columns)
+    elif args.rows:
+        rows = np.arange(len(store))[_parse_rows(args.rows)]
+        sheet = image_grid(store, rows, columns=args.columns)
+    else:
+        rows = store.ok_rows()
+        if len(rows) > args.max_rows:
+            rows = np.sort(np.random.default_rng(0).choice(rows, args.max_rows, replace=False))
+        x = store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32)
+        sheet = scatter_plot(pca(x), store.labels[rows], store.classes, f"PCA of {key} ({len(rows)} rows)")
     sheet.save(args.out)
     print(f"wrote {args.out} ({sheet.size[0]}x{sheet.size[1]})")
+    return 0
+
+
+def _print_probe(results: dict) -> None:
+    rows = [[k, str(r["features"]), str(r["rows"]), f"{r['accuracy']:.3f} +- {r['std']:.3f}", f"{r['chance']:.3f}"]
+            for k, r in results.items()]
+    print(_table(rows, ["key", "features", "rows", "accuracy", "chance"]))
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from .analysis import bar_chart, probe_store
+    from .reader import open_store
+
+    store = open_store(args.store)
+    results = probe_store(store, args.keys or None, folds=args.folds, max_rows=args.max_rows)
+    _print_probe(results)
+    if args.out:
+        bar_chart(results, f"linear probe, {args.folds}-fold accuracy: {args.store}").save(args.out)
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -209,9 +262,82 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if code == 0:
         print()
         cmd_inspect(argparse.Namespace(store=spec.output.store, json=False))
+        from .analysis import bar_chart, pca, probe_store, scatter_plot
+        from .reader import open_store
+
+        store = open_store(spec.output.store)
+        results = probe_store(store, folds=5)
+        print("\nlinear probe against the sample classes (5-fold):")
+        _print_probe(results)
+        bar_chart(results, "demo: linear-probe accuracy").save(base / "probe.png")
+        x = store.numpy("embedding")
+        scatter_plot(pca(x), store.labels[store.ok_rows()], store.classes, "demo: PCA of embedding").save(
+            base / "pca.png")
+        print(f"wrote {base / 'probe.png'} and {base / 'pca.png'}")
         print(f"\nOpen it: python -c \"import extractor; s = extractor.open_store('{spec.output.store}'); "
               "print(s.numpy('embedding').shape)\"")
     return code
+
+
+# --------------------------------------------------------------------------- submit and jobs
+
+
+def _address(args: argparse.Namespace) -> str:
+    return args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or "http://127.0.0.1:8265"
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    import yaml
+
+    from .spec import load_spec
+    from .submit import client, follow_logs, submit
+
+    spec = load_spec(args.job, list(args.set or []))
+    address = _address(args)
+    print("job spec (secrets redacted):", file=sys.stderr)
+    print(yaml.safe_dump(spec.public_dict(), sort_keys=False), file=sys.stderr)
+    job_id = submit(spec, address, job_id=args.job_id)
+    print(f"submitted {job_id}")
+    print(f"dashboard: {address.rstrip('/')}/#/jobs/{job_id}")
+    if not args.wait:
+        print(f"follow it with: extractor jobs logs {job_id} --follow --address {address}")
+        return 0
+    c = client(address)
+    follow_logs(c, job_id)
+    info = c.get_job_info(job_id)
+    print(f"job {job_id}: {info.status}" + (f" ({info.message})" if info.message else ""))
+    return 0 if str(info.status).endswith("SUCCEEDED") else 1
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from .errors import ClusterError
+    from .submit import client, follow_logs
+
+    c = client(_address(args))
+    try:
+        if args.action == "list":
+            jobs = sorted(c.list_jobs(), key=lambda j: j.start_time or 0)
+            rows = [[j.submission_id or j.job_id or "", str(j.status).rsplit(".", 1)[-1],
+                     (j.entrypoint or "")[:60]] for j in jobs]
+            print(_table(rows, ["id", "status", "entrypoint"]) if rows else "no jobs")
+            return 0
+        if not args.id:
+            raise ExtractorError(f"extractor jobs {args.action} needs a job id (see extractor jobs list)")
+        if args.action == "status":
+            info = c.get_job_info(args.id)
+            print(f"{args.id}: {str(info.status).rsplit('.', 1)[-1]}" + (f" ({info.message})" if info.message else ""))
+            return 0
+        if args.action == "logs":
+            if args.follow:
+                follow_logs(c, args.id)
+            else:
+                print(c.get_job_logs(args.id), end="")
+            return 0
+        stopped = c.stop_job(args.id)
+        print(f"{args.id}: {'stop requested' if stopped else 'already finished'}")
+        return 0
+    except RuntimeError as err:  # the Jobs API answers unknown ids with a RuntimeError
+        raise ClusterError(f"{args.action} {args.id or ''}: {err}") from None
 
 
 # --------------------------------------------------------------------------- main
@@ -244,13 +370,38 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--json", action="store_true")
     la.set_defaults(func=cmd_layers)
 
-    sh = sub.add_parser("show", help="draw Grad-CAM maps over their images (a PNG grid)")
+    sh = sub.add_parser("show", help="pictures: Grad-CAM overlays, a PCA scatter, or the images of rows")
     sh.add_argument("store")
-    sh.add_argument("--key", help="gradcam capture to draw (default: the first)")
-    sh.add_argument("--rows", default="0:16", help="rows START:STOP (default 0:16)")
+    sh.add_argument("--key", help="capture to draw (default: the first gradcam capture)")
+    sh.add_argument("--rows", default=None, help="rows START:STOP: draw these images (gradcam default 0:16)")
     sh.add_argument("--columns", type=int, default=4)
-    sh.add_argument("--out", default="gradcam.png")
+    sh.add_argument("--max-rows", type=int, default=5000, help="rows sampled for the PCA")
+    sh.add_argument("--out", default="show.png")
     sh.set_defaults(func=cmd_show)
+
+    pr = sub.add_parser("probe", help="linear-probe accuracy of each capture against the labels")
+    pr.add_argument("store")
+    pr.add_argument("--keys", nargs="*", help="captures to probe (default: all)")
+    pr.add_argument("--folds", type=int, default=5)
+    pr.add_argument("--max-rows", type=int, default=10000, help="rows sampled for the probe")
+    pr.add_argument("--out", default=None, help="bar chart PNG")
+    pr.set_defaults(func=cmd_probe)
+
+    su = sub.add_parser("submit", help="submit a job spec to a Ray cluster (Ray Jobs API)")
+    su.add_argument("job", help="job spec (YAML)")
+    su.add_argument("--address", help="Ray dashboard address, e.g. http://HEAD:8265 (default: "
+                    "$RAY_API_SERVER_ADDRESS or http://127.0.0.1:8265)")
+    su.add_argument("--set", action="append", metavar="KEY=VALUE")
+    su.add_argument("--job-id", help="submission id (default: chosen by Ray)")
+    su.add_argument("--wait", action="store_true", help="follow the logs; exit with the job's outcome")
+    su.set_defaults(func=cmd_submit)
+
+    jb = sub.add_parser("jobs", help="list, inspect, follow or stop submitted jobs")
+    jb.add_argument("action", choices=["list", "status", "logs", "stop"])
+    jb.add_argument("id", nargs="?")
+    jb.add_argument("--address")
+    jb.add_argument("--follow", action="store_true")
+    jb.set_defaults(func=cmd_jobs)
 
     d = sub.add_parser("demo", help="write sample images, run the demo job, show the store")
     d.add_argument("--dir", default="demo", help="folder for the images and the store (default: demo)")

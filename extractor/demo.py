@@ -47,9 +47,9 @@ cluster:
 def _draw(cls: int, rng: np.random.Generator, size: int):  # -> PIL.Image.Image
     from PIL import Image, ImageDraw, ImageFilter
 
-    tint = np.eye(3)[cls % 3] * 90 + (40 if cls == 3 else 0)
-    bg = tuple(int(v) for v in rng.integers(0, 90, 3) + tint * 0.3)
-    fg = tuple(int(v) for v in np.clip(rng.integers(120, 200, 3) + tint * 0.6, 0, 255))
+    tint = np.array([(90, 0, 0), (0, 90, 0), (0, 0, 90), (70, 70, 0)][cls], dtype=np.float64)
+    bg = tuple(int(v) for v in rng.integers(0, 80, 3) + tint * 0.5)
+    fg = tuple(int(v) for v in np.clip(rng.integers(110, 170, 3) + tint, 0, 255))
     img = Image.new("RGB", (size, size), bg)
     d = ImageDraw.Draw(img)
     r = int(rng.integers(size // 6, size // 3))

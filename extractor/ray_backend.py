@@ -105,7 +105,9 @@ class RayBackend:
     def _init_ray(self) -> None:
         c = self.spec.cluster
         kwargs: dict[str, Any] = {"configure_logging": False, "log_to_driver": True}
-        if c.address is None:
+        if c.address is None and os.environ.get("RAY_ADDRESS"):
+            kwargs["address"] = os.environ["RAY_ADDRESS"]  # inside a Ray job: join its cluster
+        elif c.address is None:
             # an embedded single-job cluster: loopback only, no dashboard
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
             kwargs.update(include_dashboard=False, num_cpus=c.local_cpus or os.cpu_count())

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -34,18 +35,36 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
         raise StoreError(f"cannot open {url} as a Zarr store: {err}") from err
     if ATTR not in group.attrs:
         raise StoreError(f"{url} is a Zarr group but not an extractor store (no '{ATTR}' attributes)")
-    return ActivationStore(group, url)
+    return ActivationStore(group, url, storage_options)
 
 
 Rows = slice | Sequence[int] | np.ndarray | None
 
 
+def _prefetched(items: Iterator[Any], fn: Any, depth: int) -> Iterator[Any]:
+    """``fn(item)`` for each item, computed ``depth`` ahead on one background thread, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if depth <= 0:
+        yield from (fn(i) for i in items)
+        return
+    pending: deque[Any] = deque()
+    with ThreadPoolExecutor(1, thread_name_prefix="extractor-read") as pool:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) > depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 class ActivationStore:
     """A read-only view of an extractor store."""
 
-    def __init__(self, group: zarr.Group, url: str) -> None:
+    def __init__(self, group: zarr.Group, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.group = group
         self.url = url
+        self.storage_options = dict(storage_options or {})
         self.attrs: dict[str, Any] = dict(group.attrs[ATTR])
         self._cache: dict[str, np.ndarray] = {}
 
@@ -149,48 +168,110 @@ class ActivationStore:
         return np.asarray(arr.oindex[idx])
 
     def batches(
-        self, keys: str | Sequence[str], batch_size: int = 1024, rows: Rows = None, only_ok: bool = True
+        self,
+        keys: str | Sequence[str],
+        batch_size: int = 1024,
+        shuffle: bool = True,
+        seed: int = 0,
+        rows: Rows = None,
+        only_ok: bool = True,
+        buffer_chunks: int = 8,
+        prefetch: int = 4,
     ) -> Iterator[tuple[np.ndarray, Any]]:
-        """Yield ``(row_indices, data)`` in row order, reading chunk by chunk.
+        """Yield ``(row_indices, data)``: every selected row exactly once per call (one epoch).
 
-        ``data`` is an array for one key, a dict of arrays for several.
+        ``data`` is an array for one key, a dict of arrays for several. Reads are whole
+        chunks, prefetched on a background thread. With ``shuffle`` the chunks come in a
+        random order and rows are mixed in a buffer of ``buffer_chunks`` chunks, so random
+        order costs no random reads; the same ``seed`` gives the same order.
         """
         names = [keys] if isinstance(keys, str) else list(keys)
         arrays = {k: self[k] for k in names}
         idx = self._select_rows(rows, only_ok)
         step = max(int(arrays[names[0]].chunks[0]), 1)
-        pending_rows: list[np.ndarray] = []
-        pending: dict[str, list[np.ndarray]] = {k: [] for k in names}
-        count = 0
-        for lo in range(0, len(self), step):
-            sel = idx[(idx >= lo) & (idx < lo + step)]
-            if not sel.size:
-                continue
-            a, b = int(sel[0]), int(sel[-1]) + 1
-            for k, arr in arrays.items():
-                block = np.asarray(arr[a:b])
-                pending[k].append(block[sel - a])
-            pending_rows.append(sel)
-            count += sel.size
-            while count >= batch_size:
-                yield self._take(pending_rows, pending, batch_size, isinstance(keys, str))
-                count -= batch_size
-        if count:
-            yield self._take(pending_rows, pending, count, isinstance(keys, str))
+        chunk_of = idx // step
+        starts = np.flatnonzero(np.r_[True, chunk_of[1:] != chunk_of[:-1]]) if idx.size else np.zeros(0, int)
+        groups = np.split(idx, starts[1:]) if idx.size else []  # selected rows per chunk, in row order
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(len(groups)) if shuffle else np.arange(len(groups))
+        single = isinstance(keys, str)
 
-    @staticmethod
-    def _take(
-        pending_rows: list[np.ndarray], pending: dict[str, list[np.ndarray]], n: int, single: bool
-    ) -> tuple[np.ndarray, Any]:
-        rows_all = np.concatenate(pending_rows)
-        out_rows, rest_rows = rows_all[:n], rows_all[n:]
-        pending_rows[:] = [rest_rows] if rest_rows.size else []
-        data = {}
-        for k, parts in pending.items():
-            allk = np.concatenate(parts)
-            data[k] = allk[:n]
-            parts[:] = [allk[n:]] if len(allk) > n else []
-        return out_rows, (next(iter(data.values())) if single else data)
+        def read(g: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+            a, b = int(g[0]), int(g[-1]) + 1
+            return g, {k: np.asarray(arr[a:b])[g - a] for k, arr in arrays.items()}
+
+        buf_rows: list[np.ndarray] = []
+        buf: dict[str, list[np.ndarray]] = {k: [] for k in names}
+        for n, (g, block) in enumerate(_prefetched((groups[i] for i in order), read, prefetch)):
+            buf_rows.append(g)
+            for k in names:
+                buf[k].append(block[k])
+            last = n == len(groups) - 1
+            if len(buf_rows) < (buffer_chunks if shuffle else 1) and not last:
+                continue
+            r = np.concatenate(buf_rows)
+            data = {k: np.concatenate(v) for k, v in buf.items()}
+            if shuffle:
+                perm = rng.permutation(len(r))
+                r, data = r[perm], {k: v[perm] for k, v in data.items()}
+            full = len(r) if last else len(r) // batch_size * batch_size
+            for lo in range(0, full, batch_size):
+                sl = slice(lo, min(lo + batch_size, full))
+                yield r[sl], (data[names[0]][sl] if single else {k: v[sl] for k, v in data.items()})
+            # rows that did not fill a batch stay and mix with the next chunks
+            buf_rows = [r[full:]] if full < len(r) else []
+            buf = {k: ([v[full:]] if full < len(r) else []) for k, v in data.items()}
+
+    def row(self, id: str) -> dict[str, Any]:
+        """All captures of the row with image id ``id`` (random access by id)."""
+        if "_row_of" not in self._cache:
+            self._cache["_row_of"] = {str(i): n for n, i in enumerate(self.ids)}  # type: ignore[assignment]
+        index: dict[str, int] = self._cache["_row_of"]  # type: ignore[assignment]
+        if id not in index:
+            raise KeyError(f"no row with id {id!r} in {self.url}")
+        n = index[id]
+        status = STATUS_NAMES[int(self.group["status"][n])]
+        out: dict[str, Any] = {"row": n, "id": id, "label": int(self.labels[n]), "status": status}
+        out.update({k: np.asarray(self[k][n]) for k in self.keys})
+        return out
+
+    def torch_dataset(self, keys: str | Sequence[str] | None = None, only_ok: bool = True):
+        """A map-style ``torch.utils.data.Dataset`` over the ok rows (torch is imported here only).
+
+        Item ``i`` is a dict of tensors: one per key, plus ``row`` and ``label``.
+        """
+        from ._torch import StoreDataset
+
+        return StoreDataset(self, [keys] if isinstance(keys, str) else list(keys or self.keys), only_ok)
+
+    def dataloader(
+        self, keys: str | Sequence[str] | None = None, batch_size: int = 1024, shuffle: bool = True, seed: int = 0,
+        **batches_kwargs: Any,
+    ):
+        """A ``torch.utils.data.DataLoader`` of dict batches streamed by :meth:`batches` (chunk-aware shuffle).
+
+        Each iteration is one epoch; epoch ``e`` uses seed ``seed + e``.
+        """
+        from ._torch import batch_loader
+
+        names = [keys] if isinstance(keys, str) else list(keys or self.keys)
+        return batch_loader(self, names, batch_size, shuffle, seed, batches_kwargs)
+
+    def to_xarray(self):
+        """An ``xarray.Dataset`` (dask-backed, lazy): one DataArray per capture on dim ``row``,
+        with ``id`` and ``label`` coordinates. Needs the ``analysis`` extra (xarray, dask)."""
+        try:
+            import xarray as xr
+        except ImportError as err:
+            raise ImportError("to_xarray needs xarray and dask: pip install 'extractor[analysis]'") from err
+        kwargs: dict[str, Any] = {"consolidated": False}
+        if self.storage_options:
+            kwargs["storage_options"] = dict(self.storage_options)
+        ds = xr.open_zarr(self.url, **kwargs)
+        ds = ds[self.keys].assign_coords(id=("row", np.asarray(self.ids, dtype=object)), label=("row", self.labels))
+        ds = ds.drop_vars([c for c in ("ids", "labels") if c in ds.coords])
+        ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}
+        return ds
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict[str, Any]:
@@ -222,5 +303,6 @@ class ActivationStore:
             "shards": {"total": int(self.attrs["n_shards"]), "done": int(self.done_shards.sum())},
             "classes": self.classes,
             "captures": captures,
+            "stats": self.attrs.get("stats", {}),
             "bytes_on_disk": disk_usage(self.url),
         }

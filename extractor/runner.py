@@ -22,6 +22,7 @@ from . import __version__
 from .errors import DataError, StoreError
 from .sources import Rows, Shard, list_rows, plan
 from .spec import JobSpec, content_of, spec_digest
+from .stats import merge as merge_stats
 from .store import (
     FAILED,
     FORMAT_VERSION,
@@ -29,6 +30,7 @@ from .store import (
     create_store,
     done_shards,
     now,
+    open_group,
     read_attrs,
     update_attrs,
 )
@@ -60,6 +62,7 @@ class RunSummary:
     failures: list[tuple[int, str, str]] = field(default_factory=list)
     per_shard: list[ShardSummary] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
+    nonfinite: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # key -> (rows, first rows)
 
     def to_dict(self) -> dict[str, Any]:
         d = self.__dict__.copy()
@@ -137,13 +140,12 @@ def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any]) -> None
 
 
 def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any]) -> Any:
-    import zarr
-
     url = spec.output.store
-    old = read_attrs(url)
+    so = spec.output.storage_options
+    old = read_attrs(url, so)
     mode = spec.output.if_exists
     if old is not None and mode == "error":
-        group = zarr.open_group(url, mode="r")
+        group = open_group(url, "r", so)
         done = int(done_shards(group).sum())
         raise StoreError(
             f"store {url} already exists ({done} of {old.get('n_shards', '?')} shards done, status "
@@ -151,8 +153,8 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
         )
     if old is not None and mode == "resume":
         _check_resumable(url, old, json.loads(json.dumps(attrs)))
-        update_attrs(url, status="running", resumed=now())
-        return zarr.open_group(url, mode="r+")
+        update_attrs(url, so, status="running", resumed=now())
+        return open_group(url, "r+", so)
     if old is not None:
         log.info("overwriting %s", url)
     return create_store(
@@ -280,7 +282,7 @@ def run(
             "created": now(),
             "updated": now(),
             "status": "running",
-            "spec": spec.to_dict(),
+            "spec": spec.public_dict(),  # secrets in storage options never reach the store
             "spec_digest": spec_digest(spec),
             "model": layout["model"],
             "captures": captures,
@@ -304,7 +306,9 @@ def run(
             summaries = backend.run(todo, url, on_progress or (lambda n: None), event)
         except BaseException as err:
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            update_attrs(url, status=status, error=f"{type(err).__name__}: {err}"[:1000])
+            stats = merge_stats(str(s) for s in group["shard_stats"][:])  # of the shards that did finish
+            update_attrs(url, spec.output.storage_options, status=status, error=f"{type(err).__name__}: {err}"[:1000],
+                         stats=stats)
             raise
     finally:
         backend.close()
@@ -332,7 +336,9 @@ def _finish(
             failures.append((int(r), str(ids[int(r)]), str(errors[int(r)])))
     n_pending = int((status == PENDING).sum())
     complete = bool(done_shards(group).all())
-    update_attrs(spec.output.store, status="complete" if complete else "incomplete", error=None)
+    stats = merge_stats(str(s) for s in group["shard_stats"][:])
+    update_attrs(spec.output.store, spec.output.storage_options, status="complete" if complete else "incomplete",
+                 error=None, stats=stats)
     processed = sum(s.rows for s in summaries)
     return RunSummary(
         store=spec.output.store,
@@ -348,4 +354,6 @@ def _finish(
         bytes_per_row=per_row,
         failures=failures,
         per_shard=summaries,
+        nonfinite={k: (v["nonfinite_rows"], v["first_nonfinite_rows"]) for k, v in stats.items()
+                   if v["nonfinite_rows"]},
     )

@@ -7,6 +7,7 @@ order, so the same spec always gives the same row for the same image.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +36,8 @@ class Rows:
     paths: list[str]
     labels: list[int]
     classes: list[str] = field(default_factory=list)
+    offsets: list[int] | None = None  # tar sources: where each image's bytes start in its tar
+    sizes: list[int] | None = None  # and how many there are
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -64,21 +68,71 @@ def plan(n_rows: int, shard_size: int) -> list[Shard]:
 # --------------------------------------------------------------------------- listing
 
 
+def is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
 def list_rows(data: DataSpec) -> Rows:
     """List the images of a data spec, or raise :class:`DataError` before any work starts."""
+    so = data.storage_options
     if data.source == "folder":
         assert data.root is not None  # the spec validator guarantees it
-        rows = _list_folder(Path(data.root), data.extensions)
-    else:
+        rows = _list_remote_folder(data.root, data.extensions, so) if is_url(data.root) else \
+            _list_folder(Path(data.root), data.extensions)
+        where = data.root
+    elif data.source == "manifest":
         assert data.manifest is not None
-        rows = _list_manifest(Path(data.manifest), Path(data.root) if data.root else None)
+        rows = _list_manifest(data.manifest, data.root, so)
+        where = data.manifest
+    else:
+        from .tarsource import list_tars
+
+        rows = list_tars(data.tars, data.extensions, so)
+        where = str(data.tars)
     if not len(rows):
-        where = data.root if data.source == "folder" else data.manifest
         raise DataError(
             f"no images found in {where} (looked for files ending in {', '.join(data.extensions)}); "
-            "check data.root / data.manifest"
+            "check data.root / data.manifest / data.tars"
         )
     return rows
+
+
+def _remote_error(what: str, url: str, err: BaseException) -> DataError:
+    name = type(err).__name__
+    hint = ""
+    text = str(err).lower()
+    if "credential" in text or "access denied" in text or "forbidden" in text or "signature" in text:
+        hint = "; check the credentials in data.storage_options"
+    elif "bucket" in text or isinstance(err, FileNotFoundError):
+        hint = "; check the bucket and path"
+    elif "connect" in text or "endpoint" in text:
+        hint = "; check data.storage_options.endpoint_url and the network"
+    return DataError(f"cannot read {what} {url}: {name}: {err}{hint}")
+
+
+def _list_remote_folder(root: str, extensions: Sequence[str], so: dict) -> Rows:
+    import fsspec
+
+    exts = tuple(e.lower() for e in extensions)
+    try:
+        fs, base = fsspec.core.url_to_fs(root, **so)
+        found = sorted(p for p in fs.find(base) if p.lower().endswith(exts))
+    except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+        raise _remote_error("data.root", root, err) from err
+    base = base.rstrip("/")
+    rel = [p[len(base) + 1:] for p in found]
+    rel = [r for r in rel if not r.rsplit("/", 1)[-1].startswith(".")]
+    labels, classes = _folder_labels(rel)
+    return Rows(ids=rel, paths=[f"{root.rstrip('/')}/{r}" for r in rel], labels=labels, classes=classes)
+
+
+def _folder_labels(rel: list[str]) -> tuple[list[int], list[str]]:
+    """ImageFolder-shaped (no images directly in root, each below a class folder): labels by folder."""
+    if rel and all("/" in r for r in rel):
+        classes = sorted({r.split("/", 1)[0] for r in rel})
+        index = {c: i for i, c in enumerate(classes)}
+        return [index[r.split("/", 1)[0]] for r in rel], classes
+    return [-1] * len(rel), []
 
 
 def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
@@ -98,47 +152,50 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
         for name in sorted(filenames):
             if name.lower().endswith(exts) and not name.startswith("."):
                 rel.append((base / name).as_posix())
-    # ImageFolder-shaped: no images directly in root, every image below a class folder
-    top = [r.split("/", 1)[0] for r in rel]
-    classes: list[str] = []
-    labels = [-1] * len(rel)
-    if rel and all("/" in r for r in rel):
-        classes = sorted(set(top))
-        index = {c: i for i, c in enumerate(classes)}
-        labels = [index[t] for t in top]
+    labels, classes = _folder_labels(rel)
     paths = [str(root / r) for r in rel]
     return Rows(ids=rel, paths=paths, labels=labels, classes=classes)
 
 
-def _list_manifest(manifest: Path, root: Path | None) -> Rows:
-    if not manifest.exists():
-        raise DataError(f"data.manifest {manifest} does not exist")
-    suffix = manifest.suffix.lower()
+def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
+    suffix = Path(manifest.split("?", 1)[0]).suffix.lower()
+    if suffix not in (".csv", ".jsonl", ".ndjson"):
+        raise DataError(f"data.manifest {manifest}: expected a .csv or .jsonl file")
     try:
-        if suffix == ".csv":
-            with manifest.open(newline="") as f:
-                records = list(csv.DictReader(f))
-        elif suffix in (".jsonl", ".ndjson"):
-            records = []
-            with manifest.open() as f:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            records.append(json.loads(line))
-                        except json.JSONDecodeError as err:
-                            raise DataError(f"{manifest}:{lineno}: not valid JSON: {err.msg}") from None
+        if is_url(manifest):
+            import fsspec
+
+            try:
+                with fsspec.open(manifest, "rb", **so) as f:
+                    text = f.read().decode("utf-8")
+            except UnicodeDecodeError:
+                raise
+            except Exception as err:  # noqa: BLE001
+                raise _remote_error("data.manifest", manifest, err) from err
         else:
-            raise DataError(f"data.manifest {manifest}: expected a .csv or .jsonl file")
+            if not Path(manifest).exists():
+                raise DataError(f"data.manifest {manifest} does not exist")
+            text = Path(manifest).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"data.manifest {manifest} is not UTF-8 text: {err}") from None
-    base = root if root is not None else manifest.parent
+    if suffix == ".csv":
+        records: list[Any] = list(csv.DictReader(io.StringIO(text, newline="")))
+    else:
+        records = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{manifest}:{lineno}: not valid JSON: {err.msg}") from None
+    base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
     ids, paths, raw_labels = [], [], []
     for n, rec in enumerate(records):
         where = f"{manifest} row {n + 1}"
         if not isinstance(rec, dict) or not rec.get("path"):
             raise DataError(f"{where}: missing 'path' (columns: path, optional id and label)")
         p = str(rec["path"])
-        full = p if "://" in p or os.path.isabs(p) else str(base / p)
+        full = p if "://" in p or os.path.isabs(p) else f"{base.rstrip('/')}/{p}"
         paths.append(full)
         ids.append(str(rec["id"]) if rec.get("id") not in (None, "") else p)
         raw_labels.append(rec.get("label"))
@@ -149,11 +206,12 @@ def _list_manifest(manifest: Path, root: Path | None) -> Rows:
                 f"{manifest}: id {i!r} appears in rows {seen[i] + 1} and {n + 1}; ids must be unique"
             )
         seen[i] = n
-    labels, classes = _labels(raw_labels, manifest)
+    labels, classes = labels_of(raw_labels)
     return Rows(ids=ids, paths=paths, labels=labels, classes=classes)
 
 
-def _labels(raw: list[object], manifest: Path) -> tuple[list[int], list[str]]:
+def labels_of(raw: list[object]) -> tuple[list[int], list[str]]:
+    """Integer labels as given, or class names mapped to sorted indices; -1 where missing."""
     present = [v for v in raw if v not in (None, "")]
     if not present:
         return [-1] * len(raw), []
@@ -183,25 +241,53 @@ class ImageDecoder:
 
         self.resize = data.resize
         self.crop = data.crop
+        self.storage_options = data.storage_options
         self.interpolation = InterpolationMode(data.interpolation)
 
-    def __call__(self, path: str):  # -> torch.Tensor (3, crop, crop) uint8
+    def __call__(self, item: Locator):  # -> torch.Tensor (3, crop, crop) uint8
         import torchvision.transforms.v2.functional as F
 
-        img = open_rgb(path)
+        img = open_rgb(item, self.storage_options)
         if self.resize is not None:
             img = F.resize(img, [self.resize], interpolation=self.interpolation, antialias=True)
         img = F.center_crop(img, [self.crop, self.crop])
         return F.pil_to_tensor(img)
 
 
-def open_rgb(path: str):  # -> PIL.Image.Image in mode RGB
-    """Open an image file as 8-bit RGB with its EXIF orientation applied."""
+Locator = str | tuple[str, int, int]  # a path or URL, or (tar URL#member, byte offset, byte size)
+
+
+def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:
+    """The bytes of one image: a file, a URL, or a member's byte range inside a tar."""
+    if isinstance(item, tuple):
+        path, offset, size = item
+        url = path.split("#", 1)[0]
+        if is_url(url):
+            import fsspec
+
+            fs, p = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            return fs.cat_file(p, start=offset, end=offset + size)
+        with open(url.removeprefix("file://"), "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise OSError(f"{url} ends before the member's {size} bytes at offset {offset}: truncated tar")
+        return data
+    if is_url(item):
+        import fsspec
+
+        with fsspec.open(item, "rb", **(storage_options or {})) as f:
+            return f.read()
+    with open(item.removeprefix("file://"), "rb") as f:
+        return f.read()
+
+
+def open_rgb(item: Locator, storage_options: dict | None = None):  # -> PIL.Image.Image in mode RGB
+    """Open an image as 8-bit RGB with its EXIF orientation applied."""
     from PIL import Image, ImageOps
 
-    with open(path, "rb") as f:
-        img = Image.open(f)
-        img.load()
+    img = Image.open(io.BytesIO(read_bytes(item, storage_options)))
+    img.load()
     img = ImageOps.exif_transpose(img) or img
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         arr = np.asarray(img, dtype=np.float64)
@@ -230,7 +316,7 @@ class Batch:
 
 
 def iter_batches(
-    paths: Sequence[str],
+    paths: Sequence[Locator],
     batch_size: int,
     decode,
     pool: ThreadPoolExecutor | None,
@@ -239,7 +325,7 @@ def iter_batches(
     """Decode ``paths`` in batches, ``prefetch_batches`` ahead on ``pool`` (inline if None)."""
     import torch
 
-    def safe(path: str):
+    def safe(path: Locator):
         try:
             return decode(path), None
         except Exception as err:  # noqa: BLE001 - any decode failure fails its row only

@@ -55,12 +55,17 @@ class ModelSpec(_Section):
 
 
 class DataSpec(_Section):
-    source: Literal["folder", "manifest"] = "folder"
-    """``folder`` (recursive walk; ImageFolder labels) or ``manifest`` (CSV/JSONL)."""
+    source: Literal["folder", "manifest", "tar"] = "folder"
+    """``folder`` (recursive walk; ImageFolder labels), ``manifest`` (CSV/JSONL) or ``tar`` (WebDataset shards)."""
     root: str | None = None
-    """Folder of images; for a manifest, the base of relative paths (default: the manifest's folder)."""
+    """Folder of images (a path or fsspec URL); for a manifest, the base of relative paths
+    (default: the manifest's folder)."""
     manifest: str | None = None
-    """CSV or JSONL file with a ``path`` column and optional ``id`` and ``label``."""
+    """CSV or JSONL file (path or URL) with a ``path`` column and optional ``id`` and ``label``."""
+    tars: str | tuple[str, ...] | None = None
+    """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options for remote images, manifests and tars (``endpoint_url``, ``key``, ``secret``...)."""
     extensions: tuple[str, ...] = IMAGE_EXTENSIONS
     """File name endings taken as images by the folder source (case-insensitive)."""
     resize: int | None = Field(default=256, gt=0)
@@ -82,6 +87,8 @@ class DataSpec(_Section):
             raise ValueError("data.source 'folder' needs data.root (the image folder)")
         if self.source == "manifest" and not self.manifest:
             raise ValueError("data.source 'manifest' needs data.manifest (a .csv or .jsonl file)")
+        if self.source == "tar" and not self.tars:
+            raise ValueError("data.source 'tar' needs data.tars (tar paths or URLs, brace patterns allowed)")
         if any(s <= 0 for s in self.std):
             raise ValueError("data.std values must be positive")
         return self
@@ -131,7 +138,9 @@ class CaptureSpec(_Section):
 
 class OutputSpec(_Section):
     store: str = "out.zarr"
-    """Path of the Zarr store to write."""
+    """Path or fsspec URL (``s3://bucket/run.zarr``) of the Zarr store to write."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options for a remote store; secrets here are never written to the store or logs."""
     chunk_rows: int = Field(default=256, gt=0)
     """Rows per chunk of each capture array; must divide data.shard_size."""
     compression: Literal["zstd", "blosc", "gzip", "none"] = "zstd"
@@ -159,12 +168,22 @@ class ClusterSpec(_Section):
     """How long to wait for the workers to build their models."""
 
 
+class SubmitSpec(_Section):
+    working_dir: str | None = None
+    """A folder uploaded with the job (e.g. the code of a model.factory); the spec travels beside it."""
+    pip: tuple[str, ...] = ()
+    """Packages pip installs for the job on the cluster (e.g. extractor itself)."""
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of the job on the cluster."""
+
+
 class JobSpec(_Section):
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec
     capture: tuple[CaptureSpec, ...] = Field(min_length=1)
     output: OutputSpec = Field(default_factory=OutputSpec)
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    submit: SubmitSpec = Field(default_factory=SubmitSpec)
 
     @model_validator(mode="after")
     def _chunks_fit_shards(self) -> JobSpec:
@@ -186,8 +205,12 @@ class JobSpec(_Section):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved spec as plain JSON-able data (what the store records)."""
+        """The resolved spec as plain JSON-able data, secrets included (for workers only)."""
         return self.model_dump(mode="json")
+
+    def public_dict(self) -> dict[str, Any]:
+        """The resolved spec with secrets in storage options redacted: what the store, logs and prints show."""
+        return redact(self.to_dict())
 
     def content_dict(self) -> dict[str, Any]:
         """The parts of the spec that decide what the store contains (compared on resume)."""
@@ -202,8 +225,33 @@ RUN_ONLY_FIELDS = (
     ("data", "decode_workers"),
     ("output", "if_exists"),
     ("output", "store"),
+    ("output", "storage_options"),
+    ("data", "storage_options"),
     ("cluster", None),
+    ("submit", None),
 )
+
+
+# storage-option keys whose values are not secret; every other value is redacted
+_PUBLIC_OPTIONS = {"endpoint_url", "region_name", "region", "anon", "use_ssl", "requester_pays", "profile",
+                   "project", "default_block_size", "default_fill_cache", "client_kwargs", "config_kwargs",
+                   "s3_additional_kwargs", "version_aware", "asynchronous", "skip_instance_cache"}
+REDACTED = "***redacted***"
+
+
+def redact(d: Any, inside_options: bool = False) -> Any:
+    """A copy of ``d`` with every non-public value under a ``storage_options`` key redacted."""
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            if inside_options and k not in _PUBLIC_OPTIONS:
+                out[k] = REDACTED
+            else:
+                out[k] = redact(v, inside_options or k == "storage_options")
+        return out
+    if isinstance(d, list):
+        return [redact(v, inside_options) for v in d]
+    return d
 
 
 def content_of(spec_dict: dict[str, Any]) -> dict[str, Any]:

@@ -6,11 +6,13 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
 
     zarr.json           root attributes under "extractor" (see README "Store layout")
     ids      (N,)       str      image id (relative path or manifest id)
-    paths    (N,)       str      where the image was read from
+    paths    (N,)       str      where the image was read from (tar members: TAR_URL#MEMBER)
+    byte_offset, byte_size (N,) int64  tar sources only: the image's bytes inside its tar
     labels   (N,)       int64    class index, -1 when none
     status   (N,)       uint8    0 pending, 1 ok, 2 failed
     errors   (N,)       str      why a failed row failed ("" otherwise)
     shard_done (S,)     uint8    1 once shard s is durable (one object per shard)
+    shard_stats (S,)    str      JSON sums of shard s's values, merged into the "stats" attribute
     <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok
     target, target_score, <gradcam key>.range   (gradient jobs) per-row target class,
                         its logit, and each Grad-CAM map's min and max
@@ -54,7 +56,7 @@ def _compressors(name: str, level: int | None) -> Any:
     return None
 
 
-def _open(url: str, mode: str, storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
+def open_group(url: str, mode: str, storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
     kwargs: dict[str, Any] = {"mode": mode}
     if storage_options:
         kwargs["storage_options"] = dict(storage_options)
@@ -79,7 +81,7 @@ def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> di
                 "(extractor never deletes folders it did not create)"
             )
     try:
-        group = _open(url, "r", storage_options)
+        group = open_group(url, "r", storage_options)
     except FileNotFoundError:
         return None
     except Exception as err:
@@ -107,11 +109,13 @@ def create_store(
     compression_level: int | None,
     attrs: Mapping[str, Any],
     storage_options: Mapping[str, Any] | None = None,
+    offsets: Sequence[int] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> zarr.Group:
     """Create the layout (wiping what is at ``url``); the caller checked that this is allowed."""
     n = len(ids)
     n_shards = -(-n // shard_size)
-    group = _open(url, "w", storage_options)
+    group = open_group(url, "w", storage_options)
     comp = _compressors(compression, compression_level)
     row_chunk = (min(shard_size, max(n, 1)),)
 
@@ -125,10 +129,16 @@ def create_store(
     row_array("ids", str, "", np.asarray(ids, dtype=np.dtypes.StringDType()))
     row_array("paths", str, "", np.asarray(paths, dtype=np.dtypes.StringDType()))
     row_array("labels", "int64", -1, np.asarray(labels, dtype=np.int64))
+    if offsets is not None and sizes is not None:  # tar sources: where each image's bytes are
+        row_array("byte_offset", "int64", -1, np.asarray(offsets, dtype=np.int64))
+        row_array("byte_size", "int64", -1, np.asarray(sizes, dtype=np.int64))
     row_array("status", "uint8", PENDING)
     row_array("errors", str, "")
     group.create_array(
         "shard_done", shape=(n_shards,), dtype="uint8", chunks=(1,), fill_value=0, dimension_names=["shard"]
+    )
+    group.create_array(
+        "shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="", dimension_names=["shard"]
     )
     for key, meta in extras.items():  # per-row results of gradient jobs, chunked by shard
         group.create_array(
@@ -157,7 +167,7 @@ def create_store(
 
 def update_attrs(url: str, storage_options: Mapping[str, Any] | None = None, **changes: Any) -> None:
     """Update the root's extractor attributes (driver only)."""
-    group = _open(url, "r+", storage_options)
+    group = open_group(url, "r+", storage_options)
     attrs = dict(group.attrs[ATTR])
     attrs.update(changes, updated=now())
     group.attrs.update({ATTR: attrs})
@@ -172,12 +182,18 @@ class ShardWriter:
     """Writes the rows of one shard; ``finish`` writes status, errors, then the done marker."""
 
     def __init__(self, url: str, start: int, stop: int, index: int, storage_options: Mapping[str, Any] | None = None):
-        self.group = _open(url, "r+", storage_options)
+        self.group = open_group(url, "r+", storage_options)
         self.start, self.stop, self.index = start, stop, index
         self.bytes = 0
 
-    def paths(self) -> list[str]:
-        return [str(p) for p in self.group["paths"][self.start : self.stop]]
+    def locators(self) -> list[Any]:
+        """What the decoder reads for each row: a path, or (tar URL#member, offset, size)."""
+        paths = [str(p) for p in self.group["paths"][self.start : self.stop]]
+        if "byte_offset" not in self.group:
+            return paths
+        offsets = self.group["byte_offset"][self.start : self.stop]
+        sizes = self.group["byte_size"][self.start : self.stop]
+        return [(p, int(o), int(n)) for p, o, n in zip(paths, offsets, sizes, strict=True)]
 
     def labels(self) -> np.ndarray:
         return np.asarray(self.group["labels"][self.start : self.stop], dtype=np.int64)
@@ -188,11 +204,18 @@ class ShardWriter:
         self.group[key][a : a + len(data)] = data
         self.bytes += data.nbytes
 
-    def finish(self, status: np.ndarray, errors: Sequence[str], extras: Mapping[str, np.ndarray] | None = None) -> None:
+    def finish(
+        self,
+        status: np.ndarray,
+        errors: Sequence[str],
+        extras: Mapping[str, np.ndarray] | None = None,
+        stats: str = "",
+    ) -> None:
         for key, values in (extras or {}).items():
             self.group[key][self.start : self.stop] = values
         self.group["status"][self.start : self.stop] = status
         self.group["errors"][self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
+        self.group["shard_stats"][self.index] = stats
         self.group["shard_done"][self.index] = 1  # last: a crash before this never looks complete
 
 

@@ -25,6 +25,8 @@ from .errors import ShardError
 from .model import build_model, resolve_device
 from .sources import ImageDecoder, Shard, iter_batches
 from .spec import JobSpec
+from .stats import ShardStats
+from .stats import dumps as stats_dumps
 from .store import FAILED, OK, ShardWriter
 
 __all__ = ["Worker", "ShardSummary"]
@@ -153,8 +155,9 @@ class Worker:
             self.probe()
         assert self.captures is not None
         t0 = time.perf_counter()
-        writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options)
-        paths = writer.paths()
+        so = storage_options if storage_options is not None else self.spec.output.storage_options
+        writer = ShardWriter(url, shard.start, shard.stop, shard.index, so)
+        paths = writer.locators()
         labels = writer.labels() if self.extras else None
         n = len(shard)
         chunk = self.spec.output.chunk_rows
@@ -165,6 +168,7 @@ class Worker:
         }
         extras = {k: np.full((n, *m["shape"]), -1 if m["dtype"] == "int64" else np.nan, dtype=m["dtype"])
                   for k, m in self.extras.items()}
+        stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in self.captures.items()}
         current = 0  # index of the chunk being filled, relative to the shard
 
         def flush(c: int) -> None:
@@ -184,6 +188,8 @@ class Worker:
                         host = {k: v.cpu().numpy() for k, v in self._forward(cap, batch.images, lab).items()}
                         for key, arr in extras.items():
                             arr[offsets] = host[key]
+                        for key, st in stats.items():
+                            st.update(host[key], shard.start + offsets)
                         status[offsets] = OK
                         for c in np.unique(offsets // chunk):
                             while current < c:
@@ -198,7 +204,7 @@ class Worker:
             while current <= last:
                 flush(current)
                 current += 1
-            writer.finish(status, errors, extras)
+            writer.finish(status, errors, extras, stats_dumps(stats))
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:

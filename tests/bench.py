@@ -83,6 +83,57 @@ def extract(args: argparse.Namespace) -> dict:
             "store_bytes": sum(s.bytes for s in summary.per_shard)}
 
 
+def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024, repeats: int = 3) -> None:
+    """Shuffled streaming (chunk-aware) against a sequential read of the same store."""
+    import numpy as np
+
+    from extractor.reader import open_store
+    from extractor.store import OK, create_store
+
+    url = str(WORK / "reader.zarr")
+    rng = np.random.default_rng(0)
+    if not (WORK / "reader.zarr" / "zarr.json").exists():
+        shard = chunk_rows * 4
+        g = create_store(url, ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows,
+                         shard_size=shard, chunk_rows=chunk_rows,
+                         captures={"x": {"shape": [features], "dtype": "float32", "dims": ["x.feature"]}},
+                         extras={}, compression="zstd", compression_level=None,
+                         attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {
+                             "x": {"shape": [features], "dtype": "float32", "dims": ["x.feature"], "layer": "x",
+                                   "what": "output", "reduce": "none"}}, "format_version": 1, "spec": {}})
+        for a in range(0, rows, chunk_rows):
+            g["x"][a:a + chunk_rows] = rng.standard_normal((min(chunk_rows, rows - a), features), dtype=np.float32)
+        g["status"][:] = np.full(rows, OK, np.uint8)
+    s = open_store(url)
+    mb = rows * features * 4 / 1e6
+    arr = s["x"]
+
+    def plain() -> None:
+        for a in range(0, rows, chunk_rows):
+            np.asarray(arr[a:a + chunk_rows])
+
+    def stream(shuffle: bool) -> None:
+        n = 0
+        for r, _x in s.batches("x", 1024, shuffle=shuffle, seed=1):
+            n += len(r)
+        assert n == rows
+
+    results = {}
+    for name, fn in (("sequential zarr read", plain), ("batches(shuffle=False)", lambda: stream(False)),
+                     ("batches(shuffle=True)", lambda: stream(True))):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        results[name] = statistics.median(times)
+    base = results["sequential zarr read"]
+    print(f"\nreader: {rows} rows x {features} float32 ({mb:.0f} MB uncompressed), chunks of {chunk_rows} rows, "
+          f"zstd; median of {repeats}")
+    for name, t in results.items():
+        print(f"  {name:24s} {rows / t:10.0f} rows/s {mb / t:8.1f} MB/s  ratio {base / t:.2f}")
+
+
 def child(args: argparse.Namespace) -> None:
     result = bare(args) if args.variant == "bare" else extract(args)
     print("RESULT " + json.dumps(result))
@@ -96,6 +147,7 @@ def main() -> None:
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="bare,pooled,fullmap,early,ray,gradcam")
+    p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -104,6 +156,10 @@ def main() -> None:
         child(args)
         return
 
+    if args.reader_only:
+        WORK.mkdir(exist_ok=True)
+        reader_bench()
+        return
     from extractor.demo import CLASSES, _draw
 
     image_dir = WORK / f"images-{args.images}"
@@ -157,6 +213,7 @@ def main() -> None:
     print("\nratio = median images/s over the bare loop's. extractor's images/s runs from the first shard's "
           "start to the job's end (decode, forward, copy, write); 'start s' before it is start-up: Ray, "
           "model build, probe, store creation.")
+    reader_bench()
 
 
 if __name__ == "__main__":

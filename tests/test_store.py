@@ -32,10 +32,11 @@ def store(image_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_documented_layout(store: Path):
     g = zarr.open_group(str(store), mode="r")
     assert sorted(g.array_keys()) == sorted(["ids", "paths", "labels", "status", "errors", "shard_done",
-                                             "layer3", "pooled"])
+                                             "shard_stats", "layer3", "pooled"])
     n = 12
     expect = {"ids": ("row",), "paths": ("row",), "labels": ("row",), "status": ("row",), "errors": ("row",),
-              "shard_done": ("shard",), "layer3": ("row", "layer3.channel", "layer3.y", "layer3.x"),
+              "shard_done": ("shard",), "shard_stats": ("shard",),
+              "layer3": ("row", "layer3.channel", "layer3.y", "layer3.x"),
               "pooled": ("row", "pooled.channel")}
     for name, dims in expect.items():
         assert g[name].metadata.dimension_names == dims, name

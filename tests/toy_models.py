@@ -156,3 +156,29 @@ class SquareMean(nn.Module):
 
 def square_mean(double_grad: bool = False) -> nn.Module:
     return SquareMean(double_grad)
+
+
+class InfConv(nn.Module):
+    """A conv whose output turns to +Inf for white images (a model producing Inf for some rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        white = (x > 2.2).flatten(1).all(dim=1)
+        return torch.where(white[:, None, None, None], torch.full_like(y, float("inf")), y)
+
+
+class NanNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = InfConv()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).mean(dim=(2, 3))
+
+
+def nan_net() -> nn.Module:
+    return NanNet()

@@ -1,0 +1,53 @@
+"""Torch views of a store (imported only when asked for)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+
+class StoreDataset(Dataset):
+    """Map-style: item i is the i-th selected row, as a dict of tensors plus ``row`` and ``label``."""
+
+    def __init__(self, store: Any, keys: list[str], only_ok: bool = True) -> None:
+        self.store, self.keys = store, keys
+        self.rows = store.ok_rows() if only_ok else np.arange(len(store))
+        self.labels = store.labels
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        r = int(self.rows[i])
+        out = {k: torch.from_numpy(np.asarray(self.store[k][r])) for k in self.keys}
+        out["row"] = torch.tensor(r)
+        out["label"] = torch.tensor(int(self.labels[r]))
+        return out
+
+
+class _Batches(IterableDataset):
+    def __init__(self, store: Any, keys: list[str], batch_size: int, shuffle: bool, seed: int,
+                 kwargs: dict[str, Any]) -> None:
+        self.store, self.keys, self.batch_size, self.shuffle, self.seed = store, keys, batch_size, shuffle, seed
+        self.kwargs = kwargs
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        seed = self.seed + self.epoch
+        self.epoch += 1
+        labels = self.store.labels
+        for rows, data in self.store.batches(self.keys, self.batch_size, shuffle=self.shuffle, seed=seed,
+                                             **self.kwargs):
+            out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in data.items()}
+            out["row"] = torch.from_numpy(rows)
+            out["label"] = torch.from_numpy(labels[rows])
+            yield out
+
+
+def batch_loader(store: Any, keys: list[str], batch_size: int, shuffle: bool, seed: int,
+                 kwargs: dict[str, Any]) -> DataLoader:
+    return DataLoader(_Batches(store, keys, batch_size, shuffle, seed, kwargs), batch_size=None)

@@ -1,0 +1,167 @@
+"""Analysis of a store: linear probes, PCA, and the pictures of both (numpy and PIL only)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import StoreError
+from .reader import ActivationStore
+
+__all__ = ["linear_probe", "probe_store", "pca", "bar_chart", "scatter_plot", "image_grid"]
+
+
+def _features(store: ActivationStore, key: str, max_rows: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = store.ok_rows()
+    rows = rows[store.labels[rows] >= 0]
+    if len(rows) > max_rows:
+        rows = np.sort(np.random.default_rng(seed).choice(rows, max_rows, replace=False))
+    x = store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32)
+    return x, store.labels[rows], rows
+
+
+def _softmax_regression(x: np.ndarray, y: np.ndarray, k: int, l2: float, iters: int) -> np.ndarray:
+    """Multinomial logistic regression by full-batch Adam on standardized x; returns (d+1, k) weights."""
+    n, d = x.shape
+    xb = np.hstack([x, np.ones((n, 1), np.float32)])
+    w = np.zeros((d + 1, k), np.float32)
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    onehot = np.eye(k, dtype=np.float32)[y]
+    lr, b1, b2 = 0.05, 0.9, 0.999
+    for t in range(1, iters + 1):
+        z = xb @ w
+        z -= z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        g = xb.T @ (p - onehot) / n
+        g[:-1] += l2 * w[:-1]
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        w -= lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + 1e-8)
+    return w
+
+
+def linear_probe(
+    x: np.ndarray, y: np.ndarray, folds: int = 5, seed: int = 0, l2: float = 1e-3, iters: int = 300
+) -> dict[str, Any]:
+    """Cross-validated accuracy of a linear classifier on standardized features."""
+    classes, yi = np.unique(y, return_inverse=True)
+    if len(classes) < 2:
+        raise StoreError("a probe needs at least two classes among the labelled ok rows")
+    n = len(yi)
+    folds = max(2, min(folds, n))
+    order = np.random.default_rng(seed).permutation(n)
+    parts = np.array_split(order, folds)
+    accs = []
+    for f in range(folds):
+        test = parts[f]
+        train = np.concatenate([parts[i] for i in range(folds) if i != f])
+        mu = x[train].mean(axis=0)
+        sd = x[train].std(axis=0) + 1e-6
+        w = _softmax_regression((x[train] - mu) / sd, yi[train], len(classes), l2, iters)
+        xt = np.hstack([(x[test] - mu) / sd, np.ones((len(test), 1), np.float32)])
+        accs.append(float(((xt @ w).argmax(axis=1) == yi[test]).mean()))
+    counts = np.bincount(yi)
+    return {"accuracy": float(np.mean(accs)), "std": float(np.std(accs)), "folds": accs,
+            "chance": float(counts.max() / n), "rows": n, "features": int(x.shape[1]), "classes": len(classes)}
+
+
+def probe_store(
+    store: ActivationStore, keys: Sequence[str] | None = None, folds: int = 5, max_rows: int = 10000, seed: int = 0
+) -> dict[str, dict[str, Any]]:
+    """A linear probe of each capture against the labels."""
+    if not (store.labels >= 0).any():
+        raise StoreError(f"{store.url} has no labels; a probe needs labelled rows (ImageFolder or a label column)")
+    out = {}
+    for key in keys or store.keys:
+        x, y, _ = _features(store, key, max_rows, seed)
+        out[key] = linear_probe(x, y, folds=folds, seed=seed)
+    return out
+
+
+def pca(x: np.ndarray, k: int = 2, seed: int = 0) -> np.ndarray:
+    """Top-k principal-component scores of the rows of ``x`` (randomized SVD; light on memory)."""
+    xc = x - x.mean(axis=0)
+    rng = np.random.default_rng(seed)
+    q = xc @ rng.standard_normal((xc.shape[1], k + 8)).astype(xc.dtype)
+    for _ in range(2):  # power iterations sharpen the top of the spectrum
+        q, _r = np.linalg.qr(q)
+        q = xc @ (xc.T @ q)
+    q, _r = np.linalg.qr(q)
+    _u, _s, vt = np.linalg.svd(q.T @ xc, full_matrices=False)
+    return xc @ vt[:k].T
+
+
+_PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+            (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
+
+
+def bar_chart(results: dict[str, dict[str, Any]], title: str):  # -> PIL.Image.Image
+    """Probe accuracies as horizontal bars, with the chance level marked."""
+    from PIL import Image, ImageDraw
+
+    names = list(results)
+    label_w, bar_w, row_h = max(8 * max(len(n) for n in names), 80), 400, 26
+    img = Image.new("RGB", (label_w + bar_w + 80, 40 + row_h * len(names) + 20), "white")
+    d = ImageDraw.Draw(img)
+    d.text((10, 10), title, fill="black")
+    x0 = label_w + 10
+    for i, name in enumerate(names):
+        r = results[name]
+        y = 40 + i * row_h
+        d.text((10, y + 6), name, fill="black")
+        d.rectangle([x0, y + 3, x0 + int(bar_w * r["accuracy"]), y + row_h - 5], fill=_PALETTE[0])
+        cx = x0 + int(bar_w * r["chance"])
+        d.line([cx, y, cx, y + row_h - 2], fill=(214, 39, 40), width=2)
+        d.text((x0 + bar_w + 8, y + 6), f"{r['accuracy']:.2f}", fill="black")
+    d.text((x0, 40 + row_h * len(names) + 2), "red line: chance (majority class)", fill=(214, 39, 40))
+    return img
+
+
+def scatter_plot(points: np.ndarray, labels: np.ndarray, classes: Sequence[str], title: str, size: int = 480):
+    """A 2-D scatter, one colour per label, with a legend."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size + 160, size + 40), "white")
+    d = ImageDraw.Draw(img)
+    d.text((10, 8), title, fill="black")
+    lo, hi = points.min(axis=0), points.max(axis=0)
+    span = np.where(hi > lo, hi - lo, 1.0)
+    xy = (points - lo) / span * (size - 20) + 10
+    d.rectangle([5, 30, size + 5, size + 35], outline=(180, 180, 180))
+    for (px, py), lab in zip(xy, labels, strict=True):
+        c = _PALETTE[int(lab) % len(_PALETTE)] if lab >= 0 else (0, 0, 0)
+        cx, cy = 5 + px, 30 + (size - py)
+        d.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=c)
+    for i, lab in enumerate(sorted({int(v) for v in labels})):
+        name = classes[lab] if 0 <= lab < len(classes) else str(lab)
+        c = _PALETTE[lab % len(_PALETTE)] if lab >= 0 else (0, 0, 0)
+        d.rectangle([size + 20, 40 + 18 * i, size + 30, 50 + 18 * i], fill=c)
+        d.text((size + 36, 38 + 18 * i), name, fill="black")
+    return img
+
+
+def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8):  # -> PIL.Image.Image
+    """The input images of ``rows`` as the job saw them (resized and cropped), with id and label."""
+    from PIL import Image, ImageDraw
+
+    from .show import _crop_like_job
+
+    data = store.spec["data"]
+    c = data["crop"]
+    n_rows = -(-len(rows) // columns)
+    sheet = Image.new("RGB", (columns * c, n_rows * (c + 16)), "white")
+    d = ImageDraw.Draw(sheet)
+    classes = store.classes
+    for n, r in enumerate(rows):
+        x, y = (n % columns) * c, (n // columns) * (c + 16)
+        try:
+            sheet.paste(_crop_like_job(str(store.paths[r]), data), (x, y))
+        except OSError as err:
+            d.text((x + 4, y + 4), f"unreadable: {type(err).__name__}", fill="red")
+        lab = int(store.labels[r])
+        d.text((x + 2, y + c + 2), f"{r}: {classes[lab] if 0 <= lab < len(classes) else lab}", fill="black")
+    return sheet

@@ -1,0 +1,97 @@
+"""Sending jobs to a Ray cluster through the Ray Jobs API (``ray.job_submission``).
+
+``submit`` packs the resolved job spec (and the spec's ``submit.working_dir``, if any) into
+the job's runtime environment and runs ``python -m extractor.cli run`` on the cluster.
+Ray is imported here only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ClusterError
+from .spec import JobSpec
+
+__all__ = ["client", "submit", "follow_logs", "JOB_FILE"]
+
+JOB_FILE = ".extractor-job.yaml"
+
+
+def _token() -> str | None:
+    """The Ray auth token from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _explain(address: str, err: BaseException) -> ClusterError:
+    text = str(err)
+    if "401" in text or "Authentication" in text or "Unauthorized" in text:
+        return ClusterError(
+            f"the Ray cluster at {address} requires a token (Ray token authentication): set RAY_AUTH_TOKEN, "
+            "or put the token (`ray get-auth-token` on the head node) in ~/.ray/auth_token"
+        )
+    return ClusterError(f"cannot reach the Ray Jobs API at {address}: {type(err).__name__}: {err}")
+
+
+def client(address: str) -> Any:
+    """A JobSubmissionClient for ``address`` (http://HEAD:8265), with the auth token if one is set."""
+    from ray.job_submission import JobSubmissionClient
+
+    token = _token()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:
+        return JobSubmissionClient(address, headers=headers)
+    except Exception as err:  # ConnectionError, RuntimeError, ValueError depending on the failure
+        raise _explain(address, err) from err
+
+
+def submit(spec: JobSpec, address: str, job_id: str | None = None) -> str:
+    """Submit ``spec`` as a Ray job; returns the submission id."""
+    c = client(address)
+    sub = spec.submit
+    with tempfile.TemporaryDirectory(prefix="extractor-submit-") as tmp:
+        work = Path(tmp) / "job"
+        if sub.working_dir:
+            src = Path(sub.working_dir)
+            if not src.is_dir():
+                raise ClusterError(f"submit.working_dir {src} is not a folder")
+            shutil.copytree(src, work, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.zarr"))
+        else:
+            work.mkdir()
+        (work / JOB_FILE).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+        runtime_env: dict[str, Any] = {"working_dir": str(work)}
+        if sub.pip:
+            runtime_env["pip"] = list(sub.pip)
+        if sub.env_vars:
+            runtime_env["env_vars"] = dict(sub.env_vars)
+        try:
+            return c.submit_job(
+                entrypoint=f"python -m extractor.cli run {JOB_FILE} -q",
+                runtime_env=runtime_env,
+                submission_id=job_id,
+                metadata={"extractor_store": spec.output.store},
+            )
+        except Exception as err:  # noqa: BLE001
+            raise _explain(address, err) from err
+
+
+def follow_logs(c: Any, job_id: str) -> None:
+    """Print the job's logs as they come until it ends."""
+
+    async def tail() -> None:
+        async for lines in c.tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+
+    asyncio.run(tail())
