@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import fnmatch
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,34 @@ def _is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 
 
+def glob_to_regex(pattern: str) -> re.Pattern[str]:
+    """Module-name globs: ``*`` and ``?`` stay inside one dotted name part, ``**`` crosses parts,
+    ``[1-4]`` is a character class. ``layer4.*.conv2`` matches ``layer4.0.conv2``, not deeper."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^.]*")
+        elif c == "?":
+            out.append("[^.]")
+        elif c == "[":
+            j = pattern.find("]", i + 1)
+            if j < 0:
+                out.append(re.escape(c))
+            else:
+                body = pattern[i + 1 : j]
+                out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+                i = j
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
 def _no_such_layer(pattern: str, names: Sequence[str], where: str) -> LayerError:
     close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
     hint = f" Closest: {', '.join(close)}." if close else ""
@@ -68,7 +96,11 @@ def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec]) -> list[T
     targets: list[Target] = []
     for i, c in enumerate(captures):
         where = f"capture[{i}]"
-        layers = fnmatch.filter(names, c.layer) if _is_glob(c.layer) else [n for n in names if n == c.layer]
+        if _is_glob(c.layer):
+            rx = glob_to_regex(c.layer)
+            layers = [n for n in names if rx.match(n)]
+        else:
+            layers = [n for n in names if n == c.layer]
         if not layers:
             raise _no_such_layer(c.layer, names, where)
         if c.key and len(layers) > 1:

@@ -169,6 +169,9 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
         compression=spec.output.compression,
         compression_level=spec.output.compression_level,
         attrs=attrs,
+        storage_options=so,
+        offsets=rows.offsets,
+        sizes=rows.sizes,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 import tarfile
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ from .errors import DataError
 from .sources import Rows, _remote_error, is_url, labels_of
 
 __all__ = ["expand_braces", "list_tars", "scan_tar"]
+
+log = logging.getLogger(__name__)
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}|\{([^{}]*,[^{}]*)\}")
 
@@ -66,7 +69,7 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
         raise _remote_error("tar shard", url, err) from err
     try:
         with tarfile.open(fileobj=fobj, mode="r:") as tar:
-            for member in tar:
+            for member in _members(tar, url):
                 if not member.isfile():
                     continue
                 key, ext = _key_and_ext(member.name)
@@ -101,6 +104,23 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
         names = ", ".join(order[:5]) or "no members"
         raise DataError(f"tar shard {url} holds no image members (keys: {names}); check data.extensions")
     return records
+
+
+def _members(tar: tarfile.TarFile, url: str):  # -> Iterator[tarfile.TarInfo]
+    """The members of a tar; a tar cut short ends the listing (its last rows then fail on read)."""
+    count = 0
+    while True:
+        try:
+            member = tar.next()
+        except tarfile.ReadError as err:
+            if count == 0:
+                raise
+            log.warning("tar shard %s ends early after %d members (%s): truncated?", url, count, err)
+            return
+        if member is None:
+            return
+        count += 1
+        yield member
 
 
 def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], so: dict[str, Any]) -> Rows:

@@ -128,6 +128,10 @@ def test_globs_expand_in_module_order_and_key_needs_one_layer():
 
     targets = resolve_targets(resnet18(), caps({"layer": "layer4.*.conv2", "reduce": "mean"}))
     assert [t.key for t in targets] == ["layer4.0.conv2", "layer4.1.conv2"]
+    # `*` stays inside one name part, `**` crosses parts, [..] is a class
+    assert [t.layer for t in resolve_targets(resnet18(), caps({"layer": "layer4.*"}))] == ["layer4.0", "layer4.1"]
+    assert len(resolve_targets(resnet18(), caps({"layer": "**.conv2"}))) == 8
+    assert [t.layer for t in resolve_targets(resnet18(), caps({"layer": "layer[2-3]"}))] == ["layer2", "layer3"]
     with pytest.raises(LayerError, match="matches 2 layers"):
         resolve_targets(resnet18(), caps({"layer": "layer4.*.conv2", "key": "x"}))
     with pytest.raises(LayerError, match="both write 'fc'"):

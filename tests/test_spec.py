@@ -110,3 +110,20 @@ def test_every_job_in_jobs_folder_is_valid():
     assert len(specs) >= 2
     for path in specs:
         load_spec(path)
+
+
+def test_every_job_names_real_layers():
+    """Each example spec's captures resolve against its model (random weights: no download)."""
+    from extractor.capture import resolve_targets
+    from extractor.model import build_model
+
+    repo = Path(__file__).resolve().parents[1]
+    for path in sorted((repo / "jobs").glob("*.yaml")):
+        spec = load_spec(path, ["model.weights=null"])
+        model, _ = build_model(spec.model)
+        targets = resolve_targets(model, spec.capture)
+        assert targets, path
+        if path.name.startswith("vit"):
+            assert len(targets) == 12 and all(t.reduce == "cls" for t in targets)
+        if path.name.startswith("resnet50"):
+            assert [t.key for t in targets][:4] == ["layer1", "layer2", "layer3", "layer4"]

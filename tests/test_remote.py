@@ -1,0 +1,206 @@
+"""Real components on loopback: an S3-compatible server (moto) and a Ray head with the Jobs API."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import free_port, job, kill_processes_mentioning
+from test_sources import write_tars
+
+from extractor.errors import DataError
+from extractor.reader import open_store
+from extractor.runner import run
+from extractor.spec import parse_spec
+
+pytestmark = pytest.mark.slow
+VENV_BIN = Path(sys.executable).parent
+TESTS = Path(__file__).resolve().parent
+
+
+def wait_for(url: str, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer within {seconds} s")
+
+
+def start_moto(env: dict | None = None):
+    exe = shutil.which("moto_server", path=str(VENV_BIN)) or shutil.which("moto_server")
+    if exe is None:
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    port = free_port()
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    wait_for(f"http://127.0.0.1:{port}/moto-api/", 30)
+    return proc, port
+
+
+@pytest.fixture(scope="module")
+def s3():
+    pytest.importorskip("s3fs")
+    proc, port = start_moto()
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("bucket")
+    yield fs, options
+    proc.kill()
+    proc.wait()
+
+
+def test_tars_and_manifest_from_s3_store_to_s3(s3, image_dir: Path, tmp_path: Path):
+    fs, options = s3
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    tars = write_tars(images, tmp_path / "tars", per_tar=5, labels={"cats": 0, "dogs": 1})
+    for t in tars:
+        fs.put(str(t), f"bucket/shards/{t.name}")
+    for img in images:
+        fs.put(str(img), f"bucket/images/{img.parent.name}/{img.name}")
+    lines = [json.dumps({"path": f"s3://bucket/images/{p.parent.name}/{p.name}", "id": p.stem}) for p in images]
+    fs.pipe("bucket/manifest.jsonl", ("\n".join(lines) + "\n").encode())
+
+    local = job(image_dir, tmp_path / "local.zarr")
+    run(parse_spec(local))
+    ref = open_store(str(tmp_path / "local.zarr"))
+
+    from_tars = job(image_dir, "s3://bucket/tars.zarr",
+                    data={"source": "tar", "root": None, "tars": "s3://bucket/shards/shard-{000..002}.tar",
+                          "storage_options": options},
+                    output={"store": "s3://bucket/tars.zarr", "chunk_rows": 2, "storage_options": options})
+    assert run(parse_spec(from_tars)).ok == 12
+    from_manifest = job(image_dir, "s3://bucket/m.zarr",
+                        data={"source": "manifest", "root": None, "manifest": "s3://bucket/manifest.jsonl",
+                              "storage_options": options},
+                        output={"store": "s3://bucket/m.zarr", "chunk_rows": 2, "storage_options": options})
+    assert run(parse_spec(from_manifest)).ok == 12
+    for url in ("s3://bucket/tars.zarr", "s3://bucket/m.zarr"):
+        s = open_store(url, storage_options=options)
+        assert s.attrs["status"] == "complete" and (s.status == 1).all()
+        for key in ("layer3", "layer4"):
+            np.testing.assert_array_equal(s.numpy(key), ref.numpy(key))
+        # no secret in what the store records
+        raw = fs.cat(url.removeprefix("s3://") + "/zarr.json").decode()
+        assert '"testing"' not in raw and "***redacted***" in raw
+        assert s.spec["output"]["storage_options"]["endpoint_url"] == options["endpoint_url"]
+    s = open_store("s3://bucket/tars.zarr", storage_options=options)
+    np.testing.assert_array_equal(s.labels, ref.labels)
+    rows = [r for b, _ in s.batches("layer4", 5, seed=1) for r in b]
+    assert sorted(rows) == list(range(12))
+
+
+def test_missing_bucket_and_bad_credentials_are_clear(s3, image_dir: Path, tmp_path: Path):
+    fs, options = s3
+    raw = job(image_dir, tmp_path / "s.zarr", data={"source": "tar", "root": None,
+                                                     "tars": "s3://no-such-bucket/shard-000.tar",
+                                                     "storage_options": options})
+    with pytest.raises(DataError, match="no-such-bucket"):
+        run(parse_spec(raw))
+    proc, port = start_moto({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # a server that checks credentials
+    try:
+        bad = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "AKIAWRONG", "secret": "wrong"}
+        raw = job(image_dir, tmp_path / "s.zarr", data={"source": "folder", "root": "s3://bucket/images",
+                                                         "storage_options": bad})
+        with pytest.raises(DataError) as err:
+            run(parse_spec(raw))
+        assert "s3://bucket/images" in str(err.value) and "wrong" not in str(err.value).replace("AKIAWRONG", "")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "s.zarr").exists()
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """`ray start --head` on loopback with the dashboard (Jobs API); its processes killed by pid at the end."""
+    tmp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")
+    dash = free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
+    out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", f"--port={free_port()}", "--num-cpus=2",
+                          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                          f"--temp-dir={tmp}", "--disable-usage-stats"], env=env, capture_output=True, text=True,
+                         timeout=180)
+    try:
+        assert out.returncode == 0, out.stderr[-2000:]
+        address = f"http://127.0.0.1:{dash}"
+        wait_for(f"{address}/api/version", 90)
+        yield address, env
+    finally:
+        kill_processes_mentioning(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def extractor(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "extractor.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_submit_wait_status_logs_and_a_failing_job(ray_head, image_dir: Path, tmp_path: Path):
+    address, env = ray_head
+    raw = job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1},
+              output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2,
+                      "storage_options": {"secret": "hunter2"}})
+    raw["output"].pop("storage_options")  # a local store takes no storage options; see the S3 test
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    r = extractor("submit", str(spec), "--address", address, "--wait", "--job-id", "extractor-ok", env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "submitted extractor-ok" in r.stdout and f"{address}/#/jobs/extractor-ok" in r.stdout
+    assert "SUCCEEDED" in r.stdout and "12 ok, 0 failed" in r.stdout  # the job's own output, followed
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["status"] == "complete" and (s.status == 1).all()
+
+    r = extractor("jobs", "status", "extractor-ok", "--address", address, env=env)
+    assert r.returncode == 0 and "extractor-ok: SUCCEEDED" in r.stdout
+    r = extractor("jobs", "logs", "extractor-ok", "--address", address, env=env)
+    assert "12 ok, 0 failed" in r.stdout
+    r = extractor("jobs", "list", "--address", address, env=env)
+    assert "extractor-ok" in r.stdout and "SUCCEEDED" in r.stdout
+
+    bad = job(image_dir, tmp_path / "bad.zarr", capture=[{"layer": "layer44"}],
+              cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1})
+    spec.write_text(yaml.safe_dump(bad))
+    r = extractor("submit", str(spec), "--address", address, "--wait", "--job-id", "extractor-bad", env=env)
+    assert r.returncode == 1 and "FAILED" in r.stdout and "layer44" in r.stdout
+    r = extractor("jobs", "status", "extractor-bad", "--address", address, env=env)
+    assert "FAILED" in r.stdout
+    r = extractor("jobs", "status", "no-such-job", "--address", address, env=env)
+    assert r.returncode == 1 and "error:" in r.stderr
+
+
+def test_submit_prints_no_secret(ray_head, image_dir: Path, tmp_path: Path):
+    address, env = ray_head
+    raw = job(image_dir, "s3://bucket/x.zarr", output={"store": "s3://bucket/x.zarr", "chunk_rows": 2,
+                                                       "storage_options": {"key": "AKIASECRET", "secret": "hunter2",
+                                                                           "endpoint_url": "http://127.0.0.1:1"}})
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    r = extractor("submit", str(spec), "--address", address, "--job-id", "extractor-secret", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "hunter2" not in r.stdout + r.stderr and "AKIASECRET" not in r.stdout + r.stderr
+    assert "***redacted***" in r.stderr and "http://127.0.0.1:1" in r.stderr
+    extractor("jobs", "stop", "extractor-secret", "--address", address, env=env)
+
+
+def test_unreachable_cluster_is_a_clear_error(tmp_path: Path, image_dir: Path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr")))
+    r = extractor("submit", str(spec), "--address", f"http://127.0.0.1:{free_port()}", env=dict(os.environ),
+                  timeout=120)
+    assert r.returncode == 1 and "cannot reach the Ray Jobs API" in r.stderr and "Traceback" not in r.stderr

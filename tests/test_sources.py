@@ -1,0 +1,143 @@
+"""Image sources: folders, manifests, WebDataset tar shards; planning arithmetic."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import job, make_images
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extractor.errors import DataError
+from extractor.reader import open_store
+from extractor.runner import run
+from extractor.sources import list_rows, plan
+from extractor.spec import parse_spec
+from extractor.tarsource import expand_braces
+
+
+def write_tars(images: list[Path], out: Path, per_tar: int, labels: dict[str, int] | None = None,
+               json_labels: bool = False) -> list[Path]:
+    """WebDataset-style shards: KEY.jpg/KEY.png plus KEY.cls (or KEY.json) per sample."""
+    out.mkdir(parents=True, exist_ok=True)
+    tars = []
+    for t, lo in enumerate(range(0, len(images), per_tar)):
+        path = out / f"shard-{t:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for img in images[lo:lo + per_tar]:
+                key = f"{img.parent.name}/{img.stem}"
+                tar.add(img, arcname=f"{key}{img.suffix}")
+                if labels is not None:
+                    label = labels[img.parent.name]
+                    data = (f'{{"label": {label}}}' if json_labels else str(label)).encode()
+                    info = tarfile.TarInfo(f"{key}.{'json' if json_labels else 'cls'}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        tars.append(path)
+    return tars
+
+
+def test_brace_expansion():
+    assert expand_braces("s-{000..002}.tar") == ["s-000.tar", "s-001.tar", "s-002.tar"]
+    assert expand_braces("{a,b}/x-{1..2}.tar") == ["a/x-1.tar", "a/x-2.tar", "b/x-1.tar", "b/x-2.tar"]
+    assert expand_braces("plain.tar") == ["plain.tar"]
+
+
+def test_tar_shards_give_the_same_arrays_as_the_folder(image_dir: Path, tmp_path: Path):
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    write_tars(images, tmp_path / "tars", per_tar=5, labels={"cats": 0, "dogs": 1})
+    folder = job(image_dir, tmp_path / "f.zarr")
+    tars = job(image_dir, tmp_path / "t.zarr",
+               data={"source": "tar", "root": None, "tars": str(tmp_path / "tars" / "shard-{000..002}.tar")})
+    run(parse_spec(folder))
+    summary = run(parse_spec(tars))
+    assert summary.ok == 12
+    a, b = open_store(str(tmp_path / "f.zarr")), open_store(str(tmp_path / "t.zarr"))
+    assert [i.rsplit(".", 1)[0] for i in a.ids] == list(b.ids)  # ids are the sample keys
+    np.testing.assert_array_equal(a.labels, b.labels)
+    assert str(b.paths[0]).endswith("shard-000.tar#cats/cats00.jpg")
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_json_labels_and_class_names(image_dir: Path, tmp_path: Path):
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    write_tars(images, tmp_path / "tars", per_tar=12, labels={"cats": 7, "dogs": 3}, json_labels=True)
+    rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
+        "source": "tar", "root": None, "tars": [str(tmp_path / "tars" / "shard-000.tar")]})).data)
+    assert rows.labels == [7] * 6 + [3] * 6 and rows.offsets is not None and len(rows.sizes) == 12
+
+
+def test_bad_tars_are_clear_errors(image_dir: Path, tmp_path: Path):
+    def tar_job(pattern: str) -> dict:
+        return job(image_dir, tmp_path / "s.zarr", data={"source": "tar", "root": None, "tars": pattern})
+
+    (tmp_path / "bad.tar").write_bytes(b"this is not a tar archive" * 40)
+    with pytest.raises(DataError, match=r"bad\.tar is not a readable tar file"):
+        run(parse_spec(tar_job(str(tmp_path / "bad.tar"))))
+    with tarfile.open(tmp_path / "noimg.tar", "w") as tar:
+        info = tarfile.TarInfo("a/readme.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    with pytest.raises(DataError, match=r"holds no image members \(keys: a/readme\)"):
+        run(parse_spec(tar_job(str(tmp_path / "noimg.tar"))))
+    with pytest.raises(DataError, match="does not exist"):
+        run(parse_spec(tar_job(str(tmp_path / "missing-{0..1}.tar"))))
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_truncated_tar_member_fails_its_row(image_dir: Path, tmp_path: Path):
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())[:4]
+    [tar] = write_tars(images, tmp_path / "tars", per_tar=4)
+    rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr",
+                                    data={"source": "tar", "root": None, "tars": str(tar)})).data)
+    data = tar.read_bytes()
+    tar.write_bytes(data[: rows.offsets[3] + rows.sizes[3] // 2])  # cut inside the last image
+    summary = run(parse_spec(job(image_dir, tmp_path / "s.zarr",
+                                 data={"source": "tar", "root": None, "tars": str(tar)})))
+    assert (summary.ok, summary.failed) == (3, 1)
+    assert "truncated" in summary.failures[0][2]
+
+
+def test_manifest_jsonl_and_string_labels(image_dir: Path, tmp_path: Path):
+    m = tmp_path / "m.jsonl"
+    m.write_text('{"path": "cats/cats00.jpg", "label": "cat"}\n{"path": "dogs/dogs01.png", "label": "dog"}\n'
+                 '{"path": "cats/cats02.jpg", "label": "cat", "id": "c2"}\n')
+    rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
+        "source": "manifest", "manifest": str(m), "root": str(image_dir)})).data)
+    assert rows.ids == ["cats/cats00.jpg", "dogs/dogs01.png", "c2"]
+    assert rows.labels == [0, 1, 0] and rows.classes == ["cat", "dog"]
+    m.write_text("path,id\na.jpg,x\nb.jpg,x\n")
+    m2 = m.with_suffix(".csv")
+    m.rename(m2)
+    with pytest.raises(DataError, match="id 'x' appears in rows 1 and 2"):
+        list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={"source": "manifest",
+                                                                       "manifest": str(m2)})).data)
+
+
+def test_folder_row_order_is_deterministic_and_labels_follow_folders(tmp_path: Path):
+    make_images(tmp_path / "a", per_class=3, classes=("z", "b"))
+    rows = list_rows(parse_spec(job(tmp_path / "a", tmp_path / "s.zarr")).data)
+    assert rows.ids == sorted(rows.ids) and rows.classes == ["b", "z"]
+    assert rows.labels == [0, 0, 0, 1, 1, 1]
+    (tmp_path / "a" / "top.png").write_bytes((tmp_path / "a" / "b" / "b01.png").read_bytes())
+    rows = list_rows(parse_spec(job(tmp_path / "a", tmp_path / "s.zarr")).data)
+    assert rows.classes == [] and set(rows.labels) == {-1}  # not ImageFolder-shaped any more
+
+
+@given(n=st.integers(0, 5000), shard=st.integers(1, 700), chunk_div=st.integers(1, 16))
+def test_every_row_in_exactly_one_shard_and_shards_align_with_chunks(n: int, shard: int, chunk_div: int):
+    chunk = max(shard // chunk_div, 1)
+    shard = shard // chunk * chunk  # the spec requires chunk | shard
+    shards = plan(n, shard)
+    covered = np.zeros(n, int)
+    for s in shards:
+        covered[s.start:s.stop] += 1
+        assert s.start % chunk == 0 and s.start % shard == 0  # every shard starts on a chunk boundary
+        assert 0 < len(s) <= shard
+    assert (covered == 1).all()
+    assert [s.index for s in shards] == list(range(len(shards)))
