@@ -75,7 +75,7 @@ def _run_spec(spec: Any, quiet: bool = False) -> int:
         f"{summary.shards_run} shards run, {summary.shards_skipped} already done; "
         f"{summary.seconds:.1f} s, {summary.images_per_s:.1f} images/s"
     )
-    if len(summary.workers) > 1 or any(w["retries"] for w in summary.workers):
+    if summary.workers and summary.shards_run:
         rows = [[str(w["worker"]), ",".join(map(str, w["pids"])), str(w["shards"]), str(w["images"]),
                  f"{w['images_per_s']:.1f}", str(w["retries"])] for w in summary.workers]
         print(_table(rows, ["worker", "pids", "shards", "images", "images/s", "retries"]))
@@ -416,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     # torch's transparent-huge-page allocator: +26% CPU throughput measured here (NOTES.md)
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     args = build_parser().parse_args(argv)
+    if argv is None:  # the real command line: SIGTERM (cluster pre-emption) stops like Ctrl-C
+        import signal
+
+        def on_term(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        signal.signal(signal.SIGTERM, on_term)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "layers" and not (args.model or args.factory):

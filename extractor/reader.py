@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -28,7 +29,9 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
     if storage_options:
         kwargs["storage_options"] = dict(storage_options)
     try:
-        group = zarr.open_group(url, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification"
+            group = zarr.open_group(url, **kwargs)  # consolidated metadata when present: one read opens it all
     except FileNotFoundError:
         raise StoreError(f"no store at {url}") from None
     except Exception as err:

@@ -27,6 +27,8 @@ from .store import (
     FAILED,
     FORMAT_VERSION,
     PENDING,
+    Lease,
+    consolidate,
     create_store,
     done_shards,
     now,
@@ -83,6 +85,19 @@ def _versions() -> dict[str, str]:
         "zarr": zarr.__version__,
         "numpy": np.__version__,
     }
+
+
+def _owner() -> dict[str, Any]:
+    import getpass
+    import socket
+    import sys
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        user = "?"
+    return {"host": socket.gethostname(), "pid": os.getpid(), "user": user, "started": now(),
+            "command": " ".join(sys.argv)[:500]}
 
 
 def _ids_digest(ids: list[str]) -> str:
@@ -143,6 +158,8 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
     url = spec.output.store
     so = spec.output.storage_options
     old = read_attrs(url, so)
+    if old is not None:
+        Lease.check(url, so, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
     mode = spec.output.if_exists
     if old is not None and mode == "error":
         group = open_group(url, "r", so)
@@ -276,6 +293,7 @@ def run(
             on_event(name, info)
 
     backend = _backend(spec)
+    lease: Lease | None = None
     try:
         layout = backend.probe()
         captures = layout["captures"]
@@ -299,6 +317,8 @@ def run(
             "versions": _versions(),
         }
         group = _open_store(spec, rows, shards, attrs)
+        lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, _owner())
+        lease.acquire()
         done = done_shards(group)
         todo = [s for s in shards if not done[s.index]]
         per_row = _bytes_per_row(captures)
@@ -315,6 +335,8 @@ def run(
             raise
     finally:
         backend.close()
+        if lease is not None:
+            lease.release()
     summary = _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0)
     summary.workers = _worker_table(events)
     return summary
@@ -342,6 +364,7 @@ def _finish(
     stats = merge_stats(str(s) for s in group["shard_stats"][:])
     update_attrs(spec.output.store, spec.output.storage_options, status="complete" if complete else "incomplete",
                  error=None, stats=stats)
+    consolidate(spec.output.store, spec.output.storage_options)
     processed = sum(s.rows for s in summaries)
     return RunSummary(
         store=spec.output.store,

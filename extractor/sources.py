@@ -142,19 +142,26 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
         raise DataError(f"data.root {root} is not a folder; for a file list use data.source: manifest")
     exts = tuple(e.lower() for e in extensions)
     rel: list[str] = []
+    seen_dirs: set[str] = set()
 
     def onerror(err: OSError) -> None:
         log.warning("cannot list %s: %s", err.filename, err.strerror)
 
-    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen_dirs:  # a symlink loop, or a second link to a folder already walked
+            log.warning("skipping %s: it leads back to %s, already listed", dirpath, real)
+            dirnames[:] = []
+            continue
+        seen_dirs.add(real)
         dirnames.sort()
         base = Path(dirpath).relative_to(root)
         for name in sorted(filenames):
             if name.lower().endswith(exts) and not name.startswith("."):
                 rel.append((base / name).as_posix())
     labels, classes = _folder_labels(rel)
-    paths = [str(root / r) for r in rel]
-    return Rows(ids=rel, paths=paths, labels=labels, classes=classes)
+    paths = [storable_path(str(root / r)) for r in rel]
+    return Rows(ids=[display_name(r) for r in rel], paths=paths, labels=labels, classes=classes)
 
 
 def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
@@ -242,12 +249,13 @@ class ImageDecoder:
         self.resize = data.resize
         self.crop = data.crop
         self.storage_options = data.storage_options
+        self.max_pixels = data.max_image_pixels
         self.interpolation = InterpolationMode(data.interpolation)
 
     def __call__(self, item: Locator):  # -> torch.Tensor (3, crop, crop) uint8
         import torchvision.transforms.v2.functional as F
 
-        img = open_rgb(item, self.storage_options)
+        img = open_rgb(item, self.storage_options, self.max_pixels)
         if self.resize is not None:
             img = F.resize(img, [self.resize], interpolation=self.interpolation, antialias=True)
         img = F.center_crop(img, [self.crop, self.crop])
@@ -255,6 +263,29 @@ class ImageDecoder:
 
 
 Locator = str | tuple[str, int, int]  # a path or URL, or (tar URL#member, byte offset, byte size)
+
+
+FS_BYTES = "fsbytes:"  # prefix of a stored path whose file name is not valid UTF-8 (hex of the raw bytes)
+
+
+def storable_path(path: str) -> str:
+    """A path the store can hold (UTF-8): names with undecodable bytes are hex-encoded, reversibly."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return FS_BYTES + os.fsencode(path).hex()
+
+
+def display_name(path: str) -> str:
+    """A readable UTF-8 form of a file name (undecodable bytes shown as \\xNN)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _local_path(path: str) -> str | bytes:
+    if path.startswith(FS_BYTES):
+        return bytes.fromhex(path[len(FS_BYTES):])
+    return path.removeprefix("file://")
 
 
 def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:
@@ -278,15 +309,26 @@ def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:
 
         with fsspec.open(item, "rb", **(storage_options or {})) as f:
             return f.read()
-    with open(item.removeprefix("file://"), "rb") as f:
+    with open(_local_path(item), "rb") as f:
         return f.read()
 
 
-def open_rgb(item: Locator, storage_options: dict | None = None):  # -> PIL.Image.Image in mode RGB
-    """Open an image as 8-bit RGB with its EXIF orientation applied."""
+class ImageTooLarge(ValueError):
+    """An image over data.max_image_pixels (a possible decompression bomb)."""
+
+
+def open_rgb(item: Locator, storage_options: dict | None = None, max_pixels: int | None = None):
+    """Open an image as 8-bit RGB (the first frame of an animation) with its EXIF orientation applied."""
     from PIL import Image, ImageOps
 
+    Image.MAX_IMAGE_PIXELS = None  # the limit below replaces Pillow's global one
     img = Image.open(io.BytesIO(read_bytes(item, storage_options)))
+    w, h = img.size
+    if max_pixels is not None and w * h > max_pixels:
+        raise ImageTooLarge(
+            f"image is {w}x{h} = {w * h:,} pixels, over data.max_image_pixels ({max_pixels:,}); "
+            "raise data.max_image_pixels if the image is trusted"
+        )
     img.load()
     img = ImageOps.exif_transpose(img) or img
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):

@@ -73,6 +73,8 @@ class DataSpec(_Section):
     crop: int = Field(default=224, gt=0)
     """Centre crop to a square of this size (the model's input size)."""
     interpolation: Literal["bilinear", "bicubic", "nearest"] = "bilinear"
+    max_image_pixels: int = Field(default=178_956_970, gt=0)
+    """Images with more pixels fail their row before decoding (decompression bombs); raise it for trusted data."""
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     shard_size: int = Field(default=1024, gt=0)
@@ -147,6 +149,8 @@ class OutputSpec(_Section):
     compression_level: int | None = None
     if_exists: Literal["error", "resume", "overwrite"] = "error"
     """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
+    lease_timeout_s: float = Field(default=60.0, gt=0)
+    """A running job renews its lease on the store; one silent this long is taken to be dead."""
 
 
 class ClusterSpec(_Section):
@@ -224,6 +228,7 @@ RUN_ONLY_FIELDS = (
     ("data", "batch_size"),
     ("data", "decode_workers"),
     ("output", "if_exists"),
+    ("output", "lease_timeout_s"),
     ("output", "store"),
     ("output", "storage_options"),
     ("data", "storage_options"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,7 +58,10 @@ def _compressors(name: str, level: int | None) -> Any:
 
 
 def open_group(url: str, mode: str, storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
+    """The store's root group as the writer sees it: never through consolidated metadata."""
     kwargs: dict[str, Any] = {"mode": mode}
+    if mode != "w":
+        kwargs["use_consolidated"] = False
     if storage_options:
         kwargs["storage_options"] = dict(storage_options)
     return zarr.open_group(url, **kwargs)
@@ -173,6 +177,19 @@ def update_attrs(url: str, storage_options: Mapping[str, Any] | None = None, **c
     group.attrs.update({ATTR: attrs})
 
 
+def consolidate(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write consolidated metadata (one object to open the whole store: fast on object stores).
+
+    Any later attribute update by a writer drops it again, and the next run's end rewrites it.
+    """
+    import warnings
+
+    group = open_group(url, "r+", storage_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not part of the Zarr v3 specification" (yet)
+        zarr.consolidate_metadata(group.store_path.store, path=group.store_path.path or None)
+
+
 def done_shards(group: zarr.Group) -> np.ndarray:
     """Boolean per shard: True once its data and row status are durable."""
     return np.asarray(group["shard_done"][:], dtype=bool)
@@ -217,6 +234,97 @@ class ShardWriter:
         self.group["errors"][self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
         self.group["shard_stats"][self.index] = stats
         self.group["shard_done"][self.index] = 1  # last: a crash before this never looks complete
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    """A claim on a store by one running job: owner, host, pid and a heartbeat.
+
+    Kept in the attributes of the child group ``lease``. A second job refuses to run on a
+    store whose lease is fresh; a lease whose heartbeat is older than ``timeout_s`` is stale
+    (its job died) and can be taken over. A thread renews it every ``timeout_s / 4``.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, timeout_s: float, info: dict[str, Any]):
+        import uuid
+
+        self.url, self.storage_options, self.timeout_s = url, storage_options, timeout_s
+        self.token = uuid.uuid4().hex
+        self.info = dict(info)
+        self._stop: Any = None
+
+    @staticmethod
+    def check(url: str, storage_options: Mapping[str, Any] | None, timeout_s: float, token: str = "") -> None:
+        """Raise StoreError when another job holds a fresh lease on ``url``."""
+        import time
+
+        group = open_group(url, "r", storage_options)
+        try:
+            held = dict(group["lease"].attrs)
+        except KeyError:
+            return
+        if not held or held.get("released") or held.get("token") == token:
+            return
+        age = time.time() - float(held.get("heartbeat", 0))
+        if age > timeout_s:
+            return
+        if held.get("host") == socket.gethostname() and not _alive(int(held.get("pid", 0))):
+            return  # its job ran on this machine and its process is gone: no need to wait for the timeout
+        raise StoreError(
+            f"store {url} is in use by another extractor job: pid {held.get('pid')} on {held.get('host')} "
+            f"(user {held.get('user')}, started {held.get('started')}, last heartbeat {age:.0f} s ago). "
+            f"Wait for it to finish; if it died, its lease expires {timeout_s - age:.0f} s from now "
+            "(output.lease_timeout_s) and the store can then be resumed"
+        )
+
+    def _write(self, **extra: Any) -> None:
+        import time
+
+        group = open_group(self.url, "r+", self.storage_options)
+        attrs = {**self.info, "token": self.token, "heartbeat": time.time(), **extra}
+        try:
+            group["lease"].attrs.put(attrs)  # type: ignore[union-attr]
+        except KeyError:
+            group.create_group("lease", attributes=attrs)
+
+    def acquire(self) -> None:
+        import threading
+        import time
+
+        self.check(self.url, self.storage_options, self.timeout_s, self.token)
+        self._write()
+        time.sleep(0.05)
+        self.check(self.url, self.storage_options, self.timeout_s, self.token)  # lost a race: someone else wrote
+        self._stop = threading.Event()
+
+        def beat() -> None:
+            while not self._stop.wait(self.timeout_s / 4):
+                try:
+                    self._write()
+                except Exception:  # noqa: BLE001 - a missed heartbeat is retried at the next one
+                    pass
+
+        threading.Thread(target=beat, name="extractor-lease", daemon=True).start()
+
+    def release(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
+            try:
+                self._write(released=now())
+            except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
+                pass
 
 
 def disk_usage(url: str) -> int | None:

@@ -134,6 +134,39 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
         print(f"  {name:24s} {rows / t:10.0f} rows/s {mb / t:8.1f} MB/s  ratio {base / t:.2f}")
 
 
+def make_images(n: int) -> Path:
+    from extractor.demo import CLASSES, _draw
+
+    image_dir = WORK / f"images-{n}"
+    if not image_dir.exists():
+        import numpy as np
+
+        per_class = -(-n // len(CLASSES))
+        for c, name in enumerate(CLASSES):
+            (image_dir / name).mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                if c * per_class + i < n:
+                    _draw(c, np.random.default_rng([7, c, i]), 256).save(image_dir / name / f"{i:05d}.jpg", quality=90)
+    return image_dir
+
+
+def rss_bench(args: argparse.Namespace) -> None:
+    """Peak RSS of the same job on 512 and on 2048 images: memory must not grow with the data."""
+    peaks = {}
+    for n in (512, 2048):
+        cmd = [sys.executable, __file__, "--variant", "fullmap", "--image-dir", str(make_images(n)),
+               "--model", "resnet18", "--batch-size", str(args.batch_size), "--decode-workers",
+               str(args.decode_workers)]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1"})
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RSS ")), None)
+        if line is None:
+            sys.exit(f"rss run failed:\n{out.stderr[-3000:]}")
+        peaks[n] = int(line.split()[1]) / 1024
+    print(f"\npeak RSS, resnet18 layer3 full map float16, shards of 256: 512 images {peaks[512]:.0f} MB, "
+          f"2048 images {peaks[2048]:.0f} MB, ratio {peaks[2048] / peaks[512]:.2f}")
+
+
 def child(args: argparse.Namespace) -> None:
     result = bare(args) if args.variant == "bare" else extract(args)
     print("RESULT " + json.dumps(result))
@@ -154,24 +187,17 @@ def main() -> None:
     if args.variant:
         args.images = args.image_dir_arg
         child(args)
+        if args.variant != "bare":
+            import resource
+
+            print("RSS " + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
         return
 
     if args.reader_only:
         WORK.mkdir(exist_ok=True)
         reader_bench()
         return
-    from extractor.demo import CLASSES, _draw
-
-    image_dir = WORK / f"images-{args.images}"
-    if not image_dir.exists():
-        import numpy as np
-
-        per_class = -(-args.images // len(CLASSES))
-        for c, name in enumerate(CLASSES):
-            (image_dir / name).mkdir(parents=True, exist_ok=True)
-            for i in range(per_class):
-                if c * per_class + i < args.images:
-                    _draw(c, np.random.default_rng([7, c, i]), 256).save(image_dir / name / f"{i:05d}.jpg", quality=90)
+    image_dir = make_images(args.images)
     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
     results: dict[str, list[dict]] = {}
     print(f"model {args.model}, {args.images} JPEG images 256x256, batch {args.batch_size}, "
@@ -213,6 +239,7 @@ def main() -> None:
     print("\nratio = median images/s over the bare loop's. extractor's images/s runs from the first shard's "
           "start to the job's end (decode, forward, copy, write); 'start s' before it is start-up: Ray, "
           "model build, probe, store creation.")
+    rss_bench(args)
     reader_bench()
 
 

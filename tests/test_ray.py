@@ -100,8 +100,9 @@ def test_shard_failing_every_time_fails_the_job_then_resume_completes(ray_cluste
     make_images(root, per_class=4, classes=("a",), size=40)
     for p in (root / "a").iterdir():  # dark images: PickyNet accepts them
         Image.fromarray((np.asarray(Image.open(p).convert("RGB")) // 3).astype(np.uint8)).save(p)
-    bad = root / "a" / "a02.jpg"  # rows 2-3 are shard 1
-    Image.new("RGB", (40, 40), (255, 255, 255)).save(bad)
+    bad = [root / "a" / "a02.jpg", root / "a" / "a03.png"]  # rows 2-3 are shard 1: every image of it raises
+    for p in bad:
+        Image.new("RGB", (40, 40), (255, 255, 255)).save(p)
     raw = job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:picky_net", "device": "cpu"},
               data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 2},
               capture=[{"layer": "conv", "reduce": "mean"}],
@@ -113,7 +114,8 @@ def test_shard_failing_every_time_fails_the_job_then_resume_completes(ray_cluste
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.done_shards.tolist() == [True, False] and s.attrs["status"] == "failed"
     assert (s.status[:2] == 1).all() and (s.status[2:] == 0).all()
-    Image.new("RGB", (40, 40), (20, 30, 40)).save(bad)  # the cause, fixed
+    for p in bad:
+        Image.new("RGB", (40, 40), (20, 30, 40)).save(p)  # the cause, fixed
     raw["output"]["if_exists"] = "resume"
     summary = run(parse_spec(raw))
     assert summary.shards_run == 1 and summary.shards_skipped == 1

@@ -56,6 +56,7 @@ def test_documented_attributes(store: Path):
                 "classes", "n_rows", "n_shards", "shard_size", "chunk_rows", "ids_digest", "versions"):
         assert key in a, key
     assert a["format_version"] == FORMAT_VERSION == 1
+    assert meta["consolidated_metadata"]["metadata"]["layer3"]["shape"] == [12, 256, 4, 4]  # one read opens it all
     assert a["status"] == "complete"
     assert a["classes"] == ["cats", "dogs"]
     assert set(a["model"]) >= {"name", "weights", "parameters", "state_dict_sha256"}

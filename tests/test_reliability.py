@@ -1,0 +1,285 @@
+"""Failure injection: bad images, bad batches, signals, concurrent jobs, storage errors, bad specs."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import job, make_images
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from extractor.errors import ShardError, SpecError, StoreError
+from extractor.reader import open_store
+from extractor.runner import run
+from extractor.sources import list_rows
+from extractor.spec import parse_spec
+from extractor.store import ShardWriter
+
+TESTS = Path(__file__).resolve().parent
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims width x height pixels (a decompression bomb's header)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0\0\0\0")) + \
+        chunk(b"IEND", b"")
+
+
+def test_odd_images(tmp_path: Path):
+    root = tmp_path / "imgs"
+    make_images(root, per_class=2, classes=("a",), size=40)
+    a = root / "a"
+    (a / "a01.png").rename(a / "disguised.jpg")  # a PNG named .jpg: decoded by content
+    (a / "bomb.png").write_bytes(png_claiming(100_000, 100_000))
+    red, blue = Image.new("RGB", (40, 40), (200, 0, 0)), Image.new("RGB", (40, 40), (0, 0, 200))
+    red.save(a / "anim.gif", save_all=True, append_images=[blue], duration=100, loop=0)
+    red.save(a / "red.png")
+    wide = np.zeros((20, 40, 3), np.uint8)
+    wide[:, :20] = 255  # left half white
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    Image.fromarray(wide).save(a / "rotated.jpg", exif=exif, quality=95)
+    Image.fromarray(wide).save(a / "plain.png")
+    weird = os.fsencode(str(a)) + b"/caf\xe9.png"  # a Latin-1 file name: not valid UTF-8
+    with open(weird, "wb") as f:
+        red.save(f, format="PNG")
+    raw = job(root, tmp_path / "s.zarr", data={"resize": None, "crop": 20, "max_image_pixels": 10_000_000},
+              capture=[{"layer": "conv1", "key": "c"}], model={"name": "resnet18", "channels_last": False,
+                                                              "device": "cpu", "weights": None})
+    summary = run(parse_spec(raw))
+    s = open_store(str(tmp_path / "s.zarr"))
+    by_id = {str(i): (int(st_), str(e)) for i, st_, e in zip(s.ids, s.status, s.errors, strict=True)}
+    assert by_id["a/bomb.png"][0] == 2 and "100000x100000" in by_id["a/bomb.png"][1]
+    assert "max_image_pixels" in by_id["a/bomb.png"][1]
+    assert by_id["a/disguised.jpg"][0] == 1 and by_id["a/anim.gif"][0] == 1
+    assert by_id["a/caf\\xe9.png"][0] == 1  # undecodable bytes shown as \\xNN in the id
+    assert summary.failed == 1
+    c = {str(i): v for i, v in zip(s.ids, s.numpy("c", only_ok=False), strict=True)}
+    np.testing.assert_array_equal(c["a/anim.gif"], c["a/red.png"])  # the first frame
+    np.testing.assert_array_equal(c["a/caf\\xe9.png"], c["a/red.png"])
+    # EXIF orientation applied: the 40x20 image stands up as 20x40, so a 20x20 crop of it differs
+    # from the crop of the same pixels without the tag
+    assert not np.array_equal(c["a/rotated.jpg"], c["a/plain.png"])
+    from extractor.sources import open_rgb
+
+    assert open_rgb(str(a / "rotated.jpg")).size == (20, 40)
+
+
+def test_symlink_loops_do_not_hang_listing(tmp_path: Path):
+    root = tmp_path / "imgs"
+    make_images(root, per_class=2, classes=("a",), size=40)
+    os.symlink(root / "a", root / "a" / "loop")  # a/loop -> a
+    os.symlink(root, root / "a" / "up")  # a/up -> root
+    rows = list_rows(parse_spec(job(root, tmp_path / "s.zarr")).data)
+    assert rows.ids == ["a/a00.jpg", "a/a01.png"]
+
+
+def dark_images(root: Path, n: int) -> None:
+    make_images(root, per_class=n, classes=("a",), size=40)
+    for p in (root / "a").iterdir():
+        Image.fromarray((np.asarray(Image.open(p).convert("RGB")) // 3).astype(np.uint8)).save(p)
+
+
+def picky_job(root: Path, store: Path, **data) -> dict:
+    return job(root, store, model={"name": None, "factory": "toy_models:picky_net", "device": "cpu"},
+               data={"resize": None, "crop": 32, "shard_size": 4, "batch_size": 4, **data},
+               capture=[{"layer": "conv", "reduce": "mean"}], output={"store": str(store), "chunk_rows": 2})
+
+
+def test_a_batch_that_raises_on_one_image_fails_only_that_row(tmp_path: Path):
+    root = tmp_path / "imgs"
+    dark_images(root, 4)
+    Image.new("RGB", (40, 40), (255, 255, 255)).save(root / "a" / "a01.png")  # PickyNet raises on it
+    summary = run(parse_spec(picky_job(root, tmp_path / "s.zarr")))
+    assert (summary.ok, summary.failed) == (3, 1)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert "forward failed on this image: ValueError: PickyNet" in str(s.errors[1])
+    ref = tmp_path / "ref.zarr"
+    run(parse_spec(picky_job(root, ref, batch_size=1)))  # one image per batch: no retry needed
+    np.testing.assert_array_equal(s.numpy("conv"), open_store(str(ref)).numpy("conv"))
+
+
+def test_a_batch_where_every_image_raises_fails_the_shard(tmp_path: Path):
+    root = tmp_path / "imgs"
+    dark_images(root, 4)
+    for p in (root / "a").iterdir():
+        Image.new("RGB", (40, 40), (255, 255, 255)).save(p)
+    with pytest.raises(ShardError, match=r"shard 0 \(rows 0-3\) failed: ValueError: PickyNet"):
+        run(parse_spec(picky_job(root, tmp_path / "s.zarr")))
+
+
+def test_storage_error_fails_the_job_and_resume_completes(image_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    run(parse_spec(job(image_dir, tmp_path / "ref.zarr")))
+    real_write = ShardWriter.write
+    calls = [0]
+
+    def failing_write(self, key, offset, data):
+        calls[0] += 1
+        if calls[0] == 7:  # inside the second shard
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, key, offset, data)
+
+    monkeypatch.setattr(ShardWriter, "write", failing_write)
+    raw = job(image_dir, tmp_path / "s.zarr")
+    with pytest.raises(ShardError, match="No space left on device"):
+        run(parse_spec(raw))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["status"] == "failed" and "No space left" in s.attrs["error"]
+    assert s.done_shards.tolist() == [True, False, False]
+    monkeypatch.setattr(ShardWriter, "write", real_write)  # space freed
+    raw["output"]["if_exists"] = "resume"
+    assert run(parse_spec(raw)).shards_run == 2
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr")).numpy(key),
+                                      open_store(str(tmp_path / "ref.zarr")).numpy(key))
+
+
+def test_store_of_another_format_version_is_refused(image_dir: Path, tmp_path: Path):
+    import zarr
+
+    raw = job(image_dir, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    attrs = dict(g.attrs["extractor"])
+    attrs["format_version"] = 99
+    g.attrs["extractor"] = attrs
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match="format version 99 in the store, 1 now"):
+        run(parse_spec(raw))
+
+
+def slow_spec(root: Path, store: Path, tmp_path: Path, seconds: float = 0.15, **output) -> Path:
+    raw = job(root, store, model={"name": None, "factory": "toy_models:slow_net", "device": "cpu",
+                                  "factory_kwargs": {"seconds": seconds}},
+              data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 1, "decode_workers": 1},
+              capture=[{"layer": "conv", "reduce": "mean"}],
+              output={"store": str(store), "chunk_rows": 1, **output})
+    path = tmp_path / f"job-{len(list(tmp_path.glob('job-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def start(spec: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    return subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_shard(store: Path, shard: int, proc: subprocess.Popen, seconds: float = 120) -> None:
+    marker = store / "shard_done" / "c" / str(shard)
+    deadline = time.time() + seconds
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "timeout"
+
+
+def test_sigterm_stops_cleanly_and_resume_finishes(tmp_path: Path):
+    root = tmp_path / "imgs"
+    make_images(root, per_class=8, classes=("a",), size=40)
+    store = tmp_path / "s.zarr"
+    spec = slow_spec(root, store, tmp_path)
+    proc = start(spec)
+    wait_for_shard(store, 0, proc)
+    proc.send_signal(signal.SIGTERM)  # what a cluster scheduler sends on pre-emption
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "--resume" in err, err
+    s = open_store(str(store))
+    assert s.attrs["status"] == "interrupted" and not s.done_shards.all()
+    proc = start(spec, "--resume")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (open_store(str(store)).status == 1).all()
+
+
+def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_path: Path):
+    root = tmp_path / "imgs"
+    make_images(root, per_class=30, classes=("a",), size=40)
+    store = tmp_path / "s.zarr"
+    spec = slow_spec(root, store, tmp_path, seconds=1.0, lease_timeout_s=10)
+    first = start(spec)
+    wait_for_shard(store, 0, first)
+    second = start(spec, "--resume")
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 1
+    assert f"in use by another extractor job: pid {first.pid} on {os.uname().nodename}" in err
+    third = start(spec, "--overwrite")
+    out, err = third.communicate(timeout=120)
+    assert third.returncode == 1 and "in use by another extractor job" in err
+    assert first.poll() is None  # still running: the refusals above were about a live job
+    first.kill()  # the first job dies without releasing its lease; on this host its pid is seen to be gone
+    first.wait()
+    resumed = start(spec, "--resume")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    s = open_store(str(store))
+    assert (s.status == 1).all() and s.group["lease"].attrs.get("released")
+
+
+def test_a_lease_from_another_host_expires_after_its_timeout(image_dir: Path, tmp_path: Path):
+    import zarr
+
+    from extractor.store import Lease
+
+    raw = job(image_dir, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    url = str(tmp_path / "s.zarr")
+    g = zarr.open_group(url, mode="r+", use_consolidated=False)
+    g["lease"].attrs.put({"token": "other", "host": "node-7", "pid": 4242, "user": "ana", "started": "then",
+                          "heartbeat": time.time()})
+    with pytest.raises(StoreError, match="pid 4242 on node-7 \\(user ana"):
+        Lease.check(url, None, timeout_s=30)
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match="in use by another extractor job"):
+        run(parse_spec(raw))
+    g["lease"].attrs.put({"token": "other", "host": "node-7", "pid": 4242, "heartbeat": time.time() - 31})
+    Lease.check(url, None, timeout_s=30)  # silent for longer than the timeout: stale, taken over
+    raw["output"]["lease_timeout_s"] = 30
+    assert run(parse_spec(raw)).shards_run == 0
+
+
+_SECTIONS = ["model", "data", "capture", "output", "cluster", "submit"]
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=5),
+                    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
+                                                                          max_size=2))
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(section=st.sampled_from(_SECTIONS), key=st.text(min_size=1, max_size=12), value=_VALUES,
+       known=st.booleans())
+def test_random_invalid_specs_raise_spec_errors_naming_a_field(section: str, key: str, value, known: bool):
+    base = {"data": {"root": "images"}, "capture": [{"layer": "layer3"}]}
+    from extractor.spec import JobSpec
+
+    if section == "capture":
+        fields = list(JobSpec.model_fields["capture"].annotation.__args__[0].model_fields)
+        name = fields[hash(key) % len(fields)] if known else key
+        raw = {**base, "capture": [{"layer": "layer3", name: value}]}
+        where = f"capture[0].{name}" if name != "layer" else "capture[0]"
+    else:
+        model = JobSpec.model_fields[section].annotation
+        fields = list(model.model_fields)
+        name = fields[hash(key) % len(fields)] if known else key
+        raw = {**base, section: {**base.get(section, {}), name: value}}
+        where = section
+    try:
+        parse_spec(raw)
+    except SpecError as err:
+        assert where.split(".")[0].split("[")[0] in str(err)
+    except Exception as err:  # noqa: BLE001
+        pytest.fail(f"{type(err).__name__} instead of SpecError for {raw}: {err}")
