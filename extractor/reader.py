@@ -179,7 +179,7 @@ class ActivationStore:
         rows: Rows = None,
         only_ok: bool = True,
         buffer_chunks: int = 8,
-        prefetch: int = 4,
+        prefetch: int = 2,
     ) -> Iterator[tuple[np.ndarray, Any]]:
         """Yield ``(row_indices, data)``: every selected row exactly once per call (one epoch).
 
@@ -198,32 +198,83 @@ class ActivationStore:
         rng = np.random.default_rng(seed)
         order = rng.permutation(len(groups)) if shuffle else np.arange(len(groups))
         single = isinstance(keys, str)
+        per = buffer_chunks if shuffle else 1
+        buffers = [order[i : i + per] for i in range(0, len(order), per)]
 
-        def read(g: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-            a, b = int(g[0]), int(g[-1]) + 1
-            return g, {k: np.asarray(arr[a:b])[g - a] for k, arr in arrays.items()}
+        def assemble(job: tuple[int, np.ndarray]) -> tuple[np.ndarray, dict[str, list[np.ndarray]], np.ndarray, Any]:
+            """Read a buffer's chunks (on the prefetch thread); draw the order of its rows."""
+            n, chunk_ids = job
+            parts_rows, parts = [], {k: [] for k in names}
+            for ci in chunk_ids:
+                g = groups[ci]
+                a, b = int(g[0]), int(g[-1]) + 1
+                whole = len(g) == b - a  # every row of the range selected: no gather needed
+                parts_rows.append(g)
+                for k, arr in arrays.items():
+                    block = np.asarray(arr[a:b])
+                    parts[k].append(block if whole else block[g - a])
+            starts = np.cumsum([0] + [len(g) for g in parts_rows])
+            total = int(starts[-1])
+            perm = np.random.default_rng([seed, n]).permutation(total) if shuffle else None
+            return np.concatenate(parts_rows), parts, starts, perm
 
-        buf_rows: list[np.ndarray] = []
-        buf: dict[str, list[np.ndarray]] = {k: [] for k in names}
-        for n, (g, block) in enumerate(_prefetched((groups[i] for i in order), read, prefetch)):
-            buf_rows.append(g)
-            for k in names:
-                buf[k].append(block[k])
-            last = n == len(groups) - 1
-            if len(buf_rows) < (buffer_chunks if shuffle else 1) and not last:
-                continue
-            r = np.concatenate(buf_rows)
-            data = {k: np.concatenate(v) for k, v in buf.items()}
-            if shuffle:
-                perm = rng.permutation(len(r))
-                r, data = r[perm], {k: v[perm] for k, v in data.items()}
-            full = len(r) if last else len(r) // batch_size * batch_size
-            for lo in range(0, full, batch_size):
-                sl = slice(lo, min(lo + batch_size, full))
-                yield r[sl], (data[names[0]][sl] if single else {k: v[sl] for k, v in data.items()})
-            # rows that did not fill a batch stay and mix with the next chunks
-            buf_rows = [r[full:]] if full < len(r) else []
-            buf = {k: ([v[full:]] if full < len(r) else []) for k, v in data.items()}
+        def take(parts: dict[str, list[np.ndarray]], starts: np.ndarray, idx: np.ndarray | None, lo: int,
+                 hi: int) -> dict[str, np.ndarray]:
+            """Rows lo:hi of the buffer's order, gathered with one copy (grouped by chunk)."""
+            if idx is None:  # sequential: rows lo:hi, usually inside one chunk
+                j = int(np.searchsorted(starts, lo, "right") - 1)
+                if hi <= starts[j + 1]:
+                    return {k: v[j][lo - starts[j] : hi - starts[j]] for k, v in parts.items()}
+                idx = np.arange(lo, hi)
+            else:
+                idx = idx[lo:hi]
+            block = np.searchsorted(starts, idx, "right") - 1
+            order = np.argsort(block, kind="stable")
+            idx, block = idx[order], block[order]
+            bounds = np.flatnonzero(np.r_[True, block[1:] != block[:-1], True])
+            out = {}
+            for k, v in parts.items():
+                o = np.empty((len(idx), *v[0].shape[1:]), dtype=v[0].dtype)
+                for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True):
+                    j = int(block[s0])
+                    np.take(v[j], idx[s0:s1] - starts[j], axis=0, out=o[s0:s1])
+                out[k] = o
+            out["__rows__"] = idx
+            return out
+
+        carry: tuple[np.ndarray, dict[str, np.ndarray]] | None = None  # rows short of a batch
+        for rows_all, parts, starts, perm in _prefetched(enumerate(buffers), assemble, prefetch):
+            total = int(starts[-1])
+            lo = 0
+            if carry is not None:  # complete the carried rows with the first rows of this buffer
+                need = min(batch_size - len(carry[0]), total)
+                r1, d1 = self._rows_of(take(parts, starts, perm, 0, need), rows_all, 0, need, perm)
+                r0 = np.concatenate([carry[0], r1])
+                d0 = {k: np.concatenate([carry[1][k], d1[k]]) for k in names}
+                carry, lo = None, need
+                if len(r0) < batch_size:
+                    carry = (r0, d0)
+                    continue
+                yield r0, (d0[names[0]] if single else d0)
+            while lo < total:
+                hi = min(lo + batch_size, total)
+                r1, d1 = self._rows_of(take(parts, starts, perm, lo, hi), rows_all, lo, hi, perm)
+                if hi - lo < batch_size:
+                    carry = (r1, d1)
+                else:
+                    yield r1, (d1[names[0]] if single else d1)
+                lo = hi
+        if carry is not None:
+            yield carry[0], (carry[1][names[0]] if single else carry[1])
+
+    @staticmethod
+    def _rows_of(d: dict[str, np.ndarray], rows_all: np.ndarray, lo: int, hi: int,
+                 perm: np.ndarray | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Store row numbers of a gathered slice (gathers carry their buffer positions)."""
+        pos = d.pop("__rows__", None)
+        if pos is None:
+            pos = np.arange(lo, hi)
+        return rows_all[pos], d
 
     def row(self, id: str) -> dict[str, Any]:
         """All captures of the row with image id ``id`` (random access by id)."""
