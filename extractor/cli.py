@@ -73,7 +73,7 @@ def _run_spec(spec: Any, quiet: bool = False) -> int:
     print(
         f"{summary.store}: {summary.ok} ok, {summary.failed} failed, {summary.pending} pending rows; "
         f"{summary.shards_run} shards run, {summary.shards_skipped} already done; "
-        f"{summary.seconds:.1f} s, {summary.images_per_s:.1f} images/s"
+        f"{summary.seconds:.1f} s" + (f", {summary.images_per_s:.1f} images/s" if summary.shards_run else "")
     )
     if summary.workers and summary.shards_run:
         rows = [[str(w["worker"]), ",".join(map(str, w["pids"])), str(w["shards"]), str(w["images"]),
@@ -436,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

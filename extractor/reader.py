@@ -204,6 +204,11 @@ class ActivationStore:
         def assemble(job: tuple[int, np.ndarray]) -> tuple[np.ndarray, dict[str, list[np.ndarray]], np.ndarray, Any]:
             """Read a buffer's chunks (on the prefetch thread); draw the order of its rows."""
             n, chunk_ids = job
+            if len(chunk_ids) > 1:  # one orthogonal read: zarr fetches and decodes the chunks concurrently
+                rows = np.sort(np.concatenate([groups[ci] for ci in chunk_ids]))
+                data = {k: [np.asarray(arr.oindex[rows])] for k, arr in arrays.items()}
+                perm = np.random.default_rng([seed, n]).permutation(len(rows)) if shuffle else None
+                return rows, data, np.array([0, len(rows)]), perm
             parts_rows, parts = [], {k: [] for k in names}
             for ci in chunk_ids:
                 g = groups[ci]
