@@ -159,8 +159,8 @@ def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8):  # -
     for n, r in enumerate(rows):
         x, y = (n % columns) * c, (n // columns) * (c + 16)
         try:
-            sheet.paste(_crop_like_job(str(store.paths[r]), data), (x, y))
-        except OSError as err:
+            sheet.paste(_crop_like_job(store.locator(int(r)), data), (x, y))
+        except (OSError, ValueError) as err:
             d.text((x + 4, y + 4), f"unreadable: {type(err).__name__}", fill="red")
         lab = int(store.labels[r])
         d.text((x + 2, y + c + 2), f"{r}: {classes[lab] if 0 <= lab < len(classes) else lab}", fill="black")

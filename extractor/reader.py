@@ -115,6 +115,13 @@ class ActivationStore:
     def paths(self) -> np.ndarray:
         return self._row_array("paths")
 
+    def locator(self, row: int) -> Any:
+        """Where row's image is read from: its path, or (tar URL#member, byte offset, byte size)."""
+        path = str(self.paths[row])
+        if "byte_offset" in self.group:
+            return (path, int(self.group["byte_offset"][row]), int(self.group["byte_size"][row]))
+        return path
+
     @property
     def labels(self) -> np.ndarray:
         return self._row_array("labels")

@@ -26,13 +26,13 @@ def colormap(v: np.ndarray) -> np.ndarray:
     return (_RAMP[lo] * (1 - t) + _RAMP[lo + 1] * t).astype(np.uint8)
 
 
-def _crop_like_job(path: str, data: dict[str, Any]):  # -> PIL.Image.Image
-    from PIL import Image, ImageOps
+def _crop_like_job(item: Any, data: dict[str, Any]):  # -> PIL.Image.Image
+    """The image as the job saw it: decoded like the job (any path, URL, tar member), resized, cropped."""
+    from PIL import Image
 
-    with open(path, "rb") as f:
-        img = Image.open(f)
-        img.load()
-    img = (ImageOps.exif_transpose(img) or img).convert("RGB")
+    from .sources import open_rgb
+
+    img = open_rgb(item, None, data.get("max_image_pixels"))
     if data.get("resize"):
         w, h = img.size
         r = data["resize"] / min(w, h)
@@ -72,7 +72,7 @@ def gradcam_grid(
     sheet = Image.new("RGB", (columns * crop, n_rows * (crop + label_h)), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     for n, (row, cam, (lo, hi), t, sc) in enumerate(zip(idx, maps, ranges, targets, scores, strict=True)):
-        img = _crop_like_job(str(store.paths[row]), data)
+        img = _crop_like_job(store.locator(int(row)), data)
         norm = (cam - lo) / (hi - lo) if hi > lo else np.zeros_like(cam)
         heat = Image.fromarray(colormap(norm)).resize((crop, crop), Image.BILINEAR)
         blended = Image.blend(img, heat, alpha)

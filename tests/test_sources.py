@@ -62,6 +62,11 @@ def test_tar_shards_give_the_same_arrays_as_the_folder(image_dir: Path, tmp_path
     assert str(b.paths[0]).endswith("shard-000.tar#cats/cats00.jpg")
     for key in ("layer3", "layer4"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+    # pictures of tar rows read the member's bytes, as the job did
+    from extractor.analysis import image_grid
+
+    tiles = [np.asarray(image_grid(s, np.array([0]), columns=1))[:64] for s in (a, b)]
+    np.testing.assert_array_equal(tiles[0], tiles[1])
 
 
 def test_json_labels_and_class_names(image_dir: Path, tmp_path: Path):
