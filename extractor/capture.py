@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,10 +216,21 @@ class Capturer:
     forward with autograd from the first such layer on, then one ``torch.autograd.grad``
     of the target scores: parameter ``.grad`` fields are never touched and no graph
     outlives the call.
+
+    ``forward`` is what ``run`` calls instead of ``model`` (a ``torch.compile`` of it, made
+    after entering the block so that the hooks are traced into the graph); ``run(eager=True)``
+    calls the plain model.
     """
 
-    def __init__(self, model: nn.Module, targets: Sequence[Target], stop_early: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        targets: Sequence[Target],
+        stop_early: bool = True,
+        forward: Callable[[torch.Tensor], Any] | None = None,
+    ) -> None:
         self.model = model
+        self.forward = forward
         self.targets = list(targets)
         self.gradient = [t for t in self.targets if t.gradient]
         self.stop_early = stop_early and not self.gradient  # gradients need the logits
@@ -306,7 +317,7 @@ class Capturer:
         return hook
 
     def run(
-        self, x: torch.Tensor, labels: torch.Tensor | None = None
+        self, x: torch.Tensor, labels: torch.Tensor | None = None, eager: bool = False
     ) -> dict[str, torch.Tensor]:
         """One forward pass (and one backward for gradient targets); captured tensors by key.
 
@@ -318,13 +329,14 @@ class Capturer:
         if self._stack is None:
             raise RuntimeError("Capturer.run() must be called inside `with Capturer(...)`")
         self.values, self.anchors = {}, {}
+        forward = self.model if eager or self.forward is None else self.forward
         try:
             if self.gradient:
                 with torch.inference_mode(False), torch.enable_grad():
-                    self._gradients(x, labels)
+                    self._gradients(forward, x, labels)
             else:
                 try:
-                    self.model(x)
+                    forward(x)
                 except _StopForward:
                     pass
             missing = [t for t in self.targets if t.key not in self.values]
@@ -338,9 +350,9 @@ class Capturer:
         finally:
             self.anchors = {}
 
-    def _gradients(self, x: torch.Tensor, labels: torch.Tensor | None) -> None:
+    def _gradients(self, forward: Callable[[torch.Tensor], Any], x: torch.Tensor, labels: torch.Tensor | None) -> None:
         x = x.clone()  # a normal tensor even if the caller made it under inference_mode
-        logits = self.model(x)
+        logits = forward(x)
         if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
             raise LayerError(
                 f"gradient captures need a model that returns (batch, classes) logits; it returned {_describe(logits)}"

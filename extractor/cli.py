@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,38 @@ def _bytes(n: float | None) -> str:
     return f"{n:.1f} TB"
 
 
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h} h {m:02d} min" if h else f"{m} min {sec:02d} s" if m else f"{sec} s"
+
+
+class Estimate:
+    """The job's duration, estimated once from the first batches after the first one (which
+    pays for warm-up: allocations, cuDNN autotuning, compilation)."""
+
+    def __init__(self, total: int, batch_size: int, min_seconds: float = 1.0) -> None:
+        self.total, self.min_rows, self.min_seconds = total, 3 * batch_size, min_seconds
+        self.start: tuple[float, int] | None = None
+        self.done = False
+
+    def update(self, n: int, now: float) -> str | None:
+        """Rows processed so far at time ``now``: the estimate line, the first time it can be made."""
+        if self.done:
+            return None
+        if self.start is None:
+            self.start = (now, n)
+            return None
+        t0, n0 = self.start
+        if n - n0 < self.min_rows or now - t0 < self.min_seconds or n >= self.total:
+            return None
+        self.done = True
+        rate = (n - n0) / (now - t0)
+        return (f"estimate: {rate:.1f} images/s after the first {n} images; "
+                f"about {_duration((self.total - n) / rate)} to go for {self.total} images")
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
@@ -42,6 +75,7 @@ def _run_spec(spec: Any, quiet: bool = False) -> int:
     from .runner import run
 
     bar: list[Any] = []
+    eta: list[Estimate] = []
 
     def on_start(total: int, per_row: dict[str, int]) -> None:
         n_bytes = sum(per_row.values())
@@ -53,10 +87,14 @@ def _run_spec(spec: Any, quiet: bool = False) -> int:
                 file=sys.stderr,
             )
         bar.append(tqdm(total=total, unit="img", disable=quiet, dynamic_ncols=True, file=sys.stderr))
+        eta.append(Estimate(total, spec.data.batch_size))
 
     def on_progress(n: int) -> None:
         if bar:
             bar[0].update(n - bar[0].n)
+            line = eta[0].update(n, time.perf_counter())
+            if line and not quiet:
+                bar[0].write(line, file=sys.stderr)
 
     argv = " ".join(shlex.quote(a) for a in sys.argv)
     try:

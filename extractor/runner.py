@@ -12,7 +12,9 @@ import logging
 import os
 import platform
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,11 +227,27 @@ class LocalBackend:
             on_progress(processed[0])
 
         on_event("worker_started", {"worker": 0, "pid": pid})
-        for shard in todo:
-            on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": pid})
-            summary = self.worker.run_shard(shard, url, on_batch=on_batch)
-            on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
-            summaries.append(summary)
+        finishing: deque[tuple[Shard, Future[ShardSummary]]] = deque()
+
+        def report(keep: int) -> None:
+            """Report the shards whose done marker is written; wait while more than ``keep`` are not."""
+            while finishing and (len(finishing) > keep or finishing[0][1].done()):
+                shard, future = finishing.popleft()
+                summary = future.result()
+                on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
+                summaries.append(summary)
+
+        try:
+            for shard in todo:
+                on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": pid})
+                # a shard's last writes and done marker are stored while the next one computes
+                finishing.append((shard, self.worker.start_shard(shard, url, on_batch=on_batch)))
+                report(keep=1)
+            report(keep=0)
+        except BaseException:
+            for _, future in finishing:  # what was computed is still written before the error goes up
+                future.exception()
+            raise
         return summaries
 
     def close(self) -> None:

@@ -253,9 +253,12 @@ class ImageDecoder:
         self.interpolation = InterpolationMode(data.interpolation)
 
     def __call__(self, item: Locator):  # -> torch.Tensor (3, crop, crop) uint8
+        return self.from_bytes(read_bytes(item, self.storage_options))
+
+    def from_bytes(self, data: bytes):  # -> torch.Tensor (3, crop, crop) uint8
         import torchvision.transforms.v2.functional as F
 
-        img = open_rgb(item, self.storage_options, self.max_pixels)
+        img = rgb_from_bytes(data, self.max_pixels)
         if self.resize is not None:
             img = F.resize(img, [self.resize], interpolation=self.interpolation, antialias=True)
         img = F.center_crop(img, [self.crop, self.crop])
@@ -319,16 +322,29 @@ class ImageTooLarge(ValueError):
 
 def open_rgb(item: Locator, storage_options: dict | None = None, max_pixels: int | None = None):
     """Open an image as 8-bit RGB (the first frame of an animation) with its EXIF orientation applied."""
-    from PIL import Image, ImageOps
+    return rgb_from_bytes(read_bytes(item, storage_options), max_pixels)
+
+
+def _open_checked(data: bytes, max_pixels: int | None):
+    """Pillow's lazy open (the header only), refusing images over ``max_pixels``."""
+    from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = None  # the limit below replaces Pillow's global one
-    img = Image.open(io.BytesIO(read_bytes(item, storage_options)))
+    img = Image.open(io.BytesIO(data))
     w, h = img.size
     if max_pixels is not None and w * h > max_pixels:
         raise ImageTooLarge(
             f"image is {w}x{h} = {w * h:,} pixels, over data.max_image_pixels ({max_pixels:,}); "
             "raise data.max_image_pixels if the image is trusted"
         )
+    return img
+
+
+def rgb_from_bytes(data: bytes, max_pixels: int | None = None):
+    """Decode an encoded image as 8-bit RGB (see :func:`open_rgb`)."""
+    from PIL import Image, ImageOps
+
+    img = _open_checked(data, max_pixels)
     img.load()
     img = ImageOps.exif_transpose(img) or img
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
@@ -348,6 +364,113 @@ def describe_error(err: BaseException) -> str:
     return f"{name}: {msg}"[:300] if msg else name
 
 
+# EXIF orientation -> (transpose H and W first, then flip y, flip x) applied to a (C, H, W) tensor
+_ORIENT = {2: (False, False, True), 3: (False, True, True), 4: (False, True, False),
+           5: (True, False, False), 6: (True, False, True), 7: (True, True, True), 8: (True, True, False)}
+
+
+@dataclass
+class EncodedJpeg:
+    """A JPEG file's bytes read on a decode thread, to be decoded with its batch on the device."""
+
+    data: bytes
+    orientation: int  # EXIF orientation tag (1: as stored)
+
+
+class JpegDecoder:
+    """Batch JPEG decoding with ``torchvision.io.decode_jpeg`` on ``device`` (nvJPEG on CUDA),
+    then resize and centre crop there: the same geometry as :class:`ImageDecoder`.
+
+    ``read`` runs on the decode threads: it reads the file and checks its header (size limit,
+    colour mode, EXIF orientation). Files that are not 8-bit RGB or grayscale JPEGs (PNG,
+    CMYK JPEG...) are decoded there by Pillow instead. ``collate`` decodes a batch's JPEGs in
+    one call; a file the device decoder rejects is decoded by Pillow, and fails its row only
+    if Pillow rejects it too.
+    """
+
+    def __init__(self, data: DataSpec, device) -> None:
+        self.cpu = ImageDecoder(data)
+        self.device = device
+        self.storage_options = data.storage_options
+
+    def read(self, item: Locator):  # -> EncodedJpeg | torch.Tensor (3, crop, crop) uint8
+        data = read_bytes(item, self.storage_options)
+        if data[:3] == b"\xff\xd8\xff":
+            img = _open_checked(data, self.cpu.max_pixels)
+            if img.format == "JPEG" and img.mode in ("RGB", "L"):
+                try:
+                    orientation = int(img.getexif().get(0x0112, 1))
+                except Exception:  # noqa: BLE001 - an unreadable EXIF block: take the pixels as stored
+                    orientation = 1
+                return EncodedJpeg(data, orientation)
+        return self.cpu.from_bytes(data)
+
+    def _decode(self, items: list[EncodedJpeg]) -> list[Any]:
+        """Device tensors (3, H, W) uint8, or the error for files the device decoder rejects."""
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        raw = [torch.frombuffer(bytearray(e.data), dtype=torch.uint8) for e in items]
+        if self.device.type == "cuda":
+            # nvJPEG's hardware decoder writes its outputs without waiting for the work queued on
+            # the stream, into blocks the caching allocator recycled from tensors that queued
+            # kernels still read: activations came out NaN on an H200 (pytorch/vision#9606).
+            # Drain the stream first; the forward pass already queued is what we wait for.
+            torch.cuda.current_stream(self.device).synchronize()
+        try:
+            return list(decode_jpeg(raw, mode=ImageReadMode.RGB, device=self.device))
+        except RuntimeError:
+            out: list[Any] = []
+            for r in raw:  # find the files it rejects
+                try:
+                    out.append(decode_jpeg(r, mode=ImageReadMode.RGB, device=self.device))
+                except RuntimeError as err:
+                    out.append(err)
+            return out
+
+    def _geometry(self, imgs, orientation: int):
+        """Orientation, resize of the shorter side and centre crop of (N, 3, H, W) images, on the device."""
+        import torch
+        import torchvision.transforms.v2.functional as F
+
+        if orientation in _ORIENT:
+            transpose, flip_y, flip_x = _ORIENT[orientation]
+            if transpose:
+                imgs = imgs.transpose(-2, -1)
+            dims = [d for d, f in ((-2, flip_y), (-1, flip_x)) if f]
+            if dims:
+                imgs = imgs.flip(dims)
+        if self.cpu.resize is not None:
+            x = F.resize(imgs.float(), [self.cpu.resize], interpolation=self.cpu.interpolation, antialias=True)
+            imgs = x.round_().clamp_(0, 255).to(torch.uint8)
+        return F.center_crop(imgs, [self.cpu.crop, self.cpu.crop])
+
+    def collate(self, items: list[Any]):  # -> (torch.Tensor (B, 3, crop, crop) on device, {position: error})
+        import torch
+
+        out: list[Any] = [None] * len(items)
+        failed: dict[int, str] = {}
+        encoded = [i for i, x in enumerate(items) if isinstance(x, EncodedJpeg)]
+        groups: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}  # same size and orientation: resized together
+        for i, img in zip(encoded, self._decode([items[i] for i in encoded]) if encoded else [], strict=True):
+            if isinstance(img, torch.Tensor):
+                groups.setdefault((*img.shape, items[i].orientation), []).append((i, img))
+                continue
+            try:  # the device decoder rejected it: Pillow decides
+                out[i] = self.cpu.from_bytes(items[i].data).to(self.device)
+            except Exception as err:  # noqa: BLE001 - fails its row only
+                failed[i] = describe_error(err)
+        for key, members in groups.items():
+            done = self._geometry(torch.stack([img for _, img in members]), key[-1])
+            for (i, _), img in zip(members, done, strict=True):
+                out[i] = img
+        for i, x in enumerate(items):
+            if out[i] is None and i not in failed:
+                out[i] = x.to(self.device, non_blocking=True)
+        kept = [x for x in out if x is not None]
+        return (torch.stack(kept) if kept else None), failed
+
+
 @dataclass
 class Batch:
     """Decoded images of one batch; ``offsets`` are row offsets within the shard."""
@@ -363,8 +486,13 @@ def iter_batches(
     decode,
     pool: ThreadPoolExecutor | None,
     prefetch_batches: int = 2,
+    collate=None,
 ) -> Iterator[Batch]:
-    """Decode ``paths`` in batches, ``prefetch_batches`` ahead on ``pool`` (inline if None)."""
+    """Decode ``paths`` in batches, ``prefetch_batches`` ahead on ``pool`` (inline if None).
+
+    ``collate(items)`` turns a batch's decoded items into ``(images, {position: error})``;
+    by default the items are uint8 tensors, stacked.
+    """
     import torch
 
     def safe(path: Locator):
@@ -396,5 +524,11 @@ def iter_batches(
             else:
                 failed[i] = err
         fill()
-        images = torch.stack(tensors) if tensors else None
-        yield Batch(offsets, images, failed)
+        if collate is None or not tensors:
+            images = torch.stack(tensors) if tensors else None
+        else:
+            images, bad = collate(tensors)
+            for j, err in bad.items():
+                failed[offsets[j]] = err
+            offsets = [o for j, o in enumerate(offsets) if j not in bad]
+        yield Batch(offsets, images, dict(sorted(failed.items())))

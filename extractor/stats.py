@@ -45,33 +45,44 @@ class ShardStats:
 
     def update(self, x: np.ndarray, rows: np.ndarray) -> None:
         """Add a batch ``x`` (B, *shape) whose store rows are ``rows``."""
-        x64 = x.astype(np.float64, copy=False)
-        finite = np.isfinite(x64)
-        flat_finite = finite.reshape(len(x), -1)
-        bad_rows = ~flat_finite.all(axis=1)
+        if x.dtype.kind == "f" and x.dtype.itemsize < 4:
+            x = x.astype(np.float32)
         self.rows += len(x)
-        if bad_rows.any():
-            self.nonfinite_count += int(bad_rows.sum())
-            isnan = np.isnan(x64)
-            self.nan += int(isnan.sum())
-            self.inf += int((~finite & ~isnan).sum())
-            self.nonfinite_rows.extend(int(r) for r in rows[bad_rows][: max(0, 20 - len(self.nonfinite_rows))])
-        v = np.where(finite, x64, 0.0)
         if self.axis is None:
             axes: tuple[int, ...] = tuple(range(x.ndim))
         else:
             axes = tuple(a for a in range(x.ndim) if a != self.axis)
-        self.count += finite.sum(axis=axes).reshape(-1).astype(np.int64)
-        self.sum += v.sum(axis=axes).reshape(-1)
-        self.sumsq += (v * v).sum(axis=axes).reshape(-1)
-        if finite.any():
-            self.min = min(self.min, float(x64[finite].min()))
-            self.max = max(self.max, float(x64[finite].max()))
-        good = ~bad_rows
-        if good.any():
-            norms = np.sqrt((x64.reshape(len(x), -1)[good] ** 2).sum(axis=1))
-            self.l2_sum += float(norms.sum())
-            self.l2_rows += int(good.sum())
+        flat = x.reshape(len(x), -1)
+        finite_rows = np.isfinite(flat).all(axis=1)
+        if not finite_rows.all():  # rare: count the NaN/Inf, then zero them out of the moments
+            finite = np.isfinite(x)
+            bad_rows = ~finite_rows
+            self.nonfinite_count += int(bad_rows.sum())
+            isnan = np.isnan(x)
+            self.nan += int(isnan.sum())
+            self.inf += int((~finite & ~isnan).sum())
+            self.nonfinite_rows = sorted(self.nonfinite_rows + [int(r) for r in rows[bad_rows]])[:20]
+            count = finite.sum(axis=axes).reshape(-1).astype(np.int64)
+            x = np.where(finite, x, 0)
+            good = x[finite_rows]
+            if finite.any():
+                self.min = min(self.min, float(np.where(finite, x, np.inf).min()))
+                self.max = max(self.max, float(np.where(finite, x, -np.inf).max()))
+        else:
+            count = np.full(self.count.shape, x.size // self.count.size, np.int64)
+            good = x
+            if x.size:
+                self.min = min(self.min, float(x.min()))
+                self.max = max(self.max, float(x.max()))
+        # accumulate in float64 without float64 copies of the batch
+        sq = np.square(x, dtype=np.float64) if x.dtype.itemsize > 4 else np.square(x)
+        self.count += count
+        self.sum += x.sum(axis=axes, dtype=np.float64).reshape(-1)
+        self.sumsq += sq.sum(axis=axes, dtype=np.float64).reshape(-1)
+        if len(good):
+            sq_good = sq[finite_rows] if len(good) < len(x) else sq
+            self.l2_sum += float(np.sqrt(sq_good.reshape(len(good), -1).sum(axis=1, dtype=np.float64)).sum())
+            self.l2_rows += len(good)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -202,6 +203,8 @@ class ShardWriter:
         self.group = open_group(url, "r+", storage_options)
         self.start, self.stop, self.index = start, stop, index
         self.bytes = 0
+        self._arrays: dict[str, Any] = {}  # opened once: each open reads the array's metadata
+        self._lock = threading.Lock()  # write() is called from several writer threads
 
     def locators(self) -> list[Any]:
         """What the decoder reads for each row: a path, or (tar URL#member, offset, size)."""
@@ -218,8 +221,12 @@ class ShardWriter:
     def write(self, key: str, offset: int, data: np.ndarray) -> None:
         """Write rows ``start+offset ...`` of capture ``key`` (whole chunks only)."""
         a = self.start + offset
-        self.group[key][a : a + len(data)] = data
-        self.bytes += data.nbytes
+        with self._lock:
+            arr = self._arrays.get(key)
+            if arr is None:
+                arr = self._arrays[key] = self.group[key]
+            self.bytes += data.nbytes
+        arr[a : a + len(data)] = data
 
     def finish(
         self,

@@ -45,6 +45,82 @@ def bare(args: argparse.Namespace) -> dict:
     return {"images": n, "seconds": seconds, "images_per_s": n / seconds}
 
 
+THINGSVISION = ["thingsvision==2.7.3", "torchtyping==0.1.5", "typeguard==2.13.3"]
+TV_SITE = WORK / "thingsvision"
+
+
+def install_thingsvision() -> None:
+    """thingsvision, the closest peer, in a folder of its own (never in .venv): its pins (torchvision
+    0.15, tensorflow, numpy<2) cannot share an environment with ours, so only its PyTorch code and
+    the two small packages that code imports are installed, without their dependencies."""
+    if (TV_SITE / "thingsvision").exists():
+        return
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(TV_SITE),
+                    *THINGSVISION], check=True)
+
+
+def compare_thingsvision() -> str:
+    """Largest per-row relative difference between thingsvision's avgpool features and the store's."""
+    import numpy as np
+
+    from extractor.reader import open_store
+
+    out = WORK / "thingsvision-out"
+    names = [ln.strip() for ln in (out / "file_names.txt").read_text().splitlines() if ln.strip()]
+    theirs = np.load(out / "avgpool.npy")
+    s = open_store(str(WORK / "pooled.zarr"))
+    def key(p: str) -> tuple[str, str]:
+        return Path(p).parent.name, Path(p).name
+
+    row = {key(str(p)): i for i, p in enumerate(s.paths)}
+    ours = s.numpy("avgpool")[[row[key(n)] for n in names]]
+    err = np.linalg.norm(ours - theirs, axis=1) / np.linalg.norm(theirs, axis=1)
+    return f"max per-row relative difference {err.max():.1e} over {len(names)} images"
+
+
+def thingsvision_job(args: argparse.Namespace) -> dict:
+    """The pooled job through thingsvision's own API: its ImageDataset and DataLoader (PIL in the
+    main process), one pass for both modules, layer3 mean-pooled afterwards, features saved."""
+    import importlib.machinery
+    import types
+    from unittest import mock
+
+    import numpy as np
+
+    def stub(name: str) -> types.ModuleType:  # TensorFlow, timm, h5py: imported at module level, unused here
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        m.__path__ = []
+        m.__getattr__ = lambda attr: mock.MagicMock(name=f"{name}.{attr}")
+        return m
+
+    for name in ("tensorflow", "tensorflow.keras", "tensorflow.keras.applications", "tensorflow.keras.layers",
+                 "tensorflow.keras.models", "timm", "timm.models", "h5py"):
+        sys.modules.setdefault(name, stub(name))
+    np.AxisError = np.exceptions.AxisError  # thingsvision predates numpy 2
+    sys.path.insert(0, str(TV_SITE))
+    import torch
+    import torchvision
+    from thingsvision import get_extractor_from_model
+    from thingsvision.utils.data import DataLoader, ImageDataset
+
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(args.model, weights=None).eval()
+    tv = get_extractor_from_model(model=model, device="cpu", backend="pt")
+    out = WORK / "thingsvision-out"
+    t0 = time.perf_counter()
+    dataset = ImageDataset(root=args.images, out_path=str(out), backend="pt",
+                           transforms=tv.get_transformations(resize_dim=256, crop_dim=224))
+    batches = DataLoader(dataset=dataset, batch_size=args.batch_size, backend="pt")
+    feats = tv.extract_features(batches=batches, module_names=["avgpool", "layer3"], flatten_acts=False,
+                                output_type="ndarray")
+    np.save(out / "avgpool.npy", feats["avgpool"].reshape(len(feats["avgpool"]), -1))
+    np.save(out / "layer3.npy", feats["layer3"].mean(axis=(2, 3)))
+    seconds = time.perf_counter() - t0
+    n = len(feats["avgpool"])
+    return {"images": n, "seconds": seconds, "images_per_s": n / seconds}
+
+
 CAPTURES = {
     "pooled": [{"layer": "avgpool", "reduce": "flatten"}, {"layer": "layer3", "reduce": "mean"}],
     "fullmap": [{"layer": "layer3", "reduce": "none", "dtype": "float16"}],
@@ -168,7 +244,8 @@ def rss_bench(args: argparse.Namespace) -> None:
 
 
 def child(args: argparse.Namespace) -> None:
-    result = bare(args) if args.variant == "bare" else extract(args)
+    variants = {"bare": bare, "thingsvision": thingsvision_job}
+    result = variants.get(args.variant, extract)(args)
     print("RESULT " + json.dumps(result))
 
 
@@ -179,7 +256,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="bare,pooled,fullmap,early,ray,gradcam")
+    p.add_argument("--variants", default="bare,pooled,fullmap,early,ray,gradcam,thingsvision")
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
@@ -187,10 +264,9 @@ def main() -> None:
     if args.variant:
         args.images = args.image_dir_arg
         child(args)
-        if args.variant != "bare":
-            import resource
+        import resource
 
-            print("RSS " + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+        print("RSS " + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
         return
 
     if args.reader_only:
@@ -198,6 +274,8 @@ def main() -> None:
         reader_bench()
         return
     image_dir = make_images(args.images)
+    if "thingsvision" in args.variants.split(","):
+        install_thingsvision()
     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
     results: dict[str, list[dict]] = {}
     print(f"model {args.model}, {args.images} JPEG images 256x256, batch {args.batch_size}, "
@@ -212,26 +290,35 @@ def main() -> None:
             if line is None:
                 sys.exit(f"variant {variant} failed:\n{out.stderr[-3000:]}")
             r = json.loads(line.removeprefix("RESULT "))
+            rss = next((ln for ln in out.stdout.splitlines() if ln.startswith("RSS ")), None)
+            r["rss_mb"] = int(rss.split()[1]) / 1024 if rss else float("nan")
             results.setdefault(variant, []).append(r)
             print(f"  run {rep + 1} {variant:8s} {r['images_per_s']:.2f} images/s", flush=True)
     base = statistics.median(r["images_per_s"] for r in results["bare"]) if "bare" in results else None
-    print(f"\n{'variant':10s} {'images/s':>9s} {'ratio':>6s} {'wall s':>7s} {'start s':>7s}  what")
+    print(f"\n{'variant':12s} {'images/s':>9s} {'ratio':>6s} {'wall s':>7s} {'start s':>7s} {'RSS MB':>7s}  what")
     what = {"bare": "DataLoader + forward, outputs discarded (reference)",
             "pooled": "extractor: avgpool + layer3 mean-pooled, float32",
             "fullmap": "extractor: layer3 full map, float16, zstd",
             "early": "extractor: layer2 mean-pooled (stops after layer2)",
             "ray": "extractor on an embedded Ray, 1 worker: the pooled job",
-            "gradcam": "extractor: Grad-CAM of layer4 (forward + backward from the logit)"}
+            "gradcam": "extractor: Grad-CAM of layer4 (forward + backward from the logit)",
+            "thingsvision": "thingsvision 2.7.3: the pooled job (its loader; layer3 pooled after, in memory)"}
     for variant, rs in results.items():
         ips = statistics.median(r["images_per_s"] for r in rs)
         wall = statistics.median(r.get("wall_seconds", r["seconds"]) for r in rs)
         start = statistics.median(r.get("startup_seconds", 0.0) for r in rs)
         ratio = f"{ips / base:.2f}" if base else "-"
-        print(f"{variant:10s} {ips:9.2f} {ratio:>6s} {wall:7.1f} {start:7.1f}  {what.get(variant, '')}")
+        rss = statistics.median(r["rss_mb"] for r in rs)
+        print(f"{variant:12s} {ips:9.2f} {ratio:>6s} {wall:7.1f} {start:7.1f} {rss:7.0f}  {what.get(variant, '')}")
     if "ray" in results and "pooled" in results:
         ray_ips = statistics.median(r["images_per_s"] for r in results["ray"])
         local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])
         print(f"\nray backend over local backend (same pooled job, start-up excluded): {ray_ips / local_ips:.2f}")
+    if "thingsvision" in results and "pooled" in results:
+        tv_ips = statistics.median(r["images_per_s"] for r in results["thingsvision"])
+        local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])
+        print(f"extractor over thingsvision (the same pooled job): {local_ips / tv_ips:.2f}; "
+              f"their avgpool features against ours: {compare_thingsvision()}")
     if "gradcam" in results and "pooled" in results:
         cam_ips = statistics.median(r["images_per_s"] for r in results["gradcam"])
         local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])

@@ -112,3 +112,27 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
     s = open_store(str(tmp_path / "s.zarr"))
     assert (s.status == 1).all() and s.attrs["status"] == "complete"
     assert np.isfinite(s.numpy("conv")).all()
+
+
+def test_preflight_prints_sizes_and_a_time_estimate_from_the_first_batches(tmp_path: Path):
+    from extractor.cli import Estimate
+
+    est = Estimate(total=1000, batch_size=10)
+    assert est.update(10, now=100.0) is None  # the first batch pays for warm-up: not measured
+    assert est.update(30, now=101.0) is None  # too few rows yet
+    line = est.update(50, now=102.0)  # 40 rows in 2 s after the first batch
+    assert line == "estimate: 20.0 images/s after the first 50 images; about 48 s to go for 1000 images"
+    assert est.update(60, now=103.0) is None  # said once
+
+    root = tmp_path / "imgs"
+    make_images(root, per_class=10, classes=("a", "b"), size=40)
+    raw = job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:slow_net", "device": "cpu"},
+              data={"resize": None, "crop": 32, "shard_size": 4, "batch_size": 1, "decode_workers": 1},
+              capture=[{"layer": "conv", "reduce": "none"}],
+              output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2})
+    r = extractor("run", str(write_job(tmp_path / "job.yaml", raw)))
+    assert r.returncode == 0, r.stderr
+    assert "20 images to process; 16.0 KB per row uncompressed (conv 16.0 KB); store about 320.0 KB" in r.stderr
+    line = next(x for x in r.stderr.splitlines() if x.startswith("estimate:"))
+    rate = float(line.split()[1])
+    assert 1 < rate < 7.5, line  # slow_net sleeps 0.15 s per batch of one: at most 6.7 images/s

@@ -141,10 +141,12 @@ def test_storage_error_fails_the_job_and_resume_completes(image_dir: Path, tmp_p
         run(parse_spec(raw))
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.attrs["status"] == "failed" and "No space left" in s.attrs["error"]
-    assert s.done_shards.tolist() == [True, False, False]
+    done = s.done_shards.tolist()
+    # the shard before is durable; the one after may be too (it computes while the failing one is stored)
+    assert done[:2] == [True, False]
     monkeypatch.setattr(ShardWriter, "write", real_write)  # space freed
     raw["output"]["if_exists"] = "resume"
-    assert run(parse_spec(raw)).shards_run == 2
+    assert run(parse_spec(raw)).shards_run == 3 - sum(done)
     for key in ("layer3", "layer4"):
         np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr")).numpy(key),
                                       open_store(str(tmp_path / "ref.zarr")).numpy(key))

@@ -182,3 +182,42 @@ class NanNet(nn.Module):
 
 def nan_net() -> nn.Module:
     return NanNet()
+
+
+class SmallCNN(nn.Module):
+    """conv-bn-relu(inplace) stem, a second conv block, pooled linear head: a classifier small
+    enough to compile in seconds."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.layer1(self.relu(self.bn(self.stem(x))))).flatten(1))
+
+
+def small_cnn() -> nn.Module:
+    return SmallCNN()
+
+
+class FastPooled(nn.Module):
+    """resnet50's capture shapes (layer3: 1024x14x14, avgpool: 2048x1x1) at almost no compute:
+    measures the pipeline's own cost per image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer3 = nn.Sequential(nn.AvgPool2d(16), nn.Conv2d(3, 1024, 1))
+        self.avgpool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(1024, 2048, 1))
+        self.fc = nn.Linear(2048, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.avgpool(self.layer3(x)).flatten(1))
+
+
+def fast_pooled() -> nn.Module:
+    return FastPooled()

@@ -1,0 +1,136 @@
+"""Batch JPEG decoding (``data.decode_device: cuda``) checked on the CPU against Pillow.
+
+``JpegDecoder`` runs the same code with ``device="cpu"`` (libjpeg-turbo through
+``torchvision.io.decode_jpeg``) as with ``device="cuda"`` (nvJPEG); the GPU itself is checked
+by ``tests/gpu_check.py`` when a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from extractor.sources import EncodedJpeg, ImageDecoder, JpegDecoder, iter_batches
+from extractor.spec import DataSpec
+
+
+def photo(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """Smooth, photo-like content (gradients and soft blobs): what JPEG is made for."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    out = np.zeros((h, w, 3))
+    for c in range(3):
+        for _ in range(4):
+            cy, cx, r = rng.uniform(0, h), rng.uniform(0, w), rng.uniform(10, max(h, w) / 2)
+            out[..., c] += rng.uniform(40, 120) * np.exp(-((y - cy) ** 2 + (x - cx) ** 2) / (2 * r * r))
+        out[..., c] += 60 * x / w + rng.uniform(0, 40)
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+def jpeg_bytes(arr: np.ndarray, mode: str = "RGB", orientation: int | None = None) -> bytes:
+    img = Image.fromarray(arr).convert(mode)
+    buf = io.BytesIO()
+    kw = {}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        kw["exif"] = exif.tobytes()
+    img.save(buf, format="JPEG", quality=92, **kw)
+    return buf.getvalue()
+
+
+DATA = DataSpec(root="unused", resize=72, crop=64)
+
+
+def decode_both(tmp_path: Path, files: dict[str, bytes]):
+    """Each file through Pillow (ImageDecoder) and through JpegDecoder's read+collate on the CPU."""
+    paths = []
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        paths.append(str(tmp_path / name))
+    pil = ImageDecoder(DATA)
+    jpeg = JpegDecoder(DATA, torch.device("cpu"))
+    batches = list(iter_batches(paths, 4, jpeg.read, None, collate=jpeg.collate))
+    got: dict[int, torch.Tensor] = {}
+    failed: dict[int, str] = {}
+    for b in batches:
+        failed.update(b.failed)
+        for j, off in enumerate(b.offsets):
+            got[off] = b.images[j]
+    ref = {}
+    for i, p in enumerate(paths):
+        try:
+            ref[i] = pil(p)
+        except Exception as err:  # noqa: BLE001
+            ref[i] = err
+    return paths, got, failed, ref, jpeg
+
+
+def test_batch_decode_matches_pillow_within_a_few_levels(tmp_path: Path):
+    files = {
+        "wide.jpg": jpeg_bytes(photo(90, 140, 1)),
+        "tall.jpg": jpeg_bytes(photo(150, 100, 2)),
+        "gray.jpg": jpeg_bytes(photo(100, 100, 3), mode="L"),
+        "small.jpg": jpeg_bytes(photo(50, 60, 4)),  # upscaled to 72
+        "cmyk.jpg": jpeg_bytes(photo(80, 96, 5), mode="CMYK"),
+        "png.png": b"",
+    }
+    buf = io.BytesIO()
+    Image.fromarray(photo(88, 77, 6)).save(buf, format="PNG")
+    files["png.png"] = buf.getvalue()
+    paths, got, failed, ref, jpeg = decode_both(tmp_path, files)
+    assert not failed
+    assert sorted(got) == list(range(len(paths)))
+    for i, p in enumerate(paths):
+        a, b = got[i].int(), ref[i].int()
+        assert a.shape == b.shape == (3, 64, 64), p
+        diff = (a - b).abs().float()
+        if p.endswith(("cmyk.jpg", "png.png")):  # not for the device decoder: Pillow decodes them, identically
+            assert diff.max() == 0, p
+        else:
+            assert diff.mean() < 0.5 and diff.max() <= 2, (p, diff.mean().item(), diff.max().item())
+    # what went to the batch decoder and what to Pillow
+    kinds = {Path(p).name: type(jpeg.read(p)).__name__ for p in paths}
+    assert kinds == {"wide.jpg": "EncodedJpeg", "tall.jpg": "EncodedJpeg", "gray.jpg": "EncodedJpeg",
+                     "small.jpg": "EncodedJpeg", "cmyk.jpg": "Tensor", "png.png": "Tensor"}
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_like_pillow(tmp_path: Path, orientation: int):
+    arr = photo(60, 100, orientation)
+    arr[:20, :30] = (255, 0, 0)  # a red corner shows which way the image ends up
+    _, got, failed, ref, _ = decode_both(tmp_path, {"o.jpg": jpeg_bytes(arr, orientation=orientation)})
+    assert not failed
+    diff = (got[0].int() - ref[0].int()).abs().float()
+    assert diff.mean() < 0.5 and diff.max() <= 2, (orientation, diff.mean().item())
+
+
+def test_corrupt_and_oversized_files_fail_their_rows_only(tmp_path: Path):
+    good = jpeg_bytes(photo(80, 80, 7))
+    files = {
+        "a.jpg": good,
+        "garbage.jpg": b"\xff\xd8\xff\xe0" + b"\x00" * 64,  # JPEG magic, nothing behind it
+        "b.jpg": good,
+        "text.jpg": b"not an image at all",
+        "c.jpg": good,
+    }
+    paths, got, failed, ref, _ = decode_both(tmp_path, files)
+    assert sorted(failed) == [1, 3] and sorted(got) == [0, 2, 4]
+    assert all(failed[i] for i in failed)
+    assert torch.equal(got[0], got[2])
+    big = DataSpec(root="unused", resize=72, crop=64, max_image_pixels=100)
+    with pytest.raises(ValueError, match="max_image_pixels"):
+        JpegDecoder(big, torch.device("cpu")).read(paths[0])
+
+
+def test_read_keeps_the_bytes_and_orientation(tmp_path: Path):
+    p = tmp_path / "r.jpg"
+    data = jpeg_bytes(photo(40, 50, 8), orientation=6)
+    p.write_bytes(data)
+    item = JpegDecoder(DATA, torch.device("cpu")).read(str(p))
+    assert isinstance(item, EncodedJpeg) and item.orientation == 6 and item.data == data
