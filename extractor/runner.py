@@ -245,8 +245,10 @@ class LocalBackend:
                 report(keep=1)
             report(keep=0)
         except BaseException:
-            for _, future in finishing:  # what was computed is still written before the error goes up
-                future.exception()
+            for shard, future in finishing:  # what was computed is still written before the error goes up
+                if future.exception() is None:
+                    on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": future.result()})
+                    summaries.append(future.result())
             raise
         return summaries
 

@@ -369,6 +369,9 @@ _ORIENT = {2: (False, False, True), 3: (False, True, True), 4: (False, True, Fal
            5: (True, False, False), 6: (True, False, True), 7: (True, True, True), 8: (True, True, False)}
 
 
+GPU_RESIZE_PIXELS = 1 << 26  # pixels resized in one stack on the device (768 MB as float32 RGB)
+
+
 @dataclass
 class EncodedJpeg:
     """A JPEG file's bytes read on a decode thread, to be decoded with its batch on the device."""
@@ -461,9 +464,12 @@ class JpegDecoder:
             except Exception as err:  # noqa: BLE001 - fails its row only
                 failed[i] = describe_error(err)
         for key, members in groups.items():
-            done = self._geometry(torch.stack([img for _, img in members]), key[-1])
-            for (i, _), img in zip(members, done, strict=True):
-                out[i] = img
+            per = max(1, GPU_RESIZE_PIXELS // (key[1] * key[2]))  # large photos are resized a few at a time
+            for a in range(0, len(members), per):
+                part = members[a : a + per]
+                done = self._geometry(torch.stack([img for _, img in part]), key[-1])
+                for (i, _), img in zip(part, done, strict=True):
+                    out[i] = img
         for i, x in enumerate(items):
             if out[i] is None and i not in failed:
                 out[i] = x.to(self.device, non_blocking=True)

@@ -45,6 +45,8 @@ class ShardStats:
 
     def update(self, x: np.ndarray, rows: np.ndarray) -> None:
         """Add a batch ``x`` (B, *shape) whose store rows are ``rows``."""
+        if not len(x):
+            return
         if x.dtype.kind == "f" and x.dtype.itemsize < 4:
             x = x.astype(np.float32)
         self.rows += len(x)
@@ -74,8 +76,9 @@ class ShardStats:
             if x.size:
                 self.min = min(self.min, float(x.min()))
                 self.max = max(self.max, float(x.max()))
-        # accumulate in float64 without float64 copies of the batch
-        sq = np.square(x, dtype=np.float64) if x.dtype.itemsize > 4 else np.square(x)
+        # accumulate in float64 without float64 copies of the batch, unless squares would overflow float32
+        big = x.size and max(abs(self.min), abs(self.max)) > 1e18
+        sq = np.square(x, dtype=np.float64) if big or x.dtype.itemsize > 4 else np.square(x)
         self.count += count
         self.sum += x.sum(axis=axes, dtype=np.float64).reshape(-1)
         self.sumsq += sq.sum(axis=axes, dtype=np.float64).reshape(-1)

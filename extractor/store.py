@@ -225,8 +225,9 @@ class ShardWriter:
             arr = self._arrays.get(key)
             if arr is None:
                 arr = self._arrays[key] = self.group[key]
-            self.bytes += data.nbytes
         arr[a : a + len(data)] = data
+        with self._lock:
+            self.bytes += data.nbytes
 
     def finish(
         self,

@@ -153,7 +153,7 @@ class Worker:
         page-locked buffers (two sets, used in turn) and run asynchronously: the returned
         event says when the arrays may be read. Elsewhere the arrays are ready at once."""
         if self.device.type != "cuda":
-            return {k: v.numpy() for k, v in values.items()}, None
+            return {k: v.cpu().numpy() for k, v in values.items()}, None
         self._slot ^= 1
         bufs = self._pinned[self._slot]
         host = {}
@@ -216,6 +216,16 @@ class Worker:
         blank = torch.zeros(1, 3, crop, crop, dtype=torch.uint8)
         values = self._forward(blank, np.zeros(1, np.int64), eager=True)
         original = dict(self.cap.original_shapes)
+        if self.compiled:  # compile now, on a full blank batch: a failure is the model's, not an image's
+            try:
+                self._forward(blank, np.zeros(1, np.int64))
+            except (LayerError, KeyboardInterrupt):
+                raise
+            except Exception as err:
+                raise ModelError(
+                    f"model.compile: torch.compile failed on this model: {describe_error(err)}; "
+                    "set model.compile: false"
+                ) from err
         modules = dict(self.model.named_modules())
         self.captures = {
             t.key: {

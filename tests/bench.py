@@ -252,7 +252,7 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet50")
-    p.add_argument("--images", type=int, default=256, help="number of sample JPEG images")
+    p.add_argument("--images", type=int, default=512, help="number of sample JPEG images")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)

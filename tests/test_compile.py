@@ -47,3 +47,21 @@ def test_compiled_model_captures_the_same_values(image_dir: Path, tmp_path: Path
     for key in eager:
         assert np.isfinite(eager[key]).all(), key
         np.testing.assert_allclose(compiled[key], eager[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_a_failing_compile_is_a_model_error_before_any_image(image_dir: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    from extractor.errors import ModelError
+
+    def broken(model, **kwargs):
+        def forward(x):
+            raise RuntimeError("inductor: no C++ compiler")  # what a machine without one says, roughly
+        return forward
+
+    monkeypatch.setattr(torch, "compile", broken)
+    msg = r"model.compile: torch.compile failed.*no C\+\+ compiler.*model.compile: false"
+    with pytest.raises(ModelError, match=msg):
+        _run(image_dir, tmp_path / "s.zarr", True, [{"layer": "stem"}])
+    assert not (tmp_path / "s.zarr").exists()  # nothing was created

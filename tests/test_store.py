@@ -91,3 +91,32 @@ def test_reader_needs_only_numpy_and_zarr(store: Path):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["(12,", "512)", "5", "cats/cats00.jpg", "12"]
+
+
+def test_shard_statistics_equal_float64_numpy_with_huge_and_nonfinite_values():
+    from extractor.stats import ShardStats, dumps, merge
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 3, 4, 4)).astype(np.float32)
+    x[5, 1] *= np.float32(1e20)  # squares overflow float32: the sums must not
+    x[7, 0, 0, 0] = np.nan
+    x[9, 2, 1, 1] = np.inf
+    a, b = ShardStats(["m.channel", "m.y", "m.x"], [3, 4, 4]), ShardStats(["m.channel", "m.y", "m.x"], [3, 4, 4])
+    a.update(x[:20], np.arange(20))
+    b.update(x[20:], np.arange(20, 40))  # a second shard
+    b.update(x[:0], np.arange(0))  # an empty batch changes nothing
+    st = merge([dumps({"m": a}), json.dumps({"m": b.to_dict()})])["m"]
+    x64 = x.astype(np.float64)
+    finite = np.isfinite(x64)
+    v = np.where(finite, x64, 0.0)
+    count = finite.sum(axis=(0, 2, 3))
+    mean = v.sum(axis=(0, 2, 3)) / count
+    std = np.sqrt(np.maximum((v * v).sum(axis=(0, 2, 3)) / count - mean**2, 0))
+    np.testing.assert_allclose(st["mean"], mean, rtol=1e-6)
+    np.testing.assert_allclose(st["std"], std, rtol=1e-5)
+    assert np.isfinite(st["std"]).all()
+    assert st["min"] == pytest.approx(x64[finite].min()) and st["max"] == pytest.approx(x64[finite].max())
+    assert (st["nan"], st["inf"], st["nonfinite_rows"], st["first_nonfinite_rows"]) == (1, 1, 2, [7, 9])
+    good = np.isfinite(x64.reshape(40, -1)).all(axis=1)
+    assert st["mean_l2"] == pytest.approx(np.linalg.norm(x64.reshape(40, -1)[good], axis=1).mean(), rel=1e-6)
+    assert st["rows"] == 40
