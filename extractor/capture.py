@@ -262,9 +262,13 @@ class Capturer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._stack is not None
-        self._stack.close()
-        self._stack = None
+        self.close()
+
+    def close(self) -> None:
+        """Remove the hooks and restore the model's mode (again: a no-op)."""
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
         self.values.clear()
         self.anchors.clear()
 

@@ -113,8 +113,7 @@ class Worker:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
         self.writer_pool.shutdown(wait=True)
-        if self.cap._stack is not None:
-            self.cap.__exit__(None, None, None)
+        self.cap.close()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = _AUTOCAST.get(self.spec.model.dtype)

@@ -30,6 +30,16 @@ def write_job(path: Path, raw: dict) -> Path:
     return path
 
 
+def slow_job(tmp_path: Path, shard_size: int, chunk_rows: int, reduce: str) -> dict:
+    """20 images of 40 px through slow_net (0.15 s per image), one per batch, capturing conv."""
+    root = tmp_path / "imgs"
+    make_images(root, per_class=10, classes=("a", "b"), size=40)
+    return job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:slow_net", "device": "cpu"},
+               data={"resize": None, "crop": 32, "shard_size": shard_size, "batch_size": 1, "decode_workers": 1},
+               capture=[{"layer": "conv", "reduce": reduce}],
+               output={"store": str(tmp_path / "s.zarr"), "chunk_rows": chunk_rows})
+
+
 def test_run_inspect_and_resume(image_dir: Path, tmp_path: Path):
     spec = write_job(tmp_path / "job.yaml", job(image_dir, tmp_path / "s.zarr"))
     r = extractor("run", str(spec), "--set", "data.batch_size=4", "-q")
@@ -84,12 +94,7 @@ def test_layers_lists_names_shapes_and_parameters():
 
 
 def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
-    root = tmp_path / "imgs"
-    make_images(root, per_class=10, classes=("a", "b"), size=40)
-    raw = job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:slow_net", "device": "cpu"},
-              data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 1, "decode_workers": 1},
-              capture=[{"layer": "conv", "reduce": "mean"}],
-              output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
+    raw = slow_job(tmp_path, shard_size=2, chunk_rows=1, reduce="mean")
     spec = write_job(tmp_path / "job.yaml", raw)
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
     proc = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], env=env,
@@ -124,12 +129,7 @@ def test_preflight_prints_sizes_and_a_time_estimate_from_the_first_batches(tmp_p
     assert line == "estimate: 20.0 images/s after the first 50 images; about 48 s to go for 1000 images"
     assert est.update(60, now=103.0) is None  # said once
 
-    root = tmp_path / "imgs"
-    make_images(root, per_class=10, classes=("a", "b"), size=40)
-    raw = job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:slow_net", "device": "cpu"},
-              data={"resize": None, "crop": 32, "shard_size": 4, "batch_size": 1, "decode_workers": 1},
-              capture=[{"layer": "conv", "reduce": "none"}],
-              output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2})
+    raw = slow_job(tmp_path, shard_size=4, chunk_rows=2, reduce="none")
     r = extractor("run", str(write_job(tmp_path / "job.yaml", raw)))
     assert r.returncode == 0, r.stderr
     assert "20 images to process; 16.0 KB per row uncompressed (conv 16.0 KB); store about 320.0 KB" in r.stderr

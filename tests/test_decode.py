@@ -134,3 +134,16 @@ def test_read_keeps_the_bytes_and_orientation(tmp_path: Path):
     p.write_bytes(data)
     item = JpegDecoder(DATA, torch.device("cpu")).read(str(p))
     assert isinstance(item, EncodedJpeg) and item.orientation == 6 and item.data == data
+
+
+def test_gpu_decoding_without_a_gpu_is_a_clear_error(image_dir: Path, tmp_path: Path):
+    from conftest import job
+
+    from extractor.errors import ModelError
+    from extractor.runner import run
+    from extractor.spec import parse_spec
+
+    raw = job(image_dir, tmp_path / "s.zarr", data={"decode_device": "cuda"})
+    with pytest.raises(ModelError, match="data.decode_device: cuda needs the model on a CUDA GPU.*decode_device: cpu"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
