@@ -175,7 +175,7 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str) -> torch.Tensor:
         return t[:, 0]
     dims = (1,) if t.ndim == 3 else tuple(range(2, t.ndim))  # tokens, or spatial positions
     if how == "mean":
-        return t.float().mean(dim=dims)
+        return t.mean(dim=dims, dtype=torch.float32)  # accumulates in float32 without a float32 copy of the map
     if how == "max":
         return t.amax(dim=dims)
     raise LayerError(f"{where}: unknown reduce {how!r}")
@@ -274,8 +274,10 @@ class Capturer:
 
     def _store(self, t: Target, tensor: torch.Tensor, where: str) -> None:
         reduced = reduce_tensor(tensor, t.reduce, where)
-        # copy=True: a later in-place op on the model's tensor must not change what we keep
-        self.values[t.key] = reduced.to(dtype=_DTYPES[t.dtype], memory_format=torch.contiguous_format, copy=True)
+        # a copy of views (none, flatten, cls): a later in-place op on the model's tensor must not change what we
+        # keep; mean and max are new tensors already
+        copy = t.reduce not in ("mean", "max")
+        self.values[t.key] = reduced.to(dtype=_DTYPES[t.dtype], memory_format=torch.contiguous_format, copy=copy)
 
     def _keep(self, t: Target, value: Any) -> None:
         if t.key in self.values:  # a module called twice in one forward: keep the first call

@@ -211,8 +211,9 @@ def _bytes_per_row(captures: dict[str, dict[str, Any]]) -> dict[str, int]:
 class LocalBackend:
     """The worker in this process: shards run one after another."""
 
-    def __init__(self, spec: JobSpec) -> None:
-        self.worker = Worker(spec)  # builds the model and resolves every layer before any image is read
+    def __init__(self, spec: JobSpec, worker: Worker | None = None) -> None:
+        # builds the model and resolves every layer before any image is read
+        self.worker = worker if worker is not None else Worker(spec)
 
     def probe(self) -> dict[str, Any]:
         return self.worker.layout()
@@ -237,12 +238,16 @@ class LocalBackend:
                 on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
                 summaries.append(summary)
 
+        def computed(shard: Shard, future: Future[ShardSummary]) -> None:
+            # a shard's last writes and done marker are stored while the next one computes
+            finishing.append((shard, future))
+            report(keep=1)
+
         try:
-            for shard in todo:
-                on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": pid})
-                # a shard's last writes and done marker are stored while the next one computes
-                finishing.append((shard, self.worker.start_shard(shard, url, on_batch=on_batch)))
-                report(keep=1)
+            self.worker.run_shards(
+                todo, url, on_batch=on_batch, on_computed=computed,
+                on_started=lambda shard: on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": pid}),
+            )
             report(keep=0)
         except BaseException:
             for shard, future in finishing:  # what was computed is still written before the error goes up
@@ -292,16 +297,23 @@ def run(
     on_start: Callable[[int, dict[str, int]], None] | None = None,
     on_progress: Progress | None = None,
     on_event: Event | None = None,
+    backend: Any = None,
 ) -> RunSummary:
     """Run a whole job; returns when every shard is done.
 
     ``on_start(rows_to_process, bytes_per_row)`` is called once the plan is known,
     ``on_progress(rows_processed)`` as batches finish, and ``on_event(name, info)`` on
     worker and shard events (``worker_started``, ``shard_started``, ``shard_done``,
-    ``shard_failed``, ``worker_died``).
+    ``shard_failed``, ``worker_died``). ``backend`` replaces the one ``spec.cluster`` names
+    (benchmarks: a ``LocalBackend`` around a Worker subclass); it is closed at the end.
     """
     t0 = time.perf_counter()
-    rows = list_rows(spec.data)
+    try:
+        rows = list_rows(spec.data)
+    except BaseException:
+        if backend is not None:
+            backend.close()
+        raise
     shards = plan(len(rows), spec.data.shard_size)
     log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
     events: list[tuple[str, dict[str, Any]]] = []
@@ -312,7 +324,7 @@ def run(
         if on_event is not None:
             on_event(name, info)
 
-    backend = _backend(spec)
+    backend = backend if backend is not None else _backend(spec)
     lease: Lease | None = None
     try:
         layout = backend.probe()

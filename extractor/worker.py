@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,7 +25,7 @@ import torch
 from .capture import Capturer, Target, dim_names, resolve_targets
 from .errors import LayerError, ModelError, ShardError
 from .model import build_model, resolve_device
-from .sources import Batch, ImageDecoder, JpegDecoder, Shard, describe_error, iter_batches
+from .sources import BatchStream, ImageDecoder, JpegDecoder, Shard, describe_error
 from .spec import JobSpec
 from .stats import ShardStats
 from .stats import dumps as stats_dumps
@@ -96,6 +96,9 @@ class Worker:
         workers = spec.data.decode_workers
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers else None
         self.writer_pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="extractor-write")
+        # opens the next shard's store arrays and reads its row list while the current shard computes
+        self.prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="extractor-prepare")
+        self.spare: dict[str, deque[np.ndarray]] = {}  # chunk buffers whose write is done, per capture
         self.mean = torch.tensor(spec.data.mean, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(spec.data.std, device=self.device).view(1, 3, 1, 1)
         # the hooks stay registered for the worker's life; a compiled model traces them into its graph
@@ -113,6 +116,7 @@ class Worker:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
         self.writer_pool.shutdown(wait=True)
+        self.prepare_pool.shutdown(wait=True)
         self.cap.close()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -268,99 +272,185 @@ class Worker:
         on_batch: Callable[[int], None] | None = None,
     ) -> ShardSummary:
         """Process every row of ``shard`` and write it; returns once the done marker is written."""
-        return self.start_shard(shard, url, storage_options, on_batch).result()
+        computed: list[Future[ShardSummary]] = []
+        self.run_shards([shard], url, storage_options, on_batch, lambda _shard, future: computed.append(future))
+        return computed[0].result()
 
-    def start_shard(
+    def run_shards(
         self,
-        shard: Shard,
+        shards: Sequence[Shard],
         url: str,
         storage_options: dict[str, Any] | None = None,
         on_batch: Callable[[int], None] | None = None,
-    ) -> Future[ShardSummary]:
-        """Forward every row of ``shard``; returns when the last batch is on the host, with a
-        future that completes once the writer threads have stored the shard's last chunks and
-        its done marker. Meanwhile the next shard can start: the device does not wait for storage.
+        on_computed: Callable[[Shard, Future[ShardSummary]], None] | None = None,
+        on_started: Callable[[Shard], None] | None = None,
+    ) -> None:
+        """Forward every row of ``shards``, one after another, in one pipeline that does not
+        drain between shards.
 
-        Batch i+1 is sent to the device before batch i's results are read on the host, so
-        on a GPU the forward pass and the copies back overlap the host's bookkeeping.
+        ``on_started(shard)`` is called as a shard's first batch is read, ``on_computed(shard,
+        future)`` in shard order once a shard's last batch is
+        on the host; the future completes once the writer threads have stored its last chunks
+        and its done marker (or raises the ShardError that stopped them). Meanwhile the next
+        shard computes: the device never waits for storage. A failing shard raises its
+        ShardError here, after ``on_computed`` for every shard before it.
+
+        Batch i+1 is sent to the device before batch i's results are read on the host, also
+        across a shard boundary; the next shard's store arrays and row list are read on a
+        helper thread, and its first images decoded, while the current shard computes.
         """
         if self.captures is None:
             self.probe()
-        assert self.captures is not None
-        t0 = time.perf_counter()
         so = storage_options if storage_options is not None else self.spec.output.storage_options
-        writer = ShardWriter(url, shard.start, shard.stop, shard.index, so)
-        paths = writer.locators()
-        labels = writer.labels() if self.extras else None
-        out = _ShardOutput(self, shard, writer)
-        decoded = forward_failed = 0  # images that reached the model, and those that made it raise
-        wait_decode = 0.0
+        _Pipeline(self, shards, url, so, on_batch, on_computed, on_started).run()
 
-        def failed(err: BaseException) -> ShardError:
-            return ShardError(
-                f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed: {type(err).__name__}: {err}"
-            )
+    def _stream(self) -> BatchStream:
+        """Where decoded batches come from (decoded ``decode_workers`` ahead, across shards)."""
+        bs = self.spec.data.batch_size
+        if self.jpeg is not None:
+            return BatchStream(bs, self.jpeg.read, self.pool, collate=self.jpeg.collate)
+        return BatchStream(bs, self.decode, self.pool, collate=_stack_pinned if self.device.type == "cuda" else None)
 
+
+class _Pipeline:
+    """One call of ``Worker.run_shards``: the shards' batches come from one stream, and the
+    batch last sent to the device (``previous``) is read back after the next one is sent,
+    whichever shard either belongs to."""
+
+    def __init__(self, worker: Worker, shards: Sequence[Shard], url: str, storage_options: dict[str, Any] | None,
+                 on_batch: Callable[[int], None] | None,
+                 on_computed: Callable[[Shard, Future[ShardSummary]], None] | None,
+                 on_started: Callable[[Shard], None] | None) -> None:
+        self.worker, self.shards, self.url, self.so = worker, shards, url, storage_options
+        self.on_batch, self.on_computed, self.on_started = on_batch, on_computed, on_started
+        self.stream = worker._stream()
+        self.previous: tuple[_ShardOutput, np.ndarray, _Done] | None = None  # sent, not yet read back
+        self.ahead = self._open(0)  # the next shard's input, opened on the prepare thread
+        self.queued = 0  # shards whose rows are in the stream
+        self.t = time.perf_counter()  # when the current shard began (the previous one's rows ran out)
+
+    def _open(self, i: int) -> Future[_ShardInput] | None:
+        if i >= len(self.shards):
+            return None
+        return self.worker.prepare_pool.submit(_ShardInput.open, self.shards[i], self.url, self.so,
+                                               bool(self.worker.extras))
+
+    def run(self) -> None:
         try:
-            previous: tuple[np.ndarray, _Done] | None = None
-            batches = self._batches(paths)
+            for i in range(len(self.shards)):
+                self._shard(i)
+            self._settle(keep=None)  # the last shard's last batch
+        except _CallbackError as err:
+            raise err.error from None
+
+    def _call(self, fn: Callable[..., None] | None, *args: Any) -> None:
+        """A caller's callback: its errors go up as they are, never as a shard's failure."""
+        if fn is not None:
+            try:
+                fn(*args)
+            except Exception as err:
+                raise _CallbackError(err) from err
+
+    def _finish(self, out: _ShardOutput) -> None:
+        """After ``out.close()``: its done marker is written behind its last chunks."""
+        self._call(self.on_computed, out.shard, out.hand_off())
+
+    def _settle(self, keep: _ShardOutput | None) -> None:
+        """Read the previous batch into its shard; finish that shard when it is not ``keep``."""
+        if self.previous is None:
+            return
+        (out, offsets, done), self.previous = self.previous, None
+        try:
+            out.add(offsets, done)
+            if out is not keep:
+                out.close()
+        except BaseException as err:
+            out.abandon()
+            if not isinstance(err, Exception):
+                raise
+            raise _failed(out.shard, err) from err
+        if out is not keep:
+            self._finish(out)
+
+    def _shard(self, i: int) -> None:
+        shard, out = self.shards[i], None
+        try:
+            assert self.ahead is not None
+            given = self.ahead.result()  # raises the store's error for this shard
+            self.ahead = self._open(i + 1)
+            if self.queued == i:
+                self.stream.add(given.paths)
+                self.queued += 1
+            out = _ShardOutput(self.worker, given, started=self.t)
+            self._call(self.on_started, shard)
             while True:
-                t = time.perf_counter()
-                batch = next(batches, None)
-                wait_decode += time.perf_counter() - t
+                ahead = self.ahead
+                if ahead is not None and self.queued == i + 1 and ahead.done() and ahead.exception() is None:
+                    self.stream.add(ahead.result().paths)  # the next shard's first images decode from now on
+                    self.queued += 1
+                w = time.perf_counter()
+                batch = self.stream.next()
+                out.wait_decode += time.perf_counter() - w
                 if batch is None:
                     break
                 for off, err in batch.failed.items():
                     out.fail(off, err)
                 if batch.images is not None:
                     offsets = np.asarray(batch.offsets)
-                    done = self._forward_rows(batch.images, labels[offsets] if labels is not None else None)
-                    forward_failed += len(done.bad)
-                    decoded += len(offsets)
-                    if forward_failed == decoded and decoded >= min(len(shard), 2):
-                        raise RuntimeError(f"every image so far made the model raise; last: {done.bad[max(done.bad)]}")
-                    if previous is not None:
-                        out.add(*previous)
-                    previous = offsets, done
-                if on_batch is not None:
-                    on_batch(len(batch.offsets) + len(batch.failed))
-            if previous is not None:
-                out.add(*previous)
-            out.close()
-        except (KeyboardInterrupt, SystemExit):
-            out.abandon()
-            raise
-        except Exception as err:
-            out.abandon()
-            raise failed(err) from err
-        computed = time.perf_counter() - t0
+                    labels = given.labels[offsets] if given.labels is not None else None
+                    done = self.worker._forward_rows(batch.images, labels)
+                    out.count(len(offsets), done)
+                    self._settle(keep=out)  # the batch before this one, maybe the previous shard's last
+                    self.previous = out, offsets, done
+                self._call(self.on_batch, len(batch.offsets) + len(batch.failed))
+            self.t = time.perf_counter()
+            out.seconds = self.t - out.started
+            if self.previous is None or self.previous[0] is not out:  # this shard sent nothing to the device
+                self._settle(keep=None)
+                out.close()
+                self._finish(out)
+        except BaseException as err:
+            if self.previous is not None and self.previous[0] is not out:
+                self._settle(keep=None)  # what the shard before this one computed is still written
+            if out is not None:
+                out.abandon()
+            if isinstance(err, (ShardError, _CallbackError)) or not isinstance(err, Exception):
+                raise
+            raise _failed(shard, err) from err
 
-        def complete() -> ShardSummary:
-            try:
-                out.complete()
-            except Exception as err:
-                raise failed(err) from err
-            return ShardSummary(
-                shard=shard.index,
-                rows=len(shard),
-                ok=int((out.status == OK).sum()),
-                failed=int((out.status == FAILED).sum()),
-                seconds=computed,
-                bytes=writer.bytes,
-                pid=os.getpid(),
-                wait_decode=wait_decode,
-                wait_device=out.wait_device,
-                wait_write=out.wait_write,
-            )
 
-        # on the writer pool, behind this shard's chunk writes (FIFO: they are all started before it)
-        return self.writer_pool.submit(complete)
+def _stack_pinned(items: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, str]]:
+    """Stack a batch straight into page-locked memory (one copy, not two): its upload runs asynchronously."""
+    out = torch.empty((len(items), *items[0].shape), dtype=items[0].dtype, pin_memory=True)
+    return torch.stack(items, out=out), {}
 
-    def _batches(self, paths: list[Any]) -> Iterator[Batch]:
-        """Decoded batches of a shard's rows (decoded ``decode_workers`` ahead)."""
-        if self.jpeg is not None:
-            return iter_batches(paths, self.spec.data.batch_size, self.jpeg.read, self.pool, collate=self.jpeg.collate)
-        return iter_batches(paths, self.spec.data.batch_size, self.decode, self.pool)
+
+class _CallbackError(Exception):
+    """Carries an error raised by a caller's callback through ``run_shards`` unchanged."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _failed(shard: Shard, err: BaseException) -> ShardError:
+    return ShardError(f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed: {type(err).__name__}: {err}")
+
+
+@dataclass
+class _ShardInput:
+    """What a shard needs before its first batch, read on the prepare thread: its writer
+    (store arrays opened), its rows' locators and, for gradient jobs, its labels."""
+
+    shard: Shard
+    writer: ShardWriter
+    paths: list[Any]
+    labels: np.ndarray | None
+
+    @classmethod
+    def open(cls, shard: Shard, url: str, storage_options: dict[str, Any] | None, labels: bool) -> _ShardInput:
+        writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options)
+        return cls(shard, writer, writer.locators(), writer.labels() if labels else None)
 
 
 @dataclass
@@ -373,31 +463,51 @@ class _Done:
 
 
 class _ShardOutput:
-    """One shard's results on the host: row status, chunk buffers handed to the writer thread
-    (compression, storage and statistics happen there), per-row extras."""
+    """One shard's results on the host: row status, chunk buffers handed to the writer threads
+    (compression, storage and statistics happen there), per-row extras, timings."""
 
-    def __init__(self, worker: Worker, shard: Shard, writer: ShardWriter) -> None:
+    def __init__(self, worker: Worker, given: _ShardInput, started: float) -> None:
         assert worker.captures is not None
-        self.shard, self.writer, self.pool = shard, writer, worker.writer_pool
-        n = self.n = len(shard)
+        self.shard, self.writer, self.pool = given.shard, given.writer, worker.writer_pool
+        self.started, self.seconds = started, 0.0
+        n = self.n = len(self.shard)
         self.chunk = worker.spec.output.chunk_rows
         self.status = np.zeros(n, dtype=np.uint8)
         self.errors = [""] * n
-        self.buffers = {k: np.full((self.chunk, *m["shape"]), np.nan, dtype=m["dtype"])
-                        for k, m in worker.captures.items()}
+        self.spare = worker.spare
+        self.shapes = {k: (self.chunk, *m["shape"]) for k, m in worker.captures.items()}
+        self.dtypes = {k: np.dtype(m["dtype"]) for k, m in worker.captures.items()}
+        self.buffers = {k: self._buffer(k) for k in self.shapes}
         self.extras = {k: np.full((n, *m["shape"]), -1 if m["dtype"] == "int64" else np.nan, dtype=m["dtype"])
                        for k, m in worker.extras.items()}
         self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in worker.captures.items()}
         self.locks = {k: threading.Lock() for k in self.stats}  # a capture's statistics: one writer at a time
         self.current = 0  # index of the chunk being filled, relative to the shard
         self.pending: deque[list[Future[None]]] = deque()  # per chunk, its captures' writes in flight
-        self.wait_device = self.wait_write = 0.0
+        self.decoded = self.forward_failed = 0  # images that reached the model, and those that made it raise
+        self.handed_off = False  # complete() is queued on the writer threads: they own the shard from then on
+        self.wait_decode = self.wait_device = self.wait_write = 0.0
+
+    def _buffer(self, key: str) -> np.ndarray:
+        """A chunk buffer: one whose write has finished (recycled: no allocation, no page faults), or a new one.
+        Rows that are not OK are set to NaN when the chunk is written, so a recycled buffer's old rows never land."""
+        try:
+            return self.spare.setdefault(key, deque()).pop()
+        except IndexError:
+            return np.empty(self.shapes[key], self.dtypes[key])
+
+    def count(self, images: int, done: _Done) -> None:
+        """Fail the shard when every image so far made the model raise: the cause is not the images."""
+        self.forward_failed += len(done.bad)
+        self.decoded += images
+        if self.forward_failed == self.decoded and self.decoded >= min(self.n, 2):
+            raise RuntimeError(f"every image so far made the model raise; last: {done.bad[max(done.bad)]}")
 
     def fail(self, offset: int, err: str) -> None:
         self.status[offset], self.errors[offset] = FAILED, err
 
     def add(self, offsets: np.ndarray, done: _Done) -> None:
-        """Record a forwarded batch whose rows are ``offsets`` (within the shard)."""
+        """Record a forwarded batch whose rows are ``offsets`` (within the shard, ascending)."""
         if done.event is not None:
             t = time.perf_counter()
             done.event.synchronize()
@@ -415,6 +525,17 @@ class _ShardOutput:
             arr[offsets] = host[key]
         self.status[offsets] = OK
         chunk = self.chunk
+        if offsets[-1] - offsets[0] == len(offsets) - 1:  # consecutive rows (the usual case): copy slices
+            pos, row = 0, int(offsets[0])
+            while pos < len(offsets):
+                c = row // chunk
+                while self.current < c:
+                    self._flush()
+                n = min(len(offsets) - pos, (c + 1) * chunk - row)
+                for key, buf in self.buffers.items():
+                    buf[row - c * chunk : row - c * chunk + n] = host[key][pos : pos + n]
+                pos, row = pos + n, row + n
+            return
         for c in np.unique(offsets // chunk):
             while self.current < c:
                 self._flush()
@@ -423,13 +544,18 @@ class _ShardOutput:
                 buf[offsets[sel] - c * chunk] = host[key][sel]
 
     def _write(self, key: str, c: int, buf: np.ndarray, ok: np.ndarray) -> None:
-        """On a writer thread: compress and store one chunk of one capture, add it to the statistics."""
+        """On a writer thread: compress and store one chunk of one capture, add it to the statistics,
+        give the buffer back. (Stores opened by URL copy what they are given, so a buffer is
+        free once written; zarr's in-memory MemoryStore object would keep it.)"""
         start = c * self.chunk
-        self.writer.write(key, start, buf[: len(ok)])
         rows = np.flatnonzero(ok)
+        if len(rows) < len(ok):
+            buf[np.flatnonzero(~ok)] = np.nan  # failed rows, and what a recycled buffer held there
+        self.writer.write(key, start, buf[: len(ok)])
         if len(rows):
             with self.locks[key]:
                 self.stats[key].update(buf[rows], self.shard.start + start + rows)
+        self.spare[key].append(buf)
 
     def _wait(self, futures: list[Future[None]]) -> None:
         t = time.perf_counter()
@@ -438,10 +564,11 @@ class _ShardOutput:
         self.wait_write += time.perf_counter() - t
 
     def _flush(self) -> None:
-        """Hand the current chunk to the writer threads and start a fresh buffer; wait only when
+        """Hand the current chunk to the writer threads and take fresh buffers; wait only when
         WRITE_QUEUE chunks are already in flight."""
         c = self.current
-        full, self.buffers = self.buffers, {k: np.full_like(b, np.nan) for k, b in self.buffers.items()}
+        more = c < (self.n - 1) // self.chunk  # a chunk after this one: it needs buffers
+        full, self.buffers = self.buffers, {k: self._buffer(k) for k in self.buffers} if more else {}
         ok = self.status[c * self.chunk : min((c + 1) * self.chunk, self.n)] == OK
         self.pending.append([self.pool.submit(self._write, k, c, buf, ok) for k, buf in full.items()])
         self.current += 1
@@ -453,16 +580,38 @@ class _ShardOutput:
         while self.current <= (self.n - 1) // self.chunk:
             self._flush()
 
-    def complete(self) -> None:
-        """Wait until every chunk is durable, then mark the shard done (on a writer thread)."""
+    def hand_off(self) -> Future[ShardSummary]:
+        """Queue ``complete`` behind this shard's chunk writes (the writer threads take tasks in order)."""
+        self.handed_off = True
+        return self.pool.submit(self.complete)
+
+    def complete(self) -> ShardSummary:
+        """On a writer thread: wait until every chunk is durable, then mark the shard done."""
         try:
             while self.pending:  # every chunk durable (or its error raised) before the shard is marked done
                 for f in self.pending.popleft():
                     f.result()
             self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats))
-        except BaseException:
-            self.abandon()
+        except BaseException as err:
+            _drain(deque(f for chunk in self.pending for f in chunk))
+            if isinstance(err, Exception):
+                raise _failed(self.shard, err) from err
             raise
+        return ShardSummary(
+            shard=self.shard.index,
+            rows=self.n,
+            ok=int((self.status == OK).sum()),
+            failed=int((self.status == FAILED).sum()),
+            seconds=self.seconds,
+            bytes=self.writer.bytes,
+            pid=os.getpid(),
+            wait_decode=self.wait_decode,
+            wait_device=self.wait_device,
+            wait_write=self.wait_write,
+        )
 
     def abandon(self) -> None:
-        _drain(deque(f for chunk in self.pending for f in chunk))
+        """Wait for this shard's writes in flight, ignoring their errors; no done marker. A no-op
+        once the shard is handed off: ``complete`` owns it then."""
+        if not self.handed_off:
+            _drain(deque(f for chunk in self.pending for f in chunk))

@@ -11,7 +11,8 @@ Stages, each reported even when another fails:
 2. decode: nvJPEG (``data.decode_device: cuda``) against Pillow, pixels and features.
 3. predecoded: resnet50, 224, bfloat16, channels_last, N pre-decoded images in pinned host
    memory: the bare forward loop against extractor (median of 3, alternating), and the GPU
-   memory peak of extractor at N/10 and N images.
+   memory peak of extractor at N/10 and N images. ``compiled`` (not run by default): the
+   same at the smallest batch size with ``model.compile``.
 4. jpeg: end-to-end jobs over JPEG files, decoded by Pillow on CPU threads or by nvJPEG.
 5. compile: ``model.compile`` against eager on the GPU (resnet18).
 """
@@ -27,6 +28,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import deque
 from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from extractor import worker as worker_mod  # noqa: E402
 from extractor.reader import open_store  # noqa: E402
-from extractor.runner import run  # noqa: E402
+from extractor.runner import LocalBackend, run  # noqa: E402
 from extractor.sources import Batch, ImageDecoder, JpegDecoder  # noqa: E402
 from extractor.spec import parse_spec  # noqa: E402
 
@@ -229,18 +231,39 @@ def stage_decode(args: argparse.Namespace, photos: Path) -> None:
 # --------------------------------------------------------------------------- 3. predecoded
 
 
+class SliceStream:
+    """Batches sliced from a pinned uint8 tensor of pre-decoded images (the rows' file names are
+    their indices), shard after shard, as the worker's ``BatchStream`` gives them."""
+
+    def __init__(self, pixels: torch.Tensor, batch_size: int) -> None:
+        self.pixels, self.batch_size = pixels, batch_size
+        self.shards: deque[tuple[int, int]] = deque()
+        self.row = 0
+
+    def add(self, paths: list[Any]) -> None:
+        self.shards.append((int(Path(paths[0]).stem), len(paths)))
+
+    def next(self) -> Batch | None:
+        if not self.shards:
+            return None
+        first, n = self.shards[0]
+        if self.row == n:
+            self.shards.popleft()
+            self.row = 0
+            return None
+        a, b = self.row, min(self.row + self.batch_size, n)
+        self.row = b
+        return Batch(list(range(a, b)), self.pixels[first + a:first + b], {})
+
+
 class PreDecoded(worker_mod.Worker):
     """A Worker whose batches come from a pinned uint8 tensor instead of files."""
 
     pixels: torch.Tensor | None = None
 
-    def _batches(self, paths: list[Any]):
+    def _stream(self) -> SliceStream:
         assert self.pixels is not None
-        first = int(Path(paths[0]).stem)
-        bs = self.spec.data.batch_size
-        for a in range(0, len(paths), bs):
-            b = min(bs, len(paths) - a)
-            yield Batch(list(range(a, a + b)), self.pixels[first + a:first + a + b], {})
+        return SliceStream(self.pixels, self.spec.data.batch_size)
 
 
 def bare_loop(pixels: torch.Tensor, batch: int, device: str) -> float:
@@ -286,17 +309,13 @@ def extractor_predecoded(pixels: torch.Tensor, n: int, batch: int, device: str, 
         "cluster": {"backend": "local"},
     })
     PreDecoded.pixels = pixels
-    original = sys.modules["extractor.runner"].Worker
-    sys.modules["extractor.runner"].Worker = PreDecoded
-    try:
-        if device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-        first: list[float] = []
-        summary = run(spec, on_event=lambda name, info: first.append(time.perf_counter())
-                      if name == "shard_started" and not first else None)
-        seconds = time.perf_counter() - first[0]
-    finally:
-        sys.modules["extractor.runner"].Worker = original
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    first: list[float] = []
+    summary = run(spec, on_event=lambda name, info: first.append(time.perf_counter())
+                  if name == "shard_started" and not first else None,
+                  backend=LocalBackend(spec, PreDecoded(spec)))
+    seconds = time.perf_counter() - first[0]
     assert summary.ok == n, summary
     if summary.nonfinite:
         bad = _nonfinite(work / "predecoded.zarr", "avgpool")
@@ -334,6 +353,26 @@ def stage_predecoded(args: argparse.Namespace) -> None:
                              "ratio": big["gpu_peak_mib"] / small["gpu_peak_mib"]}
     log(f"GPU memory peak: {n // 10} images {small['gpu_peak_mib']:.0f} MiB, {n} images "
         f"{big['gpu_peak_mib']:.0f} MiB")
+
+
+def stage_compiled(args: argparse.Namespace) -> None:
+    """Pre-decoded images at the smallest batch size (host-bound in eager mode), with model.compile:
+    one run each (the compile happens in the probe, before the timed part)."""
+    work = Path(args.work)
+    n = args.images
+    batch = min(args.batches)
+    pixels = torch.randint(0, 256, (n, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    if args.device.startswith("cuda"):
+        pixels = pixels.pin_memory()
+    bare = bare_loop(pixels, batch, args.device)
+    eager = extractor_predecoded(pixels, n, batch, args.device, work)
+    compiled = extractor_predecoded(pixels, n, batch, args.device, work, compile_=True)
+    RESULTS[f"compiled_b{batch}"] = {"bare_images_per_s": bare, "eager": eager, "compiled": compiled,
+                                     "ratio_eager": eager["images_per_s"] / bare,
+                                     "ratio_compiled": compiled["images_per_s"] / bare}
+    log(f"compiled batch {batch}: bare {bare:.0f} img/s, extractor eager {eager['images_per_s']:.0f} "
+        f"({eager['images_per_s'] / bare:.3f}), compiled {compiled['images_per_s']:.0f} "
+        f"({compiled['images_per_s'] / bare:.3f})")
 
 
 # --------------------------------------------------------------------------- 4. jpeg
@@ -450,7 +489,8 @@ def main() -> None:
     log(f"{args.jpegs} JPEG files in {time.perf_counter() - t0:.1f} s")
     stages = {"correct": lambda: stage_correct(args, photos), "decode": lambda: stage_decode(args, photos),
               "predecoded": lambda: stage_predecoded(args), "jpeg": lambda: stage_jpeg(args, photos),
-              "compile": lambda: stage_compile(args, photos), "nan": lambda: stage_nan(args, photos)}
+              "compile": lambda: stage_compile(args, photos), "nan": lambda: stage_nan(args, photos),
+              "compiled": lambda: stage_compiled(args)}
     for name in args.stages.split(","):
         if name in ("decode", "jpeg", "nan") and not args.device.startswith("cuda"):
             log(f"{name}: skipped (needs CUDA)")

@@ -123,6 +123,37 @@ def test_a_batch_where_every_image_raises_fails_the_shard(tmp_path: Path):
         run(parse_spec(picky_job(root, tmp_path / "s.zarr")))
 
 
+def test_a_failing_shard_keeps_what_the_shard_before_it_computed(tmp_path: Path):
+    """The pipeline runs across shard boundaries: shard 0's last batch is still on its way to
+    the host when shard 1's first batch raises. It is written, and shard 0 is done."""
+    root = tmp_path / "imgs"
+    dark_images(root, 8)
+    ref = tmp_path / "ref.zarr"
+    run(parse_spec(picky_job(root, ref, batch_size=3)))
+    for p in sorted((root / "a").iterdir())[4:]:
+        Image.new("RGB", (40, 40), (255, 255, 255)).save(p)
+    store = tmp_path / "s.zarr"
+    with pytest.raises(ShardError, match=r"shard 1 \(rows 4-7\) failed: ValueError: PickyNet"):
+        run(parse_spec(picky_job(root, store, batch_size=3)))  # shard 0's batches: rows 0-2, then row 3 alone
+    s = open_store(str(store))
+    assert s.done_shards.tolist() == [True, False]
+    assert s.status.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+    np.testing.assert_array_equal(s.numpy("conv")[:4], open_store(str(ref)).numpy("conv")[:4])
+
+
+def test_an_error_in_a_callers_callback_goes_up_unchanged(tmp_path: Path):
+    root = tmp_path / "imgs"
+    dark_images(root, 12)
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_done" and info["shard"] == 0:
+            raise ValueError("callback bug")
+
+    with pytest.raises(ValueError, match="^callback bug$"):  # not a ShardError blaming a later shard
+        run(parse_spec(picky_job(root, tmp_path / "s.zarr", batch_size=3)), on_event=on_event)
+    assert open_store(str(tmp_path / "s.zarr")).done_shards[0]
+
+
 def test_storage_error_fails_the_job_and_resume_completes(image_dir: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch):
     run(parse_spec(job(image_dir, tmp_path / "ref.zarr")))

@@ -146,3 +146,42 @@ def test_every_row_in_exactly_one_shard_and_shards_align_with_chunks(n: int, sha
         assert 0 < len(s) <= shard
     assert (covered == 1).all()
     assert [s.index for s in shards] == list(range(len(shards)))
+
+
+def test_batch_stream_decodes_ahead_across_shards_but_never_mixes_them():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from extractor.sources import BatchStream
+
+    started: list[str] = []
+    lock = threading.Lock()
+
+    def decode(path: str) -> torch.Tensor:
+        with lock:
+            started.append(path)
+        if path.endswith("bad"):
+            raise ValueError("not an image")
+        return torch.full((3, 2, 2), int(path.split("-")[1]), dtype=torch.uint8)
+
+    shards = [[f"s{k}-{i}" + ("-bad" if (k, i) == (1, 0) else "") for i in range(n)] for k, n in enumerate((5, 3, 2))]
+    with ThreadPoolExecutor(2) as pool:
+        stream = BatchStream(2, decode, pool, prefetch_batches=1)
+        for paths in shards:
+            stream.add(paths)
+        got: list[list] = []
+        for paths in shards:
+            batches = []
+            while (batch := stream.next()) is not None:
+                batches.append(batch)
+                if paths is shards[0] and batch.offsets == [4]:  # shard 0's last batch is out:
+                    assert any(p.startswith("s1-") for p in started)  # shard 1 already decoding
+            got.append(batches)
+        assert stream.next() is None
+    assert [[b.offsets for b in bs] for bs in got] == [[[0, 1], [2, 3], [4]], [[1], [2]], [[0, 1]]]
+    assert got[1][0].failed == {0: "ValueError: not an image"}
+    for bs in got:
+        for b in bs:
+            assert b.images[:, 0, 0, 0].tolist() == b.offsets

@@ -79,6 +79,39 @@ def test_batch_and_shard_sizes_do_not_change_results(image_dir: Path, tmp_path: 
     assert list(sa.ids) == list(sb.ids)
 
 
+def test_the_pipeline_does_not_drain_between_shards(image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each shard's first batch goes to the model before the previous shard's last batch is read
+    back, and the results are those of a run with one shard."""
+    from extractor import worker as worker_mod
+    from extractor.runner import LocalBackend
+
+    log: list[tuple] = []
+    real_add = worker_mod._ShardOutput.add
+
+    def add(self, offsets, done):
+        log.append(("read back", self.shard.index, offsets.tolist()))
+        real_add(self, offsets, done)
+
+    class Recording(worker_mod.Worker):
+        def _forward_rows(self, images, labels):
+            log.append(("forward", len(images)))
+            return super()._forward_rows(images, labels)
+
+    monkeypatch.setattr(worker_mod._ShardOutput, "add", add)
+    spec = parse_spec(job(image_dir, tmp_path / "s.zarr"))  # 12 rows, shards of 4, batches of 3: 3 + 1 per shard
+    run(spec, backend=LocalBackend(spec, Recording(spec)))
+    assert log == [("forward", 3), ("forward", 1), ("read back", 0, [0, 1, 2]),
+                   ("forward", 3), ("read back", 0, [3]), ("forward", 1), ("read back", 1, [0, 1, 2]),
+                   ("forward", 3), ("read back", 1, [3]), ("forward", 1), ("read back", 2, [0, 1, 2]),
+                   ("read back", 2, [3])]
+    ref = job(image_dir, tmp_path / "ref.zarr", data={"shard_size": 12})
+    run(parse_spec(ref))
+    a, b = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "ref.zarr"))
+    assert a.done_shards.all()
+    for key in ("layer3", "layer4"):
+        np.testing.assert_allclose(a.numpy(key), b.numpy(key), rtol=1e-5, atol=1e-5)
+
+
 def test_interrupted_then_resumed_equals_uninterrupted(image_dir: Path, tmp_path: Path):
     full = job(image_dir, tmp_path / "full.zarr", output={"store": str(tmp_path / "full.zarr"), "chunk_rows": 2})
     run(parse_spec(full))
