@@ -47,7 +47,14 @@ class StoreError(ExtractorError, OSError):
 
 
 class ShardError(ExtractorError, RuntimeError):
-    """A shard failed as a whole (not just some of its rows)."""
+    """A shard failed as a whole (not just some of its rows); ``shard`` is its index when known."""
+
+    def __init__(self, message: str, shard: int | None = None) -> None:
+        super().__init__(message)
+        self.shard = shard
+
+    def __reduce__(self):  # pickled across Ray processes with its shard
+        return type(self), (str(self), self.shard)
 
 
 class ClusterError(ExtractorError, RuntimeError):

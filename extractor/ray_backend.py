@@ -2,7 +2,8 @@
 
 Actors run the same :class:`~extractor.worker.Worker` as the local backend and write their
 shard's rows straight into the store; only small summaries travel back. The driver keeps
-shard descriptors and done flags. A dead actor is replaced and its shard redone; a shard
+shard descriptors and done flags, and two shards in flight per actor so that its pipeline
+does not drain between them. A dead actor is replaced and its shards redone; a shard
 that fails ``max_retries + 1`` times fails the job after the running shards finish.
 Ray is imported here only.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -21,21 +24,32 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from .errors import ClusterError, ExtractorError, ShardError
 from .sources import Shard
 from .spec import JobSpec
-from .worker import ShardSummary
+from .worker import ShardQueue, ShardSummary
 
 __all__ = ["RayBackend"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the driver asks busy actors for their progress
+IN_FLIGHT = 2  # shards handed to each actor at once: the next one starts without draining the device
 
 
 class _WorkerActor:
-    """Holds one Worker for the life of the job (wrapped by ray.remote in RayBackend)."""
+    """Holds one Worker for the life of the job (wrapped by ray.remote in RayBackend).
+
+    ``run_shard`` calls queue their shard for one pipeline thread that runs
+    ``Worker.run_shards`` on the queue: with two calls in flight (the driver keeps two per
+    worker), the second shard starts on the device before the first one's last batch is read
+    back, as in the local backend. Each call returns once its shard's done marker is written.
+    """
 
     def __init__(self, spec_dict: dict[str, Any], threads: int) -> None:
         self.error: BaseException | None = None
         self.current: tuple[int, int] = (-1, 0)  # (shard, rows done in it)
+        self.queue = ShardQueue()
+        self.calls: dict[int, Future[ShardSummary]] = {}  # shard index -> its run_shard call's result
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
         try:
             import torch
 
@@ -57,12 +71,49 @@ class _WorkerActor:
         return self.worker.layout()
 
     def run_shard(self, index: int, start: int, stop: int, url: str) -> ShardSummary:
-        self.current = (index, 0)
+        call: Future[ShardSummary] = Future()
+        with self.lock:
+            self.calls[index] = call
+            self.queue.put(Shard(index, start, stop))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._pipeline, args=(url,), name="extractor-pipeline",
+                                               daemon=True)
+                self.thread.start()
+        return call.result()
+
+    def _take(self, index: int) -> Future[ShardSummary] | None:
+        with self.lock:
+            return self.calls.pop(index, None)
+
+    def _pipeline(self, url: str) -> None:
+        def started(shard: Shard) -> None:
+            self.current = (shard.index, 0)
 
         def on_batch(n: int) -> None:
-            self.current = (index, self.current[1] + n)
+            self.current = (self.current[0], self.current[1] + n)
 
-        return self.worker.run_shard(Shard(index, start, stop), url, on_batch=on_batch)
+        def computed(shard: Shard, future: Future[ShardSummary]) -> None:
+            call = self._take(shard.index)  # this call, answered by this future (not a later call of the shard)
+            if call is not None:
+                future.add_done_callback(lambda f: call.set_exception(f.exception()) if f.exception() is not None
+                                         else call.set_result(f.result()))
+
+        while True:
+            try:
+                self.worker.run_shards(self.queue, url, on_batch=on_batch, on_computed=computed, on_started=started)
+            except ShardError as err:  # that shard's call fails; the pipeline goes on with the queue
+                call = self._take(err.shard) if err.shard is not None else None
+                if call is not None:
+                    call.set_exception(err)
+            except BaseException as err:  # noqa: BLE001 - not a shard's failure: every waiting call gets it
+                with self.lock:
+                    while self.queue.get(block=False) is not None:  # the driver redoes them
+                        pass
+                    calls, self.calls = list(self.calls.values()), {}
+                    self.thread = None  # the next call starts a new pipeline thread
+                for call in calls:
+                    call.set_exception(err)
+                return
 
     def progress(self) -> tuple[int, int]:
         return self.current
@@ -94,7 +145,9 @@ class RayBackend:
                 "lower cluster.workers, cluster.cpus_per_worker or cluster.gpus_per_worker"
             )
         self.n_workers, self.cpus, self.gpus = workers, cpus, gpus
-        self.actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=2, max_restarts=0)(_WorkerActor)
+        # IN_FLIGHT run_shard calls wait at once, and progress() must still be answered
+        self.actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=IN_FLIGHT + 2,
+                                    max_restarts=0)(_WorkerActor)
         self.spec_dict = spec.to_dict()
         self.actors: list[Any] = [self._new_actor() for _ in range(workers)]
         self.pids: list[int | None] = [None] * workers
@@ -153,35 +206,47 @@ class RayBackend:
             on_event("worker_started", {"worker": i, "pid": pid})
         queue: deque[Shard] = deque(todo)
         attempts: dict[int, int] = {}
-        running: dict[Any, tuple[int, Shard]] = {}  # task ref -> (worker slot, shard)
+        running: dict[Any, tuple[int, Shard, int]] = {}  # task ref -> (worker slot, shard, actor generation)
+        generation = [0] * self.n_workers  # bumped when a slot's actor is replaced
         partial: dict[int, int] = {}  # worker slot -> rows done in its current shard
+        current: dict[int, int] = {}  # worker slot -> the shard it last said it was running
+        reported = 0  # progress never goes back (a shard's rows move from partial to finished)
         summaries: list[ShardSummary] = []
         finished_rows = 0
         failure: tuple[Shard, str] | None = None
         last_poll = 0.0
         while queue or running:
-            busy = {slot for slot, _ in running.values()}
+            load = [0] * self.n_workers
+            for slot, _, _ in running.values():
+                load[slot] += 1
             for slot in range(self.n_workers):
-                if slot in busy or not queue or failure is not None:
-                    continue
-                shard = queue.popleft()
-                ref = self.actors[slot].run_shard.remote(shard.index, shard.start, shard.stop, url)
-                running[ref] = (slot, shard)
-                partial[slot] = 0
-                on_event("shard_started", {"shard": shard.index, "worker": slot, "pid": self.pids[slot]})
+                while load[slot] < IN_FLIGHT and queue and failure is None:
+                    shard = queue.popleft()
+                    ref = self.actors[slot].run_shard.remote(shard.index, shard.start, shard.stop, url)
+                    running[ref] = (slot, shard, generation[slot])
+                    load[slot] += 1
+                    on_event("shard_started", {"shard": shard.index, "worker": slot, "pid": self.pids[slot]})
             if not running:
                 break
             ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
             for ref in ready:
-                slot, shard = running.pop(ref)
+                slot, shard, gen = running.pop(ref)
                 partial.pop(slot, None)
                 try:
                     summary: ShardSummary = ray.get(ref)
                 except RayActorError as err:
+                    if gen != generation[slot]:  # an actor already replaced: handled with the first of its refs
+                        continue
+                    others = [r for r, (sl, _, g) in running.items() if sl == slot and g == gen]
+                    lost = [shard] + [running.pop(r)[1] for r in others]  # every shard in flight on it
+                    # the shard the actor last said it was running pays the attempt (else the first in order)
+                    shard = next((s for s in lost if s.index == current.get(slot)), min(lost, key=lambda s: s.index))
+                    queue.extendleft(s for s in reversed(lost) if s is not shard)
                     error = f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}"
                     on_event("worker_died", {"worker": slot, "pid": self.pids[slot], "shard": shard.index})
                     log.warning("%s while running shard %d; starting a replacement", error, shard.index)
                     self._replace(slot)
+                    generation[slot] += 1
                     on_event("worker_started", {"worker": slot, "pid": self.pids[slot]})
                 except RayTaskError as err:
                     cause = _cause(err)
@@ -201,8 +266,9 @@ class RayBackend:
                     queue.appendleft(shard)
             if time.monotonic() - last_poll >= POLL_S and running:
                 last_poll = time.monotonic()
-                self._poll(running, partial)
-            on_progress(finished_rows + sum(partial.values()))
+                self._poll(running, partial, current)
+            reported = max(reported, finished_rows + sum(partial.values()))
+            on_progress(reported)
         if failure is not None:
             shard, error = failure
             raise ShardError(
@@ -212,15 +278,17 @@ class RayBackend:
             )
         return summaries
 
-    def _poll(self, running: dict[Any, tuple[int, Shard]], partial: dict[int, int]) -> None:
-        refs = {slot: self.actors[slot].progress.remote() for slot, _ in running.values()}
+    def _poll(self, running: dict[Any, tuple[int, Shard, int]], partial: dict[int, int],
+              current: dict[int, int]) -> None:
+        slots = {slot for slot, _, _ in running.values()}
+        refs = {slot: self.actors[slot].progress.remote() for slot in slots}
         for slot, ref in refs.items():
             try:
                 shard_index, rows = ray.get(ref, timeout=5)
             except Exception:  # noqa: BLE001 - a dying actor; its task result says what happened
                 continue
-            current = next((s for sl, s in running.values() if sl == slot), None)
-            if current is not None and shard_index == current.index:
+            current[slot] = shard_index
+            if any(sl == slot and s.index == shard_index for sl, s, _ in running.values()):
                 partial[slot] = rows
 
     def _replace(self, slot: int) -> None:

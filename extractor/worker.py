@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,7 +31,7 @@ from .stats import ShardStats
 from .stats import dumps as stats_dumps
 from .store import FAILED, OK, ShardWriter
 
-__all__ = ["Worker", "ShardSummary"]
+__all__ = ["Worker", "ShardSummary", "ShardQueue"]
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class Worker:
 
     def run_shards(
         self,
-        shards: Sequence[Shard],
+        shards: Sequence[Shard] | ShardQueue,
         url: str,
         storage_options: dict[str, Any] | None = None,
         on_batch: Callable[[int], None] | None = None,
@@ -293,7 +293,8 @@ class Worker:
         on the host; the future completes once the writer threads have stored its last chunks
         and its done marker (or raises the ShardError that stopped them). Meanwhile the next
         shard computes: the device never waits for storage. A failing shard raises its
-        ShardError here, after ``on_computed`` for every shard before it.
+        ShardError here, after ``on_computed`` for every shard before it. ``shards`` may be a
+        :class:`ShardQueue` that others fill: this returns once it is closed and empty.
 
         Batch i+1 is sent to the device before batch i's results are read on the host, also
         across a shard boundary; the next shard's store arrays and row list are read on a
@@ -302,7 +303,10 @@ class Worker:
         if self.captures is None:
             self.probe()
         so = storage_options if storage_options is not None else self.spec.output.storage_options
-        _Pipeline(self, shards, url, so, on_batch, on_computed, on_started).run()
+        queue = shards if isinstance(shards, ShardQueue) else ShardQueue(shards)
+        if queue is not shards:
+            queue.close()
+        _Pipeline(self, queue, url, so, on_batch, on_computed, on_started).run()
 
     def _stream(self) -> BatchStream:
         """Where decoded batches come from (decoded ``decode_workers`` ahead, across shards)."""
@@ -312,12 +316,46 @@ class Worker:
         return BatchStream(bs, self.decode, self.pool, collate=_stack_pinned if self.device.type == "cuda" else None)
 
 
+class ShardQueue:
+    """Shards for a running pipeline: ``put`` from any thread, ``close`` once no more will come.
+    ``Worker.run_shards`` on a queue that stays open keeps its pipeline across calls (a Ray
+    actor fed by the driver)."""
+
+    def __init__(self, shards: Iterable[Shard] = ()) -> None:
+        self.items: deque[Shard] = deque(shards)
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def put(self, shard: Shard, first: bool = False) -> None:
+        with self.cond:
+            if first:
+                self.items.appendleft(shard)
+            else:
+                self.items.append(shard)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def get(self, block: bool) -> Shard | None:
+        """The next shard; None when there is none now (``block=False``) or ever (closed)."""
+        with self.cond:
+            while block and not self.items and not self.closed:
+                self.cond.wait()
+            return self.items.popleft() if self.items else None
+
+
 class _Pipeline:
     """One call of ``Worker.run_shards``: the shards' batches come from one stream, and the
     batch last sent to the device (``previous``) is read back after the next one is sent,
-    whichever shard either belongs to."""
+    whichever shard either belongs to. The next shard, once queued, is opened on the prepare
+    thread and its rows added to the stream while the current one computes; when none is
+    queued as a shard's rows run out, the pipeline drains, so that shard is finished before
+    waiting for more."""
 
-    def __init__(self, worker: Worker, shards: Sequence[Shard], url: str, storage_options: dict[str, Any] | None,
+    def __init__(self, worker: Worker, shards: ShardQueue, url: str, storage_options: dict[str, Any] | None,
                  on_batch: Callable[[int], None] | None,
                  on_computed: Callable[[Shard, Future[ShardSummary]], None] | None,
                  on_started: Callable[[Shard], None] | None) -> None:
@@ -325,23 +363,34 @@ class _Pipeline:
         self.on_batch, self.on_computed, self.on_started = on_batch, on_computed, on_started
         self.stream = worker._stream()
         self.previous: tuple[_ShardOutput, np.ndarray, _Done] | None = None  # sent, not yet read back
-        self.ahead = self._open(0)  # the next shard's input, opened on the prepare thread
-        self.queued = 0  # shards whose rows are in the stream
+        self.ahead: tuple[Shard, Future[_ShardInput]] | None = None  # the next shard, opening on the prepare thread
+        self.ahead_queued = False  # its rows are in the stream
+        self.put_back: Shard | None = None  # a started shard that another one's failure interrupted
         self.t = time.perf_counter()  # when the current shard began (the previous one's rows ran out)
 
-    def _open(self, i: int) -> Future[_ShardInput] | None:
-        if i >= len(self.shards):
-            return None
-        return self.worker.prepare_pool.submit(_ShardInput.open, self.shards[i], self.url, self.so,
-                                               bool(self.worker.extras))
+    def _look_ahead(self, block: bool) -> None:
+        if self.ahead is None:
+            shard = self.shards.get(block)
+            if shard is not None:
+                future = self.worker.prepare_pool.submit(_ShardInput.open, shard, self.url, self.so,
+                                                         bool(self.worker.extras))
+                self.ahead, self.ahead_queued = (shard, future), False
 
     def run(self) -> None:
+        """Every shard of the queue until it is closed and empty. On a failure, the shards not at
+        fault go back to the front of the queue: the one opened ahead, and the current one when
+        the shard before it failed as its last batch was read back."""
         try:
-            for i in range(len(self.shards)):
-                self._shard(i)
+            self._look_ahead(block=True)
+            while self.ahead is not None:
+                self._shard()
             self._settle(keep=None)  # the last shard's last batch
         except _CallbackError as err:
             raise err.error from None
+        finally:
+            for shard in (self.ahead[0] if self.ahead is not None else None, self.put_back):
+                if shard is not None:
+                    self.shards.put(shard, first=True)
 
     def _call(self, fn: Callable[..., None] | None, *args: Any) -> None:
         """A caller's callback: its errors go up as they are, never as a shard's failure."""
@@ -372,22 +421,22 @@ class _Pipeline:
         if out is not keep:
             self._finish(out)
 
-    def _shard(self, i: int) -> None:
-        shard, out = self.shards[i], None
+    def _shard(self) -> None:
+        assert self.ahead is not None
+        (shard, opening), queued = self.ahead, self.ahead_queued
+        self.ahead, out = None, None
         try:
-            assert self.ahead is not None
-            given = self.ahead.result()  # raises the store's error for this shard
-            self.ahead = self._open(i + 1)
-            if self.queued == i:
+            given = opening.result()  # raises the store's error for this shard
+            if not queued:
                 self.stream.add(given.paths)
-                self.queued += 1
             out = _ShardOutput(self.worker, given, started=self.t)
             self._call(self.on_started, shard)
             while True:
-                ahead = self.ahead
-                if ahead is not None and self.queued == i + 1 and ahead.done() and ahead.exception() is None:
-                    self.stream.add(ahead.result().paths)  # the next shard's first images decode from now on
-                    self.queued += 1
+                self._look_ahead(block=False)
+                if self.ahead is not None and not self.ahead_queued and self.ahead[1].done() \
+                        and self.ahead[1].exception() is None:
+                    self.stream.add(self.ahead[1].result().paths)  # the next shard's first images decode from now
+                    self.ahead_queued = True
                 w = time.perf_counter()
                 batch = self.stream.next()
                 out.wait_decode += time.perf_counter() - w
@@ -405,15 +454,27 @@ class _Pipeline:
                 self._call(self.on_batch, len(batch.offsets) + len(batch.failed))
             self.t = time.perf_counter()
             out.seconds = self.t - out.started
+            self._look_ahead(block=False)
             if self.previous is None or self.previous[0] is not out:  # this shard sent nothing to the device
                 self._settle(keep=None)
                 out.close()
                 self._finish(out)
+            elif self.ahead is None:  # nothing queued after it: finish it now rather than wait for more
+                self._settle(keep=None)
+            if self.ahead is None:
+                self._look_ahead(block=True)  # wait for more (none, once the queue is closed)
         except BaseException as err:
-            if self.previous is not None and self.previous[0] is not out:
-                self._settle(keep=None)  # what the shard before this one computed is still written
             if out is not None:
                 out.abandon()
+            try:
+                if self.previous is not None and self.previous[0] is not out:
+                    self._settle(keep=None)  # what the shard before this one computed is still written
+            except ShardError:
+                self.put_back = shard  # the shard before failed as it was read back: this one is not at fault
+                raise
+            if isinstance(err, ShardError) and err.shard != shard.index:
+                self.put_back = shard
+                raise
             if isinstance(err, (ShardError, _CallbackError)) or not isinstance(err, Exception):
                 raise
             raise _failed(shard, err) from err
@@ -434,7 +495,8 @@ class _CallbackError(Exception):
 
 
 def _failed(shard: Shard, err: BaseException) -> ShardError:
-    return ShardError(f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed: {type(err).__name__}: {err}")
+    return ShardError(f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed: {type(err).__name__}: {err}",
+                      shard.index)
 
 
 @dataclass

@@ -112,6 +112,50 @@ def test_the_pipeline_does_not_drain_between_shards(image_dir: Path, tmp_path: P
         np.testing.assert_allclose(a.numpy(key), b.numpy(key), rtol=1e-5, atol=1e-5)
 
 
+def test_a_queue_fed_pipeline_finishes_each_shard_before_waiting_for_more(image_dir: Path, tmp_path: Path):
+    """How a Ray actor runs: shards arrive one by one on an open queue. A shard with nothing queued
+    after it is finished (done marker written) while the pipeline waits for more."""
+    import threading
+    from concurrent.futures import Future
+
+    from extractor.sources import plan
+    from extractor.worker import ShardQueue, Worker
+
+    raw = job(image_dir, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    before = open_store(str(tmp_path / "s.zarr"))
+    expected = {k: before.numpy(k) for k in ("layer3", "layer4")}
+    worker = Worker(parse_spec(raw))
+    queue = ShardQueue()
+    computed: list[tuple[int, Future]] = []
+    ready = threading.Event()
+
+    def on_computed(shard, future):
+        computed.append((shard.index, future))
+        ready.set()
+
+    thread = threading.Thread(target=worker.run_shards, args=(queue, str(tmp_path / "s.zarr")),
+                              kwargs={"on_computed": on_computed})
+    thread.start()
+    try:
+        shards = plan(12, 4)
+        queue.put(shards[0])
+        assert ready.wait(60), "the only queued shard was not finished while the pipeline waited for more"
+        assert computed[0][0] == 0 and computed[0][1].result(timeout=60).ok == 4
+        assert thread.is_alive()  # still waiting for shards
+        queue.put(shards[1])
+        queue.put(shards[2])
+    finally:
+        queue.close()
+        thread.join(60)
+    worker.close()
+    assert not thread.is_alive()
+    assert [i for i, _ in computed] == [0, 1, 2] and all(f.result().ok == 4 for _, f in computed)
+    after = open_store(str(tmp_path / "s.zarr"))
+    for key, value in expected.items():
+        np.testing.assert_array_equal(after.numpy(key), value)
+
+
 def test_interrupted_then_resumed_equals_uninterrupted(image_dir: Path, tmp_path: Path):
     full = job(image_dir, tmp_path / "full.zarr", output={"store": str(tmp_path / "full.zarr"), "chunk_rows": 2})
     run(parse_spec(full))
