@@ -289,8 +289,7 @@ class Worker:
         drain between shards.
 
         ``on_started(shard)`` is called as a shard's first batch is read, ``on_computed(shard,
-        future)`` in shard order once a shard's last batch is
-        on the host; the future completes once the writer threads have stored its last chunks
+        future)`` in shard order once a shard's last batch is on the host; the future completes once the writer threads have stored its last chunks
         and its done marker (or raises the ShardError that stopped them). Meanwhile the next
         shard computes: the device never waits for storage. A failing shard raises its
         ShardError here, after ``on_computed`` for every shard before it. ``shards`` may be a
@@ -303,10 +302,10 @@ class Worker:
         if self.captures is None:
             self.probe()
         so = storage_options if storage_options is not None else self.spec.output.storage_options
-        queue = shards if isinstance(shards, ShardQueue) else ShardQueue(shards)
-        if queue is not shards:
-            queue.close()
-        _Pipeline(self, queue, url, so, on_batch, on_computed, on_started).run()
+        if not isinstance(shards, ShardQueue):
+            shards = ShardQueue(shards)
+            shards.close()  # a fixed list: nothing more will come
+        _Pipeline(self, shards, url, so, on_batch, on_computed, on_started).run()
 
     def _stream(self) -> BatchStream:
         """Where decoded batches come from (decoded ``decode_workers`` ahead, across shards)."""
