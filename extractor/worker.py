@@ -289,11 +289,12 @@ class Worker:
         drain between shards.
 
         ``on_started(shard)`` is called as a shard's first batch is read, ``on_computed(shard,
-        future)`` in shard order once a shard's last batch is on the host; the future completes once the writer threads have stored its last chunks
-        and its done marker (or raises the ShardError that stopped them). Meanwhile the next
-        shard computes: the device never waits for storage. A failing shard raises its
-        ShardError here, after ``on_computed`` for every shard before it. ``shards`` may be a
-        :class:`ShardQueue` that others fill: this returns once it is closed and empty.
+        future)`` in shard order once a shard's last batch is on the host; the future completes
+        once the writer threads have stored its last chunks and its done marker (or raises the
+        ShardError that stopped them). Meanwhile the next shard computes: the device never
+        waits for storage. A failing shard raises its ShardError here, after ``on_computed``
+        for every shard before it. ``shards`` may be a :class:`ShardQueue` that others fill:
+        this returns once it is closed and empty.
 
         Batch i+1 is sent to the device before batch i's results are read on the host, also
         across a shard boundary; the next shard's store arrays and row list are read on a
