@@ -3,8 +3,9 @@
 Actors run the same :class:`~extractor.worker.Worker` as the local backend and write their
 shard's rows straight into the store; only small summaries travel back. The driver keeps
 shard descriptors and done flags, and two shards in flight per actor so that its pipeline
-does not drain between them. A dead actor is replaced and its shards redone; a shard
-that fails ``max_retries + 1`` times fails the job after the running shards finish.
+does not drain between them. A dead actor is replaced and its shards redone (when it held
+two, each alone, so that the next death names the shard at fault); a shard that fails
+``max_retries + 1`` times fails the job after the running shards finish.
 Ray is imported here only.
 """
 
@@ -119,6 +120,57 @@ class _WorkerActor:
         return self.current
 
 
+class _Schedule:
+    """The driver's shard bookkeeping: which shard a worker gets next, and which one pays for a
+    failure.
+
+    A worker holds up to ``IN_FLIGHT`` shards. When its process dies holding several, any of them
+    may be the cause (the queued shard's first images are decoded while the running one
+    computes), so none pays a retry: each becomes a suspect, and a suspect runs alone on its
+    worker. A death with one shard in flight is that shard's: a shard that keeps killing workers
+    fails the job after ``max_retries`` retries, and the shards queued beside it finish.
+    """
+
+    def __init__(self, todo: list[Shard], max_retries: int) -> None:
+        self.queue: deque[Shard] = deque(todo)
+        self.max_retries = max_retries
+        self.attempts: dict[int, int] = {}
+        self.suspects: set[int] = set()
+        self.failure: tuple[Shard, str] | None = None  # the first shard out of retries, and its last error
+
+    def next_for(self, held: list[Shard]) -> Shard | None:
+        """The next shard for a worker holding ``held``; None to leave it as it is."""
+        if self.failure is not None or len(held) >= IN_FLIGHT or any(s.index in self.suspects for s in held):
+            return None
+        for k, shard in enumerate(self.queue):
+            if not held or shard.index not in self.suspects:
+                del self.queue[k]
+                return shard
+        return None
+
+    def done(self, shard: Shard) -> None:
+        self.suspects.discard(shard.index)
+
+    def lost(self, shards: list[Shard], error: str) -> Shard | None:
+        """A worker died holding ``shards``: the shard that pays a retry, or None when it held several."""
+        if len(shards) == 1:
+            self.failed(shards[0], error)
+            return shards[0]
+        self.suspects.update(s.index for s in shards)
+        self.queue.extendleft(sorted(shards, key=lambda s: s.index, reverse=True))
+        return None
+
+    def failed(self, shard: Shard, error: str) -> None:
+        """``shard`` failed: back to the front of the queue, or, past max_retries, the job fails
+        (the shards running now finish; no other starts)."""
+        self.attempts[shard.index] = self.attempts.get(shard.index, 0) + 1
+        if self.attempts[shard.index] > self.max_retries:
+            self.failure = self.failure or (shard, error)
+            self.queue.clear()
+        else:
+            self.queue.appendleft(shard)
+
+
 def _cause(err: BaseException) -> BaseException:
     """The user-facing exception inside a Ray error, when it carries one."""
     cause = getattr(err, "cause", None)
@@ -204,28 +256,26 @@ class RayBackend:
     def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any) -> list[ShardSummary]:
         for i, pid in enumerate(self.pids):
             on_event("worker_started", {"worker": i, "pid": pid})
-        queue: deque[Shard] = deque(todo)
-        attempts: dict[int, int] = {}
+        plan = _Schedule(todo, self.spec.cluster.max_retries)
         running: dict[Any, tuple[int, Shard, int]] = {}  # task ref -> (worker slot, shard, actor generation)
         generation = [0] * self.n_workers  # bumped when a slot's actor is replaced
         partial: dict[int, int] = {}  # worker slot -> rows done in its current shard
-        current: dict[int, int] = {}  # worker slot -> the shard it last said it was running
+        started: set[int] = set()  # shards whose start was reported (in their current attempt)
         reported = 0  # progress never goes back (a shard's rows move from partial to finished)
         summaries: list[ShardSummary] = []
         finished_rows = 0
-        failure: tuple[Shard, str] | None = None
         last_poll = 0.0
-        while queue or running:
-            load = [0] * self.n_workers
-            for slot, _, _ in running.values():
-                load[slot] += 1
+
+        def report_start(slot: int, shard: Shard) -> None:
+            if shard.index not in started:
+                started.add(shard.index)
+                on_event("shard_started", {"shard": shard.index, "worker": slot, "pid": self.pids[slot]})
+
+        while True:
             for slot in range(self.n_workers):
-                while load[slot] < IN_FLIGHT and queue and failure is None:
-                    shard = queue.popleft()
+                while (shard := plan.next_for([s for sl, s, _ in running.values() if sl == slot])) is not None:
                     ref = self.actors[slot].run_shard.remote(shard.index, shard.start, shard.stop, url)
                     running[ref] = (slot, shard, generation[slot])
-                    load[slot] += 1
-                    on_event("shard_started", {"shard": shard.index, "worker": slot, "pid": self.pids[slot]})
             if not running:
                 break
             ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
@@ -238,58 +288,64 @@ class RayBackend:
                     if gen != generation[slot]:  # an actor already replaced: handled with the first of its refs
                         continue
                     others = [r for r, (sl, _, g) in running.items() if sl == slot and g == gen]
-                    lost = [shard] + [running.pop(r)[1] for r in others]  # every shard in flight on it
-                    # the shard the actor last said it was running pays the attempt (else the first in order)
-                    shard = next((s for s in lost if s.index == current.get(slot)), min(lost, key=lambda s: s.index))
-                    queue.extendleft(s for s in reversed(lost) if s is not shard)
+                    lost = sorted([shard] + [running.pop(r)[1] for r in others], key=lambda s: s.index)
+                    started.difference_update(s.index for s in lost)
                     error = f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}"
-                    on_event("worker_died", {"worker": slot, "pid": self.pids[slot], "shard": shard.index})
-                    log.warning("%s while running shard %d; starting a replacement", error, shard.index)
+                    charged = plan.lost(lost, error)
+                    on_event("worker_died", {"worker": slot, "pid": self.pids[slot],
+                                             "shards": [s.index for s in lost],
+                                             "charged": charged.index if charged is not None else None})
+                    log.warning("%s holding shards %s (%s); starting a replacement", error,
+                                ", ".join(str(s.index) for s in lost),
+                                f"shard {charged.index} counts a retry" if charged is not None
+                                else "none counts a retry: each is redone alone")
                     self._replace(slot)
                     generation[slot] += 1
                     on_event("worker_started", {"worker": slot, "pid": self.pids[slot]})
                 except RayTaskError as err:
                     cause = _cause(err)
                     error = f"{type(cause).__name__}: {cause}"
+                    report_start(slot, shard)
+                    started.discard(shard.index)
                     on_event("shard_failed", {"worker": slot, "shard": shard.index, "error": error})
                     log.warning("shard %d failed on worker %d: %s", shard.index, slot, error)
+                    plan.failed(shard, error)
                 else:
+                    report_start(slot, shard)  # a shard that began and ended between two polls
+                    plan.done(shard)
                     summaries.append(summary)
                     finished_rows += summary.rows
                     on_event("shard_done", {"shard": shard.index, "worker": slot, "summary": summary})
-                    continue
-                attempts[shard.index] = attempts.get(shard.index, 0) + 1
-                if attempts[shard.index] > self.spec.cluster.max_retries:
-                    failure = failure or (shard, error)
-                    queue.clear()
-                else:
-                    queue.appendleft(shard)
             if time.monotonic() - last_poll >= POLL_S and running:
                 last_poll = time.monotonic()
-                self._poll(running, partial, current)
+                for slot, index, rows in self._poll({slot for slot, _, _ in running.values()}):
+                    shard = next((s for sl, s, _ in running.values() if sl == slot and s.index == index), None)
+                    if shard is not None:  # not a shard finished since (its result is on the way)
+                        report_start(slot, shard)
+                        partial[slot] = rows
             reported = max(reported, finished_rows + sum(partial.values()))
             on_progress(reported)
-        if failure is not None:
-            shard, error = failure
+        if plan.failure is not None:
+            shard, error = plan.failure
             raise ShardError(
-                f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {attempts[shard.index]} times "
+                f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {plan.attempts[shard.index]} times "
                 f"(cluster.max_retries={self.spec.cluster.max_retries}); last error: {error}. Finished shards are "
                 "kept: fix the cause and run the same command with --resume"
             )
         return summaries
 
-    def _poll(self, running: dict[Any, tuple[int, Shard, int]], partial: dict[int, int],
-              current: dict[int, int]) -> None:
-        slots = {slot for slot, _, _ in running.values()}
+    def _poll(self, slots: set[int]) -> list[tuple[int, int, int]]:
+        """(slot, shard, rows done in it) for each of ``slots`` whose actor answers: the shard its
+        pipeline is computing now."""
         refs = {slot: self.actors[slot].progress.remote() for slot in slots}
+        out = []
         for slot, ref in refs.items():
             try:
                 shard_index, rows = ray.get(ref, timeout=5)
             except Exception:  # noqa: BLE001 - a dying actor; its task result says what happened
                 continue
-            current[slot] = shard_index
-            if any(sl == slot and s.index == shard_index for sl, s, _ in running.values()):
-                partial[slot] = rows
+            out.append((slot, shard_index, rows))
+        return out
 
     def _replace(self, slot: int) -> None:
         try:

@@ -304,7 +304,10 @@ def run(
     ``on_start(rows_to_process, bytes_per_row)`` is called once the plan is known,
     ``on_progress(rows_processed)`` as batches finish, and ``on_event(name, info)`` on
     worker and shard events (``worker_started``, ``shard_started``, ``shard_done``,
-    ``shard_failed``, ``worker_died``). ``backend`` replaces the one ``spec.cluster`` names
+    ``shard_failed``, ``worker_died``): ``shard_started`` once a worker begins computing the
+    shard (on Ray, as seen by the driver's next progress poll, or with its result),
+    ``worker_died`` with the ``shards`` it held and the one ``charged`` a retry (None when it
+    held several: each is redone alone). ``backend`` replaces the one ``spec.cluster`` names
     (benchmarks: a ``LocalBackend`` around a Worker subclass); it is closed at the end.
     """
     t0 = time.perf_counter()

@@ -151,9 +151,9 @@ def extract(args: argparse.Namespace) -> dict:
     first: list[float] = []
     t0 = time.perf_counter()
     summary = run(spec, on_event=lambda name, info: first.append(time.perf_counter())
-                  if name == "shard_started" and not first else None)
+                  if name == "worker_started" and not first else None)
     end = time.perf_counter()
-    seconds = end - first[0]  # from the first shard's start: excludes start-up
+    seconds = end - first[0]  # from when the ready worker is handed the job: excludes start-up
     return {"images": summary.ok, "seconds": seconds, "images_per_s": summary.ok / seconds,
             "wall_seconds": end - t0, "startup_seconds": first[0] - t0,
             "store_bytes": sum(s.bytes for s in summary.per_shard)}

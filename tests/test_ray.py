@@ -19,6 +19,7 @@ from PIL import Image
 from extractor.errors import ClusterError, LayerError, ShardError
 from extractor.reader import open_store
 from extractor.runner import run
+from extractor.sources import Shard
 from extractor.spec import parse_spec
 
 ray = pytest.importorskip("ray")
@@ -72,12 +73,15 @@ def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images
     ref["cluster"] = {"backend": "local"}
     run(parse_spec(ref))
     killed: list[int] = []
+    pids: dict[int, int] = {}
 
     def on_event(name: str, info: dict) -> None:
-        if name == "shard_started" and info["worker"] == 0 and info["shard"] >= 2 and not killed:
-            time.sleep(0.3)  # let it start on the shard's rows
-            os.kill(info["pid"], signal.SIGKILL)
-            killed.append(info["pid"])
+        if name == "shard_done" and info["worker"] == 0 and not killed:  # it holds the shard queued behind
+            time.sleep(0.3)  # let it compute some of that shard's rows
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
+        elif name == "worker_started":
+            pids[info["worker"]] = info["pid"]
 
     events: list[tuple[str, dict]] = []
     spec = parse_spec(slow_job(slow_images, tmp_path / "s.zarr", workers=2, cpus_per_worker=1))
@@ -93,6 +97,44 @@ def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images
     assert (b.status == 1).all() and b.done_shards.all()
     for key in ("conv", "map"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_a_worker_killed_by_an_image_of_its_queued_shard_charges_that_shard(ray_cluster, slow_images: Path,
+                                                                            tmp_path: Path):
+    """The worker holds two shards; reading an image of the queued one kills its process while the
+    running one computes. Neither pays a retry for that death: both are redone one at a time, so
+    the shard at fault is the one charged, and the one it was queued behind finishes."""
+    raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, max_retries=1)
+    raw["model"].update(factory="toy_models:crash_on_read", factory_kwargs={"name": "a02.jpg"})  # row 2: shard 1
+    events: list[tuple[str, dict]] = []
+    with pytest.raises(ShardError) as err:
+        run(parse_spec(raw), on_event=lambda n, i: events.append((n, i)))
+    assert "shard 1 (rows 2-3) failed 2 times" in str(err.value) and "died" in str(err.value)
+    died = [i for n, i in events if n == "worker_died"]
+    assert [(d["shards"], d["charged"]) for d in died] == [([0, 1], None), ([1], 1), ([1], 1)]
+    first_death = next(k for k, (n, _) in enumerate(events) if n == "worker_died")
+    assert {i["shard"] for n, i in events[:first_death] if n == "shard_started"} <= {0}  # 1 was only queued
+    assert [i["shard"] for n, i in events if n == "shard_done"] == [0]
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.done_shards.tolist() == [True] + [False] * 5 and (s.status[:2] == 1).all()
+
+
+def test_shards_lost_together_are_redone_alone_and_only_a_lone_death_is_charged():
+    from extractor.ray_backend import _Schedule
+
+    shards = [Shard(i, 2 * i, 2 * i + 2) for i in range(5)]
+    plan = _Schedule(shards[:4], max_retries=0)
+    held = [plan.next_for([])]
+    held.append(plan.next_for(held))
+    assert held == shards[:2] and plan.next_for(held) is None  # two in flight per worker
+    assert plan.lost(held, "died") is None and plan.failure is None  # either may be at fault: none pays
+    assert plan.next_for([shards[4]]) == shards[2]  # a busy worker gets no suspect...
+    assert plan.next_for([]) == shards[0]  # ...an idle one does, and runs it alone
+    assert plan.next_for([shards[0]]) is None
+    plan.done(shards[0])
+    assert plan.next_for([]) == shards[1]
+    assert plan.lost([shards[1]], "died again") == shards[1]  # alone: its death is its own
+    assert plan.failure == (shards[1], "died again") and plan.next_for([]) is None
 
 
 def test_shard_failing_every_time_fails_the_job_then_resume_completes(ray_cluster, tmp_path: Path):

@@ -109,6 +109,24 @@ def slow_net(seconds: float = 0.15) -> nn.Module:
     return SlowNet(seconds)
 
 
+def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
+    """A SlowNet in a process that dies, as from a crash inside a native decoder, when it reads
+    the image file called ``name`` (Ray tests: it patches the worker's own process only)."""
+    import os
+
+    import extractor.sources as sources
+
+    read = sources.read_bytes
+
+    def read_bytes(item, storage_options=None):  # noqa: ANN001, ANN202 - the patched function's signature
+        if isinstance(item, str) and os.path.basename(item) == name:
+            os._exit(70)
+        return read(item, storage_options)
+
+    sources.read_bytes = read_bytes
+    return SlowNet(seconds)
+
+
 class PickyNet(nn.Module):
     """Raises on any batch holding a saturated (white) pixel: a shard whose images always fail."""
 
