@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ClusterError",
     "DataError",
+    "DeviceError",
     "ExtractorError",
     "LayerError",
     "ModelError",
@@ -55,6 +56,11 @@ class ShardError(ExtractorError, RuntimeError):
 
     def __reduce__(self):  # pickled across Ray processes with its shard
         return type(self), (str(self), self.shard)
+
+
+class DeviceError(ExtractorError, RuntimeError):
+    """The accelerator failed (a CUDA error): its context in this process is not used again.
+    A Ray worker that raises it is replaced; the local backend stops the job (``--resume``)."""
 
 
 class ClusterError(ExtractorError, RuntimeError):

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .errors import ClusterError, ExtractorError, ShardError
+from .errors import ClusterError, DeviceError, ExtractorError, ShardError
 from .sources import Shard
 from .spec import JobSpec
 from .worker import ShardQueue, ShardSummary
@@ -74,6 +74,8 @@ class _WorkerActor:
     def run_shard(self, index: int, start: int, stop: int, url: str) -> ShardSummary:
         call: Future[ShardSummary] = Future()
         with self.lock:
+            if isinstance(self.error, DeviceError):  # the driver replaces this actor: run nothing more here
+                raise self.error
             self.calls[index] = call
             self.queue.put(Shard(index, start, stop))
             if self.thread is None:
@@ -108,6 +110,8 @@ class _WorkerActor:
                     call.set_exception(err)
             except BaseException as err:  # noqa: BLE001 - not a shard's failure: every waiting call gets it
                 with self.lock:
+                    if isinstance(err, DeviceError):
+                        self.error = err
                     while self.queue.get(block=False) is not None:  # the driver redoes them
                         pass
                     calls, self.calls = list(self.calls.values()), {}
@@ -284,32 +288,35 @@ class RayBackend:
                 partial.pop(slot, None)
                 try:
                     summary: ShardSummary = ray.get(ref)
-                except RayActorError as err:
+                except (RayActorError, RayTaskError) as err:
+                    cause = _cause(err)
+                    if isinstance(err, RayTaskError) and not isinstance(cause, DeviceError):  # the shard raised
+                        error = f"{type(cause).__name__}: {cause}"
+                        report_start(slot, shard)
+                        started.discard(shard.index)
+                        on_event("shard_failed", {"worker": slot, "shard": shard.index, "error": error})
+                        log.warning("shard %d failed on worker %d: %s", shard.index, slot, error)
+                        plan.failed(shard, error)
+                        continue
+                    # the actor died, or its device failed (it is replaced: a CUDA context is not trusted again)
                     if gen != generation[slot]:  # an actor already replaced: handled with the first of its refs
                         continue
                     others = [r for r, (sl, _, g) in running.items() if sl == slot and g == gen]
                     lost = sorted([shard] + [running.pop(r)[1] for r in others], key=lambda s: s.index)
                     started.difference_update(s.index for s in lost)
-                    error = f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}"
+                    error = (f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}"
+                             if isinstance(err, RayActorError) else f"worker {slot} (pid {self.pids[slot]}): {cause}")
                     charged = plan.lost(lost, error)
-                    on_event("worker_died", {"worker": slot, "pid": self.pids[slot],
+                    on_event("worker_died", {"worker": slot, "pid": self.pids[slot], "error": error,
                                              "shards": [s.index for s in lost],
                                              "charged": charged.index if charged is not None else None})
-                    log.warning("%s holding shards %s (%s); starting a replacement", error,
+                    log.warning("%s; it held shards %s (%s); starting a replacement", error,
                                 ", ".join(str(s.index) for s in lost),
                                 f"shard {charged.index} counts a retry" if charged is not None
                                 else "none counts a retry: each is redone alone")
                     self._replace(slot)
                     generation[slot] += 1
                     on_event("worker_started", {"worker": slot, "pid": self.pids[slot]})
-                except RayTaskError as err:
-                    cause = _cause(err)
-                    error = f"{type(cause).__name__}: {cause}"
-                    report_start(slot, shard)
-                    started.discard(shard.index)
-                    on_event("shard_failed", {"worker": slot, "shard": shard.index, "error": error})
-                    log.warning("shard %d failed on worker %d: %s", shard.index, slot, error)
-                    plan.failed(shard, error)
                 else:
                     report_start(slot, shard)  # a shard that began and ended between two polls
                     plan.done(shard)
@@ -337,14 +344,15 @@ class RayBackend:
     def _poll(self, slots: set[int]) -> list[tuple[int, int, int]]:
         """(slot, shard, rows done in it) for each of ``slots`` whose actor answers: the shard its
         pipeline is computing now."""
-        refs = {slot: self.actors[slot].progress.remote() for slot in slots}
+        refs = {self.actors[slot].progress.remote(): slot for slot in slots}
+        answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=POLL_S)  # one wait for all of them
         out = []
-        for slot, ref in refs.items():
+        for ref in answered:
             try:
-                shard_index, rows = ray.get(ref, timeout=5)
+                shard_index, rows = ray.get(ref)
             except Exception:  # noqa: BLE001 - a dying actor; its task result says what happened
                 continue
-            out.append((slot, shard_index, rows))
+            out.append((refs[ref], shard_index, rows))
         return out
 
     def _replace(self, slot: int) -> None:

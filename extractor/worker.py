@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .capture import Capturer, Target, dim_names, resolve_targets
-from .errors import LayerError, ModelError, ShardError
+from .errors import DeviceError, LayerError, ModelError, ShardError
 from .model import build_model, resolve_device
 from .sources import BatchStream, ImageDecoder, JpegDecoder, Shard, describe_error
 from .spec import JobSpec
@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WRITE_QUEUE = 4  # chunks (of every capture) that may wait for the writer threads: bounds memory
 WRITE_THREADS = 4  # chunks compressed and stored at once (zstd and zarr release the GIL)
+# what a CUDA fault raises (torch >= 2.8): the device context may be broken, so it is never
+# taken for a bad image nor retried in this process
+_DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
 
 
 def _drain(pending: deque[Future[None]]) -> None:
@@ -181,7 +185,7 @@ class Worker:
         try:
             host, event = self._to_host(self._forward(images, labels))
             return _Done(host, {}, event)
-        except (LayerError, KeyboardInterrupt, SystemExit):
+        except (LayerError, KeyboardInterrupt, SystemExit, *_DEVICE_ERRORS):
             raise
         except Exception as err:  # noqa: BLE001 - decided per image below
             if len(images) == 1:
@@ -194,7 +198,7 @@ class Worker:
             try:
                 one = self._forward(images[i : i + 1], labels[i : i + 1] if labels is not None else None, eager=True)
                 parts.append({k: v.cpu().numpy() for k, v in one.items()})
-            except (LayerError, KeyboardInterrupt, SystemExit):
+            except (LayerError, KeyboardInterrupt, SystemExit, *_DEVICE_ERRORS):
                 raise
             except Exception as err:  # noqa: BLE001 - this image fails its row
                 bad[i] = f"forward failed on this image: {describe_error(err)}"
@@ -306,7 +310,20 @@ class Worker:
         if not isinstance(shards, ShardQueue):
             shards = ShardQueue(shards)
             shards.close()  # a fixed list: nothing more will come
-        _Pipeline(self, shards, url, so, on_batch, on_computed, on_started).run()
+        try:
+            _Pipeline(self, shards, url, so, on_batch, on_computed, on_started).run()
+        except Exception as err:
+            fault = _device_fault(err)
+            if fault is None:
+                raise
+            where = f" while shard {err.shard} was running" if isinstance(err, ShardError) else ""
+            raise DeviceError(
+                f"the {self.device} device failed{where}: {describe_error(fault)}. Its context in this process "
+                "cannot be trusted again, so the worker stops; finished shards are kept. On Ray the worker is "
+                "replaced and its shards redone; locally, run the same command with --resume. (A CUDA error can "
+                "surface one batch after the operation that caused it; if it recurs at the same rows, set "
+                "CUDA_LAUNCH_BLOCKING=1 to find it.)"
+            ) from fault
 
     def _stream(self) -> BatchStream:
         """Where decoded batches come from (decoded ``decode_workers`` ahead, across shards)."""
@@ -492,6 +509,18 @@ class _CallbackError(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _device_fault(err: BaseException) -> BaseException | None:
+    """The CUDA fault behind ``err`` (itself, or its cause), if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, _DEVICE_ERRORS):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def _failed(shard: Shard, err: BaseException) -> ShardError:

@@ -119,6 +119,29 @@ def test_a_worker_killed_by_an_image_of_its_queued_shard_charges_that_shard(ray_
     assert s.done_shards.tolist() == [True] + [False] * 5 and (s.status[:2] == 1).all()
 
 
+def test_a_worker_whose_device_fails_is_replaced_and_the_job_finishes(ray_cluster, slow_images: Path,
+                                                                      tmp_path: Path):
+    """A CUDA fault (torch.AcceleratorError) in a worker: the worker is replaced rather than kept
+    on a context that may be broken, its shards are redone, and the store equals a clean run."""
+    ref = slow_job(slow_images, tmp_path / "ref.zarr")
+    ref["cluster"] = {"backend": "local"}
+    run(parse_spec(ref))
+    raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, max_retries=1)
+    raw["model"].update(factory="toy_models:faulty_device", factory_kwargs={"marker": str(tmp_path / "fault"),
+                                                                            "after": 4})  # in shard 1
+    events: list[tuple[str, dict]] = []
+    summary = run(parse_spec(raw), on_event=lambda n, i: events.append((n, i)))
+    died = [i for n, i in events if n == "worker_died"]
+    assert len(died) == 1 and "device failed" in died[0]["error"] and "illegal memory access" in died[0]["error"]
+    assert 1 in died[0]["shards"]
+    assert summary.ok == 12 and summary.failed == 0 and sorted(s.shard for s in summary.per_shard) == list(range(6))
+    assert len(summary.workers[0]["pids"]) == 2  # replaced
+    a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
+    assert (b.status == 1).all() and b.done_shards.all()
+    for key in ("conv", "map"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
 def test_shards_lost_together_are_redone_alone_and_only_a_lone_death_is_charged():
     from extractor.ray_backend import _Schedule
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from extractor.errors import ShardError, SpecError, StoreError
+from extractor.errors import DeviceError, ShardError, SpecError, StoreError
 from extractor.reader import open_store
 from extractor.runner import run
 from extractor.sources import list_rows
@@ -139,6 +139,33 @@ def test_a_failing_shard_keeps_what_the_shard_before_it_computed(tmp_path: Path)
     assert s.done_shards.tolist() == [True, False]
     assert s.status.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
     np.testing.assert_array_equal(s.numpy("conv")[:4], open_store(str(ref)).numpy("conv")[:4])
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_device_fault_stops_the_job_and_resume_finishes(tmp_path: Path, batch_size: int):
+    """What a CUDA fault raises (torch.AcceleratorError) is not an image's fault, even in a batch of
+    one, and not retried on a context that may be broken: the job stops naming the device; the
+    shards before it are kept and --resume finishes."""
+    root = tmp_path / "imgs"
+    dark_images(root, 8)
+    ref = tmp_path / "ref.zarr"
+    run(parse_spec(picky_job(root, ref, batch_size=batch_size)))
+    raw = picky_job(root, tmp_path / "s.zarr", batch_size=batch_size)
+    forwards = 1 + -(-4 // batch_size)  # the probe's, then shard 0's: the fault is in shard 1's first batch
+    raw["model"].update(factory="toy_models:faulty_device",
+                        factory_kwargs={"marker": str(tmp_path / "fault"), "after": forwards, "seconds": 0})
+    with pytest.raises(DeviceError, match=r"cpu device failed while shard 1 was running: AcceleratorError: "
+                                          r"CUDA error: an illegal memory access.*--resume"):
+        run(parse_spec(raw))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.done_shards.tolist() == [True, False] and s.attrs["status"] == "failed"
+    assert (s.status[4:] == 0).all()  # no row blamed
+    raw["output"]["if_exists"] = "resume"
+    summary = run(parse_spec(raw))
+    assert summary.shards_run == 1 and summary.failed == 0
+    r = open_store(str(ref))
+    for key in ("conv",):
+        np.testing.assert_allclose(open_store(str(tmp_path / "s.zarr")).numpy(key), r.numpy(key), rtol=1e-6)
 
 
 def test_an_error_in_a_callers_callback_goes_up_unchanged(tmp_path: Path):

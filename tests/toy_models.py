@@ -127,6 +127,28 @@ def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
     return SlowNet(seconds)
 
 
+class FaultyDevice(SlowNet):
+    """Raises what a CUDA fault raises (``torch.AcceleratorError``) in its forward number
+    ``after + 1``, once: the marker file it then writes stops it in every later process."""
+
+    def __init__(self, marker: str, after: int, seconds: float) -> None:
+        super().__init__(seconds)
+        self.marker, self.after, self.calls = marker, after, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+
+        self.calls += 1
+        if self.calls > self.after and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return super().forward(x)
+
+
+def faulty_device(marker: str, after: int = 0, seconds: float = 0.15) -> nn.Module:
+    return FaultyDevice(marker, after, seconds)
+
+
 class PickyNet(nn.Module):
     """Raises on any batch holding a saturated (white) pixel: a shard whose images always fail."""
 
