@@ -86,7 +86,7 @@ def _from_torchvision(spec: ModelSpec) -> tuple[nn.Module, str]:
     if w is None or _looks_like_path(w):
         return tvm.get_model(spec.name, weights=None), f"torchvision {spec.name}"
     enum = tvm.get_model_weights(spec.name)
-    valid = ["DEFAULT", *enum.__members__]
+    valid = list(dict.fromkeys(["DEFAULT", *enum.__members__]))  # some enums list DEFAULT among their members
     if w not in valid:
         raise ModelError(
             f"model.weights {w!r} is not a weights name of {spec.name} (valid: {', '.join(valid)}) "
@@ -190,8 +190,16 @@ def layer_table(model: nn.Module, input_size: int) -> list[dict[str, Any]]:
                 shapes.setdefault(name, _shape_of(out))
 
             handles.append(module.register_forward_hook(hook))
+        if input_size < 1:
+            raise ModelError(f"--input-size must be a positive number of pixels, not {input_size}")
         with torch.inference_mode():
-            model(torch.zeros(1, 3, input_size, input_size))
+            try:
+                model(torch.zeros(1, 3, input_size, input_size))
+            except Exception as err:
+                raise ModelError(
+                    f"the model cannot run on a {input_size}x{input_size} input: {type(err).__name__}: {err}; "
+                    "pass the input size it expects with --input-size (e.g. 224)"
+                ) from err
     finally:
         for h in handles:
             h.remove()

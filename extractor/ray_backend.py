@@ -175,6 +175,24 @@ class _Schedule:
             self.queue.appendleft(shard)
 
 
+def _check_reachable(address: str, timeout: float) -> None:
+    """Fail fast when nothing listens at a ``HOST:PORT`` (or ``ray://HOST:PORT``) address:
+    ``ray.init`` would wait for it for many minutes, deaf to Ctrl-C."""
+    import socket
+
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ClusterError(
+            f"cannot reach a Ray cluster at cluster.address {address}: {type(err).__name__}: {err}; start it "
+            "(`ray start --head`), fix cluster.address, or set it to null for an embedded local cluster"
+        ) from None
+
+
 def _cause(err: BaseException) -> BaseException:
     """The user-facing exception inside a Ray error, when it carries one."""
     cause = getattr(err, "cause", None)
@@ -222,6 +240,7 @@ class RayBackend:
             kwargs.update(include_dashboard=False, num_cpus=c.local_cpus or os.cpu_count())
         else:
             kwargs["address"] = c.address
+            _check_reachable(c.address, timeout=min(c.startup_timeout_s, 10.0))
         try:
             ray.init(**kwargs)
         except Exception as err:  # ConnectionError, RuntimeError, ValueError depending on the cause

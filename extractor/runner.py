@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import platform
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -124,11 +125,23 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per changed setting; an entry (``capture[1]``) on one side only is one line."""
     a, b = _flatten(old), _flatten(new)
-    diffs = []
+    diffs: list[str] = []
     for k in sorted(set(a) | set(b)):
-        if a.get(k, "(unset)") != b.get(k, "(unset)"):
-            diffs.append(f"{k}: {json.dumps(a.get(k, '(unset)'))} in the store, {json.dumps(b.get(k, '(unset)'))} now")
+        if k in a and k in b:
+            if a[k] != b[k]:
+                diffs.append(f"{k}: {json.dumps(a[k])} in the store, {json.dumps(b[k])} now")
+            continue
+        lacking = b if k in a else a
+        # the outermost entry holding k that the other side lacks entirely
+        top = next(p for p in [k[:m.start()] for m in re.finditer(r"[.\[]", k)] + [k]
+                   if p and not any(x == p or x.startswith((p + ".", p + "[")) for x in lacking))
+        line = (f"{top}: in the store, not in the spec now" if k in a else f"{top}: in the spec now, not in the store")
+        if top == k:
+            line = f"{k}: {json.dumps(a.get(k, '(unset)'))} in the store, {json.dumps(b.get(k, '(unset)'))} now"
+        if line not in diffs:
+            diffs.append(line)
     return diffs
 
 
@@ -171,6 +184,9 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
             f"{old.get('status', '?')}); pass --resume to finish it or --overwrite to replace it"
         )
     if old is not None and mode == "resume":
+        if old.get("status") == "creating":
+            raise StoreError(f"store {url} was left half-created by a run that failed while creating it; "
+                             "run with --overwrite to create it again")
         _check_resumable(url, old, json.loads(json.dumps(attrs)))
         update_attrs(url, so, status="running", resumed=now())
         return open_group(url, "r+", so)

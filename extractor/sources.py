@@ -121,18 +121,25 @@ def _list_remote_folder(root: str, extensions: Sequence[str], so: dict) -> Rows:
         raise _remote_error("data.root", root, err) from err
     base = base.rstrip("/")
     rel = [p[len(base) + 1:] for p in found]
-    rel = [r for r in rel if not r.rsplit("/", 1)[-1].startswith(".")]
+    rel = [r for r in rel if not any(part.startswith(".") for part in r.split("/"))]  # hidden files and folders
     labels, classes = _folder_labels(rel)
     return Rows(ids=rel, paths=[f"{root.rstrip('/')}/{r}" for r in rel], labels=labels, classes=classes)
 
 
 def _folder_labels(rel: list[str]) -> tuple[list[int], list[str]]:
-    """ImageFolder-shaped (no images directly in root, each below a class folder): labels by folder."""
-    if rel and all("/" in r for r in rel):
-        classes = sorted({r.split("/", 1)[0] for r in rel})
-        index = {c: i for i, c in enumerate(classes)}
-        return [index[r.split("/", 1)[0]] for r in rel], classes
-    return [-1] * len(rel), []
+    """ImageFolder labels: an image's class is its top-level folder. Images directly in the
+    root have no class (-1); when others do, a warning names them."""
+    nested = [r for r in rel if "/" in r]
+    if not nested:
+        return [-1] * len(rel), []
+    loose = [r for r in rel if "/" not in r]
+    if loose:
+        log.warning("%d images lie directly in data.root (first: %s), outside the class folders; they get "
+                    "no label (-1). Move them into a class folder, or list them in a manifest",
+                    len(loose), display_name(loose[0]))
+    classes = sorted({r.split("/", 1)[0] for r in nested})
+    index = {c: i for i, c in enumerate(classes)}
+    return [index[r.split("/", 1)[0]] if "/" in r else -1 for r in rel], classes
 
 
 def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
@@ -154,7 +161,7 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
             dirnames[:] = []
             continue
         seen_dirs.add(real)
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .ipynb_checkpoints, .git: not classes
         base = Path(dirpath).relative_to(root)
         for name in sorted(filenames):
             if name.lower().endswith(exts) and not name.startswith("."):
@@ -174,7 +181,7 @@ def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
 
             try:
                 with fsspec.open(manifest, "rb", **so) as f:
-                    text = f.read().decode("utf-8")
+                    text = f.read().decode("utf-8-sig")  # a spreadsheet's byte-order mark is not a column name
             except UnicodeDecodeError:
                 raise
             except Exception as err:  # noqa: BLE001
@@ -182,7 +189,7 @@ def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
         else:
             if not Path(manifest).exists():
                 raise DataError(f"data.manifest {manifest} does not exist")
-            text = Path(manifest).read_text(encoding="utf-8")
+            text = Path(manifest).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as err:
         raise DataError(f"data.manifest {manifest} is not UTF-8 text: {err}") from None
     if suffix == ".csv":
@@ -330,7 +337,12 @@ def _open_checked(data: bytes, max_pixels: int | None):
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = None  # the limit below replaces Pillow's global one
-    img = Image.open(io.BytesIO(data))
+    if not data:
+        raise ValueError("empty file (0 bytes)")
+    try:
+        img = Image.open(io.BytesIO(data))
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"not an image format Pillow reads ({len(data):,} bytes, starting {data[:8]!r})") from None
     w, h = img.size
     if max_pixels is not None and w * h > max_pixels:
         raise ImageTooLarge(

@@ -11,10 +11,10 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import SpecError
 
@@ -25,6 +25,25 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """``batch_size: true`` is a mistake, not 1: only fields that take a bool take one."""
+        if isinstance(value, bool) and info.field_name is not None:
+            ann = cls.model_fields[info.field_name].annotation
+            if ann is not bool and bool not in get_args(ann) and ann is not Any:
+                raise ValueError(f"expected {_kind(ann)}, not {str(value).lower()}")
+        return value
+
+
+def _kind(ann: Any) -> str:
+    args = set(get_args(ann)) or {ann}
+    if int in args:
+        return "an integer"
+    if float in args:
+        return "a number"
+    return "a value of the documented kind"
 
 
 class ModelSpec(_Section):
@@ -100,6 +119,9 @@ class DataSpec(_Section):
             raise ValueError("data.source 'tar' needs data.tars (tar paths or URLs, brace patterns allowed)")
         if any(s <= 0 for s in self.std):
             raise ValueError("data.std values must be positive")
+        if self.resize is not None and self.crop > self.resize:
+            raise ValueError(f"data.crop ({self.crop}) is larger than data.resize ({self.resize}), the shorter side "
+                             "after resizing: the crop would be padded with black. Set crop <= resize")
         return self
 
 
@@ -158,6 +180,23 @@ class OutputSpec(_Section):
     """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
     lease_timeout_s: float = Field(default=60.0, gt=0)
     """A running job renews its lease on the store; one silent this long is taken to be dead."""
+
+    @field_validator("compression_level")
+    @classmethod
+    def _level_in_range(cls, level: int | None, info: ValidationInfo) -> int | None:
+        compression = info.data.get("compression")
+        if level is None or compression is None:  # unset, or compression itself is invalid (said already)
+            return level
+        if compression not in _LEVELS:
+            raise ValueError("compression is none, so there is no level to set; remove compression_level")
+        low, high = _LEVELS[compression]
+        if not low <= level <= high:
+            raise ValueError(f"{level} is out of range for {compression}: use {low} to {high}, "
+                             "or leave it unset for the default")
+        return level
+
+
+_LEVELS = {"zstd": (-131072, 22), "blosc": (0, 9), "gzip": (0, 9)}  # what each codec accepts
 
 
 class ClusterSpec(_Section):
@@ -307,8 +346,12 @@ def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
 
 def _format_errors(err: ValidationError) -> str:
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors:
         loc = tuple(e["loc"])
+        if e["type"] == "too_short" and any(tuple(o["loc"])[: len(loc)] == loc and len(o["loc"]) > len(loc)
+                                            for o in errors):
+            continue  # "capture: at least 1 item" only because its one item is invalid: that item's error says it
         path = _loc_to_path(loc)
         if e["type"] == "extra_forbidden":
             owner = _model_at(loc)
@@ -379,6 +422,22 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the second would
+    silently replace the first: a whole section's settings lost)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    f"the key {key!r} first given", seen[key], "is given again (merge the two into one)",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """Read a YAML job spec (safe loader), apply ``--set`` overrides and validate it."""
     path = Path(path)
@@ -389,7 +448,12 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     except OSError as err:
         raise SpecError(f"cannot read job spec {path}: {err}") from err
     try:
-        raw = yaml.safe_load(text)
+        loader = _UniqueKeyLoader(text)
+        loader.name = str(path)  # error marks name the file
+        try:
+            raw = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         raise SpecError(f"{path} is not valid YAML: {err}") from None
     if raw is None:

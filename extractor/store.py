@@ -81,9 +81,10 @@ def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> di
         if not os.path.exists(os.path.join(path, "zarr.json")):
             if os.path.isdir(path) and not os.listdir(path):
                 return None
+            what = "a folder" if os.path.isdir(path) else "a file"
             raise StoreError(
-                f"{url} exists and is not a Zarr store; choose another output.store "
-                "(extractor never deletes folders it did not create)"
+                f"{url} exists and is {what}, not a Zarr store; choose another output.store "
+                f"(extractor never deletes {what} it did not create)"
             )
     try:
         group = open_group(url, "r", storage_options)
@@ -120,8 +121,11 @@ def create_store(
     """Create the layout (wiping what is at ``url``); the caller checked that this is allowed."""
     n = len(ids)
     n_shards = -(-n // shard_size)
+    comp = _compressors(compression, compression_level)  # before anything is wiped
     group = open_group(url, "w", storage_options)
-    comp = _compressors(compression, compression_level)
+    # marked at once as extractor's (status "creating"): a store left half-made by a failure below
+    # is replaced by --overwrite, and refused by --resume
+    group.attrs.update({ATTR: {**attrs, "status": "creating"}})
     row_chunk = (min(shard_size, max(n, 1)),)
 
     def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .capture import Capturer, Target, dim_names, resolve_targets
-from .errors import DeviceError, LayerError, ModelError, ShardError
+from .errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
 from .model import build_model, resolve_device
 from .sources import BatchStream, ImageDecoder, JpegDecoder, Shard, describe_error
 from .spec import JobSpec
@@ -221,7 +221,15 @@ class Worker:
         """Run one blank image through the model: the stored shape and metadata of each capture."""
         crop = self.spec.data.crop
         blank = torch.zeros(1, 3, crop, crop, dtype=torch.uint8)
-        values = self._forward(blank, np.zeros(1, np.int64), eager=True)
+        try:
+            values = self._forward(blank, np.zeros(1, np.int64), eager=True)
+        except (ExtractorError, KeyboardInterrupt, *_DEVICE_ERRORS):
+            raise
+        except Exception as err:
+            raise ModelError(
+                f"the model cannot run on a {crop}x{crop} image (data.crop): {describe_error(err)}; set "
+                "data.crop (and data.resize) to the input size the model expects, e.g. 224"
+            ) from err
         original = dict(self.cap.original_shapes)
         if self.compiled:  # compile now, on a full blank batch: a failure is the model's, not an image's
             try:

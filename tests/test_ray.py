@@ -243,3 +243,15 @@ def test_killed_driver_then_resume_redoes_only_unfinished_shards(slow_images: Pa
     assert (b.status == 1).all() and b.attrs["status"] == "complete"
     for key in ("conv", "map"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_an_address_where_no_cluster_listens_fails_fast(image_dir: Path, tmp_path: Path):
+    """`ray.init` would wait many minutes for it, deaf to Ctrl-C (a subprocess: no Ray in it yet)."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr",
+                                       cluster={"backend": "ray", "address": "127.0.0.1:1"})))
+    out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1
+    assert "cannot reach a Ray cluster at cluster.address 127.0.0.1:1: ConnectionRefusedError" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "s.zarr").exists()

@@ -124,14 +124,33 @@ def test_manifest_jsonl_and_string_labels(image_dir: Path, tmp_path: Path):
                                                                        "manifest": str(m2)})).data)
 
 
+def test_a_csv_manifest_saved_by_a_spreadsheet_with_a_byte_order_mark(image_dir: Path, tmp_path: Path):
+    m = tmp_path / "m.csv"
+    m.write_bytes("path,label\ncats/cats00.jpg,cat\ndogs/dogs01.png,dog\n".encode("utf-8-sig"))
+    rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
+        "source": "manifest", "manifest": str(m), "root": str(image_dir)})).data)
+    assert rows.ids == ["cats/cats00.jpg", "dogs/dogs01.png"] and rows.labels == [0, 1]
+
+
 def test_folder_row_order_is_deterministic_and_labels_follow_folders(tmp_path: Path):
     make_images(tmp_path / "a", per_class=3, classes=("z", "b"))
     rows = list_rows(parse_spec(job(tmp_path / "a", tmp_path / "s.zarr")).data)
     assert rows.ids == sorted(rows.ids) and rows.classes == ["b", "z"]
     assert rows.labels == [0, 0, 0, 1, 1, 1]
+
+
+
+def test_a_stray_image_in_the_root_gets_no_label_and_a_warning_and_hidden_folders_are_no_class(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    make_images(tmp_path / "a", per_class=2, classes=("z", "b"))
     (tmp_path / "a" / "top.png").write_bytes((tmp_path / "a" / "b" / "b01.png").read_bytes())
-    rows = list_rows(parse_spec(job(tmp_path / "a", tmp_path / "s.zarr")).data)
-    assert rows.classes == [] and set(rows.labels) == {-1}  # not ImageFolder-shaped any more
+    (tmp_path / "a" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "a" / ".ipynb_checkpoints" / "c.png").write_bytes((tmp_path / "a" / "b" / "b01.png").read_bytes())
+    with caplog.at_level("WARNING", logger="extractor.sources"):
+        rows = list_rows(parse_spec(job(tmp_path / "a", tmp_path / "s.zarr")).data)
+    assert rows.ids == ["top.png", "b/b00.jpg", "b/b01.png", "z/z00.jpg", "z/z01.png"]
+    assert rows.classes == ["b", "z"] and rows.labels == [-1, 0, 0, 1, 1]  # the others keep their labels
+    assert "1 images lie directly in data.root (first: top.png)" in caplog.text
 
 
 @given(n=st.integers(0, 5000), shard=st.integers(1, 700), chunk_div=st.integers(1, 16))

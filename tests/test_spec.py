@@ -127,3 +127,36 @@ def test_every_job_names_real_layers():
             assert len(targets) == 12 and all(t.reduce == "cls" for t in targets)
         if path.name.startswith("resnet50"):
             assert [t.key for t in targets][:4] == ["layer1", "layer2", "layer3", "layer4"]
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path):
+    """A second `data:` section would silently replace the first (crop, batch size... lost)."""
+    path = tmp_path / "job.yaml"
+    path.write_text("data: {root: imgs, crop: 64}\ncapture:\n  - {layer: layer4}\ndata: {root: imgs}\n")
+    with pytest.raises(SpecError, match=r"(?s)key 'data' first given.*line 1.*is given again.*line 4"):
+        load_spec(path)
+    path.write_text("data: {root: imgs, crop: 64, crop: 32}\ncapture:\n  - {layer: layer4}\n")
+    with pytest.raises(SpecError, match="key 'crop'"):
+        load_spec(path)
+
+
+def test_true_is_not_a_number_and_bool_fields_still_take_bools():
+    with pytest.raises(SpecError, match=r"data\.batch_size: expected an integer, not true"):
+        parse_spec({**BASE, "data": {"root": "x", "batch_size": True}})
+    with pytest.raises(SpecError, match=r"output\.lease_timeout_s: expected a number, not false"):
+        parse_spec({**BASE, "output": {"lease_timeout_s": False}})
+    spec = parse_spec({**BASE, "model": {"channels_last": False, "compile": True}})
+    assert spec.model.channels_last is False and spec.model.compile is True
+
+
+def test_an_invalid_capture_entry_gives_one_line_not_a_spurious_empty_list_error():
+    with pytest.raises(SpecError) as err:
+        parse_spec({**BASE, "capture": [{"layer": "layer3", "reduce": "meen"}]})
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and lines[0].startswith("capture[0].reduce:")
+
+
+def test_a_crop_larger_than_the_resize_is_refused():
+    with pytest.raises(SpecError, match=r"data\.crop \(300\) is larger than data\.resize \(72\)"):
+        parse_spec({**BASE, "data": {"root": "x", "resize": 72, "crop": 300}})
+    assert parse_spec({**BASE, "data": {"root": "x", "resize": None, "crop": 300}}).data.crop == 300

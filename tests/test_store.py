@@ -120,3 +120,44 @@ def test_shard_statistics_equal_float64_numpy_with_huge_and_nonfinite_values():
     good = np.isfinite(x64.reshape(40, -1)).all(axis=1)
     assert st["mean_l2"] == pytest.approx(np.linalg.norm(x64.reshape(40, -1)[good], axis=1).mean(), rel=1e-6)
     assert st["rows"] == 40
+
+
+def test_a_store_left_half_created_is_replaced_by_overwrite_and_refused_by_resume(
+        image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from extractor.errors import StoreError
+    from extractor.reader import open_store
+
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
+    run(parse_spec(raw))
+    create = zarr.Group.create_array
+
+    def failing(self, name, **kwargs):  # noqa: ANN001, ANN202 - zarr's signature
+        if name == "layer4":
+            raise OSError("disk full")
+        return create(self, name, **kwargs)
+
+    monkeypatch.setattr(zarr.Group, "create_array", failing)
+    raw["output"]["if_exists"] = "overwrite"
+    with pytest.raises(OSError, match="disk full"):
+        run(parse_spec(raw))
+    monkeypatch.undo()
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match="half-created.*--overwrite"):
+        run(parse_spec(raw))
+    raw["output"]["if_exists"] = "overwrite"
+    assert run(parse_spec(raw)).ok == 12
+    assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
+
+
+def test_a_compression_level_the_codec_refuses_is_a_spec_error_and_the_store_is_kept(image_dir: Path,
+                                                                                    tmp_path: Path):
+    from extractor.errors import SpecError
+    from extractor.reader import open_store
+
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
+    run(parse_spec(raw))
+    for compression, level in (("zstd", 99), ("gzip", 10), ("blosc", -1), ("none", 3)):
+        raw["output"].update(if_exists="overwrite", compression=compression, compression_level=level)
+        with pytest.raises(SpecError, match=r"output\.compression_level: "):
+            parse_spec(raw)
+    assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"

@@ -190,6 +190,12 @@ def test_resume_refuses_a_store_from_a_different_spec(image_dir: Path, tmp_path:
                   output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2, "if_exists": "resume"})
     with pytest.raises(StoreError, match=r"capture\[0\]\.reduce: \"none\" in the store, \"max\" now"):
         run(parse_spec(changed))
+    fewer = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer3"}],
+                output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2, "if_exists": "resume"})
+    with pytest.raises(StoreError) as err:
+        run(parse_spec(fewer))
+    assert str(err.value).splitlines()[1:-1] == ["  capture[1]: in the store, not in the spec now",
+                                                 "  capture layer4: in the store, not in the spec now"]
     # run-only settings may change on resume
     same = job(image_dir, tmp_path / "s.zarr", data={"batch_size": 5},
                output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2, "if_exists": "resume"})
@@ -221,7 +227,8 @@ def test_corrupt_files_fail_their_rows_only(tmp_path: Path):
     s = open_store(str(tmp_path / "s.zarr"))
     failed = {str(i): str(e) for i, e, st in zip(s.ids, s.errors, s.status, strict=True) if st == 2}
     assert set(failed) == {"a/zero.jpg", "a/truncated.jpg", "a/text.jpg"}
-    assert "cannot identify image file" in failed["a/text.jpg"]
+    assert failed["a/text.jpg"] == "ValueError: not an image format Pillow reads (21 bytes, starting b'this is ')"
+    assert failed["a/zero.jpg"] == "ValueError: empty file (0 bytes)"
     assert "truncated" in failed["a/truncated.jpg"].lower()
     # failed rows hold NaN, ok rows real numbers
     allrows = s.numpy("layer4", only_ok=False)
@@ -306,3 +313,18 @@ def test_dataset_moved_after_run_is_not_resumable(image_dir: Path, tmp_path: Pat
     raw["output"]["if_exists"] = "resume"
     with pytest.raises(StoreError, match="image list differs"):
         run(parse_spec(raw))
+
+
+def test_a_model_that_refuses_the_crop_size_is_a_model_error_naming_data_crop(image_dir: Path, tmp_path: Path):
+    from extractor.errors import ModelError
+    from extractor.model import layer_table
+    from extractor.worker import Worker
+
+    raw = job(image_dir, tmp_path / "s.zarr", model={"name": "vit_b_16", "weights": None, "device": "cpu"},
+              capture=[{"layer": "encoder.ln", "reduce": "cls"}])  # crop 64: ViT-B/16 takes 224 only
+    worker = Worker(parse_spec(raw))
+    with pytest.raises(ModelError, match=r"cannot run on a 64x64 image \(data.crop\): AssertionError: Wrong image "
+                                         r"height.*set data.crop"):
+        worker.probe()
+    with pytest.raises(ModelError, match="cannot run on a 64x64 input.*--input-size"):
+        layer_table(worker.model, 64)  # `extractor layers vit_b_16 --input-size 64`
