@@ -4,6 +4,7 @@
     >>> s.captures            # key -> layer, what, reduce, dtype, shape, dims
     >>> s["layer3"][:8]       # a lazy zarr array: numpy slicing reads only what it needs
     >>> s.numpy("avgpool")    # ok rows only, as one numpy array
+    >>> s.stats["avgpool"]    # per-feature mean/std, min/max, NaN/Inf counts ({} until a run ends)
     >>> for rows, x in s.batches("avgpool", 1024): ...
 """
 
@@ -61,6 +62,13 @@ def _prefetched(items: Iterator[Any], fn: Any, depth: int) -> Iterator[Any]:
             yield pending.popleft().result()
 
 
+def _need_torch(what: str) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"{what} needs torch: pip install torch (reading a store needs only numpy and zarr)") from err
+
+
 class ActivationStore:
     """A read-only view of an extractor store."""
 
@@ -91,6 +99,15 @@ class ActivationStore:
     @property
     def classes(self) -> list[str]:
         return list(self.attrs.get("classes") or [])
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Per capture statistics of the ok rows (README "Store layout").
+
+        ``{}`` until the first run on the store ends or is interrupted (so for a store whose run was
+        killed): ``extractor run --resume`` finishes such a store and writes them.
+        """
+        return dict(self.attrs.get("stats") or {})
 
     def __len__(self) -> int:
         return int(self.attrs["n_rows"])
@@ -149,7 +166,11 @@ class ActivationStore:
             raise KeyError(f"{key!r} is not a capture of {self.url}; captures: {', '.join(self.keys)}")
         return self.group[key]  # type: ignore[return-value]
 
-    def _select_rows(self, rows: Rows, only_ok: bool) -> np.ndarray:
+    def _select_rows(self, rows: Rows, only_ok: bool, strict: bool = False) -> np.ndarray:
+        """Store row numbers of ``rows``, in the order given (duplicates kept).
+
+        ``only_ok`` leaves out rows that are not ok; with ``strict`` explicit rows must all be ok.
+        """
         n = len(self)
         if rows is None:
             idx = np.arange(n)
@@ -158,19 +179,38 @@ class ActivationStore:
         else:
             idx = np.asarray(rows)
             if idx.dtype == bool:
+                if idx.shape != (n,):
+                    raise IndexError(f"a boolean row mask needs shape ({n},) for this store, not {idx.shape}")
                 idx = np.flatnonzero(idx)
+            if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+                raise IndexError(f"rows must be a slice, a boolean mask or a 1-d list of integers, not {rows!r:.80}")
             idx = idx.astype(np.int64)
             if idx.size and (idx.min() < -n or idx.max() >= n):
                 raise IndexError(f"row index out of range for a store of {n} rows")
             idx = np.where(idx < 0, idx + n, idx)
         if only_ok:
-            idx = idx[self.status[idx] == OK]
+            status = self.status[idx]
+            ok = status == OK
+            if strict and rows is not None and not ok.all():
+                bad = np.flatnonzero(~ok)
+                names = ", ".join(f"{idx[i]} ({STATUS_NAMES.get(int(status[i]), status[i])})" for i in bad[:10])
+                raise StoreError(
+                    f"{len(bad)} of the {len(idx)} rows asked of {self.url} are not ok: {names}"
+                    f"{' ...' if len(bad) > 10 else ''}; pass only_ok=False to get NaN in their place, or "
+                    "select among s.ok_rows() (s.errors[row] says why a row failed)"
+                )
+            idx = idx[ok]
         return idx
 
     def numpy(self, key: str, rows: Rows = None, only_ok: bool = True) -> np.ndarray:
-        """Rows of a capture as one numpy array (only rows with status ok by default)."""
+        """Rows of a capture as one numpy array: item ``i`` is row ``rows[i]``.
+
+        With ``rows=None`` all rows, of which only the ok ones by default. Explicit ``rows``
+        (slice, mask, list) are never dropped: with ``only_ok`` (the default) a row that is not
+        ok raises :class:`StoreError` naming it; ``only_ok=False`` gives NaN for such rows.
+        """
         arr = self[key]
-        idx = self._select_rows(rows, only_ok)
+        idx = self._select_rows(rows, only_ok, strict=True)
         if idx.size == 0:
             return np.empty((0, *arr.shape[1:]), dtype=arr.dtype)
         if np.all(np.diff(idx) == 1):
@@ -188,20 +228,28 @@ class ActivationStore:
         buffer_chunks: int = 8,
         prefetch: int = 2,
     ) -> Iterator[tuple[np.ndarray, Any]]:
-        """Yield ``(row_indices, data)``: every selected row exactly once per call (one epoch).
+        """Yield ``(row_indices, data)``: every selected row once per call (one epoch).
 
-        ``data`` is an array for one key, a dict of arrays for several. Reads are whole
-        chunks, prefetched on a background thread. With ``shuffle`` the chunks come in a
-        random order and rows are mixed in a buffer of ``buffer_chunks`` chunks, so random
-        order costs no random reads; the same ``seed`` gives the same order.
+        ``data`` is an array for one key, a dict of arrays for several; ``data[i]`` is row
+        ``row_indices[i]``. ``rows`` may come in any order and repeat a row (it then comes as
+        often as listed); rows that are not ok are left out unless ``only_ok=False``. Reads
+        are whole chunks, prefetched on a background thread. With ``shuffle`` the chunks come
+        in a random order and rows are mixed in a buffer of ``buffer_chunks`` chunks, so
+        random order costs no random reads; the same ``seed`` gives the same order. Without
+        it rows come in the order given, and a chunk is read once per run of consecutive
+        selected rows inside it: rows grouped by chunk (e.g. ascending) read each chunk once.
         """
+        if batch_size < 1 or buffer_chunks < 1:
+            raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
         names = [keys] if isinstance(keys, str) else list(keys)
         arrays = {k: self[k] for k in names}
         idx = self._select_rows(rows, only_ok)
+        if shuffle:  # the order is drawn anyway: gather each chunk's rows so that a chunk is read once
+            idx = np.sort(idx, kind="stable")  # linear time when already ascending
         step = max(int(arrays[names[0]].chunks[0]), 1)
         chunk_of = idx // step
         starts = np.flatnonzero(np.r_[True, chunk_of[1:] != chunk_of[:-1]]) if idx.size else np.zeros(0, int)
-        groups = np.split(idx, starts[1:]) if idx.size else []  # selected rows per chunk, in row order
+        groups = np.split(idx, starts[1:]) if idx.size else []  # runs of selected rows inside one chunk
         rng = np.random.default_rng(seed)
         order = rng.permutation(len(groups)) if shuffle else np.arange(len(groups))
         single = isinstance(keys, str)
@@ -219,8 +267,8 @@ class ActivationStore:
             parts_rows, parts = [], {k: [] for k in names}
             for ci in chunk_ids:
                 g = groups[ci]
-                a, b = int(g[0]), int(g[-1]) + 1
-                whole = len(g) == b - a  # every row of the range selected: no gather needed
+                a, b = int(g.min()), int(g.max()) + 1
+                whole = bool((np.diff(g) == 1).all())  # rows a, a+1, ..., b-1 in order: no gather needed
                 parts_rows.append(g)
                 for k, arr in arrays.items():
                     block = np.asarray(arr[a:b])
@@ -306,6 +354,7 @@ class ActivationStore:
 
         Item ``i`` is a dict of tensors: one per key, plus ``row`` and ``label``.
         """
+        _need_torch("torch_dataset")
         from ._torch import StoreDataset
 
         return StoreDataset(self, [keys] if isinstance(keys, str) else list(keys or self.keys), only_ok)
@@ -318,6 +367,7 @@ class ActivationStore:
 
         Each iteration is one epoch; epoch ``e`` uses seed ``seed + e``.
         """
+        _need_torch("dataloader")
         from ._torch import batch_loader
 
         names = [keys] if isinstance(keys, str) else list(keys or self.keys)
@@ -369,6 +419,6 @@ class ActivationStore:
             "shards": {"total": int(self.attrs["n_shards"]), "done": int(self.done_shards.sum())},
             "classes": self.classes,
             "captures": captures,
-            "stats": self.attrs.get("stats", {}),
+            "stats": self.stats,
             "bytes_on_disk": disk_usage(self.url),
         }

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from conftest import job, make_images
 
-from extractor.reader import open_store
+from extractor.errors import StoreError
+from extractor.reader import ActivationStore, open_store
 from extractor.runner import run
 from extractor.spec import parse_spec
+from extractor.store import FAILED, OK, create_store
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,139 @@ def store(tmp_path_factory: pytest.TempPathFactory):
     s = open_store(str(tmp / "s.zarr"))
     assert (s.status == 0).sum() == 1 and (s.status == 2).sum() == 1  # one pending, one failed
     return s
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore, np.ndarray]:
+    """200 rows of random values in chunks of 32, written without a model, as a killed run leaves them:
+    row 8 failed, rows 192-199 pending, no stats yet. Also returns the whole capture, read with zarr."""
+    url = str(tmp_path_factory.mktemp("synthetic") / "s.zarr")
+    n, meta = 200, {"shape": [3], "dtype": "float32", "dims": ["emb.feature"], "layer": "x", "what": "output",
+                    "reduce": "none"}
+    g = create_store(url, ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 2 for i in range(n)],
+                     shard_size=64, chunk_rows=32, captures={"emb": meta}, extras={}, compression="zstd",
+                     compression_level=None, attrs={"n_rows": n, "n_shards": 4, "captures": {"emb": meta},
+                                                    "format_version": 1, "spec": {}, "model": {}})
+    x = np.random.default_rng(0).standard_normal((n, 3), dtype=np.float32)
+    x[8] = np.nan
+    g["emb"][:192] = x[:192]
+    status = np.full(n, OK, np.uint8)
+    status[8], status[192:] = FAILED, 0
+    g["status"][:] = status
+    return open_store(url), np.asarray(g["emb"][:])
+
+
+ORDERS = {
+    "swap inside a chunk": [0, 2, 1, 3],
+    "descending in one chunk": [1, 0],
+    "descending across chunks": list(range(100, 20, -1)),
+    "duplicates": [5, 5, 3, 40, 5, 3, 70, 40],
+    "random permutation": np.random.default_rng(1).permutation(190).tolist(),
+}
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=list(ORDERS))
+@pytest.mark.parametrize("shuffle,buffer_chunks", [(False, 8), (True, 1), (True, 8)])
+def test_batches_data_matches_reported_rows_for_any_order(synthetic, order, shuffle, buffer_chunks):
+    s, full = synthetic
+    rows = [r for r in ORDERS[order] if r != 8]
+    got = []
+    for r, data in s.batches("emb", 5, shuffle=shuffle, seed=2, rows=rows, buffer_chunks=buffer_chunks):
+        np.testing.assert_array_equal(data, full[r])
+        got += r.tolist()
+    assert got == rows if not shuffle else sorted(got) == sorted(rows)  # in the order given without shuffle
+
+
+def test_batches_leave_out_rows_that_are_not_ok_and_check_sizes(synthetic):
+    s, full = synthetic
+    got = [(r.tolist(), d) for r, d in s.batches("emb", 2, shuffle=False, rows=[9, 8, 0, 195])]
+    assert [r for r, _ in got] == [[9, 0]]  # failed 8 and pending 195 are left out, and reported so
+    np.testing.assert_array_equal(got[0][1], full[[9, 0]])
+    for bad in ({"batch_size": 0}, {"buffer_chunks": 0}):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            next(s.batches("emb", **{"batch_size": 4, **bad}))
+
+
+class _CountingArray:
+    """Wraps a zarr array; records the chunk of every row each read touches."""
+
+    def __init__(self, arr) -> None:
+        self.arr, self.chunks, self.reads = arr, arr.chunks, []
+
+    def __getitem__(self, sel: slice):
+        self.reads += range(sel.start // self.chunks[0], (sel.stop - 1) // self.chunks[0] + 1)
+        return self.arr[sel]
+
+    @property
+    def oindex(self):
+        outer = self
+
+        class Orthogonal:
+            def __getitem__(self, rows):
+                outer.reads += sorted(set((np.asarray(rows) // outer.chunks[0]).tolist()))
+                return outer.arr.oindex[rows]
+
+        return Orthogonal()
+
+
+@pytest.mark.parametrize("shuffle,buffer_chunks", [(False, 8), (True, 1), (True, 8)])
+def test_batches_read_each_chunk_once(synthetic, monkeypatch, shuffle, buffer_chunks):
+    s, _ = synthetic
+    counting = _CountingArray(s["emb"])
+    monkeypatch.setattr(ActivationStore, "__getitem__", lambda self, key: counting)
+    rows = list(range(180)) if not shuffle else np.random.default_rng(1).permutation(180).tolist()
+    n = sum(len(r) for r, _ in s.batches("emb", 7, shuffle=shuffle, rows=rows, buffer_chunks=buffer_chunks))
+    assert n == 179 and sorted(counting.reads) == list(range(6))  # 180 rows but failed row 8; chunks 0-5
+
+
+def test_dataloader_rows_in_any_order(synthetic):
+    pytest.importorskip("torch")
+    s, full = synthetic
+    rows = [3, 1, 2, 0, 33, 32, 3]
+    for shuffle in (False, True):
+        got = []
+        for b in s.dataloader("emb", batch_size=3, shuffle=shuffle, rows=rows):
+            np.testing.assert_array_equal(b["emb"].numpy(), full[b["row"].numpy()])
+            got += b["row"].tolist()
+        assert got == rows if not shuffle else sorted(got) == sorted(rows)
+
+
+def test_numpy_never_drops_explicit_rows(synthetic):
+    s, full = synthetic
+    with pytest.raises(StoreError, match=r"rows asked .* not ok: 8 \(failed\); pass only_ok=False"):
+        s.numpy("emb", rows=[0, 8, 9])
+    with pytest.raises(StoreError, match=r"2 of the 4 .* 8 \(failed\), 194 \(pending\)"):
+        s.numpy("emb", rows=slice(8, 200, 62))  # a slice or a mask is explicit too
+    np.testing.assert_array_equal(s.numpy("emb", rows=[0, 8, 9], only_ok=False), full[[0, 8, 9]])
+    assert np.isnan(s.numpy("emb", rows=[0, 8, 9], only_ok=False)[1]).all()
+    np.testing.assert_array_equal(s.numpy("emb", rows=[40, 9, 9, -9 - 1 - 8], only_ok=False), full[[40, 9, 9, 182]])
+    np.testing.assert_array_equal(s.numpy("emb"), full[s.ok_rows()])  # no rows: all ok rows
+    assert len(s.numpy("emb")) == 191
+
+
+def test_row_selections_that_cannot_be_meant_are_refused(synthetic):
+    s, _ = synthetic
+    for rows in (np.ones(10, bool), [0.5, 1.7], [[0, 1]], [200], [-201]):
+        with pytest.raises(IndexError):
+            s.numpy("emb", rows=rows)
+
+
+def test_torch_views_without_torch_say_how_to_install(synthetic, monkeypatch):
+    import sys
+
+    s, _ = synthetic
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails as if not installed
+    monkeypatch.delitem(sys.modules, "extractor._torch", raising=False)
+    for view in (s.torch_dataset, s.dataloader):
+        with pytest.raises(ImportError, match=r"needs torch: pip install torch"):
+            view("emb")
+
+
+def test_stats_of_a_store_killed_before_its_end_are_empty(synthetic, store):
+    s, _ = synthetic
+    assert s.stats == {} and s.summary()["stats"] == {}
+    assert "stats" not in s.attrs  # as a run killed before its end leaves it
+    assert store.stats == store.attrs["stats"] and set(store.stats) == {"layer4", "map"}  # interrupted: merged
 
 
 def test_shuffled_epochs_cover_every_ok_row_once(store):
