@@ -75,6 +75,10 @@ def probe_store(
     """A linear probe of each capture against the labels."""
     if not (store.labels >= 0).any():
         raise StoreError(f"{store.url} has no labels; a probe needs labelled rows (ImageFolder or a label column)")
+    unknown = [k for k in keys or [] if k not in store.captures]
+    if unknown:
+        raise StoreError(f"{store.url} has no capture {', '.join(map(repr, unknown))}; "
+                         f"captures: {', '.join(store.keys)}")
     out = {}
     for key in keys or store.keys:
         x, y, _ = _features(store, key, max_rows, seed)
@@ -92,7 +96,9 @@ def pca(x: np.ndarray, k: int = 2, seed: int = 0) -> np.ndarray:
         q = xc @ (xc.T @ q)
     q, _r = np.linalg.qr(q)
     _u, _s, vt = np.linalg.svd(q.T @ xc, full_matrices=False)
-    return xc @ vt[:k].T
+    scores = xc @ vt[:k].T
+    # fewer than k components (one row, or fewer than k features): the missing ones are 0
+    return np.pad(scores, ((0, 0), (0, k - scores.shape[1])))
 
 
 _PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
@@ -144,6 +150,15 @@ def scatter_plot(points: np.ndarray, labels: np.ndarray, classes: Sequence[str],
     return img
 
 
+def _fit(draw: Any, text: str, width: float) -> str:
+    """``text`` cut to ``width`` pixels, so that the captions of neighbouring cells never overlap."""
+    if draw.textlength(text) <= width:
+        return text
+    while text and draw.textlength(text + "..") > width:
+        text = text[:-1]
+    return text + ".." if text else ""
+
+
 def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8):  # -> PIL.Image.Image
     """The input images of ``rows`` as the job saw them (resized and cropped), with id and label."""
     from PIL import Image, ImageDraw
@@ -161,7 +176,9 @@ def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8):  # -
         try:
             sheet.paste(_crop_like_job(store.locator(int(r)), data), (x, y))
         except (OSError, ValueError) as err:
-            d.text((x + 4, y + 4), f"unreadable: {type(err).__name__}", fill="red")
+            for i, line in enumerate(("unreadable", type(err).__name__)):
+                d.text((x + 2, y + 2 + 12 * i), _fit(d, line, c - 4), fill="red")
         lab = int(store.labels[r])
-        d.text((x + 2, y + c + 2), f"{r}: {classes[lab] if 0 <= lab < len(classes) else lab}", fill="black")
+        caption = f"{r}: {classes[lab] if 0 <= lab < len(classes) else lab}"
+        d.text((x + 2, y + c + 2), _fit(d, caption, c - 4), fill="black")
     return sheet

@@ -1,4 +1,4 @@
-"""The ``extractor`` command: run, layers, inspect, demo. Only this module prints."""
+"""The ``extractor`` command line (``build_parser`` lists its commands). Only this module prints."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ from typing import Any
 from .errors import ExtractorError
 
 log = logging.getLogger("extractor")
+
+DESCRIPTION = """\
+Push an image collection through a PyTorch vision model and keep what chosen layers computed
+(outputs, inputs, gradients, Grad-CAM maps) in a Zarr store. Start with `extractor demo`.
+List a model's layers with `extractor layers`; run a YAML job spec here with `extractor run`,
+or on a Ray cluster with `extractor submit` and follow it with `extractor jobs`. Then
+summarise a store with `extractor inspect`, draw it with `extractor show` and measure how
+well each capture separates the labels with `extractor probe`. `extractor COMMAND --help`
+gives a command's options."""
 
 
 def _bytes(n: float | None) -> str:
@@ -59,6 +68,39 @@ class Estimate:
                 f"about {_duration((self.total - n) / rate)} to go for {self.total} images")
 
 
+def _command(*args: str) -> str:
+    """A command line the user can paste: ``extractor ARGS``, or what ran this one where that is not on PATH."""
+    import shutil
+
+    prog = [sys.executable, "-m", "extractor.cli"]  # python -m extractor.cli, or main() called from Python
+    if Path(sys.argv[0]).name == "extractor":  # the console script: bare when on PATH, else as typed
+        on_path = shutil.which("extractor")
+        prog = ["extractor" if on_path and Path(on_path).resolve() == Path(sys.argv[0]).resolve() else sys.argv[0]]
+    return shlex.join([*prog, *args])
+
+
+def _save(img: Any, out: str | Path) -> None:
+    """Save a picture, creating its folder; a bad path or file type is a one-line error."""
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        img.save(out)
+    except ValueError as err:  # PIL: an unknown file extension
+        raise ExtractorError(f"cannot write {out}: {err}; use a .png or .jpg path") from None
+    except OSError as err:
+        raise ExtractorError(f"cannot write {out}: {err}") from None
+
+
+def _at_least(low: int):  # -> argparse type
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
@@ -69,7 +111,8 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 # --------------------------------------------------------------------------- run
 
 
-def _run_spec(spec: Any, quiet: bool = False) -> int:
+def _run_spec(spec: Any, resume: list[str], quiet: bool = False) -> int:
+    """Run ``spec`` with a progress bar; ``resume``: the arguments of the command that finishes it."""
     from tqdm import tqdm
 
     from .runner import run
@@ -96,14 +139,13 @@ def _run_spec(spec: Any, quiet: bool = False) -> int:
             if line and not quiet:
                 bar[0].write(line, file=sys.stderr)
 
-    argv = " ".join(shlex.quote(a) for a in sys.argv)
     try:
         summary = run(spec, on_start=on_start, on_progress=on_progress)
     except KeyboardInterrupt:
         if bar:
             bar[0].close()
-        resume = argv if "--resume" in sys.argv else f"{argv} --resume"
-        print(f"\ninterrupted; finished shards are kept. To finish the job run:\n  {resume}", file=sys.stderr)
+        print(f"\ninterrupted; finished shards are kept. To finish the job run:\n  {_command(*resume)}",
+              file=sys.stderr)
         return 130
     finally:
         if bar:
@@ -139,7 +181,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.overwrite:
         overrides.append("output.if_exists=overwrite")
     spec = load_spec(args.job, overrides)
-    return _run_spec(spec, quiet=args.quiet)
+    resume = ["run", args.job, *[a for s in args.set or [] for a in ("--set", s)], *(["-q"] if args.quiet else [])]
+    return _run_spec(spec, [*resume, "--resume"], quiet=args.quiet)
 
 
 # --------------------------------------------------------------------------- inspect
@@ -174,8 +217,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         rows = []
         for k, st in s["stats"].items():
-            mean = sum(st["mean"]) / max(len(st["mean"]), 1)
-            std = sum(st["std"]) / max(len(st["std"]), 1)
+            # no finite value (no ok rows, or all NaN/Inf): the stored moments are 0 and mean nothing
+            seen = st["min"] is not None
+            mean = sum(st["mean"]) / max(len(st["mean"]), 1) if seen else None
+            std = sum(st["std"]) / max(len(st["std"]), 1) if seen else None
             rows.append([k, g(mean), g(std), g(st["min"]), g(st["max"]), g(st["mean_l2"]), str(st["nan"]),
                          str(st["inf"]), str(st["nonfinite_rows"])])
         print()
@@ -246,11 +291,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         sheet = image_grid(store, rows, columns=args.columns)
     else:
         rows = store.ok_rows()
+        if not len(rows):
+            raise ExtractorError(f"{args.store} has no ok rows: nothing to draw (see extractor inspect)")
         if len(rows) > args.max_rows:
             rows = np.sort(np.random.default_rng(0).choice(rows, args.max_rows, replace=False))
         x = store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32)
         sheet = scatter_plot(pca(x), store.labels[rows], store.classes, f"PCA of {key} ({len(rows)} rows)")
-    sheet.save(args.out)
+    _save(sheet, args.out)
     print(f"wrote {args.out} ({sheet.size[0]}x{sheet.size[1]})")
     return 0
 
@@ -269,7 +316,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
     results = probe_store(store, args.keys or None, folds=args.folds, max_rows=args.max_rows)
     _print_probe(results)
     if args.out:
-        bar_chart(results, f"linear probe, {args.folds}-fold accuracy: {args.store}").save(args.out)
+        folds = len(next(iter(results.values()))["folds"])  # fewer than --folds when there are fewer rows
+        _save(bar_chart(results, f"linear probe, {folds}-fold accuracy: {args.store}"), args.out)
         print(f"wrote {args.out}")
     return 0
 
@@ -296,7 +344,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     (base / "job.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     spec = parse_spec(raw, source="demo job")
     print(f"running the demo job ({base / 'job.yaml'})", file=sys.stderr)
-    code = _run_spec(spec, quiet=args.quiet)
+    # job.yaml holds the demo's paths and --set overrides; --resume overrides its if_exists: overwrite
+    resume = ["run", str(base / "job.yaml"), *(["-q"] if args.quiet else []), "--resume"]
+    code = _run_spec(spec, resume, quiet=args.quiet)
     if code == 0:
         print()
         cmd_inspect(argparse.Namespace(store=spec.output.store, json=False))
@@ -382,11 +432,16 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="extractor", description=__doc__)
+    p = argparse.ArgumentParser(prog="extractor", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    # -v after the command too; SUPPRESS keeps a -v given before the command when none follows it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="more log output (-vv for debug)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="run a job spec on this machine")
+    r = sub.add_parser("run", parents=[common], help="run a job spec on this machine")
     r.add_argument("job", help="job spec (YAML)")
     r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec key, e.g. data.batch_size=16")
     r.add_argument("--resume", action="store_true", help="finish an existing store, skipping done shards")
@@ -394,12 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
 
-    i = sub.add_parser("inspect", help="summarise a store")
+    i = sub.add_parser("inspect", parents=[common], help="summarise a store")
     i.add_argument("store")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
-    la = sub.add_parser("layers", help="list a model's modules with output shapes")
+    la = sub.add_parser("layers", parents=[common], help="list a model's modules with output shapes")
     la.add_argument("model", nargs="?", default=None, help="torchvision model name, e.g. resnet50")
     la.add_argument("--factory", help="pkg.module:function building the model instead")
     la.add_argument("--weights", default=None)
@@ -408,24 +463,25 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--json", action="store_true")
     la.set_defaults(func=cmd_layers)
 
-    sh = sub.add_parser("show", help="pictures: Grad-CAM overlays, a PCA scatter, or the images of rows")
+    sh = sub.add_parser("show", parents=[common],
+                        help="pictures: Grad-CAM overlays, a PCA scatter, or the images of rows")
     sh.add_argument("store")
     sh.add_argument("--key", help="capture to draw (default: the first gradcam capture)")
     sh.add_argument("--rows", default=None, help="rows START:STOP: draw these images (gradcam default 0:16)")
     sh.add_argument("--columns", type=int, default=4)
-    sh.add_argument("--max-rows", type=int, default=5000, help="rows sampled for the PCA")
+    sh.add_argument("--max-rows", type=_at_least(2), default=5000, help="rows sampled for the PCA")
     sh.add_argument("--out", default="show.png")
     sh.set_defaults(func=cmd_show)
 
-    pr = sub.add_parser("probe", help="linear-probe accuracy of each capture against the labels")
+    pr = sub.add_parser("probe", parents=[common], help="linear-probe accuracy of each capture against the labels")
     pr.add_argument("store")
     pr.add_argument("--keys", nargs="*", help="captures to probe (default: all)")
-    pr.add_argument("--folds", type=int, default=5)
-    pr.add_argument("--max-rows", type=int, default=10000, help="rows sampled for the probe")
+    pr.add_argument("--folds", type=_at_least(2), default=5, help="cross-validation folds (default 5)")
+    pr.add_argument("--max-rows", type=_at_least(2), default=10000, help="rows sampled for the probe")
     pr.add_argument("--out", default=None, help="bar chart PNG")
     pr.set_defaults(func=cmd_probe)
 
-    su = sub.add_parser("submit", help="submit a job spec to a Ray cluster (Ray Jobs API)")
+    su = sub.add_parser("submit", parents=[common], help="submit a job spec to a Ray cluster (Ray Jobs API)")
     su.add_argument("job", help="job spec (YAML)")
     su.add_argument("--address", help="Ray dashboard address, e.g. http://HEAD:8265 (default: "
                     "$RAY_API_SERVER_ADDRESS or http://127.0.0.1:8265)")
@@ -434,14 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--wait", action="store_true", help="follow the logs; exit with the job's outcome")
     su.set_defaults(func=cmd_submit)
 
-    jb = sub.add_parser("jobs", help="list, inspect, follow or stop submitted jobs")
+    jb = sub.add_parser("jobs", parents=[common], help="list, inspect, follow or stop submitted jobs")
     jb.add_argument("action", choices=["list", "status", "logs", "stop"])
     jb.add_argument("id", nargs="?")
     jb.add_argument("--address")
     jb.add_argument("--follow", action="store_true")
     jb.set_defaults(func=cmd_jobs)
 
-    d = sub.add_parser("demo", help="write sample images, run the demo job, show the store")
+    d = sub.add_parser("demo", parents=[common], help="write sample images, run the demo job, show the store")
     d.add_argument("--dir", default="demo", help="folder for the images and the store (default: demo)")
     d.add_argument("--per-class", type=int, default=64, help="sample images per class (4 classes)")
     d.add_argument("--set", action="append", metavar="KEY=VALUE")

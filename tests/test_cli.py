@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
     raw = slow_job(tmp_path, shard_size=2, chunk_rows=1, reduce="mean")
     spec = write_job(tmp_path / "job.yaml", raw)
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    proc = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", "--overwrite"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done_marker = tmp_path / "s.zarr" / "shard_done" / "c" / "1"
     deadline = time.time() + 120
@@ -106,12 +107,14 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert "--resume" in err
+    # the printed command is the one that finishes the job: --resume instead of --overwrite, runnable as pasted
+    printed = err.strip().splitlines()[-1].strip()
+    assert printed == shlex.join([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", "--resume"])
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.attrs["status"] == "interrupted"
     done = int(s.done_shards.sum())
     assert 2 <= done < 10
-    r = extractor("run", str(spec), "-q", "--resume")
+    r = subprocess.run(shlex.split(printed), capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"{10 - done} shards run, {done} already done" in r.stdout
     s = open_store(str(tmp_path / "s.zarr"))
@@ -136,3 +139,37 @@ def test_preflight_prints_sizes_and_a_time_estimate_from_the_first_batches(tmp_p
     line = next(x for x in r.stderr.splitlines() if x.startswith("estimate:"))
     rate = float(line.split()[1])
     assert 1 < rate < 7.5, line  # slow_net sleeps 0.15 s per batch of one: at most 6.7 images/s
+
+
+def test_an_interrupted_demo_prints_a_run_command_that_finishes_it(tmp_path: Path, monkeypatch, capsys):
+    import extractor.runner
+    from extractor.cli import main
+
+    real_run = extractor.runner.run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(extractor.runner, "run", interrupted)
+    base = tmp_path / "demo dir"  # a space: the printed command quotes it
+    assert main(["demo", "--dir", str(base), "--per-class", "1", "-q", "--set", "data.crop=32"]) == 130
+    printed = capsys.readouterr().err.strip().splitlines()[-1].strip()
+    job_yaml = str(base / "job.yaml")
+    assert printed == shlex.join([sys.executable, "-m", "extractor.cli", "run", job_yaml, "-q", "--resume"])
+    monkeypatch.setattr(extractor.runner, "run", real_run)
+    assert main(shlex.split(printed)[3:]) == 0  # what follows "python -m extractor.cli"
+    s = open_store(str(base / "demo.zarr"))
+    assert (s.status == 1).all() and s["embedding"].shape == (4, 512)
+
+
+def test_help_describes_every_command_and_verbose_goes_anywhere():
+    from extractor.cli import build_parser
+
+    p = build_parser()
+    text = p.format_help()
+    for command in ("run", "inspect", "layers", "show", "probe", "submit", "jobs", "demo"):
+        assert f"extractor {command}" in text
+    assert "Only this module prints" not in text
+    assert p.parse_args(["inspect", "s.zarr", "-v"]).verbose == 1
+    assert p.parse_args(["-vv", "inspect", "s.zarr"]).verbose == 2
+    assert p.parse_args(["inspect", "s.zarr"]).verbose == 0

@@ -1,0 +1,86 @@
+"""`extractor show`, `probe` and `inspect` on awkward stores: one-line errors, honest numbers, tidy pictures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import job, make_images
+
+from extractor.cli import main
+from extractor.runner import run
+from extractor.spec import parse_spec
+
+
+def _store(tmp: Path, name: str, root: Path) -> str:
+    raw = job(root, tmp / name, data={"resize": None, "crop": 32, "shard_size": 4, "batch_size": 4},
+              capture=[{"layer": "avgpool", "reduce": "flatten", "key": "emb"}],
+              output={"store": str(tmp / name), "chunk_rows": 4})
+    run(parse_spec(raw))
+    return str(tmp / name)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A store of 6 ok rows in 2 classes, and one whose 4 rows all failed (undecodable files)."""
+    tmp = tmp_path_factory.mktemp("analysis_cli")
+    make_images(tmp / "imgs", per_class=3, classes=("a", "b"), size=40)
+    for c in ("a", "b"):
+        (tmp / "junk" / c).mkdir(parents=True)
+        for i in range(2):
+            (tmp / "junk" / c / f"a_rather_long_file_name_{i}.jpg").write_bytes(b"not a jpeg")
+    return _store(tmp, "ok.zarr", tmp / "imgs"), _store(tmp, "failed.zarr", tmp / "junk")
+
+
+def test_show_creates_the_output_folder_and_names_a_bad_file_type(stores, tmp_path: Path, capsys):
+    ok, _ = stores
+    assert main(["show", ok, "--key", "emb", "--rows", "0:4", "--out", str(tmp_path / "new" / "x.png")]) == 0
+    assert (tmp_path / "new" / "x.png").exists()
+    assert main(["show", ok, "--key", "emb", "--out", str(tmp_path / "x.foo")]) == 1
+    assert "unknown file extension" in capsys.readouterr().err
+
+
+def test_probe_names_an_unknown_key_and_lists_the_captures(stores, capsys):
+    ok, _ = stores
+    assert main(["probe", ok, "--keys", "nope"]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {ok} has no capture 'nope'; captures: emb"
+
+
+def test_probe_and_show_refuse_too_few_folds_or_rows(stores, capsys):
+    ok, _ = stores
+    for argv in (["probe", ok, "--folds", "1"], ["show", ok, "--key", "emb", "--max-rows", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and "must be at least 2, got 1" in capsys.readouterr().err
+
+
+def test_probe_chart_title_gives_the_folds_run(stores, tmp_path: Path, monkeypatch):
+    import extractor.analysis
+
+    titles = []
+    real = extractor.analysis.bar_chart
+    monkeypatch.setattr(extractor.analysis, "bar_chart", lambda res, title: titles.append(title) or real(res, title))
+    ok, _ = stores
+    assert main(["probe", ok, "--folds", "10", "--out", str(tmp_path / "p.png")]) == 0  # 6 rows: 6 folds
+    assert titles == [f"linear probe, 6-fold accuracy: {ok}"]
+
+
+def test_a_store_without_ok_rows(stores, tmp_path: Path, capsys):
+    from PIL import Image, ImageDraw
+
+    from extractor.analysis import _fit
+
+    _, failed = stores
+    assert main(["show", failed, "--key", "emb", "--out", str(tmp_path / "pca.png")]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {failed} has no ok rows: nothing to draw (see extractor inspect)"
+
+    assert main(["inspect", failed]) == 0
+    stats = capsys.readouterr().out.split("row L2")[1]  # the statistics table
+    line = next(ln for ln in stats.splitlines() if ln.startswith("emb "))
+    assert line.split()[:3] == ["emb", "-", "-"]  # mean and std: nothing measured, not 0
+
+    assert main(["show", failed, "--key", "emb", "--rows", "0:4", "--out", str(tmp_path / "rows.png")]) == 0
+    d = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    for text in ("unreadable", "UnidentifiedImageError", "3: a_class_with_a_long_name"):
+        assert d.textlength(_fit(d, text, 28)) <= 28  # captions stay inside their 32-px cell
+    assert _fit(d, "0: a", 28) == "0: a"
