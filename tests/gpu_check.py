@@ -15,6 +15,8 @@ Stages, each reported even when another fails:
    same at the smallest batch size with ``model.compile``.
 4. jpeg: end-to-end jobs over JPEG files, decoded by Pillow on CPU threads or by nvJPEG.
 5. compile: ``model.compile`` against eager on the GPU (resnet18).
+6. fault (not run by default): a real device-side assert in a child process must stop the job
+   with a DeviceError and keep the shard before it.
 """
 
 from __future__ import annotations
@@ -458,6 +460,49 @@ def stage_compile(args: argparse.Namespace, photos: Path) -> None:
         f"{out[True][1]:.1f} s (compile included) {'PASS' if ok else 'FAIL'}")
 
 
+FAULT_CHILD = """
+import json, sys
+sys.path[:0] = [{tests!r}, {repo!r}]
+from extractor.runner import run
+from extractor.spec import parse_spec
+from extractor.reader import open_store
+try:
+    run(parse_spec({raw!r}))
+    out = {{"raised": None}}
+except BaseException as err:
+    out = {{"raised": type(err).__name__, "message": str(err)[:600]}}
+s = open_store({store!r})
+out["done_shards"] = s.done_shards.tolist()
+out["status"] = s.attrs["status"]
+print(json.dumps(out))
+"""
+
+
+def stage_fault(args: argparse.Namespace, photos: Path) -> None:
+    """A real CUDA fault (a device-side assert from an out-of-bounds index in shard 1's first
+    batch), in a child process since it ruins the CUDA context: the job must stop with a
+    DeviceError, shard 0 done, no row blamed."""
+    import subprocess
+
+    work = Path(args.work)
+    store = work / "fault.zarr"
+    raw = {"model": {"name": None, "factory": "toy_models:cuda_fault", "factory_kwargs": {"after": 1 + 4},
+                     "device": args.device},  # the probe's forward, then shard 0's 4 batches
+           "data": {"root": str(photos), "batch_size": 64, "shard_size": 256, "decode_workers": 8},
+           "capture": [{"layer": "conv", "reduce": "mean"}],
+           "output": {"store": str(store), "chunk_rows": 64, "if_exists": "overwrite"},
+           "cluster": {"backend": "local"}}
+    code = FAULT_CHILD.format(tests=str(REPO / "tests"), repo=str(REPO), raw=raw, store=str(store))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    try:
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        out = {"stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:], "rc": done.returncode}
+    ok = out.get("raised") == "DeviceError" and out.get("done_shards", [False])[0] and out.get("status") == "failed"
+    RESULTS["fault"] = {**out, "pass": bool(ok)}
+    log(f"fault: {out} {'PASS' if ok else 'FAIL'}")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -490,7 +535,7 @@ def main() -> None:
     stages = {"correct": lambda: stage_correct(args, photos), "decode": lambda: stage_decode(args, photos),
               "predecoded": lambda: stage_predecoded(args), "jpeg": lambda: stage_jpeg(args, photos),
               "compile": lambda: stage_compile(args, photos), "nan": lambda: stage_nan(args, photos),
-              "compiled": lambda: stage_compiled(args)}
+              "compiled": lambda: stage_compiled(args), "fault": lambda: stage_fault(args, photos)}
     for name in args.stages.split(","):
         if name in ("decode", "jpeg", "nan") and not args.device.startswith("cuda"):
             log(f"{name}: skipped (needs CUDA)")

@@ -149,6 +149,28 @@ def faulty_device(marker: str, after: int = 0, seconds: float = 0.15) -> nn.Modu
     return FaultyDevice(marker, after, seconds)
 
 
+class CudaFault(nn.Module):
+    """Indexes far out of bounds in its forward number ``after + 1``: on CUDA a real
+    device-side assert, which leaves the process's CUDA context unusable (tests/gpu_check.py)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after, self.calls = after, 0
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > self.after:  # before the captured layer: the forward stops after it
+            far = torch.full((1,), 1 << 40, dtype=torch.long, device=x.device)
+            x = x + 0 * x.flatten()[far].sum()  # on CUDA reported later, at a synchronisation
+        return self.pool(self.conv(x)).flatten(1)
+
+
+def cuda_fault(after: int = 0) -> nn.Module:
+    return CudaFault(after)
+
+
 class PickyNet(nn.Module):
     """Raises on any batch holding a saturated (white) pixel: a shard whose images always fail."""
 
