@@ -198,6 +198,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     m = s["model"]
     rs = s["row_status"]
     print(f"store   {s['store']}  (format {s['format_version']}, status {s['status']}, updated {s['updated']})")
+    if s["silent_s"] is not None:
+        print(f"        its job has been silent for {s['silent_s']:.0f} s (killed?): run it again with --resume "
+              "to finish the store")
     print(f"model   {m['name']}: {m['weights']}; {m['parameters']:,} parameters; "
           f"state sha256 {m['state_dict_sha256'][:12]}")
     print(f"rows    {s['rows']}: {rs['ok']} ok, {rs['failed']} failed, {rs['pending']} pending; "

@@ -389,6 +389,25 @@ class ActivationStore:
         ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}
         return ds
 
+    @property
+    def stale(self) -> float | None:
+        """Seconds since the job writing this store last renewed its lease, when the store says
+        "running" but that job is silent for longer than its lease timeout (it was killed:
+        ``--resume`` finishes the store); None otherwise."""
+        import time
+
+        if self.attrs.get("status") != "running":
+            return None
+        try:
+            held = dict(self.group["lease"].attrs)
+        except KeyError:
+            return None
+        if not held or held.get("released"):
+            return None
+        age = time.time() - float(held.get("heartbeat", 0))
+        timeout = float((self.attrs.get("spec") or {}).get("output", {}).get("lease_timeout_s", 60.0))
+        return age if age > timeout else None
+
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict[str, Any]:
         """What ``extractor inspect`` shows: captures, row counts, shards, bytes."""
@@ -411,6 +430,7 @@ class ActivationStore:
             "store": self.url,
             "format_version": self.attrs.get("format_version"),
             "status": self.attrs.get("status"),
+            "silent_s": self.stale,  # "running", but its job died this long ago
             "created": self.attrs.get("created"),
             "updated": self.attrs.get("updated"),
             "model": self.model,

@@ -304,3 +304,27 @@ def test_nan_and_inf_are_stored_as_computed_and_counted(tmp_path: Path):
     st = s.attrs["stats"]["conv"]
     assert st["inf"] == 4 and st["nonfinite_rows"] == 1 and st["first_nonfinite_rows"] == [3]
     assert np.isfinite(st["mean"]).all()
+
+
+def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    """status stays "running" when the driver is SIGKILLed: the silent lease tells it apart."""
+    import re
+    import time
+
+    import zarr
+
+    from extractor.cli import main
+    from extractor.store import update_attrs
+
+    url = str(tmp_path / "s.zarr")
+    run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
+    assert open_store(url).stale is None  # complete
+    update_attrs(url, status="running")
+    lease = zarr.open_group(url, mode="r+")["lease"]
+    lease.attrs.update({"released": False, "heartbeat": time.time() - 5})
+    assert open_store(url).stale is None  # a live job renews it every 15 s (timeout 60 s)
+    lease.attrs.update({"heartbeat": time.time() - 3600})
+    assert 3600 <= open_store(url).stale < 3700
+    assert main(["inspect", url]) == 0
+    assert re.search(r"its job has been silent for 36\d\d s \(killed\?\): run it again with --resume",
+                     capsys.readouterr().out)
