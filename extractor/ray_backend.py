@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the driver asks busy actors for their progress
 IN_FLIGHT = 2  # shards handed to each actor at once: the next one starts without draining the device
+DRAIN_S = 60.0  # after a device fault, how long the actor's shards already computed may take to be written
 
 
 class _WorkerActor:
@@ -105,10 +106,12 @@ class _WorkerActor:
             try:
                 self.worker.run_shards(self.queue, url, on_batch=on_batch, on_computed=computed, on_started=started)
             except ShardError as err:  # that shard's call fails; the pipeline goes on with the queue
+                self.current = (-1, 0)  # a retry of it must not look started before it is
                 call = self._take(err.shard) if err.shard is not None else None
                 if call is not None:
                     call.set_exception(err)
             except BaseException as err:  # noqa: BLE001 - not a shard's failure: every waiting call gets it
+                self.current = (-1, 0)
                 with self.lock:
                     if isinstance(err, DeviceError):
                         self.error = err
@@ -281,6 +284,7 @@ class RayBackend:
             on_event("worker_started", {"worker": i, "pid": pid})
         plan = _Schedule(todo, self.spec.cluster.max_retries)
         running: dict[Any, tuple[int, Shard, int]] = {}  # task ref -> (worker slot, shard, actor generation)
+        held: list[list[Shard]] = [[] for _ in range(self.n_workers)]  # the shards in flight on each slot
         generation = [0] * self.n_workers  # bumped when a slot's actor is replaced
         partial: dict[int, int] = {}  # worker slot -> rows done in its current shard
         started: set[int] = set()  # shards whose start was reported (in their current attempt)
@@ -294,17 +298,48 @@ class RayBackend:
                 started.add(shard.index)
                 on_event("shard_started", {"shard": shard.index, "worker": slot, "pid": self.pids[slot]})
 
+        def take(ref: Any) -> tuple[int, Shard, int]:
+            slot, shard, gen = running.pop(ref)
+            held[slot].remove(shard)
+            partial.pop(slot, None)
+            return slot, shard, gen
+
+        def finished(slot: int, shard: Shard, summary: ShardSummary) -> None:
+            nonlocal finished_rows
+            report_start(slot, shard)  # a shard that began and ended between two polls
+            plan.done(shard)
+            summaries.append(summary)
+            finished_rows += summary.rows
+            on_event("shard_done", {"shard": shard.index, "worker": slot, "summary": summary})
+
+        def harvest(slot: int, gen: int, wait_s: float) -> list[Shard]:
+            """The other shards of a slot whose actor failed: those whose calls returned (within
+            ``wait_s``) are done; the rest are returned, lost."""
+            others = [r for r, (sl, _, g) in running.items() if sl == slot and g == gen]
+            answered, _ = ray.wait(others, num_returns=len(others), timeout=wait_s) if others else ([], [])
+            lost = []
+            for r in others:
+                _, shard, _ = take(r)
+                if r in answered:
+                    try:
+                        finished(slot, shard, ray.get(r))
+                        continue
+                    except (RayActorError, RayTaskError):
+                        pass
+                lost.append(shard)
+            return lost
+
         while True:
             for slot in range(self.n_workers):
-                while (shard := plan.next_for([s for sl, s, _ in running.values() if sl == slot])) is not None:
+                while (shard := plan.next_for(held[slot])) is not None:
                     ref = self.actors[slot].run_shard.remote(shard.index, shard.start, shard.stop, url)
                     running[ref] = (slot, shard, generation[slot])
+                    held[slot].append(shard)
             if not running:
                 break
             ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
             for ref in ready:
-                slot, shard, gen = running.pop(ref)
-                partial.pop(slot, None)
+                slot, shard, gen = take(ref)
                 try:
                     summary: ShardSummary = ray.get(ref)
                 except (RayActorError, RayTaskError) as err:
@@ -317,14 +352,13 @@ class RayBackend:
                         log.warning("shard %d failed on worker %d: %s", shard.index, slot, error)
                         plan.failed(shard, error)
                         continue
-                    # the actor died, or its device failed (it is replaced: a CUDA context is not trusted again)
-                    if gen != generation[slot]:  # an actor already replaced: handled with the first of its refs
-                        continue
-                    others = [r for r, (sl, _, g) in running.items() if sl == slot and g == gen]
-                    lost = sorted([shard] + [running.pop(r)[1] for r in others], key=lambda s: s.index)
+                    # the actor died, or its device failed: it is replaced (a CUDA context is not trusted
+                    # again), and first its shards already written, or (device fault) being written, are kept
+                    device = isinstance(cause, DeviceError)
+                    lost = sorted([shard, *harvest(slot, gen, DRAIN_S if device else 0.0)], key=lambda s: s.index)
                     started.difference_update(s.index for s in lost)
-                    error = (f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}"
-                             if isinstance(err, RayActorError) else f"worker {slot} (pid {self.pids[slot]}): {cause}")
+                    error = (f"worker {slot} (pid {self.pids[slot]}): {cause}" if device
+                             else f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}")
                     charged = plan.lost(lost, error)
                     on_event("worker_died", {"worker": slot, "pid": self.pids[slot], "error": error,
                                              "shards": [s.index for s in lost],
@@ -337,15 +371,11 @@ class RayBackend:
                     generation[slot] += 1
                     on_event("worker_started", {"worker": slot, "pid": self.pids[slot]})
                 else:
-                    report_start(slot, shard)  # a shard that began and ended between two polls
-                    plan.done(shard)
-                    summaries.append(summary)
-                    finished_rows += summary.rows
-                    on_event("shard_done", {"shard": shard.index, "worker": slot, "summary": summary})
+                    finished(slot, shard, summary)
             if time.monotonic() - last_poll >= POLL_S and running:
                 last_poll = time.monotonic()
-                for slot, index, rows in self._poll({slot for slot, _, _ in running.values()}):
-                    shard = next((s for sl, s, _ in running.values() if sl == slot and s.index == index), None)
+                for slot, index, rows in self._poll({slot for slot in range(self.n_workers) if held[slot]}):
+                    shard = next((s for s in held[slot] if s.index == index), None)
                     if shard is not None:  # not a shard finished since (its result is on the way)
                         report_start(slot, shard)
                         partial[slot] = rows

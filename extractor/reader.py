@@ -39,6 +39,9 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
         raise StoreError(f"cannot open {url} as a Zarr store: {err}") from err
     if ATTR not in group.attrs:
         raise StoreError(f"{url} is a Zarr group but not an extractor store (no '{ATTR}' attributes)")
+    if dict(group.attrs[ATTR]).get("status") == "creating":
+        raise StoreError(f"{url} was left half-created by a run that failed while creating it: it holds no "
+                         "data; run the job again with --overwrite")
     return ActivationStore(group, url, storage_options)
 
 

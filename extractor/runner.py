@@ -111,7 +111,7 @@ def _ids_digest(ids: list[str]) -> str:
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
+    if isinstance(d, dict) and (d or not prefix):  # an empty mapping is a value: {} -> {depth: 3} shows
         out: dict[str, Any] = {}
         for k, v in d.items():
             out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
@@ -135,8 +135,8 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             continue
         lacking = b if k in a else a
         # the outermost entry holding k that the other side lacks entirely
-        top = next(p for p in [k[:m.start()] for m in re.finditer(r"[.\[]", k)] + [k]
-                   if p and not any(x == p or x.startswith((p + ".", p + "[")) for x in lacking))
+        top = next((p for p in [k[:m.start()] for m in re.finditer(r"[.\[]", k)] + [k]
+                    if p and not any(x == p or x.startswith((p + ".", p + "[")) for x in lacking)), k)
         line = (f"{top}: in the store, not in the spec now" if k in a else f"{top}: in the spec now, not in the store")
         if top == k:
             line = f"{k}: {json.dumps(a.get(k, '(unset)'))} in the store, {json.dumps(b.get(k, '(unset)'))} now"
@@ -176,6 +176,9 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
     if old is not None:
         Lease.check(url, so, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
     mode = spec.output.if_exists
+    if old is not None and old.get("status") == "creating" and mode != "overwrite":
+        raise StoreError(f"store {url} was left half-created by a run that failed while creating it; "
+                         "run with --overwrite to create it again")
     if old is not None and mode == "error":
         group = open_group(url, "r", so)
         done = int(done_shards(group).sum())
@@ -184,9 +187,6 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
             f"{old.get('status', '?')}); pass --resume to finish it or --overwrite to replace it"
         )
     if old is not None and mode == "resume":
-        if old.get("status") == "creating":
-            raise StoreError(f"store {url} was left half-created by a run that failed while creating it; "
-                             "run with --overwrite to create it again")
         _check_resumable(url, old, json.loads(json.dumps(attrs)))
         update_attrs(url, so, status="running", resumed=now())
         return open_group(url, "r+", so)

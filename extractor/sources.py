@@ -7,6 +7,7 @@ order, so the same spec always gives the same row for the same image.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import logging
@@ -381,6 +382,16 @@ _ORIENT = {2: (False, False, True), 3: (False, True, True), 4: (False, True, Fal
            5: (True, False, False), 6: (True, False, True), 7: (True, True, True), 8: (True, True, False)}
 
 
+@functools.cache
+def device_errors() -> tuple[type[BaseException], ...]:
+    """What a CUDA fault raises (``torch.AcceleratorError``, torch >= 2.8): the device context may
+    be broken, so it is never taken for a bad image nor retried in the same process."""
+    import torch
+
+    error = getattr(torch, "AcceleratorError", None)
+    return (error,) if error is not None else ()
+
+
 GPU_RESIZE_PIXELS = 1 << 26  # pixels resized in one stack on the device (768 MB as float32 RGB)
 
 
@@ -434,11 +445,15 @@ class JpegDecoder:
             torch.cuda.current_stream(self.device).synchronize()
         try:
             return list(decode_jpeg(raw, mode=ImageReadMode.RGB, device=self.device))
+        except device_errors():
+            raise  # a CUDA fault is the device's, never a file's
         except RuntimeError:
             out: list[Any] = []
             for r in raw:  # find the files it rejects
                 try:
                     out.append(decode_jpeg(r, mode=ImageReadMode.RGB, device=self.device))
+                except device_errors():
+                    raise
                 except RuntimeError as err:
                     out.append(err)
             return out
@@ -473,6 +488,8 @@ class JpegDecoder:
                 continue
             try:  # the device decoder rejected it: Pillow decides
                 out[i] = self.cpu.from_bytes(items[i].data).to(self.device)
+            except device_errors():
+                raise
             except Exception as err:  # noqa: BLE001 - fails its row only
                 failed[i] = describe_error(err)
         for key, members in groups.items():

@@ -30,10 +30,14 @@ class _Section(BaseModel):
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         """``batch_size: true`` is a mistake, not 1: only fields that take a bool take one."""
-        if isinstance(value, bool) and info.field_name is not None:
-            ann = cls.model_fields[info.field_name].annotation
-            if ann is not bool and bool not in get_args(ann) and ann is not Any:
-                raise ValueError(f"expected {_kind(ann)}, not {str(value).lower()}")
+        if info.field_name is None:
+            return value
+        ann = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and ann is not bool and bool not in get_args(ann) and ann is not Any:
+            raise ValueError(f"expected {_kind(ann)}, not {str(value).lower()}")
+        if isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value) \
+                and set(get_args(ann)) <= {int, float, Ellipsis}:  # data.mean: [true, 0.4, 0.4]
+            raise ValueError(f"expected numbers, not {[str(v).lower() if isinstance(v, bool) else v for v in value]}")
         return value
 
 
@@ -429,7 +433,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            try:
+                hash(key)
+            except TypeError:
+                break  # an unhashable key: the loader below says so
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     f"the key {key!r} first given", seen[key], "is given again (merge the two into one)",

@@ -25,7 +25,7 @@ import torch
 from .capture import Capturer, Target, dim_names, resolve_targets
 from .errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
 from .model import build_model, resolve_device
-from .sources import BatchStream, ImageDecoder, JpegDecoder, Shard, describe_error
+from .sources import BatchStream, ImageDecoder, JpegDecoder, Shard, describe_error, device_errors
 from .spec import JobSpec
 from .stats import ShardStats
 from .stats import dumps as stats_dumps
@@ -38,10 +38,7 @@ log = logging.getLogger(__name__)
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WRITE_QUEUE = 4  # chunks (of every capture) that may wait for the writer threads: bounds memory
 WRITE_THREADS = 4  # chunks compressed and stored at once (zstd and zarr release the GIL)
-# what a CUDA fault raises (torch >= 2.8): the device context may be broken, so it is never
-# taken for a bad image nor retried in this process
-_DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
+_DEVICE_ERRORS = device_errors()
 
 
 def _drain(pending: deque[Future[None]]) -> None:
@@ -223,12 +220,12 @@ class Worker:
         blank = torch.zeros(1, 3, crop, crop, dtype=torch.uint8)
         try:
             values = self._forward(blank, np.zeros(1, np.int64), eager=True)
-        except (ExtractorError, KeyboardInterrupt, *_DEVICE_ERRORS):
+        except (ExtractorError, KeyboardInterrupt, torch.OutOfMemoryError, *_DEVICE_ERRORS):
             raise
         except Exception as err:
             raise ModelError(
-                f"the model cannot run on a {crop}x{crop} image (data.crop): {describe_error(err)}; set "
-                "data.crop (and data.resize) to the input size the model expects, e.g. 224"
+                f"the model failed on a blank {crop}x{crop} image (data.crop), before any image was read: "
+                f"{describe_error(err)}. If it expects another input size, set data.crop (and data.resize) to it"
             ) from err
         original = dict(self.cap.original_shapes)
         if self.compiled:  # compile now, on a full blank batch: a failure is the model's, not an image's

@@ -160,3 +160,18 @@ def test_a_crop_larger_than_the_resize_is_refused():
     with pytest.raises(SpecError, match=r"data\.crop \(300\) is larger than data\.resize \(72\)"):
         parse_spec({**BASE, "data": {"root": "x", "resize": 72, "crop": 300}})
     assert parse_spec({**BASE, "data": {"root": "x", "resize": None, "crop": 300}}).data.crop == 300
+
+
+def test_yaml_merge_keys_still_load_and_may_be_overridden(tmp_path: Path):
+    path = tmp_path / "job.yaml"
+    path.write_text("data: {<<: {root: imgs, crop: 64, resize: null}, crop: 32}\ncapture:\n  - {layer: layer4}\n")
+    spec = load_spec(path)
+    assert spec.data.crop == 32 and spec.data.root == "imgs" and spec.data.resize is None
+    path.write_text("? [a, b]\n: 1\n")  # an unhashable key: YAML's own error, not a crash
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(path)
+
+
+def test_true_inside_a_list_of_numbers_is_refused():
+    with pytest.raises(SpecError, match=r"data\.mean: expected numbers, not \['true', 0\.4, 0\.4\]"):
+        parse_spec({**BASE, "data": {"root": "x", "mean": [True, 0.4, 0.4]}})

@@ -132,7 +132,7 @@ def test_a_store_left_half_created_is_replaced_by_overwrite_and_refused_by_resum
     create = zarr.Group.create_array
 
     def failing(self, name, **kwargs):  # noqa: ANN001, ANN202 - zarr's signature
-        if name == "layer4":
+        if name == "status":  # before shard_done exists
             raise OSError("disk full")
         return create(self, name, **kwargs)
 
@@ -141,9 +141,12 @@ def test_a_store_left_half_created_is_replaced_by_overwrite_and_refused_by_resum
     with pytest.raises(OSError, match="disk full"):
         run(parse_spec(raw))
     monkeypatch.undo()
-    raw["output"]["if_exists"] = "resume"
+    for mode in ("resume", "error"):
+        raw["output"]["if_exists"] = mode
+        with pytest.raises(StoreError, match="half-created.*--overwrite"):
+            run(parse_spec(raw))
     with pytest.raises(StoreError, match="half-created.*--overwrite"):
-        run(parse_spec(raw))
+        open_store(str(tmp_path / "s.zarr"))
     raw["output"]["if_exists"] = "overwrite"
     assert run(parse_spec(raw)).ok == 12
     assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"

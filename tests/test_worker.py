@@ -323,8 +323,22 @@ def test_a_model_that_refuses_the_crop_size_is_a_model_error_naming_data_crop(im
     raw = job(image_dir, tmp_path / "s.zarr", model={"name": "vit_b_16", "weights": None, "device": "cpu"},
               capture=[{"layer": "encoder.ln", "reduce": "cls"}])  # crop 64: ViT-B/16 takes 224 only
     worker = Worker(parse_spec(raw))
-    with pytest.raises(ModelError, match=r"cannot run on a 64x64 image \(data.crop\): AssertionError: Wrong image "
-                                         r"height.*set data.crop"):
+    with pytest.raises(ModelError, match=r"failed on a blank 64x64 image \(data.crop\), before any image was read: "
+                                         r"AssertionError: Wrong image height.*set data.crop"):
         worker.probe()
     with pytest.raises(ModelError, match="cannot run on a 64x64 input.*--input-size"):
         layer_table(worker.model, 64)  # `extractor layers vit_b_16 --input-size 64`
+
+
+def test_resume_differences_name_each_change_once():
+    from extractor.runner import _differences
+
+    assert _differences({"a": {"b": 1}}, {"a": 2}) == ['a: "(unset)" in the store, 2 now',
+                                                      'a.b: 1 in the store, "(unset)" now']
+    assert _differences({"m": {"kw": {}}}, {"m": {"kw": {"depth": 3}}}) == [
+        'm.kw: {} in the store, "(unset)" now', 'm.kw.depth: "(unset)" in the store, 3 now']
+    assert _differences({"capture": [{"layer": "a"}, {"layer": "b", "reduce": "mean"}]},
+                        {"capture": [{"layer": "a"}, {"layer": "c"}, {"layer": "d"}]}) == [
+        'capture[1].layer: "b" in the store, "c" now',
+        'capture[1].reduce: "mean" in the store, "(unset)" now',
+        "capture[2]: in the spec now, not in the store"]
