@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ExtractorError
+from .errors import DeviceError, ExtractorError, ShardError
 
 log = logging.getLogger("extractor")
 
@@ -147,6 +147,9 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False) -> int:
         print(f"\ninterrupted; finished shards are kept. To finish the job run:\n  {_command(*resume)}",
               file=sys.stderr)
         return 130
+    except (ShardError, DeviceError) as err:  # the store is kept: say how to finish it, once the cause is fixed
+        print(f"error: {err}\nOnce fixed, finish the job with:\n  {_command(*resume)}", file=sys.stderr)
+        return 1
     finally:
         if bar:
             bar[0].close()

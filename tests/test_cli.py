@@ -173,3 +173,25 @@ def test_help_describes_every_command_and_verbose_goes_anywhere():
     assert p.parse_args(["inspect", "s.zarr", "-v"]).verbose == 1
     assert p.parse_args(["-vv", "inspect", "s.zarr"]).verbose == 2
     assert p.parse_args(["inspect", "s.zarr"]).verbose == 0
+
+
+def test_a_failed_shard_prints_the_command_that_finishes_the_store(tmp_path: Path, capsys):
+    """The store is kept after a shard fails; the command printed resumes it (without --overwrite)."""
+    from PIL import Image
+
+    from extractor.cli import main
+
+    root = tmp_path / "imgs"
+    make_images(root, per_class=4, classes=("a",), size=40)
+    for p in sorted((root / "a").iterdir()):  # dark images, PickyNet takes them; but not the last shard's
+        Image.new("RGB", (40, 40), (255, 255, 255) if p.name >= "a02" else (20, 30, 40)).save(p)
+    raw = job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:picky_net", "device": "cpu"},
+              data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 2},
+              capture=[{"layer": "conv", "reduce": "mean"}], output={"store": str(tmp_path / "s.zarr")})
+    spec = write_job(tmp_path / "job.yaml", raw)
+    assert main(["run", str(spec), "-q", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "shard 1 (rows 2-3) failed" in err and "Once fixed, finish the job with:" in err
+    printed = err.strip().splitlines()[-1].strip()
+    assert printed.endswith(f"run {spec} -q --resume") and "--overwrite" not in printed
+    assert open_store(str(tmp_path / "s.zarr")).done_shards.tolist() == [True, False]
