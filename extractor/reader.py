@@ -245,6 +245,8 @@ class ActivationStore:
         if batch_size < 1 or buffer_chunks < 1:
             raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
         names = [keys] if isinstance(keys, str) else list(keys)
+        if not names:
+            raise ValueError(f"batches needs at least one capture key; captures: {', '.join(self.keys)}")
         arrays = {k: self[k] for k in names}
         idx = self._select_rows(rows, only_ok)
         if shuffle:  # the order is drawn anyway: gather each chunk's rows so that a chunk is read once

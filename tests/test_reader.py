@@ -328,3 +328,8 @@ def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, c
     assert main(["inspect", url]) == 0
     assert re.search(r"its job has been silent for 36\d\d s \(killed\?\): run it again with --resume",
                      capsys.readouterr().out)
+
+
+def test_batches_of_no_key_is_a_clear_error(store):
+    with pytest.raises(ValueError, match="at least one capture key; captures: layer4, map"):
+        next(store.batches([], 4))
