@@ -19,7 +19,7 @@ import numpy as np
 import zarr
 
 from .errors import StoreError
-from .store import ATTR, OK, STATUS_NAMES, disk_usage, done_shards
+from .store import ATTR, OK, STATUS_NAMES, disk_usage, done_shards, half_created
 
 __all__ = ["open_store", "ActivationStore"]
 
@@ -40,8 +40,7 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
     if ATTR not in group.attrs:
         raise StoreError(f"{url} is a Zarr group but not an extractor store (no '{ATTR}' attributes)")
     if dict(group.attrs[ATTR]).get("status") == "creating":
-        raise StoreError(f"{url} was left half-created by a run that failed while creating it: it holds no "
-                         "data; run the job again with --overwrite")
+        raise StoreError(half_created(url))
     return ActivationStore(group, url, storage_options)
 
 

@@ -34,6 +34,7 @@ from .store import (
     consolidate,
     create_store,
     done_shards,
+    half_created,
     now,
     open_group,
     read_attrs,
@@ -177,8 +178,7 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
         Lease.check(url, so, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
     mode = spec.output.if_exists
     if old is not None and old.get("status") == "creating" and mode != "overwrite":
-        raise StoreError(f"store {url} was left half-created by a run that failed while creating it; "
-                         "run with --overwrite to create it again")
+        raise StoreError(half_created(url))
     if old is not None and mode == "error":
         group = open_group(url, "r", so)
         done = int(done_shards(group).sum())

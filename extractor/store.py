@@ -72,6 +72,12 @@ def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
+def half_created(url: str) -> str:
+    """What to say of a store whose creation failed midway (status "creating")."""
+    return (f"store {url} was left half-created by a run that failed while creating it: it holds no data; "
+            "run the job again with --overwrite")
+
+
 def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The store's extractor attributes, or None when nothing is at ``url``."""
     if is_local(url):

@@ -39,6 +39,8 @@ _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WRITE_QUEUE = 4  # chunks (of every capture) that may wait for the writer threads: bounds memory
 WRITE_THREADS = 4  # chunks compressed and stored at once (zstd and zarr release the GIL)
 _DEVICE_ERRORS = device_errors()
+# errors of a forward that are never an image's: they fail the shard (or stop the worker), not a row
+_NOT_AN_IMAGE = (LayerError, KeyboardInterrupt, SystemExit, *_DEVICE_ERRORS)
 
 
 def _drain(pending: deque[Future[None]]) -> None:
@@ -182,7 +184,7 @@ class Worker:
         try:
             host, event = self._to_host(self._forward(images, labels))
             return _Done(host, {}, event)
-        except (LayerError, KeyboardInterrupt, SystemExit, *_DEVICE_ERRORS):
+        except _NOT_AN_IMAGE:
             raise
         except Exception as err:  # noqa: BLE001 - decided per image below
             if len(images) == 1:
@@ -195,7 +197,7 @@ class Worker:
             try:
                 one = self._forward(images[i : i + 1], labels[i : i + 1] if labels is not None else None, eager=True)
                 parts.append({k: v.cpu().numpy() for k, v in one.items()})
-            except (LayerError, KeyboardInterrupt, SystemExit, *_DEVICE_ERRORS):
+            except _NOT_AN_IMAGE:
                 raise
             except Exception as err:  # noqa: BLE001 - this image fails its row
                 bad[i] = f"forward failed on this image: {describe_error(err)}"
