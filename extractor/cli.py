@@ -160,8 +160,8 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False) -> int:
     )
     if summary.workers and summary.shards_run:
         rows = [[str(w["worker"]), ",".join(map(str, w["pids"])), str(w["shards"]), str(w["images"]),
-                 f"{w['images_per_s']:.1f}", str(w["retries"])] for w in summary.workers]
-        print(_table(rows, ["worker", "pids", "shards", "images", "images/s", "retries"]))
+                 f"{w['images_per_s']:.1f}", str(w["restarts"]), str(w["retries"])] for w in summary.workers]
+        print(_table(rows, ["worker", "pids", "shards", "images", "images/s", "restarts", "retries"]))
     for key, (count, first) in summary.nonfinite.items():
         print(f"warning: {count} rows of {key} hold NaN or Inf (stored as computed); first rows: {first[:10]}")
     if summary.failures:

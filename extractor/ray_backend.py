@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .errors import ClusterError, DeviceError, ExtractorError, ShardError
+from .errors import ClusterError, ExtractorError, ShardError
 from .sources import Shard
 from .spec import JobSpec
 from .worker import ShardQueue, ShardSummary
@@ -72,10 +72,13 @@ class _WorkerActor:
     def layout(self) -> dict[str, Any]:
         return self.worker.layout()
 
+    def warm_up(self) -> None:
+        self.worker.warm_up()
+
     def run_shard(self, index: int, start: int, stop: int, url: str) -> ShardSummary:
         call: Future[ShardSummary] = Future()
         with self.lock:
-            if isinstance(self.error, DeviceError):  # the driver replaces this actor: run nothing more here
+            if self.error is not None:  # the driver replaces this actor: run nothing more here
                 raise self.error
             self.calls[index] = call
             self.queue.put(Shard(index, start, stop))
@@ -113,8 +116,7 @@ class _WorkerActor:
             except BaseException as err:  # noqa: BLE001 - not a shard's failure: every waiting call gets it
                 self.current = (-1, 0)
                 with self.lock:
-                    if isinstance(err, DeviceError):
-                        self.error = err
+                    self.error = err  # the worker's, not a shard's: the driver replaces this actor
                     while self.queue.get(block=False) is not None:  # the driver redoes them
                         pass
                     calls, self.calls = list(self.calls.values()), {}
@@ -228,6 +230,7 @@ class RayBackend:
         self.spec_dict = spec.to_dict()
         self.actors: list[Any] = [self._new_actor() for _ in range(workers)]
         self.pids: list[int | None] = [None] * workers
+        self.warm = False  # warm_up has compiled the model on the workers
         self._wait_ready(range(workers))
         log.info("%d Ray workers ready (%g CPUs, %g GPUs each)", workers, cpus, gpus)
 
@@ -255,15 +258,17 @@ class RayBackend:
         threads = max(int(self.cpus), 1)
         return self.actor_cls.remote(self.spec_dict, threads)
 
-    def _wait_ready(self, slots: Any) -> None:
+    def _wait_ready(self, slots: Any, method: str = "ready") -> list[Any]:
+        """Call ``method`` on the actors of ``slots`` and wait for all of them (ready: their pids)."""
         slots = list(slots)
-        refs = [self.actors[i].ready.remote() for i in slots]
+        refs = [getattr(self.actors[i], method).remote() for i in slots]
         try:
             infos = ray.get(refs, timeout=self.spec.cluster.startup_timeout_s)
         except GetTimeoutError:
             self.close()
             raise ClusterError(
-                f"{len(slots)} Ray workers did not start within {self.spec.cluster.startup_timeout_s:g} s; "
+                f"{len(slots)} Ray workers did not {'start' if method == 'ready' else 'compile the model'} within "
+                f"{self.spec.cluster.startup_timeout_s:g} s (cluster.startup_timeout_s); "
                 f"free resources now: {ray.available_resources()}"
             ) from None
         except (RayTaskError, RayActorError) as err:
@@ -272,11 +277,20 @@ class RayBackend:
             if isinstance(cause, ExtractorError):
                 raise cause from None
             raise ClusterError(f"a Ray worker failed to start: {cause}") from err
-        for i, info in zip(slots, infos, strict=True):
-            self.pids[i] = info["pid"]
+        if method == "ready":
+            for i, info in zip(slots, infos, strict=True):
+                self.pids[i] = info["pid"]
+        return infos
 
     def probe(self) -> dict[str, Any]:
         return ray.get(self.actors[0].layout.remote())
+
+    def warm_up(self) -> None:
+        """Compile the model on every worker at once (a no-op for an eager model); replacements
+        compile before their first shard from then on."""
+        if not self.warm:
+            self._wait_ready(range(self.n_workers), "warm_up")
+            self.warm = True
 
     # ------------------------------------------------------------------ the job
     def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any) -> list[ShardSummary]:
@@ -344,7 +358,7 @@ class RayBackend:
                     summary: ShardSummary = ray.get(ref)
                 except (RayActorError, RayTaskError) as err:
                     cause = _cause(err)
-                    if isinstance(err, RayTaskError) and not isinstance(cause, DeviceError):  # the shard raised
+                    if isinstance(err, RayTaskError) and isinstance(cause, ShardError):  # the shard raised
                         error = f"{type(cause).__name__}: {cause}"
                         report_start(slot, shard)
                         started.discard(shard.index)
@@ -352,12 +366,13 @@ class RayBackend:
                         log.warning("shard %d failed on worker %d: %s", shard.index, slot, error)
                         plan.failed(shard, error)
                         continue
-                    # the actor died, or its device failed: it is replaced (a CUDA context is not trusted
-                    # again), and first its shards already written, or (device fault) being written, are kept
-                    device = isinstance(cause, DeviceError)
-                    lost = sorted([shard, *harvest(slot, gen, DRAIN_S if device else 0.0)], key=lambda s: s.index)
+                    # the actor died, or failed as a whole (its device, or an error that is no shard's): it
+                    # is replaced (a CUDA context is not trusted again), and first its shards already
+                    # written, or (a live actor) being written, are kept
+                    alive = isinstance(err, RayTaskError)
+                    lost = sorted([shard, *harvest(slot, gen, DRAIN_S if alive else 0.0)], key=lambda s: s.index)
                     started.difference_update(s.index for s in lost)
-                    error = (f"worker {slot} (pid {self.pids[slot]}): {cause}" if device
+                    error = (f"worker {slot} (pid {self.pids[slot]}) failed: {type(cause).__name__}: {cause}" if alive
                              else f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}")
                     charged = plan.lost(lost, error)
                     on_event("worker_died", {"worker": slot, "pid": self.pids[slot], "error": error,
@@ -411,6 +426,8 @@ class RayBackend:
             pass
         self.actors[slot] = self._new_actor()
         self._wait_ready([slot])
+        if self.warm:
+            self._wait_ready([slot], "warm_up")
 
     def close(self) -> None:
         for actor in getattr(self, "actors", []):

@@ -234,6 +234,9 @@ class LocalBackend:
     def probe(self) -> dict[str, Any]:
         return self.worker.layout()
 
+    def warm_up(self) -> None:
+        self.worker.warm_up()
+
     def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event) -> list[ShardSummary]:
         summaries: list[ShardSummary] = []
         processed = [0]
@@ -286,13 +289,14 @@ def _backend(spec: JobSpec) -> Any:
 
 
 def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per worker slot: shards, images, seconds, images/s, retries (from the event log)."""
+    """Per worker slot: shards, images, seconds, images/s, restarts (its process replaced) and
+    retries (shards that failed on it and counted a retry), from the event log."""
     table: dict[int, dict[str, Any]] = {}
     for name, info in events:
         if "worker" not in info:
             continue
         row = table.setdefault(info["worker"], {"worker": info["worker"], "pids": [], "shards": 0, "images": 0,
-                                                "seconds": 0.0, "retries": 0})
+                                                "seconds": 0.0, "restarts": 0, "retries": 0})
         if name == "worker_started" and info["pid"] not in row["pids"]:
             row["pids"].append(info["pid"])
         elif name == "shard_done":
@@ -300,8 +304,11 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             row["shards"] += 1
             row["images"] += s.rows
             row["seconds"] += s.seconds
-        elif name in ("shard_failed", "worker_died"):
+        elif name == "shard_failed":
             row["retries"] += 1
+        elif name == "worker_died":
+            row["restarts"] += 1
+            row["retries"] += info.get("charged") is not None
     for row in table.values():
         row["images_per_s"] = row["images"] / row["seconds"] if row["seconds"] else 0.0
     return [table[k] for k in sorted(table)]
@@ -367,6 +374,8 @@ def run(
             "ids_digest": _ids_digest(rows.ids),
             "versions": _versions(),
         }
+        if spec.output.if_exists == "overwrite" or read_attrs(spec.output.store, spec.output.storage_options) is None:
+            backend.warm_up()  # a model that fails to compile fails before a store is created or replaced
         group = _open_store(spec, rows, shards, attrs)
         lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, _owner())
         lease.acquire()
@@ -377,7 +386,10 @@ def run(
             on_start(sum(len(s) for s in todo), per_row)
         url = spec.output.store
         try:
-            summaries = backend.run(todo, url, on_progress or (lambda n: None), event)
+            summaries: list[ShardSummary] = []
+            if todo:  # a resume with nothing left to compute compiles nothing
+                backend.warm_up()  # once (a no-op when the store was created by this run)
+                summaries = backend.run(todo, url, on_progress or (lambda n: None), event)
         except BaseException as err:
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             stats = merge_stats(str(s) for s in group["shard_stats"][:])  # of the shards that did finish

@@ -109,6 +109,7 @@ class Worker:
         self.compiled = spec.model.compile
         if self.compiled:
             self.cap.forward = torch.compile(self.model)
+        self.warm = not self.compiled  # compiled, and its graph built (warm_up)
         self._pinned: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self._slot = 0
         self.captures: dict[str, dict[str, Any]] | None = None
@@ -230,16 +231,6 @@ class Worker:
                 f"{describe_error(err)}. If it expects another input size, set data.crop (and data.resize) to it"
             ) from err
         original = dict(self.cap.original_shapes)
-        if self.compiled:  # compile now, on a full blank batch: a failure is the model's, not an image's
-            try:
-                self._forward(blank, np.zeros(1, np.int64))
-            except (LayerError, KeyboardInterrupt):
-                raise
-            except Exception as err:
-                raise ModelError(
-                    f"model.compile: torch.compile failed on this model: {describe_error(err)}; "
-                    "set model.compile: false"
-                ) from err
         modules = dict(self.model.named_modules())
         self.captures = {
             t.key: {
@@ -268,6 +259,23 @@ class Worker:
             if key not in self.captures
         }
         return self.captures
+
+    def warm_up(self) -> None:
+        """Compile the model now (once), on a full blank batch, so that a failure is the model's,
+        not an image's. A no-op for an eager model. The runner calls it before creating a store,
+        and only when there is something to compute: a resume of a finished store compiles nothing."""
+        if self.warm:
+            return
+        crop = self.spec.data.crop
+        try:
+            self._forward(torch.zeros(1, 3, crop, crop, dtype=torch.uint8), np.zeros(1, np.int64))
+        except (LayerError, KeyboardInterrupt, torch.OutOfMemoryError, *_DEVICE_ERRORS):
+            raise
+        except Exception as err:
+            raise ModelError(
+                f"model.compile: torch.compile failed on this model: {describe_error(err)}; set model.compile: false"
+            ) from err
+        self.warm = True
 
     def layout(self) -> dict[str, Any]:
         """What the driver needs to create the store: captures, per-row extras, the model."""
@@ -313,6 +321,7 @@ class Worker:
         """
         if self.captures is None:
             self.probe()
+        self.warm_up()
         so = storage_options if storage_options is not None else self.spec.output.storage_options
         if not isinstance(shards, ShardQueue):
             shards = ShardQueue(shards)

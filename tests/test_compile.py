@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 from conftest import job
 
 from extractor import open_store
@@ -14,14 +15,17 @@ from extractor.runner import run
 from extractor.spec import parse_spec
 
 
-def _run(image_dir: Path, store: Path, compile_: bool, capture: list[dict]) -> dict[str, np.ndarray]:
-    spec = parse_spec(job(
+def _spec(image_dir: Path, store: Path, compile_: bool, capture: list[dict], **output: str):
+    return parse_spec(job(
         image_dir, store,
         model={"name": None, "factory": "toy_models:small_cnn", "device": "cpu", "compile": compile_},
         data={"shard_size": 4, "batch_size": 3, "decode_workers": 1},  # shards of 4: batches of 3 and 1
-        capture=capture,
+        capture=capture, output={"store": str(store), **output},
     ))
-    summary = run(spec)
+
+
+def _run(image_dir: Path, store: Path, compile_: bool, capture: list[dict]) -> dict[str, np.ndarray]:
+    summary = run(_spec(image_dir, store, compile_, capture))
     assert summary.ok == summary.rows == 12
     s = open_store(str(store))
     return {k: s.numpy(k) for k in s.captures} | {k: np.asarray(s.group[k][:]) for k in s.attrs.get("extras", {})}
@@ -65,3 +69,30 @@ def test_a_failing_compile_is_a_model_error_before_any_image(image_dir: Path, tm
     with pytest.raises(ModelError, match=msg):
         _run(image_dir, tmp_path / "s.zarr", True, [{"layer": "stem"}])
     assert not (tmp_path / "s.zarr").exists()  # nothing was created
+
+
+def test_the_model_compiles_once_before_the_store_and_not_for_a_resume_with_nothing_left(
+        image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Compiling takes tens of seconds: a run compiles once (on a blank batch, before its store
+    exists), a resume with shards left compiles before its first image, one with none compiles nothing."""
+    import torch
+
+    store = tmp_path / "s.zarr"
+    calls: list[bool] = []  # per call of the compiled forward: whether the store existed then
+
+    def counting(model, **kwargs):
+        def forward(*args, **kw):
+            calls.append(store.exists())
+            return model(*args, **kw)
+        return forward
+
+    monkeypatch.setattr(torch, "compile", counting)
+    _run(image_dir, store, True, [{"layer": "stem", "reduce": "mean"}])
+    assert calls == [False] + [True] * 6  # the warm-up, then 3 shards x 2 batches
+    calls.clear()
+    summary = run(_spec(image_dir, store, True, [{"layer": "stem", "reduce": "mean"}], if_exists="resume"))
+    assert summary.shards_run == 0 and summary.ok == 12 and calls == []
+    group = zarr.open_group(str(store), mode="r+")
+    group["shard_done"][2] = False  # as if the job had stopped before its last shard
+    summary = run(_spec(image_dir, store, True, [{"layer": "stem", "reduce": "mean"}], if_exists="resume"))
+    assert summary.shards_run == 1 and len(calls) == 3  # the warm-up, then the shard's 2 batches

@@ -92,7 +92,8 @@ def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images
     done = sorted(s.shard for s in summary.per_shard)
     assert done == list(range(6))  # each shard done exactly once
     assert summary.ok == 12 and summary.failed == 0
-    assert summary.workers[0]["retries"] == 1 and len(summary.workers[0]["pids"]) == 2
+    assert summary.workers[0]["restarts"] == 1 and len(summary.workers[0]["pids"]) == 2
+    assert summary.workers[0]["retries"] == (died["charged"] is not None)  # a death with two in flight is no retry
     a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
     assert (b.status == 1).all() and b.done_shards.all()
     for key in ("conv", "map"):
@@ -136,6 +137,30 @@ def test_a_worker_whose_device_fails_is_replaced_and_the_job_finishes(ray_cluste
     assert 1 in died[0]["shards"]
     assert summary.ok == 12 and summary.failed == 0 and sorted(s.shard for s in summary.per_shard) == list(range(6))
     assert len(summary.workers[0]["pids"]) == 2  # replaced
+    a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
+    assert (b.status == 1).all() and b.done_shards.all()
+    for key in ("conv", "map"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_a_worker_wide_error_replaces_the_worker_and_charges_no_shard_it_held(ray_cluster, slow_images: Path,
+                                                                              tmp_path: Path):
+    """An error of the worker as a whole (neither a shard's nor the device's) fails every call it
+    holds: the worker is replaced like a dead one (a shard pays a retry only if it was alone on
+    it), rather than kept, with every shard it held charged a retry."""
+    ref = slow_job(slow_images, tmp_path / "ref.zarr")
+    ref["cluster"] = {"backend": "local"}
+    run(parse_spec(ref))
+    raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, max_retries=1)
+    raw["model"].update(factory="toy_models:broken_worker", factory_kwargs={"marker": str(tmp_path / "broken"),
+                                                                            "after": 3})  # in shard 1
+    events: list[tuple[str, dict]] = []
+    summary = run(parse_spec(raw), on_event=lambda n, i: events.append((n, i)))
+    died = [i for n, i in events if n == "worker_died"]
+    assert len(died) == 1 and "failed: WorkerBroken: the worker's state is broken" in died[0]["error"]
+    assert 1 in died[0]["shards"] and not [i for n, i in events if n == "shard_failed"]
+    assert summary.ok == 12 and sorted(s.shard for s in summary.per_shard) == list(range(6))
+    assert summary.workers[0]["restarts"] == 1 and summary.workers[0]["retries"] == (died[0]["charged"] is not None)
     a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
     assert (b.status == 1).all() and b.done_shards.all()
     for key in ("conv", "map"):

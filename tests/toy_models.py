@@ -149,6 +149,28 @@ def faulty_device(marker: str, after: int = 0, seconds: float = 0.15) -> nn.Modu
     return FaultyDevice(marker, after, seconds)
 
 
+class WorkerBroken(BaseException):
+    """Not an ``Exception``: escapes every per-image and per-shard handler, as an error of the
+    worker as a whole does (neither a shard's nor the device's)."""
+
+
+class BrokenWorker(FaultyDevice):
+    """Raises :class:`WorkerBroken` in its forward number ``after + 1``, once (a marker file)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+
+        self.calls += 1
+        if self.calls > self.after and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            raise WorkerBroken("the worker's state is broken")
+        return SlowNet.forward(self, x)
+
+
+def broken_worker(marker: str, after: int = 0, seconds: float = 0.15) -> nn.Module:
+    return BrokenWorker(marker, after, seconds)
+
+
 class CudaFault(nn.Module):
     """Indexes far out of bounds in its forward number ``after + 1``: on CUDA a real
     device-side assert, which leaves the process's CUDA context unusable (tests/gpu_check.py)."""
