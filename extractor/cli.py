@@ -437,13 +437,18 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 
+def verbosity(args: argparse.Namespace) -> int:
+    """How many -v were given, before the command and after it."""
+    return args.verbose + getattr(args, "verbose_after", 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="extractor", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
-    # -v after the command too; SUPPRESS keeps a -v given before the command when none follows it
+    # -v after the command too: counted apart and added (extractor -v run -v job.yaml is -vv)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+    common.add_argument("-v", "--verbose", dest="verbose_after", action="count", default=0,
                         help="more log output (-vv for debug)")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -523,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt(f"signal {signum}")
 
         signal.signal(signal.SIGTERM, on_term)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
+    level = logging.WARNING - 10 * min(verbosity(args), 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "layers" and not (args.model or args.factory):
         print("error: name a model (extractor layers resnet50) or pass --factory", file=sys.stderr)

@@ -377,9 +377,11 @@ class ActivationStore:
         names = [keys] if isinstance(keys, str) else list(keys or self.keys)
         return batch_loader(self, names, batch_size, shuffle, seed, batches_kwargs)
 
-    def to_xarray(self):
-        """An ``xarray.Dataset`` (dask-backed, lazy): one DataArray per capture on dim ``row``,
-        with ``id`` and ``label`` coordinates. Needs the ``analysis`` extra (xarray, dask)."""
+    def to_xarray(self, only_ok: bool = True):
+        """An ``xarray.Dataset`` (dask-backed, lazy): one DataArray per capture on dim ``row``, whose
+        coordinate is the store's row number, with ``id``, ``label`` and ``status`` coordinates.
+        Rows that are not ok (failed: NaN; pending: not computed yet) are left out unless
+        ``only_ok=False``, as in :meth:`numpy`. Needs the ``analysis`` extra (xarray, dask)."""
         try:
             import xarray as xr
         except ImportError as err:
@@ -388,10 +390,12 @@ class ActivationStore:
         if self.storage_options:
             kwargs["storage_options"] = dict(self.storage_options)
         ds = xr.open_zarr(self.url, **kwargs)
-        ds = ds[self.keys].assign_coords(id=("row", np.asarray(self.ids, dtype=object)), label=("row", self.labels))
+        status = self.status
+        ds = ds[self.keys].assign_coords(row=np.arange(len(status)), id=("row", np.asarray(self.ids, dtype=object)),
+                                         label=("row", self.labels), status=("row", status))
         ds = ds.drop_vars([c for c in ("ids", "labels") if c in ds.coords])
         ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}
-        return ds
+        return ds.isel(row=np.flatnonzero(status == OK)) if only_ok else ds
 
     @property
     def stale(self) -> float | None:

@@ -163,16 +163,17 @@ def test_an_interrupted_demo_prints_a_run_command_that_finishes_it(tmp_path: Pat
 
 
 def test_help_describes_every_command_and_verbose_goes_anywhere():
-    from extractor.cli import build_parser
+    from extractor.cli import build_parser, verbosity
 
     p = build_parser()
     text = p.format_help()
     for command in ("run", "inspect", "layers", "show", "probe", "submit", "jobs", "demo"):
         assert f"extractor {command}" in text
     assert "Only this module prints" not in text
-    assert p.parse_args(["inspect", "s.zarr", "-v"]).verbose == 1
-    assert p.parse_args(["-vv", "inspect", "s.zarr"]).verbose == 2
-    assert p.parse_args(["inspect", "s.zarr"]).verbose == 0
+    assert verbosity(p.parse_args(["inspect", "s.zarr", "-v"])) == 1
+    assert verbosity(p.parse_args(["-vv", "inspect", "s.zarr"])) == 2
+    assert verbosity(p.parse_args(["-v", "inspect", "s.zarr", "-v"])) == 2  # added, not replaced
+    assert verbosity(p.parse_args(["inspect", "s.zarr"])) == 0
 
 
 def test_a_failed_shard_prints_the_command_that_finishes_the_store(tmp_path: Path, capsys):

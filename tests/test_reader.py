@@ -232,7 +232,7 @@ def test_row_by_id_and_torch_views(store):
 def test_xarray_view_matches_raw_arrays(store):
     pytest.importorskip("xarray")
     pytest.importorskip("dask")
-    ds = store.to_xarray()
+    ds = store.to_xarray(only_ok=False)
     assert set(ds.data_vars) == {"layer4", "map"}
     assert ds["layer4"].dims == ("row", "layer4.channel")
     assert ds["map"].dims == ("row", "map.channel", "map.y", "map.x")
@@ -240,8 +240,17 @@ def test_xarray_view_matches_raw_arrays(store):
     np.testing.assert_array_equal(ds["layer4"].values, store["layer4"][:])
     assert list(ds["id"].values) == list(store.ids)
     np.testing.assert_array_equal(ds["label"].values, store.labels)
+    np.testing.assert_array_equal(ds["status"].values, store.status)
     row = ds.sel(row=3)
     assert str(row["id"].values) == str(store.ids[3])
+    ok = store.to_xarray()  # like numpy(): the rows that are ok, each under its store row number
+    bad = np.flatnonzero(store.status != 1)
+    assert len(bad) and len(ok["row"]) == len(store) - len(bad)
+    np.testing.assert_array_equal(ok["row"].values, store.ok_rows())
+    for key in ("layer4", "map"):
+        np.testing.assert_array_equal(ok[key].values, store.numpy(key))
+    assert not np.isnan(ok["layer4"].values).any()
+    assert str(ok.sel(row=int(store.ok_rows()[-1]))["id"].values) == str(store.ids[store.ok_rows()[-1]])
 
 
 def test_xarray_open_zarr_without_this_package(store):
