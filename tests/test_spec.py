@@ -175,3 +175,23 @@ def test_yaml_merge_keys_still_load_and_may_be_overridden(tmp_path: Path):
 def test_true_inside_a_list_of_numbers_is_refused():
     with pytest.raises(SpecError, match=r"data\.mean: expected numbers, not \['true', 0\.4, 0\.4\]"):
         parse_spec({**BASE, "data": {"root": "x", "mean": [True, 0.4, 0.4]}})
+
+
+def test_the_readme_specs_are_valid_and_name_every_field():
+    """The README's spec is what users copy: it parses, and it shows every section's fields."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    full = next(b for b in blocks if b.startswith("model:"))
+    raw = yaml.safe_load(full)
+    spec = parse_spec(raw)  # no unknown key, no bad value
+    assert [c.layer for c in spec.capture] == ["layer3", "layer4.*.conv2", "avgpool"]
+    shown = {section: set(raw[section]) for section in ("model", "data", "output", "cluster", "submit")}
+    for section, keys in shown.items():
+        fields = set(type(getattr(spec, section)).model_fields)
+        hidden = {"max_image_pixels", "compression_level", "lease_timeout_s"}  # named in the prose instead
+        assert fields - hidden <= keys, f"{section}: the README does not show {sorted(fields - hidden - keys)}"
+    for block in blocks[blocks.index(full) + 1:]:  # the later fragments parse as parts of a spec
+        part = yaml.safe_load(block)
+        parse_spec({**raw, **{k: ({**raw[k], **v} if isinstance(v, dict) else v) for k, v in part.items()}})
