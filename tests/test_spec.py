@@ -195,3 +195,14 @@ def test_the_readme_specs_are_valid_and_name_every_field():
     for block in blocks[blocks.index(full) + 1:]:  # the later fragments parse as parts of a spec
         part = yaml.safe_load(block)
         parse_spec({**raw, **{k: ({**raw[k], **v} if isinstance(v, dict) else v) for k, v in part.items()}})
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "jobs").glob("*.yaml")))
+def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str):
+    from extractor.capture import resolve_targets
+    from extractor.model import build_model
+
+    spec = load_spec(str(Path(__file__).resolve().parents[1] / "jobs" / name))
+    model, _ = build_model(spec.model.model_copy(update={"weights": None, "device": "cpu"}))
+    targets = resolve_targets(model, spec.capture)
+    assert len(targets) >= len(spec.capture)  # every entry (globs expand to one or more)
