@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,8 @@ from .errors import StoreError
 from .reader import ActivationStore
 
 __all__ = ["linear_probe", "probe_store", "pca", "bar_chart", "scatter_plot", "image_grid"]
+
+log = logging.getLogger(__name__)
 
 
 def _features(store: ActivationStore, key: str, max_rows: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -52,7 +55,11 @@ def linear_probe(
     if len(classes) < 2:
         raise StoreError("a probe needs at least two classes among the labelled ok rows")
     n = len(yi)
-    folds = max(2, min(folds, n))
+    if folds < 2:
+        raise ValueError(f"a cross-validated probe needs folds >= 2, not {folds}")
+    if folds > n:
+        log.warning("a %d-fold probe of %d rows: %d folds (one row each)", folds, n, n)
+        folds = n
     order = np.random.default_rng(seed).permutation(n)
     parts = np.array_split(order, folds)
     accs = []

@@ -283,6 +283,17 @@ def test_probe_is_near_chance_on_shuffled_labels_and_high_on_separable_classes(t
     assert null["accuracy"] <= 0.5
 
 
+def test_probe_folds_are_checked_not_quietly_changed(caplog: pytest.LogCaptureFixture):
+    from extractor.analysis import linear_probe
+
+    x, y = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32), np.array([0, 1] * 3)
+    with pytest.raises(ValueError, match="folds >= 2, not 1"):
+        linear_probe(x, y, folds=1)
+    with caplog.at_level("WARNING", logger="extractor.analysis"):
+        res = linear_probe(x, y, folds=10)
+    assert len(res["folds"]) == 6 and "a 10-fold probe of 6 rows: 6 folds" in caplog.text
+
+
 def test_probe_and_show_commands_write_pictures(tmp_path: Path, store):
     from PIL import Image
 
