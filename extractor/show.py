@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from .analysis import _fit
 from .errors import StoreError
 from .reader import ActivationStore
 
@@ -79,5 +80,5 @@ def gradcam_grid(
         x, y = (n % columns) * crop, (n // columns) * (crop + label_h)
         sheet.paste(blended, (x, y))
         name = classes[t] if 0 <= t < len(classes) else f"class {t}"
-        draw.text((x + 2, y + crop + 2), f"{row}: {name} ({sc:.2f})", fill=(0, 0, 0))
+        draw.text((x + 2, y + crop + 2), _fit(draw, f"{row}: {name} ({sc:.2f})", crop - 4), fill=(0, 0, 0))
     return sheet

@@ -158,7 +158,7 @@ def test_show_draws_gradcam_overlays(image_dir: Path, tmp_path: Path):
 
     from extractor.cli import main
 
-    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "what": "gradcam", "target": "label",
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "what": "gradcam", "target": "predicted",
                                                         "size": "input", "key": "cam"}])
     run(parse_spec(raw))
     out = tmp_path / "cams.png"
@@ -172,4 +172,7 @@ def test_show_draws_gradcam_overlays(image_dir: Path, tmp_path: Path):
     bare = np.asarray(_crop_like_job(str(s.paths[0]), s.spec["data"]), dtype=np.int16)
     tile = np.asarray(img.convert("RGB"), dtype=np.int16)[:64, :64]
     assert np.abs(tile - bare).mean() > 5
+    strips = np.asarray(img.convert("L"))[[64 + 2 + i for i in range(12)] + [144 + 2 + i for i in range(12)]]
+    assert (strips[:, 60:66] == 255).all() and (strips[:, 124:130] == 255).all()  # no caption runs into the next
+    assert (strips[:, :60] < 128).any()  # the captions are drawn
     assert main(["show", str(tmp_path / "s.zarr"), "--key", "nope", "--out", str(out)]) == 1
