@@ -59,7 +59,7 @@ class _WorkerActor:
             from .spec import parse_spec
             from .worker import Worker
 
-            self.worker = Worker(parse_spec(spec_dict))
+            self.worker = Worker(parse_spec(spec_dict), cpus=max(threads, 1))
             self.worker.probe()
         except Exception as err:  # noqa: BLE001 - reported to the driver by ready()
             self.error = err

@@ -99,12 +99,21 @@ class DataSpec(_Section):
     shard_size: int = Field(default=1024, gt=0)
     """Rows per shard, the unit of work, retry and resume."""
     batch_size: int = Field(default=64, gt=0)
-    decode_workers: int = Field(default=2, ge=0)
-    """Threads decoding images ahead of the forward pass (0: decode inline)."""
+    decode_workers: int | Literal["auto"] = "auto"
+    """Threads decoding images ahead of the forward pass: ``auto``, one per CPU of the worker (its
+    ``cluster.cpus_per_worker`` on Ray, else the CPUs this process may use; at most 32), or a
+    number (0: decode inline)."""
     decode_device: Literal["cpu", "cuda"] = "cpu"
     """Where JPEG files are decoded: ``cpu`` (Pillow) or ``cuda`` (nvJPEG through
     ``torchvision.io.decode_jpeg``, resized and cropped on the GPU; other formats and files
     nvJPEG rejects are decoded on the CPU). Pixels differ from Pillow's by a few levels."""
+
+    @field_validator("decode_workers")
+    @classmethod
+    def _workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"expected auto or a number >= 0 (0: decode inline), not {value}")
+        return value
 
     @model_validator(mode="after")
     def _source_fields(self) -> DataSpec:

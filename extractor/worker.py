@@ -37,10 +37,22 @@ log = logging.getLogger(__name__)
 
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WRITE_QUEUE = 4  # chunks (of every capture) that may wait for the writer threads: bounds memory
+MAX_DECODE_THREADS = 32  # decode_workers: auto on a large machine
 WRITE_THREADS = 4  # chunks compressed and stored at once (zstd and zarr release the GIL)
 _DEVICE_ERRORS = device_errors()
 # errors of a forward that are never an image's: they fail the shard (or stop the worker), not a row
 _NOT_AN_IMAGE = (LayerError, KeyboardInterrupt, SystemExit, *_DEVICE_ERRORS)
+
+
+def decode_threads(setting: int | str, cpus: int | None = None) -> int:
+    """The decode threads of ``data.decode_workers``: ``auto`` is one per CPU of the worker, at most
+    MAX_DECODE_THREADS (Pillow decodes and resizes without the GIL; the window of rows decoded
+    ahead, not the thread count, bounds memory)."""
+    if setting != "auto":
+        return int(setting)
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, MAX_DECODE_THREADS))
 
 
 def _drain(pending: deque[Future[None]]) -> None:
@@ -75,7 +87,9 @@ class ShardSummary:
 class Worker:
     """Holds the model and its hooks' targets for the life of a job."""
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, cpus: int | None = None) -> None:
+        """``cpus``: how many CPUs this worker may use (a Ray actor's share of its node), for
+        ``data.decode_workers: auto``; default, those this process may run on."""
         self.spec = spec
         self.device = resolve_device(spec.model.device)
         model, self.model_info = build_model(spec.model)
@@ -96,7 +110,7 @@ class Worker:
                     "set data.decode_device: cpu"
                 )
             self.jpeg = JpegDecoder(spec.data, self.device)
-        workers = spec.data.decode_workers
+        workers = decode_threads(spec.data.decode_workers, cpus)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers else None
         self.writer_pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="extractor-write")
         # opens the next shard's store arrays and reads its row list while the current shard computes

@@ -206,3 +206,18 @@ def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str
     model, _ = build_model(spec.model.model_copy(update={"weights": None, "device": "cpu"}))
     targets = resolve_targets(model, spec.capture)
     assert len(targets) >= len(spec.capture)  # every entry (globs expand to one or more)
+
+
+def test_decode_workers_is_auto_or_a_count():
+    from extractor.worker import MAX_DECODE_THREADS, decode_threads
+
+    assert parse_spec(BASE).data.decode_workers == "auto"
+    assert parse_spec({**BASE, "data": {"root": "x", "decode_workers": 0}}).data.decode_workers == 0
+    for bad, words in ((-1, "auto or a number >= 0"), (True, "integer"), ("many", "auto")):
+        with pytest.raises(SpecError, match=f"data.decode_workers.*{words}"):
+            parse_spec({**BASE, "data": {"root": "x", "decode_workers": bad}})
+    assert decode_threads("auto", cpus=6) == 6 and decode_threads("auto", cpus=500) == MAX_DECODE_THREADS
+    assert decode_threads(3, cpus=6) == 3 and decode_threads(0) == 0
+    import os
+
+    assert decode_threads("auto") == min(len(os.sched_getaffinity(0)), MAX_DECODE_THREADS)
