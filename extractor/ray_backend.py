@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -247,11 +248,16 @@ class RayBackend:
         else:
             kwargs["address"] = c.address
             _check_reachable(c.address, timeout=min(c.startup_timeout_s, 10.0))
+        main = threading.current_thread() is threading.main_thread()
+        on_term = signal.getsignal(signal.SIGTERM) if main else None
         try:
             ray.init(**kwargs)
         except Exception as err:  # ConnectionError, RuntimeError, ValueError depending on the cause
             where = c.address or "an embedded local cluster"
             raise ClusterError(f"cannot start or join Ray at {where}: {type(err).__name__}: {err}") from err
+        finally:
+            if callable(on_term):  # ray.init replaces it with sys.exit: a pre-emption must still stop the
+                signal.signal(signal.SIGTERM, on_term)  # job as the caller's handler says (interrupted, resumable)
         self.started_ray = True
 
     def _new_actor(self) -> Any:

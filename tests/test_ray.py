@@ -270,6 +270,40 @@ def test_killed_driver_then_resume_redoes_only_unfinished_shards(slow_images: Pa
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
 
 
+def test_sigterm_on_the_ray_backend_interrupts_the_job_and_resume_finishes(slow_images: Path, tmp_path: Path):
+    """A pre-emption (SIGTERM, also what `extractor jobs stop` sends) stops a Ray job as it stops a
+    local one: store "interrupted", the resume command printed, exit code 130. (ray.init installs
+    its own SIGTERM handler, which made it a "failed" store and a crash dump.)"""
+    raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, local_cpus=2)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
+    cmd = [sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    marker = tmp_path / "s.zarr" / "shard_done" / "c" / "0"
+    deadline = time.time() + 180
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        time.sleep(2)
+        try:  # what is left of the embedded Ray that driver started
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 130, err
+    assert "--resume" in err and "SIGTERM received" not in err
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["status"] == "interrupted" and not s.done_shards.all()
+    out = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    assert (open_store(str(tmp_path / "s.zarr")).status == 1).all()
+
+
 def test_an_address_where_no_cluster_listens_fails_fast(image_dir: Path, tmp_path: Path):
     """`ray.init` would wait many minutes for it, deaf to Ctrl-C (a subprocess: no Ray in it yet)."""
     spec = tmp_path / "job.yaml"
