@@ -24,7 +24,7 @@ import numpy as np
 from . import __version__
 from .errors import DataError, StoreError
 from .sources import Rows, Shard, list_rows, plan
-from .spec import JobSpec, content_of, spec_digest
+from .spec import JobSpec, content_of, redact_argv, spec_digest
 from .stats import merge as merge_stats
 from .store import (
     FAILED,
@@ -101,7 +101,7 @@ def _owner() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - no user name in some containers
         user = "?"
     return {"host": socket.gethostname(), "pid": os.getpid(), "user": user, "started": now(),
-            "command": " ".join(sys.argv)[:500]}
+            "command": " ".join(redact_argv(sys.argv))[:500]}
 
 
 def _ids_digest(ids: list[str]) -> str:

@@ -265,7 +265,7 @@ class JobSpec(_Section):
         return self.model_dump(mode="json")
 
     def public_dict(self) -> dict[str, Any]:
-        """The resolved spec with secrets in storage options redacted: what the store, logs and prints show."""
+        """The resolved spec with secrets (storage options, env_vars) redacted: what the store, logs and prints show."""
         return redact(self.to_dict())
 
     def content_dict(self) -> dict[str, Any]:
@@ -298,18 +298,37 @@ REDACTED = "***redacted***"
 
 
 def redact(d: Any, inside_options: bool = False) -> Any:
-    """A copy of ``d`` with every non-public value under a ``storage_options`` key redacted."""
+    """A copy of ``d`` with every non-public value under a ``storage_options`` key, and every
+    value under ``env_vars`` (the job's environment on the cluster: credentials), redacted."""
     if isinstance(d, dict):
         out = {}
         for k, v in d.items():
             if inside_options and k not in _PUBLIC_OPTIONS:
                 out[k] = REDACTED
+            elif k == "env_vars" and isinstance(v, dict):
+                out[k] = {name: REDACTED for name in v}
             else:
                 out[k] = redact(v, inside_options or k == "storage_options")
         return out
     if isinstance(d, list):
         return [redact(v, inside_options) for v in d]
     return d
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line with the secret values of its ``--set KEY=VALUE`` overrides redacted (as
+    :func:`redact` would redact them in the spec): for the store's lease and logs."""
+    out: list[str] = []
+    for k, arg in enumerate(argv):
+        prefix, item = ("--set=", arg[6:]) if arg.startswith("--set=") else ("", arg)
+        if (prefix or (k and argv[k - 1] == "--set")) and "=" in item:
+            key, value = item.split("=", 1)
+            parts = key.split(".")
+            secret = parts[-1] in ("storage_options", "env_vars") or "env_vars" in parts[:-1] or (
+                "storage_options" in parts[:-1] and parts[-1] not in _PUBLIC_OPTIONS)
+            arg = f"{prefix}{key}={REDACTED if secret else value}"
+        out.append(arg)
+    return out
 
 
 def content_of(spec_dict: dict[str, Any]) -> dict[str, Any]:

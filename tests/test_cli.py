@@ -43,9 +43,11 @@ def slow_job(tmp_path: Path, shard_size: int, chunk_rows: int, reduce: str) -> d
 
 def test_run_inspect_and_resume(image_dir: Path, tmp_path: Path):
     spec = write_job(tmp_path / "job.yaml", job(image_dir, tmp_path / "s.zarr"))
-    r = extractor("run", str(spec), "--set", "data.batch_size=4", "-q")
+    r = extractor("run", str(spec), "--set", "data.batch_size=4", "--set", "submit.env_vars.HF_TOKEN=hf_s3cr3t", "-q")
     assert r.returncode == 0, r.stderr
     assert "12 ok, 0 failed, 0 pending rows; 3 shards run" in r.stdout
+    stored = [p for p in (tmp_path / "s.zarr").rglob("*") if p.is_file() and b"hf_s3cr3t" in p.read_bytes()]
+    assert not stored, f"a secret reached the store: {stored}"  # neither in the spec nor in the lease's command
 
     r = extractor("inspect", str(tmp_path / "s.zarr"), "--json")
     info = json.loads(r.stdout)

@@ -221,3 +221,20 @@ def test_decode_workers_is_auto_or_a_count():
     import os
 
     assert decode_threads("auto") == min(len(os.sched_getaffinity(0)), MAX_DECODE_THREADS)
+
+
+def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
+    from extractor.spec import REDACTED, redact_argv
+
+    raw = {**BASE, "data": {"root": "x", "storage_options": {"secret": "s1", "endpoint_url": "http://e"}},
+           "submit": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "s2", "OMP_NUM_THREADS": "4"}}}
+    public = parse_spec(raw).public_dict()
+    assert public["data"]["storage_options"] == {"secret": REDACTED, "endpoint_url": "http://e"}
+    assert public["submit"]["env_vars"] == {"AWS_SECRET_ACCESS_KEY": REDACTED, "OMP_NUM_THREADS": REDACTED}
+    argv = ["extractor", "run", "job.yaml", "--set", "data.storage_options.secret=s1", "--set",
+            "output.storage_options.endpoint_url=http://e", "--set=submit.env_vars.TOKEN=s2", "--set",
+            "data.storage_options={key: k, secret: s3}", "--set", "data.batch_size=8", "-q"]
+    shown = " ".join(redact_argv(argv))
+    assert not {"s1", "s2", "s3"} & set(shown.replace("=", " ").replace(",", " ").split())
+    assert f"data.storage_options.secret={REDACTED}" in shown and f"--set=submit.env_vars.TOKEN={REDACTED}" in shown
+    assert "output.storage_options.endpoint_url=http://e" in shown and "data.batch_size=8" in shown
