@@ -57,8 +57,38 @@ def client(address: str) -> Any:
         raise _explain(address, err) from err
 
 
+def _check_paths(spec: JobSpec) -> None:
+    """Refuse relative local paths: on the cluster the job runs in a temporary copy of
+    ``submit.working_dir`` (which Ray deletes later), not in the directory submitting it. An
+    input may be relative when it is inside that folder (uploaded with it)."""
+    from .model import _looks_like_path
+
+    def relative(value: Any) -> bool:
+        return isinstance(value, str) and bool(value) and "://" not in value and not os.path.isabs(value)
+
+    if relative(spec.output.store):
+        raise ClusterError(
+            f"output.store {spec.output.store} is a relative path: on the cluster it would be written inside the job's "
+            "temporary copy of submit.working_dir, which Ray deletes. Give an absolute path on the cluster's shared "
+            "file system, or a URL (s3://...)"
+        )
+    shipped = Path(spec.submit.working_dir) if spec.submit.working_dir else None
+    inputs = [("data.root", spec.data.root), ("data.manifest", spec.data.manifest),
+              *[("data.tars", t) for t in spec.data.tars or []]]
+    if spec.model.weights and _looks_like_path(spec.model.weights):
+        inputs.append(("model.weights", spec.model.weights))
+    for name, value in inputs:
+        if relative(value) and not (shipped is not None and (shipped / value).exists()):
+            raise ClusterError(
+                f"{name} {value} is a relative path, and not inside submit.working_dir: on the cluster the job runs in "
+                "a copy of that folder, not here. Give an absolute path that the cluster's nodes can read, a URL "
+                "(s3://...), or a path inside submit.working_dir"
+            )
+
+
 def submit(spec: JobSpec, address: str, job_id: str | None = None) -> str:
     """Submit ``spec`` as a Ray job; returns the submission id."""
+    _check_paths(spec)
     c = client(address)
     sub = spec.submit
     with tempfile.TemporaryDirectory(prefix="extractor-submit-") as tmp:

@@ -204,3 +204,21 @@ def test_unreachable_cluster_is_a_clear_error(tmp_path: Path, image_dir: Path):
     r = extractor("submit", str(spec), "--address", f"http://127.0.0.1:{free_port()}", env=dict(os.environ),
                   timeout=120)
     assert r.returncode == 1 and "cannot reach the Ray Jobs API" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_submit_refuses_relative_paths_that_would_mean_another_place_on_the_cluster(tmp_path: Path, image_dir: Path):
+    """The job runs in a temporary copy of submit.working_dir on the cluster: a relative store would be
+    written there and deleted with it. Checked before the cluster is contacted."""
+    address = f"http://127.0.0.1:{free_port()}"
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job(image_dir, Path("rel.zarr"), output={"store": "rel.zarr"})))
+    r = extractor("submit", str(spec), "--address", address, env=dict(os.environ), timeout=120)
+    assert r.returncode == 1 and "output.store rel.zarr is a relative path" in r.stderr, r.stderr
+    spec.write_text(yaml.safe_dump(job(Path("imgs"), tmp_path / "s.zarr")))
+    r = extractor("submit", str(spec), "--address", address, env=dict(os.environ), timeout=120)
+    assert r.returncode == 1 and "data.root imgs is a relative path, and not inside submit.working_dir" in r.stderr
+    shipped = tmp_path / "code"
+    (shipped / "imgs").mkdir(parents=True)  # inside the uploaded folder: fine (the cluster is what fails now)
+    spec.write_text(yaml.safe_dump(job(Path("imgs"), tmp_path / "s.zarr", submit={"working_dir": str(shipped)})))
+    r = extractor("submit", str(spec), "--address", address, env=dict(os.environ), timeout=120)
+    assert r.returncode == 1 and "cannot reach the Ray Jobs API" in r.stderr
