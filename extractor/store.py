@@ -128,10 +128,16 @@ def create_store(
     n = len(ids)
     n_shards = -(-n // shard_size)
     comp = _compressors(compression, compression_level)  # before anything is wiped
-    group = open_group(url, "w", storage_options)
-    # marked at once as extractor's (status "creating"): a store left half-made by a failure below
-    # is replaced by --overwrite, and refused by --resume
-    group.attrs.update({ATTR: {**attrs, "status": "creating"}})
+    try:
+        group = open_group(url, "w", storage_options)
+        # marked at once as extractor's (status "creating"): a store left half-made by a failure below
+        # is replaced by --overwrite, and refused by --resume
+        group.attrs.update({ATTR: {**attrs, "status": "creating"}})
+    except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
+        raise StoreError(
+            f"cannot create the store at output.store {url}: {type(err).__name__}: {err}. Its parent folder or "
+            "bucket must exist and be writable (check output.store and output.storage_options)"
+        ) from err
     row_chunk = (min(shard_size, max(n, 1)),)
 
     def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 import zarr
 from conftest import job
 
+from extractor.errors import StoreError
 from extractor.runner import run
 from extractor.spec import parse_spec
 from extractor.store import FORMAT_VERSION
@@ -164,3 +166,16 @@ def test_a_compression_level_the_codec_refuses_is_a_spec_error_and_the_store_is_
         with pytest.raises(SpecError, match=r"output\.compression_level: "):
             parse_spec(raw)
     assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
+
+
+def test_a_store_that_cannot_be_created_is_one_clear_error(image_dir: Path, tmp_path: Path):
+    from extractor.cli import main
+
+    (tmp_path / "file").write_text("not a folder")
+    url = str(tmp_path / "file" / "out.zarr")
+    with pytest.raises(StoreError, match=r"cannot create the store at output.store .*out.zarr: NotADirectoryError.*"
+                                         r"parent folder or bucket must exist"):
+        run(parse_spec(job(image_dir, Path(url))))
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job(image_dir, Path(url))))
+    assert main(["run", str(spec), "-q"]) == 1  # one line on stderr, no traceback
