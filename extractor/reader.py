@@ -4,6 +4,7 @@
     >>> s.captures            # key -> layer, what, reduce, dtype, shape, dims
     >>> s["layer3"][:8]       # a lazy zarr array: numpy slicing reads only what it needs
     >>> s.numpy("avgpool")    # ok rows only, as one numpy array
+    >>> s.extras              # gradient jobs: per-row target, target_score, KEY.range; read like captures
     >>> s.stats["avgpool"]    # per-feature mean/std, min/max, NaN/Inf counts ({} until a run ends)
     >>> for rows, x in s.batches("avgpool", 1024): ...
 """
@@ -96,7 +97,20 @@ class ActivationStore:
 
     @property
     def keys(self) -> list[str]:
+        """The capture keys: what dataloader, torch_dataset and probe use by default (not the extras)."""
         return list(self.captures)
+
+    @property
+    def extras(self) -> dict[str, dict[str, Any]]:
+        """Per-row arrays of gradient jobs (``target``, ``target_score``, ``KEY.range``) -> dtype,
+        shape, dims; ``{}`` for other jobs. Read like captures: ``s[name]``, :meth:`numpy`,
+        :meth:`batches`, :meth:`row`, :meth:`to_xarray`; they have no :attr:`stats`."""
+        return dict(self.attrs.get("extras") or {})
+
+    def _known(self) -> str:
+        """The names ``s[name]`` accepts, for error messages."""
+        extras = f"; per-row extras: {', '.join(self.extras)}" if self.extras else ""
+        return f"captures: {', '.join(self.keys)}{extras}"
 
     @property
     def classes(self) -> list[str]:
@@ -115,10 +129,11 @@ class ActivationStore:
         return int(self.attrs["n_rows"])
 
     def __contains__(self, key: object) -> bool:
-        return key in self.captures
+        return key in self.captures or key in self.extras
 
     def __repr__(self) -> str:
-        return f"<ActivationStore {self.url}: {len(self)} rows, captures {self.keys}>"
+        extras = f", extras {list(self.extras)}" if self.extras else ""
+        return f"<ActivationStore {self.url}: {len(self)} rows, captures {self.keys}{extras}>"
 
     # ------------------------------------------------------------------ per-row arrays
     def _row_array(self, name: str) -> np.ndarray:
@@ -161,11 +176,11 @@ class ActivationStore:
     def ok_rows(self) -> np.ndarray:
         return np.flatnonzero(self.status == OK)
 
-    # ------------------------------------------------------------------ captures
+    # ------------------------------------------------------------------ captures and extras
     def __getitem__(self, key: str) -> zarr.Array:
-        """The lazy array of a capture (numpy slicing reads only the chunks it touches)."""
-        if key not in self.captures:
-            raise KeyError(f"{key!r} is not a capture of {self.url}; captures: {', '.join(self.keys)}")
+        """The lazy array of a capture or extra (numpy slicing reads only the chunks it touches)."""
+        if key not in self:
+            raise KeyError(f"{key!r} is not a capture or extra of {self.url}; {self._known()}")
         return self.group[key]  # type: ignore[return-value]
 
     def _select_rows(self, rows: Rows, only_ok: bool, strict: bool = False) -> np.ndarray:
@@ -205,11 +220,12 @@ class ActivationStore:
         return idx
 
     def numpy(self, key: str, rows: Rows = None, only_ok: bool = True) -> np.ndarray:
-        """Rows of a capture as one numpy array: item ``i`` is row ``rows[i]``.
+        """Rows of a capture or extra as one numpy array: item ``i`` is row ``rows[i]``.
 
         With ``rows=None`` all rows, of which only the ok ones by default. Explicit ``rows``
         (slice, mask, list) are never dropped: with ``only_ok`` (the default) a row that is not
-        ok raises :class:`StoreError` naming it; ``only_ok=False`` gives NaN for such rows.
+        ok raises :class:`StoreError` naming it; ``only_ok=False`` gives such rows as stored:
+        NaN (``target``: -1).
         """
         arr = self[key]
         idx = self._select_rows(rows, only_ok, strict=True)
@@ -245,7 +261,7 @@ class ActivationStore:
             raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
         names = [keys] if isinstance(keys, str) else list(keys)
         if not names:
-            raise ValueError(f"batches needs at least one capture key; captures: {', '.join(self.keys)}")
+            raise ValueError(f"batches needs at least one capture key; {self._known()}")
         arrays = {k: self[k] for k in names}
         idx = self._select_rows(rows, only_ok)
         if shuffle:  # the order is drawn anyway: gather each chunk's rows so that a chunk is read once
@@ -341,7 +357,7 @@ class ActivationStore:
         return rows_all[pos], d
 
     def row(self, id: str) -> dict[str, Any]:
-        """All captures of the row with image id ``id`` (random access by id)."""
+        """All captures and extras of the row with image id ``id`` (random access by id)."""
         if "_row_of" not in self._cache:
             self._cache["_row_of"] = {str(i): n for n, i in enumerate(self.ids)}  # type: ignore[assignment]
         index: dict[str, int] = self._cache["_row_of"]  # type: ignore[assignment]
@@ -350,7 +366,7 @@ class ActivationStore:
         n = index[id]
         status = STATUS_NAMES[int(self.group["status"][n])]
         out: dict[str, Any] = {"row": n, "id": id, "label": int(self.labels[n]), "status": status}
-        out.update({k: np.asarray(self[k][n]) for k in self.keys})
+        out.update({k: np.asarray(self[k][n]) for k in [*self.keys, *self.extras]})
         return out
 
     def torch_dataset(self, keys: str | Sequence[str] | None = None, only_ok: bool = True):
@@ -380,8 +396,11 @@ class ActivationStore:
     def to_xarray(self, only_ok: bool = True):
         """An ``xarray.Dataset`` (dask-backed, lazy): one DataArray per capture on dim ``row``, whose
         coordinate is the store's row number, with ``id``, ``label`` and ``status`` coordinates.
-        Rows that are not ok (failed: NaN; pending: not computed yet) are left out unless
-        ``only_ok=False``, as in :meth:`numpy`. Needs the ``analysis`` extra (xarray, dask)."""
+        Extras of gradient jobs: per-row scalars (``target``, ``target_score``) are coordinates
+        on ``row`` like ``label``; ``KEY.range`` is a DataArray on (``row``, ``KEY.range.minmax``),
+        labelled ``min``, ``max``. Rows that are not ok (failed: NaN; pending: not computed yet)
+        are left out unless ``only_ok=False``, as in :meth:`numpy`. Needs the ``analysis`` extra
+        (xarray, dask)."""
         try:
             import xarray as xr
         except ImportError as err:
@@ -391,8 +410,12 @@ class ActivationStore:
             kwargs["storage_options"] = dict(self.storage_options)
         ds = xr.open_zarr(self.url, **kwargs)
         status = self.status
-        ds = ds[self.keys].assign_coords(row=np.arange(len(status)), id=("row", np.asarray(self.ids, dtype=object)),
-                                         label=("row", self.labels), status=("row", status))
+        extras = self.extras
+        ds = ds[[*self.keys, *extras]].assign_coords(row=np.arange(len(status)),
+                                                     id=("row", np.asarray(self.ids, dtype=object)),
+                                                     label=("row", self.labels), status=("row", status))
+        ds = ds.set_coords([k for k, m in extras.items() if not m["dims"]])  # per-row scalars: follow each capture
+        ds = ds.assign_coords({m["dims"][0]: ["min", "max"] for k, m in extras.items() if k.endswith(".range")})
         ds = ds.drop_vars([c for c in ("ids", "labels") if c in ds.coords])
         ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}
         return ds.isel(row=np.flatnonzero(status == OK)) if only_ok else ds

@@ -353,3 +353,67 @@ def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, c
 def test_batches_of_no_key_is_a_clear_error(store):
     with pytest.raises(ValueError, match="at least one capture key; captures: layer4, map"):
         next(store.batches([], 4))
+
+
+@pytest.fixture(scope="module")
+def gradient_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore, dict[str, np.ndarray]]:
+    """A Grad-CAM job over 6 images + 1 corrupt file (a failed row). Also returns its per-row
+    extras read directly with zarr."""
+    import zarr
+
+    tmp = tmp_path_factory.mktemp("gradients")
+    root = tmp / "imgs"
+    make_images(root, per_class=3, classes=("a", "b"), size=40)
+    (root / "a" / "corrupt.jpg").write_bytes(b"not a jpeg")
+    raw = job(root, tmp / "g.zarr", data={"resize": None, "crop": 32, "shard_size": 4, "batch_size": 4},
+              capture=[{"layer": "layer4", "what": "gradcam", "key": "cam"}, {"layer": "layer4", "reduce": "mean"}],
+              output={"store": str(tmp / "g.zarr"), "chunk_rows": 2})
+    assert run(parse_spec(raw)).ok == 6
+    g = zarr.open_group(str(tmp / "g.zarr"), mode="r")
+    return open_store(str(tmp / "g.zarr")), {k: np.asarray(g[k][:]) for k in ("target", "target_score", "cam.range")}
+
+
+def test_gradient_extras_read_like_captures(gradient_store):
+    s, raw = gradient_store
+    assert s.keys == ["cam", "layer4"]  # captures only: the defaults of dataloader, probe
+    assert sorted(s.extras) == ["cam.range", "target", "target_score"]
+    assert s.extras["cam.range"]["dims"] == ["cam.range.minmax"] and s.extras["target"]["dtype"] == "int64"
+    bad, ok = int(np.flatnonzero(s.status == FAILED)[0]), s.ok_rows()
+    assert raw["target"][bad] == -1 and np.isnan(raw["target_score"][bad]) and np.isnan(raw["cam.range"][bad]).all()
+    for name, want in raw.items():
+        assert name in s
+        np.testing.assert_array_equal(s[name][:], want)
+        got = s.numpy(name)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want[ok])
+        np.testing.assert_array_equal(s.numpy(name, rows=[bad, 0], only_ok=False), want[[bad, 0]])
+        with pytest.raises(StoreError, match=f"{bad} \\(failed\\)"):
+            s.numpy(name, rows=[bad])
+    for n in (bad, int(ok[0])):
+        r = s.row(str(s.ids[n]))
+        for name, want in raw.items():
+            np.testing.assert_array_equal(r[name], want[n])
+        np.testing.assert_array_equal(r["cam"], s["cam"][n])
+    rows, data = next(s.batches(["cam", "target"], 16, shuffle=True))
+    assert sorted(rows.tolist()) == ok.tolist()
+    np.testing.assert_array_equal(data["target"], raw["target"][rows])
+    with pytest.raises(KeyError, match="captures: cam, layer4; per-row extras: ") as err:
+        s["nope"]
+    assert all(name in str(err.value) for name in raw)
+
+
+def test_gradient_extras_in_xarray(gradient_store):
+    pytest.importorskip("xarray")
+    pytest.importorskip("dask")
+    s, raw = gradient_store
+    ds = s.to_xarray(only_ok=False)
+    assert set(ds.data_vars) == {"cam", "layer4", "cam.range"}
+    assert {"target", "target_score"} <= set(ds.coords)  # per-row scalars, like label: they follow every capture
+    assert ds["target"].dims == ("row",) and ds["cam"]["target"].dims == ("row",)
+    assert ds["cam.range"].dims == ("row", "cam.range.minmax") and list(ds["cam.range.minmax"].values) == ["min", "max"]
+    for name, want in raw.items():
+        np.testing.assert_array_equal(ds[name].values, want)
+    ok = s.to_xarray()
+    for name in raw:
+        np.testing.assert_array_equal(ok[name].values, s.numpy(name))
+    np.testing.assert_array_equal(ok["cam.range"].sel({"cam.range.minmax": "max"}).values, s.numpy("cam").max((1, 2)))
