@@ -26,7 +26,8 @@ from .spec import CaptureSpec
 
 __all__ = ["Target", "resolve_targets", "Capturer", "RESERVED_KEYS"]
 
-RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done", "target", "target_score"})
+RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done", "shard_stats", "byte_offset",
+                           "byte_size", "lease", "target", "target_score"})
 _DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -116,7 +117,8 @@ def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec]) -> list[T
             targets.append(Target(key, layer, c.what, c.index, c.reduce, dtype, i, target, c.size))
     seen: dict[str, Target] = {}
     for t in targets:
-        if t.key in RESERVED_KEYS:
+        ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}  # a Grad-CAM map's per-row min, max
+        if t.key in RESERVED_KEYS or t.key in ranges:
             raise LayerError(
                 f"capture[{t.capture}]: key {t.key!r} is reserved by the store; set capture[{t.capture}].key"
             )

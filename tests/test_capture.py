@@ -138,6 +138,15 @@ def test_globs_expand_in_module_order_and_key_needs_one_layer():
         resolve_targets(resnet18(), caps({"layer": "fc"}, {"layer": "fc", "reduce": "none"}))
 
 
+@pytest.mark.parametrize("key", ["target", "status", "shard_stats", "byte_offset", "lease", "cam.range"])
+def test_keys_the_store_uses_for_its_own_arrays_are_refused(key: str):
+    from torchvision.models import resnet18
+
+    with pytest.raises(LayerError, match=f"capture\\[1\\]: key '{key}' is reserved by the store"):
+        resolve_targets(resnet18(), caps({"layer": "layer4", "what": "gradcam", "key": "cam"},
+                                         {"layer": "layer3", "reduce": "mean", "key": key}))
+
+
 @pytest.mark.parametrize(("reduce", "shape"), [("none", (5, 7)), ("mean", (7,)), ("max", (7,)), ("cls", (7,)),
                                                ("flatten", (35,))])
 def test_token_reductions(reduce: str, shape: tuple[int, ...]):
