@@ -235,6 +235,7 @@ class Capturer:
         self.forward = forward
         self.targets = list(targets)
         self.gradient = [t for t in self.targets if t.gradient]
+        self.logits: int | None = None  # the model's outputs (classes), seen by a gradient job's forward
         self.stop_early = stop_early and not self.gradient  # gradients need the logits
         self.values: dict[str, torch.Tensor] = {}
         self.anchors: dict[str, torch.Tensor] = {}
@@ -365,14 +366,16 @@ class Capturer:
             raise LayerError(
                 f"gradient captures need a model that returns (batch, classes) logits; it returned {_describe(logits)}"
             )
+        self.logits = logits.shape[1]
         which = self.gradient[0].target
         if which == "predicted":
             target = logits.detach().argmax(dim=1)
         elif which == "label":
             if labels is None or (labels < 0).any() or (labels >= logits.shape[1]).any():
                 raise LayerError(
-                    f"target: label needs every row to have a label in [0, {logits.shape[1]}); "
-                    "this data set has rows without one. Use target: predicted or a class index"
+                    f"target: label needs every row's label to be one of the model's {logits.shape[1]} outputs "
+                    f"(0 to {logits.shape[1] - 1}); a row has {'none' if labels is None else labels.tolist()}. "
+                    "Use target: predicted or a class index"
                 )
             target = labels.to(logits.device)
         else:

@@ -199,6 +199,26 @@ def _check_reachable(address: str, timeout: float) -> None:
         ) from None
 
 
+def _for_workers(spec: JobSpec) -> dict[str, Any]:
+    """The spec as the actors get it: local paths made absolute, since an actor runs in another
+    directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
+    from .model import _looks_like_path
+
+    d = spec.to_dict()
+
+    def absolute(section: str, key: str) -> None:
+        value = d[section].get(key)
+        if isinstance(value, str) and "://" not in value:
+            d[section][key] = os.path.abspath(value)
+
+    absolute("output", "store")
+    absolute("data", "root")
+    absolute("data", "manifest")
+    if d["model"].get("weights") and _looks_like_path(d["model"]["weights"]):
+        absolute("model", "weights")
+    return d
+
+
 def _cause(err: BaseException) -> BaseException:
     """The user-facing exception inside a Ray error, when it carries one."""
     cause = getattr(err, "cause", None)
@@ -228,7 +248,7 @@ class RayBackend:
         # IN_FLIGHT run_shard calls wait at once, and progress() must still be answered
         self.actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=IN_FLIGHT + 2,
                                     max_restarts=0)(_WorkerActor)
-        self.spec_dict = spec.to_dict()
+        self.spec_dict = _for_workers(spec)
         self.actors: list[Any] = [self._new_actor() for _ in range(workers)]
         self.pids: list[int | None] = [None] * workers
         self.warm = False  # warm_up has compiled the model on the workers

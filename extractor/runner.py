@@ -210,13 +210,23 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
     )
 
 
-def _check_targets(spec: JobSpec, rows: Rows) -> None:
+def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
+    """``target: label`` differentiates each row's label's logit: every row needs a label, and
+    one the model has an output for."""
     if any(c.gradient and c.score_target == "label" for c in spec.capture):
         missing = [i for i, label in enumerate(rows.labels) if label < 0]
         if missing:
             raise DataError(
                 f"target: label needs a label on every row, but {len(missing)} rows have none "
                 f"(first: {rows.ids[missing[0]]}); use target: predicted or a class index"
+            )
+        beyond = [i for i, label in enumerate(rows.labels) if logits is not None and label >= logits]
+        if beyond:
+            first = beyond[0]
+            raise DataError(
+                f"target: label needs labels the model has outputs for (0 to {logits - 1}), but {len(beyond)} rows "
+                f"have larger ones (first: {rows.ids[first]}, label {rows.labels[first]}). Labels must be the "
+                "model's class indices; use target: predicted or a class index"
             )
 
 
@@ -355,7 +365,7 @@ def run(
     try:
         layout = backend.probe()
         captures = layout["captures"]
-        _check_targets(spec, rows)
+        _check_targets(spec, rows, layout["model"].get("logits"))
         attrs = {
             "format_version": FORMAT_VERSION,
             "created": now(),
@@ -384,7 +394,7 @@ def run(
         per_row = _bytes_per_row(captures)
         if on_start is not None:
             on_start(sum(len(s) for s in todo), per_row)
-        url = spec.output.store
+        url = spec.output.store if "://" in spec.output.store else os.path.abspath(spec.output.store)  # for workers
         try:
             summaries: list[ShardSummary] = []
             if todo:  # a resume with nothing left to compute compiles nothing

@@ -245,6 +245,8 @@ class Worker:
                 f"{describe_error(err)}. If it expects another input size, set data.crop (and data.resize) to it"
             ) from err
         original = dict(self.cap.original_shapes)
+        if self.cap.logits is not None:  # a gradient job: labels (target: label) must be among them
+            self.model_info = {**self.model_info, "logits": self.cap.logits}
         modules = dict(self.model.named_modules())
         self.captures = {
             t.key: {

@@ -146,6 +146,16 @@ def test_label_target_needs_labels_and_targets_must_agree(tmp_path: Path):
     raw = job(root, tmp_path / "s.zarr", capture=[{"layer": "layer4", "what": "gradcam", "target": "label"}])
     with pytest.raises(DataError, match="target: label needs a label on every row"):
         run(parse_spec(raw))
+    files = sorted(p.name for p in root.iterdir())
+    labels = [3, 5000, 7, 9][: len(files)]
+    lines = [f"{f},{lab}\n" for f, lab in zip(files, labels, strict=True)]
+    (tmp_path / "m.csv").write_text("path,label\n" + "".join(lines))
+    raw = job(root, tmp_path / "m.zarr", data={"source": "manifest", "manifest": str(tmp_path / "m.csv")},
+              capture=[{"layer": "layer4", "what": "gradcam", "target": "label"}])
+    with pytest.raises(DataError, match=rf"model has outputs for \(0 to 999\), but 1 rows have larger ones "
+                                        rf"\(first: {files[1]}, label 5000\)"):
+        run(parse_spec(raw))  # before anything is written (it failed every shard, blaming missing labels)
+    assert not (tmp_path / "m.zarr").exists()
     with pytest.raises(SpecError, match="must share one target"):
         parse_spec(job(root, tmp_path / "s.zarr", capture=[{"layer": "layer4", "what": "gradcam", "target": 1},
                                                           {"layer": "layer3", "what": "grad_output"}]))
