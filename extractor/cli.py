@@ -191,10 +191,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- inspect
 
 
+def _store_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--storage-option KEY=VALUE`` (repeated) as fsspec options; values read as YAML (true, 3)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in getattr(args, "storage_option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ExtractorError(f"--storage-option {item!r}: expected KEY=VALUE, e.g. endpoint_url=http://host:9000")
+        out[key] = yaml.safe_load(value) if value else ""
+    return out
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .reader import open_store
 
-    s = open_store(args.store).summary()
+    s = open_store(args.store, _store_options(args)).summary()
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
@@ -283,7 +296,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from .reader import open_store
     from .show import gradcam_grid
 
-    store = open_store(args.store)
+    store = open_store(args.store, _store_options(args))
     cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
     key = args.key or (cams[0] if cams else None)
     if key is None:
@@ -318,7 +331,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     from .analysis import bar_chart, probe_store
     from .reader import open_store
 
-    store = open_store(args.store)
+    store = open_store(args.store, _store_options(args))
     results = probe_store(store, args.keys or None, folds=args.folds, max_rows=args.max_rows)
     _print_probe(results)
     if args.out:
@@ -451,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", dest="verbose_after", action="count", default=0,
                         help="more log output (-vv for debug)")
     sub = p.add_subparsers(dest="command", required=True)
+    remote = argparse.ArgumentParser(add_help=False)  # reading a store on S3 and the like
+    remote.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                        help="an fsspec option of a remote store, e.g. endpoint_url=http://host:9000 (repeatable); "
+                             "credentials also come from the usual environment (AWS_ACCESS_KEY_ID, ...)")
 
     r = sub.add_parser("run", parents=[common], help="run a job spec on this machine")
     r.add_argument("job", help="job spec (YAML)")
@@ -460,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
 
-    i = sub.add_parser("inspect", parents=[common], help="summarise a store")
+    i = sub.add_parser("inspect", parents=[common, remote], help="summarise a store")
     i.add_argument("store")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
@@ -474,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--json", action="store_true")
     la.set_defaults(func=cmd_layers)
 
-    sh = sub.add_parser("show", parents=[common],
+    sh = sub.add_parser("show", parents=[common, remote],
                         help="pictures: Grad-CAM overlays, a PCA scatter, or the images of rows")
     sh.add_argument("store")
     sh.add_argument("--key", help="capture to draw (default: the first gradcam capture)")
@@ -484,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--out", default="show.png")
     sh.set_defaults(func=cmd_show)
 
-    pr = sub.add_parser("probe", parents=[common], help="linear-probe accuracy of each capture against the labels")
+    pr = sub.add_parser("probe", parents=[common, remote],
+                        help="linear-probe accuracy of each capture against the labels")
     pr.add_argument("store")
     pr.add_argument("--keys", nargs="*", help="captures to probe (default: all)")
     pr.add_argument("--folds", type=_at_least(2), default=5, help="cross-validation folds (default 5)")

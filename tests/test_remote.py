@@ -64,7 +64,7 @@ def s3():
     proc.wait()
 
 
-def test_tars_and_manifest_from_s3_store_to_s3(s3, image_dir: Path, tmp_path: Path):
+def test_tars_and_manifest_from_s3_store_to_s3(s3, image_dir: Path, tmp_path: Path, capsys):
     fs, options = s3
     images = sorted(p for p in image_dir.rglob("*") if p.is_file())
     tars = write_tars(images, tmp_path / "tars", per_tar=5, labels={"cats": 0, "dogs": 1})
@@ -102,6 +102,13 @@ def test_tars_and_manifest_from_s3_store_to_s3(s3, image_dir: Path, tmp_path: Pa
     np.testing.assert_array_equal(s.labels, ref.labels)
     rows = [r for b, _ in s.batches("layer4", 5, seed=1) for r in b]
     assert sorted(rows) == list(range(12))
+    from extractor.cli import main  # inspect, show and probe take the store's options too
+
+    flags = [a for k, v in options.items() for a in ("--storage-option", f"{k}={v}")]
+    capsys.readouterr()
+    assert main(["inspect", "s3://bucket/tars.zarr", "--json", *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["row_status"]["ok"] == 12
+    assert main(["probe", "s3://bucket/tars.zarr", "--folds", "2", *flags]) == 0
 
 
 def test_missing_bucket_and_bad_credentials_are_clear(s3, image_dir: Path, tmp_path: Path):
