@@ -12,10 +12,12 @@ import io
 import json
 import logging
 import os
+import re
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,12 @@ def plan(n_rows: int, shard_size: int) -> list[Shard]:
 
 def is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute (against the current directory), so that workers running
+    elsewhere and later readers find the file; URLs (``s3://``, ``file://``...) unchanged."""
+    return path if "://" in path else os.path.abspath(path)
 
 
 def list_rows(data: DataSpec) -> Rows:
@@ -168,7 +176,8 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
             if name.lower().endswith(exts) and not name.startswith("."):
                 rel.append((base / name).as_posix())
     labels, classes = _folder_labels(rel)
-    paths = [storable_path(str(root / r)) for r in rel]
+    top = absolute(str(root))
+    paths = [storable_path(os.path.join(top, r)) for r in rel]
     return Rows(ids=[display_name(r) for r in rel], paths=paths, labels=labels, classes=classes)
 
 
@@ -211,7 +220,7 @@ def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
             raise DataError(f"{where}: missing 'path' (columns: path, optional id and label)")
         p = str(rec["path"])
         full = p if "://" in p or os.path.isabs(p) else f"{base.rstrip('/')}/{p}"
-        paths.append(full)
+        paths.append(absolute(full))
         ids.append(str(rec["id"]) if rec.get("id") not in (None, "") else p)
         raw_labels.append(rec.get("label"))
     seen: dict[str, int] = {}
@@ -221,22 +230,48 @@ def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
                 f"{manifest}: id {i!r} appears in rows {seen[i] + 1} and {n + 1}; ids must be unique"
             )
         seen[i] = n
-    labels, classes = labels_of(raw_labels)
+    labels, classes = labels_of(raw_labels, lambda n: f"{manifest} row {n + 1}")
     return Rows(ids=ids, paths=paths, labels=labels, classes=classes)
 
 
-def labels_of(raw: list[object]) -> tuple[list[int], list[str]]:
-    """Integer labels as given, or class names mapped to sorted indices; -1 where missing."""
-    present = [v for v in raw if v not in (None, "")]
+_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # no "+": "+1"/"-1" stay two class names, as before
+
+
+def _label_number(value: object) -> Decimal | None:
+    """A label read as a number: a JSON int or float, or text such as ``3``, ``3.0``, ``1e1``
+    (what pandas writes for an integer column with gaps); None for a class name."""
+    if isinstance(value, bool):  # JSON true/false: names, as before
+        return None
+    if isinstance(value, int | float):
+        return Decimal(value)  # exact; NaN and infinities included, refused by the caller
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return Decimal(value.strip())
+    return None
+
+
+def labels_of(raw: list[object], where: Callable[[int], str] = lambda n: f"row {n + 1}") -> tuple[list[int], list[str]]:
+    """Integer labels as given, or class names mapped to sorted indices; -1 where missing.
+
+    Numbers are class indices when every present value is a whole number: ``3``, ``3.0`` and
+    JSON ``3.0`` are all label 3. Otherwise every value is a class name (``"3"`` beside
+    ``"cat"``); when all of them looked like numbers (``2.5``), with a warning naming
+    ``where(row)`` of the first that is not whole.
+    """
+    present = [(n, v) for n, v in enumerate(raw) if v not in (None, "")]
     if not present:
         return [-1] * len(raw), []
-    try:
-        ints = [int(v) if v not in (None, "") else -1 for v in raw]  # type: ignore[call-overload]
-        if all(str(v).strip().lstrip("-").isdigit() for v in present):
+    numbers = {n: d for n, v in present if (d := _label_number(v)) is not None}
+    if len(numbers) == len(present):
+        odd = [n for n, d in numbers.items()
+               if not d.is_finite() or d != d.to_integral_value() or not -(2**63) <= d < 2**63]
+        if not odd:
+            ints = [-1] * len(raw)
+            for n, d in numbers.items():
+                ints[n] = int(d)
             return ints, []
-    except (TypeError, ValueError):
-        pass
-    classes = sorted({str(v) for v in present})
+        log.warning("%s: label %r is not a whole number, so every label is taken as a class name (class indices "
+                    "are whole numbers: 3, or 3.0 as spreadsheets write it)", where(odd[0]), raw[odd[0]])
+    classes = sorted({str(v) for _, v in present})
     index = {c: i for i, c in enumerate(classes)}
     return [index[str(v)] if v not in (None, "") else -1 for v in raw], classes
 
@@ -302,8 +337,10 @@ def _local_path(path: str) -> str | bytes:
 def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:
     """The bytes of one image: a file, a URL, or a member's byte range inside a tar."""
     if isinstance(item, tuple):
+        from .tarsource import tar_url_of
+
         path, offset, size = item
-        url = path.split("#", 1)[0]
+        url = tar_url_of(path, storage_options or {})
         if is_url(url):
             import fsspec
 

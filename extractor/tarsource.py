@@ -6,6 +6,11 @@ file name); its image is the member with an image extension, its label the conte
 Planning reads only headers (and the small label members), in parallel over tars, so rows
 are known and deterministic before any image is decoded; each row records its image's
 byte offset and size so workers read just those bytes.
+
+A row's stored path is ``TAR_URL#MEMBER``. Both parts may contain ``#`` (a folder
+``run#1``, a member ``a#1.jpg``), so the tar URL is the part before the first ``#`` at
+which an existing file ends (:func:`tar_url_of`); listing refuses a tar whose path would
+make that ambiguous. Local tar paths are stored absolute.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import tarfile
 from collections.abc import Sequence
@@ -20,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .errors import DataError
-from .sources import Rows, _remote_error, is_url, labels_of
+from .sources import Rows, _remote_error, absolute, is_url, labels_of
 
-__all__ = ["expand_braces", "list_tars", "scan_tar"]
+__all__ = ["expand_braces", "list_tars", "scan_tar", "tar_url_of"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,50 @@ def expand_braces(pattern: str) -> list[str]:
         options = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
     head, tail = pattern[: m.start()], pattern[m.end():]
     return list(itertools.chain.from_iterable(expand_braces(head + o + tail) for o in options))
+
+
+_IS_FILE: dict[tuple[str, str], bool] = {}  # (URL, storage options) -> is a file: remote answers, per process
+
+
+def _is_file(url: str, storage_options: dict[str, Any]) -> bool:
+    if not is_url(url):
+        return os.path.isfile(url.removeprefix("file://"))
+    key = (url, repr(sorted(storage_options.items())))
+    if key not in _IS_FILE:
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(url, **storage_options)
+        try:
+            _IS_FILE[key] = bool(fs.isfile(p))
+        except FileNotFoundError:  # a missing bucket; other errors (credentials, network) are the row's error
+            _IS_FILE[key] = False
+    return _IS_FILE[key]
+
+
+def tar_url_of(path: str, storage_options: dict[str, Any] | None = None) -> str:
+    """The tar URL of a stored row path ``TAR_URL#MEMBER``.
+
+    With one ``#`` that is where the URL ends. With several (``#`` in a folder name or a
+    member name), it is the first ``#`` before which an existing file ends: listing refused
+    tars with a file at an earlier ``#`` (:func:`_check_unambiguous`), so this is the tar.
+    Raises FileNotFoundError, naming the whole path, when no prefix is a file.
+    """
+    if path.count("#") <= 1:
+        return path.split("#", 1)[0]
+    for i, c in enumerate(path):
+        if c == "#" and _is_file(path[:i], storage_options or {}):
+            return path[:i]
+    raise FileNotFoundError(f"no tar shard found for {path} (no part of it before a '#' is a file)")
+
+
+def _check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
+    """Refuse a tar whose path has a file at one of its own ``#``: its rows could not be read back."""
+    for i, c in enumerate(url):
+        if c == "#" and _is_file(url[:i], storage_options):
+            raise DataError(
+                f"tar shard {url}: {url[:i]} is a file too, so rows stored as TAR#MEMBER would read it "
+                "instead; rename the folder or the file so that no part of the tar's path before a '#' is a file"
+            )
 
 
 def _key_and_ext(name: str) -> tuple[str, str]:
@@ -126,12 +176,15 @@ def _members(tar: tarfile.TarFile, url: str):  # -> Iterator[tarfile.TarInfo]
 def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], so: dict[str, Any]) -> Rows:
     """Rows of every sample of every tar, in pattern order then member order."""
     pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
-    urls = [u for p in pats for u in expand_braces(p)]
+    urls = [absolute(u) for p in pats for u in expand_braces(p)]
     if not urls:
         raise DataError("data.tars names no tar shards")
+    for url in urls:
+        if "#" in url:
+            _check_unambiguous(url, so)
     with ThreadPoolExecutor(min(16, len(urls))) as pool:
         scanned = list(pool.map(lambda u: scan_tar(u, extensions, so), urls))
-    ids, paths, offsets, sizes, raw = [], [], [], [], []
+    ids, paths, offsets, sizes, raw, where = [], [], [], [], [], []
     seen: dict[str, str] = {}
     for url, records in zip(urls, scanned, strict=True):
         for r in records:
@@ -143,5 +196,6 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
             offsets.append(int(r["offset"]))
             sizes.append(int(r["size"]))
             raw.append(r.get("label"))
-    labels, classes = labels_of(raw)
+            where.append(f"tar shard {url}, sample {r['key']!r}")
+    labels, classes = labels_of(raw, where.__getitem__)
     return Rows(ids=ids, paths=paths, labels=labels, classes=classes, offsets=offsets, sizes=sizes)

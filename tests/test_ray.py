@@ -68,6 +68,21 @@ def test_two_workers_equal_the_local_backend(ray_cluster, image_dir: Path, tmp_p
     assert [w["shards"] for w in summary.workers] and sum(w["shards"] for w in summary.workers) == 3
 
 
+def test_relative_paths_reach_workers_that_run_in_another_directory(ray_cluster, image_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """Ray's workers started in the directory the cluster was started from, not this one: the
+    spec's relative data.root and output.store still mean what they mean here."""
+    import shutil
+
+    shutil.copytree(image_dir, tmp_path / "imgs")
+    monkeypatch.chdir(tmp_path)
+    raw = job(Path("imgs"), Path("s.zarr"), cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1})
+    summary = run(parse_spec(raw))
+    assert summary.ok == 12 and summary.failed == 0
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert (s.status == 1).all() and s.done_shards.all() and s.attrs["spec"]["output"]["store"] == "s.zarr"
+
+
 def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images: Path, tmp_path: Path):
     ref = slow_job(slow_images, tmp_path / "ref.zarr")
     ref["cluster"] = {"backend": "local"}
@@ -158,13 +173,27 @@ def test_a_worker_wide_error_replaces_the_worker_and_charges_no_shard_it_held(ra
     summary = run(parse_spec(raw), on_event=lambda n, i: events.append((n, i)))
     died = [i for n, i in events if n == "worker_died"]
     assert len(died) == 1 and "failed: WorkerBroken: the worker's state is broken" in died[0]["error"]
-    assert 1 in died[0]["shards"] and not [i for n, i in events if n == "shard_failed"]
+    assert died[0]["shards"] and not [i for n, i in events if n == "shard_failed"]
     assert summary.ok == 12 and sorted(s.shard for s in summary.per_shard) == list(range(6))
     assert summary.workers[0]["restarts"] == 1 and summary.workers[0]["retries"] == (died[0]["charged"] is not None)
     a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
     assert (b.status == 1).all() and b.done_shards.all()
     for key in ("conv", "map"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_a_worker_that_always_fails_as_a_whole_ends_the_job(ray_cluster, slow_images: Path, tmp_path: Path):
+    """Replacing a worker costs no retry when it held two shards, but a shard run alone pays: a
+    worker-wide error on every shard cannot replace workers forever."""
+    raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, max_retries=1)
+    raw["model"].update(factory="toy_models:broken_worker",
+                        factory_kwargs={"marker": str(tmp_path / "broken"), "after": 1, "once": False})
+    events: list[tuple[str, dict]] = []
+    msg = r"failed 2 times \(cluster.max_retries=1\); last error: worker 0 .*WorkerBroken"
+    with pytest.raises(ShardError, match=msg):
+        run(parse_spec(raw), on_event=lambda n, i: events.append((n, i)))
+    died = [i for n, i in events if n == "worker_died"]
+    assert len(died) <= 4 and [d["charged"] for d in died if d["charged"] is not None] == [died[-1]["charged"]] * 2
 
 
 def test_shards_lost_together_are_redone_alone_and_only_a_lone_death_is_charged():

@@ -20,7 +20,7 @@ from extractor.spec import parse_spec
 from extractor.tarsource import expand_braces
 
 
-def write_tars(images: list[Path], out: Path, per_tar: int, labels: dict[str, int] | None = None,
+def write_tars(images: list[Path], out: Path, per_tar: int, labels: dict[str, object] | None = None,
                json_labels: bool = False) -> list[Path]:
     """WebDataset-style shards: KEY.jpg/KEY.png plus KEY.cls (or KEY.json) per sample."""
     out.mkdir(parents=True, exist_ok=True)
@@ -124,6 +124,61 @@ def test_manifest_jsonl_and_string_labels(image_dir: Path, tmp_path: Path):
                                                                        "manifest": str(m2)})).data)
 
 
+def manifest_rows(image_dir: Path, tmp_path: Path, name: str, text: str):
+    m = tmp_path / name
+    m.write_text(text)
+    return list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
+        "source": "manifest", "manifest": str(m), "root": str(image_dir)})).data)
+
+
+def test_whole_numbers_written_as_floats_are_integer_labels(image_dir: Path, tmp_path: Path):
+    # pandas writes an int column with a gap as floats: 3.0, not a class named "3.0"
+    rows = manifest_rows(image_dir, tmp_path, "m.csv", "path,label\ncats/cats00.jpg,3.0\ncats/cats01.png,5.0\n"
+                         "dogs/dogs00.jpg,10.0\ndogs/dogs01.png,\ncats/cats02.jpg,7\n")
+    assert rows.labels == [3, 5, 10, -1, 7] and rows.classes == []
+    rows = manifest_rows(image_dir, tmp_path, "m.jsonl", '{"path": "cats/cats00.jpg", "label": 1.0}\n'
+                         '{"path": "dogs/dogs00.jpg", "label": 2.0}\n{"path": "dogs/dogs01.png", "label": "2.0"}\n'
+                         '{"path": "cats/cats01.png", "label": null}\n{"path": "cats/cats02.jpg", "label": -1}\n')
+    assert rows.labels == [1, 2, 2, -1, -1] and rows.classes == []
+
+
+def test_numbers_that_are_not_all_whole_stay_class_names_with_a_warning(image_dir: Path, tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture):
+    with caplog.at_level("WARNING", logger="extractor.sources"):
+        rows = manifest_rows(image_dir, tmp_path, "m.csv", "path,label\ncats/cats00.jpg,1\ncats/cats01.png,2.5\n")
+    assert rows.classes == ["1", "2.5"] and rows.labels == [0, 1]
+    assert "m.csv row 2: label '2.5' is not a whole number, so every label is taken as a class name" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="extractor.sources"):
+        rows = manifest_rows(image_dir, tmp_path, "m.jsonl", '{"path": "cats/cats00.jpg", "label": 0.5}\n')
+    assert rows.classes == ["0.5"] and "m.jsonl row 1: label 0.5 is not a whole number" in caplog.text
+    rows = manifest_rows(image_dir, tmp_path, "m.csv", "path,label\ncats/cats00.jpg,+1\ncats/cats01.png,-1\n")
+    assert rows.classes == ["+1", "-1"] and rows.labels == [0, 1]  # LIBSVM-style: two classes, as before
+
+
+def test_class_names_stay_names_even_beside_numbers(image_dir: Path, tmp_path: Path):
+    rows = manifest_rows(image_dir, tmp_path, "m.csv", "path,label\ncats/cats00.jpg,cat\ncats/cats01.png,2.5\n"
+                         "dogs/dogs00.jpg,3\ndogs/dogs01.png,dog\n")
+    assert rows.classes == ["2.5", "3", "cat", "dog"] and rows.labels == [2, 0, 1, 3]
+
+
+def test_tar_labels_written_as_floats_are_integers(image_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    def tar_rows(out: str, **kw):
+        [tar] = write_tars(images, tmp_path / out, per_tar=12, **kw)
+        return list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
+            "source": "tar", "root": None, "tars": str(tar)})).data)
+
+    rows = tar_rows("cls", labels={"cats": "3.0", "dogs": "10.0"})
+    assert rows.labels == [3] * 6 + [10] * 6 and rows.classes == []
+    rows = tar_rows("json", labels={"cats": 2.0, "dogs": 0.0}, json_labels=True)
+    assert rows.labels == [2] * 6 + [0] * 6 and rows.classes == []
+    with caplog.at_level("WARNING", logger="extractor.sources"):
+        rows = tar_rows("half", labels={"cats": "0.5", "dogs": "1"})
+    assert rows.classes == ["0.5", "1"] and "tar shard " in caplog.text
+    assert "sample 'cats/cats00': label '0.5'" in caplog.text
+
+
 def test_a_csv_manifest_saved_by_a_spreadsheet_with_a_byte_order_mark(image_dir: Path, tmp_path: Path):
     m = tmp_path / "m.csv"
     m.write_bytes("path,label\ncats/cats00.jpg,cat\ndogs/dogs01.png,dog\n".encode("utf-8-sig"))
@@ -169,6 +224,7 @@ def test_every_row_in_exactly_one_shard_and_shards_align_with_chunks(n: int, sha
 
 def test_batch_stream_decodes_ahead_across_shards_but_never_mixes_them():
     import threading
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -196,6 +252,9 @@ def test_batch_stream_decodes_ahead_across_shards_but_never_mixes_them():
             while (batch := stream.next()) is not None:
                 batches.append(batch)
                 if paths is shards[0] and batch.offsets == [4]:  # shard 0's last batch is out:
+                    deadline = time.monotonic() + 10  # shard 1 already queued: a pool thread starts it
+                    while not any(p.startswith("s1-") for p in started) and time.monotonic() < deadline:
+                        time.sleep(0.01)  # (without waiting: a race on a loaded machine)
                     assert any(p.startswith("s1-") for p in started)  # shard 1 already decoding
             got.append(batches)
         assert stream.next() is None

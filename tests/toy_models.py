@@ -155,20 +155,25 @@ class WorkerBroken(BaseException):
 
 
 class BrokenWorker(FaultyDevice):
-    """Raises :class:`WorkerBroken` in its forward number ``after + 1``, once (a marker file)."""
+    """Raises :class:`WorkerBroken` in its forward number ``after + 1``: once (a marker file
+    stops it in later processes), or in every process with ``once=False``."""
+
+    def __init__(self, marker: str, after: int, seconds: float, once: bool) -> None:
+        super().__init__(marker, after, seconds)
+        self.once = once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import os
 
         self.calls += 1
-        if self.calls > self.after and not os.path.exists(self.marker):
+        if self.calls > self.after and not (self.once and os.path.exists(self.marker)):
             open(self.marker, "w").close()
             raise WorkerBroken("the worker's state is broken")
         return SlowNet.forward(self, x)
 
 
-def broken_worker(marker: str, after: int = 0, seconds: float = 0.15) -> nn.Module:
-    return BrokenWorker(marker, after, seconds)
+def broken_worker(marker: str, after: int = 0, seconds: float = 0.15, once: bool = True) -> nn.Module:
+    return BrokenWorker(marker, after, seconds, once)
 
 
 class CudaFault(nn.Module):
