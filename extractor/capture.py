@@ -371,11 +371,12 @@ class Capturer:
         if which == "predicted":
             target = logits.detach().argmax(dim=1)
         elif which == "label":
-            if labels is None or (labels < 0).any() or (labels >= logits.shape[1]).any():
+            k = logits.shape[1]
+            if labels is None or (labels < 0).any() or (labels >= k).any():
+                bad = "none" if labels is None else sorted({int(v) for v in labels.tolist() if not 0 <= v < k})
                 raise LayerError(
-                    f"target: label needs every row's label to be one of the model's {logits.shape[1]} outputs "
-                    f"(0 to {logits.shape[1] - 1}); a row has {'none' if labels is None else labels.tolist()}. "
-                    "Use target: predicted or a class index"
+                    f"target: label needs every row's label to be one of the model's {k} outputs (0 to {k - 1}); "
+                    f"rows have {bad}. Use target: predicted or a class index"
                 )
             target = labels.to(logits.device)
         else:

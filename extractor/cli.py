@@ -192,15 +192,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _store_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--storage-option KEY=VALUE`` (repeated) as fsspec options; values read as YAML (true, 3)."""
-    import yaml
-
+    """``--storage-option KEY=VALUE`` (repeated) as fsspec options: text, except ``true``/``false``
+    and plain integers (``0123`` stays text: it may be a secret)."""
     out: dict[str, Any] = {}
     for item in getattr(args, "storage_option", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ExtractorError(f"--storage-option {item!r}: expected KEY=VALUE, e.g. endpoint_url=http://host:9000")
-        out[key] = yaml.safe_load(value) if value else ""
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        elif value.isdigit() and (value == "0" or not value.startswith("0")):
+            out[key] = int(value)
+        else:
+            out[key] = value
     return out
 
 
@@ -456,7 +460,7 @@ def verbosity(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="extractor", description=DESCRIPTION,
+    p = argparse.ArgumentParser(prog="extractor", description=DESCRIPTION, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     # -v after the command too: counted apart and added (extractor -v run -v job.yaml is -vv)
@@ -532,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--set", action="append", metavar="KEY=VALUE")
     d.add_argument("-q", "--quiet", action="store_true")
     d.set_defaults(func=cmd_demo)
+    for command in sub.choices.values():  # no abbreviated options: --se would be --set, unredacted in logs
+        command.allow_abbrev = False
     return p
 
 

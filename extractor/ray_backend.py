@@ -302,7 +302,8 @@ class RayBackend:
             cause = _cause(err)
             if isinstance(cause, ExtractorError):
                 raise cause from None
-            raise ClusterError(f"a Ray worker failed to start: {cause}") from err
+            doing = "start" if method == "ready" else "compile the model"
+            raise ClusterError(f"a Ray worker failed to {doing}: {type(cause).__name__}: {cause}") from err
         if method == "ready":
             for i, info in zip(slots, infos, strict=True):
                 self.pids[i] = info["pid"]

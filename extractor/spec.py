@@ -305,6 +305,8 @@ def redact(d: Any, inside_options: bool = False) -> Any:
         for k, v in d.items():
             if inside_options and k not in _PUBLIC_OPTIONS:
                 out[k] = REDACTED
+            elif inside_options and isinstance(v, dict):  # client_kwargs, config_kwargs: options of their own
+                out[k] = redact(v, True)
             elif k == "env_vars" and isinstance(v, dict):
                 out[k] = {name: REDACTED for name in v}
             else:
@@ -323,10 +325,14 @@ def redact_argv(argv: list[str]) -> list[str]:
         prefix, item = ("--set=", arg[6:]) if arg.startswith("--set=") else ("", arg)
         if (prefix or (k and argv[k - 1] == "--set")) and "=" in item:
             key, value = item.split("=", 1)
-            parts = key.split(".")
-            secret = parts[-1] in ("storage_options", "env_vars") or "env_vars" in parts[:-1] or (
-                "storage_options" in parts[:-1] and parts[-1] not in _PUBLIC_OPTIONS)
-            arg = f"{prefix}{key}={REDACTED if secret else value}"
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = value
+            nested: Any = parsed
+            for part in reversed(key.split(".")):  # the override as the spec it makes: redacted as the spec is
+                nested = {part: nested}
+            arg = f"{prefix}{key}={REDACTED if redact(nested) != nested else value}"
         out.append(arg)
     return out
 

@@ -72,13 +72,17 @@ def _check_paths(spec: JobSpec) -> None:
             "temporary copy of submit.working_dir, which Ray deletes. Give an absolute path on the cluster's shared "
             "file system, or a URL (s3://...)"
         )
+    from .tarsource import expand_braces
+
     shipped = Path(spec.submit.working_dir) if spec.submit.working_dir else None
-    inputs = [("data.root", spec.data.root), ("data.manifest", spec.data.manifest),
-              *[("data.tars", t) for t in spec.data.tars or []]]
+    tars = [spec.data.tars] if isinstance(spec.data.tars, str) else list(spec.data.tars or [])
+    inputs = [("data.root", spec.data.root), ("data.manifest", spec.data.manifest), *[("data.tars", t) for t in tars]]
     if spec.model.weights and _looks_like_path(spec.model.weights):
         inputs.append(("model.weights", spec.model.weights))
     for name, value in inputs:
-        if relative(value) and not (shipped is not None and (shipped / value).exists()):
+        inside = shipped is not None and isinstance(value, str) and all(
+            (shipped / v).exists() for v in expand_braces(value))
+        if relative(value) and not inside:
             raise ClusterError(
                 f"{name} {value} is a relative path, and not inside submit.working_dir: on the cluster the job runs in "
                 "a copy of that folder, not here. Give an absolute path that the cluster's nodes can read, a URL "

@@ -285,8 +285,16 @@ class Worker:
         crop = self.spec.data.crop
         try:
             self._forward(torch.zeros(1, 3, crop, crop, dtype=torch.uint8), np.zeros(1, np.int64))
-        except (LayerError, KeyboardInterrupt, torch.OutOfMemoryError, *_DEVICE_ERRORS):
+        except (LayerError, KeyboardInterrupt):
             raise
+        except torch.OutOfMemoryError as err:
+            raise ModelError(
+                f"out of memory on the {self.device} while compiling the model on a full batch of "
+                f"{self.spec.data.batch_size} (data.batch_size): lower data.batch_size"
+            ) from err
+        except _DEVICE_ERRORS as err:
+            raise DeviceError(f"the {self.device} device failed while compiling the model: {describe_error(err)}") \
+                from err
         except Exception as err:
             raise ModelError(
                 f"model.compile: torch.compile failed on this model: {describe_error(err)}; set model.compile: false"

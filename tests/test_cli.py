@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from conftest import job, make_images
 
@@ -176,6 +177,8 @@ def test_help_describes_every_command_and_verbose_goes_anywhere():
     assert verbosity(p.parse_args(["-vv", "inspect", "s.zarr"])) == 2
     assert verbosity(p.parse_args(["-v", "inspect", "s.zarr", "-v"])) == 2  # added, not replaced
     assert verbosity(p.parse_args(["inspect", "s.zarr"])) == 0
+    with pytest.raises(SystemExit):  # no abbreviations: "--se" is not --set (whose secrets are redacted in logs)
+        p.parse_args(["run", "job.yaml", "--se", "data.storage_options.secret=x"])
 
 
 def test_a_failed_shard_prints_the_command_that_finishes_the_store(tmp_path: Path, capsys):

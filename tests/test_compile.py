@@ -96,3 +96,25 @@ def test_the_model_compiles_once_before_the_store_and_not_for_a_resume_with_noth
     group["shard_done"][2] = False  # as if the job had stopped before its last shard
     summary = run(_spec(image_dir, store, True, [{"layer": "stem", "reduce": "mean"}], if_exists="resume"))
     assert summary.shards_run == 1 and len(calls) == 3  # the warm-up, then the shard's 2 batches
+
+
+@pytest.mark.parametrize(("raised", "error", "words"), [
+    ("OutOfMemoryError", "ModelError", r"out of memory on the cpu while compiling the model on a full batch of 3 "
+                                       r"\(data.batch_size\): lower data.batch_size"),
+    ("AcceleratorError", "DeviceError", "the cpu device failed while compiling the model: .*illegal memory access"),
+])
+def test_memory_and_device_failures_while_compiling_are_named(image_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, raised, error, words):
+    import torch
+
+    from extractor import errors
+
+    def broken(model, **kwargs):
+        def forward(x):
+            raise getattr(torch, raised)("CUDA error: an illegal memory access was encountered")
+        return forward
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(getattr(errors, error), match=words):
+        _run(image_dir, tmp_path / "s.zarr", True, [{"layer": "stem"}])
+    assert not (tmp_path / "s.zarr").exists()

@@ -224,6 +224,11 @@ def test_submit_refuses_relative_paths_that_would_mean_another_place_on_the_clus
     spec.write_text(yaml.safe_dump(job(Path("imgs"), tmp_path / "s.zarr")))
     r = extractor("submit", str(spec), "--address", address, env=dict(os.environ), timeout=120)
     assert r.returncode == 1 and "data.root imgs is a relative path, and not inside submit.working_dir" in r.stderr
+    for tars in ("s3://bucket/shards/{000..009}.tar", "/data/shards/{000..009}.tar", ["/data/a.tar", "s3://b/c.tar"]):
+        spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr",  # absolute or URLs: fine
+                                           data={"source": "tar", "root": None, "tars": tars})))
+        r = extractor("submit", str(spec), "--address", address, env=dict(os.environ), timeout=120)
+        assert r.returncode == 1 and "cannot reach the Ray Jobs API" in r.stderr, (tars, r.stderr)
     shipped = tmp_path / "code"
     (shipped / "imgs").mkdir(parents=True)  # inside the uploaded folder: fine (the cluster is what fails now)
     spec.write_text(yaml.safe_dump(job(Path("imgs"), tmp_path / "s.zarr", submit={"working_dir": str(shipped)})))

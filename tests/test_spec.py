@@ -228,13 +228,18 @@ def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
 
     raw = {**BASE, "data": {"root": "x", "storage_options": {"secret": "s1", "endpoint_url": "http://e"}},
            "submit": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "s2", "OMP_NUM_THREADS": "4"}}}
+    raw["data"]["storage_options"]["client_kwargs"] = {"region_name": "eu", "aws_secret_access_key": "s6"}
     public = parse_spec(raw).public_dict()
+    assert public["data"]["storage_options"].pop("client_kwargs") == {"region_name": "eu",
+                                                                    "aws_secret_access_key": REDACTED}
     assert public["data"]["storage_options"] == {"secret": REDACTED, "endpoint_url": "http://e"}
     assert public["submit"]["env_vars"] == {"AWS_SECRET_ACCESS_KEY": REDACTED, "OMP_NUM_THREADS": REDACTED}
     argv = ["extractor", "run", "job.yaml", "--set", "data.storage_options.secret=s1", "--set",
             "output.storage_options.endpoint_url=http://e", "--set=submit.env_vars.TOKEN=s2", "--set",
-            "data.storage_options={key: k, secret: s3}", "--set", "data.batch_size=8", "-q"]
+            "data.storage_options={key: k, secret: s3}", "--set", "data.batch_size=8", "--set",
+            "submit={env_vars: {T: s4}}", "--set", "data.storage_options.client_kwargs={aws_secret_access_key: s5}",
+            "-q"]
     shown = " ".join(redact_argv(argv))
-    assert not {"s1", "s2", "s3"} & set(shown.replace("=", " ").replace(",", " ").split())
+    assert not {"s1", "s2", "s3", "s4", "s5"} & set(shown.replace("=", " ").replace(",", " ").replace("}", " ").split())
     assert f"data.storage_options.secret={REDACTED}" in shown and f"--set=submit.env_vars.TOKEN={REDACTED}" in shown
     assert "output.storage_options.endpoint_url=http://e" in shown and "data.batch_size=8" in shown
