@@ -170,6 +170,10 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False) -> int:
             print(f"  row {row} {id_}: {err}")
         if summary.failed > len(summary.failures):
             print(f"  ... and {summary.failed - len(summary.failures)} more (see the store's errors array)")
+    if summary.rows and not summary.ok and not summary.pending:  # nothing usable: a script must not go on
+        print(f"error: every row of {summary.store} failed (reasons above); check data.root and the images",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -201,3 +201,16 @@ def test_a_failed_shard_prints_the_command_that_finishes_the_store(tmp_path: Pat
     printed = err.strip().splitlines()[-1].strip()
     assert printed.endswith(f"run {spec} -q --resume") and "--overwrite" not in printed
     assert open_store(str(tmp_path / "s.zarr")).done_shards.tolist() == [True, False]
+
+
+def test_a_run_where_every_row_failed_exits_non_zero(tmp_path: Path):
+    """Rows that fail are listed and the job goes on, but a store with no usable row is no success."""
+    root = tmp_path / "imgs" / "a"
+    root.mkdir(parents=True)
+    for name in ("x.jpg", "y.jpg"):
+        (root / name).write_bytes(b"not a jpeg")
+    spec = write_job(tmp_path / "job.yaml", job(tmp_path / "imgs", tmp_path / "s.zarr",
+                                                data={"shard_size": 2, "batch_size": 2}))
+    r = extractor("run", str(spec), "-q")
+    assert r.returncode == 1 and "0 ok, 2 failed" in r.stdout and "every row of" in r.stderr, r.stderr
+    assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
