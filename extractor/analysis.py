@@ -22,7 +22,21 @@ def _features(store: ActivationStore, key: str, max_rows: int, seed: int) -> tup
     if len(rows) > max_rows:
         rows = np.sort(np.random.default_rng(seed).choice(rows, max_rows, replace=False))
     x = store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32)
+    x, rows = finite(x, rows, key)
     return x, store.labels[rows], rows
+
+
+def finite(x: np.ndarray, rows: np.ndarray, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``x`` (store rows ``rows``) without NaN or Inf, which a probe or a PCA cannot
+    use (a float16 capture that overflowed): left out with a warning, or an error when none is left."""
+    keep = np.isfinite(x).all(axis=1)
+    if keep.all():
+        return x, rows
+    if not keep.any():
+        raise StoreError(f"every row of {key} holds NaN or Inf (see extractor inspect): nothing to analyse")
+    log.warning("%s: %d of %d rows hold NaN or Inf and are left out (first: %s)", key, int((~keep).sum()), len(keep),
+                ", ".join(map(str, rows[~keep][:5])))
+    return x[keep], rows[keep]
 
 
 def _softmax_regression(x: np.ndarray, y: np.ndarray, k: int, l2: float, iters: int) -> np.ndarray:

@@ -44,6 +44,7 @@ class Target:
     capture: int  # position in spec.capture (for error messages)
     target: int | str | None = None  # gradient captures: predicted, label or a class index
     size: str = "layer"  # gradcam: layer or input resolution
+    layout: str = "auto"  # a 4-D map's channels: nchw, nhwc, or auto (decided from its shape)
 
     @property
     def gradient(self) -> bool:
@@ -114,7 +115,7 @@ def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec]) -> list[T
             key = c.key or f"{layer}{suffix}"
             dtype = "float32" if c.what == "gradcam" else c.dtype
             target = c.score_target if c.gradient else None
-            targets.append(Target(key, layer, c.what, c.index, c.reduce, dtype, i, target, c.size))
+            targets.append(Target(key, layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout))
     seen: dict[str, Target] = {}
     for t in targets:
         ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}  # a Grad-CAM map's per-row min, max
@@ -163,8 +164,17 @@ def select(value: Any, index: int | str | None, where: str) -> torch.Tensor:
     return item
 
 
-def reduce_tensor(t: torch.Tensor, how: str, where: str) -> torch.Tensor:
-    """Reduce a batch-first tensor on its device. Layouts: (B,C,H,W...) maps, (B,T,D) tokens."""
+def channels_last(shape: tuple[int, ...] | torch.Size, layout: str = "auto") -> bool:
+    """Whether a (batch, ...) 4-D map holds its channels last, (B, H, W, C). ``auto``: when its two
+    middle dims are equal and the last differs (the crop is square, so maps are)."""
+    if len(shape) != 4 or layout == "nchw":
+        return False
+    return layout == "nhwc" or shape[1] == shape[2] != shape[3]
+
+
+def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "auto") -> torch.Tensor:
+    """Reduce a batch-first tensor on its device. Layouts: (B,C,H,W...) maps, or (B,H,W,C) ones
+    (:func:`channels_last`), and (B,T,D) tokens."""
     if how == "none":
         return t
     if how == "flatten":
@@ -175,7 +185,12 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str) -> torch.Tensor:
         if t.ndim != 3:
             raise LayerError(f"{where} is {tuple(t.shape)}; reduce: cls needs (batch, tokens, features)")
         return t[:, 0]
-    dims = (1,) if t.ndim == 3 else tuple(range(2, t.ndim))  # tokens, or spatial positions
+    if t.ndim == 3:
+        dims: tuple[int, ...] = (1,)  # tokens
+    elif channels_last(t.shape, layout):
+        dims = (1, 2)  # spatial positions of a channels-last map
+    else:
+        dims = tuple(range(2, t.ndim))  # spatial positions
     if how == "mean":
         return t.mean(dim=dims, dtype=torch.float32)  # accumulates in float32 without a float32 copy of the map
     if how == "max":
@@ -183,7 +198,8 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str) -> torch.Tensor:
     raise LayerError(f"{where}: unknown reduce {how!r}")
 
 
-def dim_names(key: str, original: tuple[int, ...], reduce: str, what: str = "output") -> list[str]:
+def dim_names(key: str, original: tuple[int, ...], reduce: str, what: str = "output",
+              layout: str = "auto") -> list[str]:
     """Feature dimension names of a stored capture (without the leading ``row``)."""
     nd = len(original)  # feature dims, batch excluded
     if what == "gradcam":
@@ -195,7 +211,7 @@ def dim_names(key: str, original: tuple[int, ...], reduce: str, what: str = "out
     elif reduce == "cls":
         names = ["feature"]
     elif nd == 3:
-        names = ["channel", "y", "x"]
+        names = ["y", "x", "channel"] if channels_last((0, *original), layout) else ["channel", "y", "x"]
     elif nd == 2:
         names = ["token", "feature"]
     elif nd == 1:
@@ -276,7 +292,7 @@ class Capturer:
         self.anchors.clear()
 
     def _store(self, t: Target, tensor: torch.Tensor, where: str) -> None:
-        reduced = reduce_tensor(tensor, t.reduce, where)
+        reduced = reduce_tensor(tensor, t.reduce, where, t.layout)
         # a copy of views (none, flatten, cls): a later in-place op on the model's tensor must not change what we
         # keep; mean and max are new tensors already
         copy = t.reduce not in ("mean", "max")
@@ -300,8 +316,8 @@ class Capturer:
 
     def _input_hook(self, t: Target):
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if isinstance(t.index, str):
-                self._keep(t, kwargs)
+            if isinstance(t.index, str):  # a keyword argument, or a key of the one positional argument (a dict)
+                self._keep(t, kwargs if t.index in kwargs or len(args) != 1 else args[0])
             else:
                 self._keep(t, args if t.index is not None else (args[0] if len(args) == 1 else args))
 
@@ -402,6 +418,8 @@ class Capturer:
                 raise LayerError(
                     f"gradcam needs a (batch, channels, y, x) map; {t.layer!r} gives {tuple(feature.shape)}"
                 )
+            if channels_last(feature.shape, t.layout):  # (B, H, W, C) -> (B, C, H, W)
+                feature, g = feature.permute(0, 3, 1, 2), g.permute(0, 3, 1, 2)
             weights = g.float().mean(dim=(2, 3), keepdim=True)  # (B, C, 1, 1)
             cam = torch.relu((weights * feature.float()).sum(dim=1, keepdim=True))  # (B, 1, h, w)
             if t.size == "input":

@@ -262,13 +262,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_layers(args: argparse.Namespace) -> int:
     from .model import build_model, layer_table
-    from .spec import ModelSpec
+    from .spec import parse_model_spec
 
     logging.getLogger("extractor.model").setLevel(logging.ERROR)  # random init is fine for shapes
-    try:
-        mspec = ModelSpec(name=None if args.factory else args.model, factory=args.factory, weights=args.weights)
-    except ValueError as err:
-        raise ExtractorError(str(err)) from None
+    if args.model and args.factory:
+        raise ExtractorError(f"name a model ({args.model}) or pass --factory ({args.factory}), not both")
+    mspec = parse_model_spec({"name": None if args.factory else args.model, "factory": args.factory,
+                              "weights": args.weights}, "extractor layers")
     model, _ = build_model(mspec)
     table = layer_table(model, args.input_size)
     if args.depth is not None:
@@ -279,8 +279,8 @@ def cmd_layers(args: argparse.Namespace) -> int:
     rows = [["  " * max(r["depth"] - 1, 0) + r["name"], r["type"], r["output"], f"{r['parameters']:,}"]
             for r in table]
     print(_table(rows, ["name", "type", "output (batch 1)", "parameters"]))
-    print("\nA parent's output is its last child's output. Capture names or globs (layer4.*.conv2)")
-    print("from the left column.")
+    print("\nA parent's output is what its forward returns (often, not always, its last child's output).")
+    print("Capture names or globs (layer4.*.conv2) from the left column.")
     return 0
 
 
@@ -300,7 +300,7 @@ def _parse_rows(text: str | None) -> slice | None:
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .analysis import image_grid, pca, scatter_plot
+    from .analysis import finite, image_grid, pca, scatter_plot
     from .reader import open_store
     from .show import gradcam_grid
 
@@ -322,7 +322,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             raise ExtractorError(f"{args.store} has no ok rows: nothing to draw (see extractor inspect)")
         if len(rows) > args.max_rows:
             rows = np.sort(np.random.default_rng(0).choice(rows, args.max_rows, replace=False))
-        x = store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32)
+        x, rows = finite(store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32), rows, key)
         sheet = scatter_plot(pca(x), store.labels[rows], store.classes, f"PCA of {key} ({len(rows)} rows)")
     _save(sheet, args.out)
     print(f"wrote {args.out} ({sheet.size[0]}x{sheet.size[1]})")

@@ -390,6 +390,15 @@ class ActivationStore:
         _need_torch("dataloader")
         from ._torch import batch_loader
 
+        loader_only = sorted(set(batches_kwargs) & {"num_workers", "pin_memory", "collate_fn", "sampler",
+                                                     "prefetch_factor", "persistent_workers"})
+        if loader_only:
+            raise TypeError(
+                f"dataloader() streams batches() in this process and takes batches()' options, not "
+                f"{', '.join(loader_only)}: its reads run on a background thread already. For DataLoader worker "
+                "processes, use torch.utils.data.DataLoader(s.torch_dataset(keys), num_workers=...)"
+            )
+
         names = [keys] if isinstance(keys, str) else list(keys or self.keys)
         return batch_loader(self, names, batch_size, shuffle, seed, batches_kwargs)
 

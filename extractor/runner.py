@@ -24,7 +24,7 @@ import numpy as np
 from . import __version__
 from .errors import DataError, StoreError
 from .sources import Rows, Shard, list_rows, plan
-from .spec import JobSpec, content_of, redact_argv, spec_digest
+from .spec import JobSpec, content_of, parse_spec, redact_argv, spec_digest
 from .stats import merge as merge_stats
 from .store import (
     FAILED,
@@ -146,6 +146,17 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def _current_form(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored (public) spec as this version writes it: settings it lacks get their defaults."""
+    model = stored.get("model")
+    if isinstance(model, dict) and model.get("factory") and model.get("name") == "resnet18":
+        stored = {**stored, "model": {k: v for k, v in model.items() if k != "name"}}  # the old default, unused
+    try:
+        return parse_spec(stored).public_dict()
+    except Exception:  # noqa: BLE001 - a spec this version refuses: compared as stored
+        return stored
+
+
 def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any]) -> None:
     """Refuse to resume a store made by another format, spec, model or data listing."""
     problems: list[str] = []
@@ -153,9 +164,11 @@ def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any]) -> None
         problems.append(f"format version {old.get('format_version')} in the store, {FORMAT_VERSION} now")
     else:
         if old.get("spec_digest") != new["spec_digest"]:
-            old_spec = content_of(old.get("spec", {}))
+            # the stored spec with the settings added since as their defaults: it differs in content, or
+            # only in what an older version of extractor did not write down
+            old_spec = content_of(_current_form(old.get("spec", {})))
             new_spec = content_of(new["spec"])
-            problems += _differences(old_spec, new_spec) or ["the job spec differs"]
+            problems += _differences(old_spec, new_spec)
         if old.get("model", {}).get("state_dict_sha256") != new["model"]["state_dict_sha256"]:
             problems.append("the model's weights differ (state-dict hash)")
         if old.get("captures") != new["captures"]:

@@ -62,6 +62,13 @@ class ModelSpec(_Section):
     """Compile the hooked model with ``torch.compile`` (hooks are registered first and traced
     into the graph). Pays a compile of tens of seconds per worker; worth it on long GPU runs."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _a_factory_has_no_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("factory") is not None and "name" not in data:
+            return {**data, "name": None}  # not the default resnet18: the factory's model is what runs
+        return data
+
     @model_validator(mode="after")
     def _name_or_factory(self) -> ModelSpec:
         if self.factory is not None and self.name and "name" in self.model_fields_set:
@@ -135,8 +142,9 @@ class CaptureSpec(_Section):
     layer: str
     """Module name as in ``model.named_modules()`` or a glob (``layer4.*.conv2``)."""
     what: Literal["output", "input", "grad_output", "gradcam"] = "output"
-    """The module's output or (first positional) input; the gradient of the target score with
-    respect to its output; or a Grad-CAM map built from its output and that gradient."""
+    """The module's output or input (its one positional argument; with ``index``, the Nth one, or a
+    keyword argument or key of a dict argument); the gradient of the target score with respect
+    to its output; or a Grad-CAM map built from its output and that gradient."""
     index: int | str | None = None
     """Element of a tuple/list (int) or dict/dataclass (str) output or input."""
     reduce: Literal["none", "mean", "max", "flatten", "cls"] = "none"
@@ -150,6 +158,10 @@ class CaptureSpec(_Section):
     the row's label, or a class index."""
     size: Literal["layer", "input"] = "layer"
     """For gradcam: keep the map at the layer's resolution or upsample it (bilinear) to the crop."""
+    layout: Literal["auto", "nchw", "nhwc"] = "auto"
+    """How a 4-D map holds its channels: (batch, channel, y, x) or (batch, y, x, channel), as in
+    Swin and ConvNeXt blocks; ``auto`` takes channels last when the two middle dims are equal
+    and the last differs (crops are square, so maps are), with a warning."""
 
     @model_validator(mode="after")
     def _gradient_fields(self) -> CaptureSpec:
@@ -406,6 +418,14 @@ def parse_spec(raw: Any, source: str = "job spec") -> JobSpec:
         return JobSpec.model_validate(raw)
     except ValidationError as err:
         raise SpecError(f"{source} is invalid:\n{_format_errors(err)}") from None
+
+
+def parse_model_spec(raw: dict[str, Any], source: str) -> ModelSpec:
+    """Validate a ``model`` section alone (``extractor layers``), raising :class:`SpecError`."""
+    try:
+        return ModelSpec.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(f"{source}:\n{_format_errors(err)}") from None
 
 
 _PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import Capturer, Target, dim_names, resolve_targets
+from .capture import Capturer, Target, channels_last, dim_names, resolve_targets
 from .errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
 from .model import build_model, resolve_device
 from .sources import BatchStream, ImageDecoder, JpegDecoder, Shard, describe_error, device_errors
@@ -245,6 +245,12 @@ class Worker:
                 f"{describe_error(err)}. If it expects another input size, set data.crop (and data.resize) to it"
             ) from err
         original = dict(self.cap.original_shapes)
+        for t in self.targets:
+            shape = (0, *original[t.key])
+            if t.layout == "auto" and channels_last(shape) and (t.reduce != "flatten" or t.what == "gradcam"):
+                log.warning("capture[%d] %s: layer %r gives %s maps: read as (batch, y, x, channel), channels last; "
+                            "if they are (batch, channel, y, x), set capture[%d].layout: nchw", t.capture, t.key,
+                            t.layer, "x".join(map(str, original[t.key])), t.capture)
         if self.cap.logits is not None:  # a gradient job: labels (target: label) must be among them
             self.model_info = {**self.model_info, "logits": self.cap.logits}
         modules = dict(self.model.named_modules())
@@ -258,7 +264,7 @@ class Worker:
                 "dtype": t.dtype,
                 "shape": list(values[t.key].shape[1:]),
                 "original_shape": list(original[t.key]),
-                "dims": dim_names(t.key, original[t.key], t.reduce, t.what),
+                "dims": dim_names(t.key, original[t.key], t.reduce, t.what, t.layout),
                 "capture": t.capture,
                 **({"target": t.target} if t.gradient else {}),
                 **({"size": t.size} if t.what == "gradcam" else {}),

@@ -214,3 +214,13 @@ def test_a_run_where_every_row_failed_exits_non_zero(tmp_path: Path):
     r = extractor("run", str(spec), "-q")
     assert r.returncode == 1 and "0 ok, 2 failed" in r.stdout and "every row of" in r.stderr, r.stderr
     assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
+
+
+def test_layers_errors_are_one_line(capsys: pytest.CaptureFixture):
+    from extractor.cli import main
+
+    assert main(["layers", "--factory", "toy_models"]) == 1
+    err = capsys.readouterr().err
+    assert "model.factory must look like 'pkg.module:function'" in err and "pydantic" not in err
+    assert main(["layers", "resnet18", "--factory", "toy_models:small_cnn"]) == 1
+    assert "not both" in capsys.readouterr().err

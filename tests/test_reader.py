@@ -229,6 +229,12 @@ def test_row_by_id_and_torch_views(store):
     assert epoch1[0].shape == (8,) and set(epoch1[0].tolist()) <= set(store.ok_rows().tolist())
 
 
+def test_dataloader_names_the_options_it_does_not_take(store):
+    pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"not num_workers.*DataLoader\(s.torch_dataset\(keys\), num_workers"):
+        store.dataloader(["layer4"], num_workers=2)
+
+
 def test_xarray_view_matches_raw_arrays(store):
     pytest.importorskip("xarray")
     pytest.importorskip("dask")
@@ -309,21 +315,30 @@ def test_probe_and_show_commands_write_pictures(tmp_path: Path, store):
     assert main(["show", store.url, "--key", "nope", "--out", str(tmp_path / "x.png")]) == 1
 
 
-def test_nan_and_inf_are_stored_as_computed_and_counted(tmp_path: Path):
+def test_nan_and_inf_are_stored_as_computed_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     from PIL import Image
 
     root = tmp_path / "imgs"
-    make_images(root, per_class=3, classes=("a",), size=40)
+    make_images(root, per_class=3, classes=("a", "b"), size=40)
     Image.new("RGB", (40, 40), (255, 255, 255)).save(root / "a" / "white.png")
     raw = job(root, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:nan_net", "device": "cpu"},
               data={"resize": None, "crop": 32}, capture=[{"layer": "conv", "reduce": "mean"}])
     summary = run(parse_spec(raw))
-    assert summary.ok == 4 and summary.nonfinite == {"conv": (1, [3])}
+    assert summary.ok == 7 and summary.nonfinite == {"conv": (1, [3])}
     s = open_store(str(tmp_path / "s.zarr"))
     assert np.isinf(s.numpy("conv")[3]).all()
     st = s.attrs["stats"]["conv"]
     assert st["inf"] == 4 and st["nonfinite_rows"] == 1 and st["first_nonfinite_rows"] == [3]
     assert np.isfinite(st["mean"]).all()
+    # a probe and a PCA leave such rows out, saying so (they gave a NaN accuracy and an SVD error)
+    from extractor.analysis import probe_store
+    from extractor.cli import main
+
+    with caplog.at_level("WARNING", logger="extractor.analysis"):
+        res = probe_store(s, folds=2)["conv"]
+    assert res["rows"] == 6 and np.isfinite(res["accuracy"])
+    assert "conv: 1 of 7 rows hold NaN or Inf and are left out (first: 3)" in caplog.text
+    assert main(["show", s.url, "--key", "conv", "--out", str(tmp_path / "pca.png")]) == 0
 
 
 def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):

@@ -243,3 +243,15 @@ def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
     assert not {"s1", "s2", "s3", "s4", "s5"} & set(shown.replace("=", " ").replace(",", " ").replace("}", " ").split())
     assert f"data.storage_options.secret={REDACTED}" in shown and f"--set=submit.env_vars.TOKEN={REDACTED}" in shown
     assert "output.storage_options.endpoint_url=http://e" in shown and "data.batch_size=8" in shown
+
+
+def test_a_factory_model_has_no_name_and_older_stores_of_one_still_compare_equal():
+    from extractor.runner import _current_form
+    from extractor.spec import content_of
+
+    raw = {**BASE, "model": {"factory": "toy_models:small_cnn"}}
+    spec = parse_spec(raw)
+    assert spec.model.name is None  # not the default resnet18, which never ran
+    stored = spec.public_dict()
+    stored["model"]["name"] = "resnet18"  # what versions before this one recorded
+    assert content_of(_current_form(stored)) == content_of(spec.public_dict())

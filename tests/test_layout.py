@@ -1,0 +1,73 @@
+"""Channels-last maps (Swin, ConvNeXt blocks are (batch, y, x, channel)): reduced over their
+spatial positions, named y, x, channel, and Grad-CAM over their channels, like a direct forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from conftest import job
+from test_worker import reference_batch
+
+from extractor.reader import open_store
+from extractor.runner import run
+from extractor.spec import parse_spec
+
+SWIN = {"name": "swin_t", "weights": None, "device": "cpu"}
+DATA = {"resize": 72, "crop": 64}  # maps of 16x16 (features.1), 8x8 (features.3)
+
+
+def test_swin_maps_are_reduced_over_space_and_named_channel_last(image_dir: Path, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture):
+    from torchvision.models import swin_t
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    raw = job(image_dir, tmp_path / "s.zarr", model=SWIN, data=DATA, capture=[
+        {"layer": "features.1", "reduce": "mean", "key": "s1"},
+        {"layer": "features.3", "reduce": "none", "key": "s3", "dtype": "float32"},
+        {"layer": "features.3", "what": "gradcam", "key": "cam"},
+        {"layer": "features.1", "reduce": "mean", "key": "forced", "layout": "nchw"},
+    ])
+    with caplog.at_level("WARNING", logger="extractor.worker"):
+        assert run(parse_spec(raw)).ok == 12
+    assert "capture[0] s1: layer 'features.1' gives 16x16x96 maps: read as (batch, y, x, channel)" in caplog.text
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.captures["s1"]["dims"] == ["s1.channel"] and s["s1"].shape == (12, 96)
+    assert s.captures["s3"]["dims"] == ["s3.y", "s3.x", "s3.channel"] and s["s3"].shape == (12, 8, 8, 192)
+    assert s["forced"].shape == (12, 16)  # layout: nchw, as asked: the mean over (x, channel)
+
+    torch.manual_seed(0)
+    model = swin_t().eval()
+    fx = create_feature_extractor(model, return_nodes=["features.1", "features.3", "head"])
+    feats = fx(reference_batch([Path(p) for p in s.paths], 72, 64))
+    a1, a3, logits = feats["features.1"], feats["features.3"], feats["head"]
+    score = logits.gather(1, logits.argmax(1)[:, None]).sum()
+    (g3,) = torch.autograd.grad(score, [a3])
+    a3, g3 = a3.detach().permute(0, 3, 1, 2), g3.permute(0, 3, 1, 2)  # to (batch, channel, y, x)
+    cam = torch.relu((g3.mean((2, 3), keepdim=True) * a3).sum(1))
+    expected = {"s1": a1.detach().mean((1, 2)), "s3": a3.permute(0, 2, 3, 1), "cam": cam,
+                "forced": a1.detach().mean((2, 3))}
+    for key, ref in expected.items():
+        got, ref = s.numpy(key), ref.numpy()
+        err = np.abs(got - ref).max() / (np.abs(ref).max() + 1e-12)
+        assert err < 2e-3, (key, err)
+
+
+def test_a_store_made_before_layout_existed_still_resumes(image_dir: Path, tmp_path: Path):
+    """A setting added since a store was made is compared at its default, not as a difference."""
+    raw = job(image_dir, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    attrs = dict(g.attrs["extractor"])
+    for c in attrs["spec"]["capture"]:
+        del c["layout"]  # as written by the version before
+    attrs["spec_digest"] = "0123456789abcdef"
+    g.attrs["extractor"] = attrs
+    raw["output"]["if_exists"] = "resume"
+    assert run(parse_spec(raw)).shards_skipped == 3
+    raw["data"]["crop"] = 32  # a real difference is still one
+    with pytest.raises(Exception, match="data.crop: 64 in the store, 32 now"):
+        run(parse_spec(raw))
