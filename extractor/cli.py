@@ -233,7 +233,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         shown = ", ".join(s["classes"][:10]) + (", ..." if len(s["classes"]) > 10 else "")
         print(f"classes {len(s['classes'])}: {shown}")
     rows = [
-        [k, c["layer"], c["what"], c["reduce"], c["dtype"], "x".join(map(str, c["shape"])), _bytes(c["bytes_stored"])]
+        [k, c["layer"], c["what"] + (f"[{c['index']!r}]" if c.get("index") is not None else ""), c["reduce"],
+         c["dtype"], "x".join(map(str, c["shape"])), _bytes(c["bytes_stored"])]
         for k, c in s["captures"].items()
     ]
     print()
@@ -382,7 +383,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         store = open_store(spec.output.store)
         results = probe_store(store, folds=5)
-        print("\nlinear probe against the sample classes (5-fold):")
+        folds = len(next(iter(results.values()))["folds"])  # fewer than 5 with fewer rows
+        print(f"\nlinear probe against the sample classes ({folds}-fold):")
         _print_probe(results)
         bar_chart(results, "demo: linear-probe accuracy").save(base / "probe.png")
         x = store.numpy("embedding")

@@ -459,6 +459,7 @@ class ActivationStore:
             captures[key] = {
                 "layer": meta["layer"],
                 "what": meta["what"],
+                "index": meta.get("index"),
                 "reduce": meta["reduce"],
                 "dtype": str(arr.dtype),
                 "shape": list(arr.shape),

@@ -428,7 +428,7 @@ def parse_model_spec(raw: dict[str, Any], source: str) -> ModelSpec:
         raise SpecError(f"{source}:\n{_format_errors(err)}") from None
 
 
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")
 
 
 def _split_path(path: str) -> list[str | int]:
@@ -436,7 +436,7 @@ def _split_path(path: str) -> list[str | int]:
     for name, idx in _PATH_PART.findall(path):
         if idx:
             parts.append(int(idx))
-        elif name.isdigit():
+        elif name.lstrip("-").isdigit():
             parts.append(int(name))
         else:
             parts.append(name)
@@ -459,9 +459,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             last = i == len(parts) - 1
             where = _loc_to_path(tuple(parts[: i + 1]))
             if isinstance(part, int):
-                if not isinstance(node, list) or part >= len(node):
-                    n = len(node) if isinstance(node, list) else 0
-                    raise SpecError(f"--set {path}: {where} does not exist (the list has {n} entries)")
+                parent = _loc_to_path(tuple(parts[:i]))
+                if not isinstance(node, list):
+                    raise SpecError(f"--set {path}: {parent} is not a list in the spec (a setting left out takes its "
+                                    f"default); set the whole list, e.g. --set '{parent}=[...]'")
+                if not -len(node) <= part < len(node):
+                    raise SpecError(f"--set {path}: {where} does not exist (the list has {len(node)} entries)")
             elif not isinstance(node, dict):
                 raise SpecError(f"--set {path}: {_loc_to_path(tuple(parts[:i]))} is not a mapping")
             if last:

@@ -159,3 +159,25 @@ def test_token_reductions(reduce: str, shape: tuple[int, ...]):
     torch.testing.assert_close(out, expected)
     with pytest.raises(LayerError, match="reduce: none"):
         reduce_tensor(torch.randn(2, 7), "mean", "fc output")
+
+
+def test_input_index_takes_a_key_of_a_dict_argument_or_a_keyword_argument():
+    class Head(torch.nn.Module):
+        def forward(self, d: dict, scale: torch.Tensor | None = None) -> torch.Tensor:
+            return d["vec"] * 2
+
+    class DictIn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head, self.tail = Head(), Head()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.tail({"vec": self.head({"vec": x.mean((2, 3)), "map": x})}, scale=x.amax((1, 2, 3)))
+
+    x = torch.randn(2, 3, 8, 8)
+    targets = resolve_targets(DictIn(), caps({"layer": "head", "what": "input", "index": "vec", "key": "v"},
+                                             {"layer": "tail", "what": "input", "index": "scale", "key": "s"}))
+    with Capturer(DictIn(), targets) as cap, torch.inference_mode():
+        out = cap.run(x)
+    torch.testing.assert_close(out["v"], x.mean((2, 3)))  # a key of the one positional argument
+    torch.testing.assert_close(out["s"], x.amax((1, 2, 3)))  # a keyword argument

@@ -255,3 +255,12 @@ def test_a_factory_model_has_no_name_and_older_stores_of_one_still_compare_equal
     stored = spec.public_dict()
     stored["model"]["name"] = "resnet18"  # what versions before this one recorded
     assert content_of(_current_form(stored)) == content_of(spec.public_dict())
+
+
+def test_override_paths_into_lists():
+    raw = {**BASE, "capture": [{"layer": "a"}, {"layer": "b"}]}
+    assert apply_overrides(raw, ["capture[-1].reduce=mean"])["capture"][1]["reduce"] == "mean"
+    with pytest.raises(SpecError, match=r"data.mean is not a list in the spec .* --set 'data.mean=\[...\]'"):
+        apply_overrides(raw, ["data.mean[0]=0.5"])  # unset: its default is not in the raw spec
+    with pytest.raises(SpecError, match=r"capture\[2\] does not exist \(the list has 2 entries\)"):
+        apply_overrides(raw, ["capture[2].reduce=mean"])
