@@ -203,19 +203,13 @@ def _for_workers(spec: JobSpec) -> dict[str, Any]:
     """The spec as the actors get it: local paths made absolute, since an actor runs in another
     directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
     from .model import _looks_like_path
+    from .sources import absolute
 
     d = spec.to_dict()
-
-    def absolute(section: str, key: str) -> None:
+    for section, key in (("output", "store"), ("data", "root"), ("data", "manifest"), ("model", "weights")):
         value = d[section].get(key)
-        if isinstance(value, str) and "://" not in value:
-            d[section][key] = os.path.abspath(value)
-
-    absolute("output", "store")
-    absolute("data", "root")
-    absolute("data", "manifest")
-    if d["model"].get("weights") and _looks_like_path(d["model"]["weights"]):
-        absolute("model", "weights")
+        if isinstance(value, str) and (key != "weights" or _looks_like_path(value)):
+            d[section][key] = absolute(value)
     return d
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import __version__
 from .errors import DataError, StoreError
-from .sources import Rows, Shard, list_rows, plan
+from .sources import Rows, Shard, absolute, list_rows, plan
 from .spec import JobSpec, content_of, parse_spec, redact_argv, spec_digest
 from .stats import merge as merge_stats
 from .store import (
@@ -183,10 +183,11 @@ def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any]) -> None
         )
 
 
-def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any]) -> Any:
+def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any],
+                old: dict[str, Any] | None) -> Any:
+    """Create, replace or resume the store; ``old`` is its attributes as read (None: nothing there)."""
     url = spec.output.store
     so = spec.output.storage_options
-    old = read_attrs(url, so)
     if old is not None:
         Lease.check(url, so, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
     mode = spec.output.if_exists
@@ -397,9 +398,10 @@ def run(
             "ids_digest": _ids_digest(rows.ids),
             "versions": _versions(),
         }
-        if spec.output.if_exists == "overwrite" or read_attrs(spec.output.store, spec.output.storage_options) is None:
+        old = read_attrs(spec.output.store, spec.output.storage_options)
+        if spec.output.if_exists == "overwrite" or old is None:
             backend.warm_up()  # a model that fails to compile fails before a store is created or replaced
-        group = _open_store(spec, rows, shards, attrs)
+        group = _open_store(spec, rows, shards, attrs, old)
         lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, _owner())
         lease.acquire()
         done = done_shards(group)
@@ -407,7 +409,7 @@ def run(
         per_row = _bytes_per_row(captures)
         if on_start is not None:
             on_start(sum(len(s) for s in todo), per_row)
-        url = spec.output.store if "://" in spec.output.store else os.path.abspath(spec.output.store)  # for workers
+        url = absolute(spec.output.store)  # for workers in another directory
         try:
             summaries: list[ShardSummary] = []
             if todo:  # a resume with nothing left to compute compiles nothing
