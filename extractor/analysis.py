@@ -184,22 +184,22 @@ def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8):  # -
     """The input images of ``rows`` as the job saw them (resized and cropped), with id and label."""
     from PIL import Image, ImageDraw
 
+    from .preprocess import of_store
     from .show import _crop_like_job
 
-    data = store.spec["data"]
-    c = data["crop"]
+    ch, cw = of_store(store.attrs).size
     n_rows = -(-len(rows) // columns)
-    sheet = Image.new("RGB", (columns * c, n_rows * (c + 16)), "white")
+    sheet = Image.new("RGB", (columns * cw, n_rows * (ch + 16)), "white")
     d = ImageDraw.Draw(sheet)
     classes = store.classes
     for n, r in enumerate(rows):
-        x, y = (n % columns) * c, (n // columns) * (c + 16)
+        x, y = (n % columns) * cw, (n // columns) * (ch + 16)
         try:
-            sheet.paste(_crop_like_job(store.locator(int(r)), data), (x, y))
+            sheet.paste(_crop_like_job(store.locator(int(r)), store), (x, y))
         except (OSError, ValueError) as err:
             for i, line in enumerate(("unreadable", type(err).__name__)):
-                d.text((x + 2, y + 2 + 12 * i), _fit(d, line, c - 4), fill="red")
+                d.text((x + 2, y + 2 + 12 * i), _fit(d, line, cw - 4), fill="red")
         lab = int(store.labels[r])
         caption = f"{r}: {classes[lab] if 0 <= lab < len(classes) else lab}"
-        d.text((x + 2, y + c + 2), _fit(d, caption, c - 4), fill="black")
+        d.text((x + 2, y + ch + 2), _fit(d, caption, cw - 4), fill="black")
     return sheet

@@ -44,7 +44,8 @@ class Target:
     capture: int  # position in spec.capture (for error messages)
     target: int | str | None = None  # gradient captures: predicted, label or a class index
     size: str = "layer"  # gradcam: layer or input resolution
-    layout: str = "auto"  # a 4-D map's channels: nchw, nhwc, or auto (decided from its shape)
+    layout: str = "auto"  # a 4-D output's dims: nchw, nhwc, attention, or auto (decided by the worker's probe)
+    drop_prefix: int = 0  # token sequences: leading tokens (CLS, registers) left out
 
     @property
     def gradient(self) -> bool:
@@ -83,42 +84,61 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out) + r"\Z")
 
 
-def _no_such_layer(pattern: str, names: Sequence[str], where: str) -> LayerError:
+ROOT = "(model)"  # how a capture names the model's own output (what its forward or model.call returns)
+_SUFFIX = {"output": "", "input": ".input", "grad_output": ".grad", "gradcam": ".gradcam"}
+
+
+def _no_such_layer(pattern: str, names: Sequence[str], where: str, hint: str) -> LayerError:
     close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
-    hint = f" Closest: {', '.join(close)}." if close else ""
-    return LayerError(
-        f"{where}.layer {pattern!r} matches no module of the model.{hint} "
-        "List the layers with `extractor layers MODEL`."
-    )
+    found = f" Closest: {', '.join(close)}." if close else ""
+    return LayerError(f"{where}.layer {pattern!r} matches no module of the model.{found} "
+                      f"List the layers with `{hint}`.")
 
 
-def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec]) -> list[Target]:
-    """Resolve names and globs against ``model.named_modules()`` before any image is read."""
+def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec], hint: str = "extractor layers JOB.yaml",
+                    prefix_tokens: int | None = None) -> list[Target]:
+    """Resolve names and globs against ``model.named_modules()`` before any image is read.
+    ``(model)`` (or ``""``) is the model itself; globs match named submodules only. ``hint`` is
+    the command that lists this model's layers; ``prefix_tokens`` its CLS and register tokens
+    (None: unknown), for ``drop_prefix``."""
     names = [n for n, _ in model.named_modules() if n]
     targets: list[Target] = []
     for i, c in enumerate(captures):
         where = f"capture[{i}]"
-        if _is_glob(c.layer):
+        if c.layer in ("", ROOT):
+            layers = [""]
+        elif _is_glob(c.layer):
             rx = glob_to_regex(c.layer)
             layers = [n for n in names if rx.match(n)]
         else:
             layers = [n for n in names if n == c.layer]
         if not layers:
-            raise _no_such_layer(c.layer, names, where)
-        if c.key and len(layers) > 1:
+            raise _no_such_layer(c.layer, names, where, hint)
+        if c.key and "{" not in c.key and len(layers) > 1:
             raise LayerError(
                 f"{where}.key {c.key!r} names one array but {c.layer!r} matches {len(layers)} layers "
-                f"({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}); drop key or name one layer"
+                f"({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}); drop key, name one layer, or make "
+                "it a template such as '{layer}.cls'"
             )
-        suffix = {"output": "", "input": ".input", "grad_output": ".grad", "gradcam": ".gradcam"}[c.what]
+        if layers == [""] and c.gradient:
+            raise LayerError(f"{where}: {c.what} of {ROOT} (the model's output) is not supported; name a layer")
+        drop = 0
+        if c.drop_prefix:
+            if prefix_tokens is None:
+                raise LayerError(f"{where}.drop_prefix: how many prefix tokens (CLS, registers) this model has is not "
+                                 "known; set model.prefix_tokens")
+            drop = prefix_tokens
         for layer in layers:
-            key = c.key or f"{layer}{suffix}"
+            if c.key:
+                key = c.key.format(layer=layer or "model")
+            else:
+                key = f"{layer}{_SUFFIX[c.what]}" if layer else c.what
             dtype = "float32" if c.what == "gradcam" else c.dtype
             target = c.score_target if c.gradient else None
-            targets.append(Target(key, layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout))
+            targets.append(Target(key, layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout, drop))
     seen: dict[str, Target] = {}
+    ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}  # a Grad-CAM map's per-row min, max
     for t in targets:
-        ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}  # a Grad-CAM map's per-row min, max
         if t.key in RESERVED_KEYS or t.key in ranges:
             raise LayerError(
                 f"capture[{t.capture}]: key {t.key!r} is reserved by the store; set capture[{t.capture}].key"
@@ -164,17 +184,18 @@ def select(value: Any, index: int | str | None, where: str) -> torch.Tensor:
     return item
 
 
-def channels_last(shape: tuple[int, ...] | torch.Size, layout: str = "auto") -> bool:
-    """Whether a (batch, ...) 4-D map holds its channels last, (B, H, W, C). ``auto``: when its two
-    middle dims are equal and the last differs (the crop is square, so maps are)."""
-    if len(shape) != 4 or layout == "nchw":
-        return False
-    return layout == "nhwc" or shape[1] == shape[2] != shape[3]
+def channels_last(layout: str) -> bool:
+    """Whether a (batch, ...) 4-D output of this (decided) layout holds its channels last, (B, H, W, C)."""
+    return layout == "nhwc"
 
 
-def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "auto") -> torch.Tensor:
-    """Reduce a batch-first tensor on its device. Layouts: (B,C,H,W...) maps, or (B,H,W,C) ones
-    (:func:`channels_last`), and (B,T,D) tokens."""
+def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "nchw", drop_prefix: int = 0) -> torch.Tensor:
+    """Reduce a batch-first tensor on its device. Layouts: (B,C,H,W...) maps, (B,H,W,C) ones
+    (``nhwc``), (B,heads,query,key) attention, and (B,T,D) tokens (the first ``drop_prefix`` left out)."""
+    if drop_prefix:
+        if t.ndim != 3:
+            raise LayerError(f"{where} is {tuple(t.shape)}; drop_prefix needs (batch, tokens, features)")
+        t = t[:, drop_prefix:]
     if how == "none":
         return t
     if how == "flatten":
@@ -187,7 +208,10 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "auto") -
         return t[:, 0]
     if t.ndim == 3:
         dims: tuple[int, ...] = (1,)  # tokens
-    elif channels_last(t.shape, layout):
+    elif layout == "attention":
+        raise LayerError(f"{where} holds attention probabilities (batch, head, query, key); reduce: {how} over them "
+                         "is not defined: use reduce: none or flatten")
+    elif channels_last(layout) and t.ndim == 4:
         dims = (1, 2)  # spatial positions of a channels-last map
     else:
         dims = tuple(range(2, t.ndim))  # spatial positions
@@ -198,8 +222,41 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "auto") -
     raise LayerError(f"{where}: unknown reduce {how!r}")
 
 
+def probabilities(t: torch.Tensor) -> bool:
+    """Whether every row along the last dim is a probability distribution (attention weights)."""
+    t = t.detach().float()
+    return bool(t.numel()) and bool((t >= 0).all()) and bool(torch.allclose(t.sum(-1), torch.ones(()), atol=1e-3))
+
+
+_NCHW_MODULES = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
+                 nn.GroupNorm, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Upsample,
+                 nn.Dropout2d, nn.LocalResponseNorm)
+_LAST_DIM_MODULES = (nn.Linear, nn.LayerNorm)  # act on the last dim: features last (exact types; timm's
+# LayerNorm2d subclasses LayerNorm but normalises channels first)
+
+
+def decide_layout(module: nn.Module | None, shape: tuple[int, ...], probabilities_: bool | None,
+                  other: tuple[int, ...] | None) -> str | None:
+    """The layout of a 4-D output (``shape`` without the batch) from facts, or None when they do not
+    decide: rows that are probability distributions (attention), the module's type, and which
+    dims changed at another input size (``other``: the shape there; the spatial dims grow)."""
+    if probabilities_:
+        return "attention"
+    if module is not None and isinstance(module, _NCHW_MODULES):
+        return "nchw"
+    if module is not None and type(module) in _LAST_DIM_MODULES:
+        return "nhwc"
+    if other is not None and len(other) == len(shape) == 3:
+        changed = tuple(i for i in range(3) if other[i] != shape[i])
+        if changed == (1, 2):
+            return "nchw"
+        if changed == (0, 1):
+            return "nhwc"
+    return None
+
+
 def dim_names(key: str, original: tuple[int, ...], reduce: str, what: str = "output",
-              layout: str = "auto") -> list[str]:
+              layout: str = "nchw") -> list[str]:
     """Feature dimension names of a stored capture (without the leading ``row``)."""
     nd = len(original)  # feature dims, batch excluded
     if what == "gradcam":
@@ -210,8 +267,10 @@ def dim_names(key: str, original: tuple[int, ...], reduce: str, what: str = "out
         names = ["feature"] if nd == 2 else ["channel"]
     elif reduce == "cls":
         names = ["feature"]
+    elif nd == 3 and layout == "attention":
+        names = ["head", "query", "key"]
     elif nd == 3:
-        names = ["y", "x", "channel"] if channels_last((0, *original), layout) else ["channel", "y", "x"]
+        names = ["y", "x", "channel"] if channels_last(layout) else ["channel", "y", "x"]
     elif nd == 2:
         names = ["token", "feature"]
     elif nd == 1:
@@ -235,9 +294,11 @@ class Capturer:
     of the target scores: parameter ``.grad`` fields are never touched and no graph
     outlives the call.
 
-    ``forward`` is what ``run`` calls instead of ``model`` (a ``torch.compile`` of it, made
-    after entering the block so that the hooks are traced into the graph); ``run(eager=True)``
-    calls the plain model.
+    ``entry(x)`` is how the model is called (``model.call``, ``model.input``,
+    ``model.forward_kwargs``; default ``model(x)``); ``forward`` is what ``run`` calls instead (a
+    ``torch.compile`` of ``entry``, made after entering the block so that the hooks are traced
+    into the graph); ``run(eager=True)`` calls ``entry``. A target on the model itself (layer
+    ``""``) takes what ``entry`` returns, or its input ``x``.
     """
 
     def __init__(
@@ -246,10 +307,13 @@ class Capturer:
         targets: Sequence[Target],
         stop_early: bool = True,
         forward: Callable[[torch.Tensor], Any] | None = None,
+        entry: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         self.model = model
         self.forward = forward
+        self.entry = entry if entry is not None else model
         self.targets = list(targets)
+        self.auto_4d: dict[str, bool] = {}  # layout: auto targets seen 4-D at the last run -> probabilities?
         self.gradient = [t for t in self.targets if t.gradient]
         self.logits: int | None = None  # the model's outputs (classes), seen by a gradient job's forward
         self.stop_early = stop_early and not self.gradient  # gradients need the logits
@@ -265,14 +329,16 @@ class Capturer:
         stack.callback(self.model.train, was_training)
         try:
             self.model.eval()
-            for t in self.targets:
+            for i, t in enumerate(self.targets):
+                if not t.layer:
+                    continue  # the model's own output or input: taken in run()
                 module = modules[t.layer]
                 if t.gradient:
-                    handle = module.register_forward_hook(self._anchor_hook(t))
+                    handle = module.register_forward_hook(self._anchor_hook(i))
                 elif t.what == "output":
-                    handle = module.register_forward_hook(self._output_hook(t))
+                    handle = module.register_forward_hook(self._output_hook(i))
                 else:
-                    handle = module.register_forward_pre_hook(self._input_hook(t), with_kwargs=True)
+                    handle = module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True)
                 stack.callback(handle.remove)
         except BaseException:
             stack.close()
@@ -291,8 +357,17 @@ class Capturer:
         self.values.clear()
         self.anchors.clear()
 
+    def set_layouts(self, layouts: dict[str, str]) -> None:
+        """Replace ``layout: auto`` by what the probe decided, per key (the hooks read it at each call)."""
+        self.targets = [dataclasses.replace(t, layout=layouts.get(t.key, t.layout)) for t in self.targets]
+        self.gradient = [t for t in self.targets if t.gradient]
+
     def _store(self, t: Target, tensor: torch.Tensor, where: str) -> None:
-        reduced = reduce_tensor(tensor, t.reduce, where, t.layout)
+        layout = t.layout
+        if layout == "auto" and tensor.ndim == 4:  # only before the probe decided: recorded, read as nchw
+            self.auto_4d[t.key] = probabilities(tensor)
+            layout = "nchw"
+        reduced = reduce_tensor(tensor, t.reduce, where, layout, t.drop_prefix)
         # a copy of views (none, flatten, cls): a later in-place op on the model's tensor must not change what we
         # keep; mean and max are new tensors already
         copy = t.reduce not in ("mean", "max")
@@ -301,21 +376,22 @@ class Capturer:
     def _keep(self, t: Target, value: Any) -> None:
         if t.key in self.values:  # a module called twice in one forward: keep the first call
             return
-        where = f"layer {t.layer!r} {t.what}"
+        where = f"layer {t.layer or ROOT!r} {t.what}"
         tensor = select(value, t.index, where).detach()
         self.original_shapes[t.key] = tuple(tensor.shape[1:])
         self._store(t, tensor, where)
         if self.stop_early and len(self.values) == len(self.targets):
             raise _StopForward
 
-    def _output_hook(self, t: Target):
+    def _output_hook(self, i: int):
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            self._keep(t, output)
+            self._keep(self.targets[i], output)
 
         return hook
 
-    def _input_hook(self, t: Target):
+    def _input_hook(self, i: int):
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            t = self.targets[i]
             if isinstance(t.index, str):  # a keyword argument, or a key of the one positional argument (a dict)
                 self._keep(t, kwargs if t.index in kwargs or len(args) != 1 else args[0])
             else:
@@ -323,11 +399,12 @@ class Capturer:
 
         return hook
 
-    def _anchor_hook(self, t: Target):
+    def _anchor_hook(self, i: int):
         """Keep the layer's output as the tensor to differentiate against; the model goes on
         with a copy, so an in-place op after the layer (``ReLU(inplace=True)``) cannot change it."""
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> Any:
+            t = self.targets[i]
             if not isinstance(output, torch.Tensor):
                 raise LayerError(
                     f"layer {t.layer!r} gives a {_describe(output)}; {t.what} needs a layer whose output is a tensor"
@@ -353,15 +430,16 @@ class Capturer:
         """
         if self._stack is None:
             raise RuntimeError("Capturer.run() must be called inside `with Capturer(...)`")
-        self.values, self.anchors = {}, {}
-        forward = self.model if eager or self.forward is None else self.forward
+        self.values, self.anchors, self.original_shapes = {}, {}, {}
+        forward = self.entry if eager or self.forward is None else self.forward
         try:
             if self.gradient:
                 with torch.inference_mode(False), torch.enable_grad():
                     self._gradients(forward, x, labels)
             else:
                 try:
-                    forward(x)
+                    self._root("input", x)
+                    self._root("output", forward(x))
                 except _StopForward:
                     pass
             missing = [t for t in self.targets if t.key not in self.values]
@@ -375,9 +453,19 @@ class Capturer:
         finally:
             self.anchors = {}
 
+    def _root(self, what: str, value: Any) -> None:
+        """The targets on the model itself: its input ``x`` or what its call returned."""
+        for t in self.targets:
+            if not t.layer and t.what == what:
+                self._keep(t, value)
+
     def _gradients(self, forward: Callable[[torch.Tensor], Any], x: torch.Tensor, labels: torch.Tensor | None) -> None:
         x = x.clone()  # a normal tensor even if the caller made it under inference_mode
+        self._root("input", x)
         logits = forward(x)
+        self._root("output", logits)
+        if not isinstance(logits, torch.Tensor) and isinstance(getattr(logits, "logits", None), torch.Tensor):
+            logits = logits.logits  # a Hugging Face classifier's output
         if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
             raise LayerError(
                 f"gradient captures need a model that returns (batch, classes) logits; it returned {_describe(logits)}"
@@ -418,7 +506,7 @@ class Capturer:
                 raise LayerError(
                     f"gradcam needs a (batch, channels, y, x) map; {t.layer!r} gives {tuple(feature.shape)}"
                 )
-            if channels_last(feature.shape, t.layout):  # (B, H, W, C) -> (B, C, H, W)
+            if channels_last(t.layout):  # (B, H, W, C) -> (B, C, H, W)
                 feature, g = feature.permute(0, 3, 1, 2), g.permute(0, 3, 1, 2)
             weights = g.float().mean(dim=(2, 3), keepdim=True)  # (B, C, 1, 1)
             cam = torch.relu((weights * feature.float()).sum(dim=1, keepdim=True))  # (B, 1, h, w)

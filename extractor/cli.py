@@ -262,16 +262,42 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_layers(args: argparse.Namespace) -> int:
-    from .model import build_model, layer_table
-    from .spec import parse_model_spec
+    import yaml
+
+    from .model import build_model, layer_table, model_call
+    from .preprocess import from_dict
+    from .preprocess import resolve as resolve_preprocess
+    from .spec import load_spec, parse_model_spec
 
     logging.getLogger("extractor.model").setLevel(logging.ERROR)  # random init is fine for shapes
     if args.model and args.factory:
         raise ExtractorError(f"name a model ({args.model}) or pass --factory ({args.factory}), not both")
-    mspec = parse_model_spec({"name": None if args.factory else args.model, "factory": args.factory,
-                              "weights": args.weights}, "extractor layers")
-    model, _ = build_model(mspec)
-    table = layer_table(model, args.input_size)
+    size = (args.input_size, args.input_size) if args.input_size else None
+    if args.model and args.model.endswith((".yaml", ".yml")):  # a job: its model, called as the job calls it
+        if args.weights or args.kwargs:
+            raise ExtractorError(f"{args.model} is a job spec: --weights and --kwargs come from its model section")
+        spec = load_spec(args.model)
+        mspec, data = spec.model, spec.data
+    else:
+        try:
+            kwargs = yaml.safe_load(args.kwargs) if args.kwargs else {}
+        except yaml.YAMLError as err:
+            raise ExtractorError(f"--kwargs {args.kwargs!r} is not YAML: {err}") from None
+        if not isinstance(kwargs, dict):
+            raise ExtractorError(f"--kwargs takes a mapping, e.g. --kwargs '{{img_size: 64}}', not {args.kwargs!r}")
+        mspec = parse_model_spec({"name": None if args.factory else args.model, "factory": args.factory,
+                                  "weights": args.weights, "kwargs": kwargs}, "extractor layers")
+        data = None
+    model, info = build_model(mspec)
+    if size is None:
+        defaults = info["preprocess_defaults"]
+        if data is not None:
+            size = resolve_preprocess(data, from_dict(defaults) if isinstance(defaults, dict) else defaults).size
+        elif isinstance(defaults, dict):
+            size = from_dict(defaults).size
+        else:
+            raise ExtractorError(f"{defaults}: pass the input size with --input-size")
+    table = layer_table(model, size, model_call(model, mspec))
     if args.depth is not None:
         table = [r for r in table if r["depth"] <= args.depth]
     if args.json:
@@ -280,8 +306,9 @@ def cmd_layers(args: argparse.Namespace) -> int:
     rows = [["  " * max(r["depth"] - 1, 0) + r["name"], r["type"], r["output"], f"{r['parameters']:,}"]
             for r in table]
     print(_table(rows, ["name", "type", "output (batch 1)", "parameters"]))
-    print("\nA parent's output is what its forward returns (often, not always, its last child's output).")
-    print("Capture names or globs (layer4.*.conv2) from the left column.")
+    print(f"\nOutput shapes for one {size[0]}x{size[1]} image. A parent's output is what its forward returns (often, "
+          "not always, its last child's output).")
+    print("Capture names or globs (layer4.*.conv2) from the left column; (model) is what the model returns.")
     return 0
 
 
@@ -493,10 +520,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     la = sub.add_parser("layers", parents=[common], help="list a model's modules with output shapes")
-    la.add_argument("model", nargs="?", default=None, help="torchvision model name, e.g. resnet50")
+    la.add_argument("model", nargs="?", default=None,
+                    help="a model name (resnet50, timm:NAME, hf:ID_OR_FOLDER, open_clip:ARCH) or a job spec (JOB.yaml)")
     la.add_argument("--factory", help="pkg.module:function building the model instead")
+    la.add_argument("--kwargs", "--factory-kwargs", default=None, metavar="YAML",
+                    help="keyword arguments of the builder or factory, e.g. '{img_size: 64}'")
     la.add_argument("--weights", default=None)
-    la.add_argument("--input-size", type=int, default=224)
+    la.add_argument("--input-size", type=int, default=None,
+                    help="input size in pixels (default: the model's own, or the job's crop)")
     la.add_argument("--depth", type=int, default=None, help="show modules down to this nesting depth")
     la.add_argument("--json", action="store_true")
     la.set_defaults(func=cmd_layers)
@@ -561,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(verbosity(args), 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "layers" and not (args.model or args.factory):
-        print("error: name a model (extractor layers resnet50) or pass --factory", file=sys.stderr)
+        print("error: name a model (extractor layers resnet50), a job (extractor layers JOB.yaml) or pass --factory",
+              file=sys.stderr)
         return 2
     try:
         return int(args.func(args))

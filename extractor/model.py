@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import difflib
 import hashlib
-import importlib
 import logging
-import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import zoo
 from .errors import ModelError
 from .spec import ModelSpec
 
-__all__ = ["build_model", "resolve_device", "describe_model", "layer_table"]
+__all__ = ["build_model", "model_call", "resolve_device", "describe_model", "layer_table"]
 
 log = logging.getLogger(__name__)
 
@@ -35,119 +34,47 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _torchvision_names() -> list[str]:
-    import torchvision.models as tvm
-
-    return sorted(tvm.list_models(module=tvm))
-
-
-def _looks_like_path(weights: str) -> bool:
-    suffixes = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
-    return "/" in weights or os.sep in weights or weights.endswith(suffixes) or os.path.exists(weights)
-
-
 def build_model(spec: ModelSpec) -> tuple[nn.Module, dict[str, Any]]:
-    """Build the model on the CPU in eval mode; return it with its description."""
+    """Build the model on the CPU in eval mode; return it with its description (``preprocess``:
+    what its library prescribes, or why nothing is known; ``prefix_tokens``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(RANDOM_SEED)
-        if spec.factory:
-            model = _from_factory(spec.factory, spec.factory_kwargs)
-            source = f"factory {spec.factory}"
-        else:
-            model, source = _from_torchvision(spec)
-    if spec.weights and _looks_like_path(spec.weights):
-        _load_checkpoint(model, spec.weights)
-        source = f"checkpoint {spec.weights}"
-    elif spec.weights is None:
+        built = zoo.build(spec)
+    model, source = built.model, built.source
+    if spec.weights and zoo.looks_like_path(spec.weights) and spec.source != "open_clip":
+        zoo.load_checkpoint(model, spec.weights)
+        source = f"{source}, weights from checkpoint {spec.weights}"
+    elif not built.pretrained:
         log.warning(
-            "model.weights is null: %s uses random weights (seed %d); set model.weights to a "
-            "torchvision weights name or a checkpoint path for trained features",
-            spec.name or spec.factory,
+            "model.weights is null: %s uses random weights (seed %d); set model.weights (pretrained, a weights "
+            "name or a checkpoint path) for trained features",
+            spec.name,
             RANDOM_SEED,
         )
         source += f", random init (seed {RANDOM_SEED})"
     model.eval()
-    return model, describe_model(model, spec, source)
+    info = describe_model(model, spec, source)
+    info["prefix_tokens"] = spec.prefix_tokens if isinstance(spec.prefix_tokens, int) else \
+        zoo.prefix_tokens(model, built.library)
+    p = built.preprocess
+    info["preprocess_defaults"] = p.to_dict() if not isinstance(p, str) else p  # what the library prescribes
+    return model, info
 
 
-def _from_torchvision(spec: ModelSpec) -> tuple[nn.Module, str]:
-    import torchvision.models as tvm
-
-    assert spec.name is not None
-    names = _torchvision_names()
-    if spec.name not in names:
-        close = difflib.get_close_matches(spec.name, names, n=5, cutoff=0.5)
-        hint = f"; closest: {', '.join(close)}" if close else ""
-        raise ModelError(
-            f"model.name {spec.name!r} is not a torchvision classification model{hint}. "
-            "See torchvision.models.list_models(), or set model.factory for other models"
-        )
-    w = spec.weights
-    if w is None or _looks_like_path(w):
-        return tvm.get_model(spec.name, weights=None), f"torchvision {spec.name}"
-    enum = tvm.get_model_weights(spec.name)
-    valid = list(dict.fromkeys(["DEFAULT", *enum.__members__]))  # some enums list DEFAULT among their members
-    if w not in valid:
-        raise ModelError(
-            f"model.weights {w!r} is not a weights name of {spec.name} (valid: {', '.join(valid)}) "
-            "and no such checkpoint file exists"
-        )
-    weights = enum.DEFAULT if w == "DEFAULT" else enum[w]
-    cached = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
-    if not os.path.exists(cached) and os.environ.get("EXTRACTOR_ALLOW_DOWNLOAD") != "1":
-        raise ModelError(
-            f"weights {spec.name}.{weights.name} are not in the torch cache ({cached}). "
-            f"Download {weights.url} to that path on a connected machine, set model.weights to a "
-            "checkpoint path, or set EXTRACTOR_ALLOW_DOWNLOAD=1 to let torchvision download them"
-        )
-    return tvm.get_model(spec.name, weights=weights), f"torchvision {spec.name} {weights}"
-
-
-def _from_factory(factory: str, kwargs: dict[str, Any]) -> nn.Module:
-    module_name, _, attr = factory.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ModelError(f"model.factory {factory!r}: cannot import {module_name}: {err}") from err
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ModelError(f"model.factory {factory!r}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    try:
-        model = obj(**kwargs)
-    except Exception as err:
-        raise ModelError(f"model.factory {factory!r} raised {type(err).__name__}: {err}") from err
-    if not isinstance(model, nn.Module):
-        raise ModelError(f"model.factory {factory!r} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
-
-
-def _load_checkpoint(model: nn.Module, path: str) -> None:
-    if not os.path.exists(path):
-        raise ModelError(f"model.weights checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ModelError(
-            f"cannot load checkpoint {path} with weights_only=True ({type(err).__name__}: {err}). "
-            "Save a plain state dict: torch.save(model.state_dict(), path)"
-        ) from err
-    if isinstance(state, dict):
-        for k in ("state_dict", "model", "model_state_dict"):
-            if k in state and isinstance(state[k], dict):
-                state = state[k]
-                break
-    if not isinstance(state, dict):
-        raise ModelError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
-    if state and all(k.startswith("module.") for k in state):
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ModelError(
-            f"checkpoint {path} does not fit the model: missing keys {result.missing_keys[:5]}"
-            f"{'...' if len(result.missing_keys) > 5 else ''}, unexpected keys "
-            f"{result.unexpected_keys[:5]}{'...' if len(result.unexpected_keys) > 5 else ''}"
-        )
+def model_call(model: nn.Module, spec: ModelSpec) -> Callable[[torch.Tensor], Any]:
+    """How the pixels go into the model: ``model.call`` (a method instead of forward), ``model.input``
+    (positional or a keyword) and ``model.forward_kwargs``."""
+    fn: Any = model
+    if spec.call is not None:
+        fn = getattr(model, spec.call, None)
+        if not callable(fn):
+            methods = sorted(n for n in dir(type(model)) if not n.startswith("_") and "image" in n.lower())
+            raise ModelError(f"model.call {spec.call!r}: {type(model).__name__} has no such method"
+                             + (f" (image methods: {', '.join(methods)})" if methods else ""))
+    kwargs, key = dict(spec.forward_kwargs), spec.input
+    if key == "positional":
+        return (lambda x: fn(x, **kwargs)) if kwargs else fn
+    return lambda x: fn(**{key: x}, **kwargs)
 
 
 def state_dict_hash(model: nn.Module) -> str:
@@ -163,6 +90,7 @@ def state_dict_hash(model: nn.Module) -> str:
 def describe_model(model: nn.Module, spec: ModelSpec, source: str) -> dict[str, Any]:
     return {
         "name": spec.name if not spec.factory else spec.factory,
+        "source": spec.source,
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "weights": source,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -180,29 +108,34 @@ def _shape_of(value: Any) -> str:
     return type(value).__name__
 
 
-def layer_table(model: nn.Module, input_size: int) -> list[dict[str, Any]]:
-    """Every named module with its type, output shape (batch of 1) and parameter count."""
+def layer_table(model: nn.Module, size: int | tuple[int, int], entry: Any = None) -> list[dict[str, Any]]:
+    """Every named module with its type, output shape (batch of 1) and parameter count; the model
+    itself is ``(model)``: what ``entry`` (default: the model) returns."""
+    h, w = (size, size) if isinstance(size, int) else size
+    if h < 1 or w < 1:
+        raise ModelError(f"--input-size must be a positive number of pixels, not {h}")
     shapes: dict[str, str] = {}
     handles = []
     try:
         for name, module in model.named_modules():
+            if not name:
+                continue
+
             def hook(_m: nn.Module, _a: Any, out: Any, name: str = name) -> None:
                 shapes.setdefault(name, _shape_of(out))
 
             handles.append(module.register_forward_hook(hook))
-        if input_size < 1:
-            raise ModelError(f"--input-size must be a positive number of pixels, not {input_size}")
         with torch.inference_mode():
             try:
-                model(torch.zeros(1, 3, input_size, input_size))
+                shapes[""] = _shape_of((entry or model)(torch.zeros(1, 3, h, w)))
             except Exception as err:
                 raise ModelError(
-                    f"the model cannot run on a {input_size}x{input_size} input: {type(err).__name__}: {err}; "
-                    "pass the input size it expects with --input-size (e.g. 224)"
+                    f"the model cannot run on a {h}x{w} input: {type(err).__name__}: {err}; "
+                    "pass the input size it expects with --input-size"
                 ) from err
     finally:
-        for h in handles:
-            h.remove()
+        for handle in handles:
+            handle.remove()
     return [
         {
             "name": name or "(model)",

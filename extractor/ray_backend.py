@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -46,7 +47,11 @@ class _WorkerActor:
     back, as in the local backend. Each call returns once its shard's done marker is written.
     """
 
-    def __init__(self, spec_dict: dict[str, Any], threads: int) -> None:
+    def __init__(self, spec_dict: dict[str, Any], threads: int, driver_cwd: str | None = None) -> None:
+        """``driver_cwd``: the driver's folder, searched for a ``model.factory`` module (as it was there)
+        when this node has it (an embedded cluster, a shared file system)."""
+        if driver_cwd and os.path.isdir(driver_cwd) and driver_cwd not in sys.path:
+            sys.path.append(driver_cwd)
         self.error: BaseException | None = None
         self.current: tuple[int, int] = (-1, 0)  # (shard, rows done in it)
         self.queue = ShardQueue()
@@ -202,14 +207,17 @@ def _check_reachable(address: str, timeout: float) -> None:
 def _for_workers(spec: JobSpec) -> dict[str, Any]:
     """The spec as the actors get it: local paths made absolute, since an actor runs in another
     directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
-    from .model import _looks_like_path
     from .sources import absolute
+    from .zoo import local_folder, looks_like_path
 
     d = spec.to_dict()
     for section, key in (("output", "store"), ("data", "root"), ("data", "manifest"), ("model", "weights")):
         value = d[section].get(key)
-        if isinstance(value, str) and (key != "weights" or _looks_like_path(value)):
+        if isinstance(value, str) and (key != "weights" or looks_like_path(value)):
             d[section][key] = absolute(value)
+    folder = local_folder(spec.model.name)
+    if folder is not None:  # hf:FOLDER
+        d["model"]["name"] = folder[0] + absolute(folder[1])
     return d
 
 
@@ -276,7 +284,7 @@ class RayBackend:
 
     def _new_actor(self) -> Any:
         threads = max(int(self.cpus), 1)
-        return self.actor_cls.remote(self.spec_dict, threads)
+        return self.actor_cls.remote(self.spec_dict, threads, os.getcwd())
 
     def _wait_ready(self, slots: Any, method: str = "ready") -> list[Any]:
         """Call ``method`` on the actors of ``slots`` and wait for all of them (ready: their pids)."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import __version__
 from .errors import DataError, StoreError
+from .preprocess import of_store
 from .sources import Rows, Shard, absolute, list_rows, plan
 from .spec import JobSpec, content_of, parse_spec, redact_argv, spec_digest
 from .stats import merge as merge_stats
@@ -169,6 +170,10 @@ def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any]) -> None
             old_spec = content_of(_current_form(old.get("spec", {})))
             new_spec = content_of(new["spec"])
             problems += _differences(old_spec, new_spec)
+        was, now_ = of_store(old).to_dict(), new["preprocess"]
+        for k in ("resize", "crop", "interpolation", "mean", "std", "crop_offset"):
+            if was[k] != now_[k]:
+                problems.append(f"preprocess {k}: {json.dumps(was[k])} in the store, {json.dumps(now_[k])} now")
         if old.get("model", {}).get("state_dict_sha256") != new["model"]["state_dict_sha256"]:
             problems.append("the model's weights differ (state-dict hash)")
         if old.get("captures") != new["captures"]:
@@ -388,6 +393,7 @@ def run(
             "spec": spec.public_dict(),  # secrets in storage options never reach the store
             "spec_digest": spec_digest(spec),
             "model": layout["model"],
+            "preprocess": layout["preprocess"],  # what resize, crop, interpolation, mean and std resolved to
             "captures": captures,
             "extras": layout["extras"],
             "classes": rows.classes,

@@ -27,21 +27,14 @@ def colormap(v: np.ndarray) -> np.ndarray:
     return (_RAMP[lo] * (1 - t) + _RAMP[lo + 1] * t).astype(np.uint8)
 
 
-def _crop_like_job(item: Any, data: dict[str, Any]):  # -> PIL.Image.Image
-    """The image as the job saw it: decoded like the job (any path, URL, tar member), resized, cropped."""
-    from PIL import Image
-
+def _crop_like_job(item: Any, store: ActivationStore):  # -> PIL.Image.Image
+    """The image as the job saw it: decoded like the job (any path, URL, tar member), resized and
+    cropped as its ``preprocess`` record says."""
+    from .preprocess import of_store
     from .sources import open_rgb
 
-    img = open_rgb(item, None, data.get("max_image_pixels"))
-    if data.get("resize"):
-        w, h = img.size
-        r = data["resize"] / min(w, h)
-        img = img.resize((max(round(w * r), 1), max(round(h * r), 1)), Image.BILINEAR)
-    c = data["crop"]
-    w, h = img.size
-    left, top = (w - c) // 2, (h - c) // 2
-    return img.crop((left, top, left + c, top + c))
+    img = open_rgb(item, None, store.spec["data"].get("max_image_pixels"))
+    return of_store(store.attrs).geometry(img)
 
 
 def gradcam_grid(
@@ -61,8 +54,9 @@ def gradcam_grid(
     idx = idx[store.status[idx] == 1]
     if not idx.size:
         raise StoreError("no ok rows in the selection")
-    data = store.spec["data"]
-    crop = data["crop"]
+    from .preprocess import of_store
+
+    ch, cw = of_store(store.attrs).size
     maps = store.numpy(key, rows=idx)
     ranges = np.asarray(store.group[f"{key}.range"].oindex[idx])
     targets = np.asarray(store.group["target"].oindex[idx])
@@ -70,15 +64,15 @@ def gradcam_grid(
     classes = store.classes if store.captures[key].get("target") == "label" else []  # else model classes
     label_h = 16
     n_rows = -(-len(idx) // columns)
-    sheet = Image.new("RGB", (columns * crop, n_rows * (crop + label_h)), (255, 255, 255))
+    sheet = Image.new("RGB", (columns * cw, n_rows * (ch + label_h)), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     for n, (row, cam, (lo, hi), t, sc) in enumerate(zip(idx, maps, ranges, targets, scores, strict=True)):
-        img = _crop_like_job(store.locator(int(row)), data)
+        img = _crop_like_job(store.locator(int(row)), store)
         norm = (cam - lo) / (hi - lo) if hi > lo else np.zeros_like(cam)
-        heat = Image.fromarray(colormap(norm)).resize((crop, crop), Image.BILINEAR)
+        heat = Image.fromarray(colormap(norm)).resize((cw, ch), Image.BILINEAR)
         blended = Image.blend(img, heat, alpha)
-        x, y = (n % columns) * crop, (n // columns) * (crop + label_h)
+        x, y = (n % columns) * cw, (n // columns) * (ch + label_h)
         sheet.paste(blended, (x, y))
         name = classes[t] if 0 <= t < len(classes) else f"class {t}"
-        draw.text((x + 2, y + crop + 2), _fit(draw, f"{row}: {name} ({sc:.2f})", crop - 4), fill=(0, 0, 0))
+        draw.text((x + 2, y + ch + 2), _fit(draw, f"{row}: {name} ({sc:.2f})", cw - 4), fill=(0, 0, 0))
     return sheet

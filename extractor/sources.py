@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from .errors import DataError
+from .preprocess import IMAGENET, Preprocess
+from .preprocess import resolve as resolve_preprocess
 from .spec import DataSpec
 
 __all__ = ["Rows", "Shard", "plan", "list_rows", "ImageDecoder", "Batch", "BatchStream", "iter_batches"]
@@ -280,32 +282,23 @@ def labels_of(raw: list[object], where: Callable[[int], str] = lambda n: f"row {
 
 
 class ImageDecoder:
-    """Reads one image file into a uint8 ``(3, crop, crop)`` tensor: RGB, resized, cropped.
+    """Reads one image file into a uint8 ``(3, h, w)`` tensor: RGB, resized, cropped (``preprocess``;
+    by default the job's ``data`` settings over ImageNet's).
 
     Grayscale, palette, RGBA, CMYK and 16-bit images become 8-bit RGB; EXIF orientation
     is applied. Normalisation happens later, on the model's device.
     """
 
-    def __init__(self, data: DataSpec) -> None:
-        from torchvision.transforms import InterpolationMode
-
-        self.resize = data.resize
-        self.crop = data.crop
+    def __init__(self, data: DataSpec, preprocess: Preprocess | None = None) -> None:
+        self.preprocess = preprocess if preprocess is not None else resolve_preprocess(data, IMAGENET)
         self.storage_options = data.storage_options
         self.max_pixels = data.max_image_pixels
-        self.interpolation = InterpolationMode(data.interpolation)
 
-    def __call__(self, item: Locator):  # -> torch.Tensor (3, crop, crop) uint8
+    def __call__(self, item: Locator):  # -> torch.Tensor (3, h, w) uint8
         return self.from_bytes(read_bytes(item, self.storage_options))
 
-    def from_bytes(self, data: bytes):  # -> torch.Tensor (3, crop, crop) uint8
-        import torchvision.transforms.v2.functional as F
-
-        img = rgb_from_bytes(data, self.max_pixels)
-        if self.resize is not None:
-            img = F.resize(img, [self.resize], interpolation=self.interpolation, antialias=True)
-        img = F.center_crop(img, [self.crop, self.crop])
-        return F.pil_to_tensor(img)
+    def from_bytes(self, data: bytes):  # -> torch.Tensor (3, h, w) uint8
+        return self.preprocess.apply(rgb_from_bytes(data, self.max_pixels))
 
 
 Locator = str | tuple[str, int, int]  # a path or URL, or (tar URL#member, byte offset, byte size)
@@ -451,8 +444,8 @@ class JpegDecoder:
     if Pillow rejects it too.
     """
 
-    def __init__(self, data: DataSpec, device) -> None:
-        self.cpu = ImageDecoder(data)
+    def __init__(self, data: DataSpec, device, preprocess: Preprocess | None = None) -> None:
+        self.cpu = ImageDecoder(data, preprocess)
         self.device = device
         self.storage_options = data.storage_options
 
@@ -496,10 +489,7 @@ class JpegDecoder:
             return out
 
     def _geometry(self, imgs, orientation: int):
-        """Orientation, resize of the shorter side and centre crop of (N, 3, H, W) images, on the device."""
-        import torch
-        import torchvision.transforms.v2.functional as F
-
+        """Orientation, resize and centre crop of (N, 3, H, W) images, on the device."""
         if orientation in _ORIENT:
             transpose, flip_y, flip_x = _ORIENT[orientation]
             if transpose:
@@ -507,10 +497,7 @@ class JpegDecoder:
             dims = [d for d, f in ((-2, flip_y), (-1, flip_x)) if f]
             if dims:
                 imgs = imgs.flip(dims)
-        if self.cpu.resize is not None:
-            x = F.resize(imgs.float(), [self.cpu.resize], interpolation=self.cpu.interpolation, antialias=True)
-            imgs = x.round_().clamp_(0, 255).to(torch.uint8)
-        return F.center_crop(imgs, [self.cpu.crop, self.cpu.crop])
+        return self.cpu.preprocess.geometry(imgs)
 
     def collate(self, items: list[Any]):  # -> (torch.Tensor (B, 3, crop, crop) on device, {position: error})
         import torch

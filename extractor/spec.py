@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import SpecError
+from .preprocess import PREPROCESS_FIELDS
 
 __all__ = ["JobSpec", "load_spec", "parse_spec", "apply_overrides"]
 
@@ -33,7 +34,12 @@ class _Section(BaseModel):
         if info.field_name is None:
             return value
         ann = cls.model_fields[info.field_name].annotation
-        args = set(get_args(ann)) or {ann}
+        args, todo = set(), [ann]
+        while todo:  # the leaf types, also inside unions and tuples: tuple[float, ...] | Literal["auto"]
+            inner = get_args(todo.pop())
+            todo += [a for a in inner if get_args(a)]
+            args |= {a for a in inner if not get_args(a)}
+        args = args or {ann}
         if bool in args or not args & {int, float}:
             return value  # a bool is welcome here, or pydantic refuses it anyway
         if isinstance(value, bool):
@@ -43,15 +49,36 @@ class _Section(BaseModel):
         return value
 
 
+MODEL_SOURCES = ("torchvision", "timm", "hf", "open_clip")
+
+
 class ModelSpec(_Section):
     name: str | None = "resnet18"
-    """A torchvision classification builder (``torchvision.models.list_models()``)."""
+    """A torchvision classification builder (``resnet50``), or ``timm:NAME`` (``timm.create_model``),
+    ``hf:ID_OR_FOLDER`` (Hugging Face transformers; the vision tower of CLIP/SigLIP-style models),
+    ``open_clip:ARCH`` (the visual tower: its output is ``encode_image``)."""
     weights: str | None = None
-    """null (random init), a torchvision weights name (``IMAGENET1K_V1``, ``DEFAULT``) or a checkpoint path."""
+    """null (random init), ``pretrained`` (the library's own weights: timm's default tag, the HF
+    model's, an open_clip ``hf-hub:``/``local-dir:`` model's), a torchvision weights name
+    (``IMAGENET1K_V1``, ``DEFAULT``), an open_clip pretrained tag, or a checkpoint file (``.pt``,
+    ``.pth``, ``.bin``, ``.safetensors``). Read from local caches only unless EXTRACTOR_ALLOW_DOWNLOAD=1."""
     factory: str | None = None
-    """``pkg.module:function`` returning an ``nn.Module``; used instead of ``name``."""
-    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments passed to ``factory``."""
+    """``pkg.module:function`` returning an ``nn.Module``; used instead of ``name``. A module in the
+    current folder is found (as ``python -m`` finds it)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the builder: the factory, ``timm.create_model`` (``img_size: 64``), a
+    Hugging Face config override (``num_hidden_layers: 4``), ``open_clip.create_model``, or a
+    torchvision builder."""
+    call: str | None = None
+    """A method to call instead of ``forward`` (``encode_image``, ``get_image_features``); hooks and
+    layer names stay those of the model."""
+    input: str = "positional"
+    """How the pixels are passed: as the first positional argument, or as this keyword (``pixel_values``)."""
+    forward_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """More keyword arguments of every call (``output_attentions: true``, ``interpolate_pos_encoding: true``)."""
+    prefix_tokens: int | Literal["auto"] = "auto"
+    """Tokens before the patch tokens (CLS, registers) that ``drop_prefix`` leaves out: ``auto`` takes
+    the model's count (timm ``num_prefix_tokens``, HF config, open_clip, torchvision ViT)."""
     device: str = "auto"
     """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda``, ``cuda:1``..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -65,6 +92,10 @@ class ModelSpec(_Section):
     @model_validator(mode="before")
     @classmethod
     def _a_factory_has_no_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "factory_kwargs" in data:  # the older name of kwargs (stored specs)
+            if data.get("kwargs"):
+                raise ValueError("set model.kwargs only (factory_kwargs is its older name)")
+            data = {**{k: v for k, v in data.items() if k != "factory_kwargs"}, "kwargs": data["factory_kwargs"]}
         if isinstance(data, dict) and data.get("factory") is not None and "name" not in data:
             return {**data, "name": None}  # not the default resnet18: the factory's model is what runs
         return data
@@ -74,10 +105,38 @@ class ModelSpec(_Section):
         if self.factory is not None and self.name and "name" in self.model_fields_set:
             raise ValueError("set either model.name or model.factory, not both")
         if self.factory is None and not self.name:
-            raise ValueError("set model.name (a torchvision model) or model.factory")
+            raise ValueError("set model.name (a torchvision model, timm:NAME, hf:ID or open_clip:ARCH) or "
+                             "model.factory")
         if self.factory is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.factory):
             raise ValueError(f"model.factory must look like 'pkg.module:function', got {self.factory!r}")
+        if self.name and ":" in self.name and self.source not in MODEL_SOURCES:
+            raise ValueError(f"model.name {self.name!r}: unknown source {self.source!r}; use a torchvision name, "
+                             "timm:NAME, hf:ID_OR_FOLDER or open_clip:ARCH")
+        if self.name and not self.model:
+            raise ValueError(f"model.name {self.name!r} names no model after {self.source}:")
+        if self.input != "positional" and not self.input.isidentifier():
+            raise ValueError(f"model.input must be positional or a keyword name, not {self.input!r}")
+        if isinstance(self.prefix_tokens, int) and self.prefix_tokens < 0:
+            raise ValueError("model.prefix_tokens must be auto or a count >= 0")
         return self
+
+    @property
+    def source(self) -> str:
+        """``torchvision``, ``timm``, ``hf``, ``open_clip`` or ``factory``."""
+        if self.factory is not None:
+            return "factory"
+        assert self.name is not None
+        prefix, sep, _ = self.name.partition(":")
+        return prefix if sep else "torchvision"
+
+    @property
+    def model(self) -> str:
+        """The name without its source (``vit_small_patch16_224`` of ``timm:vit_small_patch16_224``)."""
+        if self.factory is not None:
+            return self.factory
+        assert self.name is not None
+        prefix, sep, rest = self.name.partition(":")
+        return rest if sep else prefix
 
 
 class DataSpec(_Section):
@@ -94,15 +153,24 @@ class DataSpec(_Section):
     """fsspec options for remote images, manifests and tars (``endpoint_url``, ``key``, ``secret``...)."""
     extensions: tuple[str, ...] = IMAGE_EXTENSIONS
     """File name endings taken as images by the folder source (case-insensitive)."""
-    resize: int | None = Field(default=256, gt=0)
-    """Resize the shorter side to this many pixels (null: no resize)."""
-    crop: int = Field(default=224, gt=0)
-    """Centre crop to a square of this size (the model's input size)."""
-    interpolation: Literal["bilinear", "bicubic", "nearest"] = "bilinear"
+    preprocess: Literal["auto", "imagenet"] = "auto"
+    """Where the settings below that are left at ``auto`` come from: the model's own library (timm's
+    data config, the Hugging Face image processor, open_clip's transform, torchvision's weights
+    transforms) or ``imagenet`` (shorter side 256, crop 224, bilinear, ImageNet mean and std)."""
+    resize: int | tuple[int, int] | None | Literal["auto"] = "auto"
+    """``auto`` (see ``preprocess``); an int resizes the shorter side to it; ``[H, W]`` squashes every
+    image to that size (no aspect kept); null: no resize."""
+    crop: int | tuple[int, int] | None | Literal["auto"] = "auto"
+    """``auto`` (the model's), a centre crop to a square of this size or to ``[H, W]``, or null
+    (no crop: then ``resize`` is ``[H, W]``). The crop is the model's input size."""
+    crop_pct: float | None = Field(default=None, gt=0, le=1)
+    """Instead of ``resize``: resize the shorter side to ``crop / crop_pct`` (timm's convention)."""
+    interpolation: Literal["auto", "bilinear", "bicubic", "nearest", "lanczos", "box", "hamming"] = "auto"
     max_image_pixels: int = Field(default=178_956_970, gt=0)
     """Images with more pixels fail their row before decoding (decompression bombs); raise it for trusted data."""
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    mean: tuple[float, float, float] | Literal["auto"] = "auto"
+    """Per-channel mean of the normalisation (``auto``: the model's; ImageNet's for torchvision)."""
+    std: tuple[float, float, float] | Literal["auto"] = "auto"
     shard_size: int = Field(default=1024, gt=0)
     """Rows per shard, the unit of work, retry and resume."""
     batch_size: int = Field(default=64, gt=0)
@@ -130,9 +198,14 @@ class DataSpec(_Section):
             raise ValueError("data.source 'manifest' needs data.manifest (a .csv or .jsonl file)")
         if self.source == "tar" and not self.tars:
             raise ValueError("data.source 'tar' needs data.tars (tar paths or URLs, brace patterns allowed)")
-        if any(s <= 0 for s in self.std):
+        if self.std != "auto" and any(s <= 0 for s in self.std):
             raise ValueError("data.std values must be positive")
-        if self.resize is not None and self.crop > self.resize:
+        for name in ("resize", "crop"):
+            value = getattr(self, name)
+            sizes = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(v, int) and v <= 0 for v in sizes):
+                raise ValueError(f"data.{name} must be positive pixels, not {value}")
+        if isinstance(self.resize, int) and isinstance(self.crop, int) and self.crop > self.resize:
             raise ValueError(f"data.crop ({self.crop}) is larger than data.resize ({self.resize}), the shorter side "
                              "after resizing: the crop would be padded with black. Set crop <= resize")
         return self
@@ -140,7 +213,8 @@ class DataSpec(_Section):
 
 class CaptureSpec(_Section):
     layer: str
-    """Module name as in ``model.named_modules()`` or a glob (``layer4.*.conv2``)."""
+    """Module name as in ``model.named_modules()``, a glob (``layer4.*.conv2``), or ``(model)`` (also
+    ``""``): what the model's forward (or ``model.call``) returns."""
     what: Literal["output", "input", "grad_output", "gradcam"] = "output"
     """The module's output or input (its one positional argument; with ``index``, the Nth one, or a
     keyword argument or key of a dict argument); the gradient of the target score with respect
@@ -148,20 +222,35 @@ class CaptureSpec(_Section):
     index: int | str | None = None
     """Element of a tuple/list (int) or dict/dataclass (str) output or input."""
     reduce: Literal["none", "mean", "max", "flatten", "cls"] = "none"
-    """none; mean/max over spatial positions or tokens; flatten; cls (token 0)."""
+    """none; mean/max over spatial positions or tokens (prefix tokens included unless ``drop_prefix``);
+    flatten; cls (token 0)."""
+    drop_prefix: bool = False
+    """For token sequences (batch, tokens, features): leave out the prefix tokens (CLS, registers;
+    ``model.prefix_tokens``) before reducing or storing: patch tokens only."""
     dtype: Literal["float32", "float16"] = "float32"
     """Stored dtype (Grad-CAM maps are always float32)."""
     key: str | None = None
-    """Array name in the store (default: the layer name); only for a capture matching one layer."""
+    """Array name in the store (default: the layer name). With a glob, a template: ``{layer}.cls``."""
     target: int | Literal["predicted", "label"] | None = None
     """For grad_output and gradcam: whose logit to differentiate: the arg-max class (default),
     the row's label, or a class index."""
     size: Literal["layer", "input"] = "layer"
     """For gradcam: keep the map at the layer's resolution or upsample it (bilinear) to the crop."""
-    layout: Literal["auto", "nchw", "nhwc"] = "auto"
-    """How a 4-D map holds its channels: (batch, channel, y, x) or (batch, y, x, channel), as in
-    Swin and ConvNeXt blocks; ``auto`` takes channels last when the two middle dims are equal
-    and the last differs (crops are square, so maps are), with a warning."""
+    layout: Literal["auto", "nchw", "nhwc", "attention"] = "auto"
+    """How a 4-D output holds its dims: (batch, channel, y, x), (batch, y, x, channel) as in Swin and
+    ConvNeXt blocks, or attention probabilities (batch, head, query, key). ``auto`` decides from
+    facts (probabilities that sum to 1, the module's type, which dims grow with the input size)
+    and refuses when they do not decide."""
+
+    @field_validator("key")
+    @classmethod
+    def _template(cls, key: str | None) -> str | None:
+        if key is not None and "{" in key:
+            try:
+                key.format(layer="x")
+            except (KeyError, IndexError, ValueError):
+                raise ValueError(f"a key template takes only {{layer}}, not {key!r}") from None
+        return key
 
     @model_validator(mode="after")
     def _gradient_fields(self) -> CaptureSpec:
@@ -174,6 +263,8 @@ class CaptureSpec(_Section):
             raise ValueError("a gradcam capture takes no reduce or index: it is one map per image")
         if isinstance(self.target, int) and self.target < 0:
             raise ValueError("target must be a class index >= 0, 'predicted' or 'label'")
+        if self.drop_prefix and (self.reduce == "cls" or self.what == "gradcam"):
+            raise ValueError("drop_prefix leaves out the CLS token: it does not go with reduce: cls or gradcam")
         return self
 
     @property
@@ -266,7 +357,7 @@ class JobSpec(_Section):
                 f"gradient captures must share one target, got {sorted(map(str, targets))}; "
                 "run one job per target"
             )
-        keys = [c.key for c in self.capture if c.key]
+        keys = [c.key for c in self.capture if c.key and "{" not in c.key]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
             raise ValueError(f"capture keys must be unique; repeated: {', '.join(dup)}")
@@ -350,9 +441,11 @@ def redact_argv(argv: list[str]) -> list[str]:
 
 
 def content_of(spec_dict: dict[str, Any]) -> dict[str, Any]:
-    """``spec_dict`` (a resolved spec as plain data) without the run-only fields."""
+    """``spec_dict`` (a resolved spec as plain data) without the run-only fields, and without the
+    preprocessing settings: what they resolve to (the store's ``preprocess`` record) is compared
+    instead, so that ``resize: auto`` and ``resize: 256`` that mean the same are the same."""
     d = copy.deepcopy(spec_dict)
-    for section, name in RUN_ONLY_FIELDS:
+    for section, name in (*RUN_ONLY_FIELDS, *(("data", f) for f in PREPROCESS_FIELDS)):
         if name is None:
             d.pop(section, None)
         elif isinstance(d.get(section), dict):

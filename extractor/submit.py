@@ -61,7 +61,7 @@ def _check_paths(spec: JobSpec) -> None:
     """Refuse relative local paths: on the cluster the job runs in a temporary copy of
     ``submit.working_dir`` (which Ray deletes later), not in the directory submitting it. An
     input may be relative when it is inside that folder (uploaded with it)."""
-    from .model import _looks_like_path
+    from .zoo import local_folder, looks_like_path
 
     def relative(value: Any) -> bool:
         return isinstance(value, str) and bool(value) and "://" not in value and not os.path.isabs(value)
@@ -77,8 +77,11 @@ def _check_paths(spec: JobSpec) -> None:
     shipped = Path(spec.submit.working_dir) if spec.submit.working_dir else None
     tars = [spec.data.tars] if isinstance(spec.data.tars, str) else list(spec.data.tars or [])
     inputs = [("data.root", spec.data.root), ("data.manifest", spec.data.manifest), *[("data.tars", t) for t in tars]]
-    if spec.model.weights and _looks_like_path(spec.model.weights):
+    if spec.model.weights and looks_like_path(spec.model.weights):
         inputs.append(("model.weights", spec.model.weights))
+    folder = local_folder(spec.model.name)
+    if folder is not None:
+        inputs.append(("model.name", folder[1]))
     for name, value in inputs:
         inside = shipped is not None and isinstance(value, str) and all(
             (shipped / v).exists() for v in expand_braces(value))

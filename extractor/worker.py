@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import Capturer, Target, channels_last, dim_names, resolve_targets
+from .capture import ROOT, Capturer, Target, decide_layout, dim_names, resolve_targets
 from .errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
-from .model import build_model, resolve_device
+from .model import build_model, model_call, resolve_device
+from .preprocess import Preprocess, from_dict
+from .preprocess import resolve as resolve_preprocess
 from .sources import BatchStream, ImageDecoder, JpegDecoder, Shard, describe_error, device_errors
 from .spec import JobSpec
 from .stats import ShardStats
@@ -53,6 +55,21 @@ def decode_threads(setting: int | str, cpus: int | None = None) -> int:
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cpus, MAX_DECODE_THREADS))
+
+
+def _preprocess(spec: JobSpec, defaults: dict[str, Any] | str) -> Preprocess:
+    """The job's preprocessing: the model library's (``defaults``, or why none is known) under the spec's."""
+    p = resolve_preprocess(spec.data, from_dict(defaults) if isinstance(defaults, dict) else defaults)
+    if "has no preprocessing config" in p.source:
+        log.warning("%s: set data.resize, data.crop, data.mean and data.std, or data.preprocess: imagenet", p.source)
+    return p
+
+
+def _layers_hint(spec: JobSpec) -> str:
+    """The command that lists this job's model's layers."""
+    if spec.model.factory:
+        return f"extractor layers --factory {spec.model.factory}"
+    return f"extractor layers {spec.model.name} --input-size N (or extractor layers JOB.yaml)"
 
 
 def _drain(pending: deque[Future[None]]) -> None:
@@ -93,7 +110,9 @@ class Worker:
         self.spec = spec
         self.device = resolve_device(spec.model.device)
         model, self.model_info = build_model(spec.model)
-        self.targets: list[Target] = resolve_targets(model, spec.capture)
+        self.preprocess = _preprocess(spec, self.model_info["preprocess_defaults"])
+        self.targets: list[Target] = resolve_targets(model, spec.capture, _layers_hint(spec),
+                                                     self.model_info["prefix_tokens"])
         model.requires_grad_(False)  # extraction never trains: gradients flow only from captured layers on
         self.channels_last = spec.model.channels_last
         if self.channels_last:
@@ -101,7 +120,7 @@ class Worker:
         self.model = model.to(self.device)
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels once
-        self.decode = ImageDecoder(spec.data)
+        self.decode = ImageDecoder(spec.data, self.preprocess)
         self.jpeg: JpegDecoder | None = None
         if spec.data.decode_device == "cuda":
             if self.device.type != "cuda":
@@ -109,20 +128,21 @@ class Worker:
                     f"data.decode_device: cuda needs the model on a CUDA GPU, but it runs on {self.device}; "
                     "set data.decode_device: cpu"
                 )
-            self.jpeg = JpegDecoder(spec.data, self.device)
+            self.jpeg = JpegDecoder(spec.data, self.device, self.preprocess)
         workers = decode_threads(spec.data.decode_workers, cpus)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers else None
         self.writer_pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="extractor-write")
         # opens the next shard's store arrays and reads its row list while the current shard computes
         self.prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="extractor-prepare")
         self.spare: dict[str, deque[np.ndarray]] = {}  # chunk buffers whose write is done, per capture
-        self.mean = torch.tensor(spec.data.mean, device=self.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(spec.data.std, device=self.device).view(1, 3, 1, 1)
+        self.mean = torch.tensor(self.preprocess.mean, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(self.preprocess.std, device=self.device).view(1, 3, 1, 1)
         # the hooks stay registered for the worker's life; a compiled model traces them into its graph
-        self.cap = Capturer(self.model, self.targets).__enter__()
+        entry = model_call(self.model, spec.model)
+        self.cap = Capturer(self.model, self.targets, entry=entry).__enter__()
         self.compiled = spec.model.compile
         if self.compiled:
-            self.cap.forward = torch.compile(self.model)
+            self.cap.forward = torch.compile(entry)
         self.warm = not self.compiled  # compiled, and its graph built (warm_up)
         self._pinned: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self._slot = 0
@@ -231,26 +251,31 @@ class Worker:
         """Captured tensors (on the device) for a uint8 batch: one hooked forward."""
         return self._forward(images)
 
+    def _blank(self, size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        """One blank image at the model's input size (or ``size``) through the hooked model, eagerly."""
+        h, w = size or self.preprocess.size
+        return self._forward(torch.zeros(1, 3, h, w, dtype=torch.uint8), np.zeros(1, np.int64), eager=True)
+
     def probe(self) -> dict[str, dict[str, Any]]:
-        """Run one blank image through the model: the stored shape and metadata of each capture."""
-        crop = self.spec.data.crop
-        blank = torch.zeros(1, 3, crop, crop, dtype=torch.uint8)
+        """Run one blank image through the model: the stored shape and metadata of each capture.
+        4-D outputs left at ``layout: auto`` are decided here (see :func:`decide_layout`)."""
+        h, w = self.preprocess.size
+        size_from = "data.crop" if self.spec.data.crop != "auto" else f"the input size from {self.preprocess.source}"
         try:
-            values = self._forward(blank, np.zeros(1, np.int64), eager=True)
+            values = self._blank()
+            if self._decide_layouts():
+                values = self._blank()  # again, reduced as decided
         except (ExtractorError, KeyboardInterrupt, torch.OutOfMemoryError, *_DEVICE_ERRORS):
             raise
         except Exception as err:
             raise ModelError(
-                f"the model failed on a blank {crop}x{crop} image (data.crop), before any image was read: "
-                f"{describe_error(err)}. If it expects another input size, set data.crop (and data.resize) to it"
+                f"the model failed on a blank {h}x{w} image ({size_from}), before any image was read: "
+                f"{describe_error(err)}. If it expects another input size, set data.crop (and "
+                "data.resize) to it; if it takes its input another way, see model.call, model.input and "
+                "model.forward_kwargs"
             ) from err
+        self.targets = self.cap.targets
         original = dict(self.cap.original_shapes)
-        for t in self.targets:
-            shape = (0, *original[t.key])
-            if t.layout == "auto" and channels_last(shape) and (t.reduce != "flatten" or t.what == "gradcam"):
-                log.warning("capture[%d] %s: layer %r gives %s maps: read as (batch, y, x, channel), channels last; "
-                            "if they are (batch, channel, y, x), set capture[%d].layout: nchw", t.capture, t.key,
-                            t.layer, "x".join(map(str, original[t.key])), t.capture)
         if self.cap.logits is not None:  # a gradient job: labels (target: label) must be among them
             self.model_info = {**self.model_info, "logits": self.cap.logits}
         modules = dict(self.model.named_modules())
@@ -266,6 +291,7 @@ class Worker:
                 "original_shape": list(original[t.key]),
                 "dims": dim_names(t.key, original[t.key], t.reduce, t.what, t.layout),
                 "capture": t.capture,
+                **({"drop_prefix": t.drop_prefix} if t.drop_prefix else {}),
                 **({"target": t.target} if t.gradient else {}),
                 **({"size": t.size} if t.what == "gradcam" else {}),
             }
@@ -282,15 +308,64 @@ class Worker:
         }
         return self.captures
 
+    def _decide_layouts(self) -> bool:
+        """Decide ``layout: auto`` for the 4-D outputs whose layout matters (reduced, stored whole,
+        Grad-CAM) from facts; refuse when none decides. True when the blank must run again: a
+        decided layout reduces otherwise than the provisional ``nchw`` did."""
+        modules = dict(self.model.named_modules())
+        shapes = dict(self.cap.original_shapes)
+        undecided = [t for t in self.targets if t.layout == "auto" and len(shapes.get(t.key, ())) == 3
+                     and (t.reduce != "flatten" or t.what == "gradcam")]
+        if not undecided:
+            return False
+        other: dict[str, tuple[int, ...]] | None = None
+        layouts: dict[str, str] = {}
+        for t in undecided:
+            module = modules[t.layer] if t.layer else None
+            layout = decide_layout(module, shapes[t.key], self.cap.auto_4d.get(t.key), None)
+            if layout is None:
+                if other is None:
+                    other = self._shapes_at_another_size()
+                layout = decide_layout(None, shapes[t.key], None, other.get(t.key))
+            if layout is None:
+                raise LayerError(
+                    f"capture[{t.capture}] {t.key}: layer {t.layer or ROOT!r} ({type(modules[t.layer]).__name__}) "
+                    "gives "
+                    f"{'x'.join(map(str, shapes[t.key]))} outputs whose layout extractor cannot tell (not a module "
+                    "type it knows, and the model does not run at another input size to see which dims grow); set "
+                    f"capture[{t.capture}].layout: nchw (channel, y, x), nhwc (y, x, channel) or attention "
+                    "(head, query, key)"
+                )
+            log.info("capture[%d] %s: layout %s", t.capture, t.key, layout)
+            layouts[t.key] = layout
+        self.cap.set_layouts(layouts)
+        self.targets = self.cap.targets
+        return any(layout != "nchw" and (t.reduce in ("mean", "max") or t.what == "gradcam")
+                   for t in self.targets if (layout := layouts.get(t.key)) is not None)
+
+    def _shapes_at_another_size(self) -> dict[str, tuple[int, ...]]:
+        """The captures' shapes for a blank image 32 pixels larger each way ({} when the model refuses it)."""
+        h, w = self.preprocess.size
+        shapes = self.cap.original_shapes  # the input size's: what the store records
+        try:
+            self._blank((h + 32, w + 32))
+            return dict(self.cap.original_shapes)
+        except (KeyboardInterrupt, *_DEVICE_ERRORS):
+            raise
+        except Exception:  # noqa: BLE001 - a model with a fixed input size: this fact is not to be had
+            return {}
+        finally:
+            self.cap.original_shapes = shapes
+
     def warm_up(self) -> None:
         """Compile the model now (once), on a full blank batch, so that a failure is the model's,
         not an image's. A no-op for an eager model. The runner calls it before creating a store,
         and only when there is something to compute: a resume of a finished store compiles nothing."""
         if self.warm:
             return
-        crop = self.spec.data.crop
+        h, w = self.preprocess.size
         try:
-            self._forward(torch.zeros(1, 3, crop, crop, dtype=torch.uint8), np.zeros(1, np.int64))
+            self._forward(torch.zeros(1, 3, h, w, dtype=torch.uint8), np.zeros(1, np.int64))
         except (LayerError, KeyboardInterrupt):
             raise
         except torch.OutOfMemoryError as err:
@@ -311,7 +386,9 @@ class Worker:
         """What the driver needs to create the store: captures, per-row extras, the model."""
         if self.captures is None:
             self.probe()
-        return {"captures": self.captures, "extras": self.extras, "model": self.model_info}
+        model = {k: v for k, v in self.model_info.items() if k != "preprocess_defaults"}
+        return {"captures": self.captures, "extras": self.extras, "model": model,
+                "preprocess": self.preprocess.to_dict()}
 
     def run_shard(
         self,

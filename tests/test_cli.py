@@ -224,3 +224,29 @@ def test_layers_errors_are_one_line(capsys: pytest.CaptureFixture):
     assert "model.factory must look like 'pkg.module:function'" in err and "pydantic" not in err
     assert main(["layers", "resnet18", "--factory", "toy_models:small_cnn"]) == 1
     assert "not both" in capsys.readouterr().err
+
+
+def test_layers_of_a_factory_in_the_current_folder_with_kwargs_and_of_a_job(tmp_path: Path):
+    """The console script finds a factory module in the current folder (as `python -m` does), takes
+    --kwargs, lists (model) with the name a capture takes, and lists a job's model at the job's size."""
+    (tmp_path / "mymodels.py").write_text(
+        "from torch import nn\n\n\ndef net(width):\n"
+        "    return nn.Sequential(nn.Conv2d(3, width, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())\n")
+    script = str(Path(sys.executable).parent / "extractor")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([script, "layers", "--factory", "mymodels:net", "--kwargs", "{width: 5}", "--input-size", "16"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "1x5x14x14" in r.stdout and next(ln for ln in r.stdout.splitlines() if ln.startswith("(model)")).split()[2] \
+        == "1x5"
+    raw = {"model": {"factory": "mymodels:net", "kwargs": {"width": 7}, "device": "cpu"},
+           "data": {"root": str(tmp_path), "resize": 20, "crop": 20, "preprocess": "imagenet"},
+           "capture": [{"layer": "(model)", "key": "embedding"}]}
+    write_job(tmp_path / "job.yaml", raw)
+    r = subprocess.run([script, "layers", "job.yaml"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "1x7x18x18" in r.stdout and "one 20x20 image" in r.stdout
+    r = subprocess.run([script, "layers", "--factory", "mymodels:net"], capture_output=True, text=True, cwd=tmp_path,
+                       env=env, timeout=120)
+    assert r.returncode == 1 and "missing 1 required positional argument: 'width'" in r.stderr

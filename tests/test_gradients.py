@@ -179,7 +179,7 @@ def test_show_draws_gradcam_overlays(image_dir: Path, tmp_path: Path):
     s = open_store(str(tmp_path / "s.zarr"))
     from extractor.show import _crop_like_job
 
-    bare = np.asarray(_crop_like_job(str(s.paths[0]), s.spec["data"]), dtype=np.int16)
+    bare = np.asarray(_crop_like_job(str(s.paths[0]), s), dtype=np.int16)
     tile = np.asarray(img.convert("RGB"), dtype=np.int16)[:64, :64]
     assert np.abs(tile - bare).mean() > 5
     strips = np.asarray(img.convert("L"))[[64 + 2 + i for i in range(12)] + [144 + 2 + i for i in range(12)]]

@@ -12,6 +12,7 @@ import zarr
 from conftest import job
 from test_worker import reference_batch
 
+from extractor.errors import LayerError
 from extractor.reader import open_store
 from extractor.runner import run
 from extractor.spec import parse_spec
@@ -20,8 +21,7 @@ SWIN = {"name": "swin_t", "weights": None, "device": "cpu"}
 DATA = {"resize": 72, "crop": 64}  # maps of 16x16 (features.1), 8x8 (features.3)
 
 
-def test_swin_maps_are_reduced_over_space_and_named_channel_last(image_dir: Path, tmp_path: Path,
-                                                                 caplog: pytest.LogCaptureFixture):
+def test_swin_maps_are_reduced_over_space_and_named_channel_last(image_dir: Path, tmp_path: Path):
     from torchvision.models import swin_t
     from torchvision.models.feature_extraction import create_feature_extractor
 
@@ -31,9 +31,7 @@ def test_swin_maps_are_reduced_over_space_and_named_channel_last(image_dir: Path
         {"layer": "features.3", "what": "gradcam", "key": "cam"},
         {"layer": "features.1", "reduce": "mean", "key": "forced", "layout": "nchw"},
     ])
-    with caplog.at_level("WARNING", logger="extractor.worker"):
-        assert run(parse_spec(raw)).ok == 12
-    assert "capture[0] s1: layer 'features.1' gives 16x16x96 maps: read as (batch, y, x, channel)" in caplog.text
+    assert run(parse_spec(raw)).ok == 12  # decided by which dims grow at another input size
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.captures["s1"]["dims"] == ["s1.channel"] and s["s1"].shape == (12, 96)
     assert s.captures["s3"]["dims"] == ["s3.y", "s3.x", "s3.channel"] and s["s3"].shape == (12, 8, 8, 192)
@@ -69,5 +67,36 @@ def test_a_store_made_before_layout_existed_still_resumes(image_dir: Path, tmp_p
     raw["output"]["if_exists"] = "resume"
     assert run(parse_spec(raw)).shards_skipped == 3
     raw["data"]["crop"] = 32  # a real difference is still one
-    with pytest.raises(Exception, match="data.crop: 64 in the store, 32 now"):
+    with pytest.raises(Exception, match=r"preprocess crop: \[64, 64\] in the store, \[32, 32\] now"):
         run(parse_spec(raw))
+
+
+def test_a_map_whose_height_width_and_channels_are_equal_is_still_read_channels_last(tmp_path: Path):
+    """swin_t features.1 at crop 384 is 96x96x96: its shape says nothing, the dims that grow at
+    another input size do. The mean is over y and x, as a direct forward's."""
+    from conftest import make_images
+    from torchvision.models import swin_t
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    make_images(tmp_path / "img", per_class=1, size=300)
+    raw = job(tmp_path / "img", tmp_path / "s.zarr", model=SWIN, data={"resize": 384, "crop": 384},
+              capture=[{"layer": "features.1", "reduce": "mean", "key": "s1"}])
+    assert run(parse_spec(raw)).ok == 2
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s["s1"].shape == (2, 96) and s.captures["s1"]["original_shape"] == [96, 96, 96]
+    torch.manual_seed(0)
+    fx = create_feature_extractor(swin_t().eval(), return_nodes=["features.1"])
+    ref = fx(reference_batch([Path(p) for p in s.paths], 384, 384))["features.1"].mean((1, 2)).detach().numpy()
+    assert np.abs(s.numpy("s1") - ref).max() < 1e-4 * np.abs(ref).max() + 1e-6
+
+
+def test_a_map_whose_layout_no_fact_decides_is_refused(image_dir: Path, tmp_path: Path):
+    raw = job(image_dir, tmp_path / "s.zarr",
+              model={"name": None, "factory": "toy_models:fixed_size_map", "device": "cpu"},
+              data={"resize": 16, "crop": 16}, capture=[{"layer": "block", "reduce": "mean"}])
+    with pytest.raises(LayerError, match=r"capture\[0\] block: layer 'block' \(Reshape\) gives 4x4x4 outputs whose "
+                                         r"layout extractor cannot tell.*set capture\[0\].layout: nchw"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()  # refused before the store was created
+    raw["capture"][0]["layout"] = "nhwc"
+    assert run(parse_spec(raw)).ok == 12

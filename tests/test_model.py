@@ -26,7 +26,7 @@ def test_checkpoint_loads_with_weights_only(tmp_path: Path):
     torch.save({"state_dict": trained.state_dict()}, tmp_path / "ckpt.pt")
     model, info = build_model(ModelSpec(name="resnet18", weights=str(tmp_path / "ckpt.pt")))
     assert info["state_dict_sha256"] == state_dict_hash(trained)
-    assert info["weights"] == f"checkpoint {tmp_path / 'ckpt.pt'}"
+    assert info["weights"] == f"torchvision resnet18, weights from checkpoint {tmp_path / 'ckpt.pt'}"
 
 
 def test_checkpoint_with_pickled_code_is_refused(tmp_path: Path):

@@ -1,0 +1,467 @@
+"""Model sources: torchvision, timm, Hugging Face transformers, open_clip and user factories.
+
+Each builder returns a :class:`Built`: the module, where its weights came from, the
+preprocessing its library prescribes (or why none is known) and its prefix-token count.
+Weights come from local caches only; a download needs ``EXTRACTOR_ALLOW_DOWNLOAD=1``.
+The optional libraries are imported only when a spec names them (extra ``models``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ModelError
+from .preprocess import IMAGENET, Preprocess
+from .spec import ModelSpec
+
+__all__ = ["Built", "build", "load_checkpoint", "looks_like_path", "local_folder", "prefix_tokens"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+_EXTRA = "pip install 'extractor[models]' (timm, transformers, open_clip_torch)"
+# PIL resampling codes (Hugging Face image processors store them) -> data.interpolation
+_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+# composite configs whose vision tower has a class of its own with the image projection
+_HF_TOWERS = {"clip": "CLIPVisionModelWithProjection"}
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    source: str  # provenance, e.g. "timm vit_small_patch16_224 pretrained (hf-hub:timm/...)"
+    preprocess: Preprocess | str  # the library's preprocessing, or why none is known
+    pretrained: bool  # weights came from somewhere (not a random init of ours)
+    library: str  # torchvision, timm, hf, open_clip, factory
+
+
+def looks_like_path(weights: str) -> bool:
+    return "/" in weights or os.sep in weights or weights.endswith(CHECKPOINT_SUFFIXES) or os.path.exists(weights)
+
+
+def local_folder(name: str | None) -> tuple[str, str] | None:
+    """``(prefix, folder)`` of a model name that names a local folder (``hf:FOLDER``,
+    ``open_clip:local-dir:FOLDER``), which workers elsewhere need as an absolute path."""
+    for prefix in ("hf:", "open_clip:local-dir:"):
+        if name and name.startswith(prefix) and os.path.isdir(name[len(prefix):]):
+            return prefix, name[len(prefix):]
+    return None
+
+
+def _downloads() -> bool:
+    return os.environ.get("EXTRACTOR_ALLOW_DOWNLOAD") == "1"
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """Hub libraries read their local caches only (unless downloads are allowed)."""
+    if _downloads():
+        yield
+        return
+    import huggingface_hub.constants as hub
+
+    was = hub.HF_HUB_OFFLINE
+    hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = was
+
+
+def _import(module: str, spec: ModelSpec) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ModelError(f"model.name {spec.name!r} needs {module.split('.')[0]}, which is not installed "
+                         f"({err}): {_EXTRA}") from err
+
+
+def _unknown(spec: ModelSpec, names: list[str], how: str) -> ModelError:
+    close = difflib.get_close_matches(spec.model, names, n=5, cutoff=0.5)
+    hint = f"; closest: {', '.join(close)}" if close else ""
+    return ModelError(f"model.name {spec.name!r} is not a {spec.source} model{hint}. {how}")
+
+
+def _not_cached(spec: ModelSpec, err: BaseException, fetch: str) -> ModelError:
+    where = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    return ModelError(
+        f"model {spec.name!r} with weights {spec.weights!r}: not in the local cache ({where}) and downloads are off "
+        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). On a connected machine run "
+        f"{fetch}, set EXTRACTOR_ALLOW_DOWNLOAD=1, or set model.weights to a checkpoint file"
+    )
+
+
+def build(spec: ModelSpec) -> Built:
+    """The model of ``spec`` on the CPU (weights loaded; checkpoints by the caller)."""
+    return {"torchvision": _torchvision, "timm": _timm, "hf": _hf, "open_clip": _open_clip,
+            "factory": _factory}[spec.source](spec)
+
+
+# --------------------------------------------------------------------------- torchvision
+
+# builders whose pretrained weights need flags that their plain builder leaves off: a state dict
+# saved from the pretrained model only works with them (inception's input transform, aux heads)
+_TV_PRETRAINED_FLAGS = {
+    "inception_v3": {"transform_input": True, "aux_logits": True, "init_weights": False},
+    "googlenet": {"transform_input": True, "aux_logits": False, "init_weights": False},
+}
+
+
+def _tv_preprocess(weights: Any) -> Preprocess:
+    t = weights.transforms()
+    crop, resize = list(t.crop_size), list(t.resize_size)
+    return Preprocess(resize=resize[0] if len(resize) == 1 else (resize[0], resize[1]),
+                      crop=(crop[0], crop[0]) if len(crop) == 1 else (crop[0], crop[1]),
+                      interpolation=t.interpolation.value, mean=tuple(t.mean), std=tuple(t.std),
+                      source=f"torchvision {weights} transforms")
+
+
+def _torchvision(spec: ModelSpec) -> Built:
+    import torchvision.models as tvm
+
+    name = spec.model
+    names = sorted(tvm.list_models(module=tvm))
+    if name not in names:
+        raise _unknown(spec, names, "See torchvision.models.list_models(), use timm:/hf:/open_clip:, or set "
+                                    "model.factory for other models")
+    w = "DEFAULT" if spec.weights == "pretrained" else spec.weights
+    kwargs = {**_TV_PRETRAINED_FLAGS.get(name, {}), **spec.kwargs}
+    if w is None or looks_like_path(w):
+        model = _call(lambda: tvm.get_model(name, weights=None, **kwargs), spec)
+        return Built(model, f"torchvision {name}", IMAGENET, False, "torchvision")
+    enum = tvm.get_model_weights(name)
+    valid = list(dict.fromkeys(["DEFAULT", *enum.__members__]))  # some enums list DEFAULT among their members
+    if w not in valid:
+        raise ModelError(
+            f"model.weights {w!r} is not a weights name of {name} (valid: {', '.join(valid)}, pretrained) "
+            "and no such checkpoint file exists"
+        )
+    weights = enum.DEFAULT if w == "DEFAULT" else enum[w]
+    cached = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
+    if not os.path.exists(cached) and not _downloads():
+        raise ModelError(
+            f"weights {name}.{weights.name} are not in the torch cache ({cached}). "
+            f"Download {weights.url} to that path on a connected machine, set model.weights to a "
+            "checkpoint path, or set EXTRACTOR_ALLOW_DOWNLOAD=1 to let torchvision download them"
+        )
+    model = _call(lambda: tvm.get_model(name, weights=weights, **spec.kwargs), spec)
+    return Built(model, f"torchvision {name} {weights}", _tv_preprocess(weights), True, "torchvision")
+
+
+def _call(fn: Any, spec: ModelSpec) -> Any:
+    """A builder call whose errors are the spec's (a bad keyword, a bad size)."""
+    try:
+        return fn()
+    except ModelError:
+        raise
+    except TypeError as err:
+        raise ModelError(f"model {spec.name or spec.factory}: the builder refused model.kwargs "
+                         f"{spec.kwargs}: {err}") from err
+
+
+# --------------------------------------------------------------------------- timm
+
+
+def _timm_preprocess(timm: Any, model: nn.Module, spec: ModelSpec) -> Preprocess | str:
+    cfg = timm.data.resolve_model_data_config(model)
+    _, h, w = cfg["input_size"]
+    if "img_size" in spec.kwargs:  # the data config keeps the pretrained size; the model was built for this one
+        size = spec.kwargs["img_size"]
+        h, w = (size, size) if isinstance(size, int) else tuple(size)
+    pct, mode = cfg.get("crop_pct") or 0.875, cfg.get("crop_mode") or "center"
+    scale = (int(h / pct), int(w / pct))  # math.floor, as timm does
+    if mode == "squash":
+        resize: int | tuple[int, int] = scale
+    elif mode == "center" and h == w:
+        resize = scale[0]
+    else:
+        return (f"timm's data config for {spec.model} asks for crop_mode {mode!r} at {h}x{w}, which extractor does "
+                "not reproduce")
+    interpolation = cfg.get("interpolation") or "bilinear"
+    if interpolation not in _RESAMPLE.values():
+        return f"timm's data config for {spec.model} asks for interpolation {interpolation!r}"
+    return Preprocess(resize=resize, crop=(h, w), interpolation=interpolation, mean=tuple(cfg["mean"]),
+                      std=tuple(cfg["std"]), crop_pct=pct,
+                      source=f"timm data config of {spec.model} (crop_pct {pct}, {mode})")
+
+
+def _timm(spec: ModelSpec) -> Built:
+    timm = _import("timm", spec)
+    _import("timm.data", spec)  # resolve_model_data_config
+
+    if not timm.is_model(spec.model):
+        raise _unknown(spec, timm.list_models(), "See timm.list_models()")
+    pretrained = spec.weights == "pretrained"
+    if spec.weights not in (None, "pretrained") and not looks_like_path(spec.weights):
+        raise ModelError(f"model.weights {spec.weights!r}: a timm model takes null, pretrained (the tag in its name: "
+                         f"timm:{spec.model.split('.')[0]}.TAG) or a checkpoint file")
+    try:
+        with _offline(), _no_url_downloads():
+            model = _call(lambda: timm.create_model(spec.model, pretrained=pretrained, **spec.kwargs), spec)
+    except (OSError, RuntimeError, ValueError) as err:
+        if not pretrained:
+            raise ModelError(f"timm.create_model({spec.model!r}) failed: {type(err).__name__}: {err}") from err
+        raise _not_cached(spec, err, f"python -c \"import timm; timm.create_model('{spec.model}', pretrained=True)\"") \
+            from err
+    where = model.pretrained_cfg.get("hf_hub_id") or model.pretrained_cfg.get("url") or "?"
+    source = f"timm {spec.model}" + (f" pretrained ({where})" if pretrained else "")
+    return Built(model, source, _timm_preprocess(timm, model, spec), pretrained, "timm")
+
+
+@contextlib.contextmanager
+def _no_url_downloads() -> Iterator[None]:
+    """timm fetches some weights from plain URLs (torch.hub): refused unless downloads are allowed."""
+    if _downloads():
+        yield
+        return
+    import timm.models._hub as hub
+
+    def refuse(url: str, *args: Any, **kwargs: Any) -> None:
+        raise OSError(f"{url} is not in the torch cache and downloads are off")
+
+    was = hub.download_url_to_file
+    hub.download_url_to_file = refuse
+    try:
+        yield
+    finally:
+        hub.download_url_to_file = was
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
+    try:
+        with _offline():
+            p = transformers.AutoImageProcessor.from_pretrained(src, local_files_only=not _downloads())
+    except (OSError, ValueError, KeyError) as err:
+        return f"hf:{src} has no image processor config (preprocessor_config.json) here ({type(err).__name__})"
+    size = getattr(p, "size", None) or {}
+    get = (lambda k: getattr(size, k, None)) if not isinstance(size, dict) else size.get
+    resize: int | tuple[int, int] | None
+    if not getattr(p, "do_resize", True):
+        resize = None
+    elif get("shortest_edge") and not get("longest_edge"):
+        resize = int(get("shortest_edge"))
+    elif get("height") and get("width"):
+        resize = (int(get("height")), int(get("width")))
+    else:
+        return f"the image processor of hf:{src} resizes to {size}, which extractor does not reproduce"
+    crop = None
+    if getattr(p, "do_center_crop", False):
+        cs = p.crop_size
+        cget = (lambda k: getattr(cs, k, None)) if not isinstance(cs, dict) else cs.get
+        crop = (int(cget("height")), int(cget("width")))
+    if getattr(p, "do_rescale", True) and abs(float(getattr(p, "rescale_factor", 1 / 255)) - 1 / 255) > 1e-9:
+        return f"the image processor of hf:{src} rescales by {p.rescale_factor}, not 1/255"
+    mean, std = getattr(p, "image_mean", None), getattr(p, "image_std", None)
+    if not getattr(p, "do_normalize", True) or mean is None:
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    mean = (float(mean),) * 3 if isinstance(mean, (int, float)) else tuple(float(v) for v in mean)
+    std = (float(std),) * 3 if isinstance(std, (int, float)) else tuple(float(v) for v in std)
+    resample = getattr(p, "resample", None)
+    interpolation = _RESAMPLE.get(int(resample), None) if resample is not None else "bilinear"
+    if interpolation is None:
+        return f"the image processor of hf:{src} resamples with {resample!r}"
+    return Preprocess(resize=resize, crop=crop, interpolation=interpolation, mean=mean, std=std,  # type: ignore[arg-type]
+                      crop_offset="floor", source=f"{type(p).__name__} of hf:{src}")
+
+
+def _hf(spec: ModelSpec) -> Built:
+    transformers = _import("transformers", spec)
+    src = spec.model
+    local = os.path.isdir(src)
+    pretrained = spec.weights == "pretrained"
+    if spec.weights not in (None, "pretrained") and not looks_like_path(spec.weights):
+        raise ModelError(f"model.weights {spec.weights!r}: an hf: model takes null (random init from its config), "
+                         "pretrained (its own weights) or a checkpoint file")
+    fetch = f"`hf download {src}`"
+    try:
+        with _offline():
+            config = transformers.AutoConfig.from_pretrained(src, local_files_only=not _downloads())
+    except (OSError, ValueError) as err:
+        if local:
+            raise ModelError(f"model.name {spec.name!r}: the folder has no usable config.json: {err}") from err
+        raise _not_cached(spec, err, fetch) from err
+    vision = getattr(config, "vision_config", None)
+    tower = config if vision is None else vision
+    if vision is not None and hasattr(tower, "projection_dim") and hasattr(config, "projection_dim"):
+        tower.projection_dim = config.projection_dim  # the tower's own class holds the image projection
+    for k, v in spec.kwargs.items():  # config overrides, on the tower that runs
+        if not hasattr(tower, k):
+            raise ModelError(f"model.kwargs {k!r}: not a setting of {type(tower).__name__}")
+        setattr(tower, k, v)
+    name = _HF_TOWERS.get(config.model_type) if vision is not None else None
+    cls = getattr(transformers, name) if name else transformers.MODEL_MAPPING[type(tower)]
+    try:
+        with _offline():
+            if pretrained:
+                model = cls.from_pretrained(src, config=tower, local_files_only=not _downloads())
+            else:
+                model = cls._from_config(tower)
+    except (OSError, ValueError) as err:
+        raise _not_cached(spec, err, fetch) from err
+    what = f"{cls.__name__} of " if vision is not None else ""
+    source = f"hf {what}{src}" + (" pretrained" if pretrained else "")
+    return Built(model, source, _hf_preprocess(transformers, src), pretrained, "hf")
+
+
+# --------------------------------------------------------------------------- open_clip
+
+
+def _open_clip_preprocess(visual: nn.Module, spec: ModelSpec) -> Preprocess | str:
+    cfg = dict(getattr(visual, "preprocess_cfg", {}) or {})
+    if not cfg:
+        return f"open_clip model {spec.model} has no preprocess_cfg"
+    size = cfg.get("size", 224)
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    mode = cfg.get("resize_mode", "shortest")
+    if mode == "squash":
+        resize: int | tuple[int, int] = (h, w)
+        crop: tuple[int, int] | None = None
+    elif mode == "shortest" and h == w:
+        resize, crop = h, (h, w)
+    else:
+        return f"open_clip's transform for {spec.model} resizes with mode {mode!r} at {h}x{w}"
+    return Preprocess(resize=resize, crop=crop, interpolation=cfg.get("interpolation", "bicubic"),
+                      mean=tuple(cfg["mean"]), std=tuple(cfg["std"]),
+                      source=f"open_clip transform of {spec.model} ({mode})")
+
+
+def _open_clip(spec: ModelSpec) -> Built:
+    open_clip = _import("open_clip", spec)
+    arch, schema = spec.model, spec.model.startswith(("hf-hub:", "local-dir:"))
+    if not schema and arch not in open_clip.list_models():
+        raise _unknown(spec, open_clip.list_models(), "See open_clip.list_models()")
+    w = spec.weights
+    tags = [] if schema else open_clip.list_pretrained_tags_by_model(arch)
+    if w == "pretrained" and not schema:
+        raise ModelError(f"model.weights: pretrained is ambiguous for open_clip:{arch}; name a tag "
+                         f"({', '.join(tags) or 'none known'}) or a checkpoint file")
+    if w is not None and w != "pretrained" and not looks_like_path(w) and w not in tags:
+        raise ModelError(f"model.weights {w!r} is not a pretrained tag of open_clip:{arch} "
+                         f"(tags: {', '.join(tags) or 'none'}) and no such checkpoint file exists")
+    pretrained = w is not None
+    try:
+        with _offline():
+            model = _call(lambda: open_clip.create_model(
+                arch, pretrained=None if schema or w is None else w, load_weights=pretrained, **spec.kwargs), spec)
+    except (OSError, RuntimeError) as err:
+        if not pretrained:
+            raise ModelError(f"open_clip.create_model({arch!r}) failed: {type(err).__name__}: {err}") from err
+        raise _not_cached(spec, err, f"python -c \"import open_clip; open_clip.create_model('{arch}', "
+                                     f"pretrained='{w}')\"") from err
+    visual = model.visual
+    visual.preprocess_cfg = getattr(model.visual, "preprocess_cfg", None) or {}
+    source = f"open_clip {arch} visual tower" + (f" ({w})" if pretrained else "")
+    return Built(visual, source, _open_clip_preprocess(visual, spec), pretrained, "open_clip")
+
+
+# --------------------------------------------------------------------------- factories
+
+
+def _factory(spec: ModelSpec) -> Built:
+    factory = spec.model
+    module_name, _, attr = factory.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module in the current folder, as `python -m` finds it
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ModelError(f"model.factory {factory!r}: cannot import {module_name}: {err} (the current folder and "
+                         "PYTHONPATH are searched)") from err
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelError(f"model.factory {factory!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    try:
+        model = obj(**spec.kwargs)
+    except Exception as err:
+        raise ModelError(f"model.factory {factory!r} raised {type(err).__name__}: {err}") from err
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model.factory {factory!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return Built(model, f"factory {factory} (weights as the factory built them)", _known_preprocess(model, spec),
+                 True, "factory")
+
+
+def _known_preprocess(model: nn.Module, spec: ModelSpec) -> Preprocess:
+    """A factory's model from a library we know (timm) brings its data config; other models get
+    ImageNet's defaults, with a warning when the job leaves them at auto."""
+    if hasattr(model, "pretrained_cfg") and "timm" in sys.modules:
+        found = _timm_preprocess(sys.modules["timm"], model, spec)
+        if isinstance(found, Preprocess):
+            return found
+    return replace(IMAGENET, source=f"ImageNet defaults (model.factory {spec.factory} has no preprocessing "
+                                    "config extractor knows)")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def load_checkpoint(model: nn.Module, path: str) -> None:
+    """Load a state dict file (``torch.load(weights_only=True)`` or safetensors) into ``model``."""
+    if not os.path.exists(path):
+        raise ModelError(f"model.weights checkpoint {path} does not exist")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state: Any = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError as err:
+        raise ModelError(f"{path}: reading .safetensors needs safetensors: {_EXTRA}") from err
+    except Exception as err:
+        raise ModelError(
+            f"cannot load checkpoint {path} with weights_only=True ({type(err).__name__}: {err}). "
+            "Save a plain state dict: torch.save(model.state_dict(), path)"
+        ) from err
+    if isinstance(state, dict):
+        for k in ("state_dict", "model", "model_state_dict"):
+            if k in state and isinstance(state[k], dict):
+                state = state[k]
+                break
+    if not isinstance(state, dict):
+        raise ModelError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ModelError(
+            f"checkpoint {path} does not fit the model: missing keys {result.missing_keys[:5]}"
+            f"{'...' if len(result.missing_keys) > 5 else ''}, unexpected keys "
+            f"{result.unexpected_keys[:5]}{'...' if len(result.unexpected_keys) > 5 else ''}"
+        )
+
+
+# --------------------------------------------------------------------------- prefix tokens
+
+
+def prefix_tokens(model: nn.Module, library: str) -> int | None:
+    """Tokens before the patch tokens (CLS, registers): timm's ``num_prefix_tokens``, else a class
+    token and register tokens found among the parameters. None when the model is not one we know."""
+    n = getattr(model, "num_prefix_tokens", None)
+    if isinstance(n, int):
+        return n
+    count = 0
+    for module in model.modules():
+        for attr in ("cls_token", "class_token", "class_embedding"):
+            if isinstance(getattr(module, attr, None), torch.Tensor):
+                count = 1
+        registers = getattr(module, "register_tokens", None)
+        if isinstance(registers, torch.Tensor) and registers.ndim == 3:
+            count += registers.shape[1]
+        if count:
+            return count
+    return 0 if library in ("timm", "hf", "open_clip") else None

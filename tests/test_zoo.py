@@ -1,0 +1,323 @@
+"""Models as their libraries make them: timm, Hugging Face transformers and open_clip, from small
+random-init configs (no downloads), with the library's own preprocessing on non-square JPEGs.
+
+Each case checks two things independently: the pixels extractor feeds the model equal the
+library's own preprocessing of the same files, and the stored values equal the library's own
+way of reading those layers (``output_hidden_states``, ``forward_intermediates``, ``encode_image``)
+on those pixels."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import job
+
+from extractor.errors import ModelError
+from extractor.reader import open_store
+from extractor.runner import run
+from extractor.spec import parse_spec
+from extractor.worker import Worker
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+open_clip = pytest.importorskip("open_clip")
+
+SIZES = [(97, 131), (150, 100), (64, 200), (120, 121), (333, 250)]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Non-square JPEGs of smooth, photo-like content (resamplers differ most on noise)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(3)
+    for i, (h, w) in enumerate(SIZES):
+        y, x = np.mgrid[0:h, 0:w] / max(h, w)
+        base = np.stack([np.sin(6 * x + i), np.cos(5 * y), np.sin(3 * x * y + 2)], -1) * 100 + 128
+        arr = np.clip(base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, "JPEG", quality=92)
+        (root / f"p{i}.jpg").write_bytes(buf.getvalue())
+    return root
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(root.glob("*.jpg"))
+
+
+def _our_pixels(spec_raw: dict) -> tuple[torch.Tensor, Worker]:
+    """The uint8 pixels extractor's decoder makes of the photos, and the worker (its model)."""
+    spec = parse_spec(spec_raw)
+    worker = Worker(spec)
+    pixels = torch.stack([worker.decode(str(p)) for p in _files(Path(spec.data.root))])
+    return pixels, worker
+
+
+def _levels(pixel_values: torch.Tensor, mean, std) -> torch.Tensor:
+    """A library's normalised pixels back in levels 0..255."""
+    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+    return (pixel_values * s + m) * 255
+
+
+def _hf_folder(tmp_path: Path, model, processor) -> Path:
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def _hf_case(kind: str):
+    t = transformers
+    if kind == "clip":
+        cfg = t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                 image_size=32, patch_size=8)
+        proc = t.CLIPImageProcessor(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32})
+        return t.CLIPVisionModel(cfg), proc, "encoder.layers.*", 1
+    if kind == "siglip":
+        cfg = t.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                   image_size=32, patch_size=8)
+        proc = t.SiglipImageProcessor(size={"height": 32, "width": 32})  # squash, no crop
+        return t.SiglipVisionModel(cfg), proc, "encoder.layers.*", 0
+    cfg = t.Dinov2WithRegistersConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                      image_size=32, patch_size=8, num_register_tokens=4)
+    proc = t.BitImageProcessor(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32},
+                               image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    return t.Dinov2WithRegistersModel(cfg), proc, "encoder.layer.*", 5
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip", "dinov2"])
+def test_hugging_face_residual_stream_equals_output_hidden_states(kind: str, photos: Path, tmp_path: Path):
+    torch.manual_seed(0)
+    model, proc, blocks, prefix = _hf_case(kind)
+    folder = _hf_folder(tmp_path, model.eval(), proc)
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{folder}", "weights": "pretrained", "device": "cpu"},
+              data={"resize": "auto", "crop": "auto", "shard_size": 4, "batch_size": 3},
+              capture=[{"layer": blocks, "reduce": "none", "key": "{layer}.tokens"},
+                       {"layer": blocks, "reduce": "mean", "drop_prefix": True, "key": "{layer}.patches"},
+                       *([{"layer": blocks, "reduce": "cls", "key": "{layer}.cls"}] if prefix else [])])
+    # pixels: equal to the library's PIL image processor, within 2 levels of its default torchvision one
+    ours, worker = _our_pixels(raw)
+    images = [__import__("PIL.Image").Image.open(p).convert("RGB") for p in _files(photos)]
+    pil = getattr(transformers, type(proc).__name__ + "Pil").from_pretrained(folder)
+    ref = _levels(pil(images, return_tensors="pt").pixel_values, proc.image_mean, proc.image_std)
+    assert ours.shape == ref.shape == (len(SIZES), 3, 32, 32)
+    assert (ours.float() - ref).abs().max() < 0.01  # the same pixels (float rounding only)
+    fast = _levels(proc(images, return_tensors="pt").pixel_values, proc.image_mean, proc.image_std)
+    diff = (ours.float() - fast).abs()
+    assert diff.max() <= 2.01 and diff.mean() < 0.05, (diff.max(), diff.mean())
+    assert worker.model_info["prefix_tokens"] == prefix
+    worker.close()
+
+    summary = run(parse_spec(raw))
+    assert summary.ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["preprocess"]["crop_offset"] == "floor" and "hf:" in s.attrs["preprocess"]["source"]
+    assert "pretrained" in s.attrs["model"]["weights"] and "random init" not in s.attrs["model"]["weights"]
+    pixel_values = pil(images, return_tensors="pt").pixel_values
+    with torch.no_grad():
+        hidden = model(pixel_values=pixel_values, output_hidden_states=True).hidden_states
+    layers = sorted(k.removesuffix(".tokens") for k in s.captures if k.endswith(".tokens"))
+    assert len(layers) == 3
+    for i, layer in enumerate(layers):
+        h = hidden[i + 1].numpy()
+        np.testing.assert_allclose(s.numpy(f"{layer}.tokens"), h, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(s.numpy(f"{layer}.patches"), h[:, prefix:].mean(1), atol=2e-4, rtol=1e-4)
+        if prefix:
+            np.testing.assert_allclose(s.numpy(f"{layer}.cls"), h[:, 0], atol=2e-4, rtol=1e-4)
+
+
+def test_hugging_face_clip_model_gives_its_vision_tower_with_the_projection(photos: Path, tmp_path: Path):
+    """A whole CLIPModel folder: the vision tower runs; its output's image_embeds is get_image_features."""
+    t = transformers
+    torch.manual_seed(0)
+    cfg = t.CLIPConfig(vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                      "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+                       text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                    "num_attention_heads": 2, "vocab_size": 99}, projection_dim=16)
+    clip = t.CLIPModel(cfg).eval()
+    proc = t.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    folder = _hf_folder(tmp_path, clip, proc)
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{folder}", "weights": "pretrained", "device": "cpu"},
+              data={"resize": "auto", "crop": "auto"},
+              capture=[{"layer": "(model)", "index": "image_embeds", "key": "embedding"}])
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["model"]["class"].endswith("CLIPVisionModelWithProjection")
+    images = [__import__("PIL.Image").Image.open(p).convert("RGB") for p in _files(photos)]
+    pixel_values = t.CLIPImageProcessorPil.from_pretrained(folder)(images, return_tensors="pt").pixel_values
+    with torch.no_grad():
+        ref = clip.get_image_features(pixel_values=pixel_values)
+    ref = getattr(ref, "pooler_output", ref)
+    np.testing.assert_allclose(s.numpy("embedding"), ref.numpy(), atol=2e-5, rtol=1e-4)
+
+
+def test_timm_vit_blocks_equal_forward_intermediates_and_pixels_equal_timm_transform(photos: Path, tmp_path: Path):
+    from PIL import Image
+
+    raw = job(photos, tmp_path / "s.zarr",
+              model={"name": "timm:vit_small_patch16_224", "device": "cpu",
+                     "kwargs": {"img_size": 32, "depth": 3, "embed_dim": 48, "num_heads": 2}},
+              data={"resize": "auto", "crop": "auto", "shard_size": 4, "batch_size": 3},
+              capture=[{"layer": "blocks.*", "reduce": "none", "key": "{layer}"},
+                       {"layer": "blocks.*", "reduce": "mean", "drop_prefix": True, "key": "{layer}.patches"}])
+    ours, worker = _our_pixels(raw)
+    model = worker.model
+    cfg = timm.data.resolve_data_config({"input_size": (3, 32, 32)}, model=model)
+    transform = timm.data.create_transform(**cfg)
+    ref = torch.stack([transform(Image.open(p).convert("RGB")) for p in _files(photos)])
+    assert cfg["crop_pct"] == 0.9 and cfg["interpolation"] == "bicubic"
+    assert (ours.float() - _levels(ref, cfg["mean"], cfg["std"])).abs().max() < 0.01
+    assert worker.model_info["prefix_tokens"] == 1
+    worker.close()
+
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    with torch.no_grad():
+        inter = model.forward_intermediates(ref, indices=3, output_fmt="NLC", intermediates_only=True, norm=False)
+    assert s.attrs["preprocess"]["resize"] == 35 and s.attrs["preprocess"]["crop"] == [32, 32]  # floor(32 / 0.9)
+    for i, want in enumerate(inter):  # forward_intermediates gives patch tokens (prefix tokens left out)
+        got = s.numpy(f"blocks.{i}")
+        np.testing.assert_allclose(got[:, 1:], want.numpy(), atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(s.numpy(f"blocks.{i}.patches"), want.numpy().mean(1), atol=2e-5, rtol=1e-4)
+
+
+def test_timm_resnet_stages_equal_forward_intermediates(photos: Path, tmp_path: Path):
+    raw = job(photos, tmp_path / "s.zarr", model={"name": "timm:resnet10t", "device": "cpu"},
+              data={"resize": "auto", "crop": 64},
+              capture=[{"layer": "layer*", "reduce": "mean"}, {"layer": "layer2", "reduce": "none", "key": "map"}])
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    torch.manual_seed(0)
+    model = timm.create_model("resnet10t").eval()
+    pct = timm.data.resolve_model_data_config(model)["crop_pct"]  # at the crop asked for, in timm's proportion
+    assert s.attrs["preprocess"]["resize"] == int(64 / pct) and s.attrs["preprocess"]["crop_pct"] == pct
+    pixels = torch.stack([Worker(parse_spec(raw)).decode(str(p)) for p in _files(photos)])
+    p = s.attrs["preprocess"]
+    x = (pixels.float() / 255 - torch.tensor(p["mean"]).view(1, 3, 1, 1)) / torch.tensor(p["std"]).view(1, 3, 1, 1)
+    with torch.no_grad():
+        inter = model.forward_intermediates(x, indices=[1, 2, 3, 4], intermediates_only=True)
+    for i, want in enumerate(inter):
+        np.testing.assert_allclose(s.numpy(f"layer{i + 1}"), want.mean((2, 3)).numpy(), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(s.numpy("map"), inter[1].numpy(), atol=2e-5, rtol=1e-4)
+
+
+def test_open_clip_encode_image_is_the_root_output(photos: Path, tmp_path: Path):
+    from PIL import Image
+
+    raw = job(photos, tmp_path / "s.zarr",
+              model={"name": "open_clip:ViT-S-32", "device": "cpu", "kwargs": {"force_image_size": 64}},
+              data={"resize": "auto", "crop": "auto"},
+              capture=[{"layer": "(model)", "key": "embedding"},
+                       {"layer": "transformer.resblocks.1", "reduce": "cls", "key": "cls1"}])
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    torch.manual_seed(0)
+    model, _, preprocess = open_clip.create_model_and_transforms("ViT-S-32", force_image_size=64)
+    model.eval()
+    x = torch.stack([preprocess(Image.open(p)) for p in _files(photos)])
+    with torch.no_grad():
+        ref = model.encode_image(x)
+    np.testing.assert_allclose(s.numpy("embedding"), ref.numpy(), atol=2e-5, rtol=1e-4)
+    assert s["cls1"].shape == (len(SIZES), 384)
+
+
+def test_model_call_input_and_forward_kwargs_keep_the_layer_names(photos: Path, tmp_path: Path):
+    """A whole open_clip CLIP via a factory: model.call encode_image with a keyword; layer names are the model's."""
+    raw = job(photos, tmp_path / "s.zarr",
+              model={"name": None, "factory": "open_clip:create_model", "device": "cpu",
+                     "kwargs": {"model_name": "ViT-S-32", "force_image_size": 64},
+                     "call": "encode_image", "input": "image", "forward_kwargs": {"normalize": True}},
+              data={"resize": 64, "crop": 64, "preprocess": "imagenet"},
+              capture=[{"layer": "(model)", "key": "embedding"}, {"layer": "visual.ln_post", "key": "post"}])
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    np.testing.assert_allclose(np.linalg.norm(s.numpy("embedding"), axis=1), 1.0, atol=1e-5)  # normalize: true
+    assert "factory open_clip:create_model (weights as the factory built them)" == s.attrs["model"]["weights"]
+
+
+def test_unknown_names_missing_weights_and_bad_kwargs_are_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from extractor.model import build_model
+    from extractor.spec import ModelSpec
+
+    monkeypatch.delenv("EXTRACTOR_ALLOW_DOWNLOAD", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    with pytest.raises(ModelError, match=r"not a timm model; closest: vit_small_patch16_224"):
+        build_model(ModelSpec(name="timm:vit_smal_patch16_224"))
+    with pytest.raises(ModelError, match=r"not a open_clip model; closest: ViT-B-32"):
+        build_model(ModelSpec(name="open_clip:ViT-B-3"))
+    with pytest.raises(ModelError, match=r"not in the local cache .*downloads are off.*EXTRACTOR_ALLOW_DOWNLOAD=1"):
+        build_model(ModelSpec(name="hf:no-such-org/no-such-model", weights="pretrained"))
+    with pytest.raises(ModelError, match=r"not in the local cache .*timm.create_model\('resnet10t', pretrained=True\)"):
+        build_model(ModelSpec(name="timm:resnet10t", weights="pretrained"))
+    with pytest.raises(ModelError, match=r"not a pretrained tag of open_clip:ViT-S-32"):
+        build_model(ModelSpec(name="open_clip:ViT-S-32", weights="laion9000"))
+    with pytest.raises(ModelError, match=r"builder refused model.kwargs"):
+        build_model(ModelSpec(name="resnet18", kwargs={"no_such_flag": 1}))
+
+
+def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch):
+    import sys
+
+    from extractor.model import build_model
+    from extractor.spec import ModelSpec
+
+    monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed
+    with pytest.raises(ModelError, match=r"needs timm, which is not installed .*extractor\[models\]"):
+        build_model(ModelSpec(name="timm:resnet10t"))
+
+
+def test_inception_from_a_torchvision_state_dict_keeps_its_input_transform(tmp_path: Path):
+    """torchvision's pretrained inception_v3 transforms its input; the same state dict from a file does too."""
+    from torchvision.models import inception_v3
+
+    from extractor.model import build_model
+    from extractor.spec import ModelSpec
+
+    torch.manual_seed(1)
+    ref = inception_v3(weights=None, transform_input=True, aux_logits=True, init_weights=False).eval()
+    torch.save(ref.state_dict(), tmp_path / "inc.pt")
+    model, _ = build_model(ModelSpec(name="inception_v3", weights=str(tmp_path / "inc.pt")))
+    assert model.transform_input
+    x = torch.randn(1, 3, 299, 299)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+
+
+def test_attention_probabilities_are_named_as_such_and_equal_output_attentions(photos: Path, tmp_path: Path):
+    """model.forward_kwargs output_attentions: the attention module's second output is
+    (batch, head, query, key): decided from its rows summing to 1, named so, equal to the model's own."""
+    t = transformers
+    torch.manual_seed(0)
+    model, proc, _, _ = _hf_case("clip")
+    model.config._attn_implementation = "eager"
+    folder = _hf_folder(tmp_path, model.eval(), proc)
+    raw = job(photos, tmp_path / "s.zarr",
+              model={"name": f"hf:{folder}", "weights": "pretrained", "device": "cpu",
+                     "kwargs": {"_attn_implementation": "eager"}, "forward_kwargs": {"output_attentions": True}},
+              data={"resize": "auto", "crop": "auto"},
+              capture=[{"layer": "encoder.layers.1.self_attn", "index": 1, "key": "attn"}])
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.captures["attn"]["dims"] == ["attn.head", "attn.query", "attn.key"] and s["attn"].shape[1:] == (2, 17, 17)
+    images = [__import__("PIL.Image").Image.open(p).convert("RGB") for p in _files(photos)]
+    pixel_values = t.CLIPImageProcessorPil.from_pretrained(folder)(images, return_tensors="pt").pixel_values
+    with torch.no_grad():
+        ref = model(pixel_values=pixel_values, output_attentions=True).attentions[1]
+    np.testing.assert_allclose(s.numpy("attn"), ref.numpy(), atol=1e-5, rtol=1e-4)
+    raw["capture"][0]["reduce"] = "mean"
+    raw["output"]["if_exists"] = "overwrite"
+    with pytest.raises(Exception, match=r"attention probabilities .* reduce: mean over them is not defined"):
+        run(parse_spec(raw))
+
+
+def test_drop_prefix_on_a_model_of_unknown_prefix_asks_for_the_count(image_dir: Path, tmp_path: Path):
+    from extractor.errors import LayerError
+
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer3", "reduce": "mean", "drop_prefix": True}])
+    with pytest.raises(LayerError, match=r"capture\[0\].drop_prefix: .*set model.prefix_tokens"):
+        run(parse_spec(raw))
