@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,7 +38,8 @@ def _token() -> str | None:
 
 def _explain(address: str, err: BaseException) -> ClusterError:
     text = str(err)
-    if "401" in text or "Authentication" in text or "Unauthorized" in text:
+    # an HTTP 401, not a port such as :40123 in the address the message repeats
+    if re.search(r"(?<![\d:.])401(?!\d)", text) or "Authentication" in text or "Unauthorized" in text:
         return ClusterError(
             f"the Ray cluster at {address} requires a token (Ray token authentication): set RAY_AUTH_TOKEN, "
             "or put the token (`ray get-auth-token` on the head node) in ~/.ray/auth_token"

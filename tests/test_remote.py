@@ -234,3 +234,12 @@ def test_submit_refuses_relative_paths_that_would_mean_another_place_on_the_clus
     spec.write_text(yaml.safe_dump(job(Path("imgs"), tmp_path / "s.zarr", submit={"working_dir": str(shipped)})))
     r = extractor("submit", str(spec), "--address", address, env=dict(os.environ), timeout=120)
     assert r.returncode == 1 and "cannot reach the Ray Jobs API" in r.stderr
+
+
+def test_a_port_with_401_in_it_is_not_taken_for_a_refused_token():
+    """A refused connection to :40123 repeats the address; only an HTTP 401 means a token is missing."""
+    from extractor.submit import _explain
+
+    refused = _explain("http://127.0.0.1:40123", ConnectionError("Failed to connect to http://127.0.0.1:40123."))
+    assert "cannot reach the Ray Jobs API" in str(refused)
+    assert "requires a token" in str(_explain("http://h:8265", RuntimeError("status code 401: Unauthorized")))
