@@ -23,10 +23,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
 bench: $(STAMP)
-	$(PY) tests/bench.py
+	$(PY) tests/bench.py $(BENCH_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check extractor tests jobs
+	$(VENV)/bin/ruff check extractor tests jobs examples
 
 clean:
 	rm -rf demo .bench .pytest_cache .ruff_cache

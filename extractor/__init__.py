@@ -13,15 +13,15 @@ __version__ = "0.1.0"
 __all__ = ["open_store", "load_spec", "JobSpec", "run", "__version__"]
 
 if TYPE_CHECKING:
+    from .api import run
     from .reader import open_store
-    from .runner import run
     from .spec import JobSpec, load_spec
 
 _LAZY = {
     "open_store": "reader",
     "load_spec": "spec",
     "JobSpec": "spec",
-    "run": "runner",
+    "run": "api",
 }
 
 

@@ -31,23 +31,36 @@ class StoreDataset(Dataset):
 
 class _Batches(IterableDataset):
     def __init__(self, store: Any, keys: list[str], batch_size: int, shuffle: bool, seed: int,
-                 kwargs: dict[str, Any]) -> None:
+                 kwargs: dict[str, Any], tokens: bool = False, dtype: Any = None, drop_last: bool = False) -> None:
         self.store, self.keys, self.batch_size, self.shuffle, self.seed = store, keys, batch_size, shuffle, seed
-        self.kwargs = kwargs
+        self.kwargs, self.tokens, self.dtype, self.drop_last = kwargs, tokens, dtype, drop_last
         self.epoch = 0
+
+    def _tensor(self, v: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(v))
+        return t if self.dtype is None else t.to(self.dtype)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         seed = self.seed + self.epoch
         self.epoch += 1
+        if self.tokens:
+            for index, x in self.store.token_batches(self.keys[0], self.batch_size, shuffle=self.shuffle, seed=seed,
+                                                     drop_last=self.drop_last, **self.kwargs):
+                yield {self.keys[0]: self._tensor(x), "row": torch.from_numpy(index[:, 0].copy()),
+                       "token": torch.from_numpy(index[:, 1].copy())}
+            return
         labels = self.store.labels
         for rows, data in self.store.batches(self.keys, self.batch_size, shuffle=self.shuffle, seed=seed,
                                              **self.kwargs):
-            out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in data.items()}
+            if self.drop_last and len(rows) < self.batch_size:
+                return
+            out = {k: self._tensor(v) for k, v in data.items()}
             out["row"] = torch.from_numpy(rows)
             out["label"] = torch.from_numpy(labels[rows])
             yield out
 
 
-def batch_loader(store: Any, keys: list[str], batch_size: int, shuffle: bool, seed: int,
-                 kwargs: dict[str, Any]) -> DataLoader:
-    return DataLoader(_Batches(store, keys, batch_size, shuffle, seed, kwargs), batch_size=None)
+def batch_loader(store: Any, keys: list[str], batch_size: int, shuffle: bool, seed: int, kwargs: dict[str, Any],
+                 tokens: bool = False, dtype: Any = None, drop_last: bool = False) -> DataLoader:
+    return DataLoader(_Batches(store, keys, batch_size, shuffle, seed, kwargs, tokens, dtype, drop_last),
+                      batch_size=None)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._text import table
 from .errors import DeviceError, ExtractorError, ShardError
 
 log = logging.getLogger("extractor")
@@ -101,13 +102,6 @@ def _at_least(low: int):  # -> argparse type
     return parse
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- run
 
 
@@ -153,23 +147,7 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False) -> int:
     finally:
         if bar:
             bar[0].close()
-    print(
-        f"{summary.store}: {summary.ok} ok, {summary.failed} failed, {summary.pending} pending rows; "
-        f"{summary.shards_run} shards run, {summary.shards_skipped} already done; "
-        f"{summary.seconds:.1f} s" + (f", {summary.images_per_s:.1f} images/s" if summary.shards_run else "")
-    )
-    if summary.workers and summary.shards_run:
-        rows = [[str(w["worker"]), ",".join(map(str, w["pids"])), str(w["shards"]), str(w["images"]),
-                 f"{w['images_per_s']:.1f}", str(w["restarts"]), str(w["retries"])] for w in summary.workers]
-        print(_table(rows, ["worker", "pids", "shards", "images", "images/s", "restarts", "retries"]))
-    for key, (count, first) in summary.nonfinite.items():
-        print(f"warning: {count} rows of {key} hold NaN or Inf (stored as computed); first rows: {first[:10]}")
-    if summary.failures:
-        print(f"failed rows ({summary.failed}):")
-        for row, id_, err in summary.failures:
-            print(f"  row {row} {id_}: {err}")
-        if summary.failed > len(summary.failures):
-            print(f"  ... and {summary.failed - len(summary.failures)} more (see the store's errors array)")
+    print(summary.report())
     if summary.rows and not summary.ok and not summary.pending:  # nothing usable: a script must not go on
         print(f"error: every row of {summary.store} failed (reasons above); check data.root and the images",
               file=sys.stderr)
@@ -238,7 +216,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for k, c in s["captures"].items()
     ]
     print()
-    print(_table(rows, ["key", "layer", "what", "reduce", "dtype", "shape", "stored"]))
+    print(table(rows, ["key", "layer", "what", "reduce", "dtype", "shape", "stored"]))
     if s["stats"]:
         def g(v: object) -> str:
             return "-" if v is None else f"{v:.4g}"
@@ -252,7 +230,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rows.append([k, g(mean), g(std), g(st["min"]), g(st["max"]), g(st["mean_l2"]), str(st["nan"]),
                          str(st["inf"]), str(st["nonfinite_rows"])])
         print()
-        print(_table(rows, ["key", "mean", "std", "min", "max", "row L2", "NaN", "Inf", "rows NaN/Inf"]))
+        print(table(rows, ["key", "mean", "std", "min", "max", "row L2", "NaN", "Inf", "rows NaN/Inf"]))
         print("(mean and std: averaged over the per-feature values; --json has them per feature)")
     print(f"\nbytes on disk {_bytes(s['bytes_on_disk'])}")
     return 0
@@ -297,15 +275,15 @@ def cmd_layers(args: argparse.Namespace) -> int:
             size = from_dict(defaults).size
         else:
             raise ExtractorError(f"{defaults}: pass the input size with --input-size")
-    table = layer_table(model, size, model_call(model, mspec))
+    layers = layer_table(model, size, model_call(model, mspec))
     if args.depth is not None:
-        table = [r for r in table if r["depth"] <= args.depth]
+        layers = [r for r in layers if r["depth"] <= args.depth]
     if args.json:
-        print(json.dumps(table, indent=2))
+        print(json.dumps(layers, indent=2))
         return 0
     rows = [["  " * max(r["depth"] - 1, 0) + r["name"], r["type"], r["output"], f"{r['parameters']:,}"]
-            for r in table]
-    print(_table(rows, ["name", "type", "output (batch 1)", "parameters"]))
+            for r in layers]
+    print(table(rows, ["name", "type", "output (batch 1)", "parameters"]))
     print(f"\nOutput shapes for one {size[0]}x{size[1]} image. A parent's output is what its forward returns (often, "
           "not always, its last child's output).")
     print("Capture names or globs (layer4.*.conv2) from the left column; (model) is what the model returns.")
@@ -360,7 +338,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def _print_probe(results: dict) -> None:
     rows = [[k, str(r["features"]), str(r["rows"]), f"{r['accuracy']:.3f} +- {r['std']:.3f}", f"{r['chance']:.3f}"]
             for k, r in results.items()]
-    print(_table(rows, ["key", "features", "rows", "accuracy", "chance"]))
+    print(table(rows, ["key", "features", "rows", "accuracy", "chance"]))
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -463,7 +441,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             jobs = sorted(c.list_jobs(), key=lambda j: j.start_time or 0)
             rows = [[j.submission_id or j.job_id or "", str(j.status).rsplit(".", 1)[-1],
                      (j.entrypoint or "")[:60]] for j in jobs]
-            print(_table(rows, ["id", "status", "entrypoint"]) if rows else "no jobs")
+            print(table(rows, ["id", "status", "entrypoint"]) if rows else "no jobs")
             return 0
         if not args.id:
             raise ExtractorError(f"extractor jobs {args.action} needs a job id (see extractor jobs list)")

@@ -34,12 +34,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_model(spec: ModelSpec) -> tuple[nn.Module, dict[str, Any]]:
-    """Build the model on the CPU in eval mode; return it with its description (``preprocess``:
-    what its library prescribes, or why nothing is known; ``prefix_tokens``)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(RANDOM_SEED)
-        built = zoo.build(spec)
+def build_model(spec: ModelSpec, module: nn.Module | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the model on the CPU in eval mode (or take ``module``, made in Python); return it with
+    its description (``preprocess_defaults``: what its library prescribes, or why nothing is
+    known; ``prefix_tokens``)."""
+    if module is not None:
+        built = zoo.given(module, spec)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_SEED)
+            built = zoo.build(spec)
     model, source = built.model, built.source
     if spec.weights and zoo.looks_like_path(spec.weights) and spec.source != "open_clip":
         zoo.load_checkpoint(model, spec.weights)

@@ -47,9 +47,11 @@ class _WorkerActor:
     back, as in the local backend. Each call returns once its shard's done marker is written.
     """
 
-    def __init__(self, spec_dict: dict[str, Any], threads: int, driver_cwd: str | None = None) -> None:
+    def __init__(self, spec_dict: dict[str, Any], threads: int, driver_cwd: str | None = None,
+                 model: Any = None) -> None:
         """``driver_cwd``: the driver's folder, searched for a ``model.factory`` module (as it was there)
-        when this node has it (an embedded cluster, a shared file system)."""
+        when this node has it (an embedded cluster, a shared file system). ``model``: a module made
+        in Python (sent by Ray with cloudpickle)."""
         if driver_cwd and os.path.isdir(driver_cwd) and driver_cwd not in sys.path:
             sys.path.append(driver_cwd)
         self.error: BaseException | None = None
@@ -65,7 +67,7 @@ class _WorkerActor:
             from .spec import parse_spec
             from .worker import Worker
 
-            self.worker = Worker(parse_spec(spec_dict), cpus=max(threads, 1))
+            self.worker = Worker(parse_spec(spec_dict), cpus=max(threads, 1), model=model)
             self.worker.probe()
         except Exception as err:  # noqa: BLE001 - reported to the driver by ready()
             self.error = err
@@ -228,10 +230,22 @@ def _cause(err: BaseException) -> BaseException:
 
 
 class RayBackend:
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, model: Any = None) -> None:
+        """``model``: a module made in Python, sent to every worker (it must pickle with cloudpickle)."""
         self.spec = spec
         c = spec.cluster
         self.started_ray = False
+        if model is not None:
+            import cloudpickle
+
+            try:
+                cloudpickle.dumps(model)
+            except Exception as err:  # noqa: BLE001 - whatever pickling raises, the answer is the same
+                raise ClusterError(
+                    f"model= ({type(model).__name__}) cannot be sent to Ray workers: it does not pickle "
+                    f"({type(err).__name__}: {err}); use cluster.backend: local, or build it in the workers with "
+                    "model.factory"
+                ) from err
         if not ray.is_initialized():
             self._init_ray()
         total = ray.cluster_resources()
@@ -251,6 +265,7 @@ class RayBackend:
         self.actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=IN_FLIGHT + 2,
                                     max_restarts=0)(_WorkerActor)
         self.spec_dict = _for_workers(spec)
+        self.model_ref = ray.put(model) if model is not None else None  # one copy in the object store
         self.actors: list[Any] = [self._new_actor() for _ in range(workers)]
         self.pids: list[int | None] = [None] * workers
         self.warm = False  # warm_up has compiled the model on the workers
@@ -284,7 +299,7 @@ class RayBackend:
 
     def _new_actor(self) -> Any:
         threads = max(int(self.cpus), 1)
-        return self.actor_cls.remote(self.spec_dict, threads, os.getcwd())
+        return self.actor_cls.remote(self.spec_dict, threads, os.getcwd(), self.model_ref)
 
     def _wait_ready(self, slots: Any, method: str = "ready") -> list[Any]:
         """Call ``method`` on the actors of ``slots`` and wait for all of them (ready: their pids)."""
@@ -429,8 +444,8 @@ class RayBackend:
             shard, error = plan.failure
             raise ShardError(
                 f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {plan.attempts[shard.index]} times "
-                f"(cluster.max_retries={self.spec.cluster.max_retries}); last error: {error}. Finished shards are "
-                "kept: fix the cause and run the same command with --resume"
+                f"(cluster.max_retries={self.spec.cluster.max_retries}); last error: {str(error).rstrip('.')}. "
+                "Finished shards are kept: fix the cause and run the same command with --resume"
             )
         return summaries
 

@@ -81,6 +81,7 @@ class ActivationStore:
         self.storage_options = dict(storage_options or {})
         self.attrs: dict[str, Any] = dict(group.attrs[ATTR])
         self._cache: dict[str, np.ndarray] = {}
+        self.last_run: Any = None  # extractor.run(): the RunSummary of the run that returned this store
 
     # ------------------------------------------------------------------ metadata
     @property
@@ -133,7 +134,10 @@ class ActivationStore:
 
     def __repr__(self) -> str:
         extras = f", extras {list(self.extras)}" if self.extras else ""
-        return f"<ActivationStore {self.url}: {len(self)} rows, captures {self.keys}{extras}>"
+        status = self.status
+        counts = ", ".join(f"{int((status == v).sum())} {name}" for v, name in STATUS_NAMES.items())
+        return (f"<ActivationStore {self.url}: {len(self)} rows ({counts}), {self.attrs.get('status')}, "
+                f"captures {self.keys}{extras}>")
 
     # ------------------------------------------------------------------ per-row arrays
     def _row_array(self, name: str) -> np.ndarray:
@@ -347,6 +351,69 @@ class ActivationStore:
         if carry is not None:
             yield carry[0], (carry[1][names[0]] if single else carry[1])
 
+    def token_batches(
+        self,
+        key: str,
+        batch_size: int = 4096,
+        shuffle: bool = True,
+        seed: int = 0,
+        rows: Rows = None,
+        only_ok: bool = True,
+        drop_prefix: bool | int = False,
+        buffer_chunks: int = 8,
+        prefetch: int = 2,
+        drop_last: bool = False,
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
+        ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
+        position in the row's sequence. Every (row, token) comes once per call (one epoch), for
+        sparse-autoencoder training. With ``shuffle`` tokens are mixed across the images of a
+        buffer of ``buffer_chunks`` chunks read whole in a random chunk order (as :meth:`batches`
+        reads rows): the same ``seed`` gives the same order. ``drop_prefix`` leaves out each
+        row's first tokens: ``True`` the model's prefix tokens (CLS, registers; the store's
+        ``model.prefix_tokens``), or a count. ``drop_last`` leaves out a last short batch."""
+        meta = self.captures.get(key)
+        if meta is None or len(meta["shape"]) != 2:
+            shape = meta["shape"] if meta else None
+            raise StoreError(f"token_batches needs a capture of (tokens, features) rows; {key!r} is "
+                             f"{'not a capture' if meta is None else f'{shape}'}; {self._known()}")
+        skip = self._prefix(drop_prefix)
+        tokens = int(meta["shape"][0]) - skip
+        if tokens <= 0:
+            raise StoreError(f"{key!r} has {meta['shape'][0]} tokens per row; dropping {skip} leaves none")
+        rows_per = max(int(self[key].chunks[0]) * buffer_chunks, 1) if shuffle else max(batch_size // tokens, 1)
+        carry_x: np.ndarray | None = None
+        carry_i: np.ndarray | None = None
+        for n, (r, x) in enumerate(self.batches(key, rows_per, shuffle=shuffle, seed=seed, rows=rows,
+                                                only_ok=only_ok, buffer_chunks=buffer_chunks, prefetch=prefetch)):
+            flat = x[:, skip:].reshape(-1, x.shape[-1])  # (rows * tokens, features), a view
+            index = np.stack([np.repeat(r, tokens), np.tile(np.arange(skip, skip + tokens), len(r))], axis=1)
+            if shuffle:
+                perm = np.random.default_rng([seed, n, 1]).permutation(len(flat))
+                flat, index = flat[perm], index[perm]
+            if carry_x is not None:
+                flat, index = np.concatenate([carry_x, flat]), np.concatenate([carry_i, index])
+            stop = len(flat) - len(flat) % batch_size
+            for a in range(0, stop, batch_size):
+                yield index[a : a + batch_size], flat[a : a + batch_size]
+            carry_x, carry_i = (flat[stop:], index[stop:]) if stop < len(flat) else (None, None)
+        if carry_x is not None and not drop_last:
+            yield carry_i, carry_x  # type: ignore[misc]
+
+    def _prefix(self, drop_prefix: bool | int) -> int:
+        """Tokens to leave out of each row: a count, or the model's prefix-token count for ``True``."""
+        if isinstance(drop_prefix, bool):
+            if not drop_prefix:
+                return 0
+            n = self.model.get("prefix_tokens")
+            if not isinstance(n, int):
+                raise StoreError("drop_prefix=True: the store does not record how many prefix tokens the model has "
+                                 "(CLS, registers); pass their count, e.g. drop_prefix=1")
+            return n
+        if drop_prefix < 0:
+            raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix}")
+        return int(drop_prefix)
+
     @staticmethod
     def _rows_of(d: dict[str, np.ndarray], rows_all: np.ndarray, lo: int, hi: int,
                  perm: np.ndarray | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -381,12 +448,18 @@ class ActivationStore:
 
     def dataloader(
         self, keys: str | Sequence[str] | None = None, batch_size: int = 1024, shuffle: bool = True, seed: int = 0,
-        **batches_kwargs: Any,
+        *, tokens: bool = False, dtype: Any = None, drop_last: bool = False, **batches_kwargs: Any,
     ):
-        """A ``torch.utils.data.DataLoader`` of dict batches streamed by :meth:`batches` (chunk-aware shuffle).
+        """A ``torch.utils.data.DataLoader`` of dict batches streamed by :meth:`batches` (chunk-aware
+        shuffle): one tensor per key, plus ``row`` and ``label``. With ``tokens=True`` the rows are
+        single tokens of one ``(tokens, features)`` capture (:meth:`token_batches`): the batch holds
+        that key, ``row`` and ``token``. ``dtype`` (e.g. ``torch.float32``, ``torch.bfloat16``)
+        converts the stored values; ``drop_last`` leaves out a last short batch.
 
         Each iteration is one epoch; epoch ``e`` uses seed ``seed + e``.
         """
+        import inspect
+
         _need_torch("dataloader")
         from ._torch import batch_loader
 
@@ -398,18 +471,33 @@ class ActivationStore:
                 f"{', '.join(loader_only)}: its reads run on a background thread already. For DataLoader worker "
                 "processes, use torch.utils.data.DataLoader(s.torch_dataset(keys), num_workers=...)"
             )
-
+        source = self.token_batches if tokens else self.batches
+        allowed = set(inspect.signature(source).parameters) - {"key", "keys", "batch_size", "shuffle", "seed",
+                                                                "drop_last"}
+        unknown = sorted(set(batches_kwargs) - allowed)
+        if unknown:
+            raise TypeError(f"dataloader() got unknown option(s) {', '.join(unknown)}; it takes "
+                            f"{', '.join(sorted(allowed))} (the options of {source.__name__}())")
         names = [keys] if isinstance(keys, str) else list(keys or self.keys)
-        return batch_loader(self, names, batch_size, shuffle, seed, batches_kwargs)
+        if tokens and len(names) != 1:
+            raise ValueError(f"dataloader(tokens=True) streams the tokens of one capture, not {names}")
+        for k in names:
+            self[k]  # an unknown key fails here, at the call
+        return batch_loader(self, names, batch_size, shuffle, seed, batches_kwargs, tokens=tokens, dtype=dtype,
+                            drop_last=drop_last)
 
-    def to_xarray(self, only_ok: bool = True):
+    def to_xarray(self, only_ok: bool = True, stack: Sequence[str] | None = None):
         """An ``xarray.Dataset`` (dask-backed, lazy): one DataArray per capture on dim ``row``, whose
-        coordinate is the store's row number, with ``id``, ``label`` and ``status`` coordinates.
+        coordinate is the store's row number, with ``ids``, ``labels`` and ``status`` coordinates
+        (the names ``xarray.open_zarr`` gives the store's own coordinate arrays).
         Extras of gradient jobs: per-row scalars (``target``, ``target_score``) are coordinates
-        on ``row`` like ``label``; ``KEY.range`` is a DataArray on (``row``, ``KEY.range.minmax``),
+        on ``row`` like ``labels``; ``KEY.range`` is a DataArray on (``row``, ``KEY.range.minmax``),
         labelled ``min``, ``max``. Rows that are not ok (failed: NaN; pending: not computed yet)
-        are left out unless ``only_ok=False``, as in :meth:`numpy`. Needs the ``analysis`` extra
-        (xarray, dask)."""
+        are left out unless ``only_ok=False``, as in :meth:`numpy`.
+
+        ``stack=[keys]``: one DataArray instead, with a ``layer`` dimension (labelled by key) before
+        ``row``, of captures of one shape (a sweep across blocks); their feature dims lose the key
+        (``channel``, ``token``, ``feature``...). Needs the ``analysis`` extra (xarray, dask)."""
         try:
             import xarray as xr
         except ImportError as err:
@@ -421,13 +509,26 @@ class ActivationStore:
         status = self.status
         extras = self.extras
         ds = ds[[*self.keys, *extras]].assign_coords(row=np.arange(len(status)),
-                                                     id=("row", np.asarray(self.ids, dtype=object)),
-                                                     label=("row", self.labels), status=("row", status))
+                                                     ids=("row", np.asarray(self.ids, dtype=object)),
+                                                     labels=("row", self.labels), status=("row", status))
         ds = ds.set_coords([k for k, m in extras.items() if not m["dims"]])  # per-row scalars: follow each capture
         ds = ds.assign_coords({m["dims"][0]: ["min", "max"] for k, m in extras.items() if k.endswith(".range")})
-        ds = ds.drop_vars([c for c in ("ids", "labels") if c in ds.coords])
         ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}
-        return ds.isel(row=np.flatnonzero(status == OK)) if only_ok else ds
+        if only_ok:
+            ds = ds.isel(row=np.flatnonzero(status == OK))
+        if stack is None:
+            return ds
+        keys = list(stack)
+        for k in keys:
+            if k not in self.captures:
+                raise KeyError(f"to_xarray(stack=...): {k!r} is not a capture of {self.url}; {self._known()}")
+        shapes = {k: tuple(self.captures[k]["shape"]) for k in keys}
+        dims = {k: tuple(d.removeprefix(f"{k}.") for d in self.captures[k]["dims"]) for k in keys}
+        if len(set(shapes.values())) > 1 or len(set(dims.values())) > 1:
+            raise ValueError("to_xarray(stack=...) needs captures of one shape and kind; got "
+                             + ", ".join(f"{k} {list(shapes[k])} {list(dims[k])}" for k in keys))
+        parts = [ds[k].rename({f"{k}.{d}": d for d in dims[k]}) for k in keys]
+        return xr.concat(parts, dim=xr.DataArray(keys, dims="layer", name="layer")).rename("stack")
 
     @property
     def stale(self) -> float | None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from ._text import count, table
 from .errors import DataError, StoreError
 from .preprocess import of_store
 from .sources import Rows, Shard, absolute, list_rows, plan
@@ -70,6 +71,34 @@ class RunSummary:
     per_shard: list[ShardSummary] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # key -> (rows, first rows)
+    float16: list[str] = field(default_factory=list)  # captures stored as float16 (their Inf may be an overflow)
+
+    def report(self) -> str:
+        """What ``extractor run`` prints when a run ends: rows, shards, time, the worker table,
+        NaN/Inf and failed rows."""
+        lines = [
+            f"{self.store}: {self.ok} ok, {self.failed} failed, {self.pending} pending rows; "
+            f"{count(self.shards_run, 'shard')} run, {self.shards_skipped} already done; {self.seconds:.1f} s"
+            + (f", {self.images_per_s:.1f} images/s" if self.shards_run else "")
+        ]
+        if self.workers and self.shards_run:
+            rows = [[str(w["worker"]), ",".join(map(str, w["pids"])), str(w["shards"]), str(w["images"]),
+                     f"{w['images_per_s']:.1f}", str(w["restarts"]), str(w["retries"])] for w in self.workers]
+            lines.append(table(rows, ["worker", "pids", "shards", "images", "images/s", "restarts", "retries"]))
+        for key, (rows_, first) in self.nonfinite.items():
+            if key in self.float16:
+                lines.append(f"warning: {count(rows_, 'row')} of {key} hold NaN or Inf; {key} is stored as float16, "
+                             f"where finite values beyond +-65,504 become Inf (an overflow, unless the model gives Inf "
+                             f"itself): set its capture's dtype: float32. First rows: {first[:10]}")
+            else:
+                lines.append(f"warning: {count(rows_, 'row')} of {key} hold NaN or Inf (stored as computed); first "
+                             f"rows: {first[:10]}")
+        if self.failures:
+            lines.append(f"failed rows ({self.failed}):")
+            lines += [f"  row {row} {id_}: {err}" for row, id_, err in self.failures]
+            if self.failed > len(self.failures):
+                lines.append(f"  ... and {self.failed - len(self.failures)} more (see the store's errors array)")
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         d = self.__dict__.copy()
@@ -476,4 +505,5 @@ def _finish(
         per_shard=summaries,
         nonfinite={k: (v["nonfinite_rows"], v["first_nonfinite_rows"]) for k, v in stats.items()
                    if v["nonfinite_rows"]},
+        float16=[k for k, m in group.attrs["extractor"]["captures"].items() if m["dtype"] == "float16"],
     )

@@ -401,8 +401,8 @@ def rgb_from_bytes(data: bytes, max_pixels: int | None = None):
 
 
 def describe_error(err: BaseException) -> str:
-    """A short, readable one-line error for a failed row."""
-    msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    """A short, readable one-line error for a failed row (no closing period: callers go on after it)."""
+    msg = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
     name = type(err).__name__
     return f"{name}: {msg}"[:300] if msg else name
 

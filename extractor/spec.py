@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from .errors import SpecError
 from .preprocess import PREPROCESS_FIELDS
 
-__all__ = ["JobSpec", "load_spec", "parse_spec", "apply_overrides"]
+__all__ = ["JobSpec", "load_spec", "read_spec", "parse_spec", "apply_overrides"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 
@@ -49,14 +49,15 @@ class _Section(BaseModel):
         return value
 
 
-MODEL_SOURCES = ("torchvision", "timm", "hf", "open_clip")
+MODEL_SOURCES = ("torchvision", "timm", "hf", "open_clip", "python")
 
 
 class ModelSpec(_Section):
     name: str | None = "resnet18"
     """A torchvision classification builder (``resnet50``), or ``timm:NAME`` (``timm.create_model``),
     ``hf:ID_OR_FOLDER`` (Hugging Face transformers; the vision tower of CLIP/SigLIP-style models),
-    ``open_clip:ARCH`` (the visual tower: its output is ``encode_image``)."""
+    ``open_clip:ARCH`` (the visual tower: its output is ``encode_image``); ``python:CLASS`` names a
+    module given to ``extractor.run(..., model=...)``."""
     weights: str | None = None
     """null (random init), ``pretrained`` (the library's own weights: timm's default tag, the HF
     model's, an open_clip ``hf-hub:``/``local-dir:`` model's), a torchvision weights name
@@ -591,8 +592,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    """Read a YAML job spec (safe loader), apply ``--set`` overrides and validate it."""
+def read_spec(path: str | Path) -> dict[str, Any]:
+    """A YAML job spec as plain data (safe loader, a key given twice refused), not yet validated."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -613,7 +614,12 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         raise SpecError(f"{path} is empty; see jobs/demo.yaml for an example job spec")
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping with sections model, data, capture, output, cluster")
-    return parse_spec(apply_overrides(raw, overrides or []), source=str(path))
+    return raw
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read a YAML job spec (safe loader), apply ``--set`` overrides and validate it."""
+    return parse_spec(apply_overrides(read_spec(path), overrides or []), source=str(path))
 
 
 def spec_digest(spec: JobSpec) -> str:

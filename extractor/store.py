@@ -135,8 +135,8 @@ def create_store(
         group.attrs.update({ATTR: {**attrs, "status": "creating"}})
     except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
         raise StoreError(
-            f"cannot create the store at output.store {url}: {type(err).__name__}: {err}. Its parent folder or "
-            "bucket must exist and be writable (check output.store and output.storage_options)"
+            f"cannot create the store at output.store {url}: {type(err).__name__}: {str(err).rstrip('.')}. Its parent "
+            "folder or bucket must exist and be writable (check output.store and output.storage_options)"
         ) from err
     row_chunk = (min(shard_size, max(n, 1)),)
 

@@ -104,12 +104,17 @@ class ShardSummary:
 class Worker:
     """Holds the model and its hooks' targets for the life of a job."""
 
-    def __init__(self, spec: JobSpec, cpus: int | None = None) -> None:
+    def __init__(self, spec: JobSpec, cpus: int | None = None, model: torch.nn.Module | None = None) -> None:
         """``cpus``: how many CPUs this worker may use (a Ray actor's share of its node), for
-        ``data.decode_workers: auto``; default, those this process may run on."""
+        ``data.decode_workers: auto``; default, those this process may run on. ``model``: a module
+        made in Python (``extractor.run(..., model=...)``), used instead of building one; its
+        mode and parameters' ``requires_grad`` are given back by :meth:`close`."""
         self.spec = spec
         self.device = resolve_device(spec.model.device)
-        model, self.model_info = build_model(spec.model)
+        # a caller's module is given back in its mode, with its requires_grad flags (close)
+        self._given = (model, model.training, [(p, p.requires_grad) for p in model.parameters()]) \
+            if model is not None else None
+        model, self.model_info = build_model(spec.model, model)
         self.preprocess = _preprocess(spec, self.model_info["preprocess_defaults"])
         self.targets: list[Target] = resolve_targets(model, spec.capture, _layers_hint(spec),
                                                      self.model_info["prefix_tokens"])
@@ -156,6 +161,11 @@ class Worker:
         self.writer_pool.shutdown(wait=True)
         self.prepare_pool.shutdown(wait=True)
         self.cap.close()
+        if self._given is not None:  # a caller's module: as it was given, but for its device
+            module, training, flags = self._given
+            module.train(training)
+            for p, flag in flags:
+                p.requires_grad_(flag)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = _AUTOCAST.get(self.spec.model.dtype)

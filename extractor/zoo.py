@@ -105,7 +105,20 @@ def _not_cached(spec: ModelSpec, err: BaseException, fetch: str) -> ModelError:
 def build(spec: ModelSpec) -> Built:
     """The model of ``spec`` on the CPU (weights loaded; checkpoints by the caller)."""
     return {"torchvision": _torchvision, "timm": _timm, "hf": _hf, "open_clip": _open_clip,
-            "factory": _factory}[spec.source](spec)
+            "factory": _factory, "python": _python}[spec.source](spec)
+
+
+def given(model: nn.Module, spec: ModelSpec) -> Built:
+    """A module made in Python and given to ``extractor.run(..., model=...)``, used as it is."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model= takes a torch.nn.Module, not {type(model).__name__}")
+    return Built(model, f"python object {type(model).__module__}.{type(model).__qualname__} (weights as given)",
+                 _known_preprocess(model, spec), True, "python")
+
+
+def _python(spec: ModelSpec) -> Built:
+    raise ModelError(f"model.name {spec.name!r} names a module made in Python: pass it as "
+                     "extractor.run(job, model=module), or name a model the spec can build")
 
 
 # --------------------------------------------------------------------------- torchvision
@@ -402,7 +415,7 @@ def _known_preprocess(model: nn.Module, spec: ModelSpec) -> Preprocess:
         found = _timm_preprocess(sys.modules["timm"], model, spec)
         if isinstance(found, Preprocess):
             return found
-    return replace(IMAGENET, source=f"ImageNet defaults (model.factory {spec.factory} has no preprocessing "
+    return replace(IMAGENET, source=f"ImageNet defaults (model {spec.factory or spec.name} has no preprocessing "
                                     "config extractor knows)")
 
 

@@ -210,6 +210,59 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
         print(f"  {name:24s} {rows / t:10.0f} rows/s {mb / t:8.1f} MB/s  ratio {base / t:.2f}")
 
 
+def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_rows: int = 64,
+                repeats: int = 3) -> None:
+    """Token rows for SAE training (token_batches, shuffled across images) against a sequential read."""
+    import numpy as np
+
+    from extractor.reader import open_store
+    from extractor.store import OK, create_store
+
+    url = str(WORK / "tokens.zarr")
+    meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",
+            "what": "output", "reduce": "none"}
+    if not (WORK / "tokens.zarr" / "zarr.json").exists():
+        shard = chunk_rows * 4
+        g = create_store(url, ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows,
+                         shard_size=shard, chunk_rows=chunk_rows, captures={"t": meta}, extras={},
+                         compression="zstd", compression_level=None,
+                         attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {"t": meta},
+                                "format_version": 1, "spec": {}, "model": {"prefix_tokens": 1}})
+        rng = np.random.default_rng(0)
+        for a in range(0, rows, chunk_rows):
+            n = min(chunk_rows, rows - a)
+            g["t"][a:a + n] = rng.standard_normal((n, tokens, features), dtype=np.float32).astype(np.float16)
+        g["status"][:] = np.full(rows, OK, np.uint8)
+    s = open_store(url)
+    mb = rows * tokens * features * 2 / 1e6
+    arr = s["t"]
+
+    def plain() -> None:
+        for a in range(0, rows, chunk_rows):
+            np.asarray(arr[a:a + chunk_rows])
+
+    def stream(shuffle: bool) -> None:
+        n = 0
+        for index, _x in s.token_batches("t", 4096, shuffle=shuffle, seed=1):
+            n += len(index)
+        assert n == rows * tokens
+
+    results = {}
+    for name, fn in (("sequential zarr read", plain), ("token_batches(shuffle=False)", lambda: stream(False)),
+                     ("token_batches(shuffle=True)", lambda: stream(True))):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        results[name] = statistics.median(times)
+    base = results["sequential zarr read"]
+    print(f"\ntokens: {rows} rows x {tokens} tokens x {features} float16 ({mb:.0f} MB uncompressed), chunks of "
+          f"{chunk_rows} rows, zstd, batches of 4096 tokens; median of {repeats}")
+    for name, t in results.items():
+        print(f"  {name:30s} {rows * tokens / t:10.0f} tokens/s {mb / t:8.1f} MB/s  ratio {base / t:.2f}")
+
+
 def make_images(n: int) -> Path:
     from extractor.demo import CLASSES, _draw
 
@@ -272,6 +325,7 @@ def main() -> None:
     if args.reader_only:
         WORK.mkdir(exist_ok=True)
         reader_bench()
+        token_bench()
         return
     image_dir = make_images(args.images)
     if "thingsvision" in args.variants.split(","):
@@ -328,6 +382,7 @@ def main() -> None:
           "model build, probe, store creation.")
     rss_bench(args)
     reader_bench()
+    token_bench()
 
 
 if __name__ == "__main__":

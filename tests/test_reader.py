@@ -244,11 +244,11 @@ def test_xarray_view_matches_raw_arrays(store):
     assert ds["map"].dims == ("row", "map.channel", "map.y", "map.x")
     assert hasattr(ds["map"].data, "dask")
     np.testing.assert_array_equal(ds["layer4"].values, store["layer4"][:])
-    assert list(ds["id"].values) == list(store.ids)
-    np.testing.assert_array_equal(ds["label"].values, store.labels)
+    assert list(ds["ids"].values) == list(store.ids)
+    np.testing.assert_array_equal(ds["labels"].values, store.labels)
     np.testing.assert_array_equal(ds["status"].values, store.status)
     row = ds.sel(row=3)
-    assert str(row["id"].values) == str(store.ids[3])
+    assert str(row["ids"].values) == str(store.ids[3])
     ok = store.to_xarray()  # like numpy(): the rows that are ok, each under its store row number
     bad = np.flatnonzero(store.status != 1)
     assert len(bad) and len(ok["row"]) == len(store) - len(bad)
@@ -256,7 +256,7 @@ def test_xarray_view_matches_raw_arrays(store):
     for key in ("layer4", "map"):
         np.testing.assert_array_equal(ok[key].values, store.numpy(key))
     assert not np.isnan(ok["layer4"].values).any()
-    assert str(ok.sel(row=int(store.ok_rows()[-1]))["id"].values) == str(store.ids[store.ok_rows()[-1]])
+    assert str(ok.sel(row=int(store.ok_rows()[-1]))["ids"].values) == str(store.ids[store.ok_rows()[-1]])
 
 
 def test_xarray_open_zarr_without_this_package(store):
@@ -432,3 +432,105 @@ def test_gradient_extras_in_xarray(gradient_store):
     for name in raw:
         np.testing.assert_array_equal(ok[name].values, s.numpy(name))
     np.testing.assert_array_equal(ok["cam.range"].sel({"cam.range.minmax": "max"}).values, s.numpy("cam").max((1, 2)))
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore, np.ndarray]:
+    """60 rows of (5 tokens, 4 features) in chunks of 8, the model's prefix: 1 token; row 3 failed,
+    rows 56-59 pending. Also returns the capture as zarr reads it."""
+    url = str(tmp_path_factory.mktemp("tokens") / "s.zarr")
+    n = 60
+    meta = {"shape": [5, 4], "dtype": "float16", "dims": ["tok.token", "tok.feature"], "layer": "blocks.0",
+            "what": "output", "reduce": "none"}
+    flat = {"shape": [4], "dtype": "float32", "dims": ["b.feature"], "layer": "x", "what": "output", "reduce": "cls"}
+    caps = {"tok": meta, "a": {**flat, "dims": ["a.feature"]}, "b": flat}
+    g = create_store(url, ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 3 for i in range(n)],
+                     shard_size=8, chunk_rows=8, captures=caps, extras={}, compression="zstd", compression_level=None,
+                     attrs={"n_rows": n, "n_shards": 8, "captures": caps, "format_version": 1, "spec": {},
+                            "model": {"prefix_tokens": 1}})
+    rng = np.random.default_rng(0)
+    g["tok"][:56] = rng.standard_normal((56, 5, 4)).astype(np.float16)
+    g["a"][:56] = rng.standard_normal((56, 4)).astype(np.float32)
+    g["b"][:56] = rng.standard_normal((56, 4)).astype(np.float32)
+    status = np.full(n, OK, np.uint8)
+    status[3], status[56:] = FAILED, 0
+    g["status"][:] = status
+    return open_store(url), np.asarray(g["tok"][:])
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_prefix", [False, True, 2])
+def test_token_batches_cover_every_token_of_every_ok_row_once(tokens, shuffle: bool, drop_prefix):
+    s, full = tokens
+    skip = {False: 0, True: 1, 2: 2}[drop_prefix]
+    seen, sizes = [], []
+    for index, x in s.token_batches("tok", 7, shuffle=shuffle, seed=3, drop_prefix=drop_prefix, buffer_chunks=2):
+        assert x.shape == (len(index), 4) and x.dtype == np.float16
+        np.testing.assert_array_equal(x, full[index[:, 0], index[:, 1]])  # each token is the one it says
+        seen += [tuple(i) for i in index]
+        sizes.append(len(index))
+    ok = [r for r in range(56) if r != 3]
+    assert sorted(seen) == [(r, t) for r in ok for t in range(skip, 5)]  # every (row, token) once
+    assert all(n == 7 for n in sizes[:-1])
+    assert (seen == sorted(seen)) != shuffle  # in row and token order unless shuffled
+    if shuffle:  # tokens of many images mixed in every batch
+        assert len({r for r, _ in seen[:7]}) >= 4
+    again = [tuple(r) for i, _ in s.token_batches("tok", 7, shuffle=shuffle, seed=3, drop_prefix=drop_prefix,
+                                                  buffer_chunks=2) for r in i]
+    assert again == seen
+    if shuffle:
+        other = [tuple(r) for i, _ in s.token_batches("tok", 7, seed=4, drop_prefix=drop_prefix, buffer_chunks=2)
+                 for r in i]
+        assert other != seen and sorted(other) == sorted(seen)
+
+
+def test_token_batches_refuse_what_is_not_a_token_capture(tokens):
+    s, _ = tokens
+    with pytest.raises(StoreError, match=r"token_batches needs a capture of \(tokens, features\) rows; 'a' is \[4\]"):
+        next(s.token_batches("a"))
+    with pytest.raises(StoreError, match="dropping 5 leaves none"):
+        next(s.token_batches("tok", drop_prefix=5))
+
+
+def test_torch_token_loader_converts_dtype_and_drops_the_last_short_batch(tokens):
+    torch = pytest.importorskip("torch")
+    s, full = tokens
+    loader = s.dataloader("tok", batch_size=16, tokens=True, dtype=torch.float32, drop_last=True, drop_prefix=True)
+    batches = list(loader)
+    assert all(b["tok"].dtype == torch.float32 and b["tok"].shape == (16, 4) for b in batches)
+    assert len(batches) == (55 * 4) // 16  # the short last batch left out
+    b = batches[0]
+    np.testing.assert_array_equal(b["tok"].numpy(), full[b["row"].numpy(), b["token"].numpy()].astype(np.float32))
+    assert (b["token"] >= 1).all()
+    bf = next(iter(s.dataloader("tok", batch_size=8, tokens=True, dtype=torch.bfloat16)))
+    assert bf["tok"].dtype == torch.bfloat16
+    rows = next(iter(s.dataloader(["a"], batch_size=50, dtype=torch.float64, drop_last=True)))
+    assert rows["a"].dtype == torch.float64 and len(rows["a"]) == 50
+    assert len(list(s.dataloader(["a"], batch_size=50, drop_last=True))) == 1  # 55 ok rows: one full batch
+
+
+def test_dataloader_refuses_unknown_options_at_the_call(tokens):
+    pytest.importorskip("torch")
+    s, _ = tokens
+    with pytest.raises(TypeError, match=r"unknown option\(s\) bufer_chunks; it takes .*buffer_chunks"):
+        s.dataloader(["a"], bufer_chunks=2)
+    with pytest.raises(KeyError, match="'nope' is not a capture"):
+        s.dataloader(["nope"])
+    with pytest.raises(ValueError, match="tokens of one capture"):
+        s.dataloader(["tok", "a"], tokens=True)
+
+
+def test_to_xarray_stacks_captures_of_one_shape_on_a_layer_dim(tokens):
+    xr = pytest.importorskip("xarray")
+    pytest.importorskip("dask")
+    s, _ = tokens
+    da = s.to_xarray(stack=["a", "b"])
+    assert da.dims == ("layer", "row", "feature") and list(da["layer"].values) == ["a", "b"]
+    np.testing.assert_array_equal(da.sel(layer="a").values, s.numpy("a"))
+    np.testing.assert_array_equal(da.sel(layer="b").values, s.numpy("b"))
+    np.testing.assert_array_equal(da["labels"].values, s.labels[s.ok_rows()])
+    with pytest.raises(ValueError, match="one shape and kind"):
+        s.to_xarray(stack=["a", "tok"])
+    plain = xr.open_zarr(s.url, consolidated=False)
+    ours = s.to_xarray(only_ok=False)
+    assert {"ids", "labels"} <= set(plain.coords) and {"ids", "labels"} <= set(ours.coords)  # the same names

@@ -326,3 +326,18 @@ class Reshape(nn.Module):
 
 def fixed_size_map() -> nn.Module:
     return nn.Sequential(OrderedDict(block=Reshape(), pool=nn.Flatten()))
+
+
+class Loud(nn.Module):
+    """A conv whose outputs reach about 1e6: finite in float32, beyond float16's 65,504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) * 1e6
+
+
+def loud_net() -> nn.Module:
+    return nn.Sequential(OrderedDict(loud=Loud(), pool=nn.AdaptiveAvgPool2d(1), flat=nn.Flatten()))
