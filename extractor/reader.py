@@ -48,15 +48,16 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
 Rows = slice | Sequence[int] | np.ndarray | None
 
 
-def _prefetched(items: Iterator[Any], fn: Any, depth: int) -> Iterator[Any]:
-    """``fn(item)`` for each item, computed ``depth`` ahead on one background thread, in order."""
+def _prefetched(items: Iterator[Any], fn: Any, depth: int, threads: int = 2) -> Iterator[Any]:
+    """``fn(item)`` for each item, computed up to ``depth`` ahead on ``threads`` background threads
+    (chunks decode in parallel: zstd and zarr release the GIL), in order."""
     from concurrent.futures import ThreadPoolExecutor
 
     if depth <= 0:
         yield from (fn(i) for i in items)
         return
     pending: deque[Any] = deque()
-    with ThreadPoolExecutor(1, thread_name_prefix="extractor-read") as pool:
+    with ThreadPoolExecutor(max(1, min(threads, depth)), thread_name_prefix="extractor-read") as pool:
         for item in items:
             pending.append(pool.submit(fn, item))
             if len(pending) > depth:
@@ -381,24 +382,56 @@ class ActivationStore:
         tokens = int(meta["shape"][0]) - skip
         if tokens <= 0:
             raise StoreError(f"{key!r} has {meta['shape'][0]} tokens per row; dropping {skip} leaves none")
-        rows_per = max(int(self[key].chunks[0]) * buffer_chunks, 1) if shuffle else max(batch_size // tokens, 1)
-        carry_x: np.ndarray | None = None
-        carry_i: np.ndarray | None = None
-        for n, (r, x) in enumerate(self.batches(key, rows_per, shuffle=shuffle, seed=seed, rows=rows,
-                                                only_ok=only_ok, buffer_chunks=buffer_chunks, prefetch=prefetch)):
-            flat = x[:, skip:].reshape(-1, x.shape[-1])  # (rows * tokens, features), a view
-            index = np.stack([np.repeat(r, tokens), np.tile(np.arange(skip, skip + tokens), len(r))], axis=1)
-            if shuffle:
-                perm = np.random.default_rng([seed, n, 1]).permutation(len(flat))
-                flat, index = flat[perm], index[perm]
-            if carry_x is not None:
-                flat, index = np.concatenate([carry_x, flat]), np.concatenate([carry_i, index])
-            stop = len(flat) - len(flat) % batch_size
+        if batch_size < 1 or buffer_chunks < 1:
+            raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
+        step = max(int(self[key].chunks[0]), 1)
+        idx = self._select_rows(rows, only_ok)
+        if shuffle:  # whole chunks in a random order; their tokens are mixed below, a buffer at a time
+            idx = np.sort(idx, kind="stable")
+            cuts = np.flatnonzero(np.diff(idx // step)) + 1
+            groups = np.split(idx, cuts) if idx.size else []
+            order = np.random.default_rng(seed).permutation(len(groups))
+            idx = np.concatenate([groups[i] for i in order]) if groups else idx
+        positions = np.arange(skip, skip + tokens)
+        carry: tuple[np.ndarray, np.ndarray] | None = None
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        held = n = 0
+
+        def mix() -> tuple[np.ndarray, np.ndarray]:
+            """The buffer's tokens in one array each (index, data), in a seeded random order: one copy,
+            each token written straight to its place."""
+            total = held * tokens
+            dest = np.random.default_rng([seed, n]).permutation(total) if shuffle else np.arange(total)
+            data = np.empty((total, parts[0][1].shape[-1]), dtype=parts[0][1].dtype)
+            index = np.empty((total, 2), dtype=np.int64)
+            at = 0
+            for r, x in parts:
+                d = dest[at : at + len(r) * tokens].reshape(len(r), tokens)
+                data[d] = x[:, skip:]
+                index[d, 0], index[d, 1] = r[:, None], positions[None, :]
+                at += len(r) * tokens
+            return index, data
+
+        def cut(index: np.ndarray, data: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            nonlocal carry
+            if carry is not None:
+                index, data = np.concatenate([carry[0], index]), np.concatenate([carry[1], data])
+            stop = len(data) - len(data) % batch_size
             for a in range(0, stop, batch_size):
-                yield index[a : a + batch_size], flat[a : a + batch_size]
-            carry_x, carry_i = (flat[stop:], index[stop:]) if stop < len(flat) else (None, None)
-        if carry_x is not None and not drop_last:
-            yield carry_i, carry_x  # type: ignore[misc]
+                yield index[a : a + batch_size], data[a : a + batch_size]
+            carry = (index[stop:], data[stop:]) if stop < len(data) else None
+
+        # one chunk's rows at a time, each chunk read once (rows grouped by chunk), without copies
+        for r, x in self.batches(key, step, shuffle=False, rows=idx, only_ok=False, prefetch=prefetch):
+            parts.append((r, x))
+            held += len(r)
+            if held >= step * buffer_chunks:
+                yield from cut(*mix())
+                parts, held, n = [], 0, n + 1
+        if parts:
+            yield from cut(*mix())
+        if carry is not None and not drop_last:
+            yield carry
 
     def _prefix(self, drop_prefix: bool | int) -> int:
         """Tokens to leave out of each row: a count, or the model's prefix-token count for ``True``."""
