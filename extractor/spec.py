@@ -377,10 +377,11 @@ class JobSpec(_Section):
         return content_of(self.to_dict())
 
 
-# Fields that change how a job runs but not what it stores: a store may be resumed with them changed.
+# Fields that change how a job runs, not what it computes (beyond float rounding: another device or batch
+# size may sum in another order): a store may be resumed with them changed. model.channels_last is not one:
+# it changes stored values by about one float16 ulp, so a resumed store would mix both.
 RUN_ONLY_FIELDS = (
     ("model", "device"),
-    ("model", "channels_last"),
     ("model", "compile"),
     ("data", "batch_size"),
     ("data", "decode_workers"),
@@ -547,7 +548,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. data.batch_size=16")
         path, _, text = item.partition("=")
         parts = _split_path(path.strip())
-        value = yaml.safe_load(text) if text.strip() else None
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem", None) or type(err).__name__
+            raise SpecError(f"--set {path.strip()}: the value {text!r} is not valid YAML ({where}); quote it, "
+                            f"e.g. --set '{path.strip()}=[0.5, 0.5, 0.5]'") from None
         node: Any = out
         for i, part in enumerate(parts):
             last = i == len(parts) - 1

@@ -100,3 +100,17 @@ def test_a_map_whose_layout_no_fact_decides_is_refused(image_dir: Path, tmp_path
     assert not (tmp_path / "s.zarr").exists()  # refused before the store was created
     raw["capture"][0]["layout"] = "nhwc"
     assert run(parse_spec(raw)).ok == 12
+
+
+def test_resume_with_another_channels_last_is_refused(image_dir: Path, tmp_path: Path):
+    """issue 17, defect 12: channels_last changes stored values (about one float16 ulp); a resumed store
+    must not mix both."""
+    raw = job(image_dir, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    raw["output"]["if_exists"] = "resume"
+    raw["model"]["channels_last"] = False
+    with pytest.raises(Exception, match=r"model.channels_last: true in the store, false now"):
+        run(parse_spec(raw))
+    raw["model"]["channels_last"] = True
+    raw["data"]["batch_size"] = 5  # run-only: resumes
+    assert run(parse_spec(raw)).shards_skipped == 3

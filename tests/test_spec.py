@@ -265,3 +265,9 @@ def test_override_paths_into_lists():
         apply_overrides(raw, ["data.mean[0]=0.5"])  # unset: its default is not in the raw spec
     with pytest.raises(SpecError, match=r"capture\[2\] does not exist \(the list has 2 entries\)"):
         apply_overrides(raw, ["capture[2].reduce=mean"])
+
+
+def test_a_set_value_that_is_not_yaml_is_one_line_naming_the_key():
+    """issue 17, defect 11: it was a raw YAML traceback."""
+    with pytest.raises(SpecError, match=r"--set data.mean: the value '\[0.5, 0.5' is not valid YAML"):
+        apply_overrides({}, ["data.mean=[0.5, 0.5"])
