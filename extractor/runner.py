@@ -225,8 +225,11 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
     if old is not None:
         Lease.check(url, so, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
     mode = spec.output.if_exists
-    if old is not None and old.get("status") == "creating" and mode != "overwrite":
-        raise StoreError(half_created(url))
+    if old is not None and old.get("status") == "creating":  # holds no data: --resume starts it again
+        if mode == "error":
+            raise StoreError(half_created(url))
+        log.info("%s was left half-created (no data): creating it again", url)
+        old, mode = None, "overwrite"
     if old is not None and mode == "error":
         group = open_group(url, "r", so)
         done = int(done_shards(group).sum())

@@ -75,7 +75,7 @@ def is_local(url: str) -> bool:
 def half_created(url: str) -> str:
     """What to say of a store whose creation failed midway (status "creating")."""
     return (f"store {url} was left half-created by a run that failed while creating it: it holds no data; "
-            "run the job again with --overwrite")
+            "run the job again with --resume (or --overwrite)")
 
 
 def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:

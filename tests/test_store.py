@@ -124,7 +124,7 @@ def test_shard_statistics_equal_float64_numpy_with_huge_and_nonfinite_values():
     assert st["rows"] == 40
 
 
-def test_a_store_left_half_created_is_replaced_by_overwrite_and_refused_by_resume(
+def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
         image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from extractor.errors import StoreError
     from extractor.reader import open_store
@@ -143,15 +143,21 @@ def test_a_store_left_half_created_is_replaced_by_overwrite_and_refused_by_resum
     with pytest.raises(OSError, match="disk full"):
         run(parse_spec(raw))
     monkeypatch.undo()
-    for mode in ("resume", "error"):
-        raw["output"]["if_exists"] = mode
-        with pytest.raises(StoreError, match="half-created.*--overwrite"):
-            run(parse_spec(raw))
-    with pytest.raises(StoreError, match="half-created.*--overwrite"):
+    raw["output"]["if_exists"] = "error"  # a plain rerun says how to go on
+    with pytest.raises(StoreError, match=r"half-created.*--resume \(or --overwrite\)"):
+        run(parse_spec(raw))
+    with pytest.raises(StoreError, match="half-created.*--resume"):
         open_store(str(tmp_path / "s.zarr"))
-    raw["output"]["if_exists"] = "overwrite"
-    assert run(parse_spec(raw)).ok == 12
-    assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
+    for mode in ("resume", "overwrite"):  # issue 17, defect 5: the SLURM recipe always passes --resume
+        raw["output"]["if_exists"] = mode
+        assert run(parse_spec(raw)).ok == 12
+        assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
+        if mode == "resume":
+            monkeypatch.setattr(zarr.Group, "create_array", failing)
+            raw["output"]["if_exists"] = "overwrite"
+            with pytest.raises(OSError, match="disk full"):
+                run(parse_spec(raw))
+            monkeypatch.undo()
 
 
 def test_a_compression_level_the_codec_refuses_is_a_spec_error_and_the_store_is_kept(image_dir: Path,
