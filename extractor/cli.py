@@ -70,14 +70,22 @@ class Estimate:
 
 
 def _command(*args: str) -> str:
-    """A command line the user can paste: ``extractor ARGS``, or what ran this one where that is not on PATH."""
+    """A command line the user can paste: ``extractor ARGS``, or what ran this one where that is not on PATH.
+    Secrets given with ``--set`` are never printed: they are redacted, with a line saying so."""
     import shutil
+
+    from .spec import REDACTED, redact_argv
 
     prog = [sys.executable, "-m", "extractor.cli"]  # python -m extractor.cli, or main() called from Python
     if Path(sys.argv[0]).name == "extractor":  # the console script: bare when on PATH, else as typed
         on_path = shutil.which("extractor")
         prog = ["extractor" if on_path and Path(on_path).resolve() == Path(sys.argv[0]).resolve() else sys.argv[0]]
-    return shlex.join([*prog, *args])
+    shown = redact_argv(list(args))
+    line = shlex.join([*prog, *shown])
+    if shown != list(args):
+        line += (f"\n  (each {REDACTED} is a secret you gave with --set: give it again, or through the environment, "
+                 "e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
+    return line
 
 
 def _save(img: Any, out: str | Path) -> None:
@@ -568,7 +576,9 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, on_term)
     level = logging.WARNING - 10 * min(verbosity(args), 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # -vv debugs extractor, not the libraries under it: botocore's debug log prints access key ids
+    logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("extractor").setLevel(level)
     if args.command == "layers" and not (args.model or args.factory):
         print("error: name a model (extractor layers resnet50), a job (extractor layers JOB.yaml) or pass --factory",
               file=sys.stderr)

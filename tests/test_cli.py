@@ -250,3 +250,24 @@ def test_layers_of_a_factory_in_the_current_folder_with_kwargs_and_of_a_job(tmp_
     r = subprocess.run([script, "layers", "--factory", "mymodels:net"], capture_output=True, text=True, cwd=tmp_path,
                        env=env, timeout=120)
     assert r.returncode == 1 and "missing 1 required positional argument: 'width'" in r.stderr
+
+
+def test_printed_commands_and_debug_logs_carry_no_secret():
+    """issue 17, defect 8: the resume command repeated --set secrets verbatim; -vv let botocore's debug
+    log print access keys."""
+    import logging
+
+    from extractor.cli import _command, main
+
+    line = _command("run", "j.yaml", "--set", "output.storage_options.secret=s3cr3t", "--set", "data.batch_size=3")
+    assert "s3cr3t" not in line and "***redacted***" in line and "give it again" in line and "batch_size=3" in line
+    root, ours = logging.getLogger().level, logging.getLogger("extractor").level
+    try:
+        logging.getLogger().handlers, handlers = [], logging.getLogger().handlers  # as in a fresh process
+        main(["-vv", "inspect", "/nonexistent/store.zarr"])
+        assert logging.getLogger("extractor").getEffectiveLevel() == logging.DEBUG
+        assert logging.getLogger("botocore").getEffectiveLevel() == logging.INFO
+    finally:
+        logging.getLogger().handlers = handlers
+        logging.getLogger().setLevel(root)
+        logging.getLogger("extractor").setLevel(ours)
