@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._text import table
-from .errors import DeviceError, ExtractorError, ShardError
+from .errors import DeviceError, ExtractorError, ShardError, StoreError
 
 log = logging.getLogger("extractor")
 
@@ -151,6 +151,12 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False) -> int:
         return 130
     except (ShardError, DeviceError) as err:  # the store is kept: say how to finish it, once the cause is fixed
         print(f"error: {err}\nOnce fixed, finish the job with:\n  {_command(*resume)}", file=sys.stderr)
+        return 1
+    except StoreError:
+        raise  # the store's own word (exists, differs, half-created): one line from main()
+    except OSError as err:  # a full disk, a dead endpoint, after the store existed
+        print(f"error: the storage failed: {type(err).__name__}: {err}\nFinished shards are kept; once fixed, finish "
+              f"the job with:\n  {_command(*resume)}", file=sys.stderr)
         return 1
     finally:
         if bar:

@@ -455,15 +455,25 @@ def run(
                 summaries = backend.run(todo, url, on_progress or (lambda n: None), event)
         except BaseException as err:
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            stats = merge_stats(str(s) for s in group["shard_stats"][:])  # of the shards that did finish
-            update_attrs(url, spec.output.storage_options, status=status, error=f"{type(err).__name__}: {err}"[:1000],
-                         stats=stats)
+            try:
+                stats = merge_stats(str(s) for s in group["shard_stats"][:])  # of the shards that did finish
+                update_attrs(url, spec.output.storage_options, status=status,
+                             error=f"{type(err).__name__}: {err}"[:1000], stats=stats)
+            except Exception as mark:  # noqa: BLE001 - the storage that failed the job may refuse this too
+                log.warning("could not mark %s %s (%s: %s); its done shards are kept", url, status,
+                            type(mark).__name__, mark)
             raise
     finally:
         backend.close()
         if lease is not None:
             lease.release()
-    summary = _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0)
+    try:
+        summary = _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0)
+    except StoreError:
+        raise
+    except OSError as err:  # every shard is done; only the final attributes could not be written
+        raise StoreError(f"cannot write the final attributes of {spec.output.store}: {type(err).__name__}: {err}; "
+                         "its shards are done and kept: --resume finishes it once the storage works") from err
     summary.workers = _worker_table(events)
     return summary
 

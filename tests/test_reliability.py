@@ -372,3 +372,36 @@ def test_random_invalid_specs_raise_spec_errors_naming_a_field(section: str, key
         assert where.split(".")[0].split("[")[0] in str(err)
     except Exception as err:  # noqa: BLE001
         pytest.fail(f"{type(err).__name__} instead of SpecError for {raw}: {err}")
+
+
+def test_a_storage_that_dies_mid_job_is_one_line_with_the_resume_command(
+        image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """issue 17, defect 6: a full disk made the runner's own "failed" mark raise too, masking the first
+    error: a raw traceback, the store left "running", no resume hint."""
+    from extractor import runner as runner_mod
+    from extractor.cli import main
+
+    real_write, real_update = ShardWriter.write, runner_mod.update_attrs
+    calls = [0]
+
+    def failing_write(self, key, offset, data):
+        calls[0] += 1
+        if calls[0] == 7:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, key, offset, data)
+
+    def failing_update(url, so, **attrs):
+        if attrs.get("status") == "failed":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_update(url, so, **attrs)
+
+    monkeypatch.setattr(ShardWriter, "write", failing_write)
+    monkeypatch.setattr(runner_mod, "update_attrs", failing_update)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr")))
+    assert main(["run", str(spec), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "Traceback" not in err and "--resume" in err
+    monkeypatch.undo()
+    assert main(["run", str(spec), "-q", "--resume"]) == 0
+    assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
