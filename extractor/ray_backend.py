@@ -188,9 +188,9 @@ class _Schedule:
             self.queue.appendleft(shard)
 
 
-def _check_reachable(address: str, timeout: float) -> None:
+def _check_reachable(address: str, timeout: float, where: str = "cluster.address") -> None:
     """Fail fast when nothing listens at a ``HOST:PORT`` (or ``ray://HOST:PORT``) address:
-    ``ray.init`` would wait for it for many minutes, deaf to Ctrl-C."""
+    ``ray.init`` would wait for it for many minutes, deaf to Ctrl-C. ``where`` names the setting."""
     import socket
 
     hostport = address.removeprefix("ray://")
@@ -200,9 +200,12 @@ def _check_reachable(address: str, timeout: float) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as err:
+        fix = ("unset RAY_ADDRESS (a cluster that is gone) for an embedded local cluster, or point it at a running "
+               "one" if where == "RAY_ADDRESS" else
+               "fix cluster.address, or set it to null for an embedded local cluster")
         raise ClusterError(
-            f"cannot reach a Ray cluster at cluster.address {address}: {type(err).__name__}: {err}; start it "
-            "(`ray start --head`), fix cluster.address, or set it to null for an embedded local cluster"
+            f"cannot reach a Ray cluster at {where} {address}: {type(err).__name__}: {err}; start it "
+            f"(`ray start --head`), or {fix}"
         ) from None
 
 
@@ -278,6 +281,7 @@ class RayBackend:
         kwargs: dict[str, Any] = {"configure_logging": False, "log_to_driver": True}
         if c.address is None and os.environ.get("RAY_ADDRESS"):
             kwargs["address"] = os.environ["RAY_ADDRESS"]  # inside a Ray job: join its cluster
+            _check_reachable(kwargs["address"], timeout=min(c.startup_timeout_s, 10.0), where="RAY_ADDRESS")
         elif c.address is None:
             # an embedded single-job cluster: loopback only, no dashboard
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

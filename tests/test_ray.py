@@ -334,3 +334,15 @@ def test_an_address_where_no_cluster_listens_fails_fast(image_dir: Path, tmp_pat
     assert out.returncode == 1
     assert "cannot reach a Ray cluster at cluster.address 127.0.0.1:1: ConnectionRefusedError" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "s.zarr").exists()
+
+
+def test_a_stale_ray_address_in_the_environment_fails_fast_naming_it(image_dir: Path, tmp_path: Path):
+    """issue 17, defect 4: a RAY_ADDRESS left from a cluster that is gone made `extractor run` retry for
+    minutes, deaf to SIGINT and SIGTERM."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray"})))
+    out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
+    assert out.returncode == 1
+    assert "cannot reach a Ray cluster at RAY_ADDRESS 127.0.0.1:1" in out.stderr and "unset RAY_ADDRESS" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "s.zarr").exists()
