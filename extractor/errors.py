@@ -12,6 +12,7 @@ __all__ = [
     "DataError",
     "DeviceError",
     "ExtractorError",
+    "FencedError",
     "LayerError",
     "ModelError",
     "ShardError",
@@ -45,6 +46,11 @@ class LayerError(ExtractorError, KeyError):
 
 class StoreError(ExtractorError, OSError):
     """The Zarr store cannot be created, resumed or read as asked."""
+
+
+class FencedError(StoreError):
+    """This job no longer holds the store: another job took it over (this one was paused past its
+    lease, or cut off). It stops at once and writes nothing more into the store."""
 
 
 class ShardError(ExtractorError, RuntimeError):

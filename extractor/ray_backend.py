@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .errors import ClusterError, ExtractorError, ShardError
+from .errors import ClusterError, ExtractorError, FencedError, ShardError
 from .sources import Shard
 from .spec import JobSpec
 from .worker import ShardQueue, ShardSummary
@@ -83,7 +83,7 @@ class _WorkerActor:
     def warm_up(self) -> None:
         self.worker.warm_up()
 
-    def run_shard(self, index: int, start: int, stop: int, url: str) -> ShardSummary:
+    def run_shard(self, index: int, start: int, stop: int, url: str, fence: str | None = None) -> ShardSummary:
         call: Future[ShardSummary] = Future()
         with self.lock:
             if self.error is not None:  # the driver replaces this actor: run nothing more here
@@ -91,7 +91,7 @@ class _WorkerActor:
             self.calls[index] = call
             self.queue.put(Shard(index, start, stop))
             if self.thread is None:
-                self.thread = threading.Thread(target=self._pipeline, args=(url,), name="extractor-pipeline",
+                self.thread = threading.Thread(target=self._pipeline, args=(url, fence), name="extractor-pipeline",
                                                daemon=True)
                 self.thread.start()
         return call.result()
@@ -100,7 +100,7 @@ class _WorkerActor:
         with self.lock:
             return self.calls.pop(index, None)
 
-    def _pipeline(self, url: str) -> None:
+    def _pipeline(self, url: str, fence: str | None) -> None:
         def started(shard: Shard) -> None:
             self.current = (shard.index, 0)
 
@@ -115,7 +115,8 @@ class _WorkerActor:
 
         while True:
             try:
-                self.worker.run_shards(self.queue, url, on_batch=on_batch, on_computed=computed, on_started=started)
+                self.worker.run_shards(self.queue, url, on_batch=on_batch, on_computed=computed, on_started=started,
+                                       fence=fence)
             except ShardError as err:  # that shard's call fails; the pipeline goes on with the queue
                 self.current = (-1, 0)  # a retry of it must not look started before it is
                 call = self._take(err.shard) if err.shard is not None else None
@@ -341,7 +342,8 @@ class RayBackend:
             self.warm = True
 
     # ------------------------------------------------------------------ the job
-    def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any) -> list[ShardSummary]:
+    def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any,
+            fence: str | None = None) -> list[ShardSummary]:
         for i, pid in enumerate(self.pids):
             on_event("worker_started", {"worker": i, "pid": pid})
         plan = _Schedule(todo, self.spec.cluster.max_retries)
@@ -394,7 +396,7 @@ class RayBackend:
         while True:
             for slot in range(self.n_workers):
                 while (shard := plan.next_for(held[slot])) is not None:
-                    ref = self.actors[slot].run_shard.remote(shard.index, shard.start, shard.stop, url)
+                    ref = self.actors[slot].run_shard.remote(shard.index, shard.start, shard.stop, url, fence)
                     running[ref] = (slot, shard, generation[slot])
                     held[slot].append(shard)
             if not running:
@@ -406,6 +408,8 @@ class RayBackend:
                     summary: ShardSummary = ray.get(ref)
                 except (RayActorError, RayTaskError) as err:
                     cause = _cause(err)
+                    if isinstance(cause, FencedError):  # another job holds the store: stop, write nothing
+                        raise cause from None
                     if isinstance(err, RayTaskError) and isinstance(cause, ShardError):  # the shard raised
                         error = f"{type(cause).__name__}: {cause}"
                         report_start(slot, shard)

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import __version__
 from ._text import count, table
-from .errors import DataError, StoreError
+from .errors import DataError, FencedError, StoreError
 from .preprocess import of_store
 from .sources import Rows, Shard, absolute, list_rows, plan
 from .spec import JobSpec, content_of, parse_spec, redact_argv, spec_digest
@@ -298,7 +298,8 @@ class LocalBackend:
     def warm_up(self) -> None:
         self.worker.warm_up()
 
-    def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event) -> list[ShardSummary]:
+    def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event,
+            fence: str | None = None) -> list[ShardSummary]:
         summaries: list[ShardSummary] = []
         processed = [0]
         pid = os.getpid()
@@ -327,6 +328,7 @@ class LocalBackend:
             self.worker.run_shards(
                 todo, url, on_batch=on_batch, on_computed=computed,
                 on_started=lambda shard: on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": pid}),
+                fence=fence,
             )
             report(keep=0)
         except BaseException:
@@ -452,8 +454,11 @@ def run(
             summaries: list[ShardSummary] = []
             if todo:  # a resume with nothing left to compute compiles nothing
                 backend.warm_up()  # once (a no-op when the store was created by this run)
-                summaries = backend.run(todo, url, on_progress or (lambda n: None), event)
+                summaries = backend.run(todo, url, on_progress or (lambda n: None), event, fence=lease.token)
+            lease.verify()  # a job paused past its lease marks nothing complete in another job's store
         except BaseException as err:
+            if isinstance(err, FencedError) or lease.lost:
+                raise  # the store is another job's now: not a word more into it
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             try:
                 stats = merge_stats(str(s) for s in group["shard_stats"][:])  # of the shards that did finish

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from .errors import StoreError
+from .errors import FencedError, StoreError
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -212,11 +212,35 @@ def done_shards(group: zarr.Group) -> np.ndarray:
     return np.asarray(group["shard_done"][:], dtype=bool)
 
 
-class ShardWriter:
-    """Writes the rows of one shard; ``finish`` writes status, errors, then the done marker."""
+def lease_token(group: zarr.Group) -> str | None:
+    """The token of the job that holds the store now (None: no lease)."""
+    try:
+        return dict(group["lease"].attrs).get("token")
+    except KeyError:
+        return None
 
-    def __init__(self, url: str, start: int, stop: int, index: int, storage_options: Mapping[str, Any] | None = None):
+
+def fenced(url: str, token: str | None) -> FencedError:
+    return FencedError(
+        f"this job no longer holds {url}: another job took it over (this one was paused or cut off for longer "
+        f"than output.lease_timeout_s{'' if token is None else ', or the store was replaced'}); it stops and "
+        "writes nothing more. Look at the store with `extractor inspect` before running anything on it"
+    )
+
+
+class ShardWriter:
+    """Writes the rows of one shard; ``finish`` writes status, errors, then the done marker.
+
+    With ``fence`` (the lease token of the job), the writer checks that its job still holds the
+    store before the shard is opened, before each chunk it writes and before its done marker, and raises
+    :class:`FencedError` otherwise: a job paused past its lease never writes into the store of
+    the job that took it over."""
+
+    def __init__(self, url: str, start: int, stop: int, index: int, storage_options: Mapping[str, Any] | None = None,
+                 fence: str | None = None):
+        self.url, self.fence = url, fence
         self.group = open_group(url, "r+", storage_options)
+        self.check_fence()
         self.start, self.stop, self.index = start, stop, index
         self.bytes = 0
         self._arrays: dict[str, Any] = {}  # opened once: each open reads the array's metadata
@@ -234,8 +258,16 @@ class ShardWriter:
     def labels(self) -> np.ndarray:
         return np.asarray(self.group["labels"][self.start : self.stop], dtype=np.int64)
 
+    def check_fence(self) -> None:
+        """Raise :class:`FencedError` when the job that writes is no longer the one holding the store."""
+        if self.fence is not None and lease_token(self.group) != self.fence:
+            raise fenced(self.url, lease_token(self.group))
+
     def write(self, key: str, offset: int, data: np.ndarray) -> None:
-        """Write rows ``start+offset ...`` of capture ``key`` (whole chunks only)."""
+        """Write rows ``start+offset ...`` of capture ``key`` (whole chunks only), while this job holds
+        the store (a small metadata read before each chunk: a job paused mid-shard must not write
+        into the store of the job that took it over)."""
+        self.check_fence()
         a = self.start + offset
         with self._lock:
             arr = self._arrays.get(key)
@@ -252,6 +284,7 @@ class ShardWriter:
         extras: Mapping[str, np.ndarray] | None = None,
         stats: str = "",
     ) -> None:
+        self.check_fence()  # the marker says "done": only while this job holds the store
         for key, values in (extras or {}).items():
             self.group[key][self.start : self.stop] = values
         self.group["status"][self.start : self.stop] = status
@@ -287,6 +320,8 @@ class Lease:
         self.token = uuid.uuid4().hex
         self.info = dict(info)
         self._stop: Any = None
+        self.held = False  # written once: from then on it renews only while still its own
+        self.lost = False  # another job took the store over
 
     @staticmethod
     def check(url: str, storage_options: Mapping[str, Any] | None, timeout_s: float, token: str = "") -> None:
@@ -313,9 +348,14 @@ class Lease:
         )
 
     def _write(self, **extra: Any) -> None:
+        """Renew (or release) the lease, unless another job holds it now: then this job is fenced
+        off (``lost``) and writes nothing, not even its lease."""
         import time
 
         group = open_group(self.url, "r+", self.storage_options)
+        if self.held and lease_token(group) != self.token:
+            self.lost = True
+            raise fenced(self.url, lease_token(group))
         attrs = {**self.info, "token": self.token, "heartbeat": time.time(), **extra}
         try:
             group["lease"].attrs.put(attrs)  # type: ignore[union-attr]
@@ -328,6 +368,7 @@ class Lease:
 
         self.check(self.url, self.storage_options, self.timeout_s, self.token)
         self._write()
+        self.held = True
         time.sleep(0.05)
         self.check(self.url, self.storage_options, self.timeout_s, self.token)  # lost a race: someone else wrote
         self._stop = threading.Event()
@@ -336,10 +377,18 @@ class Lease:
             while not self._stop.wait(self.timeout_s / 4):
                 try:
                     self._write()
+                except FencedError:
+                    return  # taken over: the shard writers see it too, and stop
                 except Exception:  # noqa: BLE001 - a missed heartbeat is retried at the next one
                     pass
 
         threading.Thread(target=beat, name="extractor-lease", daemon=True).start()
+
+    def verify(self) -> None:
+        """Raise :class:`FencedError` when another job holds the store now."""
+        if lease_token(open_group(self.url, "r", self.storage_options)) != self.token:
+            self.lost = True
+            raise fenced(self.url, "")
 
     def release(self) -> None:
         if self._stop is not None:
@@ -347,7 +396,7 @@ class Lease:
             self._stop = None
             try:
                 self._write(released=now())
-            except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
+            except Exception:  # noqa: BLE001 - an unreleased lease expires by itself; another job's is not ours
                 pass
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .capture import ROOT, Capturer, Target, decide_layout, dim_names, resolve_targets
-from .errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
+from .errors import DeviceError, ExtractorError, FencedError, LayerError, ModelError, ShardError
 from .model import build_model, model_call, resolve_device
 from .preprocess import Preprocess, from_dict
 from .preprocess import resolve as resolve_preprocess
@@ -420,9 +420,11 @@ class Worker:
         on_batch: Callable[[int], None] | None = None,
         on_computed: Callable[[Shard, Future[ShardSummary]], None] | None = None,
         on_started: Callable[[Shard], None] | None = None,
+        fence: str | None = None,
     ) -> None:
         """Forward every row of ``shards``, one after another, in one pipeline that does not
-        drain between shards.
+        drain between shards. ``fence``: the job's lease token; a shard writes nothing once another
+        job holds the store (:class:`FencedError`, which stops the pipeline).
 
         ``on_started(shard)`` is called as a shard's first batch is read, ``on_computed(shard,
         future)`` in shard order once a shard's last batch is on the host; the future completes
@@ -444,7 +446,7 @@ class Worker:
             shards = ShardQueue(shards)
             shards.close()  # a fixed list: nothing more will come
         try:
-            _Pipeline(self, shards, url, so, on_batch, on_computed, on_started).run()
+            _Pipeline(self, shards, url, so, on_batch, on_computed, on_started, fence).run()
         except Exception as err:
             fault = _device_fault(err)
             if fault is None:
@@ -508,8 +510,8 @@ class _Pipeline:
     def __init__(self, worker: Worker, shards: ShardQueue, url: str, storage_options: dict[str, Any] | None,
                  on_batch: Callable[[int], None] | None,
                  on_computed: Callable[[Shard, Future[ShardSummary]], None] | None,
-                 on_started: Callable[[Shard], None] | None) -> None:
-        self.worker, self.shards, self.url, self.so = worker, shards, url, storage_options
+                 on_started: Callable[[Shard], None] | None, fence: str | None = None) -> None:
+        self.worker, self.shards, self.url, self.so, self.fence = worker, shards, url, storage_options, fence
         self.on_batch, self.on_computed, self.on_started = on_batch, on_computed, on_started
         self.stream = worker._stream()
         self.previous: tuple[_ShardOutput, np.ndarray, _Done] | None = None  # sent, not yet read back
@@ -523,7 +525,7 @@ class _Pipeline:
             shard = self.shards.get(block)
             if shard is not None:
                 future = self.worker.prepare_pool.submit(_ShardInput.open, shard, self.url, self.so,
-                                                         bool(self.worker.extras))
+                                                         bool(self.worker.extras), self.fence)
                 self.ahead, self.ahead_queued = (shard, future), False
 
     def run(self) -> None:
@@ -625,8 +627,8 @@ class _Pipeline:
             if isinstance(err, ShardError) and err.shard != shard.index:
                 self.put_back = shard
                 raise
-            if isinstance(err, (ShardError, _CallbackError)) or not isinstance(err, Exception):
-                raise
+            if isinstance(err, (ShardError, _CallbackError, FencedError)) or not isinstance(err, Exception):
+                raise  # FencedError: the job's, not this shard's
             raise _failed(shard, err) from err
 
 
@@ -672,8 +674,9 @@ class _ShardInput:
     labels: np.ndarray | None
 
     @classmethod
-    def open(cls, shard: Shard, url: str, storage_options: dict[str, Any] | None, labels: bool) -> _ShardInput:
-        writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options)
+    def open(cls, shard: Shard, url: str, storage_options: dict[str, Any] | None, labels: bool,
+             fence: str | None = None) -> _ShardInput:
+        writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options, fence)
         return cls(shard, writer, writer.locators(), writer.labels() if labels else None)
 
 
@@ -818,7 +821,7 @@ class _ShardOutput:
             self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats))
         except BaseException as err:
             _drain(deque(f for chunk in self.pending for f in chunk))
-            if isinstance(err, Exception):
+            if isinstance(err, Exception) and not isinstance(err, FencedError):
                 raise _failed(self.shard, err) from err
             raise
         return ShardSummary(

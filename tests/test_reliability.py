@@ -405,3 +405,33 @@ def test_a_storage_that_dies_mid_job_is_one_line_with_the_resume_command(
     monkeypatch.undo()
     assert main(["run", str(spec), "-q", "--resume"]) == 0
     assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
+
+
+def test_a_job_paused_past_its_lease_writes_nothing_into_the_store_that_took_it_over(tmp_path: Path):
+    """issue 17, defect 1 (data lost): job A is paused (SIGSTOP) past output.lease_timeout_s; job B takes
+    the store with --overwrite and another spec and completes; A resumes. A must stop, writing nothing:
+    B's store stays B's, bit for bit as a clean run of B's spec."""
+    root = tmp_path / "imgs"
+    make_images(root, per_class=8, classes=("a",), size=40)
+    store = tmp_path / "s.zarr"
+    spec_a = slow_spec(root, store, tmp_path, lease_timeout_s=2)
+    raw_a = yaml.safe_load(spec_a.read_text())
+    proc = start(spec_a)
+    wait_for_shard(store, 0, proc)
+    proc.send_signal(signal.SIGSTOP)  # SLURM suspend, a frozen VM, a long storage stall
+    try:
+        time.sleep(3)  # A's lease goes stale
+        raw_b = {**raw_a, "capture": [{"layer": "conv", "reduce": "max", "key": "conv"}],  # A's key, B's values
+                 "model": {**raw_a["model"], "factory_kwargs": {"seconds": 0}}}
+        raw_b["output"] = {**raw_a["output"], "if_exists": "overwrite"}
+        assert run(parse_spec(raw_b)).ok == 8
+        clean = {**raw_b, "output": {**raw_b["output"], "store": str(tmp_path / "clean.zarr")}}
+        run(parse_spec(clean))
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "this job no longer holds" in err, err
+    s, c = open_store(str(store)), open_store(str(tmp_path / "clean.zarr"))
+    assert s.attrs["status"] == "complete" and list(s.captures) == ["conv"] and s.done_shards.all()
+    np.testing.assert_array_equal(s.numpy("conv"), c.numpy("conv"))  # not one of A's means among B's maxima
+    assert s.attrs["spec"]["capture"] == c.attrs["spec"]["capture"]
