@@ -36,6 +36,14 @@ class _Batches(IterableDataset):
         self.kwargs, self.tokens, self.dtype, self.drop_last = kwargs, tokens, dtype, drop_last
         self.epoch = 0
 
+    def __len__(self) -> int:
+        """Batches per epoch (``len(loader)``, for progress bars and schedules)."""
+        rows = len(self.store._select_rows(self.kwargs.get("rows"), self.kwargs.get("only_ok", True)))
+        if self.tokens:
+            meta = self.store.captures[self.keys[0]]
+            rows *= int(meta["shape"][0]) - self.store._prefix(self.kwargs.get("drop_prefix", False))
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+
     def _tensor(self, v: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(v))
         return t if self.dtype is None else t.to(self.dtype)
@@ -60,7 +68,21 @@ class _Batches(IterableDataset):
             yield out
 
 
+_FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def float_dtype(dtype: Any) -> torch.dtype | None:
+    """A floating dtype (``torch.float32`` or its name), or None: activations are never made integers."""
+    if dtype is None:
+        return None
+    found = _FLOATS.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, torch.float16 or "
+                        f"their names), not {dtype!r}: activations would be truncated")
+    return found
+
+
 def batch_loader(store: Any, keys: list[str], batch_size: int, shuffle: bool, seed: int, kwargs: dict[str, Any],
                  tokens: bool = False, dtype: Any = None, drop_last: bool = False) -> DataLoader:
-    return DataLoader(_Batches(store, keys, batch_size, shuffle, seed, kwargs, tokens, dtype, drop_last),
+    return DataLoader(_Batches(store, keys, batch_size, shuffle, seed, kwargs, tokens, float_dtype(dtype), drop_last),
                       batch_size=None)

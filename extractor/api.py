@@ -28,6 +28,16 @@ PROGRESS_LOG_S = 10.0  # without a terminal or a notebook: a progress line this 
 
 def _spec(job: str | Path | dict[str, Any] | JobSpec, overrides: Sequence[str], model: Any) -> JobSpec:
     """The job as a validated spec; with ``model``, its model section names that module."""
+    if isinstance(overrides, str):
+        overrides = [overrides]  # one KEY=VALUE, not its characters
+    if not isinstance(job, (str, Path, dict, JobSpec)):
+        raise SpecError(f"extractor.run takes a job: a YAML path, a dict or a JobSpec, not {type(job).__name__}")
+    if model is not None:
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise SpecError(f"model= takes a torch.nn.Module, not {type(model).__name__}; wrap a function in a "
+                            "Module whose forward calls it")
     if isinstance(job, JobSpec):
         raw, named = job.to_dict(), {k for k in ("name", "factory") if k in job.model.model_fields_set}
     else:

@@ -179,6 +179,10 @@ def select(value: Any, index: int | str | None, where: str) -> torch.Tensor:
             raise LayerError(f"{where} gives a {_describe(value)}; index {index!r} does not apply to it")
     except (KeyError, IndexError):
         raise LayerError(f"{where} gives a {_describe(value)}; it has no element {index!r}") from None
+    if item is None:
+        raise LayerError(f"{where}[{index!r}] is None: the model did not compute it on this call. Attention "
+                         "weights of a Hugging Face model need model.forward_kwargs: {output_attentions: true} and "
+                         "model.kwargs: {_attn_implementation: eager}")
     if not isinstance(item, torch.Tensor):
         raise LayerError(f"{where}[{index!r}] is a {_describe(item)}, not a tensor")
     return item

@@ -113,8 +113,10 @@ def _at_least(low: int):  # -> argparse type
 # --------------------------------------------------------------------------- run
 
 
-def _run_spec(spec: Any, resume: list[str], quiet: bool = False) -> int:
-    """Run ``spec`` with a progress bar; ``resume``: the arguments of the command that finishes it."""
+def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command: str | None = None) -> int:
+    """Run ``spec`` with a progress bar; ``resume``: the arguments of the command that finishes it
+    (``resume_command``: that whole command, as given by ``submit`` for a job on a cluster)."""
+    finish = resume_command or _command(*resume)
     from tqdm import tqdm
 
     from .runner import run
@@ -146,17 +148,17 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False) -> int:
     except KeyboardInterrupt:
         if bar:
             bar[0].close()
-        print(f"\ninterrupted; finished shards are kept. To finish the job run:\n  {_command(*resume)}",
+        print(f"\ninterrupted; finished shards are kept. To finish the job run:\n  {finish}",
               file=sys.stderr)
         return 130
     except (ShardError, DeviceError) as err:  # the store is kept: say how to finish it, once the cause is fixed
-        print(f"error: {err}\nOnce fixed, finish the job with:\n  {_command(*resume)}", file=sys.stderr)
+        print(f"error: {err}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
         return 1
     except StoreError:
         raise  # the store's own word (exists, differs, half-created): one line from main()
     except OSError as err:  # a full disk, a dead endpoint, after the store existed
         print(f"error: the storage failed: {type(err).__name__}: {err}\nFinished shards are kept; once fixed, finish "
-              f"the job with:\n  {_command(*resume)}", file=sys.stderr)
+              f"the job with:\n  {finish}", file=sys.stderr)
         return 1
     finally:
         if bar:
@@ -181,7 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides.append("output.if_exists=overwrite")
     spec = load_spec(args.job, overrides)
     resume = ["run", args.job, *[a for s in args.set or [] for a in ("--set", s)], *(["-q"] if args.quiet else [])]
-    return _run_spec(spec, [*resume, "--resume"], quiet=args.quiet)
+    return _run_spec(spec, [*resume, "--resume"], quiet=args.quiet, resume_command=args.resume_command)
 
 
 # --------------------------------------------------------------------------- inspect
@@ -432,7 +434,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     address = _address(args)
     print("job spec (secrets redacted):", file=sys.stderr)
     print(yaml.safe_dump(spec.public_dict(), sort_keys=False), file=sys.stderr)
-    job_id = submit(spec, address, job_id=args.job_id)
+    if spec.submit.env_vars:
+        print(f"warning: submit.env_vars ({', '.join(spec.submit.env_vars)}) travel in Ray's runtime environment, "
+              "which Ray writes in plain text to its logs on the cluster (runtime_env_agent.log): give credentials "
+              "through the cluster itself instead (instance roles, a credentials file or variables set on its "
+              "nodes)", file=sys.stderr)
+    again = ["submit", args.job, "--address", address, *[a for s in args.set or [] for a in ("--set", s)],
+             "--set", "output.if_exists=resume"]
+    job_id = submit(spec, address, job_id=args.job_id, resume_command=_command(*again))
     print(f"submitted {job_id}")
     print(f"dashboard: {address.rstrip('/')}/#/jobs/{job_id}")
     if not args.wait:
@@ -504,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="finish an existing store, skipping done shards")
     r.add_argument("--overwrite", action="store_true", help="replace an existing store")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--resume-command", help=argparse.SUPPRESS)  # submit: the command that finishes a cluster job
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", parents=[common, remote], help="summarise a store")

@@ -135,12 +135,14 @@ def _pair(value: int | list[int] | tuple[int, ...]) -> Size:
 
 def resolve(data: Any, defaults: Preprocess | str) -> Preprocess:
     """The preprocessing a job uses: ``defaults`` (the model's library's, or the reason there
-    are none) with every ``data.*`` setting that is not ``auto`` in its place."""
+    are none) with every ``data.*`` setting that is not ``auto`` in its place. The record's
+    ``source`` names both; its ``crop_pct`` is the ratio the resize came from, if any."""
     if data.preprocess == "imagenet":
         defaults = replace(IMAGENET, source="ImageNet defaults (data.preprocess: imagenet)")
-    auto = [f for f in ("resize", "crop", "interpolation", "mean", "std") if getattr(data, f) == "auto"]
-    if data.crop_pct is not None and "resize" in auto:
-        auto.remove("resize")  # derived from crop and crop_pct below
+    fields = ("resize", "crop", "interpolation", "mean", "std")
+    auto = [f for f in fields if getattr(data, f) == "auto" and not (f == "resize" and data.crop_pct is not None)]
+    given = [f for f in (*fields, "crop_pct") if getattr(data, f) not in ("auto", None) or
+             (f in ("resize", "crop") and getattr(data, f) is None)]
     if isinstance(defaults, str):
         if auto:
             raise SpecError(
@@ -150,26 +152,30 @@ def resolve(data: Any, defaults: Preprocess | str) -> Preprocess:
                 "data.preprocess: imagenet"
             )
         base = IMAGENET
-        source = "the job spec"
     else:
         base = defaults
-        source = defaults.source if auto else "the job spec"
+    if not auto or isinstance(defaults, str):
+        source = "the job spec"
+    else:
+        source = base.source + (f", with data.{', data.'.join(given)} from the job spec" if given else "")
     crop = base.crop if data.crop == "auto" else (None if data.crop is None else _pair(data.crop))
     resize: int | Size | None
+    pct: float | None = None
     if data.crop_pct is not None:
         if data.resize != "auto":
             raise SpecError("data.resize and data.crop_pct both set: crop_pct sets the resize (crop / crop_pct); "
                             "remove one of them")
         if crop is None or crop[0] != crop[1]:
             raise SpecError(f"data.crop_pct needs a square data.crop, not {crop}; set data.resize instead")
-        resize = math.floor(crop[0] / data.crop_pct)
+        pct = data.crop_pct
+        resize = math.floor(crop[0] / pct)
     elif data.resize == "auto" and data.crop != "auto" and crop is not None and base.crop is not None \
             and base.resize is not None:  # a crop of the job's own: resized in the library's proportion
         pct = base.crop_pct or base.crop[0] / (base.resize if isinstance(base.resize, int) else base.resize[0])
         resize = math.floor(max(crop) / pct) if isinstance(base.resize, int) else \
             (math.floor(crop[0] / pct), math.floor(crop[1] / pct))
     elif data.resize == "auto":
-        resize = base.resize
+        resize, pct = base.resize, base.crop_pct
     else:
         resize = data.resize if data.resize is None or isinstance(data.resize, int) else _pair(data.resize)
     out = replace(
@@ -179,6 +185,7 @@ def resolve(data: Any, defaults: Preprocess | str) -> Preprocess:
         interpolation=base.interpolation if data.interpolation == "auto" else data.interpolation,
         mean=base.mean if data.mean == "auto" else tuple(data.mean),
         std=base.std if data.std == "auto" else tuple(data.std),
+        crop_pct=pct,
         source=source,
     )
     _check(out, data)

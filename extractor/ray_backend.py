@@ -294,6 +294,12 @@ class RayBackend:
         on_term = signal.getsignal(signal.SIGTERM) if main else None
         try:
             ray.init(**kwargs)
+        except SystemExit as err:  # a SIGTERM while ray.init held its own handler (sys.exit(15))
+            if err.code != signal.SIGTERM:
+                raise
+            if ray.is_initialized():
+                ray.shutdown()
+            raise KeyboardInterrupt from None  # interrupted, resumable: as a SIGTERM at any other moment
         except Exception as err:  # ConnectionError, RuntimeError, ValueError depending on the cause
             where = c.address or "an embedded local cluster"
             raise ClusterError(f"cannot start or join Ray at {where}: {type(err).__name__}: {err}") from err

@@ -373,6 +373,10 @@ class ActivationStore:
         reads rows): the same ``seed`` gives the same order. ``drop_prefix`` leaves out each
         row's first tokens: ``True`` the model's prefix tokens (CLS, registers; the store's
         ``model.prefix_tokens``), or a count. ``drop_last`` leaves out a last short batch."""
+        if not isinstance(key, str):
+            raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool):
+            raise TypeError(f"batch_size must be an int, not {batch_size!r}")
         meta = self.captures.get(key)
         if meta is None or len(meta["shape"]) != 2:
             shape = meta["shape"] if meta else None
@@ -551,7 +555,9 @@ class ActivationStore:
             ds = ds.isel(row=np.flatnonzero(status == OK))
         if stack is None:
             return ds
-        keys = list(stack)
+        keys = [stack] if isinstance(stack, str) else list(stack)
+        if not keys:
+            raise ValueError("to_xarray(stack=...) needs at least one capture key")
         for k in keys:
             if k not in self.captures:
                 raise KeyError(f"to_xarray(stack=...): {k!r} is not a capture of {self.url}; {self._known()}")

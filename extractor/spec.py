@@ -71,7 +71,7 @@ class ModelSpec(_Section):
     Hugging Face config override (``num_hidden_layers: 4``), ``open_clip.create_model``, or a
     torchvision builder."""
     call: str | None = None
-    """A method to call instead of ``forward`` (``encode_image``, ``get_image_features``); hooks and
+    """A method to call instead of ``forward`` (``encode_image`` of an open_clip CLIP); hooks and
     layer names stay those of the model."""
     input: str = "positional"
     """How the pixels are passed: as the first positional argument, or as this keyword (``pixel_values``)."""
@@ -112,7 +112,8 @@ class ModelSpec(_Section):
             raise ValueError(f"model.factory must look like 'pkg.module:function', got {self.factory!r}")
         if self.name and ":" in self.name and self.source not in MODEL_SOURCES:
             raise ValueError(f"model.name {self.name!r}: unknown source {self.source!r}; use a torchvision name, "
-                             "timm:NAME, hf:ID_OR_FOLDER or open_clip:ARCH")
+                             "timm:NAME, hf:ID_OR_FOLDER or open_clip:ARCH (a function building the model is "
+                             "model.factory, or --factory for extractor layers)")
         if self.name and not self.model:
             raise ValueError(f"model.name {self.name!r} names no model after {self.source}:")
         if self.input != "positional" and not self.input.isidentifier():
@@ -520,7 +521,8 @@ def parse_model_spec(raw: dict[str, Any], source: str) -> ModelSpec:
     try:
         return ModelSpec.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(f"{source}:\n{_format_errors(err)}") from None
+        lines = _format_errors(err).replace("(top level): ", "")
+        raise SpecError(f"{source}: {lines}" if "\n" not in lines else f"{source}:\n{lines}") from None
 
 
 _PATH_PART = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")

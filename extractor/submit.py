@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -95,8 +96,9 @@ def _check_paths(spec: JobSpec) -> None:
             )
 
 
-def submit(spec: JobSpec, address: str, job_id: str | None = None) -> str:
-    """Submit ``spec`` as a Ray job; returns the submission id."""
+def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_command: str | None = None) -> str:
+    """Submit ``spec`` as a Ray job; returns the submission id. ``resume_command``: what the job
+    prints when it stops unfinished (its own command names a file in Ray's temporary folder)."""
     _check_paths(spec)
     c = client(address)
     sub = spec.submit
@@ -113,11 +115,12 @@ def submit(spec: JobSpec, address: str, job_id: str | None = None) -> str:
         runtime_env: dict[str, Any] = {"working_dir": str(work)}
         if sub.pip:
             runtime_env["pip"] = list(sub.pip)
-        if sub.env_vars:
+        if sub.env_vars:  # Ray writes the runtime environment to its logs on the cluster: said at submit (cli)
             runtime_env["env_vars"] = dict(sub.env_vars)
         try:
             return c.submit_job(
-                entrypoint=f"python -m extractor.cli run {JOB_FILE} -q",
+                entrypoint=f"python -m extractor.cli run {JOB_FILE} -q"
+                + (f" --resume-command {shlex.quote(resume_command)}" if resume_command else ""),
                 runtime_env=runtime_env,
                 submission_id=job_id,
                 metadata={"extractor_store": spec.output.store},

@@ -60,8 +60,9 @@ def decode_threads(setting: int | str, cpus: int | None = None) -> int:
 def _preprocess(spec: JobSpec, defaults: dict[str, Any] | str) -> Preprocess:
     """The job's preprocessing: the model library's (``defaults``, or why none is known) under the spec's."""
     p = resolve_preprocess(spec.data, from_dict(defaults) if isinstance(defaults, dict) else defaults)
-    if "has no preprocessing config" in p.source:
-        log.warning("%s: set data.resize, data.crop, data.mean and data.std, or data.preprocess: imagenet", p.source)
+    auto = [f for f in ("resize", "crop", "interpolation", "mean", "std") if getattr(spec.data, f) == "auto"]
+    if "has no preprocessing config" in p.source and auto and spec.data.preprocess == "auto":
+        log.warning("%s: set data.%s, or data.preprocess: imagenet", p.source.split(", with")[0], ", data.".join(auto))
     return p
 
 
@@ -270,7 +271,9 @@ class Worker:
         """Run one blank image through the model: the stored shape and metadata of each capture.
         4-D outputs left at ``layout: auto`` are decided here (see :func:`decide_layout`)."""
         h, w = self.preprocess.size
-        size_from = "data.crop" if self.spec.data.crop != "auto" else f"the input size from {self.preprocess.source}"
+        d = self.spec.data
+        size_from = "data.crop" if d.crop not in ("auto", None) else "data.resize" if d.crop is None and \
+            d.resize != "auto" else f"the input size from {self.preprocess.source}"
         try:
             values = self._blank()
             if self._decide_layouts():
@@ -324,6 +327,13 @@ class Worker:
         decided layout reduces otherwise than the provisional ``nchw`` did."""
         modules = dict(self.model.named_modules())
         shapes = dict(self.cap.original_shapes)
+        for t in self.targets:  # a layout given in the spec that the facts contradict: said, then obeyed
+            if t.layout != "auto" and len(shapes.get(t.key, ())) == 3:
+                fact = decide_layout(modules[t.layer] if t.layer else None, shapes[t.key], None, None)
+                if fact is not None and fact != t.layout:
+                    log.warning("capture[%d] %s: layout %s is given, but layer %r (%s) gives %s outputs; its outputs "
+                                "are %s (see the README's capture section)", t.capture, t.key, t.layout,
+                                t.layer or ROOT, type(modules[t.layer]).__name__, fact, fact)
         undecided = [t for t in self.targets if t.layout == "auto" and len(shapes.get(t.key, ())) == 3
                      and (t.reduce != "flatten" or t.what == "gradcam")]
         if not undecided:
@@ -396,8 +406,7 @@ class Worker:
         """What the driver needs to create the store: captures, per-row extras, the model."""
         if self.captures is None:
             self.probe()
-        model = {k: v for k, v in self.model_info.items() if k != "preprocess_defaults"}
-        return {"captures": self.captures, "extras": self.extras, "model": model,
+        return {"captures": self.captures, "extras": self.extras, "model": self.model_info,
                 "preprocess": self.preprocess.to_dict()}
 
     def run_shard(

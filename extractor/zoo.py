@@ -318,7 +318,7 @@ def _hf(spec: ModelSpec) -> Built:
     name = _HF_TOWERS.get(config.model_type) if vision is not None else None
     cls = getattr(transformers, name) if name else transformers.MODEL_MAPPING[type(tower)]
     try:
-        with _offline():
+        with _offline(), _quiet_transformers(transformers):
             if pretrained:
                 model = cls.from_pretrained(src, config=tower, local_files_only=not _downloads())
             else:
@@ -327,7 +327,24 @@ def _hf(spec: ModelSpec) -> Built:
         raise _not_cached(spec, err, fetch) from err
     what = f"{cls.__name__} of " if vision is not None else ""
     source = f"hf {what}{src}" + (" pretrained" if pretrained else "")
-    return Built(model, source, _hf_preprocess(transformers, src), pretrained, "hf")
+    found = _hf_preprocess(transformers, src)
+    size = getattr(tower, "image_size", None)
+    if isinstance(found, str) and isinstance(size, int):
+        found += f"; its config says image_size {size} (e.g. crop: {size})"
+    return Built(model, source, found, pretrained, "hf")
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers: Any) -> Iterator[None]:
+    """transformers' load report lists the text tower's weights as unexpected when only the vision
+    tower is loaded (40 lines that say "not ok"): errors only, while loading."""
+    logging_ = transformers.utils.logging
+    was = logging_.get_verbosity()
+    logging_.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging_.set_verbosity(was)
 
 
 # --------------------------------------------------------------------------- open_clip
@@ -366,6 +383,18 @@ def _open_clip(spec: ModelSpec) -> Built:
         raise ModelError(f"model.weights {w!r} is not a pretrained tag of open_clip:{arch} "
                          f"(tags: {', '.join(tags) or 'none'}) and no such checkpoint file exists")
     pretrained = w is not None
+    if w is not None and looks_like_path(w):  # a file: the whole CLIP's state dict, or its visual tower's
+        model = _call(lambda: open_clip.create_model(arch, pretrained=None, load_weights=False, **spec.kwargs), spec)
+        try:
+            load_checkpoint(model, w)
+        except ModelError as whole:
+            try:
+                load_checkpoint(model.visual, w)
+            except ModelError:
+                raise ModelError(f"{whole} (neither open_clip:{arch}'s whole CLIP nor its visual tower)") from None
+        visual = model.visual
+        return Built(visual, f"open_clip {arch} visual tower, weights from checkpoint {w}",
+                     _open_clip_preprocess(visual, spec), True, "open_clip")
     try:
         with _offline():
             model = _call(lambda: open_clip.create_model(
@@ -449,7 +478,11 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
         raise ModelError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
     if state and all(k.startswith("module.") for k in state):
         state = {k.removeprefix("module."): v for k, v in state.items()}
-    result = model.load_state_dict(state, strict=False)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a tensor of another shape
+        first = next((ln.strip() for ln in str(err).splitlines() if "size mismatch" in ln), str(err).splitlines()[0])
+        raise ModelError(f"checkpoint {path} does not fit the model: {first}") from None
     if result.missing_keys or result.unexpected_keys:
         raise ModelError(
             f"checkpoint {path} does not fit the model: missing keys {result.missing_keys[:5]}"

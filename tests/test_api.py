@@ -141,3 +141,14 @@ def test_a_float16_overflow_is_reported_as_such(image_dir: Path, tmp_path: Path)
     assert "rows of half hold NaN or Inf; half is stored as float16, where finite values beyond +-65,504 become " \
            "Inf" in report and "set its capture's dtype: float32" in report
     assert "of full hold" not in report and np.isfinite(store.numpy("full")).all()
+
+
+def test_bad_arguments_are_one_line_errors(image_dir: Path, tmp_path: Path):
+    with pytest.raises(SpecError, match="a YAML path, a dict or a JobSpec, not int"):
+        extractor.run(42)
+    raw = _no_model(job(image_dir, tmp_path / "s.zarr"))
+    with pytest.raises(SpecError, match="model= takes a torch.nn.Module, not function"):
+        extractor.run(raw, model=lambda x: x)
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
+    store = extractor.run(raw, overrides="data.batch_size=5", progress=False)  # one override, as a string
+    assert store.spec["data"]["batch_size"] == 5

@@ -271,3 +271,19 @@ def test_printed_commands_and_debug_logs_carry_no_secret():
         logging.getLogger().handlers = handlers
         logging.getLogger().setLevel(root)
         logging.getLogger("extractor").setLevel(ours)
+
+
+def test_a_job_submitted_to_a_cluster_prints_the_command_that_finishes_it(image_dir: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture):
+    """issue 17, defect 10: a submitted job printed `... run /tmp/ray/.../job.yaml --resume`, a file in Ray's
+    temporary folder; submit hands it the command that works (extractor submit ... if_exists=resume)."""
+    from extractor.cli import main
+
+    raw = job(image_dir, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:cuda_fault",
+                                                     "kwargs": {"after": 2}, "device": "cpu"},
+              data={"preprocess": "imagenet"}, capture=[{"layer": "conv", "reduce": "mean"}])
+    spec = write_job(tmp_path / "job.yaml", raw)
+    again = "extractor submit job.yaml --address http://head:8265 --set output.if_exists=resume"
+    assert main(["run", str(spec), "-q", "--resume-command", again]) == 1
+    err = capsys.readouterr().err
+    assert f"finish the job with:\n  {again}" in err and "--resume\n" not in err

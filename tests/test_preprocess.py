@@ -23,10 +23,13 @@ def test_auto_takes_the_library_and_explicit_settings_win():
     assert p == TIMM
     p = resolve(data(interpolation="bilinear", mean=[0.1, 0.2, 0.3]), TIMM)
     assert (p.interpolation, p.mean, p.std, p.resize) == ("bilinear", (0.1, 0.2, 0.3), (0.5,) * 3, 248)
-    assert p.source == "timm data config of x"  # some settings still came from the library
+    assert p.source == "timm data config of x, with data.interpolation, data.mean from the job spec"
     assert resolve(data(crop=112), TIMM).resize == 124  # a crop of the job's own, in timm's proportion
     assert resolve(data(crop=112), IMAGENET).resize == 128  # 256 / 224
     assert resolve(data(crop=96, crop_pct=0.75), TIMM).resize == 128
+    assert resolve(data(crop=96, crop_pct=0.75), TIMM).crop_pct == 0.75
+    assert resolve(data(resize=300), TIMM).crop_pct is None  # a resize of the job's own: no ratio
+    assert resolve(data(crop=112), IMAGENET).crop_pct == 224 / 256  # the proportion the resize came from
     assert resolve(data(preprocess="imagenet"), TIMM).mean == IMAGENET.mean
 
 

@@ -346,3 +346,19 @@ def test_a_stale_ray_address_in_the_environment_fails_fast_naming_it(image_dir: 
     assert out.returncode == 1
     assert "cannot reach a Ray cluster at RAY_ADDRESS 127.0.0.1:1" in out.stderr and "unset RAY_ADDRESS" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "s.zarr").exists()
+
+
+def test_a_sigterm_during_ray_start_up_is_an_interruption(image_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    """issue 17, defect 7: ray.init holds its own SIGTERM handler (sys.exit(15)) while it starts: a
+    pre-emption then exited 15 silently instead of the interruption every other moment gives (130, the
+    resume line)."""
+    from extractor import ray_backend
+
+    def init(**kwargs):
+        raise SystemExit(signal.SIGTERM)  # what Ray's handler does when SIGTERM comes during its start-up
+
+    monkeypatch.setattr(ray_backend.ray, "init", init)
+    monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: False)
+    with pytest.raises(KeyboardInterrupt):
+        ray_backend.RayBackend(parse_spec(job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray"})))

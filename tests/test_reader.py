@@ -534,3 +534,28 @@ def test_to_xarray_stacks_captures_of_one_shape_on_a_layer_dim(tokens):
     plain = xr.open_zarr(s.url, consolidated=False)
     ours = s.to_xarray(only_ok=False)
     assert {"ids", "labels"} <= set(plain.coords) and {"ids", "labels"} <= set(ours.coords)  # the same names
+
+
+def test_the_torch_views_take_float_dtypes_only_and_know_their_length(tokens):
+    torch = pytest.importorskip("torch")
+    s, _ = tokens
+    with pytest.raises(TypeError, match=r"dtype must be a floating torch dtype .* not torch.int32"):
+        s.dataloader("tok", tokens=True, dtype=torch.int32)
+    loader = s.dataloader("tok", batch_size=16, tokens=True, dtype="float32", drop_prefix=True)
+    batches = list(loader)
+    assert batches[0]["tok"].dtype == torch.float32 and len(loader) == len(batches) == -(-55 * 4 // 16)
+    rows = s.dataloader(["a"], batch_size=10, drop_last=True)
+    assert len(rows) == len(list(rows)) == 5
+    with pytest.raises(TypeError, match="tokens of one capture: give its key"):
+        next(s.token_batches(["tok", "a"]))
+    with pytest.raises(TypeError, match="batch_size must be an int"):
+        next(s.token_batches("tok", batch_size="4"))
+
+
+def test_to_xarray_stack_of_one_key_or_none(tokens):
+    pytest.importorskip("xarray")
+    pytest.importorskip("dask")
+    s, _ = tokens
+    assert s.to_xarray(stack="a").dims == ("layer", "row", "feature")
+    with pytest.raises(ValueError, match="at least one capture key"):
+        s.to_xarray(stack=[])

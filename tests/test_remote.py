@@ -203,6 +203,12 @@ def test_submit_prints_no_secret(ray_head, image_dir: Path, tmp_path: Path):
     assert "hunter2" not in r.stdout + r.stderr and "AKIASECRET" not in r.stdout + r.stderr
     assert "***redacted***" in r.stderr and "http://127.0.0.1:1" in r.stderr
     extractor("jobs", "stop", "extractor-secret", "--address", address, env=env)
+    raw["submit"] = {"env_vars": {"AWS_SECRET_ACCESS_KEY": "hunter3"}}  # issue 17, defect 9: Ray logs them
+    spec.write_text(yaml.safe_dump(raw))
+    r = extractor("submit", str(spec), "--address", address, "--job-id", "extractor-env", env=env)
+    assert r.returncode == 0 and "hunter3" not in r.stdout + r.stderr
+    assert "submit.env_vars (AWS_SECRET_ACCESS_KEY) travel in Ray's runtime environment" in r.stderr
+    extractor("jobs", "stop", "extractor-env", "--address", address, env=env)
 
 
 def test_unreachable_cluster_is_a_clear_error(tmp_path: Path, image_dir: Path):

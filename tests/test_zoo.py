@@ -117,6 +117,7 @@ def test_hugging_face_residual_stream_equals_output_hidden_states(kind: str, pho
     assert summary.ok == len(SIZES)
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.attrs["preprocess"]["crop_offset"] == "floor" and "hf:" in s.attrs["preprocess"]["source"]
+    assert s.attrs["model"]["preprocess_defaults"]["crop_offset"] == "floor"  # what the library prescribes
     assert "pretrained" in s.attrs["model"]["weights"] and "random init" not in s.attrs["model"]["weights"]
     pixel_values = pil(images, return_tensors="pt").pixel_values
     with torch.no_grad():
@@ -321,3 +322,46 @@ def test_drop_prefix_on_a_model_of_unknown_prefix_asks_for_the_count(image_dir: 
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer3", "reduce": "mean", "drop_prefix": True}])
     with pytest.raises(LayerError, match=r"capture\[0\].drop_prefix: .*set model.prefix_tokens"):
         run(parse_spec(raw))
+
+
+def test_open_clip_takes_a_checkpoint_of_its_visual_tower_or_of_the_whole_clip(tmp_path: Path):
+    from extractor.model import build_model, state_dict_hash
+    from extractor.spec import ModelSpec
+
+    torch.manual_seed(7)
+    clip = open_clip.create_model("ViT-S-32", force_image_size=64)
+    torch.save(clip.visual.state_dict(), tmp_path / "visual.pt")
+    torch.save(clip.state_dict(), tmp_path / "whole.pt")
+    for name in ("visual.pt", "whole.pt"):
+        model, info = build_model(ModelSpec(name="open_clip:ViT-S-32", weights=str(tmp_path / name),
+                                            kwargs={"force_image_size": 64}))
+        assert info["state_dict_sha256"] == state_dict_hash(clip.visual), name
+        assert f"weights from checkpoint {tmp_path / name}" in info["weights"]
+    torch.save({"nope": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(ModelError, match=r"does not fit the model.*neither open_clip:ViT-S-32's whole CLIP nor its "
+                                         r"visual tower"):
+        build_model(ModelSpec(name="open_clip:ViT-S-32", weights=str(tmp_path / "other.pt"),
+                              kwargs={"force_image_size": 64}))
+
+
+def test_an_hf_folder_without_a_processor_config_asks_naming_its_image_size(photos: Path, tmp_path: Path):
+    from extractor.errors import SpecError
+
+    torch.manual_seed(0)
+    model, _, _, _ = _hf_case("clip")
+    model.save_pretrained(tmp_path / "hf")  # no preprocessor_config.json
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{tmp_path / 'hf'}", "device": "cpu"},
+              data={"resize": "auto", "crop": "auto"}, capture=[{"layer": "(model)", "index": "pooler_output"}])
+    with pytest.raises(SpecError, match=r"no image processor config .*its config says image_size 32 \(e.g. crop: 32\)"):
+        run(parse_spec(raw))
+    raw["data"] = {**raw["data"], "resize": 32, "crop": 32, "preprocess": "imagenet"}
+    s = run(parse_spec(raw))
+    assert s.ok == len(SIZES)
+
+
+def test_a_layout_the_module_type_contradicts_is_obeyed_with_a_warning(image_dir: Path, tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture):
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "conv1", "reduce": "mean", "layout": "nhwc"}])
+    with caplog.at_level("WARNING", logger="extractor.worker"):
+        assert run(parse_spec(raw)).ok == 12
+    assert "capture[0] conv1: layout nhwc is given, but layer 'conv1' (Conv2d) gives nchw outputs" in caplog.text
