@@ -124,7 +124,7 @@ class ModelSpec(_Section):
 
     @property
     def source(self) -> str:
-        """``torchvision``, ``timm``, ``hf``, ``open_clip`` or ``factory``."""
+        """``torchvision``, ``timm``, ``hf``, ``open_clip``, ``python`` (a module given to run) or ``factory``."""
         if self.factory is not None:
             return "factory"
         assert self.name is not None
