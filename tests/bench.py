@@ -194,20 +194,25 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
             n += len(r)
         assert n == rows
 
+    print(f"\nreader: {rows} rows x {features} float32 ({mb:.0f} MB uncompressed), chunks of {chunk_rows} rows, "
+          f"zstd; median of {repeats}")
+    _against_sequential({"sequential zarr read": plain, "batches(shuffle=False)": lambda: stream(False),
+                         "batches(shuffle=True)": lambda: stream(True)}, repeats, rows, "rows", mb)
+
+
+def _against_sequential(variants: dict, repeats: int, items: int, unit: str, mb: float) -> None:
+    """Median time of each variant; print items/s, MB/s and the ratio to the first (the sequential read)."""
     results = {}
-    for name, fn in (("sequential zarr read", plain), ("batches(shuffle=False)", lambda: stream(False)),
-                     ("batches(shuffle=True)", lambda: stream(True))):
+    for name, fn in variants.items():
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
         results[name] = statistics.median(times)
-    base = results["sequential zarr read"]
-    print(f"\nreader: {rows} rows x {features} float32 ({mb:.0f} MB uncompressed), chunks of {chunk_rows} rows, "
-          f"zstd; median of {repeats}")
+    base = next(iter(results.values()))
     for name, t in results.items():
-        print(f"  {name:24s} {rows / t:10.0f} rows/s {mb / t:8.1f} MB/s  ratio {base / t:.2f}")
+        print(f"  {name:30s} {items / t:10.0f} {unit}/s {mb / t:8.1f} MB/s  ratio {base / t:.2f}")
 
 
 def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_rows: int = 64,
@@ -247,20 +252,10 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
             n += len(index)
         assert n == rows * tokens
 
-    results = {}
-    for name, fn in (("sequential zarr read", plain), ("token_batches(shuffle=False)", lambda: stream(False)),
-                     ("token_batches(shuffle=True)", lambda: stream(True))):
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        results[name] = statistics.median(times)
-    base = results["sequential zarr read"]
     print(f"\ntokens: {rows} rows x {tokens} tokens x {features} float16 ({mb:.0f} MB uncompressed), chunks of "
           f"{chunk_rows} rows, zstd, batches of 4096 tokens; median of {repeats}")
-    for name, t in results.items():
-        print(f"  {name:30s} {rows * tokens / t:10.0f} tokens/s {mb / t:8.1f} MB/s  ratio {base / t:.2f}")
+    _against_sequential({"sequential zarr read": plain, "token_batches(shuffle=False)": lambda: stream(False),
+                         "token_batches(shuffle=True)": lambda: stream(True)}, repeats, rows * tokens, "tokens", mb)
 
 
 def make_images(n: int) -> Path:
