@@ -319,12 +319,13 @@ class RayBackend:
         try:
             infos = ray.get(refs, timeout=self.spec.cluster.startup_timeout_s)
         except GetTimeoutError:
-            self.close()
-            raise ClusterError(
+            error = ClusterError(  # built while Ray still runs: it asks Ray what is free
                 f"{len(slots)} Ray workers did not {'start' if method == 'ready' else 'compile the model'} within "
                 f"{self.spec.cluster.startup_timeout_s:g} s (cluster.startup_timeout_s); "
                 f"free resources now: {ray.available_resources()}"
-            ) from None
+            )
+            self.close()
+            raise error from None
         except (RayTaskError, RayActorError) as err:
             self.close()
             cause = _cause(err)

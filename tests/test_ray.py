@@ -362,3 +362,16 @@ def test_a_sigterm_during_ray_start_up_is_an_interruption(image_dir: Path, tmp_p
     monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: False)
     with pytest.raises(KeyboardInterrupt):
         ray_backend.RayBackend(parse_spec(job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray"})))
+
+
+def test_workers_that_do_not_start_in_time_are_a_cluster_error(image_dir: Path, tmp_path: Path):
+    """issue 17, defect 2 (in part): the ClusterError was built after Ray was shut down, so the job crashed
+    with RaySystemError 'Ray has not been started yet' instead."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr",
+                                       cluster={"backend": "ray", "startup_timeout_s": 0.01})))
+    out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "did not start within 0.01 s (cluster.startup_timeout_s); free resources now:" in out.stderr
+    assert "Traceback" not in out.stderr and "RaySystemError" not in out.stderr
