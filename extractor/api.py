@@ -117,7 +117,7 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, overri
         summary = run_spec(spec, on_start=bar.start, on_progress=bar.update, backend=backend)
     finally:
         bar.close()
-    if summary.rows and not summary.ok and not summary.pending:
+    if summary.all_failed:
         raise DataError(f"every row of {summary.store} failed: {summary.failures[0][2] if summary.failures else ''}; "
                         "check data.root and the images")
     store = open_store(summary.store, spec.output.storage_options or None)

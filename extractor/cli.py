@@ -164,7 +164,7 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
         if bar:
             bar[0].close()
     print(summary.report())
-    if summary.rows and not summary.ok and not summary.pending:  # nothing usable: a script must not go on
+    if summary.all_failed:
         print(f"error: every row of {summary.store} failed (reasons above); check data.root and the images",
               file=sys.stderr)
         return 1

@@ -73,6 +73,11 @@ class RunSummary:
     nonfinite: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # key -> (rows, first rows)
     float16: list[str] = field(default_factory=list)  # captures stored as float16 (their Inf may be an overflow)
 
+    @property
+    def all_failed(self) -> bool:
+        """Every row failed: nothing usable was stored (a script must not go on)."""
+        return bool(self.rows) and not self.ok and not self.pending
+
     def report(self) -> str:
         """What ``extractor run`` prints when a run ends: rows, shards, time, the worker table,
         NaN/Inf and failed rows."""

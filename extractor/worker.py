@@ -334,12 +334,13 @@ class Worker:
                     log.warning("capture[%d] %s: layout %s is given, but layer %r (%s) gives %s outputs; its outputs "
                                 "are %s (see the README's capture section)", t.capture, t.key, t.layout,
                                 t.layer or ROOT, type(modules[t.layer]).__name__, fact, fact)
-        undecided = [t for t in self.targets if t.layout == "auto" and len(shapes.get(t.key, ())) == 3
-                     and (t.reduce != "flatten" or t.what == "gradcam")]
-        if not undecided:
+        auto = [t for t in self.targets if t.layout == "auto" and len(shapes.get(t.key, ())) == 3]
+        # flattened, a 4-D output's layout changes nothing: nchw, so that no batch looks at it again
+        layouts: dict[str, str] = {t.key: "nchw" for t in auto if t.reduce == "flatten" and t.what != "gradcam"}
+        undecided = [t for t in auto if t.key not in layouts]
+        if not auto:
             return False
         other: dict[str, tuple[int, ...]] | None = None
-        layouts: dict[str, str] = {}
         for t in undecided:
             module = modules[t.layer] if t.layer else None
             layout = decide_layout(module, shapes[t.key], self.cap.auto_4d.get(t.key), None)
