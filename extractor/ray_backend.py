@@ -3,10 +3,11 @@
 Actors run the same :class:`~extractor.worker.Worker` as the local backend and write their
 shard's rows straight into the store; only small summaries travel back. The driver keeps
 shard descriptors and done flags, and two shards in flight per actor so that its pipeline
-does not drain between them. A dead actor is replaced and its shards redone (when it held
-two, each alone, so that the next death names the shard at fault); a shard that fails
-``max_retries + 1`` times fails the job after the running shards finish.
-Ray is imported here only.
+does not drain between them. A dead actor is replaced in the background while the others go
+on, and its shards redone (when it held two, each alone, so that the next death names the
+shard at fault; after a lost node, none is blamed); a shard that fails ``max_retries + 1``
+times fails the job after the running shards finish. With ``cluster.workers: auto`` the driver
+starts workers on capacity that joins the cluster during the job. Ray is imported here only.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from concurrent.futures import Future
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from .errors import ClusterError, ExtractorError, FencedError, ShardError
 from .sources import Shard
-from .spec import JobSpec
+from .spec import ClusterSpec, JobSpec
 from .worker import ShardQueue, ShardSummary
 
 __all__ = ["RayBackend"]
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5  # how often the driver asks busy actors for their progress
 IN_FLIGHT = 2  # shards handed to each actor at once: the next one starts without draining the device
 DRAIN_S = 60.0  # after a device fault, how long the actor's shards already computed may take to be written
+WATCH_S = 2.0  # how often the driver looks for free capacity (workers: auto)
 
 
 class _WorkerActor:
@@ -75,13 +77,18 @@ class _WorkerActor:
     def ready(self) -> dict[str, Any]:
         if self.error is not None:
             raise self.error
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.worker.device)}
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "device": str(self.worker.device)}
+
+    def start(self, warm: bool) -> dict[str, Any]:
+        """ready(), after compiling the model when ``warm`` (the job has compiled it)."""
+        info = self.ready()
+        if warm:
+            self.worker.warm_up()
+        return info
 
     def layout(self) -> dict[str, Any]:
         return self.worker.layout()
-
-    def warm_up(self) -> None:
-        self.worker.warm_up()
 
     def run_shard(self, index: int, start: int, stop: int, url: str, fence: str | None = None) -> ShardSummary:
         call: Future[ShardSummary] = Future()
@@ -146,7 +153,8 @@ class _Schedule:
     may be the cause (the queued shard's first images are decoded while the running one
     computes), so none pays a retry: each becomes a suspect, and a suspect runs alone on its
     worker. A death with one shard in flight is that shard's: a shard that keeps killing workers
-    fails the job after ``max_retries`` retries, and the shards queued beside it finish.
+    fails the job after ``max_retries`` retries, and the shards queued beside it finish. A worker
+    lost with its node (or its connection) blames no shard.
     """
 
     def __init__(self, todo: list[Shard], max_retries: int) -> None:
@@ -169,12 +177,14 @@ class _Schedule:
     def done(self, shard: Shard) -> None:
         self.suspects.discard(shard.index)
 
-    def lost(self, shards: list[Shard], error: str) -> Shard | None:
-        """A worker died holding ``shards``: the shard that pays a retry, or None when it held several."""
-        if len(shards) == 1:
+    def lost(self, shards: list[Shard], error: str, blame: bool = True) -> Shard | None:
+        """A worker died holding ``shards``: the shard that pays a retry, or None when it held several
+        or (``blame`` False) its node was lost."""
+        if blame and len(shards) == 1:
             self.failed(shards[0], error)
             return shards[0]
-        self.suspects.update(s.index for s in shards)
+        if blame:
+            self.suspects.update(s.index for s in shards)
         self.queue.extendleft(sorted(shards, key=lambda s: s.index, reverse=True))
         return None
 
@@ -233,12 +243,67 @@ def _cause(err: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else err
 
 
+def _worker_size(c: ClusterSpec, nodes: list[dict[str, float]]) -> tuple[float, float]:
+    """CPUs and GPUs of one worker: the spec's, or a GPU each when the cluster has GPUs, and CPUs
+    shared among the workers (per node for ``workers: auto``, over the cluster for a number), at
+    most 8, at least 1."""
+    gpu_nodes = [n for n in nodes if n.get("GPU", 0) > 0]
+    gpus = c.gpus_per_worker if c.gpus_per_worker is not None else (1.0 if gpu_nodes else 0.0)
+    if c.cpus_per_worker is not None:
+        return c.cpus_per_worker, gpus
+    if c.workers != "auto":
+        share = sum(n.get("CPU", 0) for n in nodes) // c.workers
+    elif gpus and gpu_nodes:  # the CPUs of a GPU node, shared by the workers it holds
+        share = min(n.get("CPU", 0) // max(n["GPU"] // gpus, 1) for n in gpu_nodes)
+    else:
+        share = max((n.get("CPU", 0) for n in nodes), default=1)
+    return float(min(max(share, 1), 8)), gpus
+
+
+def _fits(free: dict[str, float], cpus: float, gpus: float) -> int:
+    """How many workers of (cpus, gpus) the free resources ``free`` hold (summed over the nodes:
+    an upper bound when they are spread thin)."""
+    n = free.get("CPU", 0) // cpus
+    return int(min(n, free.get("GPU", 0) // gpus) if gpus else n)
+
+
+class _Slot:
+    """A worker's place in the job: its actor (a new one after each death), where that runs, the
+    shards in flight on it, and, until it is ready, the call that starts it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.actor: Any = None
+        self.starting: Any = None  # the start() call of an actor not ready yet
+        self.warm = False  # its actor compiled the model (or was asked to, by its start call)
+        self.pid: int | None = None
+        self.node = ""  # its node's IP address
+        self.node_id = ""
+        self.generation = 0  # bumped with each new actor: an old actor's results are told apart
+        self.held: list[Shard] = []  # shards in flight on it
+        self.rows = 0  # rows done in the shard it computes now (its last progress answer)
+        self.failed_starts = 0  # in a row
+
+    @property
+    def ready(self) -> bool:
+        return self.actor is not None and self.starting is None
+
+    def started(self, info: dict[str, Any]) -> None:
+        self.starting = None
+        self.failed_starts = 0
+        self.pid, self.node, self.node_id = info["pid"], info["node"], info["node_id"]
+
+    def event(self, **more: Any) -> dict[str, Any]:
+        return {"worker": self.index, "pid": self.pid, "node": self.node, "node_id": self.node_id, **more}
+
+
 class RayBackend:
     def __init__(self, spec: JobSpec, model: Any = None) -> None:
         """``model``: a module made in Python, sent to every worker (it must pickle with cloudpickle)."""
         self.spec = spec
         c = spec.cluster
         self.started_ray = False
+        self.slots: list[_Slot] = []
         if model is not None:
             import cloudpickle
 
@@ -252,29 +317,37 @@ class RayBackend:
                 ) from err
         if not ray.is_initialized():
             self._init_ray()
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         total = ray.cluster_resources()
         n_cpus, n_gpus = float(total.get("CPU", 0)), float(total.get("GPU", 0))
-        gpus = c.gpus_per_worker if c.gpus_per_worker is not None else (1.0 if n_gpus else 0.0)
-        workers = c.workers or (max(int(n_gpus // gpus), 1) if gpus else 1)
-        cpus = c.cpus_per_worker if c.cpus_per_worker is not None else max(min(n_cpus // workers, 8), 1)
-        if workers * cpus > n_cpus or workers * gpus > n_gpus:
+        self.cpus, self.gpus = _worker_size(c, nodes)
+        if not any(_fits(n, self.cpus, self.gpus) for n in nodes):
             self.close()
             raise ClusterError(
-                f"the job asks for {workers} workers x ({cpus:g} CPUs, {gpus:g} GPUs) = {workers * cpus:g} CPUs, "
-                f"{workers * gpus:g} GPUs, but the Ray cluster has {n_cpus:g} CPUs and {n_gpus:g} GPUs; "
-                "lower cluster.workers, cluster.cpus_per_worker or cluster.gpus_per_worker"
+                f"a worker needs {self.cpus:g} CPUs and {self.gpus:g} GPUs, but no node of the Ray cluster has "
+                f"that ({n_cpus:g} CPUs and {n_gpus:g} GPUs in all); lower cluster.cpus_per_worker or "
+                "cluster.gpus_per_worker"
             )
-        self.n_workers, self.cpus, self.gpus = workers, cpus, gpus
+        fit = _fits(ray.available_resources(), self.cpus, self.gpus)
+        if c.workers == "auto":
+            self.max_workers = c.max_workers
+            workers = max(min(fit, c.max_workers or fit), 1)
+        else:
+            self.max_workers = workers = c.workers
+            if workers > fit:
+                log.warning("%d of the %d workers asked for (cluster.workers) fit in the Ray cluster's free "
+                            "resources now; the others start when capacity frees up or joins", fit, workers)
         # IN_FLIGHT run_shard calls wait at once, and progress() must still be answered
-        self.actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=IN_FLIGHT + 2,
+        self.actor_cls = ray.remote(num_cpus=self.cpus, num_gpus=self.gpus, max_concurrency=IN_FLIGHT + 2,
                                     max_restarts=0)(_WorkerActor)
         self.spec_dict = _for_workers(spec)
         self.model_ref = ray.put(model) if model is not None else None  # one copy in the object store
-        self.actors: list[Any] = [self._new_actor() for _ in range(workers)]
-        self.pids: list[int | None] = [None] * workers
         self.warm = False  # warm_up has compiled the model on the workers
-        self._wait_ready(range(workers))
-        log.info("%d Ray workers ready (%g CPUs, %g GPUs each)", workers, cpus, gpus)
+        for _ in range(workers):
+            self.start_worker(self.add_slot())
+        self._wait_started(self.slots[:max(min(fit, workers), 1)])
+        log.info("%d Ray workers ready (%g CPUs, %g GPUs each)", sum(s.ready for s in self.slots), self.cpus,
+                 self.gpus)
 
     # ------------------------------------------------------------------ set-up
     def _init_ray(self) -> None:
@@ -308,193 +381,284 @@ class RayBackend:
                 signal.signal(signal.SIGTERM, on_term)  # job as the caller's handler says (interrupted, resumable)
         self.started_ray = True
 
-    def _new_actor(self) -> Any:
-        threads = max(int(self.cpus), 1)
-        return self.actor_cls.remote(self.spec_dict, threads, os.getcwd(), self.model_ref)
+    def add_slot(self) -> _Slot:
+        self.slots.append(_Slot(len(self.slots)))
+        return self.slots[-1]
 
-    def _wait_ready(self, slots: Any, method: str = "ready") -> list[Any]:
-        """Call ``method`` on the actors of ``slots`` and wait for all of them (ready: their pids)."""
-        slots = list(slots)
-        refs = [getattr(self.actors[i], method).remote() for i in slots]
-        try:
-            infos = ray.get(refs, timeout=self.spec.cluster.startup_timeout_s)
-        except GetTimeoutError:
+    def start_worker(self, slot: _Slot) -> None:
+        """Give ``slot`` a new actor (its old one killed) and call its start without waiting: Ray
+        places it when the cluster has room, and the driver hears of it when it is ready."""
+        if slot.actor is not None:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            slot.generation += 1
+        slot.actor = self.actor_cls.remote(self.spec_dict, max(int(self.cpus), 1), os.getcwd(), self.model_ref)
+        slot.warm = self.warm
+        slot.starting = slot.actor.start.remote(self.warm)
+        slot.pid, slot.held, slot.rows = None, [], 0
+
+    def _wait_started(self, slots: list[_Slot]) -> None:
+        """Wait for the start calls of ``slots`` (startup_timeout_s); only when none of them started is
+        that an error (the others keep starting in the background)."""
+        refs = {slot.starting: slot for slot in slots if slot.starting is not None}
+        if not refs:
+            return
+        answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.spec.cluster.startup_timeout_s)
+        for ref in answered:
+            self.take_start(refs[ref], ref, raise_errors=True)
+        if not any(s.ready for s in self.slots):
             error = ClusterError(  # built while Ray still runs: it asks Ray what is free
-                f"{len(slots)} Ray workers did not {'start' if method == 'ready' else 'compile the model'} within "
+                f"{len(refs)} Ray workers did not {'start' if not self.warm else 'compile the model'} within "
                 f"{self.spec.cluster.startup_timeout_s:g} s (cluster.startup_timeout_s); "
                 f"free resources now: {ray.available_resources()}"
             )
             self.close()
             raise error from None
+        late = [s.index for s in slots if not s.ready]
+        if late:
+            log.warning("workers %s did not start within cluster.startup_timeout_s; the job goes on without them "
+                        "while they keep starting", ", ".join(map(str, late)))
+
+    def take_start(self, slot: _Slot, ref: Any, raise_errors: bool = False) -> bool:
+        """Take the answer of ``slot``'s start call: True when the worker is ready. An error of the
+        job's own (a layer, the model) is raised; a worker that died starting is started again,
+        and one failing to start ``max_retries + 1`` times in a row is a ClusterError."""
+        try:
+            info = ray.get(ref)
         except (RayTaskError, RayActorError) as err:
-            self.close()
             cause = _cause(err)
             if isinstance(cause, ExtractorError):
+                self.close()
                 raise cause from None
-            doing = "start" if method == "ready" else "compile the model"
-            raise ClusterError(f"a Ray worker failed to {doing}: {type(cause).__name__}: {cause}") from err
-        if method == "ready":
-            for i, info in zip(slots, infos, strict=True):
-                self.pids[i] = info["pid"]
-        return infos
+            slot.failed_starts += 1
+            doing = "compile the model" if slot.warm else "start"
+            if raise_errors or slot.failed_starts > self.spec.cluster.max_retries:
+                error = ClusterError(f"a Ray worker failed to {doing}: {type(cause).__name__}: {cause}")
+                self.close()
+                raise error from err
+            log.warning("worker %d failed to %s (%s: %s); starting it again", slot.index, doing,
+                        type(cause).__name__, cause)
+            self.start_worker(slot)
+            return False
+        slot.started(info)
+        if self.warm and not slot.warm:  # started before the job compiled the model: compile it too
+            slot.warm = True
+            slot.starting = slot.actor.start.remote(True)
+            return False
+        return True
 
     def probe(self) -> dict[str, Any]:
-        return ray.get(self.actors[0].layout.remote())
+        return ray.get(next(s for s in self.slots if s.ready).actor.layout.remote())
 
     def warm_up(self) -> None:
-        """Compile the model on every worker at once (a no-op for an eager model); replacements
-        compile before their first shard from then on."""
+        """Compile the model on every ready worker at once (a no-op for an eager model); workers that
+        start later compile before their first shard."""
         if not self.warm:
-            self._wait_ready(range(self.n_workers), "warm_up")
             self.warm = True
+            ready = [s for s in self.slots if s.ready]
+            for slot in ready:
+                slot.warm, slot.starting = True, slot.actor.start.remote(True)
+            self._wait_started(ready)
 
     # ------------------------------------------------------------------ the job
     def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any,
             fence: str | None = None) -> list[ShardSummary]:
-        for i, pid in enumerate(self.pids):
-            on_event("worker_started", {"worker": i, "pid": pid})
-        plan = _Schedule(todo, self.spec.cluster.max_retries)
-        running: dict[Any, tuple[int, Shard, int]] = {}  # task ref -> (worker slot, shard, actor generation)
-        held: list[list[Shard]] = [[] for _ in range(self.n_workers)]  # the shards in flight on each slot
-        generation = [0] * self.n_workers  # bumped when a slot's actor is replaced
-        partial: dict[int, int] = {}  # worker slot -> rows done in its current shard
-        started: set[int] = set()  # shards whose start was reported (in their current attempt)
-        reported = 0  # progress never goes back (a shard's rows move from partial to finished)
-        summaries: list[ShardSummary] = []
-        finished_rows = 0
-        last_poll = 0.0
-
-        def report_start(slot: int, shard: Shard) -> None:
-            if shard.index not in started:
-                started.add(shard.index)
-                on_event("shard_started", {"shard": shard.index, "worker": slot, "pid": self.pids[slot]})
-
-        def take(ref: Any) -> tuple[int, Shard, int]:
-            slot, shard, gen = running.pop(ref)
-            held[slot].remove(shard)
-            partial.pop(slot, None)
-            return slot, shard, gen
-
-        def finished(slot: int, shard: Shard, summary: ShardSummary) -> None:
-            nonlocal finished_rows
-            report_start(slot, shard)  # a shard that began and ended between two polls
-            plan.done(shard)
-            summaries.append(summary)
-            finished_rows += summary.rows
-            on_event("shard_done", {"shard": shard.index, "worker": slot, "summary": summary})
-
-        def harvest(slot: int, gen: int, wait_s: float) -> list[Shard]:
-            """The other shards of a slot whose actor failed: those whose calls returned (within
-            ``wait_s``) are done; the rest are returned, lost."""
-            others = [r for r, (sl, _, g) in running.items() if sl == slot and g == gen]
-            answered, _ = ray.wait(others, num_returns=len(others), timeout=wait_s) if others else ([], [])
-            lost = []
-            for r in others:
-                _, shard, _ = take(r)
-                if r in answered:
-                    try:
-                        finished(slot, shard, ray.get(r))
-                        continue
-                    except (RayActorError, RayTaskError):
-                        pass
-                lost.append(shard)
-            return lost
-
-        while True:
-            for slot in range(self.n_workers):
-                while (shard := plan.next_for(held[slot])) is not None:
-                    ref = self.actors[slot].run_shard.remote(shard.index, shard.start, shard.stop, url, fence)
-                    running[ref] = (slot, shard, generation[slot])
-                    held[slot].append(shard)
-            if not running:
-                break
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
-            for ref in ready:
-                slot, shard, gen = take(ref)
-                try:
-                    summary: ShardSummary = ray.get(ref)
-                except (RayActorError, RayTaskError) as err:
-                    cause = _cause(err)
-                    if isinstance(cause, FencedError):  # another job holds the store: stop, write nothing
-                        raise cause from None
-                    if isinstance(err, RayTaskError) and isinstance(cause, ShardError):  # the shard raised
-                        error = f"{type(cause).__name__}: {cause}"
-                        report_start(slot, shard)
-                        started.discard(shard.index)
-                        on_event("shard_failed", {"worker": slot, "shard": shard.index, "error": error})
-                        log.warning("shard %d failed on worker %d: %s", shard.index, slot, error)
-                        plan.failed(shard, error)
-                        continue
-                    # the actor died, or failed as a whole (its device, or an error that is no shard's): it
-                    # is replaced (a CUDA context is not trusted again), and first its shards already
-                    # written, or (a live actor) being written, are kept
-                    alive = isinstance(err, RayTaskError)
-                    lost = sorted([shard, *harvest(slot, gen, DRAIN_S if alive else 0.0)], key=lambda s: s.index)
-                    started.difference_update(s.index for s in lost)
-                    error = (f"worker {slot} (pid {self.pids[slot]}) failed: {type(cause).__name__}: {cause}" if alive
-                             else f"worker {slot} (pid {self.pids[slot]}) died: {type(err).__name__}")
-                    charged = plan.lost(lost, error)
-                    on_event("worker_died", {"worker": slot, "pid": self.pids[slot], "error": error,
-                                             "shards": [s.index for s in lost],
-                                             "charged": charged.index if charged is not None else None})
-                    log.warning("%s; it held shards %s (%s); starting a replacement", error,
-                                ", ".join(str(s.index) for s in lost),
-                                f"shard {charged.index} counts a retry" if charged is not None
-                                else "none counts a retry: each is redone alone")
-                    self._replace(slot)
-                    generation[slot] += 1
-                    on_event("worker_started", {"worker": slot, "pid": self.pids[slot]})
-                else:
-                    finished(slot, shard, summary)
-            if time.monotonic() - last_poll >= POLL_S and running:
-                last_poll = time.monotonic()
-                for slot, index, rows in self._poll({slot for slot in range(self.n_workers) if held[slot]}):
-                    shard = next((s for s in held[slot] if s.index == index), None)
-                    if shard is not None:  # not a shard finished since (its result is on the way)
-                        report_start(slot, shard)
-                        partial[slot] = rows
-            reported = max(reported, finished_rows + sum(partial.values()))
-            on_progress(reported)
-        if plan.failure is not None:
-            shard, error = plan.failure
-            raise ShardError(
-                f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {plan.attempts[shard.index]} times "
-                f"(cluster.max_retries={self.spec.cluster.max_retries}); last error: {str(error).rstrip('.')}. "
-                "Finished shards are kept: fix the cause and run the same command with --resume"
-            )
-        return summaries
-
-    def _poll(self, slots: set[int]) -> list[tuple[int, int, int]]:
-        """(slot, shard, rows done in it) for each of ``slots`` whose actor answers: the shard its
-        pipeline is computing now."""
-        refs = {self.actors[slot].progress.remote(): slot for slot in slots}
-        answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=POLL_S)  # one wait for all of them
-        out = []
-        for ref in answered:
-            try:
-                shard_index, rows = ray.get(ref)
-            except Exception:  # noqa: BLE001 - a dying actor; its task result says what happened
-                continue
-            out.append((refs[ref], shard_index, rows))
-        return out
-
-    def _replace(self, slot: int) -> None:
-        try:
-            ray.kill(self.actors[slot], no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        self.actors[slot] = self._new_actor()
-        self._wait_ready([slot])
-        if self.warm:
-            self._wait_ready([slot], "warm_up")
+        job = _Job(self, todo, url, fence, on_progress, on_event)
+        for slot in self.slots:
+            if slot.ready:
+                on_event("worker_started", slot.event())
+        while job.plan.queue or job.running:
+            job.dispatch()
+            job.collect()
+            job.poll()
+            job.watch()
+        return job.result()
 
     def close(self) -> None:
-        for actor in getattr(self, "actors", []):
+        for slot in self.slots:
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone, or never made
                 pass
-        self.actors = []
+        self.slots = []
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
             self.started_ray = False
+
+
+class _Job:
+    """One ``RayBackend.run``: hands shards to ready workers, collects their results, replaces dead
+    workers in the background, adds workers on new capacity (``workers: auto``), and tells the
+    runner (progress, events)."""
+
+    def __init__(self, backend: RayBackend, todo: list[Shard], url: str, fence: str | None, on_progress: Any,
+                 on_event: Any) -> None:
+        self.backend, self.url, self.fence = backend, url, fence
+        self.on_progress, self.on_event = on_progress, on_event
+        self.plan = _Schedule(todo, backend.spec.cluster.max_retries)
+        self.running: dict[Any, tuple[_Slot, Shard, int]] = {}  # task ref -> (slot, shard, actor generation)
+        self.started: set[int] = set()  # shards whose start was reported (in their current attempt)
+        self.summaries: list[ShardSummary] = []
+        self.finished_rows = 0
+        self.reported = 0  # progress never goes back (a shard's rows move from partial to finished)
+        self.last_poll = self.last_watch = 0.0
+        self.alone_since: float | None = None  # since when no worker is ready
+
+    # -- the four steps of the loop
+    def dispatch(self) -> None:
+        for slot in self.backend.slots:
+            while slot.ready and (shard := self.plan.next_for(slot.held)) is not None:
+                ref = slot.actor.run_shard.remote(shard.index, shard.start, shard.stop, self.url, self.fence)
+                self.running[ref] = (slot, shard, slot.generation)
+                slot.held.append(shard)
+
+    def collect(self) -> None:
+        """Wait up to POLL_S for a shard's result or a worker's start, and take what came."""
+        starting = {s.starting: s for s in self.backend.slots if s.starting is not None}
+        refs = [*self.running, *starting]
+        if not refs:  # nothing to wait for (shards wait for workers that failed to start and start again)
+            time.sleep(POLL_S)
+            return
+        answered, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
+        for ref in answered:
+            if ref in starting:
+                slot = starting[ref]
+                if self.backend.take_start(slot, ref):
+                    self.on_event("worker_started", slot.event())
+            elif ref in self.running:  # not taken with a failed worker's other shards
+                self._result(ref)
+
+    def poll(self) -> None:
+        """Every POLL_S, ask the busy workers how far their current shard is."""
+        if time.monotonic() - self.last_poll >= POLL_S and self.running:
+            self.last_poll = time.monotonic()
+            busy = [s for s in self.backend.slots if s.ready and s.held]
+            refs = {slot.actor.progress.remote(): slot for slot in busy}
+            answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=POLL_S)  # one wait for all
+            for ref in answered:
+                slot = refs[ref]
+                try:
+                    index, rows = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dying actor; its task result says what happened
+                    continue
+                shard = next((s for s in slot.held if s.index == index), None)
+                if shard is not None:  # not a shard finished since (its result is on the way)
+                    self._report_start(slot, shard)
+                    slot.rows = rows
+        self.reported = max(self.reported, self.finished_rows + sum(s.rows for s in self.backend.slots))
+        self.on_progress(self.reported)
+
+    def watch(self) -> None:
+        """Every WATCH_S: with workers: auto, start a worker on capacity that came free or joined;
+        when no worker has been ready for startup_timeout_s while shards wait, stop (resumable)."""
+        b, c = self.backend, self.backend.spec.cluster
+        now = time.monotonic()
+        if any(s.ready for s in b.slots) or not self.plan.queue:
+            self.alone_since = None
+        elif self.alone_since is None:
+            self.alone_since = now
+        elif now - self.alone_since > c.startup_timeout_s:
+            raise ClusterError(
+                f"no Ray worker has been running for {c.startup_timeout_s:g} s (cluster.startup_timeout_s): "
+                f"{len(b.slots)} wait to be placed or started; free resources now: {ray.available_resources()}. "
+                "Finished shards are kept: run the same command with --resume when the cluster has capacity"
+            )
+        if (c.workers != "auto" or now - self.last_watch < WATCH_S or not self.plan.queue
+                or any(s.starting is not None for s in b.slots)
+                or (b.max_workers is not None and len(b.slots) >= b.max_workers)):
+            return
+        self.last_watch = now
+        if _fits(ray.available_resources(), b.cpus, b.gpus):
+            slot = b.add_slot()
+            log.info("capacity for another worker appeared in the Ray cluster: starting worker %d", slot.index)
+            b.start_worker(slot)
+
+    def result(self) -> list[ShardSummary]:
+        if self.plan.failure is not None:
+            shard, error = self.plan.failure
+            raise ShardError(
+                f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {self.plan.attempts[shard.index]} "
+                f"times (cluster.max_retries={self.backend.spec.cluster.max_retries}); last error: "
+                f"{str(error).rstrip('.')}. Finished shards are kept: fix the cause and run the same command with "
+                "--resume"
+            )
+        return self.summaries
+
+    # -- what a result means
+    def _take(self, ref: Any) -> tuple[_Slot, Shard, int]:
+        slot, shard, gen = self.running.pop(ref)
+        slot.held.remove(shard)
+        slot.rows = 0
+        return slot, shard, gen
+
+    def _report_start(self, slot: _Slot, shard: Shard) -> None:
+        if shard.index not in self.started:
+            self.started.add(shard.index)
+            self.on_event("shard_started", {"shard": shard.index, "worker": slot.index, "pid": slot.pid})
+
+    def _finished(self, slot: _Slot, shard: Shard, summary: ShardSummary) -> None:
+        self._report_start(slot, shard)  # a shard that began and ended between two polls
+        self.plan.done(shard)
+        self.summaries.append(summary)
+        self.finished_rows += summary.rows
+        self.on_event("shard_done", {"shard": shard.index, "worker": slot.index, "summary": summary})
+
+    def _result(self, ref: Any) -> None:
+        slot, shard, gen = self._take(ref)
+        try:
+            summary: ShardSummary = ray.get(ref)
+        except (RayActorError, RayTaskError) as err:
+            cause = _cause(err)
+            if isinstance(cause, FencedError):  # another job holds the store: stop, write nothing
+                raise cause from None
+            if isinstance(err, RayTaskError) and isinstance(cause, ShardError):  # the shard raised
+                error = f"{type(cause).__name__}: {cause}"
+                self._report_start(slot, shard)
+                self.started.discard(shard.index)
+                self.on_event("shard_failed", {"worker": slot.index, "shard": shard.index, "error": error})
+                log.warning("shard %d failed on worker %d: %s", shard.index, slot.index, error)
+                self.plan.failed(shard, error)
+                return
+            self._worker_lost(slot, gen, shard, err)
+        else:
+            self._finished(slot, shard, summary)
+
+    def _worker_lost(self, slot: _Slot, gen: int, shard: Shard, err: BaseException) -> None:
+        """``slot``'s actor died, or failed as a whole (its device, or an error that is no shard's),
+        or its node was lost: keep what it finished, put the rest back in the queue, and start a
+        replacement in the background (a CUDA context is not trusted again)."""
+        cause = _cause(err)
+        alive = isinstance(err, RayTaskError)
+        node_lost = isinstance(err, ActorUnavailableError) or getattr(err, "preempted", False)
+        lost = sorted([shard, *self._harvest(slot, gen, DRAIN_S if alive else 0.0)], key=lambda s: s.index)
+        self.started.difference_update(s.index for s in lost)
+        who = f"worker {slot.index} (pid {slot.pid}, node {slot.node})"
+        error = (f"{who} failed: {type(cause).__name__}: {cause}" if alive else
+                 f"{who} was lost with its node or connection: {type(err).__name__}" if node_lost else
+                 f"{who} died: {type(err).__name__}")
+        charged = self.plan.lost(lost, error, blame=not node_lost)
+        self.on_event("worker_died", slot.event(error=error, shards=[s.index for s in lost],
+                                                charged=charged.index if charged is not None else None))
+        log.warning("%s; it held shards %s (%s); starting a replacement", error, ", ".join(str(s.index) for s in lost),
+                    f"shard {charged.index} counts a retry" if charged is not None
+                    else "none counts a retry" + ("" if node_lost else ": each is redone alone"))
+        self.backend.start_worker(slot)
+
+    def _harvest(self, slot: _Slot, gen: int, wait_s: float) -> list[Shard]:
+        """The other shards of a slot whose actor failed: those whose calls returned (within
+        ``wait_s``) are done; the rest are returned, lost."""
+        others = [r for r, (sl, _, g) in self.running.items() if sl is slot and g == gen]
+        answered, _ = ray.wait(others, num_returns=len(others), timeout=wait_s) if others else ([], [])
+        lost = []
+        for r in others:
+            _, shard, _ = self._take(r)
+            if r in answered:
+                try:
+                    self._finished(slot, shard, ray.get(r))
+                    continue
+                except (RayActorError, RayTaskError):
+                    pass
+            lost.append(shard)
+        return lost

@@ -87,9 +87,11 @@ class RunSummary:
             + (f", {self.images_per_s:.1f} images/s" if self.shards_run else "")
         ]
         if self.workers and self.shards_run:
-            rows = [[str(w["worker"]), ",".join(map(str, w["pids"])), str(w["shards"]), str(w["images"]),
-                     f"{w['images_per_s']:.1f}", str(w["restarts"]), str(w["retries"])] for w in self.workers]
-            lines.append(table(rows, ["worker", "pids", "shards", "images", "images/s", "restarts", "retries"]))
+            rows = [[str(w["worker"]), ",".join(w["nodes"]) or "-", ",".join(map(str, w["pids"])), str(w["shards"]),
+                     str(w["images"]), f"{w['images_per_s']:.1f}", str(w["restarts"]), str(w["retries"])]
+                    for w in self.workers]
+            lines.append(table(rows, ["worker", "node", "pids", "shards", "images", "images/s", "restarts",
+                                      "retries"]))
         for key, (rows_, first) in self.nonfinite.items():
             if key in self.float16:
                 lines.append(f"warning: {count(rows_, 'row')} of {key} hold NaN or Inf; {key} is stored as float16, "
@@ -139,9 +141,10 @@ def _owner() -> dict[str, Any]:
             "command": " ".join(redact_argv(sys.argv))[:500]}
 
 
-def _ids_digest(ids: list[str]) -> str:
+def _digest(names: list[str]) -> str:
+    """A short hash of a list of ids or paths, in order."""
     h = hashlib.sha256()
-    for i in ids:
+    for i in names:
         h.update(i.encode("utf-8", "surrogateescape") + b"\0")
     return h.hexdigest()[:16]
 
@@ -192,17 +195,36 @@ def _current_form(stored: dict[str, Any]) -> dict[str, Any]:
         return stored
 
 
-def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any]) -> None:
-    """Refuse to resume a store made by another format, spec, model or data listing."""
+_LOCATIONS = ("root", "manifest", "tars")  # data settings compared by the paths they list, not their spelling
+
+
+def _moved(group: Any, paths: list[str]) -> str | None:
+    """The first row whose image the store read from another path than ``paths`` (a relative
+    ``data.root`` resolved in another folder, moved data), as 'STORED in the store, NOW now'."""
+    stored = group["paths"][:]
+    for i, (was, now_) in enumerate(zip(stored, paths, strict=False)):
+        if str(was) != now_:
+            return f"row {i}'s image: {str(was)!r} in the store, {now_!r} now"
+    return None
+
+
+def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: list[str]) -> None:
+    """Refuse to resume a store made by another format, spec, model or data listing, or whose
+    images the job would read from another place (``paths``: this run's, resolved)."""
     problems: list[str] = []
     if old.get("format_version") != FORMAT_VERSION:
         problems.append(f"format version {old.get('format_version')} in the store, {FORMAT_VERSION} now")
     else:
+        moved = _moved(group, paths) if old.get("paths_digest") != new["paths_digest"] else None
         if old.get("spec_digest") != new["spec_digest"]:
             # the stored spec with the settings added since as their defaults: it differs in content, or
             # only in what an older version of extractor did not write down
             old_spec = content_of(_current_form(old.get("spec", {})))
             new_spec = content_of(new["spec"])
+            if moved is None:  # the same images from the same places: data.root spelt otherwise is the same
+                for d in (old_spec, new_spec):
+                    for key in _LOCATIONS:
+                        d.get("data", {}).pop(key, None)
             problems += _differences(old_spec, new_spec)
         was, now_ = of_store(old).to_dict(), new["preprocess"]
         for k in ("resize", "crop", "interpolation", "mean", "std", "crop_offset"):
@@ -214,6 +236,12 @@ def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any]) -> None
             problems += ["capture " + d for d in _differences(old.get("captures", {}), new["captures"])]
         if old.get("ids_digest") != new["ids_digest"]:
             problems.append(f"the image list differs ({old.get('n_rows')} rows in the store, {new['n_rows']} now)")
+        elif moved is not None:
+            problems.append(
+                f"the images would be read from another place: {moved}; a relative data.root, data.manifest or "
+                "data.tars means a place under the folder the job runs from: run it from the folder of its first "
+                "run, or give that path absolute"
+            )
     if problems:
         listed = "\n  ".join(problems[:10])
         raise StoreError(
@@ -243,7 +271,7 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
             f"{old.get('status', '?')}); pass --resume to finish it or --overwrite to replace it"
         )
     if old is not None and mode == "resume":
-        _check_resumable(url, old, json.loads(json.dumps(attrs)))
+        _check_resumable(url, old, json.loads(json.dumps(attrs)), open_group(url, "r", so), rows.paths)
         update_attrs(url, so, status="running", resumed=now())
         return open_group(url, "r+", so)
     if old is not None:
@@ -363,10 +391,12 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
     for name, info in events:
         if "worker" not in info:
             continue
-        row = table.setdefault(info["worker"], {"worker": info["worker"], "pids": [], "shards": 0, "images": 0,
-                                                "seconds": 0.0, "restarts": 0, "retries": 0})
+        row = table.setdefault(info["worker"], {"worker": info["worker"], "pids": [], "nodes": [], "shards": 0,
+                                                "images": 0, "seconds": 0.0, "restarts": 0, "retries": 0})
         if name == "worker_started" and info["pid"] not in row["pids"]:
             row["pids"].append(info["pid"])
+            if info.get("node") and info["node"] not in row["nodes"]:
+                row["nodes"].append(info["node"])
         elif name == "shard_done":
             s = info["summary"]
             row["shards"] += 1
@@ -440,7 +470,8 @@ def run(
             "n_shards": len(shards),
             "shard_size": spec.data.shard_size,
             "chunk_rows": spec.output.chunk_rows,
-            "ids_digest": _ids_digest(rows.ids),
+            "ids_digest": _digest(rows.ids),
+            "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
             "versions": _versions(),
         }
         old = read_attrs(spec.output.store, spec.output.storage_options)

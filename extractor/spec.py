@@ -315,8 +315,13 @@ class ClusterSpec(_Section):
     """``ray`` runs one worker actor per GPU on a Ray cluster; ``local`` runs the worker in this process."""
     address: str | None = None
     """null starts an embedded local Ray for the job (loopback only); ``auto`` or ``HOST:PORT`` joins a cluster."""
-    workers: int | None = Field(default=None, gt=0)
-    """Worker actors (default: one per GPU in the cluster, or 1 on CPU-only clusters)."""
+    workers: int | Literal["auto"] = "auto"
+    """Worker actors. ``auto``: as many as the cluster's free resources hold at the start (one per
+    GPU; on CPU-only clusters one per ``cpus_per_worker``), and more as capacity frees or nodes
+    join during the job, up to ``max_workers``. A number N: N workers; those that do not fit yet
+    start when capacity appears. Either way the job goes on with the workers it has."""
+    max_workers: int | None = Field(default=None, gt=0)
+    """With ``workers: auto``, at most this many workers (default: no limit)."""
     gpus_per_worker: float | None = Field(default=None, ge=0)
     """GPUs per worker, fractions allowed (default: 1 when the cluster has GPUs, else 0)."""
     cpus_per_worker: float | None = Field(default=None, gt=0)
@@ -326,7 +331,24 @@ class ClusterSpec(_Section):
     local_cpus: int | None = Field(default=None, gt=0)
     """CPUs of the embedded local Ray (default: all of this machine's)."""
     startup_timeout_s: float = Field(default=300.0, gt=0)
-    """How long to wait for the workers to build their models."""
+    """How long to wait for the workers to build their models, and, when no worker is left (lost
+    nodes), for one to be placed again before the job stops (resumable)."""
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        if value is None:  # specs written before workers: auto
+            return "auto"
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"expected auto or a number >= 1, not {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _max_workers(self) -> ClusterSpec:
+        if self.max_workers is not None and self.workers != "auto":
+            raise ValueError(f"max_workers caps workers: auto; with workers: {self.workers} that number is the most "
+                             "(remove one of them)")
+        return self
 
 
 class SubmitSpec(_Section):

@@ -113,7 +113,8 @@ def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images
     done = sorted(s.shard for s in summary.per_shard)
     assert done == list(range(6))  # each shard done exactly once
     assert summary.ok == 12 and summary.failed == 0
-    assert summary.workers[0]["restarts"] == 1 and len(summary.workers[0]["pids"]) == 2
+    # the replacement starts in the background: worker 1 may finish the job before it is ready
+    assert summary.workers[0]["restarts"] == 1 and len(summary.workers[0]["pids"]) in (1, 2)
     assert summary.workers[0]["retries"] == (died["charged"] is not None)  # a death with two in flight is no retry
     a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
     assert (b.status == 1).all() and b.done_shards.all()
@@ -232,15 +233,23 @@ def test_shard_failing_every_time_fails_the_job_then_resume_completes(ray_cluste
     assert (open_store(str(tmp_path / "s.zarr")).status == 1).all()
 
 
-def test_unmeetable_resources_fail_fast(ray_cluster, image_dir: Path, tmp_path: Path):
+def test_more_workers_than_fit_run_on_those_that_fit(ray_cluster, image_dir: Path, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture):
+    """issue 17: asking for more workers than the cluster holds now is no error (on a real cluster
+    capacity comes and goes): the job runs on those that fit, the rest wait to be placed."""
     raw = job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 3, "cpus_per_worker": 1})
+    with caplog.at_level("WARNING", logger="extractor.ray_backend"):
+        summary = run(parse_spec(raw))
+    assert "2 of the 3 workers asked for (cluster.workers) fit" in caplog.text
+    assert summary.ok == 12 and {w["worker"] for w in summary.workers} == {0, 1}
+
+
+def test_a_worker_no_node_can_hold_fails_fast(ray_cluster, image_dir: Path, tmp_path: Path):
+    raw = job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "gpus_per_worker": 1})
     t0 = time.monotonic()
-    with pytest.raises(ClusterError, match=r"3 workers x \(1 CPUs, 0 GPUs\).*has 2 CPUs"):
+    with pytest.raises(ClusterError, match=r"a worker needs 2 CPUs and 1 GPUs, but no node .* \(2 CPUs and 0 GPUs"):
         run(parse_spec(raw))
     assert time.monotonic() - t0 < 30
-    raw = job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "gpus_per_worker": 1})
-    with pytest.raises(ClusterError, match="0 GPUs"):
-        run(parse_spec(raw))
     assert not (tmp_path / "s.zarr").exists()
 
 

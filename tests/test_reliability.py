@@ -435,3 +435,30 @@ def test_a_job_paused_past_its_lease_writes_nothing_into_the_store_that_took_it_
     assert s.attrs["status"] == "complete" and list(s.captures) == ["conv"] and s.done_shards.all()
     np.testing.assert_array_equal(s.numpy("conv"), c.numpy("conv"))  # not one of A's means among B's maxima
     assert s.attrs["spec"]["capture"] == c.attrs["spec"]["capture"]
+
+
+def test_a_relative_data_root_resumed_from_another_folder_is_refused_naming_both_places(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """issue 17, defect 3: the first run listed ``imgs`` under folder A; the images then moved to
+    folder B and the job was resumed from there: the listing matched (same ids), so resume read
+    the store's old paths, failed every pending row and said complete, exit 0. Now resume compares
+    where the images are read from; the same place spelt as an absolute path is the same job."""
+    import zarr
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    make_images(a / "imgs", per_class=2)
+    b.mkdir()
+    raw = job(Path("imgs"), tmp_path / "s.zarr", cluster={"backend": "local"}, data={"shard_size": 2})
+    monkeypatch.chdir(a)
+    run(parse_spec(raw))
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+", use_consolidated=False)
+    g["shard_done"][1:] = False  # as if interrupted after the first shard
+    (a / "imgs").rename(b / "imgs")
+    monkeypatch.chdir(b)
+    resume = {**raw, "output": {**raw["output"], "if_exists": "resume"}}
+    with pytest.raises(StoreError, match=r"images would be read from another place: row 0's image: '.*/A/imgs/.*' "
+                                         r"in the store, '.*/B/imgs/.*' now.*run it from the folder of its first"):
+        run(parse_spec(resume))
+    (b / "imgs").rename(a / "imgs")
+    summary = run(parse_spec({**resume, "data": {**resume["data"], "root": str(a / "imgs")}}))
+    assert summary.ok == 4 and summary.shards_skipped == 1 and summary.failed == 0

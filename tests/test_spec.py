@@ -271,3 +271,18 @@ def test_a_set_value_that_is_not_yaml_is_one_line_naming_the_key():
     """issue 17, defect 11: it was a raw YAML traceback."""
     with pytest.raises(SpecError, match=r"--set data.mean: the value '\[0.5, 0.5' is not valid YAML"):
         apply_overrides({}, ["data.mean=[0.5, 0.5"])
+
+
+def test_cluster_workers_auto_by_default_null_reads_as_auto_and_max_workers_caps_auto_only():
+    """issue 17: workers: auto (grow on new capacity) is the default; stores written with
+    workers: null resume as auto; max_workers with a fixed number is refused, naming both."""
+    assert parse_spec(BASE).cluster.workers == "auto"
+    assert parse_spec({**BASE, "cluster": {"workers": None}}).cluster.workers == "auto"
+    assert parse_spec({**BASE, "cluster": {"workers": 3}}).cluster.workers == 3
+    assert parse_spec({**BASE, "cluster": {"max_workers": 4}}).cluster.max_workers == 4
+    with pytest.raises(SpecError, match=r"cluster.workers.*expected auto or a number >= 1, not 0"):
+        parse_spec({**BASE, "cluster": {"workers": 0}})
+    with pytest.raises(SpecError, match=r"max_workers caps workers: auto; with workers: 2"):
+        parse_spec({**BASE, "cluster": {"workers": 2, "max_workers": 4}})
+    with pytest.raises(SpecError, match="cluster.workers"):
+        parse_spec({**BASE, "cluster": {"workers": "many"}})

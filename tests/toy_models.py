@@ -111,6 +111,30 @@ def slow_net(seconds: float = 0.15) -> nn.Module:
     return SlowNet(seconds)
 
 
+class GatedNet(SlowNet):
+    """A SlowNet (same weights for the same seed) whose forward on an image waits while the file
+    ``gate`` exists (at most two minutes): a test holds a job at its first batch until it lifts
+    the gate. The blank image a worker probes the model with when it starts passes."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__(0.0)
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+        import time
+
+        deadline = time.monotonic() + 120
+        blank = bool((x[:, 0] == x[:, 0, :1, :1]).all())
+        while not blank and os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().forward(x)
+
+
+def gated_net(gate: str) -> nn.Module:
+    return GatedNet(gate)
+
+
 def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
     """A SlowNet in a process that dies, as from a crash inside a native decoder, when it reads
     the image file called ``name`` (Ray tests: it patches the worker's own process only)."""
