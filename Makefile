@@ -27,6 +27,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check extractor tests jobs examples
+	$(VENV)/bin/mypy
 
 clean:
-	rm -rf demo .bench .pytest_cache .ruff_cache
+	rm -rf demo .bench .pytest_cache .ruff_cache .mypy_cache

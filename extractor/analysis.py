@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._pictures import crop_like_job, fit_text
 from .errors import StoreError
 from .reader import ActivationStore
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = ["linear_probe", "probe_store", "pca", "bar_chart", "scatter_plot", "image_grid"]
 
@@ -126,7 +130,7 @@ _PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 
             (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 
 
-def bar_chart(results: dict[str, dict[str, Any]], title: str):  # -> PIL.Image.Image
+def bar_chart(results: dict[str, dict[str, Any]], title: str) -> Image.Image:
     """Probe accuracies as horizontal bars, with the chance level marked."""
     from PIL import Image, ImageDraw
 
@@ -148,7 +152,9 @@ def bar_chart(results: dict[str, dict[str, Any]], title: str):  # -> PIL.Image.I
     return img
 
 
-def scatter_plot(points: np.ndarray, labels: np.ndarray, classes: Sequence[str], title: str, size: int = 480):
+def scatter_plot(
+    points: np.ndarray, labels: np.ndarray, classes: Sequence[str], title: str, size: int = 480
+) -> Image.Image:
     """A 2-D scatter, one colour per label, with a legend."""
     from PIL import Image, ImageDraw
 
@@ -171,21 +177,11 @@ def scatter_plot(points: np.ndarray, labels: np.ndarray, classes: Sequence[str],
     return img
 
 
-def _fit(draw: Any, text: str, width: float) -> str:
-    """``text`` cut to ``width`` pixels, so that the captions of neighbouring cells never overlap."""
-    if draw.textlength(text) <= width:
-        return text
-    while text and draw.textlength(text + "..") > width:
-        text = text[:-1]
-    return text + ".." if text else ""
-
-
-def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8):  # -> PIL.Image.Image
+def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8) -> Image.Image:
     """The input images of ``rows`` as the job saw them (resized and cropped), with id and label."""
     from PIL import Image, ImageDraw
 
     from .preprocess import of_store
-    from .show import _crop_like_job
 
     ch, cw = of_store(store.attrs).size
     n_rows = -(-len(rows) // columns)
@@ -195,11 +191,11 @@ def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8):  # -
     for n, r in enumerate(rows):
         x, y = (n % columns) * cw, (n // columns) * (ch + 16)
         try:
-            sheet.paste(_crop_like_job(store.locator(int(r)), store), (x, y))
+            sheet.paste(crop_like_job(store.locator(int(r)), store), (x, y))
         except (OSError, ValueError) as err:
             for i, line in enumerate(("unreadable", type(err).__name__)):
-                d.text((x + 2, y + 2 + 12 * i), _fit(d, line, cw - 4), fill="red")
+                d.text((x + 2, y + 2 + 12 * i), fit_text(d, line, cw - 4), fill="red")
         lab = int(store.labels[r])
         caption = f"{r}: {classes[lab] if 0 <= lab < len(classes) else lab}"
-        d.text((x + 2, y + ch + 2), _fit(d, caption, cw - 4), fill="black")
+        d.text((x + 2, y + ch + 2), fit_text(d, caption, cw - 4), fill="black")
     return sheet

@@ -448,7 +448,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"follow it with: extractor jobs logs {job_id} --follow --address {address}")
         return 0
     c = client(address)
-    follow_logs(c, job_id)
+    for text in follow_logs(c, job_id):
+        print(text, end="", flush=True)
     info = c.get_job_info(job_id)
     print(f"job {job_id}: {info.status}" + (f" ({info.message})" if info.message else ""))
     return 0 if str(info.status).endswith("SUCCEEDED") else 1
@@ -474,7 +475,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             return 0
         if args.action == "logs":
             if args.follow:
-                follow_logs(c, args.id)
+                for text in follow_logs(c, args.id):
+                    print(text, end="", flush=True)
             else:
                 print(c.get_job_logs(args.id), end="")
             return 0
@@ -493,6 +495,7 @@ def verbosity(args: argparse.Namespace) -> int:
     return args.verbose + getattr(args, "verbose_after", 0)
 
 
+# build_parser is long by nature: one add_argument per option, read top to bottom like the --help it makes
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="extractor", description=DESCRIPTION, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

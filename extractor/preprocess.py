@@ -218,8 +218,8 @@ def from_dict(d: dict[str, Any]) -> Preprocess:
         resize=d["resize"] if d["resize"] is None or isinstance(d["resize"], int) else _pair(d["resize"]),
         crop=None if d["crop"] is None else _pair(d["crop"]),
         interpolation=d["interpolation"],
-        mean=tuple(d["mean"]),  # type: ignore[arg-type]
-        std=tuple(d["std"]),  # type: ignore[arg-type]
+        mean=tuple(d["mean"]),
+        std=tuple(d["std"]),
         crop_pct=d.get("crop_pct"),
         crop_offset=d.get("crop_offset", "round"),
         source=d.get("source", ""),

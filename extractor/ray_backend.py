@@ -25,8 +25,9 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from .errors import ClusterError, ExtractorError, FencedError, ShardError
-from .sources import Shard
+from .errors import ClusterError, ExtractorError, ShardError
+from .faults import whose
+from .rows import Shard
 from .spec import ClusterSpec, JobSpec
 from .worker import ShardQueue, ShardSummary
 
@@ -223,7 +224,7 @@ def _check_reachable(address: str, timeout: float, where: str = "cluster.address
 def _for_workers(spec: JobSpec) -> dict[str, Any]:
     """The spec as the actors get it: local paths made absolute, since an actor runs in another
     directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
-    from .sources import absolute
+    from .files import absolute
     from .zoo import local_folder, looks_like_path
 
     d = spec.to_dict()
@@ -338,8 +339,8 @@ class RayBackend:
                 log.warning("%d of the %d workers asked for (cluster.workers) fit in the Ray cluster's free "
                             "resources now; the others start when capacity frees up or joins", fit, workers)
         # IN_FLIGHT run_shard calls wait at once, and progress() must still be answered
-        self.actor_cls = ray.remote(num_cpus=self.cpus, num_gpus=self.gpus, max_concurrency=IN_FLIGHT + 2,
-                                    max_restarts=0)(_WorkerActor)
+        self.actor_cls = ray.remote(  # type: ignore[call-overload]  # Ray's stubs lack the actor option max_concurrency
+            num_cpus=self.cpus, num_gpus=self.gpus, max_concurrency=IN_FLIGHT + 2, max_restarts=0)(_WorkerActor)
         self.spec_dict = _for_workers(spec)
         self.model_ref = ray.put(model) if model is not None else None  # one copy in the object store
         self.warm = False  # warm_up has compiled the model on the workers
@@ -611,9 +612,10 @@ class _Job:
             summary: ShardSummary = ray.get(ref)
         except (RayActorError, RayTaskError) as err:
             cause = _cause(err)
-            if isinstance(cause, FencedError):  # another job holds the store: stop, write nothing
+            fault = whose(cause)
+            if fault == "job":  # another job holds the store: stop, write nothing
                 raise cause from None
-            if isinstance(err, RayTaskError) and isinstance(cause, ShardError):  # the shard raised
+            if fault == "shard" and isinstance(err, RayTaskError):  # the shard raised
                 error = f"{type(cause).__name__}: {cause}"
                 self._report_start(slot, shard)
                 self.started.discard(shard.index)

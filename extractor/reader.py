@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import zarr
 
 from .errors import StoreError
-from .store import ATTR, OK, STATUS_NAMES, disk_usage, done_shards, half_created
+from .store import ATTR, OK, STATUS_NAMES, disk_usage, done_shards, get_array, half_created, read_lease, root_attrs
 
 __all__ = ["open_store", "ActivationStore"]
 
@@ -40,23 +41,27 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
         raise StoreError(f"cannot open {url} as a Zarr store: {err}") from err
     if ATTR not in group.attrs:
         raise StoreError(f"{url} is a Zarr group but not an extractor store (no '{ATTR}' attributes)")
-    if dict(group.attrs[ATTR]).get("status") == "creating":
+    if root_attrs(group).get("status") == "creating":
         raise StoreError(half_created(url))
     return ActivationStore(group, url, storage_options)
 
 
 Rows = slice | Sequence[int] | np.ndarray | None
+_Columns = tuple[np.ndarray, ...]  # arrays of one length: a batch's row numbers (or token index), then its data
+_Read = tuple[np.ndarray, np.ndarray]  # rows of one key: store row numbers, their values
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
-def _prefetched(items: Iterator[Any], fn: Any, depth: int, threads: int = 2) -> Iterator[Any]:
+def _prefetched(items: Iterable[_T], fn: Callable[[_T], _R], depth: int, threads: int = 2) -> Iterator[_R]:
     """``fn(item)`` for each item, computed up to ``depth`` ahead on ``threads`` background threads
     (chunks decode in parallel: zstd and zarr release the GIL), in order."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     if depth <= 0:
         yield from (fn(i) for i in items)
         return
-    pending: deque[Any] = deque()
+    pending: deque[Future[_R]] = deque()
     with ThreadPoolExecutor(max(1, min(threads, depth)), thread_name_prefix="extractor-read") as pool:
         for item in items:
             pending.append(pool.submit(fn, item))
@@ -64,6 +69,112 @@ def _prefetched(items: Iterator[Any], fn: Any, depth: int, threads: int = 2) -> 
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+
+def _check_sizes(batch_size: int, buffer_chunks: int) -> None:
+    """Refuse a batch or buffer size below one."""
+    if batch_size < 1 or buffer_chunks < 1:
+        raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
+
+
+def _chunk_runs(idx: np.ndarray, step: int) -> list[np.ndarray]:
+    """``idx`` cut into runs of consecutive entries inside one chunk of ``step`` rows."""
+    return np.split(idx, np.flatnonzero(np.diff(idx // step)) + 1) if idx.size else []
+
+
+def _shuffled_chunks(idx: np.ndarray, step: int, seed: int) -> list[np.ndarray]:
+    """The rows of ``idx`` grouped by chunk (ascending inside each), the chunks in a random order drawn
+    from ``seed``: random order that costs no random reads."""
+    runs = _chunk_runs(np.sort(idx, kind="stable"), step)  # sorting takes linear time when already ascending
+    return [runs[i] for i in np.random.default_rng(seed).permutation(len(runs))]
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """Rows read at once, served in the order ``perm`` (None: as read)."""
+
+    index: np.ndarray  # (n,) store row numbers; for tokens (n, 2): row and position in its sequence
+    data: _Columns  # per key, in the order asked: its (n, ...) values
+    perm: np.ndarray | None
+
+    @classmethod
+    def read(cls, arrays: Mapping[str, zarr.Array], runs: Sequence[np.ndarray], seed: list[int] | None) -> _Buffer:
+        """Read runs of rows (each inside one chunk; on the prefetch thread); with ``seed``, draw the
+        order of their rows."""
+        if len(runs) > 1:  # one orthogonal read: zarr fetches and decodes the chunks concurrently
+            rows = np.sort(np.concatenate(runs))
+            data = tuple(np.asarray(arr.oindex[rows]) for arr in arrays.values())
+        else:  # the span of one run, gathered unless it is rows a, a+1, ..., b-1
+            rows = np.concatenate(runs)
+            a, b = int(rows.min()), int(rows.max()) + 1
+            pick = slice(None) if bool((np.diff(rows) == 1).all()) else rows - a
+            data = tuple(np.asarray(arr[a:b])[pick] for arr in arrays.values())
+        perm = None if seed is None else np.random.default_rng(seed).permutation(len(rows))
+        return cls(rows, data, perm)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def take(self, lo: int, hi: int) -> _Columns:
+        """Places ``lo:hi`` of the buffer's order: index, then each key's values."""
+        at = slice(lo, hi) if self.perm is None else self.perm[lo:hi]
+        return (self.index[at], *(x[at] for x in self.data))
+
+
+def _rebatch(buffers: Iterable[_Buffer], batch_size: int, drop_last: bool = False) -> Iterator[_Columns]:
+    """Batches of ``batch_size`` rows across buffers: a batch that one buffer leaves short is completed
+    from the start of the next (copying only the rows carried); the last short batch comes unless
+    ``drop_last``."""
+    carry: _Columns | None = None
+    for buffer in buffers:
+        lo = 0
+        if carry is not None:
+            lo = min(batch_size - len(carry[0]), len(buffer))
+            carry = tuple(np.concatenate([c, h]) for c, h in zip(carry, buffer.take(0, lo), strict=True))
+            if len(carry[0]) < batch_size:
+                continue
+            batch, carry = carry, None
+            yield batch
+        for a in range(lo, len(buffer), batch_size):
+            batch = buffer.take(a, min(a + batch_size, len(buffer)))
+            if len(batch[0]) < batch_size:
+                carry = batch
+            else:
+                yield batch
+    if carry is not None and not drop_last:
+        yield carry
+
+
+def _collected(reads: Iterable[_Read], size: int) -> Iterator[list[_Read]]:
+    """Consecutive ``(rows, data)`` reads in lists of at least ``size`` rows (the last may hold fewer)."""
+    held: list[_Read] = []
+    n = 0
+    for rows, data in reads:
+        held.append((rows, data))
+        n += len(rows)
+        if n >= size:
+            yield held
+            held, n = [], 0
+    if held:
+        yield held
+
+
+def _mix_tokens(reads: Sequence[_Read], skip: int, tokens: int, seed: list[int] | None) -> _Buffer:
+    """The tokens ``skip : skip + tokens`` of rows read from a ``(tokens, features)`` capture as one buffer
+    of single tokens: in a random order drawn from ``seed`` (None: in order), with one copy, each
+    token written straight to its place."""
+    total = sum(len(rows) for rows, _ in reads) * tokens
+    dest = np.arange(total) if seed is None else np.random.default_rng(seed).permutation(total)
+    positions = np.arange(skip, skip + tokens)
+    data = np.empty((total, reads[0][1].shape[-1]), dtype=reads[0][1].dtype)
+    index = np.empty((total, 2), dtype=np.int64)
+    at = 0
+    for rows, x in reads:
+        d = dest[at : at + len(rows) * tokens].reshape(len(rows), tokens)
+        data[d] = x[:, skip:]
+        index[d, 0], index[d, 1] = rows[:, None], positions[None, :]
+        at += len(rows) * tokens
+    return _Buffer(index, (data,), None)
 
 
 def _need_torch(what: str) -> None:
@@ -80,8 +191,9 @@ class ActivationStore:
         self.group = group
         self.url = url
         self.storage_options = dict(storage_options or {})
-        self.attrs: dict[str, Any] = dict(group.attrs[ATTR])
+        self.attrs: dict[str, Any] = root_attrs(group)
         self._cache: dict[str, np.ndarray] = {}
+        self._row_of: dict[str, int] | None = None  # image id -> row, built on the first call of row()
         self.last_run: Any = None  # extractor.run(): the RunSummary of the run that returned this store
 
     # ------------------------------------------------------------------ metadata
@@ -105,7 +217,7 @@ class ActivationStore:
     @property
     def extras(self) -> dict[str, dict[str, Any]]:
         """Per-row arrays of gradient jobs (``target``, ``target_score``, ``KEY.range``) -> dtype,
-        shape, dims; ``{}`` for other jobs. Read like captures: ``s[name]``, :meth:`numpy`,
+        shape, dims; ``{}`` for other jobs. _Read like captures: ``s[name]``, :meth:`numpy`,
         :meth:`batches`, :meth:`row`, :meth:`to_xarray`; they have no :attr:`stats`."""
         return dict(self.attrs.get("extras") or {})
 
@@ -143,7 +255,7 @@ class ActivationStore:
     # ------------------------------------------------------------------ per-row arrays
     def _row_array(self, name: str) -> np.ndarray:
         if name not in self._cache:
-            self._cache[name] = np.asarray(self.group[name][:])
+            self._cache[name] = np.asarray(get_array(self.group, name)[:])
         return self._cache[name]
 
     @property
@@ -158,7 +270,8 @@ class ActivationStore:
         """Where row's image is read from: its path, or (tar URL#member, byte offset, byte size)."""
         path = str(self.paths[row])
         if "byte_offset" in self.group:
-            return (path, int(self.group["byte_offset"][row]), int(self.group["byte_size"][row]))
+            offset, size = get_array(self.group, "byte_offset")[row], get_array(self.group, "byte_size")[row]
+            return (path, int(np.asarray(offset)), int(np.asarray(size)))
         return path
 
     @property
@@ -168,11 +281,11 @@ class ActivationStore:
     @property
     def status(self) -> np.ndarray:
         """0 pending, 1 ok, 2 failed (read fresh each time: a running job updates it)."""
-        return np.asarray(self.group["status"][:])
+        return np.asarray(get_array(self.group, "status")[:])
 
     @property
     def errors(self) -> np.ndarray:
-        return np.asarray(self.group["errors"][:])
+        return np.asarray(get_array(self.group, "errors")[:])
 
     @property
     def done_shards(self) -> np.ndarray:
@@ -186,7 +299,7 @@ class ActivationStore:
         """The lazy array of a capture or extra (numpy slicing reads only the chunks it touches)."""
         if key not in self:
             raise KeyError(f"{key!r} is not a capture or extra of {self.url}; {self._known()}")
-        return self.group[key]  # type: ignore[return-value]
+        return get_array(self.group, key)
 
     def _select_rows(self, rows: Rows, only_ok: bool, strict: bool = False) -> np.ndarray:
         """Store row numbers of ``rows``, in the order given (duplicates kept).
@@ -262,95 +375,25 @@ class ActivationStore:
         it rows come in the order given, and a chunk is read once per run of consecutive
         selected rows inside it: rows grouped by chunk (e.g. ascending) read each chunk once.
         """
-        if batch_size < 1 or buffer_chunks < 1:
-            raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
+        _check_sizes(batch_size, buffer_chunks)
         names = [keys] if isinstance(keys, str) else list(keys)
         if not names:
             raise ValueError(f"batches needs at least one capture key; {self._known()}")
         arrays = {k: self[k] for k in names}
         idx = self._select_rows(rows, only_ok)
-        if shuffle:  # the order is drawn anyway: gather each chunk's rows so that a chunk is read once
-            idx = np.sort(idx, kind="stable")  # linear time when already ascending
         step = max(int(arrays[names[0]].chunks[0]), 1)
-        chunk_of = idx // step
-        starts = np.flatnonzero(np.r_[True, chunk_of[1:] != chunk_of[:-1]]) if idx.size else np.zeros(0, int)
-        groups = np.split(idx, starts[1:]) if idx.size else []  # runs of selected rows inside one chunk
-        rng = np.random.default_rng(seed)
-        order = rng.permutation(len(groups)) if shuffle else np.arange(len(groups))
-        single = isinstance(keys, str)
-        per = buffer_chunks if shuffle else 1
-        buffers = [order[i : i + per] for i in range(0, len(order), per)]
+        if shuffle:  # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
+            runs, per = _shuffled_chunks(idx, step, seed), buffer_chunks
+        else:
+            runs, per = _chunk_runs(idx, step), 1
 
-        def assemble(job: tuple[int, np.ndarray]) -> tuple[np.ndarray, dict[str, list[np.ndarray]], np.ndarray, Any]:
-            """Read a buffer's chunks (on the prefetch thread); draw the order of its rows."""
-            n, chunk_ids = job
-            if len(chunk_ids) > 1:  # one orthogonal read: zarr fetches and decodes the chunks concurrently
-                rows = np.sort(np.concatenate([groups[ci] for ci in chunk_ids]))
-                data = {k: [np.asarray(arr.oindex[rows])] for k, arr in arrays.items()}
-                perm = np.random.default_rng([seed, n]).permutation(len(rows)) if shuffle else None
-                return rows, data, np.array([0, len(rows)]), perm
-            parts_rows, parts = [], {k: [] for k in names}
-            for ci in chunk_ids:
-                g = groups[ci]
-                a, b = int(g.min()), int(g.max()) + 1
-                whole = bool((np.diff(g) == 1).all())  # rows a, a+1, ..., b-1 in order: no gather needed
-                parts_rows.append(g)
-                for k, arr in arrays.items():
-                    block = np.asarray(arr[a:b])
-                    parts[k].append(block if whole else block[g - a])
-            starts = np.cumsum([0] + [len(g) for g in parts_rows])
-            total = int(starts[-1])
-            perm = np.random.default_rng([seed, n]).permutation(total) if shuffle else None
-            return np.concatenate(parts_rows), parts, starts, perm
+        def read(job: tuple[int, Sequence[np.ndarray]]) -> _Buffer:
+            n, chunk_runs = job
+            return _Buffer.read(arrays, chunk_runs, [seed, n] if shuffle else None)
 
-        def take(parts: dict[str, list[np.ndarray]], starts: np.ndarray, idx: np.ndarray | None, lo: int,
-                 hi: int) -> dict[str, np.ndarray]:
-            """Rows lo:hi of the buffer's order, gathered with one copy (grouped by chunk)."""
-            if idx is None:  # sequential: rows lo:hi, usually inside one chunk
-                j = int(np.searchsorted(starts, lo, "right") - 1)
-                if hi <= starts[j + 1]:
-                    return {k: v[j][lo - starts[j] : hi - starts[j]] for k, v in parts.items()}
-                idx = np.arange(lo, hi)
-            else:
-                idx = idx[lo:hi]
-            block = np.searchsorted(starts, idx, "right") - 1
-            order = np.argsort(block, kind="stable")
-            idx, block = idx[order], block[order]
-            bounds = np.flatnonzero(np.r_[True, block[1:] != block[:-1], True])
-            out = {}
-            for k, v in parts.items():
-                o = np.empty((len(idx), *v[0].shape[1:]), dtype=v[0].dtype)
-                for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True):
-                    j = int(block[s0])
-                    np.take(v[j], idx[s0:s1] - starts[j], axis=0, out=o[s0:s1])
-                out[k] = o
-            out["__rows__"] = idx
-            return out
-
-        carry: tuple[np.ndarray, dict[str, np.ndarray]] | None = None  # rows short of a batch
-        for rows_all, parts, starts, perm in _prefetched(enumerate(buffers), assemble, prefetch):
-            total = int(starts[-1])
-            lo = 0
-            if carry is not None:  # complete the carried rows with the first rows of this buffer
-                need = min(batch_size - len(carry[0]), total)
-                r1, d1 = self._rows_of(take(parts, starts, perm, 0, need), rows_all, 0, need, perm)
-                r0 = np.concatenate([carry[0], r1])
-                d0 = {k: np.concatenate([carry[1][k], d1[k]]) for k in names}
-                carry, lo = None, need
-                if len(r0) < batch_size:
-                    carry = (r0, d0)
-                    continue
-                yield r0, (d0[names[0]] if single else d0)
-            while lo < total:
-                hi = min(lo + batch_size, total)
-                r1, d1 = self._rows_of(take(parts, starts, perm, lo, hi), rows_all, lo, hi, perm)
-                if hi - lo < batch_size:
-                    carry = (r1, d1)
-                else:
-                    yield r1, (d1[names[0]] if single else d1)
-                lo = hi
-        if carry is not None:
-            yield carry[0], (carry[1][names[0]] if single else carry[1])
+        jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
+        for index, *data in _rebatch(_prefetched(jobs, read, prefetch), batch_size):
+            yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
 
     def token_batches(
         self,
@@ -377,6 +420,21 @@ class ActivationStore:
             raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool):
             raise TypeError(f"batch_size must be an int, not {batch_size!r}")
+        skip, tokens = self._token_span(key, drop_prefix)
+        _check_sizes(batch_size, buffer_chunks)
+        step = max(int(self[key].chunks[0]), 1)
+        idx = self._select_rows(rows, only_ok)
+        if shuffle:  # whole chunks in a random order; their tokens are mixed a buffer at a time
+            runs = _shuffled_chunks(idx, step, seed)
+            idx = np.concatenate(runs) if runs else idx
+        # one chunk's rows at a time, each chunk read once (rows grouped by chunk), without copies
+        reads = self.batches(key, step, shuffle=False, rows=idx, only_ok=False, prefetch=prefetch)
+        buffers = (_mix_tokens(held, skip, tokens, [seed, n] if shuffle else None)
+                   for n, held in enumerate(_collected(reads, step * buffer_chunks)))
+        yield from cast(Iterator[_Read], _rebatch(buffers, batch_size, drop_last))  # (index, data): one key
+
+    def _token_span(self, key: str, drop_prefix: bool | int) -> tuple[int, int]:
+        """How many of the first tokens of each row of capture ``key`` to leave out, and how many remain."""
         meta = self.captures.get(key)
         if meta is None or len(meta["shape"]) != 2:
             shape = meta["shape"] if meta else None
@@ -386,56 +444,7 @@ class ActivationStore:
         tokens = int(meta["shape"][0]) - skip
         if tokens <= 0:
             raise StoreError(f"{key!r} has {meta['shape'][0]} tokens per row; dropping {skip} leaves none")
-        if batch_size < 1 or buffer_chunks < 1:
-            raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
-        step = max(int(self[key].chunks[0]), 1)
-        idx = self._select_rows(rows, only_ok)
-        if shuffle:  # whole chunks in a random order; their tokens are mixed below, a buffer at a time
-            idx = np.sort(idx, kind="stable")
-            cuts = np.flatnonzero(np.diff(idx // step)) + 1
-            groups = np.split(idx, cuts) if idx.size else []
-            order = np.random.default_rng(seed).permutation(len(groups))
-            idx = np.concatenate([groups[i] for i in order]) if groups else idx
-        positions = np.arange(skip, skip + tokens)
-        carry: tuple[np.ndarray, np.ndarray] | None = None
-        parts: list[tuple[np.ndarray, np.ndarray]] = []
-        held = n = 0
-
-        def mix() -> tuple[np.ndarray, np.ndarray]:
-            """The buffer's tokens in one array each (index, data), in a seeded random order: one copy,
-            each token written straight to its place."""
-            total = held * tokens
-            dest = np.random.default_rng([seed, n]).permutation(total) if shuffle else np.arange(total)
-            data = np.empty((total, parts[0][1].shape[-1]), dtype=parts[0][1].dtype)
-            index = np.empty((total, 2), dtype=np.int64)
-            at = 0
-            for r, x in parts:
-                d = dest[at : at + len(r) * tokens].reshape(len(r), tokens)
-                data[d] = x[:, skip:]
-                index[d, 0], index[d, 1] = r[:, None], positions[None, :]
-                at += len(r) * tokens
-            return index, data
-
-        def cut(index: np.ndarray, data: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-            nonlocal carry
-            if carry is not None:
-                index, data = np.concatenate([carry[0], index]), np.concatenate([carry[1], data])
-            stop = len(data) - len(data) % batch_size
-            for a in range(0, stop, batch_size):
-                yield index[a : a + batch_size], data[a : a + batch_size]
-            carry = (index[stop:], data[stop:]) if stop < len(data) else None
-
-        # one chunk's rows at a time, each chunk read once (rows grouped by chunk), without copies
-        for r, x in self.batches(key, step, shuffle=False, rows=idx, only_ok=False, prefetch=prefetch):
-            parts.append((r, x))
-            held += len(r)
-            if held >= step * buffer_chunks:
-                yield from cut(*mix())
-                parts, held, n = [], 0, n + 1
-        if parts:
-            yield from cut(*mix())
-        if carry is not None and not drop_last:
-            yield carry
+        return skip, tokens
 
     def _prefix(self, drop_prefix: bool | int) -> int:
         """Tokens to leave out of each row: a count, or the model's prefix-token count for ``True``."""
@@ -451,24 +460,14 @@ class ActivationStore:
             raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix}")
         return int(drop_prefix)
 
-    @staticmethod
-    def _rows_of(d: dict[str, np.ndarray], rows_all: np.ndarray, lo: int, hi: int,
-                 perm: np.ndarray | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Store row numbers of a gathered slice (gathers carry their buffer positions)."""
-        pos = d.pop("__rows__", None)
-        if pos is None:
-            pos = np.arange(lo, hi)
-        return rows_all[pos], d
-
     def row(self, id: str) -> dict[str, Any]:
         """All captures and extras of the row with image id ``id`` (random access by id)."""
-        if "_row_of" not in self._cache:
-            self._cache["_row_of"] = {str(i): n for n, i in enumerate(self.ids)}  # type: ignore[assignment]
-        index: dict[str, int] = self._cache["_row_of"]  # type: ignore[assignment]
-        if id not in index:
+        if self._row_of is None:
+            self._row_of = {str(i): n for n, i in enumerate(self.ids)}
+        if id not in self._row_of:
             raise KeyError(f"no row with id {id!r} in {self.url}")
-        n = index[id]
-        status = STATUS_NAMES[int(self.group["status"][n])]
+        n = self._row_of[id]
+        status = STATUS_NAMES[int(np.asarray(get_array(self.group, "status")[n]))]
         out: dict[str, Any] = {"row": n, "id": id, "label": int(self.labels[n]), "status": status}
         out.update({k: np.asarray(self[k][n]) for k in [*self.keys, *self.extras]})
         return out
@@ -578,10 +577,7 @@ class ActivationStore:
 
         if self.attrs.get("status") != "running":
             return None
-        try:
-            held = dict(self.group["lease"].attrs)
-        except KeyError:
-            return None
+        held = read_lease(self.group)
         if not held or held.get("released"):
             return None
         age = time.time() - float(held.get("heartbeat", 0))

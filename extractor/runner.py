@@ -24,8 +24,10 @@ import numpy as np
 from . import __version__
 from ._text import count, table
 from .errors import DataError, FencedError, StoreError
+from .files import absolute
+from .listing import list_rows
 from .preprocess import of_store
-from .sources import Rows, Shard, absolute, list_rows, plan
+from .rows import Rows, Shard, plan
 from .spec import JobSpec, content_of, parse_spec, redact_argv, spec_digest
 from .stats import merge as merge_stats
 from .store import (
@@ -305,7 +307,7 @@ def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
                 f"(first: {rows.ids[missing[0]]}); use target: predicted or a class index"
             )
         beyond = [i for i, label in enumerate(rows.labels) if logits is not None and label >= logits]
-        if beyond:
+        if beyond and logits is not None:
             first = beyond[0]
             raise DataError(
                 f"target: label needs labels the model has outputs for (0 to {logits - 1}), but {len(beyond)} rows "
@@ -412,6 +414,62 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
     return [table[k] for k in sorted(table)]
 
 
+def _store_attrs(spec: JobSpec, rows: Rows, n_shards: int, layout: dict[str, Any]) -> dict[str, Any]:
+    """The store's ``extractor`` attributes at its creation (or, on resume, what it must match)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "created": now(),
+        "updated": now(),
+        "status": "running",
+        "spec": spec.public_dict(),  # secrets in storage options never reach the store
+        "spec_digest": spec_digest(spec),
+        "model": layout["model"],
+        "preprocess": layout["preprocess"],  # what resize, crop, interpolation, mean and std resolved to
+        "captures": layout["captures"],
+        "extras": layout["extras"],
+        "classes": rows.classes,
+        "n_rows": len(rows),
+        "n_shards": n_shards,
+        "shard_size": spec.data.shard_size,
+        "chunk_rows": spec.output.chunk_rows,
+        "ids_digest": _digest(rows.ids),
+        "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
+        "versions": _versions(),
+    }
+
+
+def _mark_stopped(spec: JobSpec, group: Any, url: str, err: BaseException) -> None:
+    """Mark the store ``interrupted`` or ``failed`` with ``err`` and the statistics of the shards that
+    finished; a storage that refuses (the one that failed the job may) only gets a warning."""
+    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    try:
+        stats = merge_stats(str(s) for s in group["shard_stats"][:])
+        update_attrs(url, spec.output.storage_options, status=status, error=f"{type(err).__name__}: {err}"[:1000],
+                     stats=stats)
+    except Exception as mark:  # noqa: BLE001 - whatever the storage raises, its done shards are kept
+        log.warning("could not mark %s %s (%s: %s); its done shards are kept", url, status, type(mark).__name__,
+                    mark)
+
+
+def _compute(spec: JobSpec, backend: Any, group: Any, lease: Lease, todo: list[Shard], on_progress: Progress,
+             on_event: Event) -> list[ShardSummary]:
+    """Run the shards ``todo`` on ``backend`` while this job holds the store's ``lease``; a job
+    stopped by an error or interruption marks the store so, unless the store is another job's now."""
+    url = absolute(spec.output.store)  # for workers in another directory
+    try:
+        summaries: list[ShardSummary] = []
+        if todo:  # a resume with nothing left to compute compiles nothing
+            backend.warm_up()  # once (a no-op when the store was created by this run)
+            summaries = backend.run(todo, url, on_progress, on_event, fence=lease.token)
+        lease.verify()  # a job paused past its lease marks nothing complete in another job's store
+    except BaseException as err:
+        if not (isinstance(err, FencedError) or lease.lost):  # else: not a word more into another job's store
+            _mark_stopped(spec, group, url, err)
+        raise
+    return summaries
+
+
+# run is over 60 lines, a quarter of them its docstring: the job's steps, in order, read best in one place
 def run(
     spec: JobSpec,
     *,
@@ -452,28 +510,8 @@ def run(
     lease: Lease | None = None
     try:
         layout = backend.probe()
-        captures = layout["captures"]
         _check_targets(spec, rows, layout["model"].get("logits"))
-        attrs = {
-            "format_version": FORMAT_VERSION,
-            "created": now(),
-            "updated": now(),
-            "status": "running",
-            "spec": spec.public_dict(),  # secrets in storage options never reach the store
-            "spec_digest": spec_digest(spec),
-            "model": layout["model"],
-            "preprocess": layout["preprocess"],  # what resize, crop, interpolation, mean and std resolved to
-            "captures": captures,
-            "extras": layout["extras"],
-            "classes": rows.classes,
-            "n_rows": len(rows),
-            "n_shards": len(shards),
-            "shard_size": spec.data.shard_size,
-            "chunk_rows": spec.output.chunk_rows,
-            "ids_digest": _digest(rows.ids),
-            "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
-            "versions": _versions(),
-        }
+        attrs = _store_attrs(spec, rows, len(shards), layout)
         old = read_attrs(spec.output.store, spec.output.storage_options)
         if spec.output.if_exists == "overwrite" or old is None:
             backend.warm_up()  # a model that fails to compile fails before a store is created or replaced
@@ -482,28 +520,10 @@ def run(
         lease.acquire()
         done = done_shards(group)
         todo = [s for s in shards if not done[s.index]]
-        per_row = _bytes_per_row(captures)
+        per_row = _bytes_per_row(layout["captures"])
         if on_start is not None:
             on_start(sum(len(s) for s in todo), per_row)
-        url = absolute(spec.output.store)  # for workers in another directory
-        try:
-            summaries: list[ShardSummary] = []
-            if todo:  # a resume with nothing left to compute compiles nothing
-                backend.warm_up()  # once (a no-op when the store was created by this run)
-                summaries = backend.run(todo, url, on_progress or (lambda n: None), event, fence=lease.token)
-            lease.verify()  # a job paused past its lease marks nothing complete in another job's store
-        except BaseException as err:
-            if isinstance(err, FencedError) or lease.lost:
-                raise  # the store is another job's now: not a word more into it
-            status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            try:
-                stats = merge_stats(str(s) for s in group["shard_stats"][:])  # of the shards that did finish
-                update_attrs(url, spec.output.storage_options, status=status,
-                             error=f"{type(err).__name__}: {err}"[:1000], stats=stats)
-            except Exception as mark:  # noqa: BLE001 - the storage that failed the job may refuse this too
-                log.warning("could not mark %s %s (%s: %s); its done shards are kept", url, status,
-                            type(mark).__name__, mark)
-            raise
+        summaries = _compute(spec, backend, group, lease, todo, on_progress or (lambda n: None), event)
     finally:
         backend.close()
         if lease is not None:

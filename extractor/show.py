@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from .analysis import _fit
+from ._pictures import crop_like_job, fit_text
 from .errors import StoreError
 from .reader import ActivationStore
+
+if TYPE_CHECKING:
+    import zarr
+    from PIL import Image
 
 __all__ = ["gradcam_grid"]
 
@@ -27,19 +31,14 @@ def colormap(v: np.ndarray) -> np.ndarray:
     return (_RAMP[lo] * (1 - t) + _RAMP[lo + 1] * t).astype(np.uint8)
 
 
-def _crop_like_job(item: Any, store: ActivationStore):  # -> PIL.Image.Image
-    """The image as the job saw it: decoded like the job (any path, URL, tar member), resized and
-    cropped as its ``preprocess`` record says."""
-    from .preprocess import of_store
-    from .sources import open_rgb
-
-    img = open_rgb(item, None, store.spec["data"].get("max_image_pixels"))
-    return of_store(store.attrs).geometry(img)
+def _rows_of(store: ActivationStore, name: str, idx: np.ndarray) -> np.ndarray:
+    """Rows ``idx`` of the store's per-row array ``name`` (an extra of a gradient job)."""
+    return np.asarray(cast("zarr.Array", store.group[name]).oindex[idx])
 
 
 def gradcam_grid(
     store: ActivationStore, key: str | None = None, rows: slice | None = None, columns: int = 4, alpha: float = 0.5
-):  # -> PIL.Image.Image
+) -> Image.Image:
     """A grid of the input images of ``rows`` with their Grad-CAM map over them and the target class."""
     from PIL import Image, ImageDraw
 
@@ -58,21 +57,21 @@ def gradcam_grid(
 
     ch, cw = of_store(store.attrs).size
     maps = store.numpy(key, rows=idx)
-    ranges = np.asarray(store.group[f"{key}.range"].oindex[idx])
-    targets = np.asarray(store.group["target"].oindex[idx])
-    scores = np.asarray(store.group["target_score"].oindex[idx])
+    ranges = _rows_of(store, f"{key}.range", idx)
+    targets = _rows_of(store, "target", idx)
+    scores = _rows_of(store, "target_score", idx)
     classes = store.classes if store.captures[key].get("target") == "label" else []  # else model classes
     label_h = 16
     n_rows = -(-len(idx) // columns)
     sheet = Image.new("RGB", (columns * cw, n_rows * (ch + label_h)), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     for n, (row, cam, (lo, hi), t, sc) in enumerate(zip(idx, maps, ranges, targets, scores, strict=True)):
-        img = _crop_like_job(store.locator(int(row)), store)
+        img = crop_like_job(store.locator(int(row)), store)
         norm = (cam - lo) / (hi - lo) if hi > lo else np.zeros_like(cam)
-        heat = Image.fromarray(colormap(norm)).resize((cw, ch), Image.BILINEAR)
+        heat = Image.fromarray(colormap(norm)).resize((cw, ch), Image.Resampling.BILINEAR)
         blended = Image.blend(img, heat, alpha)
         x, y = (n % columns) * cw, (n // columns) * (ch + label_h)
         sheet.paste(blended, (x, y))
         name = classes[t] if 0 <= t < len(classes) else f"class {t}"
-        draw.text((x + 2, y + ch + 2), _fit(draw, f"{row}: {name} ({sc:.2f})", cw - 4), fill=(0, 0, 0))
+        draw.text((x + 2, y + ch + 2), fit_text(draw, f"{row}: {name} ({sc:.2f})", cw - 4), fill=(0, 0, 0))
     return sheet

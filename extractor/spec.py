@@ -429,7 +429,7 @@ def redact(d: Any, inside_options: bool = False) -> Any:
     """A copy of ``d`` with every non-public value under a ``storage_options`` key, and every
     value under ``env_vars`` (the job's environment on the cluster: credentials), redacted."""
     if isinstance(d, dict):
-        out = {}
+        out: dict[Any, Any] = {}
         for k, v in d.items():
             if inside_options and k not in _PUBLIC_OPTIONS:
                 out[k] = REDACTED
@@ -609,7 +609,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
                 continue
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             try:
                 hash(key)
             except TypeError:

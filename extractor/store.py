@@ -28,12 +28,13 @@ import os
 import socket
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import zarr
 
 from .errors import FencedError, StoreError
+from .files import is_url
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -58,6 +59,19 @@ def _compressors(name: str, level: int | None) -> Any:
     return None
 
 
+class LeaseRecord(TypedDict, total=False):
+    """The attributes of the ``lease`` group: the job that holds the store (see :class:`Lease`)."""
+
+    token: str
+    heartbeat: float  # time.time() of its last renewal
+    released: str  # when the job let go of the store
+    host: str
+    pid: int
+    user: str
+    started: str
+    command: str
+
+
 def open_group(url: str, mode: str, storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
     """The store's root group as the writer sees it: never through consolidated metadata."""
     kwargs: dict[str, Any] = {"mode": mode}
@@ -68,8 +82,28 @@ def open_group(url: str, mode: str, storage_options: Mapping[str, Any] | None = 
     return zarr.open_group(url, **kwargs)
 
 
-def is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
+def get_array(group: zarr.Group, name: str) -> zarr.Array:
+    """The array ``name`` of the store (KeyError when missing, StoreError when it is a group)."""
+    node = group[name]
+    if not isinstance(node, zarr.Array):
+        raise StoreError(f"{name!r} in the store at {group.store_path} is a group where an array belongs")
+    return node
+
+
+def root_attrs(group: zarr.Group) -> dict[str, Any]:
+    """The extractor attributes of the store's root (KeyError when it has none)."""
+    attrs = group.attrs[ATTR]
+    if not isinstance(attrs, Mapping):
+        raise StoreError(f"the '{ATTR}' attributes of the store at {group.store_path} are not a mapping")
+    return dict(attrs)
+
+
+def read_lease(group: zarr.Group) -> LeaseRecord:
+    """The store's lease (``{}`` when no job ever held it)."""
+    try:
+        return cast(LeaseRecord, dict(group["lease"].attrs))  # written only by Lease._write
+    except KeyError:
+        return {}
 
 
 def half_created(url: str) -> str:
@@ -80,7 +114,7 @@ def half_created(url: str) -> str:
 
 def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The store's extractor attributes, or None when nothing is at ``url``."""
-    if is_local(url):
+    if not is_url(url):
         path = url.removeprefix("file://")
         if not os.path.exists(path):
             return None
@@ -126,47 +160,17 @@ def create_store(
 ) -> zarr.Group:
     """Create the layout (wiping what is at ``url``); the caller checked that this is allowed."""
     n = len(ids)
-    n_shards = -(-n // shard_size)
     comp = _compressors(compression, compression_level)  # before anything is wiped
-    try:
-        group = open_group(url, "w", storage_options)
-        # marked at once as extractor's (status "creating"): a store left half-made by a failure below
-        # is replaced by --overwrite, and refused by --resume
-        group.attrs.update({ATTR: {**attrs, "status": "creating"}})
-    except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
-        raise StoreError(
-            f"cannot create the store at output.store {url}: {type(err).__name__}: {str(err).rstrip('.')}. Its parent "
-            "folder or bucket must exist and be writable (check output.store and output.storage_options)"
-        ) from err
-    row_chunk = (min(shard_size, max(n, 1)),)
-
-    def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:
-        arr = group.create_array(
-            name, shape=(n,), dtype=dtype, chunks=row_chunk, fill_value=fill, dimension_names=["row"]
-        )
-        if data is not None:
-            arr[:] = data
-
-    row_array("ids", str, "", np.asarray(ids, dtype=np.dtypes.StringDType()))
-    row_array("paths", str, "", np.asarray(paths, dtype=np.dtypes.StringDType()))
-    row_array("labels", "int64", -1, np.asarray(labels, dtype=np.int64))
-    if offsets is not None and sizes is not None:  # tar sources: where each image's bytes are
-        row_array("byte_offset", "int64", -1, np.asarray(offsets, dtype=np.int64))
-        row_array("byte_size", "int64", -1, np.asarray(sizes, dtype=np.int64))
-    row_array("status", "uint8", PENDING)
-    row_array("errors", str, "")
-    group.create_array(
-        "shard_done", shape=(n_shards,), dtype="uint8", chunks=(1,), fill_value=0, dimension_names=["shard"]
-    )
-    group.create_array(
-        "shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="", dimension_names=["shard"]
-    )
+    group = _create_root(url, attrs, storage_options)
+    shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
+    _create_row_arrays(group, shard_rows, ids=ids, paths=paths, labels=labels, offsets=offsets, sizes=sizes)
+    _create_shard_arrays(group, n_shards=-(-n // shard_size))
     for key, meta in extras.items():  # per-row results of gradient jobs, chunked by shard
         group.create_array(
             key,
             shape=(n, *meta["shape"]),
             dtype=meta["dtype"],
-            chunks=(row_chunk[0], *meta["shape"]),
+            chunks=(shard_rows, *meta["shape"]),
             fill_value=-1 if meta["dtype"] == "int64" else np.nan,
             dimension_names=["row", *meta["dims"]],
         )
@@ -186,10 +190,65 @@ def create_store(
     return group
 
 
+def _create_root(url: str, attrs: Mapping[str, Any], storage_options: Mapping[str, Any] | None) -> zarr.Group:
+    """Wipe ``url`` and create the root group, marked at once as extractor's (status "creating"): a store
+    left half-made by a later failure is replaced by --overwrite, and refused by --resume."""
+    try:
+        group = open_group(url, "w", storage_options)
+        group.attrs.update({ATTR: {**attrs, "status": "creating"}})
+    except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
+        raise StoreError(
+            f"cannot create the store at output.store {url}: {type(err).__name__}: {str(err).rstrip('.')}. Its parent "
+            "folder or bucket must exist and be writable (check output.store and output.storage_options)"
+        ) from err
+    return group
+
+
+def _create_row_arrays(
+    group: zarr.Group,
+    shard_rows: int,
+    *,
+    ids: Sequence[str],
+    paths: Sequence[str],
+    labels: Sequence[int],
+    offsets: Sequence[int] | None,
+    sizes: Sequence[int] | None,
+) -> None:
+    """The per-row arrays (``ROW_ARRAYS``, and where tar sources have them ``byte_offset`` and
+    ``byte_size``), in chunks of ``shard_rows``: what is known before any image is read is written now."""
+    n = len(ids)
+
+    def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:
+        arr = group.create_array(
+            name, shape=(n,), dtype=dtype, chunks=(shard_rows,), fill_value=fill, dimension_names=["row"]
+        )
+        if data is not None:
+            arr[:] = data
+
+    row_array("ids", str, "", np.asarray(ids, dtype=np.dtypes.StringDType()))
+    row_array("paths", str, "", np.asarray(paths, dtype=np.dtypes.StringDType()))
+    row_array("labels", "int64", -1, np.asarray(labels, dtype=np.int64))
+    if offsets is not None and sizes is not None:  # tar sources: where each image's bytes are
+        row_array("byte_offset", "int64", -1, np.asarray(offsets, dtype=np.int64))
+        row_array("byte_size", "int64", -1, np.asarray(sizes, dtype=np.int64))
+    row_array("status", "uint8", PENDING)
+    row_array("errors", str, "")
+
+
+def _create_shard_arrays(group: zarr.Group, n_shards: int) -> None:
+    """The per-shard arrays: done markers and statistics, one storage object per shard."""
+    group.create_array(
+        "shard_done", shape=(n_shards,), dtype="uint8", chunks=(1,), fill_value=0, dimension_names=["shard"]
+    )
+    group.create_array(
+        "shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="", dimension_names=["shard"]
+    )
+
+
 def update_attrs(url: str, storage_options: Mapping[str, Any] | None = None, **changes: Any) -> None:
     """Update the root's extractor attributes (driver only)."""
     group = open_group(url, "r+", storage_options)
-    attrs = dict(group.attrs[ATTR])
+    attrs = root_attrs(group)
     attrs.update(changes, updated=now())
     group.attrs.update({ATTR: attrs})
 
@@ -209,15 +268,12 @@ def consolidate(url: str, storage_options: Mapping[str, Any] | None = None) -> N
 
 def done_shards(group: zarr.Group) -> np.ndarray:
     """Boolean per shard: True once its data and row status are durable."""
-    return np.asarray(group["shard_done"][:], dtype=bool)
+    return np.asarray(get_array(group, "shard_done")[:], dtype=bool)
 
 
 def lease_token(group: zarr.Group) -> str | None:
     """The token of the job that holds the store now (None: no lease)."""
-    try:
-        return dict(group["lease"].attrs).get("token")
-    except KeyError:
-        return None
+    return read_lease(group).get("token")
 
 
 def fenced(url: str, token: str | None) -> FencedError:
@@ -243,20 +299,23 @@ class ShardWriter:
         self.check_fence()
         self.start, self.stop, self.index = start, stop, index
         self.bytes = 0
-        self._arrays: dict[str, Any] = {}  # opened once: each open reads the array's metadata
+        self._arrays: dict[str, zarr.Array] = {}  # opened once: each open reads the array's metadata
         self._lock = threading.Lock()  # write() is called from several writer threads
 
     def locators(self) -> list[Any]:
         """What the decoder reads for each row: a path, or (tar URL#member, offset, size)."""
-        paths = [str(p) for p in self.group["paths"][self.start : self.stop]]
+        paths = [str(p) for p in self._rows("paths")]
         if "byte_offset" not in self.group:
             return paths
-        offsets = self.group["byte_offset"][self.start : self.stop]
-        sizes = self.group["byte_size"][self.start : self.stop]
+        offsets, sizes = self._rows("byte_offset"), self._rows("byte_size")
         return [(p, int(o), int(n)) for p, o, n in zip(paths, offsets, sizes, strict=True)]
 
+    def _rows(self, name: str) -> np.ndarray:
+        """This shard's rows of the per-row array ``name``."""
+        return np.asarray(get_array(self.group, name)[self.start : self.stop])
+
     def labels(self) -> np.ndarray:
-        return np.asarray(self.group["labels"][self.start : self.stop], dtype=np.int64)
+        return np.asarray(self._rows("labels"), dtype=np.int64)
 
     def check_fence(self) -> None:
         """Raise :class:`FencedError` when the job that writes is no longer the one holding the store."""
@@ -272,7 +331,7 @@ class ShardWriter:
         with self._lock:
             arr = self._arrays.get(key)
             if arr is None:
-                arr = self._arrays[key] = self.group[key]
+                arr = self._arrays[key] = get_array(self.group, key)
         arr[a : a + len(data)] = data
         with self._lock:
             self.bytes += data.nbytes
@@ -286,11 +345,11 @@ class ShardWriter:
     ) -> None:
         self.check_fence()  # the marker says "done": only while this job holds the store
         for key, values in (extras or {}).items():
-            self.group[key][self.start : self.stop] = values
-        self.group["status"][self.start : self.stop] = status
-        self.group["errors"][self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
-        self.group["shard_stats"][self.index] = stats
-        self.group["shard_done"][self.index] = 1  # last: a crash before this never looks complete
+            get_array(self.group, key)[self.start : self.stop] = values
+        get_array(self.group, "status")[self.start : self.stop] = status
+        get_array(self.group, "errors")[self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
+        get_array(self.group, "shard_stats")[self.index] = stats
+        get_array(self.group, "shard_done")[self.index] = 1  # last: a crash before this never looks complete
 
 
 def _alive(pid: int) -> bool:
@@ -328,11 +387,7 @@ class Lease:
         """Raise StoreError when another job holds a fresh lease on ``url``."""
         import time
 
-        group = open_group(url, "r", storage_options)
-        try:
-            held = dict(group["lease"].attrs)
-        except KeyError:
-            return
+        held = read_lease(open_group(url, "r", storage_options))
         if not held or held.get("released") or held.get("token") == token:
             return
         age = time.time() - float(held.get("heartbeat", 0))
@@ -358,7 +413,7 @@ class Lease:
             raise fenced(self.url, lease_token(group))
         attrs = {**self.info, "token": self.token, "heartbeat": time.time(), **extra}
         try:
-            group["lease"].attrs.put(attrs)  # type: ignore[union-attr]
+            group["lease"].attrs.put(attrs)
         except KeyError:
             group.create_group("lease", attributes=attrs)
 
@@ -402,7 +457,7 @@ class Lease:
 
 def disk_usage(url: str) -> int | None:
     """Bytes on disk of a local store (None for remote stores)."""
-    if not is_local(url):
+    if is_url(url):
         return None
     total = 0
     for dirpath, _dirs, files in os.walk(url.removeprefix("file://")):

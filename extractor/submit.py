@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,11 @@ def _check_paths(spec: JobSpec) -> None:
     """Refuse relative local paths: on the cluster the job runs in a temporary copy of
     ``submit.working_dir`` (which Ray deletes later), not in the directory submitting it. An
     input may be relative when it is inside that folder (uploaded with it)."""
+    from .files import is_relative
     from .zoo import local_folder, looks_like_path
 
     def relative(value: Any) -> bool:
-        return isinstance(value, str) and bool(value) and "://" not in value and not os.path.isabs(value)
+        return isinstance(value, str) and bool(value) and is_relative(value)
 
     if relative(spec.output.store):
         raise ClusterError(
@@ -129,11 +131,16 @@ def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_comman
             raise _explain(address, err) from err
 
 
-def follow_logs(c: Any, job_id: str) -> None:
-    """Print the job's logs as they come until it ends."""
-
-    async def tail() -> None:
-        async for lines in c.tail_job_logs(job_id):
-            print(lines, end="", flush=True)
-
-    asyncio.run(tail())
+def follow_logs(c: Any, job_id: str) -> Iterator[str]:
+    """The job's log text as it comes (a chunk of lines at a time), until the job ends."""
+    loop = asyncio.new_event_loop()
+    chunks = c.tail_job_logs(job_id).__aiter__()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(chunks.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

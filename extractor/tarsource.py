@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import re
 import tarfile
 from collections.abc import Sequence
@@ -26,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .errors import DataError
-from .sources import Rows, _remote_error, absolute, is_url, labels_of
+from .files import absolute, check_unambiguous, is_url, remote_error, tar_url_of
+from .rows import Rows, labels_of
 
 __all__ = ["expand_braces", "list_tars", "scan_tar", "tar_url_of"]
 
@@ -51,50 +51,6 @@ def expand_braces(pattern: str) -> list[str]:
     return list(itertools.chain.from_iterable(expand_braces(head + o + tail) for o in options))
 
 
-_IS_FILE: dict[tuple[str, str], bool] = {}  # (URL, storage options) -> is a file: remote answers, per process
-
-
-def _is_file(url: str, storage_options: dict[str, Any]) -> bool:
-    if not is_url(url):
-        return os.path.isfile(url.removeprefix("file://"))
-    key = (url, repr(sorted(storage_options.items())))
-    if key not in _IS_FILE:
-        import fsspec
-
-        fs, p = fsspec.core.url_to_fs(url, **storage_options)
-        try:
-            _IS_FILE[key] = bool(fs.isfile(p))
-        except FileNotFoundError:  # a missing bucket; other errors (credentials, network) are the row's error
-            _IS_FILE[key] = False
-    return _IS_FILE[key]
-
-
-def tar_url_of(path: str, storage_options: dict[str, Any] | None = None) -> str:
-    """The tar URL of a stored row path ``TAR_URL#MEMBER``.
-
-    With one ``#`` that is where the URL ends. With several (``#`` in a folder name or a
-    member name), it is the first ``#`` before which an existing file ends: listing refused
-    tars with a file at an earlier ``#`` (:func:`_check_unambiguous`), so this is the tar.
-    Raises FileNotFoundError, naming the whole path, when no prefix is a file.
-    """
-    if path.count("#") <= 1:
-        return path.split("#", 1)[0]
-    for i, c in enumerate(path):
-        if c == "#" and _is_file(path[:i], storage_options or {}):
-            return path[:i]
-    raise FileNotFoundError(f"no tar shard found for {path} (no part of it before a '#' is a file)")
-
-
-def _check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
-    """Refuse a tar whose path has a file at one of its own ``#``: its rows could not be read back."""
-    for i, c in enumerate(url):
-        if c == "#" and _is_file(url[:i], storage_options):
-            raise DataError(
-                f"tar shard {url}: {url[:i]} is a file too, so rows stored as TAR#MEMBER would read it "
-                "instead; rename the folder or the file so that no part of the tar's path before a '#' is a file"
-            )
-
-
 def _key_and_ext(name: str) -> tuple[str, str]:
     slash = name.rfind("/")
     dot = name.find(".", slash + 1)
@@ -104,56 +60,62 @@ def _key_and_ext(name: str) -> tuple[str, str]:
 def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any]) -> list[dict[str, Any]]:
     """One record per sample with an image: key, member, offset, size, raw label."""
     exts = tuple(e.lower() for e in extensions)
-    samples: dict[str, dict[str, Any]] = {}
-    order: list[str] = []
-    try:
-        if is_url(url):
-            import fsspec
-
-            fobj = fsspec.open(url, "rb", **storage_options).open()
-        else:
-            fobj = open(url.removeprefix("file://"), "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError:
-        raise DataError(f"tar shard {url} does not exist") from None
-    except Exception as err:  # noqa: BLE001 - every backend raises its own errors
-        raise _remote_error("tar shard", url, err) from err
+    samples: dict[str, dict[str, Any]] = {}  # by key, in the order of their first member
+    fobj = _open_tar(url, storage_options)
     try:
         with tarfile.open(fileobj=fobj, mode="r:") as tar:
             for member in _members(tar, url):
                 if not member.isfile():
                     continue
                 key, ext = _key_and_ext(member.name)
-                if key not in samples:
-                    samples[key] = {"key": key}
-                    order.append(key)
-                rec = samples[key]
+                rec = samples.setdefault(key, {"key": key})
                 if ext.endswith(exts) and "member" not in rec:
                     rec.update(member=member.name, offset=member.offset_data, size=member.size)
                 elif ext in (".cls", ".json") and member.size < 1 << 20:
-                    f = tar.extractfile(member)
-                    text = f.read().decode("utf-8", "replace").strip() if f else ""
-                    if ext == ".cls":
-                        rec["label"] = text
-                    else:
-                        try:
-                            meta = json.loads(text)
-                        except json.JSONDecodeError:
-                            meta = {}
-                        if isinstance(meta, dict) and "label" in meta and "label" not in rec:
-                            rec["label"] = meta["label"]
+                    _read_label(tar, member, ext, rec)
     except tarfile.TarError as err:
         raise DataError(f"tar shard {url} is not a readable tar file ({type(err).__name__}: {err})") from None
     except DataError:
         raise
     except Exception as err:  # noqa: BLE001
-        raise _remote_error("tar shard", url, err) from err
+        raise remote_error("tar shard", url, err) from err
     finally:
         fobj.close()
-    records = [samples[k] for k in order if "member" in samples[k]]
+    records = [rec for rec in samples.values() if "member" in rec]
     if not records:
-        names = ", ".join(order[:5]) or "no members"
+        names = ", ".join(list(samples)[:5]) or "no members"
         raise DataError(f"tar shard {url} holds no image members (keys: {names}); check data.extensions")
     return records
+
+
+def _open_tar(url: str, storage_options: dict[str, Any]) -> Any:
+    """The tar's file object, local or remote; a missing or unreadable one is a DataError."""
+    try:
+        if is_url(url):
+            import fsspec
+
+            return fsspec.open(url, "rb", **storage_options).open()
+        return open(url.removeprefix("file://"), "rb")  # noqa: SIM115 - the caller closes it
+    except FileNotFoundError:
+        raise DataError(f"tar shard {url} does not exist") from None
+    except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+        raise remote_error("tar shard", url, err) from err
+
+
+def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, ext: str, rec: dict[str, Any]) -> None:
+    """A sample's label from its ``.cls`` member (the text), or its ``.json`` member's ``label``
+    field when no label was found before."""
+    f = tar.extractfile(member)
+    text = f.read().decode("utf-8", "replace").strip() if f else ""
+    if ext == ".cls":
+        rec["label"] = text
+        return
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError:
+        meta = {}
+    if isinstance(meta, dict) and "label" in meta and "label" not in rec:
+        rec["label"] = meta["label"]
 
 
 def _members(tar: tarfile.TarFile, url: str):  # -> Iterator[tarfile.TarInfo]
@@ -181,7 +143,7 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
         raise DataError("data.tars names no tar shards")
     for url in urls:
         if "#" in url:
-            _check_unambiguous(url, so)
+            check_unambiguous(url, so)
     with ThreadPoolExecutor(min(16, len(urls))) as pool:
         scanned = list(pool.map(lambda u: scan_tar(u, extensions, so), urls))
     ids, paths, offsets, sizes, raw, where = [], [], [], [], [], []

@@ -22,12 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from .batching import Batch, BatchStream
 from .capture import ROOT, Capturer, Target, decide_layout, dim_names, resolve_targets
+from .decode import ImageDecoder, JpegDecoder
 from .errors import DeviceError, ExtractorError, FencedError, LayerError, ModelError, ShardError
+from .faults import blame, describe_error, device_errors, device_fault, not_an_image, shard_failed
 from .model import build_model, model_call, resolve_device
 from .preprocess import Preprocess, from_dict
 from .preprocess import resolve as resolve_preprocess
-from .sources import BatchStream, ImageDecoder, JpegDecoder, Shard, describe_error, device_errors
+from .rows import Shard
 from .spec import JobSpec
 from .stats import ShardStats
 from .stats import dumps as stats_dumps
@@ -39,11 +42,11 @@ log = logging.getLogger(__name__)
 
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WRITE_QUEUE = 4  # chunks (of every capture) that may wait for the writer threads: bounds memory
+_INTERRUPTS: tuple[type[BaseException], ...] = (KeyboardInterrupt, *device_errors())  # never the model's fault
+# errors the probe raises as they are; any other is the model's, on a blank image
+_PROBE_PASSES: tuple[type[BaseException], ...] = (ExtractorError, torch.OutOfMemoryError, *_INTERRUPTS)
 MAX_DECODE_THREADS = 32  # decode_workers: auto on a large machine
 WRITE_THREADS = 4  # chunks compressed and stored at once (zstd and zarr release the GIL)
-_DEVICE_ERRORS = device_errors()
-# errors of a forward that are never an image's: they fail the shard (or stop the worker), not a row
-_NOT_AN_IMAGE = (LayerError, KeyboardInterrupt, SystemExit, *_DEVICE_ERRORS)
 
 
 def decode_threads(setting: int | str, cpus: int | None = None) -> int:
@@ -105,11 +108,16 @@ class ShardSummary:
 class Worker:
     """Holds the model and its hooks' targets for the life of a job."""
 
-    def __init__(self, spec: JobSpec, cpus: int | None = None, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, spec: JobSpec, cpus: int | None = None, model: torch.nn.Module | None = None,
+                 batches: Callable[[], Any] | None = None) -> None:
         """``cpus``: how many CPUs this worker may use (a Ray actor's share of its node), for
         ``data.decode_workers: auto``; default, those this process may run on. ``model``: a module
         made in Python (``extractor.run(..., model=...)``), used instead of building one; its
-        mode and parameters' ``requires_grad`` are given back by :meth:`close`."""
+        mode and parameters' ``requires_grad`` are given back by :meth:`close`. ``batches``: makes
+        the batch source of each ``run_shards`` call, an object with ``add(locators)`` and
+        ``next() -> Batch | None`` as :class:`~extractor.batching.BatchStream` (default: the
+        images decoded from the store's paths; benchmarks: pre-decoded tensors)."""
+        self._batches = batches
         self.spec = spec
         self.device = resolve_device(spec.model.device)
         # a caller's module is given back in its mode, with its requires_grad flags (close)
@@ -220,7 +228,7 @@ class Worker:
         event.record(torch.cuda.current_stream(self.device))
         return host, event
 
-    def _forward_rows(self, images: torch.Tensor, labels: np.ndarray | None) -> _Done:
+    def _forward_rows(self, images: torch.Tensor, labels: np.ndarray | None) -> _Forwarded:
         """Forward a batch and start its copy to the host; the errors of images that make it raise.
 
         When the batch raises, each image is retried alone (eagerly, synchronously) so that
@@ -229,12 +237,12 @@ class Worker:
         """
         try:
             host, event = self._to_host(self._forward(images, labels))
-            return _Done(host, {}, event)
-        except _NOT_AN_IMAGE:
+            return _Forwarded(host, {}, event)
+        except not_an_image():
             raise
         except Exception as err:  # noqa: BLE001 - decided per image below
             if len(images) == 1:
-                return _Done({}, {0: f"forward failed on this image: {describe_error(err)}"}, None)
+                return _Forwarded({}, {0: f"forward failed on this image: {describe_error(err)}"}, None)
             log.warning("a batch of %d raised %s: %s; retrying image by image", len(images), type(err).__name__, err)
         parts: list[dict[str, np.ndarray] | None] = []
         bad: dict[int, str] = {}
@@ -243,7 +251,7 @@ class Worker:
             try:
                 one = self._forward(images[i : i + 1], labels[i : i + 1] if labels is not None else None, eager=True)
                 parts.append({k: v.cpu().numpy() for k, v in one.items()})
-            except _NOT_AN_IMAGE:
+            except not_an_image():
                 raise
             except Exception as err:  # noqa: BLE001 - this image fails its row
                 bad[i] = f"forward failed on this image: {describe_error(err)}"
@@ -256,7 +264,7 @@ class Worker:
         template = {k: next(p[k] for p in parts if p is not None) for k in keys}
         host = {k: np.concatenate([p[k] if p is not None else np.zeros_like(template[k]) for p in parts])
                 for k in keys}
-        return _Done(host, bad, None)
+        return _Forwarded(host, bad, None)
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Captured tensors (on the device) for a uint8 batch: one hooked forward."""
@@ -278,7 +286,7 @@ class Worker:
             values = self._blank()
             if self._decide_layouts():
                 values = self._blank()  # again, reduced as decided
-        except (ExtractorError, KeyboardInterrupt, torch.OutOfMemoryError, *_DEVICE_ERRORS):
+        except _PROBE_PASSES:
             raise
         except Exception as err:
             raise ModelError(
@@ -371,7 +379,7 @@ class Worker:
         try:
             self._blank((h + 32, w + 32))
             return dict(self.cap.original_shapes)
-        except (KeyboardInterrupt, *_DEVICE_ERRORS):
+        except _INTERRUPTS:
             raise
         except Exception:  # noqa: BLE001 - a model with a fixed input size: this fact is not to be had
             return {}
@@ -394,7 +402,7 @@ class Worker:
                 f"out of memory on the {self.device} while compiling the model on a full batch of "
                 f"{self.spec.data.batch_size} (data.batch_size): lower data.batch_size"
             ) from err
-        except _DEVICE_ERRORS as err:
+        except device_errors() as err:
             raise DeviceError(f"the {self.device} device failed while compiling the model: {describe_error(err)}") \
                 from err
         except Exception as err:
@@ -458,7 +466,7 @@ class Worker:
         try:
             _Pipeline(self, shards, url, so, on_batch, on_computed, on_started, fence).run()
         except Exception as err:
-            fault = _device_fault(err)
+            fault = device_fault(err)
             if fault is None:
                 raise
             where = f" while shard {err.shard} was running" if isinstance(err, ShardError) else ""
@@ -470,8 +478,11 @@ class Worker:
                 "CUDA_LAUNCH_BLOCKING=1 to find it.)"
             ) from fault
 
-    def _stream(self) -> BatchStream:
-        """Where decoded batches come from (decoded ``decode_workers`` ahead, across shards)."""
+    def batches(self) -> Any:
+        """Where a ``run_shards`` call's batches come from: the ``batches`` given, or the shards'
+        images decoded ``decode_workers`` ahead, across shards."""
+        if self._batches is not None:
+            return self._batches()
         bs = self.spec.data.batch_size
         if self.jpeg is not None:
             return BatchStream(bs, self.jpeg.read, self.pool, collate=self.jpeg.collate)
@@ -509,50 +520,187 @@ class ShardQueue:
             return self.items.popleft() if self.items else None
 
 
+class _NextShard:
+    """The look-ahead: the shard after the current one, taken from the queue and opened on the
+    prepare thread (its store arrays and row list read) while the current one computes; its
+    rows join the batch stream as soon as it is open, so its first images decode meanwhile."""
+
+    def __init__(self, worker: Worker, shards: ShardQueue, stream: Any, url: str,
+                 storage_options: dict[str, Any] | None, fence: str | None) -> None:
+        self.worker, self.shards, self.stream = worker, shards, stream
+        self.url, self.so, self.fence = url, storage_options, fence
+        self.shard: Shard | None = None
+        self.opening: Future[_ShardInput] | None = None
+        self.queued = False  # its rows are in the stream
+
+    def fetch(self, block: bool) -> None:
+        """Take the next shard from the queue (waiting for one when ``block``) and start opening it."""
+        if self.shard is None and (shard := self.shards.get(block)) is not None:
+            self.shard, self.queued = shard, False
+            self.opening = self.worker.prepare_pool.submit(_ShardInput.open, shard, self.url, self.so,
+                                                           bool(self.worker.extras), self.fence)
+
+    def feed(self) -> None:
+        """Once it is open, add its rows to the stream."""
+        if self.opening is not None and not self.queued and self.opening.done() and self.opening.exception() is None:
+            self.stream.add(self.opening.result().paths)
+            self.queued = True
+
+    def take(self) -> tuple[Shard, _ShardInput]:
+        """It becomes the current shard: its input (raising its opening error), its rows in the stream."""
+        assert self.shard is not None and self.opening is not None
+        shard, opening, queued = self.shard, self.opening, self.queued
+        self.shard = self.opening = None
+        given = opening.result()
+        if not queued:
+            self.stream.add(given.paths)
+        return shard, given
+
+
+class _ReadBack:
+    """The one-batch read-back lag: the batch last sent to the device is read into its shard's
+    output only after the next batch is sent, also across a shard boundary, so the device
+    never waits for the host. At most two batches are in flight at once: the worker's two
+    sets of page-locked host buffers, used in turn, are never overwritten before read."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[_ShardOutput, np.ndarray, _Forwarded] | None = None  # sent, not read back
+
+    def holds(self, out: _ShardOutput) -> bool:
+        """The batch in flight is ``out``'s."""
+        return self.pending is not None and self.pending[0] is out
+
+    def push(self, out: _ShardOutput, offsets: np.ndarray, forwarded: _Forwarded) -> _ShardOutput | None:
+        """A batch was just sent: read back the one before it. Returns the shard output that read
+        its last batch then (the shard before ``out``), closed: the caller finishes it."""
+        done = self.settle(keep=out)
+        self.pending = out, offsets, forwarded
+        return done
+
+    def settle(self, keep: _ShardOutput | None) -> _ShardOutput | None:
+        """Read back the batch in flight. Its shard's output, when it is not ``keep``, is closed
+        (its last chunks handed to the writers) and returned for the caller to finish."""
+        if self.pending is None:
+            return None
+        (out, offsets, forwarded), self.pending = self.pending, None
+        try:
+            out.add(offsets, forwarded)
+            if out is not keep:
+                out.close()
+        except BaseException as err:
+            out.abandon()
+            if not isinstance(err, Exception):
+                raise
+            raise _failed(out.shard, err) from err
+        return None if out is keep else out
+
+
 class _Pipeline:
-    """One call of ``Worker.run_shards``: the shards' batches come from one stream, and the
-    batch last sent to the device (``previous``) is read back after the next one is sent,
-    whichever shard either belongs to. The next shard, once queued, is opened on the prepare
-    thread and its rows added to the stream while the current one computes; when none is
-    queued as a shard's rows run out, the pipeline drains, so that shard is finished before
-    waiting for more."""
+    """One call of ``Worker.run_shards``: the shards' batches come from one stream, the next
+    shard opens ahead (:class:`_NextShard`), and each batch is read back after the next one is
+    sent (:class:`_ReadBack`), whichever shard either belongs to. When no shard is queued as a
+    shard's rows run out, the pipeline drains, so that shard is finished before waiting for more."""
 
     def __init__(self, worker: Worker, shards: ShardQueue, url: str, storage_options: dict[str, Any] | None,
                  on_batch: Callable[[int], None] | None,
                  on_computed: Callable[[Shard, Future[ShardSummary]], None] | None,
                  on_started: Callable[[Shard], None] | None, fence: str | None = None) -> None:
-        self.worker, self.shards, self.url, self.so, self.fence = worker, shards, url, storage_options, fence
+        self.worker, self.shards = worker, shards
         self.on_batch, self.on_computed, self.on_started = on_batch, on_computed, on_started
-        self.stream = worker._stream()
-        self.previous: tuple[_ShardOutput, np.ndarray, _Done] | None = None  # sent, not yet read back
-        self.ahead: tuple[Shard, Future[_ShardInput]] | None = None  # the next shard, opening on the prepare thread
-        self.ahead_queued = False  # its rows are in the stream
+        self.stream = worker.batches()
+        self.next = _NextShard(worker, shards, self.stream, url, storage_options, fence)
+        self.read_back = _ReadBack()
         self.put_back: Shard | None = None  # a started shard that another one's failure interrupted
         self.t = time.perf_counter()  # when the current shard began (the previous one's rows ran out)
-
-    def _look_ahead(self, block: bool) -> None:
-        if self.ahead is None:
-            shard = self.shards.get(block)
-            if shard is not None:
-                future = self.worker.prepare_pool.submit(_ShardInput.open, shard, self.url, self.so,
-                                                         bool(self.worker.extras), self.fence)
-                self.ahead, self.ahead_queued = (shard, future), False
 
     def run(self) -> None:
         """Every shard of the queue until it is closed and empty. On a failure, the shards not at
         fault go back to the front of the queue: the one opened ahead, and the current one when
         the shard before it failed as its last batch was read back."""
         try:
-            self._look_ahead(block=True)
-            while self.ahead is not None:
+            self.next.fetch(block=True)
+            while self.next.shard is not None:
                 self._shard()
-            self._settle(keep=None)  # the last shard's last batch
+            self._finish(self.read_back.settle(keep=None))  # the last shard's last batch
         except _CallbackError as err:
             raise err.error from None
         finally:
-            for shard in (self.ahead[0] if self.ahead is not None else None, self.put_back):
+            for shard in (self.next.shard, self.put_back):
                 if shard is not None:
                     self.shards.put(shard, first=True)
+
+    def _shard(self) -> None:
+        """One shard: open it; for each batch, forward it and read back the one before; finish it."""
+        shard, out = self.next.shard, None
+        assert shard is not None
+        try:
+            shard, given = self.next.take()  # raises the store's error for this shard
+            out = _ShardOutput(self.worker, given, started=self.t)
+            self._call(self.on_started, shard)
+            while (batch := self._next_batch(out)) is not None:
+                self._forward(batch, given, out)
+            self._end(out)
+        except BaseException as err:  # noqa: BLE001 - raised again by _stop, as the failure of the shard at fault
+            self._stop(shard, out, err)
+
+    def _next_batch(self, out: _ShardOutput) -> Batch | None:
+        """The shard's next decoded batch (None at its end); meanwhile the next shard opens."""
+        self.next.fetch(block=False)
+        self.next.feed()
+        w = time.perf_counter()
+        batch = self.stream.next()
+        out.wait_decode += time.perf_counter() - w
+        return batch
+
+    def _forward(self, batch: Batch, given: _ShardInput, out: _ShardOutput) -> None:
+        """Record the batch's decode failures, send its images to the device, read back the batch before."""
+        for off, err in batch.failed.items():
+            out.fail(off, err)
+        if batch.images is not None:
+            offsets = np.asarray(batch.offsets)
+            labels = given.labels[offsets] if given.labels is not None else None
+            forwarded = self.worker._forward_rows(batch.images, labels)
+            out.count(len(offsets), forwarded)
+            self._finish(self.read_back.push(out, offsets, forwarded))  # maybe the shard before's last batch
+        self._call(self.on_batch, len(batch.offsets) + len(batch.failed))
+
+    def _end(self, out: _ShardOutput) -> None:
+        """The shard's rows ran out: finish it now when nothing of it is in flight or no shard
+        follows (its last batch read back), else when the next shard's first batch is sent."""
+        self.t = time.perf_counter()
+        out.seconds = self.t - out.started
+        self.next.fetch(block=False)
+        if not self.read_back.holds(out):  # this shard sent nothing to the device
+            self._finish(self.read_back.settle(keep=None))
+            out.close()
+            self._finish(out)
+        elif self.next.shard is None:  # nothing queued after it: finish it now rather than wait for more
+            self._finish(self.read_back.settle(keep=None))
+        if self.next.shard is None:
+            self.next.fetch(block=True)  # wait for more (none, once the queue is closed)
+
+    def _stop(self, shard: Shard, out: _ShardOutput | None, err: BaseException) -> None:
+        """Stop on ``err``: what the shard before computed is still written, and the error is
+        raised as the failure of the shard at fault (see :func:`~extractor.faults.blame`)."""
+        if out is not None:
+            out.abandon()
+        if not (out is not None and self.read_back.holds(out)):
+            try:
+                self._finish(self.read_back.settle(keep=None))
+            except ShardError:
+                self.put_back = shard  # the shard before failed as it was read back: this one is not at fault
+                raise
+        verdict = blame(err, shard.index, passes=(_CallbackError,))
+        if verdict == "another":
+            self.put_back = shard
+        if verdict != "this":
+            raise err
+        raise _failed(shard, err) from err
+
+    def _finish(self, out: _ShardOutput | None) -> None:
+        """After ``out.close()``: its done marker is written behind its last chunks."""
+        if out is not None:
+            self._call(self.on_computed, out.shard, out.hand_off())
 
     def _call(self, fn: Callable[..., None] | None, *args: Any) -> None:
         """A caller's callback: its errors go up as they are, never as a shard's failure."""
@@ -561,85 +709,6 @@ class _Pipeline:
                 fn(*args)
             except Exception as err:
                 raise _CallbackError(err) from err
-
-    def _finish(self, out: _ShardOutput) -> None:
-        """After ``out.close()``: its done marker is written behind its last chunks."""
-        self._call(self.on_computed, out.shard, out.hand_off())
-
-    def _settle(self, keep: _ShardOutput | None) -> None:
-        """Read the previous batch into its shard; finish that shard when it is not ``keep``."""
-        if self.previous is None:
-            return
-        (out, offsets, done), self.previous = self.previous, None
-        try:
-            out.add(offsets, done)
-            if out is not keep:
-                out.close()
-        except BaseException as err:
-            out.abandon()
-            if not isinstance(err, Exception):
-                raise
-            raise _failed(out.shard, err) from err
-        if out is not keep:
-            self._finish(out)
-
-    def _shard(self) -> None:
-        assert self.ahead is not None
-        (shard, opening), queued = self.ahead, self.ahead_queued
-        self.ahead, out = None, None
-        try:
-            given = opening.result()  # raises the store's error for this shard
-            if not queued:
-                self.stream.add(given.paths)
-            out = _ShardOutput(self.worker, given, started=self.t)
-            self._call(self.on_started, shard)
-            while True:
-                self._look_ahead(block=False)
-                if self.ahead is not None and not self.ahead_queued and self.ahead[1].done() \
-                        and self.ahead[1].exception() is None:
-                    self.stream.add(self.ahead[1].result().paths)  # the next shard's first images decode from now
-                    self.ahead_queued = True
-                w = time.perf_counter()
-                batch = self.stream.next()
-                out.wait_decode += time.perf_counter() - w
-                if batch is None:
-                    break
-                for off, err in batch.failed.items():
-                    out.fail(off, err)
-                if batch.images is not None:
-                    offsets = np.asarray(batch.offsets)
-                    labels = given.labels[offsets] if given.labels is not None else None
-                    done = self.worker._forward_rows(batch.images, labels)
-                    out.count(len(offsets), done)
-                    self._settle(keep=out)  # the batch before this one, maybe the previous shard's last
-                    self.previous = out, offsets, done
-                self._call(self.on_batch, len(batch.offsets) + len(batch.failed))
-            self.t = time.perf_counter()
-            out.seconds = self.t - out.started
-            self._look_ahead(block=False)
-            if self.previous is None or self.previous[0] is not out:  # this shard sent nothing to the device
-                self._settle(keep=None)
-                out.close()
-                self._finish(out)
-            elif self.ahead is None:  # nothing queued after it: finish it now rather than wait for more
-                self._settle(keep=None)
-            if self.ahead is None:
-                self._look_ahead(block=True)  # wait for more (none, once the queue is closed)
-        except BaseException as err:
-            if out is not None:
-                out.abandon()
-            try:
-                if self.previous is not None and self.previous[0] is not out:
-                    self._settle(keep=None)  # what the shard before this one computed is still written
-            except ShardError:
-                self.put_back = shard  # the shard before failed as it was read back: this one is not at fault
-                raise
-            if isinstance(err, ShardError) and err.shard != shard.index:
-                self.put_back = shard
-                raise
-            if isinstance(err, (ShardError, _CallbackError, FencedError)) or not isinstance(err, Exception):
-                raise  # FencedError: the job's, not this shard's
-            raise _failed(shard, err) from err
 
 
 def _stack_pinned(items: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, str]]:
@@ -656,21 +725,8 @@ class _CallbackError(Exception):
         self.error = error
 
 
-def _device_fault(err: BaseException) -> BaseException | None:
-    """The CUDA fault behind ``err`` (itself, or its cause), if any."""
-    seen: set[int] = set()
-    cur: BaseException | None = err
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, _DEVICE_ERRORS):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
 def _failed(shard: Shard, err: BaseException) -> ShardError:
-    return ShardError(f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed: {type(err).__name__}: {err}",
-                      shard.index)
+    return shard_failed(shard.index, shard.start, shard.stop, err)
 
 
 @dataclass
@@ -691,7 +747,7 @@ class _ShardInput:
 
 
 @dataclass
-class _Done:
+class _Forwarded:
     """A forwarded batch: host arrays (readable once ``event`` has completed) and per-image errors."""
 
     host: dict[str, np.ndarray]
@@ -733,7 +789,7 @@ class _ShardOutput:
         except IndexError:
             return np.empty(self.shapes[key], self.dtypes[key])
 
-    def count(self, images: int, done: _Done) -> None:
+    def count(self, images: int, done: _Forwarded) -> None:
         """Fail the shard when every image so far made the model raise: the cause is not the images."""
         self.forward_failed += len(done.bad)
         self.decoded += images
@@ -743,7 +799,7 @@ class _ShardOutput:
     def fail(self, offset: int, err: str) -> None:
         self.status[offset], self.errors[offset] = FAILED, err
 
-    def add(self, offsets: np.ndarray, done: _Done) -> None:
+    def add(self, offsets: np.ndarray, done: _Forwarded) -> None:
         """Record a forwarded batch whose rows are ``offsets`` (within the shard, ascending)."""
         if done.event is not None:
             t = time.perf_counter()

@@ -14,7 +14,7 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -261,7 +261,7 @@ def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
     except (OSError, ValueError, KeyError) as err:
         return f"hf:{src} has no image processor config (preprocessor_config.json) here ({type(err).__name__})"
     size = getattr(p, "size", None) or {}
-    get = (lambda k: getattr(size, k, None)) if not isinstance(size, dict) else size.get
+    get: Callable[[str], Any] = (lambda k: getattr(size, k, None)) if not isinstance(size, dict) else size.get
     resize: int | tuple[int, int] | None
     if not getattr(p, "do_resize", True):
         resize = None
@@ -274,11 +274,12 @@ def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
     crop = None
     if getattr(p, "do_center_crop", False):
         cs = p.crop_size
-        cget = (lambda k: getattr(cs, k, None)) if not isinstance(cs, dict) else cs.get
+        cget: Callable[[str], Any] = (lambda k: getattr(cs, k, None)) if not isinstance(cs, dict) else cs.get
         crop = (int(cget("height")), int(cget("width")))
     if getattr(p, "do_rescale", True) and abs(float(getattr(p, "rescale_factor", 1 / 255)) - 1 / 255) > 1e-9:
         return f"the image processor of hf:{src} rescales by {p.rescale_factor}, not 1/255"
-    mean, std = getattr(p, "image_mean", None), getattr(p, "image_std", None)
+    mean: Any = getattr(p, "image_mean", None)  # a number or a sequence, as the processor has it
+    std: Any = getattr(p, "image_std", None)
     if not getattr(p, "do_normalize", True) or mean is None:
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
     mean = (float(mean),) * 3 if isinstance(mean, (int, float)) else tuple(float(v) for v in mean)
@@ -287,7 +288,7 @@ def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
     interpolation = _RESAMPLE.get(int(resample), None) if resample is not None else "bilinear"
     if interpolation is None:
         return f"the image processor of hf:{src} resamples with {resample!r}"
-    return Preprocess(resize=resize, crop=crop, interpolation=interpolation, mean=mean, std=std,  # type: ignore[arg-type]
+    return Preprocess(resize=resize, crop=crop, interpolation=interpolation, mean=mean, std=std,
                       crop_offset="floor", source=f"{type(p).__name__} of hf:{src}")
 
 

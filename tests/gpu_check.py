@@ -42,9 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from extractor import worker as worker_mod  # noqa: E402
+from extractor.batching import Batch  # noqa: E402
+from extractor.decode import ImageDecoder, JpegDecoder  # noqa: E402
 from extractor.reader import open_store  # noqa: E402
 from extractor.runner import LocalBackend, run  # noqa: E402
-from extractor.sources import Batch, ImageDecoder, JpegDecoder  # noqa: E402
 from extractor.spec import parse_spec  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
@@ -258,16 +259,6 @@ class SliceStream:
         return Batch(list(range(a, b)), self.pixels[first + a:first + b], {})
 
 
-class PreDecoded(worker_mod.Worker):
-    """A Worker whose batches come from a pinned uint8 tensor instead of files."""
-
-    pixels: torch.Tensor | None = None
-
-    def _stream(self) -> SliceStream:
-        assert self.pixels is not None
-        return SliceStream(self.pixels, self.spec.data.batch_size)
-
-
 def bare_loop(pixels: torch.Tensor, batch: int, device: str) -> float:
     import torchvision
 
@@ -310,13 +301,13 @@ def extractor_predecoded(pixels: torch.Tensor, n: int, batch: int, device: str, 
         "output": {"store": str(work / "predecoded.zarr"), "chunk_rows": 256, "if_exists": "overwrite"},
         "cluster": {"backend": "local"},
     })
-    PreDecoded.pixels = pixels
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     first: list[float] = []
     summary = run(spec, on_event=lambda name, info: first.append(time.perf_counter())
                   if name == "shard_started" and not first else None,
-                  backend=LocalBackend(spec, PreDecoded(spec)))
+                  backend=LocalBackend(spec, worker_mod.Worker(  # batches from a pinned tensor, not files
+                      spec, batches=lambda: SliceStream(pixels, spec.data.batch_size))))
     seconds = time.perf_counter() - first[0]
     assert summary.ok == n, summary
     if summary.nonfinite:

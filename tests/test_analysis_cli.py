@@ -68,7 +68,7 @@ def test_probe_chart_title_gives_the_folds_run(stores, tmp_path: Path, monkeypat
 def test_a_store_without_ok_rows(stores, tmp_path: Path, capsys):
     from PIL import Image, ImageDraw
 
-    from extractor.analysis import _fit
+    from extractor._pictures import fit_text as _fit
 
     _, failed = stores
     assert main(["show", failed, "--key", "emb", "--out", str(tmp_path / "pca.png")]) == 1

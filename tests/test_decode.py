@@ -15,7 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from extractor.sources import EncodedJpeg, ImageDecoder, JpegDecoder, iter_batches
+from extractor.batching import iter_batches
+from extractor.decode import EncodedJpeg, ImageDecoder, JpegDecoder
 from extractor.spec import DataSpec
 
 

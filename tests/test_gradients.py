@@ -11,9 +11,10 @@ from conftest import job
 from PIL import Image
 
 from extractor.errors import DataError, SpecError
+from extractor.listing import list_rows
 from extractor.reader import open_store
+from extractor.rows import plan
 from extractor.runner import run
-from extractor.sources import list_rows, plan
 from extractor.spec import parse_spec
 from extractor.worker import Worker
 
@@ -177,7 +178,7 @@ def test_show_draws_gradcam_overlays(image_dir: Path, tmp_path: Path):
     assert img.size == (3 * 64, 2 * (64 + 16))
     # the overlay differs from the bare image: the map is drawn
     s = open_store(str(tmp_path / "s.zarr"))
-    from extractor.show import _crop_like_job
+    from extractor._pictures import crop_like_job as _crop_like_job
 
     bare = np.asarray(_crop_like_job(str(s.paths[0]), s), dtype=np.int16)
     tile = np.asarray(img.convert("RGB"), dtype=np.int16)[:64, :64]

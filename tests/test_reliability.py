@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from extractor.errors import DeviceError, ShardError, SpecError, StoreError
+from extractor.listing import list_rows
 from extractor.reader import open_store
 from extractor.runner import run
-from extractor.sources import list_rows
 from extractor.spec import parse_spec
 from extractor.store import ShardWriter
 
@@ -75,7 +75,7 @@ def test_odd_images(tmp_path: Path):
     # EXIF orientation applied: the 40x20 image stands up as 20x40, so a 20x20 crop of it differs
     # from the crop of the same pixels without the tag
     assert not np.array_equal(c["a/rotated.jpg"], c["a/plain.png"])
-    from extractor.sources import open_rgb
+    from extractor.decode import open_rgb
 
     assert open_rgb(str(a / "rotated.jpg")).size == (20, 40)
 
@@ -187,7 +187,7 @@ def test_a_shard_interrupted_by_the_failure_of_the_one_before_goes_back_to_the_q
     surfacing there fails shard 0 only, and shard 1 returns to the queue (a Ray actor's
     pipeline then runs it: its caller must not wait forever)."""
     from extractor import worker as worker_mod
-    from extractor.sources import plan
+    from extractor.rows import plan
 
     raw = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
     run(parse_spec(raw))  # creates the store

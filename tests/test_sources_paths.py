@@ -10,10 +10,12 @@ import pytest
 from conftest import job, make_images
 from test_sources import write_tars
 
+from extractor.decode import open_rgb
 from extractor.errors import DataError
+from extractor.files import read_bytes
+from extractor.listing import list_rows
 from extractor.reader import open_store
 from extractor.runner import run
-from extractor.sources import list_rows, open_rgb, read_bytes
 from extractor.spec import parse_spec
 
 

@@ -118,7 +118,7 @@ def test_a_queue_fed_pipeline_finishes_each_shard_before_waiting_for_more(image_
     import threading
     from concurrent.futures import Future
 
-    from extractor.sources import plan
+    from extractor.rows import plan
     from extractor.worker import ShardQueue, Worker
 
     raw = job(image_dir, tmp_path / "s.zarr")
@@ -272,7 +272,7 @@ def test_unreadable_file_fails_its_row(tmp_path: Path):
 
 
 def test_image_modes_become_rgb(tmp_path: Path):
-    from extractor.sources import open_rgb
+    from extractor.decode import open_rgb
 
     rgb = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
     base = Image.fromarray(rgb)

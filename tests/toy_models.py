@@ -140,16 +140,16 @@ def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
     the image file called ``name`` (Ray tests: it patches the worker's own process only)."""
     import os
 
-    import extractor.sources as sources
+    import extractor.decode as decode
 
-    read = sources.read_bytes
+    read = decode.read_bytes
 
     def read_bytes(item, storage_options=None):  # noqa: ANN001, ANN202 - the patched function's signature
         if isinstance(item, str) and os.path.basename(item) == name:
             os._exit(70)
         return read(item, storage_options)
 
-    sources.read_bytes = read_bytes
+    decode.read_bytes = read_bytes
     return SlowNet(seconds)
 
 

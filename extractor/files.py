@@ -1,0 +1,142 @@
+"""Where images are and how their bytes are read: local paths, URLs (fsspec), tar members.
+
+A row's stored path is a local path (absolute), a URL, or ``TAR_URL#MEMBER`` with the
+member's byte range (see :mod:`extractor.tarsource`); file names that are not UTF-8 are
+stored hex-encoded (``fsbytes:``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import DataError
+
+__all__ = ["Locator", "is_url", "is_relative", "absolute", "storable_path", "display_name", "read_bytes", "tar_url_of",
+           "remote_error"]
+
+
+def is_url(path: str) -> bool:
+    """A remote location (``s3://``, ``gs://``, ``memory://``...); ``file://`` and plain paths are local."""
+    return "://" in path and not path.startswith("file://")
+
+
+def is_relative(path: str) -> bool:
+    """A local path relative to the current directory (not a URL, not ``file://``, not absolute)."""
+    return "://" not in path and not os.path.isabs(path)
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute (against the current directory), so that workers running
+    elsewhere and later readers find the file; URLs (``s3://``, ``file://``...) unchanged."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def remote_error(what: str, url: str, err: BaseException) -> DataError:
+    """A listing error from a remote file system as a DataError with a hint (credentials, bucket, endpoint)."""
+    name = type(err).__name__
+    hint = ""
+    text = str(err).lower()
+    if "credential" in text or "access denied" in text or "forbidden" in text or "signature" in text:
+        hint = "; check the credentials in data.storage_options"
+    elif "bucket" in text or isinstance(err, FileNotFoundError):
+        hint = "; check the bucket and path"
+    elif "connect" in text or "endpoint" in text:
+        hint = "; check data.storage_options.endpoint_url and the network"
+    return DataError(f"cannot read {what} {url}: {name}: {err}{hint}")
+
+
+Locator = str | tuple[str, int, int]  # a path or URL, or (tar URL#member, byte offset, byte size)
+
+
+FS_BYTES = "fsbytes:"  # prefix of a stored path whose file name is not valid UTF-8 (hex of the raw bytes)
+
+
+def storable_path(path: str) -> str:
+    """A path the store can hold (UTF-8): names with undecodable bytes are hex-encoded, reversibly."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return FS_BYTES + os.fsencode(path).hex()
+
+
+def display_name(path: str) -> str:
+    """A readable UTF-8 form of a file name (undecodable bytes shown as \\xNN)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def local_path(path: str) -> str | bytes:
+    """The path to open for a stored local path (``fsbytes:`` names back to their bytes)."""
+    if path.startswith(FS_BYTES):
+        return bytes.fromhex(path[len(FS_BYTES):])
+    return path.removeprefix("file://")
+
+
+def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:
+    """The bytes of one image: a file, a URL, or a member's byte range inside a tar."""
+    if isinstance(item, tuple):
+        path, offset, size = item
+        url = tar_url_of(path, storage_options or {})
+        if is_url(url):
+            import fsspec
+
+            fs, p = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            return fs.cat_file(p, start=offset, end=offset + size)
+        with open(url.removeprefix("file://"), "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise OSError(f"{url} ends before the member's {size} bytes at offset {offset}: truncated tar")
+        return data
+    if is_url(item):
+        import fsspec
+
+        with fsspec.open(item, "rb", **(storage_options or {})) as f:
+            return f.read()
+    with open(local_path(item), "rb") as f:
+        return f.read()
+
+
+_IS_FILE: dict[tuple[str, str], bool] = {}  # (URL, storage options) -> is a file: remote answers, per process
+
+
+def _is_file(url: str, storage_options: dict[str, Any]) -> bool:
+    if not is_url(url):
+        return os.path.isfile(url.removeprefix("file://"))
+    key = (url, repr(sorted(storage_options.items())))
+    if key not in _IS_FILE:
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(url, **storage_options)
+        try:
+            _IS_FILE[key] = bool(fs.isfile(p))
+        except FileNotFoundError:  # a missing bucket; other errors (credentials, network) are the row's error
+            _IS_FILE[key] = False
+    return _IS_FILE[key]
+
+
+def tar_url_of(path: str, storage_options: dict[str, Any] | None = None) -> str:
+    """The tar URL of a stored row path ``TAR_URL#MEMBER``.
+
+    With one ``#`` that is where the URL ends. With several (``#`` in a folder name or a
+    member name), it is the first ``#`` before which an existing file ends: listing refused
+    tars with a file at an earlier ``#`` (:func:`check_unambiguous`), so this is the tar.
+    Raises FileNotFoundError, naming the whole path, when no prefix is a file.
+    """
+    if path.count("#") <= 1:
+        return path.split("#", 1)[0]
+    for i, c in enumerate(path):
+        if c == "#" and _is_file(path[:i], storage_options or {}):
+            return path[:i]
+    raise FileNotFoundError(f"no tar shard found for {path} (no part of it before a '#' is a file)")
+
+
+def check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
+    """Refuse a tar whose path has a file at one of its own ``#``: its rows could not be read back."""
+    for i, c in enumerate(url):
+        if c == "#" and _is_file(url[:i], storage_options):
+            raise DataError(
+                f"tar shard {url}: {url[:i]} is a file too, so rows stored as TAR#MEMBER would read it "
+                "instead; rename the folder or the file so that no part of the tar's path before a '#' is a file"
+            )

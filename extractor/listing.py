@@ -1,0 +1,161 @@
+"""Listing a data spec's images as rows: a folder (local or remote), a manifest, or tar shards
+(:mod:`extractor.tarsource`); nothing is decoded here."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import DataError
+from .files import absolute, display_name, is_relative, is_url, remote_error, storable_path
+from .rows import Rows, labels_of
+from .spec import DataSpec
+from .tarsource import list_tars
+
+__all__ = ["list_rows"]
+
+log = logging.getLogger(__name__)
+
+
+def list_rows(data: DataSpec) -> Rows:
+    """List the images of a data spec, or raise :class:`DataError` before any work starts."""
+    so = data.storage_options
+    if data.source == "folder":
+        assert data.root is not None  # the spec validator guarantees it
+        rows = _list_remote_folder(data.root, data.extensions, so) if is_url(data.root) else \
+            _list_folder(Path(data.root), data.extensions)
+        where = data.root
+    elif data.source == "manifest":
+        assert data.manifest is not None
+        rows = _list_manifest(data.manifest, data.root, so)
+        where = data.manifest
+    else:
+        rows = list_tars(data.tars, data.extensions, so)
+        where = str(data.tars)
+    if not len(rows):
+        raise DataError(
+            f"no images found in {where} (looked for files ending in {', '.join(data.extensions)}); "
+            "check data.root / data.manifest / data.tars"
+        )
+    return rows
+
+
+def _list_remote_folder(root: str, extensions: Sequence[str], so: dict) -> Rows:
+    import fsspec
+
+    exts = tuple(e.lower() for e in extensions)
+    try:
+        fs, base = fsspec.core.url_to_fs(root, **so)
+        found = sorted(p for p in fs.find(base) if p.lower().endswith(exts))
+    except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+        raise remote_error("data.root", root, err) from err
+    base = base.rstrip("/")
+    rel = [p[len(base) + 1:] for p in found]
+    rel = [r for r in rel if not any(part.startswith(".") for part in r.split("/"))]  # hidden files and folders
+    labels, classes = _folder_labels(rel)
+    return Rows(ids=rel, paths=[f"{root.rstrip('/')}/{r}" for r in rel], labels=labels, classes=classes)
+
+
+def _folder_labels(rel: list[str]) -> tuple[list[int], list[str]]:
+    """ImageFolder labels: an image's class is its top-level folder. Images directly in the
+    root have no class (-1); when others do, a warning names them."""
+    nested = [r for r in rel if "/" in r]
+    if not nested:
+        return [-1] * len(rel), []
+    loose = [r for r in rel if "/" not in r]
+    if loose:
+        log.warning("%d images lie directly in data.root (first: %s), outside the class folders; they get "
+                    "no label (-1). Move them into a class folder, or list them in a manifest",
+                    len(loose), display_name(loose[0]))
+    classes = sorted({r.split("/", 1)[0] for r in nested})
+    index = {c: i for i, c in enumerate(classes)}
+    return [index[r.split("/", 1)[0]] if "/" in r else -1 for r in rel], classes
+
+
+def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
+    if not root.exists():
+        raise DataError(f"data.root {root} does not exist; set data.root to a folder of images")
+    if not root.is_dir():
+        raise DataError(f"data.root {root} is not a folder; for a file list use data.source: manifest")
+    exts = tuple(e.lower() for e in extensions)
+    rel: list[str] = []
+    seen_dirs: set[str] = set()
+
+    def onerror(err: OSError) -> None:
+        log.warning("cannot list %s: %s", err.filename, err.strerror)
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen_dirs:  # a symlink loop, or a second link to a folder already walked
+            log.warning("skipping %s: it leads back to %s, already listed", dirpath, real)
+            dirnames[:] = []
+            continue
+        seen_dirs.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .ipynb_checkpoints, .git: not classes
+        base = Path(dirpath).relative_to(root)
+        for name in sorted(filenames):
+            if name.lower().endswith(exts) and not name.startswith("."):
+                rel.append((base / name).as_posix())
+    labels, classes = _folder_labels(rel)
+    top = absolute(str(root))
+    paths = [storable_path(os.path.join(top, r)) for r in rel]
+    return Rows(ids=[display_name(r) for r in rel], paths=paths, labels=labels, classes=classes)
+
+
+def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
+    suffix = Path(manifest.split("?", 1)[0]).suffix.lower()
+    if suffix not in (".csv", ".jsonl", ".ndjson"):
+        raise DataError(f"data.manifest {manifest}: expected a .csv or .jsonl file")
+    try:
+        if is_url(manifest):
+            import fsspec
+
+            try:
+                with fsspec.open(manifest, "rb", **so) as f:
+                    text = f.read().decode("utf-8-sig")  # a spreadsheet's byte-order mark is not a column name
+            except UnicodeDecodeError:
+                raise
+            except Exception as err:  # noqa: BLE001
+                raise remote_error("data.manifest", manifest, err) from err
+        else:
+            if not Path(manifest).exists():
+                raise DataError(f"data.manifest {manifest} does not exist")
+            text = Path(manifest).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise DataError(f"data.manifest {manifest} is not UTF-8 text: {err}") from None
+    if suffix == ".csv":
+        records: list[Any] = list(csv.DictReader(io.StringIO(text, newline="")))
+    else:
+        records = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{manifest}:{lineno}: not valid JSON: {err.msg}") from None
+    base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
+    ids, paths, raw_labels = [], [], []
+    for n, rec in enumerate(records):
+        where = f"{manifest} row {n + 1}"
+        if not isinstance(rec, dict) or not rec.get("path"):
+            raise DataError(f"{where}: missing 'path' (columns: path, optional id and label)")
+        p = str(rec["path"])
+        full = f"{base.rstrip('/')}/{p}" if is_relative(p) else p
+        paths.append(absolute(full))
+        ids.append(str(rec["id"]) if rec.get("id") not in (None, "") else p)
+        raw_labels.append(rec.get("label"))
+    seen: dict[str, int] = {}
+    for n, i in enumerate(ids):
+        if i in seen:
+            raise DataError(
+                f"{manifest}: id {i!r} appears in rows {seen[i] + 1} and {n + 1}; ids must be unique"
+            )
+        seen[i] = n
+    labels, classes = labels_of(raw_labels, lambda n: f"{manifest} row {n + 1}")
+    return Rows(ids=ids, paths=paths, labels=labels, classes=classes)

@@ -1,0 +1,53 @@
+"""Whose fault an error is (extractor.faults), decided alone, without a pipeline around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from extractor.errors import DeviceError, FencedError, LayerError, ShardError
+from extractor.faults import blame, device_fault, not_an_image, shard_failed, whose
+
+
+class Callback(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("err", "verdict"), [
+    (ValueError("a decoder bug"), "this"),  # raised while shard 3 ran: shard 3's failure
+    (ShardError("shard 3 failed", 3), "as_is"),  # already shard 3's
+    (ShardError("shard 2 failed", 2), "another"),  # the shard before, read back late: 3 goes back to the queue
+    (ShardError("no shard", None), "another"),
+    (FencedError("another job holds the store"), "as_is"),  # the job's: raised as it is
+    (Callback("the caller's"), "as_is"),
+    (KeyboardInterrupt(), "as_is"),
+])
+def test_blame_names_the_shard_at_fault(err: BaseException, verdict: str):
+    assert blame(err, 3, passes=(Callback,)) == verdict
+
+
+def test_a_shard_failure_names_the_shard_its_rows_and_the_cause():
+    err = shard_failed(3, 30, 40, OSError("disk full"))
+    assert err.shard == 3 and str(err) == "shard 3 (rows 30-39) failed: OSError: disk full"
+
+
+def test_the_driver_stops_the_job_for_a_fenced_writer_a_shard_for_its_error_and_replaces_the_worker_otherwise():
+    assert whose(FencedError("x")) == "job"
+    assert whose(ShardError("x", 1)) == "shard"
+    assert whose(DeviceError("cuda")) == "worker" and whose(RuntimeError("x")) == "worker"
+
+
+def test_a_device_fault_is_found_behind_the_errors_that_wrap_it_and_is_never_an_images():
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is None:
+        pytest.skip("this torch has no AcceleratorError")
+    fault = accelerator("CUDA error: an illegal memory access was encountered")
+    try:
+        try:
+            raise fault
+        except accelerator as inner:
+            raise ShardError("shard 1 failed", 1) from inner
+    except ShardError as outer:
+        assert device_fault(outer) is fault
+    assert device_fault(ValueError("x")) is None
+    assert accelerator in not_an_image() and LayerError in not_an_image()
