@@ -172,6 +172,12 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from ._environment import check_submitted
+
+    differs = check_submitted()  # a submitted job: the cluster's packages against the submitting machine's
+    if differs:
+        print(f"warning: this cluster runs {', '.join(differs)}; stored values may differ in their last bits "
+              "from a run on the submitting machine", file=sys.stderr)
     from .spec import load_spec
 
     overrides = list(args.set or [])
@@ -441,7 +447,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
               "nodes)", file=sys.stderr)
     again = ["submit", args.job, "--address", address, *[a for s in args.set or [] for a in ("--set", s)],
              "--set", "output.if_exists=resume"]
-    job_id = submit(spec, address, job_id=args.job_id, resume_command=_command(*again))
+    job_id = submit(spec, address, job_id=args.job_id, resume_command=_command(*again), ship=args.ship)
     print(f"submitted {job_id}")
     print(f"dashboard: {address.rstrip('/')}/#/jobs/{job_id}")
     if not args.wait:
@@ -563,6 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--set", action="append", metavar="KEY=VALUE")
     su.add_argument("--job-id", help="submission id (default: chosen by Ray)")
     su.add_argument("--wait", action="store_true", help="follow the logs; exit with the job's outcome")
+    su.add_argument("--no-ship", dest="ship", action="store_false",
+                    help="do not send the installed extractor package with the job (the cluster's image has it)")
     su.set_defaults(func=cmd_submit)
 
     jb = sub.add_parser("jobs", parents=[common], help="list, inspect, follow or stop submitted jobs")

@@ -21,7 +21,18 @@ import numpy as np
 import zarr
 
 from .errors import StoreError
-from .store import ATTR, OK, STATUS_NAMES, disk_usage, done_shards, get_array, half_created, read_lease, root_attrs
+from .store import (
+    ATTR,
+    OK,
+    STATUS_NAMES,
+    CaptureRecord,
+    disk_usage,
+    done_shards,
+    get_array,
+    half_created,
+    read_lease,
+    root_attrs,
+)
 
 __all__ = ["open_store", "ActivationStore"]
 
@@ -206,7 +217,8 @@ class ActivationStore:
         return self.attrs["model"]
 
     @property
-    def captures(self) -> dict[str, dict[str, Any]]:
+    def captures(self) -> dict[str, CaptureRecord]:
+        """How each capture is stored (see :class:`~extractor.store.CaptureRecord`)."""
         return self.attrs["captures"]
 
     @property

@@ -34,6 +34,7 @@ from .store import (
     FAILED,
     FORMAT_VERSION,
     PENDING,
+    Layout,
     Lease,
     consolidate,
     create_store,
@@ -278,22 +279,10 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
         return open_group(url, "r+", so)
     if old is not None:
         log.info("overwriting %s", url)
-    return create_store(
-        url,
-        ids=rows.ids,
-        paths=rows.paths,
-        labels=rows.labels,
-        shard_size=spec.data.shard_size,
-        chunk_rows=spec.output.chunk_rows,
-        captures=attrs["captures"],
-        extras=attrs["extras"],
-        compression=spec.output.compression,
-        compression_level=spec.output.compression_level,
-        attrs=attrs,
-        storage_options=so,
-        offsets=rows.offsets,
-        sizes=rows.sizes,
-    )
+    layout = Layout(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
+                    chunk_rows=spec.output.chunk_rows, compression=spec.output.compression,
+                    compression_level=spec.output.compression_level)
+    return create_store(url, rows, layout, attrs, so)
 
 
 def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:

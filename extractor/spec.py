@@ -284,7 +284,8 @@ class OutputSpec(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for a remote store; secrets here are never written to the store or logs."""
     chunk_rows: int = Field(default=256, gt=0)
-    """Rows per chunk of each capture array; must divide data.shard_size."""
+    """Rows per chunk of each capture array; must divide data.shard_size. ``auto`` (the default):
+    the largest divisor of data.shard_size up to 256 (250 for shards of 1000, 100 for 100)."""
     compression: Literal["zstd", "blosc", "gzip", "none"] = "zstd"
     compression_level: int | None = None
     if_exists: Literal["error", "resume", "overwrite"] = "error"
@@ -360,6 +361,23 @@ class SubmitSpec(_Section):
     """Environment variables of the job on the cluster."""
 
 
+MAX_AUTO_CHUNK_ROWS = 256  # output.chunk_rows: auto never exceeds it
+MIN_AUTO_CHUNK_ROWS = 16  # nor goes below it, unless the shard itself is smaller
+
+
+def auto_chunk_rows(shard_size: int) -> int:
+    """The largest divisor of ``shard_size`` up to MAX_AUTO_CHUNK_ROWS; a shard size whose divisors
+    are all too small for sensible chunks (a prime such as 1009) is refused, saying what to set."""
+    best = max(d for d in range(1, min(shard_size, MAX_AUTO_CHUNK_ROWS) + 1) if shard_size % d == 0)
+    if best < MIN_AUTO_CHUNK_ROWS and best != shard_size:
+        raise ValueError(
+            f"output.chunk_rows: auto needs a divisor of data.shard_size ({shard_size}) between "
+            f"{MIN_AUTO_CHUNK_ROWS} and {MAX_AUTO_CHUNK_ROWS}, and the largest is {best}; choose a shard_size "
+            "with one (1000, 1024...) or set output.chunk_rows to a divisor of it"
+        )
+    return best
+
+
 class JobSpec(_Section):
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec
@@ -367,6 +385,21 @@ class JobSpec(_Section):
     output: OutputSpec = Field(default_factory=OutputSpec)
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     submit: SubmitSpec = Field(default_factory=SubmitSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_chunk_rows(cls, raw: Any) -> Any:
+        """``output.chunk_rows: auto`` (or unset) becomes a number here, from data.shard_size: the spec
+        then says what the store holds (a shard_size that is no number is refused on its own)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("output", {}), dict):
+            return raw
+        output = raw.get("output", {})
+        data = raw.get("data")
+        shard = data.get("shard_size", DataSpec.model_fields["shard_size"].default) if isinstance(data, dict) else None
+        if output.get("chunk_rows", "auto") != "auto" or isinstance(shard, bool) or not isinstance(shard, int) \
+                or shard < 1:
+            return raw
+        return {**raw, "output": {**output, "chunk_rows": auto_chunk_rows(shard)}}
 
     @model_validator(mode="after")
     def _chunks_fit_shards(self) -> JobSpec:

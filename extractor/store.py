@@ -28,13 +28,15 @@ import os
 import socket
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict, cast
+from dataclasses import dataclass
+from typing import Any, NotRequired, TypedDict, cast
 
 import numpy as np
 import zarr
 
 from .errors import FencedError, StoreError
 from .files import is_url
+from .rows import Rows
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -141,41 +143,69 @@ def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> di
     return attrs
 
 
-def create_store(
-    url: str,
-    *,
-    ids: Sequence[str],
-    paths: Sequence[str],
-    labels: Sequence[int],
-    shard_size: int,
-    chunk_rows: int,
-    captures: Mapping[str, Mapping[str, Any]],
-    extras: Mapping[str, Mapping[str, Any]],
-    compression: str,
-    compression_level: int | None,
-    attrs: Mapping[str, Any],
-    storage_options: Mapping[str, Any] | None = None,
-    offsets: Sequence[int] | None = None,
-    sizes: Sequence[int] | None = None,
-) -> zarr.Group:
+class CaptureRecord(TypedDict):
+    """How one capture is stored: the store's ``captures`` attribute holds one per array name,
+    and each capture array holds its own under the ``extractor`` attribute. Written by the
+    worker's probe, read by the reader, the runner and the CLI."""
+
+    layer: str  # the module's name in model.named_modules()
+    module_type: str
+    what: str  # output, input, gradient, input_gradient, gradcam
+    index: int | str | None  # which positional output or input, or a key of a dict output
+    reduce: str
+    dtype: str
+    shape: list[int]  # per row, as stored
+    original_shape: list[int]  # per row, as the model computed it
+    dims: list[str]  # names of the dimensions after ``row``
+    capture: int  # its position in spec.capture
+    drop_prefix: NotRequired[int]  # token sequences: leading tokens left out
+    target: NotRequired[int | str]  # gradient captures: predicted, label or a class index
+    size: NotRequired[str]  # gradcam maps: layer or input resolution
+
+
+class ExtraRecord(TypedDict):
+    """A per-row result of a gradient job (``target``, ``score``, ``*.range``), chunked by shard."""
+
+    dtype: str
+    shape: list[int]
+    dims: list[str]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a store holds besides its rows, and how its arrays are chunked and compressed."""
+
+    captures: Mapping[str, CaptureRecord]
+    extras: Mapping[str, ExtraRecord]
+    shard_size: int
+    chunk_rows: int
+    compression: str = "zstd"
+    compression_level: int | None = None
+
+
+def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
+                 storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
     """Create the layout (wiping what is at ``url``); the caller checked that this is allowed."""
-    n = len(ids)
-    comp = _compressors(compression, compression_level)  # before anything is wiped
+    n = len(rows)
+    shard_size, chunk_rows, captures, extras = layout.shard_size, layout.chunk_rows, layout.captures, layout.extras
+    comp = _compressors(layout.compression, layout.compression_level)  # before anything is wiped
     group = _create_root(url, attrs, storage_options)
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
-    _create_row_arrays(group, shard_rows, ids=ids, paths=paths, labels=labels, offsets=offsets, sizes=sizes)
+    _create_row_arrays(group, shard_rows, ids=rows.ids, paths=rows.paths, labels=rows.labels, offsets=rows.offsets,
+                       sizes=rows.sizes)
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
-    for key, meta in extras.items():  # per-row results of gradient jobs, chunked by shard
+    for key, extra in extras.items():  # per-row results of gradient jobs, chunked by shard
         group.create_array(
             key,
-            shape=(n, *meta["shape"]),
-            dtype=meta["dtype"],
-            chunks=(shard_rows, *meta["shape"]),
-            fill_value=-1 if meta["dtype"] == "int64" else np.nan,
-            dimension_names=["row", *meta["dims"]],
+            shape=(n, *extra["shape"]),
+            dtype=extra["dtype"],
+            chunks=(shard_rows, *extra["shape"]),
+            fill_value=-1 if extra["dtype"] == "int64" else np.nan,
+            dimension_names=["row", *extra["dims"]],
         )
-    for key, meta in captures.items():
-        shape = tuple(meta["shape"])
+    for key, record in captures.items():
+        shape = tuple(record["shape"])
+        meta = cast(dict[str, Any], record)  # as JSON: a TypedDict is a dict
         group.create_array(
             key,
             shape=(n, *shape),

@@ -1,13 +1,17 @@
 """Sending jobs to a Ray cluster through the Ray Jobs API (``ray.job_submission``).
 
 ``submit`` packs the resolved job spec (and the spec's ``submit.working_dir``, if any) into
-the job's runtime environment and runs ``python -m extractor.cli run`` on the cluster.
-Ray is imported here only.
+the job's runtime environment and runs ``python -m extractor.cli run`` on the cluster. The
+installed ``extractor`` package travels with it (``py_modules``), and so does a
+``model.factory`` module found in the current folder, so the cluster needs only Python and
+extractor's dependencies (torch, torchvision, Ray, zarr...). On start, the job compares them
+with the submitting machine's (:mod:`extractor._environment`). Ray is imported here only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shlex
@@ -19,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from ._environment import SUBMITTED, environment
 from .errors import ClusterError
 from .spec import JobSpec
 
@@ -98,9 +103,22 @@ def _check_paths(spec: JobSpec) -> None:
             )
 
 
-def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_command: str | None = None) -> str:
+def _factory_module(spec: JobSpec) -> Path | None:
+    """The current folder's file or package of ``model.factory`` (``module:function``), if any."""
+    if not spec.model.factory:
+        return None
+    top = spec.model.factory.split(":", 1)[0].split(".", 1)[0]
+    for candidate in (Path(f"{top}.py"), Path(top)):
+        if candidate.is_file() or (candidate / "__init__.py").is_file():
+            return candidate
+    return None
+
+
+def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_command: str | None = None,
+           ship: bool = True) -> str:
     """Submit ``spec`` as a Ray job; returns the submission id. ``resume_command``: what the job
-    prints when it stops unfinished (its own command names a file in Ray's temporary folder)."""
+    prints when it stops unfinished (its own command names a file in Ray's temporary folder).
+    ``ship``: send the installed extractor package with the job (False: the cluster has it)."""
     _check_paths(spec)
     c = client(address)
     sub = spec.submit
@@ -113,12 +131,19 @@ def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_comman
             shutil.copytree(src, work, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.zarr"))
         else:
             work.mkdir()
+        factory = _factory_module(spec)
+        if factory is not None and not (work / factory.name).exists():  # the job runs in work/, on sys.path
+            (shutil.copytree if factory.is_dir() else shutil.copy2)(factory, work / factory.name)
         (work / JOB_FILE).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         runtime_env: dict[str, Any] = {"working_dir": str(work)}
+        if ship:
+            import extractor
+
+            runtime_env["py_modules"] = [str(Path(extractor.__file__).parent)]
         if sub.pip:
             runtime_env["pip"] = list(sub.pip)
-        if sub.env_vars:  # Ray writes the runtime environment to its logs on the cluster: said at submit (cli)
-            runtime_env["env_vars"] = dict(sub.env_vars)
+        # Ray writes the runtime environment to its logs on the cluster: said at submit (cli)
+        runtime_env["env_vars"] = {**sub.env_vars, SUBMITTED: json.dumps(environment())}
         try:
             return c.submit_job(
                 entrypoint=f"python -m extractor.cli run {JOB_FILE} -q"

@@ -34,7 +34,7 @@ from .rows import Shard
 from .spec import JobSpec
 from .stats import ShardStats
 from .stats import dumps as stats_dumps
-from .store import FAILED, OK, ShardWriter
+from .store import FAILED, OK, CaptureRecord, ExtraRecord, ShardWriter
 
 __all__ = ["Worker", "ShardSummary", "ShardQueue"]
 
@@ -160,8 +160,8 @@ class Worker:
         self.warm = not self.compiled  # compiled, and its graph built (warm_up)
         self._pinned: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self._slot = 0
-        self.captures: dict[str, dict[str, Any]] | None = None
-        self.extras: dict[str, dict[str, Any]] = {}  # per-row results of gradient jobs (target, score, ...)
+        self.captures: dict[str, CaptureRecord] | None = None
+        self.extras: dict[str, ExtraRecord] = {}  # per-row results of gradient jobs (target, score, ...)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -275,7 +275,7 @@ class Worker:
         h, w = size or self.preprocess.size
         return self._forward(torch.zeros(1, 3, h, w, dtype=torch.uint8), np.zeros(1, np.int64), eager=True)
 
-    def probe(self) -> dict[str, dict[str, Any]]:
+    def probe(self) -> dict[str, CaptureRecord]:
         """Run one blank image through the model: the stored shape and metadata of each capture.
         4-D outputs left at ``layout: auto`` are decided here (see :func:`decide_layout`)."""
         h, w = self.preprocess.size
@@ -300,24 +300,8 @@ class Worker:
         if self.cap.logits is not None:  # a gradient job: labels (target: label) must be among them
             self.model_info = {**self.model_info, "logits": self.cap.logits}
         modules = dict(self.model.named_modules())
-        self.captures = {
-            t.key: {
-                "layer": t.layer,
-                "module_type": type(modules[t.layer]).__name__,
-                "what": t.what,
-                "index": t.index,
-                "reduce": t.reduce,
-                "dtype": t.dtype,
-                "shape": list(values[t.key].shape[1:]),
-                "original_shape": list(original[t.key]),
-                "dims": dim_names(t.key, original[t.key], t.reduce, t.what, t.layout),
-                "capture": t.capture,
-                **({"drop_prefix": t.drop_prefix} if t.drop_prefix else {}),
-                **({"target": t.target} if t.gradient else {}),
-                **({"size": t.size} if t.what == "gradcam" else {}),
-            }
-            for t in self.targets
-        }
+        self.captures = {t.key: _record(t, modules[t.layer], values[t.key].shape[1:], original[t.key])
+                         for t in self.targets}
         self.extras = {
             key: {
                 "dtype": "int64" if key == "target" else "float32",
@@ -723,6 +707,29 @@ class _CallbackError(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _record(t: Target, module: torch.nn.Module, shape: Sequence[int], original: Sequence[int]) -> CaptureRecord:
+    """How capture ``t`` is stored: ``shape`` per row as stored, ``original`` as the model computed it."""
+    record: CaptureRecord = {
+        "layer": t.layer,
+        "module_type": type(module).__name__,
+        "what": t.what,
+        "index": t.index,
+        "reduce": t.reduce,
+        "dtype": t.dtype,
+        "shape": list(shape),
+        "original_shape": list(original),
+        "dims": dim_names(t.key, tuple(original), t.reduce, t.what, t.layout),
+        "capture": t.capture,
+    }
+    if t.drop_prefix:
+        record["drop_prefix"] = t.drop_prefix
+    if t.gradient and t.target is not None:
+        record["target"] = t.target
+    if t.what == "gradcam":
+        record["size"] = t.size
+    return record
 
 
 def _failed(shard: Shard, err: BaseException) -> ShardError:

@@ -164,16 +164,16 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
     import numpy as np
 
     from extractor.reader import open_store
-    from extractor.store import OK, create_store
+    from extractor.rows import Rows
+    from extractor.store import OK, Layout, create_store
 
     url = str(WORK / "reader.zarr")
     rng = np.random.default_rng(0)
     if not (WORK / "reader.zarr" / "zarr.json").exists():
         shard = chunk_rows * 4
-        g = create_store(url, ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows,
-                         shard_size=shard, chunk_rows=chunk_rows,
-                         captures={"x": {"shape": [features], "dtype": "float32", "dims": ["x.feature"]}},
-                         extras={}, compression="zstd", compression_level=None,
+        g = create_store(url, Rows(ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
+                         Layout(captures={"x": {"shape": [features], "dtype": "float32", "dims": ["x.feature"]}},
+                                extras={}, shard_size=shard, chunk_rows=chunk_rows),
                          attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {
                              "x": {"shape": [features], "dtype": "float32", "dims": ["x.feature"], "layer": "x",
                                    "what": "output", "reduce": "none"}}, "format_version": 1, "spec": {}})
@@ -221,16 +221,16 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
     import numpy as np
 
     from extractor.reader import open_store
-    from extractor.store import OK, create_store
+    from extractor.rows import Rows
+    from extractor.store import OK, Layout, create_store
 
     url = str(WORK / "tokens.zarr")
     meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",
             "what": "output", "reduce": "none"}
     if not (WORK / "tokens.zarr" / "zarr.json").exists():
         shard = chunk_rows * 4
-        g = create_store(url, ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows,
-                         shard_size=shard, chunk_rows=chunk_rows, captures={"t": meta}, extras={},
-                         compression="zstd", compression_level=None,
+        g = create_store(url, Rows(ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
+                         Layout(captures={"t": meta}, extras={}, shard_size=shard, chunk_rows=chunk_rows),
                          attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {"t": meta},
                                 "format_version": 1, "spec": {}, "model": {"prefix_tokens": 1}})
         rng = np.random.default_rng(0)

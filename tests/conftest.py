@@ -71,20 +71,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _mentions(pid: str, text: str) -> bool:
+    """Process ``pid``'s command line, working folder or an open file names ``text``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if text in f.read().replace(b"\0", b" ").decode(errors="replace"):
+                return True
+        links = [f"/proc/{pid}/cwd", *(f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd"))]
+    except OSError:
+        return False
+    for link in links:
+        try:
+            if text in os.readlink(link):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def kill_processes_mentioning(text: str) -> list[int]:
-    """SIGKILL the processes whose command line contains ``text`` (a temp dir this test made)."""
+    """SIGKILL the processes whose command line, working folder or open files name ``text`` (a temp
+    dir this test made). Ray's agents rewrite their command line (and environment), but keep their
+    log files in that dir open."""
     import signal
 
     killed = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
+        if entry.isdigit() and int(entry) != os.getpid() and _mentions(entry, text):
             try:
                 os.kill(int(entry), signal.SIGKILL)
                 killed.append(int(entry))

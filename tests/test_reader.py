@@ -10,9 +10,10 @@ from conftest import job, make_images
 
 from extractor.errors import StoreError
 from extractor.reader import ActivationStore, open_store
+from extractor.rows import Rows
 from extractor.runner import run
 from extractor.spec import parse_spec
-from extractor.store import FAILED, OK, create_store
+from extractor.store import FAILED, OK, Layout, create_store
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +46,10 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore
     url = str(tmp_path_factory.mktemp("synthetic") / "s.zarr")
     n, meta = 200, {"shape": [3], "dtype": "float32", "dims": ["emb.feature"], "layer": "x", "what": "output",
                     "reduce": "none"}
-    g = create_store(url, ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 2 for i in range(n)],
-                     shard_size=64, chunk_rows=32, captures={"emb": meta}, extras={}, compression="zstd",
-                     compression_level=None, attrs={"n_rows": n, "n_shards": 4, "captures": {"emb": meta},
-                                                    "format_version": 1, "spec": {}, "model": {}})
+    rows = Rows(ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 2 for i in range(n)])
+    g = create_store(url, rows, Layout(captures={"emb": meta}, extras={}, shard_size=64, chunk_rows=32),
+                     attrs={"n_rows": n, "n_shards": 4, "captures": {"emb": meta}, "format_version": 1, "spec": {},
+                            "model": {}})
     x = np.random.default_rng(0).standard_normal((n, 3), dtype=np.float32)
     x[8] = np.nan
     g["emb"][:192] = x[:192]
@@ -444,8 +445,8 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore, n
             "what": "output", "reduce": "none"}
     flat = {"shape": [4], "dtype": "float32", "dims": ["b.feature"], "layer": "x", "what": "output", "reduce": "cls"}
     caps = {"tok": meta, "a": {**flat, "dims": ["a.feature"]}, "b": flat}
-    g = create_store(url, ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 3 for i in range(n)],
-                     shard_size=8, chunk_rows=8, captures=caps, extras={}, compression="zstd", compression_level=None,
+    rows = Rows(ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 3 for i in range(n)])
+    g = create_store(url, rows, Layout(captures=caps, extras={}, shard_size=8, chunk_rows=8),
                      attrs={"n_rows": n, "n_shards": 8, "captures": caps, "format_version": 1, "spec": {},
                             "model": {"prefix_tokens": 1}})
     rng = np.random.default_rng(0)

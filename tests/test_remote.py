@@ -141,8 +141,8 @@ def ray_head():
            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
     out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", f"--port={free_port()}", "--num-cpus=2",
                           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                          f"--temp-dir={tmp}", "--disable-usage-stats"], env=env, capture_output=True, text=True,
-                         timeout=180)
+                          f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}",
+                          "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
     try:
         assert out.returncode == 0, out.stderr[-2000:]
         address = f"http://127.0.0.1:{dash}"
@@ -249,3 +249,4 @@ def test_a_port_with_401_in_it_is_not_taken_for_a_refused_token():
     refused = _explain("http://127.0.0.1:40123", ConnectionError("Failed to connect to http://127.0.0.1:40123."))
     assert "cannot reach the Ray Jobs API" in str(refused)
     assert "requires a token" in str(_explain("http://h:8265", RuntimeError("status code 401: Unauthorized")))
+

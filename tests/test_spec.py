@@ -286,3 +286,20 @@ def test_cluster_workers_auto_by_default_null_reads_as_auto_and_max_workers_caps
         parse_spec({**BASE, "cluster": {"workers": 2, "max_workers": 4}})
     with pytest.raises(SpecError, match="cluster.workers"):
         parse_spec({**BASE, "cluster": {"workers": "many"}})
+
+
+@pytest.mark.parametrize(("shard_size", "chunk_rows"), [(1024, 256), (1000, 250), (100, 100), (3000, 250), (4, 4)])
+def test_chunk_rows_auto_is_the_largest_divisor_of_the_shard_size_up_to_256(shard_size: int, chunk_rows: int):
+    """issue 19: shard_size 100 or 1000 were refused until chunk_rows was set too."""
+    for output in ({}, {"chunk_rows": "auto"}):
+        spec = parse_spec({**BASE, "data": {"root": "images", "shard_size": shard_size}, "output": output})
+        assert spec.output.chunk_rows == chunk_rows and spec.to_dict()["output"]["chunk_rows"] == chunk_rows
+
+
+def test_chunk_rows_auto_refuses_a_shard_size_without_a_sensible_divisor_and_a_set_number_is_kept():
+    with pytest.raises(SpecError, match=r"output.chunk_rows: auto needs a divisor of data.shard_size \(1009\) between "
+                                        r"16 and 256, and the largest is 1"):
+        parse_spec({**BASE, "data": {"root": "images", "shard_size": 1009}})
+    assert parse_spec({**BASE, "output": {"chunk_rows": 128}}).output.chunk_rows == 128
+    with pytest.raises(SpecError, match="must divide data.shard_size"):
+        parse_spec({**BASE, "data": {"root": "images", "shard_size": 100}, "output": {"chunk_rows": 64}})

@@ -185,3 +185,16 @@ def test_a_store_that_cannot_be_created_is_one_clear_error(image_dir: Path, tmp_
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(job(image_dir, Path(url))))
     assert main(["run", str(spec), "-q"]) == 1  # one line on stderr, no traceback
+
+
+@pytest.mark.parametrize(("shard_size", "chunk_rows"), [(100, 100), (1000, 250)])
+def test_shard_sizes_of_100_and_1000_run_without_chunk_rows_and_record_the_chunking(
+        image_dir: Path, tmp_path: Path, shard_size: int, chunk_rows: int):
+    """issue 19: output.chunk_rows: auto (the default) fits the shard size; the store records it."""
+    raw = job(image_dir, tmp_path / "s.zarr", data={"shard_size": shard_size}, cluster={"backend": "local"})
+    raw["output"].pop("chunk_rows")
+    summary = run(parse_spec(raw))
+    assert summary.ok == 12
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    assert g.attrs["extractor"]["chunk_rows"] == chunk_rows == g.attrs["extractor"]["spec"]["output"]["chunk_rows"]
+    assert g["layer3"].chunks[0] == min(chunk_rows, 12)  # a capture array's chunk: chunk_rows rows (or all 12)

@@ -1,0 +1,94 @@
+"""`extractor submit` to a Ray cluster whose Python lacks extractor (issue 19): the package is
+shipped with the job. Its own module: its head must not run beside test_remote's (one
+dashboard agent port per machine)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import free_port, job, kill_processes_mentioning
+from test_remote import TESTS, VENV_BIN, extractor, wait_for
+
+from extractor.reader import open_store
+from extractor.runner import run
+from extractor.spec import parse_spec
+
+pytestmark = pytest.mark.slow
+
+
+HIDE_EXTRACTOR = '''\
+# sitecustomize of a Ray head "whose image lacks extractor": the venv's editable install is hidden
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable___extractor")]
+'''
+
+
+@pytest.fixture(scope="module")
+def bare_head(tmp_path_factory: pytest.TempPathFactory):
+    """A `ray start --head` on loopback whose Python has torch, Ray and zarr but cannot import
+    extractor (the venv's editable install hidden by a sitecustomize on PYTHONPATH), as on a
+    cluster whose image does not have it; its processes killed by pid at the end."""
+    tmp = tempfile.mkdtemp(prefix="rayb", dir="/tmp")
+    hide = tmp_path_factory.mktemp("hide")
+    (hide / "sitecustomize.py").write_text(HIDE_EXTRACTOR)
+    dash = free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": str(hide)}
+    probe = subprocess.run([str(VENV_BIN / "python"), "-c", "import extractor"], env=env, cwd=tmp,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and "No module named 'extractor'" in probe.stderr  # the setup holds
+    out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", f"--port={free_port()}", "--num-cpus=2",
+                          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                          f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}", "--disable-usage-stats"],
+                         env=env, cwd=tmp, capture_output=True,
+                         text=True, timeout=180)
+    try:
+        assert out.returncode == 0, out.stderr[-2000:]
+        address = f"http://127.0.0.1:{dash}"
+        wait_for(f"{address}/api/version", 90)
+        yield address
+    finally:
+        kill_processes_mentioning(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_submit_ships_extractor_to_a_cluster_that_lacks_it(bare_head, image_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """issue 19: the cluster's Python has no extractor. `submit --no-ship` fails there as it did
+    (No module named 'extractor'); `submit` sends the installed package (and the model.factory
+    module of the current folder) and the job's store equals a local run."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_factory.py").write_text("import torchvision\n\n\ndef small():\n"
+                                            "    return torchvision.models.resnet18(num_classes=3)\n")
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # the submitting side: extractor installed, as usual
+    raw = job(image_dir, tmp_path / "s.zarr", model={"name": None, "factory": "my_factory:small", "device": "cpu"},
+              data={"shard_size": 4, "batch_size": 4, "preprocess": "imagenet"},
+              cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1})
+    raw["output"].pop("chunk_rows")  # auto: 4 rows, from the shard size
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    r = extractor("submit", str(spec), "--address", bare_head, "--wait", "--no-ship", env=env, timeout=300)
+    assert r.returncode == 1 and "No module named 'extractor'" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    r = extractor("submit", str(spec), "--address", bare_head, "--wait", env=env, timeout=400)
+    assert r.returncode == 0 and "12 ok, 0 failed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    local = {**raw, "output": {**raw["output"], "store": str(tmp_path / "local.zarr")}, "cluster": {"backend": "local"}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the cluster's worker (cpus_per_worker: 1): oneDNN's sums depend on it
+    try:
+        run(parse_spec(local))
+    finally:
+        torch.set_num_threads(threads)
+    a, b = open_store(str(tmp_path / "local.zarr")), open_store(str(tmp_path / "s.zarr"))
+    assert b.attrs["chunk_rows"] == 4 and b.attrs["status"] == "complete"
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
