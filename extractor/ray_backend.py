@@ -27,9 +27,10 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from .errors import ClusterError, ExtractorError, ShardError
 from .faults import whose
+from .pipeline import ShardQueue
 from .rows import Shard
+from .shardio import ShardSummary
 from .spec import ClusterSpec, JobSpec
-from .worker import ShardQueue, ShardSummary
 
 __all__ = ["RayBackend"]
 

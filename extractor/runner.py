@@ -28,6 +28,7 @@ from .files import absolute
 from .listing import list_rows
 from .preprocess import of_store
 from .rows import Rows, Shard, plan
+from .shardio import ShardSummary
 from .spec import JobSpec, content_of, parse_spec, redact_argv, spec_digest
 from .stats import merge as merge_stats
 from .store import (
@@ -45,7 +46,7 @@ from .store import (
     read_attrs,
     update_attrs,
 )
-from .worker import ShardSummary, Worker
+from .worker import Worker
 
 __all__ = ["run", "RunSummary"]
 

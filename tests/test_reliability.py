@@ -186,12 +186,13 @@ def test_a_shard_interrupted_by_the_failure_of_the_one_before_goes_back_to_the_q
     """Shard 0's last batch is read back during shard 1's first batch; a write error of shard 0
     surfacing there fails shard 0 only, and shard 1 returns to the queue (a Ray actor's
     pipeline then runs it: its caller must not wait forever)."""
+    from extractor import pipeline, shardio
     from extractor import worker as worker_mod
     from extractor.rows import plan
 
     raw = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
     run(parse_spec(raw))  # creates the store
-    monkeypatch.setattr(worker_mod, "WRITE_QUEUE", 0)  # each chunk's write is waited for at once
+    monkeypatch.setattr(shardio, "WRITE_QUEUE", 0)  # each chunk's write is waited for at once
     real_write = ShardWriter.write
 
     def write(self, key, offset, data):
@@ -201,7 +202,7 @@ def test_a_shard_interrupted_by_the_failure_of_the_one_before_goes_back_to_the_q
 
     monkeypatch.setattr(ShardWriter, "write", write)
     worker = worker_mod.Worker(parse_spec(raw))
-    queue = worker_mod.ShardQueue(plan(12, 4)[:2])  # open, as an actor's
+    queue = pipeline.ShardQueue(plan(12, 4)[:2])  # open, as an actor's
     computed: list[int] = []
     with pytest.raises(ShardError, match="No space left") as err:
         worker.run_shards(queue, str(tmp_path / "s.zarr"), on_computed=lambda shard, f: computed.append(shard.index))

@@ -82,22 +82,23 @@ def test_batch_and_shard_sizes_do_not_change_results(image_dir: Path, tmp_path: 
 def test_the_pipeline_does_not_drain_between_shards(image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Each shard's first batch goes to the model before the previous shard's last batch is read
     back, and the results are those of a run with one shard."""
+    from extractor import shardio
     from extractor import worker as worker_mod
     from extractor.runner import LocalBackend
 
     log: list[tuple] = []
-    real_add = worker_mod._ShardOutput.add
+    real_add = shardio.ShardOutput.add
 
     def add(self, offsets, done):
         log.append(("read back", self.shard.index, offsets.tolist()))
         real_add(self, offsets, done)
 
     class Recording(worker_mod.Worker):
-        def _forward_rows(self, images, labels):
+        def forward_rows(self, images, labels):
             log.append(("forward", len(images)))
-            return super()._forward_rows(images, labels)
+            return super().forward_rows(images, labels)
 
-    monkeypatch.setattr(worker_mod._ShardOutput, "add", add)
+    monkeypatch.setattr(shardio.ShardOutput, "add", add)
     spec = parse_spec(job(image_dir, tmp_path / "s.zarr"))  # 12 rows, shards of 4, batches of 3: 3 + 1 per shard
     run(spec, backend=LocalBackend(spec, Recording(spec)))
     assert log == [("forward", 3), ("forward", 1), ("read back", 0, [0, 1, 2]),
@@ -118,8 +119,9 @@ def test_a_queue_fed_pipeline_finishes_each_shard_before_waiting_for_more(image_
     import threading
     from concurrent.futures import Future
 
+    from extractor.pipeline import ShardQueue
     from extractor.rows import plan
-    from extractor.worker import ShardQueue, Worker
+    from extractor.worker import Worker
 
     raw = job(image_dir, tmp_path / "s.zarr")
     run(parse_spec(raw))

@@ -1,0 +1,244 @@
+"""A shard on the host: what it reads before its first batch (:class:`ShardInput`), each forwarded
+batch (:class:`Forwarded`), and its results gathered into whole chunks for the writer threads,
+which compress, store and count them (:class:`ShardOutput`); its summary (:class:`ShardSummary`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import FencedError, ShardError
+from .faults import shard_failed
+from .rows import Shard
+from .stats import ShardStats
+from .stats import dumps as stats_dumps
+from .store import FAILED, OK, CaptureRecord, ExtraRecord, ShardWriter
+
+__all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
+
+WRITE_QUEUE = 4  # chunks (of every capture) that may wait for the writer threads: bounds memory
+
+
+def drain(pending: deque[Future[None]]) -> None:
+    """Wait for writes in flight, ignoring their errors (the shard is failing anyway)."""
+    while pending:
+        try:
+            pending.popleft().result()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def failed_shard(shard: Shard, err: BaseException) -> ShardError:
+    """The ShardError of ``shard`` that ``err`` failed."""
+    return shard_failed(shard.index, shard.start, shard.stop, err)
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    shard: int
+    rows: int
+    ok: int
+    failed: int
+    seconds: float
+    bytes: int
+    pid: int
+    # where the worker's main thread waited (seconds): for the next decoded batch, for the
+    # device to finish a batch, for the writer threads (a full queue, then the shard's last
+    # chunks and its done marker)
+    wait_decode: float = 0.0
+    wait_device: float = 0.0
+    wait_write: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ShardInput:
+    """What a shard needs before its first batch, read on the prepare thread: its writer
+    (store arrays opened), its rows' locators and, for gradient jobs, its labels."""
+
+    shard: Shard
+    writer: ShardWriter
+    paths: list[Any]
+    labels: np.ndarray | None
+
+    @classmethod
+    def open(cls, shard: Shard, url: str, storage_options: dict[str, Any] | None, labels: bool,
+             fence: str | None = None) -> ShardInput:
+        writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options, fence)
+        return cls(shard, writer, writer.locators(), writer.labels() if labels else None)
+
+
+@dataclass
+class Forwarded:
+    """A forwarded batch: host arrays (readable once ``event`` has completed) and per-image errors."""
+
+    host: dict[str, np.ndarray]
+    bad: dict[int, str]  # batch position -> error
+    event: Any  # torch.cuda.Event, or None when ``host`` is ready
+
+
+class ShardOutput:
+    """One shard's results on the host: row status, chunk buffers handed to the writer threads
+    (compression, storage and statistics happen there), per-row extras, timings."""
+
+    def __init__(self, given: ShardInput, started: float, captures: dict[str, CaptureRecord],
+                 extras: dict[str, ExtraRecord], chunk_rows: int, pool: ThreadPoolExecutor,
+                 spare: dict[str, deque[np.ndarray]]) -> None:
+        """``pool``: the writer threads; ``spare``: chunk buffers whose write is done, per capture
+        (shared by the shards of a worker)."""
+        self.shard, self.writer, self.pool = given.shard, given.writer, pool
+        self.started, self.seconds = started, 0.0
+        n = self.n = len(self.shard)
+        self.chunk = chunk_rows
+        self.status = np.zeros(n, dtype=np.uint8)
+        self.errors = [""] * n
+        self.spare = spare
+        self.shapes = {k: (self.chunk, *m["shape"]) for k, m in captures.items()}
+        self.dtypes = {k: np.dtype(m["dtype"]) for k, m in captures.items()}
+        self.buffers = {k: self._buffer(k) for k in self.shapes}
+        self.extras = {k: np.full((n, *m["shape"]), -1 if m["dtype"] == "int64" else np.nan, dtype=m["dtype"])
+                       for k, m in extras.items()}
+        self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in captures.items()}
+        self.locks = {k: threading.Lock() for k in self.stats}  # a capture's statistics: one writer at a time
+        self.current = 0  # index of the chunk being filled, relative to the shard
+        self.pending: deque[list[Future[None]]] = deque()  # per chunk, its captures' writes in flight
+        self.decoded = self.forward_failed = 0  # images that reached the model, and those that made it raise
+        self.handed_off = False  # complete() is queued on the writer threads: they own the shard from then on
+        self.wait_decode = self.wait_device = self.wait_write = 0.0
+
+    def _buffer(self, key: str) -> np.ndarray:
+        """A chunk buffer: one whose write has finished (recycled: no allocation, no page faults), or a new one.
+        Rows that are not OK are set to NaN when the chunk is written, so a recycled buffer's old rows never land."""
+        try:
+            return self.spare.setdefault(key, deque()).pop()
+        except IndexError:
+            return np.empty(self.shapes[key], self.dtypes[key])
+
+    def count(self, images: int, done: Forwarded) -> None:
+        """Fail the shard when every image so far made the model raise: the cause is not the images."""
+        self.forward_failed += len(done.bad)
+        self.decoded += images
+        if self.forward_failed == self.decoded and self.decoded >= min(self.n, 2):
+            raise RuntimeError(f"every image so far made the model raise; last: {done.bad[max(done.bad)]}")
+
+    def fail(self, offset: int, err: str) -> None:
+        self.status[offset], self.errors[offset] = FAILED, err
+
+    def add(self, offsets: np.ndarray, done: Forwarded) -> None:
+        """Record a forwarded batch whose rows are ``offsets`` (within the shard, ascending)."""
+        if done.event is not None:
+            t = time.perf_counter()
+            done.event.synchronize()
+            self.wait_device += time.perf_counter() - t
+        for i, err in done.bad.items():
+            self.fail(int(offsets[i]), err)
+        host = done.host
+        if done.bad:
+            keep = np.setdiff1d(np.arange(len(offsets)), list(done.bad))
+            offsets = offsets[keep]
+            host = {k: v[keep] for k, v in host.items()}
+        if not len(offsets):
+            return
+        for key, arr in self.extras.items():
+            arr[offsets] = host[key]
+        self.status[offsets] = OK
+        chunk = self.chunk
+        if offsets[-1] - offsets[0] == len(offsets) - 1:  # consecutive rows (the usual case): copy slices
+            pos, row = 0, int(offsets[0])
+            while pos < len(offsets):
+                c = row // chunk
+                while self.current < c:
+                    self._flush()
+                n = min(len(offsets) - pos, (c + 1) * chunk - row)
+                for key, buf in self.buffers.items():
+                    buf[row - c * chunk : row - c * chunk + n] = host[key][pos : pos + n]
+                pos, row = pos + n, row + n
+            return
+        for c in np.unique(offsets // chunk):
+            while self.current < c:
+                self._flush()
+            sel = (offsets // chunk) == c
+            for key, buf in self.buffers.items():
+                buf[offsets[sel] - c * chunk] = host[key][sel]
+
+    def _write(self, key: str, c: int, buf: np.ndarray, ok: np.ndarray) -> None:
+        """On a writer thread: compress and store one chunk of one capture, add it to the statistics,
+        give the buffer back. (Stores opened by URL copy what they are given, so a buffer is
+        free once written; zarr's in-memory MemoryStore object would keep it.)"""
+        start = c * self.chunk
+        rows = np.flatnonzero(ok)
+        if len(rows) < len(ok):
+            buf[np.flatnonzero(~ok)] = np.nan  # failed rows, and what a recycled buffer held there
+        self.writer.write(key, start, buf[: len(ok)])
+        if len(rows):
+            with self.locks[key]:
+                self.stats[key].update(buf[rows], self.shard.start + start + rows)
+        self.spare[key].append(buf)
+
+    def _wait(self, futures: list[Future[None]]) -> None:
+        t = time.perf_counter()
+        for f in futures:
+            f.result()
+        self.wait_write += time.perf_counter() - t
+
+    def _flush(self) -> None:
+        """Hand the current chunk to the writer threads and take fresh buffers; wait only when
+        WRITE_QUEUE chunks are already in flight."""
+        c = self.current
+        more = c < (self.n - 1) // self.chunk  # a chunk after this one: it needs buffers
+        full, self.buffers = self.buffers, {k: self._buffer(k) for k in self.buffers} if more else {}
+        ok = self.status[c * self.chunk : min((c + 1) * self.chunk, self.n)] == OK
+        self.pending.append([self.pool.submit(self._write, k, c, buf, ok) for k, buf in full.items()])
+        self.current += 1
+        while len(self.pending) > WRITE_QUEUE:
+            self._wait(self.pending.popleft())
+
+    def close(self) -> None:
+        """Hand the remaining chunks to the writer threads."""
+        while self.current <= (self.n - 1) // self.chunk:
+            self._flush()
+
+    def hand_off(self) -> Future[ShardSummary]:
+        """Queue ``complete`` behind this shard's chunk writes (the writer threads take tasks in order)."""
+        self.handed_off = True
+        return self.pool.submit(self.complete)
+
+    def complete(self) -> ShardSummary:
+        """On a writer thread: wait until every chunk is durable, then mark the shard done."""
+        try:
+            while self.pending:  # every chunk durable (or its error raised) before the shard is marked done
+                for f in self.pending.popleft():
+                    f.result()
+            self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats))
+        except BaseException as err:
+            drain(deque(f for chunk in self.pending for f in chunk))
+            if isinstance(err, Exception) and not isinstance(err, FencedError):
+                raise failed_shard(self.shard, err) from err
+            raise
+        return ShardSummary(
+            shard=self.shard.index,
+            rows=self.n,
+            ok=int((self.status == OK).sum()),
+            failed=int((self.status == FAILED).sum()),
+            seconds=self.seconds,
+            bytes=self.writer.bytes,
+            pid=os.getpid(),
+            wait_decode=self.wait_decode,
+            wait_device=self.wait_device,
+            wait_write=self.wait_write,
+        )
+
+    def abandon(self) -> None:
+        """Wait for this shard's writes in flight, ignoring their errors; no done marker. A no-op
+        once the shard is handed off: ``complete`` owns it then."""
+        if not self.handed_off:
+            drain(deque(f for chunk in self.pending for f in chunk))
