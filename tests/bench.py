@@ -306,6 +306,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="bare,pooled,fullmap,early,ray,gradcam,thingsvision")
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
+    p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -321,6 +322,11 @@ def main() -> None:
         WORK.mkdir(exist_ok=True)
         reader_bench()
         token_bench()
+        return
+    if args.overhead:
+        import bench_overhead
+
+        bench_overhead.main()
         return
     image_dir = make_images(args.images)
     if "thingsvision" in args.variants.split(","):
@@ -378,6 +384,9 @@ def main() -> None:
     rss_bench(args)
     reader_bench()
     token_bench()
+    import bench_overhead
+
+    bench_overhead.main()
 
 
 if __name__ == "__main__":
