@@ -222,6 +222,18 @@ def _check_reachable(address: str, timeout: float, where: str = "cluster.address
         ) from None
 
 
+def loopback_only() -> None:
+    """Make the Ray that this process starts listen on 127.0.0.1 only (unless the environment says
+    otherwise). Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when it is imported, which this
+    module did already: without the second line an embedded cluster listened on every interface
+    under the machine's address. The variable also reaches the processes Ray starts."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        import ray._private.ray_constants as ray_constants  # read at call time by services.get_node_ip_address
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def _for_workers(spec: JobSpec) -> dict[str, Any]:
     """The spec as the actors get it: local paths made absolute, since an actor runs in another
     directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
@@ -359,8 +371,7 @@ class RayBackend:
             kwargs["address"] = os.environ["RAY_ADDRESS"]  # inside a Ray job: join its cluster
             _check_reachable(kwargs["address"], timeout=min(c.startup_timeout_s, 10.0), where="RAY_ADDRESS")
         elif c.address is None:
-            # an embedded single-job cluster: loopback only, no dashboard
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            loopback_only()  # an embedded single-job cluster: loopback only, no dashboard
             kwargs.update(include_dashboard=False, num_cpus=c.local_cpus or os.cpu_count())
         else:
             kwargs["address"] = c.address

@@ -387,3 +387,18 @@ def test_workers_that_do_not_start_in_time_are_a_cluster_error(image_dir: Path, 
     assert out.returncode == 1, out.stderr[-2000:]
     assert "did not start within 0.01 s (cluster.startup_timeout_s); free resources now:" in out.stderr
     assert "Traceback" not in out.stderr and "RaySystemError" not in out.stderr
+
+
+def test_an_embedded_cluster_listens_on_loopback_even_when_ray_was_imported_first():
+    """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported; ray_backend imports it, so
+    setting the variable before ray.init came too late: an embedded cluster took the machine's other
+    address and listened on every interface. Checked in a process without the variable (no Ray is
+    started: the address Ray would bind is asked for)."""
+    code = ("import os, ray._private.services as s, extractor.ray_backend as rb\n"
+            "assert 'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER' not in os.environ\n"
+            "rb.loopback_only()\n"
+            "print(s.get_node_ip_address())\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "127.0.0.1"
