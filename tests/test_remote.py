@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -132,25 +134,38 @@ def test_missing_bucket_and_bad_credentials_are_clear(s3, image_dir: Path, tmp_p
     assert not (tmp_path / "s.zarr").exists()
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """`ray start --head` on loopback with the dashboard (Jobs API); its processes killed by pid at the end."""
-    tmp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")
+@contextlib.contextmanager
+def jobs_head(prefix: str, **env_vars: str) -> Iterator[tuple[str, dict[str, str], str]]:
+    """`ray start --head` on loopback with the dashboard (Jobs API), ``env_vars`` in its environment:
+    (its Jobs API address, that environment, its temp dir); its processes killed by pid at the end."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     dash = free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
-    out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", f"--port={free_port()}", "--num-cpus=2",
-                          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                          f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}",
-                          "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0", **env_vars}
     try:
-        assert out.returncode == 0, out.stderr[-2000:]
-        address = f"http://127.0.0.1:{dash}"
-        wait_for(f"{address}/api/version", 90)
-        yield address, env
+        yield f"http://127.0.0.1:{dash}", env, tmp  # the caller may check the environment before the head starts
     finally:
         kill_processes_mentioning(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start_head(address: str, env: dict[str, str], tmp: str) -> None:
+    """Start the head of :func:`jobs_head` and wait until its Jobs API answers."""
+    dash = address.rsplit(":", 1)[1]
+    out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", f"--port={free_port()}", "--num-cpus=2",
+                          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                          f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}",
+                          "--disable-usage-stats"], env=env, cwd=tmp, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wait_for(f"{address}/api/version", 90)
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Jobs API head on loopback: (address, environment)."""
+    with jobs_head("rayh") as (address, env, tmp):
+        start_head(address, env, tmp)
+        yield address, env
 
 
 def extractor(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:

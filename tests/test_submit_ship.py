@@ -5,16 +5,14 @@ dashboard agent port per machine)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import free_port, job, kill_processes_mentioning
-from test_remote import TESTS, VENV_BIN, extractor, wait_for
+from conftest import job
+from test_remote import TESTS, VENV_BIN, extractor, jobs_head, start_head
 
 from extractor.reader import open_store
 from extractor.runner import run
@@ -35,29 +33,14 @@ def bare_head(tmp_path_factory: pytest.TempPathFactory):
     """A `ray start --head` on loopback whose Python has torch, Ray and zarr but cannot import
     extractor (the venv's editable install hidden by a sitecustomize on PYTHONPATH), as on a
     cluster whose image does not have it; its processes killed by pid at the end."""
-    tmp = tempfile.mkdtemp(prefix="rayb", dir="/tmp")
     hide = tmp_path_factory.mktemp("hide")
     (hide / "sitecustomize.py").write_text(HIDE_EXTRACTOR)
-    dash = free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": str(hide)}
-    probe = subprocess.run([str(VENV_BIN / "python"), "-c", "import extractor"], env=env, cwd=tmp,
-                           capture_output=True, text=True)
-    assert probe.returncode != 0 and "No module named 'extractor'" in probe.stderr  # the setup holds
-    out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", f"--port={free_port()}", "--num-cpus=2",
-                          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                          f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}", "--disable-usage-stats"],
-                         env=env, cwd=tmp, capture_output=True,
-                         text=True, timeout=180)
-    try:
-        assert out.returncode == 0, out.stderr[-2000:]
-        address = f"http://127.0.0.1:{dash}"
-        wait_for(f"{address}/api/version", 90)
+    with jobs_head("rayb", PYTHONPATH=str(hide)) as (address, env, tmp):
+        probe = subprocess.run([str(VENV_BIN / "python"), "-c", "import extractor"], env=env, cwd=tmp,
+                               capture_output=True, text=True)
+        assert probe.returncode != 0 and "No module named 'extractor'" in probe.stderr  # the setup holds
+        start_head(address, env, tmp)
         yield address
-    finally:
-        kill_processes_mentioning(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_submit_ships_extractor_to_a_cluster_that_lacks_it(bare_head, image_dir: Path, tmp_path: Path,
