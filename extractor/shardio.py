@@ -110,7 +110,7 @@ class ShardOutput:
         self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in captures.items()}
         self.locks = {k: threading.Lock() for k in self.stats}  # a capture's statistics: one writer at a time
         self.current = 0  # index of the chunk being filled, relative to the shard
-        self.pending: deque[list[Future[None]]] = deque()  # per chunk, its captures' writes in flight
+        self.pending: deque[Future[None]] = deque()  # chunk writes in flight, one per chunk (all captures)
         self.decoded = self.forward_failed = 0  # images that reached the model, and those that made it raise
         self.handed_off = False  # complete() is queued on the writer threads: they own the shard from then on
         self.wait_decode = self.wait_device = self.wait_write = 0.0
@@ -170,24 +170,25 @@ class ShardOutput:
             for key, buf in self.buffers.items():
                 buf[offsets[sel] - c * chunk] = host[key][sel]
 
-    def _write(self, key: str, c: int, buf: np.ndarray, ok: np.ndarray) -> None:
-        """On a writer thread: compress and store one chunk of one capture, add it to the statistics,
-        give the buffer back. (Stores opened by URL copy what they are given, so a buffer is
-        free once written; zarr's in-memory MemoryStore object would keep it.)"""
+    def _write(self, c: int, bufs: dict[str, np.ndarray], ok: np.ndarray) -> None:
+        """On a writer thread: compress and store chunk ``c`` of every capture, add it to the
+        statistics, give the buffers back. (Stores opened by URL copy what they are given, so a
+        buffer is free once written; zarr's in-memory MemoryStore object would keep it.)"""
         start = c * self.chunk
         rows = np.flatnonzero(ok)
         if len(rows) < len(ok):
-            buf[np.flatnonzero(~ok)] = np.nan  # failed rows, and what a recycled buffer held there
-        self.writer.write(key, start, buf[: len(ok)])
-        if len(rows):
-            with self.locks[key]:
-                self.stats[key].update(buf[rows], self.shard.start + start + rows)
-        self.spare[key].append(buf)
+            for buf in bufs.values():
+                buf[np.flatnonzero(~ok)] = np.nan  # failed rows, and what a recycled buffer held there
+        self.writer.write(start, {key: buf[: len(ok)] for key, buf in bufs.items()})
+        for key, buf in bufs.items():
+            if len(rows):
+                with self.locks[key]:
+                    self.stats[key].update(buf[rows], self.shard.start + start + rows)
+            self.spare[key].append(buf)
 
-    def _wait(self, futures: list[Future[None]]) -> None:
+    def _wait(self, future: Future[None]) -> None:
         t = time.perf_counter()
-        for f in futures:
-            f.result()
+        future.result()
         self.wait_write += time.perf_counter() - t
 
     def _flush(self) -> None:
@@ -197,7 +198,7 @@ class ShardOutput:
         more = c < (self.n - 1) // self.chunk  # a chunk after this one: it needs buffers
         full, self.buffers = self.buffers, {k: self._buffer(k) for k in self.buffers} if more else {}
         ok = self.status[c * self.chunk : min((c + 1) * self.chunk, self.n)] == OK
-        self.pending.append([self.pool.submit(self._write, k, c, buf, ok) for k, buf in full.items()])
+        self.pending.append(self.pool.submit(self._write, c, full, ok))
         self.current += 1
         while len(self.pending) > WRITE_QUEUE:
             self._wait(self.pending.popleft())
@@ -216,11 +217,10 @@ class ShardOutput:
         """On a writer thread: wait until every chunk is durable, then mark the shard done."""
         try:
             while self.pending:  # every chunk durable (or its error raised) before the shard is marked done
-                for f in self.pending.popleft():
-                    f.result()
+                self.pending.popleft().result()
             self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats))
         except BaseException as err:
-            drain(deque(f for chunk in self.pending for f in chunk))
+            drain(self.pending)
             if isinstance(err, Exception) and not isinstance(err, FencedError):
                 raise failed_shard(self.shard, err) from err
             raise
@@ -241,4 +241,4 @@ class ShardOutput:
         """Wait for this shard's writes in flight, ignoring their errors; no done marker. A no-op
         once the shard is handed off: ``complete`` owns it then."""
         if not self.handed_off:
-            drain(deque(f for chunk in self.pending for f in chunk))
+            drain(self.pending)

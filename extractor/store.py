@@ -34,6 +34,7 @@ from typing import Any, NotRequired, TypedDict, cast
 import numpy as np
 import zarr
 
+from .chunks import ChunkCodec, write_chunks
 from .errors import FencedError, StoreError
 from .files import is_url
 from .rows import Rows
@@ -329,7 +330,8 @@ class ShardWriter:
         self.check_fence()
         self.start, self.stop, self.index = start, stop, index
         self.bytes = 0
-        self._arrays: dict[str, zarr.Array] = {}  # opened once: each open reads the array's metadata
+        # opened once (each open reads the array's metadata), with how its whole chunks are encoded
+        self._arrays: dict[str, tuple[zarr.Array, ChunkCodec | None]] = {}
         self._lock = threading.Lock()  # write() is called from several writer threads
 
     def locators(self) -> list[Any]:
@@ -352,19 +354,20 @@ class ShardWriter:
         if self.fence is not None and lease_token(self.group) != self.fence:
             raise fenced(self.url, lease_token(self.group))
 
-    def write(self, key: str, offset: int, data: np.ndarray) -> None:
-        """Write rows ``start+offset ...`` of capture ``key`` (whole chunks only), while this job holds
-        the store (a small metadata read before each chunk: a job paused mid-shard must not write
-        into the store of the job that took it over)."""
+    def write(self, offset: int, chunks: Mapping[str, np.ndarray]) -> None:
+        """Write rows ``start+offset ...`` of each capture in ``chunks`` (one whole chunk of each),
+        while this job holds the store (a small metadata read before each chunk: a job paused
+        mid-shard must not write into the store of the job that took it over)."""
         self.check_fence()
-        a = self.start + offset
         with self._lock:
-            arr = self._arrays.get(key)
-            if arr is None:
-                arr = self._arrays[key] = get_array(self.group, key)
-        arr[a : a + len(data)] = data
+            for key in chunks:
+                if key not in self._arrays:
+                    array = get_array(self.group, key)
+                    self._arrays[key] = array, ChunkCodec.of(array)
+            opened = {key: (*self._arrays[key], data) for key, data in chunks.items()}
+        written = write_chunks(self.start + offset, opened)
         with self._lock:
-            self.bytes += data.nbytes
+            self.bytes += written
 
     def finish(
         self,
