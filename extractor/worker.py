@@ -82,15 +82,16 @@ class Worker:
         """``cpus``: how many CPUs this worker may use (a Ray actor's share of its node), for
         ``data.decode_workers: auto``; default, those this process may run on. ``model``: a module
         made in Python (``extractor.run(..., model=...)``), used instead of building one; its
-        mode and parameters' ``requires_grad`` are given back by :meth:`close`. ``batches``: makes
+        mode and its parameters' ``requires_grad`` and memory format are given back by :meth:`close`. ``batches``: makes
         the batch source of each ``run_shards`` call, an object with ``add(locators)`` and
         ``next() -> Batch | None`` as :class:`~extractor.batching.BatchStream` (default: the
         images decoded from the store's paths; benchmarks: pre-decoded tensors)."""
         self._batches = batches
         self.spec = spec
         self.device = resolve_device(spec.model.device)
-        # a caller's module is given back in its mode, with its requires_grad flags (close)
-        self._given = (model, model.training, [(p, p.requires_grad) for p in model.parameters()]) \
+        # a caller's module is given back in its mode, with its requires_grad flags and its
+        # parameters' memory format (close)
+        self._given = (model, model.training, [(p, p.requires_grad, p.is_contiguous()) for p in model.parameters()]) \
             if model is not None else None
         model, self.model_info = build_model(spec.model, model)
         self.preprocess = _preprocess(spec, self.model_info["preprocess_defaults"])
@@ -142,8 +143,10 @@ class Worker:
         if self._given is not None:  # a caller's module: as it was given, but for its device
             module, training, flags = self._given
             module.train(training)
-            for p, flag in flags:
+            for p, flag, contiguous in flags:
                 p.requires_grad_(flag)
+                if contiguous and not p.is_contiguous():  # made channels_last here
+                    p.data = p.data.contiguous()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = _AUTOCAST.get(self.spec.model.dtype)

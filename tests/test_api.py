@@ -44,6 +44,7 @@ def test_run_from_python_with_a_module_equals_the_cli_run_of_the_named_model(ima
     model = _resnet18()
     model.train()
     flags = [p.requires_grad for p in model.parameters()]
+    assert model.conv1.weight.is_contiguous() and raw.get("model", {}).get("channels_last", True)
     store = extractor.run({**_no_model(raw), "output": {**raw["output"], "store": str(tmp_path / "py.zarr")}},
                           model=model, progress=False)
     cli = extractor.open_store(str(tmp_path / "cli.zarr"))
@@ -53,6 +54,7 @@ def test_run_from_python_with_a_module_equals_the_cli_run_of_the_named_model(ima
     assert store.model["state_dict_sha256"] == cli.model["state_dict_sha256"]
     assert "python object torchvision.models.resnet.ResNet (weights as given)" == store.model["weights"]
     assert [p.requires_grad for p in model.parameters()] == flags and model.training  # given back as it was
+    assert all(p.is_contiguous() for p in model.parameters())  # the job ran it channels_last
     assert "12 ok, 0 failed, 0 pending rows; 3 shards run" in store.last_run.report()
     assert "12 ok" in repr(store) and "complete" in repr(store)
 
