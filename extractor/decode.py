@@ -35,12 +35,13 @@ class ImageDecoder:
         self.preprocess = preprocess if preprocess is not None else resolve_preprocess(data, IMAGENET)
         self.storage_options = data.storage_options
         self.max_pixels = data.max_image_pixels
+        self.draft = self.preprocess if data.jpeg_draft else None
 
     def __call__(self, item: Locator):  # -> torch.Tensor (3, h, w) uint8
         return self.from_bytes(read_bytes(item, self.storage_options))
 
     def from_bytes(self, data: bytes):  # -> torch.Tensor (3, h, w) uint8
-        return self.preprocess.apply(rgb_from_bytes(data, self.max_pixels))
+        return self.preprocess.apply(rgb_from_bytes(data, self.max_pixels, self.draft))
 
 
 class ImageTooLarge(ValueError):
@@ -69,11 +70,14 @@ def _open_checked(data: bytes, max_pixels: int | None):
     return img
 
 
-def rgb_from_bytes(data: bytes, max_pixels: int | None = None):
-    """Decode an encoded image as 8-bit RGB (see :func:`open_rgb`)."""
+def rgb_from_bytes(data: bytes, max_pixels: int | None = None, draft: Preprocess | None = None):
+    """Decode an encoded image as 8-bit RGB (see :func:`open_rgb`); a JPEG at a reduced scale that
+    ``draft``'s resize still allows (``data.jpeg_draft``)."""
     from PIL import ImageOps
 
     img = _open_checked(data, max_pixels)
+    if draft is not None and img.format == "JPEG" and (size := draft.draft_size(*img.size)) is not None:
+        img.draft(img.mode, size)
     img.load()
     img = ImageOps.exif_transpose(img) or img
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):

@@ -63,6 +63,16 @@ class Preprocess:
                 d[k] = list(d[k])
         return d
 
+    def draft_size(self, w: int, h: int) -> Size | None:
+        """The smallest (w, h) that a ``w`` x ``h`` image may be decoded at before the resize:
+        its shorter side at least the resized one (for ``(h, w)`` resizes, at least the larger of
+        the two, whatever the EXIF orientation). None when nothing is resized."""
+        if self.resize is None:
+            return None
+        side = self.resize if isinstance(self.resize, int) else max(self.resize)
+        short = min(w, h)
+        return -(-w * side // short), -(-h * side // short)
+
     def apply(self, img: Any) -> Any:  # PIL.Image.Image -> torch.Tensor (3, h, w) uint8
         """Resize and crop an 8-bit RGB Pillow image; a uint8 (3, h, w) tensor."""
         import torch

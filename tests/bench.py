@@ -307,6 +307,7 @@ def main() -> None:
     p.add_argument("--variants", default="bare,pooled,fullmap,early,ray,gradcam,thingsvision")
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
+    p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -327,6 +328,11 @@ def main() -> None:
         import bench_overhead
 
         bench_overhead.main()
+        return
+    if args.decode:
+        import bench_decode
+
+        bench_decode.main()
         return
     image_dir = make_images(args.images)
     if "thingsvision" in args.variants.split(","):
@@ -384,9 +390,11 @@ def main() -> None:
     rss_bench(args)
     reader_bench()
     token_bench()
+    import bench_decode
     import bench_overhead
 
     bench_overhead.main()
+    bench_decode.main()
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@ nearly without compute (issue 20).
 
 A near-free model (one strided conv, then cheap ReLUs to capture), pre-decoded uint8 images in
 memory (gpu_check's ``predecoded`` path: the worker's batches come from a tensor), batch 256.
-The bare loop normalises and forwards the same batches; extractor runs the whole job (hooks,
-reductions, copies, chunk filing, writes on its writer threads, statistics). Printed: ms per
-batch of each, and extractor's extra time per batch with 1, 4 and 16 pooled captures.
+The bare loop normalises and forwards the same batches (the faster of NCHW and channels_last;
+extractor runs in that memory format too).
+extractor runs whole jobs (hooks, reductions, copies, chunk filing, writes on its writer
+threads, statistics); its time per batch is that of a job of 40 batches minus one of 20, over
+20, so what a job does once cancels out. Printed: ms per batch of each, and extractor's extra
+time per batch with 1, 4 and 16 pooled captures.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import tempfile
 import time
@@ -40,23 +44,29 @@ class Stack(nn.Module):
         return self.acts(self.conv(x))
 
 
-def bare(model: nn.Module, pixels: torch.Tensor) -> float:
+def bare(model: nn.Module, pixels: torch.Tensor, channels_last: bool, device: str = "cpu") -> float:
     """Seconds for the bare loop: normalise each batch and forward it, outputs discarded."""
-    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
-    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = copy.deepcopy(model).to(device, memory_format=fmt)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for a in range(0, len(pixels), BATCH):
-            model(pixels[a:a + BATCH].float().div_(255.0).sub_(mean).div_(std))
+            x = pixels[a:a + BATCH].to(device, non_blocking=True)
+            model(x.float().div_(255.0).sub_(mean).div_(std).contiguous(memory_format=fmt))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
-def extractor(model: nn.Module, pixels: torch.Tensor, captures: int, work: Path) -> float:
+def extractor(model: nn.Module, pixels: torch.Tensor, captures: int, work: Path, channels_last: bool,
+              device: str = "cpu") -> float:
     """Seconds for the job, from its first shard's start to its end (start-up excluded)."""
     manifest = work / "manifest.csv"
     manifest.write_text("path\n" + "".join(f"/predecoded/{i}.jpg\n" for i in range(len(pixels))))
     spec = parse_spec({
-        "model": {"name": f"python:{__name__}.Stack", "device": "cpu"},
+        "model": {"name": f"python:{__name__}.Stack", "device": device, "channels_last": channels_last},
         "data": {"source": "manifest", "manifest": str(manifest), "batch_size": BATCH, "shard_size": BATCH * 10,
                  "resize": None, "crop": SIZE, "preprocess": "imagenet"},
         "capture": [{"layer": f"acts.{i}", "reduce": "mean"} for i in range(captures)],
@@ -65,29 +75,51 @@ def extractor(model: nn.Module, pixels: torch.Tensor, captures: int, work: Path)
     })
     first: list[float] = []
     worker = Worker(spec, model=model, batches=lambda: SliceStream(pixels, BATCH))
-    summary = run(spec, backend=LocalBackend(spec, worker),
-                  on_event=lambda name, info: first.append(time.perf_counter())
-                  if name == "shard_started" and not first else None)
+    try:
+        summary = run(spec, backend=LocalBackend(spec, worker),
+                      on_event=lambda name, info: first.append(time.perf_counter())
+                      if name == "shard_started" and not first else None)
+        seconds = time.perf_counter() - first[0]
+    finally:
+        worker.close()
     assert summary.ok == len(pixels), summary
-    return time.perf_counter() - first[0]
+    return seconds
 
 
-def main(repeats: int = 3) -> None:
+def marginal(model: nn.Module, pixels: torch.Tensor, captures: int, work: Path, channels_last: bool,
+             device: str = "cpu") -> float:
+    """Seconds per batch in a running job: a job of all the batches minus one of half of them, so
+    what a job does once (its last writes, done markers, metadata) cancels out."""
+    half = len(pixels) // 2
+    return (extractor(model, pixels, captures, work, channels_last, device)
+            - extractor(model, pixels[:half], captures, work, channels_last, device)) \
+        / (BATCHES - half // BATCH)
+
+
+def main(repeats: int = 3, device: str = "cpu") -> dict[int, dict[str, float]]:
+    """Print the table (and return it: captures -> ms per batch); ``device``: cuda in gpu_check."""
     torch.manual_seed(0)
     model = Stack().eval()
     pixels = torch.randint(0, 256, (BATCH * BATCHES, 3, SIZE, SIZE), dtype=torch.uint8)
-    print(f"\nhost overhead: a near-free model (1 strided conv + ReLUs), {len(pixels)} pre-decoded {SIZE}x{SIZE} "
-          f"images in memory, batch {BATCH}, {torch.get_num_threads()} threads; median of {repeats}")
+    if device.startswith("cuda"):
+        pixels = pixels.pin_memory()
+    print(f"\nhost overhead: a near-free model (1 strided conv + ReLUs) on {device}, {len(pixels)} pre-decoded "
+          f"{SIZE}x{SIZE} images in memory, batch {BATCH}, {torch.get_num_threads()} threads; median of {repeats}")
+    table: dict[int, dict[str, float]] = {}
     print(f"{'captures':>8s} {'bare ms/batch':>14s} {'extractor ms/batch':>19s} {'extra ms/batch':>15s}")
     with tempfile.TemporaryDirectory(prefix="overhead") as tmp:
         for captures in (1, 4, 16):
-            b = statistics.median(bare(model, pixels) for _ in range(repeats)) / BATCHES * 1e3
-            e = statistics.median(extractor(model, pixels, captures, Path(tmp)) for _ in range(repeats))
-            e = e / BATCHES * 1e3
+            b, cl = min((statistics.median(bare(model, pixels, fmt, device) for _ in range(repeats)), fmt)
+                        for fmt in (False, True))
+            b = b / BATCHES * 1e3
+            e = statistics.median(marginal(model, pixels, captures, Path(tmp), cl, device)
+                                  for _ in range(repeats)) * 1e3
+            table[captures] = {"bare_ms": b, "extractor_ms": e, "extra_ms": e - b}
             print(f"{captures:8d} {b:14.2f} {e:19.2f} {e - b:15.2f}")
     print("extra = extractor's ms per batch minus the bare loop's: hooks, reductions, copies to the host, chunk "
           "filing, writes and statistics (on writer threads), bookkeeping. Targets (issue 20): <= 1 ms per batch "
           "with 4 pooled captures, <= 0.1 ms per added capture.")
+    return table
 
 
 if __name__ == "__main__":

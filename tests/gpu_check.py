@@ -14,6 +14,8 @@ Stages, each reported even when another fails:
    memory peak of extractor at N/10 and N images. ``compiled`` (not run by default): the
    same at the smallest batch size with ``model.compile``.
 4. jpeg: end-to-end jobs over JPEG files, decoded by Pillow on CPU threads or by nvJPEG.
+4b. overhead: ``bench_overhead`` (a near-free model, 1, 4 and 16 pooled captures) on the GPU:
+   extractor's host time per batch over the bare loop's.
 5. compile: ``model.compile`` against eager on the GPU (resnet18).
 6. fault (not run by default): a real device-side assert in a child process must stop the job
    with a DeviceError and keep the shard before it.
@@ -497,6 +499,13 @@ def stage_fault(args: argparse.Namespace, photos: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def stage_overhead(args: argparse.Namespace) -> None:
+    """The host overhead per batch on the GPU: bench_overhead's table with the model on the device."""
+    import bench_overhead
+
+    RESULTS["overhead"] = bench_overhead.main(device=args.device)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / ".bench" / "gpu"))
@@ -507,7 +516,7 @@ def main() -> None:
     p.add_argument("--check-images", type=int, default=512)
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 64])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--stages", default="correct,decode,predecoded,jpeg,compile")
+    p.add_argument("--stages", default="correct,decode,predecoded,overhead,jpeg,compile")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("extractor.model").setLevel(logging.ERROR)
@@ -526,7 +535,8 @@ def main() -> None:
     stages = {"correct": lambda: stage_correct(args, photos), "decode": lambda: stage_decode(args, photos),
               "predecoded": lambda: stage_predecoded(args), "jpeg": lambda: stage_jpeg(args, photos),
               "compile": lambda: stage_compile(args, photos), "nan": lambda: stage_nan(args, photos),
-              "compiled": lambda: stage_compiled(args), "fault": lambda: stage_fault(args, photos)}
+              "compiled": lambda: stage_compiled(args), "fault": lambda: stage_fault(args, photos),
+              "overhead": lambda: stage_overhead(args)}
     for name in args.stages.split(","):
         if name in ("decode", "jpeg", "nan") and not args.device.startswith("cuda"):
             log(f"{name}: skipped (needs CUDA)")

@@ -148,3 +148,42 @@ def test_gpu_decoding_without_a_gpu_is_a_clear_error(image_dir: Path, tmp_path: 
     with pytest.raises(ModelError, match="data.decode_device: cuda needs the model on a CUDA GPU.*decode_device: cpu"):
         run(parse_spec(raw))
     assert not (tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("w,h,orientation,scale", [(200, 150, None, 2), (640, 480, None, 4), (1200, 600, 6, 8),
+                                                   (600, 1200, None, 8), (140, 100, None, 1)])
+def test_jpeg_draft_decodes_at_the_smallest_scale_the_resize_allows(w: int, h: int, orientation: int | None,
+                                                                     scale: int):
+    """data.jpeg_draft: libjpeg's 1/2, 1/4, 1/8 scale, only while the shorter side stays >= resize
+    (72 here; the crop 64); the pixels stay close to a full decode's."""
+    from extractor.decode import rgb_from_bytes
+
+    data = jpeg_bytes(photo(h, w, seed=w), orientation=orientation)
+    drafted = ImageDecoder(DataSpec(root="unused", resize=72, crop=64, jpeg_draft=True))
+    full = ImageDecoder(DATA)
+    stored = rgb_from_bytes(data, None, drafted.preprocess)
+    long_, short = max(w, h), min(w, h)
+    assert min(stored.size) == -(-short // scale) >= 72 and max(stored.size) == -(-long_ // scale)
+    if orientation == 6:  # rotated a quarter turn, after the reduced decode
+        assert stored.size == (-(-h // scale), -(-w // scale))
+    a, b = drafted.from_bytes(data).float(), full.from_bytes(data).float()
+    assert a.shape == b.shape == (3, 64, 64)
+    diff = (a - b).abs()
+    if scale == 1:
+        assert diff.max() == 0
+    else:
+        assert 0 < diff.mean() < 3 and diff.max() < 40, (diff.mean(), diff.max())
+
+
+def test_jpeg_draft_leaves_other_formats_and_unresized_jobs_alone():
+    from extractor.decode import rgb_from_bytes
+
+    arr = photo(480, 640)
+    png = io.BytesIO()
+    Image.fromarray(arr).save(png, format="PNG")
+    drafted = ImageDecoder(DataSpec(root="unused", resize=72, crop=64, jpeg_draft=True))
+    assert rgb_from_bytes(png.getvalue(), None, drafted.preprocess).size == (640, 480)
+    no_resize = ImageDecoder(DataSpec(root="unused", resize=None, crop=64, jpeg_draft=True))
+    assert rgb_from_bytes(jpeg_bytes(arr), None, no_resize.preprocess).size == (640, 480)
+    torch.testing.assert_close(no_resize.from_bytes(jpeg_bytes(arr)),
+                               ImageDecoder(DataSpec(root="unused", resize=None, crop=64)).from_bytes(jpeg_bytes(arr)))
