@@ -91,9 +91,10 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, overri
 
     ``job`` is a YAML path, a dict (as the YAML would be) or a :class:`JobSpec`; ``overrides``
     are ``--set`` items (``"data.batch_size=16"``). ``model`` is an ``nn.Module`` made in Python:
-    the local backend uses it as it is (moved to the job's device; its mode, ``requires_grad``
-    and memory format given back afterwards); the Ray backend sends it to every worker with cloudpickle (or says why it
-    cannot). The store records it as ``python:MODULE.CLASS`` with its state-dict hash.
+    the local backend uses it as it is (moved to the job's device; its modules' modes,
+    ``requires_grad`` and memory format given back afterwards, also when the job fails); the
+    Ray backend sends it to every worker with cloudpickle (or says why it cannot). The store
+    records it as ``python:MODULE.CLASS`` with its state-dict hash.
     ``progress``: a bar in a terminal or a notebook, log lines otherwise. The run's report is
     ``store.last_run`` (a :class:`~extractor.runner.RunSummary`; ``.report()`` is what
     ``extractor run`` prints); a run in which every row failed raises :class:`DataError`.

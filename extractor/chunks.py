@@ -53,7 +53,7 @@ class ChunkCodec:
     def of(cls, array: zarr.Array) -> ChunkCodec | None:
         """The codec of ``array``, or None when its chunks must go through zarr."""
         meta = array.metadata
-        if meta.zarr_format != 3 or tuple(array.chunks[1:]) != tuple(array.shape[1:]):
+        if meta.zarr_format != 3 or not array.path or tuple(array.chunks[1:]) != tuple(array.shape[1:]):
             return None
         first, *rest = meta.codecs
         if not isinstance(first, BytesCodec):
@@ -62,6 +62,8 @@ class ChunkCodec:
         if any(c is None for c in compressors):
             return None
         dtype = np.dtype(array.dtype)
+        if dtype.kind not in "biuf":  # numbers only: other data types have their own serialisation
+            return None
         if first.endian is not None:
             dtype = dtype.newbyteorder("<" if first.endian.value == "little" else ">")
         return cls(array, dtype, [c for c in compressors if c is not None])

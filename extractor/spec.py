@@ -198,10 +198,13 @@ class DataSpec(_Section):
         return value
 
     @model_validator(mode="after")
-    def _draft_on_cpu(self) -> DataSpec:
+    def _draft(self) -> DataSpec:
         if self.jpeg_draft and self.decode_device == "cuda":
             raise ValueError("data.jpeg_draft makes the CPU decoder faster; with data.decode_device: cuda the GPU "
                              "decodes at full size: remove jpeg_draft, or set decode_device: cpu")
+        if self.jpeg_draft and self.resize is None:
+            raise ValueError("data.jpeg_draft decodes at a scale that the resize allows; with resize: null "
+                             "nothing is resized, so it would do nothing: remove jpeg_draft")
         return self
 
     @model_validator(mode="after")

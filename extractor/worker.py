@@ -69,9 +69,29 @@ def _preprocess(spec: JobSpec, defaults: dict[str, Any] | str) -> Preprocess:
 
 def _layers_hint(spec: JobSpec) -> str:
     """The command that lists this job's model's layers."""
+    if (spec.model.name or "").startswith("python:"):  # a module made in Python (extractor.run(..., model=...))
+        return "[name for name, _ in model.named_modules()]"
     if spec.model.factory:
         return f"extractor layers --factory {spec.model.factory}"
     return f"extractor layers {spec.model.name} --input-size N (or extractor layers JOB.yaml)"
+
+
+class _Given:
+    """A caller's module (``extractor.run(..., model=...)``) as it was given: the mode of each of
+    its modules, and each parameter's ``requires_grad`` and strides (the job makes them
+    channels_last); :meth:`restore` puts them back. Not its device: it stays on the job's."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.modes = [(m, m.training) for m in module.modules()]
+        self.params = [(p, p.requires_grad, p.stride()) for p in module.parameters()]
+
+    def restore(self) -> None:
+        for m, training in self.modes:
+            m.training = training
+        for p, flag, stride in self.params:
+            p.requires_grad_(flag)
+            if p.stride() != stride:
+                p.data = torch.empty_strided(p.shape, stride, dtype=p.dtype, device=p.device).copy_(p.data)
 
 
 class Worker:
@@ -82,17 +102,24 @@ class Worker:
         """``cpus``: how many CPUs this worker may use (a Ray actor's share of its node), for
         ``data.decode_workers: auto``; default, those this process may run on. ``model``: a module
         made in Python (``extractor.run(..., model=...)``), used instead of building one; its
-        mode and its parameters' ``requires_grad`` and memory format are given back by :meth:`close`. ``batches``: makes
+        modules' modes and its parameters' ``requires_grad`` and memory format are given back by
+        :meth:`close`, or at once when the worker cannot be made. ``batches``: makes
         the batch source of each ``run_shards`` call, an object with ``add(locators)`` and
         ``next() -> Batch | None`` as :class:`~extractor.batching.BatchStream` (default: the
         images decoded from the store's paths; benchmarks: pre-decoded tensors)."""
         self._batches = batches
         self.spec = spec
+        self._given = _Given(model) if model is not None else None
+        try:
+            self._build(spec, cpus, model)
+        except BaseException:
+            if self._given is not None:
+                self._given.restore()
+            raise
+
+    def _build(self, spec: JobSpec, cpus: int | None, model: torch.nn.Module | None) -> None:
+        """The rest of ``__init__``: model, hooks, decoders, thread pools."""
         self.device = resolve_device(spec.model.device)
-        # a caller's module is given back in its mode, with its requires_grad flags and its
-        # parameters' memory format (close)
-        self._given = (model, model.training, [(p, p.requires_grad, p.is_contiguous()) for p in model.parameters()]) \
-            if model is not None else None
         model, self.model_info = build_model(spec.model, model)
         self.preprocess = _preprocess(spec, self.model_info["preprocess_defaults"])
         self.targets: list[Target] = resolve_targets(model, spec.capture, _layers_hint(spec),
@@ -140,13 +167,8 @@ class Worker:
         self.writer_pool.shutdown(wait=True)
         self.prepare_pool.shutdown(wait=True)
         self.cap.close()
-        if self._given is not None:  # a caller's module: as it was given, but for its device
-            module, training, flags = self._given
-            module.train(training)
-            for p, flag, contiguous in flags:
-                p.requires_grad_(flag)
-                if contiguous and not p.is_contiguous():  # made channels_last here
-                    p.data = p.data.contiguous()
+        if self._given is not None:
+            self._given.restore()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = _AUTOCAST.get(self.spec.model.dtype)

@@ -59,6 +59,31 @@ def test_run_from_python_with_a_module_equals_the_cli_run_of_the_named_model(ima
     assert "12 ok" in repr(store) and "complete" in repr(store)
 
 
+def _as_given(model: torch.nn.Module) -> tuple[list[bool], list[bool], list[tuple[int, ...]]]:
+    return ([m.training for m in model.modules()], [p.requires_grad for p in model.parameters()],
+            [p.stride() for p in model.parameters()])
+
+
+def test_a_module_comes_back_as_given_after_a_run_and_after_a_failed_one(image_dir: Path, tmp_path: Path):
+    """Each module's mode (a training model with frozen BatchNorm), requires_grad and strides (a
+    channels_last job makes 1x1 conv weights (64, 1, 64, 64)), also when the job cannot start."""
+    from extractor.errors import LayerError
+
+    model = _resnet18().train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.eval()
+    model.layer1.requires_grad_(False)
+    before = _as_given(model)
+    raw = _no_model(job(image_dir, tmp_path / "py.zarr"))
+    extractor.run(raw, model=model, progress=False)
+    assert _as_given(model) == before
+    with pytest.raises(LayerError, match=r"List the layers with `\[name for name, _ in model.named_modules"):
+        extractor.run({**raw, "capture": [{"layer": "nope"}], "output": {**raw["output"], "if_exists": "overwrite"}},
+                      model=model, progress=False)
+    assert _as_given(model) == before
+
+
 def test_a_path_with_overrides_and_a_job_that_also_names_a_model(image_dir: Path, tmp_path: Path):
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "(model)", "key": "logits"}])
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))

@@ -52,7 +52,8 @@ def test_a_partial_last_chunk_and_unknown_codecs_go_through_zarr(tmp_path: Path)
     transposed = group.create_array("t", shape=(8, 2, 3), chunks=(4, 2, 3), dtype="float32",
                                     filters=[TransposeCodec(order=(0, 2, 1))])
     split = group.create_array("s", shape=(8, 6), chunks=(4, 3), dtype="float32")
-    assert ChunkCodec.of(transposed) is None and ChunkCodec.of(split) is None
+    strings = group.create_array("str", shape=(8,), chunks=(4,), dtype=str)
+    assert ChunkCodec.of(transposed) is None and ChunkCodec.of(split) is None and ChunkCodec.of(strings) is None
     cube = np.arange(48, dtype="float32").reshape(8, 2, 3)
     write_chunks(4, {"t": (transposed, None, cube[4:]), "s": (split, None, cube[4:].reshape(4, 6))})
     back = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")

@@ -175,7 +175,7 @@ def test_jpeg_draft_decodes_at_the_smallest_scale_the_resize_allows(w: int, h: i
         assert 0 < diff.mean() < 3 and diff.max() < 40, (diff.mean(), diff.max())
 
 
-def test_jpeg_draft_leaves_other_formats_and_unresized_jobs_alone():
+def test_jpeg_draft_leaves_other_formats_alone_and_is_refused_where_it_would_do_nothing():
     from extractor.decode import rgb_from_bytes
 
     arr = photo(480, 640)
@@ -183,7 +183,8 @@ def test_jpeg_draft_leaves_other_formats_and_unresized_jobs_alone():
     Image.fromarray(arr).save(png, format="PNG")
     drafted = ImageDecoder(DataSpec(root="unused", resize=72, crop=64, jpeg_draft=True))
     assert rgb_from_bytes(png.getvalue(), None, drafted.preprocess).size == (640, 480)
-    no_resize = ImageDecoder(DataSpec(root="unused", resize=None, crop=64, jpeg_draft=True))
-    assert rgb_from_bytes(jpeg_bytes(arr), None, no_resize.preprocess).size == (640, 480)
-    torch.testing.assert_close(no_resize.from_bytes(jpeg_bytes(arr)),
-                               ImageDecoder(DataSpec(root="unused", resize=None, crop=64)).from_bytes(jpeg_bytes(arr)))
+    assert ImageDecoder(DataSpec(root="unused", resize=None, crop=64)).preprocess.draft_size(640, 480) is None
+    with pytest.raises(ValueError, match="resize: null .* would do nothing"):
+        DataSpec(root="unused", resize=None, crop=64, jpeg_draft=True)
+    with pytest.raises(ValueError, match="decode_device: cuda"):
+        DataSpec(root="unused", decode_device="cuda", jpeg_draft=True)
