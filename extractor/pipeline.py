@@ -90,7 +90,8 @@ class NextShard:
         if self.shard is None and (shard := self.shards.get(block)) is not None:
             self.shard, self.queued = shard, False
             self.opening = self.worker.prepare_pool.submit(ShardInput.open, shard, self.url, self.so,
-                                                           bool(self.worker.extras), self.fence)
+                                                           bool(self.worker.extras), list(self.worker.captures or ()),
+                                                           self.fence)
 
     def feed(self) -> None:
         """Once it is open, add its rows to the stream."""
@@ -189,7 +190,7 @@ class Pipeline:
             shard, given = self.next.take()  # raises the store's error for this shard
             w = self.worker
             assert w.captures is not None  # probed before any shard runs
-            out = ShardOutput(given, self.t, w.captures, w.extras, w.spec.output.chunk_rows, w.writer_pool, w.spare)
+            out = ShardOutput(given, self.t, w.captures, w.extras, w.writer_pool, w.spare)
             self._call(self.on_started, shard)
             while (batch := self._next_batch(out)) is not None:
                 self._forward(batch, given, out)

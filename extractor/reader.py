@@ -393,7 +393,8 @@ class ActivationStore:
             raise ValueError(f"batches needs at least one capture key; {self._known()}")
         arrays = {k: self[k] for k in names}
         idx = self._select_rows(rows, only_ok)
-        step = max(int(arrays[names[0]].chunks[0]), 1)
+        # the smallest chunk: a capture with bigger chunks (small rows, chunk_rows: auto) reads one several times
+        step = max(min(int(a.chunks[0]) for a in arrays.values()), 1)
         if shuffle:  # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
             runs, per = _shuffled_chunks(idx, step, seed), buffer_chunks
         else:

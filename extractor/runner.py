@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -29,12 +30,13 @@ from .listing import list_rows
 from .preprocess import of_store
 from .rows import Rows, Shard, plan
 from .shardio import ShardSummary
-from .spec import JobSpec, content_of, parse_spec, redact_argv, spec_digest
+from .spec import JobSpec, auto_chunk_rows, content_of, parse_spec, redact_argv, spec_digest
 from .stats import merge as merge_stats
 from .store import (
     FAILED,
     FORMAT_VERSION,
     PENDING,
+    CaptureRecord,
     Layout,
     Lease,
     consolidate,
@@ -281,7 +283,7 @@ def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str,
     if old is not None:
         log.info("overwriting %s", url)
     layout = Layout(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
-                    chunk_rows=spec.output.chunk_rows, compression=spec.output.compression,
+                    chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
                     compression_level=spec.output.compression_level)
     return create_store(url, rows, layout, attrs, so)
 
@@ -404,6 +406,14 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
     return [table[k] for k in sorted(table)]
 
 
+def _chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int]:
+    """Rows per chunk of each capture array: output.chunk_rows, or ``auto``'s choice for the capture's row size."""
+    if spec.output.chunk_rows != "auto":
+        return dict.fromkeys(captures, spec.output.chunk_rows)
+    return {k: auto_chunk_rows(spec.data.shard_size, math.prod(c["shape"]) * np.dtype(c["dtype"]).itemsize)
+            for k, c in captures.items()}
+
+
 def _store_attrs(spec: JobSpec, rows: Rows, n_shards: int, layout: dict[str, Any]) -> dict[str, Any]:
     """The store's ``extractor`` attributes at its creation (or, on resume, what it must match)."""
     return {
@@ -421,7 +431,7 @@ def _store_attrs(spec: JobSpec, rows: Rows, n_shards: int, layout: dict[str, Any
         "n_rows": len(rows),
         "n_shards": n_shards,
         "shard_size": spec.data.shard_size,
-        "chunk_rows": spec.output.chunk_rows,
+        "chunk_rows": _chunking(spec, layout["captures"]),
         "ids_digest": _digest(rows.ids),
         "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
         "versions": _versions(),

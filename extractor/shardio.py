@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -69,12 +70,13 @@ class ShardInput:
     writer: ShardWriter
     paths: list[Any]
     labels: np.ndarray | None
+    chunk_rows: dict[str, int]  # per capture, as the store is chunked
 
     @classmethod
     def open(cls, shard: Shard, url: str, storage_options: dict[str, Any] | None, labels: bool,
-             fence: str | None = None) -> ShardInput:
+             captures: Iterable[str], fence: str | None = None) -> ShardInput:
         writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options, fence)
-        return cls(shard, writer, writer.locators(), writer.labels() if labels else None)
+        return cls(shard, writer, writer.locators(), writer.labels() if labels else None, writer.chunk_rows(captures))
 
 
 @dataclass
@@ -86,31 +88,43 @@ class Forwarded:
     event: Any  # torch.cuda.Event, or None when ``host`` is ready
 
 
+class _Chunks:
+    """The captures whose arrays share one chunk size, and the chunk of theirs being filled."""
+
+    def __init__(self, rows: int, keys: list[str]) -> None:
+        self.rows, self.keys = rows, keys
+        self.current = 0  # index of the chunk being filled, relative to the shard
+        self.buffers: dict[str, np.ndarray] = {}  # its buffer per capture
+
+
 class ShardOutput:
     """One shard's results on the host: row status, chunk buffers handed to the writer threads
-    (compression, storage and statistics happen there), per-row extras, timings."""
+    (compression, storage and statistics happen there), per-row extras, timings. Captures whose
+    arrays have other chunk sizes (``chunk_rows: auto`` gives small rows bigger chunks) fill
+    their chunks separately."""
 
     def __init__(self, given: ShardInput, started: float, captures: dict[str, CaptureRecord],
-                 extras: dict[str, ExtraRecord], chunk_rows: int, pool: ThreadPoolExecutor,
+                 extras: dict[str, ExtraRecord], pool: ThreadPoolExecutor,
                  spare: dict[str, deque[np.ndarray]]) -> None:
         """``pool``: the writer threads; ``spare``: chunk buffers whose write is done, per capture
         (shared by the shards of a worker)."""
         self.shard, self.writer, self.pool = given.shard, given.writer, pool
         self.started, self.seconds = started, 0.0
         n = self.n = len(self.shard)
-        self.chunk = chunk_rows
         self.status = np.zeros(n, dtype=np.uint8)
         self.errors = [""] * n
         self.spare = spare
-        self.shapes = {k: (self.chunk, *m["shape"]) for k, m in captures.items()}
+        self.shapes = {k: (given.chunk_rows[k], *m["shape"]) for k, m in captures.items()}
         self.dtypes = {k: np.dtype(m["dtype"]) for k, m in captures.items()}
-        self.buffers = {k: self._buffer(k) for k in self.shapes}
+        sizes = sorted(set(given.chunk_rows[k] for k in captures))
+        self.chunks = [_Chunks(rows, [k for k in captures if given.chunk_rows[k] == rows]) for rows in sizes]
+        for group in self.chunks:
+            group.buffers = {k: self._buffer(k) for k in group.keys}
         self.extras = {k: np.full((n, *m["shape"]), -1 if m["dtype"] == "int64" else np.nan, dtype=m["dtype"])
                        for k, m in extras.items()}
         self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in captures.items()}
         self.locks = {k: threading.Lock() for k in self.stats}  # a capture's statistics: one writer at a time
-        self.current = 0  # index of the chunk being filled, relative to the shard
-        self.pending: deque[Future[None]] = deque()  # chunk writes in flight, one per chunk (all captures)
+        self.pending: deque[Future[None]] = deque()  # chunk writes in flight, one per chunk (its captures)
         self.decoded = self.forward_failed = 0  # images that reached the model, and those that made it raise
         self.handed_off = False  # complete() is queued on the writer threads: they own the shard from then on
         self.wait_decode = self.wait_device = self.wait_write = 0.0
@@ -151,30 +165,35 @@ class ShardOutput:
         for key, arr in self.extras.items():
             arr[offsets] = host[key]
         self.status[offsets] = OK
-        chunk = self.chunk
+        for group in self.chunks:
+            self._file(group, offsets, host)
+
+    def _file(self, group: _Chunks, offsets: np.ndarray, host: dict[str, np.ndarray]) -> None:
+        """Copy the rows ``offsets`` of ``group``'s captures into their chunk buffers, handing each
+        chunk that is complete to the writers."""
+        chunk = group.rows
         if offsets[-1] - offsets[0] == len(offsets) - 1:  # consecutive rows (the usual case): copy slices
             pos, row = 0, int(offsets[0])
             while pos < len(offsets):
                 c = row // chunk
-                while self.current < c:
-                    self._flush()
+                while group.current < c:
+                    self._flush(group)
                 n = min(len(offsets) - pos, (c + 1) * chunk - row)
-                for key, buf in self.buffers.items():
+                for key, buf in group.buffers.items():
                     buf[row - c * chunk : row - c * chunk + n] = host[key][pos : pos + n]
                 pos, row = pos + n, row + n
             return
         for c in np.unique(offsets // chunk):
-            while self.current < c:
-                self._flush()
+            while group.current < c:
+                self._flush(group)
             sel = (offsets // chunk) == c
-            for key, buf in self.buffers.items():
+            for key, buf in group.buffers.items():
                 buf[offsets[sel] - c * chunk] = host[key][sel]
 
-    def _write(self, c: int, bufs: dict[str, np.ndarray], ok: np.ndarray) -> None:
-        """On a writer thread: compress and store chunk ``c`` of every capture, add it to the
-        statistics, give the buffers back. (Stores opened by URL copy what they are given, so a
-        buffer is free once written; zarr's in-memory MemoryStore object would keep it.)"""
-        start = c * self.chunk
+    def _write(self, start: int, bufs: dict[str, np.ndarray], ok: np.ndarray) -> None:
+        """On a writer thread: compress and store the chunk at shard row ``start`` of some captures,
+        add it to the statistics, give the buffers back. (Stores opened by URL copy what they are
+        given, so a buffer is free once written; zarr's in-memory MemoryStore object would keep it.)"""
         rows = np.flatnonzero(ok)
         if len(rows) < len(ok):
             for buf in bufs.values():
@@ -191,22 +210,23 @@ class ShardOutput:
         future.result()
         self.wait_write += time.perf_counter() - t
 
-    def _flush(self) -> None:
-        """Hand the current chunk to the writer threads and take fresh buffers; wait only when
-        WRITE_QUEUE chunks are already in flight."""
-        c = self.current
-        more = c < (self.n - 1) // self.chunk  # a chunk after this one: it needs buffers
-        full, self.buffers = self.buffers, {k: self._buffer(k) for k in self.buffers} if more else {}
-        ok = self.status[c * self.chunk : min((c + 1) * self.chunk, self.n)] == OK
-        self.pending.append(self.pool.submit(self._write, c, full, ok))
-        self.current += 1
+    def _flush(self, group: _Chunks) -> None:
+        """Hand ``group``'s current chunk to the writer threads and take fresh buffers; wait only
+        when WRITE_QUEUE chunks are already in flight."""
+        c, rows = group.current, group.rows
+        more = c < (self.n - 1) // rows  # a chunk after this one: it needs buffers
+        full, group.buffers = group.buffers, {k: self._buffer(k) for k in group.keys} if more else {}
+        ok = self.status[c * rows : min((c + 1) * rows, self.n)] == OK
+        self.pending.append(self.pool.submit(self._write, c * rows, full, ok))
+        group.current += 1
         while len(self.pending) > WRITE_QUEUE:
             self._wait(self.pending.popleft())
 
     def close(self) -> None:
         """Hand the remaining chunks to the writer threads."""
-        while self.current <= (self.n - 1) // self.chunk:
-            self._flush()
+        for group in self.chunks:
+            while group.current <= (self.n - 1) // group.rows:
+                self._flush(group)
 
     def hand_off(self) -> Future[ShardSummary]:
         """Queue ``complete`` behind this shard's chunk writes (the writer threads take tasks in order)."""

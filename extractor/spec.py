@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -141,6 +142,13 @@ class ModelSpec(_Section):
         return rest if sep else prefix
 
 
+def _auto_or_at_least(value: int | str, low: int, note: str = "") -> int | str:
+    """A setting that is ``auto`` or a number of at least ``low``."""
+    if isinstance(value, int) and value < low:
+        raise ValueError(f"expected auto or a number >= {low}{note}, not {value}")
+    return value
+
+
 class DataSpec(_Section):
     source: Literal["folder", "manifest", "tar"] = "folder"
     """``folder`` (recursive walk; ImageFolder labels), ``manifest`` (CSV/JSONL) or ``tar`` (WebDataset shards)."""
@@ -193,9 +201,7 @@ class DataSpec(_Section):
     @field_validator("decode_workers")
     @classmethod
     def _workers(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 0:
-            raise ValueError(f"expected auto or a number >= 0 (0: decode inline), not {value}")
-        return value
+        return _auto_or_at_least(value, 0, " (0: decode inline)")
 
     @model_validator(mode="after")
     def _draft(self) -> DataSpec:
@@ -298,15 +304,23 @@ class OutputSpec(_Section):
     """Path or fsspec URL (``s3://bucket/run.zarr``) of the Zarr store to write."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for a remote store; secrets here are never written to the store or logs."""
-    chunk_rows: int = Field(default=256, gt=0)
-    """Rows per chunk of each capture array; must divide data.shard_size. ``auto`` (the default):
-    the largest divisor of data.shard_size up to 256 (250 for shards of 1000, 100 for 100)."""
+    chunk_rows: int | Literal["auto"] = "auto"
+    """Rows per chunk of every capture array, a divisor of data.shard_size; or ``auto`` (the
+    default), decided per capture when the store is made: the largest divisor of data.shard_size
+    up to 256 (250 for shards of 1000, 100 for 100), or more for a capture with small rows, up to
+    about 1 MiB per chunk and a whole shard (512 rows for 512 float32 features). Chunking never
+    changes values: a resumed store keeps its own."""
     compression: Literal["zstd", "blosc", "gzip", "none"] = "zstd"
     compression_level: int | None = None
     if_exists: Literal["error", "resume", "overwrite"] = "error"
     """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
     lease_timeout_s: float = Field(default=60.0, gt=0)
     """A running job renews its lease on the store; one silent this long is taken to be dead."""
+
+    @field_validator("chunk_rows")
+    @classmethod
+    def _chunk_rows(cls, value: int | str) -> int | str:
+        return _auto_or_at_least(value, 1)
 
     @field_validator("compression_level")
     @classmethod
@@ -376,21 +390,26 @@ class SubmitSpec(_Section):
     """Environment variables of the job on the cluster."""
 
 
-MAX_AUTO_CHUNK_ROWS = 256  # output.chunk_rows: auto never exceeds it
+MAX_AUTO_CHUNK_ROWS = 256  # output.chunk_rows: auto goes beyond it only for captures with small rows
 MIN_AUTO_CHUNK_ROWS = 16  # nor goes below it, unless the shard itself is smaller
+AUTO_CHUNK_BYTES = 1 << 20  # rows of small captures fill chunks up to about this size
 
 
-def auto_chunk_rows(shard_size: int) -> int:
-    """The largest divisor of ``shard_size`` up to MAX_AUTO_CHUNK_ROWS; a shard size whose divisors
-    are all too small for sensible chunks (a prime such as 1009) is refused, saying what to set."""
-    best = max(d for d in range(1, min(shard_size, MAX_AUTO_CHUNK_ROWS) + 1) if shard_size % d == 0)
-    if best < MIN_AUTO_CHUNK_ROWS and best != shard_size:
+def auto_chunk_rows(shard_size: int, row_bytes: int = 0) -> int:
+    """The largest divisor of ``shard_size`` up to MAX_AUTO_CHUNK_ROWS rows, or up to AUTO_CHUNK_BYTES
+    of rows of ``row_bytes`` when that is more. A shard size whose divisors are all too small for
+    sensible chunks (a prime such as 1009) is refused, saying what to set."""
+    divisors = sorted({d for i in range(1, math.isqrt(shard_size) + 1) if shard_size % i == 0
+                       for d in (i, shard_size // i)})
+    base = max(d for d in divisors if d <= MAX_AUTO_CHUNK_ROWS)
+    if base < MIN_AUTO_CHUNK_ROWS and base != shard_size:
         raise ValueError(
             f"output.chunk_rows: auto needs a divisor of data.shard_size ({shard_size}) between "
-            f"{MIN_AUTO_CHUNK_ROWS} and {MAX_AUTO_CHUNK_ROWS}, and the largest is {best}; choose a shard_size "
+            f"{MIN_AUTO_CHUNK_ROWS} and {MAX_AUTO_CHUNK_ROWS}, and the largest is {base}; choose a shard_size "
             "with one (1000, 1024...) or set output.chunk_rows to a divisor of it"
         )
-    return best
+    fill = AUTO_CHUNK_BYTES // row_bytes if row_bytes > 0 else 0
+    return max(d for d in divisors if d <= max(base, fill))
 
 
 class JobSpec(_Section):
@@ -401,24 +420,11 @@ class JobSpec(_Section):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     submit: SubmitSpec = Field(default_factory=SubmitSpec)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _auto_chunk_rows(cls, raw: Any) -> Any:
-        """``output.chunk_rows: auto`` (or unset) becomes a number here, from data.shard_size: the spec
-        then says what the store holds (a shard_size that is no number is refused on its own)."""
-        if not isinstance(raw, dict) or not isinstance(raw.get("output", {}), dict):
-            return raw
-        output = raw.get("output", {})
-        data = raw.get("data")
-        shard = data.get("shard_size", DataSpec.model_fields["shard_size"].default) if isinstance(data, dict) else None
-        if output.get("chunk_rows", "auto") != "auto" or isinstance(shard, bool) or not isinstance(shard, int) \
-                or shard < 1:
-            return raw
-        return {**raw, "output": {**output, "chunk_rows": auto_chunk_rows(shard)}}
-
     @model_validator(mode="after")
     def _chunks_fit_shards(self) -> JobSpec:
-        if self.data.shard_size % self.output.chunk_rows:
+        if self.output.chunk_rows == "auto":
+            auto_chunk_rows(self.data.shard_size)  # a shard size without a sensible divisor is refused here
+        elif self.data.shard_size % self.output.chunk_rows:
             raise ValueError(
                 f"output.chunk_rows ({self.output.chunk_rows}) must divide data.shard_size "
                 f"({self.data.shard_size}) so that no two shards share a chunk"
@@ -452,6 +458,7 @@ class JobSpec(_Section):
 # size may sum in another order): a store may be resumed with them changed. model.channels_last is not one:
 # it changes stored values by about one float16 ulp, so a resumed store would mix both.
 RUN_ONLY_FIELDS = (
+    ("output", "chunk_rows"),  # chunking never changes values: a resumed store keeps its own
     ("model", "device"),
     ("model", "compile"),
     ("data", "batch_size"),

@@ -17,8 +17,8 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
     target, target_score, <gradcam key>.range   (gradient jobs) per-row target class,
                         its logit, and each Grad-CAM map's min and max
 
-Per-row arrays are chunked by shard and capture arrays by ``chunk_rows`` (which divides the
-shard size), so no two shards ever write into the same storage object.
+Per-row arrays are chunked by shard and each capture array by its ``chunk_rows`` (which divides
+the shard size), so no two shards ever write into the same storage object.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import datetime as _dt
 import os
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict, cast
 
@@ -179,7 +179,7 @@ class Layout:
     captures: Mapping[str, CaptureRecord]
     extras: Mapping[str, ExtraRecord]
     shard_size: int
-    chunk_rows: int
+    chunk_rows: Mapping[str, int]  # per capture: rows per chunk, a divisor of shard_size
     compression: str = "zstd"
     compression_level: int | None = None
 
@@ -188,7 +188,7 @@ def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
                  storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
     """Create the layout (wiping what is at ``url``); the caller checked that this is allowed."""
     n = len(rows)
-    shard_size, chunk_rows, captures, extras = layout.shard_size, layout.chunk_rows, layout.captures, layout.extras
+    shard_size, captures, extras = layout.shard_size, layout.captures, layout.extras
     comp = _compressors(layout.compression, layout.compression_level)  # before anything is wiped
     group = _create_root(url, attrs, storage_options)
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
@@ -211,7 +211,7 @@ def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
             key,
             shape=(n, *shape),
             dtype=meta["dtype"],
-            chunks=(min(chunk_rows, max(n, 1)), *shape),
+            chunks=(min(layout.chunk_rows[key], max(n, 1)), *shape),
             fill_value=np.nan,
             compressors=comp,
             dimension_names=["row", *meta["dims"]],
@@ -354,17 +354,25 @@ class ShardWriter:
         if self.fence is not None and lease_token(self.group) != self.fence:
             raise fenced(self.url, lease_token(self.group))
 
+    def _open(self, key: str) -> tuple[zarr.Array, ChunkCodec | None]:
+        """The capture array ``key`` and its chunk codec, opened once (callers hold ``_lock``)."""
+        if key not in self._arrays:
+            array = get_array(self.group, key)
+            self._arrays[key] = array, ChunkCodec.of(array)
+        return self._arrays[key]
+
+    def chunk_rows(self, keys: Iterable[str]) -> dict[str, int]:
+        """Rows per chunk of each capture array of ``keys``, as the store has them."""
+        with self._lock:
+            return {key: int(self._open(key)[0].chunks[0]) for key in keys}
+
     def write(self, offset: int, chunks: Mapping[str, np.ndarray]) -> None:
         """Write rows ``start+offset ...`` of each capture in ``chunks`` (one whole chunk of each),
         while this job holds the store (a small metadata read before each chunk: a job paused
         mid-shard must not write into the store of the job that took it over)."""
         self.check_fence()
         with self._lock:
-            for key in chunks:
-                if key not in self._arrays:
-                    array = get_array(self.group, key)
-                    self._arrays[key] = array, ChunkCodec.of(array)
-            opened = {key: (*self._arrays[key], data) for key, data in chunks.items()}
+            opened = {key: (*self._open(key), data) for key, data in chunks.items()}
         written = write_chunks(self.start + offset, opened)
         with self._lock:
             self.bytes += written

@@ -126,7 +126,8 @@ def test_no_hooks_no_parameter_grads_no_graph_after_a_job(image_dir: Path, tmp_p
 
     layout = worker.layout()
     create_store(str(tmp_path / "s.zarr"), rows, Layout(captures=layout["captures"], extras=layout["extras"],
-                                                        shard_size=4, chunk_rows=2), attrs={})
+                                                        shard_size=4, chunk_rows=dict.fromkeys(layout["captures"], 2)),
+                 attrs={})
     worker.run_shard(plan(len(rows), 4)[0], str(tmp_path / "s.zarr"))
     worker.close()
     for m in worker.model.modules():

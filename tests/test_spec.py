@@ -7,7 +7,7 @@ import yaml
 
 from extractor.demo import DEMO_JOB
 from extractor.errors import SpecError
-from extractor.spec import apply_overrides, load_spec, parse_spec
+from extractor.spec import apply_overrides, auto_chunk_rows, load_spec, parse_spec
 
 BASE = {"data": {"root": "images"}, "capture": [{"layer": "layer3"}]}
 
@@ -288,12 +288,19 @@ def test_cluster_workers_auto_by_default_null_reads_as_auto_and_max_workers_caps
         parse_spec({**BASE, "cluster": {"workers": "many"}})
 
 
-@pytest.mark.parametrize(("shard_size", "chunk_rows"), [(1024, 256), (1000, 250), (100, 100), (3000, 250), (4, 4)])
-def test_chunk_rows_auto_is_the_largest_divisor_of_the_shard_size_up_to_256(shard_size: int, chunk_rows: int):
-    """issue 19: shard_size 100 or 1000 were refused until chunk_rows was set too."""
+@pytest.mark.parametrize(("shard_size", "row_bytes", "chunk_rows"), [
+    (1024, 0, 256), (1000, 0, 250), (100, 0, 100), (3000, 0, 250), (4, 0, 4),  # the base: up to 256 rows
+    (1024, 16384, 256), (1200, 4096, 240), (1024, 2048, 512), (1000, 2048, 500), (1200, 1024, 600),
+    (2560, 64, 2560)])
+def test_chunk_rows_auto_is_the_largest_divisor_of_the_shard_size_up_to_256_or_1_mib_of_small_rows(
+        shard_size: int, row_bytes: int, chunk_rows: int):
+    """issue 19: shard_size 100 or 1000 were refused until chunk_rows was set too; issue 20: a capture
+    with small rows gets chunks of up to 1 MiB (fewer files per batch). The spec keeps ``auto``: the
+    store is chunked per capture when it is made."""
+    assert auto_chunk_rows(shard_size, row_bytes) == chunk_rows
     for output in ({}, {"chunk_rows": "auto"}):
         spec = parse_spec({**BASE, "data": {"root": "images", "shard_size": shard_size}, "output": output})
-        assert spec.output.chunk_rows == chunk_rows and spec.to_dict()["output"]["chunk_rows"] == chunk_rows
+        assert spec.output.chunk_rows == "auto" == spec.to_dict()["output"]["chunk_rows"]
 
 
 def test_chunk_rows_auto_refuses_a_shard_size_without_a_sensible_divisor_and_a_set_number_is_kept():

@@ -14,7 +14,8 @@ import yaml
 import zarr
 from conftest import job
 
-from extractor.errors import StoreError
+from extractor.errors import ShardError, StoreError
+from extractor.reader import open_store
 from extractor.runner import run
 from extractor.spec import parse_spec
 from extractor.store import FORMAT_VERSION
@@ -187,14 +188,84 @@ def test_a_store_that_cannot_be_created_is_one_clear_error(image_dir: Path, tmp_
     assert main(["run", str(spec), "-q"]) == 1  # one line on stderr, no traceback
 
 
-@pytest.mark.parametrize(("shard_size", "chunk_rows"), [(100, 100), (1000, 250)])
+@pytest.mark.parametrize(("shard_size", "layer3_rows", "layer4_rows"), [(100, 100, 100), (1000, 250, 500)])
 def test_shard_sizes_of_100_and_1000_run_without_chunk_rows_and_record_the_chunking(
-        image_dir: Path, tmp_path: Path, shard_size: int, chunk_rows: int):
-    """issue 19: output.chunk_rows: auto (the default) fits the shard size; the store records it."""
+        image_dir: Path, tmp_path: Path, shard_size: int, layer3_rows: int, layer4_rows: int):
+    """issue 19: output.chunk_rows: auto (the default) fits the shard size; issue 20: per capture, the
+    mean-pooled layer4 (2 KB rows) in bigger chunks than the full layer3 map (16 KB rows); the store
+    records the chunking and holds what a store chunked by 2 rows holds."""
+    ref = job(image_dir, tmp_path / "ref.zarr", data={"shard_size": shard_size}, cluster={"backend": "local"})
+    run(parse_spec(ref))
     raw = job(image_dir, tmp_path / "s.zarr", data={"shard_size": shard_size}, cluster={"backend": "local"})
     raw["output"].pop("chunk_rows")
     summary = run(parse_spec(raw))
     assert summary.ok == 12
     g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
-    assert g.attrs["extractor"]["chunk_rows"] == chunk_rows == g.attrs["extractor"]["spec"]["output"]["chunk_rows"]
-    assert g["layer3"].chunks[0] == min(chunk_rows, 12)  # a capture array's chunk: chunk_rows rows (or all 12)
+    assert g.attrs["extractor"]["chunk_rows"] == {"layer3": layer3_rows, "layer4": layer4_rows}
+    assert g.attrs["extractor"]["spec"]["output"]["chunk_rows"] == "auto"
+    assert g["layer3"].chunks[0] == g["layer4"].chunks[0] == 12  # a chunk holds at most the store's 12 rows
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr")).numpy(key),
+                                      open_store(str(tmp_path / "ref.zarr")).numpy(key))
+
+
+@pytest.fixture
+def small_auto_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """chunk_rows: auto at the scale of 12 images in shards of 4: 2 rows per chunk, or chunks of up to
+    8 KB of small rows (layer4 mean-pooled: 2 KB rows, 4 per chunk; layer3: 16 KB rows, 2 per chunk)."""
+    from extractor import spec as spec_mod
+
+    monkeypatch.setattr(spec_mod, "MAX_AUTO_CHUNK_ROWS", 2)
+    monkeypatch.setattr(spec_mod, "MIN_AUTO_CHUNK_ROWS", 1)
+    monkeypatch.setattr(spec_mod, "AUTO_CHUNK_BYTES", 8192)
+
+
+def test_captures_chunked_apart_store_what_one_chunking_stores_also_with_failed_rows(
+        image_dir: Path, tmp_path: Path, small_auto_chunks: None):
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(image_dir, images)
+    bad = sorted(images.rglob("*.jpg"))[5]
+    bad.write_bytes(b"not a jpeg")  # row 5: chunk 2 of layer3, chunk 1 of layer4
+    run(parse_spec(job(images, tmp_path / "ref.zarr")))  # chunk_rows: 2 for both
+    raw = job(images, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": "auto"})
+    run(parse_spec(raw))
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    assert (g["layer3"].chunks[0], g["layer4"].chunks[0]) == (2, 4)
+    s, ref = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "ref.zarr"))
+    assert (s.status == ref.status).all() and (s.status == 1).sum() == 11
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(s.numpy(key, only_ok=False), ref.numpy(key, only_ok=False))  # NaN: row 5
+    batches = list(s.batches(["layer3", "layer4"], 5, shuffle=False))
+    np.testing.assert_array_equal(np.concatenate([b["layer4"] for _, b in batches]), ref.numpy("layer4", only_ok=True))
+
+
+def test_a_store_resumed_with_chunk_rows_auto_keeps_its_own_chunking(
+        image_dir: Path, tmp_path: Path, small_auto_chunks: None, monkeypatch: pytest.MonkeyPatch):
+    """Chunking never changes values: a store made with chunk_rows 1 resumes under auto (which would
+    chunk it otherwise) and is written in its own chunks."""
+    import errno
+
+    from extractor.store import ShardWriter
+
+    made = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
+    real_write = ShardWriter.write
+
+    def write(self, offset, chunks):
+        if self.index == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, offset, chunks)
+
+    monkeypatch.setattr(ShardWriter, "write", write)
+    with pytest.raises(ShardError):
+        run(parse_spec(made))
+    monkeypatch.setattr(ShardWriter, "write", real_write)
+    resumed = {**made, "output": {"store": str(tmp_path / "s.zarr"), "chunk_rows": "auto", "if_exists": "resume"}}
+    assert run(parse_spec(resumed)).shards_run >= 1
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    assert g["layer3"].chunks[0] == g["layer4"].chunks[0] == 1 and g.attrs["extractor"]["status"] == "complete"
+    run(parse_spec(job(image_dir, tmp_path / "ref.zarr")))
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr")).numpy(key),
+                                      open_store(str(tmp_path / "ref.zarr")).numpy(key))
