@@ -91,10 +91,10 @@ class Forwarded:
 class _Chunks:
     """The captures whose arrays share one chunk size, and the chunk of theirs being filled."""
 
-    def __init__(self, rows: int, keys: list[str]) -> None:
-        self.rows, self.keys = rows, keys
+    def __init__(self, rows: int, buffers: dict[str, np.ndarray]) -> None:
+        self.rows, self.keys = rows, list(buffers)
         self.current = 0  # index of the chunk being filled, relative to the shard
-        self.buffers: dict[str, np.ndarray] = {}  # its buffer per capture
+        self.buffers = buffers  # its buffer per capture
 
 
 class ShardOutput:
@@ -116,10 +116,8 @@ class ShardOutput:
         self.spare = spare
         self.shapes = {k: (given.chunk_rows[k], *m["shape"]) for k, m in captures.items()}
         self.dtypes = {k: np.dtype(m["dtype"]) for k, m in captures.items()}
-        sizes = sorted(set(given.chunk_rows[k] for k in captures))
-        self.chunks = [_Chunks(rows, [k for k in captures if given.chunk_rows[k] == rows]) for rows in sizes]
-        for group in self.chunks:
-            group.buffers = {k: self._buffer(k) for k in group.keys}
+        self.chunks = [_Chunks(rows, {k: self._buffer(k) for k in captures if given.chunk_rows[k] == rows})
+                       for rows in sorted(set(given.chunk_rows[k] for k in captures))]
         self.extras = {k: np.full((n, *m["shape"]), -1 if m["dtype"] == "int64" else np.nan, dtype=m["dtype"])
                        for k, m in extras.items()}
         self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in captures.items()}
