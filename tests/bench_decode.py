@@ -27,10 +27,10 @@ import torch
 from PIL import Image
 
 from extractor.decode import ImageDecoder
-from extractor.preprocess import IMAGENET
 from extractor.spec import DataSpec
 
 SIZES = ((500, 375), (1024, 768), (2048, 1536))
+SPEC = {"root": "unused", "resize": 256, "crop": 224}  # the model's input, as DataSpec settings
 FILES = 8  # distinct files per size, decoded in turn
 
 
@@ -58,7 +58,7 @@ def photo_like(w: int, h: int, seed: int) -> bytes:
 def _torchvision() -> Callable[[bytes], Any]:
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    pre = ImageDecoder(DataSpec(root="unused", resize=256, crop=224)).preprocess
+    pre = ImageDecoder(DataSpec(**SPEC)).preprocess
 
     def decode(data: bytes) -> Any:
         return pre.geometry(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB))
@@ -70,7 +70,7 @@ def _simplejpeg(scaled: bool) -> Callable[[bytes], Any] | None:
         import simplejpeg  # type: ignore[import-not-found]
     except ImportError:
         return None
-    pre = ImageDecoder(DataSpec(root="unused", resize=256, crop=224)).preprocess
+    pre = ImageDecoder(DataSpec(**SPEC)).preprocess
 
     def decode(data: bytes) -> Any:
         if scaled:
@@ -84,10 +84,9 @@ def _simplejpeg(scaled: bool) -> Callable[[bytes], Any] | None:
 
 
 def decoders() -> dict[str, Callable[[bytes], Any] | None]:
-    spec = {"root": "unused", "resize": 256, "crop": 224}
     return {
-        "Pillow (extractor, cpu)": ImageDecoder(DataSpec(**spec)).from_bytes,
-        "Pillow + jpeg_draft": ImageDecoder(DataSpec(**spec, jpeg_draft=True)).from_bytes,
+        "Pillow (extractor, cpu)": ImageDecoder(DataSpec(**SPEC)).from_bytes,
+        "Pillow + jpeg_draft": ImageDecoder(DataSpec(**SPEC, jpeg_draft=True)).from_bytes,
         "torchvision decode_jpeg (cpu)": _torchvision(),
         "simplejpeg": _simplejpeg(scaled=False),
         "simplejpeg, DCT-scaled": _simplejpeg(scaled=True),
@@ -107,7 +106,6 @@ def rate(decode: Callable[[bytes], Any], files: list[bytes], seconds: float = 1.
 def main() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    assert IMAGENET.resize == 256
     try:
         table = decoders()
         print("\nJPEG decode to the model's input (shorter side 256, crop 224), images/s on one core")

@@ -41,6 +41,8 @@ def test_spec_is_frozen():
         ({**BASE, "capture": [{"reduce": "mean"}]}, "capture[0].layer", "missing"),
         ({**BASE, "data": {"source": "folder"}}, "data", "data.root"),
         ({**BASE, "output": {"chunk_rows": 300}}, "chunk_rows", "divide"),
+        ({**BASE, "output": {"chunk_rows": 0}}, "output.chunk_rows", "expected auto or a number >= 1"),
+        ({**BASE, "data": {"root": "x", "jpeg_draft": "maybe"}}, "data.jpeg_draft", "boolean"),
         ({**BASE, "model": {"factory": "not a factory"}}, "model", "pkg.module:function"),
     ],
 )
