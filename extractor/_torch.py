@@ -2,47 +2,106 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+# DataLoader options dataloader() passes on (its own: dataset, batch_size=None, shuffle, sampler, collate)
+LOADER_OPTIONS = ("pin_memory", "prefetch_factor", "persistent_workers", "timeout", "worker_init_fn",
+                  "multiprocessing_context", "pin_memory_device", "in_order")
 
 
 class StoreDataset(Dataset):
-    """Map-style: item i is the i-th selected row, as a dict of tensors plus ``row`` and ``label``."""
+    """Map-style: item i is the i-th selected row, as a dict of tensors plus ``row`` and ``label``.
 
-    def __init__(self, store: Any, keys: list[str], only_ok: bool = True) -> None:
-        self.store, self.keys = store, keys
+    Rows are read a whole chunk at a time, and each key keeps its last ``cache_chunks`` chunks
+    (per process: every DataLoader worker has its own), so items in row order read each chunk
+    once; ``__getitems__`` (a DataLoader's batch) reads each chunk its rows touch once."""
+
+    def __init__(self, store: Any, keys: list[str], only_ok: bool = True, cache_chunks: int = 2) -> None:
+        if not isinstance(cache_chunks, int) or cache_chunks < 1:
+            raise ValueError(f"cache_chunks must be >= 1, not {cache_chunks!r}")
+        self.store, self.keys, self.cache_chunks = store, keys, cache_chunks
         self.rows = store.ok_rows() if only_ok else np.arange(len(store))
         self.labels = store.labels
+        self._chunks: dict[str, OrderedDict[int, np.ndarray]] = {k: OrderedDict() for k in keys}
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        r = int(self.rows[i])
-        out = {k: torch.from_numpy(np.asarray(self.store[k][r])) for k in self.keys}
-        out["row"] = torch.tensor(r)
-        out["label"] = torch.tensor(int(self.labels[r]))
+    def _chunk(self, key: str, c: int) -> np.ndarray:
+        """Chunk ``c`` of ``key``, from the cache or read whole."""
+        cache = self._chunks[key]
+        if c in cache:
+            cache.move_to_end(c)
+            return cache[c]
+        arr = self.store[key]
+        step = int(arr.chunks[0])
+        data = np.asarray(arr[c * step : (c + 1) * step])
+        cache[c] = data
+        while len(cache) > self.cache_chunks:
+            cache.popitem(last=False)
+        return data
+
+    def _values(self, key: str, rows: np.ndarray) -> np.ndarray:
+        step = int(self.store[key].chunks[0])
+        out = np.empty((len(rows), *self.store[key].shape[1:]), dtype=self.store[key].dtype)
+        chunk_of = rows // step
+        for c in dict.fromkeys(chunk_of.tolist()):  # each chunk once, in the order first asked
+            at = np.flatnonzero(chunk_of == c)
+            out[at] = self._chunk(key, c)[rows[at] - c * step]
         return out
+
+    def __getitems__(self, items: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        rows = self.rows[np.asarray(items, dtype=np.int64)]
+        values = {k: torch.from_numpy(self._values(k, rows)) for k in self.keys}
+        return [{**{k: v[i] for k, v in values.items()}, "row": torch.tensor(int(r)),
+                 "label": torch.tensor(int(self.labels[r]))} for i, r in enumerate(rows)]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([i])[0]
 
 
 class _Batches(IterableDataset):
+    """One epoch of :meth:`~extractor.reader.ActivationStore.batches` (or ``token_batches``) per
+    iteration. In a DataLoader worker process, the worker's part of the epoch only: the workers
+    split the epoch's chunks, so every row (token) comes once per epoch whatever their number."""
+
     def __init__(self, store: Any, keys: list[str], batch_size: int, shuffle: bool, seed: int,
-                 kwargs: dict[str, Any], tokens: bool = False, dtype: Any = None, drop_last: bool = False) -> None:
+                 kwargs: dict[str, Any], tokens: bool = False, dtype: Any = None, drop_last: bool = False,
+                 workers: int = 0) -> None:
         self.store, self.keys, self.batch_size, self.shuffle, self.seed = store, keys, batch_size, shuffle, seed
         self.kwargs, self.tokens, self.dtype, self.drop_last = kwargs, tokens, dtype, drop_last
+        self.workers = workers  # the DataLoader's num_workers, when dataloader() made it: for __len__
         self.epoch = 0
 
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``seed + epoch`` for the next iteration (a DataLoader of your own with worker processes
+        iterates copies of this dataset: call it before each epoch, as with ``DistributedSampler``)."""
+        self.epoch = epoch
+
+    def _parts(self, workers: int, worker: int) -> tuple[int, int]:
+        """This reader's part of the epoch: the caller's ``part`` (a rank, say) split among ``workers``."""
+        k, n = self.kwargs.get("part") or (0, 1)
+        return (k * workers + worker, n * workers) if workers > 1 else (k, n)
+
     def __len__(self) -> int:
-        """Batches per epoch (``len(loader)``, for progress bars and schedules)."""
-        rows = len(self.store._select_rows(self.kwargs.get("rows"), self.kwargs.get("only_ok", True)))
+        """Batches per epoch (``len(loader)``, for progress bars and schedules), summed over the workers."""
+        workers = max(self.workers, 1)
+        options = {k: self.kwargs[k] for k in ("rows", "only_ok") if k in self.kwargs}
+        per_row = 1
         if self.tokens:
-            meta = self.store.captures[self.keys[0]]
-            rows *= int(meta["shape"][0]) - self.store._prefix(self.kwargs.get("drop_prefix", False))
-        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+            per_row = self.store.token_span(self.keys[0], self.kwargs.get("drop_prefix", False))[1]
+        total = 0
+        for w in range(workers):
+            rows = per_row * self.store.epoch_rows(self.keys, shuffle=self.shuffle, seed=self.seed + self.epoch,
+                                                   part=self._parts(workers, w), **options)
+            total += rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+        return total
 
     def _tensor(self, v: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(v))
@@ -51,21 +110,35 @@ class _Batches(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         seed = self.seed + self.epoch
         self.epoch += 1
+        info = get_worker_info()
+        kwargs = {**self.kwargs, "part": self._parts(info.num_workers, info.id) if info is not None else
+                  self.kwargs.get("part")}
         if self.tokens:
             for index, x in self.store.token_batches(self.keys[0], self.batch_size, shuffle=self.shuffle, seed=seed,
-                                                     drop_last=self.drop_last, **self.kwargs):
+                                                     drop_last=self.drop_last, **kwargs):
                 yield {self.keys[0]: self._tensor(x), "row": torch.from_numpy(index[:, 0].copy()),
                        "token": torch.from_numpy(index[:, 1].copy())}
             return
         labels = self.store.labels
-        for rows, data in self.store.batches(self.keys, self.batch_size, shuffle=self.shuffle, seed=seed,
-                                             **self.kwargs):
+        for rows, data in self.store.batches(self.keys, self.batch_size, shuffle=self.shuffle, seed=seed, **kwargs):
             if self.drop_last and len(rows) < self.batch_size:
                 return
             out = {k: self._tensor(v) for k, v in data.items()}
             out["row"] = torch.from_numpy(rows)
             out["label"] = torch.from_numpy(labels[rows])
             yield out
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose epochs each draw their own order also with worker processes: they iterate
+    copies of the dataset made (or resumed) for each epoch, so the epoch count is kept here too."""
+
+    def __iter__(self) -> Any:
+        it = super().__iter__()
+        if self.num_workers > 0:
+            dataset: Any = self.dataset
+            dataset.epoch += 1  # what each worker's copy did for this epoch
+        return it
 
 
 _FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -83,6 +156,8 @@ def float_dtype(dtype: Any) -> torch.dtype | None:
 
 
 def batch_loader(store: Any, keys: list[str], batch_size: int, shuffle: bool, seed: int, kwargs: dict[str, Any],
-                 tokens: bool = False, dtype: Any = None, drop_last: bool = False) -> DataLoader:
-    return DataLoader(_Batches(store, keys, batch_size, shuffle, seed, kwargs, tokens, float_dtype(dtype), drop_last),
-                      batch_size=None)
+                 tokens: bool = False, dtype: Any = None, drop_last: bool = False, num_workers: int = 0,
+                 loader: dict[str, Any] | None = None) -> DataLoader:
+    dataset = _Batches(store, keys, batch_size, shuffle, seed, kwargs, tokens, float_dtype(dtype), drop_last,
+                       num_workers)
+    return _Loader(dataset, batch_size=None, num_workers=num_workers, **(loader or {}))

@@ -100,6 +100,37 @@ def _shuffled_chunks(idx: np.ndarray, step: int, seed: int) -> list[np.ndarray]:
     return [runs[i] for i in np.random.default_rng(seed).permutation(len(runs))]
 
 
+Part = tuple[int, int]  # (k, n): the k-th of n disjoint parts of an epoch (DataLoader workers, ranks)
+
+
+def _check_part(part: Part | None) -> Part:
+    """``part`` as (k, n) with 0 <= k < n; None is the whole epoch, (0, 1)."""
+    if part is None:
+        return (0, 1)
+    try:
+        k, n = (int(v) for v in part)
+    except (TypeError, ValueError):
+        raise ValueError(f"part must be (k, n), the k-th of n parts of an epoch, not {part!r}") from None
+    if not 0 <= k < n:
+        raise ValueError(f"part (k, n) needs 0 <= k < n, not {part!r}")
+    return k, n
+
+
+def _epoch_runs(idx: np.ndarray, step: int, shuffle: bool, seed: int, part: Part) -> list[np.ndarray]:
+    """The runs of rows (each inside one chunk of ``step`` rows) one epoch reads, in order: the chunks
+    in a random order drawn from ``seed`` with ``shuffle``, else in the order given. Of the epoch's
+    runs, ``part`` (k, n) takes every n-th from the k-th: the n parts together read every run once,
+    whatever the number of parts."""
+    runs = _shuffled_chunks(idx, step, seed) if shuffle else _chunk_runs(idx, step)
+    k, n = part
+    return runs[k::n] if n > 1 else runs
+
+
+def _mix_seed(seed: int, part: Part, n: int) -> list[int]:
+    """The seed of the n-th buffer of a part (the whole epoch keeps the seeds it always had)."""
+    return [seed, n] if part == (0, 1) else [seed, *part, n]
+
+
 @dataclass(frozen=True)
 class _Buffer:
     """Rows read at once, served in the order ``perm`` (None: as read)."""
@@ -375,6 +406,7 @@ class ActivationStore:
         only_ok: bool = True,
         buffer_chunks: int = 8,
         prefetch: int = 2,
+        part: Part | None = None,
     ) -> Iterator[tuple[np.ndarray, Any]]:
         """Yield ``(row_indices, data)``: every selected row once per call (one epoch).
 
@@ -386,27 +418,42 @@ class ActivationStore:
         random order costs no random reads; the same ``seed`` gives the same order. Without
         it rows come in the order given, and a chunk is read once per run of consecutive
         selected rows inside it: rows grouped by chunk (e.g. ascending) read each chunk once.
+
+        ``part=(k, n)`` yields the k-th of n disjoint parts of the epoch (its chunks split among n
+        readers: DataLoader worker processes, distributed ranks): the n parts of one seed together
+        hold every selected row once. :meth:`dataloader` with ``num_workers`` does this for you.
         """
         _check_sizes(batch_size, buffer_chunks)
-        names = [keys] if isinstance(keys, str) else list(keys)
-        if not names:
-            raise ValueError(f"batches needs at least one capture key; {self._known()}")
-        arrays = {k: self[k] for k in names}
+        part = _check_part(part)
+        arrays, step = self._arrays_of(keys, "batches")
         idx = self._select_rows(rows, only_ok)
-        # the smallest chunk: a capture with bigger chunks (small rows, chunk_rows: auto) reads one several times
-        step = max(min(int(a.chunks[0]) for a in arrays.values()), 1)
-        if shuffle:  # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
-            runs, per = _shuffled_chunks(idx, step, seed), buffer_chunks
-        else:
-            runs, per = _chunk_runs(idx, step), 1
+        # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
+        runs = _epoch_runs(idx, step, shuffle, seed, part)
+        per = buffer_chunks if shuffle else 1
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Buffer:
             n, chunk_runs = job
-            return _Buffer.read(arrays, chunk_runs, [seed, n] if shuffle else None)
+            return _Buffer.read(arrays, chunk_runs, _mix_seed(seed, part, n) if shuffle else None)
 
         jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
         for index, *data in _rebatch(_prefetched(jobs, read, prefetch), batch_size):
             yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
+
+    def _arrays_of(self, keys: str | Sequence[str], what: str) -> tuple[dict[str, zarr.Array], int]:
+        """The arrays of ``keys`` and the rows of their smallest chunk (a capture with bigger chunks, small rows
+        under ``chunk_rows: auto``, is read several times per chunk)."""
+        names = [keys] if isinstance(keys, str) else list(keys)
+        if not names:
+            raise ValueError(f"{what} needs at least one capture key; {self._known()}")
+        arrays = {k: self[k] for k in names}
+        return arrays, max(min(int(a.chunks[0]) for a in arrays.values()), 1)
+
+    def epoch_rows(self, keys: str | Sequence[str], shuffle: bool = True, seed: int = 0, rows: Rows = None,
+                   only_ok: bool = True, part: Part | None = None) -> int:
+        """How many rows one epoch of :meth:`batches` (or the part ``part`` of it) yields."""
+        _, step = self._arrays_of(keys, "epoch_rows")
+        runs = _epoch_runs(self._select_rows(rows, only_ok), step, shuffle, seed, _check_part(part))
+        return sum(len(r) for r in runs)
 
     def token_batches(
         self,
@@ -420,6 +467,7 @@ class ActivationStore:
         buffer_chunks: int = 8,
         prefetch: int = 2,
         drop_last: bool = False,
+        part: Part | None = None,
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
         ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
@@ -428,49 +476,54 @@ class ActivationStore:
         buffer of ``buffer_chunks`` chunks read whole in a random chunk order (as :meth:`batches`
         reads rows): the same ``seed`` gives the same order. ``drop_prefix`` leaves out each
         row's first tokens: ``True`` the model's prefix tokens (CLS, registers; the store's
-        ``model.prefix_tokens``), or a count. ``drop_last`` leaves out a last short batch."""
+        ``model.prefix_tokens``), unless the capture was stored without them already (its
+        ``drop_prefix``): then nothing more; or a count, of the tokens as stored. ``drop_last``
+        leaves out a last short batch. ``part=(k, n)``: the k-th of n disjoint parts of the epoch
+        (see :meth:`batches`)."""
         if not isinstance(key, str):
             raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool):
             raise TypeError(f"batch_size must be an int, not {batch_size!r}")
-        skip, tokens = self._token_span(key, drop_prefix)
+        skip, tokens = self.token_span(key, drop_prefix)
         _check_sizes(batch_size, buffer_chunks)
+        part = _check_part(part)
         step = max(int(self[key].chunks[0]), 1)
-        idx = self._select_rows(rows, only_ok)
-        if shuffle:  # whole chunks in a random order; their tokens are mixed a buffer at a time
-            runs = _shuffled_chunks(idx, step, seed)
-            idx = np.concatenate(runs) if runs else idx
+        # whole chunks in a random order; their tokens are mixed a buffer at a time
+        runs = _epoch_runs(self._select_rows(rows, only_ok), step, shuffle, seed, part)
+        idx = np.concatenate(runs) if runs else np.empty(0, np.int64)
         # one chunk's rows at a time, each chunk read once (rows grouped by chunk), without copies
         reads = self.batches(key, step, shuffle=False, rows=idx, only_ok=False, prefetch=prefetch)
-        buffers = (_mix_tokens(held, skip, tokens, [seed, n] if shuffle else None)
+        buffers = (_mix_tokens(held, skip, tokens, _mix_seed(seed, part, n) if shuffle else None)
                    for n, held in enumerate(_collected(reads, step * buffer_chunks)))
         yield from cast(Iterator[_Read], _rebatch(buffers, batch_size, drop_last))  # (index, data): one key
 
-    def _token_span(self, key: str, drop_prefix: bool | int) -> tuple[int, int]:
-        """How many of the first tokens of each row of capture ``key`` to leave out, and how many remain."""
+    def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
+        """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``
+        leaves out, and how many tokens remain (what :meth:`token_batches` yields per row)."""
         meta = self.captures.get(key)
         if meta is None or len(meta["shape"]) != 2:
             shape = meta["shape"] if meta else None
             raise StoreError(f"token_batches needs a capture of (tokens, features) rows; {key!r} is "
                              f"{'not a capture' if meta is None else f'{shape}'}; {self._known()}")
-        skip = self._prefix(drop_prefix)
+        skip = self._prefix(key, drop_prefix)
         tokens = int(meta["shape"][0]) - skip
         if tokens <= 0:
             raise StoreError(f"{key!r} has {meta['shape'][0]} tokens per row; dropping {skip} leaves none")
         return skip, tokens
 
-    def _prefix(self, drop_prefix: bool | int) -> int:
-        """Tokens to leave out of each row: a count, or the model's prefix-token count for ``True``."""
+    def _prefix(self, key: str, drop_prefix: bool | int) -> int:
+        """Tokens to leave out of each stored row of ``key``: a count, or for ``True`` the model's
+        prefix-token count, none when the capture is stored without its prefix tokens already."""
         if isinstance(drop_prefix, bool):
-            if not drop_prefix:
-                return 0
+            if not drop_prefix or self.captures[key].get("drop_prefix"):
+                return 0  # not asked, or left out when the store was written: its rows are patch tokens
             n = self.model.get("prefix_tokens")
             if not isinstance(n, int):
                 raise StoreError("drop_prefix=True: the store does not record how many prefix tokens the model has "
                                  "(CLS, registers); pass their count, e.g. drop_prefix=1")
             return n
-        if drop_prefix < 0:
-            raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix}")
+        if not isinstance(drop_prefix, int) or drop_prefix < 0:
+            raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix!r}")
         return int(drop_prefix)
 
     def row(self, id: str) -> dict[str, Any]:
@@ -485,55 +538,62 @@ class ActivationStore:
         out.update({k: np.asarray(self[k][n]) for k in [*self.keys, *self.extras]})
         return out
 
-    def torch_dataset(self, keys: str | Sequence[str] | None = None, only_ok: bool = True):
+    def torch_dataset(self, keys: str | Sequence[str] | None = None, only_ok: bool = True, cache_chunks: int = 2):
         """A map-style ``torch.utils.data.Dataset`` over the ok rows (torch is imported here only).
 
-        Item ``i`` is a dict of tensors: one per key, plus ``row`` and ``label``.
+        Item ``i`` is a dict of tensors: one per key, plus ``row`` and ``label``. Rows are read a
+        chunk at a time and the last ``cache_chunks`` chunks of each key are kept, so that items in
+        row order read each chunk once; a DataLoader's batch of items is one read per chunk it touches
+        (``__getitems__``). For streaming whole epochs, :meth:`dataloader` is faster still.
         """
         _need_torch("torch_dataset")
         from ._torch import StoreDataset
 
-        return StoreDataset(self, [keys] if isinstance(keys, str) else list(keys or self.keys), only_ok)
+        return StoreDataset(self, [keys] if isinstance(keys, str) else list(keys or self.keys), only_ok, cache_chunks)
 
     def dataloader(
         self, keys: str | Sequence[str] | None = None, batch_size: int = 1024, shuffle: bool = True, seed: int = 0,
-        *, tokens: bool = False, dtype: Any = None, drop_last: bool = False, **batches_kwargs: Any,
+        *, tokens: bool = False, dtype: Any = None, drop_last: bool = False, num_workers: int = 0,
+        **options: Any,
     ):
         """A ``torch.utils.data.DataLoader`` of dict batches streamed by :meth:`batches` (chunk-aware
         shuffle): one tensor per key, plus ``row`` and ``label``. With ``tokens=True`` the rows are
         single tokens of one ``(tokens, features)`` capture (:meth:`token_batches`): the batch holds
         that key, ``row`` and ``token``. ``dtype`` (e.g. ``torch.float32``, ``torch.bfloat16``)
-        converts the stored values; ``drop_last`` leaves out a last short batch.
+        converts the stored values; ``drop_last`` leaves out a last short batch (of each worker).
 
-        Each iteration is one epoch; epoch ``e`` uses seed ``seed + e``.
+        ``num_workers=N`` reads in N worker processes, each a disjoint part of the epoch's chunks
+        (every row, or token, once per epoch); ``pin_memory``, ``prefetch_factor``,
+        ``persistent_workers``, ``timeout``, ``worker_init_fn`` and ``multiprocessing_context`` go to
+        the DataLoader; the other options are those of :meth:`batches` or :meth:`token_batches`.
+        Each iteration is one epoch; epoch ``e`` uses seed ``seed + e`` (a DataLoader of your own
+        around ``.dataset`` calls ``loader.dataset.set_epoch(e)`` for that, as with
+        ``DistributedSampler``).
         """
         import inspect
 
         _need_torch("dataloader")
-        from ._torch import batch_loader
+        from ._torch import LOADER_OPTIONS, batch_loader
 
-        loader_only = sorted(set(batches_kwargs) & {"num_workers", "pin_memory", "collate_fn", "sampler",
-                                                     "prefetch_factor", "persistent_workers"})
-        if loader_only:
-            raise TypeError(
-                f"dataloader() streams batches() in this process and takes batches()' options, not "
-                f"{', '.join(loader_only)}: its reads run on a background thread already. For DataLoader worker "
-                "processes, use torch.utils.data.DataLoader(s.torch_dataset(keys), num_workers=...)"
-            )
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+            raise ValueError(f"num_workers must be a count >= 0, not {num_workers!r}")
+        loader = {k: options.pop(k) for k in list(options) if k in LOADER_OPTIONS}
         source = self.token_batches if tokens else self.batches
         allowed = set(inspect.signature(source).parameters) - {"key", "keys", "batch_size", "shuffle", "seed",
                                                                 "drop_last"}
-        unknown = sorted(set(batches_kwargs) - allowed)
+        unknown = sorted(set(options) - allowed)
         if unknown:
             raise TypeError(f"dataloader() got unknown option(s) {', '.join(unknown)}; it takes "
-                            f"{', '.join(sorted(allowed))} (the options of {source.__name__}())")
+                            f"{', '.join(sorted(allowed))} (the options of {source.__name__}()), num_workers and "
+                            f"the DataLoader's {', '.join(LOADER_OPTIONS)}")
         names = [keys] if isinstance(keys, str) else list(keys or self.keys)
         if tokens and len(names) != 1:
             raise ValueError(f"dataloader(tokens=True) streams the tokens of one capture, not {names}")
         for k in names:
             self[k]  # an unknown key fails here, at the call
-        return batch_loader(self, names, batch_size, shuffle, seed, batches_kwargs, tokens=tokens, dtype=dtype,
-                            drop_last=drop_last)
+        _check_part(options.get("part"))
+        return batch_loader(self, names, batch_size, shuffle, seed, options, tokens=tokens, dtype=dtype,
+                            drop_last=drop_last, num_workers=num_workers, loader=loader)
 
     def to_xarray(self, only_ok: bool = True, stack: Sequence[str] | None = None):
         """An ``xarray.Dataset`` (dask-backed, lazy): one DataArray per capture on dim ``row``, whose

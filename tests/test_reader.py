@@ -95,6 +95,7 @@ class _CountingArray:
 
     def __init__(self, arr) -> None:
         self.arr, self.chunks, self.reads = arr, arr.chunks, []
+        self.shape, self.dtype = arr.shape, arr.dtype
 
     def __getitem__(self, sel: slice):
         self.reads += range(sel.start // self.chunks[0], (sel.stop - 1) // self.chunks[0] + 1)
@@ -230,10 +231,14 @@ def test_row_by_id_and_torch_views(store):
     assert epoch1[0].shape == (8,) and set(epoch1[0].tolist()) <= set(store.ok_rows().tolist())
 
 
-def test_dataloader_names_the_options_it_does_not_take(store):
+def test_dataloader_refuses_what_is_no_option_of_its_own(store):
     pytest.importorskip("torch")
-    with pytest.raises(TypeError, match=r"not num_workers.*DataLoader\(s.torch_dataset\(keys\), num_workers"):
-        store.dataloader(["layer4"], num_workers=2)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) sampler.*num_workers and the DataLoader's pin_memory"):
+        store.dataloader(["layer4"], sampler=None)
+    with pytest.raises(ValueError, match="num_workers must be a count >= 0"):
+        store.dataloader(["layer4"], num_workers=-1)
+    with pytest.raises(ValueError, match=r"part \(k, n\) needs 0 <= k < n"):
+        store.dataloader(["layer4"], part=(2, 2))
 
 
 def test_xarray_view_matches_raw_arrays(store):
@@ -444,7 +449,8 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore, n
     meta = {"shape": [5, 4], "dtype": "float16", "dims": ["tok.token", "tok.feature"], "layer": "blocks.0",
             "what": "output", "reduce": "none"}
     flat = {"shape": [4], "dtype": "float32", "dims": ["b.feature"], "layer": "x", "what": "output", "reduce": "cls"}
-    caps = {"tok": meta, "a": {**flat, "dims": ["a.feature"]}, "b": flat}
+    patches = {**meta, "shape": [4, 4], "dims": ["pat.token", "pat.feature"], "drop_prefix": 1}  # stored without CLS
+    caps = {"tok": meta, "a": {**flat, "dims": ["a.feature"]}, "b": flat, "pat": patches}
     rows = Rows(ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 3 for i in range(n)])
     g = create_store(url, rows, Layout(captures=caps, extras={}, shard_size=8, chunk_rows=dict.fromkeys(caps, 8)),
                      attrs={"n_rows": n, "n_shards": 8, "captures": caps, "format_version": 1, "spec": {},
@@ -453,6 +459,7 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore, n
     g["tok"][:56] = rng.standard_normal((56, 5, 4)).astype(np.float16)
     g["a"][:56] = rng.standard_normal((56, 4)).astype(np.float32)
     g["b"][:56] = rng.standard_normal((56, 4)).astype(np.float32)
+    g["pat"][:56] = np.asarray(g["tok"][:56])[:, 1:]
     status = np.full(n, OK, np.uint8)
     status[3], status[56:] = FAILED, 0
     g["status"][:] = status
@@ -560,3 +567,75 @@ def test_to_xarray_stack_of_one_key_or_none(tokens):
     assert s.to_xarray(stack="a").dims == ("layer", "row", "feature")
     with pytest.raises(ValueError, match="at least one capture key"):
         s.to_xarray(stack=[])
+
+
+def test_drop_prefix_true_drops_nothing_more_from_a_capture_stored_without_its_prefix(tokens):
+    """A capture stored with drop_prefix (the dinov2 job's patches) holds patch tokens only: the README's
+    drop_prefix=True reads all of them (before, the model's prefix count was cut again, from the patches)."""
+    pytest.importorskip("torch")
+    s, full = tokens
+    assert s.token_span("pat", True) == (0, 4) and s.token_span("tok", True) == (1, 4)
+    seen = sorted(tuple(i) for i, _ in s.token_batches("pat", 7, drop_prefix=True) for i in i)
+    assert seen == [(r, t) for r in range(56) if r != 3 for t in range(4)]
+    loader = s.dataloader("pat", batch_size=8, tokens=True, drop_prefix=True)
+    assert sum(len(b["pat"]) for b in loader) == 55 * 4 and len(loader) == -(-55 * 4 // 8)
+    b = next(iter(loader))
+    np.testing.assert_array_equal(b["pat"].numpy(), full[b["row"].numpy(), b["token"].numpy() + 1])  # = tokens 1..4
+    assert s.token_span("pat", 1) == (1, 3)  # an explicit count cuts further, from the tokens as stored
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize("workers", [2, 3])
+def test_dataloader_workers_split_the_epoch_every_token_once(tokens, workers: int):
+    """Real DataLoader worker processes: each reads its own part of the epoch's chunks; every (row, token)
+    comes once per epoch, each epoch in its own order, and len() counts the batches that come."""
+    pytest.importorskip("torch")
+    s, full = tokens
+    want = sorted((r, t) for r in range(56) if r != 3 for t in range(1, 5))
+    loader = s.dataloader("tok", batch_size=16, tokens=True, drop_prefix=True, num_workers=workers, seed=5)
+    epochs = []
+    for _ in range(2):
+        batches = list(loader)
+        seen = [(int(r), int(t)) for b in batches for r, t in zip(b["row"], b["token"], strict=True)]
+        assert sorted(seen) == want and len(batches) == len(loader)
+        b = batches[0]
+        np.testing.assert_array_equal(b["tok"].numpy(), full[b["row"].numpy(), b["token"].numpy()])
+        epochs.append(seen)
+    assert epochs[0] != epochs[1]
+    rows = s.dataloader(["a"], batch_size=5, num_workers=workers)
+    got = [int(r) for b in rows for r in b["row"]]
+    assert sorted(got) == sorted(s.ok_rows().tolist())
+
+
+def test_a_dataloader_of_your_own_around_the_dataset_reads_each_row_once(tokens):
+    """The torch idiom DataLoader(loader.dataset, num_workers=2, batch_size=None): each token once, not once
+    per worker; set_epoch gives the next epoch its own order."""
+    torch = pytest.importorskip("torch")
+    s, _ = tokens
+    ds = s.dataloader("tok", batch_size=16, tokens=True).dataset
+    mine = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    first = [(int(r), int(t)) for b in mine for r, t in zip(b["row"], b["token"], strict=True)]
+    assert sorted(first) == sorted((r, t) for r in range(56) if r != 3 for t in range(5))
+    ds.set_epoch(1)
+    second = [(int(r), int(t)) for b in mine for r, t in zip(b["row"], b["token"], strict=True)]
+    assert sorted(second) == sorted(first) and second != first
+
+
+def test_map_style_dataset_reads_each_chunk_once_in_row_order(tokens, monkeypatch):
+    """torch_dataset in a DataLoader (batches of items, worker processes allowed) reads a chunk per chunk,
+    not per row."""
+    torch = pytest.importorskip("torch")
+    s, full = tokens
+    counting = _CountingArray(s["tok"])
+    monkeypatch.setattr(ActivationStore, "__getitem__", lambda self, key: counting)
+    ds = s.torch_dataset("tok")
+    items = [ds[i] for i in range(len(ds))]
+    assert [int(it["row"]) for it in items] == s.ok_rows().tolist()
+    np.testing.assert_array_equal(torch.stack([it["tok"] for it in items]).numpy(), full[s.ok_rows()])
+    assert sorted(counting.reads) == list(range(7))  # 55 ok rows in chunks 0-6: each read once
+    counting.reads.clear()
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=10))
+    assert sum(len(b["row"]) for b in batches) == 55 and sorted(counting.reads) == list(range(7))
+    monkeypatch.undo()
+    shuffled = torch.utils.data.DataLoader(s.torch_dataset("tok"), batch_size=10, shuffle=True, num_workers=2)
+    assert sorted(int(r) for b in shuffled for r in b["row"]) == s.ok_rows().tolist()
