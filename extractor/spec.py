@@ -79,8 +79,9 @@ class ModelSpec(_Section):
     forward_kwargs: dict[str, Any] = Field(default_factory=dict)
     """More keyword arguments of every call (``output_attentions: true``, ``interpolate_pos_encoding: true``)."""
     prefix_tokens: int | Literal["auto"] = "auto"
-    """Tokens before the patch tokens (CLS, registers) that ``drop_prefix`` leaves out: ``auto`` takes
-    the model's count (timm ``num_prefix_tokens``, HF config, open_clip, torchvision ViT)."""
+    """Tokens before the patch tokens (CLS, distillation, registers) that ``drop_prefix`` leaves out:
+    ``auto`` decides from the model's token sequences (their length less the patch grid at the input
+    size, checked against timm's ``num_prefix_tokens``) and asks when they do not tell."""
     device: str = "auto"
     """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda``, ``cuda:1``..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -26,7 +26,7 @@ from .capture import ROOT, Capturer, Target, decide_layout, dim_names, resolve_t
 from .decode import ImageDecoder, JpegDecoder
 from .errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
 from .faults import describe_error, device_errors, device_fault, not_an_image
-from .model import build_model, model_call, resolve_device
+from .model import build_model, model_call, prefix_tokens, resolve_device
 from .pipeline import Pipeline, ShardQueue
 from .preprocess import Preprocess, from_dict
 from .preprocess import resolve as resolve_preprocess
@@ -122,13 +122,15 @@ class Worker:
         self.device = resolve_device(spec.model.device)
         model, self.model_info = build_model(spec.model, model)
         self.preprocess = _preprocess(spec, self.model_info["preprocess_defaults"])
-        self.targets: list[Target] = resolve_targets(model, spec.capture, _layers_hint(spec),
-                                                     self.model_info["prefix_tokens"])
         model.requires_grad_(False)  # extraction never trains: gradients flow only from captured layers on
         self.channels_last = spec.model.channels_last
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model.to(self.device)
+        entry = model_call(self.model, spec.model)
+        prefix, self.token_facts = prefix_tokens(self.model, self.preprocess.size, spec.model, entry, self.device)
+        self.model_info["prefix_tokens"] = prefix
+        self.targets: list[Target] = resolve_targets(model, spec.capture, _layers_hint(spec), prefix)
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels once
         self.decode = ImageDecoder(spec.data, self.preprocess)
@@ -149,7 +151,6 @@ class Worker:
         self.mean = torch.tensor(self.preprocess.mean, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(self.preprocess.std, device=self.device).view(1, 3, 1, 1)
         # the hooks stay registered for the worker's life; a compiled model traces them into its graph
-        entry = model_call(self.model, spec.model)
         self.cap = Capturer(self.model, self.targets, entry=entry).__enter__()
         self.compiled = spec.model.compile
         if self.compiled:
@@ -291,6 +292,7 @@ class Worker:
             ) from err
         self.targets = self.cap.targets
         original = dict(self.cap.original_shapes)
+        self._check_prefix(original)
         if self.cap.logits is not None:  # a gradient job: labels (target: label) must be among them
             self.model_info = {**self.model_info, "logits": self.cap.logits}
         modules = dict(self.model.named_modules())
@@ -306,6 +308,21 @@ class Worker:
             if key not in self.captures
         }
         return self.captures
+
+    def _check_prefix(self, original: dict[str, tuple[int, ...]]) -> None:
+        """A capture that leaves out the model's prefix tokens must be one of its token sequences:
+        patches + prefix long, when the count was decided from the patch grid."""
+        facts, given = self.token_facts, isinstance(self.spec.model.prefix_tokens, int)
+        for t in self.targets:
+            length = original[t.key][0]
+            if not t.drop_prefix or given or facts.patches is None or length == facts.patches + t.drop_prefix:
+                continue
+            raise LayerError(
+                f"capture[{t.capture}] {t.key}: drop_prefix leaves out the model's {t.drop_prefix} prefix tokens of "
+                f"sequences of {facts.patches} patches + {t.drop_prefix}, but layer {t.layer or ROOT!r} gives "
+                f"{length} tokens: it is not such a sequence. Capture a layer of the token sequence (see `extractor "
+                "layers`), or set model.prefix_tokens to the count to leave out of this one"
+            )
 
     def _decide_layouts(self) -> bool:
         """Decide ``layout: auto`` for the 4-D outputs whose layout matters (reduced, stored whole,

@@ -1,7 +1,7 @@
 """Model sources: torchvision, timm, Hugging Face transformers, open_clip and user factories.
 
 Each builder returns a :class:`Built`: the module, where its weights came from, the
-preprocessing its library prescribes (or why none is known) and its prefix-token count.
+preprocessing its library prescribes (or why none is known).
 Weights come from local caches only; a download needs ``EXTRACTOR_ALLOW_DOWNLOAD=1``.
 The optional libraries are imported only when a spec names them (extra ``models``).
 """
@@ -25,7 +25,7 @@ from .errors import ModelError
 from .preprocess import IMAGENET, Preprocess
 from .spec import ModelSpec
 
-__all__ = ["Built", "build", "load_checkpoint", "looks_like_path", "local_folder", "prefix_tokens"]
+__all__ = ["Built", "build", "load_checkpoint", "looks_like_path", "local_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -490,25 +490,3 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
             f"{'...' if len(result.missing_keys) > 5 else ''}, unexpected keys "
             f"{result.unexpected_keys[:5]}{'...' if len(result.unexpected_keys) > 5 else ''}"
         )
-
-
-# --------------------------------------------------------------------------- prefix tokens
-
-
-def prefix_tokens(model: nn.Module, library: str) -> int | None:
-    """Tokens before the patch tokens (CLS, registers): timm's ``num_prefix_tokens``, else a class
-    token and register tokens found among the parameters. None when the model is not one we know."""
-    n = getattr(model, "num_prefix_tokens", None)
-    if isinstance(n, int):
-        return n
-    count = 0
-    for module in model.modules():
-        for attr in ("cls_token", "class_token", "class_embedding"):
-            if isinstance(getattr(module, attr, None), torch.Tensor):
-                count = 1
-        registers = getattr(module, "register_tokens", None)
-        if isinstance(registers, torch.Tensor) and registers.ndim == 3:
-            count += registers.shape[1]
-        if count:
-            return count
-    return 0 if library in ("timm", "hf", "open_clip") else None

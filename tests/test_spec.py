@@ -187,7 +187,7 @@ def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str
     """Hub models that are not in the local cache are checked on a small config of the same class
     (layer names do not depend on the width; the jobs' globs need only the blocks to exist)."""
     from extractor.capture import resolve_targets
-    from extractor.model import build_model
+    from extractor.model import build_model, prefix_tokens
 
     spec = load_spec(str(Path(__file__).resolve().parents[1] / "jobs" / name))
     update: dict = {"weights": None, "device": "cpu"}
@@ -202,8 +202,10 @@ def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str
                  "facebook/dinov2-with-registers-base": lambda: t.Dinov2WithRegistersConfig(**vision)}
         small[spec.model.model]().save_pretrained(tmp_path / "hf")
         update["name"] = f"hf:{tmp_path / 'hf'}"
-    model, info = build_model(spec.model.model_copy(update=update))
-    targets = resolve_targets(model, spec.capture, prefix_tokens=info["prefix_tokens"])
+    model, _ = build_model(spec.model.model_copy(update=update))
+    prefix, _ = prefix_tokens(model, (32, 32) if name.startswith(("clip", "siglip", "dinov2")) else (224, 224),
+                              spec.model)
+    targets = resolve_targets(model, spec.capture, prefix_tokens=prefix)
     assert len(targets) >= len(spec.capture)  # every entry (globs expand to one or more)
     if name.startswith("vit"):
         assert len(targets) == 12 and all(t.reduce == "cls" for t in targets)

@@ -365,3 +365,86 @@ def test_a_layout_the_module_type_contradicts_is_obeyed_with_a_warning(image_dir
     with caplog.at_level("WARNING", logger="extractor.worker"):
         assert run(parse_spec(raw)).ok == 12
     assert "capture[0] conv1: layout nhwc is given, but layer 'conv1' (Conv2d) gives nchw outputs" in caplog.text
+
+
+def _deit_folder(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    """A small random Hugging Face DeiT (CLS and distillation tokens) saved with save_pretrained."""
+    torch.manual_seed(0)
+    model = transformers.DeiTModel(transformers.DeiTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                           intermediate_size=64, image_size=32, patch_size=8)).eval()
+    model.save_pretrained(tmp_path / "deit")
+    return tmp_path / "deit", model
+
+
+TIMM_SMALL = {"img_size": 32, "depth": 2, "embed_dim": 48, "num_heads": 2}
+PREFIX_CASES = {  # model section, input size, prefix tokens (CLS, distillation, registers)
+    "hf DeiT": (None, 32, 2),
+    "timm DeiT distilled": ({"name": "timm:deit_tiny_distilled_patch16_224", "kwargs": TIMM_SMALL}, 32, 2),
+    "timm DINOv2 4 registers": ({"name": "timm:vit_small_patch14_reg4_dinov2", "kwargs": {**TIMM_SMALL,
+                                                                                         "img_size": 28}}, 28, 5),
+    "open_clip ViT": ({"name": "open_clip:ViT-S-32", "kwargs": {"force_image_size": 64}}, 64, 1),
+    "timm ViT without class token": ({"name": "timm:vit_small_patch16_224",
+                                      "kwargs": {**TIMM_SMALL, "class_token": False, "global_pool": "avg"}}, 32, 0),
+    "torchvision ViT": ({"name": "vit_b_16", "kwargs": {"image_size": 32}}, 32, 1),
+    "a CNN (no token sequence)": ({"name": "resnet18"}, 32, None),
+}
+
+
+@pytest.mark.parametrize("case", PREFIX_CASES, ids=list(PREFIX_CASES))
+def test_prefix_tokens_are_the_sequence_length_less_the_patch_grid(case: str, photos: Path, tmp_path: Path):
+    """Decided from facts: the token sequences' length against the patch embedding's grid at the input size
+    (and timm's num_prefix_tokens where it has one); the distillation token counts."""
+    model, size, want = PREFIX_CASES[case]
+    if model is None:
+        model = {"name": f"hf:{_deit_folder(tmp_path)[0]}", "weights": "pretrained"}
+    raw = job(photos, tmp_path / "s.zarr", model={"weights": None, **model, "device": "cpu"},
+              data={"resize": size, "crop": size, "preprocess": "imagenet"}, capture=[{"layer": "(model)"}])
+    worker = Worker(parse_spec(raw))
+    assert worker.model_info["prefix_tokens"] == want
+    worker.close()
+
+
+def test_drop_prefix_of_hf_deit_leaves_out_cls_and_distillation_tokens(photos: Path, tmp_path: Path):
+    """Before: a list of attribute names found only the CLS token, and the patch mean kept the distillation
+    token (6% off). Compared with output_hidden_states on the same pixels."""
+    folder, model = _deit_folder(tmp_path)
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{folder}", "weights": "pretrained", "device": "cpu"},
+              data={"resize": 32, "crop": 32, "preprocess": "imagenet"},
+              capture=[{"layer": "layers.*", "reduce": "mean", "drop_prefix": True, "key": "{layer}.patches"},
+                       {"layer": "layers.1", "drop_prefix": True, "key": "patches"}])
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.model["prefix_tokens"] == 2 and s.captures["patches"]["drop_prefix"] == 2
+    pixels, worker = _our_pixels(raw)
+    x = (pixels.float() / 255 - worker.mean) / worker.std
+    worker.close()
+    with torch.no_grad():
+        hidden = model(pixel_values=x, output_hidden_states=True).hidden_states
+    for i in range(2):
+        np.testing.assert_allclose(s.numpy(f"layers.{i}.patches"), hidden[i + 1][:, 2:].mean(1).numpy(),
+                                   atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(s.numpy("patches"), hidden[2][:, 2:].numpy(), atol=2e-5, rtol=1e-4)
+    assert s.token_span("patches", True) == (0, 16)  # the reader drops nothing more
+
+
+def test_prefix_tokens_that_facts_and_library_disagree_on_or_a_capture_off_the_sequence_are_refused(
+        photos: Path, tmp_path: Path):
+    from extractor.errors import LayerError
+    from extractor.model import TokenFacts, decide_prefix_tokens
+
+    facts = TokenFacts(patches=16, width=32, tokens=18)
+    assert decide_prefix_tokens(facts, None, None) == 2 and decide_prefix_tokens(facts, 2, None) == 2
+    assert decide_prefix_tokens(facts, 1, 3) == 3  # model.prefix_tokens decides
+    assert decide_prefix_tokens(TokenFacts(None, None, None), 1, None) == 1  # the library's, when facts are missing
+    assert decide_prefix_tokens(TokenFacts(None, None, None), None, None) is None
+    with pytest.raises(ModelError, match=r"18 tokens for a grid of 16 patches, so 2 prefix tokens, but its library "
+                                         r"says 1 .*set model.prefix_tokens"):
+        decide_prefix_tokens(facts, 1, None)
+    folder, _ = _deit_folder(tmp_path)
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{folder}", "weights": "pretrained", "device": "cpu"},
+              data={"resize": 32, "crop": 32, "preprocess": "imagenet"},
+              capture=[{"layer": "embeddings.patch_embeddings", "drop_prefix": True, "reduce": "mean"}])
+    with pytest.raises(LayerError, match=r"drop_prefix leaves out the model's 2 prefix tokens of sequences of 16 "
+                                         r"patches \+ 2, but layer 'embeddings.patch_embeddings' gives 16 tokens"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
