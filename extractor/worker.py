@@ -35,7 +35,7 @@ from .shardio import Forwarded, ShardSummary
 from .spec import JobSpec
 from .store import CaptureRecord, ExtraRecord
 
-__all__ = ["Worker", "decode_threads"]
+__all__ = ["Worker", "decode_threads", "PROBE_FORWARDS"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,11 @@ _INTERRUPTS: tuple[type[BaseException], ...] = (KeyboardInterrupt, *device_error
 _PROBE_PASSES: tuple[type[BaseException], ...] = (ExtractorError, torch.OutOfMemoryError, *_INTERRUPTS)
 MAX_DECODE_THREADS = 32  # decode_workers: auto on a large machine
 WRITE_THREADS = 4  # chunks compressed and stored at once (zstd and zarr release the GIL)
+# two forwards of one image may differ by float rounding (GPU kernels), not by more than this, relatively
+RANDOM_FORWARD_TOLERANCE = 1e-3
+# forwards of one image a worker makes before its first shard: the token facts, the probe's blank (again when a
+# layout decided at the probe reduces otherwise) and two for determinism (tests count the model's calls)
+PROBE_FORWARDS = 4
 
 
 def decode_threads(setting: int | str, cpus: int | None = None) -> int:
@@ -281,6 +286,7 @@ class Worker:
             values = self._blank()
             if self._decide_layouts():
                 values = self._blank()  # again, reduced as decided
+            self._check_deterministic()
         except _PROBE_PASSES:
             raise
         except Exception as err:
@@ -308,6 +314,30 @@ class Worker:
             if key not in self.captures
         }
         return self.captures
+
+    def _check_deterministic(self) -> None:
+        """Refuse a model whose eval forward draws at random (ViTMAE masks patches at random in eval
+        mode): two forwards of one image must store the same values, else every stored row is one
+        draw and a resume mixes draws. Float rounding (another kernel on a GPU) passes."""
+        h, w = self.preprocess.size
+        # seeded mid-grey noise: its patches differ (a shuffle of equal patches would not show), and no pixel is
+        # saturated (blank images pass the model: an unusual one must not fail here instead)
+        image = torch.randint(64, 192, (1, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        labels = np.zeros(1, np.int64)
+        first, second = (self._forward(image, labels, eager=True) for _ in range(2))
+        for key, a in first.items():
+            x, y = a.float(), second[key].float()
+            same = (x == y) | (torch.isnan(x) & torch.isnan(y))  # equal Inf and NaN too
+            gap = float(torch.where(same, 0.0, (x - y).abs()).nan_to_num(nan=float("inf")).max()) if x.numel() \
+                else 0.0
+            scale = float(x.abs().nan_to_num(nan=0.0, posinf=0.0).max()) if x.numel() else 0.0
+            if gap > RANDOM_FORWARD_TOLERANCE * max(scale, 1.0):
+                raise ModelError(
+                    f"the model's forward is not deterministic in eval mode: two forwards of the same image differ "
+                    f"in {key} by up to {gap:.3g} (its values reach {scale:.3g}), so every stored row would be one "
+                    "random draw and a resume would mix draws. A model that masks or samples at random (ViTMAE's "
+                    "random_masking) needs its randomness fixed: see the README, 'A forward that draws at random'"
+                )
 
     def _check_prefix(self, original: dict[str, tuple[int, ...]]) -> None:
         """A capture that leaves out the model's prefix tokens must be one of its token sequences:

@@ -17,6 +17,7 @@ import yaml
 from conftest import job, make_images
 
 from extractor.reader import open_store
+from extractor.worker import PROBE_FORWARDS
 
 TESTS = Path(__file__).resolve().parent
 
@@ -280,7 +281,7 @@ def test_a_job_submitted_to_a_cluster_prints_the_command_that_finishes_it(image_
     from extractor.cli import main
 
     raw = job(image_dir, tmp_path / "s.zarr", model={"name": None, "factory": "toy_models:cuda_fault",
-                                                     "kwargs": {"after": 2}, "device": "cpu"},
+                                                     "kwargs": {"after": PROBE_FORWARDS + 1}, "device": "cpu"},
               data={"preprocess": "imagenet"}, capture=[{"layer": "conv", "reduce": "mean"}])
     spec = write_job(tmp_path / "job.yaml", raw)
     again = "extractor submit job.yaml --address http://head:8265 --set output.if_exists=resume"

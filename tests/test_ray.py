@@ -22,6 +22,7 @@ from extractor.reader import open_store
 from extractor.rows import Shard
 from extractor.runner import run
 from extractor.spec import parse_spec
+from extractor.worker import PROBE_FORWARDS
 
 ray = pytest.importorskip("ray")
 TESTS = Path(__file__).resolve().parent
@@ -158,8 +159,9 @@ def test_a_worker_that_fails_as_a_whole_is_replaced_and_the_job_finishes(ray_clu
     ref["cluster"] = {"backend": "local"}
     run(parse_spec(ref))
     raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, max_retries=1)
+    after = PROBE_FORWARDS + 2  # in the second shard
     raw["model"].update(factory=f"toy_models:{factory}", factory_kwargs={"marker": str(tmp_path / "fault"),
-                                                                         "after": 3})  # in the second shard
+                                                                         "after": after})
     events: list[tuple[str, dict]] = []
     summary = run(parse_spec(raw), on_event=lambda n, i: events.append((n, i)))
     died = [i for n, i in events if n == "worker_died"]
@@ -179,7 +181,7 @@ def test_a_worker_that_always_fails_as_a_whole_ends_the_job(ray_cluster, slow_im
     worker-wide error on every shard cannot replace workers forever."""
     raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, max_retries=1)
     raw["model"].update(factory="toy_models:broken_worker",
-                        factory_kwargs={"marker": str(tmp_path / "broken"), "after": 1, "once": False})
+                        factory_kwargs={"marker": str(tmp_path / "broken"), "after": PROBE_FORWARDS, "once": False})
     events: list[tuple[str, dict]] = []
     msg = r"failed 2 times \(cluster.max_retries=1\); last error: worker 0 .*WorkerBroken"
     with pytest.raises(ShardError, match=msg):

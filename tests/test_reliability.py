@@ -26,6 +26,7 @@ from extractor.reader import open_store
 from extractor.runner import run
 from extractor.spec import parse_spec
 from extractor.store import ShardWriter
+from extractor.worker import PROBE_FORWARDS
 
 TESTS = Path(__file__).resolve().parent
 
@@ -151,7 +152,7 @@ def test_a_device_fault_stops_the_job_and_resume_finishes(tmp_path: Path, batch_
     ref = tmp_path / "ref.zarr"
     run(parse_spec(picky_job(root, ref, batch_size=batch_size)))
     raw = picky_job(root, tmp_path / "s.zarr", batch_size=batch_size)
-    forwards = 1 + -(-4 // batch_size)  # the probe's, then shard 0's: the fault is in shard 1's first batch
+    forwards = PROBE_FORWARDS + -(-4 // batch_size)  # the probe's, then shard 0's: the fault in shard 1's first batch
     raw["model"].update(factory="toy_models:faulty_device",
                         factory_kwargs={"marker": str(tmp_path / "fault"), "after": forwards, "seconds": 0})
     with pytest.raises(DeviceError, match=r"cpu device failed while shard 1 was running: AcceleratorError: "

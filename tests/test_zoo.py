@@ -448,3 +448,42 @@ def test_prefix_tokens_that_facts_and_library_disagree_on_or_a_capture_off_the_s
                                          r"patches \+ 2, but layer 'embeddings.patch_embeddings' gives 16 tokens"):
         run(parse_spec(raw))
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_forward_that_draws_at_random_is_refused_and_the_readme_way_out_works(photos: Path, tmp_path: Path):
+    """HF ViTMAE masks and shuffles patches at random in eval mode: refused before a store exists, naming
+    the capture; the README's module (no masking, ordered noise) stores what a direct call computes."""
+    import re
+
+    import extractor
+
+    torch.manual_seed(0)
+    cfg = transformers.ViTMAEConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=64, image_size=32, patch_size=8)
+    transformers.ViTMAEModel(cfg).save_pretrained(tmp_path / "mae")
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{tmp_path / 'mae'}", "weights": "pretrained",
+                                                   "device": "cpu"},
+              data={"resize": 32, "crop": 32, "preprocess": "imagenet"},
+              capture=[{"layer": "layers.1", "key": "tokens"}])
+    with pytest.raises(ModelError, match=r"not deterministic in eval mode: two forwards of the same image differ in "
+                                         r"tokens by up to .*'A forward that draws at random'"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### A forward that draws at random"):text.index("## Store layout")]
+    namespace: dict = {}
+    exec(compile(re.findall(r"```python\n(.*?)```", section, re.S)[0], "README.md", "exec"), namespace)  # noqa: S102
+    module = namespace["UnmaskedViTMAE"](str(tmp_path / "mae")).eval()
+    spec = {k: v for k, v in raw.items() if k != "model"}
+    spec["capture"] = [{"layer": "mae.layers.1", "key": "tokens"}, {"layer": "(model)", "key": "out"}]
+    store = extractor.run({**spec, "model": {"device": "cpu"}}, model=module, progress=False)
+    pixels, worker = _our_pixels({**raw, "model": {"name": "resnet18", "weights": None, "device": "cpu"},
+                                  "capture": [{"layer": "(model)"}]})
+    worker.close()
+    x = (pixels.float() / 255 - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)) / \
+        torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    with torch.no_grad():
+        want = module(x).numpy()
+    assert store["out"].shape == (len(SIZES), 17, 32)
+    np.testing.assert_allclose(store.numpy("out"), want, atol=2e-5, rtol=1e-4)
