@@ -5,7 +5,7 @@ few steps on shuffled token rows and plots (or prints) its loss. Run it as a scr
 (`python examples/sae_quickstart.py [WORK_DIR]`) or cell by cell in Jupyter / VS Code.
 """
 
-# %% Sample images and a small ViT (random weights: use weights: pretrained for real features)
+# %% Sample images and a small ViT (weights: random here; pretrained for real features)
 import sys
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from extractor.demo import write_sample_images
 work = Path(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "work")
 write_sample_images(work / "images", per_class=8, size=64)
 store = extractor.run({
-    "model": {"name": "timm:vit_small_patch16_224", "kwargs": {"img_size": 64, "depth": 4}},
+    "model": {"name": "timm:vit_small_patch16_224", "weights": "random", "kwargs": {"img_size": 64, "depth": 4}},
     "data": {"root": str(work / "images"), "shard_size": 16, "batch_size": 16},
     "capture": [{"layer": "blocks.3", "dtype": "float16", "key": "resid"}],   # the residual stream after block 3
     "output": {"store": str(work / "sae.zarr"), "chunk_rows": 8, "if_exists": "overwrite"},

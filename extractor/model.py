@@ -48,16 +48,11 @@ def build_model(spec: ModelSpec, module: nn.Module | None = None) -> tuple[nn.Mo
             torch.manual_seed(RANDOM_SEED)
             built = zoo.build(spec)
     model, source = built.model, built.source
-    if spec.weights and zoo.looks_like_path(spec.weights) and spec.source != "open_clip":
-        zoo.load_checkpoint(model, spec.weights)
+    if spec.weights_kind == "file" and spec.source != "open_clip":
+        zoo.load_checkpoint(model, str(spec.weights))
         source = f"{source}, weights from checkpoint {spec.weights}"
-    elif not built.pretrained:
-        log.warning(
-            "model.weights is null: %s uses random weights (seed %d); set model.weights (pretrained, a weights "
-            "name or a checkpoint path) for trained features",
-            spec.name,
-            RANDOM_SEED,
-        )
+    elif not built.pretrained:  # asked for (weights: random or null), and recorded so
+        log.info("model.weights is %s: %s uses random weights (seed %d)", spec.weights, spec.name, RANDOM_SEED)
         source += f", random init (seed {RANDOM_SEED})"
     model.eval()
     info = describe_model(model, spec, source)

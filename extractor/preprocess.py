@@ -150,7 +150,8 @@ def resolve(data: Any, defaults: Preprocess | str) -> Preprocess:
     if data.preprocess == "imagenet":
         defaults = replace(IMAGENET, source="ImageNet defaults (data.preprocess: imagenet)")
     fields = ("resize", "crop", "interpolation", "mean", "std")
-    auto = [f for f in fields if getattr(data, f) == "auto" and not (f == "resize" and data.crop_pct is not None)]
+    auto = [f for f in fields if getattr(data, f) == "auto" and not (f == "resize" and data.crop_pct is not None)
+            and not (f == "interpolation" and data.resize is None)]  # nothing resized: no resampling to choose
     given = [f for f in (*fields, "crop_pct") if getattr(data, f) not in ("auto", None) or
              (f in ("resize", "crop") and getattr(data, f) is None)]
     if isinstance(defaults, str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -51,6 +52,25 @@ class _Section(BaseModel):
 
 
 MODEL_SOURCES = ("torchvision", "timm", "hf", "open_clip", "python")
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+
+
+def looks_like_path(weights: str) -> bool:
+    """A ``model.weights`` value that names a file (a checkpoint), not a weights name or tag."""
+    return "/" in weights or os.sep in weights or weights.endswith(CHECKPOINT_SUFFIXES) or os.path.exists(weights)
+
+
+def weights_kind(weights: str | None) -> Literal["auto", "random", "pretrained", "file", "name"]:
+    """What a ``model.weights`` value asks for: ``auto`` (what the model's name points at), ``random``
+    (``random`` or null), ``pretrained``, a checkpoint ``file``, or a library's weights ``name`` (a
+    torchvision weights enum member, an open_clip tag). The one place this is decided."""
+    if weights is None or weights == "random":
+        return "random"
+    if weights == "auto":
+        return "auto"
+    if weights == "pretrained":
+        return "pretrained"
+    return "file" if looks_like_path(weights) else "name"
 
 
 class ModelSpec(_Section):
@@ -59,11 +79,14 @@ class ModelSpec(_Section):
     ``hf:ID_OR_FOLDER`` (Hugging Face transformers; the vision tower of CLIP/SigLIP-style models),
     ``open_clip:ARCH`` (the visual tower: its output is ``encode_image``); ``python:CLASS`` names a
     module given to ``extractor.run(..., model=...)``."""
-    weights: str | None = None
-    """null (random init), ``pretrained`` (the library's own weights: timm's default tag, the HF
-    model's, an open_clip ``hf-hub:``/``local-dir:`` model's), a torchvision weights name
-    (``IMAGENET1K_V1``, ``DEFAULT``), an open_clip pretrained tag, or a checkpoint file (``.pt``,
-    ``.pth``, ``.bin``, ``.safetensors``). Read from local caches only unless EXTRACTOR_ALLOW_DOWNLOAD=1."""
+    weights: str | None = "auto"
+    """``auto`` (the default): the weights the model's name points at (an ``hf:`` folder's or hub id's,
+    an open_clip ``hf-hub:``/``local-dir:`` model's; a factory's or a module's as they are built);
+    a bare architecture name (torchvision, timm, ``open_clip:ARCH``) asks for one of the others.
+    ``pretrained`` (the library's own weights: timm's tag, the HF model's), a torchvision weights
+    name (``IMAGENET1K_V1``, ``DEFAULT``), an open_clip pretrained tag, a checkpoint file (``.pt``,
+    ``.pth``, ``.bin``, ``.safetensors``), or ``random`` (also null): a random init (seed 0), only
+    when asked. Read from local caches only unless EXTRACTOR_ALLOW_DOWNLOAD=1."""
     factory: str | None = None
     """``pkg.module:function`` returning an ``nn.Module``; used instead of ``name``. A module in the
     current folder is found (as ``python -m`` finds it)."""
@@ -123,6 +146,11 @@ class ModelSpec(_Section):
         if isinstance(self.prefix_tokens, int) and self.prefix_tokens < 0:
             raise ValueError("model.prefix_tokens must be auto or a count >= 0")
         return self
+
+    @property
+    def weights_kind(self) -> str:
+        """What ``weights`` names (see :func:`weights_kind`)."""
+        return weights_kind(self.weights)
 
     @property
     def source(self) -> str:

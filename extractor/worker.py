@@ -64,12 +64,9 @@ def decode_threads(setting: int | str, cpus: int | None = None) -> int:
 
 
 def _preprocess(spec: JobSpec, defaults: dict[str, Any] | str) -> Preprocess:
-    """The job's preprocessing: the model library's (``defaults``, or why none is known) under the spec's."""
-    p = resolve_preprocess(spec.data, from_dict(defaults) if isinstance(defaults, dict) else defaults)
-    auto = [f for f in ("resize", "crop", "interpolation", "mean", "std") if getattr(spec.data, f) == "auto"]
-    if "has no preprocessing config" in p.source and auto and spec.data.preprocess == "auto":
-        log.warning("%s: set data.%s, or data.preprocess: imagenet", p.source.split(", with")[0], ", data.".join(auto))
-    return p
+    """The job's preprocessing: the model library's (``defaults``, or why none is known: then the spec
+    must give every setting) under the spec's."""
+    return resolve_preprocess(spec.data, from_dict(defaults) if isinstance(defaults, dict) else defaults)
 
 
 def _layers_hint(spec: JobSpec) -> str:

@@ -23,13 +23,15 @@ from torch import nn
 
 from .errors import ModelError
 from .preprocess import IMAGENET, Preprocess
-from .spec import ModelSpec
+from .spec import ModelSpec, looks_like_path
 
-__all__ = ["Built", "build", "load_checkpoint", "looks_like_path", "local_folder"]
+__all__ = ["Built", "build", "load_checkpoint", "looks_like_path", "local_folder", "HF_WEIGHT_FILES"]
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+# files of a save_pretrained folder that hold its weights (sharded: an index beside the shards)
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
 _EXTRA = "pip install 'extractor[models]' (timm, transformers, open_clip_torch)"
 # PIL resampling codes (Hugging Face image processors store them) -> data.interpolation
 _RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
@@ -44,10 +46,6 @@ class Built:
     preprocess: Preprocess | str  # the library's preprocessing, or why none is known
     pretrained: bool  # weights came from somewhere (not a random init of ours)
     library: str  # torchvision, timm, hf, open_clip, factory
-
-
-def looks_like_path(weights: str) -> bool:
-    return "/" in weights or os.sep in weights or weights.endswith(CHECKPOINT_SUFFIXES) or os.path.exists(weights)
 
 
 def local_folder(name: str | None) -> tuple[str, str] | None:
@@ -102,6 +100,12 @@ def _not_cached(spec: ModelSpec, err: BaseException, fetch: str) -> ModelError:
     )
 
 
+def _ask_weights(spec: ModelSpec, named: str) -> ModelError:
+    """``weights: auto`` on a name that names an architecture, not weights: the tool cannot know which."""
+    return ModelError(f"model.name {spec.name!r} names an architecture, not its weights: set model.weights to "
+                      f"{named}, a checkpoint file, or random (a random init, seed 0)")
+
+
 def build(spec: ModelSpec) -> Built:
     """The model of ``spec`` on the CPU (weights loaded; checkpoints by the caller)."""
     return {"torchvision": _torchvision, "timm": _timm, "hf": _hf, "open_clip": _open_clip,
@@ -113,7 +117,7 @@ def given(model: nn.Module, spec: ModelSpec) -> Built:
     if not isinstance(model, nn.Module):
         raise ModelError(f"model= takes a torch.nn.Module, not {type(model).__name__}")
     return Built(model, f"python object {type(model).__module__}.{type(model).__qualname__} (weights as given)",
-                 _known_preprocess(model, spec), True, "python")
+                 _own_preprocess(model, spec), True, "python")
 
 
 def _python(spec: ModelSpec) -> Built:
@@ -148,13 +152,20 @@ def _torchvision(spec: ModelSpec) -> Built:
     if name not in names:
         raise _unknown(spec, names, "See torchvision.models.list_models(), use timm:/hf:/open_clip:, or set "
                                     "model.factory for other models")
-    w = "DEFAULT" if spec.weights == "pretrained" else spec.weights
+    kind = spec.weights_kind
     kwargs = {**_TV_PRETRAINED_FLAGS.get(name, {}), **spec.kwargs}
-    if w is None or looks_like_path(w):
+    if kind in ("random", "file"):
         model = _call(lambda: tvm.get_model(name, weights=None, **kwargs), spec)
-        return Built(model, f"torchvision {name}", IMAGENET, False, "torchvision")
+        if kind == "file":  # fine-tuned, say: whose preprocessing nobody recorded
+            return Built(model, f"torchvision {name}", f"torchvision {name} with weights from a checkpoint file has "
+                         "no transforms of its own (torchvision's weights names have theirs)", True, "torchvision")
+        return Built(model, f"torchvision {name}", replace(IMAGENET, source="ImageNet defaults (torchvision's "
+                     "convention; a random init has no weights transforms)"), False, "torchvision")
     enum = tvm.get_model_weights(name)
     valid = list(dict.fromkeys(["DEFAULT", *enum.__members__]))  # some enums list DEFAULT among their members
+    if kind == "auto":
+        raise _ask_weights(spec, f"pretrained (torchvision's DEFAULT), a weights name ({', '.join(valid[1:4])}...)")
+    w = "DEFAULT" if kind == "pretrained" else str(spec.weights)
     if w not in valid:
         raise ModelError(
             f"model.weights {w!r} is not a weights name of {name} (valid: {', '.join(valid)}, pretrained) "
@@ -189,8 +200,10 @@ def _call(fn: Any, spec: ModelSpec) -> Any:
 def _timm_preprocess(timm: Any, model: nn.Module, spec: ModelSpec) -> Preprocess | str:
     cfg = timm.data.resolve_model_data_config(model)
     _, h, w = cfg["input_size"]
-    if "img_size" in spec.kwargs:  # the data config keeps the pretrained size; the model was built for this one
-        size = spec.kwargs["img_size"]
+    # the data config keeps the pretrained size; a model built for another one (img_size) runs at that
+    built = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if "img_size" in spec.kwargs or built is not None:
+        size = spec.kwargs.get("img_size", built)
         h, w = (size, size) if isinstance(size, int) else tuple(size)
     pct, mode = cfg.get("crop_pct") or 0.875, cfg.get("crop_mode") or "center"
     scale = (int(h / pct), int(w / pct))  # math.floor, as timm does
@@ -215,10 +228,14 @@ def _timm(spec: ModelSpec) -> Built:
 
     if not timm.is_model(spec.model):
         raise _unknown(spec, timm.list_models(), "See timm.list_models()")
-    pretrained = spec.weights == "pretrained"
-    if spec.weights not in (None, "pretrained") and not looks_like_path(spec.weights):
-        raise ModelError(f"model.weights {spec.weights!r}: a timm model takes null, pretrained (the tag in its name: "
-                         f"timm:{spec.model.split('.')[0]}.TAG) or a checkpoint file")
+    kind = spec.weights_kind
+    if kind == "auto":
+        raise _ask_weights(spec, "pretrained (the weights of its tag" + (")" if "." in spec.model else
+                                 f", or timm's default tag; name one as timm:{spec.model}.TAG)"))
+    pretrained = kind == "pretrained"
+    if kind == "name":
+        raise ModelError(f"model.weights {spec.weights!r}: a timm model takes pretrained (the tag in its name: "
+                         f"timm:{spec.model.split('.')[0]}.TAG), a checkpoint file or random")
     try:
         with _offline(), _no_url_downloads():
             model = _call(lambda: timm.create_model(spec.model, pretrained=pretrained, **spec.kwargs), spec)
@@ -260,18 +277,29 @@ def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
             p = transformers.AutoImageProcessor.from_pretrained(src, local_files_only=not _downloads())
     except (OSError, ValueError, KeyError) as err:
         return f"hf:{src} has no image processor config (preprocessor_config.json) here ({type(err).__name__})"
+    if getattr(p, "max_num_patches", None) is not None:  # Siglip2's NaFlex: each image at its own size
+        return (f"the image processor of hf:{src} ({type(p).__name__}) resizes each image to its own size "
+                "(variable resolution, max_num_patches): extractor stores one shape per capture and does not support "
+                "variable-resolution processors; set data.resize: [H, W] (a squash) and data.crop: null to run the "
+                "model at one size")
     size = getattr(p, "size", None) or {}
     get: Callable[[str], Any] = (lambda k: getattr(size, k, None)) if not isinstance(size, dict) else size.get
     resize: int | tuple[int, int] | None
+    crop = None
+    pct = getattr(p, "crop_pct", None)
     if not getattr(p, "do_resize", True):
         resize = None
+    elif pct and get("shortest_edge") and not get("longest_edge"):
+        # ConvNeXt's rule: below 384 the shorter side to shortest_edge / crop_pct, then a centre crop to
+        # shortest_edge; from 384 on, a squash to shortest_edge x shortest_edge, no crop
+        edge = int(get("shortest_edge"))
+        resize, crop = ((int(edge / pct), (edge, edge)) if edge < 384 else ((edge, edge), None))
     elif get("shortest_edge") and not get("longest_edge"):
         resize = int(get("shortest_edge"))
     elif get("height") and get("width"):
         resize = (int(get("height")), int(get("width")))
     else:
         return f"the image processor of hf:{src} resizes to {size}, which extractor does not reproduce"
-    crop = None
     if getattr(p, "do_center_crop", False):
         cs = p.crop_size
         cget: Callable[[str], Any] = (lambda k: getattr(cs, k, None)) if not isinstance(cs, dict) else cs.get
@@ -289,17 +317,22 @@ def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
     if interpolation is None:
         return f"the image processor of hf:{src} resamples with {resample!r}"
     return Preprocess(resize=resize, crop=crop, interpolation=interpolation, mean=mean, std=std,
-                      crop_offset="floor", source=f"{type(p).__name__} of hf:{src}")
+                      crop_pct=pct if crop is not None and pct else None, crop_offset="floor",
+                      source=f"{type(p).__name__} of hf:{src}" + (f" (crop_pct {pct:.4g})" if pct else ""))
 
 
 def _hf(spec: ModelSpec) -> Built:
     transformers = _import("transformers", spec)
     src = spec.model
     local = os.path.isdir(src)
-    pretrained = spec.weights == "pretrained"
-    if spec.weights not in (None, "pretrained") and not looks_like_path(spec.weights):
-        raise ModelError(f"model.weights {spec.weights!r}: an hf: model takes null (random init from its config), "
-                         "pretrained (its own weights) or a checkpoint file")
+    kind = spec.weights_kind
+    if kind == "name":
+        raise ModelError(f"model.weights {spec.weights!r}: an hf: model takes auto or pretrained (its own weights), "
+                         "a checkpoint file, or random (a random init from its config)")
+    if kind == "auto" and local and not any(os.path.exists(os.path.join(src, f)) for f in HF_WEIGHT_FILES):
+        raise ModelError(f"model.name {spec.name!r}: the folder holds no weights ({', '.join(HF_WEIGHT_FILES[::2])}); "
+                         "set model.weights: random for a random init from its config, or a checkpoint file")
+    pretrained = kind in ("auto", "pretrained")  # the folder's or the hub id's own weights
     fetch = f"`hf download {src}`"
     try:
         with _offline():
@@ -316,16 +349,22 @@ def _hf(spec: ModelSpec) -> Built:
         if not hasattr(tower, k):
             raise ModelError(f"model.kwargs {k!r}: not a setting of {type(tower).__name__}")
         setattr(tower, k, v)
-    name = _HF_TOWERS.get(config.model_type) if vision is not None else None
-    cls = getattr(transformers, name) if name else transformers.MODEL_MAPPING[type(tower)]
+    cls = _hf_class(transformers, config, tower)
     try:
         with _offline(), _quiet_transformers(transformers):
             if pretrained:
-                model = cls.from_pretrained(src, config=tower, local_files_only=not _downloads())
+                model, report = cls.from_pretrained(src, config=tower, local_files_only=not _downloads(),
+                                                    output_loading_info=True)
             else:
-                model = cls._from_config(tower)
+                model, report = cls._from_config(tower), {}
     except (OSError, ValueError) as err:
         raise _not_cached(spec, err, fetch) from err
+    missing = list(report.get("missing_keys") or [])
+    if missing:  # weights the checkpoint lacks would be a random init: refused, not muted
+        raise ModelError(f"hf:{src}: its weights do not fill {cls.__name__}: {len(missing)} missing "
+                         f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); name the model the "
+                         "checkpoint was saved from "
+                         "(its config's architectures), or set model.weights: random")
     what = f"{cls.__name__} of " if vision is not None else ""
     source = f"hf {what}{src}" + (" pretrained" if pretrained else "")
     found = _hf_preprocess(transformers, src)
@@ -333,6 +372,19 @@ def _hf(spec: ModelSpec) -> Built:
     if isinstance(found, str) and isinstance(size, int):
         found += f"; its config says image_size {size} (e.g. crop: {size})"
     return Built(model, source, found, pretrained, "hf")
+
+
+def _hf_class(transformers: Any, config: Any, tower: Any) -> Any:
+    """The class an ``hf:`` model is built as: a composite model's vision tower (CLIP's with its projection),
+    else the class its config names (``architectures``: a ``...ForImageClassification`` keeps its head, so
+    ``.logits`` feed gradient jobs), else the base model of its config."""
+    if tower is not config:
+        name = _HF_TOWERS.get(config.model_type)
+        return getattr(transformers, name) if name else transformers.MODEL_MAPPING[type(tower)]
+    for name in getattr(config, "architectures", None) or []:
+        if isinstance(getattr(transformers, name, None), type):
+            return getattr(transformers, name)
+    return transformers.MODEL_MAPPING[type(config)]
 
 
 @contextlib.contextmanager
@@ -375,22 +427,23 @@ def _open_clip(spec: ModelSpec) -> Built:
     arch, schema = spec.model, spec.model.startswith(("hf-hub:", "local-dir:"))
     if not schema and arch not in open_clip.list_models():
         raise _unknown(spec, open_clip.list_models(), "See open_clip.list_models()")
-    w = spec.weights
+    kind = spec.weights_kind
     tags = [] if schema else open_clip.list_pretrained_tags_by_model(arch)
-    if w == "pretrained" and not schema:
-        raise ModelError(f"model.weights: pretrained is ambiguous for open_clip:{arch}; name a tag "
-                         f"({', '.join(tags) or 'none known'}) or a checkpoint file")
-    if w is not None and w != "pretrained" and not looks_like_path(w) and w not in tags:
-        raise ModelError(f"model.weights {w!r} is not a pretrained tag of open_clip:{arch} "
+    if kind in ("auto", "pretrained") and not schema:
+        raise ModelError(f"model.weights: {spec.weights} is ambiguous for open_clip:{arch}; name a tag "
+                         f"({', '.join(tags) or 'none known'}), a checkpoint file, or random")
+    if kind == "name" and spec.weights not in tags:
+        raise ModelError(f"model.weights {spec.weights!r} is not a pretrained tag of open_clip:{arch} "
                          f"(tags: {', '.join(tags) or 'none'}) and no such checkpoint file exists")
-    pretrained = w is not None
-    if w is not None and looks_like_path(w):  # a file: the whole CLIP's state dict, or its visual tower's
+    pretrained = kind != "random"
+    w = spec.weights if kind in ("name", "file") else None
+    if kind == "file":  # a file: the whole CLIP's state dict, or its visual tower's
         model = _call(lambda: open_clip.create_model(arch, pretrained=None, load_weights=False, **spec.kwargs), spec)
         try:
-            load_checkpoint(model, w)
+            load_checkpoint(model, str(w))
         except ModelError as whole:
             try:
-                load_checkpoint(model.visual, w)
+                load_checkpoint(model.visual, str(w))
             except ModelError:
                 raise ModelError(f"{whole} (neither open_clip:{arch}'s whole CLIP nor its visual tower)") from None
         visual = model.visual
@@ -399,7 +452,7 @@ def _open_clip(spec: ModelSpec) -> Built:
     try:
         with _offline():
             model = _call(lambda: open_clip.create_model(
-                arch, pretrained=None if schema or w is None else w, load_weights=pretrained, **spec.kwargs), spec)
+                arch, pretrained=None if schema else w, load_weights=pretrained, **spec.kwargs), spec)
     except (OSError, RuntimeError) as err:
         if not pretrained:
             raise ModelError(f"open_clip.create_model({arch!r}) failed: {type(err).__name__}: {err}") from err
@@ -434,19 +487,25 @@ def _factory(spec: ModelSpec) -> Built:
         raise ModelError(f"model.factory {factory!r} raised {type(err).__name__}: {err}") from err
     if not isinstance(model, nn.Module):
         raise ModelError(f"model.factory {factory!r} returned {type(model).__name__}, not a torch.nn.Module")
-    return Built(model, f"factory {factory} (weights as the factory built them)", _known_preprocess(model, spec),
+    return Built(model, f"factory {factory} (weights as the factory built them)", _own_preprocess(model, spec),
                  True, "factory")
 
 
-def _known_preprocess(model: nn.Module, spec: ModelSpec) -> Preprocess:
-    """A factory's model from a library we know (timm) brings its data config; other models get
-    ImageNet's defaults, with a warning when the job leaves them at auto."""
+def _own_preprocess(model: nn.Module, spec: ModelSpec) -> Preprocess | str:
+    """The preprocessing a module made elsewhere (a factory's, one given to ``extractor.run``) carries
+    with it: timm's ``pretrained_cfg``, open_clip's ``preprocess_cfg`` (on the model or its ``visual``
+    tower), a Hugging Face model's processor config (its ``name_or_path`` folder or cached hub id);
+    else why none is known (the job must then give the ``data.*`` settings: no silent ImageNet)."""
     if hasattr(model, "pretrained_cfg") and "timm" in sys.modules:
-        found = _timm_preprocess(sys.modules["timm"], model, spec)
-        if isinstance(found, Preprocess):
-            return found
-    return replace(IMAGENET, source=f"ImageNet defaults (model {spec.factory or spec.name} has no preprocessing "
-                                    "config extractor knows)")
+        return _timm_preprocess(sys.modules["timm"], model, spec)
+    for carrier in (model, getattr(model, "visual", None)):
+        if isinstance(carrier, nn.Module) and getattr(carrier, "preprocess_cfg", None):
+            return _open_clip_preprocess(carrier, spec)
+    source = getattr(model, "name_or_path", None)
+    if isinstance(source, str) and source and "transformers" in sys.modules:
+        return _hf_preprocess(sys.modules["transformers"], source)
+    return (f"the model {spec.factory or spec.name} ({type(model).__name__}) carries no preprocessing extractor knows "
+            "(timm's pretrained_cfg, open_clip's preprocess_cfg, a Hugging Face model's processor config)")
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -53,6 +53,8 @@ def job(root: Path, store: Path, **sections: Any) -> dict[str, Any]:
             raw[k] = {**raw[k], **v}
         else:
             raw[k] = v
+    if raw["model"].get("factory") and isinstance(raw.get("data"), dict):  # toy factories carry no preprocessing
+        raw["data"].setdefault("preprocess", "imagenet")
     return raw
 
 

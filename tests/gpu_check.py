@@ -482,7 +482,8 @@ def stage_fault(args: argparse.Namespace, photos: Path) -> None:
     after = worker_mod.PROBE_FORWARDS + 4  # the probe's forwards, then shard 0's 4 batches
     raw = {"model": {"name": None, "factory": "toy_models:cuda_fault", "factory_kwargs": {"after": after},
                      "device": args.device},
-           "data": {"root": str(photos), "batch_size": 64, "shard_size": 256, "decode_workers": 8},
+           "data": {"root": str(photos), "batch_size": 64, "shard_size": 256, "decode_workers": 8,
+                    "preprocess": "imagenet"},
            "capture": [{"layer": "conv", "reduce": "mean"}],
            "output": {"store": str(store), "chunk_rows": 64, "if_exists": "overwrite"},
            "cluster": {"backend": "local"}}

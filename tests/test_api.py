@@ -31,7 +31,9 @@ def _resnet18() -> torch.nn.Module:
 
 
 def _no_model(raw: dict) -> dict:
-    return {**raw, "model": {"device": "cpu"}}
+    """The job without its model section, for a module given as model= (which carries no preprocessing:
+    ImageNet's, as the named torchvision model's random init takes)."""
+    return {**raw, "model": {"device": "cpu"}, "data": {**raw["data"], "preprocess": "imagenet"}}
 
 
 def test_run_from_python_with_a_module_equals_the_cli_run_of_the_named_model(image_dir: Path, tmp_path: Path):

@@ -11,8 +11,8 @@ from extractor.spec import ModelSpec
 
 
 def test_random_init_is_seeded_and_described():
-    a, info = build_model(ModelSpec(name="resnet18"))
-    b, _ = build_model(ModelSpec(name="resnet18"))
+    a, info = build_model(ModelSpec(name="resnet18", weights=None))
+    b, _ = build_model(ModelSpec(name="resnet18", weights=None))
     assert state_dict_hash(a) == state_dict_hash(b) == info["state_dict_sha256"]
     assert info["parameters"] == 11_689_512 and "random init (seed 0)" in info["weights"]
     assert not a.training

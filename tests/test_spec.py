@@ -14,7 +14,7 @@ BASE = {"data": {"root": "images"}, "capture": [{"layer": "layer3"}]}
 
 def test_defaults_fill_in():
     spec = parse_spec(BASE)
-    assert spec.model.name == "resnet18" and spec.model.weights is None
+    assert spec.model.name == "resnet18" and spec.model.weights == "auto"
     assert spec.data.crop == "auto" and spec.data.shard_size == 1024
     assert spec.capture[0].what == "output" and spec.capture[0].reduce == "none"
     assert spec.output.store == "out.zarr" and spec.cluster.backend == "ray"

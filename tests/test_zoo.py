@@ -258,7 +258,7 @@ def test_unknown_names_missing_weights_and_bad_kwargs_are_clear(tmp_path: Path, 
     with pytest.raises(ModelError, match=r"not a pretrained tag of open_clip:ViT-S-32"):
         build_model(ModelSpec(name="open_clip:ViT-S-32", weights="laion9000"))
     with pytest.raises(ModelError, match=r"builder refused model.kwargs"):
-        build_model(ModelSpec(name="resnet18", kwargs={"no_such_flag": 1}))
+        build_model(ModelSpec(name="resnet18", weights=None, kwargs={"no_such_flag": 1}))
 
 
 def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch):
@@ -487,3 +487,161 @@ def test_a_forward_that_draws_at_random_is_refused_and_the_readme_way_out_works(
         want = module(x).numpy()
     assert store["out"].shape == (len(SIZES), 17, 32)
     np.testing.assert_allclose(store.numpy("out"), want, atol=2e-5, rtol=1e-4)
+
+
+def test_an_hf_folder_loads_its_own_weights_unless_random_is_asked(photos: Path, tmp_path: Path):
+    """weights left out (auto): the folder's model.safetensors (before: a random init from its config, so two
+    folders gave identical stores); random init only when asked, and recorded so."""
+    from extractor.spec import ModelSpec
+
+    stores = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model, proc, _, _ = _hf_case("clip")
+        folder = _hf_folder(tmp_path / f"m{seed}", model.eval(), proc)
+        raw = job(photos, tmp_path / f"s{seed}.zarr", model={"name": f"hf:{folder}", "device": "cpu"},
+                  data={"resize": "auto", "crop": "auto"}, capture=[{"layer": "(model)", "index": "pooler_output"}])
+        del raw["model"]["weights"]
+        assert run(parse_spec(raw)).ok == len(SIZES)
+        stores[seed] = s = open_store(str(tmp_path / f"s{seed}.zarr"))
+        assert "pretrained" in s.model["weights"] and "random" not in s.model["weights"]
+        pil = transformers.CLIPImageProcessorPil.from_pretrained(folder)
+        images = [__import__("PIL.Image").Image.open(p).convert("RGB") for p in _files(photos)]
+        with torch.no_grad():
+            want = model(pixel_values=pil(images, return_tensors="pt").pixel_values).pooler_output
+        np.testing.assert_allclose(s.numpy("output"), want.numpy(), atol=2e-5, rtol=1e-4)
+    assert not np.allclose(stores[0].numpy("output"), stores[1].numpy("output"))
+    from extractor.model import build_model
+
+    _, info = build_model(ModelSpec(name=f"hf:{tmp_path / 'm0' / 'hf'}", weights="random"))
+    assert info["weights"].endswith("random init (seed 0)")
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((tmp_path / "m0" / "hf" / "config.json").read_text())
+    with pytest.raises(ModelError, match=r"the folder holds no weights .*set model.weights: random"):
+        build_model(ModelSpec(name=f"hf:{tmp_path / 'bare'}"))
+    assert "random init" in build_model(ModelSpec(name=f"hf:{tmp_path / 'bare'}", weights=None))[1]["weights"]
+
+
+def test_a_bare_architecture_name_asks_for_its_weights():
+    from extractor.model import build_model
+    from extractor.spec import ModelSpec
+
+    with pytest.raises(ModelError, match=r"'resnet18' names an architecture, not its weights: set model.weights to "
+                                         r"pretrained \(torchvision's DEFAULT\)"):
+        build_model(ModelSpec(name="resnet18"))
+    with pytest.raises(ModelError, match=r"names an architecture.*timm:resnet10t.TAG"):
+        build_model(ModelSpec(name="timm:resnet10t"))
+    with pytest.raises(ModelError, match=r"auto is ambiguous for open_clip:ViT-S-32; name a tag"):
+        build_model(ModelSpec(name="open_clip:ViT-S-32"))
+    for random in ("random", None):
+        assert "random init (seed 0)" in build_model(ModelSpec(name="resnet18", weights=random))[1]["weights"]
+
+
+def test_an_hf_image_classification_folder_keeps_its_head(photos: Path, tmp_path: Path):
+    """The class its config names (architectures), so .logits feed a gradient job; before, the bare backbone
+    was built and the head's weights dropped without a word."""
+    t = transformers
+    torch.manual_seed(0)
+    cfg = t.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+                      patch_size=8, num_labels=3)
+    model = t.ViTForImageClassification(cfg).eval()
+    model.save_pretrained(tmp_path / "vit")
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{tmp_path / 'vit'}", "device": "cpu"},
+              data={"resize": 32, "crop": 32, "preprocess": "imagenet"},
+              capture=[{"layer": "(model)", "index": "logits", "key": "logits"},
+                       {"layer": "vit.layernorm", "what": "grad_output", "key": "grad"}])
+    del raw["model"]["weights"]
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.model["class"].endswith("ViTForImageClassification")
+    pixels, worker = _our_pixels({**raw, "capture": [{"layer": "(model)", "index": "logits"}]})
+    x = (pixels.float() / 255 - worker.mean) / worker.std
+    worker.close()
+    with torch.no_grad():
+        logits = model(pixel_values=x).logits
+    np.testing.assert_allclose(s.numpy("logits"), logits.numpy(), atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(s.numpy("target"), logits.argmax(1).numpy())
+    x.requires_grad_(True)
+    hidden = {}
+    handle = model.vit.layernorm.register_forward_hook(lambda m, a, out: hidden.setdefault("h", out))
+    out = model(pixel_values=x).logits
+    handle.remove()
+    score = out.gather(1, out.argmax(1, keepdim=True)).sum()
+    (grad,) = torch.autograd.grad(score, hidden["h"])
+    np.testing.assert_allclose(s.numpy("grad"), grad.numpy(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("edge", [32, 384])
+def test_hf_convnext_processor_crop_pct_rule_is_reproduced(edge: int, photos: Path, tmp_path: Path):
+    """ConvNeXt's processors: below 384 the shorter side to shortest_edge / crop_pct and a centre crop; at 384
+    a squash. Pixels equal its PIL processor's (before: refused with settings the spec never set)."""
+    t = transformers
+    torch.manual_seed(0)
+    cfg = t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, image_size=edge)
+    proc = t.ConvNextImageProcessorPil(size={"shortest_edge": edge}, crop_pct=0.875)
+    folder = _hf_folder(tmp_path, t.ConvNextModel(cfg).eval(), proc)
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{folder}", "device": "cpu"},
+              data={"resize": "auto", "crop": "auto"}, capture=[{"layer": "(model)", "index": "pooler_output"}])
+    ours, worker = _our_pixels(raw)
+    worker.close()
+    images = [__import__("PIL.Image").Image.open(p).convert("RGB") for p in _files(photos)]
+    ref = _levels(proc(images, return_tensors="pt").pixel_values, proc.image_mean, proc.image_std)
+    assert ours.shape == ref.shape == (len(SIZES), 3, edge, edge)
+    assert (ours.float() - ref).abs().max() < 0.01
+    assert worker.preprocess.crop == ((edge, edge) if edge < 384 else None)
+
+
+def test_a_variable_resolution_processor_is_refused_as_such(photos: Path, tmp_path: Path):
+    from extractor.errors import SpecError
+
+    t = transformers
+    cfg = t.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                patch_size=8, num_patches=16)
+    folder = _hf_folder(tmp_path, t.Siglip2VisionModel(cfg), t.Siglip2ImageProcessor(patch_size=8, max_num_patches=16))
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{folder}", "device": "cpu"},
+              data={"resize": "auto", "crop": "auto"}, capture=[{"layer": "(model)", "index": "pooler_output"}])
+    with pytest.raises(SpecError, match=r"resizes each image to its own size \(variable resolution, max_num_patches\)"
+                                        r": extractor .* does not support variable-resolution processors"):
+        Worker(parse_spec(raw))
+
+
+def test_a_module_object_gets_its_own_librarys_preprocessing_or_is_refused(photos: Path, tmp_path: Path):
+    """extractor.run(job, model=...) with no data.* settings: an HF model's processor (name_or_path), timm's
+    pretrained_cfg, open_clip's preprocess_cfg; a module that carries none is refused naming the settings
+    (before: ImageNet 256/224 after one log line, 0.74 off for a SigLIP tower)."""
+    import extractor
+    from extractor.errors import SpecError
+
+    torch.manual_seed(0)
+    model, proc, _, _ = _hf_case("siglip")
+    folder = _hf_folder(tmp_path, model.eval(), proc)
+    raw = job(photos, tmp_path / "a.zarr", data={"resize": "auto", "crop": "auto"},
+              capture=[{"layer": "(model)", "index": "pooler_output", "key": "emb"}])
+    del raw["model"]
+    loaded = transformers.SiglipVisionModel.from_pretrained(folder).eval()
+    a = extractor.run(raw, model=loaded, progress=False)
+    raw_b = job(photos, tmp_path / "b.zarr", model={"name": f"hf:{folder}", "device": "cpu"},
+                data={"resize": "auto", "crop": "auto"},
+                capture=[{"layer": "(model)", "index": "pooler_output", "key": "emb"}])
+    del raw_b["model"]["weights"]
+    b = extractor.run(raw_b, progress=False)
+    assert a.attrs["preprocess"] == b.attrs["preprocess"] and a.attrs["preprocess"]["resize"] == [32, 32]
+    np.testing.assert_allclose(a.numpy("emb"), b.numpy("emb"), atol=1e-6)
+
+    vit = timm.create_model("vit_small_patch16_224", img_size=32, depth=1, embed_dim=48, num_heads=2).eval()
+    raw["output"]["store"] = str(tmp_path / "c.zarr")
+    raw["capture"] = [{"layer": "(model)", "key": "emb"}]
+    c = extractor.run(raw, model=vit, progress=False)
+    assert "timm data config" in c.attrs["preprocess"]["source"] and c.attrs["preprocess"]["crop"] == [32, 32]
+    clip = open_clip.create_model("ViT-S-32", force_image_size=64).eval()
+    raw["output"]["store"] = str(tmp_path / "d.zarr")
+    d = extractor.run({**raw, "model": {"call": "encode_image"}}, model=clip, progress=False)
+    assert "open_clip transform" in d.attrs["preprocess"]["source"] and d.attrs["preprocess"]["crop"] == [64, 64]
+
+    raw["output"]["store"] = str(tmp_path / "e.zarr")
+    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    with pytest.raises(SpecError, match=r"carries no preprocessing extractor knows .*data.resize, data.crop, "
+                                        r"data.interpolation, data.mean, data.std cannot be 'auto'.*data.preprocess: "
+                                        r"imagenet"):
+        extractor.run(raw, model=plain, progress=False)
+    assert not (tmp_path / "e.zarr").exists()
