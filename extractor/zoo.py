@@ -203,7 +203,7 @@ def _timm_preprocess(timm: Any, model: nn.Module, spec: ModelSpec) -> Preprocess
     # the data config keeps the pretrained size; a model built for another one (img_size) runs at that
     built = getattr(getattr(model, "patch_embed", None), "img_size", None)
     if "img_size" in spec.kwargs or built is not None:
-        size = spec.kwargs.get("img_size", built)
+        size: Any = spec.kwargs.get("img_size", built)
         h, w = (size, size) if isinstance(size, int) else tuple(size)
     pct, mode = cfg.get("crop_pct") or 0.875, cfg.get("crop_mode") or "center"
     scale = (int(h / pct), int(w / pct))  # math.floor, as timm does
