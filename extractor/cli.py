@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._text import table
-from .errors import DeviceError, ExtractorError, ShardError, StoreError
+from .errors import ExtractorError, FencedError
 
 log = logging.getLogger("extractor")
 
@@ -145,20 +145,24 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
 
     try:
         summary = run(spec, on_start=on_start, on_progress=on_progress)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if bar:
             bar[0].close()
+        if not getattr(err, "resumable", False):
+            print("\ninterrupted before the job touched its store: nothing was written", file=sys.stderr)
+            return 130
         print(f"\ninterrupted; finished shards are kept. To finish the job run:\n  {finish}",
               file=sys.stderr)
         return 130
-    except (ShardError, DeviceError) as err:  # the store is kept: say how to finish it, once the cause is fixed
-        print(f"error: {err}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
-        return 1
-    except StoreError:
-        raise  # the store's own word (exists, differs, half-created): one line from main()
-    except OSError as err:  # a full disk, a dead endpoint, after the store existed
-        print(f"error: the storage failed: {type(err).__name__}: {err}\nFinished shards are kept; once fixed, finish "
-              f"the job with:\n  {finish}", file=sys.stderr)
+    except (ExtractorError, OSError) as err:
+        # the runner marks what stopped a job whose store it holds: said with the command that finishes it
+        if not getattr(err, "resumable", False) or isinstance(err, FencedError):
+            raise  # before the store was touched, or the store's own word: one line from main()
+        if isinstance(err, OSError) and not isinstance(err, ExtractorError):  # a full disk, a dead endpoint
+            print(f"error: the storage failed: {type(err).__name__}: {err}\nFinished shards are kept; once fixed, "
+                  f"finish the job with:\n  {finish}", file=sys.stderr)
+        else:
+            print(f"error: {err}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
         return 1
     finally:
         if bar:
@@ -595,13 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     # torch's transparent-huge-page allocator: +26% CPU throughput measured here (NOTES.md)
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     args = build_parser().parse_args(argv)
-    if argv is None:  # the real command line: SIGTERM (cluster pre-emption) stops like Ctrl-C
-        import signal
-
-        def on_term(signum: int, frame: object) -> None:
-            raise KeyboardInterrupt(f"signal {signum}")
-
-        signal.signal(signal.SIGTERM, on_term)
+    signals = _Signals() if argv is None else None  # the real command line: SIGTERM stops like Ctrl-C
     level = logging.WARNING - 10 * min(verbosity(args), 2)
     # -vv debugs extractor, not the libraries under it: botocore's debug log prints access key ids
     logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s %(name)s: %(message)s")
@@ -621,6 +619,38 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        if signals is not None:
+            signals.settle()
+
+
+class _Signals:
+    """Ctrl-C and SIGTERM (cluster pre-emption) on the command line: the first stops the job cleanly
+    (KeyboardInterrupt: the store marked interrupted, the resume command printed); a second one while
+    that runs (a slow storage) ends the process at once, still with exit code 130; one that comes as the
+    process ends is ignored (Python restores the default handler as it exits: that one killed it, -2)."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self.stopping = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            os.write(2, b"\ninterrupted again: exiting now (finished shards are kept; --resume finishes)\n")
+            os._exit(130)
+        self.stopping = True
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def settle(self) -> None:
+        """The command is done: once it was stopped, later signals change nothing."""
+        import signal
+
+        if self.stopping:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

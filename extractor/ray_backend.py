@@ -422,8 +422,9 @@ class RayBackend:
         for ref in answered:
             self.take_start(refs[ref], ref, raise_errors=True)
         if not any(s.ready for s in self.slots):
+            doing = "compile the model" if self.warm and self.spec.model.compile else "start"
             error = ClusterError(  # built while Ray still runs: it asks Ray what is free
-                f"{len(refs)} Ray workers did not {'start' if not self.warm else 'compile the model'} within "
+                f"{len(refs)} Ray workers did not {doing} within "
                 f"{self.spec.cluster.startup_timeout_s:g} s (cluster.startup_timeout_s); "
                 f"free resources now: {ray.available_resources()}"
             )
@@ -446,7 +447,7 @@ class RayBackend:
                 self.close()
                 raise cause from None
             slot.failed_starts += 1
-            doing = "compile the model" if slot.warm else "start"
+            doing = "compile the model" if slot.warm and self.spec.model.compile else "start"
             if raise_errors or slot.failed_starts > self.spec.cluster.max_retries:
                 error = ClusterError(f"a Ray worker failed to {doing}: {type(cause).__name__}: {cause}")
                 self.close()

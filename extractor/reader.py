@@ -23,13 +23,15 @@ import zarr
 from .errors import StoreError
 from .store import (
     ATTR,
+    LEASE_TIMEOUT_S,
     OK,
     STATUS_NAMES,
     CaptureRecord,
+    being_created,
     disk_usage,
     done_shards,
     get_array,
-    half_created,
+    lease_timeout,
     read_lease,
     root_attrs,
 )
@@ -52,8 +54,10 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
         raise StoreError(f"cannot open {url} as a Zarr store: {err}") from err
     if ATTR not in group.attrs:
         raise StoreError(f"{url} is a Zarr group but not an extractor store (no '{ATTR}' attributes)")
-    if root_attrs(group).get("status") == "creating":
-        raise StoreError(half_created(url))
+    attrs = root_attrs(group)
+    if attrs.get("status") == "creating":
+        timeout = float((attrs.get("spec") or {}).get("output", {}).get("lease_timeout_s", LEASE_TIMEOUT_S))
+        raise StoreError(being_created(url, group, timeout))
     return ActivationStore(group, url, storage_options)
 
 
@@ -654,8 +658,8 @@ class ActivationStore:
         if not held or held.get("released"):
             return None
         age = time.time() - float(held.get("heartbeat", 0))
-        timeout = float((self.attrs.get("spec") or {}).get("output", {}).get("lease_timeout_s", 60.0))
-        return age if age > timeout else None
+        timeout = float((self.attrs.get("spec") or {}).get("output", {}).get("lease_timeout_s", LEASE_TIMEOUT_S))
+        return age if age > lease_timeout(held, timeout) else None
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict[str, Any]:

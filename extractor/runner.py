@@ -70,8 +70,9 @@ class RunSummary:
     shards: int
     shards_skipped: int
     shards_run: int
-    seconds: float
-    images_per_s: float
+    seconds: float  # the whole run: listing, model, store, shards, final attributes
+    images_per_s: float  # rows processed over ``seconds``: the job's rate, end to end
+    compute_images_per_s: float = 0.0  # rows processed over the time the shards ran
     bytes_per_row: dict[str, int] = field(default_factory=dict)
     failures: list[tuple[int, str, str]] = field(default_factory=list)
     per_shard: list[ShardSummary] = field(default_factory=list)
@@ -90,14 +91,16 @@ class RunSummary:
         lines = [
             f"{self.store}: {self.ok} ok, {self.failed} failed, {self.pending} pending rows; "
             f"{count(self.shards_run, 'shard')} run, {self.shards_skipped} already done; {self.seconds:.1f} s"
-            + (f", {self.images_per_s:.1f} images/s" if self.shards_run else "")
+            + (f", {self.images_per_s:.1f} images/s end to end ({self.compute_images_per_s:.1f} while the shards "
+               "ran)" if self.shards_run else "")
         ]
         if self.workers and self.shards_run:
             rows = [[str(w["worker"]), ",".join(w["nodes"]) or "-", ",".join(map(str, w["pids"])), str(w["shards"]),
                      str(w["images"]), f"{w['images_per_s']:.1f}", str(w["restarts"]), str(w["retries"])]
                     for w in self.workers]
-            lines.append(table(rows, ["worker", "node", "pids", "shards", "images", "images/s", "restarts",
+            lines.append(table(rows, ["worker", "node", "pids", "shards", "images", "compute img/s", "restarts",
                                       "retries"]))
+            lines.append("(compute img/s: a worker's images over the seconds its shards took, start to done marker)")
         for key, (rows_, first) in self.nonfinite.items():
             if key in self.float16:
                 lines.append(f"warning: {count(rows_, 'row')} of {key} hold NaN or Inf; {key} is stored as float16, "
@@ -256,36 +259,68 @@ def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: 
         )
 
 
-def _open_store(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any],
-                old: dict[str, Any] | None) -> Any:
-    """Create, replace or resume the store; ``old`` is its attributes as read (None: nothing there)."""
-    url = spec.output.store
-    so = spec.output.storage_options
-    if old is not None:
-        Lease.check(url, so, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
+@dataclass(frozen=True)
+class _Plan:
+    """What a job will do to its store, decided from a read of it before anything is written."""
+
+    create: bool  # create the store (replacing what is there when ``old`` is not None), or resume it
+    old: dict[str, Any] | None  # its attributes as read (None: nothing there)
+    todo: list[Shard]  # the shards to compute
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """A resume of a complete store: nothing is computed, and nothing written."""
+        return not self.create and not self.todo and (self.old or {}).get("status") == "complete"
+
+
+def _decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any], old: dict[str, Any] | None) -> _Plan:
+    """Whether the job may create, replace or resume the store, and what it would compute; refuses
+    (another job's live lease, an existing store without --resume or --overwrite, a store made by
+    another job) without writing anything."""
+    url, so = spec.output.store, spec.output.storage_options
+    if old is None:
+        return _Plan(True, None, shards)
+    Lease.check(url, so, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
     mode = spec.output.if_exists
-    if old is not None and old.get("status") == "creating":  # holds no data: --resume starts it again
+    if old.get("status") == "creating":  # holds no data (its job is gone): --resume starts it again
         if mode == "error":
             raise StoreError(half_created(url))
-        log.info("%s was left half-created (no data): creating it again", url)
-        old, mode = None, "overwrite"
-    if old is not None and mode == "error":
-        group = open_group(url, "r", so)
-        done = int(done_shards(group).sum())
+        return _Plan(True, old, shards)
+    group = open_group(url, "r", so)
+    if mode == "error":
+        n_done = int(done_shards(group).sum())
         raise StoreError(
-            f"store {url} already exists ({done} of {old.get('n_shards', '?')} shards done, status "
+            f"store {url} already exists ({n_done} of {old.get('n_shards', '?')} shards done, status "
             f"{old.get('status', '?')}); pass --resume to finish it or --overwrite to replace it"
         )
-    if old is not None and mode == "resume":
-        _check_resumable(url, old, json.loads(json.dumps(attrs)), open_group(url, "r", so), rows.paths)
+    if mode == "overwrite":
+        return _Plan(True, old, shards)
+    _check_resumable(url, old, json.loads(json.dumps(attrs)), group, rows.paths)
+    done = done_shards(group)
+    return _Plan(False, old, [s for s in shards if not done[s.index]])
+
+
+def _claim(spec: JobSpec, rows: Rows, plan: _Plan, attrs: dict[str, Any], lease: Lease) -> Any:
+    """Create, replace or resume the store under the job's lease, deciding again at that moment: a
+    store that appeared, was replaced or whose lease another job took since :func:`_decide` read it
+    is refused, naming that job. Returns the store's group (this job's from then on)."""
+    url, so = spec.output.store, spec.output.storage_options
+    now_there = read_attrs(url, so)
+    if (now_there or {}).get("created") != (plan.old or {}).get("created"):
+        Lease.check(url, so, spec.output.lease_timeout_s)  # names a live job that did it
+        raise StoreError(f"store {url} was {'created' if plan.old is None else 'replaced'} by another job after this "
+                         "one looked at it; run again (--resume finishes it)")
+    if not plan.create:
+        lease.acquire()  # a live lease refuses; a stale one is taken over
         update_attrs(url, so, status="running", resumed=now())
         return open_group(url, "r+", so)
-    if old is not None:
-        log.info("overwriting %s", url)
+    if plan.old is not None:
+        Lease.check(url, so, spec.output.lease_timeout_s)
+        log.info("%s %s", "creating again" if plan.old.get("status") == "creating" else "overwriting", url)
     layout = Layout(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
                     chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
                     compression_level=spec.output.compression_level)
-    return create_store(url, rows, layout, attrs, so)
+    return create_store(url, rows, layout, attrs, so, lease=lease, fresh=plan.old is None)
 
 
 def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
@@ -451,21 +486,12 @@ def _mark_stopped(spec: JobSpec, group: Any, url: str, err: BaseException) -> No
                     mark)
 
 
-def _compute(spec: JobSpec, backend: Any, group: Any, lease: Lease, todo: list[Shard], on_progress: Progress,
-             on_event: Event) -> list[ShardSummary]:
-    """Run the shards ``todo`` on ``backend`` while this job holds the store's ``lease``; a job
-    stopped by an error or interruption marks the store so, unless the store is another job's now."""
+def _compute(spec: JobSpec, backend: Any, todo: list[Shard], on_progress: Progress, on_event: Event,
+             lease: Lease) -> list[ShardSummary]:
+    """Run the shards ``todo`` on ``backend`` while this job holds the store's ``lease``."""
     url = absolute(spec.output.store)  # for workers in another directory
-    try:
-        summaries: list[ShardSummary] = []
-        if todo:  # a resume with nothing left to compute compiles nothing
-            backend.warm_up()  # once (a no-op when the store was created by this run)
-            summaries = backend.run(todo, url, on_progress, on_event, fence=lease.token)
-        lease.verify()  # a job paused past its lease marks nothing complete in another job's store
-    except BaseException as err:
-        if not (isinstance(err, FencedError) or lease.lost):  # else: not a word more into another job's store
-            _mark_stopped(spec, group, url, err)
-        raise
+    summaries = backend.run(todo, url, on_progress, on_event, fence=lease.token) if todo else []
+    lease.verify()  # a job paused past its lease marks nothing complete in another job's store
     return summaries
 
 
@@ -508,28 +534,42 @@ def run(
 
     backend = backend if backend is not None else _backend(spec)
     lease: Lease | None = None
+    group: Any = None
+    summaries: list[ShardSummary] = []
     try:
+        # everything that can fail before the first image (model, shapes, layouts, preprocessing, compile,
+        # the estimate) happens before the store is touched
         layout = backend.probe()
         _check_targets(spec, rows, layout["model"].get("logits"))
         attrs = _store_attrs(spec, rows, len(shards), layout)
-        old = read_attrs(spec.output.store, spec.output.storage_options)
-        if spec.output.if_exists == "overwrite" or old is None:
-            backend.warm_up()  # a model that fails to compile fails before a store is created or replaced
-        group = _open_store(spec, rows, shards, attrs, old)
-        lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, _owner())
-        lease.acquire()
-        done = done_shards(group)
-        todo = [s for s in shards if not done[s.index]]
+        decided = _decide(spec, rows, shards, attrs, read_attrs(spec.output.store, spec.output.storage_options))
+        if decided.todo:
+            backend.warm_up()  # a resume with nothing left to compute compiles nothing
         per_row = _bytes_per_row(layout["captures"])
         if on_start is not None:
-            on_start(sum(len(s) for s in todo), per_row)
-        summaries = _compute(spec, backend, group, lease, todo, on_progress or (lambda n: None), event)
+            on_start(sum(len(s) for s in decided.todo), per_row)
+        if decided.nothing_to_do:  # exit 0 without writing: also on a read-only file system
+            group = open_group(spec.output.store, "r", spec.output.storage_options)
+            return _finish(spec, group, shards, [], [], per_row, time.perf_counter() - t0, write=False)
+        lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, _owner())
+        group = _claim(spec, rows, decided, attrs, lease)  # from here on the store is this job's
+        done = done_shards(group)  # read again under the lease
+        todo = [s for s in shards if not done[s.index]]
+        t_compute = time.perf_counter()
+        summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), event, lease)
+        compute_s = time.perf_counter() - t_compute
+    except BaseException as err:
+        if group is not None and lease is not None and not (isinstance(err, FencedError) or lease.lost):
+            _mark_stopped(spec, group, spec.output.store, err)  # else: not a word more into another job's store
+            err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
+        raise
     finally:
         backend.close()
         if lease is not None:
             lease.release()
     try:
-        summary = _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0)
+        summary = _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0,
+                          compute_s=compute_s)
     except StoreError:
         raise
     except OSError as err:  # every shard is done; only the final attributes could not be written
@@ -547,7 +587,11 @@ def _finish(
     summaries: list[ShardSummary],
     per_row: dict[str, int],
     seconds: float,
+    compute_s: float = 0.0,
+    write: bool = True,
 ) -> RunSummary:
+    """The run's summary; with ``write``, the store's final status and statistics (a resume with nothing
+    to do reads them as they are)."""
     status = np.asarray(group["status"][:])
     failed_rows = np.flatnonzero(status == FAILED)
     failures = []
@@ -557,11 +601,14 @@ def _finish(
         for r in failed_rows[:20]:
             failures.append((int(r), str(ids[int(r)]), str(errors[int(r)])))
     n_pending = int((status == PENDING).sum())
-    complete = bool(done_shards(group).all())
-    stats = merge_stats(str(s) for s in group["shard_stats"][:])
-    update_attrs(spec.output.store, spec.output.storage_options, status="complete" if complete else "incomplete",
-                 error=None, stats=stats)
-    consolidate(spec.output.store, spec.output.storage_options)
+    if write:
+        complete = bool(done_shards(group).all())
+        stats = merge_stats(str(s) for s in group["shard_stats"][:])
+        update_attrs(spec.output.store, spec.output.storage_options, status="complete" if complete else "incomplete",
+                     error=None, stats=stats)
+        consolidate(spec.output.store, spec.output.storage_options)
+    else:
+        stats = dict(group.attrs["extractor"].get("stats") or {})
     processed = sum(s.rows for s in summaries)
     return RunSummary(
         store=spec.output.store,
@@ -573,7 +620,8 @@ def _finish(
         shards_skipped=len(shards) - len(todo),
         shards_run=len(summaries),
         seconds=seconds,
-        images_per_s=processed / max(sum(s.seconds for s in summaries), 1e-9),
+        images_per_s=processed / max(seconds, 1e-9),
+        compute_images_per_s=processed / max(compute_s, 1e-9),
         bytes_per_row=per_row,
         failures=failures,
         per_shard=summaries,

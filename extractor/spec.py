@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from .errors import SpecError
 from .preprocess import PREPROCESS_FIELDS
+from .store import LEASE_TIMEOUT_S
 
 __all__ = ["JobSpec", "load_spec", "read_spec", "parse_spec", "apply_overrides"]
 
@@ -343,7 +344,7 @@ class OutputSpec(_Section):
     compression_level: int | None = None
     if_exists: Literal["error", "resume", "overwrite"] = "error"
     """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
-    lease_timeout_s: float = Field(default=60.0, gt=0)
+    lease_timeout_s: float = Field(default=LEASE_TIMEOUT_S, gt=0)
     """A running job renews its lease on the store; one silent this long is taken to be dead."""
 
     @field_validator("chunk_rows")

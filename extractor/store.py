@@ -27,7 +27,7 @@ import datetime as _dt
 import os
 import socket
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict, cast
 
@@ -44,6 +44,7 @@ PENDING, OK, FAILED = 0, 1, 2
 STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
 ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors")
 ATTR = "extractor"  # root attribute holding everything this package records
+LEASE_TIMEOUT_S = 60.0  # output.lease_timeout_s's default: a store's spec that lacks it had this one
 
 
 def now() -> str:
@@ -67,6 +68,7 @@ class LeaseRecord(TypedDict, total=False):
 
     token: str
     heartbeat: float  # time.time() of its last renewal
+    timeout_s: float  # its job's output.lease_timeout_s: silent this long, the lease is stale
     released: str  # when the job let go of the store
     host: str
     pid: int
@@ -110,9 +112,19 @@ def read_lease(group: zarr.Group) -> LeaseRecord:
 
 
 def half_created(url: str) -> str:
-    """What to say of a store whose creation failed midway (status "creating")."""
+    """What to say of a store whose creation failed midway (status "creating", its lease let go or stale)."""
     return (f"store {url} was left half-created by a run that failed while creating it: it holds no data; "
             "run the job again with --resume (or --overwrite)")
+
+
+def being_created(url: str, group: zarr.Group, timeout_s: float) -> str:
+    """What to say of a store with status "creating": half-created, or being created by a live job now."""
+    held = read_lease(group)
+    if held and not held.get("released") and _fresh(held, timeout_s):
+        return (f"store {url} is being created by another extractor job now: pid {held.get('pid')} on "
+                f"{held.get('host')} (user {held.get('user')}, started {held.get('started')}); open it once that job "
+                "has created it")
+    return half_created(url)
 
 
 def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
@@ -185,17 +197,51 @@ class Layout:
 
 
 def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
-                 storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
-    """Create the layout (wiping what is at ``url``); the caller checked that this is allowed."""
+                 storage_options: Mapping[str, Any] | None = None, lease: Lease | None = None,
+                 fresh: bool = False) -> zarr.Group:
+    """Create the layout (wiping what is at ``url``); the caller checked, just before, that this is
+    allowed. ``lease``: taken in the new root before anything else is written, so that another job
+    sees a store being created by a live job, and refuses. ``fresh``: nothing was at ``url`` (a local
+    folder is then made atomically: a job that made it first wins, the other refuses)."""
+    comp = _compressors(layout.compression, layout.compression_level)  # before anything is wiped
+    group = _create_root(url, attrs, storage_options, fresh)
+    if lease is not None:
+        lease.acquire()
+
+    def fence() -> None:
+        """Still this job's store (a job paused mid-creation, past its lease, stops before the next array)."""
+        if lease is not None and lease_token(group) != lease.token:
+            lease.lost = True
+            raise StoreError(f"store {url} was replaced by another job while this one created it; this job stops "
+                             "and writes nothing more. Look at the store with `extractor inspect`")
+
+    try:
+        return _create_arrays(group, rows, layout, attrs, comp, fence)
+    except StoreError:
+        raise
+    except Exception as err:  # an array another job made meanwhile (ContainsArrayError), a vanished folder...
+        if lease is not None and lease_token(open_group(url, "r", storage_options)) != lease.token:
+            lease.lost = True
+            raise StoreError(f"store {url} was replaced by another job while this one created it "
+                             f"({type(err).__name__}); this job stops and writes nothing more. Look at the store with "
+                             "`extractor inspect`") from None
+        raise
+
+
+def _create_arrays(group: zarr.Group, rows: Rows, layout: Layout, attrs: Mapping[str, Any], comp: Any,
+                   fence: Callable[[], None]) -> zarr.Group:
+    """The arrays of a new store, then its attributes (status as the caller has it: no longer "creating"),
+    each after ``fence()``."""
     n = len(rows)
     shard_size, captures, extras = layout.shard_size, layout.captures, layout.extras
-    comp = _compressors(layout.compression, layout.compression_level)  # before anything is wiped
-    group = _create_root(url, attrs, storage_options)
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
+    fence()
     _create_row_arrays(group, shard_rows, ids=rows.ids, paths=rows.paths, labels=rows.labels, offsets=rows.offsets,
                        sizes=rows.sizes)
+    fence()
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
     for key, extra in extras.items():  # per-row results of gradient jobs, chunked by shard
+        fence()
         group.create_array(
             key,
             shape=(n, *extra["shape"]),
@@ -207,6 +253,7 @@ def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
     for key, record in captures.items():
         shape = tuple(record["shape"])
         meta = cast(dict[str, Any], record)  # as JSON: a TypedDict is a dict
+        fence()
         group.create_array(
             key,
             shape=(n, *shape),
@@ -217,13 +264,26 @@ def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
             dimension_names=["row", *meta["dims"]],
             attributes={"extractor": dict(meta), "coordinates": "ids labels"},
         )
+    fence()
     group.attrs.update({ATTR: dict(attrs)})
     return group
 
 
-def _create_root(url: str, attrs: Mapping[str, Any], storage_options: Mapping[str, Any] | None) -> zarr.Group:
+def _create_root(url: str, attrs: Mapping[str, Any], storage_options: Mapping[str, Any] | None,
+                 fresh: bool = False) -> zarr.Group:
     """Wipe ``url`` and create the root group, marked at once as extractor's (status "creating"): a store
-    left half-made by a later failure is replaced by --overwrite, and refused by --resume."""
+    left half-made by a later failure is replaced by --overwrite, and refused by --resume. A ``fresh``
+    local store's folder is made with one atomic mkdir: of two jobs that both found nothing, one wins."""
+    if fresh and not is_url(url):
+        path = url.removeprefix("file://")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if os.listdir(path):  # another job made it since this one looked
+                raise StoreError(f"store {url} was created by another job after this one looked; run again with "
+                                 "--resume to finish it, or wait for that job") from None
+        except OSError:
+            pass  # a missing parent and the like: said below, as for any store
     try:
         group = open_group(url, "w", storage_options)
         group.attrs.update({ATTR: {**attrs, "status": "creating"}})
@@ -393,6 +453,23 @@ class ShardWriter:
         get_array(self.group, "shard_done")[self.index] = 1  # last: a crash before this never looks complete
 
 
+def lease_timeout(held: LeaseRecord, default: float) -> float:
+    """How long the lease ``held`` lives without a renewal: its own job's ``output.lease_timeout_s`` (which
+    sets how often that job renews it), or ``default`` for leases that did not record it."""
+    return float(held.get("timeout_s", default))
+
+
+def _fresh(held: LeaseRecord, timeout_s: float) -> bool:
+    """A lease renewed within its timeout (``timeout_s`` when it has none of its own) whose job, when it
+    ran on this machine, is still alive."""
+    import time
+
+    if time.time() - float(held.get("heartbeat", 0)) > lease_timeout(held, timeout_s):
+        return False
+    # its job ran on this machine and its process is gone: no need to wait for the timeout
+    return not (held.get("host") == socket.gethostname() and not _alive(int(held.get("pid", 0))))
+
+
 def _alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -419,7 +496,8 @@ class Lease:
         self.url, self.storage_options, self.timeout_s = url, storage_options, timeout_s
         self.token = uuid.uuid4().hex
         self.info = dict(info)
-        self._stop: Any = None
+        self._stop: Any = None  # set while the heartbeat thread renews the lease
+        self._beat: threading.Thread | None = None
         self.held = False  # written once: from then on it renews only while still its own
         self.lost = False  # another job took the store over
 
@@ -429,13 +507,10 @@ class Lease:
         import time
 
         held = read_lease(open_group(url, "r", storage_options))
-        if not held or held.get("released") or held.get("token") == token:
+        if not held or held.get("released") or held.get("token") == token or not _fresh(held, timeout_s):
             return
         age = time.time() - float(held.get("heartbeat", 0))
-        if age > timeout_s:
-            return
-        if held.get("host") == socket.gethostname() and not _alive(int(held.get("pid", 0))):
-            return  # its job ran on this machine and its process is gone: no need to wait for the timeout
+        timeout_s = lease_timeout(held, timeout_s)
         raise StoreError(
             f"store {url} is in use by another extractor job: pid {held.get('pid')} on {held.get('host')} "
             f"(user {held.get('user')}, started {held.get('started')}, last heartbeat {age:.0f} s ago). "
@@ -452,7 +527,7 @@ class Lease:
         if self.held and lease_token(group) != self.token:
             self.lost = True
             raise fenced(self.url, lease_token(group))
-        attrs = {**self.info, "token": self.token, "heartbeat": time.time(), **extra}
+        attrs = {**self.info, "token": self.token, "heartbeat": time.time(), "timeout_s": self.timeout_s, **extra}
         try:
             group["lease"].attrs.put(attrs)
         except KeyError:
@@ -467,10 +542,10 @@ class Lease:
         self.held = True
         time.sleep(0.05)
         self.check(self.url, self.storage_options, self.timeout_s, self.token)  # lost a race: someone else wrote
-        self._stop = threading.Event()
+        stop = self._stop = threading.Event()
 
-        def beat() -> None:
-            while not self._stop.wait(self.timeout_s / 4):
+        def beat() -> None:  # its own reference to the event: release() lets go of it
+            while not stop.wait(self.timeout_s / 4):
                 try:
                     self._write()
                 except FencedError:
@@ -478,7 +553,8 @@ class Lease:
                 except Exception:  # noqa: BLE001 - a missed heartbeat is retried at the next one
                     pass
 
-        threading.Thread(target=beat, name="extractor-lease", daemon=True).start()
+        self._beat = threading.Thread(target=beat, name="extractor-lease", daemon=True)
+        self._beat.start()
 
     def verify(self) -> None:
         """Raise :class:`FencedError` when another job holds the store now."""
@@ -487,13 +563,19 @@ class Lease:
             raise fenced(self.url, "")
 
     def release(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
-            self._stop = None
-            try:
-                self._write(released=now())
-            except Exception:  # noqa: BLE001 - an unreleased lease expires by itself; another job's is not ours
-                pass
+        """Stop renewing and mark the lease released, after a renewal in flight (a slow storage) has
+        landed, so that no heartbeat lands after the release."""
+        if self._stop is None:
+            return
+        self._stop.set()
+        self._stop = None
+        if self._beat is not None:
+            self._beat.join(timeout=max(self.timeout_s, 1.0))
+            self._beat = None
+        try:
+            self._write(released=now())
+        except Exception:  # noqa: BLE001 - an unreleased lease expires by itself; another job's is not ours
+            pass
 
 
 def disk_usage(url: str) -> int | None:

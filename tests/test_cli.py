@@ -151,8 +151,12 @@ def test_an_interrupted_demo_prints_a_run_command_that_finishes_it(tmp_path: Pat
 
     real_run = extractor.runner.run
 
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+    def interrupted(spec, **kwargs):  # Ctrl-C as the first shard starts: the store exists, unfinished
+        def stop(name: str, info: dict) -> None:
+            if name == "shard_started":
+                raise KeyboardInterrupt
+
+        return real_run(spec, on_event=stop, **kwargs)
 
     monkeypatch.setattr(extractor.runner, "run", interrupted)
     base = tmp_path / "demo dir"  # a space: the printed command quotes it

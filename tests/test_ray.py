@@ -404,3 +404,36 @@ def test_an_embedded_cluster_listens_on_loopback_even_when_ray_was_imported_firs
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "127.0.0.1"
+
+
+def test_a_ray_job_that_looked_before_another_created_the_store_refuses_instead_of_wiping_it(
+        ray_cluster, slow_images: Path, tmp_path: Path):
+    """issue 26, defect 1 on Ray: job A (Ray workers ready, the store looked at: nothing there) is held at its
+    estimate line while job B creates the store and finishes a shard; A then refuses naming B, and B
+    finishes a store equal to a clean run."""
+    from extractor.errors import StoreError
+
+    store = tmp_path / "s.zarr"
+    raw = slow_job(slow_images, store, workers=1, cpus_per_worker=1)
+    local = {**raw, "cluster": {"backend": "local"}}
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(local))
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    procs: list[subprocess.Popen] = []
+
+    def while_a_waits(total: int, per_row: dict) -> None:
+        b = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "b.yaml"), "-q"],
+                             env=env, stderr=subprocess.PIPE, text=True)
+        procs.append(b)
+        deadline = time.time() + 120
+        while not (store / "shard_done" / "c" / "0").exists() and b.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+
+    with pytest.raises(StoreError, match=r"in use by another extractor job: pid \d+"):
+        run(parse_spec(raw), on_start=while_a_waits)
+    _, err = procs[0].communicate(timeout=300)
+    assert procs[0].returncode == 0, err
+    run(parse_spec({**local, "output": {**local["output"], "store": str(tmp_path / "clean.zarr")}}))
+    s, c = open_store(str(store)), open_store(str(tmp_path / "clean.zarr"))
+    assert s.attrs["status"] == "complete"
+    for key in ("conv", "map"):
+        np.testing.assert_array_equal(s.numpy(key), c.numpy(key))

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+import zarr
 from conftest import job, make_images
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -460,3 +461,216 @@ def test_a_relative_data_root_resumed_from_another_folder_is_refused_naming_both
     (b / "imgs").rename(a / "imgs")
     summary = run(parse_spec({**resume, "data": {**resume["data"], "root": str(a / "imgs")}}))
     assert summary.ok == 4 and summary.shards_skipped == 1 and summary.failed == 0
+
+
+def paused_job(root: Path, store: Path, tmp_path: Path, point: str, **output) -> Path:
+    """A slow job that stops at ``point`` (see toy_models.paused_at) until the file tmp_path/gate goes."""
+    (tmp_path / "gate").touch()
+    raw = yaml.safe_load(slow_spec(root, store, tmp_path, **output).read_text())
+    raw["model"].update(factory="toy_models:paused_at", factory_kwargs={
+        "point": point, "gate": str(tmp_path / "gate"), "marker": str(tmp_path / "marker"), "seconds": 0.15})
+    path = tmp_path / "paused.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not path.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert path.exists(), proc.stderr.read() if proc.poll() is not None else "timeout"
+
+
+def test_a_job_that_looked_before_another_created_the_store_refuses_instead_of_wiping_it(tmp_path: Path):
+    """issue 26, defect 1 (data lost, T3-11): job A found no store and paused (a slow compile, a frozen VM);
+    job B created the store and ran shards; A woke. A decides again at the moment it would create: it
+    refuses, naming B, and B finishes a store equal to a clean run (before: A wiped B's store, B died
+    fenced)."""
+    root = tmp_path / "imgs"
+    make_images(root, per_class=8, classes=("a",), size=40)
+    store = tmp_path / "s.zarr"
+    a = start(paused_job(root, store, tmp_path, "claim"))
+    wait_for_file(tmp_path / "marker", a)  # A has looked: nothing there
+    spec_b = slow_spec(root, store, tmp_path)
+    b = start(spec_b)
+    wait_for_shard(store, 0, b)
+    (tmp_path / "gate").unlink()
+    _, err_a = a.communicate(timeout=120)
+    assert a.returncode == 1 and f"in use by another extractor job: pid {b.pid}" in err_a, err_a
+    assert "Traceback" not in err_a
+    _, err_b = b.communicate(timeout=300)
+    assert b.returncode == 0, err_b
+    clean = yaml.safe_load(spec_b.read_text())
+    clean["output"]["store"] = str(tmp_path / "clean.zarr")
+    run(parse_spec(clean))
+    s, c = open_store(str(store)), open_store(str(tmp_path / "clean.zarr"))
+    assert s.attrs["status"] == "complete" and s.done_shards.all()
+    np.testing.assert_array_equal(s.numpy("conv"), c.numpy("conv"))
+
+
+def test_a_store_created_and_finished_meanwhile_is_named_not_wiped(image_dir: Path, tmp_path: Path):
+    """The same, when B created and finished the store while A was paused at its estimate line."""
+    raw = job(image_dir, tmp_path / "s.zarr")
+    other = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer2", "reduce": "mean"}])
+    with pytest.raises(StoreError, match=r"store .*s.zarr was created by another job after this one looked at it; "
+                                         r"run again \(--resume finishes it\)"):
+        run(parse_spec(raw), on_start=lambda total, per_row: run(parse_spec(other)))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["status"] == "complete" and list(s.captures) == ["layer2"] and (s.status == 1).all()
+
+
+def test_a_job_paused_while_creating_its_store_stops_in_one_line_when_another_replaced_it(tmp_path: Path):
+    """issue 26, defect 1: A paused mid-creation (its root and lease written) past its lease; B replaced the
+    store (--overwrite) and finished; A wakes: one line, nothing written (before: a raw ContainsArrayError
+    traceback); B's store equals a clean run."""
+    root = tmp_path / "imgs"
+    make_images(root, per_class=8, classes=("a",), size=40)
+    store = tmp_path / "s.zarr"
+    a = start(paused_job(root, store, tmp_path, "arrays", lease_timeout_s=1))
+    wait_for_file(tmp_path / "marker", a)
+    a.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.time() + 60
+        while time.time() - float(zarr.open_group(str(store), mode="r")["lease"].attrs["heartbeat"]) < 1.5:
+            assert time.time() < deadline
+            time.sleep(0.1)  # A's lease goes stale: the event B's takeover waits for
+        (tmp_path / "gate").unlink()
+        raw_b = yaml.safe_load(slow_spec(root, store, tmp_path, seconds=0).read_text())
+        raw_b["capture"] = [{"layer": "conv", "reduce": "max", "key": "conv"}]
+        raw_b["output"]["if_exists"] = "overwrite"
+        assert run(parse_spec(raw_b)).ok == 8
+    finally:
+        a.send_signal(signal.SIGCONT)
+    _, err = a.communicate(timeout=120)
+    assert a.returncode == 1 and "was replaced by another job while this one created it" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    clean = {**raw_b, "output": {**raw_b["output"], "store": str(tmp_path / "clean.zarr")}}
+    run(parse_spec(clean))
+    s, c = open_store(str(store)), open_store(str(tmp_path / "clean.zarr"))
+    assert s.attrs["status"] == "complete" and s.done_shards.all()
+    np.testing.assert_array_equal(s.numpy("conv"), c.numpy("conv"))
+
+
+def test_overwrite_leaves_the_old_store_untouched_until_the_job_has_proven_it_can_run(image_dir: Path,
+                                                                                       tmp_path: Path):
+    """issue 25, item 10: the estimate is printed before an existing store is replaced; an interrupt there (a
+    SIGTERM at that line) leaves the old store whole (before: 126 of 496 ok rows were left)."""
+    raw = job(image_dir, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    before = open_store(str(tmp_path / "s.zarr")).numpy("layer4")
+    raw["output"]["if_exists"] = "overwrite"
+    raw["capture"] = [{"layer": "layer2", "reduce": "mean"}]
+
+    def at_estimate(total: int, per_row: dict) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_spec(raw), on_start=at_estimate)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["status"] == "complete" and (s.status == 1).all() and "layer4" in s.captures
+    np.testing.assert_array_equal(s.numpy("layer4"), before)
+
+
+@pytest.mark.parametrize("mode", ["create", "resume"])
+def test_an_interrupt_before_the_first_shard_marks_the_store_interrupted(image_dir: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch, mode: str):
+    """issue 25 item 12, issue 26 defect 12: a store just created, or resumed and marked running, that is
+    interrupted before its shards start says interrupted (before: running)."""
+    import extractor.runner as runner
+
+    raw = job(image_dir, tmp_path / "s.zarr")
+    if mode == "resume":
+        with pytest.raises(KeyboardInterrupt):
+            run(parse_spec(raw), on_event=lambda n, i: (_ for _ in ()).throw(KeyboardInterrupt)
+                if n == "shard_done" else None)
+        raw["output"]["if_exists"] = "resume"
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "_compute", interrupted)  # the signal lands before the first shard starts
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_spec(raw))
+    assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "interrupted"
+
+
+def test_resuming_a_complete_store_writes_nothing(image_dir: Path, tmp_path: Path):
+    """issue 26, defect 10: nothing to do is exit 0 without a write (a read-only file system, a read-only
+    bucket): not the lease, not the status."""
+    raw = job(image_dir, tmp_path / "s.zarr")
+    run(parse_spec(raw))
+    raw["output"]["if_exists"] = "resume"
+
+    def snapshot() -> dict:
+        return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "s.zarr").rglob("*") if p.is_file()}
+
+    before = snapshot()
+    summary = run(parse_spec(raw))
+    assert summary.shards_run == 0 and summary.ok == 12 and summary.shards_skipped == 3
+    assert snapshot() == before
+
+
+def test_the_lease_is_released_after_a_slow_renewal_without_a_thread_error(image_dir: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch):
+    """issue 26, defect 6: a job that ends while its heartbeat writes to a slow storage: the heartbeat thread
+    crashed (AttributeError on None.wait) and could land a renewal after the release."""
+    import threading
+
+    from extractor.store import Lease, read_lease
+
+    run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
+    lease = Lease(str(tmp_path / "s.zarr"), None, 0.2, {"pid": os.getpid()})
+    lease.acquire()
+    writing, slow = threading.Event(), threading.Event()
+    real = lease._write
+
+    def slow_write(**extra: object) -> None:
+        if not extra:  # a renewal: slow
+            writing.set()
+            slow.wait(5)
+        real(**extra)
+
+    errors: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    lease._write = slow_write  # type: ignore[method-assign]
+    assert writing.wait(10)  # a renewal is in flight
+    releasing = threading.Thread(target=lease.release)
+    releasing.start()
+    slow.set()
+    releasing.join(10)
+    assert not errors and read_lease(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")).get("released")
+
+
+def test_a_second_ctrl_c_while_stopping_exits_130(tmp_path: Path):
+    """issue 26, defect 9: a second Ctrl-C within a second of the first killed the process (exit -2)."""
+    root = tmp_path / "imgs"
+    make_images(root, per_class=8, classes=("a",), size=40)
+    store = tmp_path / "s.zarr"
+    proc = start(slow_spec(root, store, tmp_path))
+    wait_for_shard(store, 0, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # the second press, as a user's: the first is being handled
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert open_store(str(store)).done_shards[0]  # finished shards are kept
+
+
+def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_path: Path):
+    """issue 26, defect 11: a store a live job is creating was called "left half-created by a run that failed"."""
+    from extractor.store import Lease, _create_root, read_attrs
+
+    url = str(tmp_path / "s.zarr")
+    _create_root(url, {"spec": {}}, None)
+    lease = Lease(url, None, 60, {"pid": os.getpid(), "host": __import__("socket").gethostname()})
+    lease.acquire()
+    try:
+        with pytest.raises(StoreError, match=r"is being created by another extractor job now: pid \d+"):
+            open_store(url)
+        with pytest.raises(StoreError, match=r"in use by another extractor job"):
+            run(parse_spec(job(image_dir, tmp_path / "s.zarr", output={"store": url, "if_exists": "resume"})))
+    finally:
+        lease.release()
+    assert read_attrs(url)["status"] == "creating"
+    with pytest.raises(StoreError, match="left half-created by a run that failed"):
+        open_store(url)

@@ -365,3 +365,28 @@ class Loud(nn.Module):
 
 def loud_net() -> nn.Module:
     return nn.Sequential(OrderedDict(loud=Loud(), pool=nn.AdaptiveAvgPool2d(1), flat=nn.Flatten()))
+
+
+def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Module:
+    """A SlowNet in a process whose job stops at ``point``: ``claim`` (it has looked at its store, and not
+    yet created or taken it) or ``arrays`` (its new store's root and lease are written, its arrays not yet).
+    There it writes the file ``marker``, then waits while the file ``gate`` exists (at most two minutes):
+    a test pauses a real job between two steps as a slow compile or a frozen VM would."""
+    import os
+    import time
+
+    import extractor.runner as runner
+    import extractor.store as store
+
+    owner, name = {"claim": (runner, "_claim"), "arrays": (store, "_create_arrays")}[point]
+    original = getattr(owner, name)
+
+    def paused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the patched function's signature
+        open(marker, "w").close()
+        deadline = time.monotonic() + 120
+        while os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, paused)
+    return SlowNet(seconds)
