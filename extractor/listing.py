@@ -33,7 +33,7 @@ def list_rows(data: DataSpec) -> Rows:
         where = data.root
     elif data.source == "manifest":
         assert data.manifest is not None
-        rows = _list_manifest(data.manifest, data.root, so)
+        rows = _list_manifest(data.manifest, data.root, so, data.outside_root)
         where = data.manifest
     else:
         rows = list_tars(data.tars, data.extensions, so)
@@ -108,7 +108,20 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
     return Rows(ids=[display_name(r) for r in rel], paths=paths, labels=labels, classes=classes)
 
 
-def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
+def _outside(path: str) -> bool:
+    """A manifest path that leaves its root: absolute, a URL, or climbing out with ``..``."""
+    if not is_relative(path):
+        return True
+    parts = path.replace("\\", "/").split("/")
+    depth = 0
+    for part in parts:
+        depth += -1 if part == ".." else 0 if part in ("", ".") else 1
+        if depth < 0:
+            return True
+    return False
+
+
+def _list_manifest(manifest: str, root: str | None, so: dict, outside_root: bool = False) -> Rows:
     suffix = Path(manifest.split("?", 1)[0]).suffix.lower()
     if suffix not in (".csv", ".jsonl", ".ndjson"):
         raise DataError(f"data.manifest {manifest}: expected a .csv or .jsonl file")
@@ -146,6 +159,10 @@ def _list_manifest(manifest: str, root: str | None, so: dict) -> Rows:
         if not isinstance(rec, dict) or not rec.get("path"):
             raise DataError(f"{where}: missing 'path' (columns: path, optional id and label)")
         p = str(rec["path"])
+        if not outside_root and _outside(p):
+            raise DataError(f"{where}: path {p!r} lies outside data.root ({base}); a manifest names images under its "
+                            "root, by relative paths that stay inside it. If its paths are absolute, URLs or lead "
+                            "elsewhere by design, set data.outside_root: true")
         full = f"{base.rstrip('/')}/{p}" if is_relative(p) else p
         paths.append(absolute(full))
         ids.append(str(rec["id"]) if rec.get("id") not in (None, "") else p)

@@ -187,6 +187,10 @@ class DataSpec(_Section):
     (default: the manifest's folder)."""
     manifest: str | None = None
     """CSV or JSONL file (path or URL) with a ``path`` column and optional ``id`` and ``label``."""
+    outside_root: bool = False
+    """Let a manifest's rows name images outside ``data.root`` (or the manifest's folder): absolute
+    paths, URLs, ``..``. Off: such a row is refused before any work, so a manifest cannot point the
+    job at any file the machine can read."""
     tars: str | tuple[str, ...] | None = None
     """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``)."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
@@ -613,10 +617,25 @@ def _format_errors(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _placeholders(d: Any, path: tuple[int | str, ...] = ()) -> list[str]:
+    """The field paths of ``d`` whose value is the redaction placeholder: a printed spec or command
+    pasted back, where a secret belongs."""
+    if isinstance(d, dict):
+        return [p for k, v in d.items() for p in _placeholders(v, (*path, k))]
+    if isinstance(d, list):
+        return [p for i, v in enumerate(d) for p in _placeholders(v, (*path, i))]
+    return [_loc_to_path(path)] if d == REDACTED else []
+
+
 def parse_spec(raw: Any, source: str = "job spec") -> JobSpec:
     """Validate a plain mapping into a :class:`JobSpec`, raising :class:`SpecError`."""
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: expected a mapping with sections model, data, capture, output, cluster")
+    secrets = _placeholders(raw)
+    if secrets:
+        raise SpecError(f"{source}: {', '.join(secrets)} {'is' if len(secrets) == 1 else 'are'} {REDACTED}, which stands "
+                        "for a secret that extractor never prints; give its value (--set KEY=VALUE, quoted) or leave it "
+                        "out and give it through the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as err:
@@ -657,6 +676,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. data.batch_size=16")
         path, _, text = item.partition("=")
         parts = _split_path(path.strip())
+        if text.strip() == REDACTED:  # a printed command pasted back: YAML would read it as an alias
+            raise SpecError(f"--set {path.strip()}={REDACTED}: {REDACTED} stands for a secret that extractor never "
+                            f"prints; give its value (--set '{path.strip()}=VALUE') or leave it out and give it through "
+                            "the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
         try:
             value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError as err:

@@ -67,7 +67,8 @@ def extractor(model: nn.Module, pixels: torch.Tensor, captures: int, work: Path,
     manifest.write_text("path\n" + "".join(f"/predecoded/{i}.jpg\n" for i in range(len(pixels))))
     spec = parse_spec({
         "model": {"name": f"python:{__name__}.Stack", "device": device, "channels_last": channels_last},
-        "data": {"source": "manifest", "manifest": str(manifest), "batch_size": BATCH, "shard_size": BATCH * 10,
+        "data": {"source": "manifest", "manifest": str(manifest), "outside_root": True, "batch_size": BATCH,
+                 "shard_size": BATCH * 10,
                  "resize": None, "crop": SIZE, "preprocess": "imagenet"},
         "capture": [{"layer": f"acts.{i}", "reduce": "mean"} for i in range(captures)],
         "output": {"store": str(work / "s.zarr"), "if_exists": "overwrite"},

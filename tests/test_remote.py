@@ -88,7 +88,7 @@ def test_tars_and_manifest_from_s3_store_to_s3(s3, image_dir: Path, tmp_path: Pa
     assert run(parse_spec(from_tars)).ok == 12
     from_manifest = job(image_dir, "s3://bucket/m.zarr",
                         data={"source": "manifest", "root": None, "manifest": "s3://bucket/manifest.jsonl",
-                              "storage_options": options},
+                              "outside_root": True, "storage_options": options},  # its paths: URLs
                         output={"store": "s3://bucket/m.zarr", "chunk_rows": 2, "storage_options": options})
     assert run(parse_spec(from_manifest)).ok == 12
     for url in ("s3://bucket/tars.zarr", "s3://bucket/m.zarr"):

@@ -264,3 +264,26 @@ def test_batch_stream_decodes_ahead_across_shards_but_never_mixes_them():
     for bs in got:
         for b in bs:
             assert b.images[:, 0, 0, 0].tolist() == b.offsets
+
+
+def test_manifest_paths_outside_the_root_are_refused_unless_allowed(image_dir: Path, tmp_path: Path):
+    """issue 26, defect 8 (T3-5): ``../../etc/passwd`` and absolute paths in a manifest were read without a word
+    (and the first bytes of a non-image copied into the store's errors)."""
+    import re
+
+    outside = tmp_path / "secret.txt"
+    outside.write_text("password=hunter2\n")
+    for path in ("../../../../etc/passwd", str(outside), "cats/../../x.jpg", "s3://bucket/x.jpg"):
+        m = tmp_path / "m.csv"
+        m.write_text(f"path\ncats/cats00.jpg\n{path}\n")
+        with pytest.raises(DataError, match=rf"m.csv row 2: path {re.escape(repr(path))} lies outside data.root "
+                                            r".*set data.outside_root: true"):
+            list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={"source": "manifest", "manifest": str(m),
+                                                                           "root": str(image_dir)})).data)
+    m.write_text(f"path\ncats/cats00.jpg\ncats/../dogs/dogs01.png\n{outside}\n")  # inside, inside, allowed
+    raw = job(image_dir, tmp_path / "s.zarr", data={"source": "manifest", "manifest": str(m), "root": str(image_dir),
+                                                    "outside_root": True})
+    assert run(parse_spec(raw)).ok == 2
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.errors[2] == "ValueError: not an image format Pillow reads (17 bytes)"  # its content never copied
+    assert "hunter2" not in "".join(map(str, s.errors))

@@ -90,8 +90,9 @@ def test_local_paths_are_stored_absolute_and_read_from_any_directory(tmp_path: P
     folder = rows_of()
     assert folder.ids == ["cats/cats00.jpg", "cats/cats01.png", "dogs/dogs00.jpg", "dogs/dogs01.png"]  # unchanged
     assert all(os.path.isabs(p) for p in folder.paths)
-    in_root = rows_of(source="manifest", manifest="lists/m.csv")  # relative to data.root
-    no_root = rows_of(source="manifest", manifest="lists/m.csv", root=None)  # relative to the manifest
+    # ../ and a URL: outside the root by design
+    in_root = rows_of(source="manifest", manifest="lists/m.csv", outside_root=True)  # relative to data.root
+    no_root = rows_of(source="manifest", manifest="lists/m.csv", root=None, outside_root=True)  # to the manifest
     assert in_root.ids == no_root.ids == ["../images/cats/cats00.jpg", "memory://b/x.jpg"]
     assert no_root.paths[1] == "memory://b/x.jpg" and os.path.isabs(no_root.paths[0])
     tars = rows_of(source="tar", root=None, tars="tars/shard-{000..000}.tar")

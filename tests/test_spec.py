@@ -314,3 +314,19 @@ def test_chunk_rows_auto_refuses_a_shard_size_without_a_sensible_divisor_and_a_s
     assert parse_spec({**BASE, "output": {"chunk_rows": 128}}).output.chunk_rows == 128
     with pytest.raises(SpecError, match="must divide data.shard_size"):
         parse_spec({**BASE, "data": {"root": "images", "shard_size": 100}, "output": {"chunk_rows": 64}})
+
+
+def test_a_redacted_secret_pasted_back_asks_for_the_secret_by_name():
+    """issue 26, defect 5 (T3-2): the printed resume command holds ***redacted*** for a --set secret; pasted,
+    it failed with a YAML error (an alias). Now it asks for that secret."""
+    from extractor.cli import _command
+
+    line = _command("run", "job.yaml", "--set", "output.storage_options.secret=hunter2", "--resume")
+    assert "hunter2" not in line and "***redacted***" in line
+    with pytest.raises(SpecError, match=r"--set output.storage_options.secret=\*\*\*redacted\*\*\*: \*\*\*redacted\*\*\* "
+                                        r"stands for a secret that extractor never prints; give its value"):
+        apply_overrides(BASE, ["output.storage_options.secret=***redacted***"])
+    raw = {**BASE, "output": {"storage_options": {"key": "***redacted***", "secret": "***redacted***"}}}
+    with pytest.raises(SpecError, match=r"output.storage_options.key, output.storage_options.secret are "
+                                        r"\*\*\*redacted\*\*\*"):
+        parse_spec(raw)
