@@ -633,9 +633,10 @@ def parse_spec(raw: Any, source: str = "job spec") -> JobSpec:
         raise SpecError(f"{source}: expected a mapping with sections model, data, capture, output, cluster")
     secrets = _placeholders(raw)
     if secrets:
-        raise SpecError(f"{source}: {', '.join(secrets)} {'is' if len(secrets) == 1 else 'are'} {REDACTED}, which stands "
-                        "for a secret that extractor never prints; give its value (--set KEY=VALUE, quoted) or leave it "
-                        "out and give it through the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+        verb = "is" if len(secrets) == 1 else "are"
+        raise SpecError(f"{source}: {', '.join(secrets)} {verb} {REDACTED}, which stands for a secret that extractor "
+                        "never prints; give its value (--set KEY=VALUE, quoted) or leave it out and give it through "
+                        "the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as err:
