@@ -323,8 +323,9 @@ def test_a_redacted_secret_pasted_back_asks_for_the_secret_by_name():
 
     line = _command("run", "job.yaml", "--set", "output.storage_options.secret=hunter2", "--resume")
     assert "hunter2" not in line and "***redacted***" in line
-    with pytest.raises(SpecError, match=r"--set output.storage_options.secret=\*\*\*redacted\*\*\*: \*\*\*redacted\*\*\* "
-                                        r"stands for a secret that extractor never prints; give its value"):
+    with pytest.raises(SpecError, match=r"--set output.storage_options.secret=\*\*\*redacted\*\*\*: "
+                                        r"\*\*\*redacted\*\*\* stands for a secret that extractor never prints; "
+                                        r"give its value"):
         apply_overrides(BASE, ["output.storage_options.secret=***redacted***"])
     raw = {**BASE, "output": {"storage_options": {"key": "***redacted***", "secret": "***redacted***"}}}
     with pytest.raises(SpecError, match=r"output.storage_options.key, output.storage_options.secret are "
