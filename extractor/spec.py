@@ -678,9 +678,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         path, _, text = item.partition("=")
         parts = _split_path(path.strip())
         if text.strip() == REDACTED:  # a printed command pasted back: YAML would read it as an alias
-            raise SpecError(f"--set {path.strip()}={REDACTED}: {REDACTED} stands for a secret that extractor never "
-                            f"prints; give its value (--set '{path.strip()}=VALUE') or leave it out and give it through "
-                            "the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+            key = path.strip()
+            raise SpecError(f"--set {key}={REDACTED}: {REDACTED} stands for a secret that extractor never prints; give "
+                            f"its value (--set '{key}=VALUE') or leave it out and give it through the environment "
+                            "(e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
         try:
             value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError as err:
