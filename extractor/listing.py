@@ -122,6 +122,35 @@ def _outside(path: str) -> bool:
 
 
 def _list_manifest(manifest: str, root: str | None, so: dict, outside_root: bool = False) -> Rows:
+    records = _manifest_records(manifest, so)
+    base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
+    ids, paths, raw_labels = [], [], []
+    for n, rec in enumerate(records):
+        where = f"{manifest} row {n + 1}"
+        if not isinstance(rec, dict) or not rec.get("path"):
+            raise DataError(f"{where}: missing 'path' (columns: path, optional id and label)")
+        p = str(rec["path"])
+        if not outside_root and _outside(p):
+            raise DataError(f"{where}: path {p!r} lies outside data.root ({base}); a manifest names images under its "
+                            "root, by relative paths that stay inside it. If its paths are absolute, URLs or lead "
+                            "elsewhere by design, set data.outside_root: true")
+        full = f"{base.rstrip('/')}/{p}" if is_relative(p) else p
+        paths.append(absolute(full))
+        ids.append(str(rec["id"]) if rec.get("id") not in (None, "") else p)
+        raw_labels.append(rec.get("label"))
+    seen: dict[str, int] = {}
+    for n, i in enumerate(ids):
+        if i in seen:
+            raise DataError(
+                f"{manifest}: id {i!r} appears in rows {seen[i] + 1} and {n + 1}; ids must be unique"
+            )
+        seen[i] = n
+    labels, classes = labels_of(raw_labels, lambda n: f"{manifest} row {n + 1}")
+    return Rows(ids=ids, paths=paths, labels=labels, classes=classes)
+
+
+def _manifest_records(manifest: str, so: dict) -> list[Any]:
+    """The rows of a CSV or JSONL manifest (local or a URL), as parsed."""
     suffix = Path(manifest.split("?", 1)[0]).suffix.lower()
     if suffix not in (".csv", ".jsonl", ".ndjson"):
         raise DataError(f"data.manifest {manifest}: expected a .csv or .jsonl file")
@@ -152,27 +181,4 @@ def _list_manifest(manifest: str, root: str | None, so: dict, outside_root: bool
                     records.append(json.loads(line))
                 except json.JSONDecodeError as err:
                     raise DataError(f"{manifest}:{lineno}: not valid JSON: {err.msg}") from None
-    base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
-    ids, paths, raw_labels = [], [], []
-    for n, rec in enumerate(records):
-        where = f"{manifest} row {n + 1}"
-        if not isinstance(rec, dict) or not rec.get("path"):
-            raise DataError(f"{where}: missing 'path' (columns: path, optional id and label)")
-        p = str(rec["path"])
-        if not outside_root and _outside(p):
-            raise DataError(f"{where}: path {p!r} lies outside data.root ({base}); a manifest names images under its "
-                            "root, by relative paths that stay inside it. If its paths are absolute, URLs or lead "
-                            "elsewhere by design, set data.outside_root: true")
-        full = f"{base.rstrip('/')}/{p}" if is_relative(p) else p
-        paths.append(absolute(full))
-        ids.append(str(rec["id"]) if rec.get("id") not in (None, "") else p)
-        raw_labels.append(rec.get("label"))
-    seen: dict[str, int] = {}
-    for n, i in enumerate(ids):
-        if i in seen:
-            raise DataError(
-                f"{manifest}: id {i!r} appears in rows {seen[i] + 1} and {n + 1}; ids must be unique"
-            )
-        seen[i] = n
-    labels, classes = labels_of(raw_labels, lambda n: f"{manifest} row {n + 1}")
-    return Rows(ids=ids, paths=paths, labels=labels, classes=classes)
+    return records
