@@ -622,6 +622,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if signals is not None:
             signals.settle()
+        _quiet_teardown()
+
+
+def _quiet_teardown() -> None:
+    """The command is done: what the interpreter says of abandoned storage coroutines as it exits (zarr reads
+    a store's metadata files at once; when the first fails, s3fs's others are left pending and print
+    "Exception ignored in <coroutine ...>" and "Task was destroyed" tracebacks) is noise after the one line
+    that said what failed."""
+    def hook(unraisable: Any) -> None:
+        if type(unraisable.object).__name__ not in ("coroutine", "Task", "Future"):
+            sys.__unraisablehook__(unraisable)  # anything else is said as Python says it
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Task was destroyed but it is pending!"
 
 
 class _Signals:

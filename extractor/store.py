@@ -146,7 +146,8 @@ def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> di
     except FileNotFoundError:
         return None
     except Exception as err:
-        raise StoreError(f"cannot open {url} as a Zarr group: {err}") from err
+        raise StoreError(f"cannot open {url} as a Zarr group: {type(err).__name__}: {err}; check output.store and "
+                         "output.storage_options (endpoint_url, credentials) and that the storage answers") from err
     attrs = dict(group.attrs).get(ATTR)
     if not isinstance(attrs, dict):
         raise StoreError(

@@ -265,3 +265,18 @@ def test_a_port_with_401_in_it_is_not_taken_for_a_refused_token():
     assert "cannot reach the Ray Jobs API" in str(refused)
     assert "requires a token" in str(_explain("http://h:8265", RuntimeError("status code 401: Unauthorized")))
 
+
+
+def test_a_storage_that_does_not_answer_is_one_line_and_nothing_after_it(image_dir: Path, tmp_path: Path):
+    """issue 26, defect 7 (T3-4): after the one-line error, 4-9 asyncio teardown tracebacks followed ("Task
+    was destroyed but it is pending", "Token ... created in a different Context"): zarr reads a store's
+    metadata files at once and s3fs's other reads are abandoned when the first fails."""
+    pytest.importorskip("s3fs")
+    dead = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "testing", "secret": "testing"}
+    raw = job(image_dir, "s3://bucket/z.zarr", output={"store": "s3://bucket/z.zarr", "storage_options": dead})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "job.yaml"), "-q"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: cannot open s3://bucket/z.zarr as a Zarr group: EndpointConnectionError")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
