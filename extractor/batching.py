@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .faults import describe_error
-from .files import Locator
+from .files import Locator, content_digest
 
 __all__ = ["Batch", "BatchStream", "iter_batches"]
 
@@ -21,6 +21,7 @@ class Batch:
     offsets: list[int]  # rows that decoded, in order
     images: Any  # torch.Tensor (B, 3, H, W) uint8, or None when no image decoded (torch imported lazily)
     failed: dict[int, str]  # row offset -> error text
+    digests: dict[int, int] = field(default_factory=dict)  # row offset -> content digest of the bytes it read
 
 
 class BatchStream:
@@ -31,12 +32,14 @@ class BatchStream:
     two shards. Decoding runs ``prefetch_batches`` batches ahead on ``pool`` (inline when
     None), across shard boundaries: the next shard's first images decode while this shard's
     last batches compute. ``collate(items)`` turns a batch's decoded items into
-    ``(images, {position: error})``; by default the items are uint8 tensors, stacked.
+    ``(images, {position: error})``; by default the items are uint8 tensors, stacked. With ``read``
+    (a locator's bytes), ``decode`` takes those bytes, and each row's bytes get a content digest
+    (also those of a row that fails to decode); without, ``decode`` takes the locator.
     """
 
     def __init__(self, batch_size: int, decode, pool: ThreadPoolExecutor | None, prefetch_batches: int = 2,
-                 collate=None) -> None:
-        self.batch_size, self.decode, self.pool, self.collate = batch_size, decode, pool, collate
+                 collate=None, read=None) -> None:
+        self.batch_size, self.decode, self.pool, self.collate, self.read = batch_size, decode, pool, collate, read
         self.window = batch_size * (prefetch_batches + 1)  # rows decoding or decoded, not yet returned
         self.shards: deque[Sequence[Locator]] = deque()  # queued shards; [0] is being read
         self.pending: deque[Future] = deque()  # decodes in flight, in row order across shards
@@ -47,11 +50,17 @@ class BatchStream:
         self.shards.append(paths)
         self._fill()
 
-    def _safe(self, path: Locator):
+    def _safe(self, path: Locator) -> tuple[Any, str | None, int]:
+        """(decoded item, None, digest) or (None, error, digest): any failure fails its row only."""
+        digest = 0
         try:
-            return self.decode(path), None
-        except Exception as err:  # noqa: BLE001 - any decode failure fails its row only
-            return None, describe_error(err)
+            if self.read is None:
+                return self.decode(path), None, 0
+            data = self.read(path)
+            digest = content_digest(data)
+            return self.decode(data), None, digest
+        except Exception as err:  # noqa: BLE001 - any read or decode failure fails its row only
+            return None, describe_error(err), digest
 
     def _fill(self) -> None:
         while self.pool is not None and len(self.pending) < self.window and self.sub_shard < len(self.shards):
@@ -77,10 +86,12 @@ class BatchStream:
                 self.sub_row = 0
             return None
         start, stop = self.row, min(self.row + self.batch_size, len(paths))
-        offsets, items, failed = [], [], {}
+        offsets, items, failed, digests = [], [], {}, {}
         for i in range(start, stop):
             self._fill()
-            img, err = self.pending.popleft().result() if self.pool is not None else self._safe(paths[i])
+            img, err, digest = self.pending.popleft().result() if self.pool is not None else self._safe(paths[i])
+            if digest:
+                digests[i] = digest
             if err is None:
                 offsets.append(i)
                 items.append(img)
@@ -95,7 +106,7 @@ class BatchStream:
             for j, err in bad.items():
                 failed[offsets[j]] = err
             offsets = [o for j, o in enumerate(offsets) if j not in bad]
-        return Batch(offsets, images, dict(sorted(failed.items())))
+        return Batch(offsets, images, dict(sorted(failed.items())), digests)
 
 
 def iter_batches(

@@ -219,7 +219,10 @@ def _store_options(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .reader import open_store
 
-    s = open_store(args.store, _store_options(args)).summary()
+    store = open_store(args.store, _store_options(args))
+    if args.verify:
+        return _verify(store, args.json)
+    s = store.summary()
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
@@ -260,6 +263,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("(mean and std: averaged over the per-feature values; --json has them per feature)")
     print(f"\nbytes on disk {_bytes(s['bytes_on_disk'])}")
     return 0
+
+
+def _verify(store: Any, as_json: bool) -> int:
+    """``inspect --verify``: every computed row's image read again and its content digest compared."""
+    result = store.verify()
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"verified {store.url}: {result['checked']} rows read again, {len(result['changed'])} changed since "
+              f"they were computed, {len(result['unreadable'])} unreadable now")
+        for what in ("changed", "unreadable"):
+            for row, id_ in result[what][:20]:
+                print(f"  {what}: row {row} {id_}")
+            if len(result[what]) > 20:
+                print(f"  ... and {len(result[what]) - 20} more {what}")
+    return 1 if result["changed"] or result["unreadable"] else 0
 
 
 # --------------------------------------------------------------------------- layers
@@ -408,7 +427,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     code = _run_spec(spec, resume, quiet=args.quiet)
     if code == 0:
         print()
-        cmd_inspect(argparse.Namespace(store=spec.output.store, json=False))
+        cmd_inspect(argparse.Namespace(store=spec.output.store, json=False, verify=False))
         from .analysis import bar_chart, pca, probe_store, scatter_plot
         from .reader import open_store
 
@@ -532,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", parents=[common, remote], help="summarise a store")
     i.add_argument("store")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--verify", action="store_true",
+                   help="read every computed row's image again and compare its content digest (exit 1 on a change)")
     i.set_defaults(func=cmd_inspect)
 
     la = sub.add_parser("layers", parents=[common], help="list a model's modules with output shapes")

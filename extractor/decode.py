@@ -38,7 +38,11 @@ class ImageDecoder:
         self.draft = self.preprocess if data.jpeg_draft else None
 
     def __call__(self, item: Locator):  # -> torch.Tensor (3, h, w) uint8
-        return self.from_bytes(read_bytes(item, self.storage_options))
+        return self.from_bytes(self.read(item))
+
+    def read(self, item: Locator) -> bytes:
+        """The bytes of an image (a file, a URL, a tar member)."""
+        return read_bytes(item, self.storage_options)
 
     def from_bytes(self, data: bytes):  # -> torch.Tensor (3, h, w) uint8
         return self.preprocess.apply(rgb_from_bytes(data, self.max_pixels, self.draft))
@@ -123,7 +127,10 @@ class JpegDecoder:
         self.storage_options = data.storage_options
 
     def read(self, item: Locator):  # -> EncodedJpeg | torch.Tensor (3, crop, crop) uint8
-        data = read_bytes(item, self.storage_options)
+        return self.prepare(read_bytes(item, self.storage_options))
+
+    def prepare(self, data: bytes):  # -> EncodedJpeg | torch.Tensor (3, crop, crop) uint8
+        """On a decode thread: a JPEG's bytes, checked, for the device; other files decoded by Pillow here."""
         if data[:3] == b"\xff\xd8\xff":
             img = _open_checked(data, self.cpu.max_pixels)
             if img.format == "JPEG" and img.mode in ("RGB", "L"):

@@ -13,7 +13,7 @@ from typing import Any
 from .errors import DataError
 
 __all__ = ["Locator", "is_url", "is_relative", "absolute", "storable_path", "display_name", "read_bytes", "tar_url_of",
-           "remote_error"]
+           "remote_error", "content_digest", "fingerprint", "local_fingerprint", "remote_fingerprint"]
 
 
 def is_url(path: str) -> bool:
@@ -140,3 +140,36 @@ def check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
                 f"tar shard {url}: {url[:i]} is a file too, so rows stored as TAR#MEMBER would read it "
                 "instead; rename the folder or the file so that no part of the tar's path before a '#' is a file"
             )
+
+
+def content_digest(data: bytes) -> int:
+    """The content digest of an image's bytes as read: xxh3-64 (about 20 GB/s, well under 1% of a decode);
+    never 0, which the store keeps for "not read"."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(data) or 1
+
+
+def fingerprint(*facts: object) -> int:
+    """A cheap fingerprint of where an image's bytes come from (its size and modification time or ETag;
+    a tar member's tar and place in it): when it is unchanged, the bytes are taken to be. Never 0 (unknown)."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest("|".join(map(str, facts)).encode("utf-8", "surrogateescape")) or 1
+
+
+def local_fingerprint(path: str) -> int:
+    """The fingerprint of a local file (size, mtime in ns), or 0 when it cannot be seen (its row fails on read)."""
+    try:
+        st = os.stat(local_path(path))
+    except OSError:
+        return 0
+    return fingerprint(st.st_size, st.st_mtime_ns)
+
+
+def remote_fingerprint(info: dict[str, Any]) -> int:
+    """The fingerprint of an object from its fsspec ``info`` (size, and its ETag or modification time), 0 when
+    the store says neither."""
+    tag = next((info[k] for k in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated")
+                if info.get(k) is not None), None)
+    return 0 if tag is None else fingerprint(info.get("size"), tag)

@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DataError
-from .files import absolute, display_name, is_relative, is_url, remote_error, storable_path
+from .files import (
+    absolute,
+    display_name,
+    is_relative,
+    is_url,
+    local_fingerprint,
+    remote_error,
+    remote_fingerprint,
+    storable_path,
+)
 from .rows import Rows, labels_of
 from .spec import DataSpec
 from .tarsource import list_tars
@@ -52,14 +61,16 @@ def _list_remote_folder(root: str, extensions: Sequence[str], so: dict) -> Rows:
     exts = tuple(e.lower() for e in extensions)
     try:
         fs, base = fsspec.core.url_to_fs(root, **so)
-        found = sorted(p for p in fs.find(base) if p.lower().endswith(exts))
+        infos = fs.find(base, detail=True)  # sizes and ETags come with the listing: the rows' fingerprints
+        found = sorted(p for p in infos if p.lower().endswith(exts))
     except Exception as err:  # noqa: BLE001 - every backend raises its own errors
         raise remote_error("data.root", root, err) from err
     base = base.rstrip("/")
-    rel = [p[len(base) + 1:] for p in found]
-    rel = [r for r in rel if not any(part.startswith(".") for part in r.split("/"))]  # hidden files and folders
+    kept = [p for p in found if not any(part.startswith(".") for part in p[len(base) + 1:].split("/"))]  # hidden
+    rel = [p[len(base) + 1:] for p in kept]
     labels, classes = _folder_labels(rel)
-    return Rows(ids=rel, paths=[f"{root.rstrip('/')}/{r}" for r in rel], labels=labels, classes=classes)
+    return Rows(ids=rel, paths=[f"{root.rstrip('/')}/{r}" for r in rel], labels=labels, classes=classes,
+                fingerprints=[remote_fingerprint(infos[p]) for p in kept])
 
 
 def _folder_labels(rel: list[str]) -> tuple[list[int], list[str]]:
@@ -104,8 +115,9 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
                 rel.append((base / name).as_posix())
     labels, classes = _folder_labels(rel)
     top = absolute(str(root))
-    paths = [storable_path(os.path.join(top, r)) for r in rel]
-    return Rows(ids=[display_name(r) for r in rel], paths=paths, labels=labels, classes=classes)
+    full = [os.path.join(top, r) for r in rel]
+    return Rows(ids=[display_name(r) for r in rel], paths=[storable_path(p) for p in full], labels=labels,
+                classes=classes, fingerprints=[local_fingerprint(p) for p in full])
 
 
 def _outside(path: str) -> bool:
@@ -146,7 +158,9 @@ def _list_manifest(manifest: str, root: str | None, so: dict, outside_root: bool
             )
         seen[i] = n
     labels, classes = labels_of(raw_labels, lambda n: f"{manifest} row {n + 1}")
-    return Rows(ids=ids, paths=paths, labels=labels, classes=classes)
+    # local files: fingerprinted now; URLs: unknown (one request each), checked by inspect --verify
+    prints = [0 if is_url(p) else local_fingerprint(p) for p in paths]
+    return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints)
 
 
 def _manifest_records(manifest: str, so: dict) -> list[Any]:

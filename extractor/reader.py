@@ -34,6 +34,7 @@ from .store import (
     lease_timeout,
     read_lease,
     root_attrs,
+    source_digests,
 )
 
 __all__ = ["open_store", "ActivationStore"]
@@ -312,6 +313,12 @@ class ActivationStore:
     @property
     def paths(self) -> np.ndarray:
         return self._row_array("paths")
+
+    @property
+    def digests(self) -> np.ndarray | None:
+        """Per row, the xxh3-64 content digest of the image's bytes as the row read them (0: not read yet);
+        None for stores made before digests. Equal digests: the same image bytes."""
+        return np.asarray(get_array(self.group, "digest")[:]) if "digest" in self.group else None
 
     def locator(self, row: int) -> Any:
         """Where row's image is read from: its path, or (tar URL#member, byte offset, byte size)."""
@@ -660,6 +667,24 @@ class ActivationStore:
         age = time.time() - float(held.get("heartbeat", 0))
         timeout = float((self.attrs.get("spec") or {}).get("output", {}).get("lease_timeout_s", LEASE_TIMEOUT_S))
         return age if age > lease_timeout(held, timeout) else None
+
+    def verify(self, source_options: Mapping[str, Any] | None = None, threads: int = 16) -> dict[str, Any]:
+        """Read every row's image again from where the store read it (its ``paths``; ``source_options``:
+        fsspec options of the images' storage, by default those the store was opened with) and compare
+        its content digest with the one stored when the row was computed. Returns ``{"checked": n,
+        "changed": [(row, id), ...], "unreadable": [(row, id), ...]}``; rows never read are not checked."""
+        if "digest" not in self.group:
+            raise StoreError(f"{self.url} predates content digests (format without a digest array): nothing to "
+                             "verify against")
+        stored = np.asarray(get_array(self.group, "digest")[:])
+        rows = np.flatnonzero(stored != 0)
+        options = self.storage_options if source_options is None else source_options
+        now = np.asarray(source_digests(self.group, rows, options, threads), dtype=np.uint64)
+        ids = self.ids
+        gone = rows[now == 0]
+        changed = rows[(now != 0) & (now != stored[rows])]
+        return {"checked": len(rows), "changed": [(int(r), str(ids[r])) for r in changed],
+                "unreadable": [(int(r), str(ids[r])) for r in gone]}
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict[str, Any]:

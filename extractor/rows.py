@@ -27,6 +27,7 @@ class Rows:
     classes: list[str] = field(default_factory=list)
     offsets: list[int] | None = None  # tar sources: where each image's bytes start in its tar
     sizes: list[int] | None = None  # and how many there are
+    fingerprints: list[int] | None = None  # per row, where the source tells cheaply (0: unknown); see files.fingerprint
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -42,10 +42,13 @@ from .store import (
     consolidate,
     create_store,
     done_shards,
+    get_array,
     half_created,
     now,
     open_group,
     read_attrs,
+    reset_shards,
+    source_digests,
     update_attrs,
 )
 from .worker import Worker
@@ -266,6 +269,9 @@ class _Plan:
     create: bool  # create the store (replacing what is there when ``old`` is not None), or resume it
     old: dict[str, Any] | None  # its attributes as read (None: nothing there)
     todo: list[Shard]  # the shards to compute
+    redo: list[Shard] = field(default_factory=list)  # done shards whose images changed: computed again
+    fingerprints: np.ndarray | None = None  # the source's, to record on resume where they changed
+    places: tuple[np.ndarray, np.ndarray] | None = None  # tar members' offsets and sizes now, where they moved
 
     @property
     def nothing_to_do(self) -> bool:
@@ -297,7 +303,55 @@ def _decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any
         return _Plan(True, old, shards)
     _check_resumable(url, old, json.loads(json.dumps(attrs)), group, rows.paths)
     done = done_shards(group)
-    return _Plan(False, old, [s for s in shards if not done[s.index]])
+    changed, prints = _changed_rows(spec, group, rows)
+    hit = {r // spec.data.shard_size for r in changed}  # shards are contiguous runs of shard_size rows
+    redo = [s for s in shards if done[s.index] and s.index in hit]
+    if changed and spec.output.on_change != "redo":
+        named = ", ".join(f"{rows.ids[r]!r}" for r in changed[:10])
+        raise StoreError(
+            f"cannot resume {url}: the images of {count(len(changed), 'row')} computed before have changed since "
+            f"(their content digest differs): {named}{' ...' if len(changed) > 10 else ''}. Their stored values are "
+            "the old images'; resuming would mix both. Set output.on_change: redo (--set output.on_change=redo) to "
+            "compute their shards again, or --overwrite"
+        )
+    redone = {s.index for s in redo}
+    return _Plan(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
+                 _moved_members(group, rows))
+
+
+def _moved_members(group: Any, rows: Rows) -> tuple[np.ndarray, np.ndarray] | None:
+    """A tar source's member offsets and sizes now, when a rewritten tar moved them (the rows still to
+    compute read their bytes where they are now; computed ones whose bytes changed were named above)."""
+    if rows.offsets is None or rows.sizes is None or "byte_offset" not in group:
+        return None
+    offsets, sizes = np.asarray(rows.offsets, dtype=np.int64), np.asarray(rows.sizes, dtype=np.int64)
+    same = np.array_equal(offsets, group["byte_offset"][:]) and np.array_equal(sizes, group["byte_size"][:])
+    return None if same else (offsets, sizes)
+
+
+def _changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.ndarray | None]:
+    """Rows already read (ok or failed) whose image is not the one they read: where the source's fingerprint
+    (size, mtime, ETag) differs from the stored one, the bytes are read and their content digest compared
+    (a file touched but unchanged passes). Also the source's fingerprints, when any differ (to record)."""
+    if "digest" not in group or rows.fingerprints is None:
+        if "digest" not in group:
+            log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
+                        spec.output.store)
+        return [], None
+    now = np.asarray(rows.fingerprints, dtype=np.uint64)
+    stored = np.asarray(group["fingerprint"][:])
+    read = np.asarray(group["status"][:]) != PENDING
+    unknown = int((read & (now == 0)).sum())
+    if unknown:
+        log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest): not checked for changed "
+                    "images; `extractor inspect --verify` reads them", unknown, spec.output.store)
+    suspects = np.flatnonzero(read & (now != stored) & (now != 0))
+    changed: list[int] = []
+    if len(suspects):
+        digests = np.asarray(group["digest"][:])
+        now_digests = source_digests(group, suspects, spec.data.storage_options)
+        changed = [int(r) for r, d in zip(suspects, now_digests, strict=True) if d != digests[r]]
+    return changed, (now if bool((now != stored).any()) else None)
 
 
 def _claim(spec: JobSpec, rows: Rows, plan: _Plan, attrs: dict[str, Any], lease: Lease) -> Any:
@@ -312,8 +366,14 @@ def _claim(spec: JobSpec, rows: Rows, plan: _Plan, attrs: dict[str, Any], lease:
                          "one looked at it; run again (--resume finishes it)")
     if not plan.create:
         lease.acquire()  # a live lease refuses; a stale one is taken over
+        group = open_group(url, "r+", so)
+        reset_shards(group, [(s.index, s.start, s.stop) for s in plan.redo])  # before any new fingerprint
+        if plan.fingerprints is not None:
+            get_array(group, "fingerprint")[:] = plan.fingerprints
+        if plan.places is not None:
+            get_array(group, "byte_offset")[:], get_array(group, "byte_size")[:] = plan.places
         update_attrs(url, so, status="running", resumed=now())
-        return open_group(url, "r+", so)
+        return group
     if plan.old is not None:
         Lease.check(url, so, spec.output.lease_timeout_s)
         log.info("%s %s", "creating again" if plan.old.get("status") == "creating" else "overwriting", url)

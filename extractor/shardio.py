@@ -113,6 +113,7 @@ class ShardOutput:
         n = self.n = len(self.shard)
         self.status = np.zeros(n, dtype=np.uint8)
         self.errors = [""] * n
+        self.digests = np.zeros(n, dtype=np.uint64)  # content digest of each row's bytes as read (0: not read)
         self.spare = spare
         self.shapes = {k: (given.chunk_rows[k], *m["shape"]) for k, m in captures.items()}
         self.dtypes = {k: np.dtype(m["dtype"]) for k, m in captures.items()}
@@ -141,6 +142,11 @@ class ShardOutput:
         self.decoded += images
         if self.forward_failed == self.decoded and self.decoded >= min(self.n, 2):
             raise RuntimeError(f"every image so far made the model raise; last: {done.bad[max(done.bad)]}")
+
+    def read(self, digests: dict[int, int]) -> None:
+        """The content digests of rows whose bytes were read (offset -> digest)."""
+        for offset, digest in digests.items():
+            self.digests[offset] = digest
 
     def fail(self, offset: int, err: str) -> None:
         self.status[offset], self.errors[offset] = FAILED, err
@@ -236,7 +242,7 @@ class ShardOutput:
         try:
             while self.pending:  # every chunk durable (or its error raised) before the shard is marked done
                 self.pending.popleft().result()
-            self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats))
+            self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats), self.digests)
         except BaseException as err:
             drain(self.pending)
             if isinstance(err, Exception) and not isinstance(err, FencedError):

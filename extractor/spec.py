@@ -348,6 +348,10 @@ class OutputSpec(_Section):
     compression_level: int | None = None
     if_exists: Literal["error", "resume", "overwrite"] = "error"
     """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
+    on_change: Literal["refuse", "redo"] = "refuse"
+    """What ``--resume`` does when images of rows already computed changed since (their content digest
+    differs where the source's size, modification time or ETag did): ``refuse`` names them; ``redo``
+    computes their shards again. Never a store that mixes both versions."""
     lease_timeout_s: float = Field(default=LEASE_TIMEOUT_S, gt=0)
     """A running job renews its lease on the store; one silent this long is taken to be dead."""
 
@@ -498,6 +502,7 @@ RUN_ONLY_FIELDS = (
     ("data", "batch_size"),
     ("data", "decode_workers"),
     ("output", "if_exists"),
+    ("output", "on_change"),
     ("output", "lease_timeout_s"),
     ("output", "store"),
     ("output", "storage_options"),

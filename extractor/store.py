@@ -11,6 +11,8 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
     labels   (N,)       int64    class index, -1 when none
     status   (N,)       uint8    0 pending, 1 ok, 2 failed
     errors   (N,)       str      why a failed row failed ("" otherwise)
+    digest   (N,)       uint64   xxh3-64 of the image's bytes as its row read them (0: not read)
+    fingerprint (N,)    uint64   the source's cheap facts about those bytes (size, mtime / ETag; 0: unknown)
     shard_done (S,)     uint8    1 once shard s is durable (one object per shard)
     shard_stats (S,)    str      JSON sums of shard s's values, merged into the "stats" attribute
     <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok
@@ -42,7 +44,7 @@ from .rows import Rows
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
 STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
-ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors")
+ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint")
 ATTR = "extractor"  # root attribute holding everything this package records
 LEASE_TIMEOUT_S = 60.0  # output.lease_timeout_s's default: a store's spec that lacks it had this one
 
@@ -238,7 +240,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, layout: Layout, attrs: Mapping
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
     fence()
     _create_row_arrays(group, shard_rows, ids=rows.ids, paths=rows.paths, labels=rows.labels, offsets=rows.offsets,
-                       sizes=rows.sizes)
+                       sizes=rows.sizes, fingerprints=rows.fingerprints)
     fence()
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
     for key, extra in extras.items():  # per-row results of gradient jobs, chunked by shard
@@ -305,6 +307,7 @@ def _create_row_arrays(
     labels: Sequence[int],
     offsets: Sequence[int] | None,
     sizes: Sequence[int] | None,
+    fingerprints: Sequence[int] | None = None,
 ) -> None:
     """The per-row arrays (``ROW_ARRAYS``, and where tar sources have them ``byte_offset`` and
     ``byte_size``), in chunks of ``shard_rows``: what is known before any image is read is written now."""
@@ -325,6 +328,8 @@ def _create_row_arrays(
         row_array("byte_size", "int64", -1, np.asarray(sizes, dtype=np.int64))
     row_array("status", "uint8", PENDING)
     row_array("errors", str, "")
+    row_array("digest", "uint64", 0)  # written with each shard's status
+    row_array("fingerprint", "uint64", 0, None if fingerprints is None else np.asarray(fingerprints, dtype=np.uint64))
 
 
 def _create_shard_arrays(group: zarr.Group, n_shards: int) -> None:
@@ -356,6 +361,43 @@ def consolidate(url: str, storage_options: Mapping[str, Any] | None = None) -> N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "not part of the Zarr v3 specification" (yet)
         zarr.consolidate_metadata(group.store_path.store, path=group.store_path.path or None)
+
+
+def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> None:
+    """Make ``(index, start, stop)`` shards pending again, to be computed anew: not done, no statistics,
+    their rows pending and unread (so that their old values are never taken for current ones)."""
+    for index, start, stop in shards:
+        get_array(group, "shard_done")[index] = 0
+        get_array(group, "shard_stats")[index] = ""
+        get_array(group, "status")[start:stop] = PENDING
+        if "digest" in group:
+            get_array(group, "digest")[start:stop] = 0
+
+
+def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping[str, Any] | None = None,
+                   threads: int = 16) -> list[int]:
+    """The content digests of the images of store rows ``rows`` as their source holds them now, read again
+    from the stored places (0: gone or unreadable), on ``threads`` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .files import content_digest, read_bytes
+
+    paths = np.asarray(get_array(group, "paths").oindex[rows]) if len(rows) else np.empty(0, object)
+    tar = "byte_offset" in group
+    offsets = np.asarray(get_array(group, "byte_offset").oindex[rows]) if tar and len(rows) else None
+    sizes = np.asarray(get_array(group, "byte_size").oindex[rows]) if tar and len(rows) else None
+    so = dict(storage_options or {})
+
+    def digest(i: int) -> int:
+        item: Any = str(paths[i]) if offsets is None or sizes is None else \
+            (str(paths[i]), int(offsets[i]), int(sizes[i]))
+        try:
+            return content_digest(read_bytes(item, so))
+        except Exception:  # noqa: BLE001 - gone or unreadable: not the image the row read
+            return 0
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        return list(pool.map(digest, range(len(rows))))
 
 
 def done_shards(group: zarr.Group) -> np.ndarray:
@@ -444,10 +486,13 @@ class ShardWriter:
         errors: Sequence[str],
         extras: Mapping[str, np.ndarray] | None = None,
         stats: str = "",
+        digests: np.ndarray | None = None,
     ) -> None:
         self.check_fence()  # the marker says "done": only while this job holds the store
         for key, values in (extras or {}).items():
             get_array(self.group, key)[self.start : self.stop] = values
+        if digests is not None and "digest" in self.group:  # stores made before digests have none
+            get_array(self.group, "digest")[self.start : self.stop] = digests
         get_array(self.group, "status")[self.start : self.stop] = status
         get_array(self.group, "errors")[self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
         get_array(self.group, "shard_stats")[self.index] = stats

@@ -25,7 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .errors import DataError
-from .files import absolute, check_unambiguous, is_url, remote_error, tar_url_of
+from .files import (
+    absolute,
+    check_unambiguous,
+    fingerprint,
+    is_url,
+    local_fingerprint,
+    remote_error,
+    remote_fingerprint,
+    tar_url_of,
+)
 from .rows import Rows, labels_of
 
 __all__ = ["expand_braces", "list_tars", "scan_tar", "tar_url_of"]
@@ -146,9 +155,10 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
             check_unambiguous(url, so)
     with ThreadPoolExecutor(min(16, len(urls))) as pool:
         scanned = list(pool.map(lambda u: scan_tar(u, extensions, so), urls))
-    ids, paths, offsets, sizes, raw, where = [], [], [], [], [], []
+        tar_prints = list(pool.map(lambda u: _tar_fingerprint(u, so), urls))
+    ids, paths, offsets, sizes, raw, where, prints = [], [], [], [], [], [], []
     seen: dict[str, str] = {}
-    for url, records in zip(urls, scanned, strict=True):
+    for url, records, tar_print in zip(urls, scanned, tar_prints, strict=True):
         for r in records:
             if r["key"] in seen:
                 raise DataError(f"sample key {r['key']!r} appears in {seen[r['key']]} and {url}; keys must be unique")
@@ -159,5 +169,20 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
             sizes.append(int(r["size"]))
             raw.append(r.get("label"))
             where.append(f"tar shard {url}, sample {r['key']!r}")
+            prints.append(fingerprint(tar_print, r["offset"], r["size"]) if tar_print else 0)
     labels, classes = labels_of(raw, where.__getitem__)
-    return Rows(ids=ids, paths=paths, labels=labels, classes=classes, offsets=offsets, sizes=sizes)
+    return Rows(ids=ids, paths=paths, labels=labels, classes=classes, offsets=offsets, sizes=sizes,
+                fingerprints=prints)
+
+
+def _tar_fingerprint(url: str, so: dict[str, Any]) -> int:
+    """The tar's own fingerprint (a member's is it with the member's offset and size); 0 when unknown."""
+    if not is_url(url):
+        return local_fingerprint(url)
+    try:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url, **so)
+        return remote_fingerprint(fs.info(path))
+    except Exception:  # noqa: BLE001 - read fine a moment ago: unknown, not an error
+        return 0

@@ -507,8 +507,9 @@ class Worker:
             return self._batches()
         bs = self.spec.data.batch_size
         if self.jpeg is not None:
-            return BatchStream(bs, self.jpeg.read, self.pool, collate=self.jpeg.collate)
-        return BatchStream(bs, self.decode, self.pool, collate=_stack_pinned if self.device.type == "cuda" else None)
+            return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, read=self.decode.read)
+        return BatchStream(bs, self.decode.from_bytes, self.pool,
+                           collate=_stack_pinned if self.device.type == "cuda" else None, read=self.decode.read)
 
 
 def _stack_pinned(items: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -674,3 +675,88 @@ def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_pat
     assert read_attrs(url)["status"] == "creating"
     with pytest.raises(StoreError, match="left half-created by a run that failed"):
         open_store(url)
+
+
+def _interrupted_after(raw: dict, shards: int) -> None:
+    """Run ``raw`` until ``shards`` shards are done, then interrupt it (Ctrl-C)."""
+    done = []
+
+    def stop(name: str, info: dict) -> None:
+        if name == "shard_done":
+            done.append(info["shard"])
+            if len(done) == shards:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_spec(raw), on_event=stop)
+
+
+def test_an_image_changed_between_a_run_and_its_resume_is_named_or_redone_never_mixed(image_dir: Path,
+                                                                                       tmp_path: Path):
+    """issue 26, defect 2 (T3-1): an image replaced at the same path between a run and --resume was accepted:
+    done rows kept the old image's values, pending rows got the new one's. Per-row content digests: the
+    resume names the changed rows; with output.on_change: redo their shards are computed again, and the
+    store equals a clean run on the new images (values and statistics)."""
+    import shutil
+
+    root = tmp_path / "imgs"
+    shutil.copytree(image_dir, root)
+    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
+    _interrupted_after(raw, 2)  # shards 0 and 1 done: rows 0-7
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.done_shards.tolist()[:2] == [True, True] and s.attrs["status"] == "interrupted"
+    victim = root / s.ids[5]
+    untouched = root / s.ids[1]
+    Image.fromarray(np.full((50, 60, 3), 200, np.uint8)).save(victim, format=Image.open(victim).format)
+    os.utime(untouched)  # touched, same bytes: its fingerprint changes, its digest does not
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=rf"the images of 1 row computed before have changed since \(their content "
+                                         rf"digest differs\): {re.escape(repr(s.ids[5]))}.*output.on_change: redo"):
+        run(parse_spec(raw))
+    raw["output"]["on_change"] = "redo"
+    summary = run(parse_spec(raw))
+    assert 1 in {p.shard for p in summary.per_shard} and 0 not in {p.shard for p in summary.per_shard}
+    clean = job(root, tmp_path / "clean.zarr", data={"shard_size": 4})
+    run(parse_spec(clean))
+    a, b = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "clean.zarr"))
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+    assert a.stats["layer4"]["mean"] == pytest.approx(b.stats["layer4"]["mean"], rel=1e-6)
+    np.testing.assert_array_equal(a.digests, b.digests)
+    raw["output"]["on_change"] = "refuse"
+    assert run(parse_spec(raw)).shards_run == 0  # settled: the new fingerprints were recorded
+
+
+def test_a_changed_tar_member_is_named_on_resume(tmp_path: Path):
+    from test_sources import write_tars
+
+    files = make_images(tmp_path / "imgs", per_class=4, classes=("a",), size=40)
+    tars = write_tars(files, tmp_path / "tars", per_tar=2)
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", data={"source": "tar", "root": None, "shard_size": 2,
+                                                           "tars": str(tmp_path / "tars" / "shard-{000..001}.tar")})
+    _interrupted_after(raw, 1)
+    Image.fromarray(np.full((40, 40, 3), 9, np.uint8)).save(files[1], format="PNG")
+    write_tars(files, tmp_path / "tars", per_tar=2)  # the same members, one with other bytes
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=r"the images of 1 row computed before have changed since"):
+        run(parse_spec(raw))
+    assert len(tars) == 2
+
+
+def test_inspect_verify_reads_every_image_again(image_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    import shutil
+
+    from extractor.cli import main
+
+    root = tmp_path / "imgs"
+    shutil.copytree(image_dir, root)
+    run(parse_spec(job(root, tmp_path / "s.zarr")))
+    assert main(["inspect", str(tmp_path / "s.zarr"), "--verify"]) == 0
+    assert "12 rows read again, 0 changed since they were computed, 0 unreadable now" in capsys.readouterr().out
+    s = open_store(str(tmp_path / "s.zarr"))
+    (root / s.ids[3]).write_bytes((root / s.ids[4]).read_bytes())
+    (root / s.ids[7]).unlink()
+    assert main(["inspect", str(tmp_path / "s.zarr"), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"changed: row 3 {s.ids[3]}" in out and f"unreadable: row 7 {s.ids[7]}" in out
+    assert s.verify()["checked"] == 12

@@ -34,16 +34,23 @@ def store(image_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_documented_layout(store: Path):
     g = zarr.open_group(str(store), mode="r")
-    assert sorted(g.array_keys()) == sorted(["ids", "paths", "labels", "status", "errors", "shard_done",
-                                             "shard_stats", "layer3", "pooled"])
+    assert sorted(g.array_keys()) == sorted(["ids", "paths", "labels", "status", "errors", "digest", "fingerprint",
+                                             "shard_done", "shard_stats", "layer3", "pooled"])
     n = 12
     expect = {"ids": ("row",), "paths": ("row",), "labels": ("row",), "status": ("row",), "errors": ("row",),
+              "digest": ("row",), "fingerprint": ("row",),
               "shard_done": ("shard",), "shard_stats": ("shard",),
               "layer3": ("row", "layer3.channel", "layer3.y", "layer3.x"),
               "pooled": ("row", "pooled.channel")}
     for name, dims in expect.items():
         assert g[name].metadata.dimension_names == dims, name
     assert g["labels"].dtype == np.int64 and g["status"].dtype == np.uint8
+    assert g["digest"].dtype == g["fingerprint"].dtype == np.uint64
+    import xxhash
+
+    files = [p for p in g["paths"][:]]
+    assert g["digest"][:].tolist() == [xxhash.xxh3_64_intdigest(Path(p).read_bytes()) for p in files]  # as read
+    assert all(g["fingerprint"][:])  # size and mtime of each file, when listed
     assert g["layer3"].shape == (n, 256, 4, 4) and g["layer3"].dtype == np.float16
     assert g["layer3"].chunks == (2, 256, 4, 4)  # chunk_rows
     assert g["status"].chunks == (4,)  # one chunk per shard
