@@ -26,6 +26,7 @@ the shard size), so no two shards ever write into the same storage object.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import socket
 import threading
@@ -528,12 +529,82 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class _Raced(Exception):
+    """A conditional write of the lease found it changed since it was read: another job wrote it."""
+
+
+class _LeaseObject:
+    """Where a store's lease record lives (the ``lease`` group's ``zarr.json``) and how it is written.
+
+    On S3 (``s3://``) it is a compare-and-swap: created with ``If-None-Match: *``, replaced with
+    ``If-Match`` on the ETag it was read at (S3 conditional writes, since 2024-11), so that of two jobs
+    that write it at once exactly one wins and the other is told (:class:`_Raced`). Elsewhere (local
+    folders, other object stores) it is written as zarr writes attributes, after a read just before."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        self.url, self.storage_options = url, storage_options
+        self.fs: Any = None
+        self.path = ""
+        if url.startswith(("s3://", "s3a://")):
+            import fsspec
+
+            self.fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+            self.path = f"{root.rstrip('/')}/lease/zarr.json"
+
+    @property
+    def conditional(self) -> bool:
+        return self.fs is not None
+
+    def read(self) -> tuple[LeaseRecord, str | None]:
+        """The record (``{}`` when no job ever held the store) and the version it was read at (its ETag;
+        None when absent, or where writes are not conditional). The version is read first: a record
+        newer than it makes the write fail, never the other way round."""
+        if self.fs is None:
+            return read_lease(open_group(self.url, "r", self.storage_options)), None
+        try:
+            self.fs.invalidate_cache(self.path)
+            version = str(self.fs.info(self.path)["ETag"])
+            meta = json.loads(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return {}, None
+        return cast(LeaseRecord, meta.get("attributes") or {}), version
+
+    def write(self, record: LeaseRecord, version: str | None) -> str | None:
+        """Write ``record``; where writes are conditional, only if the object is still at ``version``
+        (absent when None), raising :class:`_Raced` otherwise. Returns the new version."""
+        if self.fs is None:
+            group = open_group(self.url, "r+", self.storage_options)
+            attrs = cast(dict[str, Any], record)  # a TypedDict is a dict of JSON values
+            try:
+                group["lease"].attrs.put(attrs)
+            except KeyError:
+                group.create_group("lease", attributes=attrs)
+            return None
+        data = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": record}).encode()
+        try:
+            if version is None:
+                out = self.fs.pipe_file(self.path, data, mode="create")
+            else:
+                out = self.fs.pipe_file(self.path, data, IfMatch=version)
+        except FileExistsError:
+            raise _Raced from None
+        except OSError as err:
+            if "PreconditionFailed" in str(err) or "pre-conditions" in str(err):
+                raise _Raced from None
+            raise
+        self.fs.invalidate_cache(self.path)
+        tag = out.get("ETag") if isinstance(out, dict) else None
+        return str(tag) if tag else str(self.fs.info(self.path)["ETag"])
+
+
 class Lease:
     """A claim on a store by one running job: owner, host, pid and a heartbeat.
 
     Kept in the attributes of the child group ``lease``. A second job refuses to run on a
-    store whose lease is fresh; a lease whose heartbeat is older than ``timeout_s`` is stale
-    (its job died) and can be taken over. A thread renews it every ``timeout_s / 4``.
+    store whose lease is fresh; a lease whose heartbeat is older than its timeout is stale (its
+    job died) and can be taken over. A thread renews it every ``timeout_s / 4``. On S3 every
+    write of it is conditional on the version this job last saw (:class:`_LeaseObject`): a
+    takeover that loses a race fails, and a renewal after another job took over fails too.
     """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None, timeout_s: float, info: dict[str, Any]):
@@ -542,6 +613,8 @@ class Lease:
         self.url, self.storage_options, self.timeout_s = url, storage_options, timeout_s
         self.token = uuid.uuid4().hex
         self.info = dict(info)
+        self.object = _LeaseObject(url, storage_options)
+        self.version: str | None = None  # of the lease object as this job last wrote it (conditional writes)
         self._stop: Any = None  # set while the heartbeat thread renews the lease
         self._beat: threading.Thread | None = None
         self.held = False  # written once: from then on it renews only while still its own
@@ -550,44 +623,47 @@ class Lease:
     @staticmethod
     def check(url: str, storage_options: Mapping[str, Any] | None, timeout_s: float, token: str = "") -> None:
         """Raise StoreError when another job holds a fresh lease on ``url``."""
+        _refuse_held(url, read_lease(open_group(url, "r", storage_options)), timeout_s, token)
+
+    def _record(self, **extra: Any) -> LeaseRecord:
         import time
 
-        held = read_lease(open_group(url, "r", storage_options))
-        if not held or held.get("released") or held.get("token") == token or not _fresh(held, timeout_s):
-            return
-        age = time.time() - float(held.get("heartbeat", 0))
-        timeout_s = lease_timeout(held, timeout_s)
-        raise StoreError(
-            f"store {url} is in use by another extractor job: pid {held.get('pid')} on {held.get('host')} "
-            f"(user {held.get('user')}, started {held.get('started')}, last heartbeat {age:.0f} s ago). "
-            f"Wait for it to finish; if it died, its lease expires {timeout_s - age:.0f} s from now "
-            "(output.lease_timeout_s) and the store can then be resumed"
-        )
+        return cast(LeaseRecord, {**self.info, "token": self.token, "heartbeat": time.time(),
+                                  "timeout_s": self.timeout_s, **extra})
 
     def _write(self, **extra: Any) -> None:
         """Renew (or release) the lease, unless another job holds it now: then this job is fenced
         off (``lost``) and writes nothing, not even its lease."""
-        import time
-
+        if self.object.conditional:
+            try:
+                self.version = self.object.write(self._record(**extra), self.version)
+            except _Raced:
+                self.lost = True
+                raise fenced(self.url, lease_token(open_group(self.url, "r", self.storage_options))) from None
+            return
         group = open_group(self.url, "r+", self.storage_options)
         if self.held and lease_token(group) != self.token:
             self.lost = True
             raise fenced(self.url, lease_token(group))
-        attrs = {**self.info, "token": self.token, "heartbeat": time.time(), "timeout_s": self.timeout_s, **extra}
-        try:
-            group["lease"].attrs.put(attrs)
-        except KeyError:
-            group.create_group("lease", attributes=attrs)
+        self.object.write(self._record(**extra), None)
 
     def acquire(self) -> None:
-        import threading
+        """Take the store (a new one, or one whose lease is released or stale), or raise StoreError naming the job
+        that holds it; then renew it in the background."""
         import time
 
-        self.check(self.url, self.storage_options, self.timeout_s, self.token)
-        self._write()
+        held, version = self.object.read()
+        _refuse_held(self.url, held, self.timeout_s, self.token)
+        try:
+            self.version = self.object.write(self._record(), version)
+        except _Raced:  # another job wrote the lease between this job's read and its write: it won
+            _refuse_held(self.url, self.object.read()[0], self.timeout_s, self.token)
+            raise StoreError(f"store {self.url} was taken by another extractor job at the same moment; run again "
+                             "once it is done") from None
         self.held = True
-        time.sleep(0.05)
-        self.check(self.url, self.storage_options, self.timeout_s, self.token)  # lost a race: someone else wrote
+        if not self.object.conditional:  # a race not excluded by the write: seen by reading again
+            time.sleep(0.05)
+            self.check(self.url, self.storage_options, self.timeout_s, self.token)
         stop = self._stop = threading.Event()
 
         def beat() -> None:  # its own reference to the event: release() lets go of it
@@ -622,6 +698,22 @@ class Lease:
             self._write(released=now())
         except Exception:  # noqa: BLE001 - an unreleased lease expires by itself; another job's is not ours
             pass
+
+
+def _refuse_held(url: str, held: LeaseRecord, timeout_s: float, token: str = "") -> None:
+    """Raise StoreError when ``held`` is another job's fresh lease on ``url``."""
+    import time
+
+    if not held or held.get("released") or held.get("token") == token or not _fresh(held, timeout_s):
+        return
+    age = time.time() - float(held.get("heartbeat", 0))
+    timeout_s = lease_timeout(held, timeout_s)
+    raise StoreError(
+        f"store {url} is in use by another extractor job: pid {held.get('pid')} on {held.get('host')} "
+        f"(user {held.get('user')}, started {held.get('started')}, last heartbeat {age:.0f} s ago). "
+        f"Wait for it to finish; if it died, its lease expires {timeout_s - age:.0f} s from now "
+        "(output.lease_timeout_s) and the store can then be resumed"
+    )
 
 
 def disk_usage(url: str) -> int | None:

@@ -280,3 +280,37 @@ def test_a_storage_that_does_not_answer_is_one_line_and_nothing_after_it(image_d
     assert r.returncode == 1
     assert r.stderr.startswith("error: cannot open s3://bucket/z.zarr as a Zarr group: EndpointConnectionError")
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_lease_on_s3_is_a_compare_and_swap(s3, image_dir: Path, tmp_path: Path):
+    """issue 26, defect 4: on S3 (the local S3-compatible server implements If-None-Match and If-Match on
+    PutObject) every lease write is conditional on the version its job last saw: of two jobs taking over a
+    released lease at once exactly one wins and the other is refused; a renewal after another job took the
+    store fails (fenced) instead of overwriting that job's lease."""
+    import zarr
+
+    from extractor.errors import FencedError, StoreError
+    from extractor.store import Lease, read_lease
+
+    fs, options = s3
+    url = "s3://bucket/lease.zarr"
+    raw = job(image_dir, url, output={"store": url, "chunk_rows": 2, "storage_options": options})
+    assert run(parse_spec(raw)).ok == 12
+    a = Lease(url, options, 60, {"pid": 1, "host": "a"})
+    b = Lease(url, options, 60, {"pid": 2, "host": "b"})
+    assert a.object.conditional and b.object.conditional
+    seen_by_b = b.object.read()  # b reads the released lease ...
+    a.acquire()  # ... a takes the store meanwhile ...
+    b.object.read = lambda: seen_by_b  # type: ignore[method-assign]  # ... and b writes on what it read
+    with pytest.raises(StoreError, match=r"was taken by another extractor job at the same moment"):
+        b.acquire()  # its conditional write failed: a's lease stands
+    group = zarr.open_group(url, mode="r", storage_options=options, use_consolidated=False)
+    assert read_lease(group)["token"] == a.token
+    # another job (not conditional: an older extractor) takes the store over: a's next renewal fails, a is fenced
+    other = Lease(url, options, 60, {"pid": 3, "host": "c"})
+    other.object.fs = None  # the plain zarr write
+    other.object.write(other._record(), None)
+    with pytest.raises(FencedError, match="this job no longer holds"):
+        a._write()
+    assert a.lost and read_lease(group)["token"] == other.token
+    a._stop.set()
