@@ -10,6 +10,7 @@ from typing import Any
 
 from .faults import describe_error
 from .files import Locator, content_digest
+from .reuse import Reused
 
 __all__ = ["Batch", "BatchStream", "iter_batches"]
 
@@ -22,6 +23,7 @@ class Batch:
     images: Any  # torch.Tensor (B, 3, H, W) uint8, or None when no image decoded (torch imported lazily)
     failed: dict[int, str]  # row offset -> error text
     digests: dict[int, int] = field(default_factory=dict)  # row offset -> content digest of the bytes it read
+    reused: dict[int, Any] = field(default_factory=dict)  # row offset -> its values from another store (Reused)
 
 
 class BatchStream:
@@ -34,12 +36,14 @@ class BatchStream:
     last batches compute. ``collate(items)`` turns a batch's decoded items into
     ``(images, {position: error})``; by default the items are uint8 tensors, stacked. With ``read``
     (a locator's bytes), ``decode`` takes those bytes, and each row's bytes get a content digest
-    (also those of a row that fails to decode); without, ``decode`` takes the locator.
+    (also those of a row that fails to decode); without, ``decode`` takes the locator. ``reuse(digest)``
+    gives a row's values from another store instead of its decoded image (or None: decode it).
     """
 
     def __init__(self, batch_size: int, decode, pool: ThreadPoolExecutor | None, prefetch_batches: int = 2,
-                 collate=None, read=None) -> None:
+                 collate=None, read=None, reuse=None) -> None:
         self.batch_size, self.decode, self.pool, self.collate, self.read = batch_size, decode, pool, collate, read
+        self.reuse = reuse
         self.window = batch_size * (prefetch_batches + 1)  # rows decoding or decoded, not yet returned
         self.shards: deque[Sequence[Locator]] = deque()  # queued shards; [0] is being read
         self.pending: deque[Future] = deque()  # decodes in flight, in row order across shards
@@ -58,7 +62,8 @@ class BatchStream:
                 return self.decode(path), None, 0
             data = self.read(path)
             digest = content_digest(data)
-            return self.decode(data), None, digest
+            reused = self.reuse(digest) if self.reuse is not None else None
+            return (reused if reused is not None else self.decode(data)), None, digest
         except Exception as err:  # noqa: BLE001 - any read or decode failure fails its row only
             return None, describe_error(err), digest
 
@@ -86,13 +91,15 @@ class BatchStream:
                 self.sub_row = 0
             return None
         start, stop = self.row, min(self.row + self.batch_size, len(paths))
-        offsets, items, failed, digests = [], [], {}, {}
+        offsets, items, failed, digests, reused = [], [], {}, {}, {}
         for i in range(start, stop):
             self._fill()
             img, err, digest = self.pending.popleft().result() if self.pool is not None else self._safe(paths[i])
             if digest:
                 digests[i] = digest
-            if err is None:
+            if isinstance(img, Reused):
+                reused[i] = img
+            elif err is None:
                 offsets.append(i)
                 items.append(img)
             else:
@@ -106,7 +113,7 @@ class BatchStream:
             for j, err in bad.items():
                 failed[offsets[j]] = err
             offsets = [o for j, o in enumerate(offsets) if j not in bad]
-        return Batch(offsets, images, dict(sorted(failed.items())), digests)
+        return Batch(offsets, images, dict(sorted(failed.items())), digests, reused)
 
 
 def iter_batches(

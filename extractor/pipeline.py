@@ -217,8 +217,11 @@ class Pipeline:
             labels = given.labels[offsets] if given.labels is not None else None
             forwarded = self.worker.forward_rows(batch.images, labels)
             out.count(len(offsets), forwarded)
+            forwarded.reused = batch.reused  # filed with the batch's computed rows, in row order
             self._finish(self.read_back.push(out, offsets, forwarded))  # maybe the shard before's last batch
-        self._call(self.on_batch, len(batch.offsets) + len(batch.failed))
+        elif batch.reused:  # every row of the batch taken from other stores
+            self._finish(self.read_back.push(out, np.empty(0, np.int64), Forwarded({}, {}, None, batch.reused)))
+        self._call(self.on_batch, len(batch.offsets) + len(batch.failed) + len(batch.reused))
 
     def _end(self, out: ShardOutput) -> None:
         """The shard's rows ran out: finish it now when nothing of it is in flight or no shard

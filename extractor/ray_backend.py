@@ -245,6 +245,7 @@ def _for_workers(spec: JobSpec) -> dict[str, Any]:
         value = d[section].get(key)
         if isinstance(value, str) and (key != "weights" or looks_like_path(value)):
             d[section][key] = absolute(value)
+    d["output"]["reuse"] = [absolute(u) for u in spec.output.reuse]  # stores to take rows from
     folder = local_folder(spec.model.name)
     if folder is not None:  # hf:FOLDER
         d["model"]["name"] = folder[0] + absolute(folder[1])

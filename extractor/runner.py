@@ -28,6 +28,7 @@ from .errors import DataError, FencedError, StoreError
 from .files import absolute
 from .listing import list_rows
 from .preprocess import of_store
+from .reuse import check_sources
 from .rows import Rows, Shard, plan
 from .shardio import ShardSummary
 from .spec import JobSpec, auto_chunk_rows, content_of, parse_spec, redact_argv, spec_digest
@@ -82,6 +83,7 @@ class RunSummary:
     workers: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # key -> (rows, first rows)
     float16: list[str] = field(default_factory=list)  # captures stored as float16 (their Inf may be an overflow)
+    reused: int = 0  # rows copied from other stores (output.reuse), not computed
 
     @property
     def all_failed(self) -> bool:
@@ -96,6 +98,7 @@ class RunSummary:
             f"{count(self.shards_run, 'shard')} run, {self.shards_skipped} already done; {self.seconds:.1f} s"
             + (f", {self.images_per_s:.1f} images/s end to end ({self.compute_images_per_s:.1f} while the shards "
                "ran)" if self.shards_run else "")
+            + (f"; {count(self.reused, 'row')} taken from other stores (output.reuse)" if self.reused else "")
         ]
         if self.workers and self.shards_run:
             rows = [[str(w["worker"]), ",".join(w["nodes"]) or "-", ",".join(map(str, w["pids"])), str(w["shards"]),
@@ -379,7 +382,7 @@ def _claim(spec: JobSpec, rows: Rows, plan: _Plan, attrs: dict[str, Any], lease:
         log.info("%s %s", "creating again" if plan.old.get("status") == "creating" else "overwriting", url)
     layout = Layout(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
                     chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
-                    compression_level=spec.output.compression_level)
+                    compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse))
     return create_store(url, rows, layout, attrs, so, lease=lease, fresh=plan.old is None)
 
 
@@ -530,6 +533,7 @@ def _store_attrs(spec: JobSpec, rows: Rows, n_shards: int, layout: dict[str, Any
         "ids_digest": _digest(rows.ids),
         "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
         "versions": _versions(),
+        **({"reused_from": list(spec.output.reuse)} if spec.output.reuse else {}),  # the reused array's stores
     }
 
 
@@ -602,6 +606,8 @@ def run(
         layout = backend.probe()
         _check_targets(spec, rows, layout["model"].get("logits"))
         attrs = _store_attrs(spec, rows, len(shards), layout)
+        if spec.output.reuse:  # every store to take rows from makes them as this job would
+            check_sources(spec.output.reuse, attrs, spec.output.store, spec.output.storage_options)
         decided = _decide(spec, rows, shards, attrs, read_attrs(spec.output.store, spec.output.storage_options))
         if decided.todo:
             backend.warm_up()  # a resume with nothing left to compute compiles nothing
@@ -688,4 +694,5 @@ def _finish(
         nonfinite={k: (v["nonfinite_rows"], v["first_nonfinite_rows"]) for k, v in stats.items()
                    if v["nonfinite_rows"]},
         float16=[k for k, m in group.attrs["extractor"]["captures"].items() if m["dtype"] == "float16"],
+        reused=sum(s.reused for s in summaries),
     )

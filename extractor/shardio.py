@@ -10,13 +10,14 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .errors import FencedError, ShardError
 from .faults import shard_failed
+from .reuse import Reused
 from .rows import Shard
 from .stats import ShardStats
 from .stats import dumps as stats_dumps
@@ -56,6 +57,7 @@ class ShardSummary:
     wait_decode: float = 0.0
     wait_device: float = 0.0
     wait_write: float = 0.0
+    reused: int = 0  # rows copied from another store (output.reuse), not computed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +88,7 @@ class Forwarded:
     host: dict[str, np.ndarray]
     bad: dict[int, str]  # batch position -> error
     event: Any  # torch.cuda.Event, or None when ``host`` is ready
+    reused: dict[int, Reused] = field(default_factory=dict)  # shard row offset -> its values from another store
 
 
 class _Chunks:
@@ -114,6 +117,7 @@ class ShardOutput:
         self.status = np.zeros(n, dtype=np.uint8)
         self.errors = [""] * n
         self.digests = np.zeros(n, dtype=np.uint64)  # content digest of each row's bytes as read (0: not read)
+        self.reused = np.full(n, -1, dtype=np.int16)  # the store each row was copied from (-1: computed here)
         self.spare = spare
         self.shapes = {k: (given.chunk_rows[k], *m["shape"]) for k, m in captures.items()}
         self.dtypes = {k: np.dtype(m["dtype"]) for k, m in captures.items()}
@@ -164,6 +168,8 @@ class ShardOutput:
             keep = np.setdiff1d(np.arange(len(offsets)), list(done.bad))
             offsets = offsets[keep]
             host = {k: v[keep] for k, v in host.items()}
+        if done.reused:
+            offsets, host = self._with_reused(offsets, host, done.reused)
         if not len(offsets):
             return
         for key, arr in self.extras.items():
@@ -171,6 +177,18 @@ class ShardOutput:
         self.status[offsets] = OK
         for group in self.chunks:
             self._file(group, offsets, host)
+
+    def _with_reused(self, offsets: np.ndarray, host: dict[str, np.ndarray],
+                     reused: dict[int, Reused]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The batch's computed rows with its rows copied from other stores, in row order (chunks fill in order)."""
+        taken = np.asarray(sorted(reused), dtype=np.int64)
+        self.reused[taken] = [reused[int(o)].source for o in taken]
+        keys = host.keys() if len(offsets) else reused[int(taken[0])].values.keys()
+        extra = {k: np.stack([reused[int(o)].values[k] for o in taken]) for k in keys}
+        order = np.argsort(np.concatenate([offsets, taken]), kind="stable")
+        merged = {k: np.concatenate([host[k], extra[k].astype(host[k].dtype)])[order] if len(offsets)
+                  else extra[k] for k in keys}
+        return np.concatenate([offsets, taken])[order], merged
 
     def _file(self, group: _Chunks, offsets: np.ndarray, host: dict[str, np.ndarray]) -> None:
         """Copy the rows ``offsets`` of ``group``'s captures into their chunk buffers, handing each
@@ -242,7 +260,8 @@ class ShardOutput:
         try:
             while self.pending:  # every chunk durable (or its error raised) before the shard is marked done
                 self.pending.popleft().result()
-            self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats), self.digests)
+            self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats), self.digests,
+                               self.reused)
         except BaseException as err:
             drain(self.pending)
             if isinstance(err, Exception) and not isinstance(err, FencedError):
@@ -259,6 +278,7 @@ class ShardOutput:
             wait_decode=self.wait_decode,
             wait_device=self.wait_device,
             wait_write=self.wait_write,
+            reused=int((self.reused >= 0).sum()),
         )
 
     def abandon(self) -> None:

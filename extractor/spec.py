@@ -348,6 +348,11 @@ class OutputSpec(_Section):
     compression_level: int | None = None
     if_exists: Literal["error", "resume", "overwrite"] = "error"
     """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
+    reuse: tuple[str, ...] = ()
+    """Other stores (paths or URLs, read with ``storage_options``) to take rows from instead of computing
+    them: a row whose image has the content digest of an ok row there is copied, when the store was made
+    by the same model weights, preprocessing and captures (checked before the job starts; a store that
+    differs is refused, naming how). The store records where each row came from (``reused``)."""
     on_change: Literal["refuse", "redo"] = "refuse"
     """What ``--resume`` does when images of rows already computed changed since (their content digest
     differs where the source's size, modification time or ETag did): ``refuse`` names them; ``redo``
@@ -503,6 +508,7 @@ RUN_ONLY_FIELDS = (
     ("data", "decode_workers"),
     ("output", "if_exists"),
     ("output", "on_change"),
+    ("output", "reuse"),  # taken rows are what this job computes: checked when it starts
     ("output", "lease_timeout_s"),
     ("output", "store"),
     ("output", "storage_options"),

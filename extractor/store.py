@@ -198,6 +198,7 @@ class Layout:
     chunk_rows: Mapping[str, int]  # per capture: rows per chunk, a divisor of shard_size
     compression: str = "zstd"
     compression_level: int | None = None
+    reuse: bool = False  # rows may come from other stores (output.reuse): the ``reused`` array records which
 
 
 def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
@@ -244,6 +245,9 @@ def _create_arrays(group: zarr.Group, rows: Rows, layout: Layout, attrs: Mapping
                        sizes=rows.sizes, fingerprints=rows.fingerprints)
     fence()
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
+    if layout.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
+        group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
+                           dimension_names=["row"])
     for key, extra in extras.items():  # per-row results of gradient jobs, chunked by shard
         fence()
         group.create_array(
@@ -488,12 +492,15 @@ class ShardWriter:
         extras: Mapping[str, np.ndarray] | None = None,
         stats: str = "",
         digests: np.ndarray | None = None,
+        reused: np.ndarray | None = None,
     ) -> None:
         self.check_fence()  # the marker says "done": only while this job holds the store
         for key, values in (extras or {}).items():
             get_array(self.group, key)[self.start : self.stop] = values
         if digests is not None and "digest" in self.group:  # stores made before digests have none
             get_array(self.group, "digest")[self.start : self.stop] = digests
+        if reused is not None and "reused" in self.group:
+            get_array(self.group, "reused")[self.start : self.stop] = reused
         get_array(self.group, "status")[self.start : self.stop] = status
         get_array(self.group, "errors")[self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
         get_array(self.group, "shard_stats")[self.index] = stats

@@ -30,6 +30,7 @@ from .model import build_model, model_call, prefix_tokens, resolve_device
 from .pipeline import Pipeline, ShardQueue
 from .preprocess import Preprocess, from_dict
 from .preprocess import resolve as resolve_preprocess
+from .reuse import ReuseIndex
 from .rows import Shard
 from .shardio import Forwarded, ShardSummary
 from .spec import JobSpec
@@ -162,6 +163,7 @@ class Worker:
         self._slot = 0
         self.captures: dict[str, CaptureRecord] | None = None
         self.extras: dict[str, ExtraRecord] = {}  # per-row results of gradient jobs (target, score, ...)
+        self._reuse: ReuseIndex | None = None  # output.reuse's rows, loaded at the first shard
 
     def close(self) -> None:
         if self.pool is not None:
@@ -506,10 +508,22 @@ class Worker:
         if self._batches is not None:
             return self._batches()
         bs = self.spec.data.batch_size
+        reuse = self._reuse_index().lookup if self.spec.output.reuse else None
         if self.jpeg is not None:
-            return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, read=self.decode.read)
+            return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, read=self.decode.read,
+                               reuse=reuse)
         return BatchStream(bs, self.decode.from_bytes, self.pool,
-                           collate=_stack_pinned if self.device.type == "cuda" else None, read=self.decode.read)
+                           collate=_stack_pinned if self.device.type == "cuda" else None, read=self.decode.read,
+                           reuse=reuse)
+
+    def _reuse_index(self) -> ReuseIndex:
+        """The rows of the stores of ``output.reuse`` by content digest (read once, at the first shard)."""
+        if self._reuse is None:
+            keys = [*(self.captures or {}), *self.extras]
+            self._reuse = ReuseIndex(self.spec.output.reuse, self.spec.output.storage_options, keys)
+            log.info("output.reuse: %d rows of %d stores to take by content", len(self._reuse),
+                     len(self.spec.output.reuse))
+        return self._reuse
 
 
 def _stack_pinned(items: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, str]]:

@@ -760,3 +760,48 @@ def test_inspect_verify_reads_every_image_again(image_dir: Path, tmp_path: Path,
     out = capsys.readouterr().out
     assert f"changed: row 3 {s.ids[3]}" in out and f"unreadable: row 7 {s.ids[7]}" in out
     assert s.verify()["checked"] == 12
+
+
+def test_a_job_over_a_superset_takes_the_rows_another_store_computed_and_equals_a_clean_run(image_dir: Path,
+                                                                                             tmp_path: Path):
+    """issue 26, item 3: output.reuse copies the rows whose image bytes (content digest) another store computed
+    with the same model, preprocessing and captures; only the new images are computed; the store records
+    where each row came from and equals a clean run."""
+    import shutil
+
+    some = tmp_path / "some"
+    for p in sorted(image_dir.rglob("*.*"))[:7]:  # 7 of the 12 images, at other paths: digests, not names
+        (some / p.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, some / p.parent.name / f"copy-{p.name}")
+    first = job(some, tmp_path / "first.zarr", data={"shard_size": 4})
+    run(parse_spec(first))
+    raw = job(image_dir, tmp_path / "s.zarr", data={"shard_size": 4},
+              output={"reuse": [str(tmp_path / "first.zarr")]})
+    summary = run(parse_spec(raw))
+    assert summary.reused == 7 and summary.ok == 12
+    assert "7 rows taken from other stores (output.reuse)" in summary.report()
+    run(parse_spec(job(image_dir, tmp_path / "clean.zarr", data={"shard_size": 4})))
+    s, c = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "clean.zarr"))
+    for key in ("layer3", "layer4"):
+        np.testing.assert_allclose(s.numpy(key), c.numpy(key), rtol=1e-5, atol=1e-6)  # batches of other rows
+    assert s.stats["layer4"]["mean"] == pytest.approx(c.stats["layer4"]["mean"], rel=1e-5)
+    reused = np.asarray(s.group["reused"][:])
+    assert (reused == 0).sum() == 7 and (reused == -1).sum() == 5
+    assert s.attrs["reused_from"] == [str(tmp_path / "first.zarr")]
+    np.testing.assert_array_equal(s.digests, c.digests)
+
+
+def test_a_store_made_otherwise_is_refused_for_reuse_naming_how(image_dir: Path, tmp_path: Path):
+    """Stale reuse is impossible by construction: another model's weights, another preprocessing, a capture
+    made otherwise: refused before anything is written, naming what differs."""
+    run(parse_spec(job(image_dir, tmp_path / "other.zarr", data={"resize": 80, "crop": 64})))
+    raw = job(image_dir, tmp_path / "s.zarr", output={"reuse": [str(tmp_path / "other.zarr")]})
+    with pytest.raises(StoreError, match=r"output.reuse: the rows of .*other.zarr are not what this job computes: it "
+                                         r"differs in preprocess.*Remove it from output.reuse"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
+    run(parse_spec(job(image_dir, tmp_path / "pooled.zarr", capture=[{"layer": "layer3", "reduce": "mean"},
+                                                                     {"layer": "layer4", "reduce": "mean"}])))
+    raw["output"]["reuse"] = [str(tmp_path / "pooled.zarr")]
+    with pytest.raises(StoreError, match=r"differs in .*captures layer3 \(absent there, or made otherwise\)"):
+        run(parse_spec(raw))

@@ -1,0 +1,152 @@
+"""Rows taken from other stores by content (``output.reuse``): a row whose image bytes (content digest)
+another store computed with the same model, preprocessing and captures is copied from there, not computed.
+
+:func:`check_sources` decides, on the driver and before the store is touched, that each store listed can
+give rows: every input of the values is compared (weights hash, preprocessing, the spec's settings that
+change values, each capture's record), so a stale reuse cannot happen; library versions that differ are
+warned of, as on resume. :class:`ReuseIndex` is each worker's lookup, digest -> (store, row), and the
+rows' values, read a chunk at a time. Needs only numpy and zarr.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from .errors import StoreError
+from .store import OK, get_array, open_group, root_attrs
+
+__all__ = ["Reused", "ReuseIndex", "check_sources"]
+
+log = logging.getLogger(__name__)
+
+# data settings that say where the images are, not what they become: they may differ between the stores
+_PLACE_FIELDS = ("source", "root", "manifest", "tars", "extensions", "shard_size", "outside_root", "max_image_pixels")
+_PREPROCESS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset")
+
+
+def _value_inputs(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """What decides the stored values of a store's rows, besides each row's image: the model (weights hash,
+    class, the spec's model settings), the resolved preprocessing, the spec's data settings that change pixels,
+    the captures' records (without their place in the spec) and the per-row extras."""
+    from .spec import content_of
+
+    spec = content_of(copy.deepcopy(attrs.get("spec") or {}))
+    model_spec = {k: v for k, v in (spec.get("model") or {}).items() if k not in ("name", "weights", "factory")}
+    data_spec = {k: v for k, v in (spec.get("data") or {}).items() if k not in _PLACE_FIELDS}
+    model = attrs.get("model") or {}
+    preprocess = attrs.get("preprocess") or {}
+    captures = {k: {f: v for f, v in c.items() if f != "capture"} for k, c in (attrs.get("captures") or {}).items()}
+    return {
+        "format_version": attrs.get("format_version"),
+        "model weights (state-dict hash)": model.get("state_dict_sha256"),
+        "model class": model.get("class"),
+        "model settings": model_spec,
+        "data settings": data_spec,
+        "preprocess": {k: preprocess.get(k) for k in _PREPROCESS},
+        "captures": captures,
+        "extras": attrs.get("extras") or {},
+    }
+
+
+def check_sources(urls: Sequence[str], attrs: Mapping[str, Any], store: str,
+                  storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse, naming the differences, a store of ``urls`` whose rows would not be what this job computes
+    (``attrs``: the store record this job would write); warn of other library versions."""
+    from .files import absolute
+
+    want = _value_inputs(attrs)
+    for url in urls:
+        if absolute(url).rstrip("/") == absolute(store).rstrip("/"):
+            raise StoreError(f"output.reuse lists the job's own store {url}; --resume finishes it instead")
+        try:
+            group = open_group(url, "r", storage_options)
+            other = root_attrs(group)
+        except Exception as err:  # noqa: BLE001 - missing, not a store, unreachable: said the same way
+            raise StoreError(f"output.reuse: cannot open {url} as an extractor store ({type(err).__name__}: {err})") \
+                from None
+        if "digest" not in group:
+            raise StoreError(f"output.reuse: {url} predates content digests; its rows cannot be matched to images")
+        have = _value_inputs(other)
+        diffs = [k for k in want if k != "captures" and want[k] != have[k]]
+        missing = [k for k in want["captures"] if have["captures"].get(k) != want["captures"][k]]
+        if missing:
+            diffs.append(f"captures {', '.join(missing)} (absent there, or made otherwise)")
+        if diffs:
+            raise StoreError(f"output.reuse: the rows of {url} are not what this job computes: it differs in "
+                             f"{'; '.join(diffs)}. Remove it from output.reuse")
+        versions = {k: (v, (other.get("versions") or {}).get(k)) for k, v in (attrs.get("versions") or {}).items()
+                    if (other.get("versions") or {}).get(k) != v and k != "extractor"}
+        if versions:
+            log.warning("output.reuse: %s was made with %s; its values may differ from this run's in the last bits",
+                        url, ", ".join(f"{k} {b} (now {a})" for k, (a, b) in versions.items()))
+
+
+@dataclass(frozen=True)
+class Reused:
+    """A row's values taken from another store: ``source`` its place in ``output.reuse``; ``values`` per
+    capture and extra, one row each."""
+
+    source: int
+    values: dict[str, np.ndarray]
+
+
+class ReuseIndex:
+    """The ok rows of the stores of ``output.reuse``, by content digest, and their values (the captures
+    and extras ``keys``), read a whole chunk at a time with the last ``cache_chunks`` kept per array:
+    rows of one source in order read each chunk once. Used from the decode threads (a lock guards reads)."""
+
+    def __init__(self, urls: Sequence[str], storage_options: Mapping[str, Any] | None, keys: Sequence[str],
+                 cache_chunks: int = 4) -> None:
+        self.keys, self.cache_chunks = list(keys), cache_chunks
+        self.groups = [open_group(u, "r", storage_options) for u in urls]
+        digests, sources, rows = [], [], []
+        for i, g in enumerate(self.groups):
+            d = np.asarray(get_array(g, "digest")[:])
+            ok = np.flatnonzero((np.asarray(get_array(g, "status")[:]) == OK) & (d != 0))
+            digests.append(d[ok])
+            sources.append(np.full(len(ok), i, np.int32))
+            rows.append(ok.astype(np.int64))
+        digest = np.concatenate(digests) if digests else np.empty(0, np.uint64)
+        order = np.argsort(digest, kind="stable")  # the first source listed wins a digest held twice
+        self.digest = digest[order]
+        self.source = (np.concatenate(sources) if sources else np.empty(0, np.int32))[order]
+        self.row = (np.concatenate(rows) if rows else np.empty(0, np.int64))[order]
+        self.arrays: dict[tuple[int, str], zarr.Array] = {}
+        self.cache: dict[tuple[int, str], OrderedDict[int, np.ndarray]] = {}
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.digest)
+
+    def lookup(self, digest: int) -> Reused | None:
+        """The values of a row whose image has content digest ``digest``, or None when no source has one."""
+        at = int(np.searchsorted(self.digest, np.uint64(digest)))
+        if at == len(self.digest) or int(self.digest[at]) != digest:
+            return None
+        source, row = int(self.source[at]), int(self.row[at])
+        with self.lock:
+            return Reused(source, {k: self._value(source, k, row) for k in self.keys})
+
+    def _value(self, source: int, key: str, row: int) -> np.ndarray:
+        arr = self.arrays.get((source, key))
+        if arr is None:
+            arr = self.arrays[(source, key)] = get_array(self.groups[source], key)
+            self.cache[(source, key)] = OrderedDict()
+        step = int(arr.chunks[0])
+        cache, c = self.cache[(source, key)], row // step
+        if c in cache:
+            cache.move_to_end(c)
+        else:
+            cache[c] = np.asarray(arr[c * step : (c + 1) * step])
+            while len(cache) > self.cache_chunks:
+                cache.popitem(last=False)
+        return cache[c][row - c * step]
