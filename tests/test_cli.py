@@ -292,3 +292,36 @@ def test_a_job_submitted_to_a_cluster_prints_the_command_that_finishes_it(image_
     assert main(["run", str(spec), "-q", "--resume-command", again]) == 1
     err = capsys.readouterr().err
     assert f"finish the job with:\n  {again}" in err and "--resume\n" not in err
+
+
+def test_the_report_gives_the_wall_rate_and_labels_the_workers_compute_rates(image_dir: Path, tmp_path: Path):
+    """issue 25, item 11: the report's images/s was the workers' compute rate (97 shown, 10.8 end to end)."""
+    from extractor.runner import run
+    from extractor.spec import parse_spec
+
+    summary = run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
+    report = summary.report()
+    assert summary.images_per_s == pytest.approx(12 / summary.seconds, rel=1e-6)
+    assert f"{summary.images_per_s:.1f} images/s end to end ({summary.compute_images_per_s:.1f} while the shards " \
+           "ran)" in report
+    assert "compute img/s" in report and summary.compute_images_per_s >= summary.images_per_s
+
+
+def test_an_error_after_the_store_was_touched_prints_the_command_that_finishes_it(
+        image_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """issue 26, defect 13: a Ray worker that kept dying while starting stopped the job with no resume line;
+    any error once the store is the job's says how to finish it."""
+    from extractor.cli import main
+    from extractor.errors import ClusterError
+    from extractor.runner import LocalBackend
+
+    def dies(*args: object, **kwargs: object) -> None:
+        raise ClusterError("a Ray worker failed to start: RayActorError: it died")
+
+    monkeypatch.setattr(LocalBackend, "run", dies)
+    spec = write_job(tmp_path / "job.yaml", job(image_dir, tmp_path / "s.zarr"))
+    assert main(["run", str(spec), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "error: a Ray worker failed to start: RayActorError: it died\nOnce fixed, finish the job with:" in err
+    assert err.strip().endswith(f"run {spec} -q --resume")
+    assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "failed"
