@@ -19,10 +19,8 @@ import numpy as np
 
 from .errors import SpecError
 
-__all__ = ["Preprocess", "IMAGENET", "resolve", "from_dict", "PREPROCESS_FIELDS"]
+__all__ = ["Preprocess", "IMAGENET", "resolve", "from_dict"]
 
-# the data.* settings a Preprocess is made of (compared through the resolved record on resume)
-PREPROCESS_FIELDS = ("preprocess", "resize", "crop", "crop_pct", "interpolation", "mean", "std")
 
 Size = tuple[int, int]
 

@@ -19,12 +19,18 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import SpecError
-from .preprocess import PREPROCESS_FIELDS
-from .store import LEASE_TIMEOUT_S
 
 __all__ = ["JobSpec", "load_spec", "read_spec", "parse_spec", "apply_overrides"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
+
+
+# Field markers (json_schema_extra). Run-only: changes how a job runs, not what it computes (beyond float rounding:
+# another device or batch size may sum in another order), so a store may be resumed with it changed.
+# model.channels_last is not one: it changes stored values by about one float16 ulp, so a resumed store would
+# mix both. Resolved: a preprocessing setting, compared through the resolved record instead of as written.
+RUN_ONLY: dict[str, Any] = {"run_only": True}
+RESOLVED: dict[str, Any] = {"resolved": "preprocess"}
 
 
 class _Section(BaseModel):
@@ -106,13 +112,13 @@ class ModelSpec(_Section):
     """Tokens before the patch tokens (CLS, distillation, registers) that ``drop_prefix`` leaves out:
     ``auto`` decides from the model's token sequences (their length less the patch grid at the input
     size, checked against timm's ``num_prefix_tokens``) and asks when they do not tell."""
-    device: str = "auto"
+    device: str = Field(default="auto", json_schema_extra=RUN_ONLY)
     """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda``, ``cuda:1``..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype; bfloat16/float16 run the forward under autocast."""
     channels_last: bool = True
     """Run convolutions in channels-last memory format (faster on CPU and recent GPUs)."""
-    compile: bool = False
+    compile: bool = Field(default=False, json_schema_extra=RUN_ONLY)
     """Compile the hooked model with ``torch.compile`` (hooks are registered first and traced
     into the graph). Pays a compile of tens of seconds per worker; worth it on long GPU runs."""
 
@@ -193,23 +199,24 @@ class DataSpec(_Section):
     job at any file the machine can read."""
     tars: str | tuple[str, ...] | None = None
     """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``)."""
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    storage_options: dict[str, Any] = Field(default_factory=dict, json_schema_extra=RUN_ONLY)
     """fsspec options for remote images, manifests and tars (``endpoint_url``, ``key``, ``secret``...)."""
     extensions: tuple[str, ...] = IMAGE_EXTENSIONS
     """File name endings taken as images by the folder source (case-insensitive)."""
-    preprocess: Literal["auto", "imagenet"] = "auto"
+    preprocess: Literal["auto", "imagenet"] = Field(default="auto", json_schema_extra=RESOLVED)
     """Where the settings below that are left at ``auto`` come from: the model's own library (timm's
     data config, the Hugging Face image processor, open_clip's transform, torchvision's weights
     transforms) or ``imagenet`` (shorter side 256, crop 224, bilinear, ImageNet mean and std)."""
-    resize: int | tuple[int, int] | None | Literal["auto"] = "auto"
+    resize: int | tuple[int, int] | None | Literal["auto"] = Field(default="auto", json_schema_extra=RESOLVED)
     """``auto`` (see ``preprocess``); an int resizes the shorter side to it; ``[H, W]`` squashes every
     image to that size (no aspect kept); null: no resize."""
-    crop: int | tuple[int, int] | None | Literal["auto"] = "auto"
+    crop: int | tuple[int, int] | None | Literal["auto"] = Field(default="auto", json_schema_extra=RESOLVED)
     """``auto`` (the model's), a centre crop to a square of this size or to ``[H, W]``, or null
     (no crop: then ``resize`` is ``[H, W]``). The crop is the model's input size."""
-    crop_pct: float | None = Field(default=None, gt=0, le=1)
+    crop_pct: float | None = Field(default=None, gt=0, le=1, json_schema_extra=RESOLVED)
     """Instead of ``resize``: resize the shorter side to ``crop / crop_pct`` (timm's convention)."""
-    interpolation: Literal["auto", "bilinear", "bicubic", "nearest", "lanczos", "box", "hamming"] = "auto"
+    interpolation: Literal["auto", "bilinear", "bicubic", "nearest", "lanczos", "box", "hamming"] = Field(
+        default="auto", json_schema_extra=RESOLVED)
     jpeg_draft: bool = False
     """Decode large JPEGs at 1/2, 1/4 or 1/8 scale (libjpeg's DCT-domain downscale, Pillow's draft
     mode) when that still leaves the shorter side at least ``resize``: about 1.5 to 2 times faster
@@ -217,13 +224,13 @@ class DataSpec(_Section):
     how much); off by default. CPU decoding only (not ``decode_device: cuda``)."""
     max_image_pixels: int = Field(default=178_956_970, gt=0)
     """Images with more pixels fail their row before decoding (decompression bombs); raise it for trusted data."""
-    mean: tuple[float, float, float] | Literal["auto"] = "auto"
+    mean: tuple[float, float, float] | Literal["auto"] = Field(default="auto", json_schema_extra=RESOLVED)
     """Per-channel mean of the normalisation (``auto``: the model's; ImageNet's for torchvision)."""
-    std: tuple[float, float, float] | Literal["auto"] = "auto"
+    std: tuple[float, float, float] | Literal["auto"] = Field(default="auto", json_schema_extra=RESOLVED)
     shard_size: int = Field(default=1024, gt=0)
     """Rows per shard, the unit of work, retry and resume."""
-    batch_size: int = Field(default=64, gt=0)
-    decode_workers: int | Literal["auto"] = "auto"
+    batch_size: int = Field(default=64, gt=0, json_schema_extra=RUN_ONLY)
+    decode_workers: int | Literal["auto"] = Field(default="auto", json_schema_extra=RUN_ONLY)
     """Threads decoding images ahead of the forward pass: ``auto``, one per CPU of the worker (its
     ``cluster.cpus_per_worker`` on Ray, else the CPUs this process may use; at most 32), or a
     number (0: decode inline)."""
@@ -334,11 +341,11 @@ class CaptureSpec(_Section):
 
 
 class OutputSpec(_Section):
-    store: str = "out.zarr"
+    store: str = Field(default="out.zarr", json_schema_extra=RUN_ONLY)
     """Path or fsspec URL (``s3://bucket/run.zarr``) of the Zarr store to write."""
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    storage_options: dict[str, Any] = Field(default_factory=dict, json_schema_extra=RUN_ONLY)
     """fsspec options for a remote store; secrets here are never written to the store or logs."""
-    chunk_rows: int | Literal["auto"] = "auto"
+    chunk_rows: int | Literal["auto"] = Field(default="auto", json_schema_extra=RUN_ONLY)  # never changes values
     """Rows per chunk of every capture array, a divisor of data.shard_size; or ``auto`` (the
     default), decided per capture when the store is made: the largest divisor of data.shard_size
     up to 256 (250 for shards of 1000, 100 for 100), or more for a capture with small rows, up to
@@ -346,18 +353,18 @@ class OutputSpec(_Section):
     changes values: a resumed store keeps its own."""
     compression: Literal["zstd", "blosc", "gzip", "none"] = "zstd"
     compression_level: int | None = None
-    if_exists: Literal["error", "resume", "overwrite"] = "error"
+    if_exists: Literal["error", "resume", "overwrite"] = Field(default="error", json_schema_extra=RUN_ONLY)
     """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
-    reuse: tuple[str, ...] = ()
+    reuse: tuple[str, ...] = Field(default=(), json_schema_extra=RUN_ONLY)  # what it takes is checked to match
     """Other stores (paths or URLs, read with ``storage_options``) to take rows from instead of computing
     them: a row whose image has the content digest of an ok row there is copied, when the store was made
     by the same model weights, preprocessing and captures (checked before the job starts; a store that
     differs is refused, naming how). The store records where each row came from (``reused``)."""
-    on_change: Literal["refuse", "redo"] = "refuse"
+    on_change: Literal["refuse", "redo"] = Field(default="refuse", json_schema_extra=RUN_ONLY)
     """What ``--resume`` does when images of rows already computed changed since (their content digest
     differs where the source's size, modification time or ETag did): ``refuse`` names them; ``redo``
     computes their shards again. Never a store that mixes both versions."""
-    lease_timeout_s: float = Field(default=LEASE_TIMEOUT_S, gt=0)
+    lease_timeout_s: float = Field(default=60.0, gt=0, json_schema_extra=RUN_ONLY)
     """A running job renews its lease on the store; one silent this long is taken to be dead."""
 
     @field_validator("chunk_rows")
@@ -460,8 +467,8 @@ class JobSpec(_Section):
     data: DataSpec
     capture: tuple[CaptureSpec, ...] = Field(min_length=1)
     output: OutputSpec = Field(default_factory=OutputSpec)
-    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
-    submit: SubmitSpec = Field(default_factory=SubmitSpec)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, json_schema_extra=RUN_ONLY)
+    submit: SubmitSpec = Field(default_factory=SubmitSpec, json_schema_extra=RUN_ONLY)
 
     @model_validator(mode="after")
     def _chunks_fit_shards(self) -> JobSpec:
@@ -495,27 +502,6 @@ class JobSpec(_Section):
     def content_dict(self) -> dict[str, Any]:
         """The parts of the spec that decide what the store contains (compared on resume)."""
         return content_of(self.to_dict())
-
-
-# Fields that change how a job runs, not what it computes (beyond float rounding: another device or batch
-# size may sum in another order): a store may be resumed with them changed. model.channels_last is not one:
-# it changes stored values by about one float16 ulp, so a resumed store would mix both.
-RUN_ONLY_FIELDS = (
-    ("output", "chunk_rows"),  # chunking never changes values: a resumed store keeps its own
-    ("model", "device"),
-    ("model", "compile"),
-    ("data", "batch_size"),
-    ("data", "decode_workers"),
-    ("output", "if_exists"),
-    ("output", "on_change"),
-    ("output", "reuse"),  # taken rows are what this job computes: checked when it starts
-    ("output", "lease_timeout_s"),
-    ("output", "store"),
-    ("output", "storage_options"),
-    ("data", "storage_options"),
-    ("cluster", None),
-    ("submit", None),
-)
 
 
 # storage-option keys whose values are not secret; every other value is redacted
@@ -566,16 +552,25 @@ def redact_argv(argv: list[str]) -> list[str]:
 
 
 def content_of(spec_dict: dict[str, Any]) -> dict[str, Any]:
-    """``spec_dict`` (a resolved spec as plain data) without the run-only fields, and without the
-    preprocessing settings: what they resolve to (the store's ``preprocess`` record) is compared
-    instead, so that ``resize: auto`` and ``resize: 256`` that mean the same are the same."""
+    """``spec_dict`` (a resolved spec as plain data) without the fields marked run-only, and without the
+    preprocessing settings (marked resolved): what they resolve to (the store's ``preprocess`` record) is
+    compared instead, so that ``resize: auto`` and ``resize: 256`` that mean the same are the same."""
     d = copy.deepcopy(spec_dict)
-    for section, name in (*RUN_ONLY_FIELDS, *(("data", f) for f in PREPROCESS_FIELDS)):
-        if name is None:
+    for section, info in JobSpec.model_fields.items():
+        if _marked(info):
             d.pop(section, None)
-        elif isinstance(d.get(section), dict):
-            d[section].pop(name, None)
+            continue
+        fields = getattr(info.annotation, "model_fields", {})
+        if isinstance(d.get(section), dict):
+            for name in [n for n, f in fields.items() if _marked(f)]:
+                d[section].pop(name, None)
     return d
+
+
+def _marked(info: Any) -> bool:
+    """A field that is run-only or compared through what it resolves to (not as written)."""
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("run_only") or extra.get("resolved"))
 
 
 def _loc_to_path(loc: tuple[int | str, ...]) -> str:

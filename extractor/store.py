@@ -47,7 +47,6 @@ PENDING, OK, FAILED = 0, 1, 2
 STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
 ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint")
 ATTR = "extractor"  # root attribute holding everything this package records
-LEASE_TIMEOUT_S = 60.0  # output.lease_timeout_s's default: a store's spec that lacks it had this one
 
 
 def now() -> str:
