@@ -14,11 +14,11 @@ __all__ = ["open_store", "load_spec", "JobSpec", "run", "__version__"]
 
 if TYPE_CHECKING:
     from .api import run
-    from .reader import open_store
-    from .spec import JobSpec, load_spec
+    from .read.reader import open_store
+    from .spec.schema import JobSpec, load_spec
 
 _LAZY = {
-    "open_store": "reader",
+    "open_store": "read",
     "load_spec": "spec",
     "JobSpec": "spec",
     "run": "api",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError
-from .reader import ActivationStore, open_store
+from .read import ActivationStore, open_store
 from .spec import JobSpec, apply_overrides, parse_spec, read_spec
 
 __all__ = ["run"]
@@ -99,18 +99,18 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, overri
     ``store.last_run`` (a :class:`~extractor.runner.RunSummary`; ``.report()`` is what
     ``extractor run`` prints); a run in which every row failed raises :class:`DataError`.
     """
+    from .driver import LocalBackend
+    from .driver import run as run_spec
     from .errors import DataError
-    from .runner import LocalBackend
-    from .runner import run as run_spec
 
     spec = _spec(job, overrides, model)
     backend: Any = None
     if model is not None and spec.cluster.backend == "local":
-        from .worker import Worker
+        from .compute import Worker
 
         backend = LocalBackend(spec, Worker(spec, model=model))
     elif model is not None:
-        from .ray_backend import RayBackend
+        from .driver import RayBackend
 
         backend = RayBackend(spec, model=model)
     bar = _Progress(progress)

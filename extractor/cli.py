@@ -119,7 +119,7 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
     finish = resume_command or _command(*resume)
     from tqdm import tqdm
 
-    from .runner import run
+    from .driver import run
 
     bar: list[Any] = []
     eta: list[Estimate] = []
@@ -176,7 +176,7 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ._environment import check_submitted
+    from .driver import check_submitted
 
     differs = check_submitted()  # a submitted job: the cluster's packages against the submitting machine's
     if differs:
@@ -217,7 +217,7 @@ def _store_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .reader import open_store
+    from .read import open_store
 
     store = open_store(args.store, _store_options(args))
     if args.verify:
@@ -287,9 +287,9 @@ def _verify(store: Any, as_json: bool) -> int:
 def cmd_layers(args: argparse.Namespace) -> int:
     import yaml
 
+    from .data import from_dict
+    from .data import resolve as resolve_preprocess
     from .model import build_model, layer_table, model_call
-    from .preprocess import from_dict
-    from .preprocess import resolve as resolve_preprocess
     from .spec import load_spec, parse_model_spec
 
     logging.getLogger("extractor.model").setLevel(logging.ERROR)  # random init is fine for shapes
@@ -351,9 +351,7 @@ def _parse_rows(text: str | None) -> slice | None:
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .analysis import finite, image_grid, pca, scatter_plot
-    from .reader import open_store
-    from .show import gradcam_grid
+    from .read import finite, gradcam_grid, image_grid, open_store, pca, scatter_plot
 
     store = open_store(args.store, _store_options(args))
     cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
@@ -387,8 +385,7 @@ def _print_probe(results: dict) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from .analysis import bar_chart, probe_store
-    from .reader import open_store
+    from .read import bar_chart, open_store, probe_store
 
     store = open_store(args.store, _store_options(args))
     results = probe_store(store, args.keys or None, folds=args.folds, max_rows=args.max_rows)
@@ -428,8 +425,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if code == 0:
         print()
         cmd_inspect(argparse.Namespace(store=spec.output.store, json=False, verify=False))
-        from .analysis import bar_chart, pca, probe_store, scatter_plot
-        from .reader import open_store
+        from .read import bar_chart, open_store, pca, probe_store, scatter_plot
 
         store = open_store(spec.output.store)
         results = probe_store(store, folds=5)
@@ -456,8 +452,9 @@ def _address(args: argparse.Namespace) -> str:
 def cmd_submit(args: argparse.Namespace) -> int:
     import yaml
 
+    from .driver import client, follow_logs
+    from .driver.submit import submit
     from .spec import load_spec
-    from .submit import client, follow_logs, submit
 
     spec = load_spec(args.job, list(args.set or []))
     address = _address(args)
@@ -485,8 +482,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    from .driver import client, follow_logs
     from .errors import ClusterError
-    from .submit import client, follow_logs
 
     c = client(_address(args))
     try:

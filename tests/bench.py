@@ -63,7 +63,7 @@ def compare_thingsvision() -> str:
     """Largest per-row relative difference between thingsvision's avgpool features and the store's."""
     import numpy as np
 
-    from extractor.reader import open_store
+    from extractor.read.reader import open_store
 
     out = WORK / "thingsvision-out"
     names = [ln.strip() for ln in (out / "file_names.txt").read_text().splitlines() if ln.strip()]
@@ -132,8 +132,8 @@ CAPTURES = {
 def extract(args: argparse.Namespace) -> dict:
     import logging
 
-    from extractor.runner import run
-    from extractor.spec import parse_spec
+    from extractor.driver.runner import run
+    from extractor.spec.schema import parse_spec
 
     store = WORK / f"{args.variant}.zarr"
     ray = args.variant == "ray"
@@ -147,7 +147,7 @@ def extract(args: argparse.Namespace) -> dict:
         "cluster": {"backend": "ray", "workers": 1, "cpus_per_worker": cpus, "local_cpus": cpus} if ray
         else {"backend": "local"},
     })
-    logging.getLogger("extractor.model").setLevel(logging.ERROR)
+    logging.getLogger("extractor.model.build").setLevel(logging.ERROR)
     first: list[float] = []
     t0 = time.perf_counter()
     summary = run(spec, on_event=lambda name, info: first.append(time.perf_counter())
@@ -163,9 +163,9 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
     """Shuffled streaming (chunk-aware) against a sequential read of the same store."""
     import numpy as np
 
-    from extractor.reader import open_store
-    from extractor.rows import Rows
-    from extractor.store import OK, Layout, create_store
+    from extractor.data.rows import Rows
+    from extractor.read.reader import open_store
+    from extractor.store.format import OK, Layout, create_store
 
     url = str(WORK / "reader.zarr")
     rng = np.random.default_rng(0)
@@ -221,9 +221,9 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
     """Token rows for SAE training (token_batches, shuffled across images) against a sequential read."""
     import numpy as np
 
-    from extractor.reader import open_store
-    from extractor.rows import Rows
-    from extractor.store import OK, Layout, create_store
+    from extractor.data.rows import Rows
+    from extractor.read.reader import open_store
+    from extractor.store.format import OK, Layout, create_store
 
     url = str(WORK / "tokens.zarr")
     meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from extractor.decode import ImageDecoder
-from extractor.spec import DataSpec
+from extractor.data.decode import ImageDecoder
+from extractor.spec.schema import DataSpec
 
 SIZES = ((500, 375), (1024, 768), (2048, 1536))
 SPEC = {"root": "unused", "resize": 256, "crop": 224}  # the model's input, as DataSpec settings

@@ -23,9 +23,9 @@ import torch
 from gpu_check import SliceStream
 from torch import nn
 
-from extractor.runner import LocalBackend, run
-from extractor.spec import parse_spec
-from extractor.worker import Worker
+from extractor.compute.worker import Worker
+from extractor.driver.runner import LocalBackend, run
+from extractor.spec.schema import parse_spec
 
 BATCH = 256
 BATCHES = 40

@@ -43,12 +43,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from extractor import worker as worker_mod  # noqa: E402
-from extractor.batching import Batch  # noqa: E402
-from extractor.decode import ImageDecoder, JpegDecoder  # noqa: E402
-from extractor.reader import open_store  # noqa: E402
-from extractor.runner import LocalBackend, run  # noqa: E402
-from extractor.spec import parse_spec  # noqa: E402
+from extractor.compute import worker as worker_mod  # noqa: E402
+from extractor.data.decode import ImageDecoder, JpegDecoder  # noqa: E402
+from extractor.data.stream import Batch  # noqa: E402
+from extractor.driver.runner import LocalBackend, run  # noqa: E402
+from extractor.read.reader import open_store  # noqa: E402
+from extractor.spec.schema import parse_spec  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
 POOLED = [{"layer": "avgpool", "reduce": "flatten"}, {"layer": "layer3", "reduce": "mean"}]
@@ -456,9 +456,9 @@ def stage_compile(args: argparse.Namespace, photos: Path) -> None:
 FAULT_CHILD = """
 import json, sys
 sys.path[:0] = [{tests!r}, {repo!r}]
-from extractor.runner import run
-from extractor.spec import parse_spec
-from extractor.reader import open_store
+from extractor.driver.runner import run
+from extractor.spec.schema import parse_spec
+from extractor.read.reader import open_store
 try:
     run(parse_spec({raw!r}))
     out = {{"raised": None}}
@@ -521,7 +521,7 @@ def main() -> None:
     p.add_argument("--stages", default="correct,decode,predecoded,overhead,jpeg,compile")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("extractor.model").setLevel(logging.ERROR)
+    logging.getLogger("extractor.model.build").setLevel(logging.ERROR)
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,8 @@ import pytest
 from conftest import job, make_images
 
 from extractor.cli import main
-from extractor.runner import run
-from extractor.spec import parse_spec
+from extractor.driver.runner import run
+from extractor.spec.schema import parse_spec
 
 
 def _store(tmp: Path, name: str, root: Path) -> str:
@@ -55,11 +55,13 @@ def test_probe_and_show_refuse_too_few_folds_or_rows(stores, capsys):
 
 
 def test_probe_chart_title_gives_the_folds_run(stores, tmp_path: Path, monkeypatch):
-    import extractor.analysis
+    import extractor.read.analysis
 
     titles = []
-    real = extractor.analysis.bar_chart
-    monkeypatch.setattr(extractor.analysis, "bar_chart", lambda res, title: titles.append(title) or real(res, title))
+    real = extractor.read.analysis.bar_chart
+    monkeypatch.setattr(
+        extractor.read.analysis, "bar_chart", lambda res, title: titles.append(title) or real(res, title)
+    )
     ok, _ = stores
     assert main(["probe", ok, "--folds", "10", "--out", str(tmp_path / "p.png")]) == 0  # 6 rows: 6 folds
     assert titles == [f"linear probe, 6-fold accuracy: {ok}"]
@@ -68,7 +70,7 @@ def test_probe_chart_title_gives_the_folds_run(stores, tmp_path: Path, monkeypat
 def test_a_store_without_ok_rows(stores, tmp_path: Path, capsys):
     from PIL import Image, ImageDraw
 
-    from extractor._pictures import fit_text as _fit
+    from extractor.read.pictures import fit_text as _fit
 
     _, failed = stores
     assert main(["show", failed, "--key", "emb", "--out", str(tmp_path / "pca.png")]) == 1

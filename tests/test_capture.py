@@ -8,11 +8,11 @@ import torch
 import toy_models
 from PIL import Image
 
-from extractor.capture import Capturer, resolve_targets
+from extractor.driver.runner import run
 from extractor.errors import LayerError
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import CaptureSpec, parse_spec
+from extractor.model.capture import Capturer, resolve_targets
+from extractor.read.reader import open_store
+from extractor.spec.schema import CaptureSpec, parse_spec
 
 
 def caps(*items: dict) -> list[CaptureSpec]:
@@ -150,7 +150,7 @@ def test_keys_the_store_uses_for_its_own_arrays_are_refused(key: str):
 @pytest.mark.parametrize(("reduce", "shape"), [("none", (5, 7)), ("mean", (7,)), ("max", (7,)), ("cls", (7,)),
                                                ("flatten", (35,))])
 def test_token_reductions(reduce: str, shape: tuple[int, ...]):
-    from extractor.capture import reduce_tensor
+    from extractor.model.capture import reduce_tensor
 
     t = torch.randn(2, 5, 7)
     out = reduce_tensor(t, reduce, "x")

@@ -1,4 +1,4 @@
-"""extractor.chunks writes whole chunks as zarr writes them: the same bytes under the same keys,
+"""extractor.store.chunks writes whole chunks as zarr writes them: the same bytes under the same keys,
 for every compression a store can have; what it does not know goes through zarr."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import zarr
 from zarr.codecs import TransposeCodec
 
-from extractor.chunks import ChunkCodec, write_chunks
-from extractor.store import _compressors
+from extractor.store.chunks import ChunkCodec, write_chunks
+from extractor.store.format import _compressors
 
 
 def _pair(tmp_path: Path, compression: str, level: int | None, dtype: str, shape: tuple[int, ...]):

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from conftest import job, make_images
 
-from extractor.reader import open_store
-from extractor.worker import PROBE_FORWARDS
+from extractor.compute.worker import PROBE_FORWARDS
+from extractor.read.reader import open_store
 
 TESTS = Path(__file__).resolve().parent
 
@@ -146,10 +146,10 @@ def test_preflight_prints_sizes_and_a_time_estimate_from_the_first_batches(tmp_p
 
 
 def test_an_interrupted_demo_prints_a_run_command_that_finishes_it(tmp_path: Path, monkeypatch, capsys):
-    import extractor.runner
+    import extractor.driver.runner
     from extractor.cli import main
 
-    real_run = extractor.runner.run
+    real_run = extractor.driver.runner.run
 
     def interrupted(spec, **kwargs):  # Ctrl-C as the first shard starts: the store exists, unfinished
         def stop(name: str, info: dict) -> None:
@@ -158,13 +158,13 @@ def test_an_interrupted_demo_prints_a_run_command_that_finishes_it(tmp_path: Pat
 
         return real_run(spec, on_event=stop, **kwargs)
 
-    monkeypatch.setattr(extractor.runner, "run", interrupted)
+    monkeypatch.setattr(extractor.driver.runner, "run", interrupted)
     base = tmp_path / "demo dir"  # a space: the printed command quotes it
     assert main(["demo", "--dir", str(base), "--per-class", "1", "-q", "--set", "data.crop=32"]) == 130
     printed = capsys.readouterr().err.strip().splitlines()[-1].strip()
     job_yaml = str(base / "job.yaml")
     assert printed == shlex.join([sys.executable, "-m", "extractor.cli", "run", job_yaml, "-q", "--resume"])
-    monkeypatch.setattr(extractor.runner, "run", real_run)
+    monkeypatch.setattr(extractor.driver.runner, "run", real_run)
     assert main(shlex.split(printed)[3:]) == 0  # what follows "python -m extractor.cli"
     s = open_store(str(base / "demo.zarr"))
     assert (s.status == 1).all() and s["embedding"].shape == (4, 512)
@@ -296,8 +296,8 @@ def test_a_job_submitted_to_a_cluster_prints_the_command_that_finishes_it(image_
 
 def test_the_report_gives_the_wall_rate_and_labels_the_workers_compute_rates(image_dir: Path, tmp_path: Path):
     """issue 25, item 11: the report's images/s was the workers' compute rate (97 shown, 10.8 end to end)."""
-    from extractor.runner import run
-    from extractor.spec import parse_spec
+    from extractor.driver.runner import run
+    from extractor.spec.schema import parse_spec
 
     summary = run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
     report = summary.report()
@@ -312,8 +312,8 @@ def test_an_error_after_the_store_was_touched_prints_the_command_that_finishes_i
     """issue 26, defect 13: a Ray worker that kept dying while starting stopped the job with no resume line;
     any error once the store is the job's says how to finish it."""
     from extractor.cli import main
+    from extractor.driver.runner import LocalBackend
     from extractor.errors import ClusterError
-    from extractor.runner import LocalBackend
 
     def dies(*args: object, **kwargs: object) -> None:
         raise ClusterError("a Ray worker failed to start: RayActorError: it died")

@@ -11,8 +11,8 @@ import zarr
 from conftest import job
 
 from extractor import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
+from extractor.driver.runner import run
+from extractor.spec.schema import parse_spec
 
 
 def _spec(image_dir: Path, store: Path, compile_: bool, capture: list[dict], **output: str):

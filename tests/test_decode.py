@@ -15,9 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
-from extractor.batching import iter_batches
-from extractor.decode import EncodedJpeg, ImageDecoder, JpegDecoder
-from extractor.spec import DataSpec
+from extractor.data.decode import EncodedJpeg, ImageDecoder, JpegDecoder
+from extractor.data.stream import iter_batches
+from extractor.spec.schema import DataSpec
 
 
 def photo(h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -140,9 +140,9 @@ def test_read_keeps_the_bytes_and_orientation(tmp_path: Path):
 def test_gpu_decoding_without_a_gpu_is_a_clear_error(image_dir: Path, tmp_path: Path):
     from conftest import job
 
+    from extractor.driver.runner import run
     from extractor.errors import ModelError
-    from extractor.runner import run
-    from extractor.spec import parse_spec
+    from extractor.spec.schema import parse_spec
 
     raw = job(image_dir, tmp_path / "s.zarr", data={"decode_device": "cuda"})
     with pytest.raises(ModelError, match="data.decode_device: cuda needs the model on a CUDA GPU.*decode_device: cpu"):
@@ -156,7 +156,7 @@ def test_jpeg_draft_decodes_at_the_smallest_scale_the_resize_allows(w: int, h: i
                                                                      scale: int):
     """data.jpeg_draft: libjpeg's 1/2, 1/4, 1/8 scale, only while the shorter side stays >= resize
     (72 here; the crop 64); the pixels stay close to a full decode's."""
-    from extractor.decode import rgb_from_bytes
+    from extractor.data.decode import rgb_from_bytes
 
     data = jpeg_bytes(photo(h, w, seed=w), orientation=orientation)
     drafted = ImageDecoder(DataSpec(root="unused", resize=72, crop=64, jpeg_draft=True))
@@ -176,7 +176,7 @@ def test_jpeg_draft_decodes_at_the_smallest_scale_the_resize_allows(w: int, h: i
 
 
 def test_jpeg_draft_leaves_other_formats_alone_and_is_refused_where_it_would_do_nothing():
-    from extractor.decode import rgb_from_bytes
+    from extractor.data.decode import rgb_from_bytes
 
     arr = photo(480, 640)
     png = io.BytesIO()

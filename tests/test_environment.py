@@ -8,7 +8,7 @@ from importlib import metadata
 
 import pytest
 
-from extractor._environment import SUBMITTED, check_environment, check_submitted, environment
+from extractor.driver.environment import SUBMITTED, check_environment, check_submitted, environment
 from extractor.errors import ClusterError
 
 

@@ -10,13 +10,13 @@ import torch
 from conftest import job
 from PIL import Image
 
+from extractor.compute.worker import Worker
+from extractor.data.listing import list_rows
+from extractor.data.rows import plan
+from extractor.driver.runner import run
 from extractor.errors import DataError, SpecError
-from extractor.listing import list_rows
-from extractor.reader import open_store
-from extractor.rows import plan
-from extractor.runner import run
-from extractor.spec import parse_spec
-from extractor.worker import Worker
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 
 def tutorial_job(tmp_path: Path, double_grad: bool) -> dict:
@@ -122,7 +122,7 @@ def test_no_hooks_no_parameter_grads_no_graph_after_a_job(image_dir: Path, tmp_p
     spec = parse_spec(job(image_dir, tmp_path / "s.zarr", capture=GRAD_CAPTURES))
     worker = Worker(spec)
     rows = list_rows(spec.data)
-    from extractor.store import Layout, create_store
+    from extractor.store.format import Layout, create_store
 
     layout = worker.layout()
     create_store(str(tmp_path / "s.zarr"), rows, Layout(captures=layout["captures"], extras=layout["extras"],
@@ -178,7 +178,7 @@ def test_show_draws_gradcam_overlays(image_dir: Path, tmp_path: Path):
     assert img.size == (3 * 64, 2 * (64 + 16))
     # the overlay differs from the bare image: the map is drawn
     s = open_store(str(tmp_path / "s.zarr"))
-    from extractor._pictures import crop_like_job as _crop_like_job
+    from extractor.read.pictures import crop_like_job as _crop_like_job
 
     bare = np.asarray(_crop_like_job(str(s.paths[0]), s), dtype=np.int16)
     tile = np.asarray(img.convert("RGB"), dtype=np.int16)[:64, :64]

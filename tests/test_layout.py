@@ -12,10 +12,10 @@ import zarr
 from conftest import job
 from test_worker import reference_batch
 
+from extractor.driver.runner import run
 from extractor.errors import LayerError
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 SWIN = {"name": "swin_t", "weights": None, "device": "cpu"}
 DATA = {"resize": 72, "crop": 64}  # maps of 16x16 (features.1), 8x8 (features.3)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from extractor.errors import ModelError
-from extractor.model import build_model, layer_table, state_dict_hash
-from extractor.spec import ModelSpec
+from extractor.model.build import build_model, layer_table, state_dict_hash
+from extractor.spec.schema import ModelSpec
 
 
 def test_random_init_is_seeded_and_described():

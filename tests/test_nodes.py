@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from conftest import free_port, job, make_images
 
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
+from extractor.driver.runner import run
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 ray = pytest.importorskip("ray")
 TESTS = Path(__file__).resolve().parent
@@ -230,8 +230,8 @@ def test_no_worker_left_for_startup_timeout_stops_the_job_and_resume_finishes(cl
     --resume finishes with the store a clean run makes."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from extractor.driver.ray_backend import RayBackend
     from extractor.errors import ClusterError
-    from extractor.ray_backend import RayBackend
 
     ref = reference(images, tmp_path / "ref.zarr")
     head = next(n["NodeID"] for n in alive_nodes() if "node_b" not in n["Resources"])

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from extractor.data.preprocess import IMAGENET, Preprocess, of_store, resolve
 from extractor.errors import SpecError
-from extractor.preprocess import IMAGENET, Preprocess, of_store, resolve
-from extractor.spec import DataSpec
+from extractor.spec.schema import DataSpec
 
 TIMM = Preprocess(resize=248, crop=(224, 224), interpolation="bicubic", mean=(0.5,) * 3, std=(0.5,) * 3,
                   crop_pct=0.9, source="timm data config of x")

@@ -17,12 +17,12 @@ import yaml
 from conftest import job, make_images
 from PIL import Image
 
+from extractor.compute.worker import PROBE_FORWARDS
+from extractor.data.rows import Shard
+from extractor.driver.runner import run
 from extractor.errors import ClusterError, LayerError, ShardError
-from extractor.reader import open_store
-from extractor.rows import Shard
-from extractor.runner import run
-from extractor.spec import parse_spec
-from extractor.worker import PROBE_FORWARDS
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 ray = pytest.importorskip("ray")
 TESTS = Path(__file__).resolve().parent
@@ -191,7 +191,7 @@ def test_a_worker_that_always_fails_as_a_whole_ends_the_job(ray_cluster, slow_im
 
 
 def test_shards_lost_together_are_redone_alone_and_only_a_lone_death_is_charged():
-    from extractor.ray_backend import _Schedule
+    from extractor.driver.ray_backend import _Schedule
 
     shards = [Shard(i, 2 * i, 2 * i + 2) for i in range(5)]
     plan = _Schedule(shards[:4], max_retries=0)
@@ -243,7 +243,7 @@ def test_more_workers_than_fit_run_on_those_that_fit(ray_cluster, image_dir: Pat
     deadline = time.monotonic() + 60
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)  # the actors of the tests before release their CPUs a moment after they are killed
-    with caplog.at_level("WARNING", logger="extractor.ray_backend"):
+    with caplog.at_level("WARNING", logger="extractor.driver.ray_backend"):
         summary = run(parse_spec(raw))
     assert "2 of the 3 workers asked for (cluster.workers) fit" in caplog.text
     assert summary.ok == 12 and {w["worker"] for w in summary.workers} == {0, 1}
@@ -367,7 +367,7 @@ def test_a_sigterm_during_ray_start_up_is_an_interruption(image_dir: Path, tmp_p
     """issue 17, defect 7: ray.init holds its own SIGTERM handler (sys.exit(15)) while it starts: a
     pre-emption then exited 15 silently instead of the interruption every other moment gives (130, the
     resume line)."""
-    from extractor import ray_backend
+    from extractor.driver import ray_backend as ray_backend
 
     def init(**kwargs):
         raise SystemExit(signal.SIGTERM)  # what Ray's handler does when SIGTERM comes during its start-up
@@ -396,7 +396,7 @@ def test_an_embedded_cluster_listens_on_loopback_even_when_ray_was_imported_firs
     setting the variable before ray.init came too late: an embedded cluster took the machine's other
     address and listened on every interface. Checked in a process without the variable (no Ray is
     started: the address Ray would bind is asked for)."""
-    code = ("import os, ray._private.services as s, extractor.ray_backend as rb\n"
+    code = ("import os, ray._private.services as s, extractor.driver.ray_backend as rb\n"
             "assert 'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER' not in os.environ\n"
             "rb.loopback_only()\n"
             "print(s.get_node_ip_address())\n")

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from conftest import job, make_images
 
+from extractor.data.rows import Rows
+from extractor.driver.runner import run
 from extractor.errors import StoreError
-from extractor.reader import ActivationStore, open_store
-from extractor.rows import Rows
-from extractor.runner import run
-from extractor.spec import parse_spec
-from extractor.store import FAILED, OK, Layout, create_store
+from extractor.read.reader import ActivationStore, open_store
+from extractor.spec.schema import parse_spec
+from extractor.store.format import FAILED, OK, Layout, create_store
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_torch_views_without_torch_say_how_to_install(synthetic, monkeypatch):
 
     s, _ = synthetic
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails as if not installed
-    monkeypatch.delitem(sys.modules, "extractor._torch", raising=False)
+    monkeypatch.delitem(sys.modules, "extractor.read.torch_views", raising=False)
     for view in (s.torch_dataset, s.dataloader):
         with pytest.raises(ImportError, match=r"needs torch: pip install torch"):
             view("emb")
@@ -277,8 +277,8 @@ def test_xarray_open_zarr_without_this_package(store):
 
 
 def test_probe_is_near_chance_on_shuffled_labels_and_high_on_separable_classes(tmp_path: Path):
-    from extractor.analysis import linear_probe, probe_store
     from extractor.demo import write_sample_images
+    from extractor.read.analysis import linear_probe, probe_store
 
     write_sample_images(tmp_path / "imgs", per_class=20, size=64)
     raw = job(tmp_path / "imgs", tmp_path / "s.zarr", data={"resize": None, "crop": 64, "shard_size": 16,
@@ -296,12 +296,12 @@ def test_probe_is_near_chance_on_shuffled_labels_and_high_on_separable_classes(t
 
 
 def test_probe_folds_are_checked_not_quietly_changed(caplog: pytest.LogCaptureFixture):
-    from extractor.analysis import linear_probe
+    from extractor.read.analysis import linear_probe
 
     x, y = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32), np.array([0, 1] * 3)
     with pytest.raises(ValueError, match="folds >= 2, not 1"):
         linear_probe(x, y, folds=1)
-    with caplog.at_level("WARNING", logger="extractor.analysis"):
+    with caplog.at_level("WARNING", logger="extractor.read.analysis"):
         res = linear_probe(x, y, folds=10)
     assert len(res["folds"]) == 6 and "a 10-fold probe of 6 rows: 6 folds" in caplog.text
 
@@ -337,10 +337,10 @@ def test_nan_and_inf_are_stored_as_computed_and_counted(tmp_path: Path, caplog: 
     assert st["inf"] == 4 and st["nonfinite_rows"] == 1 and st["first_nonfinite_rows"] == [3]
     assert np.isfinite(st["mean"]).all()
     # a probe and a PCA leave such rows out, saying so (they gave a NaN accuracy and an SVD error)
-    from extractor.analysis import probe_store
     from extractor.cli import main
+    from extractor.read.analysis import probe_store
 
-    with caplog.at_level("WARNING", logger="extractor.analysis"):
+    with caplog.at_level("WARNING", logger="extractor.read.analysis"):
         res = probe_store(s, folds=2)["conv"]
     assert res["rows"] == 6 and np.isfinite(res["accuracy"])
     assert "conv: 1 of 7 rows hold NaN or Inf and are left out (first: 3)" in caplog.text
@@ -355,7 +355,7 @@ def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, c
     import zarr
 
     from extractor.cli import main
-    from extractor.store import update_attrs
+    from extractor.store.format import update_attrs
 
     url = str(tmp_path / "s.zarr")
     run(parse_spec(job(image_dir, tmp_path / "s.zarr")))

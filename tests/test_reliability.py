@@ -22,13 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from extractor.compute.worker import PROBE_FORWARDS
+from extractor.data.listing import list_rows
+from extractor.driver.runner import run
 from extractor.errors import DeviceError, ShardError, SpecError, StoreError
-from extractor.listing import list_rows
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
-from extractor.store import ShardWriter
-from extractor.worker import PROBE_FORWARDS
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
+from extractor.store.format import ShardWriter
 
 TESTS = Path(__file__).resolve().parent
 
@@ -78,7 +78,7 @@ def test_odd_images(tmp_path: Path):
     # EXIF orientation applied: the 40x20 image stands up as 20x40, so a 20x20 crop of it differs
     # from the crop of the same pixels without the tag
     assert not np.array_equal(c["a/rotated.jpg"], c["a/plain.png"])
-    from extractor.decode import open_rgb
+    from extractor.data.decode import open_rgb
 
     assert open_rgb(str(a / "rotated.jpg")).size == (20, 40)
 
@@ -189,9 +189,10 @@ def test_a_shard_interrupted_by_the_failure_of_the_one_before_goes_back_to_the_q
     """Shard 0's last batch is read back during shard 1's first batch; a write error of shard 0
     surfacing there fails shard 0 only, and shard 1 returns to the queue (a Ray actor's
     pipeline then runs it: its caller must not wait forever)."""
-    from extractor import pipeline, shardio
-    from extractor import worker as worker_mod
-    from extractor.rows import plan
+    from extractor.compute import pipeline as pipeline
+    from extractor.compute import shard as shardio
+    from extractor.compute import worker as worker_mod
+    from extractor.data.rows import plan
 
     raw = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
     run(parse_spec(raw))  # creates the store
@@ -325,7 +326,7 @@ def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_pat
 def test_a_lease_from_another_host_expires_after_its_timeout(image_dir: Path, tmp_path: Path):
     import zarr
 
-    from extractor.store import Lease
+    from extractor.store.format import Lease
 
     raw = job(image_dir, tmp_path / "s.zarr")
     run(parse_spec(raw))
@@ -355,7 +356,7 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allo
        known=st.booleans())
 def test_random_invalid_specs_raise_spec_errors_naming_a_field(section: str, key: str, value, known: bool):
     base = {"data": {"root": "images"}, "capture": [{"layer": "layer3"}]}
-    from extractor.spec import JobSpec
+    from extractor.spec.schema import JobSpec
 
     if section == "capture":
         fields = list(JobSpec.model_fields["capture"].annotation.__args__[0].model_fields)
@@ -380,8 +381,8 @@ def test_a_storage_that_dies_mid_job_is_one_line_with_the_resume_command(
         image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """issue 17, defect 6: a full disk made the runner's own "failed" mark raise too, masking the first
     error: a raw traceback, the store left "running", no resume hint."""
-    from extractor import runner as runner_mod
     from extractor.cli import main
+    from extractor.driver import runner as runner_mod
 
     real_write, real_update = ShardWriter.write, runner_mod.update_attrs
 
@@ -577,7 +578,7 @@ def test_an_interrupt_before_the_first_shard_marks_the_store_interrupted(image_d
                                                                          monkeypatch: pytest.MonkeyPatch, mode: str):
     """issue 25 item 12, issue 26 defect 12: a store just created, or resumed and marked running, that is
     interrupted before its shards start says interrupted (before: running)."""
-    import extractor.runner as runner
+    import extractor.driver.runner as runner
 
     raw = job(image_dir, tmp_path / "s.zarr")
     if mode == "resume":
@@ -617,7 +618,7 @@ def test_the_lease_is_released_after_a_slow_renewal_without_a_thread_error(image
     crashed (AttributeError on None.wait) and could land a renewal after the release."""
     import threading
 
-    from extractor.store import Lease, read_lease
+    from extractor.store.format import Lease, read_lease
 
     run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
     lease = Lease(str(tmp_path / "s.zarr"), None, 0.2, {"pid": os.getpid()})
@@ -659,7 +660,7 @@ def test_a_second_ctrl_c_while_stopping_exits_130(tmp_path: Path):
 
 def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_path: Path):
     """issue 26, defect 11: a store a live job is creating was called "left half-created by a run that failed"."""
-    from extractor.store import Lease, _create_root, read_attrs
+    from extractor.store.format import Lease, _create_root, read_attrs
 
     url = str(tmp_path / "s.zarr")
     _create_root(url, {"spec": {}}, None)

@@ -20,10 +20,10 @@ import yaml
 from conftest import free_port, job, kill_processes_mentioning
 from test_sources import write_tars
 
+from extractor.driver.runner import run
 from extractor.errors import DataError
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 pytestmark = pytest.mark.slow
 VENV_BIN = Path(sys.executable).parent
@@ -259,7 +259,7 @@ def test_submit_refuses_relative_paths_that_would_mean_another_place_on_the_clus
 
 def test_a_port_with_401_in_it_is_not_taken_for_a_refused_token():
     """A refused connection to :40123 repeats the address; only an HTTP 401 means a token is missing."""
-    from extractor.submit import _explain
+    from extractor.driver.submit import _explain
 
     refused = _explain("http://127.0.0.1:40123", ConnectionError("Failed to connect to http://127.0.0.1:40123."))
     assert "cannot reach the Ray Jobs API" in str(refused)
@@ -290,7 +290,7 @@ def test_the_lease_on_s3_is_a_compare_and_swap(s3, image_dir: Path, tmp_path: Pa
     import zarr
 
     from extractor.errors import FencedError, StoreError
-    from extractor.store import Lease, read_lease
+    from extractor.store.format import Lease, read_lease
 
     fs, options = s3
     url = "s3://bucket/lease.zarr"

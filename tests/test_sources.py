@@ -12,13 +12,13 @@ from conftest import job, make_images
 from hypothesis import given
 from hypothesis import strategies as st
 
+from extractor.data.listing import list_rows
+from extractor.data.rows import plan
+from extractor.data.tars import expand_braces
+from extractor.driver.runner import run
 from extractor.errors import DataError
-from extractor.listing import list_rows
-from extractor.reader import open_store
-from extractor.rows import plan
-from extractor.runner import run
-from extractor.spec import parse_spec
-from extractor.tarsource import expand_braces
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 
 def write_tars(images: list[Path], out: Path, per_tar: int, labels: dict[str, object] | None = None,
@@ -64,7 +64,7 @@ def test_tar_shards_give_the_same_arrays_as_the_folder(image_dir: Path, tmp_path
     for key in ("layer3", "layer4"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
     # pictures of tar rows read the member's bytes, as the job did
-    from extractor.analysis import image_grid
+    from extractor.read.analysis import image_grid
 
     tiles = [np.asarray(image_grid(s, np.array([0]), columns=1))[:64] for s in (a, b)]
     np.testing.assert_array_equal(tiles[0], tiles[1])
@@ -145,12 +145,12 @@ def test_whole_numbers_written_as_floats_are_integer_labels(image_dir: Path, tmp
 
 def test_numbers_that_are_not_all_whole_stay_class_names_with_a_warning(image_dir: Path, tmp_path: Path,
                                                                         caplog: pytest.LogCaptureFixture):
-    with caplog.at_level("WARNING", logger="extractor.rows"):
+    with caplog.at_level("WARNING", logger="extractor.data.rows"):
         rows = manifest_rows(image_dir, tmp_path, "m.csv", "path,label\ncats/cats00.jpg,1\ncats/cats01.png,2.5\n")
     assert rows.classes == ["1", "2.5"] and rows.labels == [0, 1]
     assert "m.csv row 2: label '2.5' is not a whole number, so every label is taken as a class name" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="extractor.rows"):
+    with caplog.at_level("WARNING", logger="extractor.data.rows"):
         rows = manifest_rows(image_dir, tmp_path, "m.jsonl", '{"path": "cats/cats00.jpg", "label": 0.5}\n')
     assert rows.classes == ["0.5"] and "m.jsonl row 1: label 0.5 is not a whole number" in caplog.text
     rows = manifest_rows(image_dir, tmp_path, "m.csv", "path,label\ncats/cats00.jpg,+1\ncats/cats01.png,-1\n")
@@ -174,7 +174,7 @@ def test_tar_labels_written_as_floats_are_integers(image_dir: Path, tmp_path: Pa
     assert rows.labels == [3] * 6 + [10] * 6 and rows.classes == []
     rows = tar_rows("json", labels={"cats": 2.0, "dogs": 0.0}, json_labels=True)
     assert rows.labels == [2] * 6 + [0] * 6 and rows.classes == []
-    with caplog.at_level("WARNING", logger="extractor.rows"):
+    with caplog.at_level("WARNING", logger="extractor.data.rows"):
         rows = tar_rows("half", labels={"cats": "0.5", "dogs": "1"})
     assert rows.classes == ["0.5", "1"] and "tar shard " in caplog.text
     assert "sample 'cats/cats00': label '0.5'" in caplog.text
@@ -202,7 +202,7 @@ def test_a_stray_image_in_the_root_gets_no_label_and_a_warning_and_hidden_folder
     (tmp_path / "a" / "top.png").write_bytes((tmp_path / "a" / "b" / "b01.png").read_bytes())
     (tmp_path / "a" / ".ipynb_checkpoints").mkdir()
     (tmp_path / "a" / ".ipynb_checkpoints" / "c.png").write_bytes((tmp_path / "a" / "b" / "b01.png").read_bytes())
-    with caplog.at_level("WARNING", logger="extractor.listing"):
+    with caplog.at_level("WARNING", logger="extractor.data.listing"):
         rows = list_rows(parse_spec(job(tmp_path / "a", tmp_path / "s.zarr")).data)
     assert rows.ids == ["top.png", "b/b00.jpg", "b/b01.png", "z/z00.jpg", "z/z01.png"]
     assert rows.classes == ["b", "z"] and rows.labels == [-1, 0, 0, 1, 1]  # the others keep their labels
@@ -230,7 +230,7 @@ def test_batch_stream_decodes_ahead_across_shards_but_never_mixes_them():
 
     import torch
 
-    from extractor.batching import BatchStream
+    from extractor.data.stream import BatchStream
 
     started: list[str] = []
     lock = threading.Lock()

@@ -10,13 +10,13 @@ import pytest
 from conftest import job, make_images
 from test_sources import write_tars
 
-from extractor.decode import open_rgb
+from extractor.data.decode import open_rgb
+from extractor.data.files import read_bytes
+from extractor.data.listing import list_rows
+from extractor.driver.runner import run
 from extractor.errors import DataError
-from extractor.files import read_bytes
-from extractor.listing import list_rows
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 
 def tar_with_hashes(images: list[Path], path: Path) -> dict[str, bytes]:

@@ -7,7 +7,7 @@ import yaml
 
 from extractor.demo import DEMO_JOB
 from extractor.errors import SpecError
-from extractor.spec import apply_overrides, auto_chunk_rows, load_spec, parse_spec
+from extractor.spec.schema import apply_overrides, auto_chunk_rows, load_spec, parse_spec
 
 BASE = {"data": {"root": "images"}, "capture": [{"layer": "layer3"}]}
 
@@ -98,7 +98,7 @@ def test_jobs_demo_yaml_is_the_demo_job():
 
 
 def test_content_digest_ignores_run_only_fields():
-    from extractor.spec import spec_digest
+    from extractor.spec.schema import spec_digest
 
     a = parse_spec(BASE)
     b = parse_spec(apply_overrides(BASE, ["data.batch_size=7", "model.device=cpu", "output.if_exists=resume"]))
@@ -186,8 +186,8 @@ def test_the_readme_specs_are_valid_and_name_every_field():
 def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str, tmp_path: Path):
     """Hub models that are not in the local cache are checked on a small config of the same class
     (layer names do not depend on the width; the jobs' globs need only the blocks to exist)."""
-    from extractor.capture import resolve_targets
-    from extractor.model import build_model, prefix_tokens
+    from extractor.model.build import build_model, prefix_tokens
+    from extractor.model.capture import resolve_targets
 
     spec = load_spec(str(Path(__file__).resolve().parents[1] / "jobs" / name))
     update: dict = {"weights": None, "device": "cpu"}
@@ -214,7 +214,7 @@ def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str
 
 
 def test_decode_workers_is_auto_or_a_count():
-    from extractor.worker import MAX_DECODE_THREADS, decode_threads
+    from extractor.compute.worker import MAX_DECODE_THREADS, decode_threads
 
     assert parse_spec(BASE).data.decode_workers == "auto"
     assert parse_spec({**BASE, "data": {"root": "x", "decode_workers": 0}}).data.decode_workers == 0
@@ -229,7 +229,7 @@ def test_decode_workers_is_auto_or_a_count():
 
 
 def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
-    from extractor.spec import REDACTED, redact_argv
+    from extractor.spec.schema import REDACTED, redact_argv
 
     raw = {**BASE, "data": {"root": "x", "storage_options": {"secret": "s1", "endpoint_url": "http://e"}},
            "submit": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "s2", "OMP_NUM_THREADS": "4"}}}
@@ -251,8 +251,8 @@ def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
 
 
 def test_a_factory_model_has_no_name_and_older_stores_of_one_still_compare_equal():
-    from extractor.runner import _current_form
-    from extractor.spec import content_of
+    from extractor.driver.runner import _current_form
+    from extractor.spec.schema import content_of
 
     raw = {**BASE, "model": {"factory": "toy_models:small_cnn"}}
     spec = parse_spec(raw)

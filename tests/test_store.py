@@ -14,11 +14,11 @@ import yaml
 import zarr
 from conftest import job
 
+from extractor.driver.runner import run
 from extractor.errors import ShardError, StoreError
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
-from extractor.store import FORMAT_VERSION
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
+from extractor.store.format import FORMAT_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_reader_needs_only_numpy_and_zarr(store: Path):
 
 
 def test_shard_statistics_equal_float64_numpy_with_huge_and_nonfinite_values():
-    from extractor.stats import ShardStats, dumps, merge
+    from extractor.store.stats import ShardStats, dumps, merge
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 3, 4, 4)).astype(np.float32)
@@ -135,7 +135,7 @@ def test_shard_statistics_equal_float64_numpy_with_huge_and_nonfinite_values():
 def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
         image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from extractor.errors import StoreError
-    from extractor.reader import open_store
+    from extractor.read.reader import open_store
 
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
     run(parse_spec(raw))
@@ -171,7 +171,7 @@ def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
 def test_a_compression_level_the_codec_refuses_is_a_spec_error_and_the_store_is_kept(image_dir: Path,
                                                                                     tmp_path: Path):
     from extractor.errors import SpecError
-    from extractor.reader import open_store
+    from extractor.read.reader import open_store
 
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
     run(parse_spec(raw))
@@ -220,7 +220,7 @@ def test_shard_sizes_of_100_and_1000_run_without_chunk_rows_and_record_the_chunk
 def small_auto_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """chunk_rows: auto at the scale of 12 images in shards of 4: 2 rows per chunk, or chunks of up to
     8 KB of small rows (layer4 mean-pooled: 2 KB rows, 4 per chunk; layer3: 16 KB rows, 2 per chunk)."""
-    from extractor import spec as spec_mod
+    from extractor.spec import schema as spec_mod
 
     monkeypatch.setattr(spec_mod, "MAX_AUTO_CHUNK_ROWS", 2)
     monkeypatch.setattr(spec_mod, "MIN_AUTO_CHUNK_ROWS", 1)
@@ -254,7 +254,7 @@ def test_a_store_resumed_with_chunk_rows_auto_keeps_its_own_chunking(
     chunk it otherwise) and is written in its own chunks."""
     import errno
 
-    from extractor.store import ShardWriter
+    from extractor.store.format import ShardWriter
 
     made = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
     real_write = ShardWriter.write

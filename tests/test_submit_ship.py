@@ -14,9 +14,9 @@ import yaml
 from conftest import job
 from test_remote import TESTS, VENV_BIN, extractor, jobs_head, start_head
 
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
+from extractor.driver.runner import run
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ import torch
 from conftest import job, make_images
 from PIL import Image
 
+from extractor.driver.runner import run
 from extractor.errors import DataError, LayerError, StoreError
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 
 def reference_batch(paths: list[Path], resize: int, crop: int) -> torch.Tensor:
@@ -82,9 +82,9 @@ def test_batch_and_shard_sizes_do_not_change_results(image_dir: Path, tmp_path: 
 def test_the_pipeline_does_not_drain_between_shards(image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Each shard's first batch goes to the model before the previous shard's last batch is read
     back, and the results are those of a run with one shard."""
-    from extractor import shardio
-    from extractor import worker as worker_mod
-    from extractor.runner import LocalBackend
+    from extractor.compute import shard as shardio
+    from extractor.compute import worker as worker_mod
+    from extractor.driver.runner import LocalBackend
 
     log: list[tuple] = []
     real_add = shardio.ShardOutput.add
@@ -119,9 +119,9 @@ def test_a_queue_fed_pipeline_finishes_each_shard_before_waiting_for_more(image_
     import threading
     from concurrent.futures import Future
 
-    from extractor.pipeline import ShardQueue
-    from extractor.rows import plan
-    from extractor.worker import Worker
+    from extractor.compute.pipeline import ShardQueue
+    from extractor.compute.worker import Worker
+    from extractor.data.rows import plan
 
     raw = job(image_dir, tmp_path / "s.zarr")
     run(parse_spec(raw))
@@ -275,7 +275,7 @@ def test_unreadable_file_fails_its_row(tmp_path: Path):
 
 
 def test_image_modes_become_rgb(tmp_path: Path):
-    from extractor.decode import open_rgb
+    from extractor.data.decode import open_rgb
 
     rgb = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
     base = Image.fromarray(rgb)
@@ -319,9 +319,9 @@ def test_dataset_moved_after_run_is_not_resumable(image_dir: Path, tmp_path: Pat
 
 
 def test_a_model_that_refuses_the_crop_size_is_a_model_error_naming_data_crop(image_dir: Path, tmp_path: Path):
+    from extractor.compute.worker import Worker
     from extractor.errors import ModelError
-    from extractor.model import layer_table
-    from extractor.worker import Worker
+    from extractor.model.build import layer_table
 
     raw = job(image_dir, tmp_path / "s.zarr", model={"name": "vit_b_16", "weights": None, "device": "cpu"},
               capture=[{"layer": "encoder.ln", "reduce": "cls"}])  # crop 64: ViT-B/16 takes 224 only
@@ -334,7 +334,7 @@ def test_a_model_that_refuses_the_crop_size_is_a_model_error_naming_data_crop(im
 
 
 def test_resume_differences_name_each_change_once():
-    from extractor.runner import _differences
+    from extractor.driver.runner import _differences
 
     assert _differences({"a": {"b": 1}}, {"a": 2}) == ['a: "(unset)" in the store, 2 now',
                                                       'a.b: 1 in the store, "(unset)" now']

@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import job
 
+from extractor.compute.worker import Worker
+from extractor.driver.runner import run
 from extractor.errors import ModelError
-from extractor.reader import open_store
-from extractor.runner import run
-from extractor.spec import parse_spec
-from extractor.worker import Worker
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -242,8 +242,8 @@ def test_model_call_input_and_forward_kwargs_keep_the_layer_names(photos: Path, 
 
 
 def test_unknown_names_missing_weights_and_bad_kwargs_are_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from extractor.model import build_model
-    from extractor.spec import ModelSpec
+    from extractor.model.build import build_model
+    from extractor.spec.schema import ModelSpec
 
     monkeypatch.delenv("EXTRACTOR_ALLOW_DOWNLOAD", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
@@ -264,8 +264,8 @@ def test_unknown_names_missing_weights_and_bad_kwargs_are_clear(tmp_path: Path, 
 def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch):
     import sys
 
-    from extractor.model import build_model
-    from extractor.spec import ModelSpec
+    from extractor.model.build import build_model
+    from extractor.spec.schema import ModelSpec
 
     monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed
     with pytest.raises(ModelError, match=r"needs timm, which is not installed .*extractor\[models\]"):
@@ -276,8 +276,8 @@ def test_inception_from_a_torchvision_state_dict_keeps_its_input_transform(tmp_p
     """torchvision's pretrained inception_v3 transforms its input; the same state dict from a file does too."""
     from torchvision.models import inception_v3
 
-    from extractor.model import build_model
-    from extractor.spec import ModelSpec
+    from extractor.model.build import build_model
+    from extractor.spec.schema import ModelSpec
 
     torch.manual_seed(1)
     ref = inception_v3(weights=None, transform_input=True, aux_logits=True, init_weights=False).eval()
@@ -325,8 +325,8 @@ def test_drop_prefix_on_a_model_of_unknown_prefix_asks_for_the_count(image_dir: 
 
 
 def test_open_clip_takes_a_checkpoint_of_its_visual_tower_or_of_the_whole_clip(tmp_path: Path):
-    from extractor.model import build_model, state_dict_hash
-    from extractor.spec import ModelSpec
+    from extractor.model.build import build_model, state_dict_hash
+    from extractor.spec.schema import ModelSpec
 
     torch.manual_seed(7)
     clip = open_clip.create_model("ViT-S-32", force_image_size=64)
@@ -362,7 +362,7 @@ def test_an_hf_folder_without_a_processor_config_asks_naming_its_image_size(phot
 def test_a_layout_the_module_type_contradicts_is_obeyed_with_a_warning(image_dir: Path, tmp_path: Path,
                                                                         caplog: pytest.LogCaptureFixture):
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "conv1", "reduce": "mean", "layout": "nhwc"}])
-    with caplog.at_level("WARNING", logger="extractor.worker"):
+    with caplog.at_level("WARNING", logger="extractor.compute.worker"):
         assert run(parse_spec(raw)).ok == 12
     assert "capture[0] conv1: layout nhwc is given, but layer 'conv1' (Conv2d) gives nchw outputs" in caplog.text
 
@@ -430,7 +430,7 @@ def test_drop_prefix_of_hf_deit_leaves_out_cls_and_distillation_tokens(photos: P
 def test_prefix_tokens_that_facts_and_library_disagree_on_or_a_capture_off_the_sequence_are_refused(
         photos: Path, tmp_path: Path):
     from extractor.errors import LayerError
-    from extractor.model import TokenFacts, decide_prefix_tokens
+    from extractor.model.build import TokenFacts, decide_prefix_tokens
 
     facts = TokenFacts(patches=16, width=32, tokens=18)
     assert decide_prefix_tokens(facts, None, None) == 2 and decide_prefix_tokens(facts, 2, None) == 2
@@ -492,7 +492,7 @@ def test_a_forward_that_draws_at_random_is_refused_and_the_readme_way_out_works(
 def test_an_hf_folder_loads_its_own_weights_unless_random_is_asked(photos: Path, tmp_path: Path):
     """weights left out (auto): the folder's model.safetensors (before: a random init from its config, so two
     folders gave identical stores); random init only when asked, and recorded so."""
-    from extractor.spec import ModelSpec
+    from extractor.spec.schema import ModelSpec
 
     stores = {}
     for seed in (0, 1):
@@ -511,7 +511,7 @@ def test_an_hf_folder_loads_its_own_weights_unless_random_is_asked(photos: Path,
             want = model(pixel_values=pil(images, return_tensors="pt").pixel_values).pooler_output
         np.testing.assert_allclose(s.numpy("output"), want.numpy(), atol=2e-5, rtol=1e-4)
     assert not np.allclose(stores[0].numpy("output"), stores[1].numpy("output"))
-    from extractor.model import build_model
+    from extractor.model.build import build_model
 
     _, info = build_model(ModelSpec(name=f"hf:{tmp_path / 'm0' / 'hf'}", weights="random"))
     assert info["weights"].endswith("random init (seed 0)")
@@ -523,8 +523,8 @@ def test_an_hf_folder_loads_its_own_weights_unless_random_is_asked(photos: Path,
 
 
 def test_a_bare_architecture_name_asks_for_its_weights():
-    from extractor.model import build_model
-    from extractor.spec import ModelSpec
+    from extractor.model.build import build_model
+    from extractor.spec.schema import ModelSpec
 
     with pytest.raises(ModelError, match=r"'resnet18' names an architecture, not its weights: set model.weights to "
                                          r"pretrained \(torchvision's DEFAULT\)"):

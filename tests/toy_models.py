@@ -124,7 +124,7 @@ class GatedNet(SlowNet):
         import os
         import time
 
-        from extractor.worker import PROBE_FORWARDS
+        from extractor.compute.worker import PROBE_FORWARDS
 
         self.calls += 1
         deadline = time.monotonic() + 120
@@ -142,7 +142,7 @@ def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
     the image file called ``name`` (Ray tests: it patches the worker's own process only)."""
     import os
 
-    import extractor.decode as decode
+    import extractor.data.decode as decode
 
     read = decode.read_bytes
 
@@ -377,8 +377,8 @@ def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Mo
     import os
     import time
 
-    import extractor.runner as runner
-    import extractor.store as store
+    import extractor.driver.runner as runner
+    import extractor.store.format as store
 
     owner, name = {"claim": (runner, "_claim"), "arrays": (store, "_create_arrays")}[point]
     original = getattr(owner, name)

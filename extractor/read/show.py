@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from ._pictures import crop_like_job, fit_text
-from .errors import StoreError
+from ..errors import StoreError
+from .pictures import crop_like_job, fit_text
 from .reader import ActivationStore
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def gradcam_grid(
     idx = idx[store.status[idx] == 1]
     if not idx.size:
         raise StoreError("no ok rows in the selection")
-    from .preprocess import of_store
+    from ..data import of_store
 
     ch, cw = of_store(store.attrs).size
     maps = store.numpy(key, rows=idx)

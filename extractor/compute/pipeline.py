@@ -15,13 +15,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .batching import Batch
-from .errors import ShardError
-from .faults import blame
-from .rows import Shard
-from .shardio import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard
-from .spec import JobSpec
-from .store import CaptureRecord, ExtraRecord
+from ..data import Batch, Shard
+from ..errors import ShardError
+from ..faults import blame
+from ..spec import JobSpec
+from ..store import CaptureRecord, ExtraRecord
+from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard
 
 __all__ = ["Pipeline", "ShardQueue", "CallbackError", "Forwarder"]
 

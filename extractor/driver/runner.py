@@ -22,24 +22,20 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
-from ._text import count, table
-from .errors import DataError, FencedError, StoreError
-from .files import absolute
-from .listing import list_rows
-from .preprocess import of_store
-from .reuse import check_sources
-from .rows import Rows, Shard, plan
-from .shardio import ShardSummary
-from .spec import JobSpec, auto_chunk_rows, content_of, parse_spec, redact_argv, spec_digest
-from .stats import merge as merge_stats
-from .store import (
+from .. import __version__
+from .._text import count, table
+from ..compute import ShardSummary, Worker
+from ..data import Rows, Shard, absolute, list_rows, of_store, plan
+from ..errors import DataError, FencedError, StoreError
+from ..spec import JobSpec, auto_chunk_rows, content_of, parse_spec, redact_argv, spec_digest
+from ..store import (
     FAILED,
     FORMAT_VERSION,
     PENDING,
     CaptureRecord,
     Layout,
     Lease,
+    check_sources,
     consolidate,
     create_store,
     done_shards,
@@ -52,7 +48,7 @@ from .store import (
     source_digests,
     update_attrs,
 )
-from .worker import Worker
+from ..store import merge as merge_stats
 
 __all__ = ["run", "RunSummary"]
 

@@ -20,8 +20,8 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import zarr
 
-from .errors import StoreError
-from .store import (
+from ..errors import StoreError
+from ..store import (
     ATTR,
     OK,
     STATUS_NAMES,
@@ -562,7 +562,7 @@ class ActivationStore:
         (``__getitems__``). For streaming whole epochs, :meth:`dataloader` is faster still.
         """
         _need_torch("torch_dataset")
-        from ._torch import StoreDataset
+        from .torch_views import StoreDataset
 
         return StoreDataset(self, [keys] if isinstance(keys, str) else list(keys or self.keys), only_ok, cache_chunks)
 
@@ -588,7 +588,7 @@ class ActivationStore:
         import inspect
 
         _need_torch("dataloader")
-        from ._torch import LOADER_OPTIONS, batch_loader
+        from .torch_views import LOADER_OPTIONS, batch_loader
 
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
             raise ValueError(f"num_workers must be a count >= 0, not {num_workers!r}")

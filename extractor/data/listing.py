@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import DataError
+from ..errors import DataError
+from ..spec import DataSpec
 from .files import (
     absolute,
     display_name,
@@ -24,8 +25,7 @@ from .files import (
     storable_path,
 )
 from .rows import Rows, labels_of
-from .spec import DataSpec
-from .tarsource import list_tars
+from .tars import list_tars
 
 __all__ = ["list_rows"]
 

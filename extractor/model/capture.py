@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import LayerError
-from .spec import CaptureSpec
+from ..errors import LayerError
+from ..spec import CaptureSpec
 
 __all__ = ["Target", "resolve_targets", "Capturer", "RESERVED_KEYS"]
 

@@ -15,8 +15,7 @@ __all__ = ["crop_like_job", "fit_text"]
 def crop_like_job(item: Any, store: ActivationStore) -> Image.Image:
     """The image as the job saw it: decoded like the job (any path, URL, tar member), resized and
     cropped as its ``preprocess`` record says."""
-    from .decode import open_rgb
-    from .preprocess import of_store
+    from ..data import of_store, open_rgb
 
     img = open_rgb(item, None, store.spec["data"].get("max_image_pixels"))
     return of_store(store.attrs).geometry(img)

@@ -8,11 +8,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .faults import describe_error
+from ..faults import describe_error
 from .files import Locator, content_digest
-from .reuse import Reused
 
 __all__ = ["Batch", "BatchStream", "iter_batches"]
+
+
+@dataclass(frozen=True)
+class Reused:
+    """A row's values taken from another store instead of its decoded image (``output.reuse``): ``source``
+    its place in that list; ``values`` per capture and extra, one row each."""
+
+    source: int
+    values: dict[str, Any]
 
 
 @dataclass

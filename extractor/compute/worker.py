@@ -21,20 +21,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batching import BatchStream
-from .capture import ROOT, Capturer, Target, decide_layout, dim_names, resolve_targets
-from .decode import ImageDecoder, JpegDecoder
-from .errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
-from .faults import describe_error, device_errors, device_fault, not_an_image
-from .model import build_model, model_call, prefix_tokens, resolve_device
+from ..data import BatchStream, ImageDecoder, JpegDecoder, Preprocess, Shard, from_dict
+from ..data import resolve as resolve_preprocess
+from ..errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
+from ..faults import describe_error, device_errors, device_fault, not_an_image
+from ..model import (
+    ROOT,
+    Capturer,
+    Target,
+    build_model,
+    decide_layout,
+    dim_names,
+    model_call,
+    prefix_tokens,
+    resolve_device,
+    resolve_targets,
+)
+from ..spec import JobSpec
+from ..store import CaptureRecord, ExtraRecord, ReuseIndex
 from .pipeline import Pipeline, ShardQueue
-from .preprocess import Preprocess, from_dict
-from .preprocess import resolve as resolve_preprocess
-from .reuse import ReuseIndex
-from .rows import Shard
-from .shardio import Forwarded, ShardSummary
-from .spec import JobSpec
-from .store import CaptureRecord, ExtraRecord
+from .shard import Forwarded, ShardSummary
 
 __all__ = ["Worker", "decode_threads", "PROBE_FORWARDS"]
 

@@ -15,16 +15,16 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zarr
 
-from .errors import StoreError
-from .store import OK, get_array, open_group, root_attrs
+from ..data import Reused
+from ..errors import StoreError
+from .format import OK, get_array, open_group, root_attrs
 
-__all__ = ["Reused", "ReuseIndex", "check_sources"]
+__all__ = ["ReuseIndex", "check_sources"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def _value_inputs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """What decides the stored values of a store's rows, besides each row's image: the model (weights hash,
     class, the spec's model settings), the resolved preprocessing, the spec's data settings that change pixels,
     the captures' records (without their place in the spec) and the per-row extras."""
-    from .spec import content_of
+    from ..spec import content_of
 
     spec = content_of(copy.deepcopy(attrs.get("spec") or {}))
     model_spec = {k: v for k, v in (spec.get("model") or {}).items() if k not in ("name", "weights", "factory")}
@@ -61,7 +61,7 @@ def check_sources(urls: Sequence[str], attrs: Mapping[str, Any], store: str,
                   storage_options: Mapping[str, Any] | None) -> None:
     """Refuse, naming the differences, a store of ``urls`` whose rows would not be what this job computes
     (``attrs``: the store record this job would write); warn of other library versions."""
-    from .files import absolute
+    from ..data import absolute
 
     want = _value_inputs(attrs)
     for url in urls:
@@ -88,15 +88,6 @@ def check_sources(urls: Sequence[str], attrs: Mapping[str, Any], store: str,
         if versions:
             log.warning("output.reuse: %s was made with %s; its values may differ from this run's in the last bits",
                         url, ", ".join(f"{k} {b} (now {a})" for k, (a, b) in versions.items()))
-
-
-@dataclass(frozen=True)
-class Reused:
-    """A row's values taken from another store: ``source`` its place in ``output.reuse``; ``values`` per
-    capture and extra, one row each."""
-
-    source: int
-    values: dict[str, np.ndarray]
 
 
 class ReuseIndex:

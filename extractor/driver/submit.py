@@ -23,9 +23,9 @@ from typing import Any
 
 import yaml
 
-from ._environment import SUBMITTED, environment
-from .errors import ClusterError
-from .spec import JobSpec
+from ..errors import ClusterError
+from ..spec import JobSpec
+from .environment import SUBMITTED, environment
 
 __all__ = ["client", "submit", "follow_logs", "JOB_FILE"]
 
@@ -70,8 +70,8 @@ def _check_paths(spec: JobSpec) -> None:
     """Refuse relative local paths: on the cluster the job runs in a temporary copy of
     ``submit.working_dir`` (which Ray deletes later), not in the directory submitting it. An
     input may be relative when it is inside that folder (uploaded with it)."""
-    from .files import is_relative
-    from .zoo import local_folder, looks_like_path
+    from ..data import is_relative
+    from ..model.zoo import local_folder, looks_like_path
 
     def relative(value: Any) -> bool:
         return isinstance(value, str) and bool(value) and is_relative(value)
@@ -82,7 +82,7 @@ def _check_paths(spec: JobSpec) -> None:
             "temporary copy of submit.working_dir, which Ray deletes. Give an absolute path on the cluster's shared "
             "file system, or a URL (s3://...)"
         )
-    from .tarsource import expand_braces
+    from ..data import expand_braces
 
     shipped = Path(spec.submit.working_dir) if spec.submit.working_dir else None
     tars = [spec.data.tars] if isinstance(spec.data.tars, str) else list(spec.data.tars or [])

@@ -25,12 +25,11 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from .errors import ClusterError, ExtractorError, ShardError
-from .faults import whose
-from .pipeline import ShardQueue
-from .rows import Shard
-from .shardio import ShardSummary
-from .spec import ClusterSpec, JobSpec
+from ..compute import ShardQueue, ShardSummary
+from ..data import Shard
+from ..errors import ClusterError, ExtractorError, ShardError
+from ..faults import whose
+from ..spec import ClusterSpec, JobSpec
 
 __all__ = ["RayBackend"]
 
@@ -68,8 +67,8 @@ class _WorkerActor:
             import torch
 
             torch.set_num_threads(max(threads, 1))
-            from .spec import parse_spec
-            from .worker import Worker
+            from ..compute import Worker
+            from ..spec import parse_spec
 
             self.worker = Worker(parse_spec(spec_dict), cpus=max(threads, 1), model=model)
             self.worker.probe()
@@ -237,8 +236,8 @@ def loopback_only() -> None:
 def _for_workers(spec: JobSpec) -> dict[str, Any]:
     """The spec as the actors get it: local paths made absolute, since an actor runs in another
     directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
-    from .files import absolute
-    from .zoo import local_folder, looks_like_path
+    from ..data import absolute
+    from ..model.zoo import local_folder, looks_like_path
 
     d = spec.to_dict()
     for section, key in (("output", "store"), ("data", "root"), ("data", "manifest"), ("model", "weights")):

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ModelError
+from ..spec import ModelSpec
 from . import zoo
-from .errors import ModelError
-from .spec import ModelSpec
 
 __all__ = ["build_model", "model_call", "resolve_device", "describe_model", "layer_table", "prefix_tokens",
            "decide_prefix_tokens", "token_facts", "TokenFacts"]

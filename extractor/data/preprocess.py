@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SpecError
+from ..errors import SpecError
 
 __all__ = ["Preprocess", "IMAGENET", "resolve", "from_dict"]
 

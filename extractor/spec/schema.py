@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .errors import SpecError
+from ..errors import SpecError
 
 __all__ = ["JobSpec", "load_spec", "read_spec", "parse_spec", "apply_overrides"]
 

@@ -13,7 +13,7 @@ import re
 from importlib import metadata
 from typing import Any
 
-from .errors import ClusterError
+from ..errors import ClusterError
 
 __all__ = ["SUBMITTED", "environment", "check_environment", "check_submitted"]
 

@@ -37,10 +37,9 @@ from typing import Any, NotRequired, TypedDict, cast
 import numpy as np
 import zarr
 
+from ..data import Rows, is_url
+from ..errors import FencedError, StoreError
 from .chunks import ChunkCodec, write_chunks
-from .errors import FencedError, StoreError
-from .files import is_url
-from .rows import Rows
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -384,7 +383,7 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
     from the stored places (0: gone or unreadable), on ``threads`` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .files import content_digest, read_bytes
+    from ..data import content_digest, read_bytes
 
     paths = np.asarray(get_array(group, "paths").oindex[rows]) if len(rows) else np.empty(0, object)
     tar = "byte_offset" in group

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._pictures import crop_like_job, fit_text
-from .errors import StoreError
+from ..errors import StoreError
+from .pictures import crop_like_job, fit_text
 from .reader import ActivationStore
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8) -> Im
     """The input images of ``rows`` as the job saw them (resized and cropped), with id and label."""
     from PIL import Image, ImageDraw
 
-    from .preprocess import of_store
+    from ..data import of_store
 
     ch, cw = of_store(store.attrs).size
     n_rows = -(-len(rows) // columns)

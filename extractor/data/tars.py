@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .errors import DataError
+from ..errors import DataError
 from .files import (
     absolute,
     check_unambiguous,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import DataError
+from ..errors import DataError
 
 __all__ = ["Locator", "is_url", "is_relative", "absolute", "storable_path", "display_name", "read_bytes", "tar_url_of",
            "remote_error", "content_digest", "fingerprint", "local_fingerprint", "remote_fingerprint"]

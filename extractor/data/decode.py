@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .faults import describe_error, device_errors
+from ..faults import describe_error, device_errors
+from ..spec import DataSpec
 from .files import Locator, read_bytes
 from .preprocess import IMAGENET, Preprocess
 from .preprocess import resolve as resolve_preprocess
-from .spec import DataSpec
 
 # A process-wide setting, made once here: Pillow's own pixel limit is off, data.max_image_pixels (checked
 # by _open_checked before decoding) replaces it.

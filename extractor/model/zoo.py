@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ModelError
-from .preprocess import IMAGENET, Preprocess
-from .spec import ModelSpec, looks_like_path
+from ..data import IMAGENET, Preprocess
+from ..errors import ModelError
+from ..spec import ModelSpec, looks_like_path
 
 __all__ = ["Built", "build", "load_checkpoint", "looks_like_path", "local_folder", "HF_WEIGHT_FILES"]
 

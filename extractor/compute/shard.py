@@ -15,13 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FencedError, ShardError
-from .faults import shard_failed
-from .reuse import Reused
-from .rows import Shard
-from .stats import ShardStats
-from .stats import dumps as stats_dumps
-from .store import FAILED, OK, CaptureRecord, ExtraRecord, ShardWriter
+from ..data import Reused, Shard
+from ..errors import FencedError, ShardError
+from ..faults import shard_failed
+from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter
+from ..store import dumps as stats_dumps
 
 __all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
 

@@ -1,0 +1,112 @@
+"""The images: rows and shards, where their bytes are, the preprocessing and the decoders, and the stream of
+decoded batches. Needs numpy and Pillow; the spec for listing and decoding; never torch at import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._face import face
+
+if TYPE_CHECKING:
+    from .decode import EncodedJpeg, ImageDecoder, JpegDecoder, open_rgb, rgb_from_bytes
+    from .files import (
+        Locator,
+        absolute,
+        content_digest,
+        display_name,
+        fingerprint,
+        is_relative,
+        is_url,
+        local_fingerprint,
+        read_bytes,
+        remote_error,
+        remote_fingerprint,
+        storable_path,
+        tar_url_of,
+    )
+    from .listing import list_rows
+    from .preprocess import IMAGENET, Preprocess, from_dict, of_store, resolve
+    from .rows import Rows, Shard, labels_of, plan
+    from .stream import Batch, BatchStream, Reused, iter_batches
+    from .tars import expand_braces, list_tars, scan_tar
+
+__all__ = [
+    "Rows",
+    "Shard",
+    "plan",
+    "labels_of",
+    "Locator",
+    "is_url",
+    "is_relative",
+    "absolute",
+    "storable_path",
+    "display_name",
+    "read_bytes",
+    "tar_url_of",
+    "remote_error",
+    "content_digest",
+    "fingerprint",
+    "local_fingerprint",
+    "remote_fingerprint",
+    "list_rows",
+    "expand_braces",
+    "list_tars",
+    "scan_tar",
+    "Preprocess",
+    "IMAGENET",
+    "resolve",
+    "from_dict",
+    "of_store",
+    "ImageDecoder",
+    "JpegDecoder",
+    "EncodedJpeg",
+    "open_rgb",
+    "rgb_from_bytes",
+    "Batch",
+    "BatchStream",
+    "Reused",
+    "iter_batches",
+]
+
+# a name of the face is never a module's name too: the module, once imported, would shadow it
+__getattr__ = face(
+    __name__,
+    {
+        "Rows": "rows",
+        "Shard": "rows",
+        "plan": "rows",
+        "labels_of": "rows",
+        "Locator": "files",
+        "is_url": "files",
+        "is_relative": "files",
+        "absolute": "files",
+        "storable_path": "files",
+        "display_name": "files",
+        "read_bytes": "files",
+        "tar_url_of": "files",
+        "remote_error": "files",
+        "content_digest": "files",
+        "fingerprint": "files",
+        "local_fingerprint": "files",
+        "remote_fingerprint": "files",
+        "list_rows": "listing",
+        "expand_braces": "tars",
+        "list_tars": "tars",
+        "scan_tar": "tars",
+        "Preprocess": "preprocess",
+        "IMAGENET": "preprocess",
+        "resolve": "preprocess",
+        "from_dict": "preprocess",
+        "of_store": "preprocess",
+        "ImageDecoder": "decode",
+        "JpegDecoder": "decode",
+        "EncodedJpeg": "decode",
+        "open_rgb": "decode",
+        "rgb_from_bytes": "decode",
+        "Batch": "stream",
+        "BatchStream": "stream",
+        "Reused": "stream",
+        "iter_batches": "stream",
+    },
+)

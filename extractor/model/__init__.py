@@ -1,0 +1,82 @@
+"""The model: built from its library (torchvision, timm, Hugging Face, open_clip, factories), the facts read off
+its forward (layers, prefix tokens), and the hooks that capture its layers. Imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._face import face
+
+if TYPE_CHECKING:
+    from .build import (
+        TokenFacts,
+        build_model,
+        decide_prefix_tokens,
+        describe_model,
+        layer_table,
+        model_call,
+        module_outputs,
+        prefix_tokens,
+        resolve_device,
+        state_dict_hash,
+        token_facts,
+    )
+    from .capture import RESERVED_KEYS, ROOT, Capturer, Target, decide_layout, dim_names, reduce_tensor, resolve_targets
+    from .zoo import HF_WEIGHT_FILES, Built, load_checkpoint, local_folder
+
+__all__ = [
+    "build_model",
+    "model_call",
+    "resolve_device",
+    "describe_model",
+    "layer_table",
+    "state_dict_hash",
+    "module_outputs",
+    "prefix_tokens",
+    "decide_prefix_tokens",
+    "token_facts",
+    "TokenFacts",
+    "Built",
+    "load_checkpoint",
+    "local_folder",
+    "HF_WEIGHT_FILES",
+    "Target",
+    "Capturer",
+    "resolve_targets",
+    "decide_layout",
+    "dim_names",
+    "reduce_tensor",
+    "ROOT",
+    "RESERVED_KEYS",
+]
+
+# a name of the face is never a module's name too: the module, once imported, would shadow it
+__getattr__ = face(
+    __name__,
+    {
+        "build_model": "build",
+        "model_call": "build",
+        "resolve_device": "build",
+        "describe_model": "build",
+        "layer_table": "build",
+        "state_dict_hash": "build",
+        "module_outputs": "build",
+        "prefix_tokens": "build",
+        "decide_prefix_tokens": "build",
+        "token_facts": "build",
+        "TokenFacts": "build",
+        "Built": "zoo",
+        "load_checkpoint": "zoo",
+        "local_folder": "zoo",
+        "HF_WEIGHT_FILES": "zoo",
+        "Target": "capture",
+        "Capturer": "capture",
+        "resolve_targets": "capture",
+        "decide_layout": "capture",
+        "dim_names": "capture",
+        "reduce_tensor": "capture",
+        "ROOT": "capture",
+        "RESERVED_KEYS": "capture",
+    },
+)

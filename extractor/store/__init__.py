@@ -1,0 +1,127 @@
+"""The Zarr store: its layout and arrays, a shard's writer, the lease, whole-chunk writes, statistics, rows
+taken from other stores. Needs only numpy and zarr.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._face import face
+
+if TYPE_CHECKING:
+    from .chunks import ChunkCodec, write_chunks
+    from .format import (
+        ATTR,
+        FAILED,
+        FORMAT_VERSION,
+        OK,
+        PENDING,
+        STATUS_NAMES,
+        CaptureRecord,
+        ExtraRecord,
+        Layout,
+        Lease,
+        LeaseRecord,
+        ShardWriter,
+        being_created,
+        consolidate,
+        create_store,
+        disk_usage,
+        done_shards,
+        get_array,
+        half_created,
+        lease_timeout,
+        lease_token,
+        now,
+        open_group,
+        read_attrs,
+        read_lease,
+        reset_shards,
+        root_attrs,
+        source_digests,
+        update_attrs,
+    )
+    from .reuse import ReuseIndex, check_sources
+    from .stats import ShardStats, dumps, merge
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PENDING",
+    "OK",
+    "FAILED",
+    "STATUS_NAMES",
+    "ATTR",
+    "CaptureRecord",
+    "ExtraRecord",
+    "Layout",
+    "LeaseRecord",
+    "Lease",
+    "ShardWriter",
+    "create_store",
+    "open_group",
+    "get_array",
+    "root_attrs",
+    "read_attrs",
+    "update_attrs",
+    "consolidate",
+    "done_shards",
+    "reset_shards",
+    "source_digests",
+    "read_lease",
+    "lease_token",
+    "lease_timeout",
+    "half_created",
+    "being_created",
+    "disk_usage",
+    "now",
+    "ChunkCodec",
+    "write_chunks",
+    "ShardStats",
+    "merge",
+    "dumps",
+    "ReuseIndex",
+    "check_sources",
+]
+
+# a name of the face is never a module's name too: the module, once imported, would shadow it
+__getattr__ = face(
+    __name__,
+    {
+        "FORMAT_VERSION": "format",
+        "PENDING": "format",
+        "OK": "format",
+        "FAILED": "format",
+        "STATUS_NAMES": "format",
+        "ATTR": "format",
+        "CaptureRecord": "format",
+        "ExtraRecord": "format",
+        "Layout": "format",
+        "LeaseRecord": "format",
+        "Lease": "format",
+        "ShardWriter": "format",
+        "create_store": "format",
+        "open_group": "format",
+        "get_array": "format",
+        "root_attrs": "format",
+        "read_attrs": "format",
+        "update_attrs": "format",
+        "consolidate": "format",
+        "done_shards": "format",
+        "reset_shards": "format",
+        "source_digests": "format",
+        "read_lease": "format",
+        "lease_token": "format",
+        "lease_timeout": "format",
+        "half_created": "format",
+        "being_created": "format",
+        "disk_usage": "format",
+        "now": "format",
+        "ChunkCodec": "chunks",
+        "write_chunks": "chunks",
+        "ShardStats": "stats",
+        "merge": "stats",
+        "dumps": "stats",
+        "ReuseIndex": "reuse",
+        "check_sources": "reuse",
+    },
+)

@@ -1,0 +1,109 @@
+"""The package's floor plan, kept: each sub-package imports only the layers below it, the read side and the
+layers under it import with torch and Ray missing, only the driver names Ray, and each face serves its names."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "extractor"
+BASE = {"errors", "faults", "_text", "_face", "__version__"}  # the ground floor: every layer may use them
+# each sub-package and the sub-packages it may import (the layers below it)
+LAYERS = {
+    "spec": set(),
+    "data": {"spec"},
+    "store": {"data", "spec"},
+    "model": {"spec", "data"},
+    "compute": {"spec", "data", "model", "store"},
+    "driver": {"spec", "data", "model", "compute", "store"},
+    "read": {"store", "data"},
+}
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _imported(path: Path) -> set[str]:
+    """The extractor sub-packages or top modules a module imports (also inside functions)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    here = list(parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + 1]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+                names = [target] if node.module else [[*base, a.name] for a in node.names]
+            elif node.module and node.module.startswith("extractor."):
+                names = [node.module.split(".")[1:]]
+            else:
+                continue
+            out |= {n[0] for n in names if n}
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("extractor.")}
+    return out
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_layer_imports_only_the_layers_below_it(path: Path):
+    parts = path.relative_to(PACKAGE).parts
+    if len(parts) == 1:  # api, cli, demo: the top floor; errors, faults: the ground floor
+        if path.stem in BASE:
+            assert _imported(path) <= BASE, path
+        return
+    layer = parts[0]
+    wrong = _imported(path) - LAYERS[layer] - BASE - {layer}
+    assert not wrong, f"{path.relative_to(PACKAGE)} ({layer}) imports {sorted(wrong)}: a layer above it"
+
+
+def test_the_read_side_and_the_layers_under_it_import_without_torch_or_ray():
+    """Every module of read, store, data and spec imports with torch and Ray missing (and the read side and the
+    store without pydantic or Pillow either: a store opens with numpy and zarr alone)."""
+    code = (
+        "import sys, importlib, pkgutil\n"
+        "for name in ('torch', 'ray', 'torchvision'): sys.modules[name] = None\n"
+        "import extractor\n"
+        "for pkg in ('spec', 'data', 'store', 'read'):\n"
+        "    p = importlib.import_module('extractor.' + pkg)\n"
+        "    for m in pkgutil.iter_modules(p.__path__):\n"
+        "        if m.name != 'torch_views':  # the torch view: imported when asked for, with torch\n"
+        "            importlib.import_module(f'extractor.{pkg}.{m.name}')\n"
+        "for name in ('pydantic', 'PIL'):\n"
+        "    sys.modules[name] = None\n"
+        "for name in [n for n in sys.modules if n.startswith(('extractor.', 'pydantic', 'PIL'))]:\n"
+        "    del sys.modules[name]\n"
+        "sys.modules['pydantic'] = sys.modules['PIL'] = None\n"
+        "importlib.import_module('extractor.read.reader')\n"
+        "for m in ('format', 'chunks', 'stats', 'reuse'): importlib.import_module('extractor.store.' + m)\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_only_the_driver_names_ray():
+    for path in _modules():
+        if path.relative_to(PACKAGE).parts[0] == "driver":
+            continue
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + [
+            n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level
+        ]
+        assert not [n for n in names if n == "ray" or n.startswith("ray.")], path
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_each_face_serves_its_names_and_no_name_is_a_module_too(package: str):
+    face = importlib.import_module(f"extractor.{package}")
+    modules = {p.stem for p in (PACKAGE / package).glob("*.py")}
+    assert not set(face.__all__) & modules  # an imported module would shadow the name
+    for name in face.__all__:
+        assert getattr(face, name) is not None
+    with pytest.raises(AttributeError, match=r"has no attribute 'nope' \(its face: "):
+        face.nope  # noqa: B018
