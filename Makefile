@@ -28,6 +28,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check extractor tests jobs examples
 	$(VENV)/bin/mypy
+	$(PY) tests/complexity.py
 
 clean:
 	rm -rf demo .bench .pytest_cache .ruff_cache .mypy_cache

@@ -9,12 +9,11 @@
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ._progress import Progress
 from .errors import SpecError
 from .read import ActivationStore, open_store
 from .spec import JobSpec, apply_overrides, parse_spec, read_spec
@@ -23,66 +22,46 @@ __all__ = ["run"]
 
 log = logging.getLogger(__name__)
 
-PROGRESS_LOG_S = 10.0  # without a terminal or a notebook: a progress line this often
+def _raw(job: str | Path | dict[str, Any] | JobSpec) -> tuple[dict[str, Any], set[str]]:
+    """The job as a plain mapping, and which of model.name and model.factory it names itself."""
+    if isinstance(job, JobSpec):
+        return job.to_dict(), {k for k in ("name", "factory") if k in job.model.model_fields_set}
+    if not isinstance(job, (str, Path, dict)):
+        raise SpecError(f"extractor.run takes a job: a YAML path, a dict or a JobSpec, not {type(job).__name__}")
+    raw = read_spec(job) if isinstance(job, (str, Path)) else dict(job)
+    return raw, {k for k in ("name", "factory") if (raw.get("model") or {}).get(k)}
+
+
+def _check_module(model: Any) -> None:
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise SpecError(f"model= takes a torch.nn.Module, not {type(model).__name__}; wrap a function in a "
+                        "Module whose forward calls it")
+
+
+def _with_module(raw: dict[str, Any], named: set[str], model: Any) -> dict[str, Any]:
+    """The job whose model section names the module ``model`` (``python:MODULE.CLASS``)."""
+    if named:
+        given = ", ".join(f"model.{k}" for k in sorted(named))
+        raise SpecError(f"model= was given, and the job names a model too ({given}); remove it from the job, "
+                        "or do not pass model=")
+    section = dict(raw.get("model") or {})
+    section.update(name=f"python:{type(model).__module__}.{type(model).__qualname__}", factory=None)
+    return {**raw, "model": section}
 
 
 def _spec(job: str | Path | dict[str, Any] | JobSpec, overrides: Sequence[str], model: Any) -> JobSpec:
     """The job as a validated spec; with ``model``, its model section names that module."""
     if isinstance(overrides, str):
         overrides = [overrides]  # one KEY=VALUE, not its characters
-    if not isinstance(job, (str, Path, dict, JobSpec)):
-        raise SpecError(f"extractor.run takes a job: a YAML path, a dict or a JobSpec, not {type(job).__name__}")
     if model is not None:
-        import torch
-
-        if not isinstance(model, torch.nn.Module):
-            raise SpecError(f"model= takes a torch.nn.Module, not {type(model).__name__}; wrap a function in a "
-                            "Module whose forward calls it")
-    if isinstance(job, JobSpec):
-        raw, named = job.to_dict(), {k for k in ("name", "factory") if k in job.model.model_fields_set}
-    else:
-        raw = read_spec(job) if isinstance(job, (str, Path)) else dict(job)
-        named = {k for k in ("name", "factory") if (raw.get("model") or {}).get(k)}
+        _check_module(model)
+    raw, named = _raw(job)
     raw = apply_overrides(raw, list(overrides))
     if model is not None:
-        if named:
-            given = ", ".join(f"model.{k}" for k in sorted(named))
-            raise SpecError(f"model= was given, and the job names a model too ({given}); remove it from the job, "
-                            "or do not pass model=")
-        section = dict(raw.get("model") or {})
-        section.update(name=f"python:{type(model).__module__}.{type(model).__qualname__}", factory=None)
-        raw = {**raw, "model": section}
+        raw = _with_module(raw, named, model)
     return parse_spec(raw, source=str(job) if isinstance(job, (str, Path)) else "job spec")
-
-
-class _Progress:
-    """A progress bar where someone watches one (a terminal: tqdm; Jupyter: tqdm's widget), else a
-    log line every PROGRESS_LOG_S seconds."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.bar, self.total, self.last = enabled, None, 0, 0.0
-
-    def start(self, total: int, per_row: dict[str, int]) -> None:
-        self.total, self.last = total, time.monotonic()
-        if not self.enabled:
-            return
-        if sys.stderr.isatty() or "ipykernel" in sys.modules:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="img", dynamic_ncols=True)
-        else:
-            log.warning("%d images to process", total)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n - self.bar.n)
-        elif self.enabled and time.monotonic() - self.last >= PROGRESS_LOG_S:
-            self.last = time.monotonic()
-            log.warning("%d of %d images (%.0f%%)", n, self.total, 100 * n / max(self.total, 1))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, overrides: Sequence[str] = (),
@@ -113,9 +92,10 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, overri
         from .driver import RayBackend
 
         backend = RayBackend(spec, model=model)
-    bar = _Progress(progress)
+    bar = Progress(progress)
     try:
-        summary = run_spec(spec, on_start=bar.start, on_progress=bar.update, backend=backend)
+        summary = run_spec(spec, on_start=lambda total, _per_row: bar.start(total), on_progress=bar.update,
+                           backend=backend)
     finally:
         bar.close()
     if summary.all_failed:

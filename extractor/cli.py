@@ -117,11 +117,10 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
     """Run ``spec`` with a progress bar; ``resume``: the arguments of the command that finishes it
     (``resume_command``: that whole command, as given by ``submit`` for a job on a cluster)."""
     finish = resume_command or _command(*resume)
-    from tqdm import tqdm
-
+    from ._progress import Progress
     from .driver import run
 
-    bar: list[Any] = []
+    bar = Progress(enabled=not quiet)
     eta: list[Estimate] = []
 
     def on_start(total: int, per_row: dict[str, int]) -> None:
@@ -133,21 +132,19 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
                 f"store about {_bytes(n_bytes * total)} before compression",
                 file=sys.stderr,
             )
-        bar.append(tqdm(total=total, unit="img", disable=quiet, dynamic_ncols=True, file=sys.stderr))
+        bar.start(total)
         eta.append(Estimate(total, spec.data.batch_size))
 
     def on_progress(n: int) -> None:
-        if bar:
-            bar[0].update(n - bar[0].n)
-            line = eta[0].update(n, time.perf_counter())
-            if line and not quiet:
-                bar[0].write(line, file=sys.stderr)
+        bar.update(n)
+        line = eta[0].update(n, time.perf_counter()) if eta else None
+        if line:
+            bar.write(line)
 
     try:
         summary = run(spec, on_start=on_start, on_progress=on_progress)
     except KeyboardInterrupt as err:
-        if bar:
-            bar[0].close()
+        bar.close()
         if not getattr(err, "resumable", False):
             print("\ninterrupted before the job touched its store: nothing was written", file=sys.stderr)
             return 130
@@ -165,8 +162,7 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
             print(f"error: {err}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
         return 1
     finally:
-        if bar:
-            bar[0].close()
+        bar.close()
     print(summary.report())
     if summary.all_failed:
         print(f"error: every row of {summary.store} failed (reasons above); check data.root and the images",
@@ -284,42 +280,51 @@ def _verify(store: Any, as_json: bool) -> int:
 # --------------------------------------------------------------------------- layers
 
 
-def cmd_layers(args: argparse.Namespace) -> int:
+def _layers_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The model spec ``extractor layers`` builds (a job's, called as the job calls it, or from the command's
+    name, --factory, --weights and --kwargs), and the job's data settings (None without a job)."""
     import yaml
 
-    from .data import from_dict
-    from .data import resolve as resolve_preprocess
-    from .model import build_model, layer_table, model_call
     from .spec import load_spec, parse_model_spec
 
-    logging.getLogger("extractor.model").setLevel(logging.ERROR)  # random init is fine for shapes
     if args.model and args.factory:
         raise ExtractorError(f"name a model ({args.model}) or pass --factory ({args.factory}), not both")
-    size = (args.input_size, args.input_size) if args.input_size else None
-    if args.model and args.model.endswith((".yaml", ".yml")):  # a job: its model, called as the job calls it
+    if args.model and args.model.endswith((".yaml", ".yml")):
         if args.weights or args.kwargs:
             raise ExtractorError(f"{args.model} is a job spec: --weights and --kwargs come from its model section")
         spec = load_spec(args.model)
-        mspec, data = spec.model, spec.data
-    else:
-        try:
-            kwargs = yaml.safe_load(args.kwargs) if args.kwargs else {}
-        except yaml.YAMLError as err:
-            raise ExtractorError(f"--kwargs {args.kwargs!r} is not YAML: {err}") from None
-        if not isinstance(kwargs, dict):
-            raise ExtractorError(f"--kwargs takes a mapping, e.g. --kwargs '{{img_size: 64}}', not {args.kwargs!r}")
-        mspec = parse_model_spec({"name": None if args.factory else args.model, "factory": args.factory,
-                                  "weights": args.weights, "kwargs": kwargs}, "extractor layers")
-        data = None
+        return spec.model, spec.data
+    try:
+        kwargs = yaml.safe_load(args.kwargs) if args.kwargs else {}
+    except yaml.YAMLError as err:
+        raise ExtractorError(f"--kwargs {args.kwargs!r} is not YAML: {err}") from None
+    if not isinstance(kwargs, dict):
+        raise ExtractorError(f"--kwargs takes a mapping, e.g. --kwargs '{{img_size: 64}}', not {args.kwargs!r}")
+    return parse_model_spec({"name": None if args.factory else args.model, "factory": args.factory,
+                             "weights": args.weights, "kwargs": kwargs}, "extractor layers"), None
+
+
+def _layers_size(args: argparse.Namespace, defaults: Any, data: Any) -> tuple[int, int]:
+    """The input size the layers are listed at: --input-size, the job's preprocessing, the model's library's."""
+    from .data import from_dict
+    from .data import resolve as resolve_preprocess
+
+    if args.input_size:
+        return args.input_size, args.input_size
+    if data is not None:
+        return resolve_preprocess(data, from_dict(defaults) if isinstance(defaults, dict) else defaults).size
+    if isinstance(defaults, dict):
+        return from_dict(defaults).size
+    raise ExtractorError(f"{defaults}: pass the input size with --input-size")
+
+
+def cmd_layers(args: argparse.Namespace) -> int:
+    from .model import build_model, layer_table, model_call
+
+    logging.getLogger("extractor.model").setLevel(logging.ERROR)  # random init is fine for shapes
+    mspec, data = _layers_model(args)
     model, info = build_model(mspec)
-    if size is None:
-        defaults = info["preprocess_defaults"]
-        if data is not None:
-            size = resolve_preprocess(data, from_dict(defaults) if isinstance(defaults, dict) else defaults).size
-        elif isinstance(defaults, dict):
-            size = from_dict(defaults).size
-        else:
-            raise ExtractorError(f"{defaults}: pass the input size with --input-size")
+    size = _layers_size(args, info["preprocess_defaults"], data)
     layers = layer_table(model, size, model_call(model, mspec))
     if args.depth is not None:
         layers = [r for r in layers if r["depth"] <= args.depth]
@@ -481,36 +486,47 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0 if str(info.status).endswith("SUCCEEDED") else 1
 
 
+def _jobs_list(c: Any, args: argparse.Namespace) -> None:
+    jobs = sorted(c.list_jobs(), key=lambda j: j.start_time or 0)
+    rows = [[j.submission_id or j.job_id or "", str(j.status).rsplit(".", 1)[-1], (j.entrypoint or "")[:60]]
+            for j in jobs]
+    print(table(rows, ["id", "status", "entrypoint"]) if rows else "no jobs")
+
+
+def _jobs_status(c: Any, args: argparse.Namespace) -> None:
+    info = c.get_job_info(args.id)
+    print(f"{args.id}: {str(info.status).rsplit('.', 1)[-1]}" + (f" ({info.message})" if info.message else ""))
+
+
+def _jobs_logs(c: Any, args: argparse.Namespace) -> None:
+    from .driver import follow_logs
+
+    if not args.follow:
+        print(c.get_job_logs(args.id), end="")
+        return
+    for text in follow_logs(c, args.id):
+        print(text, end="", flush=True)
+
+
+def _jobs_stop(c: Any, args: argparse.Namespace) -> None:
+    print(f"{args.id}: {'stop requested' if c.stop_job(args.id) else 'already finished'}")
+
+
+_JOBS = {"list": _jobs_list, "status": _jobs_status, "logs": _jobs_logs, "stop": _jobs_stop}
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from .driver import client, follow_logs
+    from .driver import client
     from .errors import ClusterError
 
     c = client(_address(args))
+    if args.action != "list" and not args.id:
+        raise ExtractorError(f"extractor jobs {args.action} needs a job id (see extractor jobs list)")
     try:
-        if args.action == "list":
-            jobs = sorted(c.list_jobs(), key=lambda j: j.start_time or 0)
-            rows = [[j.submission_id or j.job_id or "", str(j.status).rsplit(".", 1)[-1],
-                     (j.entrypoint or "")[:60]] for j in jobs]
-            print(table(rows, ["id", "status", "entrypoint"]) if rows else "no jobs")
-            return 0
-        if not args.id:
-            raise ExtractorError(f"extractor jobs {args.action} needs a job id (see extractor jobs list)")
-        if args.action == "status":
-            info = c.get_job_info(args.id)
-            print(f"{args.id}: {str(info.status).rsplit('.', 1)[-1]}" + (f" ({info.message})" if info.message else ""))
-            return 0
-        if args.action == "logs":
-            if args.follow:
-                for text in follow_logs(c, args.id):
-                    print(text, end="", flush=True)
-            else:
-                print(c.get_job_logs(args.id), end="")
-            return 0
-        stopped = c.stop_job(args.id)
-        print(f"{args.id}: {'stop requested' if stopped else 'already finished'}")
-        return 0
+        _JOBS[args.action](c, args)
     except RuntimeError as err:  # the Jobs API answers unknown ids with a RuntimeError
         raise ClusterError(f"{args.action} {args.id or ''}: {err}") from None
+    return 0
 
 
 # --------------------------------------------------------------------------- main

@@ -165,14 +165,14 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
 
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
-    from extractor.store.format import OK, Layout, create_store
+    from extractor.store.format import OK, StoreArrays, create_store
 
     url = str(WORK / "reader.zarr")
     rng = np.random.default_rng(0)
     if not (WORK / "reader.zarr" / "zarr.json").exists():
         shard = chunk_rows * 4
         g = create_store(url, Rows(ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
-                         Layout(captures={"x": {"shape": [features], "dtype": "float32", "dims": ["x.feature"]}},
+                         StoreArrays(captures={"x": {"shape": [features], "dtype": "float32", "dims": ["x.feature"]}},
                                 extras={}, shard_size=shard,
                                 chunk_rows={"x": chunk_rows}),
                          attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {
@@ -223,7 +223,7 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
 
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
-    from extractor.store.format import OK, Layout, create_store
+    from extractor.store.format import OK, StoreArrays, create_store
 
     url = str(WORK / "tokens.zarr")
     meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",
@@ -231,7 +231,7 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
     if not (WORK / "tokens.zarr" / "zarr.json").exists():
         shard = chunk_rows * 4
         g = create_store(url, Rows(ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
-                         Layout(captures={"t": meta}, extras={}, shard_size=shard, chunk_rows={"t": chunk_rows}),
+                         StoreArrays(captures={"t": meta}, extras={}, shard_size=shard, chunk_rows={"t": chunk_rows}),
                          attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {"t": meta},
                                 "format_version": 1, "spec": {}, "model": {"prefix_tokens": 1}})
         rng = np.random.default_rng(0)

@@ -122,11 +122,11 @@ def test_no_hooks_no_parameter_grads_no_graph_after_a_job(image_dir: Path, tmp_p
     spec = parse_spec(job(image_dir, tmp_path / "s.zarr", capture=GRAD_CAPTURES))
     worker = Worker(spec)
     rows = list_rows(spec.data)
-    from extractor.store.format import Layout, create_store
+    from extractor.store.format import StoreArrays, create_store
 
-    layout = worker.layout()
-    create_store(str(tmp_path / "s.zarr"), rows, Layout(captures=layout["captures"], extras=layout["extras"],
-                                                        shard_size=4, chunk_rows=dict.fromkeys(layout["captures"], 2)),
+    probe = worker.probe()
+    create_store(str(tmp_path / "s.zarr"), rows, StoreArrays(captures=probe.captures, extras=probe.extras,
+                                                             shard_size=4, chunk_rows=dict.fromkeys(probe.captures, 2)),
                  attrs={})
     worker.run_shard(plan(len(rows), 4)[0], str(tmp_path / "s.zarr"))
     worker.close()

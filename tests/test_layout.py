@@ -114,3 +114,36 @@ def test_resume_with_another_channels_last_is_refused(image_dir: Path, tmp_path:
     raw["model"]["channels_last"] = True
     raw["data"]["batch_size"] = 5  # run-only: resumes
     assert run(parse_spec(raw)).shards_skipped == 3
+
+
+def test_settle_layouts_decides_from_facts_and_asks_when_none_decides():
+    """The pure decision behind the probe: probabilities (attention), the module's type, the dims that grow at
+    another input size, flatten (nothing to decide), a given layout (left alone); none of them: refused."""
+    from torch import nn
+
+    from extractor.model.capture import Target, contradicted_layouts, reduced_otherwise, settle_layouts
+
+    def target(key: str, layer: str, reduce: str = "mean", layout: str = "auto") -> Target:
+        return Target(key, layer, "output", None, reduce, "float32", 0, layout=layout)
+
+    modules = {"conv": nn.Conv2d(3, 8, 3), "lin": nn.Linear(8, 8), "attn": nn.Identity(), "odd": nn.Identity(),
+               "flat": nn.Identity(), "given": nn.Linear(8, 8)}
+    shapes = {"conv": (8, 6, 6), "lin": (6, 6, 8), "attn": (2, 5, 5), "odd": (4, 6, 6), "flat": (4, 6, 6),
+              "given": (6, 6, 8)}
+    targets = [target("conv", "conv"), target("lin", "lin"), target("attn", "attn", "none"),
+               target("odd", "odd"), target("flat", "flat", "flatten"), target("given", "given", layout="nchw")]
+    asked: list[int] = []
+
+    def elsewhere() -> dict[str, tuple[int, ...]]:
+        asked.append(1)
+        return {"odd": (4, 8, 8)}  # the spatial dims grow: channel first
+
+    layouts = settle_layouts(targets, modules, shapes, {"attn": True}, elsewhere)
+    assert layouts == {"conv": "nchw", "lin": "nhwc", "attn": "attention", "odd": "nchw", "flat": "nchw"}
+    assert asked == [1]  # the other input size is run once, only for the output nothing else decides
+    assert contradicted_layouts(targets, modules, shapes) == [(targets[-1], "nhwc")]
+    assert reduced_otherwise(targets, layouts)  # lin's mean is over other dims than nchw's
+    assert not reduced_otherwise(targets, {"conv": "nchw", "flat": "nchw"})
+    with pytest.raises(LayerError, match=r"capture\[0\] odd: layer 'odd' \(Identity\) gives 4x6x6 outputs whose "
+                                         r"layout extractor cannot tell.*set capture\[0\].layout: nchw"):
+        settle_layouts([targets[3]], modules, shapes, {}, dict)

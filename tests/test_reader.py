@@ -13,7 +13,7 @@ from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read.reader import ActivationStore, open_store
 from extractor.spec.schema import parse_spec
-from extractor.store.format import FAILED, OK, Layout, create_store
+from extractor.store.format import FAILED, OK, StoreArrays, create_store
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore
     n, meta = 200, {"shape": [3], "dtype": "float32", "dims": ["emb.feature"], "layer": "x", "what": "output",
                     "reduce": "none"}
     rows = Rows(ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 2 for i in range(n)])
-    g = create_store(url, rows, Layout(captures={"emb": meta}, extras={}, shard_size=64, chunk_rows={"emb": 32}),
+    g = create_store(url, rows, StoreArrays(captures={"emb": meta}, extras={}, shard_size=64, chunk_rows={"emb": 32}),
                      attrs={"n_rows": n, "n_shards": 4, "captures": {"emb": meta}, "format_version": 1, "spec": {},
                             "model": {}})
     x = np.random.default_rng(0).standard_normal((n, 3), dtype=np.float32)
@@ -452,7 +452,7 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore, n
     patches = {**meta, "shape": [4, 4], "dims": ["pat.token", "pat.feature"], "drop_prefix": 1}  # stored without CLS
     caps = {"tok": meta, "a": {**flat, "dims": ["a.feature"]}, "b": flat, "pat": patches}
     rows = Rows(ids=[f"img{i}" for i in range(n)], paths=[""] * n, labels=[i % 3 for i in range(n)])
-    g = create_store(url, rows, Layout(captures=caps, extras={}, shard_size=8, chunk_rows=dict.fromkeys(caps, 8)),
+    g = create_store(url, rows, StoreArrays(captures=caps, extras={}, shard_size=8, chunk_rows=dict.fromkeys(caps, 8)),
                      attrs={"n_rows": n, "n_shards": 8, "captures": caps, "format_version": 1, "spec": {},
                             "model": {"prefix_tokens": 1}})
     rng = np.random.default_rng(0)

@@ -251,15 +251,15 @@ def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
 
 
 def test_a_factory_model_has_no_name_and_older_stores_of_one_still_compare_equal():
-    from extractor.driver.runner import _current_form
     from extractor.spec.schema import content_of
+    from extractor.store.provenance import current_form
 
     raw = {**BASE, "model": {"factory": "toy_models:small_cnn"}}
     spec = parse_spec(raw)
     assert spec.model.name is None  # not the default resnet18, which never ran
     stored = spec.public_dict()
     stored["model"]["name"] = "resnet18"  # what versions before this one recorded
-    assert content_of(_current_form(stored)) == content_of(spec.public_dict())
+    assert content_of(current_form(stored)) == content_of(spec.public_dict())
 
 
 def test_override_paths_into_lists():

@@ -334,14 +334,14 @@ def test_a_model_that_refuses_the_crop_size_is_a_model_error_naming_data_crop(im
 
 
 def test_resume_differences_name_each_change_once():
-    from extractor.driver.runner import _differences
+    from extractor.store.provenance import differences
 
-    assert _differences({"a": {"b": 1}}, {"a": 2}) == ['a: "(unset)" in the store, 2 now',
-                                                      'a.b: 1 in the store, "(unset)" now']
-    assert _differences({"m": {"kw": {}}}, {"m": {"kw": {"depth": 3}}}) == [
+    assert differences({"a": {"b": 1}}, {"a": 2}) == ['a: "(unset)" in the store, 2 now',
+                                                     'a.b: 1 in the store, "(unset)" now']
+    assert differences({"m": {"kw": {}}}, {"m": {"kw": {"depth": 3}}}) == [
         'm.kw: {} in the store, "(unset)" now', 'm.kw.depth: "(unset)" in the store, 3 now']
-    assert _differences({"capture": [{"layer": "a"}, {"layer": "b", "reduce": "mean"}]},
-                        {"capture": [{"layer": "a"}, {"layer": "c"}, {"layer": "d"}]}) == [
+    assert differences({"capture": [{"layer": "a"}, {"layer": "b", "reduce": "mean"}]},
+                       {"capture": [{"layer": "a"}, {"layer": "c"}, {"layer": "d"}]}) == [
         'capture[1].layer: "b" in the store, "c" now',
         'capture[1].reduce: "mean" in the store, "(unset)" now',
         "capture[2]: in the spec now, not in the store"]

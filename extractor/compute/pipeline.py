@@ -79,7 +79,7 @@ class NextShard:
     def __init__(self, worker: Forwarder, shards: ShardQueue, stream: Any, url: str,
                  storage_options: dict[str, Any] | None, fence: str | None) -> None:
         self.worker, self.shards, self.stream = worker, shards, stream
-        self.url, self.so, self.fence = url, storage_options, fence
+        self.url, self.storage, self.fence = url, storage_options, fence
         self.shard: Shard | None = None
         self.opening: Future[ShardInput] | None = None
         self.queued = False  # its rows are in the stream
@@ -88,7 +88,7 @@ class NextShard:
         """Take the next shard from the queue (waiting for one when ``block``) and start opening it."""
         if self.shard is None and (shard := self.shards.get(block)) is not None:
             self.shard, self.queued = shard, False
-            self.opening = self.worker.prepare_pool.submit(ShardInput.open, shard, self.url, self.so,
+            self.opening = self.worker.prepare_pool.submit(ShardInput.open, shard, self.url, self.storage,
                                                            bool(self.worker.extras), list(self.worker.captures or ()),
                                                            self.fence)
 
@@ -163,7 +163,7 @@ class Pipeline:
         self.next = NextShard(worker, shards, self.stream, url, storage_options, fence)
         self.read_back = ReadBack()
         self.put_back: Shard | None = None  # a started shard that another one's failure interrupted
-        self.t = time.perf_counter()  # when the current shard began (the previous one's rows ran out)
+        self.shard_began = time.perf_counter()  # when the current shard began (the previous one's rows ran out)
 
     def run(self) -> None:
         """Every shard of the queue until it is closed and empty. On a failure, the shards not at
@@ -189,7 +189,7 @@ class Pipeline:
             shard, given = self.next.take()  # raises the store's error for this shard
             w = self.worker
             assert w.captures is not None  # probed before any shard runs
-            out = ShardOutput(given, self.t, w.captures, w.extras, w.writer_pool, w.spare)
+            out = ShardOutput(given, self.shard_began, w.captures, w.extras, w.writer_pool, w.spare)
             self._call(self.on_started, shard)
             while (batch := self._next_batch(out)) is not None:
                 self._forward(batch, given, out)
@@ -225,8 +225,8 @@ class Pipeline:
     def _end(self, out: ShardOutput) -> None:
         """The shard's rows ran out: finish it now when nothing of it is in flight or no shard
         follows (its last batch read back), else when the next shard's first batch is sent."""
-        self.t = time.perf_counter()
-        out.seconds = self.t - out.started
+        self.shard_began = time.perf_counter()
+        out.seconds = self.shard_began - out.started
         self.next.fetch(block=False)
         if not self.read_back.holds(out):  # this shard sent nothing to the device
             self._finish(self.read_back.settle(keep=None))

@@ -18,7 +18,7 @@ import numpy as np
 from ..data import Reused, Shard
 from ..errors import FencedError, ShardError
 from ..faults import shard_failed
-from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter
+from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value
 from ..store import dumps as stats_dumps
 
 __all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
@@ -121,7 +121,7 @@ class ShardOutput:
         self.dtypes = {k: np.dtype(m["dtype"]) for k, m in captures.items()}
         self.chunks = [_Chunks(rows, {k: self._buffer(k) for k in captures if given.chunk_rows[k] == rows})
                        for rows in sorted(set(given.chunk_rows[k] for k in captures))]
-        self.extras = {k: np.full((n, *m["shape"]), -1 if m["dtype"] == "int64" else np.nan, dtype=m["dtype"])
+        self.extras = {k: np.full((n, *m["shape"]), fill_value(m["dtype"]), dtype=m["dtype"])
                        for k, m in extras.items()}
         self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in captures.items()}
         self.locks = {k: threading.Lock() for k in self.stats}  # a capture's statistics: one writer at a time

@@ -30,15 +30,17 @@ from ..model import (
     Capturer,
     Target,
     build_model,
-    decide_layout,
+    contradicted_layouts,
     dim_names,
     model_call,
     prefix_tokens,
+    reduced_otherwise,
     resolve_device,
     resolve_targets,
+    settle_layouts,
 )
 from ..spec import JobSpec
-from ..store import CaptureRecord, ExtraRecord, ReuseIndex
+from ..store import CaptureRecord, ExtraRecord, Probe, ReuseIndex
 from .pipeline import Pipeline, ShardQueue
 from .shard import Forwarded, ShardSummary
 
@@ -85,7 +87,14 @@ def _layers_hint(spec: JobSpec) -> str:
     return f"extractor layers {spec.model.name} --input-size N (or extractor layers JOB.yaml)"
 
 
-class _Given:
+def _stitched(parts: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
+    """One batch's values from its images' (one row each), zeros for the images that raised (None)."""
+    done = [p for p in parts if p is not None]
+    return {k: np.concatenate([p[k] if p is not None else np.zeros_like(done[0][k]) for p in parts])
+            for k in done[0]}
+
+
+class _CallersModule:
     """A caller's module (``extractor.run(..., model=...)``) as it was given: the mode of each of
     its modules, and each parameter's ``requires_grad`` and strides (the job makes them
     channels_last); :meth:`restore` puts them back. Not its device: it stays on the job's."""
@@ -118,12 +127,12 @@ class Worker:
         images decoded from the store's paths; benchmarks: pre-decoded tensors)."""
         self._batches = batches
         self.spec = spec
-        self._given = _Given(model) if model is not None else None
+        self._callers = _CallersModule(model) if model is not None else None
         try:
             self._build(spec, cpus, model)
         except BaseException:
-            if self._given is not None:
-                self._given.restore()
+            if self._callers is not None:
+                self._callers.restore()
             raise
 
     def _build(self, spec: JobSpec, cpus: int | None, model: torch.nn.Module | None) -> None:
@@ -160,10 +169,10 @@ class Worker:
         self.mean = torch.tensor(self.preprocess.mean, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(self.preprocess.std, device=self.device).view(1, 3, 1, 1)
         # the hooks stay registered for the worker's life; a compiled model traces them into its graph
-        self.cap = Capturer(self.model, self.targets, entry=entry).__enter__()
+        self.capturer = Capturer(self.model, self.targets, entry=entry).__enter__()
         self.compiled = spec.model.compile
         if self.compiled:
-            self.cap.forward = torch.compile(entry)
+            self.capturer.forward = torch.compile(entry)
         self.warm = not self.compiled  # compiled, and its graph built (warm_up)
         self._pinned: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self._slot = 0
@@ -177,9 +186,9 @@ class Worker:
             self.pool = None
         self.writer_pool.shutdown(wait=True)
         self.prepare_pool.shutdown(wait=True)
-        self.cap.close()
-        if self._given is not None:
-            self._given.restore()
+        self.capturer.close()
+        if self._callers is not None:
+            self._callers.restore()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = _AUTOCAST.get(self.spec.model.dtype)
@@ -208,9 +217,9 @@ class Worker:
             if labels is not None:
                 labels = np.concatenate([labels, np.zeros(fill, labels.dtype)])
         # gradient jobs need autograd; every other job runs under inference_mode
-        with torch.inference_mode(not self.cap.gradient), self._autocast():
+        with torch.inference_mode(not self.capturer.gradient), self._autocast():
             lab = torch.as_tensor(labels, device=self.device) if labels is not None else None
-            out = self.cap.run(self._prepare(images), lab, eager=eager)
+            out = self.capturer.run(self._prepare(images), lab, eager=eager)
         return {k: v[:n] for k, v in out.items()} if pad else out
 
     def _to_host(self, values: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], Any]:
@@ -249,6 +258,10 @@ class Worker:
             if len(images) == 1:
                 return Forwarded({}, {0: f"forward failed on this image: {describe_error(err)}"}, None)
             log.warning("a batch of %d raised %s: %s; retrying image by image", len(images), type(err).__name__, err)
+        return self._forward_one_by_one(images, labels)
+
+    def _forward_one_by_one(self, images: torch.Tensor, labels: np.ndarray | None) -> Forwarded:
+        """Each image of a batch that raised, alone: its rows, zeros where it raised (the row fails)."""
         parts: list[dict[str, np.ndarray] | None] = []
         bad: dict[int, str] = {}
         last: Exception | None = None
@@ -265,11 +278,7 @@ class Worker:
         if len(bad) == len(images):
             assert last is not None
             raise last
-        keys = next(p for p in parts if p is not None).keys()
-        template = {k: next(p[k] for p in parts if p is not None) for k in keys}
-        host = {k: np.concatenate([p[k] if p is not None else np.zeros_like(template[k]) for p in parts])
-                for k in keys}
-        return Forwarded(host, bad, None)
+        return Forwarded(_stitched(parts), bad, None)
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Captured tensors (on the device) for a uint8 batch: one hooked forward."""
@@ -280,9 +289,18 @@ class Worker:
         h, w = size or self.preprocess.size
         return self._forward(torch.zeros(1, 3, h, w, dtype=torch.uint8), np.zeros(1, np.int64), eager=True)
 
-    def probe(self) -> dict[str, CaptureRecord]:
+    def probe(self) -> Probe:
+        """What the driver needs to create the store (captures, per-row extras, the model's facts, the resolved
+        preprocessing), measured once with a blank image (:meth:`_measure`)."""
+        if self.captures is None:
+            self._measure()
+        assert self.captures is not None
+        return Probe(captures=self.captures, extras=self.extras, model=self.model_info,
+                     preprocess=self.preprocess.to_dict())
+
+    def _measure(self) -> None:
         """Run one blank image through the model: the stored shape and metadata of each capture.
-        4-D outputs left at ``layout: auto`` are decided here (see :func:`decide_layout`)."""
+        4-D outputs left at ``layout: auto`` are decided here (see :func:`~extractor.model.capture.settle_layouts`)."""
         h, w = self.preprocess.size
         d = self.spec.data
         size_from = "data.crop" if d.crop not in ("auto", None) else "data.resize" if d.crop is None and \
@@ -301,11 +319,11 @@ class Worker:
                 "data.resize) to it; if it takes its input another way, see model.call, model.input and "
                 "model.forward_kwargs"
             ) from err
-        self.targets = self.cap.targets
-        original = dict(self.cap.original_shapes)
+        self.targets = self.capturer.targets
+        original = dict(self.capturer.original_shapes)
         self._check_prefix(original)
-        if self.cap.logits is not None:  # a gradient job: labels (target: label) must be among them
-            self.model_info = {**self.model_info, "logits": self.cap.logits}
+        if self.capturer.logits is not None:  # a gradient job: labels (target: label) must be among them
+            self.model_info = {**self.model_info, "logits": self.capturer.logits}
         modules = dict(self.model.named_modules())
         self.captures = {t.key: _record(t, modules[t.layer], values[t.key].shape[1:], original[t.key])
                          for t in self.targets}
@@ -318,7 +336,6 @@ class Worker:
             for key, v in values.items()
             if key not in self.captures
         }
-        return self.captures
 
     def _check_deterministic(self) -> None:
         """Refuse a model whose eval forward draws at random (ViTMAE masks patches at random in eval
@@ -361,60 +378,37 @@ class Worker:
 
     def _decide_layouts(self) -> bool:
         """Decide ``layout: auto`` for the 4-D outputs whose layout matters (reduced, stored whole,
-        Grad-CAM) from facts; refuse when none decides. True when the blank must run again: a
-        decided layout reduces otherwise than the provisional ``nchw`` did."""
+        Grad-CAM) from facts (:func:`settle_layouts`); a given layout the facts contradict is said, then
+        obeyed. True when the blank must run again: a decided layout reduces otherwise than ``nchw`` did."""
         modules = dict(self.model.named_modules())
-        shapes = dict(self.cap.original_shapes)
-        for t in self.targets:  # a layout given in the spec that the facts contradict: said, then obeyed
-            if t.layout != "auto" and len(shapes.get(t.key, ())) == 3:
-                fact = decide_layout(modules[t.layer] if t.layer else None, shapes[t.key], None, None)
-                if fact is not None and fact != t.layout:
-                    log.warning("capture[%d] %s: layout %s is given, but layer %r (%s) gives %s outputs; its outputs "
-                                "are %s (see the README's capture section)", t.capture, t.key, t.layout,
-                                t.layer or ROOT, type(modules[t.layer]).__name__, fact, fact)
-        auto = [t for t in self.targets if t.layout == "auto" and len(shapes.get(t.key, ())) == 3]
-        # flattened, a 4-D output's layout changes nothing: nchw, so that no batch looks at it again
-        layouts: dict[str, str] = {t.key: "nchw" for t in auto if t.reduce == "flatten" and t.what != "gradcam"}
-        undecided = [t for t in auto if t.key not in layouts]
-        if not auto:
+        shapes = dict(self.capturer.original_shapes)
+        for t, fact in contradicted_layouts(self.targets, modules, shapes):
+            log.warning("capture[%d] %s: layout %s is given, but layer %r (%s) gives %s outputs; its outputs "
+                        "are %s (see the README's capture section)", t.capture, t.key, t.layout,
+                        t.layer or ROOT, type(modules[t.layer]).__name__, fact, fact)
+        layouts = settle_layouts(self.targets, modules, shapes, self.capturer.auto_4d, self._shapes_at_another_size)
+        if not layouts:
             return False
-        other: dict[str, tuple[int, ...]] | None = None
-        for t in undecided:
-            module = modules[t.layer] if t.layer else None
-            layout = decide_layout(module, shapes[t.key], self.cap.auto_4d.get(t.key), None)
-            if layout is None:
-                if other is None:
-                    other = self._shapes_at_another_size()
-                layout = decide_layout(None, shapes[t.key], None, other.get(t.key))
-            if layout is None:
-                raise LayerError(
-                    f"capture[{t.capture}] {t.key}: layer {t.layer or ROOT!r} ({type(modules[t.layer]).__name__}) "
-                    "gives "
-                    f"{'x'.join(map(str, shapes[t.key]))} outputs whose layout extractor cannot tell (not a module "
-                    "type it knows, and the model does not run at another input size to see which dims grow); set "
-                    f"capture[{t.capture}].layout: nchw (channel, y, x), nhwc (y, x, channel) or attention "
-                    "(head, query, key)"
-                )
-            log.info("capture[%d] %s: layout %s", t.capture, t.key, layout)
-            layouts[t.key] = layout
-        self.cap.set_layouts(layouts)
-        self.targets = self.cap.targets
-        return any(layout != "nchw" and (t.reduce in ("mean", "max") or t.what == "gradcam")
-                   for t in self.targets if (layout := layouts.get(t.key)) is not None)
+        for t in self.targets:
+            if t.key in layouts and not (t.reduce == "flatten" and t.what != "gradcam"):
+                log.info("capture[%d] %s: layout %s", t.capture, t.key, layouts[t.key])
+        self.capturer.set_layouts(layouts)
+        self.targets = self.capturer.targets
+        return reduced_otherwise(self.targets, layouts)
 
     def _shapes_at_another_size(self) -> dict[str, tuple[int, ...]]:
         """The captures' shapes for a blank image 32 pixels larger each way ({} when the model refuses it)."""
         h, w = self.preprocess.size
-        shapes = self.cap.original_shapes  # the input size's: what the store records
+        shapes = self.capturer.original_shapes  # the input size's: what the store records
         try:
             self._blank((h + 32, w + 32))
-            return dict(self.cap.original_shapes)
+            return dict(self.capturer.original_shapes)
         except _INTERRUPTS:
             raise
         except Exception:  # noqa: BLE001 - a model with a fixed input size: this fact is not to be had
             return {}
         finally:
-            self.cap.original_shapes = shapes
+            self.capturer.original_shapes = shapes
 
     def warm_up(self) -> None:
         """Compile the model now (once), on a full blank batch, so that a failure is the model's,
@@ -440,13 +434,6 @@ class Worker:
                 f"model.compile: torch.compile failed on this model: {describe_error(err)}; set model.compile: false"
             ) from err
         self.warm = True
-
-    def layout(self) -> dict[str, Any]:
-        """What the driver needs to create the store: captures, per-row extras, the model."""
-        if self.captures is None:
-            self.probe()
-        return {"captures": self.captures, "extras": self.extras, "model": self.model_info,
-                "preprocess": self.preprocess.to_dict()}
 
     def run_shard(
         self,
@@ -486,15 +473,14 @@ class Worker:
         across a shard boundary; the next shard's store arrays and row list are read on a
         helper thread, and its first images decoded, while the current shard computes.
         """
-        if self.captures is None:
-            self.probe()
+        self.probe()
         self.warm_up()
-        so = storage_options if storage_options is not None else self.spec.output.storage_options
+        storage = storage_options if storage_options is not None else self.spec.output.storage_options
         if not isinstance(shards, ShardQueue):
             shards = ShardQueue(shards)
             shards.close()  # a fixed list: nothing more will come
         try:
-            Pipeline(self, shards, url, so, on_batch, on_computed, on_started, fence).run()
+            Pipeline(self, shards, url, storage, on_batch, on_computed, on_started, fence).run()
         except Exception as err:
             fault = device_fault(err)
             if fault is None:

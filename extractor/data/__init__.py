@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         tar_url_of,
     )
     from .listing import list_rows
-    from .preprocess import IMAGENET, Preprocess, from_dict, of_store, resolve
+    from .preprocess import IMAGENET, PIL_RESAMPLE, Preprocess, from_dict, of_store, resolve
     from .rows import Rows, Shard, labels_of, plan
     from .stream import Batch, BatchStream, Reused, iter_batches
     from .tars import expand_braces, list_tars, scan_tar
@@ -54,6 +54,7 @@ __all__ = [
     "list_tars",
     "scan_tar",
     "Preprocess",
+    "PIL_RESAMPLE",
     "IMAGENET",
     "resolve",
     "from_dict",
@@ -95,6 +96,7 @@ __getattr__ = face(
         "list_tars": "tars",
         "scan_tar": "tars",
         "Preprocess": "preprocess",
+        "PIL_RESAMPLE": "preprocess",
         "IMAGENET": "preprocess",
         "resolve": "preprocess",
         "from_dict": "preprocess",

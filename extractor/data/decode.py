@@ -180,6 +180,8 @@ class JpegDecoder:
         return self.cpu.preprocess.geometry(imgs)
 
     def collate(self, items: list[Any]):  # -> (torch.Tensor (B, 3, crop, crop) on device, {position: error})
+        """A batch on the device: JPEGs decoded with nvJPEG (what it rejects, by Pillow), resized and cropped there
+        in groups of one size and orientation; images the threads already decoded copied over."""
         import torch
 
         out: list[Any] = [None] * len(items)
@@ -189,22 +191,32 @@ class JpegDecoder:
         for i, img in zip(encoded, self._decode([items[i] for i in encoded]) if encoded else [], strict=True):
             if isinstance(img, torch.Tensor):
                 groups.setdefault((*img.shape, items[i].orientation), []).append((i, img))
-                continue
-            try:  # the device decoder rejected it: Pillow decides
-                out[i] = self.cpu.from_bytes(items[i].data).to(self.device)
-            except device_errors():
-                raise
-            except Exception as err:  # noqa: BLE001 - fails its row only
-                failed[i] = describe_error(err)
+            else:  # the device decoder rejected it: Pillow decides
+                self._on_cpu(i, items[i].data, out, failed)
         for key, members in groups.items():
-            per = max(1, GPU_RESIZE_PIXELS // (key[1] * key[2]))  # large photos are resized a few at a time
-            for a in range(0, len(members), per):
-                part = members[a : a + per]
-                done = self._geometry(torch.stack([img for _, img in part]), key[-1])
-                for (i, _), img in zip(part, done, strict=True):
-                    out[i] = img
+            self._resize_group(key, members, out)
         for i, x in enumerate(items):
             if out[i] is None and i not in failed:
                 out[i] = x.to(self.device, non_blocking=True)
         kept = [x for x in out if x is not None]
         return (torch.stack(kept) if kept else None), failed
+
+    def _on_cpu(self, i: int, data: bytes, out: list[Any], failed: dict[int, str]) -> None:
+        """Item ``i`` decoded by Pillow, then moved to the device; or the error that fails its row."""
+        try:
+            out[i] = self.cpu.from_bytes(data).to(self.device)
+        except device_errors():
+            raise
+        except Exception as err:  # noqa: BLE001 - fails its row only
+            failed[i] = describe_error(err)
+
+    def _resize_group(self, key: tuple[Any, ...], members: list[tuple[int, Any]], out: list[Any]) -> None:
+        """Decoded images of one size and orientation resized and cropped together, a few at a time when large."""
+        import torch
+
+        per = max(1, GPU_RESIZE_PIXELS // (key[1] * key[2]))
+        for a in range(0, len(members), per):
+            part = members[a : a + per]
+            done = self._geometry(torch.stack([img for _, img in part]), key[-1])
+            for (i, _), img in zip(part, done, strict=True):
+                out[i] = img

@@ -34,18 +34,18 @@ log = logging.getLogger(__name__)
 
 def list_rows(data: DataSpec) -> Rows:
     """List the images of a data spec, or raise :class:`DataError` before any work starts."""
-    so = data.storage_options
+    storage = data.storage_options
     if data.source == "folder":
         assert data.root is not None  # the spec validator guarantees it
-        rows = _list_remote_folder(data.root, data.extensions, so) if is_url(data.root) else \
+        rows = _list_remote_folder(data.root, data.extensions, storage) if is_url(data.root) else \
             _list_folder(Path(data.root), data.extensions)
         where = data.root
     elif data.source == "manifest":
         assert data.manifest is not None
-        rows = _list_manifest(data.manifest, data.root, so, data.outside_root)
+        rows = _list_manifest(data.manifest, data.root, storage, data.outside_root)
         where = data.manifest
     else:
-        rows = list_tars(data.tars, data.extensions, so)
+        rows = list_tars(data.tars, data.extensions, storage)
         where = str(data.tars)
     if not len(rows):
         raise DataError(
@@ -55,12 +55,12 @@ def list_rows(data: DataSpec) -> Rows:
     return rows
 
 
-def _list_remote_folder(root: str, extensions: Sequence[str], so: dict) -> Rows:
+def _list_remote_folder(root: str, extensions: Sequence[str], storage: dict) -> Rows:
     import fsspec
 
     exts = tuple(e.lower() for e in extensions)
     try:
-        fs, base = fsspec.core.url_to_fs(root, **so)
+        fs, base = fsspec.core.url_to_fs(root, **storage)
         infos = fs.find(base, detail=True)  # sizes and ETags come with the listing: the rows' fingerprints
         found = sorted(p for p in infos if p.lower().endswith(exts))
     except Exception as err:  # noqa: BLE001 - every backend raises its own errors
@@ -133,8 +133,8 @@ def _outside(path: str) -> bool:
     return False
 
 
-def _list_manifest(manifest: str, root: str | None, so: dict, outside_root: bool = False) -> Rows:
-    records = _manifest_records(manifest, so)
+def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False) -> Rows:
+    records = _manifest_records(manifest, storage)
     base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
     ids, paths, raw_labels = [], [], []
     for n, rec in enumerate(records):
@@ -163,7 +163,7 @@ def _list_manifest(manifest: str, root: str | None, so: dict, outside_root: bool
     return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints)
 
 
-def _manifest_records(manifest: str, so: dict) -> list[Any]:
+def _manifest_records(manifest: str, storage: dict) -> list[Any]:
     """The rows of a CSV or JSONL manifest (local or a URL), as parsed."""
     suffix = Path(manifest.split("?", 1)[0]).suffix.lower()
     if suffix not in (".csv", ".jsonl", ".ndjson"):
@@ -173,7 +173,7 @@ def _manifest_records(manifest: str, so: dict) -> list[Any]:
             import fsspec
 
             try:
-                with fsspec.open(manifest, "rb", **so) as f:
+                with fsspec.open(manifest, "rb", **storage) as f:
                     text = f.read().decode("utf-8-sig")  # a spreadsheet's byte-order mark is not a column name
             except UnicodeDecodeError:
                 raise

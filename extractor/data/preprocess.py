@@ -94,7 +94,7 @@ class Preprocess:
             else:
                 size = (self.resize[1], self.resize[0])
             if size != img.size:
-                img = img.resize(size, _PIL_RESAMPLE[self.interpolation])
+                img = img.resize(size, PIL_RESAMPLE[self.interpolation])
         if self.crop is None:
             return img
         ch, cw = self.crop
@@ -127,7 +127,7 @@ class Preprocess:
         return F.center_crop(img, [ch, cw])
 
 
-_PIL_RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}  # PIL's codes
+PIL_RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}  # PIL's codes
 
 
 IMAGENET = Preprocess(resize=256, crop=(224, 224), interpolation="bilinear",
@@ -141,52 +141,78 @@ def _pair(value: int | list[int] | tuple[int, ...]) -> Size:
     return int(h), int(w)
 
 
-def resolve(data: Any, defaults: Preprocess | str) -> Preprocess:
-    """The preprocessing a job uses: ``defaults`` (the model's library's, or the reason there
-    are none) with every ``data.*`` setting that is not ``auto`` in its place. The record's
-    ``source`` names both; its ``crop_pct`` is the ratio the resize came from, if any."""
-    if data.preprocess == "imagenet":
-        defaults = replace(IMAGENET, source="ImageNet defaults (data.preprocess: imagenet)")
-    fields = ("resize", "crop", "interpolation", "mean", "std")
-    auto = [f for f in fields if getattr(data, f) == "auto" and not (f == "resize" and data.crop_pct is not None)
-            and not (f == "interpolation" and data.resize is None)]  # nothing resized: no resampling to choose
-    given = [f for f in (*fields, "crop_pct") if getattr(data, f) not in ("auto", None) or
-             (f in ("resize", "crop") and getattr(data, f) is None)]
-    if isinstance(defaults, str):
-        if auto:
-            raise SpecError(
-                f"{defaults}, so data.{', data.'.join(auto)} cannot be 'auto': set "
-                f"{'them' if len(auto) > 1 else 'it'} in the job spec (e.g. resize: 256, crop: 224, "
-                "interpolation: bicubic, mean: [0.485, 0.456, 0.406], std: [0.229, 0.224, 0.225]), or set "
-                "data.preprocess: imagenet"
-            )
-        base = IMAGENET
-    else:
-        base = defaults
-    if not auto or isinstance(defaults, str):
-        source = "the job spec"
-    else:
-        source = base.source + (f", with data.{', data.'.join(given)} from the job spec" if given else "")
-    crop = base.crop if data.crop == "auto" else (None if data.crop is None else _pair(data.crop))
-    resize: int | Size | None
-    pct: float | None = None
-    if data.crop_pct is not None:
+_FIELDS = ("resize", "crop", "interpolation", "mean", "std")
+
+
+def _left_auto(data: Any) -> list[str]:
+    """The settings the job leaves to the model's library: ``auto``, except a resize that crop_pct sets and an
+    interpolation with nothing resized (no resampling to choose)."""
+    return [f for f in _FIELDS if getattr(data, f) == "auto" and not (f == "resize" and data.crop_pct is not None)
+            and not (f == "interpolation" and data.resize is None)]
+
+
+def _set_by_job(data: Any) -> list[str]:
+    """The settings the job sets itself (null resize and crop included: "none")."""
+    return [f for f in (*_FIELDS, "crop_pct") if getattr(data, f) not in ("auto", None)
+            or (f in ("resize", "crop") and getattr(data, f) is None)]
+
+
+def _base(data: Any, defaults: Preprocess | str) -> Preprocess:
+    """What ``auto`` means: the library's values, or, where there are none (``defaults`` says why), nothing:
+    every setting must then be the job's."""
+    if not isinstance(defaults, str):
+        return defaults
+    auto = _left_auto(data)
+    if auto:
+        raise SpecError(
+            f"{defaults}, so data.{', data.'.join(auto)} cannot be 'auto': set "
+            f"{'them' if len(auto) > 1 else 'it'} in the job spec (e.g. resize: 256, crop: 224, "
+            "interpolation: bicubic, mean: [0.485, 0.456, 0.406], std: [0.229, 0.224, 0.225]), or set "
+            "data.preprocess: imagenet"
+        )
+    return IMAGENET
+
+
+def _source(data: Any, defaults: Preprocess | str, base: Preprocess) -> str:
+    """Where the record's values came from, for the store and for error messages."""
+    if isinstance(defaults, str) or not _left_auto(data):
+        return "the job spec"
+    given = _set_by_job(data)
+    return base.source + (f", with data.{', data.'.join(given)} from the job spec" if given else "")
+
+
+def _resize(data: Any, base: Preprocess, crop: Size | None) -> tuple[int | Size | None, float | None]:
+    """The resize, and the crop_pct it came from (if any)."""
+    if data.crop_pct is not None:  # the crop's own ratio: resize = crop / crop_pct
         if data.resize != "auto":
             raise SpecError("data.resize and data.crop_pct both set: crop_pct sets the resize (crop / crop_pct); "
                             "remove one of them")
         if crop is None or crop[0] != crop[1]:
             raise SpecError(f"data.crop_pct needs a square data.crop, not {crop}; set data.resize instead")
-        pct = data.crop_pct
-        resize = math.floor(crop[0] / pct)
-    elif data.resize == "auto" and data.crop != "auto" and crop is not None and base.crop is not None \
-            and base.resize is not None:  # a crop of the job's own: resized in the library's proportion
+        return math.floor(crop[0] / data.crop_pct), data.crop_pct
+    if data.resize != "auto":  # the job's own
+        return (data.resize if data.resize is None or isinstance(data.resize, int) else _pair(data.resize)), None
+    if data.crop != "auto" and crop is not None and base.crop is not None and base.resize is not None:
+        # a crop of the job's own: resized in the library's proportion
         pct = base.crop_pct or base.crop[0] / (base.resize if isinstance(base.resize, int) else base.resize[0])
-        resize = math.floor(max(crop) / pct) if isinstance(base.resize, int) else \
-            (math.floor(crop[0] / pct), math.floor(crop[1] / pct))
-    elif data.resize == "auto":
-        resize, pct = base.resize, base.crop_pct
-    else:
-        resize = data.resize if data.resize is None or isinstance(data.resize, int) else _pair(data.resize)
+        if isinstance(base.resize, int):
+            return math.floor(max(crop) / pct), pct
+        return (math.floor(crop[0] / pct), math.floor(crop[1] / pct)), pct
+    return base.resize, base.crop_pct  # the library's
+
+
+def resolve(data: Any, defaults: Preprocess | str) -> Preprocess:
+    """The preprocessing a job uses: ``defaults`` (the model's library's, or the reason there
+    are none) with every ``data.*`` setting that is not ``auto`` in its place. The record's
+    ``source`` names both; its ``crop_pct`` is the ratio the resize came from, if any.
+    One step per setting, in the order each depends on the one before (timm's resolve_data_config)."""
+    if data.preprocess == "imagenet":
+        defaults = replace(IMAGENET, source="ImageNet defaults (data.preprocess: imagenet)")
+    base = _base(data, defaults)
+    # crop: the library's, none (null), or the job's (one size for both sides, or [H, W])
+    crop = base.crop if data.crop == "auto" else (None if data.crop is None else _pair(data.crop))
+    # resize: from crop_pct, the job's, the library's proportion for the job's crop, or the library's
+    resize, pct = _resize(data, base, crop)
     out = replace(
         base,
         resize=resize,
@@ -195,7 +221,7 @@ def resolve(data: Any, defaults: Preprocess | str) -> Preprocess:
         mean=base.mean if data.mean == "auto" else tuple(data.mean),
         std=base.std if data.std == "auto" else tuple(data.std),
         crop_pct=pct,
-        source=source,
+        source=_source(data, defaults, base),
     )
     _check(out, data)
     return out

@@ -70,6 +70,11 @@ def _label_number(value: object) -> Decimal | None:
     return None
 
 
+def _whole(d: Decimal) -> bool:
+    """A label's number (a Decimal) is a class index: finite, whole, an int64."""
+    return bool(d.is_finite() and d == d.to_integral_value() and -(2**63) <= d < 2**63)
+
+
 def labels_of(raw: list[object], where: Callable[[int], str] = lambda n: f"row {n + 1}") -> tuple[list[int], list[str]]:
     """Integer labels as given, or class names mapped to sorted indices; -1 where missing.
 
@@ -83,8 +88,7 @@ def labels_of(raw: list[object], where: Callable[[int], str] = lambda n: f"row {
         return [-1] * len(raw), []
     numbers = {n: d for n, v in present if (d := _label_number(v)) is not None}
     if len(numbers) == len(present):
-        odd = [n for n, d in numbers.items()
-               if not d.is_finite() or d != d.to_integral_value() or not -(2**63) <= d < 2**63]
+        odd = [n for n, d in numbers.items() if not _whole(d)]
         if not odd:
             ints = [-1] * len(raw)
             for n, d in numbers.items():

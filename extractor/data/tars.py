@@ -144,7 +144,7 @@ def _members(tar: tarfile.TarFile, url: str):  # -> Iterator[tarfile.TarInfo]
         yield member
 
 
-def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], so: dict[str, Any]) -> Rows:
+def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], storage: dict[str, Any]) -> Rows:
     """Rows of every sample of every tar, in pattern order then member order."""
     pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
     urls = [absolute(u) for p in pats for u in expand_braces(p)]
@@ -152,10 +152,10 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
         raise DataError("data.tars names no tar shards")
     for url in urls:
         if "#" in url:
-            check_unambiguous(url, so)
+            check_unambiguous(url, storage)
     with ThreadPoolExecutor(min(16, len(urls))) as pool:
-        scanned = list(pool.map(lambda u: scan_tar(u, extensions, so), urls))
-        tar_prints = list(pool.map(lambda u: _tar_fingerprint(u, so), urls))
+        scanned = list(pool.map(lambda u: scan_tar(u, extensions, storage), urls))
+        tar_prints = list(pool.map(lambda u: _tar_fingerprint(u, storage), urls))
     ids, paths, offsets, sizes, raw, where, prints = [], [], [], [], [], [], []
     seen: dict[str, str] = {}
     for url, records, tar_print in zip(urls, scanned, tar_prints, strict=True):
@@ -175,14 +175,14 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
                 fingerprints=prints)
 
 
-def _tar_fingerprint(url: str, so: dict[str, Any]) -> int:
+def _tar_fingerprint(url: str, storage: dict[str, Any]) -> int:
     """The tar's own fingerprint (a member's is it with the member's offset and size); 0 when unknown."""
     if not is_url(url):
         return local_fingerprint(url)
     try:
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(url, **so)
+        fs, path = fsspec.core.url_to_fs(url, **storage)
         return remote_fingerprint(fs.info(path))
     except Exception:  # noqa: BLE001 - read fine a moment ago: unknown, not an error
         return 0

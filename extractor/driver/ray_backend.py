@@ -30,6 +30,7 @@ from ..data import Shard
 from ..errors import ClusterError, ExtractorError, ShardError
 from ..faults import whose
 from ..spec import ClusterSpec, JobSpec
+from ..store import Probe
 
 __all__ = ["RayBackend"]
 
@@ -88,8 +89,8 @@ class _WorkerActor:
             self.worker.warm_up()
         return info
 
-    def layout(self) -> dict[str, Any]:
-        return self.worker.layout()
+    def probe(self) -> Probe:
+        return self.worker.probe()
 
     def run_shard(self, index: int, start: int, stop: int, url: str, fence: str | None = None) -> ShardSummary:
         call: Future[ShardSummary] = Future()
@@ -228,26 +229,27 @@ def loopback_only() -> None:
     under the machine's address. The variable also reaches the processes Ray starts."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
-        import ray._private.ray_constants as ray_constants  # read at call time by services.get_node_ip_address
-
+        try:  # private (Ray pinned below 2.61 in pyproject.toml); read at call time by services.get_node_ip_address
+            import ray._private.ray_constants as ray_constants
+        except ImportError as err:  # pragma: no cover - a Ray that moved it: refuse rather than listen everywhere
+            raise ClusterError("this Ray has no ray._private.ray_constants: extractor cannot keep an embedded "
+                               "cluster on 127.0.0.1; install a Ray between 2.50 and 2.60") from err
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _for_workers(spec: JobSpec) -> dict[str, Any]:
-    """The spec as the actors get it: local paths made absolute, since an actor runs in another
-    directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
+    """The spec as the actors get it: local paths made absolute (``JobSpec.local_paths``), since an actor runs
+    in another directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
     from ..data import absolute
-    from ..model.zoo import local_folder, looks_like_path
 
     d = spec.to_dict()
-    for section, key in (("output", "store"), ("data", "root"), ("data", "manifest"), ("model", "weights")):
-        value = d[section].get(key)
-        if isinstance(value, str) and (key != "weights" or looks_like_path(value)):
-            d[section][key] = absolute(value)
-    d["output"]["reuse"] = [absolute(u) for u in spec.output.reuse]  # stores to take rows from
-    folder = local_folder(spec.model.name)
-    if folder is not None:  # hf:FOLDER
-        d["model"]["name"] = folder[0] + absolute(folder[1])
+    for setting, path in spec.local_paths():
+        section, key = setting.split(".")
+        value = d[section][key]
+        if isinstance(value, list):  # data.tars, output.reuse
+            d[section][key] = [absolute(v) if v == path else v for v in value]
+        else:  # a path, or model.name's folder after its prefix
+            d[section][key] = value[: len(value) - len(path)] + absolute(path)
     return d
 
 
@@ -463,8 +465,8 @@ class RayBackend:
             return False
         return True
 
-    def probe(self) -> dict[str, Any]:
-        return ray.get(next(s for s in self.slots if s.ready).actor.layout.remote())
+    def probe(self) -> Probe:
+        return ray.get(next(s for s in self.slots if s.ready).actor.probe.remote())
 
     def warm_up(self) -> None:
         """Compile the model on every ready worker at once (a no-op for an eager model); workers that

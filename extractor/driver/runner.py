@@ -6,51 +6,50 @@ process). The driver only ever holds shard descriptors and done flags, never act
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import os
-import platform
-import re
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from .. import __version__
 from .._text import count, table
 from ..compute import ShardSummary, Worker
-from ..data import Rows, Shard, absolute, list_rows, of_store, plan
+from ..data import Rows, Shard, absolute, list_rows, plan
 from ..errors import DataError, FencedError, StoreError
-from ..spec import JobSpec, auto_chunk_rows, content_of, parse_spec, redact_argv, spec_digest
+from ..spec import JobSpec
 from ..store import (
     FAILED,
-    FORMAT_VERSION,
+    OK,
     PENDING,
-    CaptureRecord,
-    Layout,
     Lease,
+    Probe,
+    StoreArrays,
+    changed_rows,
+    check_resumable,
     check_sources,
     consolidate,
     create_store,
     done_shards,
     get_array,
     half_created,
+    merge_shards,
+    moved_members,
     now,
     open_group,
+    owner,
     read_attrs,
     reset_shards,
-    source_digests,
+    store_attrs,
     update_attrs,
 )
-from ..store import merge as merge_stats
 
-__all__ = ["run", "RunSummary"]
+__all__ = ["run", "RunSummary", "Backend", "LocalBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -124,145 +123,8 @@ class RunSummary:
         return d
 
 
-def _versions() -> dict[str, str]:
-    import torch
-    import torchvision
-    import zarr
-
-    return {
-        "extractor": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "zarr": zarr.__version__,
-        "numpy": np.__version__,
-    }
-
-
-def _owner() -> dict[str, Any]:
-    import getpass
-    import socket
-    import sys
-
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name in some containers
-        user = "?"
-    return {"host": socket.gethostname(), "pid": os.getpid(), "user": user, "started": now(),
-            "command": " ".join(redact_argv(sys.argv))[:500]}
-
-
-def _digest(names: list[str]) -> str:
-    """A short hash of a list of ids or paths, in order."""
-    h = hashlib.sha256()
-    for i in names:
-        h.update(i.encode("utf-8", "surrogateescape") + b"\0")
-    return h.hexdigest()[:16]
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict) and (d or not prefix):  # an empty mapping is a value: {} -> {depth: 3} shows
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
-        out = {}
-        for i, v in enumerate(d):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
-        return out
-    return {prefix: d}
-
-
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """One line per changed setting; an entry (``capture[1]``) on one side only is one line."""
-    a, b = _flatten(old), _flatten(new)
-    diffs: list[str] = []
-    for k in sorted(set(a) | set(b)):
-        if k in a and k in b:
-            if a[k] != b[k]:
-                diffs.append(f"{k}: {json.dumps(a[k])} in the store, {json.dumps(b[k])} now")
-            continue
-        lacking = b if k in a else a
-        # the outermost entry holding k that the other side lacks entirely
-        top = next((p for p in [k[:m.start()] for m in re.finditer(r"[.\[]", k)] + [k]
-                    if p and not any(x == p or x.startswith((p + ".", p + "[")) for x in lacking)), k)
-        line = (f"{top}: in the store, not in the spec now" if k in a else f"{top}: in the spec now, not in the store")
-        if top == k:
-            line = f"{k}: {json.dumps(a.get(k, '(unset)'))} in the store, {json.dumps(b.get(k, '(unset)'))} now"
-        if line not in diffs:
-            diffs.append(line)
-    return diffs
-
-
-def _current_form(stored: dict[str, Any]) -> dict[str, Any]:
-    """A stored (public) spec as this version writes it: settings it lacks get their defaults."""
-    model = stored.get("model")
-    if isinstance(model, dict) and model.get("factory") and model.get("name") == "resnet18":
-        stored = {**stored, "model": {k: v for k, v in model.items() if k != "name"}}  # the old default, unused
-    try:
-        return parse_spec(stored).public_dict()
-    except Exception:  # noqa: BLE001 - a spec this version refuses: compared as stored
-        return stored
-
-
-_LOCATIONS = ("root", "manifest", "tars")  # data settings compared by the paths they list, not their spelling
-
-
-def _moved(group: Any, paths: list[str]) -> str | None:
-    """The first row whose image the store read from another path than ``paths`` (a relative
-    ``data.root`` resolved in another folder, moved data), as 'STORED in the store, NOW now'."""
-    stored = group["paths"][:]
-    for i, (was, now_) in enumerate(zip(stored, paths, strict=False)):
-        if str(was) != now_:
-            return f"row {i}'s image: {str(was)!r} in the store, {now_!r} now"
-    return None
-
-
-def _check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: list[str]) -> None:
-    """Refuse to resume a store made by another format, spec, model or data listing, or whose
-    images the job would read from another place (``paths``: this run's, resolved)."""
-    problems: list[str] = []
-    if old.get("format_version") != FORMAT_VERSION:
-        problems.append(f"format version {old.get('format_version')} in the store, {FORMAT_VERSION} now")
-    else:
-        moved = _moved(group, paths) if old.get("paths_digest") != new["paths_digest"] else None
-        if old.get("spec_digest") != new["spec_digest"]:
-            # the stored spec with the settings added since as their defaults: it differs in content, or
-            # only in what an older version of extractor did not write down
-            old_spec = content_of(_current_form(old.get("spec", {})))
-            new_spec = content_of(new["spec"])
-            if moved is None:  # the same images from the same places: data.root spelt otherwise is the same
-                for d in (old_spec, new_spec):
-                    for key in _LOCATIONS:
-                        d.get("data", {}).pop(key, None)
-            problems += _differences(old_spec, new_spec)
-        was, now_ = of_store(old).to_dict(), new["preprocess"]
-        for k in ("resize", "crop", "interpolation", "mean", "std", "crop_offset"):
-            if was[k] != now_[k]:
-                problems.append(f"preprocess {k}: {json.dumps(was[k])} in the store, {json.dumps(now_[k])} now")
-        if old.get("model", {}).get("state_dict_sha256") != new["model"]["state_dict_sha256"]:
-            problems.append("the model's weights differ (state-dict hash)")
-        if old.get("captures") != new["captures"]:
-            problems += ["capture " + d for d in _differences(old.get("captures", {}), new["captures"])]
-        if old.get("ids_digest") != new["ids_digest"]:
-            problems.append(f"the image list differs ({old.get('n_rows')} rows in the store, {new['n_rows']} now)")
-        elif moved is not None:
-            problems.append(
-                f"the images would be read from another place: {moved}; a relative data.root, data.manifest or "
-                "data.tars means a place under the folder the job runs from: run it from the folder of its first "
-                "run, or give that path absolute"
-            )
-    if problems:
-        listed = "\n  ".join(problems[:10])
-        raise StoreError(
-            f"cannot resume {url}: it was made by a different job:\n  {listed}\n"
-            "Use --overwrite to replace it, or set output.store to write a new store."
-        )
-
-
 @dataclass(frozen=True)
-class _Plan:
+class _Decision:
     """What a job will do to its store, decided from a read of it before anything is written."""
 
     create: bool  # create the store (replacing what is there when ``old`` is not None), or resume it
@@ -278,20 +140,21 @@ class _Plan:
         return not self.create and not self.todo and (self.old or {}).get("status") == "complete"
 
 
-def _decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any], old: dict[str, Any] | None) -> _Plan:
+def _decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any],
+            old: dict[str, Any] | None) -> _Decision:
     """Whether the job may create, replace or resume the store, and what it would compute; refuses
     (another job's live lease, an existing store without --resume or --overwrite, a store made by
     another job) without writing anything."""
-    url, so = spec.output.store, spec.output.storage_options
+    url, storage = spec.output.store, spec.output.storage_options
     if old is None:
-        return _Plan(True, None, shards)
-    Lease.check(url, so, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
+        return _Decision(True, None, shards)
+    Lease.check(url, storage, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
     mode = spec.output.if_exists
     if old.get("status") == "creating":  # holds no data (its job is gone): --resume starts it again
         if mode == "error":
             raise StoreError(half_created(url))
-        return _Plan(True, old, shards)
-    group = open_group(url, "r", so)
+        return _Decision(True, old, shards)
+    group = open_group(url, "r", storage)
     if mode == "error":
         n_done = int(done_shards(group).sum())
         raise StoreError(
@@ -299,87 +162,59 @@ def _decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any
             f"{old.get('status', '?')}); pass --resume to finish it or --overwrite to replace it"
         )
     if mode == "overwrite":
-        return _Plan(True, old, shards)
-    _check_resumable(url, old, json.loads(json.dumps(attrs)), group, rows.paths)
+        return _Decision(True, old, shards)
+    check_resumable(url, old, json.loads(json.dumps(attrs)), group, rows.paths)
+    return _resume(spec, rows, shards, old, group)
+
+
+def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any], group: Any) -> _Decision:
+    """What resuming a store made by this job computes: the shards not done, and the done ones whose images
+    changed since (refused unless output.on_change: redo)."""
     done = done_shards(group)
-    changed, prints = _changed_rows(spec, group, rows)
+    changed, prints = changed_rows(spec, group, rows)
     hit = {r // spec.data.shard_size for r in changed}  # shards are contiguous runs of shard_size rows
     redo = [s for s in shards if done[s.index] and s.index in hit]
     if changed and spec.output.on_change != "redo":
         named = ", ".join(f"{rows.ids[r]!r}" for r in changed[:10])
         raise StoreError(
-            f"cannot resume {url}: the images of {count(len(changed), 'row')} computed before have changed since "
-            f"(their content digest differs): {named}{' ...' if len(changed) > 10 else ''}. Their stored values are "
-            "the old images'; resuming would mix both. Set output.on_change: redo (--set output.on_change=redo) to "
-            "compute their shards again, or --overwrite"
+            f"cannot resume {spec.output.store}: the images of {count(len(changed), 'row')} computed before have "
+            f"changed since (their content digest differs): {named}{' ...' if len(changed) > 10 else ''}. Their "
+            "stored values are the old images'; resuming would mix both. Set output.on_change: redo (--set "
+            "output.on_change=redo) to compute their shards again, or --overwrite"
         )
     redone = {s.index for s in redo}
-    return _Plan(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
-                 _moved_members(group, rows))
+    return _Decision(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
+                     moved_members(group, rows))
 
 
-def _moved_members(group: Any, rows: Rows) -> tuple[np.ndarray, np.ndarray] | None:
-    """A tar source's member offsets and sizes now, when a rewritten tar moved them (the rows still to
-    compute read their bytes where they are now; computed ones whose bytes changed were named above)."""
-    if rows.offsets is None or rows.sizes is None or "byte_offset" not in group:
-        return None
-    offsets, sizes = np.asarray(rows.offsets, dtype=np.int64), np.asarray(rows.sizes, dtype=np.int64)
-    same = np.array_equal(offsets, group["byte_offset"][:]) and np.array_equal(sizes, group["byte_size"][:])
-    return None if same else (offsets, sizes)
-
-
-def _changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.ndarray | None]:
-    """Rows already read (ok or failed) whose image is not the one they read: where the source's fingerprint
-    (size, mtime, ETag) differs from the stored one, the bytes are read and their content digest compared
-    (a file touched but unchanged passes). Also the source's fingerprints, when any differ (to record)."""
-    if "digest" not in group or rows.fingerprints is None:
-        if "digest" not in group:
-            log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
-                        spec.output.store)
-        return [], None
-    now = np.asarray(rows.fingerprints, dtype=np.uint64)
-    stored = np.asarray(group["fingerprint"][:])
-    read = np.asarray(group["status"][:]) != PENDING
-    unknown = int((read & (now == 0)).sum())
-    if unknown:
-        log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest): not checked for changed "
-                    "images; `extractor inspect --verify` reads them", unknown, spec.output.store)
-    suspects = np.flatnonzero(read & (now != stored) & (now != 0))
-    changed: list[int] = []
-    if len(suspects):
-        digests = np.asarray(group["digest"][:])
-        now_digests = source_digests(group, suspects, spec.data.storage_options)
-        changed = [int(r) for r, d in zip(suspects, now_digests, strict=True) if d != digests[r]]
-    return changed, (now if bool((now != stored).any()) else None)
-
-
-def _claim(spec: JobSpec, rows: Rows, plan: _Plan, attrs: dict[str, Any], lease: Lease) -> Any:
+def _claim(spec: JobSpec, rows: Rows, decision: _Decision, attrs: dict[str, Any], lease: Lease) -> Any:
     """Create, replace or resume the store under the job's lease, deciding again at that moment: a
     store that appeared, was replaced or whose lease another job took since :func:`_decide` read it
     is refused, naming that job. Returns the store's group (this job's from then on)."""
-    url, so = spec.output.store, spec.output.storage_options
-    now_there = read_attrs(url, so)
-    if (now_there or {}).get("created") != (plan.old or {}).get("created"):
-        Lease.check(url, so, spec.output.lease_timeout_s)  # names a live job that did it
-        raise StoreError(f"store {url} was {'created' if plan.old is None else 'replaced'} by another job after this "
-                         "one looked at it; run again (--resume finishes it)")
-    if not plan.create:
+    url, storage = spec.output.store, spec.output.storage_options
+    now_there = read_attrs(url, storage)
+    if (now_there or {}).get("created") != (decision.old or {}).get("created"):
+        Lease.check(url, storage, spec.output.lease_timeout_s)  # names a live job that did it
+        what = "created" if decision.old is None else "replaced"
+        raise StoreError(f"store {url} was {what} by another job after this one looked at it; run again (--resume "
+                         "finishes it)")
+    if not decision.create:
         lease.acquire()  # a live lease refuses; a stale one is taken over
-        group = open_group(url, "r+", so)
-        reset_shards(group, [(s.index, s.start, s.stop) for s in plan.redo])  # before any new fingerprint
-        if plan.fingerprints is not None:
-            get_array(group, "fingerprint")[:] = plan.fingerprints
-        if plan.places is not None:
-            get_array(group, "byte_offset")[:], get_array(group, "byte_size")[:] = plan.places
-        update_attrs(url, so, status="running", resumed=now())
+        group = open_group(url, "r+", storage)
+        reset_shards(group, [(s.index, s.start, s.stop) for s in decision.redo])  # before any new fingerprint
+        if decision.fingerprints is not None:
+            get_array(group, "fingerprint")[:] = decision.fingerprints
+        if decision.places is not None:
+            get_array(group, "byte_offset")[:], get_array(group, "byte_size")[:] = decision.places
+        update_attrs(url, storage, status="running", resumed=now())
         return group
-    if plan.old is not None:
-        Lease.check(url, so, spec.output.lease_timeout_s)
-        log.info("%s %s", "creating again" if plan.old.get("status") == "creating" else "overwriting", url)
-    layout = Layout(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
-                    chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
-                    compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse))
-    return create_store(url, rows, layout, attrs, so, lease=lease, fresh=plan.old is None)
+    if decision.old is not None:
+        Lease.check(url, storage, spec.output.lease_timeout_s)
+        log.info("%s %s", "creating again" if decision.old.get("status") == "creating" else "overwriting", url)
+    arrays = StoreArrays(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
+                         chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
+                         compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse))
+    return create_store(url, rows, arrays, attrs, storage, lease=lease, fresh=decision.old is None)
 
 
 def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
@@ -402,8 +237,23 @@ def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
             )
 
 
-def _bytes_per_row(captures: dict[str, dict[str, Any]]) -> dict[str, int]:
-    return {k: int(np.prod(m["shape"], dtype=np.int64)) * np.dtype(m["dtype"]).itemsize for k, m in captures.items()}
+class Backend(Protocol):
+    """Where a job's shards run: :class:`LocalBackend` (this process) or ``RayBackend`` (one actor per GPU).
+    Built with the job's spec; its workers build the model and resolve every layer before any image is read."""
+
+    def probe(self) -> Probe:
+        """What one blank image measured (every worker measures the same)."""
+
+    def warm_up(self) -> None:
+        """Compile the model where the job compiles it; called only when there are shards to compute."""
+
+    def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event,
+            fence: str | None = None) -> list[ShardSummary]:
+        """Compute and write the shards ``todo`` into the store at ``url``, writing nothing once ``fence`` (the
+        job's lease token) is no longer the store's; returns the summaries of the shards done."""
+
+    def close(self) -> None:
+        """Stop the workers (a no-op when done twice)."""
 
 
 class LocalBackend:
@@ -413,8 +263,8 @@ class LocalBackend:
         # builds the model and resolves every layer before any image is read
         self.worker = worker if worker is not None else Worker(spec)
 
-    def probe(self) -> dict[str, Any]:
-        return self.worker.layout()
+    def probe(self) -> Probe:
+        return self.worker.probe()
 
     def warm_up(self) -> None:
         self.worker.warm_up()
@@ -464,7 +314,7 @@ class LocalBackend:
         self.worker.close()
 
 
-def _backend(spec: JobSpec) -> Any:
+def _backend(spec: JobSpec) -> Backend:
     if spec.cluster.backend == "local":
         return LocalBackend(spec)
     from .ray_backend import RayBackend
@@ -500,45 +350,12 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
     return [table[k] for k in sorted(table)]
 
 
-def _chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int]:
-    """Rows per chunk of each capture array: output.chunk_rows, or ``auto``'s choice for the capture's row size."""
-    if spec.output.chunk_rows != "auto":
-        return dict.fromkeys(captures, spec.output.chunk_rows)
-    return {k: auto_chunk_rows(spec.data.shard_size, math.prod(c["shape"]) * np.dtype(c["dtype"]).itemsize)
-            for k, c in captures.items()}
-
-
-def _store_attrs(spec: JobSpec, rows: Rows, n_shards: int, layout: dict[str, Any]) -> dict[str, Any]:
-    """The store's ``extractor`` attributes at its creation (or, on resume, what it must match)."""
-    return {
-        "format_version": FORMAT_VERSION,
-        "created": now(),
-        "updated": now(),
-        "status": "running",
-        "spec": spec.public_dict(),  # secrets in storage options never reach the store
-        "spec_digest": spec_digest(spec),
-        "model": layout["model"],
-        "preprocess": layout["preprocess"],  # what resize, crop, interpolation, mean and std resolved to
-        "captures": layout["captures"],
-        "extras": layout["extras"],
-        "classes": rows.classes,
-        "n_rows": len(rows),
-        "n_shards": n_shards,
-        "shard_size": spec.data.shard_size,
-        "chunk_rows": _chunking(spec, layout["captures"]),
-        "ids_digest": _digest(rows.ids),
-        "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
-        "versions": _versions(),
-        **({"reused_from": list(spec.output.reuse)} if spec.output.reuse else {}),  # the reused array's stores
-    }
-
-
 def _mark_stopped(spec: JobSpec, group: Any, url: str, err: BaseException) -> None:
     """Mark the store ``interrupted`` or ``failed`` with ``err`` and the statistics of the shards that
     finished; a storage that refuses (the one that failed the job may) only gets a warning."""
     status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
     try:
-        stats = merge_stats(str(s) for s in group["shard_stats"][:])
+        stats = merge_shards(group)
         update_attrs(url, spec.output.storage_options, status=status, error=f"{type(err).__name__}: {err}"[:1000],
                      stats=stats)
     except Exception as mark:  # noqa: BLE001 - whatever the storage raises, its done shards are kept
@@ -546,7 +363,7 @@ def _mark_stopped(spec: JobSpec, group: Any, url: str, err: BaseException) -> No
                     mark)
 
 
-def _compute(spec: JobSpec, backend: Any, todo: list[Shard], on_progress: Progress, on_event: Event,
+def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Progress, on_event: Event,
              lease: Lease) -> list[ShardSummary]:
     """Run the shards ``todo`` on ``backend`` while this job holds the store's ``lease``."""
     url = absolute(spec.output.store)  # for workers in another directory
@@ -562,11 +379,11 @@ def run(
     on_start: Callable[[int, dict[str, int]], None] | None = None,
     on_progress: Progress | None = None,
     on_event: Event | None = None,
-    backend: Any = None,
+    backend: Backend | None = None,
 ) -> RunSummary:
     """Run a whole job; returns when every shard is done.
 
-    ``on_start(rows_to_process, bytes_per_row)`` is called once the plan is known,
+    ``on_start(rows_to_process, bytes_per_row)`` is called once the job knows what it will compute,
     ``on_progress(rows_processed)`` as batches finish, and ``on_event(name, info)`` on
     worker and shard events (``worker_started``, ``shard_started``, ``shard_done``,
     ``shard_failed``, ``worker_died``): ``shard_started`` once a worker begins computing the
@@ -576,49 +393,26 @@ def run(
     (benchmarks: a ``LocalBackend`` around a Worker subclass); it is closed at the end.
     """
     t0 = time.perf_counter()
-    try:
-        rows = list_rows(spec.data)
-    except BaseException:
-        if backend is not None:
-            backend.close()
-        raise
+    rows = _list(spec, backend)
     shards = plan(len(rows), spec.data.shard_size)
     log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
-    events: list[tuple[str, dict[str, Any]]] = []
-
-    def event(name: str, info: dict[str, Any]) -> None:
-        events.append((name, info))
-        log.debug("%s %s", name, info)
-        if on_event is not None:
-            on_event(name, info)
-
+    events = _Events(on_event)
     backend = backend if backend is not None else _backend(spec)
     lease: Lease | None = None
     group: Any = None
-    summaries: list[ShardSummary] = []
     try:
-        # everything that can fail before the first image (model, shapes, layouts, preprocessing, compile,
-        # the estimate) happens before the store is touched
-        layout = backend.probe()
-        _check_targets(spec, rows, layout["model"].get("logits"))
-        attrs = _store_attrs(spec, rows, len(shards), layout)
-        if spec.output.reuse:  # every store to take rows from makes them as this job would
-            check_sources(spec.output.reuse, attrs, spec.output.store, spec.output.storage_options)
-        decided = _decide(spec, rows, shards, attrs, read_attrs(spec.output.store, spec.output.storage_options))
-        if decided.todo:
-            backend.warm_up()  # a resume with nothing left to compute compiles nothing
-        per_row = _bytes_per_row(layout["captures"])
+        attrs, decided, per_row = _look(spec, rows, shards, backend)
         if on_start is not None:
             on_start(sum(len(s) for s in decided.todo), per_row)
         if decided.nothing_to_do:  # exit 0 without writing: also on a read-only file system
             group = open_group(spec.output.store, "r", spec.output.storage_options)
             return _finish(spec, group, shards, [], [], per_row, time.perf_counter() - t0, write=False)
-        lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, _owner())
+        lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
         group = _claim(spec, rows, decided, attrs, lease)  # from here on the store is this job's
         done = done_shards(group)  # read again under the lease
         todo = [s for s in shards if not done[s.index]]
         t_compute = time.perf_counter()
-        summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), event, lease)
+        summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), events, lease)
         compute_s = time.perf_counter() - t_compute
     except BaseException as err:
         if group is not None and lease is not None and not (isinstance(err, FencedError) or lease.lost):
@@ -629,16 +423,62 @@ def run(
         backend.close()
         if lease is not None:
             lease.release()
+    summary = _finish_done(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0, compute_s)
+    summary.workers = _worker_table(events.log)
+    return summary
+
+
+def _finish_done(spec: JobSpec, group: Any, shards: list[Shard], todo: list[Shard], summaries: list[ShardSummary],
+                 per_row: dict[str, int], seconds: float, compute_s: float) -> RunSummary:
+    """:func:`_finish` once every shard ran; a storage that refuses the final attributes is a StoreError that
+    says the shards are kept."""
     try:
-        summary = _finish(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0,
-                          compute_s=compute_s)
+        return _finish(spec, group, shards, todo, summaries, per_row, seconds, compute_s=compute_s)
     except StoreError:
         raise
     except OSError as err:  # every shard is done; only the final attributes could not be written
         raise StoreError(f"cannot write the final attributes of {spec.output.store}: {type(err).__name__}: {err}; "
                          "its shards are done and kept: --resume finishes it once the storage works") from err
-    summary.workers = _worker_table(events)
-    return summary
+
+
+def _list(spec: JobSpec, backend: Backend | None) -> Rows:
+    """The job's rows; a backend given to the job is closed when they cannot be listed."""
+    try:
+        return list_rows(spec.data)
+    except BaseException:
+        if backend is not None:
+            backend.close()
+        raise
+
+
+class _Events:
+    """The job's worker and shard events: kept for the report's worker table, logged, passed on."""
+
+    def __init__(self, on_event: Event | None) -> None:
+        self.log: list[tuple[str, dict[str, Any]]] = []
+        self.on_event = on_event
+
+    def __call__(self, name: str, info: dict[str, Any]) -> None:
+        self.log.append((name, info))
+        log.debug("%s %s", name, info)
+        if self.on_event is not None:
+            self.on_event(name, info)
+
+
+def _look(spec: JobSpec, rows: Rows, shards: list[Shard],
+          backend: Backend) -> tuple[dict[str, Any], _Decision, dict[str, int]]:
+    """Everything that can fail before the first image (model, shapes, layouts, preprocessing, compile, the
+    estimate, the store's state), before the store is touched: the store record this job writes, what it will
+    do to the store, and the bytes per row of each capture."""
+    probe = backend.probe()
+    _check_targets(spec, rows, probe.model.get("logits"))
+    attrs = store_attrs(spec, rows, len(shards), probe)
+    if spec.output.reuse:  # every store to take rows from makes them as this job would
+        check_sources(spec.output.reuse, attrs, spec.output.store, spec.output.storage_options)
+    decided = _decide(spec, rows, shards, attrs, read_attrs(spec.output.store, spec.output.storage_options))
+    if decided.todo:
+        backend.warm_up()  # a resume with nothing left to compute compiles nothing
+    return attrs, decided, probe.bytes_per_row()
 
 
 def _finish(
@@ -665,7 +505,7 @@ def _finish(
     n_pending = int((status == PENDING).sum())
     if write:
         complete = bool(done_shards(group).all())
-        stats = merge_stats(str(s) for s in group["shard_stats"][:])
+        stats = merge_shards(group)
         update_attrs(spec.output.store, spec.output.storage_options, status="complete" if complete else "incomplete",
                      error=None, stats=stats)
         consolidate(spec.output.store, spec.output.storage_options)
@@ -675,7 +515,7 @@ def _finish(
     return RunSummary(
         store=spec.output.store,
         rows=len(status),
-        ok=int((status == 1).sum()),
+        ok=int((status == OK).sum()),
         failed=len(failed_rows),
         pending=n_pending,
         shards=len(shards),

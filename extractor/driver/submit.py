@@ -70,32 +70,18 @@ def _check_paths(spec: JobSpec) -> None:
     """Refuse relative local paths: on the cluster the job runs in a temporary copy of
     ``submit.working_dir`` (which Ray deletes later), not in the directory submitting it. An
     input may be relative when it is inside that folder (uploaded with it)."""
-    from ..data import is_relative
-    from ..model.zoo import local_folder, looks_like_path
+    from ..data import expand_braces, is_relative
 
-    def relative(value: Any) -> bool:
-        return isinstance(value, str) and bool(value) and is_relative(value)
-
-    if relative(spec.output.store):
+    if spec.output.store and is_relative(spec.output.store):
         raise ClusterError(
             f"output.store {spec.output.store} is a relative path: on the cluster it would be written inside the job's "
             "temporary copy of submit.working_dir, which Ray deletes. Give an absolute path on the cluster's shared "
             "file system, or a URL (s3://...)"
         )
-    from ..data import expand_braces
-
     shipped = Path(spec.submit.working_dir) if spec.submit.working_dir else None
-    tars = [spec.data.tars] if isinstance(spec.data.tars, str) else list(spec.data.tars or [])
-    inputs = [("data.root", spec.data.root), ("data.manifest", spec.data.manifest), *[("data.tars", t) for t in tars]]
-    if spec.model.weights and looks_like_path(spec.model.weights):
-        inputs.append(("model.weights", spec.model.weights))
-    folder = local_folder(spec.model.name)
-    if folder is not None:
-        inputs.append(("model.name", folder[1]))
-    for name, value in inputs:
-        inside = shipped is not None and isinstance(value, str) and all(
-            (shipped / v).exists() for v in expand_braces(value))
-        if relative(value) and not inside:
+    for name, value in spec.local_paths():
+        inside = shipped is not None and all((shipped / v).exists() for v in expand_braces(value))
+        if name != "output.store" and is_relative(value) and not inside:
             raise ClusterError(
                 f"{name} {value} is a relative path, and not inside submit.working_dir: on the cluster the job runs in "
                 "a copy of that folder, not here. Give an absolute path that the cluster's nodes can read, a URL "

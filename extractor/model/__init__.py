@@ -22,8 +22,20 @@ if TYPE_CHECKING:
         state_dict_hash,
         token_facts,
     )
-    from .capture import RESERVED_KEYS, ROOT, Capturer, Target, decide_layout, dim_names, reduce_tensor, resolve_targets
-    from .zoo import HF_WEIGHT_FILES, Built, load_checkpoint, local_folder
+    from .capture import (
+        RESERVED_KEYS,
+        ROOT,
+        Capturer,
+        Target,
+        contradicted_layouts,
+        decide_layout,
+        dim_names,
+        reduce_tensor,
+        reduced_otherwise,
+        resolve_targets,
+        settle_layouts,
+    )
+    from .zoo import HF_WEIGHT_FILES, Built, load_checkpoint
 
 __all__ = [
     "build_model",
@@ -39,12 +51,14 @@ __all__ = [
     "TokenFacts",
     "Built",
     "load_checkpoint",
-    "local_folder",
     "HF_WEIGHT_FILES",
     "Target",
     "Capturer",
     "resolve_targets",
     "decide_layout",
+    "settle_layouts",
+    "contradicted_layouts",
+    "reduced_otherwise",
     "dim_names",
     "reduce_tensor",
     "ROOT",
@@ -68,12 +82,14 @@ __getattr__ = face(
         "TokenFacts": "build",
         "Built": "zoo",
         "load_checkpoint": "zoo",
-        "local_folder": "zoo",
         "HF_WEIGHT_FILES": "zoo",
         "Target": "capture",
         "Capturer": "capture",
         "resolve_targets": "capture",
         "decide_layout": "capture",
+        "settle_layouts": "capture",
+        "contradicted_layouts": "capture",
+        "reduced_otherwise": "capture",
         "dim_names": "capture",
         "reduce_tensor": "capture",
         "ROOT": "capture",

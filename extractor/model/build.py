@@ -42,7 +42,7 @@ def build_model(spec: ModelSpec, module: nn.Module | None = None) -> tuple[nn.Mo
     its description (``preprocess_defaults``: what its library prescribes, or why nothing is
     known; ``prefix_tokens``)."""
     if module is not None:
-        built = zoo.given(module, spec)
+        built = zoo.from_object(module, spec)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(RANDOM_SEED)

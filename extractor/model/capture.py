@@ -95,49 +95,49 @@ def _no_such_layer(pattern: str, names: Sequence[str], where: str, hint: str) ->
                       f"List the layers with `{hint}`.")
 
 
-def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec], hint: str = "extractor layers JOB.yaml",
-                    prefix_tokens: int | None = None) -> list[Target]:
-    """Resolve names and globs against ``model.named_modules()`` before any image is read.
-    ``(model)`` (or ``""``) is the model itself; globs match named submodules only. ``hint`` is
-    the command that lists this model's layers; ``prefix_tokens`` its CLS and register tokens
-    (None: unknown), for ``drop_prefix``."""
-    names = [n for n, _ in model.named_modules() if n]
-    targets: list[Target] = []
-    for i, c in enumerate(captures):
-        where = f"capture[{i}]"
-        if c.layer in ("", ROOT):
-            layers = [""]
-        elif _is_glob(c.layer):
-            rx = glob_to_regex(c.layer)
-            layers = [n for n in names if rx.match(n)]
-        else:
-            layers = [n for n in names if n == c.layer]
-        if not layers:
-            raise _no_such_layer(c.layer, names, where, hint)
-        if c.key and "{" not in c.key and len(layers) > 1:
-            raise LayerError(
-                f"{where}.key {c.key!r} names one array but {c.layer!r} matches {len(layers)} layers "
-                f"({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}); drop key, name one layer, or make "
-                "it a template such as '{layer}.cls'"
-            )
-        if layers == [""] and c.gradient:
-            raise LayerError(f"{where}: {c.what} of {ROOT} (the model's output) is not supported; name a layer")
-        drop = 0
-        if c.drop_prefix:
-            if prefix_tokens is None:
-                raise LayerError(f"{where}.drop_prefix: how many prefix tokens (CLS, registers) this model has is not "
-                                 "known; set model.prefix_tokens")
-            drop = prefix_tokens
-        for layer in layers:
-            if c.key:
-                key = c.key.format(layer=layer or "model")
-            else:
-                key = f"{layer}{_SUFFIX[c.what]}" if layer else c.what
-            dtype = "float32" if c.what == "gradcam" else c.dtype
-            target = c.score_target if c.gradient else None
-            targets.append(Target(key, layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout, drop))
+def _layers_of(c: CaptureSpec, names: Sequence[str], where: str, hint: str) -> list[str]:
+    """The module names one capture's ``layer`` names: the model itself, a glob's matches, or one name."""
+    if c.layer in ("", ROOT):
+        layers = [""]
+    elif _is_glob(c.layer):
+        rx = glob_to_regex(c.layer)
+        layers = [n for n in names if rx.match(n)]
+    else:
+        layers = [n for n in names if n == c.layer]
+    if not layers:
+        raise _no_such_layer(c.layer, names, where, hint)
+    if c.key and "{" not in c.key and len(layers) > 1:
+        more = ", ..." if len(layers) > 4 else ""
+        raise LayerError(
+            f"{where}.key {c.key!r} names one array but {c.layer!r} matches {len(layers)} layers "
+            f"({', '.join(layers[:4])}{more}); drop key, name one layer, or make it a template such as '{{layer}}.cls'"
+        )
+    if layers == [""] and c.gradient:
+        raise LayerError(f"{where}: {c.what} of {ROOT} (the model's output) is not supported; name a layer")
+    return layers
+
+
+def _prefix_to_drop(c: CaptureSpec, prefix_tokens: int | None, where: str) -> int:
+    if not c.drop_prefix:
+        return 0
+    if prefix_tokens is None:
+        raise LayerError(f"{where}.drop_prefix: how many prefix tokens (CLS, registers) this model has is not "
+                         "known; set model.prefix_tokens")
+    return prefix_tokens
+
+
+def _key(c: CaptureSpec, layer: str) -> str:
+    """The array a capture of ``layer`` is stored as: its key (a template with ``{layer}``), else the layer's
+    name with the suffix of what it takes (the model's output: the word)."""
+    if c.key:
+        return c.key.format(layer=layer or "model")
+    return f"{layer}{_SUFFIX[c.what]}" if layer else c.what
+
+
+def _check_keys(targets: Sequence[Target]) -> None:
+    """Every array name once, none the store's own (nor a Grad-CAM map's per-row min and max)."""
     seen: dict[str, Target] = {}
-    ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}  # a Grad-CAM map's per-row min, max
+    ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}
     for t in targets:
         if t.key in RESERVED_KEYS or t.key in ranges:
             raise LayerError(
@@ -149,6 +149,25 @@ def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec], hint: str
                 f"set a distinct key on one of them"
             )
         seen[t.key] = t
+
+
+def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec], hint: str = "extractor layers JOB.yaml",
+                    prefix_tokens: int | None = None) -> list[Target]:
+    """Resolve names and globs against ``model.named_modules()`` before any image is read.
+    ``(model)`` (or ``""``) is the model itself; globs match named submodules only. ``hint`` is
+    the command that lists this model's layers; ``prefix_tokens`` its CLS and register tokens
+    (None: unknown), for ``drop_prefix``."""
+    names = [n for n, _ in model.named_modules() if n]
+    targets: list[Target] = []
+    for i, c in enumerate(captures):
+        where = f"capture[{i}]"
+        layers = _layers_of(c, names, where, hint)
+        drop = _prefix_to_drop(c, prefix_tokens, where)
+        dtype = "float32" if c.what == "gradcam" else c.dtype
+        target = c.score_target if c.gradient else None
+        targets += [Target(_key(c, layer), layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout, drop)
+                    for layer in layers]
+    _check_keys(targets)
     return targets
 
 
@@ -259,6 +278,54 @@ def decide_layout(module: nn.Module | None, shape: tuple[int, ...], probabilitie
     return None
 
 
+def settle_layouts(targets: Sequence[Target], modules: dict[str, nn.Module], shapes: dict[str, tuple[int, ...]],
+                   probabilities: dict[str, bool], shapes_elsewhere: Callable[[], dict[str, tuple[int, ...]]],
+                   ) -> dict[str, str]:
+    """The layout of each 4-D output left at ``layout: auto`` (``shapes``: per row, at the input size), from
+    facts (:func:`decide_layout`): whether its rows are probability distributions (``probabilities``), its
+    module's type, else which dims grow at another input size (``shapes_elsewhere()``, called at most once).
+    Flattened, a 4-D output's layout changes nothing: ``nchw``. Refuses (LayerError) an output none decides."""
+    auto = [t for t in targets if t.layout == "auto" and len(shapes.get(t.key, ())) == 3]
+    layouts: dict[str, str] = {t.key: "nchw" for t in auto if t.reduce == "flatten" and t.what != "gradcam"}
+    elsewhere: dict[str, tuple[int, ...]] | None = None
+    for t in auto:
+        if t.key in layouts:
+            continue
+        module = modules[t.layer] if t.layer else None
+        layout = decide_layout(module, shapes[t.key], probabilities.get(t.key), None)
+        if layout is None:
+            elsewhere = shapes_elsewhere() if elsewhere is None else elsewhere
+            layout = decide_layout(None, shapes[t.key], None, elsewhere.get(t.key))
+        if layout is None:
+            raise LayerError(
+                f"capture[{t.capture}] {t.key}: layer {t.layer or ROOT!r} ({type(modules[t.layer]).__name__}) gives "
+                f"{'x'.join(map(str, shapes[t.key]))} outputs whose layout extractor cannot tell (not a module "
+                "type it knows, and the model does not run at another input size to see which dims grow); set "
+                f"capture[{t.capture}].layout: nchw (channel, y, x), nhwc (y, x, channel) or attention "
+                "(head, query, key)"
+            )
+        layouts[t.key] = layout
+    return layouts
+
+
+def contradicted_layouts(targets: Sequence[Target], modules: dict[str, nn.Module],
+                         shapes: dict[str, tuple[int, ...]]) -> list[tuple[Target, str]]:
+    """The 4-D outputs whose given layout their module's type contradicts, with the layout it gives."""
+    out = []
+    for t in targets:
+        if t.layout != "auto" and len(shapes.get(t.key, ())) == 3:
+            fact = decide_layout(modules[t.layer] if t.layer else None, shapes[t.key], None, None)
+            if fact is not None and fact != t.layout:
+                out.append((t, fact))
+    return out
+
+
+def reduced_otherwise(targets: Sequence[Target], layouts: dict[str, str]) -> bool:
+    """Whether a decided layout reduces otherwise than the provisional ``nchw`` did (the blank runs again)."""
+    return any(layout != "nchw" and (t.reduce in ("mean", "max") or t.what == "gradcam")
+               for t in targets if (layout := layouts.get(t.key)) is not None)
+
+
 def dim_names(key: str, original: tuple[int, ...], reduce: str, what: str = "output",
               layout: str = "nchw") -> list[str]:
     """Feature dimension names of a stored capture (without the leading ``row``)."""
@@ -286,6 +353,49 @@ def dim_names(key: str, original: tuple[int, ...], reduce: str, what: str = "out
 
 class _StopForward(BaseException):
     """Raised by the last hook to skip the rest of the forward (BaseException: not swallowed)."""
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """The (batch, classes) logits a model returned (a Hugging Face classifier's ``.logits`` too)."""
+    if not isinstance(out, torch.Tensor) and isinstance(getattr(out, "logits", None), torch.Tensor):
+        out = out.logits
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        raise LayerError(f"gradient captures need a model that returns (batch, classes) logits; it returned "
+                         f"{_describe(out)}")
+    return out
+
+
+def _target_classes(which: int | str | None, logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """Each row's class whose logit is differentiated: the predicted one, its label, or one class index."""
+    k = logits.shape[1]
+    if which == "predicted":
+        return logits.detach().argmax(dim=1)
+    if which == "label":
+        if labels is None or (labels < 0).any() or (labels >= k).any():
+            bad = "none" if labels is None else sorted({int(v) for v in labels.tolist() if not 0 <= v < k})
+            raise LayerError(
+                f"target: label needs every row's label to be one of the model's {k} outputs (0 to {k - 1}); "
+                f"rows have {bad}. Use target: predicted or a class index"
+            )
+        return labels.to(logits.device)
+    assert isinstance(which, int)
+    if which >= k:
+        raise LayerError(f"target {which} is not a class of a model with {k} outputs")
+    return torch.full((len(logits),), which, device=logits.device, dtype=torch.long)
+
+
+def _gradcam(t: Target, feature: torch.Tensor, grad: torch.Tensor, input_size: Sequence[int]) -> torch.Tensor:
+    """Grad-CAM of one layer: the ReLU of its channels weighted by their mean gradients, (B, h, w), at the layer's
+    resolution or resized (bilinear) to the input's."""
+    if feature.ndim != 4:
+        raise LayerError(f"gradcam needs a (batch, channels, y, x) map; {t.layer!r} gives {tuple(feature.shape)}")
+    if channels_last(t.layout):  # (B, H, W, C) -> (B, C, H, W)
+        feature, grad = feature.permute(0, 3, 1, 2), grad.permute(0, 3, 1, 2)
+    weights = grad.float().mean(dim=(2, 3), keepdim=True)  # (B, C, 1, 1)
+    cam = torch.relu((weights * feature.float()).sum(dim=1, keepdim=True))  # (B, 1, h, w)
+    if t.size == "input":
+        cam = torch.nn.functional.interpolate(cam, size=tuple(input_size), mode="bilinear", align_corners=False)
+    return cam[:, 0].contiguous()
 
 
 class Capturer:
@@ -466,32 +576,11 @@ class Capturer:
     def _gradients(self, forward: Callable[[torch.Tensor], Any], x: torch.Tensor, labels: torch.Tensor | None) -> None:
         x = x.clone()  # a normal tensor even if the caller made it under inference_mode
         self._root("input", x)
-        logits = forward(x)
-        self._root("output", logits)
-        if not isinstance(logits, torch.Tensor) and isinstance(getattr(logits, "logits", None), torch.Tensor):
-            logits = logits.logits  # a Hugging Face classifier's output
-        if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
-            raise LayerError(
-                f"gradient captures need a model that returns (batch, classes) logits; it returned {_describe(logits)}"
-            )
+        out = forward(x)
+        self._root("output", out)
+        logits = _logits(out)
         self.logits = logits.shape[1]
-        which = self.gradient[0].target
-        if which == "predicted":
-            target = logits.detach().argmax(dim=1)
-        elif which == "label":
-            k = logits.shape[1]
-            if labels is None or (labels < 0).any() or (labels >= k).any():
-                bad = "none" if labels is None else sorted({int(v) for v in labels.tolist() if not 0 <= v < k})
-                raise LayerError(
-                    f"target: label needs every row's label to be one of the model's {k} outputs (0 to {k - 1}); "
-                    f"rows have {bad}. Use target: predicted or a class index"
-                )
-            target = labels.to(logits.device)
-        else:
-            assert isinstance(which, int)
-            if which >= logits.shape[1]:
-                raise LayerError(f"target {which} is not a class of a model with {logits.shape[1]} outputs")
-            target = torch.full((len(logits),), which, device=logits.device, dtype=torch.long)
+        target = _target_classes(self.gradient[0].target, logits, labels)
         score = logits.gather(1, target[:, None])[:, 0]  # (B,) pre-softmax logit of the target
         layers = list(self.anchors)
         if [t for t in self.gradient if t.layer not in self.anchors]:
@@ -500,23 +589,10 @@ class Capturer:
         # activations only, so d(sum of scores)/d(activation) is the per-image gradient
         grads = dict(zip(layers, torch.autograd.grad(score.sum(), [self.anchors[k] for k in layers]), strict=True))
         for t in self.gradient:
-            g = grads[t.layer]
-            where = f"layer {t.layer!r} gradient"
             if t.what == "grad_output":
-                self._store(t, g, where)
+                self._store(t, grads[t.layer], f"layer {t.layer!r} gradient")
                 continue
-            feature = self.anchors[t.layer].detach()
-            if feature.ndim != 4:
-                raise LayerError(
-                    f"gradcam needs a (batch, channels, y, x) map; {t.layer!r} gives {tuple(feature.shape)}"
-                )
-            if channels_last(t.layout):  # (B, H, W, C) -> (B, C, H, W)
-                feature, g = feature.permute(0, 3, 1, 2), g.permute(0, 3, 1, 2)
-            weights = g.float().mean(dim=(2, 3), keepdim=True)  # (B, C, 1, 1)
-            cam = torch.relu((weights * feature.float()).sum(dim=1, keepdim=True))  # (B, 1, h, w)
-            if t.size == "input":
-                cam = torch.nn.functional.interpolate(cam, size=x.shape[-2:], mode="bilinear", align_corners=False)
-            cam = cam[:, 0].contiguous()
+            cam = _gradcam(t, self.anchors[t.layer].detach(), grads[t.layer], x.shape[-2:])
             self.values[t.key] = cam
             self.values[f"{t.key}.range"] = torch.stack([cam.amin(dim=(1, 2)), cam.amax(dim=(1, 2))], dim=1)
         self.values["target"] = target.detach()

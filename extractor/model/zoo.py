@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import IMAGENET, Preprocess
+from ..data import IMAGENET, PIL_RESAMPLE, Preprocess
 from ..errors import ModelError
-from ..spec import ModelSpec, looks_like_path
+from ..spec import ModelSpec
 
-__all__ = ["Built", "build", "load_checkpoint", "looks_like_path", "local_folder", "HF_WEIGHT_FILES"]
+__all__ = ["Built", "build", "load_checkpoint", "HF_WEIGHT_FILES"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch
                    "pytorch_model.bin.index.json")
 _EXTRA = "pip install 'extractor[models]' (timm, transformers, open_clip_torch)"
 # PIL resampling codes (Hugging Face image processors store them) -> data.interpolation
-_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+_RESAMPLE = {code: name for name, code in PIL_RESAMPLE.items()}  # PIL's codes, as processors store them
 # composite configs whose vision tower has a class of its own with the image projection
 _HF_TOWERS = {"clip": "CLIPVisionModelWithProjection"}
 
@@ -46,15 +46,6 @@ class Built:
     preprocess: Preprocess | str  # the library's preprocessing, or why none is known
     pretrained: bool  # weights came from somewhere (not a random init of ours)
     library: str  # torchvision, timm, hf, open_clip, factory
-
-
-def local_folder(name: str | None) -> tuple[str, str] | None:
-    """``(prefix, folder)`` of a model name that names a local folder (``hf:FOLDER``,
-    ``open_clip:local-dir:FOLDER``), which workers elsewhere need as an absolute path."""
-    for prefix in ("hf:", "open_clip:local-dir:"):
-        if name and name.startswith(prefix) and os.path.isdir(name[len(prefix):]):
-            return prefix, name[len(prefix):]
-    return None
 
 
 def _downloads() -> bool:
@@ -112,7 +103,7 @@ def build(spec: ModelSpec) -> Built:
             "factory": _factory, "python": _python}[spec.source](spec)
 
 
-def given(model: nn.Module, spec: ModelSpec) -> Built:
+def from_object(model: nn.Module, spec: ModelSpec) -> Built:
     """A module made in Python and given to ``extractor.run(..., model=...)``, used as it is."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"model= takes a torch.nn.Module, not {type(model).__name__}")
@@ -255,7 +246,12 @@ def _no_url_downloads() -> Iterator[None]:
     if _downloads():
         yield
         return
-    import timm.models._hub as hub
+    import importlib
+
+    try:  # timm's own name for torch.hub's downloader (private: timm >= 0.9 to 1.0 have it here)
+        hub: Any = importlib.import_module("timm.models._hub")
+    except ImportError:  # pragma: no cover - a timm that moved it: torch.hub's own (a copy timm imported by name
+        hub = importlib.import_module("torch.hub")  # elsewhere is not covered; HF_HUB_OFFLINE still holds for the hub)
 
     def refuse(url: str, *args: Any, **kwargs: Any) -> None:
         raise OSError(f"{url} is not in the torch cache and downloads are off")
@@ -271,7 +267,46 @@ def _no_url_downloads() -> Iterator[None]:
 # --------------------------------------------------------------------------- Hugging Face
 
 
+def _getter(value: Any) -> Callable[[str], Any]:
+    """A processor's ``size`` or ``crop_size`` read by key, whether it is a dict or a ``SizeDict``."""
+    return value.get if isinstance(value, dict) else (lambda k: getattr(value, k, None))
+
+
+def _hf_geometry(p: Any, src: str) -> tuple[int | tuple[int, int] | None, tuple[int, int] | None] | str:
+    """A processor's resize and centre crop (or why extractor does not reproduce them)."""
+    size = getattr(p, "size", None) or {}
+    get = _getter(size)
+    pct = getattr(p, "crop_pct", None)
+    edge, longest = get("shortest_edge"), get("longest_edge")
+    resize: int | tuple[int, int] | None
+    crop = None
+    if not getattr(p, "do_resize", True):
+        resize = None
+    elif pct and edge and not longest:
+        # ConvNeXt's rule: below 384 the shorter side to shortest_edge / crop_pct, then a centre crop to
+        # shortest_edge; from 384 on, a squash to shortest_edge x shortest_edge, no crop
+        edge = int(edge)
+        resize, crop = ((int(edge / pct), (edge, edge)) if edge < 384 else ((edge, edge), None))
+    elif edge and not longest:
+        resize = int(edge)
+    elif get("height") and get("width"):
+        resize = (int(get("height")), int(get("width")))
+    else:
+        return f"the image processor of hf:{src} resizes to {size}, which extractor does not reproduce"
+    if getattr(p, "do_center_crop", False):
+        cget = _getter(p.crop_size)
+        crop = (int(cget("height")), int(cget("width")))
+    return resize, crop
+
+
+def _three(value: Any) -> Any:
+    """A processor's mean or std as a tuple: one number for every channel, or one per channel (as many as it has)."""
+    return (float(value),) * 3 if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+
+
 def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
+    """What an ``hf:`` model's image processor does, as a :class:`Preprocess` (or why extractor cannot
+    reproduce it): its resize and crop, rescale (1/255 only), normalisation and resampling."""
     try:
         with _offline():
             p = transformers.AutoImageProcessor.from_pretrained(src, local_files_only=not _downloads())
@@ -282,58 +317,42 @@ def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
                 "(variable resolution, max_num_patches): extractor stores one shape per capture and does not support "
                 "variable-resolution processors; set data.resize: [H, W] (a squash) and data.crop: null to run the "
                 "model at one size")
-    size = getattr(p, "size", None) or {}
-    get: Callable[[str], Any] = (lambda k: getattr(size, k, None)) if not isinstance(size, dict) else size.get
-    resize: int | tuple[int, int] | None
-    crop = None
-    pct = getattr(p, "crop_pct", None)
-    if not getattr(p, "do_resize", True):
-        resize = None
-    elif pct and get("shortest_edge") and not get("longest_edge"):
-        # ConvNeXt's rule: below 384 the shorter side to shortest_edge / crop_pct, then a centre crop to
-        # shortest_edge; from 384 on, a squash to shortest_edge x shortest_edge, no crop
-        edge = int(get("shortest_edge"))
-        resize, crop = ((int(edge / pct), (edge, edge)) if edge < 384 else ((edge, edge), None))
-    elif get("shortest_edge") and not get("longest_edge"):
-        resize = int(get("shortest_edge"))
-    elif get("height") and get("width"):
-        resize = (int(get("height")), int(get("width")))
-    else:
-        return f"the image processor of hf:{src} resizes to {size}, which extractor does not reproduce"
-    if getattr(p, "do_center_crop", False):
-        cs = p.crop_size
-        cget: Callable[[str], Any] = (lambda k: getattr(cs, k, None)) if not isinstance(cs, dict) else cs.get
-        crop = (int(cget("height")), int(cget("width")))
+    geometry = _hf_geometry(p, src)
+    if isinstance(geometry, str):
+        return geometry
+    resize, crop = geometry
     if getattr(p, "do_rescale", True) and abs(float(getattr(p, "rescale_factor", 1 / 255)) - 1 / 255) > 1e-9:
         return f"the image processor of hf:{src} rescales by {p.rescale_factor}, not 1/255"
     mean: Any = getattr(p, "image_mean", None)  # a number or a sequence, as the processor has it
     std: Any = getattr(p, "image_std", None)
     if not getattr(p, "do_normalize", True) or mean is None:
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    mean = (float(mean),) * 3 if isinstance(mean, (int, float)) else tuple(float(v) for v in mean)
-    std = (float(std),) * 3 if isinstance(std, (int, float)) else tuple(float(v) for v in std)
     resample = getattr(p, "resample", None)
     interpolation = _RESAMPLE.get(int(resample), None) if resample is not None else "bilinear"
     if interpolation is None:
         return f"the image processor of hf:{src} resamples with {resample!r}"
-    return Preprocess(resize=resize, crop=crop, interpolation=interpolation, mean=mean, std=std,
+    pct = getattr(p, "crop_pct", None)
+    return Preprocess(resize=resize, crop=crop, interpolation=interpolation, mean=_three(mean), std=_three(std),
                       crop_pct=pct if crop is not None and pct else None, crop_offset="floor",
                       source=f"{type(p).__name__} of hf:{src}" + (f" (crop_pct {pct:.4g})" if pct else ""))
 
 
-def _hf(spec: ModelSpec) -> Built:
-    transformers = _import("transformers", spec)
-    src = spec.model
-    local = os.path.isdir(src)
-    kind = spec.weights_kind
+def _hf_weights(spec: ModelSpec, local: bool) -> bool:
+    """Whether an ``hf:`` model loads its own weights (a folder's or a hub id's); refuses what it cannot take."""
+    kind, src = spec.weights_kind, spec.model
     if kind == "name":
         raise ModelError(f"model.weights {spec.weights!r}: an hf: model takes auto or pretrained (its own weights), "
                          "a checkpoint file, or random (a random init from its config)")
     if kind == "auto" and local and not any(os.path.exists(os.path.join(src, f)) for f in HF_WEIGHT_FILES):
         raise ModelError(f"model.name {spec.name!r}: the folder holds no weights ({', '.join(HF_WEIGHT_FILES[::2])}); "
                          "set model.weights: random for a random init from its config, or a checkpoint file")
-    pretrained = kind in ("auto", "pretrained")  # the folder's or the hub id's own weights
-    fetch = f"`hf download {src}`"
+    return kind in ("auto", "pretrained")
+
+
+def _hf_config(transformers: Any, spec: ModelSpec, local: bool, fetch: str) -> tuple[Any, Any]:
+    """An ``hf:`` model's config and the config of the tower that runs (a composite's vision tower, with
+    model.kwargs set on it)."""
+    src = spec.model
     try:
         with _offline():
             config = transformers.AutoConfig.from_pretrained(src, local_files_only=not _downloads())
@@ -349,6 +368,16 @@ def _hf(spec: ModelSpec) -> Built:
         if not hasattr(tower, k):
             raise ModelError(f"model.kwargs {k!r}: not a setting of {type(tower).__name__}")
         setattr(tower, k, v)
+    return config, tower
+
+
+def _hf(spec: ModelSpec) -> Built:
+    transformers = _import("transformers", spec)
+    src = spec.model
+    local = os.path.isdir(src)
+    pretrained = _hf_weights(spec, local)  # the folder's or the hub id's own weights
+    fetch = f"`hf download {src}`"
+    config, tower = _hf_config(transformers, spec, local, fetch)
     cls = _hf_class(transformers, config, tower)
     try:
         with _offline(), _quiet_transformers(transformers):
@@ -356,7 +385,7 @@ def _hf(spec: ModelSpec) -> Built:
                 model, report = cls.from_pretrained(src, config=tower, local_files_only=not _downloads(),
                                                     output_loading_info=True)
             else:
-                model, report = cls._from_config(tower), {}
+                model, report = cls(tower), {}  # the public constructor: a random init from the config
     except (OSError, ValueError) as err:
         raise _not_cached(spec, err, fetch) from err
     missing = list(report.get("missing_keys") or [])
@@ -365,7 +394,7 @@ def _hf(spec: ModelSpec) -> Built:
                          f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); name the model the "
                          "checkpoint was saved from "
                          "(its config's architectures), or set model.weights: random")
-    what = f"{cls.__name__} of " if vision is not None else ""
+    what = f"{cls.__name__} of " if tower is not config else ""
     source = f"hf {what}{src}" + (" pretrained" if pretrained else "")
     found = _hf_preprocess(transformers, src)
     size = getattr(tower, "image_size", None)
@@ -422,11 +451,9 @@ def _open_clip_preprocess(visual: nn.Module, spec: ModelSpec) -> Preprocess | st
                       source=f"open_clip transform of {spec.model} ({mode})")
 
 
-def _open_clip(spec: ModelSpec) -> Built:
-    open_clip = _import("open_clip", spec)
-    arch, schema = spec.model, spec.model.startswith(("hf-hub:", "local-dir:"))
-    if not schema and arch not in open_clip.list_models():
-        raise _unknown(spec, open_clip.list_models(), "See open_clip.list_models()")
+def _open_clip_tag(open_clip: Any, spec: ModelSpec, arch: str, schema: bool) -> str | None:
+    """The pretrained tag or checkpoint file an open_clip model loads (None: a random init, or an ``hf-hub:`` or
+    ``local-dir:`` model's own weights); refuses a weights setting that does not say which."""
     kind = spec.weights_kind
     tags = [] if schema else open_clip.list_pretrained_tags_by_model(arch)
     if kind in ("auto", "pretrained") and not schema:
@@ -435,20 +462,33 @@ def _open_clip(spec: ModelSpec) -> Built:
     if kind == "name" and spec.weights not in tags:
         raise ModelError(f"model.weights {spec.weights!r} is not a pretrained tag of open_clip:{arch} "
                          f"(tags: {', '.join(tags) or 'none'}) and no such checkpoint file exists")
-    pretrained = kind != "random"
-    w = spec.weights if kind in ("name", "file") else None
-    if kind == "file":  # a file: the whole CLIP's state dict, or its visual tower's
-        model = _call(lambda: open_clip.create_model(arch, pretrained=None, load_weights=False, **spec.kwargs), spec)
+    return str(spec.weights) if kind in ("name", "file") else None
+
+
+def _open_clip_file(open_clip: Any, spec: ModelSpec, arch: str, path: str) -> Built:
+    """An open_clip model with weights from a checkpoint file: the whole CLIP's state dict, or its visual tower's."""
+    model = _call(lambda: open_clip.create_model(arch, pretrained=None, load_weights=False, **spec.kwargs), spec)
+    try:
+        load_checkpoint(model, path)
+    except ModelError as whole:
         try:
-            load_checkpoint(model, str(w))
-        except ModelError as whole:
-            try:
-                load_checkpoint(model.visual, str(w))
-            except ModelError:
-                raise ModelError(f"{whole} (neither open_clip:{arch}'s whole CLIP nor its visual tower)") from None
-        visual = model.visual
-        return Built(visual, f"open_clip {arch} visual tower, weights from checkpoint {w}",
-                     _open_clip_preprocess(visual, spec), True, "open_clip")
+            load_checkpoint(model.visual, path)
+        except ModelError:
+            raise ModelError(f"{whole} (neither open_clip:{arch}'s whole CLIP nor its visual tower)") from None
+    visual = model.visual
+    return Built(visual, f"open_clip {arch} visual tower, weights from checkpoint {path}",
+                 _open_clip_preprocess(visual, spec), True, "open_clip")
+
+
+def _open_clip(spec: ModelSpec) -> Built:
+    open_clip = _import("open_clip", spec)
+    arch, schema = spec.model, spec.model.startswith(("hf-hub:", "local-dir:"))
+    if not schema and arch not in open_clip.list_models():
+        raise _unknown(spec, open_clip.list_models(), "See open_clip.list_models()")
+    w = _open_clip_tag(open_clip, spec, arch, schema)
+    if spec.weights_kind == "file":
+        return _open_clip_file(open_clip, spec, arch, str(w))
+    pretrained = spec.weights_kind != "random"
     try:
         with _offline():
             model = _call(lambda: open_clip.create_model(
@@ -511,17 +551,16 @@ def _own_preprocess(model: nn.Module, spec: ModelSpec) -> Preprocess | str:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def load_checkpoint(model: nn.Module, path: str) -> None:
-    """Load a state dict file (``torch.load(weights_only=True)`` or safetensors) into ``model``."""
+def _read_state(path: str) -> Any:
+    """What a checkpoint file holds: ``torch.load(weights_only=True)``, or a safetensors file."""
     if not os.path.exists(path):
         raise ModelError(f"model.weights checkpoint {path} does not exist")
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
 
-            state: Any = load_file(path)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except ImportError as err:
         raise ModelError(f"{path}: reading .safetensors needs safetensors: {_EXTRA}") from err
     except Exception as err:
@@ -529,23 +568,34 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
             f"cannot load checkpoint {path} with weights_only=True ({type(err).__name__}: {err}). "
             "Save a plain state dict: torch.save(model.state_dict(), path)"
         ) from err
+
+
+def _state_dict_in(state: Any, path: str) -> dict[str, Any]:
+    """The state dict a checkpoint holds: itself, or under ``state_dict``, ``model`` or ``model_state_dict``;
+    a ``DataParallel`` one's ``module.`` prefix taken off."""
     if isinstance(state, dict):
-        for k in ("state_dict", "model", "model_state_dict"):
-            if k in state and isinstance(state[k], dict):
-                state = state[k]
-                break
+        state = next((state[k] for k in ("state_dict", "model", "model_state_dict")
+                      if k in state and isinstance(state[k], dict)), state)
     if not isinstance(state, dict):
         raise ModelError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
     if state and all(k.startswith("module.") for k in state):
         state = {k.removeprefix("module."): v for k, v in state.items()}
+    return state
+
+
+def _some(keys: list[str]) -> str:
+    return f"{keys[:5]}{'...' if len(keys) > 5 else ''}"
+
+
+def load_checkpoint(model: nn.Module, path: str) -> None:
+    """Load a state dict file (``torch.load(weights_only=True)`` or safetensors) into ``model``: every key
+    it has must fill one of the model's, and every one of the model's be filled."""
+    state = _state_dict_in(_read_state(path), path)
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # a tensor of another shape
         first = next((ln.strip() for ln in str(err).splitlines() if "size mismatch" in ln), str(err).splitlines()[0])
         raise ModelError(f"checkpoint {path} does not fit the model: {first}") from None
     if result.missing_keys or result.unexpected_keys:
-        raise ModelError(
-            f"checkpoint {path} does not fit the model: missing keys {result.missing_keys[:5]}"
-            f"{'...' if len(result.missing_keys) > 5 else ''}, unexpected keys "
-            f"{result.unexpected_keys[:5]}{'...' if len(result.unexpected_keys) > 5 else ''}"
-        )
+        raise ModelError(f"checkpoint {path} does not fit the model: missing keys {_some(result.missing_keys)}, "
+                         f"unexpected keys {_some(result.unexpected_keys)}")

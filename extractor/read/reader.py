@@ -235,6 +235,26 @@ def _need_torch(what: str) -> None:
         raise ImportError(f"{what} needs torch: pip install torch (reading a store needs only numpy and zarr)") from err
 
 
+def _row_numbers(rows: Rows, n: int) -> np.ndarray:
+    """The row numbers (0 to n-1, int64, in the order given) a selection means: all (None), a slice, a boolean
+    mask of n, or integers (negative ones from the end)."""
+    if rows is None:
+        return np.arange(n)
+    if isinstance(rows, slice):
+        return np.arange(n)[rows]
+    idx = np.asarray(rows)
+    if idx.dtype == bool:
+        if idx.shape != (n,):
+            raise IndexError(f"a boolean row mask needs shape ({n},) for this store, not {idx.shape}")
+        idx = np.flatnonzero(idx)
+    if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+        raise IndexError(f"rows must be a slice, a boolean mask or a 1-d list of integers, not {rows!r:.80}")
+    idx = idx.astype(np.int64)
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        raise IndexError(f"row index out of range for a store of {n} rows")
+    return np.where(idx < 0, idx + n, idx)
+
+
 class ActivationStore:
     """A read-only view of an extractor store."""
 
@@ -364,36 +384,20 @@ class ActivationStore:
 
         ``only_ok`` leaves out rows that are not ok; with ``strict`` explicit rows must all be ok.
         """
-        n = len(self)
-        if rows is None:
-            idx = np.arange(n)
-        elif isinstance(rows, slice):
-            idx = np.arange(n)[rows]
-        else:
-            idx = np.asarray(rows)
-            if idx.dtype == bool:
-                if idx.shape != (n,):
-                    raise IndexError(f"a boolean row mask needs shape ({n},) for this store, not {idx.shape}")
-                idx = np.flatnonzero(idx)
-            if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
-                raise IndexError(f"rows must be a slice, a boolean mask or a 1-d list of integers, not {rows!r:.80}")
-            idx = idx.astype(np.int64)
-            if idx.size and (idx.min() < -n or idx.max() >= n):
-                raise IndexError(f"row index out of range for a store of {n} rows")
-            idx = np.where(idx < 0, idx + n, idx)
-        if only_ok:
-            status = self.status[idx]
-            ok = status == OK
-            if strict and rows is not None and not ok.all():
-                bad = np.flatnonzero(~ok)
-                names = ", ".join(f"{idx[i]} ({STATUS_NAMES.get(int(status[i]), status[i])})" for i in bad[:10])
-                raise StoreError(
-                    f"{len(bad)} of the {len(idx)} rows asked of {self.url} are not ok: {names}"
-                    f"{' ...' if len(bad) > 10 else ''}; pass only_ok=False to get NaN in their place, or "
-                    "select among s.ok_rows() (s.errors[row] says why a row failed)"
-                )
-            idx = idx[ok]
-        return idx
+        idx = _row_numbers(rows, len(self))
+        if not only_ok:
+            return idx
+        status = self.status[idx]
+        ok = status == OK
+        if strict and rows is not None and not ok.all():
+            bad = np.flatnonzero(~ok)
+            names = ", ".join(f"{idx[i]} ({STATUS_NAMES.get(int(status[i]), status[i])})" for i in bad[:10])
+            raise StoreError(
+                f"{len(bad)} of the {len(idx)} rows asked of {self.url} are not ok: {names}"
+                f"{' ...' if len(bad) > 10 else ''}; pass only_ok=False to get NaN in their place, or "
+                "select among s.ok_rows() (s.errors[row] says why a row failed)"
+            )
+        return idx[ok]
 
     def numpy(self, key: str, rows: Rows = None, only_ok: bool = True) -> np.ndarray:
         """Rows of a capture or extra as one numpy array: item ``i`` is row ``rows[i]``.
@@ -640,9 +644,12 @@ class ActivationStore:
         ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}
         if only_ok:
             ds = ds.isel(row=np.flatnonzero(status == OK))
-        if stack is None:
-            return ds
-        keys = [stack] if isinstance(stack, str) else list(stack)
+        return ds if stack is None else self._stacked(ds, [stack] if isinstance(stack, str) else list(stack))
+
+    def _stacked(self, ds: Any, keys: list[str]) -> Any:
+        """Captures of one shape as one DataArray with a ``layer`` dimension (see :meth:`to_xarray`)."""
+        import xarray as xr
+
         if not keys:
             raise ValueError("to_xarray(stack=...) needs at least one capture key")
         for k in keys:

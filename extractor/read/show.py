@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from ..errors import StoreError
+from ..store import OK
 from .pictures import crop_like_job, fit_text
 from .reader import ActivationStore
 
@@ -50,7 +51,7 @@ def gradcam_grid(
     if key not in cams:
         raise StoreError(f"{key!r} is not a gradcam capture of {store.url}; gradcam captures: {cams or 'none'}")
     idx = np.arange(len(store))[rows if rows is not None else slice(0, 16)]
-    idx = idx[store.status[idx] == 1]
+    idx = idx[store.status[idx] == OK]
     if not idx.size:
         raise StoreError("no ok rows in the selection")
     from ..data import of_store

@@ -33,6 +33,16 @@ RUN_ONLY: dict[str, Any] = {"run_only": True}
 RESOLVED: dict[str, Any] = {"resolved": "preprocess"}
 
 
+def _leaf_types(ann: Any) -> set[Any]:
+    """The leaf types of an annotation, also inside unions and tuples: tuple[float, ...] | Literal["auto"]."""
+    args, todo = set(), [ann]
+    while todo:
+        inner = get_args(todo.pop())
+        todo += [a for a in inner if get_args(a)]
+        args |= {a for a in inner if not get_args(a)}
+    return args or {ann}
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -42,13 +52,7 @@ class _Section(BaseModel):
         """``batch_size: true`` is a mistake, not 1: only fields that take a bool take one."""
         if info.field_name is None:
             return value
-        ann = cls.model_fields[info.field_name].annotation
-        args, todo = set(), [ann]
-        while todo:  # the leaf types, also inside unions and tuples: tuple[float, ...] | Literal["auto"]
-            inner = get_args(todo.pop())
-            todo += [a for a in inner if get_args(a)]
-            args |= {a for a in inner if not get_args(a)}
-        args = args or {ann}
+        args = _leaf_types(cls.model_fields[info.field_name].annotation)
         if bool in args or not args & {int, float}:
             return value  # a bool is welcome here, or pydantic refuses it anyway
         if isinstance(value, bool):
@@ -65,6 +69,15 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 def looks_like_path(weights: str) -> bool:
     """A ``model.weights`` value that names a file (a checkpoint), not a weights name or tag."""
     return "/" in weights or os.sep in weights or weights.endswith(CHECKPOINT_SUFFIXES) or os.path.exists(weights)
+
+
+def model_folder(name: str | None) -> tuple[str, str] | None:
+    """``(prefix, folder)`` of a model name that names a local folder (``hf:FOLDER``,
+    ``open_clip:local-dir:FOLDER``), which workers elsewhere need as an absolute path."""
+    for prefix in ("hf:", "open_clip:local-dir:"):
+        if name and name.startswith(prefix) and os.path.isdir(name[len(prefix):]):
+            return prefix, name[len(prefix):]
+    return None
 
 
 def weights_kind(weights: str | None) -> Literal["auto", "random", "pretrained", "file", "name"]:
@@ -148,6 +161,10 @@ class ModelSpec(_Section):
                              "model.factory, or --factory for extractor layers)")
         if self.name and not self.model:
             raise ValueError(f"model.name {self.name!r} names no model after {self.source}:")
+        return self
+
+    @model_validator(mode="after")
+    def _call_fields(self) -> ModelSpec:
         if self.input != "positional" and not self.input.isidentifier():
             raise ValueError(f"model.input must be positional or a keyword name, not {self.input!r}")
         if isinstance(self.prefix_tokens, int) and self.prefix_tokens < 0:
@@ -262,6 +279,10 @@ class DataSpec(_Section):
             raise ValueError("data.source 'manifest' needs data.manifest (a .csv or .jsonl file)")
         if self.source == "tar" and not self.tars:
             raise ValueError("data.source 'tar' needs data.tars (tar paths or URLs, brace patterns allowed)")
+        return self
+
+    @model_validator(mode="after")
+    def _sizes(self) -> DataSpec:
         if self.std != "auto" and any(s <= 0 for s in self.std):
             raise ValueError("data.std values must be positive")
         for name in ("resize", "crop"):
@@ -490,6 +511,23 @@ class JobSpec(_Section):
         if dup:
             raise ValueError(f"capture keys must be unique; repeated: {', '.join(dup)}")
         return self
+
+    def local_paths(self) -> list[tuple[str, str]]:
+        """Every setting that names a file or folder, as ``(setting, path)``: the store, the images' root, the
+        manifest, each tar, a checkpoint file, a model folder (``hf:FOLDER``, ``open_clip:local-dir:FOLDER``: the
+        folder), each store reused. URLs are among them (callers pass them by); relative paths mean a place under
+        the folder the job runs from. The one list of them (workers elsewhere, jobs submitted elsewhere)."""
+        d, m = self.data, self.model
+        tars = [d.tars] if isinstance(d.tars, str) else list(d.tars or [])
+        out = [("output.store", self.output.store), ("data.root", d.root), ("data.manifest", d.manifest),
+               *(("data.tars", t) for t in tars)]
+        if m.weights_kind == "file":
+            out.append(("model.weights", m.weights))
+        folder = model_folder(m.name)
+        if folder is not None:
+            out.append(("model.name", folder[1]))
+        out += [("output.reuse", u) for u in self.output.reuse]
+        return [(k, v) for k, v in out if isinstance(v, str) and v]
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved spec as plain JSON-able data, secrets included (for workers only)."""

@@ -1,5 +1,5 @@
-"""The Zarr store: its layout and arrays, a shard's writer, the lease, whole-chunk writes, statistics, rows
-taken from other stores. Needs only numpy and zarr.
+"""The Zarr store: its format and arrays, a shard's writer, the lease, whole-chunk writes, statistics, rows
+taken from other stores (numpy and zarr only); its record of the job and the resume contract (provenance).
 """
 
 from __future__ import annotations
@@ -16,18 +16,20 @@ if TYPE_CHECKING:
         FORMAT_VERSION,
         OK,
         PENDING,
+        PREPROCESS_FIELDS,
         STATUS_NAMES,
         CaptureRecord,
         ExtraRecord,
-        Layout,
         Lease,
         LeaseRecord,
         ShardWriter,
+        StoreArrays,
         being_created,
         consolidate,
         create_store,
         disk_usage,
         done_shards,
+        fill_value,
         get_array,
         half_created,
         lease_timeout,
@@ -41,8 +43,9 @@ if TYPE_CHECKING:
         source_digests,
         update_attrs,
     )
+    from .provenance import Probe, changed_rows, check_resumable, differences, moved_members, owner, store_attrs
     from .reuse import ReuseIndex, check_sources
-    from .stats import ShardStats, dumps, merge
+    from .stats import ShardStats, dumps, merge, merge_shards
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,7 +56,7 @@ __all__ = [
     "ATTR",
     "CaptureRecord",
     "ExtraRecord",
-    "Layout",
+    "StoreArrays",
     "LeaseRecord",
     "Lease",
     "ShardWriter",
@@ -65,6 +68,7 @@ __all__ = [
     "update_attrs",
     "consolidate",
     "done_shards",
+    "fill_value",
     "reset_shards",
     "source_digests",
     "read_lease",
@@ -78,9 +82,18 @@ __all__ = [
     "write_chunks",
     "ShardStats",
     "merge",
+    "merge_shards",
     "dumps",
     "ReuseIndex",
     "check_sources",
+    "PREPROCESS_FIELDS",
+    "Probe",
+    "store_attrs",
+    "check_resumable",
+    "changed_rows",
+    "moved_members",
+    "owner",
+    "differences",
 ]
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
@@ -95,7 +108,7 @@ __getattr__ = face(
         "ATTR": "format",
         "CaptureRecord": "format",
         "ExtraRecord": "format",
-        "Layout": "format",
+        "StoreArrays": "format",
         "LeaseRecord": "format",
         "Lease": "format",
         "ShardWriter": "format",
@@ -107,6 +120,7 @@ __getattr__ = face(
         "update_attrs": "format",
         "consolidate": "format",
         "done_shards": "format",
+        "fill_value": "format",
         "reset_shards": "format",
         "source_digests": "format",
         "read_lease": "format",
@@ -120,8 +134,17 @@ __getattr__ = face(
         "write_chunks": "chunks",
         "ShardStats": "stats",
         "merge": "stats",
+        "merge_shards": "stats",
         "dumps": "stats",
         "ReuseIndex": "reuse",
         "check_sources": "reuse",
+        "PREPROCESS_FIELDS": "format",
+        "Probe": "provenance",
+        "store_attrs": "provenance",
+        "check_resumable": "provenance",
+        "changed_rows": "provenance",
+        "moved_members": "provenance",
+        "owner": "provenance",
+        "differences": "provenance",
     },
 )

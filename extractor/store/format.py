@@ -1,4 +1,4 @@
-"""The Zarr v3 store layout: creating it, writing a shard's rows, done markers, provenance.
+"""The Zarr v3 store layout: creating it, writing a shard's rows, done markers, the lease.
 
 Imports only numpy and zarr, so the reader can use it without torch.
 
@@ -46,6 +46,8 @@ PENDING, OK, FAILED = 0, 1, 2
 STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
 ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint")
 ATTR = "extractor"  # root attribute holding everything this package records
+# the resolved preprocessing's settings that change pixels (the ``preprocess`` record holds more: its source)
+PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset")
 
 
 def now() -> str:
@@ -187,7 +189,7 @@ class ExtraRecord(TypedDict):
 
 
 @dataclass(frozen=True)
-class Layout:
+class StoreArrays:
     """What a store holds besides its rows, and how its arrays are chunked and compressed."""
 
     captures: Mapping[str, CaptureRecord]
@@ -199,14 +201,20 @@ class Layout:
     reuse: bool = False  # rows may come from other stores (output.reuse): the ``reused`` array records which
 
 
-def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
+def fill_value(dtype: str) -> float:
+    """What a row not (yet) computed holds in a capture or extra array: NaN, or -1 for an integer (a Grad-CAM
+    job's ``target``)."""
+    return -1 if np.dtype(dtype).kind in "iu" else np.nan
+
+
+def create_store(url: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
                  storage_options: Mapping[str, Any] | None = None, lease: Lease | None = None,
                  fresh: bool = False) -> zarr.Group:
-    """Create the layout (wiping what is at ``url``); the caller checked, just before, that this is
+    """Create the store's arrays (wiping what is at ``url``); the caller checked, just before, that this is
     allowed. ``lease``: taken in the new root before anything else is written, so that another job
     sees a store being created by a live job, and refuses. ``fresh``: nothing was at ``url`` (a local
     folder is then made atomically: a job that made it first wins, the other refuses)."""
-    comp = _compressors(layout.compression, layout.compression_level)  # before anything is wiped
+    comp = _compressors(arrays.compression, arrays.compression_level)  # before anything is wiped
     group = _create_root(url, attrs, storage_options, fresh)
     if lease is not None:
         lease.acquire()
@@ -219,7 +227,7 @@ def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
                              "and writes nothing more. Look at the store with `extractor inspect`")
 
     try:
-        return _create_arrays(group, rows, layout, attrs, comp, fence)
+        return _create_arrays(group, rows, arrays, attrs, comp, fence)
     except StoreError:
         raise
     except Exception as err:  # an array another job made meanwhile (ContainsArrayError), a vanished folder...
@@ -231,19 +239,19 @@ def create_store(url: str, rows: Rows, layout: Layout, attrs: Mapping[str, Any],
         raise
 
 
-def _create_arrays(group: zarr.Group, rows: Rows, layout: Layout, attrs: Mapping[str, Any], comp: Any,
+def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any], comp: Any,
                    fence: Callable[[], None]) -> zarr.Group:
     """The arrays of a new store, then its attributes (status as the caller has it: no longer "creating"),
     each after ``fence()``."""
     n = len(rows)
-    shard_size, captures, extras = layout.shard_size, layout.captures, layout.extras
+    shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
     fence()
     _create_row_arrays(group, shard_rows, ids=rows.ids, paths=rows.paths, labels=rows.labels, offsets=rows.offsets,
                        sizes=rows.sizes, fingerprints=rows.fingerprints)
     fence()
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
-    if layout.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
+    if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
         group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
                            dimension_names=["row"])
     for key, extra in extras.items():  # per-row results of gradient jobs, chunked by shard
@@ -253,7 +261,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, layout: Layout, attrs: Mapping
             shape=(n, *extra["shape"]),
             dtype=extra["dtype"],
             chunks=(shard_rows, *extra["shape"]),
-            fill_value=-1 if extra["dtype"] == "int64" else np.nan,
+            fill_value=fill_value(extra["dtype"]),
             dimension_names=["row", *extra["dims"]],
         )
     for key, record in captures.items():
@@ -264,8 +272,8 @@ def _create_arrays(group: zarr.Group, rows: Rows, layout: Layout, attrs: Mapping
             key,
             shape=(n, *shape),
             dtype=meta["dtype"],
-            chunks=(min(layout.chunk_rows[key], max(n, 1)), *shape),
-            fill_value=np.nan,
+            chunks=(min(arrays.chunk_rows[key], max(n, 1)), *shape),
+            fill_value=fill_value(meta["dtype"]),
             compressors=comp,
             dimension_names=["row", *meta["dims"]],
             attributes={"extractor": dict(meta), "coordinates": "ids labels"},
@@ -389,13 +397,13 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
     tar = "byte_offset" in group
     offsets = np.asarray(get_array(group, "byte_offset").oindex[rows]) if tar and len(rows) else None
     sizes = np.asarray(get_array(group, "byte_size").oindex[rows]) if tar and len(rows) else None
-    so = dict(storage_options or {})
+    storage = dict(storage_options or {})
 
     def digest(i: int) -> int:
         item: Any = str(paths[i]) if offsets is None or sizes is None else \
             (str(paths[i]), int(offsets[i]), int(sizes[i]))
         try:
-            return content_digest(read_bytes(item, so))
+            return content_digest(read_bytes(item, storage))
         except Exception:  # noqa: BLE001 - gone or unreadable: not the image the row read
             return 0
 

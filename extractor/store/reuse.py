@@ -22,7 +22,7 @@ import zarr
 
 from ..data import Reused
 from ..errors import StoreError
-from .format import OK, get_array, open_group, root_attrs
+from .format import OK, PREPROCESS_FIELDS, get_array, open_group, root_attrs
 
 __all__ = ["ReuseIndex", "check_sources"]
 
@@ -30,18 +30,24 @@ log = logging.getLogger(__name__)
 
 # data settings that say where the images are, not what they become: they may differ between the stores
 _PLACE_FIELDS = ("source", "root", "manifest", "tars", "extensions", "shard_size", "outside_root", "max_image_pixels")
-_PREPROCESS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset")
+
+
+def _spec_inputs(attrs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The spec's model settings (not which model: the weights hash and class say it) and its data settings that
+    change pixels, as a store recorded them."""
+    from ..spec import content_of
+
+    spec = content_of(copy.deepcopy(attrs.get("spec") or {}))
+    model_spec = {k: v for k, v in (spec.get("model") or {}).items() if k not in ("name", "weights", "factory")}
+    data_spec = {k: v for k, v in (spec.get("data") or {}).items() if k not in _PLACE_FIELDS}
+    return model_spec, data_spec
 
 
 def _value_inputs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """What decides the stored values of a store's rows, besides each row's image: the model (weights hash,
     class, the spec's model settings), the resolved preprocessing, the spec's data settings that change pixels,
     the captures' records (without their place in the spec) and the per-row extras."""
-    from ..spec import content_of
-
-    spec = content_of(copy.deepcopy(attrs.get("spec") or {}))
-    model_spec = {k: v for k, v in (spec.get("model") or {}).items() if k not in ("name", "weights", "factory")}
-    data_spec = {k: v for k, v in (spec.get("data") or {}).items() if k not in _PLACE_FIELDS}
+    model_spec, data_spec = _spec_inputs(attrs)
     model = attrs.get("model") or {}
     preprocess = attrs.get("preprocess") or {}
     captures = {k: {f: v for f, v in c.items() if f != "capture"} for k, c in (attrs.get("captures") or {}).items()}
@@ -51,10 +57,39 @@ def _value_inputs(attrs: Mapping[str, Any]) -> dict[str, Any]:
         "model class": model.get("class"),
         "model settings": model_spec,
         "data settings": data_spec,
-        "preprocess": {k: preprocess.get(k) for k in _PREPROCESS},
+        "preprocess": {k: preprocess.get(k) for k in PREPROCESS_FIELDS},
         "captures": captures,
         "extras": attrs.get("extras") or {},
     }
+
+
+def _open_source(url: str, storage_options: Mapping[str, Any] | None) -> tuple[zarr.Group, dict[str, Any]]:
+    try:
+        group = open_group(url, "r", storage_options)
+        attrs = root_attrs(group)
+    except Exception as err:  # noqa: BLE001 - missing, not a store, unreachable: said the same way
+        raise StoreError(f"output.reuse: cannot open {url} as an extractor store ({type(err).__name__}: {err})") \
+            from None
+    if "digest" not in group:
+        raise StoreError(f"output.reuse: {url} predates content digests; its rows cannot be matched to images")
+    return group, attrs
+
+
+def _mismatches(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
+    """What of the values' inputs differs between this job (``want``) and a source store (``have``): a capture
+    this job stores must be there, made alike; the source may hold more."""
+    diffs = [k for k in want if k != "captures" and want[k] != have[k]]
+    missing = [k for k in want["captures"] if have["captures"].get(k) != want["captures"][k]]
+    if missing:
+        diffs.append(f"captures {', '.join(missing)} (absent there, or made otherwise)")
+    return diffs
+
+
+def _warn_versions(url: str, now: Mapping[str, Any], there: Mapping[str, Any]) -> None:
+    versions = {k: (v, there.get(k)) for k, v in now.items() if there.get(k) != v and k != "extractor"}
+    if versions:
+        log.warning("output.reuse: %s was made with %s; its values may differ from this run's in the last bits",
+                    url, ", ".join(f"{k} {b} (now {a})" for k, (a, b) in versions.items()))
 
 
 def check_sources(urls: Sequence[str], attrs: Mapping[str, Any], store: str,
@@ -67,27 +102,12 @@ def check_sources(urls: Sequence[str], attrs: Mapping[str, Any], store: str,
     for url in urls:
         if absolute(url).rstrip("/") == absolute(store).rstrip("/"):
             raise StoreError(f"output.reuse lists the job's own store {url}; --resume finishes it instead")
-        try:
-            group = open_group(url, "r", storage_options)
-            other = root_attrs(group)
-        except Exception as err:  # noqa: BLE001 - missing, not a store, unreachable: said the same way
-            raise StoreError(f"output.reuse: cannot open {url} as an extractor store ({type(err).__name__}: {err})") \
-                from None
-        if "digest" not in group:
-            raise StoreError(f"output.reuse: {url} predates content digests; its rows cannot be matched to images")
-        have = _value_inputs(other)
-        diffs = [k for k in want if k != "captures" and want[k] != have[k]]
-        missing = [k for k in want["captures"] if have["captures"].get(k) != want["captures"][k]]
-        if missing:
-            diffs.append(f"captures {', '.join(missing)} (absent there, or made otherwise)")
+        _, other = _open_source(url, storage_options)
+        diffs = _mismatches(want, _value_inputs(other))
         if diffs:
             raise StoreError(f"output.reuse: the rows of {url} are not what this job computes: it differs in "
                              f"{'; '.join(diffs)}. Remove it from output.reuse")
-        versions = {k: (v, (other.get("versions") or {}).get(k)) for k, v in (attrs.get("versions") or {}).items()
-                    if (other.get("versions") or {}).get(k) != v and k != "extractor"}
-        if versions:
-            log.warning("output.reuse: %s was made with %s; its values may differ from this run's in the last bits",
-                        url, ", ".join(f"{k} {b} (now {a})" for k, (a, b) in versions.items()))
+        _warn_versions(url, attrs.get("versions") or {}, other.get("versions") or {})
 
 
 class ReuseIndex:

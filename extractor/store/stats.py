@@ -57,19 +57,8 @@ class ShardStats:
         flat = x.reshape(len(x), -1)
         finite_rows = np.isfinite(flat).all(axis=1)
         if not finite_rows.all():  # rare: count the NaN/Inf, then zero them out of the moments
-            finite = np.isfinite(x)
-            bad_rows = ~finite_rows
-            self.nonfinite_count += int(bad_rows.sum())
-            isnan = np.isnan(x)
-            self.nan += int(isnan.sum())
-            self.inf += int((~finite & ~isnan).sum())
-            self.nonfinite_rows = sorted(self.nonfinite_rows + [int(r) for r in rows[bad_rows]])[:20]
-            count = finite.sum(axis=axes).reshape(-1).astype(np.int64)
-            x = np.where(finite, x, 0)
+            x, count = self._count_nonfinite(x, rows, finite_rows, axes)
             good = x[finite_rows]
-            if finite.any():
-                self.min = min(self.min, float(np.where(finite, x, np.inf).min()))
-                self.max = max(self.max, float(np.where(finite, x, -np.inf).max()))
         else:
             count = np.full(self.count.shape, x.size // self.count.size, np.int64)
             good = x
@@ -87,6 +76,24 @@ class ShardStats:
             self.l2_sum += float(np.sqrt(sq_good.reshape(len(good), -1).sum(axis=1, dtype=np.float64)).sum())
             self.l2_rows += len(good)
 
+    def _count_nonfinite(self, x: np.ndarray, rows: np.ndarray, finite_rows: np.ndarray,
+                         axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Count a batch's NaN and Inf (and the rows holding them); the batch with them zeroed, and the count of
+        finite values per feature. The minimum and maximum are of the finite values."""
+        finite = np.isfinite(x)
+        bad_rows = ~finite_rows
+        self.nonfinite_count += int(bad_rows.sum())
+        isnan = np.isnan(x)
+        self.nan += int(isnan.sum())
+        self.inf += int((~finite & ~isnan).sum())
+        self.nonfinite_rows = sorted(self.nonfinite_rows + [int(r) for r in rows[bad_rows]])[:20]
+        count = finite.sum(axis=axes).reshape(-1).astype(np.int64)
+        x = np.where(finite, x, 0)
+        if finite.any():
+            self.min = min(self.min, float(np.where(finite, x, np.inf).min()))
+            self.max = max(self.max, float(np.where(finite, x, -np.inf).max()))
+        return x, count
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "count": self.count.tolist(), "sum": self.sum.tolist(), "sumsq": self.sumsq.tolist(),
@@ -99,6 +106,11 @@ class ShardStats:
 
 def dumps(stats: dict[str, ShardStats]) -> str:
     return json.dumps({key: st.to_dict() for key, st in stats.items()})
+
+
+def merge_shards(group: Any) -> dict[str, Any]:
+    """The store's statistics: every done shard's, merged (shards not done hold "" and add nothing)."""
+    return merge(str(s) for s in group["shard_stats"][:])
 
 
 def merge(shards: Iterable[str]) -> dict[str, dict[str, Any]]:

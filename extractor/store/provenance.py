@@ -1,0 +1,269 @@
+"""The store's record of its job, and the contract for resuming it: one home.
+
+A store records what made its values (:func:`store_attrs`: the spec, the model, the resolved
+preprocessing, each capture's record, the per-row extras, the image list's digests, versions) from a
+:class:`Probe`, what the worker measured with one blank image. :func:`check_resumable` decides whether a
+job may resume a store (the same format, spec content, preprocessing, weights, captures and images read
+from the same places); :func:`changed_rows` and :func:`moved_members` find the rows whose images changed
+or moved since. The driver decides what to do with the answers; nothing here writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..data import Rows, of_store
+from ..errors import StoreError
+from ..spec import JobSpec, auto_chunk_rows, content_of, parse_spec, redact_argv, spec_digest
+from .format import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, source_digests
+
+__all__ = ["Probe", "store_attrs", "check_resumable", "changed_rows", "moved_members", "owner", "differences"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one blank image through the model measured, all the driver needs to create the store: each
+    capture's record, the per-row extras of a gradient job, the model's facts (class, weights hash, logits)
+    and the resolved preprocessing. Returned by ``Worker.probe()`` and every backend's ``probe()``."""
+
+    captures: dict[str, CaptureRecord]
+    extras: dict[str, ExtraRecord]
+    model: dict[str, Any]
+    preprocess: dict[str, Any]
+
+    def bytes_per_row(self) -> dict[str, int]:
+        return {k: math.prod(c["shape"]) * np.dtype(c["dtype"]).itemsize for k, c in self.captures.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def versions() -> dict[str, str]:
+    """The versions that made a store's values (recorded; a resume under others warns, see the reader)."""
+    out = {"extractor": __version__, "python": platform.python_version()}
+    for name in ("torch", "torchvision", "zarr", "numpy"):  # as each says (torch's with its build: 2.9.0+cu128)
+        out[name] = str(importlib.import_module(name).__version__)
+    return out
+
+
+def owner() -> dict[str, Any]:
+    """Who holds a lease: host, pid, user, start and the command (secrets redacted)."""
+    import getpass
+    import socket
+    import sys
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        user = "?"
+    return {"host": socket.gethostname(), "pid": os.getpid(), "user": user, "started": now(),
+            "command": " ".join(redact_argv(sys.argv))[:500]}
+
+
+def _digest(names: list[str]) -> str:
+    """A short hash of a list of ids or paths, in order."""
+    h = hashlib.sha256()
+    for i in names:
+        h.update(i.encode("utf-8", "surrogateescape") + b"\0")
+    return h.hexdigest()[:16]
+
+
+def chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int]:
+    """Rows per chunk of each capture array: output.chunk_rows, or ``auto``'s choice for the capture's row size."""
+    if spec.output.chunk_rows != "auto":
+        return dict.fromkeys(captures, spec.output.chunk_rows)
+    return {k: auto_chunk_rows(spec.data.shard_size, math.prod(c["shape"]) * np.dtype(c["dtype"]).itemsize)
+            for k, c in captures.items()}
+
+
+def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> dict[str, Any]:
+    """The store's ``extractor`` attributes at its creation (or, on resume, what it must match)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "created": now(),
+        "updated": now(),
+        "status": "running",
+        "spec": spec.public_dict(),  # secrets in storage options never reach the store
+        "spec_digest": spec_digest(spec),
+        "model": probe.model,
+        "preprocess": probe.preprocess,  # what resize, crop, interpolation, mean and std resolved to
+        "captures": probe.captures,
+        "extras": probe.extras,
+        "classes": rows.classes,
+        "n_rows": len(rows),
+        "n_shards": n_shards,
+        "shard_size": spec.data.shard_size,
+        "chunk_rows": chunking(spec, probe.captures),
+        "ids_digest": _digest(rows.ids),
+        "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
+        "versions": versions(),
+        **({"reused_from": list(spec.output.reuse)} if spec.output.reuse else {}),  # the reused array's stores
+    }
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and (d or not prefix):  # an empty mapping is a value: {} -> {depth: 3} shows
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        out = {}
+        for i, v in enumerate(d):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: d}
+
+
+def _outermost_lacking(k: str, lacking: dict[str, Any]) -> str:
+    """The outermost entry holding setting ``k`` (``capture[1]`` for ``capture[1].layer``) that the side
+    ``lacking`` has nothing of."""
+    prefixes = [k[:m.start()] for m in re.finditer(r"[.\[]", k)] + [k]
+    return next((p for p in prefixes if p and not any(x == p or x.startswith((p + ".", p + "[")) for x in lacking)), k)
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per changed setting; an entry (``capture[1]``) on one side only is one line."""
+    a, b = _flatten(old), _flatten(new)
+    diffs: list[str] = []
+    for k in sorted(set(a) | set(b)):
+        if k in a and k in b:
+            if a[k] != b[k]:
+                diffs.append(f"{k}: {json.dumps(a[k])} in the store, {json.dumps(b[k])} now")
+            continue
+        top = _outermost_lacking(k, b if k in a else a)
+        if top == k:
+            line = f"{k}: {json.dumps(a.get(k, '(unset)'))} in the store, {json.dumps(b.get(k, '(unset)'))} now"
+        else:
+            line = f"{top}: in the store, not in the spec now" if k in a else \
+                f"{top}: in the spec now, not in the store"
+        if line not in diffs:
+            diffs.append(line)
+    return diffs
+
+
+def current_form(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored (public) spec as this version writes it: settings it lacks get their defaults."""
+    model = stored.get("model")
+    if isinstance(model, dict) and model.get("factory") and model.get("name") == "resnet18":
+        stored = {**stored, "model": {k: v for k, v in model.items() if k != "name"}}  # the old default, unused
+    try:
+        return parse_spec(stored).public_dict()
+    except Exception:  # noqa: BLE001 - a spec this version refuses: compared as stored
+        return stored
+
+
+_LOCATIONS = ("root", "manifest", "tars")  # data settings compared by the paths they list, not their spelling
+
+
+def _moved(group: Any, paths: list[str]) -> str | None:
+    """The first row whose image the store read from another path than ``paths`` (a relative
+    ``data.root`` resolved in another folder, moved data), as 'STORED in the store, NOW now'."""
+    stored = group["paths"][:]
+    for i, (was, now_) in enumerate(zip(stored, paths, strict=False)):
+        if str(was) != now_:
+            return f"row {i}'s image: {str(was)!r} in the store, {now_!r} now"
+    return None
+
+
+def _spec_differences(old: dict[str, Any], new: dict[str, Any], same_places: bool) -> list[str]:
+    """The stored spec against this job's, with the settings added since as their defaults: it differs in
+    content, or only in what an older version of extractor did not write down. ``same_places``: the same
+    images from the same places, so data.root spelt otherwise is the same."""
+    old_spec, new_spec = content_of(current_form(old.get("spec", {}))), content_of(new["spec"])
+    if same_places:
+        for d in (old_spec, new_spec):
+            for key in _LOCATIONS:
+                d.get("data", {}).pop(key, None)
+    return differences(old_spec, new_spec)
+
+
+def _value_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What makes the values besides the spec: the resolved preprocessing, the weights, the captures."""
+    problems: list[str] = []
+    was, now_ = of_store(old).to_dict(), new["preprocess"]
+    problems += [f"preprocess {k}: {json.dumps(was[k])} in the store, {json.dumps(now_[k])} now"
+                 for k in PREPROCESS_FIELDS if was[k] != now_[k]]
+    if old.get("model", {}).get("state_dict_sha256") != new["model"]["state_dict_sha256"]:
+        problems.append("the model's weights differ (state-dict hash)")
+    if old.get("captures") != new["captures"]:
+        problems += ["capture " + d for d in differences(old.get("captures", {}), new["captures"])]
+    return problems
+
+
+def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: list[str]) -> None:
+    """Refuse to resume a store made by another format, spec, model or data listing, or whose
+    images the job would read from another place (``paths``: this run's, resolved). ``new``: this job's
+    :func:`store_attrs` (as JSON would give them back)."""
+    problems: list[str] = []
+    if old.get("format_version") != FORMAT_VERSION:
+        problems.append(f"format version {old.get('format_version')} in the store, {FORMAT_VERSION} now")
+    else:
+        moved = _moved(group, paths) if old.get("paths_digest") != new["paths_digest"] else None
+        if old.get("spec_digest") != new["spec_digest"]:
+            problems += _spec_differences(old, new, same_places=moved is None)
+        problems += _value_differences(old, new)
+        if old.get("ids_digest") != new["ids_digest"]:
+            problems.append(f"the image list differs ({old.get('n_rows')} rows in the store, {new['n_rows']} now)")
+        elif moved is not None:
+            problems.append(
+                f"the images would be read from another place: {moved}; a relative data.root, data.manifest or "
+                "data.tars means a place under the folder the job runs from: run it from the folder of its first "
+                "run, or give that path absolute"
+            )
+    if problems:
+        listed = "\n  ".join(problems[:10])
+        raise StoreError(
+            f"cannot resume {url}: it was made by a different job:\n  {listed}\n"
+            "Use --overwrite to replace it, or set output.store to write a new store."
+        )
+
+
+def moved_members(group: Any, rows: Rows) -> tuple[np.ndarray, np.ndarray] | None:
+    """A tar source's member offsets and sizes now, when a rewritten tar moved them (the rows still to
+    compute read their bytes where they are now; computed ones whose bytes changed are found by
+    :func:`changed_rows`)."""
+    if rows.offsets is None or rows.sizes is None or "byte_offset" not in group:
+        return None
+    offsets, sizes = np.asarray(rows.offsets, dtype=np.int64), np.asarray(rows.sizes, dtype=np.int64)
+    same = np.array_equal(offsets, group["byte_offset"][:]) and np.array_equal(sizes, group["byte_size"][:])
+    return None if same else (offsets, sizes)
+
+
+def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.ndarray | None]:
+    """Rows already read (ok or failed) whose image is not the one they read: where the source's fingerprint
+    (size, mtime, ETag) differs from the stored one, the bytes are read and their content digest compared
+    (a file touched but unchanged passes). Also the source's fingerprints, when any differ (to record)."""
+    if "digest" not in group or rows.fingerprints is None:
+        if "digest" not in group:
+            log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
+                        spec.output.store)
+        return [], None
+    current = np.asarray(rows.fingerprints, dtype=np.uint64)
+    stored = np.asarray(group["fingerprint"][:])
+    read = np.asarray(group["status"][:]) != PENDING
+    unknown = int((read & (current == 0)).sum())
+    if unknown:
+        log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest): not checked for changed "
+                    "images; `extractor inspect --verify` reads them", unknown, spec.output.store)
+    suspects = np.flatnonzero(read & (current != stored) & (current != 0))
+    changed: list[int] = []
+    if len(suspects):
+        digests = np.asarray(group["digest"][:])
+        now_digests = source_digests(group, suspects, spec.data.storage_options)
+        changed = [int(r) for r, d in zip(suspects, now_digests, strict=True) if d != digests[r]]
+    return changed, (current if bool((current != stored).any()) else None)
