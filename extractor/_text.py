@@ -1,4 +1,5 @@
-"""Text for people: aligned tables and counted nouns (the CLI's and the run report's)."""
+"""Text for people: aligned tables, counted nouns, sizes and the size estimate (the CLI's, the run report's,
+the plan's)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,22 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 def count(n: int, noun: str) -> str:
     """``1 shard``, ``3 shards``."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def size(n: float | None) -> str:
+    """``512 B``, ``16.0 KB``, ``2.1 TB`` (powers of 1024)."""
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def estimate(total: int, per_row: dict[str, int]) -> str:
+    """What a job will write, before compression: the line ``extractor run`` prints and ``extractor plan`` ends."""
+    n_bytes = sum(per_row.values())
+    parts = ", ".join(f"{k} {size(v)}" for k, v in per_row.items())
+    return (f"{total} images to process; {size(n_bytes)} per row uncompressed ({parts}); store about "
+            f"{size(n_bytes * total)} before compression")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._text import table
+from ._text import estimate, size, table
 from .errors import ExtractorError, FencedError
 
 log = logging.getLogger("extractor")
@@ -25,16 +25,6 @@ or on a Ray cluster with `extractor submit` and follow it with `extractor jobs`.
 summarise a store with `extractor inspect`, draw it with `extractor show` and measure how
 well each capture separates the labels with `extractor probe`. `extractor COMMAND --help`
 gives a command's options."""
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def _duration(seconds: float) -> str:
@@ -124,14 +114,8 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
     eta: list[Estimate] = []
 
     def on_start(total: int, per_row: dict[str, int]) -> None:
-        n_bytes = sum(per_row.values())
         if not quiet:
-            print(
-                f"{total} images to process; {_bytes(n_bytes)} per row uncompressed "
-                f"({', '.join(f'{k} {_bytes(v)}' for k, v in per_row.items())}); "
-                f"store about {_bytes(n_bytes * total)} before compression",
-                file=sys.stderr,
-            )
+            print(estimate(total, per_row), file=sys.stderr)
         bar.start(total)
         eta.append(Estimate(total, spec.data.batch_size))
 
@@ -188,8 +172,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.overwrite:
         overrides.append("output.if_exists=overwrite")
     spec = load_spec(args.job, overrides)
+    if args.dry_run:
+        return _print_plan(spec, json_out=False)
     resume = ["run", args.job, *[a for s in args.set or [] for a in ("--set", s)], *(["-q"] if args.quiet else [])]
     return _run_spec(spec, [*resume, "--resume"], quiet=args.quiet, resume_command=args.resume_command)
+
+
+def _print_plan(spec: Any, json_out: bool) -> int:
+    from .driver import preview
+
+    planned = preview(spec)
+    print(json.dumps(planned.to_dict(), indent=2) if json_out else planned.report())
+    return 1 if planned.action.startswith("run would refuse") else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .spec import load_spec
+
+    return _print_plan(load_spec(args.job, list(args.set or [])), json_out=args.json)
 
 
 # --------------------------------------------------------------------------- inspect
@@ -237,7 +237,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"classes {len(s['classes'])}: {shown}")
     rows = [
         [k, c["layer"], c["what"] + (f"[{c['index']!r}]" if c.get("index") is not None else ""), c["reduce"],
-         c["dtype"], "x".join(map(str, c["shape"])), _bytes(c["bytes_stored"])]
+         c["dtype"], "x".join(map(str, c["shape"])), size(c["bytes_stored"])]
         for k, c in s["captures"].items()
     ]
     print()
@@ -257,7 +257,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print()
         print(table(rows, ["key", "mean", "std", "min", "max", "row L2", "NaN", "Inf", "rows NaN/Inf"]))
         print("(mean and std: averaged over the per-feature values; --json has them per feature)")
-    print(f"\nbytes on disk {_bytes(s['bytes_on_disk'])}")
+    print(f"\nbytes on disk {size(s['bytes_on_disk'])}")
     return 0
 
 
@@ -558,8 +558,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="finish an existing store, skipping done shards")
     r.add_argument("--overwrite", action="store_true", help="replace an existing store")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--dry-run", action="store_true", help="print what the run would write (as extractor plan)")
     r.add_argument("--resume-command", help=argparse.SUPPRESS)  # submit: the command that finishes a cluster job
     r.set_defaults(func=cmd_run)
+
+    pl = sub.add_parser("plan", parents=[common], help="what a job would write, before anything is written")
+    pl.add_argument("job", help="job spec (YAML)")
+    pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec key")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
 
     i = sub.add_parser("inspect", parents=[common, remote], help="summarise a store")
     i.add_argument("store")

@@ -137,13 +137,15 @@ def extract(args: argparse.Namespace) -> dict:
 
     store = WORK / f"{args.variant}.zarr"
     ray = args.variant == "ray"
+    variant, unsharded = args.variant.removesuffix("-unsharded"), args.variant.endswith("-unsharded")
     cpus = os.cpu_count() or 1
     spec = parse_spec({
         "model": {"name": args.model, "weights": None, "device": "cpu"},
         "data": {"root": args.images, "batch_size": args.batch_size, "shard_size": 256,
                  "decode_workers": args.decode_workers},
-        "capture": CAPTURES["pooled" if ray else args.variant],
-        "output": {"store": str(store), "chunk_rows": 64, "compression": "zstd", "if_exists": "overwrite"},
+        "capture": CAPTURES["pooled" if ray else variant],
+        "output": {"store": str(store), "chunk_rows": 64, "compression": "zstd", "if_exists": "overwrite",
+                   "sharding": not unsharded},  # fullmap-unsharded: each chunk its own object, as before sharding
         "cluster": {"backend": "ray", "workers": 1, "cpus_per_worker": cpus, "local_cpus": cpus} if ray
         else {"backend": "local"},
     })
@@ -259,6 +261,64 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
                          "token_batches(shuffle=True)": lambda: stream(True)}, repeats, rows * tokens, "tokens", mb)
 
 
+def sharding_bench(rows: int = 1024, tokens: int = 197, features: int = 384, shard: int = 1024,
+                   repeats: int = 3) -> None:
+    """All tokens of a ViT-S block (float16) stored as before (256-row chunks, one object each) and sharded (one
+    object per work shard, ~1 MiB inner chunks): a row read by id, and token_batches against a sequential read."""
+    import numpy as np
+
+    from extractor.data.rows import Rows
+    from extractor.read.reader import open_store
+    from extractor.spec.schema import auto_inner_rows
+    from extractor.store.format import OK, StoreArrays, create_store
+
+    meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",
+            "what": "output", "reduce": "none"}
+    inner = auto_inner_rows(shard, tokens * features * 2)
+    stores = {}
+    for name, sharded, chunk in (("chunks of 256", False, 256), (f"sharded, inner {inner}", True, inner)):
+        url = str(WORK / f"sharding-{int(sharded)}.zarr")
+        if not (WORK / f"sharding-{int(sharded)}.zarr" / "zarr.json").exists():
+            g = create_store(url, Rows(ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
+                             StoreArrays(captures={"t": meta}, extras={}, shard_size=shard, chunk_rows={"t": chunk},
+                                         sharded=sharded),
+                             attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {"t": meta},
+                                    "format_version": 1, "spec": {}, "model": {"prefix_tokens": 1}})
+            rng = np.random.default_rng(0)
+            g["t"][:] = rng.standard_normal((rows, tokens, features), dtype=np.float32).astype(np.float16)
+            g["status"][:] = np.full(rows, OK, np.uint8)
+        stores[name] = open_store(url)
+    picks = np.random.default_rng(1).integers(0, rows, 20)
+    mb = rows * tokens * features * 2 / 1e6
+    print(f"\nsharding: {rows} rows x {tokens} tokens x {features} float16 ({mb:.0f} MB), shards of {shard} rows; "
+          f"median of {repeats}")
+    times = {}
+    for name, s in stores.items():
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for r in picks:
+                s.row(s.ids[int(r)])
+            runs.append((time.perf_counter() - t0) / len(picks))
+        times[name] = statistics.median(runs)
+        print(f"  row by id, {name:22s} {times[name] * 1e3:8.2f} ms per row")
+    first, second = times.values()
+    print(f"  row by id: sharded {first / second:.0f}x faster")
+    s = stores[f"sharded, inner {inner}"]
+    arr = s["t"]
+
+    def plain() -> None:
+        for a in range(0, rows, inner * 32):
+            np.asarray(arr[a:a + inner * 32])
+
+    def stream() -> None:
+        n = sum(len(index) for index, _ in s.token_batches("t", 4096, shuffle=True, seed=1))
+        assert n == rows * tokens
+
+    _against_sequential({"sequential zarr read (sharded)": plain, "token_batches(shuffle=True)": stream}, repeats,
+                        rows * tokens, "tokens", mb)
+
+
 def make_images(n: int) -> Path:
     from extractor.demo import CLASSES, _draw
 
@@ -305,7 +365,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="bare,pooled,fullmap,early,ray,gradcam,thingsvision")
+    p.add_argument("--variants", default="bare,pooled,fullmap,fullmap-unsharded,early,ray,gradcam,thingsvision")
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
@@ -324,6 +384,7 @@ def main() -> None:
         WORK.mkdir(exist_ok=True)
         reader_bench()
         token_bench()
+        sharding_bench()
         return
     if args.overhead:
         import bench_overhead
@@ -391,6 +452,7 @@ def main() -> None:
     rss_bench(args)
     reader_bench()
     token_bench()
+    sharding_bench()
     import bench_decode
     import bench_overhead
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from extractor.spec.schema import parse_spec
 BATCH = 256
 BATCHES = 40
 SIZE = 32  # pixels per side of the pre-decoded images
+SHARDING = True  # the store's output.sharding (--unsharded: false)
 
 
 class Stack(nn.Module):
@@ -71,7 +73,7 @@ def extractor(model: nn.Module, pixels: torch.Tensor, captures: int, work: Path,
                  "shard_size": BATCH * 10,
                  "resize": None, "crop": SIZE, "preprocess": "imagenet"},
         "capture": [{"layer": f"acts.{i}", "reduce": "mean"} for i in range(captures)],
-        "output": {"store": str(work / "s.zarr"), "if_exists": "overwrite"},
+        "output": {"store": str(work / "s.zarr"), "if_exists": "overwrite", "sharding": SHARDING},
         "cluster": {"backend": "local"},
     })
     first: list[float] = []
@@ -124,4 +126,5 @@ def main(repeats: int = 3, device: str = "cpu") -> dict[int, dict[str, float]]:
 
 
 if __name__ == "__main__":
+    SHARDING = "--unsharded" not in sys.argv  # python tests/bench_overhead.py --unsharded: each chunk its own object
     main()

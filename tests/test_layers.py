@@ -18,7 +18,7 @@ LAYERS = {
     "spec": set(),
     "data": {"spec"},
     "store": {"data", "spec"},
-    "model": {"spec", "data"},
+    "model": {"spec", "data", "store"},  # store.sampling: the draws a store records, made alike on the device
     "compute": {"spec", "data", "model", "store"},
     "driver": {"spec", "data", "model", "compute", "store"},
     "read": {"store", "data"},
@@ -80,7 +80,7 @@ def test_the_read_side_and_the_layers_under_it_import_without_torch_or_ray():
         "    del sys.modules[name]\n"
         "sys.modules['pydantic'] = sys.modules['PIL'] = None\n"
         "importlib.import_module('extractor.read.reader')\n"
-        "for m in ('format', 'chunks', 'stats', 'reuse'): importlib.import_module('extractor.store.' + m)\n"
+        "for m in ('format', 'chunks', 'stats', 'reuse', 'sampling'): importlib.import_module('extractor.store.' + m)\n"
         "print('ok')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -205,6 +205,7 @@ def test_shard_sizes_of_100_and_1000_run_without_chunk_rows_and_record_the_chunk
     run(parse_spec(ref))
     raw = job(image_dir, tmp_path / "s.zarr", data={"shard_size": shard_size}, cluster={"backend": "local"})
     raw["output"].pop("chunk_rows")
+    raw["output"]["sharding"] = False  # the rule of unsharded stores (sharded ones: tests/test_sharding.py)
     summary = run(parse_spec(raw))
     assert summary.ok == 12
     g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
@@ -236,7 +237,8 @@ def test_captures_chunked_apart_store_what_one_chunking_stores_also_with_failed_
     bad = sorted(images.rglob("*.jpg"))[5]
     bad.write_bytes(b"not a jpeg")  # row 5: chunk 2 of layer3, chunk 1 of layer4
     run(parse_spec(job(images, tmp_path / "ref.zarr")))  # chunk_rows: 2 for both
-    raw = job(images, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": "auto"})
+    raw = job(images, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": "auto",
+                                                   "sharding": False})  # the unsharded rule, as small_auto_chunks
     run(parse_spec(raw))
     g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
     assert (g["layer3"].chunks[0], g["layer4"].chunks[0]) == (2, 4)

@@ -31,13 +31,15 @@ class Forwarder(Protocol):
     spec: JobSpec
     captures: dict[str, CaptureRecord] | None
     extras: dict[str, ExtraRecord]
+    needs_labels: bool  # a gradient job (target: label reads each row's label)
     prepare_pool: ThreadPoolExecutor  # opens the next shard
     writer_pool: ThreadPoolExecutor  # compresses and stores chunks
     spare: dict[str, deque[np.ndarray]]  # chunk buffers whose write is done
 
     def batches(self) -> Any: ...
 
-    def forward_rows(self, images: torch.Tensor, labels: np.ndarray | None) -> Forwarded: ...
+    def forward_rows(self, images: torch.Tensor, labels: np.ndarray | None, rows: np.ndarray | None = None,
+                     ) -> Forwarded: ...
 
 
 class ShardQueue:
@@ -89,7 +91,7 @@ class NextShard:
         if self.shard is None and (shard := self.shards.get(block)) is not None:
             self.shard, self.queued = shard, False
             self.opening = self.worker.prepare_pool.submit(ShardInput.open, shard, self.url, self.storage,
-                                                           bool(self.worker.extras), list(self.worker.captures or ()),
+                                                           self.worker.needs_labels, list(self.worker.captures or ()),
                                                            self.fence)
 
     def feed(self) -> None:
@@ -214,7 +216,7 @@ class Pipeline:
         if batch.images is not None:
             offsets = np.asarray(batch.offsets)
             labels = given.labels[offsets] if given.labels is not None else None
-            forwarded = self.worker.forward_rows(batch.images, labels)
+            forwarded = self.worker.forward_rows(batch.images, labels, given.shard.start + offsets)
             out.count(len(offsets), forwarded)
             forwarded.reused = batch.reused  # filed with the batch's computed rows, in row order
             self._finish(self.read_back.push(out, offsets, forwarded))  # maybe the shard before's last batch

@@ -262,6 +262,7 @@ class ShardOutput:
                                self.reused)
         except BaseException as err:
             drain(self.pending)
+            self.writer.abandon()
             if isinstance(err, Exception) and not isinstance(err, FencedError):
                 raise failed_shard(self.shard, err) from err
             raise
@@ -284,3 +285,4 @@ class ShardOutput:
         once the shard is handed off: ``complete`` owns it then."""
         if not self.handed_off:
             drain(self.pending)
+            self.writer.abandon()

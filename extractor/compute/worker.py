@@ -177,7 +177,8 @@ class Worker:
         self._pinned: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self._slot = 0
         self.captures: dict[str, CaptureRecord] | None = None
-        self.extras: dict[str, ExtraRecord] = {}  # per-row results of gradient jobs (target, score, ...)
+        self.extras: dict[str, ExtraRecord] = {}  # per-row results: target, score, KEY.range, KEY.token_index
+        self.needs_labels = bool(self.capturer.gradient)  # a gradient job reads its rows' labels (target: label)
         self._reuse: ReuseIndex | None = None  # output.reuse's rows, loaded at the first shard
 
     def close(self) -> None:
@@ -206,20 +207,25 @@ class Worker:
         return x
 
     def _forward(
-        self, images: torch.Tensor, labels: np.ndarray | None = None, eager: bool = False
+        self, images: torch.Tensor, labels: np.ndarray | None = None, eager: bool = False,
+        rows: np.ndarray | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Captured tensors (on the device) for a uint8 batch: one hooked forward."""
+        """Captured tensors (on the device) for a uint8 batch: one hooked forward. ``rows``: the images' store
+        rows (``sample_tokens`` draws per row; default 0 for every image)."""
         n = len(images)
+        rows = rows if rows is not None else np.zeros(n, np.int64)
         pad = self.compiled and not eager and n < self.spec.data.batch_size
         if pad:  # one static batch shape: the compiled graph is not rebuilt for a shard's last batch
             fill = self.spec.data.batch_size - n
             images = torch.cat([images, images.new_zeros((fill, *images.shape[1:]))])
+            rows = np.concatenate([rows, np.zeros(fill, np.int64)])
             if labels is not None:
                 labels = np.concatenate([labels, np.zeros(fill, labels.dtype)])
         # gradient jobs need autograd; every other job runs under inference_mode
         with torch.inference_mode(not self.capturer.gradient), self._autocast():
             lab = torch.as_tensor(labels, device=self.device) if labels is not None else None
-            out = self.capturer.run(self._prepare(images), lab, eager=eager)
+            at = torch.as_tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            out = self.capturer.run(self._prepare(images), lab, eager=eager, rows=at)
         return {k: v[:n] for k, v in out.items()} if pad else out
 
     def _to_host(self, values: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], Any]:
@@ -242,7 +248,8 @@ class Worker:
         event.record(torch.cuda.current_stream(self.device))
         return host, event
 
-    def forward_rows(self, images: torch.Tensor, labels: np.ndarray | None) -> Forwarded:
+    def forward_rows(self, images: torch.Tensor, labels: np.ndarray | None,
+                     rows: np.ndarray | None = None) -> Forwarded:
         """Forward a batch and start its copy to the host; the errors of images that make it raise.
 
         When the batch raises, each image is retried alone (eagerly, synchronously) so that
@@ -250,7 +257,7 @@ class Worker:
         is not an image (a model or device error): that is raised, and fails the shard.
         """
         try:
-            host, event = self._to_host(self._forward(images, labels))
+            host, event = self._to_host(self._forward(images, labels, rows=rows))
             return Forwarded(host, {}, event)
         except not_an_image():
             raise
@@ -258,16 +265,18 @@ class Worker:
             if len(images) == 1:
                 return Forwarded({}, {0: f"forward failed on this image: {describe_error(err)}"}, None)
             log.warning("a batch of %d raised %s: %s; retrying image by image", len(images), type(err).__name__, err)
-        return self._forward_one_by_one(images, labels)
+        return self._forward_one_by_one(images, labels, rows)
 
-    def _forward_one_by_one(self, images: torch.Tensor, labels: np.ndarray | None) -> Forwarded:
+    def _forward_one_by_one(self, images: torch.Tensor, labels: np.ndarray | None,
+                            rows: np.ndarray | None) -> Forwarded:
         """Each image of a batch that raised, alone: its rows, zeros where it raised (the row fails)."""
         parts: list[dict[str, np.ndarray] | None] = []
         bad: dict[int, str] = {}
         last: Exception | None = None
         for i in range(len(images)):
             try:
-                one = self._forward(images[i : i + 1], labels[i : i + 1] if labels is not None else None, eager=True)
+                one = self._forward(images[i : i + 1], labels[i : i + 1] if labels is not None else None, eager=True,
+                                    rows=rows[i : i + 1] if rows is not None else None)
                 parts.append({k: v.cpu().numpy() for k, v in one.items()})
             except not_an_image():
                 raise
@@ -325,17 +334,11 @@ class Worker:
         if self.capturer.logits is not None:  # a gradient job: labels (target: label) must be among them
             self.model_info = {**self.model_info, "logits": self.capturer.logits}
         modules = dict(self.model.named_modules())
-        self.captures = {t.key: _record(t, modules[t.layer], values[t.key].shape[1:], original[t.key])
+        widths = dict(self.capturer.matrices)  # project: (key, features in) as the blank saw them
+        self.captures = {t.key: _record(t, modules[t.layer], values[t.key].shape[1:], original[t.key],
+                                        next((w for k, w in widths if k == t.key), 0))
                          for t in self.targets}
-        self.extras = {
-            key: {
-                "dtype": "int64" if key == "target" else "float32",
-                "shape": list(v.shape[1:]),
-                "dims": [f"{key}.minmax"] if key.endswith(".range") else [],
-            }
-            for key, v in values.items()
-            if key not in self.captures
-        }
+        self.extras = _extras(values, self.captures)
 
     def _check_deterministic(self) -> None:
         """Refuse a model whose eval forward draws at random (ViTMAE masks patches at random in eval
@@ -524,8 +527,24 @@ def _stack_pinned(items: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, st
     return torch.stack(items, out=out), {}
 
 
-def _record(t: Target, module: torch.nn.Module, shape: Sequence[int], original: Sequence[int]) -> CaptureRecord:
-    """How capture ``t`` is stored: ``shape`` per row as stored, ``original`` as the model computed it."""
+def _extras(values: dict[str, torch.Tensor], captures: dict[str, CaptureRecord]) -> dict[str, ExtraRecord]:
+    """The per-row results besides the captures (a gradient job's target, target_score and KEY.range; a sampled
+    capture's KEY.token_index), as the blank image gave them."""
+    return {
+        key: {
+            "dtype": "float32" if v.is_floating_point() else "int64",
+            "shape": list(v.shape[1:]),
+            "dims": [f"{key}.minmax"] if key.endswith(".range") else [f"{key}.token"] if v.ndim == 2 else [],
+        }
+        for key, v in values.items()
+        if key not in captures
+    }
+
+
+def _record(t: Target, module: torch.nn.Module, shape: Sequence[int], original: Sequence[int],
+            projected_from: int = 0) -> CaptureRecord:
+    """How capture ``t`` is stored: ``shape`` per row as stored, ``original`` as the model computed it;
+    ``projected_from``: the features ``project`` multiplied (the matrix's rows)."""
     record: CaptureRecord = {
         "layer": t.layer,
         "module_type": type(module).__name__,
@@ -544,6 +563,11 @@ def _record(t: Target, module: torch.nn.Module, shape: Sequence[int], original: 
         record["target"] = t.target
     if t.what == "gradcam":
         record["size"] = t.size
+    if t.sample:  # the kept positions: KEY.token_index; the draw: extractor.store.sampling.sample_positions
+        record["sample_tokens"], record["prefix_kept"], record["seed"] = t.sample, t.keep, t.seed
+    if t.project:  # the matrix: extractor.store.sampling.projection_matrix(seed, original features, project)
+        record["project"], record["projection"], record["seed"] = t.project, t.projection, t.seed
+        record["projected_from"] = projected_from
     return record
 
 

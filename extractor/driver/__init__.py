@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from .._face import face
 
 if TYPE_CHECKING:
+    from .dry_run import Preview, preview
     from .environment import check_environment, check_submitted
     from .ray_backend import RayBackend
     from .runner import LocalBackend, RunSummary, run
@@ -23,6 +24,8 @@ __all__ = [
     "follow_logs",
     "check_environment",
     "check_submitted",
+    "preview",
+    "Preview",
 ]
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
@@ -37,5 +40,7 @@ __getattr__ = face(
         "follow_logs": "submit",
         "check_environment": "environment",
         "check_submitted": "environment",
+        "preview": "dry_run",
+        "Preview": "dry_run",
     },
 )

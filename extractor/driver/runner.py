@@ -213,7 +213,8 @@ def _claim(spec: JobSpec, rows: Rows, decision: _Decision, attrs: dict[str, Any]
         log.info("%s %s", "creating again" if decision.old.get("status") == "creating" else "overwriting", url)
     arrays = StoreArrays(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
                          chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
-                         compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse))
+                         compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse),
+                         sharded=spec.output.sharding)
     return create_store(url, rows, arrays, attrs, storage, lease=lease, fresh=decision.old is None)
 
 

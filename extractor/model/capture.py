@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import LayerError
 from ..spec import CaptureSpec
+from ..store.sampling import HASH, MASK, projection_matrix
 
 __all__ = ["Target", "resolve_targets", "Capturer", "RESERVED_KEYS"]
 
@@ -46,6 +47,11 @@ class Target:
     size: str = "layer"  # gradcam: layer or input resolution
     layout: str = "auto"  # a 4-D output's dims: nchw, nhwc, attention, or auto (decided by the worker's probe)
     drop_prefix: int = 0  # token sequences: leading tokens (CLS, registers) left out
+    sample: int = 0  # sample_tokens: patch tokens kept per image (0: all)
+    keep: int = 0  # with sample: prefix tokens kept in front of the sampled ones
+    project: int = 0  # project: features after the random projection (0: none)
+    projection: str = "gaussian"
+    seed: int = 0
 
     @property
     def gradient(self) -> bool:
@@ -126,6 +132,20 @@ def _prefix_to_drop(c: CaptureSpec, prefix_tokens: int | None, where: str) -> in
     return prefix_tokens
 
 
+def _cutting(c: CaptureSpec, prefix_tokens: int | None, where: str) -> dict[str, Any]:
+    """The Target fields of sample_tokens and project: with sampling, the prefix tokens kept in front (all of the
+    model's, unless drop_prefix left them out: so their count must be known)."""
+    keep = 0
+    if c.sample_tokens and not c.drop_prefix:
+        if prefix_tokens is None:
+            raise LayerError(f"{where}.sample_tokens keeps the prefix tokens (CLS, registers) in front of the sampled "
+                             "patch tokens, but how many this model has is not known; set model.prefix_tokens, or "
+                             f"{where}.drop_prefix: true to sample patch tokens only")
+        keep = prefix_tokens
+    return {"sample": c.sample_tokens or 0, "keep": keep, "project": c.project or 0, "projection": c.projection,
+            "seed": c.seed}
+
+
 def _key(c: CaptureSpec, layer: str) -> str:
     """The array a capture of ``layer`` is stored as: its key (a template with ``{layer}``), else the layer's
     name with the suffix of what it takes (the model's output: the word)."""
@@ -137,7 +157,8 @@ def _key(c: CaptureSpec, layer: str) -> str:
 def _check_keys(targets: Sequence[Target]) -> None:
     """Every array name once, none the store's own (nor a Grad-CAM map's per-row min and max)."""
     seen: dict[str, Target] = {}
-    ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}
+    ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}  # a Grad-CAM map's per-row min, max
+    ranges |= {f"{g.key}.token_index" for g in targets if g.sample}  # a sampled capture's token positions
     for t in targets:
         if t.key in RESERVED_KEYS or t.key in ranges:
             raise LayerError(
@@ -165,8 +186,9 @@ def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec], hint: str
         drop = _prefix_to_drop(c, prefix_tokens, where)
         dtype = "float32" if c.what == "gradcam" else c.dtype
         target = c.score_target if c.gradient else None
-        targets += [Target(_key(c, layer), layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout, drop)
-                    for layer in layers]
+        cutting = _cutting(c, prefix_tokens, where)
+        targets += [Target(_key(c, layer), layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout, drop,
+                           **cutting) for layer in layers]
     _check_keys(targets)
     return targets
 
@@ -243,6 +265,38 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "nchw", d
     if how == "max":
         return t.amax(dim=dims)
     raise LayerError(f"{where}: unknown reduce {how!r}")
+
+
+def sample_positions(seed: int, rows: torch.Tensor, n_tokens: int, k: int) -> torch.Tensor:
+    """On the rows' device: (B, k) int64, the k tokens each row keeps, in sequence order: the same integers as
+    ``extractor.store.sampling.sample_positions`` (a hash of seed, row and token, ranked)."""
+    a, b, c, d, e = HASH
+    r = rows.to(torch.int64)[:, None] & MASK
+    tokens = torch.arange(n_tokens, device=rows.device, dtype=torch.int64)[None, :]
+    x = (((r * a) & MASK) + ((tokens * b) & MASK) + (((seed & MASK) * c) & MASK)) & MASK
+    x ^= x >> 15
+    x = (x * d) & MASK
+    x ^= x >> 13
+    x = (x * e) & MASK
+    x ^= x >> 16
+    order = torch.argsort(x * n_tokens + tokens, dim=1)[:, :k]  # the keys are distinct: no tie to break
+    return order.sort(dim=1).values
+
+
+def _sample(t: Target, tokens: torch.Tensor, rows: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_tokens``: of (B, T, D) tokens, the ``keep`` prefix ones and ``sample`` patch ones per row; and their
+    positions in the layer's sequence (B, keep + sample)."""
+    if tokens.ndim != 3:
+        raise LayerError(f"{where} is {tuple(tokens.shape)}; sample_tokens needs (batch, tokens, features)")
+    patches = tokens.shape[1] - t.keep
+    if t.sample > patches:
+        raise LayerError(f"{where}: sample_tokens {t.sample} is more than its {patches} patch tokens; set at most "
+                         f"{patches}, or store them all (no sample_tokens)")
+    picked = sample_positions(t.seed, rows, patches, t.sample) + t.keep
+    prefix = torch.arange(t.keep, device=tokens.device, dtype=torch.int64).expand(len(tokens), -1)
+    index = torch.cat([prefix, picked], dim=1)
+    kept = tokens.gather(1, index[:, :, None].expand(-1, -1, tokens.shape[2]))
+    return kept, index + t.drop_prefix  # positions in the layer's own sequence, a dropped prefix counted
 
 
 def probabilities(t: torch.Tensor) -> bool:
@@ -434,6 +488,9 @@ class Capturer:
         self.values: dict[str, torch.Tensor] = {}
         self.anchors: dict[str, torch.Tensor] = {}
         self.original_shapes: dict[str, tuple[int, ...]] = {}
+        self.kept = 0  # targets kept in this forward (values also holds their extras: KEY.token_index)
+        self.rows: torch.Tensor | None = None  # the batch's store rows (sample_tokens draws from them)
+        self.matrices: dict[tuple[str, int], torch.Tensor] = {}  # project: (key, features in) -> its matrix here
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> Capturer:
@@ -482,10 +539,28 @@ class Capturer:
             self.auto_4d[t.key] = probabilities(tensor)
             layout = "nchw"
         reduced = reduce_tensor(tensor, t.reduce, where, layout, t.drop_prefix)
+        if t.sample:
+            rows = self.rows if self.rows is not None else torch.zeros(len(reduced), dtype=torch.int64)
+            reduced, self.values[f"{t.key}.token_index"] = _sample(t, reduced, rows.to(reduced.device), where)
+        if t.project:
+            reduced = self._project(t, reduced, where)
         # a copy of views (none, flatten, cls): a later in-place op on the model's tensor must not change what we
-        # keep; mean and max are new tensors already
-        copy = t.reduce not in ("mean", "max")
+        # keep; mean, max, sampled and projected tensors are new already
+        copy = t.reduce not in ("mean", "max") and not (t.sample or t.project)
         self.values[t.key] = reduced.to(dtype=_DTYPES[t.dtype], memory_format=torch.contiguous_format, copy=copy)
+
+    def _project(self, t: Target, x: torch.Tensor, where: str) -> torch.Tensor:
+        """``project``: the last dimension times the seeded matrix (made once per width, on x's device), in float32."""
+        if x.ndim not in (2, 3):
+            raise LayerError(f"{where} stores {tuple(x.shape)}: project applies to a last dimension of features "
+                             "((batch, features) or (batch, tokens, features)); pool the map first (reduce: mean)")
+        width = x.shape[-1]
+        matrix = self.matrices.get((t.key, width))
+        if matrix is None or matrix.device != x.device:
+            matrix = torch.from_numpy(projection_matrix(t.seed, width, t.project, t.projection)).to(x.device)
+            self.matrices[(t.key, width)] = matrix
+        with torch.autocast(x.device.type, enabled=False):  # float32 also in a job that runs in float16
+            return x.float() @ matrix
 
     def _keep(self, t: Target, value: Any) -> None:
         if t.key in self.values:  # a module called twice in one forward: keep the first call
@@ -494,7 +569,8 @@ class Capturer:
         tensor = select(value, t.index, where).detach()
         self.original_shapes[t.key] = tuple(tensor.shape[1:])
         self._store(t, tensor, where)
-        if self.stop_early and len(self.values) == len(self.targets):
+        self.kept += 1
+        if self.stop_early and self.kept == len(self.targets):
             raise _StopForward
 
     def _output_hook(self, i: int):
@@ -533,18 +609,20 @@ class Capturer:
         return hook
 
     def run(
-        self, x: torch.Tensor, labels: torch.Tensor | None = None, eager: bool = False
+        self, x: torch.Tensor, labels: torch.Tensor | None = None, eager: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """One forward pass (and one backward for gradient targets); captured tensors by key.
 
         With gradient targets the result also holds ``target`` (the class whose logit was
         differentiated, per image), ``target_score`` (that logit) and, per Grad-CAM key,
         ``KEY.range`` (per-image min and max of the map). ``labels`` are needed for
-        ``target: label``.
+        ``target: label``; ``rows`` (the images' store rows) for ``sample_tokens`` (default: all row 0).
         """
+        self.rows = rows
         if self._stack is None:
             raise RuntimeError("Capturer.run() must be called inside `with Capturer(...)`")
-        self.values, self.anchors, self.original_shapes = {}, {}, {}
+        self.values, self.anchors, self.original_shapes, self.kept = {}, {}, {}, 0
         forward = self.entry if eager or self.forward is None else self.forward
         try:
             if self.gradient:

@@ -32,9 +32,11 @@ from ..store import (
     get_array,
     lease_timeout,
     read_lease,
+    read_rows,
     root_attrs,
     source_digests,
 )
+from ..store.sampling import projection_matrix
 
 __all__ = ["open_store", "ActivationStore"]
 
@@ -210,10 +212,12 @@ def _collected(reads: Iterable[_Read], size: int) -> Iterator[list[_Read]]:
         yield held
 
 
-def _mix_tokens(reads: Sequence[_Read], skip: int, tokens: int, seed: list[int] | None) -> _Buffer:
+def _mix_tokens(reads: Sequence[_Read], skip: int, tokens: int, seed: list[int] | None,
+                positions_of: Callable[[np.ndarray], np.ndarray] | None = None) -> _Buffer:
     """The tokens ``skip : skip + tokens`` of rows read from a ``(tokens, features)`` capture as one buffer
     of single tokens: in a random order drawn from ``seed`` (None: in order), with one copy, each
-    token written straight to its place."""
+    token written straight to its place. ``positions_of(rows)``: each stored token's position in the layer's
+    sequence (a sampled capture's ``KEY.token_index``); default, its place as stored."""
     total = sum(len(rows) for rows, _ in reads) * tokens
     dest = np.arange(total) if seed is None else np.random.default_rng(seed).permutation(total)
     positions = np.arange(skip, skip + tokens)
@@ -223,9 +227,18 @@ def _mix_tokens(reads: Sequence[_Read], skip: int, tokens: int, seed: list[int] 
     for rows, x in reads:
         d = dest[at : at + len(rows) * tokens].reshape(len(rows), tokens)
         data[d] = x[:, skip:]
-        index[d, 0], index[d, 1] = rows[:, None], positions[None, :]
+        index[d, 0] = rows[:, None]
+        index[d, 1] = positions[None, :] if positions_of is None else positions_of(rows)[:, skip : skip + tokens]
         at += len(rows) * tokens
     return _Buffer(index, (data,), None)
+
+
+def _rows_of(array: Any) -> Callable[[np.ndarray], np.ndarray]:
+    """The rows ``rows`` (ascending, of a few chunks) of a per-row array, read as one slice."""
+    def of(rows: np.ndarray) -> np.ndarray:
+        a, b = int(rows.min()), int(rows.max()) + 1
+        return np.asarray(array[a:b])[rows - a]
+    return of
 
 
 def _need_torch(what: str) -> None:
@@ -459,13 +472,14 @@ class ActivationStore:
             yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
 
     def _arrays_of(self, keys: str | Sequence[str], what: str) -> tuple[dict[str, zarr.Array], int]:
-        """The arrays of ``keys`` and the rows of their smallest chunk (a capture with bigger chunks, small rows
-        under ``chunk_rows: auto``, is read several times per chunk)."""
+        """The arrays of ``keys`` and the rows a read takes: their smallest chunk (a capture with bigger chunks,
+        small rows under ``chunk_rows: auto``, is read several times per chunk), or of sharded arrays a run of
+        chunks of about 32 MiB (:func:`read_rows`)."""
         names = [keys] if isinstance(keys, str) else list(keys)
         if not names:
             raise ValueError(f"{what} needs at least one capture key; {self._known()}")
         arrays = {k: self[k] for k in names}
-        return arrays, max(min(int(a.chunks[0]) for a in arrays.values()), 1)
+        return arrays, min(read_rows(a) for a in arrays.values())
 
     def epoch_rows(self, keys: str | Sequence[str], shuffle: bool = True, seed: int = 0, rows: Rows = None,
                    only_ok: bool = True, part: Part | None = None) -> int:
@@ -490,7 +504,8 @@ class ActivationStore:
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
         ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
-        position in the row's sequence. Every (row, token) comes once per call (one epoch), for
+        position in the row's sequence (of a ``sample_tokens`` capture: in the layer's sequence, from
+        ``KEY.token_index``). Every (row, token) comes once per call (one epoch), for
         sparse-autoencoder training. With ``shuffle`` tokens are mixed across the images of a
         buffer of ``buffer_chunks`` chunks read whole in a random chunk order (as :meth:`batches`
         reads rows): the same ``seed`` gives the same order. ``drop_prefix`` leaves out each
@@ -506,15 +521,25 @@ class ActivationStore:
         skip, tokens = self.token_span(key, drop_prefix)
         _check_sizes(batch_size, buffer_chunks)
         part = _check_part(part)
-        step = max(int(self[key].chunks[0]), 1)
+        step = read_rows(self[key])
         # whole chunks in a random order; their tokens are mixed a buffer at a time
         runs = _epoch_runs(self._select_rows(rows, only_ok), step, shuffle, seed, part)
         idx = np.concatenate(runs) if runs else np.empty(0, np.int64)
         # one chunk's rows at a time, each chunk read once (rows grouped by chunk), without copies
         reads = self.batches(key, step, shuffle=False, rows=idx, only_ok=False, prefetch=prefetch)
-        buffers = (_mix_tokens(held, skip, tokens, _mix_seed(seed, part, n) if shuffle else None)
+        where = _rows_of(self[f"{key}.token_index"]) if self.captures[key].get("sample_tokens") else None
+        buffers = (_mix_tokens(held, skip, tokens, _mix_seed(seed, part, n) if shuffle else None, where)
                    for n, held in enumerate(_collected(reads, step * buffer_chunks)))
         yield from cast(Iterator[_Read], _rebatch(buffers, batch_size, drop_last))  # (index, data): one key
+
+    def projection(self, key: str) -> np.ndarray:
+        """The ``(features, project)`` matrix a ``project`` capture was made with (regenerated from its seed):
+        ``stored = original @ s.projection(key)``; its pseudo-inverse maps stored features back approximately."""
+        meta = self.captures.get(key)
+        if meta is None or not meta.get("project"):
+            raise StoreError(f"{key!r} is not a projected capture (project: D) of {self.url}; {self._known()}")
+        return projection_matrix(int(meta["seed"]), int(meta["projected_from"]), int(meta["project"]),
+                                 str(meta["projection"]))
 
     def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
         """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``

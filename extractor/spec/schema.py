@@ -321,6 +321,18 @@ class CaptureSpec(_Section):
     the row's label, or a class index."""
     size: Literal["layer", "input"] = "layer"
     """For gradcam: keep the map at the layer's resolution or upsample it (bilinear) to the crop."""
+    sample_tokens: int | None = Field(default=None, gt=0)
+    """For token sequences stored whole (reduce: none): keep this many patch tokens per image, drawn without
+    replacement from (``seed``, row) on the device, in sequence order; the prefix tokens (CLS, registers) stay in
+    front unless ``drop_prefix``. The kept positions (in the layer's sequence) are stored as ``KEY.token_index``."""
+    project: int | None = Field(default=None, gt=0)
+    """Store a seeded random projection of the last dimension (features) to this many, computed on the device
+    (``projection``: its matrix; the reader regenerates it from ``seed``: ``s.projection(KEY)``)."""
+    projection: Literal["gaussian", "sparse"] = "gaussian"
+    """With ``project``: Gaussian entries, or sparse Rademacher ones (+-sqrt(3/D) with probability 1/6 each);
+    both keep norms in expectation."""
+    seed: int = Field(default=0, ge=0)
+    """The seed of ``sample_tokens`` and ``project``."""
     layout: Literal["auto", "nchw", "nhwc", "attention"] = "auto"
     """How a 4-D output holds its dims: (batch, channel, y, x), (batch, y, x, channel) as in Swin and
     ConvNeXt blocks, or attention probabilities (batch, head, query, key). ``auto`` decides from
@@ -352,6 +364,17 @@ class CaptureSpec(_Section):
             raise ValueError("drop_prefix leaves out the CLS token: it does not go with reduce: cls or gradcam")
         return self
 
+    @model_validator(mode="after")
+    def _cutting_fields(self) -> CaptureSpec:
+        if self.sample_tokens is not None and (self.reduce != "none" or self.what == "gradcam"):
+            raise ValueError("sample_tokens keeps some tokens of each image's sequence: it takes reduce: none (and "
+                             "no gradcam)")
+        if self.project is not None and self.what == "gradcam":
+            raise ValueError("project applies to features, not to a gradcam map")
+        if self.projection != "gaussian" and self.project is None:
+            raise ValueError("projection applies only with project: D")
+        return self
+
     @property
     def gradient(self) -> bool:
         return self.what in ("grad_output", "gradcam")
@@ -372,6 +395,11 @@ class OutputSpec(_Section):
     up to 256 (250 for shards of 1000, 100 for 100), or more for a capture with small rows, up to
     about 1 MiB per chunk and a whole shard (512 rows for 512 float32 features). Chunking never
     changes values: a resumed store keeps its own."""
+    sharding: bool = Field(default=True, json_schema_extra=RUN_ONLY)  # never changes values
+    """Each work shard of a capture is one storage object (a Zarr v3 shard) holding chunks of
+    ``chunk_rows`` rows, read one at a time: a row's read costs its chunk, not the shard. With it,
+    ``chunk_rows: auto`` makes chunks of about 1 MiB (fewer rows for large rows, at least one).
+    false: every chunk its own object (stores before it: a resumed store keeps its own)."""
     compression: Literal["zstd", "blosc", "gzip", "none"] = "zstd"
     compression_level: int | None = None
     if_exists: Literal["error", "resume", "overwrite"] = Field(default="error", json_schema_extra=RUN_ONLY)
@@ -464,6 +492,13 @@ class SubmitSpec(_Section):
 MAX_AUTO_CHUNK_ROWS = 256  # output.chunk_rows: auto goes beyond it only for captures with small rows
 MIN_AUTO_CHUNK_ROWS = 16  # nor goes below it, unless the shard itself is smaller
 AUTO_CHUNK_BYTES = 1 << 20  # rows of small captures fill chunks up to about this size
+
+
+def auto_inner_rows(shard_size: int, row_bytes: int) -> int:
+    """Rows per chunk of a sharded capture: the largest divisor of ``shard_size`` whose chunk of rows of
+    ``row_bytes`` holds at most AUTO_CHUNK_BYTES (one row at least)."""
+    return max(d for d in range(1, shard_size + 1) if shard_size % d == 0 and (d == 1 or d * row_bytes
+                                                                                <= AUTO_CHUNK_BYTES))
 
 
 def auto_chunk_rows(shard_size: int, row_bytes: int = 0) -> int:

@@ -9,11 +9,22 @@ zarr's event loop. What lands is byte for byte what zarr writes (``tests/test_ch
 
 Arrays with codecs other than those extractor creates (bytes, then zstd, blosc, gzip or none),
 chunks that do not span an array's trailing dimensions, and a partial last chunk go through zarr.
+
+A sharded array (Zarr v3's sharding codec: one storage object per work shard, small inner chunks
+for random reads, the index at the end) is written as a stream: each inner chunk is encoded and
+appended to the shard's object as it fills (:class:`ShardStream`), in any order, and the index
+(offsets and sizes, crc32c) is written last, when the work shard finishes. Host memory holds no
+more than the chunks being encoded; on a local disk the object is written under a temporary name
+and renamed (a reader never sees half a shard), elsewhere it is one streamed upload.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
+import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,7 +32,7 @@ import numcodecs
 import numpy as np
 import zarr
 from zarr.buffer import default_buffer_prototype
-from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ZstdCodec
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, ZstdCodec
 
 _sync: Callable[..., Any] | None
 try:  # zarr's event loop (not a public name: pinned below 3.2 in pyproject.toml); without it, chunks go through zarr
@@ -29,7 +40,9 @@ try:  # zarr's event loop (not a public name: pinned below 3.2 in pyproject.toml
 except ImportError:  # pragma: no cover - a zarr that moved it
     _sync = None
 
-__all__ = ["ChunkCodec", "write_chunks"]
+__all__ = ["ChunkCodec", "ShardStream", "write_chunks"]
+
+EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
 
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
@@ -46,38 +59,76 @@ def _compressor(codec: Any) -> Callable[[Any], Any] | None:
     return None
 
 
-class ChunkCodec:
-    """How zarr encodes a whole chunk of one array, and where that chunk lives in its store."""
+def _encoding(array: zarr.Array, codecs: list[Any]) -> tuple[np.dtype[Any], list[Callable[[Any], Any]]] | None:
+    """The dtype (with its byte order) and the numcodecs compressors of a chunk's codecs ``codecs`` (bytes,
+    then compressors this module knows), or None."""
+    if not codecs or not isinstance(codecs[0], BytesCodec):
+        return None
+    first, *rest = codecs
+    compressors = [_compressor(c) for c in rest]
+    dtype = np.dtype(array.dtype)
+    if any(c is None for c in compressors) or dtype.kind not in "biuf":  # numbers only: others serialise otherwise
+        return None
+    if first.endian is not None:
+        dtype = dtype.newbyteorder("<" if first.endian.value == "little" else ">")
+    return dtype, [c for c in compressors if c is not None]
 
-    def __init__(self, array: zarr.Array, dtype: np.dtype[Any], compressors: list[Callable[[Any], Any]]) -> None:
+
+def _inner_codecs(array: zarr.Array, codecs: list[Any]) -> list[Any] | None:
+    """A sharded array's inner chunk codecs, when its shards are the ones this module writes: the index at the
+    end, little-endian with crc32c, shards spanning the trailing dimensions (else None: zarr writes it)."""
+    sharding = codecs[0]
+    index = list(sharding.index_codecs)
+    if len(codecs) != 1 or sharding.index_location.value != "end" or len(index) != 2:
+        return None
+    little = isinstance(index[0], BytesCodec) and index[0].endian is not None and index[0].endian.value == "little"
+    if not little or not isinstance(index[1], Crc32cCodec):
+        return None
+    if tuple(array.shards[1:]) != tuple(array.shape[1:]):  # type: ignore[index]
+        return None
+    return list(sharding.codecs)
+
+
+class ChunkCodec:
+    """How zarr encodes a whole chunk of one array, and where that chunk lives in its store. Of a sharded
+    array: its inner chunks (``rows`` each), ``shard_rows`` to a storage object."""
+
+    def __init__(self, array: zarr.Array, dtype: np.dtype[Any], compressors: list[Callable[[Any], Any]],
+                 shard_rows: int | None = None) -> None:
         self.array, self.dtype, self.compressors = array, dtype, compressors
         self.rows = array.chunks[0]
+        self.shard_rows = shard_rows
         self.trailing = (0,) * (array.ndim - 1)
 
     @classmethod
     def of(cls, array: zarr.Array) -> ChunkCodec | None:
         """The codec of ``array``, or None when its chunks must go through zarr."""
         meta = array.metadata
-        if _sync is None:
+        if _sync is None or meta.zarr_format != 3 or not array.path:
             return None
-        if meta.zarr_format != 3 or not array.path or tuple(array.chunks[1:]) != tuple(array.shape[1:]):
+        codecs, shard_rows = list(meta.codecs), None
+        if codecs and isinstance(codecs[0], ShardingCodec):
+            inner = _inner_codecs(array, codecs)
+            if inner is None:
+                return None
+            codecs, shard_rows = inner, int(array.shards[0])  # type: ignore[index]
+        if tuple(array.chunks[1:]) != tuple(array.shape[1:]):
             return None
-        first, *rest = meta.codecs
-        if not isinstance(first, BytesCodec):
-            return None
-        compressors = [_compressor(c) for c in rest]
-        if any(c is None for c in compressors):
-            return None
-        dtype = np.dtype(array.dtype)
-        if dtype.kind not in "biuf":  # numbers only: other data types have their own serialisation
-            return None
-        if first.endian is not None:
-            dtype = dtype.newbyteorder("<" if first.endian.value == "little" else ">")
-        return cls(array, dtype, [c for c in compressors if c is not None])
+        encoding = _encoding(array, codecs)
+        return None if encoding is None else cls(array, *encoding, shard_rows)
 
     def key(self, start: int) -> str:
-        """The store key of the chunk that begins at row ``start``."""
-        return f"{self.array.path}/{self.array.metadata.encode_chunk_key((start // self.rows, *self.trailing))}"
+        """The store key of the chunk that begins at row ``start`` (of a sharded array: of its shard)."""
+        step = self.shard_rows or self.rows
+        return f"{self.array.path}/{self.array.metadata.encode_chunk_key((start // step, *self.trailing))}"
+
+    def padded(self, data: np.ndarray) -> np.ndarray:
+        """A last inner chunk filled to the chunk's rows with the array's fill value (as zarr stores edge chunks)."""
+        if len(data) == self.rows:
+            return data
+        out = np.full((self.rows, *data.shape[1:]), self.array.fill_value, dtype=data.dtype)
+        out[: len(data)] = data
+        return out
 
     def encode(self, data: np.ndarray) -> Any:
         """A whole chunk's bytes, as zarr stores them."""
@@ -87,13 +138,16 @@ class ChunkCodec:
         return out
 
 
-def write_chunks(start: int, chunks: Mapping[str, tuple[zarr.Array, ChunkCodec | None, np.ndarray]]) -> int:
+def write_chunks(start: int, chunks: Mapping[str, tuple[zarr.Array, ChunkCodec | None, np.ndarray]],
+                 streams: Mapping[str, ShardStream] | None = None) -> int:
     """Write rows ``start ...`` of each array (the data begins a chunk of every one); bytes written.
-    Whole chunks of arrays with a known codec go to the store in one event-loop round; others
-    through zarr, one by one."""
+    Whole chunks of arrays with a known codec go to the store in one event-loop round; an inner chunk of a
+    sharded array is appended to its shard's stream (``streams``, by key); others through zarr, one by one."""
     puts: list[tuple[Any, str, Any]] = []
-    for array, codec, data in chunks.values():
-        if codec is not None and start % codec.rows == 0 and len(data) == codec.rows:
+    for key, (array, codec, data) in chunks.items():
+        if codec is not None and codec.shard_rows is not None and streams is not None and key in streams:
+            streams[key].add((start % codec.shard_rows) // codec.rows, codec.encode(codec.padded(data)))
+        elif codec is not None and start % codec.rows == 0 and len(data) == codec.rows:
             puts.append((array.store, codec.key(start), codec.encode(data)))
         else:
             array[start : start + len(data)] = data
@@ -106,3 +160,83 @@ def write_chunks(start: int, chunks: Mapping[str, tuple[zarr.Array, ChunkCodec |
         assert _sync is not None  # ChunkCodec.of gives no codec without it
         _sync(put_all())
     return sum(data.nbytes for _, _, data in chunks.values())
+
+
+class ShardStream:
+    """One work shard's storage object of a sharded array, written as its inner chunks come (in any order,
+    from several threads): appended to a temporary file renamed at :meth:`close` (a local store), to one
+    streamed upload (an fsspec store: ``url`` and ``storage_options`` open it), or, for other stores, kept
+    and put whole at the end. The index (offset and size of each of ``n_chunks`` inner chunks, crc32c) is
+    written last; :meth:`abort` leaves nothing behind where it can."""
+
+    def __init__(self, codec: ChunkCodec, start: int, url: str, storage_options: Mapping[str, Any] | None,
+                 tag: str) -> None:
+        assert codec.shard_rows is not None
+        self.n_chunks = codec.shard_rows // codec.rows
+        self.key = codec.key(start)
+        self.store = codec.array.store
+        self.index = np.full((self.n_chunks, 2), EMPTY, dtype="<u8")
+        self.at = 0
+        self.lock = threading.Lock()
+        self.final: str | None = None
+        self.parts: list[bytes] | None = None
+        root = getattr(self.store, "root", None)
+        if root is not None:  # a local folder: a temporary file beside the shard's, renamed at close
+            self.final = os.path.join(str(root), *self.key.split("/"))
+            os.makedirs(os.path.dirname(self.final), exist_ok=True)
+            for stale in glob.glob(glob.escape(self.final) + ".*.partial"):  # left by a job killed mid-shard
+                with contextlib.suppress(OSError):
+                    os.remove(stale)
+            self.path = f"{self.final}.{tag}.partial"
+            self.file: Any = open(self.path, "wb")  # noqa: SIM115 - closed by close() or abort()
+        elif hasattr(self.store, "fs") and "://" in url:
+            import fsspec
+
+            self.file = fsspec.open(f"{url.rstrip('/')}/{self.key}", "wb", **dict(storage_options or {})).open()
+        else:
+            self.file, self.parts = None, []
+
+    def add(self, i: int, encoded: Any) -> None:
+        """Inner chunk ``i`` of the shard, encoded."""
+        data = memoryview(encoded).cast("B")
+        with self.lock:
+            if self.parts is not None:
+                self.parts.append(bytes(data))
+            else:
+                self.file.write(data)
+            self.index[i] = (self.at, len(data))
+            self.at += len(data)
+
+    def close(self) -> None:
+        """Write the index last and make the shard's object whole where readers see it."""
+        import numcodecs
+
+        tail = bytes(numcodecs.CRC32C().encode(np.ascontiguousarray(self.index).view(np.uint8)))
+        with self.lock:
+            if self.parts is not None:
+                whole = b"".join([*self.parts, tail])
+
+                async def put() -> None:
+                    await self.store.set(self.key, default_buffer_prototype().buffer.from_bytes(whole))
+
+                assert _sync is not None
+                _sync(put())
+                return
+            self.file.write(tail)
+            self.file.close()
+            if self.final is not None:
+                os.replace(self.path, self.final)
+
+    def abort(self) -> None:
+        """Give the shard's object up (the shard failed, or another job took the store)."""
+        with self.lock:
+            if self.file is not None and not self.file.closed:
+                with contextlib.suppress(Exception):
+                    if self.final is None and hasattr(self.file, "discard"):  # an fsspec upload: not committed
+                        self.file.discard()
+                        self.file.closed = True
+                    else:
+                        self.file.close()
+            if self.final is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(self.path)

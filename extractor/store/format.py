@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict, cast
@@ -39,7 +40,7 @@ import zarr
 
 from ..data import Rows, is_url
 from ..errors import FencedError, StoreError
-from .chunks import ChunkCodec, write_chunks
+from .chunks import ChunkCodec, ShardStream, write_chunks
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -178,6 +179,12 @@ class CaptureRecord(TypedDict):
     drop_prefix: NotRequired[int]  # token sequences: leading tokens left out
     target: NotRequired[int | str]  # gradient captures: predicted, label or a class index
     size: NotRequired[str]  # gradcam maps: layer or input resolution
+    sample_tokens: NotRequired[int]  # patch tokens kept per row (their positions: the KEY.token_index array)
+    prefix_kept: NotRequired[int]  # with sample_tokens: prefix tokens kept in front of them
+    project: NotRequired[int]  # features after the seeded random projection (store.sampling.projection_matrix)
+    projection: NotRequired[str]  # gaussian or sparse
+    projected_from: NotRequired[int]  # the features it multiplied (the matrix is projected_from x project)
+    seed: NotRequired[int]  # of sample_tokens and project
 
 
 class ExtraRecord(TypedDict):
@@ -199,6 +206,23 @@ class StoreArrays:
     compression: str = "zstd"
     compression_level: int | None = None
     reuse: bool = False  # rows may come from other stores (output.reuse): the ``reused`` array records which
+    sharded: bool = False  # each work shard of a capture one storage object (Zarr v3 sharding) of its chunks
+
+
+READ_BYTES = 32 << 20  # a streaming read of a sharded array takes chunks of its shard up to about this much
+
+
+def read_rows(array: zarr.Array) -> int:
+    """Rows a streaming read takes at once: one chunk, or of a sharded array as many of its chunks as fit
+    READ_BYTES (a run of them dividing its shard: reads stay aligned, one shard's index serves them)."""
+    rows = max(int(array.chunks[0]), 1)
+    shards = getattr(array, "shards", None)
+    if not shards:
+        return rows
+    row_bytes = max(int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize, 1)
+    shard = int(shards[0])
+    fits = [d for d in range(rows, shard + 1, rows) if shard % d == 0 and d * row_bytes <= READ_BYTES]
+    return max(fits, default=rows)
 
 
 def fill_value(dtype: str) -> float:
@@ -272,7 +296,8 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
             key,
             shape=(n, *shape),
             dtype=meta["dtype"],
-            chunks=(min(arrays.chunk_rows[key], max(n, 1)), *shape),
+            chunks=(arrays.chunk_rows[key] if arrays.sharded else min(arrays.chunk_rows[key], max(n, 1)), *shape),
+            shards=(shard_size, *shape) if arrays.sharded else None,
             fill_value=fill_value(meta["dtype"]),
             compressors=comp,
             dimension_names=["row", *meta["dims"]],
@@ -439,13 +464,14 @@ class ShardWriter:
 
     def __init__(self, url: str, start: int, stop: int, index: int, storage_options: Mapping[str, Any] | None = None,
                  fence: str | None = None):
-        self.url, self.fence = url, fence
+        self.url, self.fence, self.storage_options = url, fence, storage_options
         self.group = open_group(url, "r+", storage_options)
         self.check_fence()
         self.start, self.stop, self.index = start, stop, index
         self.bytes = 0
         # opened once (each open reads the array's metadata), with how its whole chunks are encoded
         self._arrays: dict[str, tuple[zarr.Array, ChunkCodec | None]] = {}
+        self._streams: dict[str, ShardStream] = {}  # sharded arrays: this shard's object of each, being written
         self._lock = threading.Lock()  # write() is called from several writer threads
 
     def locators(self) -> list[Any]:
@@ -487,9 +513,20 @@ class ShardWriter:
         self.check_fence()
         with self._lock:
             opened = {key: (*self._open(key), data) for key, data in chunks.items()}
-        written = write_chunks(self.start + offset, opened)
+            for key, (_, codec, _) in opened.items():
+                if codec is not None and codec.shard_rows is not None and key not in self._streams:
+                    self._streams[key] = ShardStream(codec, self.start, self.url, self.storage_options,
+                                                     (self.fence or uuid.uuid4().hex)[:12])
+        written = write_chunks(self.start + offset, opened, self._streams)
         with self._lock:
             self.bytes += written
+
+    def abandon(self) -> None:
+        """The shard will not finish here: its sharded objects being written are given up."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.abort()
 
     def finish(
         self,
@@ -501,6 +538,10 @@ class ShardWriter:
         reused: np.ndarray | None = None,
     ) -> None:
         self.check_fence()  # the marker says "done": only while this job holds the store
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:  # each sharded array's object of this shard made whole: its index, last
+            stream.close()
         for key, values in (extras or {}).items():
             get_array(self.group, key)[self.start : self.stop] = values
         if digests is not None and "digest" in self.group:  # stores made before digests have none

@@ -26,7 +26,7 @@ import numpy as np
 from .. import __version__
 from ..data import Rows, of_store
 from ..errors import StoreError
-from ..spec import JobSpec, auto_chunk_rows, content_of, parse_spec, redact_argv, spec_digest
+from ..spec import JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .format import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, source_digests
 
 __all__ = ["Probe", "store_attrs", "check_resumable", "changed_rows", "moved_members", "owner", "differences"]
@@ -86,7 +86,8 @@ def chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int
     """Rows per chunk of each capture array: output.chunk_rows, or ``auto``'s choice for the capture's row size."""
     if spec.output.chunk_rows != "auto":
         return dict.fromkeys(captures, spec.output.chunk_rows)
-    return {k: auto_chunk_rows(spec.data.shard_size, math.prod(c["shape"]) * np.dtype(c["dtype"]).itemsize)
+    auto = auto_inner_rows if spec.output.sharding else auto_chunk_rows
+    return {k: auto(spec.data.shard_size, math.prod(c["shape"]) * np.dtype(c["dtype"]).itemsize)
             for k, c in captures.items()}
 
 

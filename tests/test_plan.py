@@ -1,0 +1,53 @@
+"""`extractor plan` and `run --dry-run` (issue 28): what a job would write, before anything is written; the
+sizes are the stored ones, and an existing store is left exactly as it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from conftest import job
+from test_cli import extractor, write_job
+
+from extractor.driver.runner import run
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
+
+
+def _files(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def test_plan_says_what_the_run_writes_and_creates_nothing(image_dir: Path, tmp_path: Path):
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[
+        {"layer": "layer3", "reduce": "none"}, {"layer": "layer4", "reduce": "mean", "dtype": "float16"}])
+    path = write_job(tmp_path / "job.yaml", raw)
+    r = extractor("plan", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    planned = json.loads(r.stdout)
+    assert not (tmp_path / "s.zarr").exists()  # nothing created
+    assert planned["action"] == "create" and planned["rows"] == 12 and planned["shards"] == 3
+
+    run(parse_spec(raw))
+    s = open_store(str(tmp_path / "s.zarr"))
+    by_key = {c["key"]: c for c in planned["captures"]}
+    for key in s.keys:  # the plan's figures are the store's
+        arr = s[key]
+        assert by_key[key]["shape"] == list(arr.shape[1:]) and by_key[key]["dtype"] == str(arr.dtype)
+        assert by_key[key]["bytes_per_row"] == int(np.prod(arr.shape[1:])) * arr.dtype.itemsize
+        assert by_key[key]["chunk_rows"] == arr.chunks[0]
+        assert by_key[key]["objects"] == sum(p.is_file() for p in (tmp_path / "s.zarr" / key / "c").rglob("*"))
+    assert planned["total_bytes"] == sum(c["bytes_per_row"] for c in planned["captures"]) * 12
+
+    before = _files(tmp_path / "s.zarr")
+    for args in (("plan", str(path)), ("run", str(path), "--dry-run"), ("plan", str(path), "--set",
+                                                                          "output.if_exists=overwrite")):
+        r = extractor(*args)
+        assert _files(tmp_path / "s.zarr") == before, args  # an existing store is untouched, also to overwrite it
+    assert r.returncode == 0 and r.stdout.startswith(f"{tmp_path / 's.zarr'}: overwrite")
+    r = extractor("run", str(path), "--dry-run")
+    assert r.returncode == 1 and "run would refuse: store" in r.stdout and "already exists" in r.stdout
+    r = extractor("plan", str(path), "--set", "output.if_exists=resume")
+    assert r.returncode == 0 and "nothing to do (complete)" in r.stdout
+    assert "0 images to process; 17.0 KB per row uncompressed (layer3 16.0 KB, layer4 1.0 KB)" in r.stdout

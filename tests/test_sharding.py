@@ -1,0 +1,87 @@
+"""Sharded capture arrays (issue 28): each work shard of a capture is one Zarr v3 shard, written as a stream of
+inner chunks with its index last; what lands opens natively in zarr, xarray and dask and equals an unsharded
+store of the same job; stores made before keep their chunking when resumed."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from conftest import job
+from zarr.codecs import ZstdCodec
+
+from extractor.driver.runner import run
+from extractor.read.reader import open_store
+from extractor.spec.schema import auto_inner_rows, parse_spec
+from extractor.store.chunks import ChunkCodec, ShardStream, write_chunks
+from extractor.store.format import open_group, reset_shards
+
+CAPTURES = [{"layer": "layer3", "reduce": "none"}, {"layer": "layer4", "reduce": "mean", "dtype": "float16"}]
+
+
+def _job(image_dir: Path, store: Path, **output) -> dict:
+    return job(image_dir, store, data={"shard_size": 8, "batch_size": 3}, capture=CAPTURES,
+               output={"store": str(store), "chunk_rows": 2, **output})
+
+
+def test_a_sharded_store_equals_an_unsharded_one_and_opens_natively(image_dir: Path, tmp_path: Path):
+    run(parse_spec(_job(image_dir, tmp_path / "sharded.zarr")))
+    run(parse_spec(_job(image_dir, tmp_path / "plain.zarr", sharding=False)))
+    a, b = open_store(str(tmp_path / "sharded.zarr")), open_store(str(tmp_path / "plain.zarr"))
+    for key in a.keys:
+        array = zarr.open_array(str(tmp_path / "sharded.zarr" / key), mode="r")
+        assert array.shards == (8, *array.shape[1:]) and array.chunks == (2, *array.shape[1:])
+        objects = [p for p in (tmp_path / "sharded.zarr" / key / "c").rglob("*") if p.is_file()]
+        assert len(objects) == 2  # 12 rows, shards of 8: one object per work shard
+        assert np.array_equal(array[:], b[key][:], equal_nan=True)
+        assert np.array_equal(a.numpy(key), b.numpy(key))
+    assert not list((tmp_path / "sharded.zarr").rglob("*.partial"))  # every object renamed into place
+    xr = pytest.importorskip("xarray")
+    ds = xr.open_zarr(str(tmp_path / "sharded.zarr"), consolidated=False)
+    assert np.array_equal(ds["layer3"].values, b["layer3"][:], equal_nan=True)
+    da = pytest.importorskip("dask.array")
+    assert np.array_equal(da.from_zarr(str(tmp_path / "sharded.zarr"), component="layer4").compute(), b["layer4"][:])
+    assert np.array_equal(a.row(a.ids[5])["layer3"], b["layer3"][5])  # a row by id: one inner chunk read
+
+
+def test_inner_chunks_written_in_any_order_from_threads_read_back_in_zarr(tmp_path: Path):
+    """The stream appends chunks as they come; the index says where each is. A partial last chunk is padded
+    with the fill value, as zarr stores an edge chunk, and chunks past the array's end stay absent."""
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    array = group.create_array("x", shape=(13, 3), dtype="float32", chunks=(2, 3), shards=(8, 3),
+                               compressors=ZstdCodec(level=3), fill_value=np.nan)
+    data = np.random.default_rng(0).standard_normal((13, 3)).astype(np.float32)
+    codec = ChunkCodec.of(array)
+    assert codec is not None and codec.shard_rows == 8 and codec.rows == 2
+    for shard in (0, 8):
+        streams = {"x": ShardStream(codec, shard, str(tmp_path / "s.zarr"), None, "t")}
+        starts = list(range(shard, min(shard + 8, 13), 2))[::-1]  # backwards, each from its own thread
+        threads = [threading.Thread(target=write_chunks, args=(s, {"x": (array, codec, data[s : s + 2])}, streams))
+                   for s in starts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        streams["x"].close()
+    assert np.array_equal(zarr.open_array(str(tmp_path / "s.zarr" / "x"), mode="r")[:], data)
+
+
+def test_auto_inner_chunks_hold_about_a_mebibyte():
+    assert auto_inner_rows(1024, 257 * 768 * 2) == 2  # ViT-B tokens in float16: 395 KB rows
+    assert auto_inner_rows(1024, 2048) == 512 and auto_inner_rows(1024, 4) == 1024  # never past a shard
+    assert auto_inner_rows(1000, 3 << 20) == 1  # a row larger than a mebibyte: one row per chunk
+
+
+def test_a_store_made_unsharded_stays_so_when_resumed(image_dir: Path, tmp_path: Path):
+    store = tmp_path / "s.zarr"
+    run(parse_spec(_job(image_dir, store, sharding=False)))
+    clean = {k: open_store(str(store)).numpy(k) for k in ("layer3", "layer4")}
+    reset_shards(open_group(str(store), "r+"), [(1, 8, 12)])  # as if the job had stopped before shard 1
+    run(parse_spec(_job(image_dir, store, if_exists="resume")))  # the spec now says sharding: true (the default)
+    s = open_store(str(store))
+    assert zarr.open_array(str(store / "layer3"), mode="r").shards is None  # its own chunking kept
+    for key, values in clean.items():
+        assert np.array_equal(s.numpy(key), values)
