@@ -422,6 +422,7 @@ def main() -> None:
     what = {"bare": "DataLoader + forward, outputs discarded (reference)",
             "pooled": "extractor: avgpool + layer3 mean-pooled, float32",
             "fullmap": "extractor: layer3 full map, float16, zstd",
+            "fullmap-unsharded": "the same, each chunk its own object (output.sharding: false)",
             "early": "extractor: layer2 mean-pooled (stops after layer2)",
             "ray": "extractor on an embedded Ray, 1 worker: the pooled job",
             "gradcam": "extractor: Grad-CAM of layer4 (forward + backward from the logit)",

@@ -85,3 +85,32 @@ def test_a_store_made_unsharded_stays_so_when_resumed(image_dir: Path, tmp_path:
     assert zarr.open_array(str(store / "layer3"), mode="r").shards is None  # its own chunking kept
     for key, values in clean.items():
         assert np.array_equal(s.numpy(key), values)
+
+
+def test_two_attempts_at_one_shard_never_share_a_file_and_leftovers_go_at_the_end(image_dir: Path,
+                                                                                  tmp_path: Path):
+    """A Ray worker drained while its shard runs again elsewhere: each attempt writes a file of its own, and
+    whichever is renamed last is whole. A file a killed run left is removed when the next run ends."""
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    array = group.create_array("x", shape=(8, 2), dtype="float32", chunks=(2, 2), shards=(8, 2), fill_value=np.nan)
+    codec = ChunkCodec.of(array)
+    assert codec is not None
+    data = np.arange(16, dtype=np.float32).reshape(8, 2)
+    a, b = (ShardStream(codec, 0, str(tmp_path / "s.zarr"), None, tag) for tag in ("a", "b"))
+    for start in range(0, 8, 2):
+        write_chunks(start, {"x": (array, codec, data[start : start + 2])}, {"x": a})
+        write_chunks(start, {"x": (array, codec, data[start : start + 2] + 100)}, {"x": b})
+    b.close()
+    a.close()
+    assert np.array_equal(zarr.open_array(str(tmp_path / "s.zarr" / "x"), mode="r")[:], data)
+    stream = ShardStream(codec, 0, str(tmp_path / "s.zarr"), None, "gone")
+    write_chunks(0, {"x": (array, codec, data[:2])}, {"x": stream})  # never closed: its job was killed
+    assert list((tmp_path / "s.zarr").rglob("*.partial"))
+
+    store = tmp_path / "job.zarr"
+    run(parse_spec(_job(image_dir, store)))
+    left = store / "layer3" / "c" / "0" / "0" / "0" / "0.killed.partial"
+    left.write_bytes(b"half a shard")
+    reset_shards(open_group(str(store), "r+"), [(0, 0, 8)])
+    run(parse_spec(_job(image_dir, store, if_exists="resume")))
+    assert not list(store.rglob("*.partial"))

@@ -36,6 +36,7 @@ from ..store import (
     consolidate,
     create_store,
     done_shards,
+    drop_partials,
     get_array,
     half_created,
     merge_shards,
@@ -370,6 +371,9 @@ def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Pr
     url = absolute(spec.output.store)  # for workers in another directory
     summaries = backend.run(todo, url, on_progress, on_event, fence=lease.token) if todo else []
     lease.verify()  # a job paused past its lease marks nothing complete in another job's store
+    # still under the lease, every writer of this job done: what runs killed mid-shard left goes
+    if drop_partials(open_group(spec.output.store, "r", spec.output.storage_options)):
+        log.info("removed the unfinished shard files of an earlier run of %s", spec.output.store)
     return summaries
 
 

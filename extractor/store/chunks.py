@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -40,9 +39,10 @@ try:  # zarr's event loop (not a public name: pinned below 3.2 in pyproject.toml
 except ImportError:  # pragma: no cover - a zarr that moved it
     _sync = None
 
-__all__ = ["ChunkCodec", "ShardStream", "write_chunks"]
+__all__ = ["ChunkCodec", "ShardStream", "write_chunks", "remove_partials"]
 
 EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
+PARTIAL = ".partial"  # the suffix of a shard's object being written on a local disk
 
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
@@ -164,10 +164,12 @@ def write_chunks(start: int, chunks: Mapping[str, tuple[zarr.Array, ChunkCodec |
 
 class ShardStream:
     """One work shard's storage object of a sharded array, written as its inner chunks come (in any order,
-    from several threads): appended to a temporary file renamed at :meth:`close` (a local store), to one
-    streamed upload (an fsspec store: ``url`` and ``storage_options`` open it), or, for other stores, kept
-    and put whole at the end. The index (offset and size of each of ``n_chunks`` inner chunks, crc32c) is
-    written last; :meth:`abort` leaves nothing behind where it can."""
+    from several threads): written at reserved offsets of a temporary file renamed at :meth:`close` (a local
+    store; the threads write at once), appended to one streamed upload (an fsspec store: ``url`` and
+    ``storage_options`` open it), or, for other stores, kept and put whole at the end. The index (offset and
+    size of each of ``n_chunks`` inner chunks, crc32c) is written last; :meth:`abort` leaves nothing behind
+    where it can. Each stream has a temporary name of its own (``tag``): two attempts at one shard (a Ray
+    worker drained while its shard runs again elsewhere) never write into one file."""
 
     def __init__(self, codec: ChunkCodec, start: int, url: str, storage_options: Mapping[str, Any] | None,
                  tag: str) -> None:
@@ -179,33 +181,36 @@ class ShardStream:
         self.at = 0
         self.lock = threading.Lock()
         self.final: str | None = None
+        self.fd: int | None = None
+        self.file: Any = None
         self.parts: list[bytes] | None = None
         root = getattr(self.store, "root", None)
         if root is not None:  # a local folder: a temporary file beside the shard's, renamed at close
             self.final = os.path.join(str(root), *self.key.split("/"))
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
-            for stale in glob.glob(glob.escape(self.final) + ".*.partial"):  # left by a job killed mid-shard
-                with contextlib.suppress(OSError):
-                    os.remove(stale)
-            self.path = f"{self.final}.{tag}.partial"
-            self.file: Any = open(self.path, "wb")  # noqa: SIM115 - closed by close() or abort()
+            self.path = f"{self.final}.{tag}{PARTIAL}"
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         elif hasattr(self.store, "fs") and "://" in url:
             import fsspec
 
             self.file = fsspec.open(f"{url.rstrip('/')}/{self.key}", "wb", **dict(storage_options or {})).open()
         else:
-            self.file, self.parts = None, []
+            self.parts = []
 
     def add(self, i: int, encoded: Any) -> None:
         """Inner chunk ``i`` of the shard, encoded."""
         data = memoryview(encoded).cast("B")
         with self.lock:
-            if self.parts is not None:
-                self.parts.append(bytes(data))
-            else:
-                self.file.write(data)
-            self.index[i] = (self.at, len(data))
+            at = self.at
+            self.index[i] = (at, len(data))
             self.at += len(data)
+            if self.fd is None:  # a stream in order, or parts to put whole
+                if self.parts is not None:
+                    self.parts.append(bytes(data))
+                else:
+                    self.file.write(data)
+                return
+        _write_at(self.fd, data, at)  # its own place in the file: outside the lock
 
     def close(self) -> None:
         """Write the index last and make the shard's object whole where readers see it."""
@@ -221,22 +226,48 @@ class ShardStream:
 
                 assert _sync is not None
                 _sync(put())
-                return
-            self.file.write(tail)
-            self.file.close()
-            if self.final is not None:
+            elif self.fd is not None:
+                _write_at(self.fd, memoryview(tail), self.at)
+                os.close(self.fd)
+                self.fd = None
+                assert self.final is not None
                 os.replace(self.path, self.final)
+            else:
+                self.file.write(tail)
+                self.file.close()
 
     def abort(self) -> None:
         """Give the shard's object up (the shard failed, or another job took the store)."""
         with self.lock:
-            if self.file is not None and not self.file.closed:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+                with contextlib.suppress(OSError):
+                    os.remove(self.path)
+            elif self.file is not None and not self.file.closed:
                 with contextlib.suppress(Exception):
-                    if self.final is None and hasattr(self.file, "discard"):  # an fsspec upload: not committed
+                    if hasattr(self.file, "discard"):  # an fsspec upload: thrown away, not committed
                         self.file.discard()
                         self.file.closed = True
                     else:
                         self.file.close()
-            if self.final is not None:
+
+
+def _write_at(fd: int, data: memoryview, offset: int) -> None:
+    """All of ``data`` at ``offset`` of the open file ``fd`` (a regular file may take it in parts)."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def remove_partials(root: str) -> int:
+    """Remove the temporary shard files under a local store ``root`` that no writer finished (a job killed
+    mid-shard); call only while no writer of the store runs (the job's end). The count removed."""
+    removed = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if name.endswith(PARTIAL):
                 with contextlib.suppress(OSError):
-                    os.remove(self.path)
+                    os.remove(os.path.join(dirpath, name))
+                    removed += 1
+    return removed

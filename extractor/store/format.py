@@ -40,7 +40,7 @@ import zarr
 
 from ..data import Rows, is_url
 from ..errors import FencedError, StoreError
-from .chunks import ChunkCodec, ShardStream, write_chunks
+from .chunks import ChunkCodec, ShardStream, remove_partials, write_chunks
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -399,6 +399,13 @@ def consolidate(url: str, storage_options: Mapping[str, Any] | None = None) -> N
         zarr.consolidate_metadata(group.store_path.store, path=group.store_path.path or None)
 
 
+def drop_partials(group: zarr.Group) -> int:
+    """Temporary shard objects that no writer finished (a job killed mid-shard), removed from a local store;
+    call only while none of the store's writers runs (its job's end). How many there were."""
+    root = getattr(group.store, "root", None)
+    return remove_partials(str(root)) if root is not None else 0
+
+
 def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> None:
     """Make ``(index, start, stop)`` shards pending again, to be computed anew: not done, no statistics,
     their rows pending and unread (so that their old values are never taken for current ones)."""
@@ -516,7 +523,7 @@ class ShardWriter:
             for key, (_, codec, _) in opened.items():
                 if codec is not None and codec.shard_rows is not None and key not in self._streams:
                     self._streams[key] = ShardStream(codec, self.start, self.url, self.storage_options,
-                                                     (self.fence or uuid.uuid4().hex)[:12])
+                                                     uuid.uuid4().hex[:12])
         written = write_chunks(self.start + offset, opened, self._streams)
         with self._lock:
             self.bytes += written
