@@ -114,3 +114,55 @@ def test_two_attempts_at_one_shard_never_share_a_file_and_leftovers_go_at_the_en
     reset_shards(open_group(str(store), "r+"), [(0, 0, 8)])
     run(parse_spec(_job(image_dir, store, if_exists="resume")))
     assert not list(store.rglob("*.partial"))
+
+
+def test_a_shard_whose_object_fails_to_close_leaves_nothing_half_written(image_dir: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """A full disk as the first of two captures' shard objects closes: the shard fails, every object of it is
+    given up (no half-written object, no temporary file left), and --resume finishes the store as a clean run."""
+    import errno
+
+    from extractor.errors import ShardError
+
+    real_close, calls = ShardStream.close, []
+
+    def full_disk(self: ShardStream) -> None:
+        calls.append(self.key)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_close(self)
+
+    monkeypatch.setattr(ShardStream, "close", full_disk)
+    store = tmp_path / "s.zarr"
+    with pytest.raises(ShardError, match="No space left on device"):
+        run(parse_spec(_job(image_dir, store)))
+    assert not list(store.rglob("*.partial"))
+    failed = int(calls[0].split("/c/")[1].split("/")[0])  # the shard whose object failed to close
+    for key in ("layer3", "layer4"):  # no object half written: all read, the failed shard's are absent (NaN)
+        rows = zarr.open_array(str(store / key), mode="r")[failed * 8 : failed * 8 + 8]
+        assert np.isnan(rows.astype(np.float32)).all()
+    monkeypatch.setattr(ShardStream, "close", real_close)
+    run(parse_spec(_job(image_dir, store, if_exists="resume")))
+    run(parse_spec(_job(image_dir, tmp_path / "clean.zarr")))
+    a, b = open_store(str(store)), open_store(str(tmp_path / "clean.zarr"))
+    for key in a.keys:
+        assert np.array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_on_a_store_whose_files_show_half_written_a_shard_is_put_whole_at_its_end():
+    """fsspec stores other than object stores (memory://, file://) show a file as it is written: the shard's
+    chunks are kept and put in one piece when it closes; one given up leaves nothing."""
+    group = zarr.open_group("memory://sharding-test.zarr", mode="w")
+    array = group.create_array("x", shape=(16, 3), dtype="float32", chunks=(2, 3), shards=(8, 3), fill_value=np.nan)
+    codec = ChunkCodec.of(array)
+    assert codec is not None
+    data = np.arange(48, dtype=np.float32).reshape(16, 3)
+    kept, dropped = (ShardStream(codec, start, "memory://sharding-test.zarr", None, "t") for start in (0, 8))
+    assert kept.parts is not None and kept.fd is None and kept.file is None
+    for start in range(0, 16, 2):
+        write_chunks(start, {"x": (array, codec, data[start : start + 2])}, {"x": kept if start < 8 else dropped})
+    assert np.isnan(array[:]).all()  # nothing shows before the shard closes
+    kept.close()
+    dropped.abort()
+    back = zarr.open_group("memory://sharding-test.zarr", mode="r")["x"][:]
+    assert np.array_equal(back[:8], data[:8]) and np.isnan(back[8:]).all()

@@ -145,8 +145,11 @@ def write_chunks(start: int, chunks: Mapping[str, tuple[zarr.Array, ChunkCodec |
     sharded array is appended to its shard's stream (``streams``, by key); others through zarr, one by one."""
     puts: list[tuple[Any, str, Any]] = []
     for key, (array, codec, data) in chunks.items():
-        if codec is not None and codec.shard_rows is not None and streams is not None and key in streams:
-            streams[key].add((start % codec.shard_rows) // codec.rows, codec.encode(codec.padded(data)))
+        if codec is not None and codec.shard_rows is not None:  # of a sharded array: its shard's stream, or zarr
+            if streams is not None and key in streams:
+                streams[key].add((start % codec.shard_rows) // codec.rows, codec.encode(codec.padded(data)))
+            else:
+                array[start : start + len(data)] = data
         elif codec is not None and start % codec.rows == 0 and len(data) == codec.rows:
             puts.append((array.store, codec.key(start), codec.encode(data)))
         else:
@@ -190,27 +193,28 @@ class ShardStream:
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
             self.path = f"{self.final}.{tag}{PARTIAL}"
             self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        elif hasattr(self.store, "fs") and "://" in url:
+        elif _object_store(self.store) and "://" in url:  # one upload, completed by commit() in close()
             import fsspec
 
-            self.file = fsspec.open(f"{url.rstrip('/')}/{self.key}", "wb", **dict(storage_options or {})).open()
-        else:
+            fs, path = fsspec.core.url_to_fs(f"{url.rstrip('/')}/{self.key}", **dict(storage_options or {}))
+            self.file = fs.open(path, "wb", autocommit=False)
+        else:  # a store whose files would show half written (file://, memory://): put whole at the end
             self.parts = []
 
     def add(self, i: int, encoded: Any) -> None:
         """Inner chunk ``i`` of the shard, encoded."""
         data = memoryview(encoded).cast("B")
         with self.lock:
-            at = self.at
+            at, fd = self.at, self.fd
             self.index[i] = (at, len(data))
             self.at += len(data)
-            if self.fd is None:  # a stream in order, or parts to put whole
+            if fd is None:  # a stream in order, or parts to put whole
                 if self.parts is not None:
                     self.parts.append(bytes(data))
                 else:
                     self.file.write(data)
                 return
-        _write_at(self.fd, data, at)  # its own place in the file: outside the lock
+        _write_at(fd, data, at)  # its own place in the file: outside the lock (the shard closes after its writes)
 
     def close(self) -> None:
         """Write the index last and make the shard's object whole where readers see it."""
@@ -235,6 +239,7 @@ class ShardStream:
             else:
                 self.file.write(tail)
                 self.file.close()
+                self.file.commit()
 
     def abort(self) -> None:
         """Give the shard's object up (the shard failed, or another job took the store)."""
@@ -244,13 +249,21 @@ class ShardStream:
                 self.fd = None
                 with contextlib.suppress(OSError):
                     os.remove(self.path)
-            elif self.file is not None and not self.file.closed:
-                with contextlib.suppress(Exception):
-                    if hasattr(self.file, "discard"):  # an fsspec upload: thrown away, not committed
+            elif self.file is not None:  # an upload not committed: thrown away (also when close() failed)
+                try:
+                    with contextlib.suppress(Exception):
                         self.file.discard()
-                        self.file.closed = True
-                    else:
-                        self.file.close()
+                finally:
+                    self.file.closed = True  # never committed by a close() at garbage collection
+
+
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az", "adl"}  # an object appears only once its upload completes
+
+
+def _object_store(store: Any) -> bool:
+    """An fsspec store on an object store (S3, GCS, Azure): an upload shows nothing until it completes."""
+    protocol = getattr(getattr(store, "fs", None), "protocol", ())
+    return bool(({protocol} if isinstance(protocol, str) else set(protocol)) & _OBJECT_STORES)
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:

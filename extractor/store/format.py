@@ -546,9 +546,11 @@ class ShardWriter:
     ) -> None:
         self.check_fence()  # the marker says "done": only while this job holds the store
         with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:  # each sharded array's object of this shard made whole: its index, last
-            stream.close()
+            keys = list(self._streams)
+        for key in keys:  # each sharded array's object of this shard made whole: its index, last
+            self._streams[key].close()
+            with self._lock:
+                del self._streams[key]  # closed: what a failure leaves open, abandon() gives up
         for key, values in (extras or {}).items():
             get_array(self.group, key)[self.start : self.stop] = values
         if digests is not None and "digest" in self.group:  # stores made before digests have none
