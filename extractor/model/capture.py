@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import LayerError
 from ..spec import CaptureSpec
-from ..store.sampling import HASH, MASK, projection_matrix
+from ..store.sampling import projection_matrix, rank_keys
 
 __all__ = ["Target", "resolve_targets", "Capturer", "RESERVED_KEYS"]
 
@@ -270,16 +270,9 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "nchw", d
 def sample_positions(seed: int, rows: torch.Tensor, n_tokens: int, k: int) -> torch.Tensor:
     """On the rows' device: (B, k) int64, the k tokens each row keeps, in sequence order: the same integers as
     ``extractor.store.sampling.sample_positions`` (a hash of seed, row and token, ranked)."""
-    a, b, c, d, e = HASH
-    r = rows.to(torch.int64)[:, None] & MASK
     tokens = torch.arange(n_tokens, device=rows.device, dtype=torch.int64)[None, :]
-    x = (((r * a) & MASK) + ((tokens * b) & MASK) + (((seed & MASK) * c) & MASK)) & MASK
-    x ^= x >> 15
-    x = (x * d) & MASK
-    x ^= x >> 13
-    x = (x * e) & MASK
-    x ^= x >> 16
-    order = torch.argsort(x * n_tokens + tokens, dim=1)[:, :k]  # the keys are distinct: no tie to break
+    keys = rank_keys(seed, rows.to(torch.int64)[:, None], tokens, n_tokens)
+    order = torch.argsort(keys, dim=1)[:, :k]  # the keys are distinct: no tie to break
     return order.sort(dim=1).values
 
 

@@ -10,26 +10,34 @@ worker as here), so a reader regenerates the matrix instead of storing it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-__all__ = ["HASH", "MASK", "token_scores", "sample_positions", "projection_matrix"]
+__all__ = ["HASH", "MASK", "rank_keys", "token_scores", "sample_positions", "projection_matrix"]
 
 MASK = (1 << 31) - 1  # 31-bit arithmetic: every product below stays under 2**62 in int64
 HASH = (0x5BD1E995, 0x2C1B3C6D, 0x297A2D39, 0x68E31DA4, 0x1B873593)  # odd multipliers, each under 2**31
 
 
-def token_scores(seed: int, rows: np.ndarray, n_tokens: int) -> np.ndarray:
-    """(len(rows), n_tokens) int64: each token's rank key in its row, a hash of (seed, row, token)."""
+def rank_keys(seed: int, rows: Any, tokens: Any, n_tokens: int) -> Any:
+    """Each token's rank key in its row: a hash of (seed, row, token), made distinct by the position. ``rows``
+    (B, 1) and ``tokens`` (1, T) are int64 numpy arrays or torch tensors: the same integers either way (the
+    worker ranks on the device with this function, a reader with numpy)."""
     a, b, c, d, e = HASH
-    rows = np.asarray(rows, dtype=np.int64)[:, None] & MASK
-    tokens = np.arange(n_tokens, dtype=np.int64)[None, :]
-    x = (((rows * a) & MASK) + ((tokens * b) & MASK) + (((seed & MASK) * c) & MASK)) & MASK
+    x = (((rows & MASK) * a & MASK) + ((tokens * b) & MASK) + (((seed & MASK) * c) & MASK)) & MASK
     x ^= x >> 15
     x = (x * d) & MASK
     x ^= x >> 13
     x = (x * e) & MASK
     x ^= x >> 16
     return x * n_tokens + tokens  # distinct in a row: ties broken by position
+
+
+def token_scores(seed: int, rows: np.ndarray, n_tokens: int) -> np.ndarray:
+    """(len(rows), n_tokens) int64: each token's rank key in its row (:func:`rank_keys`)."""
+    rows = np.asarray(rows, dtype=np.int64)[:, None]
+    return rank_keys(seed, rows, np.arange(n_tokens, dtype=np.int64)[None, :], n_tokens)
 
 
 def sample_positions(seed: int, rows: np.ndarray, n_tokens: int, k: int) -> np.ndarray:
