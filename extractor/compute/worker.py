@@ -211,20 +211,21 @@ class Worker:
         rows: np.ndarray | None = None,
     ) -> dict[str, torch.Tensor]:
         """Captured tensors (on the device) for a uint8 batch: one hooked forward. ``rows``: the images' store
-        rows (``sample_tokens`` draws per row; default 0 for every image)."""
+        rows (``sample_tokens`` draws per row; default 0 for every image; sent only when a capture samples)."""
         n = len(images)
-        rows = rows if rows is not None else np.zeros(n, np.int64)
+        rows = rows if self.capturer.samples else None
         pad = self.compiled and not eager and n < self.spec.data.batch_size
         if pad:  # one static batch shape: the compiled graph is not rebuilt for a shard's last batch
             fill = self.spec.data.batch_size - n
             images = torch.cat([images, images.new_zeros((fill, *images.shape[1:]))])
-            rows = np.concatenate([rows, np.zeros(fill, np.int64)])
+            if rows is not None:
+                rows = np.concatenate([rows, np.zeros(fill, np.int64)])
             if labels is not None:
                 labels = np.concatenate([labels, np.zeros(fill, labels.dtype)])
         # gradient jobs need autograd; every other job runs under inference_mode
         with torch.inference_mode(not self.capturer.gradient), self._autocast():
             lab = torch.as_tensor(labels, device=self.device) if labels is not None else None
-            at = torch.as_tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            at = torch.as_tensor(rows, dtype=torch.int64).to(self.device) if rows is not None else None
             out = self.capturer.run(self._prepare(images), lab, eager=eager, rows=at)
         return {k: v[:n] for k, v in out.items()} if pad else out
 

@@ -16,8 +16,6 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .._text import count, estimate, size, table
 from ..data import list_rows, plan
 from ..errors import StoreError
@@ -141,11 +139,10 @@ def preview(spec: JobSpec) -> Preview:
                             attrs["chunk_rows"][k] * per_row[k], objects(attrs["chunk_rows"][k]))
                 for k, c in probe.captures.items()]
     n_per_row = len(ROW_ARRAYS) + len(probe.extras) + 2 * (rows.offsets is not None) + bool(spec.output.reuse)
-    free = _free_bytes(spec.output.store)
-    total = int(np.sum([c.bytes_per_row for c in captures])) * len(rows)
-    warnings = []
-    if free is not None and total > free:
-        warnings.append(f"the store may not fit: {size(total)} before compression, {size(free)} free; cut it with "
-                        "dtype: float16, sample_tokens or project, or write it elsewhere")
-    return Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
-                   (n_per_row + 2) * len(shards), free, warnings)
+    planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
+                      (n_per_row + 2) * len(shards), _free_bytes(spec.output.store))
+    if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
+        planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "
+                                f"{size(planned.free_bytes)} free; cut it with dtype: float16, sample_tokens or "
+                                "project, or write it elsewhere")
+    return planned

@@ -476,6 +476,7 @@ class Capturer:
         self.targets = list(targets)
         self.auto_4d: dict[str, bool] = {}  # layout: auto targets seen 4-D at the last run -> probabilities?
         self.gradient = [t for t in self.targets if t.gradient]
+        self.samples = any(t.sample for t in self.targets)  # sample_tokens: run() needs the batch's rows
         self.logits: int | None = None  # the model's outputs (classes), seen by a gradient job's forward
         self.stop_early = stop_early and not self.gradient  # gradients need the logits
         self.values: dict[str, torch.Tensor] = {}
@@ -525,6 +526,7 @@ class Capturer:
         """Replace ``layout: auto`` by what the probe decided, per key (the hooks read it at each call)."""
         self.targets = [dataclasses.replace(t, layout=layouts.get(t.key, t.layout)) for t in self.targets]
         self.gradient = [t for t in self.targets if t.gradient]
+        self.samples = any(t.sample for t in self.targets)  # sample_tokens: run() needs the batch's rows
 
     def _store(self, t: Target, tensor: torch.Tensor, where: str) -> None:
         layout = t.layout
