@@ -261,10 +261,11 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
                          "token_batches(shuffle=True)": lambda: stream(True)}, repeats, rows * tokens, "tokens", mb)
 
 
-def sharding_bench(rows: int = 1024, tokens: int = 197, features: int = 384, shard: int = 1024,
+def sharding_bench(rows: int = 4096, tokens: int = 197, features: int = 384, shard: int = 1024,
                    repeats: int = 3) -> None:
     """All tokens of a ViT-S block (float16) stored as before (256-row chunks, one object each) and sharded (one
-    object per work shard, ~1 MiB inner chunks): a row read by id, and token_batches against a sequential read."""
+    object per work shard, ~1 MiB inner chunks): a row read by id, and token_batches against a sequential read
+    (of 4 buffers: one buffer is read whole before its first token, the next ones while it is served)."""
     import numpy as np
 
     from extractor.data.rows import Rows
@@ -277,15 +278,17 @@ def sharding_bench(rows: int = 1024, tokens: int = 197, features: int = 384, sha
     inner = auto_inner_rows(shard, tokens * features * 2)
     stores = {}
     for name, sharded, chunk in (("chunks of 256", False, 256), (f"sharded, inner {inner}", True, inner)):
-        url = str(WORK / f"sharding-{int(sharded)}.zarr")
-        if not (WORK / f"sharding-{int(sharded)}.zarr" / "zarr.json").exists():
+        url = str(WORK / f"sharding-{int(sharded)}-{rows}.zarr")
+        if not (WORK / f"sharding-{int(sharded)}-{rows}.zarr" / "zarr.json").exists():
             g = create_store(url, Rows(ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
                              StoreArrays(captures={"t": meta}, extras={}, shard_size=shard, chunk_rows={"t": chunk},
                                          sharded=sharded),
                              attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {"t": meta},
                                     "format_version": 1, "spec": {}, "model": {"prefix_tokens": 1}})
             rng = np.random.default_rng(0)
-            g["t"][:] = rng.standard_normal((rows, tokens, features), dtype=np.float32).astype(np.float16)
+            for a in range(0, rows, shard):
+                g["t"][a : a + shard] = rng.standard_normal((min(shard, rows - a), tokens, features),
+                                                            dtype=np.float32).astype(np.float16)
             g["status"][:] = np.full(rows, OK, np.uint8)
         stores[name] = open_store(url)
     picks = np.random.default_rng(1).integers(0, rows, 20)

@@ -166,3 +166,22 @@ def test_on_a_store_whose_files_show_half_written_a_shard_is_put_whole_at_its_en
     dropped.abort()
     back = zarr.open_group("memory://sharding-test.zarr", mode="r")["x"][:]
     assert np.array_equal(back[:8], data[:8]) and np.isnan(back[8:]).all()
+
+
+@pytest.mark.parametrize("shards", [None, (16, 3)])
+def test_rows_taken_in_any_order_equal_numpy_indexing_sharded_or_not(shards):
+    """take_rows (every read of rows by number: numpy(rows=...), batches, token_batches) reads stretches of
+    chunks by slice, straight into the result where rows are consecutive; it equals numpy's fancy indexing."""
+    from extractor.store import take_rows
+
+    group = zarr.open_group(f"memory://take-rows-{bool(shards)}.zarr", mode="w")
+    array = group.create_array("x", shape=(100, 3), dtype="float32", chunks=(4, 3), shards=shards)
+    full = np.random.default_rng(0).standard_normal((100, 3), dtype=np.float32)
+    array[:] = full
+    rng = np.random.default_rng(1)
+    picks = [np.arange(0), np.arange(100), np.arange(37, 91), np.array([5, 5, 99, 0, 6, 7, 8]),
+             *(rng.integers(0, 100, rng.integers(1, 60)) for _ in range(50))]
+    for rows in picks:
+        assert np.array_equal(take_rows(array, rows), full[rows])
+    into = np.zeros((54, 3), np.float32)
+    assert take_rows(array, np.arange(37, 91), into) is into and np.array_equal(into, full[37:91])

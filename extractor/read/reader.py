@@ -35,6 +35,7 @@ from ..store import (
     read_rows,
     root_attrs,
     source_digests,
+    take_rows,
 )
 from ..store.sampling import projection_matrix
 
@@ -142,6 +143,20 @@ def _mix_seed(seed: int, part: Part, n: int) -> list[int]:
     return [seed, n] if part == (0, 1) else [seed, *part, n]
 
 
+def _read_runs(arrays: Sequence[zarr.Array], runs: Sequence[np.ndarray],
+               spare: list[np.ndarray] | None = None) -> tuple[np.ndarray, _Columns]:
+    """Runs of rows (each inside one chunk) of each array: the rows read (ascending for several runs, else
+    in the run's order) and each array's values of them. ``spare``: arrays no longer used, of the first
+    array's rows; one with room is read into (a fresh one costs first-touch page faults)."""
+    rows = np.sort(np.concatenate(runs)) if len(runs) > 1 else np.concatenate(runs)
+    into = None
+    if spare:
+        room = spare.pop()
+        if len(room) >= len(rows) and room.shape[1:] == arrays[0].shape[1:] and room.dtype == arrays[0].dtype:
+            into = room[: len(rows)]
+    return rows, (take_rows(arrays[0], rows, into), *(take_rows(arr, rows) for arr in arrays[1:]))
+
+
 @dataclass(frozen=True)
 class _Buffer:
     """Rows read at once, served in the order ``perm`` (None: as read)."""
@@ -154,14 +169,7 @@ class _Buffer:
     def read(cls, arrays: Mapping[str, zarr.Array], runs: Sequence[np.ndarray], seed: list[int] | None) -> _Buffer:
         """Read runs of rows (each inside one chunk; on the prefetch thread); with ``seed``, draw the
         order of their rows."""
-        if len(runs) > 1:  # one orthogonal read: zarr fetches and decodes the chunks concurrently
-            rows = np.sort(np.concatenate(runs))
-            data = tuple(np.asarray(arr.oindex[rows]) for arr in arrays.values())
-        else:  # the span of one run, gathered unless it is rows a, a+1, ..., b-1
-            rows = np.concatenate(runs)
-            a, b = int(rows.min()), int(rows.max()) + 1
-            pick = slice(None) if bool((np.diff(rows) == 1).all()) else rows - a
-            data = tuple(np.asarray(arr[a:b])[pick] for arr in arrays.values())
+        rows, data = _read_runs(list(arrays.values()), runs)
         perm = None if seed is None else np.random.default_rng(seed).permutation(len(rows))
         return cls(rows, data, perm)
 
@@ -174,7 +182,7 @@ class _Buffer:
         return (self.index[at], *(x[at] for x in self.data))
 
 
-def _rebatch(buffers: Iterable[_Buffer], batch_size: int, drop_last: bool = False) -> Iterator[_Columns]:
+def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: bool = False) -> Iterator[_Columns]:
     """Batches of ``batch_size`` rows across buffers: a batch that one buffer leaves short is completed
     from the start of the next (copying only the rows carried); the last short batch comes unless
     ``drop_last``."""
@@ -198,47 +206,38 @@ def _rebatch(buffers: Iterable[_Buffer], batch_size: int, drop_last: bool = Fals
         yield carry
 
 
-def _collected(reads: Iterable[_Read], size: int) -> Iterator[list[_Read]]:
-    """Consecutive ``(rows, data)`` reads in lists of at least ``size`` rows (the last may hold fewer)."""
-    held: list[_Read] = []
-    n = 0
-    for rows, data in reads:
-        held.append((rows, data))
-        n += len(rows)
-        if n >= size:
-            yield held
-            held, n = [], 0
-    if held:
-        yield held
+class _Tokens:
+    """The tokens ``skip : skip + tokens`` of rows read from a ``(tokens, features)`` capture, served as single
+    tokens in the order ``order`` (token numbers, row after row; None: as read). Each batch is gathered into an
+    array of its own: no copy of the whole buffer (fresh at every buffer, its first-touch page faults cost more
+    than the mixing), and a batch the caller keeps is never overwritten."""
 
+    def __init__(self, rows: np.ndarray, x: np.ndarray, positions: np.ndarray | None, skip: int, tokens: int,
+                 order: np.ndarray | None) -> None:
+        self.rows, self.x, self.positions = rows, x, positions  # positions: (rows, stored tokens) in the sequence
+        self.skip, self.tokens, self.order = skip, tokens, order
 
-def _mix_tokens(reads: Sequence[_Read], skip: int, tokens: int, seed: list[int] | None,
-                positions_of: Callable[[np.ndarray], np.ndarray] | None = None) -> _Buffer:
-    """The tokens ``skip : skip + tokens`` of rows read from a ``(tokens, features)`` capture as one buffer
-    of single tokens: in a random order drawn from ``seed`` (None: in order), with one copy, each
-    token written straight to its place. ``positions_of(rows)``: each stored token's position in the layer's
-    sequence (a sampled capture's ``KEY.token_index``); default, its place as stored."""
-    total = sum(len(rows) for rows, _ in reads) * tokens
-    dest = np.arange(total) if seed is None else np.random.default_rng(seed).permutation(total)
-    positions = np.arange(skip, skip + tokens)
-    data = np.empty((total, reads[0][1].shape[-1]), dtype=reads[0][1].dtype)
-    index = np.empty((total, 2), dtype=np.int64)
-    at = 0
-    for rows, x in reads:
-        d = dest[at : at + len(rows) * tokens].reshape(len(rows), tokens)
-        data[d] = x[:, skip:]
-        index[d, 0] = rows[:, None]
-        index[d, 1] = positions[None, :] if positions_of is None else positions_of(rows)[:, skip : skip + tokens]
-        at += len(rows) * tokens
-    return _Buffer(index, (data,), None)
+    @classmethod
+    def mixed(cls, rows: np.ndarray, columns: _Columns, skip: int, tokens: int, seed: list[int] | None) -> _Tokens:
+        """Of rows read (their values, then a sampled capture's ``KEY.token_index``), the tokens in a random
+        order drawn from ``seed`` (None: in order)."""
+        order = None if seed is None else np.random.default_rng(seed).permutation(len(rows) * tokens)
+        return cls(rows, columns[0], columns[1] if len(columns) > 1 else None, skip, tokens, order)
 
+    def __len__(self) -> int:
+        return len(self.rows) * self.tokens
 
-def _rows_of(array: Any) -> Callable[[np.ndarray], np.ndarray]:
-    """The rows ``rows`` (ascending, of a few chunks) of a per-row array, read as one slice."""
-    def of(rows: np.ndarray) -> np.ndarray:
-        a, b = int(rows.min()), int(rows.max()) + 1
-        return np.asarray(array[a:b])[rows - a]
-    return of
+    @property
+    def memory(self) -> np.ndarray:
+        """The array its values were read into (which a later read may use again once this is served)."""
+        return self.x if self.x.base is None else self.x.base
+
+    def take(self, lo: int, hi: int) -> _Columns:
+        """Places ``lo:hi`` of the order: ``(index, data)``; index holds each token's row and position."""
+        r, t = np.divmod(np.arange(lo, hi) if self.order is None else self.order[lo:hi], self.tokens)
+        t += self.skip
+        position = t if self.positions is None else self.positions[r, t]
+        return np.stack([self.rows[r], position], axis=1), self.x[r, t]
 
 
 def _need_torch(what: str) -> None:
@@ -421,12 +420,7 @@ class ActivationStore:
         NaN (``target``: -1).
         """
         arr = self[key]
-        idx = self._select_rows(rows, only_ok, strict=True)
-        if idx.size == 0:
-            return np.empty((0, *arr.shape[1:]), dtype=arr.dtype)
-        if np.all(np.diff(idx) == 1):
-            return np.asarray(arr[int(idx[0]) : int(idx[-1]) + 1])
-        return np.asarray(arr.oindex[idx])
+        return take_rows(arr, self._select_rows(rows, only_ok, strict=True))
 
     def batches(
         self,
@@ -521,16 +515,27 @@ class ActivationStore:
         skip, tokens = self.token_span(key, drop_prefix)
         _check_sizes(batch_size, buffer_chunks)
         part = _check_part(part)
-        step = read_rows(self[key])
-        # whole chunks in a random order; their tokens are mixed a buffer at a time
-        runs = _epoch_runs(self._select_rows(rows, only_ok), step, shuffle, seed, part)
-        idx = np.concatenate(runs) if runs else np.empty(0, np.int64)
-        # one chunk's rows at a time, each chunk read once (rows grouped by chunk), without copies
-        reads = self.batches(key, step, shuffle=False, rows=idx, only_ok=False, prefetch=prefetch)
-        where = _rows_of(self[f"{key}.token_index"]) if self.captures[key].get("sample_tokens") else None
-        buffers = (_mix_tokens(held, skip, tokens, _mix_seed(seed, part, n) if shuffle else None, where)
-                   for n, held in enumerate(_collected(reads, step * buffer_chunks)))
-        yield from cast(Iterator[_Read], _rebatch(buffers, batch_size, drop_last))  # (index, data): one key
+        arrays = [self[key]]
+        if self.captures[key].get("sample_tokens"):  # each stored token's position in the layer's sequence
+            arrays.append(self[f"{key}.token_index"])
+        # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
+        runs = _epoch_runs(self._select_rows(rows, only_ok), read_rows(arrays[0]), shuffle, seed, part)
+        per = buffer_chunks if shuffle else 1
+
+        spare: list[np.ndarray] = []  # the memory of buffers served (their batches are copies), read into again
+
+        def read(job: tuple[int, Sequence[np.ndarray]]) -> _Tokens:
+            n, chunk_runs = job
+            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare), skip, tokens,
+                                 _mix_seed(seed, part, n) if shuffle else None)
+
+        def served(buffers: Iterable[_Tokens]) -> Iterator[_Tokens]:
+            for buffer in buffers:
+                yield buffer  # asked for the next one: this one is served
+                spare.append(buffer.memory)
+
+        jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
+        yield from cast(Iterator[_Read], _rebatch(served(_prefetched(jobs, read, prefetch)), batch_size, drop_last))
 
     def projection(self, key: str) -> np.ndarray:
         """The ``(features, project)`` matrix a ``project`` capture was made with (regenerated from its seed):

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from ..errors import StoreError
-from ..store import OK
+from ..store import OK, take_rows
 from .pictures import crop_like_job, fit_text
 from .reader import ActivationStore
 
@@ -34,7 +34,7 @@ def colormap(v: np.ndarray) -> np.ndarray:
 
 def _rows_of(store: ActivationStore, name: str, idx: np.ndarray) -> np.ndarray:
     """Rows ``idx`` of the store's per-row array ``name`` (an extra of a gradient job)."""
-    return np.asarray(cast("zarr.Array", store.group[name]).oindex[idx])
+    return take_rows(cast("zarr.Array", store.group[name]), idx)
 
 
 def gradcam_grid(

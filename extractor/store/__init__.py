@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         reset_shards,
         root_attrs,
         source_digests,
+        take_rows,
         update_attrs,
     )
     from .provenance import Probe, changed_rows, check_resumable, differences, moved_members, owner, store_attrs
@@ -73,6 +74,7 @@ __all__ = [
     "drop_partials",
     "fill_value",
     "read_rows",
+    "take_rows",
     "reset_shards",
     "source_digests",
     "read_lease",
@@ -127,6 +129,7 @@ __getattr__ = face(
         "drop_partials": "format",
         "fill_value": "format",
         "read_rows": "format",
+        "take_rows": "format",
         "reset_shards": "format",
         "source_digests": "format",
         "read_lease": "format",

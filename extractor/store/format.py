@@ -37,6 +37,7 @@ from typing import Any, NotRequired, TypedDict, cast
 
 import numpy as np
 import zarr
+from zarr.buffer.cpu import NDBuffer
 
 from ..data import Rows, is_url
 from ..errors import FencedError, StoreError
@@ -219,10 +220,39 @@ def read_rows(array: zarr.Array) -> int:
     shards = getattr(array, "shards", None)
     if not shards:
         return rows
-    row_bytes = max(int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize, 1)
     shard = int(shards[0])
-    fits = [d for d in range(rows, shard + 1, rows) if shard % d == 0 and d * row_bytes <= READ_BYTES]
+    fits = [d for d in range(rows, shard + 1, rows) if shard % d == 0 and d * _row_bytes(array) <= READ_BYTES]
     return max(fits, default=rows)
+
+
+def _row_bytes(array: zarr.Array) -> int:
+    return max(int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize, 1)
+
+
+def take_rows(array: zarr.Array, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``rows`` (any order, repeats allowed) of ``array``, into ``out`` if given (of their shape and the
+    array's dtype): every chunk touched read once, a stretch of touched chunks in one call (zarr decodes its
+    chunks concurrently), consecutive rows decoded straight into the result. Orthogonal indexing (``oindex``)
+    of a sharded array decodes inner chunk by inner chunk: 50x slower here than these slices."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if out is None:
+        out = np.empty((len(rows), *array.shape[1:]), dtype=array.dtype)
+    if not len(rows):
+        return out
+    order = np.argsort(rows, kind="stable")
+    ranked = rows[order]
+    step = max(int(array.chunks[0]), 1)
+    chunk = ranked // step
+    per_read = max(READ_BYTES // (step * _row_bytes(array)), 1)  # chunks of one call: about READ_BYTES at most
+    # a stretch ends where a chunk is skipped, or where a call holds its share
+    cuts = np.flatnonzero((np.diff(chunk) > 1) | (np.diff(chunk // per_read) != 0)) + 1
+    for at, part in zip(np.split(order, cuts), np.split(ranked, cuts), strict=True):
+        a, b = int(part[0]), int(part[-1]) + 1
+        if b - a == len(part) and bool((np.diff(at) == 1).all()):  # rows a..b-1, asked in this order
+            array.get_basic_selection(slice(a, b), out=NDBuffer.from_numpy_array(out[int(at[0]) : int(at[-1]) + 1]))
+        else:
+            out[at] = np.asarray(array[a:b])[part - a]
+    return out
 
 
 def fill_value(dtype: str) -> float:
@@ -425,10 +455,10 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
 
     from ..data import content_digest, read_bytes
 
-    paths = np.asarray(get_array(group, "paths").oindex[rows]) if len(rows) else np.empty(0, object)
+    paths = take_rows(get_array(group, "paths"), rows)
     tar = "byte_offset" in group
-    offsets = np.asarray(get_array(group, "byte_offset").oindex[rows]) if tar and len(rows) else None
-    sizes = np.asarray(get_array(group, "byte_size").oindex[rows]) if tar and len(rows) else None
+    offsets = take_rows(get_array(group, "byte_offset"), rows) if tar else None
+    sizes = take_rows(get_array(group, "byte_size"), rows) if tar else None
     storage = dict(storage_options or {})
 
     def digest(i: int) -> int:
