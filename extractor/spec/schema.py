@@ -339,6 +339,16 @@ class CaptureSpec(_Section):
     facts (probabilities that sum to 1, the module's type, which dims grow with the input size)
     and refuses when they do not decide."""
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _stored_dtype(cls, dtype: Any) -> Any:
+        if dtype == "bfloat16":  # zarr 3.1 has no bfloat16: its bits as integers would read as wrong numbers
+            raise ValueError("bfloat16 cannot be stored: zarr (3.1) has no bfloat16 type, and its bits kept as "
+                             "uint16 would read as integers in zarr, xarray and dask. Store float16 (the same "
+                             "size; finite up to 65504, counted as Inf in the statistics beyond) or float32; "
+                             "model.dtype: bfloat16 still runs the forward in bfloat16")
+        return dtype
+
     @field_validator("key")
     @classmethod
     def _template(cls, key: str | None) -> str | None:
