@@ -51,3 +51,18 @@ def test_plan_says_what_the_run_writes_and_creates_nothing(image_dir: Path, tmp_
     r = extractor("plan", str(path), "--set", "output.if_exists=resume")
     assert r.returncode == 0 and "nothing to do (complete)" in r.stdout
     assert "0 images to process; 17.0 KB per row uncompressed (layer3 16.0 KB, layer4 1.0 KB)" in r.stdout
+
+
+def test_the_plan_of_a_resume_counts_the_objects_of_the_store_as_it_was_made(image_dir: Path, tmp_path: Path):
+    """A store made unsharded stays so when resumed: its plan counts one object per chunk, not per shard."""
+    raw = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2,
+                                                       "sharding": False})
+    run(parse_spec(raw))
+    raw["output"] = {**raw["output"], "sharding": True, "chunk_rows": "auto", "if_exists": "resume"}
+    r = extractor("plan", str(write_job(tmp_path / "job.yaml", raw)), "--json")
+    assert r.returncode == 0, r.stderr
+    planned = json.loads(r.stdout)
+    assert planned["action"] == "nothing to do (complete)"
+    for c in planned["captures"]:
+        assert c["chunk_rows"] == 2 and c["objects"] == 6  # 12 rows in chunks of 2, as stored
+        assert c["objects"] == sum(p.is_file() for p in (tmp_path / "s.zarr" / c["key"] / "c").rglob("*"))

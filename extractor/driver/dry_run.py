@@ -20,7 +20,7 @@ from .._text import count, estimate, size, table
 from ..data import list_rows, plan
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
-from ..store import read_attrs, store_attrs
+from ..store import get_array, open_group, read_attrs, store_attrs
 from ..store.format import ROW_ARRAYS
 
 __all__ = ["Preview", "preview"]
@@ -105,6 +105,13 @@ def _free_bytes(url: str) -> int | None:
     return shutil.disk_usage(path).free
 
 
+def _store_layout(spec: JobSpec, keys: list[str]) -> dict[str, tuple[int, bool]]:
+    """Rows per chunk and whether sharded, of the capture arrays of the store at ``output.store``."""
+    group = open_group(spec.output.store, "r", spec.output.storage_options)
+    arrays = {k: get_array(group, k) for k in keys}
+    return {k: (int(a.chunks[0]), bool(getattr(a, "shards", None))) for k, a in arrays.items()}
+
+
 def _action(decided: Any) -> str:
     if decided.create:
         return "create" if decided.old is None else "overwrite"
@@ -126,18 +133,21 @@ def preview(spec: JobSpec) -> Preview:
         backend.close()
     attrs = store_attrs(spec, rows, len(shards), probe)
     old = read_attrs(spec.output.store, spec.output.storage_options)
+    layout = {k: (attrs["chunk_rows"][k], spec.output.sharding) for k in probe.captures}
     try:
         decided = _decide(spec, rows, shards, attrs, old)
         todo, action = sum(len(s) for s in decided.todo), _action(decided)
+        if not decided.create:  # a store resumed keeps its own chunking and sharding
+            layout = _store_layout(spec, list(probe.captures))
     except StoreError as err:
         todo, action = 0, f"run would refuse: {err}"
     per_row = probe.bytes_per_row()
-    def objects(chunk_rows: int) -> int:  # sharded: one object per work shard; else one per chunk
-        return len(shards) if spec.output.sharding else math.ceil(len(rows) / chunk_rows)
 
-    captures = [CapturePlan(k, list(c["shape"]), c["dtype"], per_row[k], attrs["chunk_rows"][k],
-                            attrs["chunk_rows"][k] * per_row[k], objects(attrs["chunk_rows"][k]))
-                for k, c in probe.captures.items()]
+    def objects(chunk_rows: int, sharded: bool) -> int:  # sharded: one object per work shard; else one per chunk
+        return len(shards) if sharded else math.ceil(len(rows) / chunk_rows)
+
+    captures = [CapturePlan(k, list(c["shape"]), c["dtype"], per_row[k], layout[k][0], layout[k][0] * per_row[k],
+                            objects(*layout[k])) for k, c in probe.captures.items()]
     n_per_row = len(ROW_ARRAYS) + len(probe.extras) + 2 * (rows.offsets is not None) + bool(spec.output.reuse)
     planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
                       (n_per_row + 2) * len(shards), _free_bytes(spec.output.store))
