@@ -372,6 +372,7 @@ def main() -> None:
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
+    p.add_argument("--scale", action="store_true", help="only the costs that grow with the job (bench_scale.py)")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -393,6 +394,11 @@ def main() -> None:
         import bench_overhead
 
         bench_overhead.main()
+        return
+    if args.scale:
+        import bench_scale
+
+        bench_scale.main()
         return
     if args.decode:
         import bench_decode
@@ -459,9 +465,11 @@ def main() -> None:
     sharding_bench()
     import bench_decode
     import bench_overhead
+    import bench_scale
 
     bench_overhead.main()
     bench_decode.main()
+    bench_scale.main()
 
 
 if __name__ == "__main__":

@@ -35,11 +35,11 @@ def store(image_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_documented_layout(store: Path):
     g = zarr.open_group(str(store), mode="r")
     assert sorted(g.array_keys()) == sorted(["ids", "paths", "labels", "status", "errors", "digest", "fingerprint",
-                                             "shard_done", "shard_stats", "layer3", "pooled"])
+                                             "shard_done", "shard_stats", "stats_sums", "layer3", "pooled"])
     n = 12
     expect = {"ids": ("row",), "paths": ("row",), "labels": ("row",), "status": ("row",), "errors": ("row",),
               "digest": ("row",), "fingerprint": ("row",),
-              "shard_done": ("shard",), "shard_stats": ("shard",),
+              "shard_done": ("shard",), "shard_stats": ("shard",), "stats_sums": ("stats_byte",),
               "layer3": ("row", "layer3.channel", "layer3.y", "layer3.x"),
               "pooled": ("row", "pooled.channel")}
     for name, dims in expect.items():
@@ -130,6 +130,63 @@ def test_shard_statistics_equal_float64_numpy_with_huge_and_nonfinite_values():
     good = np.isfinite(x64.reshape(40, -1)).all(axis=1)
     assert st["mean_l2"] == pytest.approx(np.linalg.norm(x64.reshape(40, -1)[good], axis=1).mean(), rel=1e-6)
     assert st["rows"] == 40
+
+
+def _old_record(stats) -> str:
+    """A shard record as stores written before base64 sums hold it: lists of numbers."""
+    return json.dumps({key: {**st.to_dict(), "count": st.count.tolist(), "sum": st.sum.tolist(),
+                             "sumsq": st.sumsq.tolist()} for key, st in stats.items()})
+
+
+def test_statistics_merged_as_shards_come_and_kept_in_the_store_equal_one_merge_of_all(tmp_path: Path):
+    """Records with base64 sums merge exactly as the list records of earlier stores (values, NaN and Inf
+    counts); totals kept in the store after some shards, merged on with the rest, equal one merge of all;
+    totals not whole (a write cut short) or holding a shard reset since are not used."""
+    import zarr
+
+    from extractor.store.stats import ShardStats, Totals, dumps, merge, merge_shards
+
+    rng = np.random.default_rng(0)
+    shards = []
+    for i in range(6):
+        x = rng.standard_normal((8, 5)).astype(np.float32)
+        x[i % 3, i % 5] = [np.nan, np.inf, -np.inf][i % 3]
+        st = {"a": ShardStats(["a.feature"], [5]), "b": ShardStats(["b.feature"], [5])}
+        st["a"].update(x, np.arange(8 * i, 8 * i + 8))
+        st["b"].update(x[:4] * 3, np.arange(8 * i, 8 * i + 4))
+        shards.append(st)
+    new, old = [dumps(st) for st in shards], [_old_record(st) for st in shards]
+    assert "[" not in json.loads(new[0])["a"]["sum"] and merge(new) == merge(old)  # exactly equal
+    full = merge(new)
+    assert (full["a"]["nan"], full["a"]["inf"], full["a"]["nonfinite_rows"]) == (2, 4, 6)
+
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    group.create_array("shard_done", shape=(6,), dtype="uint8", chunks=(1,), fill_value=0)
+    group.create_array("shard_stats", shape=(6,), dtype=str, chunks=(1,), fill_value="")
+    for i in (0, 1, 2):
+        group["shard_done"][i], group["shard_stats"][i] = 1, old[i]  # an old store's first shards
+    assert merge_shards(group) == merge(old[:3])
+    kept = Totals.kept(group, 6)
+    assert kept.held.tolist() == [True] * 3 + [False] * 3
+    for i in (3, 4, 5):
+        group["shard_done"][i], group["shard_stats"][i] = 1, new[i]
+    for i in (0, 1, 2):
+        group["shard_stats"][i] = "not read again"  # the kept totals hold them: only shards 3-5 are read
+    merged = merge_shards(group)
+    np.testing.assert_allclose(merged["a"]["mean"], full["a"]["mean"], rtol=1e-12)
+    np.testing.assert_allclose(merged["b"]["std"], full["b"]["std"], rtol=1e-12)
+    assert {k: v for k, v in merged["a"].items() if k not in ("mean", "std")} == \
+        {k: v for k, v in full["a"].items() if k not in ("mean", "std")}
+
+    blob = np.asarray(group["stats_sums"][:])
+    for i in (0, 1, 2):
+        group["shard_stats"][i] = old[i]
+    group["stats_sums"][10:20] = 0  # cut short: not whole, merged from the records again
+    assert Totals.kept(group, 6).held.sum() == 0
+    assert merge_shards(group) == full
+    group["shard_done"][4] = 0  # shard 4 reset, to be computed again: totals holding it are dropped
+    group["stats_sums"][:] = blob
+    assert merge_shards(group) == merge([new[i] for i in (0, 1, 2, 3, 5)])
 
 
 def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(

@@ -182,6 +182,11 @@ def test_interrupted_then_resumed_equals_uninterrupted(image_dir: Path, tmp_path
     assert b.attrs["status"] == "complete"
     for key in ("layer3", "layer4"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+        # statistics: the interrupted run's shard (kept merged in the store) and the resume's, each once
+        np.testing.assert_allclose(b.stats[key]["mean"], a.stats[key]["mean"], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(b.stats[key]["std"], a.stats[key]["std"], rtol=1e-9, atol=1e-12)
+        assert [b.stats[key][k] for k in ("rows", "nan", "inf", "min", "max")] == \
+            [a.stats[key][k] for k in ("rows", "nan", "inf", "min", "max")]
 
 
 def test_resume_refuses_a_store_from_a_different_spec(image_dir: Path, tmp_path: Path):

@@ -30,6 +30,7 @@ from ..store import (
     Lease,
     Probe,
     StoreArrays,
+    Totals,
     changed_rows,
     check_resumable,
     check_sources,
@@ -46,6 +47,7 @@ from ..store import (
     owner,
     read_attrs,
     reset_shards,
+    shard_record,
     store_attrs,
     update_attrs,
 )
@@ -352,12 +354,12 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
     return [table[k] for k in sorted(table)]
 
 
-def _mark_stopped(spec: JobSpec, group: Any, url: str, err: BaseException) -> None:
+def _mark_stopped(spec: JobSpec, group: Any, url: str, err: BaseException, totals: Totals | None) -> None:
     """Mark the store ``interrupted`` or ``failed`` with ``err`` and the statistics of the shards that
     finished; a storage that refuses (the one that failed the job may) only gets a warning."""
     status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
     try:
-        stats = merge_shards(group)
+        stats = merge_shards(group, totals)
         update_attrs(url, spec.output.storage_options, status=status, error=f"{type(err).__name__}: {err}"[:1000],
                      stats=stats)
     except Exception as mark:  # noqa: BLE001 - whatever the storage raises, its done shards are kept
@@ -414,6 +416,7 @@ def run(
             return _finish(spec, group, shards, [], [], per_row, time.perf_counter() - t0, write=False)
         lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
         group = _claim(spec, rows, decided, attrs, lease)  # from here on the store is this job's
+        events.merging(group, len(shards))
         done = done_shards(group)  # read again under the lease
         todo = [s for s in shards if not done[s.index]]
         t_compute = time.perf_counter()
@@ -421,24 +424,26 @@ def run(
         compute_s = time.perf_counter() - t_compute
     except BaseException as err:
         if group is not None and lease is not None and not (isinstance(err, FencedError) or lease.lost):
-            _mark_stopped(spec, group, spec.output.store, err)  # else: not a word more into another job's store
+            _mark_stopped(spec, group, spec.output.store, err, events.totals)  # else: not a word more into
+            # another job's store
             err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
         raise
     finally:
         backend.close()
         if lease is not None:
             lease.release()
-    summary = _finish_done(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0, compute_s)
+    summary = _finish_done(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0, compute_s,
+                           events.totals)
     summary.workers = _worker_table(events.log)
     return summary
 
 
 def _finish_done(spec: JobSpec, group: Any, shards: list[Shard], todo: list[Shard], summaries: list[ShardSummary],
-                 per_row: dict[str, int], seconds: float, compute_s: float) -> RunSummary:
+                 per_row: dict[str, int], seconds: float, compute_s: float, totals: Totals | None) -> RunSummary:
     """:func:`_finish` once every shard ran; a storage that refuses the final attributes is a StoreError that
     says the shards are kept."""
     try:
-        return _finish(spec, group, shards, todo, summaries, per_row, seconds, compute_s=compute_s)
+        return _finish(spec, group, shards, todo, summaries, per_row, seconds, compute_s=compute_s, totals=totals)
     except StoreError:
         raise
     except OSError as err:  # every shard is done; only the final attributes could not be written
@@ -457,15 +462,26 @@ def _list(spec: JobSpec, backend: Backend | None) -> Rows:
 
 
 class _Events:
-    """The job's worker and shard events: kept for the report's worker table, logged, passed on."""
+    """The job's worker and shard events: kept for the report's worker table, logged, passed on. Once the
+    store is the job's (``merging``), each shard done has its statistics merged into ``totals`` as it comes."""
 
     def __init__(self, on_event: Event | None) -> None:
         self.log: list[tuple[str, dict[str, Any]]] = []
         self.on_event = on_event
+        self.totals: Totals | None = None
+        self.group: Any = None
+
+    def merging(self, group: Any, n_shards: int) -> None:
+        self.group, self.totals = group, Totals.kept(group, n_shards)
 
     def __call__(self, name: str, info: dict[str, Any]) -> None:
         self.log.append((name, info))
         log.debug("%s %s", name, info)
+        if name == "shard_done" and self.totals is not None:
+            try:
+                self.totals.add(info["shard"], shard_record(self.group, info["shard"]))
+            except Exception as err:  # noqa: BLE001 - the end of the run merges what is not merged yet
+                log.debug("statistics of shard %s not merged now: %s", info["shard"], err)
         if self.on_event is not None:
             self.on_event(name, info)
 
@@ -496,6 +512,7 @@ def _finish(
     seconds: float,
     compute_s: float = 0.0,
     write: bool = True,
+    totals: Totals | None = None,
 ) -> RunSummary:
     """The run's summary; with ``write``, the store's final status and statistics (a resume with nothing
     to do reads them as they are)."""
@@ -510,7 +527,7 @@ def _finish(
     n_pending = int((status == PENDING).sum())
     if write:
         complete = bool(done_shards(group).all())
-        stats = merge_shards(group)
+        stats = merge_shards(group, totals)
         update_attrs(spec.output.store, spec.output.storage_options, status="complete" if complete else "incomplete",
                      error=None, stats=stats)
         consolidate(spec.output.store, spec.output.storage_options)

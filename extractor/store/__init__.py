@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     )
     from .provenance import Probe, changed_rows, check_resumable, differences, moved_members, owner, store_attrs
     from .reuse import ReuseIndex, check_sources
-    from .stats import ShardStats, dumps, merge, merge_shards
+    from .stats import ShardStats, Totals, dumps, merge, merge_shards, shard_record
 
 __all__ = [
     "FORMAT_VERSION",
@@ -89,6 +89,8 @@ __all__ = [
     "ShardStats",
     "merge",
     "merge_shards",
+    "Totals",
+    "shard_record",
     "dumps",
     "ReuseIndex",
     "check_sources",
@@ -144,6 +146,8 @@ __getattr__ = face(
         "ShardStats": "stats",
         "merge": "stats",
         "merge_shards": "stats",
+        "Totals": "stats",
+        "shard_record": "stats",
         "dumps": "stats",
         "ReuseIndex": "reuse",
         "check_sources": "reuse",

@@ -15,6 +15,7 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
     fingerprint (N,)    uint64   the source's cheap facts about those bytes (size, mtime / ETag; 0: unknown)
     shard_done (S,)     uint8    1 once shard s is durable (one object per shard)
     shard_stats (S,)    str      JSON sums of shard s's values, merged into the "stats" attribute
+    stats_sums (B,)     uint8    the merged sums and the shards they hold (store.stats.Totals; driver only)
     <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok
     target, target_score, <gradcam key>.range   (gradient jobs) per-row target class,
                         its logit, and each Grad-CAM map's min and max
@@ -443,6 +444,8 @@ def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> N
         get_array(group, "shard_done")[index] = 0
         get_array(group, "shard_stats")[index] = ""
         get_array(group, "status")[start:stop] = PENDING
+        if "stats_sums" in group:  # the merged totals hold the shard's old sums: not whole any more
+            get_array(group, "stats_sums")[:4] = 0
         if "digest" in group:
             get_array(group, "digest")[start:stop] = 0
 

@@ -1,20 +1,36 @@
-"""Statistics of captured values, streamed per shard and merged across shards (numpy only).
+"""Statistics of captured values, streamed per shard and merged across shards (numpy and zarr only).
 
 Per capture: count, mean and standard deviation per feature (the channel of a map, the
 feature of a token sequence, each element of a vector), global min and max, NaN and Inf
 counts, rows holding any NaN/Inf, and the mean L2 norm of a row. Non-finite values are
 counted, not folded into the moments.
+
+A shard's record (``shard_stats[s]``) is JSON whose per-feature sums are base64 of their bytes (records
+written before hold lists of numbers: both are read). The driver merges records into :class:`Totals` as
+shards finish and keeps the totals in the store (``stats_sums``) with the shards they hold, so that a merge
+reads only the shards done since: memory per capture and feature, never per shard.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import zarr
 
-__all__ = ["ShardStats", "merge", "feature_axis"]
+from .format import done_shards, get_array, take_rows
+
+__all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
+
+_SUMS = {"count": np.int64, "sum": np.float64, "sumsq": np.float64}  # per feature
+_SCALARS = ("nan", "inf", "rows", "nonfinite_row_count", "l2_sum", "l2_rows")
+_FIRST = 20  # rows holding NaN or Inf named, the first ones
+MERGE_SLICE = 32  # shards' records read at once by a merge (24 x 1024 features: 800 KB each)
 
 
 def feature_axis(dims: Sequence[str]) -> int | None:
@@ -39,7 +55,7 @@ class ShardStats:
         self.min, self.max = np.inf, -np.inf
         self.nan = self.inf = 0
         self.rows = 0
-        self.nonfinite_rows: list[int] = []  # the first 20 store rows holding NaN or Inf
+        self.nonfinite_rows: list[int] = []  # the first _FIRST store rows holding NaN or Inf
         self.nonfinite_count = 0
         self.l2_sum, self.l2_rows = 0.0, 0
 
@@ -86,7 +102,7 @@ class ShardStats:
         isnan = np.isnan(x)
         self.nan += int(isnan.sum())
         self.inf += int((~finite & ~isnan).sum())
-        self.nonfinite_rows = sorted(self.nonfinite_rows + [int(r) for r in rows[bad_rows]])[:20]
+        self.nonfinite_rows = sorted(self.nonfinite_rows + [int(r) for r in rows[bad_rows]])[:_FIRST]
         count = finite.sum(axis=axes).reshape(-1).astype(np.int64)
         x = np.where(finite, x, 0)
         if finite.any():
@@ -96,7 +112,7 @@ class ShardStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "count": self.count.tolist(), "sum": self.sum.tolist(), "sumsq": self.sumsq.tolist(),
+            "count": _pack(self.count), "sum": _pack(self.sum), "sumsq": _pack(self.sumsq),
             "min": self.min if np.isfinite(self.min) else None, "max": self.max if np.isfinite(self.max) else None,
             "nan": self.nan, "inf": self.inf, "rows": self.rows, "nonfinite_rows": self.nonfinite_rows,
             "nonfinite_row_count": self.nonfinite_count,
@@ -104,49 +120,141 @@ class ShardStats:
         }
 
 
+def _pack(x: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes()).decode()
+
+
+def _unpack(v: str | list[float], dtype: type) -> np.ndarray:
+    """Sums as a record holds them: base64 of little-endian bytes, or (records written before) a list."""
+    if isinstance(v, str):
+        return np.frombuffer(base64.b64decode(v), np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    return np.asarray(v, dtype)
+
+
 def dumps(stats: dict[str, ShardStats]) -> str:
     return json.dumps({key: st.to_dict() for key, st in stats.items()})
 
 
-def merge_shards(group: Any) -> dict[str, Any]:
-    """The store's statistics: every done shard's, merged (shards not done hold "" and add nothing)."""
-    return merge(str(s) for s in group["shard_stats"][:])
+class Totals:
+    """Shards' records merged: per capture its sums (memory per capture and feature, never per shard), and
+    which shards they hold."""
 
+    def __init__(self, n_shards: int) -> None:
+        self.held = np.zeros(n_shards, bool)
+        self.acc: dict[str, dict[str, Any]] = {}
 
-def merge(shards: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Merge per-shard JSON (as written by the workers) into the per-capture summary."""
-    acc: dict[str, dict[str, Any]] = {}
-    for text in shards:
-        if not text:
-            continue
-        for key, d in json.loads(text).items():
-            a = acc.setdefault(key, {"count": 0, "sum": 0.0, "sumsq": 0.0, "min": None, "max": None, "nan": 0,
-                                     "inf": 0, "rows": 0, "nonfinite_rows": [], "nonfinite_row_count": 0,
-                                     "l2_sum": 0.0, "l2_rows": 0})
-            a["count"] = a["count"] + np.asarray(d["count"], np.int64)
-            a["sum"] = a["sum"] + np.asarray(d["sum"])
-            a["sumsq"] = a["sumsq"] + np.asarray(d["sumsq"])
+    def add(self, index: int, text: str) -> None:
+        """Add shard ``index``'s record (once: a shard held already adds nothing; "" is a shard with none)."""
+        if self.held[index]:
+            return
+        record = json.loads(text) if text else {}
+        self.held[index] = True
+        for key, d in record.items():
+            a = self.acc.get(key)
+            if a is None:
+                a = self.acc[key] = {"min": None, "max": None, "nonfinite_rows": [], **dict.fromkeys(_SCALARS, 0)}
+            for k, dtype in _SUMS.items():
+                v = _unpack(d[k], dtype)
+                a[k] = a[k] + v if k in a else v
             for k, f in (("min", min), ("max", max)):
                 if d[k] is not None:
                     a[k] = d[k] if a[k] is None else f(a[k], d[k])
-            for k in ("nan", "inf", "rows", "nonfinite_row_count", "l2_sum", "l2_rows"):
+            for k in _SCALARS:
                 a[k] += d[k]
-            a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + d["nonfinite_rows"])[:20]
-    out = {}
-    for key, a in acc.items():
-        count = np.maximum(a["count"], 1)
-        mean = a["sum"] / count
-        var = np.maximum(a["sumsq"] / count - mean**2, 0.0)
-        out[key] = {
-            "rows": a["rows"],
-            "mean": [float(v) for v in np.atleast_1d(mean)],
-            "std": [float(v) for v in np.atleast_1d(np.sqrt(var))],
-            "min": a["min"],
-            "max": a["max"],
-            "nan": a["nan"],
-            "inf": a["inf"],
-            "nonfinite_rows": a["nonfinite_row_count"],
-            "first_nonfinite_rows": a["nonfinite_rows"],
-            "mean_l2": a["l2_sum"] / a["l2_rows"] if a["l2_rows"] else None,
-        }
-    return out
+            a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + d["nonfinite_rows"])[:_FIRST]
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per capture: rows, mean and std per feature, min, max, NaN and Inf counts, the rows holding them."""
+        out = {}
+        for key, a in self.acc.items():
+            count = np.maximum(a["count"], 1)
+            mean = a["sum"] / count
+            var = np.maximum(a["sumsq"] / count - mean**2, 0.0)
+            out[key] = {
+                "rows": a["rows"],
+                "mean": [float(v) for v in np.atleast_1d(mean)],
+                "std": [float(v) for v in np.atleast_1d(np.sqrt(var))],
+                "min": a["min"],
+                "max": a["max"],
+                "nan": a["nan"],
+                "inf": a["inf"],
+                "nonfinite_rows": a["nonfinite_row_count"],
+                "first_nonfinite_rows": a["nonfinite_rows"],
+                "mean_l2": a["l2_sum"] / a["l2_rows"] if a["l2_rows"] else None,
+            }
+        return out
+
+    def to_bytes(self) -> bytes:
+        """The totals as one object: a CRC-32, then npz of the sums and JSON of the rest."""
+        arrays = {f"{k}/{key}": a[k] for key, a in self.acc.items() for k in _SUMS}
+        rest = {key: {k: v for k, v in a.items() if k not in _SUMS} for key, a in self.acc.items()}
+        out = io.BytesIO()
+        np.savez(out, held=np.packbits(self.held), rest=np.frombuffer(json.dumps(rest).encode(), np.uint8), **arrays)
+        payload = out.getvalue()
+        return zlib.crc32(payload).to_bytes(4, "little") + payload
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, n_shards: int) -> Totals | None:
+        """Totals written by :meth:`to_bytes`; None when ``blob`` is not whole (a write cut short) or of another
+        shard count."""
+        if len(blob) < 4 or zlib.crc32(blob[4:]) != int.from_bytes(blob[:4], "little"):
+            return None
+        with np.load(io.BytesIO(blob[4:])) as z:
+            totals = cls(n_shards)
+            held = np.unpackbits(z["held"])
+            if len(held) < n_shards or held[n_shards:].any():
+                return None
+            totals.held = held[:n_shards].astype(bool)
+            for key, rest in json.loads(z["rest"].tobytes()).items():
+                totals.acc[key] = {**rest, **{k: z[f"{k}/{key}"].astype(dtype) for k, dtype in _SUMS.items()}}
+        return totals
+
+    @classmethod
+    def kept(cls, group: zarr.Group, n_shards: int) -> Totals:
+        """The totals the store keeps (``stats_sums``), or none held when there are none or they do not hold."""
+        try:
+            totals = cls.from_bytes(np.asarray(get_array(group, "stats_sums")[:], np.uint8).tobytes(), n_shards)
+        except KeyError:
+            totals = None
+        return totals if totals is not None else cls(n_shards)
+
+    def keep(self, group: zarr.Group) -> None:
+        """Write the totals into the store (one object: written whole, or read back as not whole)."""
+        blob = np.frombuffer(self.to_bytes(), np.uint8)
+        if "stats_sums" not in group or get_array(group, "stats_sums").shape != blob.shape:
+            group.create_array("stats_sums", shape=blob.shape, chunks=blob.shape, dtype="uint8", overwrite=True,
+                               dimension_names=["stats_byte"])
+        get_array(group, "stats_sums")[:] = blob
+
+
+def shard_record(group: zarr.Group, index: int) -> str:
+    """Shard ``index``'s record (read as a slice: zarr 3.1 reads one element of a long string 60x slower)."""
+    return str(np.asarray(get_array(group, "shard_stats")[index : index + 1])[0])
+
+
+def merge_shards(group: zarr.Group, totals: Totals | None = None) -> dict[str, Any]:
+    """The store's statistics: ``totals`` (default: those the store keeps) with every done shard's record
+    not in them yet added, read ``MERGE_SLICE`` shards at a time; the totals are kept in the store for the
+    next merge. Totals holding a shard that is not done (reset since, to be computed again) are dropped."""
+    done = done_shards(group)
+    totals = totals if totals is not None else Totals.kept(group, len(done))
+    if (totals.held & ~done).any():
+        totals = Totals(len(done))
+    todo = np.flatnonzero(done & ~totals.held)
+    records = get_array(group, "shard_stats")
+    for a in range(0, len(todo), MERGE_SLICE):
+        part = todo[a : a + MERGE_SLICE]
+        for index, text in zip(part.tolist(), take_rows(records, part).tolist(), strict=True):
+            totals.add(index, str(text))
+    if len(todo) or "stats_sums" not in group:
+        totals.keep(group)
+    return totals.summary()
+
+
+def merge(shards: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Merge per-shard JSON records (as written by the workers) into the per-capture summary."""
+    texts = list(shards)
+    totals = Totals(len(texts))
+    for index, text in enumerate(texts):
+        totals.add(index, text)
+    return totals.summary()

@@ -1,0 +1,96 @@
+"""Costs that grow with the job (issue 29), measured at a size this machine holds and extrapolated linearly
+to 10M rows: the statistics merge (24 captures x 1024 features), tar planning.
+
+    python tests/bench_scale.py        (also run by `make bench`)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".bench"
+
+
+def _measured(fn):
+    """fn()'s result, seconds, and peak of Python-tracked allocations (numpy's included), bytes."""
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return out, seconds, peak
+
+
+def _list_merge(texts):
+    """The merge of stores before issue 29: every record's lists of numbers decoded at once, then summed."""
+    records = [json.loads(t) for t in texts if t]
+    acc = {}
+    for rec in records:
+        for key, d in rec.items():
+            a = acc.setdefault(key, {"count": 0, "sum": 0.0, "sumsq": 0.0})
+            for k in ("count", "sum", "sumsq"):
+                a[k] = a[k] + np.asarray(d[k])
+    return acc
+
+
+def stats_bench(shards: int = 128, captures: int = 24, features: int = 1024) -> None:
+    import zarr
+
+    from extractor.store.stats import ShardStats, Totals, dumps, merge_shards, shard_record
+
+    rng = np.random.default_rng(0)
+    records_new, records_old = [], []
+    for _ in range(4):  # 4 distinct records, repeated over the shards
+        st = {f"blocks.{i}": ShardStats(["t.token", "t.feature"], [5, features]) for i in range(captures)}
+        for v in st.values():
+            v.update(rng.standard_normal((2, 5, features)).astype(np.float32), np.arange(2))
+        records_new.append(dumps(st))
+        records_old.append(json.dumps({k: {**v.to_dict(), "count": v.count.tolist(), "sum": v.sum.tolist(),
+                                           "sumsq": v.sumsq.tolist()} for k, v in st.items()}))
+    groups = {}
+    for name, records in (("lists", records_old), ("base64", records_new)):
+        path = WORK / f"stats-{name}.zarr"
+        shutil.rmtree(path, ignore_errors=True)
+        g = zarr.open_group(str(path), mode="w")
+        g.create_array("shard_done", shape=(shards,), dtype="uint8", chunks=(1,), fill_value=1)[:] = 1
+        arr = g.create_array("shard_stats", shape=(shards,), dtype=str, chunks=(1,), fill_value="")
+        for i in range(shards):
+            arr[i] = records[i % 4]
+        groups[name] = g
+    per = 10_000 / shards  # 10M rows = 10,000 shards of 1024
+    kb = len(records_new[0]) / 1e3
+    print(f"\nstatistics merge: {captures} captures x {features} features, {shards} shards of records "
+          f"({kb:.0f} KB each; lists {len(records_old[0]) / 1e3:.0f} KB); x{per:.0f} for 10M rows (10,000 shards)")
+    _, s_old, m_old = _measured(lambda: _list_merge(str(t) for t in groups["lists"]["shard_stats"][:]))
+    print(f"  before (all records at once, lists)  {s_old:6.2f} s {m_old / 1e6:7.0f} MB   10M rows: "
+          f"{s_old * per:6.0f} s {m_old * per / 1e9:5.1f} GB")
+    _, s_all, m_all = _measured(lambda: merge_shards(groups["base64"]))
+    print(f"  one merge of every record, slices   {s_all:6.2f} s {m_all / 1e6:7.0f} MB   10M rows: "
+          f"{s_all * per:6.0f} s {m_all / 1e6:5.0f} MB (memory flat in shards)")
+    totals = Totals(shards)
+    t0 = time.perf_counter()
+    for i in range(shards):
+        totals.add(i, shard_record(groups["base64"], i))
+    each = (time.perf_counter() - t0) / shards
+    print(f"  the driver, per shard as it finishes {each * 1e3:6.1f} ms (read + add)")
+    _, s_end, m_end = _measured(lambda: merge_shards(groups["base64"], totals))
+    print(f"  end of run / resume: nothing new     {s_end:6.2f} s {m_end / 1e6:7.0f} MB   (the totals kept, written)")
+    _, s_kept, m_kept = _measured(lambda: merge_shards(groups["base64"]))
+    print(f"  a later merge from the kept totals   {s_kept:6.2f} s {m_kept / 1e6:7.0f} MB")
+
+
+def main() -> None:
+    WORK.mkdir(exist_ok=True)
+    stats_bench()
+
+
+if __name__ == "__main__":
+    main()
