@@ -1,5 +1,5 @@
-"""Costs that grow with the job (issue 29), measured at a size this machine holds and extrapolated linearly
-to 10M rows: the statistics merge (24 captures x 1024 features), tar planning.
+"""Costs that grow with the job (issue 29), measured at a size this machine holds and extrapolated linearly:
+the statistics merge (24 captures x 1024 features; to 10M rows), tar planning (to 1M samples).
 
     python tests/bench_scale.py        (also run by `make bench`)
 """
@@ -87,9 +87,63 @@ def stats_bench(shards: int = 128, captures: int = 24, features: int = 1024) -> 
     print(f"  a later merge from the kept totals   {s_kept:6.2f} s {m_kept / 1e6:7.0f} MB")
 
 
+def tar_bench(tars: int = 10, per_tar: int = 10_000) -> None:
+    """Planning WebDataset tars (a .jpg and a .cls per sample, as most shards hold): the plain header reader
+    against tarfile's, CPU time; and the same, all through tarfile (the planner before issue 29)."""
+    import io
+    import resource
+    import tarfile
+
+    import extractor.data.tars as tars_module
+    from extractor.data.tars import list_tars
+
+    root = WORK / f"tars-{tars}x{per_tar}"
+    if not (root / f"{tars - 1:03d}.tar").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        for t in range(tars):
+            with tarfile.open(root / f"{t:03d}.tar", "w") as tar:
+                for i in range(per_tar):
+                    for ext, data in ((".jpg", b"\xff\xd8" + bytes(300)), (".cls", str(i % 10).encode())):
+                        info = tarfile.TarInfo(f"s{t:03d}_{i:06d}{ext}")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+    pattern = str(root / f"{{000..{tars - 1:03d}}}.tar")
+    n = tars * per_tar
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    def timed() -> tuple[float, float]:
+        c0, t0 = cpu(), time.perf_counter()
+        rows = list_tars(pattern, [".jpg"], {})
+        assert len(rows) == n
+        return cpu() - c0, time.perf_counter() - t0
+
+    plain = timed()
+    real = tars_module._headers
+
+    def through_tarfile(f, url):
+        raise tars_module._Unusual("bench")
+        yield
+
+    tars_module._headers = through_tarfile
+    try:
+        old = timed()
+    finally:
+        tars_module._headers = real
+    per = 1_000_000 / n
+    print(f"\ntar planning: {tars} tars x {per_tar:,} samples (.jpg + .cls); x{per:.0f} for 1M samples")
+    print(f"  tarfile, same planner  {old[0]:6.2f} s CPU {old[1]:6.2f} s wall   1M: {old[0] * per:5.0f} s CPU "
+          f"({old[0] / n * 1e6:.0f} us a sample)")
+    print(f"  plain header reader    {plain[0]:6.2f} s CPU {plain[1]:6.2f} s wall   1M: {plain[0] * per:5.0f} s CPU "
+          f"({plain[0] / n * 1e6:.0f} us a sample)")
+
+
 def main() -> None:
     WORK.mkdir(exist_ok=True)
     stats_bench()
+    tar_bench()
 
 
 if __name__ == "__main__":

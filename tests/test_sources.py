@@ -287,3 +287,55 @@ def test_manifest_paths_outside_the_root_are_refused_unless_allowed(image_dir: P
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.errors[2] == "ValueError: not an image format Pillow reads (17 bytes)"  # its content never copied
     assert "hunter2" not in "".join(map(str, s.errors))
+
+
+def _tarfile_listing(path: Path) -> list[tuple[str, int, int]]:
+    with tarfile.open(path, "r:") as tar:
+        return [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_tar_header_reader_lists_members_exactly_as_tarfile(tmp_path: Path, fmt: int):
+    """ustar prefixes, GNU long names (L headers), pax extended and global headers, folders, links and empty
+    members: the plain 512-byte header reader gives tarfile's names, data offsets and sizes."""
+    from extractor.data.tars import _headers
+
+    path = tmp_path / "t.tar"
+    deep = "/".join(["folder-with-a-long-name"] * 5)  # 119 characters: a ustar prefix, a GNU L or pax path
+    names = ["a.jpg", "a.cls", f"{deep}/b.jpg", f"{deep}/b.json", "c/d.png", "empty.jpg"]
+    if fmt != tarfile.USTAR_FORMAT:
+        names += ["x" * 150 + ".jpg"]  # too long for ustar
+    if fmt == tarfile.PAX_FORMAT:
+        names += ["ünïcödé-名前.jpg"]
+    with tarfile.open(path, "w", format=fmt, pax_headers={"comment": "global"} if fmt == tarfile.PAX_FORMAT
+                      else None) as tar:
+        dir_info = tarfile.TarInfo("c")
+        dir_info.type = tarfile.DIRTYPE
+        tar.addfile(dir_info)
+        for i, name in enumerate(names):
+            data = b"" if name == "empty.jpg" else bytes([i]) * (100 + 700 * i)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("link.jpg")
+        link.type, link.linkname = tarfile.SYMTYPE, "a.jpg"
+        tar.addfile(link)
+    with open(path, "rb") as f:
+        listed = list(_headers(f, str(path)))
+    assert listed == _tarfile_listing(path) and [n for n, _, _ in listed] == names
+    cut = tmp_path / "cut.tar"  # cut inside the fourth member's header: the listing ends before it, as tarfile's
+    cut.write_bytes(path.read_bytes()[: listed[3][1] - 200])
+    with open(cut, "rb") as f:
+        assert list(_headers(f, str(cut))) == listed[:3]
+
+
+def test_a_file_that_is_not_a_tar_is_refused_by_the_header_reader(tmp_path: Path):
+    from extractor.data.tars import scan_tar
+
+    for name, data in (("noise.tar", np.random.default_rng(0).bytes(4096)), ("empty.tar", b"")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match=f"tar shard .*{name} is not a readable tar file"):
+            scan_tar(str(tmp_path / name), [".jpg"], {})
+    (tmp_path / "zeros.tar").write_bytes(bytes(1024))  # an archive of no members
+    with pytest.raises(DataError, match="zeros.tar holds no image members"):
+        scan_tar(str(tmp_path / "zeros.tar"), [".jpg"], {})
