@@ -472,7 +472,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
               "nodes)", file=sys.stderr)
     again = ["submit", args.job, "--address", address, *[a for s in args.set or [] for a in ("--set", s)],
              "--set", "output.if_exists=resume"]
-    job_id = submit(spec, address, job_id=args.job_id, resume_command=_command(*again), ship=args.ship)
+    job_id = submit(spec, address, job_id=args.job_id, resume_command=_command(*again), ship=args.ship,
+                    name=Path(args.job).name)
     print(f"submitted {job_id}")
     print(f"dashboard: {address.rstrip('/')}/#/jobs/{job_id}")
     if not args.wait:
@@ -488,9 +489,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _jobs_list(c: Any, args: argparse.Namespace) -> None:
     jobs = sorted(c.list_jobs(), key=lambda j: j.start_time or 0)
-    rows = [[j.submission_id or j.job_id or "", str(j.status).rsplit(".", 1)[-1], (j.entrypoint or "")[:60]]
-            for j in jobs]
-    print(table(rows, ["id", "status", "entrypoint"]) if rows else "no jobs")
+    rows = [[j.submission_id or j.job_id or "", str(j.status).rsplit(".", 1)[-1],
+             (j.metadata or {}).get("extractor_job") or "-",
+             (j.metadata or {}).get("extractor_store") or (j.entrypoint or "")[:60]] for j in jobs]
+    print(table(rows, ["id", "status", "job", "store (or entrypoint)"]) if rows else "no jobs")
 
 
 def _jobs_status(c: Any, args: argparse.Namespace) -> None:

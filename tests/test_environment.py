@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 from importlib import metadata
 
 import pytest
@@ -30,8 +31,9 @@ def test_a_missing_or_too_old_package_is_one_error_naming_each_and_the_fix(monke
     env = {**env, "requires": [*env["requires"], "no-such-package-xyz", "numpy>=999"],
            "versions": {**env["versions"], "no-such-package-xyz": "1.2"}}
     with pytest.raises(ClusterError, match=r"cannot run extractor: missing no-such-package-xyz==1.2; too old: numpy "
-                                           r".* \(extractor needs numpy>=999\)\. List them in submit.pip"):
+                                           r".* \(extractor needs numpy>=999\)\. List them in submit.pip") as err:
         check_environment(env)
+    assert f"the cluster's Python ({sys.executable}, {platform.python_version()})" in str(err.value)  # which one
     monkeypatch.setenv(SUBMITTED, json.dumps(env))
     with pytest.raises(ClusterError, match="no-such-package-xyz"):
         check_submitted()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,12 +180,15 @@ def test_submit_wait_status_logs_and_a_failing_job(ray_head, image_dir: Path, tm
               output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2,
                       "storage_options": {"secret": "hunter2"}})
     raw["output"].pop("storage_options")  # a local store takes no storage options; see the S3 test
+    raw["submit"] = {"env_vars": {"EXTRACTOR_PROGRESS_S": "0"}}  # a progress line at every batch, not every 10 s
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(raw))
     r = extractor("submit", str(spec), "--address", address, "--wait", "--job-id", "extractor-ok", env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "submitted extractor-ok" in r.stdout and f"{address}/#/jobs/extractor-ok" in r.stdout
     assert "SUCCEEDED" in r.stdout and "12 ok, 0 failed" in r.stdout  # the job's own output, followed
+    progress = re.search(r"(\d+) of 12 images \(\d+%\), [\d.]+ images/s, ([\d:]+|\?) left", r.stdout)
+    assert progress and int(progress[1]) < 12 and progress.start() < r.stdout.index("12 ok, 0 failed")
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.attrs["status"] == "complete" and (s.status == 1).all()
 
@@ -193,7 +197,8 @@ def test_submit_wait_status_logs_and_a_failing_job(ray_head, image_dir: Path, tm
     r = extractor("jobs", "logs", "extractor-ok", "--address", address, env=env)
     assert "12 ok, 0 failed" in r.stdout
     r = extractor("jobs", "list", "--address", address, env=env)
-    assert "extractor-ok" in r.stdout and "SUCCEEDED" in r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if "extractor-ok" in ln)
+    assert "SUCCEEDED" in line and "job.yaml" in line and str(tmp_path / "s.zarr") in line  # its job file and store
 
     bad = job(image_dir, tmp_path / "bad.zarr", capture=[{"layer": "layer44"}],
               cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1})

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import re
+import sys
 from importlib import metadata
 from typing import Any
 
@@ -65,7 +66,7 @@ def check_environment(submitted: dict[str, Any]) -> list[str]:
             differs.append(f"{name} {have} (submitted from {submitted['versions'].get(name)})")
     if missing or old:
         raise ClusterError(
-            "the cluster's Python cannot run extractor: "
+            f"the cluster's Python ({sys.executable}, {platform.python_version()}) cannot run extractor: "
             + "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
                                       f"too old: {', '.join(old)}" if old else ""]))
             + ". List them in submit.pip (Ray installs them for the job), or install them in the cluster's image"

@@ -101,10 +101,11 @@ def _factory_module(spec: JobSpec) -> Path | None:
 
 
 def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_command: str | None = None,
-           ship: bool = True) -> str:
+           ship: bool = True, name: str | None = None) -> str:
     """Submit ``spec`` as a Ray job; returns the submission id. ``resume_command``: what the job
     prints when it stops unfinished (its own command names a file in Ray's temporary folder).
-    ``ship``: send the installed extractor package with the job (False: the cluster has it)."""
+    ``ship``: send the installed extractor package with the job (False: the cluster has it). ``name``:
+    the job file's, shown by ``extractor jobs list`` beside the store (job metadata)."""
     _check_paths(spec)
     c = client(address)
     sub = spec.submit
@@ -131,12 +132,12 @@ def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_comman
         # Ray writes the runtime environment to its logs on the cluster: said at submit (cli)
         runtime_env["env_vars"] = {**sub.env_vars, SUBMITTED: json.dumps(environment())}
         try:
-            return c.submit_job(
-                entrypoint=f"python -m extractor.cli run {JOB_FILE} -q"
+            return c.submit_job(  # not quiet: a progress line every PROGRESS_LOG_S in the job's logs
+                entrypoint=f"python -m extractor.cli run {JOB_FILE}"
                 + (f" --resume-command {shlex.quote(resume_command)}" if resume_command else ""),
                 runtime_env=runtime_env,
                 submission_id=job_id,
-                metadata={"extractor_store": spec.output.store},
+                metadata={"extractor_store": spec.output.store, "extractor_job": name or ""},
             )
         except Exception as err:  # noqa: BLE001
             raise _explain(address, err) from err
