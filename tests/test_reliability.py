@@ -744,6 +744,37 @@ def test_a_changed_tar_member_is_named_on_resume(tmp_path: Path):
     assert len(tars) == 2
 
 
+def test_a_resume_takes_the_rows_of_unchanged_tars_from_the_store_and_lists_changed_ones_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Planning once: the store records the tars it was listed from (each one's size and mtime); a resume with the
+    same tars reads no tar header and takes its rows from the store; one whose tars changed lists them again (a
+    resume with work to do records the new listing; a complete store is never written to by a resume)."""
+    from test_sources import write_tars
+
+    import extractor.data.tars as tars_module
+
+    files = make_images(tmp_path / "imgs", per_class=4, classes=("a", "b"), size=40)
+    write_tars(files, tmp_path / "tars", per_tar=3)
+    data = {"source": "tar", "root": None, "shard_size": 2, "tars": str(tmp_path / "tars" / "shard-{000..002}.tar")}
+    clean = job(tmp_path / "imgs", tmp_path / "clean.zarr", data=data)
+    run(parse_spec(clean))
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", data=data)
+    _interrupted_after(raw, 1)
+    assert open_store(str(tmp_path / "s.zarr")).attrs["listing"]["tars"][0].endswith("shard-000.tar")
+    scanned = []
+    real = tars_module.scan_tar
+    monkeypatch.setattr(tars_module, "scan_tar", lambda *a: scanned.append(a[0]) or real(*a))
+    raw["output"]["if_exists"] = "resume"
+    summary = run(parse_spec(raw))
+    assert scanned == [] and summary.shards_run >= 1 and summary.ok == 8  # no tar listed again
+    a, b = open_store(str(tmp_path / "clean.zarr")), open_store(str(tmp_path / "s.zarr"))
+    assert b.ids.tolist() == a.ids.tolist() and b.classes == a.classes and (b.labels == a.labels).all()
+    for key in a.keys:
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+    write_tars(files, tmp_path / "tars", per_tar=3)  # written again: the same members, new mtimes
+    assert run(parse_spec(raw)).shards_run == 0 and len(scanned) == 3  # listed again, compared, nothing to do
+
+
 def test_inspect_verify_reads_every_image_again(image_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
     import shutil
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .preprocess import IMAGENET, PIL_RESAMPLE, Preprocess, from_dict, of_store, resolve
     from .rows import Rows, Shard, labels_of, plan
     from .stream import Batch, BatchStream, Reused, iter_batches
-    from .tars import expand_braces, list_tars, scan_tar
+    from .tars import expand_braces, list_tars, scan_tar, tar_listing
 
 __all__ = [
     "Rows",
@@ -53,6 +53,7 @@ __all__ = [
     "expand_braces",
     "list_tars",
     "scan_tar",
+    "tar_listing",
     "Preprocess",
     "PIL_RESAMPLE",
     "IMAGENET",
@@ -95,6 +96,7 @@ __getattr__ = face(
         "expand_braces": "tars",
         "list_tars": "tars",
         "scan_tar": "tars",
+        "tar_listing": "tars",
         "Preprocess": "preprocess",
         "PIL_RESAMPLE": "preprocess",
         "IMAGENET": "preprocess",

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Any
 
 __all__ = ["Rows", "Shard", "plan", "labels_of"]
 
@@ -28,6 +29,7 @@ class Rows:
     offsets: list[int] | None = None  # tar sources: where each image's bytes start in its tar
     sizes: list[int] | None = None  # and how many there are
     fingerprints: list[int] | None = None  # per row, where the source tells cheaply (0: unknown); see files.fingerprint
+    listing: dict[str, Any] | None = None  # what a tar listing was made from: tars, their fingerprints, extensions
 
     def __len__(self) -> int:
         return len(self.ids)

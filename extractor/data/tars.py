@@ -38,7 +38,7 @@ from .files import (
 )
 from .rows import Rows, labels_of
 
-__all__ = ["expand_braces", "list_tars", "scan_tar", "tar_url_of"]
+__all__ = ["expand_braces", "list_tars", "scan_tar", "tar_listing", "tar_url_of"]
 
 log = logging.getLogger(__name__)
 
@@ -274,12 +274,28 @@ def _members(tar: tarfile.TarFile, url: str):  # -> Iterator[tarfile.TarInfo]
         yield member
 
 
-def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], storage: dict[str, Any]) -> Rows:
-    """Rows of every sample of every tar, in pattern order then member order."""
+def tar_urls(patterns: str | Sequence[str] | None) -> list[str]:
+    """The tars that ``data.tars`` names, in order."""
     pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
     urls = [absolute(u) for p in pats for u in expand_braces(p)]
     if not urls:
         raise DataError("data.tars names no tar shards")
+    return urls
+
+
+def tar_listing(patterns: str | Sequence[str] | None, extensions: Sequence[str],
+                storage: dict[str, Any]) -> dict[str, Any]:
+    """What a listing of the tars is made from: the tars, their fingerprints (size and mtime or ETag; 0 unknown),
+    the extensions; a listing recorded with a store is good as long as this is the same."""
+    urls = tar_urls(patterns)
+    with ThreadPoolExecutor(min(16, len(urls))) as pool:
+        prints = list(pool.map(lambda u: _tar_fingerprint(u, storage), urls))
+    return {"tars": urls, "fingerprints": prints, "extensions": list(extensions)}
+
+
+def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], storage: dict[str, Any]) -> Rows:
+    """Rows of every sample of every tar, in pattern order then member order."""
+    urls = tar_urls(patterns)
     for url in urls:
         if "#" in url:
             check_unambiguous(url, storage)
@@ -304,7 +320,7 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
             prints.append(fingerprint(tar_print, r["offset"], r["size"]) if tar_print else 0)
     labels, classes = labels_of(raw, where.__getitem__)
     return Rows(ids=ids, paths=paths, labels=labels, classes=classes, offsets=offsets, sizes=sizes,
-                fingerprints=prints)
+                fingerprints=prints, listing={"tars": urls, "fingerprints": tar_prints, "extensions": list(extensions)})
 
 
 def _tar_fingerprint(url: str, storage: dict[str, Any]) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._text import count, table
 from ..compute import ShardSummary, Worker
-from ..data import Rows, Shard, absolute, list_rows, plan
+from ..data import Rows, Shard, absolute, list_rows, plan, tar_listing
 from ..errors import DataError, FencedError, StoreError
 from ..spec import JobSpec
 from ..store import (
@@ -49,6 +49,7 @@ from ..store import (
     reset_shards,
     shard_record,
     store_attrs,
+    stored_rows,
     update_attrs,
 )
 
@@ -209,7 +210,8 @@ def _claim(spec: JobSpec, rows: Rows, decision: _Decision, attrs: dict[str, Any]
             get_array(group, "fingerprint")[:] = decision.fingerprints
         if decision.places is not None:
             get_array(group, "byte_offset")[:], get_array(group, "byte_size")[:] = decision.places
-        update_attrs(url, storage, status="running", resumed=now())
+        update_attrs(url, storage, status="running", resumed=now(), **({"listing": attrs["listing"]} if "listing" in
+                                                                      attrs else {}))  # the tars as listed now
         return group
     if decision.old is not None:
         Lease.check(url, storage, spec.output.lease_timeout_s)
@@ -454,11 +456,28 @@ def _finish_done(spec: JobSpec, group: Any, shards: list[Shard], todo: list[Shar
 def _list(spec: JobSpec, backend: Backend | None) -> Rows:
     """The job's rows; a backend given to the job is closed when they cannot be listed."""
     try:
-        return list_rows(spec.data)
+        return _recorded(spec) or list_rows(spec.data)
     except BaseException:
         if backend is not None:
             backend.close()
         raise
+
+
+def _recorded(spec: JobSpec) -> Rows | None:
+    """For a resume of a store made from tars: its rows as it records them, when the tars are the ones it was
+    listed from (each tar's size and mtime or ETag, the extensions); else None: the tars are listed again (and
+    the listing compared with the store, as for every source)."""
+    if spec.data.source != "tar" or spec.output.if_exists != "resume":
+        return None
+    old = read_attrs(spec.output.store, spec.output.storage_options)
+    recorded = (old or {}).get("listing")
+    if not recorded or old is None or old.get("status") == "creating":
+        return None
+    now_ = tar_listing(spec.data.tars, spec.data.extensions, spec.data.storage_options)
+    if now_ != recorded or 0 in now_["fingerprints"]:
+        return None
+    log.info("the tars are as listed for %s: its rows are taken from it", spec.output.store)
+    return stored_rows(open_group(spec.output.store, "r", spec.output.storage_options))
 
 
 class _Events:

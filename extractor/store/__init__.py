@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         reset_shards,
         root_attrs,
         source_digests,
+        stored_rows,
         take_rows,
         update_attrs,
     )
@@ -75,6 +76,7 @@ __all__ = [
     "fill_value",
     "read_rows",
     "take_rows",
+    "stored_rows",
     "reset_shards",
     "source_digests",
     "read_lease",
@@ -132,6 +134,7 @@ __getattr__ = face(
         "fill_value": "format",
         "read_rows": "format",
         "take_rows": "format",
+        "stored_rows": "format",
         "reset_shards": "format",
         "source_digests": "format",
         "read_lease": "format",

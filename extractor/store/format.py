@@ -476,6 +476,20 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
         return list(pool.map(digest, range(len(rows))))
 
 
+def stored_rows(group: zarr.Group) -> Rows:
+    """The rows as the store records them (ids, paths, labels, classes; a tar source's offsets and sizes; the
+    fingerprints), for a resume whose source is as it was listed."""
+    def values(name: str) -> list[Any]:
+        return np.asarray(get_array(group, name)[:]).tolist()
+
+    tar = "byte_offset" in group
+    return Rows(ids=[str(i) for i in values("ids")], paths=[str(p) for p in values("paths")], labels=values("labels"),
+                classes=list(root_attrs(group).get("classes") or []), offsets=values("byte_offset") if tar else None,
+                sizes=values("byte_size") if tar else None,
+                fingerprints=values("fingerprint") if "fingerprint" in group else None,
+                listing=root_attrs(group).get("listing"))
+
+
 def done_shards(group: zarr.Group) -> np.ndarray:
     """Boolean per shard: True once its data and row status are durable."""
     return np.asarray(get_array(group, "shard_done")[:], dtype=bool)

@@ -113,6 +113,7 @@ def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> dict[
         "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
         "versions": versions(),
         **({"reused_from": list(spec.output.reuse)} if spec.output.reuse else {}),  # the reused array's stores
+        **({"listing": rows.listing} if rows.listing else {}),  # a resume takes the rows from the store while it holds
     }
 
 
