@@ -276,6 +276,7 @@ class ActivationStore:
         self.storage_options = dict(storage_options or {})
         self.attrs: dict[str, Any] = root_attrs(group)
         self._cache: dict[str, np.ndarray] = {}
+        self._arrays: dict[str, zarr.Array] = {}  # opened once: each opening reads the array's metadata
         self._row_of: dict[str, int] | None = None  # image id -> row, built on the first call of row()
         self.last_run: Any = None  # extractor.run(): the RunSummary of the run that returned this store
 
@@ -387,9 +388,11 @@ class ActivationStore:
     # ------------------------------------------------------------------ captures and extras
     def __getitem__(self, key: str) -> zarr.Array:
         """The lazy array of a capture or extra (numpy slicing reads only the chunks it touches)."""
-        if key not in self:
-            raise KeyError(f"{key!r} is not a capture or extra of {self.url}; {self._known()}")
-        return get_array(self.group, key)
+        if key not in self._arrays:
+            if key not in self:
+                raise KeyError(f"{key!r} is not a capture or extra of {self.url}; {self._known()}")
+            self._arrays[key] = get_array(self.group, key)
+        return self._arrays[key]
 
     def _select_rows(self, rows: Rows, only_ok: bool, strict: bool = False) -> np.ndarray:
         """Store row numbers of ``rows``, in the order given (duplicates kept).
@@ -492,7 +495,7 @@ class ActivationStore:
         only_ok: bool = True,
         drop_prefix: bool | int = False,
         buffer_chunks: int = 8,
-        prefetch: int = 2,
+        prefetch: int = 1,
         drop_last: bool = False,
         part: Part | None = None,
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -507,7 +510,8 @@ class ActivationStore:
         ``model.prefix_tokens``), unless the capture was stored without them already (its
         ``drop_prefix``): then nothing more; or a count, of the tokens as stored. ``drop_last``
         leaves out a last short batch. ``part=(k, n)``: the k-th of n disjoint parts of the epoch
-        (see :meth:`batches`)."""
+        (see :meth:`batches`). ``prefetch``: buffers read ahead while one is served (each more holds a
+        buffer's memory: one overlaps reading with serving)."""
         if not isinstance(key, str):
             raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool):
@@ -535,7 +539,10 @@ class ActivationStore:
                 spare.append(buffer.memory)
 
         jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
-        yield from cast(Iterator[_Read], _rebatch(served(_prefetched(jobs, read, prefetch)), batch_size, drop_last))
+        # one reading thread: a buffer is one zarr read that decodes its chunks concurrently already (and a buffer
+        # more ahead is a fresh one: 0.65x of a sequential read with two ahead, against 0.97x with one)
+        buffers = _prefetched(jobs, read, prefetch, threads=1)
+        yield from cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last))
 
     def projection(self, key: str) -> np.ndarray:
         """The ``(features, project)`` matrix a ``project`` capture was made with (regenerated from its seed):
@@ -582,7 +589,9 @@ class ActivationStore:
         if id not in self._row_of:
             raise KeyError(f"no row with id {id!r} in {self.url}")
         n = self._row_of[id]
-        status = STATUS_NAMES[int(np.asarray(get_array(self.group, "status")[n]))]
+        if "status" not in self._arrays:
+            self._arrays["status"] = get_array(self.group, "status")
+        status = STATUS_NAMES[int(np.asarray(self._arrays["status"][n]))]
         out: dict[str, Any] = {"row": n, "id": id, "label": int(self.labels[n]), "status": status}
         out.update({k: np.asarray(self[k][n]) for k in [*self.keys, *self.extras]})
         return out
