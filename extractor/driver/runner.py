@@ -418,6 +418,7 @@ def run(
             return _finish(spec, group, shards, [], [], per_row, time.perf_counter() - t0, write=False)
         lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
         group = _claim(spec, rows, decided, attrs, lease)  # from here on the store is this job's
+        del rows  # the store holds them now, and workers read their shards' rows from it: the driver lets them go
         events.merging(group, len(shards))
         done = done_shards(group)  # read again under the lease
         todo = [s for s in shards if not done[s.index]]
