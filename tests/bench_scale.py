@@ -140,10 +140,47 @@ def tar_bench(tars: int = 10, per_tar: int = 10_000) -> None:
           f"({plain[0] / n * 1e6:.0f} us a sample)")
 
 
+def shard_bench(shards: int = 15) -> None:
+    """A shard's opening reads (locators, labels, capture arrays) and finishing writes (status, errors, digests,
+    statistics, done marker) on a local store of 2 captures, as a worker does them; the median of ``shards``."""
+    import statistics
+
+    import zarr
+
+    from extractor.data.rows import Rows
+    from extractor.store.format import Lease, ShardWriter, StoreArrays, create_store
+
+    url, size = str(WORK / "shard-open-finish.zarr"), 256
+    shutil.rmtree(url, ignore_errors=True)
+    caps = {k: {"shape": [512], "dtype": "float32", "dims": [f"{k}.feature"], "layer": k, "what": "output",
+                "reduce": "mean"} for k in ("a", "b")}
+    n = size * shards
+    lease = Lease(url, None, 60.0, {"host": "bench"})
+    create_store(url, Rows(ids=[f"i{i}" for i in range(n)], paths=[f"/x/i{i}.jpg" for i in range(n)], labels=[0] * n),
+                 StoreArrays(captures=caps, extras={}, shard_size=size, chunk_rows=dict.fromkeys(caps, size)),
+                 {"n_rows": n, "n_shards": shards, "captures": caps, "format_version": 1, "spec": {}, "model": {}},
+                 lease=lease, fresh=True)
+    token = lease.token
+    opening, finishing = [], []
+    for i in range(shards):
+        t0 = time.perf_counter()
+        w = ShardWriter(url, i * size, (i + 1) * size, i, None, fence=token)
+        w.locators(), w.labels(), w.chunk_rows(caps)
+        t1 = time.perf_counter()
+        w.finish(np.ones(size, np.uint8), [""] * size, None, "", np.zeros(size, np.uint64))
+        opening.append(t1 - t0)
+        finishing.append(time.perf_counter() - t1)
+    assert zarr.open_group(url, mode="r")["shard_done"][:].all()
+    print(f"\nper shard (local store, 2 captures, median of {shards}): open {statistics.median(opening) * 1e3:.1f} ms, "
+          f"finish {statistics.median(finishing) * 1e3:.1f} ms (the first shard of a job opens the arrays: "
+          f"{opening[0] * 1e3:.1f} ms)")
+
+
 def main() -> None:
     WORK.mkdir(exist_ok=True)
     stats_bench()
     tar_bench()
+    shard_bench()
 
 
 if __name__ == "__main__":
