@@ -379,3 +379,32 @@ def test_the_driver_lets_the_rows_go_once_the_store_holds_them(image_dir: Path, 
 
     assert run(parse_spec(job(image_dir, tmp_path / "s.zarr")), on_event=on_event).ok == 12
     assert alive == [False, False, False]
+
+
+def test_an_interrupt_during_a_resumes_start_leaves_the_store_saying_interrupted(image_dir: Path, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch):
+    """Ctrl-C while a resume starts: while it lists the images (the store untouched, as the run before left
+    it), or once it has taken the store (status running: marked interrupted); the next resume finishes."""
+    from extractor.driver import runner
+
+    raw = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2})
+
+    def stop_midway(n: int) -> None:
+        if n >= 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_spec(raw), on_progress=stop_midway)
+    raw["output"]["if_exists"] = "resume"
+    for name in ("list_rows", "done_shards"):  # during the listing; once the store is taken (its done shards read)
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(runner, name, interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                run(parse_spec(raw))
+        s = open_store(str(tmp_path / "s.zarr"))
+        assert s.attrs["status"] == "interrupted" and s.attrs.get("error", "").startswith("KeyboardInterrupt")
+    summary = run(parse_spec(raw))
+    assert summary.ok == 12 and open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
