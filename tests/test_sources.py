@@ -339,3 +339,13 @@ def test_a_file_that_is_not_a_tar_is_refused_by_the_header_reader(tmp_path: Path
     (tmp_path / "zeros.tar").write_bytes(bytes(1024))  # an archive of no members
     with pytest.raises(DataError, match="zeros.tar holds no image members"):
         scan_tar(str(tmp_path / "zeros.tar"), [".jpg"], {})
+
+
+def test_a_sample_key_in_two_tars_is_refused_naming_both(tmp_path: Path):
+    from extractor.data.tars import list_tars
+
+    files = make_images(tmp_path / "imgs", per_class=2, classes=("a",), size=16)
+    first = write_tars(files, tmp_path / "one", per_tar=2)[0]
+    second = write_tars(files[1:], tmp_path / "two", per_tar=2)[0]  # a/ of the second file again
+    with pytest.raises(DataError, match=rf"sample key 'a/\w+' appears in {first} and {second}; keys must be unique"):
+        list_tars([str(first), str(second)], [".png", ".jpg"], {})

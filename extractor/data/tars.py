@@ -15,6 +15,7 @@ make that ambiguous. Local tar paths are stored absolute.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import logging
@@ -302,23 +303,37 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
     # remote tars on 16 threads (their reads wait on the network); local ones on one: parsing holds the GIL,
     # and threads contending for it took twice the time of one
     with ThreadPoolExecutor(min(16, len(urls)) if any(is_url(u) for u in urls) else 1) as pool:
-        scanned = list(pool.map(lambda u: scan_tar(u, extensions, storage), urls))
         tar_prints = list(pool.map(lambda u: _tar_fingerprint(u, storage), urls))
-    ids, paths, offsets, sizes, raw, where, prints = [], [], [], [], [], [], []
-    seen: dict[str, str] = {}
-    for url, records, tar_print in zip(urls, scanned, tar_prints, strict=True):
-        for r in records:
-            if r["key"] in seen:
-                raise DataError(f"sample key {r['key']!r} appears in {seen[r['key']]} and {url}; keys must be unique")
-            seen[r["key"]] = url
-            ids.append(r["key"])
-            paths.append(f"{url}#{r['member']}")
-            offsets.append(int(r["offset"]))
-            sizes.append(int(r["size"]))
-            raw.append(r.get("label"))
-            where.append(f"tar shard {url}, sample {r['key']!r}")
-            prints.append(fingerprint(tar_print, r["offset"], r["size"]) if tar_print else 0)
-    labels, classes = labels_of(raw, where.__getitem__)
+        ids: list[str] = []
+        paths: list[str] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        raw: list[Any] = []
+        prints: list[int] = []
+        starts: list[int] = []  # each tar's first row
+        # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
+        for url, records, tar_print in zip(urls, pool.map(lambda u: scan_tar(u, extensions, storage), urls),
+                                           tar_prints, strict=True):
+            starts.append(len(ids))
+            for r in records:
+                ids.append(r["key"])
+                paths.append(f"{url}#{r['member']}")
+                offsets.append(int(r["offset"]))
+                sizes.append(int(r["size"]))
+                raw.append(r.get("label"))
+                prints.append(fingerprint(tar_print, r["offset"], r["size"]) if tar_print else 0)
+
+    def tar_of(n: int) -> str:
+        return urls[bisect.bisect_right(starts, n) - 1]
+
+    if len(set(ids)) < len(ids):
+        first: dict[str, int] = {}
+        for n, key in enumerate(ids):
+            if key in first:
+                raise DataError(f"sample key {key!r} appears in {tar_of(first[key])} and {tar_of(n)}; keys must be "
+                                "unique")
+            first[key] = n
+    labels, classes = labels_of(raw, lambda n: f"tar shard {tar_of(n)}, sample {ids[n]!r}")
     return Rows(ids=ids, paths=paths, labels=labels, classes=classes, offsets=offsets, sizes=sizes,
                 fingerprints=prints, listing={"tars": urls, "fingerprints": tar_prints, "extensions": list(extensions)})
 
