@@ -16,7 +16,7 @@ from extractor.data.listing import list_rows
 from extractor.data.rows import plan
 from extractor.data.tars import expand_braces
 from extractor.driver.runner import run
-from extractor.errors import DataError
+from extractor.errors import DataError, SpecError
 from extractor.read.reader import open_store
 from extractor.spec.schema import parse_spec
 
@@ -349,3 +349,53 @@ def test_a_sample_key_in_two_tars_is_refused_naming_both(tmp_path: Path):
     second = write_tars(files[1:], tmp_path / "two", per_tar=2)[0]  # a/ of the second file again
     with pytest.raises(DataError, match=rf"sample key 'a/\w+' appears in {first} and {second}; keys must be unique"):
         list_tars([str(first), str(second)], [".png", ".jpg"], {})
+
+
+def test_an_hf_imagefolder_metadata_csv_reads_as_it_is_through_data_columns(tmp_path: Path):
+    """Issue 30: a Hugging Face imagefolder's metadata.csv names its image column file_name; data.columns maps
+    it (and any label or id column), and the rows equal those of the same manifest with the default names."""
+    from extractor.spec.schema import DataSpec
+
+    files = make_images(tmp_path / "imgs", per_class=3, classes=("cat", "dog"), size=16)
+    rel = [f.relative_to(tmp_path / "imgs").as_posix() for f in files]
+    (tmp_path / "imgs" / "metadata.csv").write_text(
+        "file_name,category,caption\n" + "".join(f"{r},{r.split('/')[0]},a photo\n" for r in rel))
+    (tmp_path / "imgs" / "plain.csv").write_text("path,label\n" + "".join(f"{r},{r.split('/')[0]}\n" for r in rel))
+    hf = list_rows(DataSpec(source="manifest", manifest=str(tmp_path / "imgs" / "metadata.csv"),
+                            columns={"image": "file_name", "label": "category"}))
+    plain = list_rows(DataSpec(source="manifest", manifest=str(tmp_path / "imgs" / "plain.csv")))
+    assert (hf.ids, hf.paths, hf.labels, hf.classes) == (plain.ids, plain.paths, plain.labels, plain.classes)
+    assert hf.classes == ["cat", "dog"] and hf.labels == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(DataError, match=r"metadata.csv row 1: missing 'path' \('file_name', 'category', 'caption' "
+                                        r"there\).*data.columns maps other names"):
+        list_rows(DataSpec(source="manifest", manifest=str(tmp_path / "imgs" / "metadata.csv")))
+    with pytest.raises(DataError, match=r"data.columns.label: 'label_name' is not a column of .*metadata.csv"):
+        list_rows(DataSpec(source="manifest", manifest=str(tmp_path / "imgs" / "metadata.csv"),
+                           columns={"image": "file_name", "label": "label_name"}))
+    with pytest.raises(SpecError, match="data.columns names a manifest's columns; data.source is 'folder'"):
+        parse_spec({**job(tmp_path / "imgs", tmp_path / "s.zarr"), "data": {"root": str(tmp_path / "imgs"),
+                                                                           "columns": {"image": "file_name"}}})
+
+
+def test_data_classes_name_integer_labels_and_order_named_ones(tmp_path: Path):
+    """Issue 30: data.classes gives integer labels (a tar's .cls) their names, stored as the store's classes and
+    checked against the labels seen; labels that are names take their index from it."""
+    from extractor.spec.schema import DataSpec
+
+    files = make_images(tmp_path / "imgs", per_class=2, classes=("a", "b"), size=16)
+    tars = write_tars(files, tmp_path / "tars", per_tar=2, labels={"a": 0, "b": 1})
+    pattern = str(tmp_path / "tars" / "shard-{000..001}.tar")
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", data={"source": "tar", "root": None, "tars": pattern,
+                                                             "classes": ["apple", "banana"]})
+    run(parse_spec(raw))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.classes == ["apple", "banana"] and s.labels.tolist() == [0, 0, 1, 1]
+    with pytest.raises(DataError, match=r"row 'b/\w+' has label 1, but data.classes names 1 classes \(labels 0 to 0\)"):
+        list_rows(DataSpec(source="tar", tars=pattern, classes=("apple",)))
+    folder = list_rows(DataSpec(root=str(tmp_path / "imgs"), classes=("b", "a")))  # names: the order given
+    assert folder.classes == ["b", "a"] and folder.labels == [1, 1, 0, 0]
+    with pytest.raises(DataError, match=r"labels 'b' are not in data.classes \(2 names\)"):
+        list_rows(DataSpec(root=str(tmp_path / "imgs"), classes=("a", "c")))
+    with pytest.raises(ValueError, match="data.classes names a class twice"):
+        DataSpec(root="x", classes=("a", "a"))
+    assert len(tars) == 2

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -42,7 +43,8 @@ def list_rows(data: DataSpec) -> Rows:
         where = data.root
     elif data.source == "manifest":
         assert data.manifest is not None
-        rows = _list_manifest(data.manifest, data.root, storage, data.outside_root)
+        rows = _list_manifest(data.manifest, data.root, storage, data.outside_root,
+                              {str(k): v for k, v in data.columns.items()})
         where = data.manifest
     else:
         rows = list_tars(data.tars, data.extensions, storage)
@@ -52,7 +54,27 @@ def list_rows(data: DataSpec) -> Rows:
             f"no images found in {where} (looked for files ending in {', '.join(data.extensions)}); "
             "check data.root / data.manifest / data.tars"
         )
-    return rows
+    return rows if data.classes is None else named(rows, list(data.classes), where)
+
+
+def named(rows: Rows, classes: list[str], where: str) -> Rows:
+    """``rows`` with the class names ``data.classes``: integer labels checked to be among them, labels that were
+    names (or folders) given their index in them."""
+    labels = rows.labels
+    if rows.classes:  # names: their index in the given list
+        index = {c: i for i, c in enumerate(classes)}
+        unknown = sorted(set(rows.classes) - set(index))
+        if unknown:
+            raise DataError(f"{where}: labels {', '.join(map(repr, unknown[:10]))} are not in data.classes "
+                            f"({len(classes)} names); add them, or remove data.classes to take the labels' own names")
+        to = [index[c] for c in rows.classes]
+        labels = [to[label] if label >= 0 else -1 for label in labels]
+    else:
+        beyond = next((n for n, label in enumerate(labels) if label >= len(classes)), None)
+        if beyond is not None:
+            raise DataError(f"{where}: row {rows.ids[beyond]!r} has label {labels[beyond]}, but data.classes names "
+                            f"{len(classes)} classes (labels 0 to {len(classes) - 1})")
+    return replace(rows, labels=labels, classes=classes)
 
 
 def _list_remote_folder(root: str, extensions: Sequence[str], storage: dict) -> Rows:
@@ -133,33 +155,64 @@ def _outside(path: str) -> bool:
     return False
 
 
-def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False) -> Rows:
-    records = _manifest_records(manifest, storage)
+def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False,
+                   columns: dict[str, str] | None = None) -> Rows:
     base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
+    names = _Columns(manifest, columns or {})
     ids, paths, raw_labels = [], [], []
-    for n, rec in enumerate(records):
-        where = f"{manifest} row {n + 1}"
-        if not isinstance(rec, dict) or not rec.get("path"):
-            raise DataError(f"{where}: missing 'path' (columns: path, optional id and label)")
-        p = str(rec["path"])
+    for n, rec in enumerate(_manifest_records(manifest, storage)):
+        p = names.image_of(rec, n)
         if not outside_root and _outside(p):
-            raise DataError(f"{where}: path {p!r} lies outside data.root ({base}); a manifest names images under its "
-                            "root, by relative paths that stay inside it. If its paths are absolute, URLs or lead "
-                            "elsewhere by design, set data.outside_root: true")
+            raise DataError(f"{manifest} row {n + 1}: path {p!r} lies outside data.root ({base}); a manifest names "
+                            "images under its root, by relative paths that stay inside it. If its paths are "
+                            "absolute, URLs or lead elsewhere by design, set data.outside_root: true")
         full = f"{base.rstrip('/')}/{p}" if is_relative(p) else p
         paths.append(absolute(full))
-        ids.append(str(rec["id"]) if rec.get("id") not in (None, "") else p)
-        raw_labels.append(rec.get("label"))
+        ids.append(str(rec[names.id]) if rec.get(names.id) not in (None, "") else p)
+        raw_labels.append(rec.get(names.label))
+    names.check_seen()
+    _check_unique(ids, manifest)
+    labels, classes = labels_of(raw_labels, lambda n: f"{manifest} row {n + 1}")
+    # local files: fingerprinted now; URLs: unknown (one request each), checked by inspect --verify
+    prints = [0 if is_url(p) else local_fingerprint(p) for p in paths]
+    return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints)
+
+
+class _Columns:
+    """A manifest's column names (``data.columns`` over the defaults path, id, label), and which of the label
+    and id columns the user named were seen in a row."""
+
+    def __init__(self, manifest: str, columns: dict[str, str]) -> None:
+        named = {"image": "path", "id": "id", "label": "label", **columns}
+        self.manifest, self.image, self.id, self.label = manifest, named["image"], named["id"], named["label"]
+        self.mapped = {v: k for k, v in columns.items() if k != "image"}  # label and id columns named by the user
+        self.seen: set[str] = set()
+
+    def image_of(self, rec: Any, n: int) -> str:
+        """The image path of record ``rec`` (row ``n``); a row without one is refused naming the columns."""
+        if not isinstance(rec, dict) or not rec.get(self.image):
+            there = f" ({', '.join(map(repr, list(rec)[:8]))} there)" if isinstance(rec, dict) else ""
+            raise DataError(f"{self.manifest} row {n + 1}: missing {self.image!r}{there}; the columns are "
+                            f"{self.image}, optional {self.id} and {self.label} (data.columns maps other names: "
+                            "{image: file_name})")
+        if self.mapped:
+            self.seen.update(k for k in self.mapped if k in rec)
+        return str(rec[self.image])
+
+    def check_seen(self) -> None:
+        """Refuse a label or id column named in data.columns that no row has."""
+        for what in sorted(set(self.mapped) - self.seen):
+            raise DataError(f"data.columns.{self.mapped[what]}: {what!r} is not a column of {self.manifest}; fix "
+                            "the name, or remove it from data.columns")
+
+
+def _check_unique(ids: list[str], manifest: str) -> None:
     if len(set(ids)) < len(ids):  # (a set of the ids: half the memory of a dict of their rows)
         seen: dict[str, int] = {}
         for n, i in enumerate(ids):
             if i in seen:
                 raise DataError(f"{manifest}: id {i!r} appears in rows {seen[i] + 1} and {n + 1}; ids must be unique")
             seen[i] = n
-    labels, classes = labels_of(raw_labels, lambda n: f"{manifest} row {n + 1}")
-    # local files: fingerprinted now; URLs: unknown (one request each), checked by inspect --verify
-    prints = [0 if is_url(p) else local_fingerprint(p) for p in paths]
-    return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints)
 
 
 def _manifest_records(manifest: str, storage: dict) -> Iterator[Any]:

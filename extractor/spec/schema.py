@@ -216,6 +216,13 @@ class DataSpec(_Section):
     job at any file the machine can read."""
     tars: str | tuple[str, ...] | None = None
     """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``)."""
+    columns: dict[Literal["image", "label", "id"], str] = Field(default_factory=dict)
+    """A manifest's column names, where they are not ``path``, ``label`` and ``id``: ``{image: file_name}``
+    reads a Hugging Face imagefolder's ``metadata.csv`` as it is."""
+    classes: tuple[str, ...] | None = None
+    """Class names: label i is ``classes[i]``, stored as the store's ``classes``. For integer labels (a tar's
+    ``.cls``, a manifest's numbers) a label outside them is refused; labels that are names (or folders) take
+    their index from this list (a name not in it is refused), instead of the sorted names."""
     storage_options: dict[str, Any] = Field(default_factory=dict, json_schema_extra=RUN_ONLY)
     """fsspec options for remote images, manifests and tars (``endpoint_url``, ``key``, ``secret``...)."""
     extensions: tuple[str, ...] = IMAGE_EXTENSIONS
@@ -279,6 +286,10 @@ class DataSpec(_Section):
             raise ValueError("data.source 'manifest' needs data.manifest (a .csv or .jsonl file)")
         if self.source == "tar" and not self.tars:
             raise ValueError("data.source 'tar' needs data.tars (tar paths or URLs, brace patterns allowed)")
+        if self.columns and self.source != "manifest":
+            raise ValueError(f"data.columns names a manifest's columns; data.source is {self.source!r}: remove it")
+        if self.classes is not None and len(set(self.classes)) != len(self.classes):
+            raise ValueError("data.classes names a class twice: each label needs one name")
         return self
 
     @model_validator(mode="after")
