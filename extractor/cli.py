@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._text import estimate, size, table
-from .errors import ExtractorError, FencedError
+from .errors import ExtractorError, FencedError, StoreError
 
 log = logging.getLogger("extractor")
 
@@ -402,6 +402,35 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .read import compare
+
+    opened: dict[str, Any] = {}
+    captures = []
+    for item in args.captures:
+        store, key = _store_and_key(item, opened, _store_options(args))
+        captures += [(store, k) for k in ([key] if key else store.keys)]
+    result = compare(captures, rows=args.rows, rsa_rows=args.rsa_rows, seed=args.seed)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.report())
+    return 0
+
+
+def _store_and_key(item: str, opened: dict[str, Any], options: dict[str, Any]) -> tuple[Any, str | None]:
+    """``STORE:KEY`` or ``STORE`` (a URL's own colons are the store's: the part after the last one is a key only
+    when the store has that capture)."""
+    from .read import open_store
+
+    url, _, key = item.rpartition(":")
+    if url and key and "/" not in key:
+        store = opened.get(url) or open_store(url, options)
+        opened[url] = store
+        if key not in store.keys:
+            raise StoreError(f"{key!r} is not a capture of {url}; its captures: {', '.join(store.keys)}")
+        return store, key
+    opened[item] = opened.get(item) or open_store(item, options)
+    return opened[item], None
+
+
 # --------------------------------------------------------------------------- demo
 
 
@@ -608,6 +637,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-rows", type=_at_least(2), default=10000, help="rows sampled for the probe")
     pr.add_argument("--out", default=None, help="bar chart PNG")
     pr.set_defaults(func=cmd_probe)
+
+    co = sub.add_parser("compare", parents=[common, remote],
+                        help="linear CKA and RSA between captures of one store or of several (rows aligned by id)")
+    co.add_argument("captures", nargs="+", metavar="STORE[:KEY]", help="a store's capture, or all of a store's")
+    co.add_argument("--rows", type=_at_least(2), default=2048, help="rows sampled for CKA (default 2048)")
+    co.add_argument("--rsa-rows", type=_at_least(3), default=1000, help="rows of the RDMs (default 1000)")
+    co.add_argument("--seed", type=int, default=0)
+    co.add_argument("--json", action="store_true", help="the matrices as JSON")
+    co.set_defaults(func=cmd_compare)
 
     su = sub.add_parser("submit", parents=[common], help="submit a job spec to a Ray cluster (Ray Jobs API)")
     su.add_argument("job", help="job spec (YAML)")

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .analysis import bar_chart, finite, image_grid, linear_probe, pca, probe_store, scatter_plot
     from .reader import ActivationStore, open_store
     from .show import gradcam_grid
+    from .similarity import Comparison, compare, linear_cka
 
 __all__ = [
     "open_store",
@@ -24,6 +25,9 @@ __all__ = [
     "scatter_plot",
     "bar_chart",
     "gradcam_grid",
+    "compare",
+    "Comparison",
+    "linear_cka",
 ]
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
@@ -40,5 +44,8 @@ __getattr__ = face(
         "scatter_plot": "analysis",
         "bar_chart": "analysis",
         "gradcam_grid": "show",
+        "compare": "similarity",
+        "Comparison": "similarity",
+        "linear_cka": "similarity",
     },
 )

@@ -582,13 +582,18 @@ class ActivationStore:
             raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix!r}")
         return int(drop_prefix)
 
-    def row(self, id: str) -> dict[str, Any]:
-        """All captures and extras of the row with image id ``id`` (random access by id)."""
+    def row_numbers(self, ids: Sequence[str]) -> np.ndarray:
+        """The store rows of the image ids ``ids`` (KeyError naming the first one not in the store)."""
         if self._row_of is None:
             self._row_of = {str(i): n for n, i in enumerate(self.ids)}
-        if id not in self._row_of:
-            raise KeyError(f"no row with id {id!r} in {self.url}")
-        n = self._row_of[id]
+        missing = next((i for i in ids if i not in self._row_of), None)
+        if missing is not None:
+            raise KeyError(f"no row with id {missing!r} in {self.url}")
+        return np.array([self._row_of[i] for i in ids], dtype=np.int64)
+
+    def row(self, id: str) -> dict[str, Any]:
+        """All captures and extras of the row with image id ``id`` (random access by id)."""
+        n = int(self.row_numbers([id])[0])
         if "status" not in self._arrays:
             self._arrays["status"] = get_array(self.group, "status")
         status = STATUS_NAMES[int(np.asarray(self._arrays["status"][n]))]

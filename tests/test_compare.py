@@ -1,0 +1,107 @@
+"""Representational comparison (issue 31): linear CKA and RSA between captures of one store or of several,
+rows aligned by image id, checked against the formulas computed here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from extractor.data.rows import Rows
+from extractor.errors import StoreError
+from extractor.read import compare, linear_cka, open_store
+from extractor.store.format import FAILED, OK, StoreArrays, create_store
+
+
+def _store(url: str, ids: list[str], arrays: dict[str, np.ndarray], failed: tuple[int, ...] = ()) -> None:
+    n = len(ids)
+    caps = {k: {"shape": list(v.shape[1:]), "dtype": "float32", "dims": [f"{k}.feature"], "layer": k,
+                "what": "output", "reduce": "mean"} for k, v in arrays.items()}
+    g = create_store(url, Rows(ids=ids, paths=[""] * n, labels=[0] * n),
+                     StoreArrays(captures=caps, extras={}, shard_size=n, chunk_rows=dict.fromkeys(caps, 64)),
+                     attrs={"n_rows": n, "n_shards": 1, "captures": caps, "format_version": 1, "spec": {}, "model": {}})
+    for k, v in arrays.items():
+        g[k][:] = v
+    status = np.full(n, OK, np.uint8)
+    status[list(failed)] = FAILED
+    g["status"][:] = status
+
+
+def _cka_by_formula(x: np.ndarray, y: np.ndarray) -> float:
+    """Kornblith et al. (2019), eq. 4: HSIC of linear kernels of centred features, normalised."""
+    x, y = x - x.mean(0), y - y.mean(0)
+    return np.sum((x.T @ y) ** 2) / np.sqrt(np.sum((x.T @ x) ** 2) * np.sum((y.T @ y) ** 2))
+
+
+def _spearman_of_rdms(x: np.ndarray, y: np.ndarray) -> float:
+    iu = np.triu_indices(len(x), 1)
+    a, b = ((1 - np.corrcoef(m))[iu] for m in (x, y))
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))  # no ties in continuous distances
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("compare")
+    rng = np.random.default_rng(0)
+    n = 300
+    x = rng.standard_normal((n, 20)).astype(np.float32)
+    q, _ = np.linalg.qr(rng.standard_normal((20, 20)))
+    z = (np.tanh(x[:, :12] @ rng.standard_normal((12, 30))) + rng.standard_normal((n, 30))).astype(np.float32)
+    ids = [f"img{i}" for i in range(n)]
+    _store(str(root / "a.zarr"), ids, {"x": x, "rotated": (x @ q * 3.0).astype(np.float32), "z": z}, failed=(5,))
+    order = rng.permutation(n)[: n - 40]  # another store: 260 of the images, in another order, one more failed
+    _store(str(root / "b.zarr"), [ids[i] for i in order], {"x": x[order]}, failed=(0,))
+    _store(str(root / "c.zarr"), [f"other{i}" for i in range(10)], {"x": x[:10]})
+    return root, x, z, order
+
+
+def test_cka_and_rsa_equal_their_formulas_and_cka_is_invariant_to_rotation_and_scaling(stores):
+    root, x, z, _ = stores
+    a = open_store(str(root / "a.zarr"))
+    got = compare([(a, "x"), (a, "rotated"), (a, "z")], rows=1000, rsa_rows=120)
+    ok = np.flatnonzero(np.arange(300) != 5)  # the failed row is left out
+    assert got.shared == got.cka_rows == 299 and got.rsa_rows == 120
+    np.testing.assert_allclose(np.diag(got.cka), 1.0, rtol=1e-12)  # a capture against itself
+    assert got.cka[0, 1] == pytest.approx(1.0, abs=1e-9)  # invariant to an orthogonal rotation and scaling by 3
+    assert got.cka[0, 2] == pytest.approx(_cka_by_formula(x[ok].astype(np.float64), z[ok].astype(np.float64)),
+                                          rel=1e-9)
+    assert got.cka[0, 2] == pytest.approx(linear_cka(x[ok], z[ok]), rel=1e-9) and np.allclose(got.cka, got.cka.T)
+    assert 0.05 < got.cka[0, 2] < 0.95  # related, not the same
+    sample = ok[:120]  # the RSA sample: the first rsa_rows of the (here: whole) CKA sample, in row order
+    assert got.rsa[0, 2] == pytest.approx(_spearman_of_rdms(x[sample].astype(np.float64),
+                                                            z[sample].astype(np.float64)), abs=1e-9)
+    np.testing.assert_allclose(np.diag(got.rsa), 1.0, rtol=1e-12)
+
+
+def test_rows_are_aligned_by_id_across_stores_and_stores_sharing_none_are_refused(stores):
+    root, x, _, order = stores
+    a, b = open_store(str(root / "a.zarr")), open_store(str(root / "b.zarr"))
+    got = compare([(a, "x"), (b, "x")], rows=1000)
+    assert got.shared == 260 - 1 - int(5 in order[1:])  # ok in both: b's first row failed, a's row 5 failed
+    assert got.cka[0, 1] == pytest.approx(1.0, abs=1e-12) and got.rsa[0, 1] == pytest.approx(1.0, abs=1e-12)
+    sampled = compare([(a, "x"), (b, "x")], rows=50, seed=3)
+    assert sampled.cka_rows == 50 and sampled.cka[0, 1] == pytest.approx(1.0, abs=1e-12)
+    with pytest.raises(StoreError, match=r"share no image id whose row is ok in all of them: .*a.zarr \(299 ok\)"):
+        compare([(a, "x"), (open_store(str(root / "c.zarr")), "x")])
+    with pytest.raises(StoreError, match="'nope' is not a capture of"):
+        compare([(a, "x"), (a, "nope")])
+
+
+def test_the_compare_command_prints_the_tables_and_json(stores):
+    root, *_ = stores
+    cmd = [sys.executable, "-m", "extractor.cli", "compare", f"{root / 'a.zarr'}:x", str(root / "b.zarr"), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["names"] == [f"{root / 'a.zarr'}:x", f"{root / 'b.zarr'}:x"]
+    assert result["cka"][0][1] == pytest.approx(1.0, abs=1e-9)
+    text = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=120).stdout
+    shared = result["shared_rows"]
+    assert f"linear CKA, {shared} of {shared} shared rows" in text and "RSA (Spearman of RDMs)" in text
+    bad = subprocess.run([*cmd[:4], f"{root / 'a.zarr'}:nope", str(root / "b.zarr")], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1 and "'nope' is not a capture of" in bad.stderr and "Traceback" not in bad.stderr
