@@ -356,7 +356,7 @@ def _parse_rows(text: str | None) -> slice | None:
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .read import finite, gradcam_grid, image_grid, open_store, pca, scatter_plot
+    from .read import finite, gradcam_grid, image_grid, open_store, pca, scatter_plot, top_rows
 
     store = open_store(args.store, _store_options(args))
     cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
@@ -365,7 +365,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise ExtractorError(f"name a capture with --key (one of: {', '.join(store.keys)})")
     if key not in store.captures:
         raise ExtractorError(f"{key!r} is not a capture of {args.store}; captures: {', '.join(store.keys)}")
-    if key in cams:
+    if args.top is not None:
+        if args.top.endswith(".npy") and not Path(args.top).is_file():
+            raise ExtractorError(f"--top {args.top}: no such file (a .npy vector of a direction)")
+        feature = np.load(args.top) if args.top.endswith(".npy") else _int(args.top, "--top")
+        rows, values = top_rows(store, key, feature, k=args.k, pool=args.pool)
+        captions = [f"{r}: {v:.4g}" for r, v in zip(rows, values, strict=True)]
+        sheet = image_grid(store, rows, columns=args.columns, captions=captions)
+    elif key in cams:
         sheet = gradcam_grid(store, key=key, rows=_parse_rows(args.rows or "0:16"), columns=args.columns)
     elif args.rows:
         rows = np.arange(len(store))[_parse_rows(args.rows)]
@@ -381,6 +388,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     _save(sheet, args.out)
     print(f"wrote {args.out} ({sheet.size[0]}x{sheet.size[1]})")
     return 0
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ExtractorError(f"{what} takes a feature index or a .npy file of a direction, not {text!r}") from None
 
 
 def _print_probe(results: dict) -> None:
@@ -626,6 +640,11 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--rows", default=None, help="rows START:STOP: draw these images (gradcam default 0:16)")
     sh.add_argument("--columns", type=int, default=4)
     sh.add_argument("--max-rows", type=_at_least(2), default=5000, help="rows sampled for the PCA")
+    sh.add_argument("--top", default=None, metavar="F|VECTOR.npy",
+                    help="the images where feature F (a channel or feature index) or a direction (a .npy vector, "
+                         "e.g. an SAE decoder row) is highest, with their values")
+    sh.add_argument("--k", type=_at_least(1), default=16, help="images for --top (default 16)")
+    sh.add_argument("--pool", choices=["max", "mean"], default="max", help="over positions or tokens, for --top")
     sh.add_argument("--out", default="show.png")
     sh.set_defaults(func=cmd_show)
 

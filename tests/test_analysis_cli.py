@@ -86,3 +86,23 @@ def test_a_store_without_ok_rows(stores, tmp_path: Path, capsys):
     for text in ("unreadable", "UnidentifiedImageError", "3: a_class_with_a_long_name"):
         assert d.textlength(_fit(d, text, 28)) <= 28  # captions stay inside their 32-px cell
     assert _fit(d, "0: a", 28) == "0: a"
+
+
+def test_show_top_draws_the_images_where_a_feature_is_highest_with_their_values(stores, tmp_path: Path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    from extractor.read import open_store, top_rows
+
+    ok, _ = stores
+    out = tmp_path / "top.png"
+    assert main(["show", ok, "--key", "emb", "--top", "5", "--k", "4", "--columns", "2", "--out", str(out)]) == 0
+    assert Image.open(out).size == (2 * 32, 2 * (32 + 16))  # 4 images of the crop, 2 columns, captions below
+    direction = tmp_path / "d.npy"
+    np.save(direction, np.ones(512))
+    assert main(["show", ok, "--key", "emb", "--top", str(direction), "--out", str(tmp_path / "d.png")]) == 0
+    rows, values = top_rows(open_store(ok), "emb", np.ones(512), k=16)
+    assert len(rows) == 6 and (np.diff(values) <= 0).all()  # every ok row, highest first
+    capsys.readouterr()
+    assert main(["show", ok, "--key", "emb", "--top", "nope.npy"]) == 1
+    assert "--top nope.npy: no such file" in capsys.readouterr().err

@@ -16,10 +16,11 @@ from extractor.read import compare, linear_cka, open_store
 from extractor.store.format import FAILED, OK, StoreArrays, create_store
 
 
-def _store(url: str, ids: list[str], arrays: dict[str, np.ndarray], failed: tuple[int, ...] = ()) -> None:
+def _store(url: str, ids: list[str], arrays: dict[str, np.ndarray], failed: tuple[int, ...] = (),
+           dims: dict[str, list[str]] | None = None) -> None:
     n = len(ids)
-    caps = {k: {"shape": list(v.shape[1:]), "dtype": "float32", "dims": [f"{k}.feature"], "layer": k,
-                "what": "output", "reduce": "mean"} for k, v in arrays.items()}
+    caps = {k: {"shape": list(v.shape[1:]), "dtype": "float32", "dims": (dims or {}).get(k, [f"{k}.feature"]),
+                "layer": k, "what": "output", "reduce": "mean"} for k, v in arrays.items()}
     g = create_store(url, Rows(ids=ids, paths=[""] * n, labels=[0] * n),
                      StoreArrays(captures=caps, extras={}, shard_size=n, chunk_rows=dict.fromkeys(caps, 64)),
                      attrs={"n_rows": n, "n_shards": 1, "captures": caps, "format_version": 1, "spec": {}, "model": {}})
@@ -105,3 +106,33 @@ def test_the_compare_command_prints_the_tables_and_json(stores):
     bad = subprocess.run([*cmd[:4], f"{root / 'a.zarr'}:nope", str(root / "b.zarr")], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 1 and "'nope' is not a capture of" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_top_rows_equal_argsort_on_the_whole_capture_for_an_index_or_a_direction(tmp_path):
+    """Issue 31: the images that drive a unit or a direction, streamed batch by batch, equal argsort on the
+    whole capture (pooled over tokens or positions), ok rows only."""
+    from extractor.read import top_rows
+
+    rng = np.random.default_rng(1)
+    n = 700  # more than one batch of whole chunks
+    tok = rng.standard_normal((n, 5, 6)).astype(np.float32)
+    maps = rng.standard_normal((n, 4, 3, 3)).astype(np.float32)
+    tok[17, 2, 3] = np.nan  # a row holding NaN there never comes
+    _store(str(tmp_path / "s.zarr"), [f"i{r}" for r in range(n)], {"tok": tok, "map": maps}, failed=(9,),
+           dims={"tok": ["tok.token", "tok.feature"], "map": ["map.channel", "map.y", "map.x"]})
+    s = open_store(str(tmp_path / "s.zarr"))
+    ok = np.array([r for r in range(n) if r not in (9, 17)])
+    direction = rng.standard_normal(6)
+    cases = [("tok", 3, "max", tok[:, :, 3].max(1)), ("tok", direction, "mean", (tok @ direction).mean(1)),
+             ("map", 2, "mean", maps[:, 2].mean((1, 2))), ("map", rng.standard_normal(4), "max", None)]
+    for key, feature, pool, score in cases:
+        if score is None:  # a direction over a map's channels, max over positions
+            score = np.tensordot(maps.astype(np.float64), feature, ([1], [0])).reshape(n, -1).max(1)
+        rows, values = top_rows(s, key, feature, k=12, pool=pool)
+        expect = ok[np.argsort(-score[ok], kind="stable")[:12]]
+        assert rows.tolist() == expect.tolist(), (key, pool)
+        np.testing.assert_allclose(values, score[expect], rtol=1e-6)
+    with pytest.raises(StoreError, match=r"tok has 6 features along tok.feature: give an index 0 to 5"):
+        top_rows(s, "tok", 6)
+    with pytest.raises(StoreError, match=r"or a direction of 4 values \(not \(3,\)\)"):
+        top_rows(s, "map", np.ones(3))

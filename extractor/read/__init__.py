@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .._face import face
 
 if TYPE_CHECKING:
-    from .analysis import bar_chart, finite, image_grid, linear_probe, pca, probe_store, scatter_plot
+    from .analysis import bar_chart, finite, image_grid, linear_probe, pca, probe_store, scatter_plot, top_rows
     from .reader import ActivationStore, open_store
     from .show import gradcam_grid
     from .similarity import Comparison, compare, linear_cka
@@ -25,6 +25,7 @@ __all__ = [
     "scatter_plot",
     "bar_chart",
     "gradcam_grid",
+    "top_rows",
     "compare",
     "Comparison",
     "linear_cka",
@@ -44,6 +45,7 @@ __getattr__ = face(
         "scatter_plot": "analysis",
         "bar_chart": "analysis",
         "gradcam_grid": "show",
+        "top_rows": "analysis",
         "compare": "similarity",
         "Comparison": "similarity",
         "linear_cka": "similarity",

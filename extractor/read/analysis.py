@@ -15,7 +15,7 @@ from .reader import ActivationStore
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["linear_probe", "probe_store", "pca", "bar_chart", "scatter_plot", "image_grid"]
+__all__ = ["linear_probe", "probe_store", "pca", "bar_chart", "scatter_plot", "image_grid", "top_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,44 @@ def scatter_plot(
     return img
 
 
-def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8) -> Image.Image:
-    """The input images of ``rows`` as the job saw them (resized and cropped), with id and label."""
+def top_rows(store: ActivationStore, key: str, feature: int | np.ndarray, k: int = 16,
+             pool: str = "max") -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` ok rows of capture ``key`` where a feature is highest: ``feature`` is the index of a channel (of a
+    map) or feature (of a vector or a token sequence), or a direction over them (a vector, e.g. an SAE decoder
+    row: the features' dot product with it), pooled over positions or tokens by ``pool`` (``max`` or ``mean``).
+    Streamed a batch of whole chunks at a time (never the whole capture). Returns ``(rows, values)``, highest
+    first; rows holding NaN or Inf there never come."""
+    from ..store.stats import feature_axis
+
+    meta = store.captures.get(key)
+    if meta is None:
+        raise StoreError(f"{key!r} is not a capture of {store.url}; its captures: {', '.join(store.keys)}")
+    axis = feature_axis(meta["dims"])
+    if axis is None or pool not in ("max", "mean") or k < 1:
+        raise StoreError(f"top rows of {key} need a feature axis (its dims: {', '.join(meta['dims'])}), pool max or "
+                         f"mean (not {pool!r}) and k >= 1 (not {k})")
+    n_feat = int(meta["shape"][axis - 1])
+    direction = None if isinstance(feature, int | np.integer) else np.asarray(feature, np.float64).reshape(-1)
+    if direction is None and not 0 <= int(feature) < n_feat or direction is not None and len(direction) != n_feat:
+        raise StoreError(f"{key} has {n_feat} features along {meta['dims'][axis - 1]}: give an index 0 to "
+                         f"{n_feat - 1}, or a direction of {n_feat} values (not {np.shape(feature)})")
+    best_rows, best = np.empty(0, np.int64), np.empty(0, np.float64)
+    for rows, x in store.batches(key, 4096, shuffle=False):
+        x = np.asarray(x, np.float64)
+        v = np.take(x, int(feature), axis=axis) if direction is None else np.tensordot(x, direction, ([axis], [0]))
+        v = v.reshape(len(x), -1)
+        score = v.max(axis=1) if pool == "max" else v.mean(axis=1)
+        keep = np.isfinite(score)
+        best_rows, best = np.concatenate([best_rows, rows[keep]]), np.concatenate([best, score[keep]])
+        top = np.argsort(-best, kind="stable")[:k]
+        best_rows, best = best_rows[top], best[top]
+    return best_rows, best
+
+
+def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8,
+               captions: Sequence[str] | None = None) -> Image.Image:
+    """The input images of ``rows`` as the job saw them (resized and cropped), with row and label, or
+    ``captions``."""
     from PIL import Image, ImageDraw
 
     from ..data import of_store
@@ -196,6 +232,6 @@ def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8) -> Im
             for i, line in enumerate(("unreadable", type(err).__name__)):
                 d.text((x + 2, y + 2 + 12 * i), fit_text(d, line, cw - 4), fill="red")
         lab = int(store.labels[r])
-        caption = f"{r}: {classes[lab] if 0 <= lab < len(classes) else lab}"
+        caption = captions[n] if captions is not None else f"{r}: {classes[lab] if 0 <= lab < len(classes) else lab}"
         d.text((x + 2, y + ch + 2), fit_text(d, caption, cw - 4), fill="black")
     return sheet
