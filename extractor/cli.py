@@ -356,7 +356,7 @@ def _parse_rows(text: str | None) -> slice | None:
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .read import finite, gradcam_grid, image_grid, open_store, pca, scatter_plot, top_rows
+    from .read import finite, gradcam_grid, image_grid, open_store, pca, scatter_plot
 
     store = open_store(args.store, _store_options(args))
     cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
@@ -366,12 +366,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if key not in store.captures:
         raise ExtractorError(f"{key!r} is not a capture of {args.store}; captures: {', '.join(store.keys)}")
     if args.top is not None:
-        if args.top.endswith(".npy") and not Path(args.top).is_file():
-            raise ExtractorError(f"--top {args.top}: no such file (a .npy vector of a direction)")
-        feature = np.load(args.top) if args.top.endswith(".npy") else _int(args.top, "--top")
-        rows, values = top_rows(store, key, feature, k=args.k, pool=args.pool)
-        captions = [f"{r}: {v:.4g}" for r, v in zip(rows, values, strict=True)]
-        sheet = image_grid(store, rows, columns=args.columns, captions=captions)
+        sheet = _top_sheet(store, key, args)
     elif key in cams:
         sheet = gradcam_grid(store, key=key, rows=_parse_rows(args.rows or "0:16"), columns=args.columns)
     elif args.rows:
@@ -388,6 +383,20 @@ def cmd_show(args: argparse.Namespace) -> int:
     _save(sheet, args.out)
     print(f"wrote {args.out} ({sheet.size[0]}x{sheet.size[1]})")
     return 0
+
+
+def _top_sheet(store: Any, key: str, args: argparse.Namespace) -> Any:
+    """``show --top``: the images where a feature or a direction is highest, captioned with row and value."""
+    import numpy as np
+
+    from .read import image_grid, top_rows
+
+    if args.top.endswith(".npy") and not Path(args.top).is_file():
+        raise ExtractorError(f"--top {args.top}: no such file (a .npy vector of a direction)")
+    feature = np.load(args.top) if args.top.endswith(".npy") else _int(args.top, "--top")
+    rows, values = top_rows(store, key, feature, k=args.k, pool=args.pool)
+    captions = [f"{r}: {v:.4g}" for r, v in zip(rows, values, strict=True)]
+    return image_grid(store, rows, columns=args.columns, captions=captions)
 
 
 def _int(text: str, what: str) -> int:
