@@ -417,7 +417,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     store = open_store(args.store, _store_options(args))
     results = probe_store(store, args.keys or None, folds=args.folds, max_rows=args.max_rows)
-    _print_probe(results)
+    if args.json:  # for scripts: per key features, rows, accuracy, std, chance and each fold's accuracy
+        print(json.dumps(results, indent=2, default=float))
+    else:
+        _print_probe(results)
     if args.out:
         folds = len(next(iter(results.values()))["folds"])  # fewer than --folds when there are fewer rows
         _save(bar_chart(results, f"linear probe, {folds}-fold accuracy: {args.store}"), args.out)
@@ -664,6 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--folds", type=_at_least(2), default=5, help="cross-validation folds (default 5)")
     pr.add_argument("--max-rows", type=_at_least(2), default=10000, help="rows sampled for the probe")
     pr.add_argument("--out", default=None, help="bar chart PNG")
+    pr.add_argument("--json", action="store_true", help="the results as JSON (for scripts)")
     pr.set_defaults(func=cmd_probe)
 
     co = sub.add_parser("compare", parents=[common, remote],

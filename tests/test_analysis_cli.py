@@ -106,3 +106,17 @@ def test_show_top_draws_the_images_where_a_feature_is_highest_with_their_values(
     capsys.readouterr()
     assert main(["show", ok, "--key", "emb", "--top", "nope.npy"]) == 1
     assert "--top nope.npy: no such file" in capsys.readouterr().err
+
+
+def test_probe_json_gives_each_captures_accuracy_chance_and_folds(stores, capsys):
+    import json
+
+    from extractor.read import open_store, probe_store
+
+    ok, _ = stores
+    capsys.readouterr()
+    assert main(["probe", ok, "--folds", "3", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    expect = probe_store(open_store(ok), None, folds=3)  # the same deterministic folds
+    assert set(got) == {"emb"} and got["emb"]["chance"] == 0.5 and len(got["emb"]["folds"]) == 3
+    assert got["emb"]["accuracy"] == pytest.approx(float(expect["emb"]["accuracy"]))
