@@ -296,14 +296,14 @@ def tar_listing(patterns: str | Sequence[str] | None, extensions: Sequence[str],
 
 def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], storage: dict[str, Any]) -> Rows:
     """Rows of every sample of every tar, in pattern order then member order."""
-    urls = tar_urls(patterns)
+    listing = tar_listing(patterns, extensions, storage)  # recorded with the store: a resume may reuse the rows
+    urls, tar_prints = listing["tars"], listing["fingerprints"]
     for url in urls:
         if "#" in url:
             check_unambiguous(url, storage)
     # remote tars on 16 threads (their reads wait on the network); local ones on one: parsing holds the GIL,
     # and threads contending for it took twice the time of one
     with ThreadPoolExecutor(min(16, len(urls)) if any(is_url(u) for u in urls) else 1) as pool:
-        tar_prints = list(pool.map(lambda u: _tar_fingerprint(u, storage), urls))
         ids: list[str] = []
         paths: list[str] = []
         offsets: list[int] = []
@@ -335,7 +335,7 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
             first[key] = n
     labels, classes = labels_of(raw, lambda n: f"tar shard {tar_of(n)}, sample {ids[n]!r}")
     return Rows(ids=ids, paths=paths, labels=labels, classes=classes, offsets=offsets, sizes=sizes,
-                fingerprints=prints, listing={"tars": urls, "fingerprints": tar_prints, "extensions": list(extensions)})
+                fingerprints=prints, listing=listing)
 
 
 def _tar_fingerprint(url: str, storage: dict[str, Any]) -> int:
