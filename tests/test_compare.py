@@ -108,7 +108,7 @@ def test_the_compare_command_prints_the_tables_and_json(stores):
     assert bad.returncode == 1 and "'nope' is not a capture of" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_top_rows_equal_argsort_on_the_whole_capture_for_an_index_or_a_direction(tmp_path):
+def test_top_rows_equal_argsort_on_the_whole_capture_for_an_index_or_a_direction(tmp_path, caplog):
     """Issue 31: the images that drive a unit or a direction, streamed batch by batch, equal argsort on the
     whole capture (pooled over tokens or positions), ok rows only."""
     from extractor.read import top_rows
@@ -132,6 +132,7 @@ def test_top_rows_equal_argsort_on_the_whole_capture_for_an_index_or_a_direction
         expect = ok[np.argsort(-score[ok], kind="stable")[:12]]
         assert rows.tolist() == expect.tolist(), (key, pool)
         np.testing.assert_allclose(values, score[expect], rtol=1e-6)
+    assert "1 rows of tok hold NaN or Inf for this feature: left out" in caplog.text  # said, not silent
     with pytest.raises(StoreError, match=r"tok has 6 features along tok.feature: give an index 0 to 5"):
         top_rows(s, "tok", 6)
     with pytest.raises(StoreError, match=r"or a direction of 4 values \(not \(3,\)\)"):

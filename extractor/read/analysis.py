@@ -199,15 +199,20 @@ def top_rows(store: ActivationStore, key: str, feature: int | np.ndarray, k: int
         raise StoreError(f"{key} has {n_feat} features along {meta['dims'][axis - 1]}: give an index 0 to "
                          f"{n_feat - 1}, or a direction of {n_feat} values (not {np.shape(feature)})")
     best_rows, best = np.empty(0, np.int64), np.empty(0, np.float64)
+    skipped = 0
     for rows, x in store.batches(key, 4096, shuffle=False):
         x = np.asarray(x, np.float64)
         v = np.take(x, int(feature), axis=axis) if direction is None else np.tensordot(x, direction, ([axis], [0]))
         v = v.reshape(len(x), -1)
         score = v.max(axis=1) if pool == "max" else v.mean(axis=1)
         keep = np.isfinite(score)
+        skipped += int((~keep).sum())
         best_rows, best = np.concatenate([best_rows, rows[keep]]), np.concatenate([best, score[keep]])
         top = np.argsort(-best, kind="stable")[:k]
         best_rows, best = best_rows[top], best[top]
+    if skipped:
+        log.warning("%d rows of %s hold NaN or Inf for this feature: left out of the top rows (see extractor "
+                    "inspect)", skipped, key)
     return best_rows, best
 
 
