@@ -246,7 +246,11 @@ def test_more_workers_than_fit_run_on_those_that_fit(ray_cluster, image_dir: Pat
     with caplog.at_level("WARNING", logger="extractor.driver.ray_backend"):
         summary = run(parse_spec(raw))
     assert "2 of the 3 workers asked for (cluster.workers) fit" in caplog.text
-    assert summary.ok == 12 and {w["worker"] for w in summary.workers} == {0, 1}
+    # Ray places actors in no set order: any two of the three run, and the start waits for those two,
+    # not for the first two asked for (that wait was startup_timeout_s whenever Ray placed worker 2 first)
+    assert "did not start within" not in caplog.text
+    ran = {w["worker"] for w in summary.workers}
+    assert summary.ok == 12 and len(ran) == 2 and ran <= {0, 1, 2}
 
 
 def test_a_worker_no_node_can_hold_fails_fast(ray_cluster, image_dir: Path, tmp_path: Path):

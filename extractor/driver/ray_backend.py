@@ -246,7 +246,7 @@ def _for_workers(spec: JobSpec) -> dict[str, Any]:
     for setting, path in spec.local_paths():
         section, key = setting.split(".")
         value = d[section][key]
-        if isinstance(value, list):  # data.tars, output.reuse
+        if isinstance(value, list):  # data.tars, data.parquet, output.reuse
             d[section][key] = [absolute(v) if v == path else v for v in value]
         else:  # a path, or model.name's folder after its prefix
             d[section][key] = value[: len(value) - len(path)] + absolute(path)
@@ -361,7 +361,7 @@ class RayBackend:
         self.warm = False  # warm_up has compiled the model on the workers
         for _ in range(workers):
             self.start_worker(self.add_slot())
-        self._wait_started(self.slots[:max(min(fit, workers), 1)])
+        self._wait_started(self.slots, need=max(min(fit, workers), 1))  # whichever Ray places first
         log.info("%d Ray workers ready (%g CPUs, %g GPUs each)", sum(s.ready for s in self.slots), self.cpus,
                  self.gpus)
 
@@ -414,13 +414,15 @@ class RayBackend:
         slot.starting = slot.actor.start.remote(self.warm)
         slot.pid, slot.held, slot.rows = None, [], 0
 
-    def _wait_started(self, slots: list[_Slot]) -> None:
-        """Wait for the start calls of ``slots`` (startup_timeout_s); only when none of them started is
+    def _wait_started(self, slots: list[_Slot], need: int | None = None) -> None:
+        """Wait up to startup_timeout_s for ``need`` (default all) of the start calls of ``slots``,
+        whichever answer first: Ray places actors in no set order. Only when none of them started is
         that an error (the others keep starting in the background)."""
         refs = {slot.starting: slot for slot in slots if slot.starting is not None}
         if not refs:
             return
-        answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.spec.cluster.startup_timeout_s)
+        need = min(need or len(refs), len(refs))
+        answered, _ = ray.wait(list(refs), num_returns=need, timeout=self.spec.cluster.startup_timeout_s)
         for ref in answered:
             self.take_start(refs[ref], ref, raise_errors=True)
         if not any(s.ready for s in self.slots):
@@ -432,8 +434,8 @@ class RayBackend:
             )
             self.close()
             raise error from None
-        late = [s.index for s in slots if not s.ready]
-        if late:
+        if sum(refs[ref].ready for ref in answered) < need:
+            late = [s.index for s in slots if not s.ready]
             log.warning("workers %s did not start within cluster.startup_timeout_s; the job goes on without them "
                         "while they keep starting", ", ".join(map(str, late)))
 
