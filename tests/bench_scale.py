@@ -1,5 +1,6 @@
 """Costs that grow with the job (issue 29), measured at a size this machine holds and extrapolated linearly:
-the statistics merge (24 captures x 1024 features; to 10M rows), tar planning (to 1M samples).
+the statistics merge (24 captures x 1024 features; to 10M rows), tar planning (to 1M samples), the rows'
+memory on the driver (to 10M).
 
     python tests/bench_scale.py        (also run by `make bench`)
 """
@@ -176,10 +177,56 @@ def shard_bench(shards: int = 15) -> None:
           f"{opening[0] * 1e3:.1f} ms)")
 
 
+def planning_bench(rows: int = 300_000, files: int = 100_000) -> None:
+    """The driver's memory for the rows of a job: the peak while listing (tracked allocations, numpy's included)
+    and what the listed rows hold afterwards, for a manifest, a folder and tars (the tar bench's), each listed at
+    two sizes: the growth per row between them, and 10M rows extrapolated along it."""
+    import tracemalloc
+
+    from extractor.data import list_rows
+    from extractor.spec import DataSpec
+
+    def manifest(n: int) -> DataSpec:
+        path = WORK / f"manifest-{n}.csv"
+        if not path.exists():
+            path.write_text("path,label\n" + "".join(f"train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG,{i % 1000}\n"
+                                                     for i in range(n)))
+        return DataSpec(source="manifest", manifest=str(path), root="/data/imagenet")
+
+    def folder(n: int) -> DataSpec:
+        root = WORK / f"folder-{n}"  # class folders of 1000 images, as ImageNet's hold 1300
+        if not (root / f"c{(n - 1) // 1000:04d}" / f"{n - 1:07d}.jpg").exists():
+            for i in range(n):
+                (root / f"c{i // 1000:04d}").mkdir(parents=True, exist_ok=True)
+                (root / f"c{i // 1000:04d}" / f"{i:07d}.jpg").touch()
+        return DataSpec(source="folder", root=str(root))
+
+    def tars(n: int) -> DataSpec:
+        return DataSpec(source="tar", tars=str(WORK / "tars-10x10000" / f"{{000..{n // 10_000 - 1:03d}}}.tar"))
+
+    def measured(data: DataSpec) -> tuple[int, int, int]:
+        tracemalloc.start()
+        listed = list_rows(data)
+        held, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return len(listed), peak, held
+
+    print("\nthe rows on the driver: peak while listing, held after (bytes a row, the growth between two sizes)")
+    sizes = {"manifest": (manifest, rows), "folder": (folder, files), "tar": (tars, 100_000)}
+    for name, (source, n) in sizes.items():
+        if name == "tar" and not (WORK / "tars-10x10000" / "009.tar").exists():
+            continue
+        (n1, peak1, held1), (n2, peak2, held2) = measured(source(n // 2)), measured(source(n))
+        grow, keep = (peak2 - peak1) / (n2 - n1), (held2 - held1) / (n2 - n1)
+        print(f"  {name:9s} {n1:,} and {n2:,} rows: peak {grow:4.0f} B a row ({peak2 / 1e6:4.0f} MB at {n2:,}), "
+              f"held {keep:4.0f} B a row; 10M rows: peak {(peak2 + grow * (1e7 - n2)) / 1e9:4.2f} GB")
+
+
 def main() -> None:
     WORK.mkdir(exist_ok=True)
     stats_bench()
     tar_bench()
+    planning_bench()
     shard_bench()
 
 

@@ -67,7 +67,7 @@ def test_a_hash_in_a_remote_tar_url(image_dir: Path, tmp_path: Path):
     fs.pipe(url, (tmp_path / "local.tar").read_bytes())
     try:
         rows = list_rows(parse_spec(tar_job(image_dir, tmp_path / "s.zarr", url)).data)
-        assert rows.paths == [f"{url}#{m}" for m in members]  # URLs are stored as given
+        assert list(rows.paths) == [f"{url}#{m}" for m in members]  # URLs are stored as given
         got = [read_bytes((p, o, n)) for p, o, n in zip(rows.paths, rows.offsets, rows.sizes, strict=True)]
         assert got == list(members.values())
     finally:
@@ -88,19 +88,19 @@ def test_local_paths_are_stored_absolute_and_read_from_any_directory(tmp_path: P
         return list_rows(parse_spec(job(Path("images"), tmp_path / "s.zarr", data=data)).data)
 
     folder = rows_of()
-    assert folder.ids == ["cats/cats00.jpg", "cats/cats01.png", "dogs/dogs00.jpg", "dogs/dogs01.png"]  # unchanged
-    assert all(os.path.isabs(p) for p in folder.paths)
+    assert list(folder.ids) == ["cats/cats00.jpg", "cats/cats01.png", "dogs/dogs00.jpg", "dogs/dogs01.png"]  # unchanged
+    assert all(os.path.isabs(p) for p in list(folder.paths))
     # ../ and a URL: outside the root by design
     in_root = rows_of(source="manifest", manifest="lists/m.csv", outside_root=True)  # relative to data.root
     no_root = rows_of(source="manifest", manifest="lists/m.csv", root=None, outside_root=True)  # to the manifest
-    assert in_root.ids == no_root.ids == ["../images/cats/cats00.jpg", "memory://b/x.jpg"]
+    assert list(in_root.ids) == list(no_root.ids) == ["../images/cats/cats00.jpg", "memory://b/x.jpg"]
     assert no_root.paths[1] == "memory://b/x.jpg" and os.path.isabs(no_root.paths[0])
     tars = rows_of(source="tar", root=None, tars="tars/shard-{000..000}.tar")
-    assert tars.ids == ["cats/cats00", "cats/cats01", "dogs/dogs00", "dogs/dogs01"]
+    assert tars.ids.tolist() == ["cats/cats00", "cats/cats01", "dogs/dogs00", "dogs/dogs01"]
     assert all(p.startswith(f"{os.path.realpath(tar)}#") for p in tars.paths)
 
     monkeypatch.chdir(elsewhere)  # a Ray worker or a later reader, in another directory
-    assert [read_bytes(p) for p in folder.paths] == [f.read_bytes() for f in files]
+    assert [read_bytes(p) for p in list(folder.paths)] == [f.read_bytes() for f in files]
     assert read_bytes(no_root.paths[0]) == files[0].read_bytes()
     assert read_bytes(in_root.paths[0]) == files[0].read_bytes()  # images/../images/cats/cats00.jpg
     got = [read_bytes((p, o, n)) for p, o, n in zip(tars.paths, tars.offsets, tars.sizes, strict=True)]

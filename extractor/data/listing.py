@@ -8,10 +8,13 @@ import io
 import json
 import logging
 import os
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
+
+import numpy as np
 
 from ..errors import DataError
 from ..spec import DataSpec
@@ -25,7 +28,7 @@ from .files import (
     remote_fingerprint,
     storable_path,
 )
-from .rows import Rows, labels_of
+from .rows import Joined, Joining, Rows, Strings, distinct, duplicate, labels_of, strings
 from .tars import list_tars
 
 __all__ = ["list_rows"]
@@ -67,12 +70,13 @@ def named(rows: Rows, classes: list[str], where: str) -> Rows:
         if unknown:
             raise DataError(f"{where}: labels {', '.join(map(repr, unknown[:10]))} are not in data.classes "
                             f"({len(classes)} names); add them, or remove data.classes to take the labels' own names")
-        to = [index[c] for c in rows.classes]
-        labels = [to[label] if label >= 0 else -1 for label in labels]
+        to = np.asarray([index[c] for c in rows.classes], dtype=np.int64)
+        labels = np.where(labels >= 0, to[np.maximum(labels, 0)], -1)
     else:
-        beyond = next((n for n, label in enumerate(labels) if label >= len(classes)), None)
-        if beyond is not None:
-            raise DataError(f"{where}: row {rows.ids[beyond]!r} has label {labels[beyond]}, but data.classes names "
+        beyond = np.flatnonzero(labels >= len(classes))
+        if len(beyond):
+            first = int(beyond[0])
+            raise DataError(f"{where}: row {rows.ids[first]!r} has label {labels[first]}, but data.classes names "
                             f"{len(classes)} classes (labels 0 to {len(classes) - 1})")
     return replace(rows, labels=labels, classes=classes)
 
@@ -89,26 +93,26 @@ def _list_remote_folder(root: str, extensions: Sequence[str], storage: dict) -> 
         raise remote_error("data.root", root, err) from err
     base = base.rstrip("/")
     kept = [p for p in found if not any(part.startswith(".") for part in p[len(base) + 1:].split("/"))]  # hidden
-    rel = [p[len(base) + 1:] for p in kept]
-    labels, classes = _folder_labels(rel)
-    return Rows(ids=rel, paths=[f"{root.rstrip('/')}/{r}" for r in rel], labels=labels, classes=classes,
-                fingerprints=[remote_fingerprint(infos[p]) for p in kept])
+    ids = strings(p[len(base) + 1:] for p in kept)
+    labels, classes = _folder_labels(ids)
+    return Rows(ids=ids, paths=Joined(strings([f"{root.rstrip('/')}/"]), ids), labels=labels, classes=classes,
+                fingerprints=np.fromiter((remote_fingerprint(infos[p]) for p in kept), np.uint64, len(kept)))
 
 
-def _folder_labels(rel: list[str]) -> tuple[list[int], list[str]]:
+def _folder_labels(rel: Iterable[str]) -> tuple[np.ndarray, list[str]]:
     """ImageFolder labels: an image's class is its top-level folder. Images directly in the
     root have no class (-1); when others do, a warning names them."""
-    nested = [r for r in rel if "/" in r]
-    if not nested:
-        return [-1] * len(rel), []
-    loose = [r for r in rel if "/" not in r]
-    if loose:
+    codes, tops, firsts = distinct(r.split("/", 1)[0] if "/" in r else "" for r in rel)
+    if tops == [""] or not tops:
+        return np.full(len(codes), -1, dtype=np.int64), []
+    if "" in tops:
+        loose = tops.index("")
         log.warning("%d images lie directly in data.root (first: %s), outside the class folders; they get "
                     "no label (-1). Move them into a class folder, or list them in a manifest",
-                    len(loose), display_name(loose[0]))
-    classes = sorted({r.split("/", 1)[0] for r in nested})
+                    int((codes == loose).sum()), rel[firsts[loose]])  # type: ignore[index]
+    classes = sorted(str(t) for t in tops if t)
     index = {c: i for i, c in enumerate(classes)}
-    return [index[r.split("/", 1)[0]] if "/" in r else -1 for r in rel], classes
+    return np.asarray([index.get(str(t), -1) for t in tops], dtype=np.int64)[codes], classes
 
 
 def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
@@ -117,29 +121,38 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
     if not root.is_dir():
         raise DataError(f"data.root {root} is not a folder; for a file list use data.source: manifest")
     exts = tuple(e.lower() for e in extensions)
-    rel: list[str] = []
+    top = absolute(str(root))
+    ids = Strings()
+    paths = Joining([os.path.join(top, "")], ids)  # a relative path is its id: held once
+    prints = array("Q")
     seen_dirs: set[str] = set()
 
     def onerror(err: OSError) -> None:
         log.warning("cannot list %s: %s", err.filename, err.strerror)
 
-    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror, followlinks=True):
-        real = os.path.realpath(dirpath)
-        if real in seen_dirs:  # a symlink loop, or a second link to a folder already walked
-            log.warning("skipping %s: it leads back to %s, already listed", dirpath, real)
-            dirnames[:] = []
-            continue
-        seen_dirs.add(real)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .ipynb_checkpoints, .git: not classes
-        base = Path(dirpath).relative_to(root)
-        for name in sorted(filenames):
-            if name.lower().endswith(exts) and not name.startswith("."):
-                rel.append((base / name).as_posix())
-    labels, classes = _folder_labels(rel)
-    top = absolute(str(root))
-    full = [os.path.join(top, r) for r in rel]
-    return Rows(ids=[display_name(r) for r in rel], paths=[storable_path(p) for p in full], labels=labels,
-                classes=classes, fingerprints=[local_fingerprint(p) for p in full])
+    def walk() -> None:
+        for dirpath, dirnames, filenames in os.walk(root, onerror=onerror, followlinks=True):
+            real = os.path.realpath(dirpath)
+            if real in seen_dirs:  # a symlink loop, or a second link to a folder already walked
+                log.warning("skipping %s: it leads back to %s, already listed", dirpath, real)
+                dirnames[:] = []
+                continue
+            seen_dirs.add(real)
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .ipynb_checkpoints, .git: not classes
+            base = Path(dirpath).relative_to(root)
+            for name in sorted(filenames):
+                if name.lower().endswith(exts) and not name.startswith("."):
+                    rel = (base / name).as_posix()
+                    full = os.path.join(top, rel)
+                    ids.append(display_name(rel))
+                    paths.whole(storable_path(full))  # undecodable names: hex, whole
+                    prints.append(local_fingerprint(full))
+
+    walk()
+    listed = ids.array()
+    labels, classes = _folder_labels(listed)
+    return Rows(ids=listed, paths=paths.joined(listed), labels=labels, classes=classes,
+                fingerprints=np.frombuffer(prints, dtype=np.uint64) if prints else None)
 
 
 def _outside(path: str) -> bool:
@@ -159,23 +172,34 @@ def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root:
                    columns: dict[str, str] | None = None) -> Rows:
     base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
     names = _Columns(manifest, columns or {})
-    ids, paths, raw_labels = [], [], []
-    for n, rec in enumerate(_manifest_records(manifest, storage)):
-        p = names.image_of(rec, n)
-        if not outside_root and _outside(p):
-            raise DataError(f"{manifest} row {n + 1}: path {p!r} lies outside data.root ({base}); a manifest names "
-                            "images under its root, by relative paths that stay inside it. If its paths are "
-                            "absolute, URLs or lead elsewhere by design, set data.outside_root: true")
-        full = f"{base.rstrip('/')}/{p}" if is_relative(p) else p
-        paths.append(absolute(full))
-        ids.append(str(rec[names.id]) if rec.get(names.id) not in (None, "") else p)
-        raw_labels.append(rec.get(names.label))
+    head = base.rstrip("/") + "/"
+    ids = Strings()
+    paths = Joining([head if is_url(head) else os.path.join(absolute(head), "")], ids)  # as absolute() makes them
+    prints = array("Q")
+
+    def labels() -> Iterator[Any]:
+        for n, rec in enumerate(_manifest_records(manifest, storage)):
+            p = names.image_of(rec, n)
+            if not outside_root and _outside(p):
+                raise DataError(f"{manifest} row {n + 1}: path {p!r} lies outside data.root ({base}); a manifest "
+                                "names images under its root, by relative paths that stay inside it. If its paths are "
+                                "absolute, URLs or lead elsewhere by design, set data.outside_root: true")
+            full = absolute(f"{head}{p}" if is_relative(p) else p)
+            ids.append(str(rec[names.id]) if rec.get(names.id) not in (None, "") else p)
+            paths.whole(full)
+            # local files: fingerprinted now; URLs: unknown (one request each), checked by inspect --verify
+            prints.append(0 if is_url(full) else local_fingerprint(full))
+            yield rec.get(names.label)
+
+    codes, classes = labels_of(labels(), lambda n: f"{manifest} row {n + 1}")
     names.check_seen()
-    _check_unique(ids, manifest)
-    labels, classes = labels_of(raw_labels, lambda n: f"{manifest} row {n + 1}")
-    # local files: fingerprinted now; URLs: unknown (one request each), checked by inspect --verify
-    prints = [0 if is_url(p) else local_fingerprint(p) for p in paths]
-    return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints)
+    listed = ids.array()
+    twice = duplicate(listed)
+    if twice is not None:
+        raise DataError(f"{manifest}: id {listed[twice[0]]!r} appears in rows {twice[0] + 1} and {twice[1] + 1}; "
+                        "ids must be unique")
+    return Rows(ids=listed, paths=paths.joined(listed), labels=codes, classes=classes,
+                fingerprints=np.frombuffer(prints, dtype=np.uint64) if prints else None)
 
 
 class _Columns:
@@ -204,15 +228,6 @@ class _Columns:
         for what in sorted(set(self.mapped) - self.seen):
             raise DataError(f"data.columns.{self.mapped[what]}: {what!r} is not a column of {self.manifest}; fix "
                             "the name, or remove it from data.columns")
-
-
-def _check_unique(ids: list[str], manifest: str) -> None:
-    if len(set(ids)) < len(ids):  # (a set of the ids: half the memory of a dict of their rows)
-        seen: dict[str, int] = {}
-        for n, i in enumerate(ids):
-            if i in seen:
-                raise DataError(f"{manifest}: id {i!r} appears in rows {seen[i] + 1} and {n + 1}; ids must be unique")
-            seen[i] = n
 
 
 def _manifest_records(manifest: str, storage: dict) -> Iterator[Any]:

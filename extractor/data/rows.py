@@ -8,31 +8,177 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["Rows", "Shard", "plan", "labels_of"]
+import numpy as np
+
+__all__ = ["Rows", "Joined", "Joining", "Shard", "Strings", "plan", "labels_of", "distinct", "strings", "duplicate"]
 
 log = logging.getLogger(__name__)
+
+STRINGS = np.dtypes.StringDType()
+BLOCK = 1 << 16  # strings gathered in a list before they join an array
+
+
+def strings(items: Iterable[str]) -> np.ndarray:
+    """Strings as one numpy array (16 bytes each beside their text, against about 60 for a ``str`` in a list),
+    gathered a block at a time: no list of all of them is ever held."""
+    if isinstance(items, np.ndarray) and items.dtype == STRINGS:
+        return items
+    gathered = Strings()
+    for item in items:
+        gathered.append(item)
+    return gathered.array()
+
+
+class Strings:
+    """Strings appended one by one into numpy arrays of ``BLOCK`` each, joined into one at the end."""
+
+    def __init__(self) -> None:
+        self.blocks: list[np.ndarray] = []
+        self.block: list[str] = []
+
+    def __getitem__(self, n: int) -> str:
+        """String ``n`` of those appended so far (before :meth:`array`)."""
+        block, at = divmod(n, BLOCK)
+        return str(self.blocks[block][at]) if block < len(self.blocks) else self.block[at]
+
+    def append(self, item: str) -> None:
+        self.block.append(item)
+        if len(self.block) == BLOCK:
+            self.blocks.append(np.asarray(self.block, dtype=STRINGS))
+            self.block = []
+
+    def array(self) -> np.ndarray:
+        """All of them as one array, each block let go once copied (a concatenation held them twice)."""
+        self.blocks.append(np.asarray(self.block, dtype=STRINGS))
+        self.block = []
+        if len(self.blocks) == 1:
+            return self.blocks.pop()
+        out = np.empty(sum(map(len, self.blocks)), dtype=STRINGS)
+        at = 0
+        self.blocks.reverse()
+        while self.blocks:
+            block = self.blocks.pop()
+            out[at:at + len(block)] = block
+            at += len(block)
+        return out
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Many strings sharing a few heads, held as the heads and each string's tail: string ``i`` is
+    ``heads[which[i]] + tails[i]`` (``which`` None: every string has head 0). A folder's paths are its root and the
+    ids; a tar source's are the tars and their members. Indexing gives a ``str``; a slice, an array of them."""
+
+    heads: np.ndarray
+    tails: np.ndarray
+    which: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.tails)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            heads = self.heads[0] if self.which is None else self.heads[self.which[i]]
+            return np.strings.add(heads, self.tails[i])
+        return str(self.heads[0 if self.which is None else self.which[i]]) + str(self.tails[i])
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), BLOCK):
+            yield from self[start:start + BLOCK].tolist()
+
+
+class Joining:
+    """Strings gathered into a :class:`Joined` of the heads given and ``""``: each one given whole (held as
+    head 0 and the rest when it starts with head 0, else whole), or as a head's index and a tail.
+
+    ``ids``: the rows' ids, each appended before its string. While every tail is its row's id (a folder's
+    relative paths, a manifest's paths without an id column) no tail is kept: the Joined takes the ids' array."""
+
+    def __init__(self, heads: Iterable[str], ids: Strings | None = None) -> None:
+        from array import array
+
+        self.heads = [*heads, ""]
+        self.tails = Strings()
+        self.which = array("i")
+        self.ids = ids  # None once a tail differs from its id
+
+    def whole(self, text: str) -> None:
+        if text.startswith(self.heads[0]):
+            self.part(0, text[len(self.heads[0]):])
+        else:
+            self.part(len(self.heads) - 1, text)
+
+    def part(self, head: int, tail: str) -> None:
+        if self.ids is not None:
+            if tail == self.ids[len(self.which)]:
+                self.which.append(head)
+                return
+            for n in range(len(self.which)):  # the first that differs: the tails so far were the ids
+                self.tails.append(self.ids[n])
+            self.ids = None
+        self.which.append(head)
+        self.tails.append(tail)
+
+    def joined(self, ids: np.ndarray | None = None) -> Joined:
+        """The strings; ``ids``: the array the ids given at the start became."""
+        which = np.frombuffer(self.which, dtype=np.int32) if self.which else np.zeros(0, np.int32)
+        tails = self.tails.array() if self.ids is None or ids is None else ids
+        return Joined(strings(self.heads), tails, which if which.any() else None)
 
 
 @dataclass(frozen=True)
 class Rows:
-    """The data set as the store records it: one entry per row, in row order."""
+    """The data set as the store records it: one entry per row, in row order, each column one numpy array (a
+    list given is made one): at 10M rows a list of strings and ints was gigabytes of the driver's memory."""
 
-    ids: list[str]
-    paths: list[str]
-    labels: list[int]
+    ids: np.ndarray  # of strings (StringDType)
+    paths: np.ndarray | Joined  # of strings, or Joined: the same paths, their shared heads held once
+    labels: np.ndarray  # int64, -1: none
     classes: list[str] = field(default_factory=list)
-    offsets: list[int] | None = None  # tar sources: where each image's bytes start in its tar
-    sizes: list[int] | None = None  # and how many there are
-    fingerprints: list[int] | None = None  # per row, where the source tells cheaply (0: unknown); see files.fingerprint
+    offsets: np.ndarray | None = None  # tar sources: where each image's bytes start in its tar (int64)
+    sizes: np.ndarray | None = None  # and how many there are
+    fingerprints: np.ndarray | None = None  # uint64 per row, where the source tells cheaply (0: unknown); see files
     listing: dict[str, Any] | None = None  # what a tar listing was made from: tars, their fingerprints, extensions
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("ids", strings(self.ids))
+        if not isinstance(self.paths, Joined):
+            put("paths", strings(self.paths))
+        put("labels", np.asarray(self.labels, dtype=np.int64).reshape(-1))
+        for name, dtype in (("offsets", np.int64), ("sizes", np.int64), ("fingerprints", np.uint64)):
+            if getattr(self, name) is not None:
+                put(name, np.asarray(getattr(self, name), dtype=dtype).reshape(-1))
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+def duplicate(ids: np.ndarray) -> tuple[int, int] | None:
+    """The rows of the first id that appears again, as (its first row, the row it appears again in); None when
+    all are unique. Found by sorting the ids' hashes (24 bytes a row while it runs; a set of 10M ids was a
+    gigabyte), the few that share a hash compared as strings."""
+    hashes = np.empty(len(ids), dtype=np.int64)
+    for start in range(0, len(ids), BLOCK):
+        hashes[start:start + BLOCK] = [hash(i) for i in ids[start:start + BLOCK].tolist()]
+    order = np.argsort(hashes, kind="stable")
+    ordered = hashes[order]
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    del hashes, ordered
+    first: dict[str, int] = {}
+    for row in np.unique(np.concatenate([order[same], order[same + 1]])).tolist():  # in row order
+        key = str(ids[row])
+        if key in first:
+            return first[key], row
+        first[key] = row
+    return None
 
 
 @dataclass(frozen=True)
@@ -77,27 +223,52 @@ def _whole(d: Decimal) -> bool:
     return bool(d.is_finite() and d == d.to_integral_value() and -(2**63) <= d < 2**63)
 
 
-def labels_of(raw: list[object], where: Callable[[int], str] = lambda n: f"row {n + 1}") -> tuple[list[int], list[str]]:
+def labels_of(raw: Iterable[object],
+              where: Callable[[int], str] = lambda n: f"row {n + 1}") -> tuple[np.ndarray, list[str]]:
     """Integer labels as given, or class names mapped to sorted indices; -1 where missing.
 
     Numbers are class indices when every present value is a whole number: ``3``, ``3.0`` and
     JSON ``3.0`` are all label 3. Otherwise every value is a class name (``"3"`` beside
     ``"cat"``); when all of them looked like numbers (``2.5``), with a warning naming
-    ``where(row)`` of the first that is not whole.
+    ``where(row)`` of the first that is not whole. Decided on the distinct values: the rows keep a code each.
     """
-    present = [(n, v) for n, v in enumerate(raw) if v not in (None, "")]
+    codes, values, firsts = distinct(raw)
+    present = [k for k, v in enumerate(values) if v not in (None, "")]
+    table = np.full(len(values), -1, dtype=np.int64)
     if not present:
-        return [-1] * len(raw), []
-    numbers = {n: d for n, v in present if (d := _label_number(v)) is not None}
+        return table[codes], []
+    numbers = {k: d for k in present if (d := _label_number(values[k])) is not None}
     if len(numbers) == len(present):
-        odd = [n for n, d in numbers.items() if not _whole(d)]
+        odd = [k for k, d in numbers.items() if not _whole(d)]
         if not odd:
-            ints = [-1] * len(raw)
-            for n, d in numbers.items():
-                ints[n] = int(d)
-            return ints, []
+            for k, d in numbers.items():
+                table[k] = int(d)
+            return table[codes], []
+        first = min(odd, key=firsts.__getitem__)
         log.warning("%s: label %r is not a whole number, so every label is taken as a class name (class indices "
-                    "are whole numbers: 3, or 3.0 as spreadsheets write it)", where(odd[0]), raw[odd[0]])
-    classes = sorted({str(v) for _, v in present})
+                    "are whole numbers: 3, or 3.0 as spreadsheets write it)", where(firsts[first]), values[first])
+    classes = sorted({str(values[k]) for k in present})
     index = {c: i for i, c in enumerate(classes)}
-    return [index[str(v)] if v not in (None, "") else -1 for v in raw], classes
+    for k in present:
+        table[k] = index[str(values[k])]
+    return table[codes], classes
+
+
+def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]]:
+    """Each row's code into its distinct values (by type and value: ``1`` and ``True`` differ), the values, and
+    the first row of each."""
+    from array import array
+
+    codes = array("q")
+    index: dict[tuple[type, object], int] = {}
+    values: list[object] = []
+    firsts: list[int] = []
+    for n, v in enumerate(raw):
+        key = (type(v), v if isinstance(v, str | int | float | None) else repr(v))
+        code = index.get(key)
+        if code is None:
+            code = index[key] = len(values)
+            values.append(v)
+            firsts.append(n)
+        codes.append(code)
+    return np.frombuffer(codes, dtype=np.int64) if codes else np.zeros(0, np.int64), values, firsts

@@ -16,15 +16,19 @@ make that ambiguous. Local tar paths are stored absolute.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import json
 import logging
 import re
 import tarfile
 import zlib
+from array import array
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from ..errors import DataError
 from .files import (
@@ -37,7 +41,7 @@ from .files import (
     remote_fingerprint,
     tar_url_of,
 )
-from .rows import Rows, labels_of
+from .rows import Joining, Rows, Strings, duplicate, labels_of
 
 __all__ = ["expand_braces", "list_tars", "scan_tar", "tar_listing", "tar_url_of"]
 
@@ -303,39 +307,53 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
             check_unambiguous(url, storage)
     # remote tars on 16 threads (their reads wait on the network); local ones on one: parsing holds the GIL,
     # and threads contending for it took twice the time of one
-    with ThreadPoolExecutor(min(16, len(urls)) if any(is_url(u) for u in urls) else 1) as pool:
-        ids: list[str] = []
-        paths: list[str] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        raw: list[Any] = []
-        prints: list[int] = []
-        starts: list[int] = []  # each tar's first row
-        # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
-        for url, records, tar_print in zip(urls, pool.map(lambda u: scan_tar(u, extensions, storage), urls),
-                                           tar_prints, strict=True):
-            starts.append(len(ids))
-            for r in records:
-                ids.append(r["key"])
-                paths.append(f"{url}#{r['member']}")
-                offsets.append(int(r["offset"]))
-                sizes.append(int(r["size"]))
-                raw.append(r.get("label"))
-                prints.append(fingerprint(tar_print, r["offset"], r["size"]) if tar_print else 0)
+    ids, paths = Strings(), Joining(f"{url}#" for url in urls)
+    offsets, sizes, prints = array("q"), array("q"), array("Q")
+    starts: list[int] = []  # each tar's first row
+
+    def labels() -> Iterator[Any]:
+        """Each sample's raw label, as the tars are read: the other columns gathered on the way."""
+        threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
+        with ThreadPoolExecutor(threads) as pool:
+            # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
+            scanned = _in_order(pool, lambda u: scan_tar(u, extensions, storage), urls, threads + 1)
+            for t, (records, tar_print) in enumerate(zip(scanned, tar_prints, strict=True)):
+                starts.append(len(offsets))
+                for r in records:
+                    ids.append(r["key"])
+                    paths.part(t, r["member"])
+                    offsets.append(int(r["offset"]))
+                    sizes.append(int(r["size"]))
+                    prints.append(fingerprint(tar_print, r["offset"], r["size"]) if tar_print else 0)
+                    yield r.get("label")
 
     def tar_of(n: int) -> str:
         return urls[bisect.bisect_right(starts, n) - 1]
 
-    if len(set(ids)) < len(ids):
-        first: dict[str, int] = {}
-        for n, key in enumerate(ids):
-            if key in first:
-                raise DataError(f"sample key {key!r} appears in {tar_of(first[key])} and {tar_of(n)}; keys must be "
-                                "unique")
-            first[key] = n
-    labels, classes = labels_of(raw, lambda n: f"tar shard {tar_of(n)}, sample {ids[n]!r}")
-    return Rows(ids=ids, paths=paths, labels=labels, classes=classes, offsets=offsets, sizes=sizes,
-                fingerprints=prints, listing=listing)
+    codes, classes = labels_of(labels(), lambda n: f"tar shard {tar_of(n)}, sample {ids[n]!r}")
+    keys = ids.array()
+    twice = duplicate(keys)
+    if twice is not None:
+        raise DataError(f"sample key {keys[twice[0]]!r} appears in {tar_of(twice[0])} and {tar_of(twice[1])}; keys "
+                        "must be unique")
+    return Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes, offsets=_int64(offsets),
+                sizes=_int64(sizes), fingerprints=np.frombuffer(prints, dtype=np.uint64), listing=listing)
+
+
+def _in_order(pool: ThreadPoolExecutor, fn: Any, items: Sequence[Any], ahead: int) -> Iterator[Any]:
+    """``fn`` of each item on ``pool``, in order, at most ``ahead`` of them computed before they are taken
+    (``pool.map`` computes all of them at once: every tar's records held while the first are taken)."""
+    pending: collections.deque[Any] = collections.deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) > ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _int64(values: array) -> np.ndarray:
+    return np.frombuffer(values, dtype=np.int64)
 
 
 def _tar_fingerprint(url: str, storage: dict[str, Any]) -> int:

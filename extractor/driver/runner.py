@@ -227,14 +227,14 @@ def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
     """``target: label`` differentiates each row's label's logit: every row needs a label, and
     one the model has an output for."""
     if any(c.gradient and c.score_target == "label" for c in spec.capture):
-        missing = [i for i, label in enumerate(rows.labels) if label < 0]
-        if missing:
+        missing = np.flatnonzero(rows.labels < 0)
+        if len(missing):
             raise DataError(
                 f"target: label needs a label on every row, but {len(missing)} rows have none "
                 f"(first: {rows.ids[missing[0]]}); use target: predicted or a class index"
             )
-        beyond = [i for i, label in enumerate(rows.labels) if logits is not None and label >= logits]
-        if beyond and logits is not None:
+        beyond = np.flatnonzero(rows.labels >= logits) if logits is not None else np.zeros(0, np.int64)
+        if len(beyond) and logits is not None:
             first = beyond[0]
             raise DataError(
                 f"target: label needs labels the model has outputs for (0 to {logits - 1}), but {len(beyond)} rows "

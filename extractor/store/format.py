@@ -211,6 +211,7 @@ class StoreArrays:
     sharded: bool = False  # each work shard of a capture one storage object (Zarr v3 sharding) of its chunks
 
 
+WRITE_ROWS = 1 << 20  # a new store's per-row arrays are written this many rows (rounded to chunks) at a time
 READ_BYTES = 32 << 20  # a streaming read of a sharded array takes chunks of its shard up to about this much
 
 
@@ -302,8 +303,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
     fence()
-    _create_row_arrays(group, shard_rows, ids=rows.ids, paths=rows.paths, labels=rows.labels, offsets=rows.offsets,
-                       sizes=rows.sizes, fingerprints=rows.fingerprints)
+    _create_row_arrays(group, shard_rows, rows)
     fence()
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
     if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
@@ -365,38 +365,30 @@ def _create_root(url: str, attrs: Mapping[str, Any], storage_options: Mapping[st
     return group
 
 
-def _create_row_arrays(
-    group: zarr.Group,
-    shard_rows: int,
-    *,
-    ids: Sequence[str],
-    paths: Sequence[str],
-    labels: Sequence[int],
-    offsets: Sequence[int] | None,
-    sizes: Sequence[int] | None,
-    fingerprints: Sequence[int] | None = None,
-) -> None:
+def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows) -> None:
     """The per-row arrays (``ROW_ARRAYS``, and where tar sources have them ``byte_offset`` and
-    ``byte_size``), in chunks of ``shard_rows``: what is known before any image is read is written now."""
-    n = len(ids)
+    ``byte_size``), in chunks of ``shard_rows``: what is known before any image is read is written now, a
+    stretch of whole chunks at a time (the paths of a Joined made a stretch at a time)."""
+    n = len(rows)
+    step = shard_rows * max(1, WRITE_ROWS // shard_rows)
 
     def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:
         arr = group.create_array(
             name, shape=(n,), dtype=dtype, chunks=(shard_rows,), fill_value=fill, dimension_names=["row"]
         )
-        if data is not None:
-            arr[:] = data
+        for start in range(0, n if data is not None else 0, step):
+            arr[start:start + step] = data[start:start + step]
 
-    row_array("ids", str, "", np.asarray(ids, dtype=np.dtypes.StringDType()))
-    row_array("paths", str, "", np.asarray(paths, dtype=np.dtypes.StringDType()))
-    row_array("labels", "int64", -1, np.asarray(labels, dtype=np.int64))
-    if offsets is not None and sizes is not None:  # tar sources: where each image's bytes are
-        row_array("byte_offset", "int64", -1, np.asarray(offsets, dtype=np.int64))
-        row_array("byte_size", "int64", -1, np.asarray(sizes, dtype=np.int64))
+    row_array("ids", str, "", rows.ids)
+    row_array("paths", str, "", rows.paths)
+    row_array("labels", "int64", -1, rows.labels)
+    if rows.offsets is not None and rows.sizes is not None:  # tar sources: where each image's bytes are
+        row_array("byte_offset", "int64", -1, rows.offsets)
+        row_array("byte_size", "int64", -1, rows.sizes)
     row_array("status", "uint8", PENDING)
     row_array("errors", str, "")
     row_array("digest", "uint64", 0)  # written with each shard's status
-    row_array("fingerprint", "uint64", 0, None if fingerprints is None else np.asarray(fingerprints, dtype=np.uint64))
+    row_array("fingerprint", "uint64", 0, rows.fingerprints)
 
 
 def _create_shard_arrays(group: zarr.Group, n_shards: int) -> None:
@@ -479,15 +471,13 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
 def stored_rows(group: zarr.Group) -> Rows:
     """The rows as the store records them (ids, paths, labels, classes; a tar source's offsets and sizes; the
     fingerprints), for a resume whose source is as it was listed."""
-    def values(name: str) -> list[Any]:
-        return np.asarray(get_array(group, name)[:]).tolist()
+    def values(name: str) -> np.ndarray | None:
+        return np.asarray(get_array(group, name)[:]) if name in group else None
 
-    tar = "byte_offset" in group
-    return Rows(ids=[str(i) for i in values("ids")], paths=[str(p) for p in values("paths")], labels=values("labels"),
-                classes=list(root_attrs(group).get("classes") or []), offsets=values("byte_offset") if tar else None,
-                sizes=values("byte_size") if tar else None,
-                fingerprints=values("fingerprint") if "fingerprint" in group else None,
-                listing=root_attrs(group).get("listing"))
+    attrs = root_attrs(group)
+    return Rows(ids=values("ids"), paths=values("paths"), labels=values("labels"),  # type: ignore[arg-type]
+                classes=list(attrs.get("classes") or []), offsets=values("byte_offset"), sizes=values("byte_size"),
+                fingerprints=values("fingerprint"), listing=attrs.get("listing"))
 
 
 def done_shards(group: zarr.Group) -> np.ndarray:

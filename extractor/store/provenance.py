@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import __version__
 from ..data import Rows, of_store
+from ..data.rows import BLOCK
 from ..errors import StoreError
 from ..spec import JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .format import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, source_digests
@@ -74,11 +75,12 @@ def owner() -> dict[str, Any]:
             "command": " ".join(redact_argv(sys.argv))[:500]}
 
 
-def _digest(names: list[str]) -> str:
-    """A short hash of a list of ids or paths, in order."""
+def _digest(names: Any) -> str:
+    """A short hash of ids or paths (an array of strings or a Joined), in order: each one's UTF-8 and a NUL,
+    hashed a block at a time."""
     h = hashlib.sha256()
-    for i in names:
-        h.update(i.encode("utf-8", "surrogateescape") + b"\0")
+    for start in range(0, len(names), BLOCK):
+        h.update(("\0".join(names[start:start + BLOCK].tolist()) + "\0").encode("utf-8", "surrogateescape"))
     return h.hexdigest()[:16]
 
 
@@ -172,13 +174,17 @@ def current_form(stored: dict[str, Any]) -> dict[str, Any]:
 _LOCATIONS = ("root", "manifest", "tars")  # data settings compared by the paths they list, not their spelling
 
 
-def _moved(group: Any, paths: list[str]) -> str | None:
+def _moved(group: Any, paths: Any) -> str | None:
     """The first row whose image the store read from another path than ``paths`` (a relative
     ``data.root`` resolved in another folder, moved data), as 'STORED in the store, NOW now'."""
-    stored = group["paths"][:]
-    for i, (was, now_) in enumerate(zip(stored, paths, strict=False)):
-        if str(was) != now_:
-            return f"row {i}'s image: {str(was)!r} in the store, {now_!r} now"
+    stored = group["paths"]
+    for start in range(0, min(len(paths), stored.shape[0]), BLOCK):
+        stop = min(start + BLOCK, len(paths), stored.shape[0])
+        was, now_ = np.asarray(stored[start:stop]), np.asarray(paths[start:stop])
+        differ = np.flatnonzero(was != now_)
+        if len(differ):
+            i = int(differ[0])
+            return f"row {start + i}'s image: {str(was[i])!r} in the store, {str(now_[i])!r} now"
     return None
 
 
@@ -207,7 +213,7 @@ def _value_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return problems
 
 
-def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: list[str]) -> None:
+def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: Any) -> None:
     """Refuse to resume a store made by another format, spec, model or data listing, or whose
     images the job would read from another place (``paths``: this run's, resolved). ``new``: this job's
     :func:`store_attrs` (as JSON would give them back)."""

@@ -1,0 +1,89 @@
+"""The rows as the driver holds them (issue 29): numpy columns, paths as shared heads and tails, duplicates found
+by hashes; each checked against the plain list form it replaced."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+
+from extractor.data.rows import BLOCK, Joining, Rows, Strings, duplicate, labels_of, strings
+from extractor.store.provenance import _digest
+
+
+def test_strings_across_blocks_equal_the_list_and_read_while_gathered():
+    items = [f"img{i:07d}" + "é" * (i % 3) for i in range(2 * BLOCK + 17)]
+    gathered = Strings()
+    for n, item in enumerate(items):
+        gathered.append(item)
+        assert gathered[n] == item and gathered[n // 2] == items[n // 2]
+    assert gathered.array().tolist() == items
+    assert strings(iter(items)).tolist() == items and strings([]).tolist() == []
+
+
+def test_joined_paths_equal_their_strings_whether_tails_are_the_ids_or_not():
+    for differ_at in (None, 0, 5, BLOCK + 3):  # every tail its id / not from the first / from row 5 / past a block
+        rel = [f"c{i % 7}/x{i}.jpg" for i in range(BLOCK + 10)]
+        full = ["/root/" + r for r in rel]
+        if differ_at is not None:
+            full[differ_at] = "s3://elsewhere/y.jpg"  # not under the head: held whole
+        ids = Strings()
+        paths = Joining(["/root/"], ids)
+        for r, f in zip(rel, full, strict=True):
+            ids.append(r)
+            paths.whole(f)
+        listed = ids.array()
+        joined = paths.joined(listed)
+        assert (joined.tails is listed) == (differ_at is None)  # the ids' array, held once
+        assert list(joined) == full and joined[3] == full[3] and joined[2:9].tolist() == full[2:9]
+        assert joined[len(full) - 2:].tolist() == full[-2:]
+
+
+def test_joined_tar_members_and_rows_made_of_lists():
+    paths = Joining(["/t/a.tar#", "/t/b.tar#"])
+    for t, member in [(0, "k1.jpg"), (0, "k2.jpg"), (1, "k3.jpg")]:
+        paths.part(t, member)
+    joined = paths.joined()
+    assert list(joined) == ["/t/a.tar#k1.jpg", "/t/a.tar#k2.jpg", "/t/b.tar#k3.jpg"]
+    rows = Rows(ids=["k1", "k2", "k3"], paths=joined, labels=[1, -1, 2], offsets=[0, 512, 1024], sizes=[3, 4, 5])
+    assert rows.ids.dtype == np.dtypes.StringDType() and rows.labels.dtype == np.int64 and len(rows) == 3
+    assert rows.offsets is not None and rows.offsets.tolist() == [0, 512, 1024] and rows.paths is joined
+
+
+def test_duplicate_finds_the_first_id_seen_again_as_a_set_would():
+    rng = random.Random(0)
+    for _ in range(30):
+        n = rng.randrange(2, 300)
+        ids = [f"k{rng.randrange(n * 3)}" for _ in range(n)]
+        seen: dict[str, int] = {}
+        want = None
+        for row, key in enumerate(ids):  # the reference: the listing's set-based check before issue 29
+            if key in seen:
+                want = (seen[key], row)
+                break
+            seen[key] = row
+        assert duplicate(strings(ids)) == want
+    assert duplicate(strings([])) is None and duplicate(strings(["a"])) is None
+
+
+def test_labels_decided_on_distinct_values_equal_per_row_labels():
+    mixed, classes = labels_of([3, "3", 3.0, None, "", True, 1, "1e1"])  # True is a name: all of them are
+    assert classes == ["1", "1e1", "3", "3.0", "True"] and mixed.dtype == np.int64
+    assert mixed.tolist() == [2, 2, 3, -1, -1, 4, 0, 1]
+    numbers, none = labels_of(["3", 3.0, None, "1e1", 7])
+    assert numbers.tolist() == [3, 3, -1, 10, 7] and none == []
+    names, named = labels_of(["dog", "cat", "dog", None])
+    assert named == ["cat", "dog"] and names.tolist() == [1, 0, 1, -1]
+
+
+def test_the_digest_of_ids_is_the_one_older_stores_recorded():
+    ids = [f"a/{i}.jpg" for i in range(BLOCK + 5)] + ["é", ""]
+    h = hashlib.sha256()
+    for i in ids:  # as provenance hashed a list of str before issue 29
+        h.update(i.encode("utf-8", "surrogateescape") + b"\0")
+    paths = Joining(["/r/"])
+    for i in ids:
+        paths.whole("/r/" + i)
+    assert _digest(strings(ids)) == h.hexdigest()[:16]
+    assert _digest(paths.joined()) == _digest(strings(["/r/" + i for i in ids]))
