@@ -3,6 +3,7 @@
     >>> import extractor
     >>> store = extractor.run("jobs/demo.yaml", overrides=["data.batch_size=16"])
     >>> store = extractor.run({"data": {"root": "imgs"}, "capture": [{"layer": "(model)"}]}, model=my_module)
+    >>> store = extractor.run("jobs/demo.yaml", dataset=datasets.load_dataset("ORG/NAME", split="train"))
     >>> store.last_run.report()   # what `extractor run` prints
 """
 
@@ -51,8 +52,53 @@ def _with_module(raw: dict[str, Any], named: set[str], model: Any) -> dict[str, 
     return {**raw, "model": section}
 
 
-def _spec(job: str | Path | dict[str, Any] | JobSpec, overrides: Sequence[str], model: Any) -> JobSpec:
-    """The job as a validated spec; with ``model``, its model section names that module."""
+_DATA_PLACES = ("source", "root", "manifest", "tars", "parquet")
+
+
+def _with_dataset(raw: dict[str, Any], dataset: Any) -> dict[str, Any]:
+    """The job whose data section reads the files of the ``datasets.Dataset`` ``dataset`` (its Arrow cache or
+    what ``save_to_disk`` wrote): its Image column, and its ClassLabel column as the labels."""
+    section = dict(raw.get("data") or {})
+    named = [k for k in _DATA_PLACES if section.get(k)]
+    if named:
+        raise SpecError(f"dataset= was given, and the job names its data too ({', '.join(f'data.{k}' for k in named)}"
+                        "); remove them from the job, or do not pass dataset=")
+    section.update(source="parquet", parquet=_dataset_files(dataset),
+                   columns=_dataset_columns(dataset, dict(section.get("columns") or {})))
+    return {**raw, "data": section}
+
+
+def _dataset_files(dataset: Any) -> list[str]:
+    """The files that hold ``dataset``'s rows, in order; a data set in memory or a selection of rows refused."""
+    if not hasattr(dataset, "features"):
+        raise SpecError(f"dataset= takes a datasets.Dataset, not {type(dataset).__name__}")
+    files = [f["filename"] for f in getattr(dataset, "cache_files", None) or []]
+    if not files:
+        raise SpecError("dataset= is held in memory only, and workers read a data set's files: save it first "
+                        "(ds.save_to_disk(DIR), then ds = datasets.load_from_disk(DIR); or ds.to_parquet(FILE) and "
+                        "data.parquet: FILE)")
+    if getattr(dataset, "_indices", None) is not None:
+        raise SpecError("dataset= is a selection of its files' rows (select, shuffle, filter and train_test_split "
+                        "keep an indices mapping): pass ds.flatten_indices(), which writes its rows in order")
+    return files
+
+
+def _dataset_columns(dataset: Any, given: dict[str, str]) -> dict[str, str]:
+    """``data.columns`` for ``dataset``: its one Image column and its one ClassLabel column, unless ``given``."""
+    kinds = {k: type(f).__name__ for k, f in dataset.features.items()}
+    images = [k for k, kind in kinds.items() if kind == "Image"]
+    if "image" not in given and len(images) != 1:
+        raise SpecError(f"dataset= has {len(images)} Image columns ({', '.join(images) or 'none'}); name the one to "
+                        "read with data.columns: {image: COLUMN}")
+    labels = [k for k, kind in kinds.items() if kind == "ClassLabel"]
+    found = {"image": images[0]} if len(images) == 1 else {}
+    return {**found, **({"label": labels[0]} if len(labels) == 1 else {}), **given}
+
+
+def _spec(job: str | Path | dict[str, Any] | JobSpec, overrides: Sequence[str], model: Any,
+          dataset: Any = None) -> JobSpec:
+    """The job as a validated spec; with ``model``, its model section names that module; with ``dataset``, its
+    data section reads that data set's files."""
     if isinstance(overrides, str):
         overrides = [overrides]  # one KEY=VALUE, not its characters
     if model is not None:
@@ -61,11 +107,13 @@ def _spec(job: str | Path | dict[str, Any] | JobSpec, overrides: Sequence[str], 
     raw = apply_overrides(raw, list(overrides))
     if model is not None:
         raw = _with_module(raw, named, model)
+    if dataset is not None:
+        raw = _with_dataset(raw, dataset)
     return parse_spec(raw, source=str(job) if isinstance(job, (str, Path)) else "job spec")
 
 
-def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, overrides: Sequence[str] = (),
-        progress: bool = True) -> ActivationStore:
+def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, dataset: Any = None,
+        overrides: Sequence[str] = (), progress: bool = True) -> ActivationStore:
     """Run a job and return its store, opened for reading.
 
     ``job`` is a YAML path, a dict (as the YAML would be) or a :class:`JobSpec`; ``overrides``
@@ -74,6 +122,9 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, overri
     ``requires_grad`` and memory format given back afterwards, also when the job fails); the
     Ray backend sends it to every worker with cloudpickle (or says why it cannot). The store
     records it as ``python:MODULE.CLASS`` with its state-dict hash.
+    ``dataset`` is a ``datasets.Dataset`` whose rows live in files (loaded from the Hub or a folder, or
+    ``load_from_disk``): the job reads those files (``data.source: parquet``), its Image column and its ClassLabel
+    column; one held in memory only, or a selection of rows (``shuffle``, ``select``), is refused saying how.
     ``progress``: a bar in a terminal or a notebook, log lines otherwise. The run's report is
     ``store.last_run`` (a :class:`~extractor.runner.RunSummary`; ``.report()`` is what
     ``extractor run`` prints); a run in which every row failed raises :class:`DataError`.
@@ -82,7 +133,7 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, overri
     from .driver import run as run_spec
     from .errors import DataError
 
-    spec = _spec(job, overrides, model)
+    spec = _spec(job, overrides, model, dataset)
     backend: Any = None
     if model is not None and spec.cluster.backend == "local":
         from .compute import Worker

@@ -139,11 +139,12 @@ def extract(args: argparse.Namespace) -> dict:
     ray = args.variant == "ray"
     variant, unsharded = args.variant.removesuffix("-unsharded"), args.variant.endswith("-unsharded")
     cpus = os.cpu_count() or 1
+    source = {"source": "parquet", "root": None, "parquet": str(as_parquet(Path(args.images)))} if \
+        variant == "parquet" else {"root": args.images}  # the same images, from one Parquet file of the Hub's layout
     spec = parse_spec({
         "model": {"name": args.model, "weights": None, "device": "cpu"},
-        "data": {"root": args.images, "batch_size": args.batch_size, "shard_size": 256,
-                 "decode_workers": args.decode_workers},
-        "capture": CAPTURES["pooled" if ray else variant],
+        "data": {**source, "batch_size": args.batch_size, "shard_size": 256, "decode_workers": args.decode_workers},
+        "capture": CAPTURES["pooled" if ray or variant == "parquet" else variant],
         "output": {"store": str(store), "chunk_rows": 64, "compression": "zstd", "if_exists": "overwrite",
                    "sharding": not unsharded},  # fullmap-unsharded: each chunk its own object, as before sharding
         "cluster": {"backend": "ray", "workers": 1, "cpus_per_worker": cpus, "local_cpus": cpus} if ray
@@ -322,6 +323,28 @@ def sharding_bench(rows: int = 4096, tokens: int = 197, features: int = 384, sha
                         rows * tokens, "tokens", mb)
 
 
+def as_parquet(image_dir: Path, row_group: int = 100) -> Path:
+    """The images of ``image_dir`` in one Parquet file as the Hub holds them ({bytes, path} structs, ClassLabel
+    names in the metadata), in the folder source's row order; row groups of 100 rows, as ``datasets`` writes."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = image_dir.with_suffix(".parquet")
+    if not path.exists():
+        from extractor.data.listing import list_rows
+        from extractor.spec.schema import DataSpec
+
+        rows = list_rows(DataSpec(root=str(image_dir)))
+        images = [{"bytes": Path(p).read_bytes(), "path": i} for p, i in zip(rows.paths, rows.ids, strict=True)]
+        table = pa.table({"image": images, "label": rows.labels.tolist()})
+        meta = {"info": {"features": {"image": {"_type": "Image"},
+                                      "label": {"names": rows.classes, "_type": "ClassLabel"}}}}
+        pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps(meta)}), path, row_group_size=row_group)
+    return path
+
+
 def make_images(n: int) -> Path:
     from extractor.demo import CLASSES, _draw
 
@@ -368,7 +391,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="bare,pooled,fullmap,fullmap-unsharded,early,ray,gradcam,thingsvision")
+    p.add_argument("--variants", default="bare,pooled,parquet,fullmap,fullmap-unsharded,early,ray,gradcam,thingsvision")
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
@@ -430,6 +453,7 @@ def main() -> None:
     print(f"\n{'variant':12s} {'images/s':>9s} {'ratio':>6s} {'wall s':>7s} {'start s':>7s} {'RSS MB':>7s}  what")
     what = {"bare": "DataLoader + forward, outputs discarded (reference)",
             "pooled": "extractor: avgpool + layer3 mean-pooled, float32",
+            "parquet": "pooled, the same images from a Parquet file (Hub layout, row groups of 100)",
             "fullmap": "extractor: layer3 full map, float16, zstd",
             "fullmap-unsharded": "the same, each chunk its own object (output.sharding: false)",
             "early": "extractor: layer2 mean-pooled (stops after layer2)",

@@ -222,10 +222,46 @@ def planning_bench(rows: int = 300_000, files: int = 100_000) -> None:
               f"held {keep:4.0f} B a row; 10M rows: peak {(peak2 + grow * (1e7 - n2)) / 1e9:4.2f} GB")
 
 
+def parquet_bench(files: int = 100, per_file: int = 10_000, row_group: int = 1000) -> None:
+    """Planning a Parquet source of ``files`` x ``per_file`` rows (Hub layout; images of a few bytes: only the
+    footers and the label column are read): wall and CPU seconds."""
+    import json
+    import resource
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from extractor.data import list_rows
+    from extractor.spec import DataSpec
+
+    root = WORK / f"parquet-{files}x{per_file}"
+    if not (root / f"train-{files - 1:05d}.parquet").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        meta = json.dumps({"info": {"features": {"image": {"_type": "Image"}, "label": {
+            "names": [f"c{i}" for i in range(1000)], "_type": "ClassLabel"}}}})
+        for f in range(files):
+            table = pa.table({"image": [{"bytes": b"\xff\xd8" + bytes([i % 256]) * 14, "path": f"{i}.jpg"}
+                                        for i in range(per_file)], "label": [i % 1000 for i in range(per_file)]})
+            pq.write_table(table.replace_schema_metadata({"huggingface": meta}), root / f"train-{f:05d}.parquet",
+                           row_group_size=row_group)
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    c0, t0 = cpu(), time.perf_counter()
+    rows = list_rows(DataSpec(source="parquet", parquet=str(root / "train-*.parquet")))
+    wall, used = time.perf_counter() - t0, cpu() - c0
+    assert len(rows) == files * per_file and len(rows.classes) == 1000
+    print(f"\nParquet planning: {files} files x {per_file:,} rows (row groups of {row_group}): {wall:5.2f} s wall, "
+          f"{used:5.2f} s CPU ({used / len(rows) * 1e6:.1f} us a row)")
+
+
 def main() -> None:
     WORK.mkdir(exist_ok=True)
     stats_bench()
     tar_bench()
+    parquet_bench()
     planning_bench()
     shard_bench()
 

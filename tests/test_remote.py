@@ -114,6 +114,27 @@ def test_tars_and_manifest_from_s3_store_to_s3(s3, image_dir: Path, tmp_path: Pa
     assert main(["probe", "s3://bucket/tars.zarr", "--folds", "2", *flags]) == 0
 
 
+def test_parquet_from_s3_by_glob_reads_row_groups_by_range(s3, image_dir: Path, tmp_path: Path):
+    """issue 30: Hub-layout Parquet files on the S3 server, named by a glob: the folder's values, labels and
+    class names."""
+    pytest.importorskip("pyarrow")
+    from test_parquet import write_hub_parquet
+
+    fs, options = s3
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    for f in write_hub_parquet(images, tmp_path / "pq", per_file=6, row_group=3):
+        fs.put(str(f), f"bucket/pq/data/{f.name}")
+    run(parse_spec(job(image_dir, tmp_path / "local.zarr")))
+    raw = job(image_dir, tmp_path / "s.zarr", data={"source": "parquet", "root": None, "storage_options": options,
+                                                     "parquet": "s3://bucket/pq/data/train-*.parquet"})
+    assert run(parse_spec(raw)).ok == 12
+    a, b = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "local.zarr"))
+    assert a.classes == b.classes and a.labels.tolist() == b.labels.tolist()
+    assert str(a.paths[0]) == "s3://bucket/pq/data/train-00000-of-00002.parquet#image/0"
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
 def test_missing_bucket_and_bad_credentials_are_clear(s3, image_dir: Path, tmp_path: Path):
     fs, options = s3
     raw = job(image_dir, tmp_path / "s.zarr", data={"source": "tar", "root": None,

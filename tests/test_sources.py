@@ -374,7 +374,8 @@ def test_an_hf_imagefolder_metadata_csv_reads_as_it_is_through_data_columns(tmp_
     with pytest.raises(DataError, match=r"data.columns.label: 'label_name' is not a column of .*metadata.csv"):
         list_rows(DataSpec(source="manifest", manifest=str(tmp_path / "imgs" / "metadata.csv"),
                            columns={"image": "file_name", "label": "label_name"}))
-    with pytest.raises(SpecError, match="data.columns names a manifest's columns; data.source is 'folder'"):
+    with pytest.raises(SpecError, match="data.columns names a manifest's or Parquet file's columns; data.source is "
+                                        "'folder'"):
         parse_spec({**job(tmp_path / "imgs", tmp_path / "s.zarr"), "data": {"root": str(tmp_path / "imgs"),
                                                                            "columns": {"image": "file_name"}}})
 

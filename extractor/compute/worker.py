@@ -505,6 +505,10 @@ class Worker:
             return self._batches()
         bs = self.spec.data.batch_size
         reuse = self._reuse_index().lookup if self.spec.output.reuse else None
+        if self.spec.data.source == "parquet":  # row groups read by an earlier call may be of files changed since
+            from ..data.parquet import row_groups
+
+            row_groups.clear()
         if self.jpeg is not None:
             return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, read=self.decode.read,
                                reuse=reuse)

@@ -74,7 +74,13 @@ def local_path(path: str) -> str | bytes:
 
 
 def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:
-    """The bytes of one image: a file, a URL, or a member's byte range inside a tar."""
+    """The bytes of one image: a file, a URL, a member's byte range inside a tar, or a Parquet file's row
+    (``FILE.parquet#COLUMN/ROW``)."""
+    if isinstance(item, str) and "#" in item:
+        from .parquet import is_parquet_row, parquet_bytes
+
+        if is_parquet_row(item):
+            return parquet_bytes(item, storage_options)
     if isinstance(item, tuple):
         path, offset, size = item
         url = tar_url_of(path, storage_options or {})

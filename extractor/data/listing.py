@@ -49,13 +49,19 @@ def list_rows(data: DataSpec) -> Rows:
         rows = _list_manifest(data.manifest, data.root, storage, data.outside_root,
                               {str(k): v for k, v in data.columns.items()})
         where = data.manifest
+    elif data.source == "parquet":
+        from .parquet import hub_files, list_parquet
+
+        files = data.parquet if data.dataset is None else hub_files(data.dataset, data.split, data.config)
+        rows = list_parquet(files, {str(k): v for k, v in data.columns.items()}, storage)
+        where = str(data.dataset or data.parquet)
     else:
         rows = list_tars(data.tars, data.extensions, storage)
         where = str(data.tars)
     if not len(rows):
         raise DataError(
             f"no images found in {where} (looked for files ending in {', '.join(data.extensions)}); "
-            "check data.root / data.manifest / data.tars"
+            "check data.root / data.manifest / data.tars / data.parquet"
         )
     return rows if data.classes is None else named(rows, list(data.classes), where)
 

@@ -203,8 +203,9 @@ def _auto_or_at_least(value: int | str, low: int, note: str = "") -> int | str:
 
 
 class DataSpec(_Section):
-    source: Literal["folder", "manifest", "tar"] = "folder"
-    """``folder`` (recursive walk; ImageFolder labels), ``manifest`` (CSV/JSONL) or ``tar`` (WebDataset shards)."""
+    source: Literal["folder", "manifest", "tar", "parquet"] = "folder"
+    """``folder`` (recursive walk; ImageFolder labels), ``manifest`` (CSV/JSONL), ``tar`` (WebDataset shards) or
+    ``parquet`` (Parquet files, the Hugging Face datasets layout)."""
     root: str | None = None
     """Folder of images (a path or fsspec URL); for a manifest, the base of relative paths
     (default: the manifest's folder)."""
@@ -216,9 +217,23 @@ class DataSpec(_Section):
     job at any file the machine can read."""
     tars: str | tuple[str, ...] | None = None
     """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``)."""
+    parquet: str | tuple[str, ...] | None = None
+    """Parquet files: paths or URLs with globs (``data/train-*.parquet``) or brace patterns. Each row holds an
+    image (encoded bytes, a struct of ``bytes`` and ``path`` as Hugging Face writes it, or a path), and optionally
+    a label (integers, class names from the file's Hugging Face metadata when it has them, or strings) and an id
+    (else the file and row: ``train-00000-of-00004/17``). A relative image path is in the Parquet file's folder."""
+    dataset: str | None = None
+    """Instead of ``data.parquet``: a Hugging Face data set by name (``ORG/NAME``), read from the Parquet files of
+    the local Hugging Face cache (``hf download ORG/NAME --repo-type dataset`` fetches them; extractor downloads
+    only with ``EXTRACTOR_ALLOW_DOWNLOAD=1``)."""
+    split: str = "train"
+    """The split of ``data.dataset``: its files named ``SPLIT-*.parquet`` or in a folder ``SPLIT``."""
+    config: str | None = None
+    """The configuration (subset) of ``data.dataset``: its files in a folder of that name."""
     columns: dict[Literal["image", "label", "id"], str] = Field(default_factory=dict)
-    """A manifest's column names, where they are not ``path``, ``label`` and ``id``: ``{image: file_name}``
-    reads a Hugging Face imagefolder's ``metadata.csv`` as it is."""
+    """A manifest's or Parquet file's column names, where they are not the defaults (a manifest's ``path``,
+    Parquet's ``image``; ``label``, ``id``): ``{image: file_name}`` reads a Hugging Face imagefolder's
+    ``metadata.csv`` as it is, ``{image: jpg, label: cls}`` a Parquet file of WebDataset-like columns."""
     classes: tuple[str, ...] | None = None
     """Class names: label i is ``classes[i]``, stored as the store's ``classes``. For integer labels (a tar's
     ``.cls``, a manifest's numbers) a label outside them is refused; labels that are names (or folders) take
@@ -286,8 +301,17 @@ class DataSpec(_Section):
             raise ValueError("data.source 'manifest' needs data.manifest (a .csv or .jsonl file)")
         if self.source == "tar" and not self.tars:
             raise ValueError("data.source 'tar' needs data.tars (tar paths or URLs, brace patterns allowed)")
-        if self.columns and self.source != "manifest":
-            raise ValueError(f"data.columns names a manifest's columns; data.source is {self.source!r}: remove it")
+        if self.source == "parquet" and not self.parquet and not self.dataset:
+            raise ValueError("data.source 'parquet' needs data.parquet (Parquet paths or URLs, globs and brace "
+                             "patterns allowed) or data.dataset (a Hugging Face data set in the local cache: ORG/NAME)")
+        if self.parquet and self.dataset:
+            raise ValueError("data.parquet and data.dataset both name the files to read: keep one")
+        if self.dataset and self.source != "parquet":
+            raise ValueError(f"data.dataset names a Hugging Face data set, read with data.source: parquet; data.source "
+                             f"is {self.source!r}")
+        if self.columns and self.source not in ("manifest", "parquet"):
+            raise ValueError(f"data.columns names a manifest's or Parquet file's columns; data.source is "
+                             f"{self.source!r}: remove it")
         if self.classes is not None and len(set(self.classes)) != len(self.classes):
             raise ValueError("data.classes names a class twice: each label needs one name")
         return self
@@ -575,8 +599,9 @@ class JobSpec(_Section):
         the folder the job runs from. The one list of them (workers elsewhere, jobs submitted elsewhere)."""
         d, m = self.data, self.model
         tars = [d.tars] if isinstance(d.tars, str) else list(d.tars or [])
+        parquet = [d.parquet] if isinstance(d.parquet, str) else list(d.parquet or [])
         out = [("output.store", self.output.store), ("data.root", d.root), ("data.manifest", d.manifest),
-               *(("data.tars", t) for t in tars)]
+               *(("data.tars", t) for t in tars), *(("data.parquet", p) for p in parquet)]
         if m.weights_kind == "file":
             out.append(("model.weights", m.weights))
         folder = model_folder(m.name)

@@ -171,7 +171,7 @@ def current_form(stored: dict[str, Any]) -> dict[str, Any]:
         return stored
 
 
-_LOCATIONS = ("root", "manifest", "tars")  # data settings compared by the paths they list, not their spelling
+_LOCATIONS = ("root", "manifest", "tars", "parquet")  # data settings compared by the paths they list, not spelling
 
 
 def _moved(group: Any, paths: Any) -> str | None:

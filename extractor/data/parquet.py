@@ -1,0 +1,366 @@
+"""Parquet files as a data source: the Hugging Face ``datasets`` layout (``data/train-00000-of-00042.parquet``, an
+``image`` column of ``{bytes, path}`` structs, a ``label`` column whose class names sit in the schema's
+``huggingface`` metadata), and any Parquet file of encoded images beside labels and ids.
+
+Planning reads each file's footer (row groups and their sizes) and its small label and id columns only, on
+threads. A row is stored as ``FILE#COLUMN/ROW`` (its row in the file); a worker reads the row group a row lies in
+once, and only its image column (:class:`RowGroups`), by ranged reads: never a whole file per shard.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import DataError
+from .files import absolute, fingerprint, is_url, local_fingerprint, remote_error, remote_fingerprint
+from .rows import Joining, Rows, Strings, duplicate, labels_of
+from .tars import expand_braces
+
+__all__ = ["list_parquet", "parquet_bytes", "is_parquet_row", "row_groups"]
+
+ROW = re.compile(r"^(?P<url>.+\.(?:parquet|arrow))#(?P<column>[^/#]+)/(?P<row>\d+)$", re.IGNORECASE)
+KEEP_GROUPS = 4  # row groups a process keeps decoded (its image column), the most recently used
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("data.source: parquet reads with pyarrow, which is not installed: pip install "
+                        "'extractor[parquet]' (or pip install pyarrow)") from None
+    return pq
+
+
+def is_parquet_row(item: object) -> bool:
+    """A stored path that names a Parquet (or Arrow) file's row: ``FILE.parquet#COLUMN/ROW``."""
+    return isinstance(item, str) and "#" in item and ROW.match(item) is not None
+
+
+def parquet_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any]) -> list[str]:
+    """The files ``data.parquet`` names, in order: brace patterns expanded, globs matched (sorted)."""
+    pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
+    urls: list[str] = []
+    for pattern in (p for pat in pats for p in expand_braces(pat)):
+        if not glob.has_magic(pattern):
+            urls.append(absolute(pattern))
+        elif is_url(pattern):
+            import fsspec
+
+            try:
+                fs, path = fsspec.core.url_to_fs(pattern, **storage)
+                protocol = pattern.split("://", 1)[0]
+                urls += [f"{protocol}://{p}" for p in sorted(fs.glob(path))]
+            except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+                raise remote_error("data.parquet", pattern, err) from err
+        else:
+            urls += [absolute(p) for p in sorted(glob.glob(pattern, recursive=True))]
+    if not urls:
+        raise DataError(f"data.parquet {patterns!r} names no Parquet files; check the paths and patterns")
+    return urls
+
+
+@dataclass(frozen=True)
+class _Columns:
+    image: str
+    label: str
+    id: str
+    named: frozenset[str]  # the ones data.columns named: a file without them is refused
+
+
+@dataclass
+class _File:
+    """What planning takes from one Parquet file: its rows, their raw labels and ids, its class names."""
+
+    rows: int
+    labels: list[Any] | None
+    ids: list[Any] | None
+    names: list[str] | None  # the label column's ClassLabel names in the Hugging Face metadata
+    print: int  # the file's fingerprint (0: unknown)
+
+
+def _open(url: str, storage: dict[str, Any]) -> Any:
+    """A file object for pyarrow: a local path as it is; a remote file opened for ranged reads (no read-ahead:
+    a row group's column chunk is one request)."""
+    if not is_url(url):
+        return url.removeprefix("file://")
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **storage)
+    return fs.open(path, "rb", cache_type="none")
+
+
+def _arrow(url: str) -> Any:
+    """The record batches of an Arrow file as ``datasets`` writes them (its cache, ``save_to_disk``): the IPC
+    stream format, memory-mapped (local files only: the stream has no footer to read a part of it by)."""
+    _pyarrow()
+    import pyarrow as pa
+
+    if is_url(url):
+        raise DataError(f"{url}: Arrow files are read from a local disk (their format has no index for ranged "
+                        "reads); convert them to Parquet (Dataset.to_parquet) to read them from object storage")
+    return pa.ipc.open_stream(pa.memory_map(url.removeprefix("file://")))
+
+
+def _is_arrow(url: str) -> bool:
+    return url.lower().endswith(".arrow")
+
+
+def _scan(url: str, cols: _Columns, storage: dict[str, Any]) -> _File:
+    """The footer and the label and id columns of one file (the image column is not read)."""
+    pq = _pyarrow()
+    import pyarrow as pa
+
+    try:
+        handle = _open(url, storage)
+        f = _arrow(url).read_all() if _is_arrow(url) else pq.ParquetFile(handle)
+        schema = f.schema if _is_arrow(url) else f.schema_arrow
+        _check_columns(url, schema.names, cols)
+        read = [c for c in (cols.label, cols.id) if c in schema.names]
+        table = (f.select(read) if _is_arrow(url) else f.read(columns=read)) if read else None
+        n_rows = f.num_rows if _is_arrow(url) else f.metadata.num_rows
+        print_ = local_fingerprint(url) if not is_url(url) else remote_fingerprint(handle.fs.info(handle.path))
+    except DataError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise _unreadable(url, err) from None
+
+    def column(name: str) -> list[Any] | None:
+        return table.column(name).to_pylist() if table is not None and name in read else None
+
+    return _File(rows=n_rows, names=_class_names(schema, cols.label), print=print_,
+                 labels=column(cols.label), ids=column(cols.id))
+
+
+def _check_columns(url: str, names: list[str], cols: _Columns) -> None:
+    """Refuse a file without the image column, or without a column data.columns named."""
+    if cols.image not in names:
+        raise DataError(f"Parquet file {url} has no image column {cols.image!r} (its columns: "
+                        f"{', '.join(names[:12])}); name it with data.columns: {{image: COLUMN}}")
+    for what in sorted(cols.named - {cols.image}):
+        if what not in names:
+            raise DataError(f"data.columns: {what!r} is not a column of {url} (its columns: "
+                            f"{', '.join(names[:12])}); fix the name, or remove it from data.columns")
+
+
+def _unreadable(url: str, err: BaseException) -> DataError:
+    import pyarrow as pa
+
+    if isinstance(err, FileNotFoundError):
+        return DataError(f"Parquet file {url} does not exist; check data.parquet")
+    if is_url(url) and not isinstance(err, pa.ArrowException):
+        return remote_error("Parquet file", url, err)
+    return DataError(f"{url} is not a readable Parquet file ({type(err).__name__}: {err})")
+
+
+def _class_names(schema: Any, label: str) -> list[str] | None:
+    """The ClassLabel names of column ``label`` in the schema's Hugging Face metadata, when it has them."""
+    meta = (schema.metadata or {}).get(b"huggingface")
+    if not meta:
+        return None
+    try:
+        feature = json.loads(meta)["info"]["features"][label]
+    except (KeyError, TypeError, ValueError):
+        return None
+    names = feature.get("names") if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" else None
+    return [str(n) for n in names] if names else None
+
+
+def _row_ids(urls: list[str]) -> list[str]:
+    """Each file's part of the ids made from file and row: its path under the files' common folder, without
+    ``.parquet`` (``data/train-00000-of-00004``)."""
+    plain = [u.split("://", 1)[-1] for u in urls]
+    common = os.path.commonpath([os.path.dirname(p) for p in plain]) if len(plain) > 1 else os.path.dirname(plain[0])
+    return [re.sub(r"\.(parquet|arrow)$", "", os.path.relpath(p, common) if common else p, flags=re.IGNORECASE)
+            for p in plain]
+
+
+def hub_files(name: str, split: str, config: str | None) -> list[str]:
+    """The Parquet files of split ``split`` (and configuration ``config``) of the Hugging Face data set ``name``
+    in the local Hugging Face cache (fetched only when ``EXTRACTOR_ALLOW_DOWNLOAD=1``)."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise DataError("data.dataset reads the Hugging Face cache with huggingface_hub, which is not installed: "
+                        "pip install huggingface_hub") from None
+    fetch = f"hf download {name} --repo-type dataset"
+    try:
+        root = snapshot_download(name, repo_type="dataset", allow_patterns=["*.parquet", "**/*.parquet"],
+                                 local_files_only=os.environ.get("EXTRACTOR_ALLOW_DOWNLOAD") != "1")
+    except Exception as err:  # noqa: BLE001 - not cached (LocalEntryNotFoundError), unknown, unreachable
+        raise DataError(f"data.dataset {name!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}): "
+                        f"{fetch} fetches it (or set EXTRACTOR_ALLOW_DOWNLOAD=1 to let extractor fetch it) "
+                        f"[{type(err).__name__}]") from None
+    found = sorted(glob.glob(os.path.join(root, "**", "*.parquet"), recursive=True))
+
+    def chosen(path: str) -> bool:
+        *folders, file = os.path.relpath(path, root).split(os.sep)
+        in_split = split in folders or file.startswith(f"{split}-") or file == f"{split}.parquet"
+        return in_split and (config is None or config in folders)
+
+    files = [p for p in found if chosen(p)]  # the snapshot's links (their blobs have no .parquet name)
+    if not files:
+        there = sorted({os.path.relpath(p, root) for p in found})[:8]
+        raise DataError(f"data.dataset {name!r}: no Parquet files of split {split!r}"
+                        f"{f' and config {config!r}' if config else ''} in its cached snapshot {root} (there: "
+                        f"{', '.join(there) or 'no Parquet files'}); set data.split and data.config, or {fetch}")
+    return files
+
+
+def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], storage: dict[str, Any]) -> Rows:
+    """Rows of every row of every Parquet file, in pattern order then row order (``patterns``: a list of files
+    as :func:`hub_files` gives them, or patterns)."""
+    from .tars import _in_order
+
+    urls = parquet_urls(patterns, storage)
+    cols = _Columns(image=columns.get("image", "image"), label=columns.get("label", "label"),
+                    id=columns.get("id", "id"), named=frozenset(columns.values()))
+    ids, paths = Strings(), Joining(f"{u}#{cols.image}/" for u in urls)
+    prints: list[np.ndarray] = []
+    names: set[tuple[str, ...]] = set()
+    stems = _row_ids(urls)
+    starts: list[int] = []
+
+    def labels() -> Any:
+        with ThreadPoolExecutor(min(16, len(urls))) as pool:
+            scanned = _in_order(pool, lambda u: _scan(u, cols, storage), urls, 16)
+            for t, (stem, f) in enumerate(zip(stems, scanned, strict=True)):
+                starts.append(len(paths.which))
+                if f.names:
+                    names.add(tuple(f.names))
+                for r in range(f.rows):
+                    given = f.ids[r] if f.ids is not None else None
+                    ids.append(str(given) if given not in (None, "") else f"{stem}/{r}")
+                    paths.part(t, str(r))
+                prints.append(np.array([fingerprint(f.print, r, 0) if f.print else 0 for r in range(f.rows)],
+                                       dtype=np.uint64))
+                yield from f.labels if f.labels is not None else [None] * f.rows
+
+    def file_of(n: int) -> str:
+        return urls[bisect.bisect_right(starts, n) - 1]
+
+    def where(n: int) -> str:
+        t = bisect.bisect_right(starts, n) - 1
+        return f"Parquet file {urls[t]}, row {n - starts[t]}"
+
+    codes, classes = labels_of(labels(), where)
+    keys = ids.array()
+    twice = duplicate(keys)
+    if twice is not None:
+        raise DataError(f"id {keys[twice[0]]!r} appears in {file_of(twice[0])} and {file_of(twice[1])}; ids must be "
+                        f"unique (data.columns.id names the id column)")
+    rows = Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes,
+                fingerprints=np.concatenate(prints) if prints else None)
+    if len(names) > 1:
+        raise DataError(f"the Parquet files of data.parquet name their classes differently ({len(names)} lists in "
+                        "their Hugging Face metadata); list them once in data.classes")
+    if names and not classes:
+        from .listing import named
+
+        return named(rows, list(next(iter(names))), f"{urls[0]} (its Hugging Face ClassLabel names)")
+    return rows
+
+
+class RowGroups:
+    """The image columns of the row groups this process read last (``KEEP_GROUPS`` of them), each read once
+    however many threads ask for its rows at the same moment; ``reads`` counts the row groups read."""
+
+    def __init__(self, keep: int = KEEP_GROUPS) -> None:
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.groups: OrderedDict[tuple[str, str, int], Future[list[Any]]] = OrderedDict()
+        self.footers: dict[str, list[int]] = {}  # each file's row group starts
+        self.reads = 0
+
+    def clear(self) -> None:
+        """Forget every row group and footer (files may have changed since)."""
+        with self.lock:
+            self.groups.clear()
+            self.footers.clear()
+
+    def value(self, url: str, column: str, row: int, storage: dict[str, Any]) -> Any:
+        """Row ``row``'s value of ``column`` in file ``url``."""
+        starts = self._starts(url, storage)
+        group = bisect.bisect_right(starts, row) - 1
+        if group < 0 or row >= starts[-1]:
+            raise IndexError(f"{url} has {starts[-1]} rows, not row {row}: the file changed since it was listed")
+        key = (url, column, group)
+        with self.lock:
+            future = self.groups.get(key)
+            mine = future is None
+            if future is None:
+                future = self.groups[key] = Future()
+                while len(self.groups) > self.keep:
+                    self.groups.popitem(last=False)
+            else:
+                self.groups.move_to_end(key)
+        if mine:
+            try:
+                future.set_result(self._read(url, column, group, storage))
+            except BaseException as err:  # noqa: BLE001 - given to every thread waiting for this row group
+                with self.lock:
+                    self.groups.pop(key, None)
+                future.set_exception(err)
+        return future.result()[row - starts[group]]
+
+    def _starts(self, url: str, storage: dict[str, Any]) -> list[int]:
+        starts = self.footers.get(url)
+        if starts is None:
+            if _is_arrow(url):  # its record batches (memory-mapped: nothing read but their headers)
+                counts = [b.num_rows for b in _arrow(url)]
+            else:
+                meta = _pyarrow().ParquetFile(_open(url, storage)).metadata
+                counts = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            starts = self.footers[url] = [0, *np.cumsum(counts).tolist()]
+        return starts
+
+    def _read(self, url: str, column: str, group: int, storage: dict[str, Any]) -> list[Any]:
+        try:
+            if _is_arrow(url):
+                table = next(b for g, b in enumerate(_arrow(url)) if g == group).select([column])
+            else:
+                table = _pyarrow().ParquetFile(_open(url, storage)).read_row_group(group, columns=[column])
+        except Exception as err:  # noqa: BLE001 - a file spoilt or cut since it was listed: its rows fail
+            raise OSError(f"row group {group} of {url} cannot be read ({type(err).__name__}: {err})") from None
+        with self.lock:
+            self.reads += 1
+        return table.column(column).to_pylist()
+
+
+row_groups = RowGroups()  # one per process: a worker's decode threads share it
+
+
+def parquet_bytes(item: str, storage: dict[str, Any] | None = None) -> bytes:
+    """The encoded image of a stored Parquet row ``FILE#COLUMN/ROW``: its bytes, or the file its path names
+    (a relative path: in the Parquet file's folder)."""
+    from .files import read_bytes
+
+    m = ROW.match(item)
+    assert m is not None
+    url, column, row = m["url"], m["column"], int(m["row"])
+    value = row_groups.value(url, column, row, dict(storage or {}))
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+    else:
+        data, path = (value, None) if isinstance(value, bytes | bytearray) else (None, value)
+    if data:
+        return bytes(data)
+    if not path:
+        raise ValueError(f"row {row} of {url} holds no image in column {column!r} (no bytes and no path)")
+    base = url.rsplit("/", 1)[0]
+    return read_bytes(path if not _relative(path) else f"{base.rstrip('/')}/{path}", storage)
+
+
+def _relative(path: str) -> bool:
+    return not is_url(path) and not os.path.isabs(path)

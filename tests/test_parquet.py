@@ -1,0 +1,253 @@
+"""Parquet files as a source (issue 30): the Hugging Face layout written by pyarrow and by the ``datasets`` library,
+equal row for row to the same images from a folder and from tars; row groups read once and only their image
+column; the tar source's promises for bad files, bad rows and missing columns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import job
+from test_sources import write_tars
+
+from extractor.data.listing import list_rows
+from extractor.data.parquet import row_groups
+from extractor.driver.runner import run
+from extractor.errors import DataError
+from extractor.read.reader import open_store
+from extractor.spec.schema import DataSpec, parse_spec
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+CLASSES = ["cats", "dogs"]
+
+
+def images_of(image_dir: Path) -> list[Path]:
+    return sorted(p for p in image_dir.rglob("*") if p.is_file())
+
+
+def write_hub_parquet(images: list[Path], out: Path, per_file: int, row_group: int, names: bool = True,
+                      image: str = "image", label: str = "label") -> list[Path]:
+    """Files as the Hub holds them: ``data/train-0000N-of-0000M.parquet``, an image column of {bytes, path}
+    structs, integer labels with their ClassLabel names in the ``huggingface`` schema metadata."""
+    out.mkdir(parents=True, exist_ok=True)
+    chunks = [images[i:i + per_file] for i in range(0, len(images), per_file)]
+    meta = {"info": {"features": {image: {"_type": "Image"},
+                                  label: {"names": CLASSES, "_type": "ClassLabel"} if names else
+                                  {"dtype": "int64", "_type": "Value"}}}}
+    paths = []
+    for n, chunk in enumerate(chunks):
+        table = pa.table({image: [{"bytes": p.read_bytes(), "path": p.name} for p in chunk],
+                          label: [CLASSES.index(p.parent.name) for p in chunk]})
+        table = table.replace_schema_metadata({"huggingface": json.dumps(meta)})
+        path = out / f"train-{n:05d}-of-{len(chunks):05d}.parquet"
+        pq.write_table(table, path, row_group_size=row_group)
+        paths.append(path)
+    return paths
+
+
+def parquet_job(image_dir: Path, store: Path, pattern: str, **data):
+    return job(image_dir, store, data={"source": "parquet", "root": None, "parquet": pattern, **data})
+
+
+def test_parquet_equals_the_folder_and_the_tars_row_for_row(image_dir: Path, tmp_path: Path):
+    images = images_of(image_dir)
+    write_hub_parquet(images, tmp_path / "data", per_file=5, row_group=2)  # 3 files, row groups of 2, 2, 1
+    write_tars(images, tmp_path / "tars", per_tar=5, labels={"cats": 0, "dogs": 1})
+    run(parse_spec(job(image_dir, tmp_path / "f.zarr")))
+    run(parse_spec(job(image_dir, tmp_path / "t.zarr", data={"source": "tar", "root": None, "tars": str(
+        tmp_path / "tars" / "shard-{000..002}.tar")})))
+    before = row_groups.reads
+    summary = run(parse_spec(parquet_job(image_dir, tmp_path / "p.zarr", str(tmp_path / "data" / "train-*.parquet"))))
+    assert summary.ok == 12
+    assert row_groups.reads - before == 3 + 3 + 1  # files of 5, 5, 2 rows in row groups of 2: each read once
+    f, t, p = (open_store(str(tmp_path / n)) for n in ("f.zarr", "t.zarr", "p.zarr"))
+    assert p.classes == CLASSES == f.classes and p.labels.tolist() == f.labels.tolist() == t.labels.tolist()
+    assert p.ids.tolist()[:6] == ["train-00000-of-00003/0", "train-00000-of-00003/1", "train-00000-of-00003/2",
+                                  "train-00000-of-00003/3", "train-00000-of-00003/4", "train-00001-of-00003/0"]
+    assert str(p.paths[6]).endswith("train-00001-of-00003.parquet#image/1")
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(p.numpy(key), f.numpy(key))
+        np.testing.assert_array_equal(p.numpy(key), t.numpy(key))
+    from extractor.read.analysis import image_grid  # pictures read the row's bytes, as the job did
+
+    np.testing.assert_array_equal(np.asarray(image_grid(p, np.array([7]), columns=1)),
+                                  np.asarray(image_grid(f, np.array([7]), columns=1)))
+
+
+def test_a_shard_reads_only_its_row_groups_and_only_the_image_column(image_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    images = images_of(image_dir)
+    [path] = write_hub_parquet(images, tmp_path / "data", per_file=12, row_group=4)  # 3 row groups of 4 rows
+    reads: list[tuple[int, tuple[str, ...]]] = []
+    wholes: list[tuple[str, ...]] = []
+    real_group, real_read = pq.ParquetFile.read_row_group, pq.ParquetFile.read
+
+    def group(self, i, columns=None, **kw):
+        reads.append((i, tuple(columns or ("every column",))))
+        return real_group(self, i, columns=columns, **kw)
+
+    def whole(self, columns=None, **kw):
+        wholes.append(tuple(columns or ("every column",)))
+        return real_read(self, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", group)
+    monkeypatch.setattr(pq.ParquetFile, "read", whole)
+    raw = parquet_job(image_dir, tmp_path / "s.zarr", str(path), shard_size=4)
+    assert run(parse_spec(raw)).ok == 12
+    assert sorted(reads) == [(0, ("image",)), (1, ("image",)), (2, ("image",))]  # once each, the image only
+    assert wholes == [("label",)]  # planning: the footer and the label column
+    # a shard run alone (the resume of one shard) reads its one row group
+    from extractor.store.format import open_group, reset_shards
+
+    reset_shards(open_group(str(tmp_path / "s.zarr"), "r+"), [(1, 4, 8)])
+    reads.clear()
+    raw["output"]["if_exists"] = "resume"
+    assert run(parse_spec(raw)).shards_run == 1
+    assert reads == [(1, ("image",))]
+
+
+def test_datasets_library_parquet_and_column_mapping(image_dir: Path, tmp_path: Path):
+    datasets = pytest.importorskip("datasets")
+    images = images_of(image_dir)
+    features = datasets.Features({"img": datasets.Image(), "category": datasets.ClassLabel(names=CLASSES),
+                                  "key": datasets.Value("string")})
+    ds = datasets.Dataset.from_dict({"img": [str(p) for p in images],
+                                     "category": [CLASSES.index(p.parent.name) for p in images],
+                                     "key": [p.stem for p in images]}, features=features)
+    ds.to_parquet(str(tmp_path / "hf.parquet"))
+    rows = list_rows(DataSpec(source="parquet", parquet=str(tmp_path / "hf.parquet"),
+                              columns={"image": "img", "label": "category", "id": "key"}))
+    assert rows.ids.tolist() == [p.stem for p in images] and rows.classes == CLASSES
+    assert rows.labels.tolist() == [CLASSES.index(p.parent.name) for p in images]
+    raw = parquet_job(image_dir, tmp_path / "s.zarr", str(tmp_path / "hf.parquet"),
+                      columns={"image": "img", "label": "category", "id": "key"})
+    run(parse_spec(raw))
+    run(parse_spec(job(image_dir, tmp_path / "f.zarr")))
+    a, b = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "f.zarr"))
+    np.testing.assert_array_equal(a.numpy("layer4"), b.numpy("layer4"))
+    assert a.classes == b.classes
+
+
+def test_bad_parquet_files_missing_columns_and_bad_rows(image_dir: Path, tmp_path: Path):
+    images = images_of(image_dir)
+    [good] = write_hub_parquet(images, tmp_path / "data", per_file=12, row_group=6)
+    not_parquet = tmp_path / "data" / "notes.parquet"
+    not_parquet.write_text("not a parquet file")
+    with pytest.raises(DataError, match=r"notes.parquet is not a readable Parquet file"):
+        list_rows(DataSpec(source="parquet", parquet=str(not_parquet)))
+    truncated = tmp_path / "cut.parquet"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(DataError, match=r"cut.parquet is not a readable Parquet file"):
+        list_rows(DataSpec(source="parquet", parquet=str(truncated)))
+    with pytest.raises(DataError, match=r"has no image column 'jpg' \(its columns: image, label\); name it with "
+                                        r"data.columns"):
+        list_rows(DataSpec(source="parquet", parquet=str(good), columns={"image": "jpg"}))
+    with pytest.raises(DataError, match=r"data.columns: 'cls' is not a column of"):
+        list_rows(DataSpec(source="parquet", parquet=str(good), columns={"label": "cls"}))
+    with pytest.raises(DataError, match=r"names no Parquet files"):
+        list_rows(DataSpec(source="parquet", parquet=str(tmp_path / "none-*.parquet")))
+    # a row whose bytes are not an image fails that row only; the others are computed
+    table = pq.read_table(good)
+    column = table.column("image").to_pylist()
+    column[3] = {"bytes": b"garbage, not an image", "path": "x.jpg"}
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table.set_column(0, "image", pa.array(column, type=table.schema.field("image").type)), bad,
+                   row_group_size=6)
+    summary = run(parse_spec(parquet_job(image_dir, tmp_path / "s.zarr", str(bad))))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert summary.failed == 1 and s.status.tolist()[3] == 2 and (np.delete(s.status, 3) == 1).all()
+    assert str(s.errors[3]) == "ValueError: not an image format Pillow reads (21 bytes)"
+    # a row group spoilt after planning (its pages overwritten, the footer intact): its rows fail, the others not
+    spoilt = tmp_path / "spoilt.parquet"
+    data = bytearray(good.read_bytes())
+    chunk = pq.ParquetFile(good).metadata.row_group(1).column(0)  # the second row group's image bytes
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    data[start + 16:start + chunk.total_compressed_size - 16] = b"\x07" * (chunk.total_compressed_size - 32)
+    spoilt.write_bytes(bytes(data))
+    summary = run(parse_spec(parquet_job(image_dir, tmp_path / "spoilt.zarr", str(spoilt))))
+    s = open_store(str(tmp_path / "spoilt.zarr"))
+    assert summary.failed == 6 and s.status.tolist() == [1] * 6 + [2] * 6, s.errors[:]
+    assert all(str(e) for e in s.errors[6:]) and not any(str(e) for e in s.errors[:6])
+
+
+def test_integer_labels_without_names_take_data_classes(image_dir: Path, tmp_path: Path):
+    [path] = write_hub_parquet(images_of(image_dir), tmp_path / "data", per_file=12, row_group=12, names=False)
+    plain = list_rows(DataSpec(source="parquet", parquet=str(path)))
+    assert plain.classes == [] and plain.labels.tolist() == [0] * 6 + [1] * 6
+    named = list_rows(DataSpec(source="parquet", parquet=str(path), classes=("cat", "dog")))
+    assert named.classes == ["cat", "dog"] and named.labels.tolist() == plain.labels.tolist()
+    with pytest.raises(DataError, match=r"has label 1, but data.classes names 1 classes"):
+        list_rows(DataSpec(source="parquet", parquet=str(path), classes=("cat",)))
+
+
+def test_a_datasets_dataset_is_read_from_its_arrow_files_and_refused_where_it_cannot_be(image_dir: Path,
+                                                                                        tmp_path: Path):
+    datasets = pytest.importorskip("datasets")
+    import extractor
+    from extractor.errors import SpecError
+
+    images = images_of(image_dir)
+    features = datasets.Features({"picture": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
+    memory = datasets.Dataset.from_dict({"picture": [str(p) for p in images],
+                                         "label": [CLASSES.index(p.parent.name) for p in images]}, features=features)
+    raw = job(image_dir, tmp_path / "s.zarr")
+    del raw["data"]["root"]
+    raw["data"]["source"] = "folder"
+    with pytest.raises(SpecError, match=r"job names its data too \(data.source\)"):
+        extractor.run(raw, dataset=memory, progress=False)
+    raw["data"].pop("source")
+    with pytest.raises(SpecError, match=r"held in memory only.*save_to_disk"):
+        extractor.run(raw, dataset=memory, progress=False)
+    memory.save_to_disk(str(tmp_path / "saved"))
+    ds = datasets.load_from_disk(str(tmp_path / "saved"))
+    assert ds.cache_files and ds.cache_files[0]["filename"].endswith(".arrow")
+    with pytest.raises(SpecError, match=r"selection of its files' rows.*flatten_indices"):
+        extractor.run(raw, dataset=ds.shuffle(seed=0), progress=False)
+    store = extractor.run(raw, dataset=ds, progress=False)
+    ref = extractor.run(job(image_dir, tmp_path / "f.zarr"), progress=False)
+    assert store.classes == ref.classes and store.labels.tolist() == ref.labels.tolist()
+    assert str(store.paths[0]).endswith(".arrow#picture/0")
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(store.numpy(key), ref.numpy(key))
+
+
+def test_a_hub_data_set_by_name_from_the_local_cache(image_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch):
+    """data.dataset: ORG/NAME resolves to the Parquet files of its split in the Hugging Face cache, offline (the
+    cache laid out as huggingface_hub lays it: refs/main, snapshots/REVISION/, links to blobs)."""
+    import huggingface_hub.constants as constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "datasets--org--toy"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    images = images_of(image_dir)
+    made = write_hub_parquet(images, tmp_path / "made", per_file=6, row_group=6)  # train-00000, train-00001
+    (repo / "blobs").mkdir()
+    snapshot = repo / "snapshots" / revision / "data"
+    snapshot.mkdir(parents=True)
+    for n, f in enumerate([*made, made[0]]):
+        blob = repo / "blobs" / f"blob{n}"
+        blob.write_bytes(f.read_bytes())
+        name = f.name if n < 2 else "test-00000-of-00001.parquet"
+        (snapshot / name).symlink_to(blob)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("EXTRACTOR_ALLOW_DOWNLOAD", raising=False)
+    train = list_rows(DataSpec(source="parquet", dataset="org/toy"))
+    assert len(train) == 12 and train.classes == CLASSES and train.ids.tolist()[6] == "train-00001-of-00002/0"
+    assert len(list_rows(DataSpec(source="parquet", dataset="org/toy", split="test"))) == 6
+    with pytest.raises(DataError, match=r"no Parquet files of split 'validation'.*there: data/test-00000"):
+        list_rows(DataSpec(source="parquet", dataset="org/toy", split="validation"))
+    with pytest.raises(DataError, match=r"'org/missing' is not in the local Hugging Face cache .*hf download "
+                                        r"org/missing --repo-type dataset fetches it"):
+        list_rows(DataSpec(source="parquet", dataset="org/missing"))
+    raw = job(image_dir, tmp_path / "s.zarr", data={"source": "parquet", "root": None, "dataset": "org/toy"})
+    run(parse_spec(raw))
+    run(parse_spec(job(image_dir, tmp_path / "f.zarr")))
+    np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr")).numpy("layer4"),
+                                  open_store(str(tmp_path / "f.zarr")).numpy("layer4"))
