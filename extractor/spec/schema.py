@@ -202,6 +202,15 @@ def _auto_or_at_least(value: int | str, low: int, note: str = "") -> int | str:
     return value
 
 
+_SOURCE_NEEDS = {  # data.source: the settings of which it needs one, as the error names them
+    "folder": (("root",), "data.root (the image folder)"),
+    "manifest": (("manifest",), "data.manifest (a .csv or .jsonl file)"),
+    "tar": (("tars",), "data.tars (tar paths or URLs, brace patterns allowed)"),
+    "parquet": (("parquet", "dataset"), "data.parquet (Parquet paths or URLs, globs and brace patterns allowed) or "
+                "data.dataset (a Hugging Face data set in the local cache: ORG/NAME)"),
+}
+
+
 class DataSpec(_Section):
     source: Literal["folder", "manifest", "tar", "parquet"] = "folder"
     """``folder`` (recursive walk; ImageFolder labels), ``manifest`` (CSV/JSONL), ``tar`` (WebDataset shards) or
@@ -295,15 +304,9 @@ class DataSpec(_Section):
 
     @model_validator(mode="after")
     def _source_fields(self) -> DataSpec:
-        if self.source == "folder" and not self.root:
-            raise ValueError("data.source 'folder' needs data.root (the image folder)")
-        if self.source == "manifest" and not self.manifest:
-            raise ValueError("data.source 'manifest' needs data.manifest (a .csv or .jsonl file)")
-        if self.source == "tar" and not self.tars:
-            raise ValueError("data.source 'tar' needs data.tars (tar paths or URLs, brace patterns allowed)")
-        if self.source == "parquet" and not self.parquet and not self.dataset:
-            raise ValueError("data.source 'parquet' needs data.parquet (Parquet paths or URLs, globs and brace "
-                             "patterns allowed) or data.dataset (a Hugging Face data set in the local cache: ORG/NAME)")
+        fields, what = _SOURCE_NEEDS[self.source]
+        if not any(getattr(self, f) for f in fields):
+            raise ValueError(f"data.source {self.source!r} needs {what}")
         if self.parquet and self.dataset:
             raise ValueError("data.parquet and data.dataset both name the files to read: keep one")
         if self.dataset and self.source != "parquet":
