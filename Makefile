@@ -11,7 +11,7 @@ export RAY_AUTH_MODE := disabled
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,models]'
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,models,analysis,parquet]'
 	touch $(STAMP)
 
 venv: $(STAMP)

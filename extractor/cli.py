@@ -78,15 +78,12 @@ def _command(*args: str) -> str:
     return line
 
 
-def _save(img: Any, out: str | Path) -> None:
-    """Save a picture, creating its folder; a bad path or file type is a one-line error."""
-    try:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        img.save(out)
-    except ValueError as err:  # PIL: an unknown file extension
-        raise ExtractorError(f"cannot write {out}: {err}; use a .png or .jpg path") from None
-    except OSError as err:
-        raise ExtractorError(f"cannot write {out}: {err}") from None
+def _save(fig: Any, out: str | Path) -> None:
+    """Write a figure (PNG, PDF or SVG by the extension), creating its folder; a bad path or file type is a
+    one-line error."""
+    from .read.figures import save
+
+    save(fig, out)
 
 
 def _at_least(low: int):  # -> argparse type
@@ -356,7 +353,7 @@ def _parse_rows(text: str | None) -> slice | None:
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .read import finite, gradcam_grid, image_grid, open_store, pca, scatter_plot
+    from .read import finite, gradcam_grid, image_grid, open_store, principal_components, scatter_plot
 
     store = open_store(args.store, _store_options(args))
     cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
@@ -379,9 +376,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         if len(rows) > args.max_rows:
             rows = np.sort(np.random.default_rng(0).choice(rows, args.max_rows, replace=False))
         x, rows = finite(store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32), rows, key)
-        sheet = scatter_plot(pca(x), store.labels[rows], store.classes, f"PCA of {key} ({len(rows)} rows)")
+        points, explained = principal_components(x)
+        sheet = scatter_plot(points, store.labels[rows], store.classes, f"PCA of {key} ({len(rows)} rows)",
+                             explained)
     _save(sheet, args.out)
-    print(f"wrote {args.out} ({sheet.size[0]}x{sheet.size[1]})")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -438,6 +437,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         captures += [(store, k) for k in ([key] if key else store.keys)]
     result = compare(captures, rows=args.rows, rsa_rows=args.rsa_rows, seed=args.seed)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.report())
+    if args.out:
+        _save(result.figure(), args.out)
+        print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -485,17 +487,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if code == 0:
         print()
         cmd_inspect(argparse.Namespace(store=spec.output.store, json=False, verify=False))
-        from .read import bar_chart, open_store, pca, probe_store, scatter_plot
+        from .read import bar_chart, open_store, principal_components, probe_store, scatter_plot
 
         store = open_store(spec.output.store)
         results = probe_store(store, folds=5)
         folds = len(next(iter(results.values()))["folds"])  # fewer than 5 with fewer rows
         print(f"\nlinear probe against the sample classes ({folds}-fold):")
         _print_probe(results)
-        bar_chart(results, "demo: linear-probe accuracy").save(base / "probe.png")
-        x = store.numpy("embedding")
-        scatter_plot(pca(x), store.labels[store.ok_rows()], store.classes, "demo: PCA of embedding").save(
-            base / "pca.png")
+        _save(bar_chart(results, "demo: linear-probe accuracy"), base / "probe.png")
+        points, explained = principal_components(store.numpy("embedding"))
+        _save(scatter_plot(points, store.labels[store.ok_rows()], store.classes, "demo: PCA of embedding",
+                           explained), base / "pca.png")
         print(f"wrote {base / 'probe.png'} and {base / 'pca.png'}")
         print(f"\nOpen it: python -c \"import extractor; s = extractor.open_store('{spec.output.store}'); "
               "print(s.numpy('embedding').shape)\"")
@@ -666,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--keys", nargs="*", help="captures to probe (default: all)")
     pr.add_argument("--folds", type=_at_least(2), default=5, help="cross-validation folds (default 5)")
     pr.add_argument("--max-rows", type=_at_least(2), default=10000, help="rows sampled for the probe")
-    pr.add_argument("--out", default=None, help="bar chart PNG")
+    pr.add_argument("--out", default=None, help="bar chart (PNG, PDF or SVG)")
     pr.add_argument("--json", action="store_true", help="the results as JSON (for scripts)")
     pr.set_defaults(func=cmd_probe)
 
@@ -677,6 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--rsa-rows", type=_at_least(3), default=1000, help="rows of the RDMs (default 1000)")
     co.add_argument("--seed", type=int, default=0)
     co.add_argument("--json", action="store_true", help="the matrices as JSON")
+    co.add_argument("--out", default=None, help="the matrices as heatmaps (PNG, PDF or SVG)")
     co.set_defaults(func=cmd_compare)
 
     su = sub.add_parser("submit", parents=[common], help="submit a job spec to a Ray cluster (Ray Jobs API)")

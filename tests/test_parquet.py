@@ -72,10 +72,10 @@ def test_parquet_equals_the_folder_and_the_tars_row_for_row(image_dir: Path, tmp
     for key in ("layer3", "layer4"):
         np.testing.assert_array_equal(p.numpy(key), f.numpy(key))
         np.testing.assert_array_equal(p.numpy(key), t.numpy(key))
-    from extractor.read.analysis import image_grid  # pictures read the row's bytes, as the job did
+    from extractor.read.figures import image_grid, pixels  # pictures read the row's bytes, as the job did
 
-    np.testing.assert_array_equal(np.asarray(image_grid(p, np.array([7]), columns=1)),
-                                  np.asarray(image_grid(f, np.array([7]), columns=1)))
+    np.testing.assert_array_equal(pixels(image_grid(p, np.array([7]), columns=1)),
+                                  pixels(image_grid(f, np.array([7]), columns=1)))
 
 
 def test_a_shard_reads_only_its_row_groups_and_only_the_image_column(image_dir: Path, tmp_path: Path,

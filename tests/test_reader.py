@@ -296,7 +296,31 @@ def test_probe_folds_are_checked_not_quietly_changed(caplog: pytest.LogCaptureFi
         linear_probe(x, y, folds=1)
     with caplog.at_level("WARNING", logger="extractor.read.analysis"):
         res = linear_probe(x, y, folds=10)
-    assert len(res["folds"]) == 6 and "a 10-fold probe of 6 rows: 6 folds" in caplog.text
+    assert len(res["folds"]) == 3 and "a 10-fold probe whose smallest class has 3 rows: 3 folds" in caplog.text
+    with pytest.raises(StoreError, match="class 2 has 1 labelled row: a stratified probe needs at least 2"):
+        linear_probe(np.vstack([x, x[:1]]), np.array([0, 1] * 3 + [2]), folds=2)
+
+
+def test_probe_equals_scikit_learn_run_by_hand_on_the_same_folds():
+    """The probe is scikit-learn's: standardized on each training fold, LogisticRegression(C=1), the stratified
+    folds shuffled with the seed; the same computed here by hand, fold by fold, gives the same accuracies."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold
+    from sklearn.preprocessing import StandardScaler
+
+    from extractor.read.analysis import linear_probe
+
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 3, 150)
+    x = rng.normal(size=(150, 20)) + y[:, None] * 0.4 * rng.normal(size=20)
+    got = linear_probe(x, y, folds=5, seed=7)
+    by_hand = []
+    for train, test in StratifiedKFold(5, shuffle=True, random_state=7).split(x, y):
+        scale = StandardScaler().fit(x[train])
+        model = LogisticRegression(C=1.0, max_iter=1000).fit(scale.transform(x[train]), y[train])
+        by_hand.append(float((model.predict(scale.transform(x[test])) == y[test]).mean()))
+    assert got["folds"] == by_hand and got["accuracy"] == pytest.approx(np.mean(by_hand))
+    assert got["chance"] == pytest.approx(np.bincount(y).max() / 150) and 0.4 < got["accuracy"] < 1
 
 
 def test_probe_and_show_commands_write_pictures(tmp_path: Path, store):
@@ -307,10 +331,10 @@ def test_probe_and_show_commands_write_pictures(tmp_path: Path, store):
     assert main(["probe", store.url, "--folds", "3", "--out", str(tmp_path / "p.png")]) == 0
     assert Image.open(tmp_path / "p.png").size[0] > 400
     assert main(["show", store.url, "--key", "layer4", "--out", str(tmp_path / "pca.png")]) == 0
-    assert Image.open(tmp_path / "pca.png").size == (640, 520)
+    assert Image.open(tmp_path / "pca.png").size == (700, 550)
     assert main(["show", store.url, "--key", "layer4", "--rows", "0:6", "--columns", "3",
                  "--out", str(tmp_path / "rows.png")]) == 0
-    assert Image.open(tmp_path / "rows.png").size == (3 * 32, 2 * (32 + 16))
+    assert Image.open(tmp_path / "rows.png").size == (3 * 190, 2 * 220)  # panels of 1.9 x 2.2 inches at 100 dpi
     assert main(["show", store.url, "--key", "nope", "--out", str(tmp_path / "x.png")]) == 1
 
 

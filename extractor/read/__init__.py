@@ -1,5 +1,5 @@
-"""The analysis side: a store opened lazily (numpy, zarr), its torch and xarray views, probes and pictures.
-Needs only numpy and zarr; torch, xarray and Pillow when their views are asked for.
+"""The analysis side: a store opened lazily (numpy, zarr), its torch and xarray views, probes and figures.
+Needs only numpy and zarr; torch, xarray, scikit-learn and matplotlib when their views are asked for.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from .._face import face
 
 if TYPE_CHECKING:
-    from .analysis import bar_chart, finite, image_grid, linear_probe, pca, probe_store, scatter_plot, top_rows
+    from .analysis import finite, linear_probe, pca, principal_components, probe_store, top_rows
+    from .figures import bar_chart, gradcam_grid, heatmap, image_grid, scatter_plot
     from .reader import ActivationStore, open_store
-    from .show import gradcam_grid
     from .similarity import Comparison, compare, linear_cka
 
 __all__ = [
@@ -20,11 +20,13 @@ __all__ = [
     "linear_probe",
     "probe_store",
     "pca",
+    "principal_components",
     "finite",
     "image_grid",
     "scatter_plot",
     "bar_chart",
     "gradcam_grid",
+    "heatmap",
     "top_rows",
     "compare",
     "Comparison",
@@ -40,11 +42,13 @@ __getattr__ = face(
         "linear_probe": "analysis",
         "probe_store": "analysis",
         "pca": "analysis",
+        "principal_components": "analysis",
         "finite": "analysis",
-        "image_grid": "analysis",
-        "scatter_plot": "analysis",
-        "bar_chart": "analysis",
-        "gradcam_grid": "show",
+        "image_grid": "figures",
+        "scatter_plot": "figures",
+        "bar_chart": "figures",
+        "gradcam_grid": "figures",
+        "heatmap": "figures",
         "top_rows": "analysis",
         "compare": "similarity",
         "Comparison": "similarity",

@@ -1,15 +1,15 @@
-"""Helpers shared by the pictures of a store (:mod:`.analysis` and :mod:`.show`; PIL only)."""
+"""The images of a store's rows as the job saw them (PIL only), for its figures."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from PIL import Image, ImageDraw
+    from PIL import Image
 
     from .reader import ActivationStore
 
-__all__ = ["crop_like_job", "fit_text"]
+__all__ = ["crop_like_job"]
 
 
 def crop_like_job(item: Any, store: ActivationStore) -> Image.Image:
@@ -19,12 +19,3 @@ def crop_like_job(item: Any, store: ActivationStore) -> Image.Image:
 
     img = open_rgb(item, None, store.spec["data"].get("max_image_pixels"))
     return of_store(store.attrs).geometry(img)
-
-
-def fit_text(draw: ImageDraw.ImageDraw, text: str, width: float) -> str:
-    """``text`` cut to ``width`` pixels, so that the captions of neighbouring cells never overlap."""
-    if draw.textlength(text) <= width:
-        return text
-    while text and draw.textlength(text + "..") > width:
-        text = text[:-1]
-    return text + ".." if text else ""

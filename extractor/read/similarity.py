@@ -52,6 +52,14 @@ class Comparison:
                                ["", *short]))
         return "\n".join(lines + self.notes)
 
+    def figure(self) -> Any:
+        """Both matrices as heatmaps side by side (a ``matplotlib`` Figure)."""
+        from .figures import heatmap
+
+        return heatmap({f"linear CKA ({self.cka_rows} rows)": self.cka,
+                        f"RSA: Spearman of RDMs ({self.rsa_rows} rows)": self.rsa}, self.names,
+                       f"representational similarity, {self.shared} shared rows")
+
 
 def linear_cka(x: np.ndarray, y: np.ndarray) -> float:
     """Linear CKA of two feature matrices of the same rows (n x p, n x q), in the feature form."""

@@ -1,0 +1,81 @@
+"""Figures (issue 31), drawn with matplotlib: each checked for what it must show (axes labels, legend entries,
+panels, colour bars, the numbers written on it); PCA against an SVD computed here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import job
+
+from extractor.cli import main
+from extractor.driver.runner import run
+from extractor.read import bar_chart, compare, heatmap, image_grid, open_store, principal_components, scatter_plot
+from extractor.spec.schema import parse_spec
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def store(image_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("figures")
+    raw = job(image_dir, tmp / "s.zarr", capture=[{"layer": "layer3", "reduce": "mean"},
+                                                   {"layer": "layer4", "reduce": "mean"}])
+    run(parse_spec(raw))
+    return open_store(str(tmp / "s.zarr"))
+
+
+def test_probe_bars_show_accuracy_spread_and_chance():
+    results = {"layer3": {"accuracy": 0.8, "std": 0.05, "chance": 0.5}, "layer4": {"accuracy": 0.95, "std": 0.02,
+                                                                                    "chance": 0.5}}
+    fig = bar_chart(results, "a probe")
+    [ax] = fig.axes
+    assert ax.get_xlabel() == "held-out accuracy" and ax.get_ylabel() == "capture" and ax.get_title() == "a probe"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["layer3", "layer4"]
+    assert [round(p.get_width(), 3) for p in ax.patches] == [0.8, 0.95]  # a bar each
+    assert [t.get_text() for t in ax.texts] == ["0.800 ± 0.050", "0.950 ± 0.020"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["chance (the majority class)", "accuracy, mean over folds (error bar: std)"]
+    chance = ax.collections[-1].get_offsets()  # the chance marks, at 0.5 on each bar
+    np.testing.assert_allclose(np.asarray(chance)[:, 0], [0.5, 0.5])
+
+
+def test_pca_scatter_has_a_legend_of_class_names_and_the_variance_on_its_axes(store):
+    x = store.numpy("layer4")
+    points, explained = principal_components(x)
+    centred = x - x.mean(axis=0)
+    _u, s, vt = np.linalg.svd(centred, full_matrices=False)  # PCA computed here
+    for i in range(2):
+        ref = centred @ vt[i]
+        np.testing.assert_allclose(np.abs(points[:, i]), np.abs(ref), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(explained, (s**2 / (s**2).sum())[:2], rtol=1e-5)
+    fig = scatter_plot(points, store.labels, store.classes, "PCA", explained)
+    [ax] = fig.axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["cats", "dogs"]
+    assert ax.get_xlabel() == f"PC 1 ({explained[0]:.0%} of the variance)" and ax.get_ylabel().startswith("PC 2 (")
+    assert sum(len(c.get_offsets()) for c in ax.collections) == len(store)
+
+
+def test_image_grid_has_a_titled_panel_per_row(store):
+    fig = image_grid(store, np.arange(5), columns=2, captions=[f"c{i}" for i in range(5)])
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(fig.axes) == 6 and len(shown) == 5  # 3 rows of 2, the last cell empty
+    assert [ax.get_title() for ax in shown] == ["c0", "c1", "c2", "c3", "c4"]
+    assert all(ax.get_images()[0].get_array().shape == (64, 64, 3) for ax in shown)  # the crop the job saw
+
+
+def test_compare_heatmaps_show_both_measures_with_their_sample_and_colour_bars(store, tmp_path: Path, capsys):
+    result = compare([(store, "layer3"), (store, "layer4")])
+    fig = result.figure()
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert len(panels) == 2 and len(fig.axes) == 4  # two matrices, a colour bar each
+    assert [ax.get_title() for ax in panels] == [f"linear CKA ({result.cka_rows} rows)",
+                                                f"RSA: Spearman of RDMs ({result.rsa_rows} rows)"]
+    assert [t.get_text() for t in panels[0].texts] == [f"{v:.2f}" for v in result.cka.ravel()]
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == [f"[0] {store.url}:layer3", f"[1] {store.url}:layer4"]
+    one = heatmap({"m": np.eye(3)}, ["a", "b", "c"], "t")
+    assert len(one.axes) == 2 and one.axes[0].get_title() == "m"
+    out = tmp_path / "c.svg"
+    assert main(["compare", f"{store.url}:layer3", f"{store.url}:layer4", "--out", str(out)]) == 0
+    assert b"<svg" in out.read_bytes() and f"wrote {out}" in capsys.readouterr().out
