@@ -767,6 +767,11 @@ def test_a_resume_takes_the_rows_of_unchanged_tars_from_the_store_and_lists_chan
     raw["output"]["if_exists"] = "resume"
     summary = run(parse_spec(raw))
     assert scanned == [] and summary.shards_run >= 1 and summary.ok == 8  # no tar listed again
+    from extractor.driver.runner import _recorded
+
+    left = _recorded(parse_spec(raw))  # the rows stay in the store: their number and digests are taken from it
+    assert left is not None and len(left) == 8 and len(left.ids) == 0 and left.stored is not None
+    assert left.stored["ids_digest"] == open_store(str(tmp_path / "s.zarr")).attrs["ids_digest"]
     a, b = open_store(str(tmp_path / "clean.zarr")), open_store(str(tmp_path / "s.zarr"))
     assert b.ids.tolist() == a.ids.tolist() and b.classes == a.classes and (b.labels == a.labels).all()
     for key in a.keys:

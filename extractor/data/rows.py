@@ -144,6 +144,9 @@ class Rows:
     sizes: np.ndarray | None = None  # and how many there are
     fingerprints: np.ndarray | None = None  # uint64 per row, where the source tells cheaply (0: unknown); see files
     listing: dict[str, Any] | None = None  # what a tar listing was made from: tars, their fingerprints, extensions
+    stored: dict[str, Any] | None = None  # rows a store records, left there (a resume whose source is as listed):
+    # their number and digests (n_rows, ids_digest, paths_digest); the columns then are empty, and labels only read
+    # when asked for
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -158,7 +161,7 @@ class Rows:
                 put(name, np.asarray(getattr(self, name), dtype=dtype).reshape(-1))
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.ids) if self.stored is None else int(self.stored["n_rows"])
 
 
 def duplicate(ids: np.ndarray) -> tuple[int, int] | None:

@@ -474,11 +474,14 @@ def _recorded(spec: JobSpec) -> Rows | None:
     recorded = (old or {}).get("listing")
     if not recorded or old is None or old.get("status") == "creating":
         return None
+    if not all(k in old for k in ("n_rows", "ids_digest", "paths_digest")):
+        return None
     now_ = tar_listing(spec.data.tars, spec.data.extensions, spec.data.storage_options)
     if now_ != recorded or 0 in now_["fingerprints"]:
         return None
     log.info("the tars are as listed for %s: its rows are taken from it", spec.output.store)
-    return stored_rows(open_group(spec.output.store, "r", spec.output.storage_options))
+    labels = any(c.gradient and c.score_target == "label" for c in spec.capture)  # _check_targets reads them
+    return stored_rows(open_group(spec.output.store, "r", spec.output.storage_options), labels=labels)
 
 
 class _Events:

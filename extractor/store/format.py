@@ -41,6 +41,7 @@ import zarr
 from zarr.buffer.cpu import NDBuffer
 
 from ..data import Rows, is_url
+from ..data.rows import strings
 from ..errors import FencedError, StoreError
 from .chunks import ChunkCodec, ShardStream, remove_partials, write_chunks
 
@@ -468,16 +469,16 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
         return list(pool.map(digest, range(len(rows))))
 
 
-def stored_rows(group: zarr.Group) -> Rows:
-    """The rows as the store records them (ids, paths, labels, classes; a tar source's offsets and sizes; the
-    fingerprints), for a resume whose source is as it was listed."""
-    def values(name: str) -> np.ndarray | None:
-        return np.asarray(get_array(group, name)[:]) if name in group else None
-
+def stored_rows(group: zarr.Group, labels: bool = False) -> Rows:
+    """The rows as the store records them, for a resume whose source is as it was listed: left in the store (the
+    workers read their shards' rows from it), their number, classes, listing and digests taken from its
+    attributes; ``labels``: the labels read too (a gradient of the label's logit checks them)."""
     attrs = root_attrs(group)
-    return Rows(ids=values("ids"), paths=values("paths"), labels=values("labels"),  # type: ignore[arg-type]
-                classes=list(attrs.get("classes") or []), offsets=values("byte_offset"), sizes=values("byte_size"),
-                fingerprints=values("fingerprint"), listing=attrs.get("listing"))
+    none = strings([])
+    return Rows(ids=none, paths=none, labels=np.asarray(get_array(group, "labels")[:]) if labels else
+                np.zeros(0, np.int64),
+                classes=list(attrs.get("classes") or []), listing=attrs.get("listing"),
+                stored={k: attrs[k] for k in ("n_rows", "ids_digest", "paths_digest")})
 
 
 def done_shards(group: zarr.Group) -> np.ndarray:

@@ -111,8 +111,9 @@ def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> dict[
         "n_shards": n_shards,
         "shard_size": spec.data.shard_size,
         "chunk_rows": chunking(spec, probe.captures),
-        "ids_digest": _digest(rows.ids),
-        "paths_digest": _digest(rows.paths),  # where the images are read from, resolved
+        # where the images are read from, resolved; rows left in their store: the digests it recorded of them
+        "ids_digest": _digest(rows.ids) if rows.stored is None else rows.stored["ids_digest"],
+        "paths_digest": _digest(rows.paths) if rows.stored is None else rows.stored["paths_digest"],
         "versions": versions(),
         **({"reused_from": list(spec.output.reuse)} if spec.output.reuse else {}),  # the reused array's stores
         **({"listing": rows.listing} if rows.listing else {}),  # a resume takes the rows from the store while it holds
