@@ -8,6 +8,7 @@ stored hex-encoded (``fsbytes:``).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DataError
@@ -162,6 +163,14 @@ def fingerprint(*facts: object) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest("|".join(map(str, facts)).encode("utf-8", "surrogateescape")) or 1
+
+
+def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """``fingerprint(tar_print, offset, size)`` of each member of a tar, at once (a tar's million members)."""
+    import xxhash
+
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(f"{tar_print}|{o}|{n}".encode()) or 1 for o, n in zip(offsets, sizes, strict=True)]
 
 
 def local_fingerprint(path: str) -> int:

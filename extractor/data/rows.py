@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -51,6 +51,13 @@ class Strings:
         if len(self.block) == BLOCK:
             self.blocks.append(np.asarray(self.block, dtype=STRINGS))
             self.block = []
+
+    def extend(self, items: Sequence[str]) -> None:
+        for start in range(0, len(items), BLOCK):
+            self.block.extend(items[start:start + BLOCK])
+            if len(self.block) >= BLOCK:
+                self.blocks.append(np.asarray(self.block[:BLOCK], dtype=STRINGS))
+                self.block = self.block[BLOCK:]
 
     def array(self) -> np.ndarray:
         """All of them as one array, each block let go once copied (a concatenation held them twice)."""
@@ -112,6 +119,15 @@ class Joining:
             self.part(0, text[len(self.heads[0]):])
         else:
             self.part(len(self.heads) - 1, text)
+
+    def parts(self, head: int, tails: Sequence[str]) -> None:
+        """Strings ``heads[head] + tail`` for each of ``tails``."""
+        if self.ids is not None:
+            for tail in tails:
+                self.part(head, tail)
+            return
+        self.which.extend([head] * len(tails))
+        self.tails.extend(tails)
 
     def part(self, head: int, tail: str) -> None:
         if self.ids is not None:
