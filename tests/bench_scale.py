@@ -166,7 +166,7 @@ def shard_bench(shards: int = 15) -> None:
     for i in range(shards):
         t0 = time.perf_counter()
         w = ShardWriter(url, i * size, (i + 1) * size, i, None, fence=token)
-        w.locators(), w.labels(), w.chunk_rows(caps)
+        w.opening(labels=True), w.chunk_rows(caps)
         t1 = time.perf_counter()
         w.finish(np.ones(size, np.uint8), [""] * size, None, "", np.zeros(size, np.uint64))
         opening.append(t1 - t0)

@@ -76,7 +76,8 @@ class ShardInput:
     def open(cls, shard: Shard, url: str, storage_options: dict[str, Any] | None, labels: bool,
              captures: Iterable[str], fence: str | None = None) -> ShardInput:
         writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options, fence)
-        return cls(shard, writer, writer.locators(), writer.labels() if labels else None, writer.chunk_rows(captures))
+        paths, found = writer.opening(labels)
+        return cls(shard, writer, paths, found, writer.chunk_rows(captures))
 
 
 @dataclass

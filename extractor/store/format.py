@@ -43,7 +43,7 @@ from zarr.buffer.cpu import NDBuffer
 from ..data import Rows, is_url
 from ..data.rows import strings
 from ..errors import FencedError, StoreError
-from .chunks import ChunkCodec, ShardStream, remove_partials, write_chunks
+from .chunks import ChunkCodec, ShardStream, read_at_once, remove_partials, write_at_once, write_chunks
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -520,20 +520,19 @@ class ShardWriter:
         self._streams: dict[str, ShardStream] = {}  # sharded arrays: this shard's object of each, being written
         self._lock = threading.Lock()  # write() is called from several writer threads
 
-    def locators(self) -> list[Any]:
-        """What the decoder reads for each row: a path, or (tar URL#member, offset, size)."""
-        paths = [str(p) for p in self._rows("paths")]
-        if not self.opened.has("byte_offset"):
-            return paths
-        offsets, sizes = self._rows("byte_offset"), self._rows("byte_size")
-        return [(p, int(o), int(n)) for p, o, n in zip(paths, offsets, sizes, strict=True)]
-
-    def _rows(self, name: str) -> np.ndarray:
-        """This shard's rows of the per-row array ``name``."""
-        return np.asarray(self.opened.array(name)[self.start : self.stop])
-
-    def labels(self) -> np.ndarray:
-        return np.asarray(self._rows("labels"), dtype=np.int64)
+    def opening(self, labels: bool = False) -> tuple[list[Any], np.ndarray | None]:
+        """What the decoder reads for each row (a path, or (tar URL#member, offset, size)) and, with ``labels``,
+        the rows' labels: the shard's rows of those arrays read in one round."""
+        tar = self.opened.has("byte_offset")
+        names = ["paths", *(["byte_offset", "byte_size"] if tar else []), *(["labels"] if labels else [])]
+        got = dict(zip(names, read_at_once([(self.opened.array(n), slice(self.start, self.stop)) for n in names]),
+                       strict=True))
+        paths = got["paths"].tolist()
+        found = np.asarray(got["labels"], dtype=np.int64) if labels else None
+        if not tar:
+            return paths, found
+        return [(p, o, n) for p, o, n in zip(paths, got["byte_offset"].tolist(), got["byte_size"].tolist(),
+                                             strict=True)], found
 
     def check_fence(self) -> None:
         """Raise :class:`FencedError` when the job that writes is no longer the one holding the store."""
@@ -590,16 +589,16 @@ class ShardWriter:
             self._streams[key].close()
             with self._lock:
                 del self._streams[key]  # closed: what a failure leaves open, abandon() gives up
-        array = self.opened.array
-        for key, values in (extras or {}).items():
-            array(key)[self.start : self.stop] = values
+        array, rows = self.opened.array, slice(self.start, self.stop)
+        writes: list[tuple[zarr.Array, Any, Any]] = [(array(key), rows, v) for key, v in (extras or {}).items()]
         if digests is not None and self.opened.has("digest"):  # stores made before digests have none
-            array("digest")[self.start : self.stop] = digests
+            writes.append((array("digest"), rows, digests))
         if reused is not None and self.opened.has("reused"):
-            array("reused")[self.start : self.stop] = reused
-        array("status")[self.start : self.stop] = status
-        array("errors")[self.start : self.stop] = np.asarray(errors, dtype=np.dtypes.StringDType())
-        array("shard_stats")[self.index] = stats
+            writes.append((array("reused"), rows, reused))
+        writes += [(array("status"), rows, status),
+                   (array("errors"), rows, np.asarray(errors, dtype=np.dtypes.StringDType())),
+                   (array("shard_stats"), self.index, stats)]
+        write_at_once(writes)  # all of them, then the marker
         array("shard_done")[self.index] = 1  # last: a crash before this never looks complete
 
 
