@@ -476,6 +476,10 @@ def main() -> None:
         local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])
         print(f"extractor over thingsvision (the same pooled job): {local_ips / tv_ips:.2f}; "
               f"their avgpool features against ours: {compare_thingsvision()}")
+    if "parquet" in results and "pooled" in results:
+        pq_ips = statistics.median(r["images_per_s"] for r in results["parquet"])
+        local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])
+        print(f"Parquet source over the folder (the same pooled job, the same images): {pq_ips / local_ips:.2f}")
     if "gradcam" in results and "pooled" in results:
         cam_ips = statistics.median(r["images_per_s"] for r in results["gradcam"])
         local_ips = statistics.median(r["images_per_s"] for r in results["pooled"])
