@@ -80,6 +80,14 @@ def _dataset_files(dataset: Any) -> list[str]:
     if getattr(dataset, "_indices", None) is not None:
         raise SpecError("dataset= is a selection of its files' rows (select, shuffle, filter and train_test_split "
                         "keep an indices mapping): pass ds.flatten_indices(), which writes its rows in order")
+    from .data.parquet import file_columns
+
+    for f in files:
+        held = file_columns(f)
+        if sorted(held) != sorted(dataset.column_names):
+            raise SpecError(f"dataset= has the columns {', '.join(dataset.column_names)}, but its file {f} holds "
+                            f"{', '.join(held)}: a rename or removal made in memory is not in the files the job "
+                            "reads. Save it (ds.save_to_disk(DIR); ds = datasets.load_from_disk(DIR)) and pass that")
     return files
 
 
@@ -150,8 +158,10 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, datase
     finally:
         bar.close()
     if summary.all_failed:
+        from .data.listing import PLACE
+
         raise DataError(f"every row of {summary.store} failed: {summary.failures[0][2] if summary.failures else ''}; "
-                        "check data.root and the images")
+                        f"check the images of data.{PLACE[spec.data.source]}")
     store = open_store(summary.store, spec.output.storage_options or None)
     store.last_run = summary
     return store

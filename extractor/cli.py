@@ -146,8 +146,10 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
         bar.close()
     print(summary.report())
     if summary.all_failed:
-        print(f"error: every row of {summary.store} failed (reasons above); check data.root and the images",
-              file=sys.stderr)
+        from .data.listing import PLACE
+
+        print(f"error: every row of {summary.store} failed (reasons above); check the images of "
+              f"data.{PLACE[spec.data.source]}", file=sys.stderr)
         return 1
     return 0
 
@@ -353,35 +355,42 @@ def _parse_rows(text: str | None) -> slice | None:
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .read import finite, gradcam_grid, image_grid, open_store, principal_components, scatter_plot
+    from .read import gradcam_grid, image_grid, open_store
 
     store = open_store(args.store, _store_options(args))
     cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
     key = args.key or (cams[0] if cams else None)
-    if key is None:
-        raise ExtractorError(f"name a capture with --key (one of: {', '.join(store.keys)})")
-    if key not in store.captures:
+    if key is not None and key not in store.captures:
         raise ExtractorError(f"{key!r} is not a capture of {args.store}; captures: {', '.join(store.keys)}")
-    if args.top is not None:
+    if args.top is not None and key is not None:
         sheet = _top_sheet(store, key, args)
-    elif key in cams:
+    elif key is not None and key in cams:
         sheet = gradcam_grid(store, key=key, rows=_parse_rows(args.rows or "0:16"), columns=args.columns)
-    elif args.rows:
-        rows = np.arange(len(store))[_parse_rows(args.rows)]
-        sheet = image_grid(store, rows, columns=args.columns)
+    elif args.rows and args.top is None:  # the images of rows: no capture needed
+        sheet = image_grid(store, np.arange(len(store))[_parse_rows(args.rows)], columns=args.columns)
+    elif key is None:
+        raise ExtractorError(f"name a capture with --key (one of: {', '.join(store.keys)})")
     else:
-        rows = store.ok_rows()
-        if not len(rows):
-            raise ExtractorError(f"{args.store} has no ok rows: nothing to draw (see extractor inspect)")
-        if len(rows) > args.max_rows:
-            rows = np.sort(np.random.default_rng(0).choice(rows, args.max_rows, replace=False))
-        x, rows = finite(store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32), rows, key)
-        points, explained = principal_components(x)
-        sheet = scatter_plot(points, store.labels[rows], store.classes, f"PCA of {key} ({len(rows)} rows)",
-                             explained)
+        sheet = _pca_sheet(store, key, args)
     _save(sheet, args.out)
     print(f"wrote {args.out}")
     return 0
+
+
+def _pca_sheet(store: Any, key: str, args: argparse.Namespace) -> Any:
+    """``show --key K``: the PCA of a sample of the capture's ok rows, coloured by label."""
+    import numpy as np
+
+    from .read import finite, principal_components, scatter_plot
+
+    rows = store.ok_rows()
+    if not len(rows):
+        raise ExtractorError(f"{args.store} has no ok rows: nothing to draw (see extractor inspect)")
+    if len(rows) > args.max_rows:
+        rows = np.sort(np.random.default_rng(0).choice(rows, args.max_rows, replace=False))
+    x, rows = finite(store.numpy(key, rows=rows).reshape(len(rows), -1).astype(np.float32), rows, key)
+    points, explained = principal_components(x)
+    return scatter_plot(points, store.labels[rows], store.classes, f"PCA of {key} ({len(rows)} rows)", explained)
 
 
 def _top_sheet(store: Any, key: str, args: argparse.Namespace) -> Any:

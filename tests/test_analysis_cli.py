@@ -36,6 +36,7 @@ def test_show_creates_the_output_folder_and_names_a_bad_file_type(stores, tmp_pa
     ok, _ = stores
     assert main(["show", ok, "--key", "emb", "--rows", "0:4", "--out", str(tmp_path / "new" / "x.png")]) == 0
     assert (tmp_path / "new" / "x.png").exists()
+    assert main(["show", ok, "--rows", "0:2", "--out", str(tmp_path / "nokey.png")]) == 0  # images: no capture needed
     assert main(["show", ok, "--key", "emb", "--out", str(tmp_path / "x.foo")]) == 1
     assert "x.foo: a figure is written as .png, .pdf, .svg, .jpg, .jpeg (by the extension)" in capsys.readouterr().err
     for kind in ("pdf", "svg"):  # the same figure by extension

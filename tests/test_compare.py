@@ -133,7 +133,19 @@ def test_top_rows_equal_argsort_on_the_whole_capture_for_an_index_or_a_direction
         assert rows.tolist() == expect.tolist(), (key, pool)
         np.testing.assert_allclose(values, score[expect], rtol=1e-6)
     assert "1 rows of tok hold NaN or Inf for this feature: left out" in caplog.text  # said, not silent
-    with pytest.raises(StoreError, match=r"tok has 6 features along tok.feature: give an index 0 to 5"):
+    with pytest.raises(StoreError, match=r"tok has 6 features along tok.feature: give an index 0 to 5, or a "
+                                         r"direction of 6 values \(not 6\)"):
         top_rows(s, "tok", 6)
-    with pytest.raises(StoreError, match=r"or a direction of 4 values \(not \(3,\)\)"):
+    with pytest.raises(StoreError, match=r"or a direction of 4 values \(not 3 values\)"):
         top_rows(s, "map", np.ones(3))
+
+
+def test_fewer_than_three_shared_rows_and_a_pca_of_one_row_are_refused(tmp_path):
+    from extractor.read.analysis import principal_components
+
+    _store(str(tmp_path / "tiny.zarr"), ["r0", "r1"], {"a": np.ones((2, 3)), "b": np.ones((2, 4))})
+    s = open_store(str(tmp_path / "tiny.zarr"))
+    with pytest.raises(StoreError, match=r"share 2 ok rows; CKA and RSA need at least 3"):
+        compare([(s, "a"), (s, "b")])
+    with pytest.raises(StoreError, match=r"a PCA needs at least 2 rows, not 1"):
+        principal_components(np.ones((1, 4)))

@@ -57,6 +57,20 @@ def test_pca_scatter_has_a_legend_of_class_names_and_the_variance_on_its_axes(st
     assert sum(len(c.get_offsets()) for c in ax.collections) == len(store)
 
 
+def test_many_classes_are_coloured_by_index_and_long_names_are_shortened():
+    from extractor.read.figures import LEGEND_CLASSES
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, LEGEND_CLASSES + 5, 300)
+    [ax, bar] = scatter_plot(rng.normal(size=(300, 2)), labels, [f"c{i}" for i in range(40)], "t").axes
+    assert ax.get_legend() is None and bar.get_ylabel() == f"class index ({len(set(labels.tolist()))} classes)"
+    fig = scatter_plot(rng.normal(size=(300, 2)), labels % 25, [f"c{i}" for i in range(25)], "t")
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [f"c{i}" for i in range(25)]
+    long = {"a" * 60 + str(i): {"accuracy": 0.5, "std": 0.0, "chance": 0.5} for i in range(2)}
+    ticks = [t.get_text() for t in bar_chart(long, "t").axes[0].get_yticklabels()]
+    assert ticks == ["a" * 19 + "..." + "a" * 17 + "0", "a" * 19 + "..." + "a" * 17 + "1"]  # both ends kept
+
+
 def test_image_grid_has_a_titled_panel_per_row(store):
     fig = image_grid(store, np.arange(5), columns=2, captions=[f"c{i}" for i in range(5)])
     shown = [ax for ax in fig.axes if ax.get_visible()]
@@ -73,7 +87,8 @@ def test_compare_heatmaps_show_both_measures_with_their_sample_and_colour_bars(s
     assert [ax.get_title() for ax in panels] == [f"linear CKA ({result.cka_rows} rows)",
                                                 f"RSA: Spearman of RDMs ({result.rsa_rows} rows)"]
     assert [t.get_text() for t in panels[0].texts] == [f"{v:.2f}" for v in result.cka.ravel()]
-    assert [t.get_text() for t in panels[0].get_yticklabels()] == [f"[0] {store.url}:layer3", f"[1] {store.url}:layer4"]
+    ticks = [t.get_text() for t in panels[0].get_yticklabels()]  # long names: their middle left out
+    assert [t[:4] for t in ticks] == ["[0] ", "[1] "] and ticks[0].endswith("s.zarr:layer3") and len(ticks[0]) <= 44
     one = heatmap({"m": np.eye(3)}, ["a", "b", "c"], "t")
     assert len(one.axes) == 2 and one.axes[0].get_title() == "m"
     out = tmp_path / "c.svg"

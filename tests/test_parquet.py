@@ -174,6 +174,18 @@ def test_bad_parquet_files_missing_columns_and_bad_rows(image_dir: Path, tmp_pat
     assert all(str(e) for e in s.errors[6:]) and not any(str(e) for e in s.errors[:6])
 
 
+def test_an_empty_file_and_ids_twice_in_one_file_are_said_so(tmp_path: Path):
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"image": pa.array([], pa.binary())}), empty)
+    with pytest.raises(DataError, match=r"no images found in .*empty.parquet \(its files hold no rows\); check "
+                                        r"data.parquet"):
+        list_rows(DataSpec(source="parquet", parquet=str(empty)))
+    twice = tmp_path / "twice.parquet"
+    pq.write_table(pa.table({"image": [b"x"] * 4, "id": ["a", "b", "c", "b"]}), twice)
+    with pytest.raises(DataError, match=r"id 'b' appears twice: .*twice.parquet row 1 and .*twice.parquet row 3"):
+        list_rows(DataSpec(source="parquet", parquet=str(twice)))
+
+
 def test_integer_labels_without_names_take_data_classes(image_dir: Path, tmp_path: Path):
     [path] = write_hub_parquet(images_of(image_dir), tmp_path / "data", per_file=12, row_group=12, names=False)
     plain = list_rows(DataSpec(source="parquet", parquet=str(path)))
@@ -207,6 +219,9 @@ def test_a_datasets_dataset_is_read_from_its_arrow_files_and_refused_where_it_ca
     assert ds.cache_files and ds.cache_files[0]["filename"].endswith(".arrow")
     with pytest.raises(SpecError, match=r"selection of its files' rows.*flatten_indices"):
         extractor.run(raw, dataset=ds.shuffle(seed=0), progress=False)
+    with pytest.raises(SpecError, match=r"has the columns img, label, but its file .*\.arrow holds picture, label: a "
+                                        r"rename or removal made in memory is not in the files"):
+        extractor.run(raw, dataset=ds.rename_column("picture", "img"), progress=False)
     store = extractor.run(raw, dataset=ds, progress=False)
     ref = extractor.run(job(image_dir, tmp_path / "f.zarr"), progress=False)
     assert store.classes == ref.classes and store.labels.tolist() == ref.labels.tolist()
@@ -236,17 +251,26 @@ def test_a_hub_data_set_by_name_from_the_local_cache(image_dir: Path, tmp_path: 
         blob.write_bytes(f.read_bytes())
         name = f.name if n < 2 else "test-00000-of-00001.parquet"
         (snapshot / name).symlink_to(blob)
+    other = repo / "snapshots" / revision / "cfg2" / "train"  # a second configuration, in a folder of its own
+    other.mkdir(parents=True)
+    (other / "0000.parquet").symlink_to(repo / "blobs" / "blob0")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    with pytest.raises(DataError, match=r"split 'train' has files in 2 folders \(cfg2, data\), each a configuration "
+                                        r"of the data set: name one with data.config"):
+        list_rows(DataSpec(source="parquet", dataset="org/toy"))
+    assert len(list_rows(DataSpec(source="parquet", dataset="org/toy", config="cfg2"))) == 6
     monkeypatch.delenv("EXTRACTOR_ALLOW_DOWNLOAD", raising=False)
-    train = list_rows(DataSpec(source="parquet", dataset="org/toy"))
+    train = list_rows(DataSpec(source="parquet", dataset="org/toy", config="data"))
     assert len(train) == 12 and train.classes == CLASSES and train.ids.tolist()[6] == "train-00001-of-00002/0"
-    assert len(list_rows(DataSpec(source="parquet", dataset="org/toy", split="test"))) == 6
-    with pytest.raises(DataError, match=r"no Parquet files of split 'validation'.*there: data/test-00000"):
+    assert len(list_rows(DataSpec(source="parquet", dataset="org/toy", split="test"))) == 6  # in data/ only
+    with pytest.raises(DataError, match=r"no Parquet files of split 'validation'.*there: cfg2/train/0000.parquet, "
+                                        r"data/test"):
         list_rows(DataSpec(source="parquet", dataset="org/toy", split="validation"))
     with pytest.raises(DataError, match=r"'org/missing' is not in the local Hugging Face cache .*hf download "
                                         r"org/missing --repo-type dataset fetches it"):
         list_rows(DataSpec(source="parquet", dataset="org/missing"))
-    raw = job(image_dir, tmp_path / "s.zarr", data={"source": "parquet", "root": None, "dataset": "org/toy"})
+    raw = job(image_dir, tmp_path / "s.zarr", data={"source": "parquet", "root": None, "dataset": "org/toy",
+                                                     "config": "data"})
     run(parse_spec(raw))
     run(parse_spec(job(image_dir, tmp_path / "f.zarr")))
     np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr")).numpy("layer4"),

@@ -331,10 +331,11 @@ def test_probe_and_show_commands_write_pictures(tmp_path: Path, store):
     assert main(["probe", store.url, "--folds", "3", "--out", str(tmp_path / "p.png")]) == 0
     assert Image.open(tmp_path / "p.png").size[0] > 400
     assert main(["show", store.url, "--key", "layer4", "--out", str(tmp_path / "pca.png")]) == 0
-    assert Image.open(tmp_path / "pca.png").size == (700, 550)
+    assert Image.open(tmp_path / "pca.png").size >= (600, 450)
     assert main(["show", store.url, "--key", "layer4", "--rows", "0:6", "--columns", "3",
                  "--out", str(tmp_path / "rows.png")]) == 0
-    assert Image.open(tmp_path / "rows.png").size == (3 * 190, 2 * 220)  # panels of 1.9 x 2.2 inches at 100 dpi
+    width, height = Image.open(tmp_path / "rows.png").size  # panels of 1.9 x 2.2 inches at 100 dpi, trimmed
+    assert 3 * 150 < width <= 3 * 210 and 2 * 170 < height <= 2 * 240
     assert main(["show", store.url, "--key", "nope", "--out", str(tmp_path / "x.png")]) == 1
 
 

@@ -402,3 +402,21 @@ def test_data_classes_name_integer_labels_and_order_named_ones(tmp_path: Path):
     with pytest.raises(ValueError, match="data.classes names a class twice"):
         DataSpec(root="x", classes=("a", "a"))
     assert len(tars) == 2
+
+
+def test_a_sample_with_two_images_is_refused_naming_both(image_dir: Path, tmp_path: Path):
+    """A key names one sample and its one image: a second image under the key (a repeated member, or .jpg beside
+    .png) is ambiguous, refused before any work; data.extensions picks one."""
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    tar = tmp_path / "two.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(images[0], arcname="k0.jpg")
+        t.add(images[1], arcname="k0.png")
+        t.add(images[2], arcname="k1.jpg")
+    with pytest.raises(DataError, match=r"two.tar: sample 'k0' has two images, k0.jpg and k0.png: a key names one "
+                                        r"sample.*set data.extensions"):
+        list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={"source": "tar", "root": None,
+                                                                         "tars": str(tar)})).data)
+    rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
+        "source": "tar", "root": None, "tars": str(tar), "extensions": [".jpg"]})).data)
+    assert rows.ids.tolist() == ["k0", "k1"] and [p.rsplit("#", 1)[1] for p in rows.paths] == ["k0.jpg", "k1.jpg"]

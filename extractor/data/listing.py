@@ -31,7 +31,9 @@ from .files import (
 from .rows import Joined, Joining, Rows, Strings, distinct, duplicate, labels_of, strings
 from .tars import list_tars
 
-__all__ = ["list_rows"]
+__all__ = ["list_rows", "PLACE"]
+
+PLACE = {"folder": "root", "manifest": "manifest", "tar": "tars", "parquet": "parquet"}  # where a source's images are
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +61,9 @@ def list_rows(data: DataSpec) -> Rows:
         rows = list_tars(data.tars, data.extensions, storage)
         where = str(data.tars)
     if not len(rows):
-        raise DataError(
-            f"no images found in {where} (looked for files ending in {', '.join(data.extensions)}); "
-            "check data.root / data.manifest / data.tars / data.parquet"
-        )
+        looked = "its files hold no rows" if data.source == "parquet" else \
+            f"looked for files ending in {', '.join(data.extensions)}"
+        raise DataError(f"no images found in {where} ({looked}); check data.{PLACE[data.source]}")
     return rows if data.classes is None else named(rows, list(data.classes), where)
 
 

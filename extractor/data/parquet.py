@@ -28,7 +28,7 @@ from .files import absolute, fingerprint, is_url, local_fingerprint, remote_erro
 from .rows import Joining, Rows, Strings, duplicate, labels_of
 from .tars import expand_braces
 
-__all__ = ["list_parquet", "parquet_bytes", "is_parquet_row", "row_groups"]
+__all__ = ["list_parquet", "parquet_bytes", "is_parquet_row", "row_groups", "hub_files", "file_columns"]
 
 ROW = re.compile(r"^(?P<url>.+\.(?:parquet|arrow))#(?P<column>[^/#]+)/(?P<row>\d+)$", re.IGNORECASE)
 KEEP_GROUPS = 4  # row groups a process keeps decoded (its image column), the most recently used
@@ -113,6 +113,12 @@ def _arrow(url: str) -> Any:
     return pa.ipc.open_stream(pa.memory_map(url.removeprefix("file://")))
 
 
+def file_columns(path: str) -> list[str]:
+    """The column names of a local Parquet or Arrow file, from its schema alone."""
+    pq = _pyarrow()
+    return list(_arrow(path).schema.names if _is_arrow(path) else pq.read_schema(path).names)
+
+
 def _is_arrow(url: str) -> bool:
     return url.lower().endswith(".arrow")
 
@@ -146,7 +152,7 @@ def _scan(url: str, cols: _Columns, storage: dict[str, Any]) -> _File:
 def _check_columns(url: str, names: list[str], cols: _Columns) -> None:
     """Refuse a file without the image column, or without a column data.columns named."""
     if cols.image not in names:
-        raise DataError(f"Parquet file {url} has no image column {cols.image!r} (its columns: "
+        raise DataError(f"{url} has no image column {cols.image!r} (its columns: "
                         f"{', '.join(names[:12])}); name it with data.columns: {{image: COLUMN}}")
     for what in sorted(cols.named - {cols.image}):
         if what not in names:
@@ -210,6 +216,10 @@ def hub_files(name: str, split: str, config: str | None) -> list[str]:
         return in_split and (config is None or config in folders)
 
     files = [p for p in found if chosen(p)]  # the snapshot's links (their blobs have no .parquet name)
+    tops = sorted({os.path.relpath(p, root).split(os.sep)[0] for p in files if os.sep in os.path.relpath(p, root)})
+    if config is None and len(tops) > 1:
+        raise DataError(f"data.dataset {name!r}: split {split!r} has files in {len(tops)} folders ({', '.join(tops)}), "
+                        "each a configuration of the data set: name one with data.config")
     if not files:
         there = sorted({os.path.relpath(p, root) for p in found})[:8]
         raise DataError(f"data.dataset {name!r}: no Parquet files of split {split!r}"
@@ -247,18 +257,15 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
                                        dtype=np.uint64))
                 yield from f.labels if f.labels is not None else [None] * f.rows
 
-    def file_of(n: int) -> str:
-        return urls[bisect.bisect_right(starts, n) - 1]
-
     def where(n: int) -> str:
         t = bisect.bisect_right(starts, n) - 1
-        return f"Parquet file {urls[t]}, row {n - starts[t]}"
+        return f"{urls[t]} row {n - starts[t]}"
 
     codes, classes = labels_of(labels(), where)
     keys = ids.array()
     twice = duplicate(keys)
     if twice is not None:
-        raise DataError(f"id {keys[twice[0]]!r} appears in {file_of(twice[0])} and {file_of(twice[1])}; ids must be "
+        raise DataError(f"id {keys[twice[0]]!r} appears twice: {where(twice[0])} and {where(twice[1])}; ids must be "
                         f"unique (data.columns.id names the id column)")
     rows = Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes,
                 fingerprints=np.concatenate(prints) if prints else None)

@@ -101,7 +101,7 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
             fobj.seek(0)
             with tarfile.open(fileobj=fobj, mode="r:") as tar:
                 members = [(m.name, m.offset_data, m.size) for m in _members(tar, url) if m.isfile()]
-        samples, keys = _samples(members, fobj, tuple(e.lower() for e in extensions))
+        samples, keys = _samples(members, fobj, tuple(e.lower() for e in extensions), url)
     except tarfile.TarError as err:
         raise DataError(f"tar shard {url} is not a readable tar file ({type(err).__name__}: {err})") from None
     except DataError:
@@ -116,7 +116,8 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
     return samples
 
 
-def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str, ...]) -> tuple[Samples, list[str]]:
+def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str, ...],
+             url: str) -> tuple[Samples, list[str]]:
     """The tar's samples with an image, in the order of their first member (the labels read from the small
     ``.cls`` and ``.json`` members), and every key seen. Columns, not a dict a sample: planning a million
     samples spent a fifth of its time making and reading them."""
@@ -126,7 +127,11 @@ def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str
         rec = found.get(key)
         if rec is None:
             rec = found[key] = [None, 0, 0, _NO_LABEL]
-        if rec[0] is None and ext.endswith(exts):
+        if ext.endswith(exts):
+            if rec[0] is not None:
+                raise DataError(f"tar shard {url}: sample {key!r} has two images, {rec[0]} and {name}: a key names one "
+                                "sample and its one image; give each image its own key, or set data.extensions to "
+                                "the one to read")
             rec[0], rec[1], rec[2] = name, offset, size
         elif ext in (".cls", ".json") and size < 1 << 20:
             rec[3] = _read_label(_read_at(fobj, offset, size), ext, rec[3])

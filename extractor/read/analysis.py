@@ -105,6 +105,8 @@ def pca(x: np.ndarray, k: int = 2, seed: int = 0) -> np.ndarray:
 def principal_components(x: np.ndarray, k: int = 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The first ``k`` principal-component scores of the rows of ``x`` and each one's share of the variance
     (scikit-learn's PCA; fewer rows or features than ``k``: the missing components are 0)."""
+    if len(x) < 2:
+        raise StoreError(f"a PCA needs at least 2 rows, not {len(x)}")
     _sklearn()
     from sklearn.decomposition import PCA
 
@@ -133,8 +135,9 @@ def top_rows(store: ActivationStore, key: str, feature: int | np.ndarray, k: int
     n_feat = int(meta["shape"][axis - 1])
     direction = None if isinstance(feature, int | np.integer) else np.asarray(feature, np.float64).reshape(-1)
     if direction is None and not 0 <= int(feature) < n_feat or direction is not None and len(direction) != n_feat:
+        given = f"not {int(feature)}" if direction is None else f"not {len(direction)} values"
         raise StoreError(f"{key} has {n_feat} features along {meta['dims'][axis - 1]}: give an index 0 to "
-                         f"{n_feat - 1}, or a direction of {n_feat} values (not {np.shape(feature)})")
+                         f"{n_feat - 1}, or a direction of {n_feat} values ({given})")
     best_rows, best = np.empty(0, np.int64), np.empty(0, np.float64)
     skipped = 0
     for rows, x in store.batches(key, 4096, shuffle=False):

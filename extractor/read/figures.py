@@ -42,7 +42,7 @@ def save(fig: Figure, out: str | Path) -> None:
         raise ExtractorError(f"cannot write {out}: a figure is written as {', '.join(FORMATS)} (by the extension)")
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out)
+        fig.savefig(out, bbox_inches="tight", pad_inches=0.1)  # nothing cut off at the edges
     except OSError as err:
         raise ExtractorError(f"cannot write {out}: {err}") from None
 
@@ -54,6 +54,14 @@ def pixels(fig: Figure) -> np.ndarray:
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def _short(text: str, n: int = 40) -> str:
+    """``text`` of at most ``n`` characters, its middle left out (capture names differ at both ends)."""
+    return text if len(text) <= n else f"{text[:n // 2 - 1]}...{text[-(n - n // 2 - 2):]}"
+
+
+LEGEND_CLASSES = 30  # a scatter of more classes is coloured by class index, with a colour bar for a legend
 
 
 def bar_chart(results: dict[str, dict[str, Any]], title: str) -> Figure:
@@ -69,14 +77,14 @@ def bar_chart(results: dict[str, dict[str, Any]], title: str) -> Figure:
                label="chance (the majority class)")
     for i, (a, sd) in enumerate(zip(acc, std, strict=True)):
         ax.text(1.03, i, f"{a:.3f} ± {sd:.3f}", va="center", fontsize="small")
-    ax.set_yticks(y, names)
+    ax.set_yticks(y, [_short(n) for n in names])
     ax.invert_yaxis()
     ax.set_xlim(0, 1.22)
     ax.set_xticks(np.linspace(0, 1, 6))
     ax.spines[["top", "right"]].set_visible(False)
     ax.set_xlabel("held-out accuracy")
     ax.set_ylabel("capture")
-    ax.set_title(title)
+    ax.set_title(_short(title, 90))
     ax.legend(loc="upper center", bbox_to_anchor=(0.45, -0.18 - 0.3 / len(names)), ncol=2, fontsize="small",
               frameon=False)
     return fig
@@ -86,17 +94,31 @@ def scatter_plot(points: np.ndarray, labels: np.ndarray, classes: Sequence[str],
                  explained: Sequence[float] | np.ndarray | None = None) -> Figure:
     """A 2-D scatter (a PCA's first two components), one colour per label, a legend of class names;
     ``explained``: each axis's share of the variance, in its label."""
-    fig = _figure(7, 5.5)
+    present = sorted({int(v) for v in labels})
+    many = len(present) > LEGEND_CLASSES
+    fig = _figure(7 if len(present) <= 10 or many else 9, 5.5)
     ax = fig.add_subplot()
-    for lab in sorted({int(v) for v in labels}):
-        at = labels == lab
-        name = classes[lab] if 0 <= lab < len(classes) else ("no label" if lab < 0 else str(lab))
-        ax.scatter(points[at, 0], points[at, 1], s=14, label=name, color="black" if lab < 0 else None)
+    if many:  # a legend of hundreds of names is no legend: colours by class index, a colour bar says which
+        shown = ax.scatter(points[:, 0], points[:, 1], c=labels, cmap="turbo", s=10)
+        fig.colorbar(shown, ax=ax, label=f"class index ({len(present)} classes)")
+    else:
+        from matplotlib import colormaps
+
+        colours = [f"C{i}" for i in range(10)] if len(present) <= 10 else \
+            [*colormaps["tab20"].colors, *colormaps["tab20b"].colors]  # type: ignore[attr-defined]
+        for n, lab in enumerate(present):
+            at = labels == lab
+            name = classes[lab] if 0 <= lab < len(classes) else ("no label" if lab < 0 else str(lab))
+            ax.scatter(points[at, 0], points[at, 1], s=14, label=_short(name, 30),
+                       color="black" if lab < 0 else colours[n % len(colours)])
+        outside = len(present) > 10
+        ax.legend(title="class", fontsize="x-small" if outside else "small", markerscale=1.5,
+                  **({"loc": "upper left", "bbox_to_anchor": (1.01, 1), "ncol": 1 + len(present) // 16} if outside
+                     else {"loc": "best"}))
     share = [f" ({explained[i]:.0%} of the variance)" if explained is not None else "" for i in range(2)]
     ax.set_xlabel(f"PC 1{share[0]}")
     ax.set_ylabel(f"PC 2{share[1]}")
-    ax.set_title(title)
-    ax.legend(title="class", fontsize="small", loc="best", markerscale=1.5)
+    ax.set_title(_short(title, 80))
     return fig
 
 
@@ -182,8 +204,8 @@ def heatmap(matrices: dict[str, np.ndarray], names: Sequence[str], title: str) -
     for ax, (what, values) in zip(axes, matrices.items(), strict=True):
         shown = ax.imshow(values, cmap="viridis", vmin=min(0.0, float(np.nanmin(values))), vmax=1)
         ax.set_xticks(range(n), short)
-        ax.set_yticks(range(n), [f"{s} {name}" if ax is axes[0] else s for s, name in zip(short, names,
-                                                                                          strict=True)])
+        ax.set_yticks(range(n), [f"{s} {_short(name)}" if ax is axes[0] else s for s, name in zip(short, names,
+                                                                                                  strict=True)])
         for i in range(n):
             for j in range(n):
                 ax.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize="small",

@@ -75,6 +75,9 @@ def compare(captures: Sequence[tuple[ActivationStore, str]], rows: int = 2048, r
     at most ``FEATURE_BYTES`` of float32 features: the sample shrinks for wide captures, and says so)."""
     _check(captures)
     ids = _shared_ids([s for s, _ in captures])
+    if len(ids) < 3:
+        raise StoreError(f"the captures compared share {len(ids)} ok rows; CKA and RSA need at least 3 (an RDM of 3 "
+                         "rows has 3 dissimilarities)")
     widest = max(int(np.prod(s[k].shape[1:])) for s, k in captures)
     n = min(rows, len(ids), max(FEATURE_BYTES // (4 * widest), 2))
     notes = [] if n == min(rows, len(ids)) else [f"the CKA sample is {n} rows: {widest} features a row, read at most "
