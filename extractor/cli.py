@@ -684,7 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("compare", parents=[common, remote],
                         help="linear CKA and RSA between captures of one store or of several (rows aligned by id)")
     co.add_argument("captures", nargs="+", metavar="STORE[:KEY]", help="a store's capture, or all of a store's")
-    co.add_argument("--rows", type=_at_least(2), default=2048, help="rows sampled for CKA (default 2048)")
+    co.add_argument("--rows", type=_at_least(3), default=None,
+                    help="rows sampled for CKA (default: every shared row; 2048 for captures too wide for the "
+                         "feature form)")
     co.add_argument("--rsa-rows", type=_at_least(3), default=1000, help="rows of the RDMs (default 1000)")
     co.add_argument("--seed", type=int, default=0)
     co.add_argument("--json", action="store_true", help="the matrices as JSON")

@@ -63,19 +63,36 @@ def stores(tmp_path_factory: pytest.TempPathFactory):
 def test_cka_and_rsa_equal_their_formulas_and_cka_is_invariant_to_rotation_and_scaling(stores):
     root, x, z, _ = stores
     a = open_store(str(root / "a.zarr"))
-    got = compare([(a, "x"), (a, "rotated"), (a, "z")], rows=1000, rsa_rows=120)
+    got = compare([(a, "x"), (a, "rotated"), (a, "z")], rsa_rows=299)  # CKA and RSA over every shared row
     ok = np.flatnonzero(np.arange(300) != 5)  # the failed row is left out
-    assert got.shared == got.cka_rows == 299 and got.rsa_rows == 120
+    assert got.shared == got.cka_rows == 299 and got.rsa_rows == 299
     np.testing.assert_allclose(np.diag(got.cka), 1.0, rtol=1e-12)  # a capture against itself
     assert got.cka[0, 1] == pytest.approx(1.0, abs=1e-9)  # invariant to an orthogonal rotation and scaling by 3
     assert got.cka[0, 2] == pytest.approx(_cka_by_formula(x[ok].astype(np.float64), z[ok].astype(np.float64)),
                                           rel=1e-9)
     assert got.cka[0, 2] == pytest.approx(linear_cka(x[ok], z[ok]), rel=1e-9) and np.allclose(got.cka, got.cka.T)
     assert 0.05 < got.cka[0, 2] < 0.95  # related, not the same
-    sample = ok[:120]  # the RSA sample: the first rsa_rows of the (here: whole) CKA sample, in row order
-    assert got.rsa[0, 2] == pytest.approx(_spearman_of_rdms(x[sample].astype(np.float64),
-                                                            z[sample].astype(np.float64)), abs=1e-9)
+    assert got.rsa[0, 2] == pytest.approx(_spearman_of_rdms(x[ok].astype(np.float64), z[ok].astype(np.float64)),
+                                          abs=1e-9)
     np.testing.assert_allclose(np.diag(got.rsa), 1.0, rtol=1e-12)
+    some = compare([(a, "x"), (a, "z")], rsa_rows=120)  # RSA on a seeded sample of 120, drawn from every row
+    assert some.rsa_rows == 120 and abs(some.rsa[0, 1] - got.rsa[0, 2]) < 0.15
+
+
+def test_captures_too_wide_for_the_feature_form_take_the_gram_form_on_a_sample(stores, monkeypatch):
+    """The Gram form (n x n kernels of a sample) equals the feature form (widths x widths) on the same rows."""
+    import extractor.read.similarity as similarity
+
+    root, x, z, _ = stores
+    a = open_store(str(root / "a.zarr"))
+    features = compare([(a, "x"), (a, "z")])
+    monkeypatch.setattr(similarity, "FEATURE_WIDTH", 10)  # 20 + 30 features: too wide now
+    grams = compare([(a, "x"), (a, "z")], rows=299)
+    np.testing.assert_allclose(grams.cka, features.cka, rtol=1e-9)
+    assert compare([(a, "x"), (a, "z")]).cka_rows == 299  # the default sample (2048), cut to the shared rows
+    monkeypatch.setattr(similarity, "FEATURE_BYTES", 4 * 30 * 100)  # a sample's rows of the widest: 100
+    small = compare([(a, "x"), (a, "z")])
+    assert small.cka_rows == 100 and "the CKA sample is 100 rows: 30 features a row" in small.report()
 
 
 def test_rows_are_aligned_by_id_across_stores_and_stores_sharing_none_are_refused(stores):

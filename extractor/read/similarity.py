@@ -1,12 +1,13 @@
 """Representational comparison of captures, of one store or of several: linear CKA and RSA (numpy only).
 
 Rows are aligned by image id: only the ids ok in every store compared count, and a comparison of stores
-that share none is refused. Both measures work on a seeded sample of those rows, so memory does not grow
-with the store:
-- linear CKA (Kornblith et al. 2019) from the centred Gram matrices of the sample (n x n: 16 MB each at
-  n = 2048), equal to the feature form ``||Y'X||^2 / (||X'X|| ||Y'Y||)`` of the centred features;
+that share none is refused. Memory does not grow with the rows:
+- linear CKA (Kornblith et al. 2019) in its feature form ``||Y'X||^2 / (||X'X|| ||Y'Y||)`` of the centred
+  features, its cross-products summed a batch of rows at a time: over every shared row (or ``rows`` of them),
+  in memory of the features' widths squared. Captures too wide for that (their widths summed past
+  ``FEATURE_WIDTH``) take the Gram form on a seeded sample (n x n: 32 MB at n = 2048), equal to it;
 - RSA: the Spearman correlation of the upper triangles of the representational dissimilarity matrices
-  (1 - Pearson correlation between the rows) of a smaller sample.
+  (1 - Pearson correlation between the rows) of a seeded sample, its size stated.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from .reader import ActivationStore
 __all__ = ["Comparison", "compare", "linear_cka"]
 
 FEATURE_BYTES = 512 << 20  # a sample's features of one capture are read at most this big (float32)
+FEATURE_WIDTH = 8192  # the feature form's cross-products: (this many features in all)^2 float64 = 512 MiB at most
+BATCH_BYTES = 64 << 20  # the feature form reads this many bytes of rows (float64, all captures) at a time
+SAMPLE_ROWS = 2048  # the Gram form's sample, when rows is not given
 
 
 @dataclass
@@ -68,33 +72,70 @@ def linear_cka(x: np.ndarray, y: np.ndarray) -> float:
     return float(cross / (np.linalg.norm(x.T @ x) * np.linalg.norm(y.T @ y)))
 
 
-def compare(captures: Sequence[tuple[ActivationStore, str]], rows: int = 2048, rsa_rows: int = 1000,
+def compare(captures: Sequence[tuple[ActivationStore, str]], rows: int | None = None, rsa_rows: int = 1000,
             seed: int = 0) -> Comparison:
-    """CKA and RSA between each pair of ``captures`` (store, key), on a sample of ``rows`` (CKA) and of
-    ``rsa_rows`` (RSA, a subset of it) of the rows whose ids are ok in every store (each capture read with
-    at most ``FEATURE_BYTES`` of float32 features: the sample shrinks for wide captures, and says so)."""
+    """CKA and RSA between each pair of ``captures`` (store, key), over the rows whose ids are ok in every
+    store: CKA over all of them, or a seeded sample of ``rows`` (in the feature form, memory the widths squared;
+    captures wider than ``FEATURE_WIDTH`` in all: the Gram form on a sample of ``rows``, default
+    ``SAMPLE_ROWS``, each capture read with at most ``FEATURE_BYTES`` of float32), RSA on ``rsa_rows`` of the
+    sample."""
     _check(captures)
     ids = _shared_ids([s for s, _ in captures])
     if len(ids) < 3:
         raise StoreError(f"the captures compared share {len(ids)} ok rows; CKA and RSA need at least 3 (an RDM of 3 "
                          "rows has 3 dissimilarities)")
-    widest = max(int(np.prod(s[k].shape[1:])) for s, k in captures)
-    n = min(rows, len(ids), max(FEATURE_BYTES // (4 * widest), 2))
-    notes = [] if n == min(rows, len(ids)) else [f"the CKA sample is {n} rows: {widest} features a row, read at most "
-                                                  f"{FEATURE_BYTES >> 20} MiB of them per capture"]
-    pick = np.sort(np.random.default_rng(seed).choice(len(ids), n, replace=False))
+    widths = [int(np.prod(s[k].shape[1:])) for s, k in captures]
+    features = sum(widths) <= FEATURE_WIDTH
+    want = min(rows or (len(ids) if features else SAMPLE_ROWS), len(ids))
+    n = want if features else min(want, max(FEATURE_BYTES // (4 * max(widths)), 3))
+    notes = [] if n == want else [f"the CKA sample is {n} rows: {max(widths)} features a row, read at most "
+                                  f"{FEATURE_BYTES >> 20} MiB of them per capture"]
+    pick = np.sort(np.random.default_rng(seed).choice(len(ids), n, replace=False)) if n < len(ids) else \
+        np.arange(len(ids))
     sample = [ids[i] for i in pick]
+    cka = _cka_features(captures, sample, widths) if features else _cka_grams(captures, sample)
     m = min(rsa_rows, n)
-    grams, rdms = [], []
-    for store, key in captures:
-        x = _rows_of(store, key, sample)
-        k = _centred(x) @ _centred(x).T
-        grams.append(k / np.linalg.norm(k))
-        rdms.append(_ranks(_upper(1.0 - np.corrcoef(x[:m]))))
-    cka = np.array([[float(np.sum(a * b)) for b in grams] for a in grams])
+    rsa_sample = [sample[i] for i in np.sort(np.random.default_rng(seed + 1).choice(n, m, replace=False))]
+    rdms = [_ranks(_upper(1.0 - np.corrcoef(_rows_of(store, key, rsa_sample)))) for store, key in captures]
     rsa = np.array([[float(np.corrcoef(a, b)[0, 1]) for b in rdms] for a in rdms])
     names = [f"{s.url}:{k}" for s, k in captures]
     return Comparison(names, cka, rsa, len(ids), n, m, notes)
+
+
+def _cka_features(captures: Sequence[tuple[ActivationStore, str]], ids: list[str], widths: list[int]) -> np.ndarray:
+    """Linear CKA of every pair, in the feature form: the features' sums and cross-products (all captures side by
+    side) summed over ``ids`` a batch at a time, centred at the end."""
+    edges = np.cumsum([0, *widths])
+    total = int(edges[-1])
+    cross = np.zeros((total, total))
+    sums = np.zeros(total)
+    batch = max(1, BATCH_BYTES // (8 * total))
+    for start in range(0, len(ids), batch):
+        part = ids[start:start + batch]
+        x = np.hstack([_rows_of(store, key, part) for store, key in captures])
+        cross += x.T @ x
+        sums += x.sum(axis=0)
+    n = len(ids)
+    centred = cross - np.outer(sums, sums) / n  # X'X of the centred features: sum x x' - n mean mean'
+    blocks = [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    norms = [np.linalg.norm(centred[b, b]) for b in blocks]
+    k = len(blocks)
+    out = np.empty((k, k))
+    for i in range(k):
+        for j in range(k):
+            out[i, j] = np.linalg.norm(centred[blocks[i], blocks[j]]) ** 2 / (norms[i] * norms[j])
+    return out
+
+
+def _cka_grams(captures: Sequence[tuple[ActivationStore, str]], ids: list[str]) -> np.ndarray:
+    """Linear CKA of every pair from the centred Gram matrices of ``ids`` (for captures too wide for the
+    feature form)."""
+    grams = []
+    for store, key in captures:
+        x = _centred(_rows_of(store, key, ids))
+        g = x @ x.T
+        grams.append(g / np.linalg.norm(g))
+    return np.array([[float(np.sum(a * b)) for b in grams] for a in grams])
 
 
 def _check(captures: Sequence[tuple[ActivationStore, str]]) -> None:
