@@ -90,16 +90,21 @@ def compare(captures: Sequence[tuple[ActivationStore, str]], rows: int | None = 
     n = want if features else min(want, max(FEATURE_BYTES // (4 * max(widths)), 3))
     notes = [] if n == want else [f"the CKA sample is {n} rows: {max(widths)} features a row, read at most "
                                   f"{FEATURE_BYTES >> 20} MiB of them per capture"]
-    pick = np.sort(np.random.default_rng(seed).choice(len(ids), n, replace=False)) if n < len(ids) else \
-        np.arange(len(ids))
-    sample = [ids[i] for i in pick]
+    sample = _sample(ids, n, seed)
     cka = _cka_features(captures, sample, widths) if features else _cka_grams(captures, sample)
     m = min(rsa_rows, n)
-    rsa_sample = [sample[i] for i in np.sort(np.random.default_rng(seed + 1).choice(n, m, replace=False))]
-    rdms = [_ranks(_upper(1.0 - np.corrcoef(_rows_of(store, key, rsa_sample)))) for store, key in captures]
+    rdms = [_ranks(_upper(1.0 - np.corrcoef(_rows_of(store, key, _sample(sample, m, seed + 1)))))
+            for store, key in captures]
     rsa = np.array([[float(np.corrcoef(a, b)[0, 1]) for b in rdms] for a in rdms])
     names = [f"{s.url}:{k}" for s, k in captures]
     return Comparison(names, cka, rsa, len(ids), n, m, notes)
+
+
+def _sample(ids: list[str], n: int, seed: int) -> list[str]:
+    """A seeded sample of ``n`` of ``ids``, in their order (all of them when ``n`` is their number)."""
+    if n >= len(ids):
+        return ids
+    return [ids[i] for i in np.sort(np.random.default_rng(seed).choice(len(ids), n, replace=False))]
 
 
 def _cka_features(captures: Sequence[tuple[ActivationStore, str]], ids: list[str], widths: list[int]) -> np.ndarray:
