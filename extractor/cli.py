@@ -432,7 +432,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if args.out:
         folds = len(next(iter(results.values()))["folds"])  # fewer than --folds when there are fewer rows
         _save(bar_chart(results, f"linear probe, {folds}-fold accuracy: {args.store}"), args.out)
-        print(f"wrote {args.out}")
+        print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)  # --json: stdout is the JSON
     return 0
 
 

@@ -125,3 +125,20 @@ def test_probe_json_gives_each_captures_accuracy_chance_and_folds(stores, capsys
     expect = probe_store(open_store(ok), None, folds=3)  # the same deterministic folds
     assert set(got) == {"emb"} and got["emb"]["chance"] == 0.5 and len(got["emb"]["folds"]) == 3
     assert got["emb"]["accuracy"] == pytest.approx(float(expect["emb"]["accuracy"]))
+
+
+def test_probe_json_with_out_keeps_stdout_json_and_compare_refuses_one_capture(stores, tmp_path: Path, capsys):
+    import json
+
+    from extractor.read import compare, open_store
+
+    ok, _ = stores
+    capsys.readouterr()
+    assert main(["probe", ok, "--folds", "3", "--json", "--out", str(tmp_path / "p.svg")]) == 0
+    out = capsys.readouterr()
+    assert set(json.loads(out.out)) == {"emb"} and f"wrote {tmp_path / 'p.svg'}" in out.err
+    assert main(["compare", f"{ok}:emb"]) == 1
+    assert capsys.readouterr().err.strip().startswith("error: compare needs at least two captures")
+    with pytest.raises(Exception, match=r"compare takes \(store, key\) pairs"):
+        compare([f"{ok}:emb", f"{ok}:emb"])  # type: ignore[list-item]
+    assert compare([(open_store(ok), "emb")] * 2).cka[0, 1] == pytest.approx(1.0)

@@ -780,6 +780,49 @@ def test_a_resume_takes_the_rows_of_unchanged_tars_from_the_store_and_lists_chan
     assert run(parse_spec(raw)).shards_run == 0 and len(scanned) == 3  # listed again, compared, nothing to do
 
 
+def test_a_rewritten_tar_names_only_the_image_that_changed_and_a_changed_label_is_refused(tmp_path: Path):
+    """A tar rewritten with one image changed moves every member after it: the content of the moved ones is
+    read where they are now and found the same, so only the changed row is named (and with on_change: redo only
+    its shard is computed again). A .cls rewritten since the store was listed is refused: the store's rows keep
+    the labels they were listed with."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    files = make_images(tmp_path / "imgs", per_class=3, classes=("a", "b"), size=40)
+    tar = tmp_path / "t.tar"
+
+    def write(labels: dict[str, str], replace: bytes | None = None) -> None:
+        with tarfile.open(tar, "w") as t:
+            for n, f in enumerate(files):
+                for name, data in ((f"k{n}.jpg", replace if replace is not None and n == 1 else f.read_bytes()),
+                                   (f"k{n}.cls", labels.get(f"k{n}", f.parent.name).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+
+    write({})
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", data={"source": "tar", "root": None, "tars": str(tar),
+                                                            "shard_size": 2})
+    run(parse_spec(raw))
+    small = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(small, format="JPEG")
+    write({}, replace=small.getvalue())  # k1's image changed, smaller: k2 ... k5 moved
+    checked = open_store(str(tmp_path / "s.zarr")).verify()  # the moved members read where they are now
+    assert checked["changed"] == [(1, "k1")] and checked["unreadable"] == [] and checked["checked"] == 6
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=r"the images of 1 row computed before have changed since .*: 'k1'\. "):
+        run(parse_spec(raw))
+    raw["output"]["on_change"] = "redo"
+    assert run(parse_spec(raw)).shards_run == 1  # k1's shard only
+    write({"k3": "a"}, replace=small.getvalue())  # k3's .cls now says a (it was b)
+    raw["output"]["on_change"] = "refuse"
+    with pytest.raises(StoreError, match=r"the labels of 1 row differ from the store's \(first: row 3 'k3', 1 in the "
+                                         r"store, 0 now\).*Use --overwrite"):
+        run(parse_spec(raw))
+
+
 def test_inspect_verify_reads_every_image_again(image_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
     import shutil
 

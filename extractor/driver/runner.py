@@ -174,6 +174,7 @@ def _decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: dict[str, Any
 def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any], group: Any) -> _Decision:
     """What resuming a store made by this job computes: the shards not done, and the done ones whose images
     changed since (refused unless output.on_change: redo)."""
+    _check_labels(spec, rows, old, group)
     done = done_shards(group)
     changed, prints = changed_rows(spec, group, rows)
     hit = {r // spec.data.shard_size for r in changed}  # shards are contiguous runs of shard_size rows
@@ -189,6 +190,25 @@ def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any],
     redone = {s.index for s in redo}
     return _Decision(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
                      moved_members(group, rows))
+
+
+def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) -> None:
+    """Refuse to resume a store whose source now gives other labels or class names (a tar's ``.cls`` rewritten, a
+    manifest's label column edited): its rows keep the labels they were listed with, and a gradient of the
+    label's logit used them."""
+    if rows.stored is not None:  # the rows as the store lists them: nothing to compare
+        return
+    was = np.asarray(get_array(group, "labels")[:])
+    if len(was) != len(rows):  # another listing altogether: check_resumable refused it
+        return
+    differ = np.flatnonzero(was != rows.labels)
+    if not len(differ) and list(old.get("classes") or []) == list(rows.classes):
+        return
+    what = (f"the labels of {count(len(differ), 'row')} differ from the store's (first: row {differ[0]} "
+            f"{rows.ids[differ[0]]!r}, {was[differ[0]]} in the store, {rows.labels[differ[0]]} now)") if len(differ) \
+        else f"the class names differ from the store's ({old.get('classes')} in the store, {rows.classes} now)"
+    raise StoreError(f"cannot resume {spec.output.store}: {what}; its rows keep the labels they were listed with "
+                     "(and a gradient of the label's logit used them): resuming would mix both. Use --overwrite")
 
 
 def _claim(spec: JobSpec, rows: Rows, decision: _Decision, attrs: dict[str, Any], lease: Lease) -> Any:

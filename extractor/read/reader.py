@@ -27,6 +27,7 @@ from ..store import (
     STATUS_NAMES,
     CaptureRecord,
     being_created,
+    current_places,
     disk_usage,
     done_shards,
     get_array,
@@ -733,7 +734,9 @@ class ActivationStore:
         stored = np.asarray(get_array(self.group, "digest")[:])
         rows = np.flatnonzero(stored != 0)
         options = self.storage_options if source_options is None else source_options
-        now = np.asarray(source_digests(self.group, rows, options, threads), dtype=np.uint64)
+        moved = current_places(self.group, options)  # a rewritten tar: its members read where they are now
+        places = None if moved is None else (moved[0][rows], moved[1][rows])
+        now = np.asarray(source_digests(self.group, rows, options, threads, places=places), dtype=np.uint64)
         ids = self.ids
         gone = rows[now == 0]
         changed = rows[(now != 0) & (now != stored[rows])]

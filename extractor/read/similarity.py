@@ -145,7 +145,12 @@ def _cka_grams(captures: Sequence[tuple[ActivationStore, str]], ids: list[str]) 
 
 def _check(captures: Sequence[tuple[ActivationStore, str]]) -> None:
     if len(captures) < 2:
-        raise ValueError("compare needs at least two captures (of one store or of several)")
+        raise StoreError("compare needs at least two captures (of one store or of several): name them as "
+                         "STORE:KEY, or give a store of several captures")
+    bad = next((c for c in captures if not (isinstance(c, tuple) and len(c) == 2 and
+                                            isinstance(c[0], ActivationStore))), None)
+    if bad is not None:
+        raise StoreError(f"compare takes (store, key) pairs, [(open_store(URL), KEY), ...], not {bad!r}")
     for store, key in captures:
         if key not in store.keys:
             raise StoreError(f"{key!r} is not a capture of {store.url}; its captures: {', '.join(store.keys)}")

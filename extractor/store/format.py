@@ -444,17 +444,20 @@ def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> N
 
 
 def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping[str, Any] | None = None,
-                   threads: int = 16) -> list[int]:
+                   threads: int = 16, places: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
     """The content digests of the images of store rows ``rows`` as their source holds them now, read again
-    from the stored places (0: gone or unreadable), on ``threads`` threads."""
+    from the stored places (0: gone or unreadable), on ``threads`` threads. ``places``: a tar source's member
+    offsets and sizes of those rows where a listing now finds them (a rewritten tar moves its members)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..data import content_digest, read_bytes
 
     paths = take_rows(get_array(group, "paths"), rows)
     tar = "byte_offset" in group
-    offsets = take_rows(get_array(group, "byte_offset"), rows) if tar else None
-    sizes = take_rows(get_array(group, "byte_size"), rows) if tar else None
+    offsets = take_rows(get_array(group, "byte_offset"), rows) if tar and places is None else None
+    sizes = take_rows(get_array(group, "byte_size"), rows) if tar and places is None else None
+    if tar and places is not None:
+        offsets, sizes = places
     storage = dict(storage_options or {})
 
     def digest(i: int) -> int:
@@ -467,6 +470,36 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         return list(pool.map(digest, range(len(rows))))
+
+
+def current_places(group: zarr.Group, storage_options: Mapping[str, Any] | None = None) -> \
+        tuple[np.ndarray, np.ndarray] | None:
+    """A tar source's member offsets and sizes of every row where its tars hold them now, when a tar was
+    rewritten since the store was listed (its size and mtime or ETag differ: its members may have moved; a
+    member gone: offset -1); None when every tar is as listed, or the store records no listing."""
+    from ..data import scan_tar, tar_listing
+
+    recorded = root_attrs(group).get("listing")
+    if "byte_offset" not in group or not recorded:
+        return None
+    storage = dict(storage_options or {})
+    now_ = tar_listing(recorded["tars"], recorded["extensions"], storage)
+    moved = {u for u, was, is_ in zip(recorded["tars"], recorded["fingerprints"], now_["fingerprints"], strict=True)
+             if was != is_ or is_ == 0}
+    if not moved:
+        return None
+    offsets = np.asarray(get_array(group, "byte_offset")[:]).copy()
+    sizes = np.asarray(get_array(group, "byte_size")[:]).copy()
+    paths = np.asarray(get_array(group, "paths")[:])
+    for url in sorted(moved):
+        try:
+            found = scan_tar(url, recorded["extensions"], storage)
+            where = {m: (o, n) for m, o, n in zip(found.members, found.offsets, found.sizes, strict=True)}
+        except Exception:  # noqa: BLE001 - a tar gone or unreadable now: its rows are unreadable
+            where = {}
+        for r in np.flatnonzero(np.strings.startswith(paths, f"{url}#")):
+            offsets[r], sizes[r] = where.get(str(paths[r])[len(url) + 1:], (-1, 0))
+    return offsets, sizes
 
 
 def stored_rows(group: zarr.Group, labels: bool = False) -> Rows:

@@ -273,6 +273,7 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.n
     changed: list[int] = []
     if len(suspects):
         digests = np.asarray(group["digest"][:])
-        now_digests = source_digests(group, suspects, spec.data.storage_options)
+        places = None if rows.offsets is None or rows.sizes is None else (rows.offsets[suspects], rows.sizes[suspects])
+        now_digests = source_digests(group, suspects, spec.data.storage_options, places=places)  # where they are now
         changed = [int(r) for r, d in zip(suspects, now_digests, strict=True) if d != digests[r]]
     return changed, (current if bool((current != stored).any()) else None)
