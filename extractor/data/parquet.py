@@ -17,12 +17,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._threads import prefetched
 from ..errors import DataError
 from .files import absolute, fingerprint, is_url, local_fingerprint, remote_error, remote_fingerprint
 from .rows import Joining, Rows, Strings, duplicate, labels_of
@@ -231,8 +232,6 @@ def hub_files(name: str, split: str, config: str | None) -> list[str]:
 def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], storage: dict[str, Any]) -> Rows:
     """Rows of every row of every Parquet file, in pattern order then row order (``patterns``: a list of files
     as :func:`hub_files` gives them, or patterns)."""
-    from .tars import _in_order
-
     urls = parquet_urls(patterns, storage)
     cols = _Columns(image=columns.get("image", "image"), label=columns.get("label", "label"),
                     id=columns.get("id", "id"), named=frozenset(columns.values()))
@@ -243,19 +242,18 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
     starts: list[int] = []
 
     def labels() -> Any:
-        with ThreadPoolExecutor(min(16, len(urls))) as pool:
-            scanned = _in_order(pool, lambda u: _scan(u, cols, storage), urls, 16)
-            for t, (stem, f) in enumerate(zip(stems, scanned, strict=True)):
-                starts.append(len(paths.which))
-                if f.names:
-                    names.add(tuple(f.names))
-                for r in range(f.rows):
-                    given = f.ids[r] if f.ids is not None else None
-                    ids.append(str(given) if given not in (None, "") else f"{stem}/{r}")
-                    paths.part(t, str(r))
-                prints.append(np.array([fingerprint(f.print, r, 0) if f.print else 0 for r in range(f.rows)],
-                                       dtype=np.uint64))
-                yield from f.labels if f.labels is not None else [None] * f.rows
+        scanned = prefetched(urls, lambda u: _scan(u, cols, storage), 16, min(16, len(urls)))
+        for t, (stem, f) in enumerate(zip(stems, scanned, strict=True)):
+            starts.append(len(paths.which))
+            if f.names:
+                names.add(tuple(f.names))
+            for r in range(f.rows):
+                given = f.ids[r] if f.ids is not None else None
+                ids.append(str(given) if given not in (None, "") else f"{stem}/{r}")
+                paths.part(t, str(r))
+            prints.append(np.array([fingerprint(f.print, r, 0) if f.print else 0 for r in range(f.rows)],
+                                   dtype=np.uint64))
+            yield from f.labels if f.labels is not None else [None] * f.rows
 
     def where(n: int) -> str:
         t = bisect.bisect_right(starts, n) - 1

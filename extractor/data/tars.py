@@ -16,7 +16,6 @@ make that ambiguous. Local tar paths are stored absolute.
 from __future__ import annotations
 
 import bisect
-import collections
 import io
 import itertools
 import json
@@ -34,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .._threads import prefetched
 from ..errors import DataError
 from .files import (
     absolute,
@@ -359,18 +359,17 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
     def labels() -> Iterator[Any]:
         """Each sample's raw label, as the tars are read: the other columns gathered on the way."""
         threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
-        with ThreadPoolExecutor(threads) as pool:
-            # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
-            scanned = _in_order(pool, lambda u: scan_tar(u, extensions, storage), urls, threads + 1)
-            for t, (found, tar_print) in enumerate(zip(scanned, tar_prints, strict=True)):
-                starts.append(len(offsets))
-                ids.extend(found.keys)
-                paths.parts(t, found.members)
-                offsets.extend(found.offsets)
-                sizes.extend(found.sizes)
-                prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes) if tar_print else
-                              [0] * len(found))
-                yield from found.labels
+        # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
+        scanned = prefetched(urls, lambda u: scan_tar(u, extensions, storage), threads + 1, threads)
+        for t, (found, tar_print) in enumerate(zip(scanned, tar_prints, strict=True)):
+            starts.append(len(offsets))
+            ids.extend(found.keys)
+            paths.parts(t, found.members)
+            offsets.extend(found.offsets)
+            sizes.extend(found.sizes)
+            prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes) if tar_print else
+                          [0] * len(found))
+            yield from found.labels
 
     def tar_of(n: int) -> str:
         return urls[bisect.bisect_right(starts, n) - 1]
@@ -383,18 +382,6 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
                         "must be unique")
     return Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes, offsets=_int64(offsets),
                 sizes=_int64(sizes), fingerprints=np.frombuffer(prints, dtype=np.uint64), listing=listing)
-
-
-def _in_order(pool: ThreadPoolExecutor, fn: Any, items: Sequence[Any], ahead: int) -> Iterator[Any]:
-    """``fn`` of each item on ``pool``, in order, at most ``ahead`` of them computed before they are taken
-    (``pool.map`` computes all of them at once: every tar's records held while the first are taken)."""
-    pending: collections.deque[Any] = collections.deque()
-    for item in items:
-        pending.append(pool.submit(fn, item))
-        if len(pending) > ahead:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
 
 
 def _int64(values: array) -> np.ndarray:

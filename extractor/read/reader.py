@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -20,6 +19,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import zarr
 
+from .._threads import prefetched
 from ..errors import StoreError
 from ..store import (
     ATTR,
@@ -80,19 +80,7 @@ _R = TypeVar("_R")
 def _prefetched(items: Iterable[_T], fn: Callable[[_T], _R], depth: int, threads: int = 2) -> Iterator[_R]:
     """``fn(item)`` for each item, computed up to ``depth`` ahead on ``threads`` background threads
     (chunks decode in parallel: zstd and zarr release the GIL), in order."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-
-    if depth <= 0:
-        yield from (fn(i) for i in items)
-        return
-    pending: deque[Future[_R]] = deque()
-    with ThreadPoolExecutor(max(1, min(threads, depth)), thread_name_prefix="extractor-read") as pool:
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) > depth:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+    return prefetched(items, fn, depth, threads, name="extractor-read")
 
 
 def _check_sizes(batch_size: int, buffer_chunks: int) -> None:
