@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "extractor"
-BASE = {"errors", "faults", "_text", "_face", "__version__"}  # the ground floor: every layer may use them
+BASE = {"errors", "faults", "_text", "_face", "_threads", "__version__"}  # the ground floor: every layer may use them
 # each sub-package and the sub-packages it may import (the layers below it)
 LAYERS = {
     "spec": set(),
