@@ -3,6 +3,8 @@ sampling and projection done by hand on the full capture of the same job (a rand
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +108,60 @@ def test_cutting_settings_that_cannot_hold_are_refused(image_dir: Path, tmp_path
     with pytest.raises(LayerError, match="project applies to a last dimension of features"):
         run(parse_spec(a_map))
     assert not (tmp_path / "b.zarr").exists() and not (tmp_path / "c.zarr").exists()  # refused before the store
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_a_bfloat16_capture_holds_the_full_capture_rounded_and_reads_back_as_bfloat16(image_dir: Path,
+                                                                                      tmp_path: Path, sharding: bool):
+    """bfloat16 is the zarr-extensions data type of that name: zarr, xarray and dask read it back as bfloat16
+    (ml_dtypes'), bit for bit the float32 capture rounded by torch, and the torch views give torch.bfloat16."""
+    import json
+
+    import dask.array as da
+    import xarray as xr
+    import zarr
+
+    raw = job(image_dir, tmp_path / "s.zarr", model=VIT, data=DATA, output={"store": str(tmp_path / "s.zarr"),
+                                                                           "sharding": sharding},
+              capture=[{"layer": "blocks.1", "reduce": "none", "key": "full"},
+                       {"layer": "blocks.1", "reduce": "none", "key": "half", "dtype": "bfloat16"},
+                       {"layer": "blocks.1", "reduce": "none", "key": "cut", "dtype": "bfloat16", "sample_tokens": 3,
+                        "project": 8, "seed": 4}])
+    run(parse_spec(raw))
+    s = open_store(str(tmp_path / "s.zarr"))
+    full = s.numpy("full")
+    want = torch.from_numpy(full).to(torch.bfloat16)
+    half = s.numpy("half")
+    assert str(half.dtype) == "bfloat16" and (s["half"].shards is not None) == sharding
+    assert np.array_equal(half.view(np.int16), want.view(torch.int16).numpy())  # the same bits
+    assert s.captures["half"]["dtype"] == "bfloat16"
+    meta = json.loads((tmp_path / "s.zarr" / "half" / "zarr.json").read_text())
+    assert meta["data_type"] == "bfloat16" and meta["fill_value"] == "NaN"
+
+    index = s.numpy("cut.token_index")  # sampled and projected in float32 on the device, then rounded
+    cut = np.take_along_axis(full, index[:, :, None], axis=1) @ s.projection("cut")
+    np.testing.assert_allclose(s.numpy("cut").astype(np.float32), cut, rtol=2**-7, atol=1e-5)
+
+    native = zarr.open_array(str(tmp_path / "s.zarr" / "half"))
+    assert str(native.dtype) == "bfloat16" and np.array_equal(native[:].view(np.int16), half.view(np.int16))
+    ds = xr.open_zarr(str(tmp_path / "s.zarr"), consolidated=False)
+    assert str(ds["half"].dtype) == "bfloat16" and np.array_equal(ds["half"].values.view(np.int16),
+                                                                  half.view(np.int16))
+    lazy = da.from_zarr(str(tmp_path / "s.zarr" / "half"))
+    assert np.array_equal(lazy.compute().view(np.int16), half.view(np.int16))
+
+    batch = next(iter(s.dataloader("half", batch_size=len(s))))
+    assert batch["half"].dtype == torch.bfloat16
+    assert torch.equal(batch["half"].view(torch.int16), want[batch["row"]].view(torch.int16))
+    item = s.torch_dataset("half")[1]["half"]
+    assert item.dtype == torch.bfloat16 and torch.equal(item.view(torch.int16), want[1].view(torch.int16))
+    stats = s.stats["half"]  # summed from the stored bfloat16 values
+    np.testing.assert_allclose(stats["mean"], half.astype(np.float64).mean(axis=(0, 1)), rtol=1e-5, atol=1e-6)
+    if sharding:  # without ml_dtypes: a one-line error that says what to install, never other numbers
+        code = ("import sys; sys.modules['ml_dtypes'] = None\n"
+                "from extractor import open_store\n"
+                f"open_store({str(tmp_path / 's.zarr')!r})")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1
+        assert out.stderr.strip().splitlines()[-1].endswith("holds a bfloat16 capture, which numpy reads through "
+                                                              "ml_dtypes: pip install ml_dtypes")

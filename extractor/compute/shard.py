@@ -18,7 +18,7 @@ import numpy as np
 from ..data import Reused, Shard
 from ..errors import FencedError, ShardError
 from ..faults import shard_failed
-from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value
+from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, numpy_dtype
 from ..store import dumps as stats_dumps
 
 __all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
@@ -119,7 +119,7 @@ class ShardOutput:
         self.reused = np.full(n, -1, dtype=np.int16)  # the store each row was copied from (-1: computed here)
         self.spare = spare
         self.shapes = {k: (given.chunk_rows[k], *m["shape"]) for k, m in captures.items()}
-        self.dtypes = {k: np.dtype(m["dtype"]) for k, m in captures.items()}
+        self.dtypes = {k: numpy_dtype(m["dtype"]) for k, m in captures.items()}
         self.chunks = [_Chunks(rows, {k: self._buffer(k) for k in captures if given.chunk_rows[k] == rows})
                        for rows in sorted(set(given.chunk_rows[k] for k in captures))]
         self.extras = {k: np.full((n, *m["shape"]), fill_value(m["dtype"]), dtype=m["dtype"])

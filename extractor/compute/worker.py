@@ -40,7 +40,7 @@ from ..model import (
     settle_layouts,
 )
 from ..spec import JobSpec
-from ..store import CaptureRecord, ExtraRecord, Probe, ReuseIndex
+from ..store import BFLOAT16, CaptureRecord, ExtraRecord, Probe, ReuseIndex
 from .pipeline import Pipeline, ShardQueue
 from .shard import Forwarded, ShardSummary
 
@@ -110,6 +110,14 @@ class _CallersModule:
             p.requires_grad_(flag)
             if p.stride() != stride:
                 p.data = torch.empty_strided(p.shape, stride, dtype=p.dtype, device=p.device).copy_(p.data)
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as the numpy array it holds, bfloat16 ones as ml_dtypes' bfloat16 (numpy has none)."""
+    if t.dtype == torch.bfloat16:
+        assert BFLOAT16 is not None  # ml_dtypes: a dependency of the package
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
 
 
 class Worker:
@@ -234,7 +242,7 @@ class Worker:
         page-locked buffers (two sets, used in turn) and run asynchronously: the returned
         event says when the arrays may be read. Elsewhere the arrays are ready at once."""
         if self.device.type != "cuda":
-            return {k: v.cpu().numpy() for k, v in values.items()}, None
+            return {k: host_array(v.cpu()) for k, v in values.items()}, None
         self._slot ^= 1
         bufs = self._pinned[self._slot]
         host = {}
@@ -244,7 +252,7 @@ class Worker:
                 buf = bufs[k] = torch.empty((max(len(v), self.spec.data.batch_size), *v.shape[1:]),
                                             dtype=v.dtype, pin_memory=True)
             buf[: len(v)].copy_(v, non_blocking=True)
-            host[k] = buf[: len(v)].numpy()
+            host[k] = host_array(buf[: len(v)])
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return host, event
@@ -278,7 +286,7 @@ class Worker:
             try:
                 one = self._forward(images[i : i + 1], labels[i : i + 1] if labels is not None else None, eager=True,
                                     rows=rows[i : i + 1] if rows is not None else None)
-                parts.append({k: v.cpu().numpy() for k, v in one.items()})
+                parts.append({k: host_array(v.cpu()) for k, v in one.items()})
             except not_an_image():
                 raise
             except Exception as err:  # noqa: BLE001 - this image fails its row

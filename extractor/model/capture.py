@@ -29,7 +29,7 @@ __all__ = ["Target", "resolve_targets", "Capturer", "RESERVED_KEYS"]
 
 RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done", "shard_stats", "stats_sums",
                            "byte_offset", "byte_size", "lease", "target", "target_score", "digest", "fingerprint"})
-_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

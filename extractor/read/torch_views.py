@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from ..store import BFLOAT16
+
 # DataLoader options dataloader() passes on (its own: dataset, batch_size=None, shuffle, sampler, collate)
 LOADER_OPTIONS = ("pin_memory", "prefetch_factor", "persistent_workers", "timeout", "worker_init_fn",
                   "multiprocessing_context", "pin_memory_device", "in_order")
@@ -58,7 +60,7 @@ class StoreDataset(Dataset):
 
     def __getitems__(self, items: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         rows = self.rows[np.asarray(items, dtype=np.int64)]
-        values = {k: torch.from_numpy(self._values(k, rows)) for k in self.keys}
+        values = {k: tensor(self._values(k, rows)) for k in self.keys}
         return [{**{k: v[i] for k, v in values.items()}, "row": torch.tensor(int(r)),
                  "label": torch.tensor(int(self.labels[r]))} for i, r in enumerate(rows)]
 
@@ -104,7 +106,7 @@ class _Batches(IterableDataset):
         return total
 
     def _tensor(self, v: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(v))
+        t = tensor(np.ascontiguousarray(v))
         return t if self.dtype is None else t.to(self.dtype)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -139,6 +141,13 @@ class _Loader(DataLoader):
             dataset: Any = self.dataset
             dataset.epoch += 1  # what each worker's copy did for this epoch
         return it
+
+
+def tensor(a: np.ndarray) -> torch.Tensor:
+    """A numpy array as a tensor sharing its memory; bfloat16 (ml_dtypes') as torch.bfloat16."""
+    if a.dtype == BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 _FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}

@@ -350,8 +350,9 @@ class CaptureSpec(_Section):
     drop_prefix: bool = False
     """For token sequences (batch, tokens, features): leave out the prefix tokens (CLS, registers;
     ``model.prefix_tokens``) before reducing or storing: patch tokens only."""
-    dtype: Literal["float32", "float16"] = "float32"
-    """Stored dtype (Grad-CAM maps are always float32)."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Stored dtype (Grad-CAM maps are always float32). float16 is finite up to 65504; bfloat16 keeps float32's
+    range with 8 bits of mantissa, and reads back as bfloat16 (numpy's through ml_dtypes)."""
     key: str | None = None
     """Array name in the store (default: the layer name). With a glob, a template: ``{layer}.cls``."""
     target: int | Literal["predicted", "label"] | None = None
@@ -376,16 +377,6 @@ class CaptureSpec(_Section):
     ConvNeXt blocks, or attention probabilities (batch, head, query, key). ``auto`` decides from
     facts (probabilities that sum to 1, the module's type, which dims grow with the input size)
     and refuses when they do not decide."""
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _stored_dtype(cls, dtype: Any) -> Any:
-        if dtype == "bfloat16":  # zarr 3.1 has no bfloat16: its bits as integers would read as wrong numbers
-            raise ValueError("bfloat16 cannot be stored: zarr (3.1) has no bfloat16 type, and its bits kept as "
-                             "uint16 would read as integers in zarr, xarray and dask. Store float16 (the same "
-                             "size; finite up to 65504, counted as Inf in the statistics beyond) or float32; "
-                             "model.dtype: bfloat16 still runs the forward in bfloat16")
-        return dtype
 
     @field_validator("key")
     @classmethod

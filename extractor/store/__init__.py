@@ -1,5 +1,6 @@
 """The Zarr store: its format and arrays, a shard's writer, the lease, whole-chunk writes, statistics, rows
-taken from other stores (numpy and zarr only); its record of the job and the resume contract (provenance).
+taken from other stores (numpy and zarr only; bfloat16 through ml_dtypes); its record of the job and the
+resume contract (provenance).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from .._face import face
 
 if TYPE_CHECKING:
     from .chunks import ChunkCodec, write_chunks
+    from .dtypes import BFLOAT16, numpy_dtype
     from .format import (
         ATTR,
         FAILED,
@@ -90,6 +92,8 @@ __all__ = [
     "now",
     "ChunkCodec",
     "write_chunks",
+    "BFLOAT16",
+    "numpy_dtype",
     "ShardStats",
     "merge",
     "merge_shards",
@@ -149,6 +153,8 @@ __getattr__ = face(
         "now": "format",
         "ChunkCodec": "chunks",
         "write_chunks": "chunks",
+        "BFLOAT16": "dtypes",
+        "numpy_dtype": "dtypes",
         "ShardStats": "stats",
         "merge": "stats",
         "merge_shards": "stats",

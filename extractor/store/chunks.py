@@ -33,6 +33,8 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, ZstdCodec
 
+from .dtypes import BFLOAT16
+
 _sync: Callable[..., Any] | None
 try:  # zarr's event loop (not a public name: pinned below 3.2 in pyproject.toml); without it, chunks go through zarr
     from zarr.core.sync import sync as _sync
@@ -59,19 +61,24 @@ def _compressor(codec: Any) -> Callable[[Any], Any] | None:
     return None
 
 
-def _encoding(array: zarr.Array, codecs: list[Any]) -> tuple[np.dtype[Any], list[Callable[[Any], Any]]] | None:
-    """The dtype (with its byte order) and the numcodecs compressors of a chunk's codecs ``codecs`` (bytes,
-    then compressors this module knows), or None."""
+def _encoding(array: zarr.Array, codecs: list[Any]) -> tuple[np.dtype[Any], np.dtype[Any],
+                                                              list[Callable[[Any], Any]]] | None:
+    """The dtype (with its byte order), the dtype its bytes are handed on as, and the numcodecs compressors of a
+    chunk's codecs ``codecs`` (bytes, then compressors this module knows), or None."""
     if not codecs or not isinstance(codecs[0], BytesCodec):
         return None
     first, *rest = codecs
     compressors = [_compressor(c) for c in rest]
     dtype = np.dtype(array.dtype)
-    if any(c is None for c in compressors) or dtype.kind not in "biuf":  # numbers only: others serialise otherwise
+    if any(c is None for c in compressors) or not (dtype.kind in "biuf" or dtype == BFLOAT16):  # numbers only
         return None
+    known = [c for c in compressors if c is not None]
+    little = first.endian is None or first.endian.value == "little"
+    if dtype == BFLOAT16:  # its bits as uint16 (ml_dtypes' arrays export no buffer): little-endian ones only
+        return (dtype, np.dtype("<u2"), known) if little else None
     if first.endian is not None:
-        dtype = dtype.newbyteorder("<" if first.endian.value == "little" else ">")
-    return dtype, [c for c in compressors if c is not None]
+        dtype = dtype.newbyteorder("<" if little else ">")
+    return dtype, dtype, known
 
 
 def _inner_codecs(array: zarr.Array, codecs: list[Any]) -> list[Any] | None:
@@ -93,9 +100,9 @@ class ChunkCodec:
     """How zarr encodes a whole chunk of one array, and where that chunk lives in its store. Of a sharded
     array: its inner chunks (``rows`` each), ``shard_rows`` to a storage object."""
 
-    def __init__(self, array: zarr.Array, dtype: np.dtype[Any], compressors: list[Callable[[Any], Any]],
-                 shard_rows: int | None = None) -> None:
-        self.array, self.dtype, self.compressors = array, dtype, compressors
+    def __init__(self, array: zarr.Array, dtype: np.dtype[Any], bits: np.dtype[Any],
+                 compressors: list[Callable[[Any], Any]], shard_rows: int | None = None) -> None:
+        self.array, self.dtype, self.bits, self.compressors = array, dtype, bits, compressors
         self.rows = array.chunks[0]
         self.shard_rows = shard_rows
         self.trailing = (0,) * (array.ndim - 1)
@@ -132,7 +139,7 @@ class ChunkCodec:
 
     def encode(self, data: np.ndarray) -> Any:
         """A whole chunk's bytes, as zarr stores them."""
-        out: Any = np.ascontiguousarray(data, dtype=self.dtype)
+        out: Any = np.ascontiguousarray(data, dtype=self.dtype).view(self.bits)
         for compress in self.compressors:
             out = compress(out)
         return out

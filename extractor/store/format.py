@@ -44,6 +44,7 @@ from ..data import Rows, is_url
 from ..data.rows import strings
 from ..errors import FencedError, StoreError
 from .chunks import ChunkCodec, ShardStream, read_at_once, remove_partials, write_at_once, write_chunks
+from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -261,7 +262,7 @@ def take_rows(array: zarr.Array, rows: np.ndarray, out: np.ndarray | None = None
 def fill_value(dtype: str) -> float:
     """What a row not (yet) computed holds in a capture or extra array: NaN, or -1 for an integer (a Grad-CAM
     job's ``target``)."""
-    return -1 if np.dtype(dtype).kind in "iu" else np.nan
+    return -1 if numpy_dtype(dtype).kind in "iu" else np.nan
 
 
 def create_store(url: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],

@@ -28,6 +28,7 @@ from ..data import Rows, of_store
 from ..data.rows import BLOCK
 from ..errors import StoreError
 from ..spec import JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
+from .dtypes import numpy_dtype
 from .format import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, source_digests
 
 __all__ = ["Probe", "store_attrs", "check_resumable", "changed_rows", "moved_members", "owner", "differences"]
@@ -47,7 +48,7 @@ class Probe:
     preprocess: dict[str, Any]
 
     def bytes_per_row(self) -> dict[str, int]:
-        return {k: math.prod(c["shape"]) * np.dtype(c["dtype"]).itemsize for k, c in self.captures.items()}
+        return {k: math.prod(c["shape"]) * numpy_dtype(c["dtype"]).itemsize for k, c in self.captures.items()}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +90,7 @@ def chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int
     if spec.output.chunk_rows != "auto":
         return dict.fromkeys(captures, spec.output.chunk_rows)
     auto = auto_inner_rows if spec.output.sharding else auto_chunk_rows
-    return {k: auto(spec.data.shard_size, math.prod(c["shape"]) * np.dtype(c["dtype"]).itemsize)
+    return {k: auto(spec.data.shard_size, math.prod(c["shape"]) * numpy_dtype(c["dtype"]).itemsize)
             for k, c in captures.items()}
 
 

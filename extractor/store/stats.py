@@ -63,7 +63,7 @@ class ShardStats:
         """Add a batch ``x`` (B, *shape) whose store rows are ``rows``."""
         if not len(x):
             return
-        if x.dtype.kind == "f" and x.dtype.itemsize < 4:
+        if x.dtype.itemsize < 4:  # float16 and bfloat16: summed as float32
             x = x.astype(np.float32)
         self.rows += len(x)
         if self.axis is None:
