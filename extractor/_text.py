@@ -18,14 +18,14 @@ def count(n: int, noun: str) -> str:
 
 
 def size(n: float | None) -> str:
-    """``512 B``, ``16.0 KB``, ``2.1 TB`` (powers of 1024)."""
+    """``512 B``, ``16.0 KiB``, ``2.1 TiB``: powers of 1024, named so (29.4 TiB is 32.3 TB)."""
     if n is None:
         return "n/a"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TB"
+    return f"{n:.1f} TiB"
 
 
 def estimate(total: int, per_row: dict[str, int]) -> str:

@@ -139,7 +139,7 @@ def test_preflight_prints_sizes_and_a_time_estimate_from_the_first_batches(tmp_p
     raw = slow_job(tmp_path, shard_size=4, chunk_rows=2, reduce="none")
     r = extractor("run", str(write_job(tmp_path / "job.yaml", raw)))
     assert r.returncode == 0, r.stderr
-    assert "20 images to process; 16.0 KB per row uncompressed (conv 16.0 KB); store about 320.0 KB" in r.stderr
+    assert "20 images to process; 16.0 KiB per row uncompressed (conv 16.0 KiB); store about 320.0 KiB" in r.stderr
     line = next(x for x in r.stderr.splitlines() if x.startswith("estimate:"))
     rate = float(line.split()[1])
     assert 1 < rate < 7.5, line  # slow_net sleeps 0.15 s per batch of one: at most 6.7 images/s

@@ -153,6 +153,6 @@ def preview(spec: JobSpec) -> Preview:
                       (n_per_row + 2) * len(shards), _free_bytes(spec.output.store))
     if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
         planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "
-                                f"{size(planned.free_bytes)} free; cut it with dtype: float16, sample_tokens or "
-                                "project, or write it elsewhere")
+                                f"{size(planned.free_bytes)} free; cut it with dtype: float16 or bfloat16, "
+                                "sample_tokens or project, or write it elsewhere")
     return planned
