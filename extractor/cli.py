@@ -161,16 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if differs:
         print(f"warning: this cluster runs {', '.join(differs)}; stored values may differ in their last bits "
               "from a run on the submitting machine", file=sys.stderr)
-    from .spec import load_spec
-
-    overrides = list(args.set or [])
-    if args.resume and args.overwrite:
-        raise ExtractorError("choose one of --resume and --overwrite")
-    if args.resume:
-        overrides.append("output.if_exists=resume")
-    if args.overwrite:
-        overrides.append("output.if_exists=overwrite")
-    spec = load_spec(args.job, overrides)
+    spec = _job_spec(args)
     if args.dry_run:
         return _print_plan(spec, json_out=False)
     resume = ["run", args.job, *[a for s in args.set or [] for a in ("--set", s)], *(["-q"] if args.quiet else [])]
@@ -185,10 +176,22 @@ def _print_plan(spec: Any, json_out: bool) -> int:
     return 1 if planned.action.startswith("run would refuse") else 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def _job_spec(args: argparse.Namespace) -> Any:
+    """The job of ``run`` and ``plan``: its YAML, ``--set`` overrides, and ``--resume``/``--overwrite``."""
     from .spec import load_spec
 
-    return _print_plan(load_spec(args.job, list(args.set or [])), json_out=args.json)
+    overrides = list(args.set or [])
+    if args.resume and args.overwrite:
+        raise ExtractorError("choose one of --resume and --overwrite")
+    if args.resume:
+        overrides.append("output.if_exists=resume")
+    if args.overwrite:
+        overrides.append("output.if_exists=overwrite")
+    return load_spec(args.job, overrides)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    return _print_plan(_job_spec(args), json_out=args.json)
 
 
 # --------------------------------------------------------------------------- inspect
@@ -633,6 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", parents=[common], help="what a job would write, before anything is written")
     pl.add_argument("job", help="job spec (YAML)")
     pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec key")
+    pl.add_argument("--resume", action="store_true", help="as run --resume would finish the existing store")
+    pl.add_argument("--overwrite", action="store_true", help="as run --overwrite would replace it")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

@@ -17,7 +17,7 @@ from extractor.errors import LayerError, SpecError
 from extractor.model.capture import sample_positions as device_positions
 from extractor.read.reader import open_store
 from extractor.spec.schema import parse_spec
-from extractor.store.sampling import projection_matrix, sample_positions
+from extractor.store.sampling import draw_keys, projection_matrix, sample_positions
 
 pytest.importorskip("timm")
 
@@ -61,20 +61,22 @@ def test_sampled_and_projected_captures_equal_the_full_capture_cut_by_hand(image
         {"layer": "blocks.1", "reduce": "mean", "key": "pooled", "project": 5, "projection": "sparse", "seed": 2},
         {"layer": "blocks.1", "reduce": "none", "key": "both", "sample_tokens": 4, "project": 6, "seed": 9,
          "dtype": "float16"},
+        {"layer": "blocks.1", "reduce": "none", "key": "patches_only", "drop_prefix": True},
     ])
     run(parse_spec(raw))
     s = open_store(str(tmp_path / "s.zarr"))
     full = s.numpy("full")
-    rows = np.arange(len(s))
+    keys = draw_keys(s.digests)  # each image's draw is keyed by its content digest, whatever its row
     assert s.captures["sampled"]["shape"] == [7, 48] and s.captures["sampled"]["prefix_kept"] == 1
+    assert s.captures["sampled"]["sampled_by"] == "digest"
 
     index = s.numpy("sampled.token_index")  # CLS in front, then 6 of the 16 patch tokens, drawn per row
-    want = np.concatenate([np.zeros((len(s), 1), np.int64), sample_positions(3, rows, 16, 6) + 1], axis=1)
+    want = np.concatenate([np.zeros((len(s), 1), np.int64), sample_positions(3, keys, 16, 6) + 1], axis=1)
     assert np.array_equal(index, want)
     assert np.array_equal(s.numpy("sampled"), np.take_along_axis(full, index[:, :, None], axis=1))
 
     index = s.numpy("patches.token_index")  # patch tokens only: positions in the layer's sequence, CLS counted
-    assert np.array_equal(index, sample_positions(3, rows, 16, 5) + 1)
+    assert np.array_equal(index, sample_positions(3, keys, 16, 5) + 1)
     assert np.array_equal(s.numpy("patches"), np.take_along_axis(full, index[:, :, None], axis=1))
 
     p = s.projection("projected")
@@ -93,6 +95,32 @@ def test_sampled_and_projected_captures_equal_the_full_capture_cut_by_hand(image
     assert len(seen) == len(s) * 7  # every kept token once, named by its position in the layer's sequence
     for (row, position), x in seen.items():
         assert np.array_equal(x, full[row, position])
+    # a patch has one position in every capture of the layer: stored whole, without the prefix, or sampled
+    for key, drop in (("full", True), ("patches_only", False), ("patches", False)):
+        for idx, data in s.token_batches(key, batch_size=64, shuffle=False, drop_prefix=drop):
+            assert idx[:, 1].min() >= 1  # the CLS (position 0) left out
+            assert np.array_equal(data, full[idx[:, 0], idx[:, 1]])
+
+
+def test_rows_reused_from_a_store_of_other_rows_keep_the_draw_a_clean_run_makes(image_dir: Path, tmp_path: Path):
+    """The draw is keyed by each image's content digest, as output.reuse matches rows: a store over more images
+    (every row number shifted) that takes rows from a smaller store holds the tokens a clean run samples."""
+    import shutil
+
+    some = tmp_path / "some"
+    for p in sorted(image_dir.rglob("*.*"))[3:10]:  # 7 of the 12 images at other paths and rows
+        (some / p.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, some / p.parent.name / f"copy-{p.name}")
+    capture = [{"layer": "blocks.1", "reduce": "none", "key": "tokens", "sample_tokens": 5, "seed": 7}]
+    run(parse_spec(job(some, tmp_path / "first.zarr", model=VIT, data=DATA, capture=capture)))
+    reused = run(parse_spec(job(image_dir, tmp_path / "s.zarr", model=VIT, data=DATA, capture=capture,
+                                output={"store": str(tmp_path / "s.zarr"), "reuse": [str(tmp_path / "first.zarr")]})))
+    run(parse_spec(job(image_dir, tmp_path / "clean.zarr", model=VIT, data=DATA, capture=capture)))
+    assert reused.reused == 7
+    s, c = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "clean.zarr"))
+    assert np.array_equal(s.numpy("tokens.token_index"), c.numpy("tokens.token_index"))
+    np.testing.assert_allclose(s.numpy("tokens"), c.numpy("tokens"), rtol=1e-5, atol=1e-6)  # batches of other rows
+    assert np.array_equal(s.numpy("tokens.token_index")[:, 1:] - 1, sample_positions(7, draw_keys(s.digests), 16, 5))
 
 
 def test_cutting_settings_that_cannot_hold_are_refused(image_dir: Path, tmp_path: Path):
@@ -163,5 +191,5 @@ def test_a_bfloat16_capture_holds_the_full_capture_rounded_and_reads_back_as_bfl
                 f"open_store({str(tmp_path / 's.zarr')!r})")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 1
-        assert out.stderr.strip().splitlines()[-1].endswith("holds a bfloat16 capture, which numpy reads through "
-                                                              "ml_dtypes: pip install ml_dtypes")
+        assert out.stderr.strip().splitlines()[-1].endswith("a bfloat16 capture needs ml_dtypes, through which numpy "
+                                                              "holds bfloat16: pip install ml_dtypes")

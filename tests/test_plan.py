@@ -39,16 +39,17 @@ def test_plan_says_what_the_run_writes_and_creates_nothing(image_dir: Path, tmp_
         assert by_key[key]["chunk_rows"] == arr.chunks[0]
         assert by_key[key]["objects"] == sum(p.is_file() for p in (tmp_path / "s.zarr" / key / "c").rglob("*"))
     assert planned["total_bytes"] == sum(c["bytes_per_row"] for c in planned["captures"]) * 12
+    stored = [p for p in (tmp_path / "s.zarr").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    assert planned["objects"] == len(stored), sorted(str(p.relative_to(tmp_path)) for p in stored)
 
     before = _files(tmp_path / "s.zarr")
-    for args in (("plan", str(path)), ("run", str(path), "--dry-run"), ("plan", str(path), "--set",
-                                                                          "output.if_exists=overwrite")):
+    for args in (("plan", str(path)), ("run", str(path), "--dry-run"), ("plan", str(path), "--overwrite")):
         r = extractor(*args)
         assert _files(tmp_path / "s.zarr") == before, args  # an existing store is untouched, also to overwrite it
     assert r.returncode == 0 and r.stdout.startswith(f"{tmp_path / 's.zarr'}: overwrite")
     r = extractor("run", str(path), "--dry-run")
     assert r.returncode == 1 and "run would refuse: store" in r.stdout and "already exists" in r.stdout
-    r = extractor("plan", str(path), "--set", "output.if_exists=resume")
+    r = extractor("plan", str(path), "--resume")
     assert r.returncode == 0 and "nothing to do (complete)" in r.stdout
     assert "0 images to process; 17.0 KiB per row uncompressed (layer3 16.0 KiB, layer4 1.0 KiB)" in r.stdout
 

@@ -590,16 +590,17 @@ def test_to_xarray_stack_of_one_key_or_none(tokens):
 
 def test_drop_prefix_true_drops_nothing_more_from_a_capture_stored_without_its_prefix(tokens):
     """A capture stored with drop_prefix (the dinov2 job's patches) holds patch tokens only: the README's
-    drop_prefix=True reads all of them (before, the model's prefix count was cut again, from the patches)."""
+    drop_prefix=True reads all of them (before, the model's prefix count was cut again, from the patches), each
+    named by its position in the layer's sequence, as from the capture stored whole."""
     pytest.importorskip("torch")
     s, full = tokens
     assert s.token_span("pat", True) == (0, 4) and s.token_span("tok", True) == (1, 4)
     seen = sorted(tuple(i) for i, _ in s.token_batches("pat", 7, drop_prefix=True) for i in i)
-    assert seen == [(r, t) for r in range(56) if r != 3 for t in range(4)]
+    assert seen == [(r, t) for r in range(56) if r != 3 for t in range(1, 5)]
     loader = s.dataloader("pat", batch_size=8, tokens=True, drop_prefix=True)
     assert sum(len(b["pat"]) for b in loader) == 55 * 4 and len(loader) == -(-55 * 4 // 8)
     b = next(iter(loader))
-    np.testing.assert_array_equal(b["pat"].numpy(), full[b["row"].numpy(), b["token"].numpy() + 1])  # = tokens 1..4
+    np.testing.assert_array_equal(b["pat"].numpy(), full[b["row"].numpy(), b["token"].numpy()])  # tokens 1..4
     assert s.token_span("pat", 1) == (1, 3)  # an explicit count cuts further, from the tokens as stored
 
 

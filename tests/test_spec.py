@@ -35,6 +35,8 @@ def test_spec_is_frozen():
         ({**BASE, "data": {"root": "x", "batchsize": 3}}, "data.batchsize", "unknown key"),
         ({**BASE, "capture": [{"layer": "a"}, {"layer": "b", "reduce": "avg"}]}, "capture[1].reduce", "'mean'"),
         ({**BASE, "capture": [{"layer": "a", "dtype": "int8"}]}, "capture[0].dtype", "float16"),
+        ({**BASE, "capture": [{"layer": "a", "what": "gradcam", "dtype": "bfloat16"}]}, "capture[0]",
+         "gradcam map is stored as float32"),
         ({**BASE, "data": {"root": "x", "batch_size": "many"}}, "data.batch_size", "integer"),
         ({**BASE, "data": {"root": "x", "batch_size": 0}}, "data.batch_size", "greater than 0"),
         ({"data": {"root": "x"}}, "capture", "missing"),

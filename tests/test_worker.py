@@ -94,9 +94,9 @@ def test_the_pipeline_does_not_drain_between_shards(image_dir: Path, tmp_path: P
         real_add(self, offsets, done)
 
     class Recording(worker_mod.Worker):
-        def forward_rows(self, images, labels, rows=None):
+        def forward_rows(self, images, labels, draws=None):
             log.append(("forward", len(images)))
-            return super().forward_rows(images, labels, rows)
+            return super().forward_rows(images, labels, draws)
 
     monkeypatch.setattr(shardio.ShardOutput, "add", add)
     spec = parse_spec(job(image_dir, tmp_path / "s.zarr"))  # 12 rows, shards of 4, batches of 3: 3 + 1 per shard

@@ -32,13 +32,14 @@ class Forwarder(Protocol):
     captures: dict[str, CaptureRecord] | None
     extras: dict[str, ExtraRecord]
     needs_labels: bool  # a gradient job (target: label reads each row's label)
+    samples: bool  # a sample_tokens job (its draws are keyed by the images' content digests)
     prepare_pool: ThreadPoolExecutor  # opens the next shard
     writer_pool: ThreadPoolExecutor  # compresses and stores chunks
     spare: dict[str, deque[np.ndarray]]  # chunk buffers whose write is done
 
     def batches(self) -> Any: ...
 
-    def forward_rows(self, images: torch.Tensor, labels: np.ndarray | None, rows: np.ndarray | None = None,
+    def forward_rows(self, images: torch.Tensor, labels: np.ndarray | None, draws: np.ndarray | None = None,
                      ) -> Forwarded: ...
 
 
@@ -208,6 +209,14 @@ class Pipeline:
         out.wait_decode += time.perf_counter() - w
         return batch
 
+    def _draws(self, batch: Batch) -> np.ndarray | None:
+        """For sample_tokens: each computed image's key of its draw, the content digest of its bytes (so an image
+        keeps its tokens whatever its row, and rows reused from another store, matched by digest, are drawn
+        alike)."""
+        if not self.worker.samples:
+            return None
+        return np.array([batch.digests[o] for o in batch.offsets], dtype=np.uint64).view(np.int64)
+
     def _forward(self, batch: Batch, given: ShardInput, out: ShardOutput) -> None:
         """Record the batch's decode failures, send its images to the device, read back the batch before."""
         for off, err in batch.failed.items():
@@ -216,7 +225,7 @@ class Pipeline:
         if batch.images is not None:
             offsets = np.asarray(batch.offsets)
             labels = given.labels[offsets] if given.labels is not None else None
-            forwarded = self.worker.forward_rows(batch.images, labels, given.shard.start + offsets)
+            forwarded = self.worker.forward_rows(batch.images, labels, self._draws(batch))
             out.count(len(offsets), forwarded)
             forwarded.reused = batch.reused  # filed with the batch's computed rows, in row order
             self._finish(self.read_back.push(out, offsets, forwarded))  # maybe the shard before's last batch

@@ -41,6 +41,7 @@ from ..model import (
 )
 from ..spec import JobSpec
 from ..store import BFLOAT16, CaptureRecord, ExtraRecord, Probe, ReuseIndex
+from ..store.sampling import BY_DIGEST
 from .pipeline import Pipeline, ShardQueue
 from .shard import Forwarded, ShardSummary
 
@@ -187,6 +188,7 @@ class Worker:
         self.captures: dict[str, CaptureRecord] | None = None
         self.extras: dict[str, ExtraRecord] = {}  # per-row results: target, score, KEY.range, KEY.token_index
         self.needs_labels = bool(self.capturer.gradient)  # a gradient job reads its rows' labels (target: label)
+        self.samples = bool(self.capturer.samples)  # sample_tokens: draws keyed by the images' content digests
         self._reuse: ReuseIndex | None = None  # output.reuse's rows, loaded at the first shard
 
     def close(self) -> None:
@@ -216,25 +218,25 @@ class Worker:
 
     def _forward(
         self, images: torch.Tensor, labels: np.ndarray | None = None, eager: bool = False,
-        rows: np.ndarray | None = None,
+        draws: np.ndarray | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Captured tensors (on the device) for a uint8 batch: one hooked forward. ``rows``: the images' store
-        rows (``sample_tokens`` draws per row; default 0 for every image; sent only when a capture samples)."""
+        """Captured tensors (on the device) for a uint8 batch: one hooked forward. ``draws``: the images' draw keys
+        (``sample_tokens`` draws per image; default 0 for every image; sent only when a capture samples)."""
         n = len(images)
-        rows = rows if self.capturer.samples else None
+        draws = draws if self.capturer.samples else None
         pad = self.compiled and not eager and n < self.spec.data.batch_size
         if pad:  # one static batch shape: the compiled graph is not rebuilt for a shard's last batch
             fill = self.spec.data.batch_size - n
             images = torch.cat([images, images.new_zeros((fill, *images.shape[1:]))])
-            if rows is not None:
-                rows = np.concatenate([rows, np.zeros(fill, np.int64)])
+            if draws is not None:
+                draws = np.concatenate([draws, np.zeros(fill, np.int64)])
             if labels is not None:
                 labels = np.concatenate([labels, np.zeros(fill, labels.dtype)])
         # gradient jobs need autograd; every other job runs under inference_mode
         with torch.inference_mode(not self.capturer.gradient), self._autocast():
             lab = torch.as_tensor(labels, device=self.device) if labels is not None else None
-            at = torch.as_tensor(rows, dtype=torch.int64).to(self.device) if rows is not None else None
-            out = self.capturer.run(self._prepare(images), lab, eager=eager, rows=at)
+            at = torch.as_tensor(draws, dtype=torch.int64).to(self.device) if draws is not None else None
+            out = self.capturer.run(self._prepare(images), lab, eager=eager, draws=at)
         return {k: v[:n] for k, v in out.items()} if pad else out
 
     def _to_host(self, values: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], Any]:
@@ -258,7 +260,7 @@ class Worker:
         return host, event
 
     def forward_rows(self, images: torch.Tensor, labels: np.ndarray | None,
-                     rows: np.ndarray | None = None) -> Forwarded:
+                     draws: np.ndarray | None = None) -> Forwarded:
         """Forward a batch and start its copy to the host; the errors of images that make it raise.
 
         When the batch raises, each image is retried alone (eagerly, synchronously) so that
@@ -266,7 +268,7 @@ class Worker:
         is not an image (a model or device error): that is raised, and fails the shard.
         """
         try:
-            host, event = self._to_host(self._forward(images, labels, rows=rows))
+            host, event = self._to_host(self._forward(images, labels, draws=draws))
             return Forwarded(host, {}, event)
         except not_an_image():
             raise
@@ -274,10 +276,10 @@ class Worker:
             if len(images) == 1:
                 return Forwarded({}, {0: f"forward failed on this image: {describe_error(err)}"}, None)
             log.warning("a batch of %d raised %s: %s; retrying image by image", len(images), type(err).__name__, err)
-        return self._forward_one_by_one(images, labels, rows)
+        return self._forward_one_by_one(images, labels, draws)
 
     def _forward_one_by_one(self, images: torch.Tensor, labels: np.ndarray | None,
-                            rows: np.ndarray | None) -> Forwarded:
+                            draws: np.ndarray | None) -> Forwarded:
         """Each image of a batch that raised, alone: its rows, zeros where it raised (the row fails)."""
         parts: list[dict[str, np.ndarray] | None] = []
         bad: dict[int, str] = {}
@@ -285,7 +287,7 @@ class Worker:
         for i in range(len(images)):
             try:
                 one = self._forward(images[i : i + 1], labels[i : i + 1] if labels is not None else None, eager=True,
-                                    rows=rows[i : i + 1] if rows is not None else None)
+                                    draws=draws[i : i + 1] if draws is not None else None)
                 parts.append({k: host_array(v.cpu()) for k, v in one.items()})
             except not_an_image():
                 raise
@@ -578,6 +580,7 @@ def _record(t: Target, module: torch.nn.Module, shape: Sequence[int], original: 
         record["size"] = t.size
     if t.sample:  # the kept positions: KEY.token_index; the draw: extractor.store.sampling.sample_positions
         record["sample_tokens"], record["prefix_kept"], record["seed"] = t.sample, t.keep, t.seed
+        record["sampled_by"] = BY_DIGEST
     if t.project:  # the matrix: extractor.store.sampling.projection_matrix(seed, original features, project)
         record["project"], record["projection"], record["seed"] = t.project, t.projection, t.seed
         record["projected_from"] = projected_from

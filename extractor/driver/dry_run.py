@@ -20,7 +20,7 @@ from .._text import count, estimate, size, table
 from ..data import list_rows, plan
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
-from ..store import get_array, open_group, read_attrs, store_attrs
+from ..store import get_array, numpy_dtype, open_group, read_attrs, store_attrs
 from ..store.format import ROW_ARRAYS
 
 __all__ = ["Preview", "preview"]
@@ -51,12 +51,13 @@ class Preview:
     action: str  # create, overwrite, resume (N shards to do), nothing to do, or the refusal
     captures: list[CapturePlan]
     per_row_objects: int  # ids, paths, status ... and the per-shard markers: objects besides the captures
+    per_row_bytes: int = 0  # a row's per-row results (KEY.token_index, target ...), uncompressed
     free_bytes: int | None = None  # at a local destination
     warnings: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
-        return sum(c.bytes_per_row for c in self.captures) * self.rows
+        return (sum(c.bytes_per_row for c in self.captures) + self.per_row_bytes) * self.rows
 
     @property
     def objects(self) -> int:
@@ -73,7 +74,9 @@ class Preview:
             f"{self.rows:,} rows in {count(self.shards, 'shard')} of {self.shard_size}",
             table(rows, ["capture", "shape per row", "dtype", "per row", "chunk rows", "chunk", "objects", "total"]),
             f"total {size(self.total_bytes)} before compression in {self.objects:,} objects "
-            f"({self.per_row_objects:,} of them per-row arrays and shard markers)",
+            f"({self.per_row_objects:,} of them per-row arrays and shard markers, "
+            f"{size(self.per_row_bytes * self.rows)} per-row results; a shard with failed rows adds one for their "
+            "errors)",
         ]
         if self.free_bytes is not None:
             lines.append(f"free at the destination: {size(self.free_bytes)}")
@@ -148,9 +151,13 @@ def preview(spec: JobSpec) -> Preview:
 
     captures = [CapturePlan(k, list(c["shape"]), c["dtype"], per_row[k], layout[k][0], layout[k][0] * per_row[k],
                             objects(*layout[k])) for k, c in probe.captures.items()]
-    n_per_row = len(ROW_ARRAYS) + len(probe.extras) + 2 * (rows.offsets is not None) + bool(spec.output.reuse)
+    # a chunk per shard of each per-row array (errors: only where rows failed), its done marker and its sums; and
+    # the driver's merged sums (stats_sums), one object
+    n_per_row = (len(ROW_ARRAYS) - 1 + len(probe.extras) + 2 * (rows.offsets is not None) + bool(spec.output.reuse)
+                 + 2)
+    extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
     planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
-                      (n_per_row + 2) * len(shards), _free_bytes(spec.output.store))
+                      n_per_row * len(shards) + 1, extras, _free_bytes(spec.output.store))
     if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
         planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "
                                 f"{size(planned.free_bytes)} free; cut it with dtype: float16 or bfloat16, "

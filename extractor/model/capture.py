@@ -269,14 +269,14 @@ def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "nchw", d
 
 def sample_positions(seed: int, rows: torch.Tensor, n_tokens: int, k: int) -> torch.Tensor:
     """On the rows' device: (B, k) int64, the k tokens each row keeps, in sequence order: the same integers as
-    ``extractor.store.sampling.sample_positions`` (a hash of seed, row and token, ranked)."""
+    ``extractor.store.sampling.sample_positions`` (a hash of seed, the row's draw key and token, ranked)."""
     tokens = torch.arange(n_tokens, device=rows.device, dtype=torch.int64)[None, :]
     keys = rank_keys(seed, rows.to(torch.int64)[:, None], tokens, n_tokens)
     order = torch.argsort(keys, dim=1)[:, :k]  # the keys are distinct: no tie to break
     return order.sort(dim=1).values
 
 
-def _sample(t: Target, tokens: torch.Tensor, rows: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(t: Target, tokens: torch.Tensor, draws: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample_tokens``: of (B, T, D) tokens, the ``keep`` prefix ones and ``sample`` patch ones per row; and their
     positions in the layer's sequence (B, keep + sample)."""
     if tokens.ndim != 3:
@@ -285,7 +285,7 @@ def _sample(t: Target, tokens: torch.Tensor, rows: torch.Tensor, where: str) -> 
     if t.sample > patches:
         raise LayerError(f"{where}: sample_tokens {t.sample} is more than its {patches} patch tokens; set at most "
                          f"{patches}, or store them all (no sample_tokens)")
-    picked = sample_positions(t.seed, rows, patches, t.sample) + t.keep
+    picked = sample_positions(t.seed, draws, patches, t.sample) + t.keep
     prefix = torch.arange(t.keep, device=tokens.device, dtype=torch.int64).expand(len(tokens), -1)
     index = torch.cat([prefix, picked], dim=1)
     kept = tokens.gather(1, index[:, :, None].expand(-1, -1, tokens.shape[2]))
@@ -476,14 +476,14 @@ class Capturer:
         self.targets = list(targets)
         self.auto_4d: dict[str, bool] = {}  # layout: auto targets seen 4-D at the last run -> probabilities?
         self.gradient = [t for t in self.targets if t.gradient]
-        self.samples = any(t.sample for t in self.targets)  # sample_tokens: run() needs the batch's rows
+        self.samples = any(t.sample for t in self.targets)  # sample_tokens: run() needs the images' draw keys
         self.logits: int | None = None  # the model's outputs (classes), seen by a gradient job's forward
         self.stop_early = stop_early and not self.gradient  # gradients need the logits
         self.values: dict[str, torch.Tensor] = {}
         self.anchors: dict[str, torch.Tensor] = {}
         self.original_shapes: dict[str, tuple[int, ...]] = {}
         self.kept = 0  # targets kept in this forward (values also holds their extras: KEY.token_index)
-        self.rows: torch.Tensor | None = None  # the batch's store rows (sample_tokens draws from them)
+        self.draws: torch.Tensor | None = None  # the images' draw keys (sample_tokens: their content digests)
         self.matrices: dict[tuple[str, int], torch.Tensor] = {}  # project: (key, features in) -> its matrix here
         self._stack: contextlib.ExitStack | None = None
 
@@ -526,7 +526,7 @@ class Capturer:
         """Replace ``layout: auto`` by what the probe decided, per key (the hooks read it at each call)."""
         self.targets = [dataclasses.replace(t, layout=layouts.get(t.key, t.layout)) for t in self.targets]
         self.gradient = [t for t in self.targets if t.gradient]
-        self.samples = any(t.sample for t in self.targets)  # sample_tokens: run() needs the batch's rows
+        self.samples = any(t.sample for t in self.targets)  # sample_tokens: run() needs the images' draw keys
 
     def _store(self, t: Target, tensor: torch.Tensor, where: str) -> None:
         layout = t.layout
@@ -535,8 +535,8 @@ class Capturer:
             layout = "nchw"
         reduced = reduce_tensor(tensor, t.reduce, where, layout, t.drop_prefix)
         if t.sample:
-            rows = self.rows if self.rows is not None else torch.zeros(len(reduced), dtype=torch.int64)
-            reduced, self.values[f"{t.key}.token_index"] = _sample(t, reduced, rows.to(reduced.device), where)
+            draws = self.draws if self.draws is not None else torch.zeros(len(reduced), dtype=torch.int64)
+            reduced, self.values[f"{t.key}.token_index"] = _sample(t, reduced, draws.to(reduced.device), where)
         if t.project:
             reduced = self._project(t, reduced, where)
         # a copy of views (none, flatten, cls): a later in-place op on the model's tensor must not change what we
@@ -605,16 +605,17 @@ class Capturer:
 
     def run(
         self, x: torch.Tensor, labels: torch.Tensor | None = None, eager: bool = False,
-        rows: torch.Tensor | None = None,
+        draws: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """One forward pass (and one backward for gradient targets); captured tensors by key.
 
         With gradient targets the result also holds ``target`` (the class whose logit was
         differentiated, per image), ``target_score`` (that logit) and, per Grad-CAM key,
         ``KEY.range`` (per-image min and max of the map). ``labels`` are needed for
-        ``target: label``; ``rows`` (the images' store rows) for ``sample_tokens`` (default: all row 0).
+        ``target: label``; ``draws`` (the images' draw keys: their content digests as int64) for
+        ``sample_tokens`` (default: all 0).
         """
-        self.rows = rows
+        self.draws = draws
         if self._stack is None:
             raise RuntimeError("Capturer.run() must be called inside `with Capturer(...)`")
         self.values, self.anchors, self.original_shapes, self.kept = {}, {}, {}, 0

@@ -201,17 +201,20 @@ class _Tokens:
     array of its own: no copy of the whole buffer (fresh at every buffer, its first-touch page faults cost more
     than the mixing), and a batch the caller keeps is never overwritten."""
 
-    def __init__(self, rows: np.ndarray, x: np.ndarray, positions: np.ndarray | None, skip: int, tokens: int,
+    def __init__(self, rows: np.ndarray, x: np.ndarray, positions: np.ndarray | int, skip: int, tokens: int,
                  order: np.ndarray | None) -> None:
-        self.rows, self.x, self.positions = rows, x, positions  # positions: (rows, stored tokens) in the sequence
+        # positions: (rows, stored tokens) in the layer's sequence, or where the stored tokens begin in it
+        self.rows, self.x, self.positions = rows, x, positions
         self.skip, self.tokens, self.order = skip, tokens, order
 
     @classmethod
-    def mixed(cls, rows: np.ndarray, columns: _Columns, skip: int, tokens: int, seed: list[int] | None) -> _Tokens:
-        """Of rows read (their values, then a sampled capture's ``KEY.token_index``), the tokens in a random
-        order drawn from ``seed`` (None: in order)."""
+    def mixed(cls, rows: np.ndarray, columns: _Columns, origin: int, skip: int, tokens: int,
+              seed: list[int] | None) -> _Tokens:
+        """Of rows read (their values, then a sampled capture's ``KEY.token_index``; else ``origin``: the first
+        stored token's position in the layer's sequence), the tokens in a random order drawn from ``seed``
+        (None: in order)."""
         order = None if seed is None else np.random.default_rng(seed).permutation(len(rows) * tokens)
-        return cls(rows, columns[0], columns[1] if len(columns) > 1 else None, skip, tokens, order)
+        return cls(rows, columns[0], columns[1] if len(columns) > 1 else origin, skip, tokens, order)
 
     def __len__(self) -> int:
         return len(self.rows) * self.tokens
@@ -225,7 +228,7 @@ class _Tokens:
         """Places ``lo:hi`` of the order: ``(index, data)``; index holds each token's row and position."""
         r, t = np.divmod(np.arange(lo, hi) if self.order is None else self.order[lo:hi], self.tokens)
         t += self.skip
-        position = t if self.positions is None else self.positions[r, t]
+        position = t + self.positions if isinstance(self.positions, int) else self.positions[r, t]
         return np.stack([self.rows[r], position], axis=1), self.x[r, t]
 
 
@@ -490,8 +493,9 @@ class ActivationStore:
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
         ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
-        position in the row's sequence (of a ``sample_tokens`` capture: in the layer's sequence, from
-        ``KEY.token_index``). Every (row, token) comes once per call (one epoch), for
+        position in the layer's sequence, however the capture was stored (whole, without its prefix
+        tokens, or a ``sample_tokens`` capture's, from ``KEY.token_index``): the same patch has the same
+        position in every capture of a layer. Every (row, token) comes once per call (one epoch), for
         sparse-autoencoder training. With ``shuffle`` tokens are mixed across the images of a
         buffer of ``buffer_chunks`` chunks read whole in a random chunk order (as :meth:`batches`
         reads rows): the same ``seed`` gives the same order. ``drop_prefix`` leaves out each
@@ -511,6 +515,7 @@ class ActivationStore:
         arrays = [self[key]]
         if self.captures[key].get("sample_tokens"):  # each stored token's position in the layer's sequence
             arrays.append(self[f"{key}.token_index"])
+        origin = int(self.captures[key].get("drop_prefix") or 0)  # stored without its prefix: patches from there
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
         runs = _epoch_runs(self._select_rows(rows, only_ok), read_rows(arrays[0]), shuffle, seed, part)
         per = buffer_chunks if shuffle else 1
@@ -519,7 +524,7 @@ class ActivationStore:
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Tokens:
             n, chunk_runs = job
-            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare), skip, tokens,
+            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare), origin, skip, tokens,
                                  _mix_seed(seed, part, n) if shuffle else None)
 
         def served(buffers: Iterable[_Tokens]) -> Iterator[_Tokens]:

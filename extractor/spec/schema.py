@@ -397,6 +397,9 @@ class CaptureSpec(_Section):
             raise ValueError("size applies only to what: gradcam")
         if self.what == "gradcam" and (self.reduce != "none" or self.index is not None):
             raise ValueError("a gradcam capture takes no reduce or index: it is one map per image")
+        if self.what == "gradcam" and self.dtype != "float32":
+            raise ValueError(f"a gradcam map is stored as float32 (it is normalised per image), not {self.dtype}: "
+                             "leave dtype out")
         if isinstance(self.target, int) and self.target < 0:
             raise ValueError("target must be a class index >= 0, 'predicted' or 'label'")
         if self.drop_prefix and (self.reduce == "cls" or self.what == "gradcam"):

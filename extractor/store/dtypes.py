@@ -23,7 +23,7 @@ except ImportError:  # a reader's environment without it: every other type still
     ml_dtypes = None  # type: ignore[assignment]
 
 BFLOAT16: np.dtype[Any] | None = None if ml_dtypes is None else np.dtype(ml_dtypes.bfloat16)
-MISSING = "this store holds a bfloat16 capture, which numpy reads through ml_dtypes: pip install ml_dtypes"
+MISSING = "a bfloat16 capture needs ml_dtypes, through which numpy holds bfloat16: pip install ml_dtypes"
 
 
 class _Absent:

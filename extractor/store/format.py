@@ -189,6 +189,7 @@ class CaptureRecord(TypedDict):
     projection: NotRequired[str]  # gaussian or sparse
     projected_from: NotRequired[int]  # the features it multiplied (the matrix is projected_from x project)
     seed: NotRequired[int]  # of sample_tokens and project
+    sampled_by: NotRequired[str]  # with sample_tokens: what keys the draw, "digest" (absent: the row number)
 
 
 class ExtraRecord(TypedDict):
