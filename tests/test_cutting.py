@@ -187,6 +187,9 @@ def test_a_bfloat16_capture_holds_the_full_capture_rounded_and_reads_back_as_bfl
     np.testing.assert_allclose(stats["mean"], half.astype(np.float64).mean(axis=(0, 1)), rtol=1e-5, atol=1e-6)
     if sharding:  # without ml_dtypes: a one-line error that says what to install, never other numbers
         code = ("import sys; sys.modules['ml_dtypes'] = None\n"
+                "import numpy as np\n"
+                "from extractor.store.dtypes import is_bfloat16\n"
+                "assert not is_bfloat16(np.dtype('float64')), 'float64 taken for bfloat16'\n"
                 "from extractor import open_store\n"
                 f"open_store({str(tmp_path / 's.zarr')!r})")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

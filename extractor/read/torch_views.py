@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from ..store import BFLOAT16
+from ..store import is_bfloat16
 
 # DataLoader options dataloader() passes on (its own: dataset, batch_size=None, shuffle, sampler, collate)
 LOADER_OPTIONS = ("pin_memory", "prefetch_factor", "persistent_workers", "timeout", "worker_init_fn",
@@ -145,7 +145,7 @@ class _Loader(DataLoader):
 
 def tensor(a: np.ndarray) -> torch.Tensor:
     """A numpy array as a tensor sharing its memory; bfloat16 (ml_dtypes') as torch.bfloat16."""
-    if a.dtype == BFLOAT16:
+    if is_bfloat16(a.dtype):
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 

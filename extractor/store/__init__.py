@@ -11,7 +11,7 @@ from .._face import face
 
 if TYPE_CHECKING:
     from .chunks import ChunkCodec, write_chunks
-    from .dtypes import BFLOAT16, numpy_dtype
+    from .dtypes import BFLOAT16, is_bfloat16, numpy_dtype
     from .format import (
         ATTR,
         FAILED,
@@ -93,6 +93,7 @@ __all__ = [
     "ChunkCodec",
     "write_chunks",
     "BFLOAT16",
+    "is_bfloat16",
     "numpy_dtype",
     "ShardStats",
     "merge",
@@ -154,6 +155,7 @@ __getattr__ = face(
         "ChunkCodec": "chunks",
         "write_chunks": "chunks",
         "BFLOAT16": "dtypes",
+        "is_bfloat16": "dtypes",
         "numpy_dtype": "dtypes",
         "ShardStats": "stats",
         "merge": "stats",

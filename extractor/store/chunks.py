@@ -33,7 +33,7 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, ZstdCodec
 
-from .dtypes import BFLOAT16
+from .dtypes import is_bfloat16
 
 _sync: Callable[..., Any] | None
 try:  # zarr's event loop (not a public name: pinned below 3.2 in pyproject.toml); without it, chunks go through zarr
@@ -70,11 +70,11 @@ def _encoding(array: zarr.Array, codecs: list[Any]) -> tuple[np.dtype[Any], np.d
     first, *rest = codecs
     compressors = [_compressor(c) for c in rest]
     dtype = np.dtype(array.dtype)
-    if any(c is None for c in compressors) or not (dtype.kind in "biuf" or dtype == BFLOAT16):  # numbers only
+    if any(c is None for c in compressors) or not (dtype.kind in "biuf" or is_bfloat16(dtype)):  # numbers only
         return None
     known = [c for c in compressors if c is not None]
     little = first.endian is None or first.endian.value == "little"
-    if dtype == BFLOAT16:  # its bits as uint16 (ml_dtypes' arrays export no buffer): little-endian ones only
+    if is_bfloat16(dtype):  # its bits as uint16 (ml_dtypes' arrays export no buffer): little-endian ones only
         return (dtype, np.dtype("<u2"), known) if little else None
     if first.endian is not None:
         dtype = dtype.newbyteorder("<" if little else ">")

@@ -49,6 +49,11 @@ class BFloat16(BaseFloat):
         return 2
 
 
+def is_bfloat16(dtype: Any) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16 (never without ml_dtypes: numpy takes ``== None`` as float64)."""
+    return BFLOAT16 is not None and dtype == BFLOAT16
+
+
 def numpy_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype a store's capture record names (``float32``, ``float16``, ``bfloat16``, ...)."""
     if name == "bfloat16":
