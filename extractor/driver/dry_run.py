@@ -74,9 +74,9 @@ class Preview:
             f"{self.rows:,} rows in {count(self.shards, 'shard')} of {self.shard_size}",
             table(rows, ["capture", "shape per row", "dtype", "per row", "chunk rows", "chunk", "objects", "total"]),
             f"total {size(self.total_bytes)} before compression in {self.objects:,} objects "
-            f"({self.per_row_objects:,} of them per-row arrays and shard markers, "
-            f"{size(self.per_row_bytes * self.rows)} per-row results; a shard with failed rows adds one for their "
-            "errors)",
+            f"({self.per_row_objects:,} of them per-row arrays and shard markers"
+            + (f", {size(self.per_row_bytes * self.rows)} per-row results" if self.per_row_bytes else "")
+            + "; a shard with failed rows adds one for their errors)",
         ]
         if self.free_bytes is not None:
             lines.append(f"free at the destination: {size(self.free_bytes)}")
