@@ -78,6 +78,18 @@ def test_parquet_equals_the_folder_and_the_tars_row_for_row(image_dir: Path, tmp
                                   pixels(image_grid(f, np.array([7]), columns=1)))
 
 
+def test_an_image_rewritten_after_a_run_in_the_same_process_is_found_changed(image_dir: Path, tmp_path: Path):
+    """The row groups a run read stay cached in its process (the local backend's worker is the driver): a check
+    that reads the rows again (verify, and a resume's changed_rows) reads the files as they are now."""
+    images = images_of(image_dir)
+    paths = write_hub_parquet(images, tmp_path / "data", per_file=12, row_group=4)
+    run(parse_spec(parquet_job(image_dir, tmp_path / "p.zarr", str(paths[0]))))
+    assert row_groups.groups  # what the run read, kept
+    write_hub_parquet([images[5], *images[1:]], tmp_path / "data", per_file=12, row_group=4)  # row 0: another image
+    found = open_store(str(tmp_path / "p.zarr")).verify()
+    assert found["checked"] == 12 and [row for row, _ in found["changed"]] == [0]
+
+
 def test_a_shard_reads_only_its_row_groups_and_only_the_image_column(image_dir: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch):
     images = images_of(image_dir)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import BatchStream, ImageDecoder, JpegDecoder, Preprocess, Shard, from_dict
+from ..data import BatchStream, ImageDecoder, JpegDecoder, Preprocess, Shard, forget_reads, from_dict
 from ..data import resolve as resolve_preprocess
 from ..errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
 from ..faults import describe_error, device_errors, device_fault, not_an_image
@@ -515,10 +515,7 @@ class Worker:
             return self._batches()
         bs = self.spec.data.batch_size
         reuse = self._reuse_index().lookup if self.spec.output.reuse else None
-        if self.spec.data.source == "parquet":  # row groups read by an earlier call may be of files changed since
-            from ..data.parquet import row_groups
-
-            row_groups.clear()
+        forget_reads()  # what an earlier call read may be of files changed since
         if self.jpeg is not None:
             return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, read=self.decode.read,
                                reuse=reuse)

@@ -13,8 +13,9 @@ from typing import Any
 
 from ..errors import DataError
 
-__all__ = ["Locator", "is_url", "is_relative", "absolute", "storable_path", "display_name", "read_bytes", "tar_url_of",
-           "remote_error", "content_digest", "fingerprint", "local_fingerprint", "remote_fingerprint"]
+__all__ = ["Locator", "is_url", "is_relative", "absolute", "storable_path", "display_name", "read_bytes",
+           "forget_reads", "tar_url_of", "remote_error", "content_digest", "fingerprint", "local_fingerprint",
+           "remote_fingerprint"]
 
 
 def is_url(path: str) -> bool:
@@ -72,6 +73,16 @@ def local_path(path: str) -> str | bytes:
     if path.startswith(FS_BYTES):
         return bytes.fromhex(path[len(FS_BYTES):])
     return path.removeprefix("file://")
+
+
+def forget_reads() -> None:
+    """Reads from now on see the sources as they are now: what :func:`read_bytes` keeps of them (a Parquet
+    file's footers and row groups) is dropped. Called where rows are read to be computed or checked."""
+    import sys
+
+    parquet = sys.modules.get(f"{__package__}.parquet")  # nothing is kept where no Parquet row was read
+    if parquet is not None:
+        parquet.row_groups.clear()
 
 
 def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:

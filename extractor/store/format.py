@@ -452,8 +452,9 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
     offsets and sizes of those rows where a listing now finds them (a rewritten tar moves its members)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..data import content_digest, read_bytes
+    from ..data import content_digest, forget_reads, read_bytes
 
+    forget_reads()  # the sources as they are now, not as an earlier read in this process kept them
     paths = take_rows(get_array(group, "paths"), rows)
     tar = "byte_offset" in group
     offsets = take_rows(get_array(group, "byte_offset"), rows) if tar and places is None else None
