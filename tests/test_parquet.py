@@ -287,3 +287,7 @@ def test_a_hub_data_set_by_name_from_the_local_cache(image_dir: Path, tmp_path: 
     run(parse_spec(job(image_dir, tmp_path / "f.zarr")))
     np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr")).numpy("layer4"),
                                   open_store(str(tmp_path / "f.zarr")).numpy("layer4"))
+    # the same images from the folder take the data set's rows: where images are is not what they become
+    reused = run(parse_spec(job(image_dir, tmp_path / "r.zarr", output={"store": str(tmp_path / "r.zarr"),
+                                                                        "reuse": [str(tmp_path / "s.zarr")]})))
+    assert reused.reused == 12

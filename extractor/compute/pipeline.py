@@ -20,6 +20,7 @@ from ..errors import ShardError
 from ..faults import blame
 from ..spec import JobSpec
 from ..store import CaptureRecord, ExtraRecord
+from ..store.sampling import draw_keys
 from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard
 
 __all__ = ["Pipeline", "ShardQueue", "CallbackError", "Forwarder"]
@@ -215,7 +216,7 @@ class Pipeline:
         alike)."""
         if not self.worker.samples:
             return None
-        return np.array([batch.digests[o] for o in batch.offsets], dtype=np.uint64).view(np.int64)
+        return draw_keys([batch.digests[o] for o in batch.offsets])
 
     def _forward(self, batch: Batch, given: ShardInput, out: ShardOutput) -> None:
         """Record the batch's decode failures, send its images to the device, read back the batch before."""

@@ -29,8 +29,8 @@ __all__ = ["ReuseIndex", "check_sources"]
 log = logging.getLogger(__name__)
 
 # data settings that say where the images are, not what they become: they may differ between the stores
-_PLACE_FIELDS = ("source", "root", "manifest", "tars", "parquet", "extensions", "shard_size", "outside_root",
-                 "max_image_pixels")
+_PLACE_FIELDS = ("source", "root", "manifest", "tars", "parquet", "dataset", "split", "config", "extensions",
+                 "shard_size", "outside_root", "max_image_pixels")
 
 
 def _spec_inputs(attrs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
