@@ -285,7 +285,8 @@ class RowGroups:
         self.keep = keep
         self.lock = threading.Lock()
         self.groups: OrderedDict[tuple[str, str, int], Future[list[Any]]] = OrderedDict()
-        self.footers: dict[str, list[int]] = {}  # each file's row group starts
+        # each file's row group starts, and its footer (Parquet) or its record batches (Arrow, memory-mapped)
+        self.footers: dict[str, tuple[list[int], Any]] = {}
         self.reads = 0
 
     def clear(self) -> None:
@@ -296,7 +297,7 @@ class RowGroups:
 
     def value(self, url: str, column: str, row: int, storage: dict[str, Any]) -> Any:
         """Row ``row``'s value of ``column`` in file ``url``."""
-        starts = self._starts(url, storage)
+        starts, index = self._footer(url, storage)
         group = bisect.bisect_right(starts, row) - 1
         if group < 0 or row >= starts[-1]:
             raise IndexError(f"{url} has {starts[-1]} rows, not row {row}: the file changed since it was listed")
@@ -312,30 +313,34 @@ class RowGroups:
                 self.groups.move_to_end(key)
         if mine:
             try:
-                future.set_result(self._read(url, column, group, storage))
+                future.set_result(self._read(url, column, group, index, storage))
             except BaseException as err:  # noqa: BLE001 - given to every thread waiting for this row group
                 with self.lock:
                     self.groups.pop(key, None)
                 future.set_exception(err)
         return future.result()[row - starts[group]]
 
-    def _starts(self, url: str, storage: dict[str, Any]) -> list[int]:
-        starts = self.footers.get(url)
-        if starts is None:
-            if _is_arrow(url):  # its record batches (memory-mapped: nothing read but their headers)
-                counts = [b.num_rows for b in _arrow(url)]
+    def _footer(self, url: str, storage: dict[str, Any]) -> tuple[list[int], Any]:
+        """A file's row group starts and what finds its row groups: a Parquet file's footer, read once; an Arrow
+        file's record batches (memory-mapped: nothing read but their headers)."""
+        found = self.footers.get(url)
+        if found is None:
+            if _is_arrow(url):
+                index: Any = list(_arrow(url))
+                counts = [b.num_rows for b in index]
             else:
-                meta = _pyarrow().ParquetFile(_open(url, storage)).metadata
-                counts = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-            starts = self.footers[url] = [0, *np.cumsum(counts).tolist()]
-        return starts
+                index = _pyarrow().ParquetFile(_open(url, storage)).metadata
+                counts = [index.row_group(g).num_rows for g in range(index.num_row_groups)]
+            found = self.footers[url] = ([0, *np.cumsum(counts).tolist()], index)
+        return found
 
-    def _read(self, url: str, column: str, group: int, storage: dict[str, Any]) -> list[Any]:
+    def _read(self, url: str, column: str, group: int, index: Any, storage: dict[str, Any]) -> list[Any]:
         try:
             if _is_arrow(url):
-                table = next(b for g, b in enumerate(_arrow(url)) if g == group).select([column])
+                table = index[group].select([column])
             else:
-                table = _pyarrow().ParquetFile(_open(url, storage)).read_row_group(group, columns=[column])
+                parquet = _pyarrow().ParquetFile(_open(url, storage), metadata=index)
+                table = parquet.read_row_group(group, columns=[column])
         except Exception as err:  # noqa: BLE001 - a file spoilt or cut since it was listed: its rows fail
             raise OSError(f"row group {group} of {url} cannot be read ({type(err).__name__}: {err})") from None
         with self.lock:
