@@ -129,15 +129,17 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
         if not getattr(err, "resumable", False):
             print("\ninterrupted before the job touched its store: nothing was written", file=sys.stderr)
             return 130
-        print(f"\ninterrupted; finished shards are kept. To finish the job run:\n  {finish}",
-              file=sys.stderr)
+        kept = "the store was being created (what it held before is gone)" if getattr(err, "creating", False) \
+            else "finished shards are kept"
+        print(f"\ninterrupted; {kept}. To finish the job run:\n  {finish}", file=sys.stderr)
         return 130
     except (ExtractorError, OSError) as err:
         # the runner marks what stopped a job whose store it holds: said with the command that finishes it
         if not getattr(err, "resumable", False) or isinstance(err, FencedError):
             raise  # before the store was touched, or the store's own word: one line from main()
         if isinstance(err, OSError) and not isinstance(err, ExtractorError):  # a full disk, a dead endpoint
-            print(f"error: the storage failed: {type(err).__name__}: {err}\nFinished shards are kept; once fixed, "
+            kept = "The store is half-created" if getattr(err, "creating", False) else "Finished shards are kept"
+            print(f"error: the storage failed: {type(err).__name__}: {err}\n{kept}; once fixed, "
                   f"finish the job with:\n  {finish}", file=sys.stderr)
         else:
             print(f"error: {err}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)

@@ -378,7 +378,7 @@ def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, c
     url = str(tmp_path / "s.zarr")
     run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
     assert open_store(url).stale is None  # complete
-    update_attrs(url, status="running")
+    update_attrs(zarr.open_group(url, mode="r+"), status="running")
     lease = zarr.open_group(url, mode="r+")["lease"]
     lease.attrs.update({"released": False, "heartbeat": time.time() - 5})
     assert open_store(url).stale is None  # a live job renews it every 15 s (timeout 60 s)

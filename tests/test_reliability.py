@@ -660,12 +660,12 @@ def test_a_second_ctrl_c_while_stopping_exits_130(tmp_path: Path):
 
 def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_path: Path):
     """issue 26, defect 11: a store a live job is creating was called "left half-created by a run that failed"."""
-    from extractor.store.format import Lease, _create_root, read_attrs
+    from extractor.store.format import ATTR, Lease, read_attrs
 
     url = str(tmp_path / "s.zarr")
-    _create_root(url, {"spec": {}}, None)
     lease = Lease(url, None, 60, {"pid": os.getpid(), "host": __import__("socket").gethostname()})
-    lease.acquire()
+    lease.acquire()  # as create_store does: the lease first, then the root
+    zarr.open_group(url, mode="a", attributes={ATTR: {"spec": {}, "status": "creating"}})
     try:
         with pytest.raises(StoreError, match=r"is being created by another extractor job now: pid \d+"):
             open_store(url)

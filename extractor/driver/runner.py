@@ -224,14 +224,14 @@ def _claim(spec: JobSpec, rows: Rows, decision: _Decision, attrs: dict[str, Any]
                          "finishes it)")
     if not decision.create:
         lease.acquire()  # a live lease refuses; a stale one is taken over
-        group = open_group(url, "r+", storage)
+        group = lease.open()  # every write from here on through the lease's fence
         reset_shards(group, [(s.index, s.start, s.stop) for s in decision.redo])  # before any new fingerprint
         if decision.fingerprints is not None:
             get_array(group, "fingerprint")[:] = decision.fingerprints
         if decision.places is not None:
             get_array(group, "byte_offset")[:], get_array(group, "byte_size")[:] = decision.places
-        update_attrs(url, storage, status="running", resumed=now(), **({"listing": attrs["listing"]} if "listing" in
-                                                                      attrs else {}))  # the tars as listed now
+        update_attrs(group, status="running", resumed=now(), **({"listing": attrs["listing"]} if "listing" in
+                                                                attrs else {}))  # the tars as listed now
         return group
     if decision.old is not None:
         Lease.check(url, storage, spec.output.lease_timeout_s)
@@ -382,21 +382,20 @@ def _mark_stopped(spec: JobSpec, group: Any, url: str, err: BaseException, total
     status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
     try:
         stats = merge_shards(group, totals)
-        update_attrs(url, spec.output.storage_options, status=status, error=f"{type(err).__name__}: {err}"[:1000],
-                     stats=stats)
+        update_attrs(group, status=status, error=f"{type(err).__name__}: {err}"[:1000], stats=stats)
     except Exception as mark:  # noqa: BLE001 - whatever the storage raises, its done shards are kept
         log.warning("could not mark %s %s (%s: %s); its done shards are kept", url, status, type(mark).__name__,
                     mark)
 
 
 def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Progress, on_event: Event,
-             lease: Lease) -> list[ShardSummary]:
+             lease: Lease, group: Any) -> list[ShardSummary]:
     """Run the shards ``todo`` on ``backend`` while this job holds the store's ``lease``."""
     url = absolute(spec.output.store)  # for workers in another directory
     summaries = backend.run(todo, url, on_progress, on_event, fence=lease.token) if todo else []
     lease.verify()  # a job paused past its lease marks nothing complete in another job's store
     # still under the lease, every writer of this job done: what runs killed mid-shard left goes
-    if drop_partials(open_group(spec.output.store, "r", spec.output.storage_options)):
+    if drop_partials(group):
         log.info("removed the unfinished shard files of an earlier run of %s", spec.output.store)
     return summaries
 
@@ -443,13 +442,14 @@ def run(
         done = done_shards(group)  # read again under the lease
         todo = [s for s in shards if not done[s.index]]
         t_compute = time.perf_counter()
-        summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), events, lease)
+        summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), events, lease, group)
         compute_s = time.perf_counter() - t_compute
     except BaseException as err:
-        if group is not None and lease is not None and not (isinstance(err, FencedError) or lease.lost):
-            _mark_stopped(spec, group, spec.output.store, err, events.totals)  # else: not a word more into
-            # another job's store
+        if lease is not None and lease.held and not (isinstance(err, FencedError) or lease.lost):
+            if group is not None:  # else: stopped while creating it (status "creating": --resume starts again)
+                _mark_stopped(spec, group, spec.output.store, err, events.totals)  # not a word into another's
             err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
+            err.creating = group is None  # type: ignore[attr-defined]  # and says what is left of the store
         raise
     finally:
         backend.close()
@@ -571,9 +571,8 @@ def _finish(
     if write:
         complete = bool(done_shards(group).all())
         stats = merge_shards(group, totals)
-        update_attrs(spec.output.store, spec.output.storage_options, status="complete" if complete else "incomplete",
-                     error=None, stats=stats)
-        consolidate(spec.output.store, spec.output.storage_options)
+        update_attrs(group, status="complete" if complete else "incomplete", error=None, stats=stats)
+        consolidate(group)
     else:
         stats = dict(group.attrs["extractor"].get("stats") or {})
     processed = sum(s.rows for s in summaries)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from ..store import (
     take_rows,
 )
 from ..store.sampling import projection_matrix
+from ..store.snapshot import snapshot_store
 
 __all__ = ["open_store", "ActivationStore"]
 
@@ -51,7 +53,11 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification"
-            group = zarr.open_group(url, **kwargs)  # consolidated metadata when present: one read opens it all
+            # consolidated metadata when present: one read opens it all; a local store's shards read from one version
+            # of their object each (store.snapshot)
+            local = url.removeprefix("file://") if "://" not in url.removeprefix("file://") else None
+            group = zarr.open_group(snapshot_store(local) if local is not None and os.path.isdir(local) else url,
+                                    **kwargs)
     except FileNotFoundError:
         raise StoreError(f"no store at {url}") from None
     except Exception as err:

@@ -46,6 +46,7 @@ __all__ = ["ChunkCodec", "ShardStream", "write_chunks", "write_at_once", "read_a
 EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
 PARTIAL = ".partial"  # the suffix of a shard's object being written on a local disk
 
+_STAMP = "extractor-write"  # user metadata on each object a fenced job writes (store.fence.STAMP)
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
 
@@ -220,6 +221,7 @@ class ShardStream:
         self.fd: int | None = None
         self.file: Any = None
         self.parts: list[bytes] | None = None
+        self.fence = getattr(self.store, "fence", None)  # a job's fenced store (store.fence.FencedStore): its fence
         root = getattr(self.store, "root", None)
         if root is not None:  # a local folder: a temporary file beside the shard's, renamed at close
             self.final = os.path.join(str(root), *self.key.split("/"))
@@ -229,8 +231,14 @@ class ShardStream:
         elif _object_store(self.store) and "://" in url:  # one upload, completed by commit() in close()
             import fsspec
 
-            fs, path = fsspec.core.url_to_fs(f"{url.rstrip('/')}/{self.key}", **dict(storage_options or {}))
-            self.file = fs.open(path, "wb", autocommit=False)
+            self.fs, self.object = fsspec.core.url_to_fs(f"{url.rstrip('/')}/{self.key}", **dict(storage_options or {}))
+            self.stamp = f"{getattr(self.fence, 'token', '')}.{tag}"
+            if self.fence is not None and url.startswith(("s3://", "s3a://")):  # fenced: created only where absent
+                # (If-None-Match on its completion), with this upload's stamp
+                self.file = self.fs.open(self.object, "xb", autocommit=False, Metadata={_STAMP: self.stamp})
+            else:
+                self.fence = None  # another object store: the lease checked before the shard's writes
+                self.file = self.fs.open(self.object, "wb", autocommit=False)
         else:  # a store whose files would show half written (file://, memory://): put whole at the end
             self.parts = []
 
@@ -268,11 +276,35 @@ class ShardStream:
                 os.close(self.fd)
                 self.fd = None
                 assert self.final is not None
-                os.replace(self.path, self.final)
+                with self.fence.held() if self.fence is not None else contextlib.nullcontext():
+                    os.replace(self.path, self.final)  # where readers see it: only while the job holds the store
             else:
                 self.file.write(tail)
                 self.file.close()
+                self._commit()
+
+    def _commit(self) -> None:
+        """Complete the upload: where it is fenced, only where no object is (a refusal is this upload's own
+        lost answer, another job's store: fenced, or an older object of this job's: removed, and again)."""
+        from .fence import refused
+
+        for _ in range(3):
+            try:
                 self.file.commit()
+                return
+            except Exception as err:  # noqa: BLE001 - told apart just below
+                if self.fence is None or not refused(err):
+                    raise
+                bucket, key, _ = self.fs.split_path(self.object)
+                try:
+                    head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
+                except FileNotFoundError:
+                    head = {}
+                if (head.get("Metadata") or {}).get(_STAMP) == self.stamp:  # this upload's, its answer lost
+                    return
+                self.fence.check()
+                self.fs.rm_file(self.object)
+        raise OSError(f"the storage refused {self.key} three times")
 
     def abort(self) -> None:
         """Give the shard's object up (the shard failed, or another job took the store)."""

@@ -26,25 +26,47 @@ the shard size), so no two shards ever write into the same storage object.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+import logging
 import os
+import shutil
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict, cast
 
 import numpy as np
 import zarr
+from zarr.buffer import default_buffer_prototype
 from zarr.buffer.cpu import NDBuffer
+from zarr.core.array_spec import ArrayConfigParams
+from zarr.core.sync import sync
 
 from ..data import Rows, is_url
 from ..data.rows import strings
 from ..errors import FencedError, StoreError
 from .chunks import ChunkCodec, ShardStream, read_at_once, remove_partials, write_at_once, write_chunks
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
+from .fence import (
+    Fence,
+    FencedStore,
+    LockFile,
+    conditional_writes,
+    fenced,
+    fenced_group,
+    fenced_store,
+    is_s3,
+    local_root,
+    read_record,
+    refused,
+    write_record,
+)
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -144,6 +166,8 @@ def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> di
         if not os.path.exists(os.path.join(path, "zarr.json")):
             if os.path.isdir(path) and not os.listdir(path):
                 return None
+            if read_record(path):  # a job holds it and is about to (re)create its root
+                return {"status": "creating"}
             what = "a folder" if os.path.isdir(path) else "a file"
             raise StoreError(
                 f"{url} exists and is {what}, not a Zarr store; choose another output.store "
@@ -152,7 +176,7 @@ def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> di
     try:
         group = open_group(url, "r", storage_options)
     except FileNotFoundError:
-        return None
+        return {"status": "creating"} if _LeaseObject(url, storage_options).read()[0] else None
     except Exception as err:
         raise StoreError(f"cannot open {url} as a Zarr group: {type(err).__name__}: {err}; check output.store and "
                          "output.storage_options (endpoint_url, credentials) and that the storage answers") from err
@@ -269,51 +293,94 @@ def fill_value(dtype: str) -> float:
 def create_store(url: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
                  storage_options: Mapping[str, Any] | None = None, lease: Lease | None = None,
                  fresh: bool = False) -> zarr.Group:
-    """Create the store's arrays (wiping what is at ``url``); the caller checked, just before, that this is
-    allowed. ``lease``: taken in the new root before anything else is written, so that another job
-    sees a store being created by a live job, and refuses. ``fresh``: nothing was at ``url`` (a local
-    folder is then made atomically: a job that made it first wins, the other refuses)."""
+    """Create the store's arrays under ``lease`` (replacing what is at ``url``); the caller checked, just before,
+    that this is allowed. The lease is taken before anything is changed: in the old store (a live job's lease
+    refuses), or in a ``fresh`` one (nothing was at ``url``: a local folder is made atomically, so of two jobs one
+    wins). What was there is then removed under the lease, its lease kept (:func:`wipe`), and every write goes
+    through the lease's fence (:class:`FencedStore`): a job that lost the store, paused anywhere in here, writes
+    nothing more into it. Without ``lease`` (tests) nothing is fenced."""
     comp = _compressors(arrays.compression, arrays.compression_level)  # before anything is wiped
-    group = _create_root(url, attrs, storage_options, fresh)
-    if lease is not None:
-        lease.acquire()
-
-    def fence() -> None:
-        """Still this job's store (a job paused mid-creation, past its lease, stops before the next array)."""
-        if lease is not None and lease_token(group) != lease.token:
-            lease.lost = True
-            raise StoreError(f"store {url} was replaced by another job while this one created it; this job stops "
-                             "and writes nothing more. Look at the store with `extractor inspect`")
-
+    if fresh:
+        _make_folder(url)
     try:
-        return _create_arrays(group, rows, arrays, attrs, comp, fence)
-    except StoreError:
+        if lease is not None:
+            lease.acquire()
+        store = fenced_store(url, storage_options, lease.fence if lease is not None else None)
+        wipe(store)
+        root = {"zarr_format": 3, "node_type": "group", "attributes": {ATTR: {**attrs, "status": "creating"}}}
+        sync(store.set("zarr.json", default_buffer_prototype().buffer.from_bytes(json.dumps(root).encode())))
+        group = zarr.open_group(store=store, mode="r+", use_consolidated=False)
+    except (StoreError, FencedError):
         raise
-    except Exception as err:  # an array another job made meanwhile (ContainsArrayError), a vanished folder...
-        if lease is not None and lease_token(open_group(url, "r", storage_options)) != lease.token:
-            lease.lost = True
-            raise StoreError(f"store {url} was replaced by another job while this one created it "
-                             f"({type(err).__name__}); this job stops and writes nothing more. Look at the store with "
-                             "`extractor inspect`") from None
-        raise
+    except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
+        raise StoreError(
+            f"cannot create the store at output.store {url}: {type(err).__name__}: {str(err).rstrip('.')}. Its parent "
+            "folder or bucket must exist and be writable (check output.store and output.storage_options)"
+        ) from err
+    try:
+        return _create_arrays(group, rows, arrays, attrs, comp)
+    except Exception as err:  # fenced; or an array another job made meanwhile (ContainsArrayError)...
+        if lease is None or not (isinstance(err, FencedError) or lease.fence.current() != lease.token):
+            raise
+        lease.lost = True
+        raise StoreError(f"store {url} was replaced by another job while this one created it; this job stops "
+                         "and writes nothing more. Look at the store with `extractor inspect`") from None
 
 
-def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any], comp: Any,
-                   fence: Callable[[], None]) -> zarr.Group:
-    """The arrays of a new store, then its attributes (status as the caller has it: no longer "creating"),
-    each after ``fence()``."""
+def _make_folder(url: str) -> None:
+    """A new local store's folder, made with one atomic mkdir: of two jobs that both found nothing, one wins."""
+    path = local_root(url)
+    if path is None:
+        return
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if os.listdir(path):  # another job made it since this one looked
+            raise StoreError(f"store {url} was created by another job after this one looked; run again with "
+                             "--resume to finish it, or wait for that job") from None
+    except OSError:
+        pass  # a missing parent and the like: said when the store is created
+
+
+def wipe(store: Any) -> None:
+    """Remove everything in ``store`` but its lease, in one step of the lease's fence (locally, no takeover can
+    come between the check and the last removal)."""
+    held = store.held() if isinstance(store, FencedStore) else contextlib.nullcontext()
+    with held:
+        root = getattr(store, "root", None)
+        if root is not None:  # a local folder: its entries removed straight away (zarr would remove them one by one)
+            for name in os.listdir(root) if os.path.isdir(root) else []:
+                if name != "lease":
+                    path = os.path.join(root, name)
+                    (shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.remove)(path)
+            return
+        inner = store._store if isinstance(store, FencedStore) else store
+
+        async def remove_all() -> None:
+            names = [n async for n in inner.list_dir("")]
+            for name in names:
+                if name == "zarr.json":
+                    await inner.delete(name)
+                elif name != "lease":
+                    await inner.delete_dir(name)
+
+        if isinstance(store, FencedStore):
+            store.fence.check()  # an object store: checked just before (the README says what that leaves)
+        sync(remove_all())
+
+
+def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
+                   comp: Any) -> zarr.Group:
+    """The arrays of a new store, then its attributes (status as the caller has it: no longer "creating")."""
     n = len(rows)
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
-    fence()
     _create_row_arrays(group, shard_rows, rows)
-    fence()
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
     if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
         group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
                            dimension_names=["row"])
     for key, extra in extras.items():  # per-row results of gradient jobs, chunked by shard
-        fence()
         group.create_array(
             key,
             shape=(n, *extra["shape"]),
@@ -325,7 +392,6 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     for key, record in captures.items():
         shape = tuple(record["shape"])
         meta = cast(dict[str, Any], record)  # as JSON: a TypedDict is a dict
-        fence()
         group.create_array(
             key,
             shape=(n, *shape),
@@ -337,34 +403,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
             dimension_names=["row", *meta["dims"]],
             attributes={"extractor": dict(meta), "coordinates": "ids labels"},
         )
-    fence()
     group.attrs.update({ATTR: dict(attrs)})
-    return group
-
-
-def _create_root(url: str, attrs: Mapping[str, Any], storage_options: Mapping[str, Any] | None,
-                 fresh: bool = False) -> zarr.Group:
-    """Wipe ``url`` and create the root group, marked at once as extractor's (status "creating"): a store
-    left half-made by a later failure is replaced by --overwrite, and refused by --resume. A ``fresh``
-    local store's folder is made with one atomic mkdir: of two jobs that both found nothing, one wins."""
-    if fresh and not is_url(url):
-        path = url.removeprefix("file://")
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            if os.listdir(path):  # another job made it since this one looked
-                raise StoreError(f"store {url} was created by another job after this one looked; run again with "
-                                 "--resume to finish it, or wait for that job") from None
-        except OSError:
-            pass  # a missing parent and the like: said below, as for any store
-    try:
-        group = open_group(url, "w", storage_options)
-        group.attrs.update({ATTR: {**attrs, "status": "creating"}})
-    except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
-        raise StoreError(
-            f"cannot create the store at output.store {url}: {type(err).__name__}: {str(err).rstrip('.')}. Its parent "
-            "folder or bucket must exist and be writable (check output.store and output.storage_options)"
-        ) from err
     return group
 
 
@@ -404,32 +443,34 @@ def _create_shard_arrays(group: zarr.Group, n_shards: int) -> None:
     )
 
 
-def update_attrs(url: str, storage_options: Mapping[str, Any] | None = None, **changes: Any) -> None:
-    """Update the root's extractor attributes (driver only)."""
-    group = open_group(url, "r+", storage_options)
+def update_attrs(group: zarr.Group, **changes: Any) -> None:
+    """Update the root's extractor attributes (driver only: through its fenced group), as the storage has them."""
+    group = zarr.open_group(store=group.store, mode="r+", use_consolidated=False)
     attrs = root_attrs(group)
     attrs.update(changes, updated=now())
     group.attrs.update({ATTR: attrs})
 
 
-def consolidate(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+def consolidate(group: zarr.Group) -> None:
     """Write consolidated metadata (one object to open the whole store: fast on object stores).
 
     Any later attribute update by a writer drops it again, and the next run's end rewrites it.
     """
     import warnings
 
-    group = open_group(url, "r+", storage_options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "not part of the Zarr v3 specification" (yet)
-        zarr.consolidate_metadata(group.store_path.store, path=group.store_path.path or None)
+        zarr.consolidate_metadata(group.store, path=None)
 
 
 def drop_partials(group: zarr.Group) -> int:
     """Temporary shard objects that no writer finished (a job killed mid-shard), removed from a local store;
     call only while none of the store's writers runs (its job's end). How many there were."""
     root = getattr(group.store, "root", None)
-    return remove_partials(str(root)) if root is not None else 0
+    if root is None:
+        return 0
+    with group.store.held() if isinstance(group.store, FencedStore) else contextlib.nullcontext():
+        return remove_partials(str(root))
 
 
 def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> None:
@@ -527,14 +568,6 @@ def lease_token(group: zarr.Group) -> str | None:
     return read_lease(group).get("token")
 
 
-def fenced(url: str, token: str | None) -> FencedError:
-    return FencedError(
-        f"this job no longer holds {url}: another job took it over (this one was paused or cut off for longer "
-        f"than output.lease_timeout_s{'' if token is None else ', or the store was replaced'}); it stops and "
-        "writes nothing more. Look at the store with `extractor inspect` before running anything on it"
-    )
-
-
 class ShardWriter:
     """Writes the rows of one shard; ``finish`` writes status, errors, then the done marker.
 
@@ -571,9 +604,10 @@ class ShardWriter:
                                              strict=True)], found
 
     def check_fence(self) -> None:
-        """Raise :class:`FencedError` when the job that writes is no longer the one holding the store."""
-        if self.fence is not None and lease_token(self.group) != self.fence:
-            raise fenced(self.url, lease_token(self.group))
+        """Raise :class:`FencedError` when the job that writes is no longer the one holding the store (early: every
+        write is fenced by the store itself, :class:`FencedStore`)."""
+        if self.opened.fence is not None:
+            self.opened.fence.check()
 
     def _open(self, key: str) -> tuple[zarr.Array, ChunkCodec | None]:
         """The capture array ``key`` and its chunk codec, opened once (callers hold ``_lock``)."""
@@ -648,10 +682,14 @@ class _Opened:
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None, fence: str | None) -> None:
         self.key = (url, fence)
-        self.group = open_group(url, "r+", storage_options)
+        self.fence = job_fence(url, storage_options, fence) if fence is not None else None
+        self.group = fenced_group(url, storage_options, self.fence)
         self.names = set(self.group.array_keys())
         self.arrays: dict[str, zarr.Array] = {}
         self.lock = threading.Lock()
+        # on an object store every chunk of a shard is written, also one of fill values only (zarr would skip or
+        # remove it): a stale writer's object at that key is then always met, and replaced
+        self.config: ArrayConfigParams | None = {"write_empty_chunks": True} if is_s3(url) and fence else None
 
     @classmethod
     def of(cls, url: str, storage_options: Mapping[str, Any] | None, fence: str | None) -> _Opened:
@@ -670,8 +708,15 @@ class _Opened:
     def array(self, name: str) -> zarr.Array:
         with self.lock:
             if name not in self.arrays:
-                self.arrays[name] = get_array(self.group, name)
+                array = get_array(self.group, name)
+                self.arrays[name] = array.with_config(self.config) if self.config else array
             return self.arrays[name]
+
+
+def job_fence(url: str, storage_options: Mapping[str, Any] | None, token: str) -> Fence:
+    """The fence of the job whose lease token is ``token`` on the store at ``url``."""
+    lease = _LeaseObject(url, storage_options)
+    return Fence(url, storage_options, token, lambda: lease.read()[0].get("token"))
 
 
 def lease_timeout(held: LeaseRecord, default: float) -> float:
@@ -710,16 +755,19 @@ class _Raced(Exception):
 class _LeaseObject:
     """Where a store's lease record lives (the ``lease`` group's ``zarr.json``) and how it is written.
 
-    On S3 (``s3://``) it is a compare-and-swap: created with ``If-None-Match: *``, replaced with
-    ``If-Match`` on the ETag it was read at (S3 conditional writes, since 2024-11), so that of two jobs
-    that write it at once exactly one wins and the other is told (:class:`_Raced`). Elsewhere (local
-    folders, other object stores) it is written as zarr writes attributes, after a read just before."""
+    Locally it is a file read and replaced whole, under the store's lock file (:class:`LockFile`: exclusive to
+    change its holder, shared to renew it). On S3 (``s3://``) it is a compare-and-swap: created with
+    ``If-None-Match: *``, replaced with ``If-Match`` on the ETag it was read at (S3 conditional writes, since
+    2024-11), so that of two jobs that write it at once exactly one wins and the other is told (:class:`_Raced`).
+    Elsewhere (``memory://``, other object stores) it is written as zarr writes attributes, after a read just
+    before."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
         self.url, self.storage_options = url, storage_options
+        self.root = local_root(url)
         self.fs: Any = None
         self.path = ""
-        if url.startswith(("s3://", "s3a://")):
+        if is_s3(url):
             import fsspec
 
             self.fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
@@ -733,8 +781,13 @@ class _LeaseObject:
         """The record (``{}`` when no job ever held the store) and the version it was read at (its ETag;
         None when absent, or where writes are not conditional). The version is read first: a record
         newer than it makes the write fail, never the other way round."""
+        if self.root is not None:
+            return cast(LeaseRecord, read_record(self.root)), None
         if self.fs is None:
-            return read_lease(open_group(self.url, "r", self.storage_options)), None
+            try:
+                return read_lease(open_group(self.url, "r", self.storage_options)), None
+            except FileNotFoundError:
+                return {}, None
         try:
             self.fs.invalidate_cache(self.path)
             version = str(self.fs.info(self.path)["ETag"])
@@ -746,8 +799,11 @@ class _LeaseObject:
     def write(self, record: LeaseRecord, version: str | None) -> str | None:
         """Write ``record``; where writes are conditional, only if the object is still at ``version``
         (absent when None), raising :class:`_Raced` otherwise. Returns the new version."""
+        if self.root is not None:
+            write_record(self.root, record)
+            return None
         if self.fs is None:
-            group = open_group(self.url, "r+", self.storage_options)
+            group = open_group(self.url, "a", self.storage_options)
             attrs = cast(dict[str, Any], record)  # a TypedDict is a dict of JSON values
             try:
                 group["lease"].attrs.put(attrs)
@@ -760,10 +816,8 @@ class _LeaseObject:
                 out = self.fs.pipe_file(self.path, data, mode="create")
             else:
                 out = self.fs.pipe_file(self.path, data, IfMatch=version)
-        except FileExistsError:
-            raise _Raced from None
-        except OSError as err:
-            if "PreconditionFailed" in str(err) or "pre-conditions" in str(err):
+        except Exception as err:  # noqa: BLE001 - a refused condition is told apart; the rest goes up
+            if refused(err):
                 raise _Raced from None
             raise
         self.fs.invalidate_cache(self.path)
@@ -776,28 +830,29 @@ class Lease:
 
     Kept in the attributes of the child group ``lease``. A second job refuses to run on a
     store whose lease is fresh; a lease whose heartbeat is older than its timeout is stale (its
-    job died) and can be taken over. A thread renews it every ``timeout_s / 4``. On S3 every
-    write of it is conditional on the version this job last saw (:class:`_LeaseObject`): a
-    takeover that loses a race fails, and a renewal after another job took over fails too.
+    job died) and can be taken over. A thread renews it every ``timeout_s / 4``. Every write of it
+    happens only while it is still this job's: locally under the store's lock file (a takeover holds it
+    exclusively), on S3 conditional on the version this job last saw (:class:`_LeaseObject`). Its
+    :attr:`fence` is what each of the job's writes goes through (:class:`FencedStore`).
     """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None, timeout_s: float, info: dict[str, Any]):
-        import uuid
-
         self.url, self.storage_options, self.timeout_s = url, storage_options, timeout_s
         self.token = uuid.uuid4().hex
         self.info = dict(info)
         self.object = _LeaseObject(url, storage_options)
+        self.fence = job_fence(url, storage_options, self.token)
         self.version: str | None = None  # of the lease object as this job last wrote it (conditional writes)
         self._stop: Any = None  # set while the heartbeat thread renews the lease
         self._beat: threading.Thread | None = None
         self.held = False  # written once: from then on it renews only while still its own
         self.lost = False  # another job took the store over
+        self.conditional: bool | None = None  # an object store honours create-only writes (None: not asked)
 
     @staticmethod
     def check(url: str, storage_options: Mapping[str, Any] | None, timeout_s: float, token: str = "") -> None:
         """Raise StoreError when another job holds a fresh lease on ``url``."""
-        _refuse_held(url, read_lease(open_group(url, "r", storage_options)), timeout_s, token)
+        _refuse_held(url, _LeaseObject(url, storage_options).read()[0], timeout_s, token)
 
     def _record(self, **extra: Any) -> LeaseRecord:
         import time
@@ -809,35 +864,32 @@ class Lease:
         """Renew (or release) the lease, unless another job holds it now: then this job is fenced
         off (``lost``) and writes nothing, not even its lease."""
         if self.object.conditional:
+            if self.conditional is False and self.fence.current() != self.token:  # a storage that would let the
+                self.lost = True  # write through: read first (the README says what is left)
+                raise fenced(self.url, self.fence.current())
             try:
                 self.version = self.object.write(self._record(**extra), self.version)
             except _Raced:
                 self.lost = True
-                raise fenced(self.url, lease_token(open_group(self.url, "r", self.storage_options))) from None
+                raise fenced(self.url, self.fence.current()) from None
             return
-        group = open_group(self.url, "r+", self.storage_options)
-        if self.held and lease_token(group) != self.token:
+        try:
+            with self.fence.held():  # locally: under the lock, so no takeover comes between check and write
+                self.object.write(self._record(**extra), None)
+        except FencedError:
             self.lost = True
-            raise fenced(self.url, lease_token(group))
-        self.object.write(self._record(**extra), None)
+            raise
 
     def acquire(self) -> None:
         """Take the store (a new one, or one whose lease is released or stale), or raise StoreError naming the job
         that holds it; then renew it in the background."""
-        import time
-
-        held, version = self.object.read()
-        _refuse_held(self.url, held, self.timeout_s, self.token)
-        try:
-            self.version = self.object.write(self._record(), version)
-        except _Raced:  # another job wrote the lease between this job's read and its write: it won
-            _refuse_held(self.url, self.object.read()[0], self.timeout_s, self.token)
-            raise StoreError(f"store {self.url} was taken by another extractor job at the same moment; run again "
-                             "once it is done") from None
+        if self.object.root is not None:
+            with LockFile.of(self.object.root).exclusive(max(self.timeout_s, 1.0), self._busy):
+                _refuse_held(self.url, self.object.read()[0], self.timeout_s, self.token)
+                self.object.write(self._record(), None)
+        else:
+            self._acquire_remote()
         self.held = True
-        if not self.object.conditional:  # a race not excluded by the write: seen by reading again
-            time.sleep(0.05)
-            self.check(self.url, self.storage_options, self.timeout_s, self.token)
         stop = self._stop = threading.Event()
 
         def beat() -> None:  # its own reference to the event: release() lets go of it
@@ -852,11 +904,46 @@ class Lease:
         self._beat = threading.Thread(target=beat, name="extractor-lease", daemon=True)
         self._beat.start()
 
+    def _acquire_remote(self) -> None:
+        """:meth:`acquire` on an object store: a conditional write of the lease where the storage has them."""
+        import time
+
+        if self.object.conditional and self.conditional is None:
+            self.conditional = conditional_writes(self.object.fs, self.object.path.removesuffix("/lease/zarr.json"))
+            if not self.conditional:
+                log.warning("the storage of %s does not honour conditional writes (a create-only write replaced the "
+                            "object it should have refused): a job paused past its lease could still write into it "
+                            "after another job took it over; run one job at a time on this store", self.url)
+        held, version = self.object.read()
+        _refuse_held(self.url, held, self.timeout_s, self.token)
+        try:
+            self.version = self.object.write(self._record(), version)
+        except _Raced:  # another job wrote the lease between this job's read and its write: it won
+            _refuse_held(self.url, self.object.read()[0], self.timeout_s, self.token)
+            raise StoreError(f"store {self.url} was taken by another extractor job at the same moment; run again "
+                             "once it is done") from None
+        if not self.conditional:  # a race not excluded by the write: seen by reading again
+            time.sleep(0.05)
+            self.check(self.url, self.storage_options, self.timeout_s, self.token)
+
+    def _busy(self) -> str:
+        """What to say when the store's lock stays held by a writer of the job whose lease is stale."""
+        held = self.object.read()[0]
+        return (f"store {self.url} is locked by a writer that stopped mid-write: the job that held it (pid "
+                f"{held.get('pid')} on {held.get('host')}, user {held.get('user')}) is paused or stuck; resume it "
+                f"(kill -CONT {held.get('pid')}) or end it, then run again")
+
+    def open(self) -> zarr.Group:
+        """The store's root group for this job's writes: each of them through the lease's fence."""
+        return fenced_group(self.url, self.storage_options, self.fence)
+
     def verify(self) -> None:
         """Raise :class:`FencedError` when another job holds the store now."""
-        if lease_token(open_group(self.url, "r", self.storage_options)) != self.token:
+        try:
+            self.fence.check()
+        except FencedError:
             self.lost = True
-            raise fenced(self.url, "")
+            raise
 
     def release(self) -> None:
         """Stop renewing and mark the lease released, after a renewal in flight (a slow storage) has
