@@ -169,8 +169,9 @@ def content_digest(data: bytes) -> int:
 
 
 def fingerprint(*facts: object) -> int:
-    """A cheap fingerprint of where an image's bytes come from (its size and modification time or ETag;
-    a tar member's tar and place in it): when it is unchanged, the bytes are taken to be. Never 0 (unknown)."""
+    """A cheap fingerprint of where an image's bytes come from (a file's size, mtime, ctime and inode; an
+    object's size and ETag; a tar member's tar and place in it): when it is unchanged, the bytes are taken to be.
+    Never 0 (unknown)."""
     import xxhash
 
     return xxhash.xxh3_64_intdigest("|".join(map(str, facts)).encode("utf-8", "surrogateescape")) or 1
@@ -185,12 +186,20 @@ def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[
 
 
 def local_fingerprint(path: str) -> int:
-    """The fingerprint of a local file (size, mtime in ns), or 0 when it cannot be seen (its row fails on read)."""
+    """The fingerprint of a local file, or 0 when it cannot be seen (its row fails on read).
+
+    Its size and mtime, and its ctime and inode: ``touch -r`` (``os.utime``) puts an mtime back, never a
+    ctime, and a file replaced by another has another inode. Stores made before ctime and inode were part of
+    it recorded ``fingerprint(size, mtime)``: every row of theirs differs now, so a resume reads their bytes
+    once and compares content digests (the ground truth), then records the new fingerprints. A ctime moves
+    also on chmod or a new hard link, and an inode on a copy: such rows cost a digest read, never a wrong
+    answer.
+    """
     try:
         st = os.stat(local_path(path))
     except OSError:
         return 0
-    return fingerprint(st.st_size, st.st_mtime_ns)
+    return fingerprint(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def remote_fingerprint(info: dict[str, Any]) -> int:
