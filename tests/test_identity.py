@@ -127,3 +127,62 @@ def test_a_store_with_fingerprints_of_the_old_form_resumes_after_a_digest_pass(i
     assert 1 in {p.shard for p in summary.per_shard} and 0 not in {p.shard for p in summary.per_shard}
     now_ = np.asarray(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["fingerprint"][:])
     assert now_.tolist() == [local_fingerprint(str(f)) for f in files]
+
+
+SMALL = {"model": {"name": None, "factory": "toy_models:small_cnn", "weights": None, "device": "cpu"},
+         "capture": [{"layer": "layer1", "reduce": "mean"}, {"layer": "fc"}]}
+
+
+def test_a_model_with_the_same_class_and_weights_but_another_forward_is_refused_for_reuse(image_dir: Path,
+                                                                                           tmp_path: Path):
+    """issue 37, case 6 (reuse): a factory that swaps ReLU for GELU keeps the class and the state dict; its rows
+    were copied. The forward's summary on the probe's fixed input tells the two apart."""
+    run(parse_spec(job(image_dir, tmp_path / "relu.zarr", **SMALL)))
+    gelu = {**SMALL, "model": {**SMALL["model"], "factory": "toy_models:small_cnn_gelu"}}
+    raw = job(image_dir, tmp_path / "s.zarr", **gelu, output={"reuse": [str(tmp_path / "relu.zarr")]})
+    with pytest.raises(StoreError, match=r"relu.zarr are not what this job computes: it differs in the model's "
+                                         r"forward \(other values of fc, layer1 on the probe's fixed input\)"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
+    raw = job(image_dir, tmp_path / "r.zarr", **SMALL, output={"reuse": [str(tmp_path / "relu.zarr")]})
+    assert run(parse_spec(raw)).reused == 12  # the same forward: taken
+
+
+def test_a_python_model_with_another_forward_cannot_resume_and_an_older_store_still_resumes(image_dir: Path,
+                                                                                             tmp_path: Path):
+    """issue 37, case 6 (``model=`` from Python): the same class and state dict, GELU for ReLU: the resume is
+    refused naming the forward. A store made before the forward's summary (no such field) resumes as before."""
+    from toy_models import small_cnn, small_cnn_gelu
+
+    import extractor
+
+    raw = job(image_dir, tmp_path / "s.zarr", **SMALL)
+    raw["model"] = {"device": "cpu"}  # the module given
+    relu, gelu = small_cnn(), small_cnn_gelu()
+    gelu.load_state_dict(relu.state_dict())
+    extractor.run(raw, model=relu, progress=False)
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=r"the model's forward differs \(same weights, other values of fc, layer1"):
+        extractor.run(raw, model=gelu, progress=False)
+    assert extractor.run(raw, model=relu, progress=False).last_run.shards_run == 0
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    attrs = dict(group.attrs["extractor"])
+    assert set(attrs["model"]["forward_summary"]) == {"layer1", "fc"}
+    attrs["model"] = {k: v for k, v in attrs["model"].items() if k != "forward_summary"}
+    group.attrs["extractor"] = attrs  # as a store made before it
+    assert extractor.run(raw, model=relu, progress=False).last_run.shards_run == 0
+
+
+def test_the_forward_summary_holds_across_float_rounding_and_not_across_another_forward():
+    from extractor.store.forward import forward_differences, forward_summary
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 7, 7)).astype(np.float32)
+    noisy = x * (1 + rng.uniform(-1e-3, 1e-3, x.shape)).astype(np.float32)  # half-precision-like rounding
+    relu, gelu = np.maximum(x, 0), x * 0.5 * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
+    def model(values: np.ndarray) -> dict:
+        return {"forward_summary": forward_summary({"k": values})}
+
+    assert forward_differences(model(x), model(noisy)) == []
+    assert forward_differences(model(relu), model(gelu)) == ["k"]
+    assert forward_differences({}, model(x)) == []  # a store made before it: not compared

@@ -2,9 +2,9 @@
 another store computed with the same model, preprocessing and captures is copied from there, not computed.
 
 :func:`check_sources` decides, on the driver and before the store is touched, that each store listed can
-give rows: every input of the values is compared (weights hash, preprocessing, the spec's settings that
-change values, each capture's record), so a stale reuse cannot happen; library versions that differ are
-warned of, as on resume. :class:`ReuseIndex` is each worker's lookup, digest -> (store, row), and the
+give rows: every input of the values is compared (weights hash, the forward's summary, preprocessing, the
+spec's settings that change values, each capture's record), so a stale reuse cannot happen; library versions
+that differ are warned of, as on resume. :class:`ReuseIndex` is each worker's lookup, digest -> (store, row), and the
 rows' values, read a chunk at a time. Needs only numpy and zarr.
 """
 
@@ -23,6 +23,7 @@ import zarr
 from ..data import Reused
 from ..errors import StoreError
 from .format import OK, PREPROCESS_FIELDS, get_array, open_group, root_attrs
+from .forward import forward_differences
 
 __all__ = ["ReuseIndex", "check_sources"]
 
@@ -105,6 +106,8 @@ def check_sources(urls: Sequence[str], attrs: Mapping[str, Any], store: str,
             raise StoreError(f"output.reuse lists the job's own store {url}; --resume finishes it instead")
         _, other = _open_source(url, storage_options)
         diffs = _mismatches(want, _value_inputs(other))
+        if moved := forward_differences(other.get("model") or {}, attrs.get("model") or {}):
+            diffs.append(f"the model's forward (other values of {', '.join(moved)} on the probe's fixed input)")
         if diffs:
             raise StoreError(f"output.reuse: the rows of {url} are not what this job computes: it differs in "
                              f"{'; '.join(diffs)}. Remove it from output.reuse")
