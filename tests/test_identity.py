@@ -186,3 +186,66 @@ def test_the_forward_summary_holds_across_float_rounding_and_not_across_another_
     assert forward_differences(model(x), model(noisy)) == []
     assert forward_differences(model(relu), model(gelu)) == ["k"]
     assert forward_differences({}, model(x)) == []  # a store made before it: not compared
+
+
+def _replace(store: Path, by: Path) -> None:
+    """``store`` overwritten by another job's store (another preprocessing: other values for the same images)."""
+    shutil.rmtree(store)
+    shutil.copytree(by, store)
+
+
+def _reuse_job(image_dir: Path, store: Path, source: Path) -> dict:
+    return job(image_dir, store, **SMALL, output={"store": str(store), "reuse": [str(source)]})
+
+
+@pytest.mark.parametrize("when", ["after the index was built", "before the index was built"])
+def test_a_source_overwritten_while_the_reusing_job_runs_gives_no_row(image_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch, when: str):
+    """issue 37, case 5: the source of output.reuse overwritten by another job (another preprocessing) while the
+    reusing job runs: after the driver checked it and before the worker indexed it, or after the index was built
+    and before any value was copied. Rows were copied from the new store (another preprocessing's values; NaN
+    where it had not written yet). Now its identity and rows are checked after their values are read (and its
+    inputs when the index is built): every row is computed, and the store equals a clean run."""
+    from extractor.store.reuse import ReuseIndex
+
+    run(parse_spec(job(image_dir, tmp_path / "src.zarr", **SMALL)))
+    run(parse_spec(job(image_dir, tmp_path / "other.zarr", **SMALL, data={"resize": 80})))
+    built = ReuseIndex.__init__
+
+    def replaced_at_that_moment(self, *args, **kwargs):
+        if when.startswith("before"):
+            _replace(tmp_path / "src.zarr", tmp_path / "other.zarr")
+        built(self, *args, **kwargs)
+        if when.startswith("after"):
+            assert len(self) == 12  # every row indexed, from the store as it was
+            _replace(tmp_path / "src.zarr", tmp_path / "other.zarr")
+
+    monkeypatch.setattr(ReuseIndex, "__init__", replaced_at_that_moment)
+    summary = run(parse_spec(_reuse_job(image_dir, tmp_path / "s.zarr", tmp_path / "src.zarr")))
+    assert summary.ok == 12 and summary.reused == 0
+    monkeypatch.undo()
+    run(parse_spec(job(image_dir, tmp_path / "clean.zarr", **SMALL)))
+    s, c = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "clean.zarr"))
+    for key in ("layer1", "fc"):
+        np.testing.assert_allclose(s.numpy(key), c.numpy(key), rtol=1e-5, atol=1e-6)
+
+
+def test_rows_of_a_source_no_longer_ok_after_their_values_were_read_are_withdrawn(image_dir: Path, tmp_path: Path):
+    """The rows' status and digests are read again after their values: rows made pending (a redo) or holding
+    another image since the index was built are computed, the others taken."""
+    from extractor.store.reuse import ReuseIndex
+
+    run(parse_spec(job(image_dir, tmp_path / "src.zarr", **SMALL, output={"store": str(tmp_path / "src.zarr"),
+                                                                         "chunk_rows": 4})))
+    digests = open_store(str(tmp_path / "src.zarr")).digests
+    index = ReuseIndex([str(tmp_path / "src.zarr")], None, ["layer1", "fc"])
+    group = zarr.open_group(str(tmp_path / "src.zarr"), mode="r+")
+    status, digest = group["status"][:], group["digest"][:]
+    status[1], digest[2] = 0, 12345  # row 1 pending again, row 2 another image's
+    group["status"][:], group["digest"][:] = status, digest
+    assert index.lookup(int(digests[0])) is not None  # its chunk read: rows 0-3 checked after it
+    assert index.lookup(int(digests[1])) is None and index.lookup(int(digests[2])) is None
+    assert index.lookup(int(digests[3])) is not None
+    group.attrs["extractor"] = {**group.attrs["extractor"], "created": "2000-01-01T00:00:00+00:00"}  # replaced
+    assert index.lookup(int(digests[4])) is None  # the next chunk read finds another store: nothing more taken
+    assert index.lookup(int(digests[0])) is None

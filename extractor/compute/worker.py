@@ -11,6 +11,7 @@ layouts, the hooked forward); :mod:`extractor.pipeline` runs the shards through 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections import deque
@@ -40,7 +41,7 @@ from ..model import (
     settle_layouts,
 )
 from ..spec import JobSpec
-from ..store import BFLOAT16, CaptureRecord, ExtraRecord, Probe, ReuseIndex, forward_summary
+from ..store import BFLOAT16, FORMAT_VERSION, CaptureRecord, ExtraRecord, Probe, ReuseIndex, forward_summary
 from ..store.sampling import BY_DIGEST
 from .pipeline import Pipeline, ShardQueue
 from .shard import Forwarded, ShardSummary
@@ -532,7 +533,10 @@ class Worker:
         """The rows of the stores of ``output.reuse`` by content digest (read once, at the first shard)."""
         if self._reuse is None:
             keys = [*(self.captures or {}), *self.extras]
-            self._reuse = ReuseIndex(self.spec.output.reuse, self.spec.output.storage_options, keys)
+            # what the driver's check_sources compared, as a store records it: a source replaced since is left out
+            want = json.loads(json.dumps({"format_version": FORMAT_VERSION, "spec": self.spec.public_dict(),
+                                          **self.probe().to_dict()}))
+            self._reuse = ReuseIndex(self.spec.output.reuse, self.spec.output.storage_options, keys, want=want)
             log.info("output.reuse: %d rows of %d stores to take by content", len(self._reuse),
                      len(self.spec.output.reuse))
         return self._reuse
