@@ -136,7 +136,8 @@ def test_datasets_library_parquet_and_column_mapping(image_dir: Path, tmp_path: 
     assert rows.ids.tolist() == [p.stem for p in images] and rows.classes == CLASSES
     assert rows.labels.tolist() == [CLASSES.index(p.parent.name) for p in images]
     raw = parquet_job(image_dir, tmp_path / "s.zarr", str(tmp_path / "hf.parquet"),
-                      columns={"image": "img", "label": "category", "id": "key"})
+                      columns={"image": "img", "label": "category", "id": "key"},
+                      outside_root=True)  # to_parquet keeps files' absolute paths (no bytes): elsewhere by design
     run(parse_spec(raw))
     run(parse_spec(job(image_dir, tmp_path / "f.zarr")))
     a, b = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "f.zarr"))
@@ -291,3 +292,28 @@ def test_a_hub_data_set_by_name_from_the_local_cache(image_dir: Path, tmp_path: 
     reused = run(parse_spec(job(image_dir, tmp_path / "r.zarr", output={"store": str(tmp_path / "r.zarr"),
                                                                         "reuse": [str(tmp_path / "s.zarr")]})))
     assert reused.reused == 12
+
+
+def test_image_paths_that_leave_the_files_folder_follow_the_manifests_rule(image_dir: Path, tmp_path: Path):
+    """issue 37, case 10: a Parquet row whose image is a path was opened wherever it led (an absolute path to a
+    system file, ``../../..``), while a manifest refuses the same. One rule (data.outside_root): such a row fails
+    without its file being opened, naming the rule; with data.outside_root: true it is read."""
+    images = images_of(image_dir)
+    folder = tmp_path / "deep" / "data"
+    folder.mkdir(parents=True)
+    (folder / "beside.jpg").write_bytes(images[0].read_bytes())
+    climbing = "../../../" + images[2].relative_to(tmp_path.parent).as_posix()
+    paths = ["beside.jpg", str(images[2]), climbing, "./beside.jpg"]
+    assert (folder / climbing).resolve() == images[2].resolve()
+    pq.write_table(pa.table({"image": [{"bytes": None, "path": p} for p in paths], "label": [0, 0, 0, 0]}),
+                   folder / "rows.parquet")
+    raw = parquet_job(image_dir, tmp_path / "s.zarr", str(folder / "rows.parquet"))
+    summary = run(parse_spec(raw))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.status.tolist() == [1, 2, 2, 1] and summary.failed == 2
+    for row in (1, 2):
+        assert str(s.errors[row]) == ("DataError: image path leaves the Parquet file's folder (refused, as a "
+                                      f"manifest's; data.outside_root: true allows it): {paths[row]!r}")
+    raw["data"]["outside_root"] = True
+    raw["output"]["store"] = str(tmp_path / "t.zarr")
+    assert run(parse_spec(raw)).ok == 4

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import DataError
 
-__all__ = ["Locator", "is_url", "is_relative", "absolute", "storable_path", "display_name", "read_bytes",
+__all__ = ["Locator", "is_url", "is_relative", "leaves_root", "absolute", "storable_path", "display_name", "read_bytes",
            "forget_reads", "tar_url_of", "remote_error", "content_digest", "fingerprint", "local_fingerprint",
            "remote_fingerprint"]
 
@@ -26,6 +26,20 @@ def is_url(path: str) -> bool:
 def is_relative(path: str) -> bool:
     """A local path relative to the current directory (not a URL, not ``file://``, not absolute)."""
     return "://" not in path and not os.path.isabs(path)
+
+
+def leaves_root(path: str) -> bool:
+    """A path, named by a manifest's row or a Parquet row, that leaves the folder it is relative to: absolute,
+    a URL, or climbing out with ``..``. The one rule for every source: such a path is refused unless
+    ``data.outside_root: true`` says the source's paths lead elsewhere by design."""
+    if not is_relative(path):
+        return True
+    depth = 0
+    for part in path.replace("\\", "/").split("/"):
+        depth += -1 if part == ".." else 0 if part in ("", ".") else 1
+        if depth < 0:
+            return True
+    return False
 
 
 def absolute(path: str) -> str:
@@ -85,14 +99,15 @@ def forget_reads() -> None:
         parquet.row_groups.clear()
 
 
-def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:
+def read_bytes(item: Locator, storage_options: dict | None = None, outside_root: bool = True) -> bytes:
     """The bytes of one image: a file, a URL, a member's byte range inside a tar, or a Parquet file's row
-    (``FILE.parquet#COLUMN/ROW``)."""
+    (``FILE.parquet#COLUMN/ROW``). ``outside_root``: false, a Parquet row's path that leaves its file's folder
+    (:func:`leaves_root`) is refused, not opened (the job's decoders pass ``data.outside_root``)."""
     if isinstance(item, str) and "#" in item:
         from .parquet import is_parquet_row, parquet_bytes
 
         if is_parquet_row(item):
-            return parquet_bytes(item, storage_options)
+            return parquet_bytes(item, storage_options, outside_root)
     if isinstance(item, tuple):
         path, offset, size = item
         url = tar_url_of(path, storage_options or {})

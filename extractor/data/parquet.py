@@ -351,10 +351,11 @@ class RowGroups:
 row_groups = RowGroups()  # one per process: a worker's decode threads share it
 
 
-def parquet_bytes(item: str, storage: dict[str, Any] | None = None) -> bytes:
+def parquet_bytes(item: str, storage: dict[str, Any] | None = None, outside_root: bool = True) -> bytes:
     """The encoded image of a stored Parquet row ``FILE#COLUMN/ROW``: its bytes, or the file its path names
-    (a relative path: in the Parquet file's folder)."""
-    from .files import read_bytes
+    (a relative path: in the Parquet file's folder). ``outside_root`` false: a path that leaves that folder is
+    refused, as a manifest's row is (:func:`~extractor.data.files.leaves_root`)."""
+    from .files import leaves_root, read_bytes
 
     m = ROW.match(item)
     assert m is not None
@@ -369,6 +370,9 @@ def parquet_bytes(item: str, storage: dict[str, Any] | None = None) -> bytes:
     if not path:
         raise ValueError(f"row {row} of {url} holds no image in column {column!r} (no bytes and no path)")
     base = url.rsplit("/", 1)[0]
+    if not outside_root and leaves_root(path):
+        raise DataError(f"image path leaves the Parquet file's folder (refused, as a manifest's; data.outside_root: "
+                        f"true allows it): {path!r}")
     return read_bytes(path if not _relative(path) else f"{base.rstrip('/')}/{path}", storage)
 
 

@@ -221,9 +221,10 @@ class DataSpec(_Section):
     manifest: str | None = None
     """CSV or JSONL file (path or URL) with a ``path`` column and optional ``id`` and ``label``."""
     outside_root: bool = False
-    """Let a manifest's rows name images outside ``data.root`` (or the manifest's folder): absolute
-    paths, URLs, ``..``. Off: such a row is refused before any work, so a manifest cannot point the
-    job at any file the machine can read."""
+    """Let a manifest's rows name images outside ``data.root`` (or the manifest's folder), and a Parquet row
+    whose image is a path name a file outside its Parquet file's folder: absolute paths, URLs, ``..``. Off: such
+    a manifest row is refused before any work, such a Parquet row fails without its file being opened, so
+    neither can point the job at any file the machine can read."""
     tars: str | tuple[str, ...] | None = None
     """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``)."""
     parquet: str | tuple[str, ...] | None = None
