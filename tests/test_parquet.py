@@ -317,3 +317,16 @@ def test_image_paths_that_leave_the_files_folder_follow_the_manifests_rule(image
     raw["data"]["outside_root"] = True
     raw["output"]["store"] = str(tmp_path / "t.zarr")
     assert run(parse_spec(raw)).ok == 4
+
+
+def test_an_image_column_of_another_type_is_refused_at_planning(image_dir: Path, tmp_path: Path):
+    """issue 37, case 11: data.columns: {image: label} (an integer column) ran the whole job, then failed every
+    row. Its type is refused at planning, in one line."""
+    [good] = write_hub_parquet(images_of(image_dir), tmp_path / "data", per_file=12, row_group=6)
+    with pytest.raises(DataError, match=r"^[^\n]*train-00000-of-00001.parquet: image column 'label' holds int64, not "
+                                        r"images \(bytes, a path, or a struct of bytes and path\); name the image "
+                                        r"column with data.columns: \{image: COLUMN\}$"):
+        list_rows(DataSpec(source="parquet", parquet=str(good), columns={"image": "label"}))
+    paths = tmp_path / "paths.parquet"  # a column of paths is an image column
+    pq.write_table(pa.table({"file": [str(p) for p in images_of(image_dir)]}), paths)
+    assert len(list_rows(DataSpec(source="parquet", parquet=str(paths), columns={"image": "file"}))) == 12
