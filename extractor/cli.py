@@ -530,14 +530,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     from .driver import client, follow_logs
     from .driver.submit import submit
-    from .spec import load_spec
+    from .spec import load_spec, looks_secret
 
     spec = load_spec(args.job, list(args.set or []))
     address = _address(args)
     print("job spec (secrets redacted):", file=sys.stderr)
     print(yaml.safe_dump(spec.public_dict(), sort_keys=False), file=sys.stderr)
-    if spec.submit.env_vars:
-        print(f"warning: submit.env_vars ({', '.join(spec.submit.env_vars)}) travel in Ray's runtime environment, "
+    secrets = [name for name, value in spec.submit.env_vars.items() if looks_secret(name, value)]
+    if secrets:
+        print(f"warning: submit.env_vars ({', '.join(secrets)}) travel in Ray's runtime environment, "
               "which Ray writes in plain text to its logs on the cluster (runtime_env_agent.log): give credentials "
               "through the cluster itself instead (instance roles, a credentials file or variables set on its "
               "nodes)", file=sys.stderr)

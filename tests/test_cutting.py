@@ -196,3 +196,18 @@ def test_a_bfloat16_capture_holds_the_full_capture_rounded_and_reads_back_as_bfl
         assert out.returncode == 1
         assert out.stderr.strip().splitlines()[-1].endswith("a bfloat16 capture needs ml_dtypes, through which numpy "
                                                               "holds bfloat16: pip install ml_dtypes")
+
+
+def test_a_projection_wider_than_its_capture_is_refused_in_one_line(image_dir: Path, tmp_path: Path):
+    """issue 37, case 12: project: 1000000000 failed as "the model failed on a blank image ... set data.crop"
+    around a 1.40 TiB matrix. The capture's width bounds it, before any matrix is made."""
+    small = {"name": None, "factory": "toy_models:small_cnn", "weights": None, "device": "cpu"}
+    raw = job(image_dir, tmp_path / "s.zarr", model=small, data=DATA,
+              capture=[{"layer": "layer1", "reduce": "mean", "project": 1_000_000_000}])
+    with pytest.raises(LayerError, match=r"^capture\[0\] layer 'layer1' output: project: 1000000000 is more than "
+                                         r"its 16 features; a random projection keeps fewer: set project to at most "
+                                         r"16, or leave it out to store them all$"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
+    raw["capture"][0]["project"] = 16
+    assert run(parse_spec(raw)).ok == 12

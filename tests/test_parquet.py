@@ -136,7 +136,8 @@ def test_datasets_library_parquet_and_column_mapping(image_dir: Path, tmp_path: 
     assert rows.ids.tolist() == [p.stem for p in images] and rows.classes == CLASSES
     assert rows.labels.tolist() == [CLASSES.index(p.parent.name) for p in images]
     raw = parquet_job(image_dir, tmp_path / "s.zarr", str(tmp_path / "hf.parquet"),
-                      columns={"image": "img", "label": "category", "id": "key"})
+                      columns={"image": "img", "label": "category", "id": "key"},
+                      outside_root=True)  # to_parquet keeps files' absolute paths (no bytes): elsewhere by design
     run(parse_spec(raw))
     run(parse_spec(job(image_dir, tmp_path / "f.zarr")))
     a, b = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "f.zarr"))
@@ -291,3 +292,41 @@ def test_a_hub_data_set_by_name_from_the_local_cache(image_dir: Path, tmp_path: 
     reused = run(parse_spec(job(image_dir, tmp_path / "r.zarr", output={"store": str(tmp_path / "r.zarr"),
                                                                         "reuse": [str(tmp_path / "s.zarr")]})))
     assert reused.reused == 12
+
+
+def test_image_paths_that_leave_the_files_folder_follow_the_manifests_rule(image_dir: Path, tmp_path: Path):
+    """issue 37, case 10: a Parquet row whose image is a path was opened wherever it led (an absolute path to a
+    system file, ``../../..``), while a manifest refuses the same. One rule (data.outside_root): such a row fails
+    without its file being opened, naming the rule; with data.outside_root: true it is read."""
+    images = images_of(image_dir)
+    folder = tmp_path / "deep" / "data"
+    folder.mkdir(parents=True)
+    (folder / "beside.jpg").write_bytes(images[0].read_bytes())
+    climbing = "../../../" + images[2].relative_to(tmp_path.parent).as_posix()
+    paths = ["beside.jpg", str(images[2]), climbing, "./beside.jpg"]
+    assert (folder / climbing).resolve() == images[2].resolve()
+    pq.write_table(pa.table({"image": [{"bytes": None, "path": p} for p in paths], "label": [0, 0, 0, 0]}),
+                   folder / "rows.parquet")
+    raw = parquet_job(image_dir, tmp_path / "s.zarr", str(folder / "rows.parquet"))
+    summary = run(parse_spec(raw))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.status.tolist() == [1, 2, 2, 1] and summary.failed == 2
+    for row in (1, 2):
+        assert str(s.errors[row]) == ("DataError: image path leaves the Parquet file's folder (refused, as a "
+                                      f"manifest's; data.outside_root: true allows it): {paths[row]!r}")
+    raw["data"]["outside_root"] = True
+    raw["output"]["store"] = str(tmp_path / "t.zarr")
+    assert run(parse_spec(raw)).ok == 4
+
+
+def test_an_image_column_of_another_type_is_refused_at_planning(image_dir: Path, tmp_path: Path):
+    """issue 37, case 11: data.columns: {image: label} (an integer column) ran the whole job, then failed every
+    row. Its type is refused at planning, in one line."""
+    [good] = write_hub_parquet(images_of(image_dir), tmp_path / "data", per_file=12, row_group=6)
+    with pytest.raises(DataError, match=r"^[^\n]*train-00000-of-00001.parquet: image column 'label' holds int64, not "
+                                        r"images \(bytes, a path, or a struct of bytes and path\); name the image "
+                                        r"column with data.columns: \{image: COLUMN\}$"):
+        list_rows(DataSpec(source="parquet", parquet=str(good), columns={"image": "label"}))
+    paths = tmp_path / "paths.parquet"  # a column of paths is an image column
+    pq.write_table(pa.table({"file": [str(p) for p in images_of(image_dir)]}), paths)
+    assert len(list_rows(DataSpec(source="parquet", parquet=str(paths), columns={"image": "file"}))) == 12

@@ -240,16 +240,40 @@ def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
     assert public["data"]["storage_options"].pop("client_kwargs") == {"region_name": "eu",
                                                                     "aws_secret_access_key": REDACTED}
     assert public["data"]["storage_options"] == {"secret": REDACTED, "endpoint_url": "http://e"}
-    assert public["submit"]["env_vars"] == {"AWS_SECRET_ACCESS_KEY": REDACTED, "OMP_NUM_THREADS": REDACTED}
+    assert public["submit"]["env_vars"] == {"AWS_SECRET_ACCESS_KEY": REDACTED, "OMP_NUM_THREADS": "4"}
     argv = ["extractor", "run", "job.yaml", "--set", "data.storage_options.secret=s1", "--set",
             "output.storage_options.endpoint_url=http://e", "--set=submit.env_vars.TOKEN=s2", "--set",
             "data.storage_options={key: k, secret: s3}", "--set", "data.batch_size=8", "--set",
-            "submit={env_vars: {T: s4}}", "--set", "data.storage_options.client_kwargs={aws_secret_access_key: s5}",
+            "submit={env_vars: {HF_TOKEN: s4}}", "--set", "data.storage_options.client_kwargs={aws_secret_access_key: s5}",
             "-q"]
     shown = " ".join(redact_argv(argv))
     assert not {"s1", "s2", "s3", "s4", "s5"} & set(shown.replace("=", " ").replace(",", " ").replace("}", " ").split())
     assert f"data.storage_options.secret={REDACTED}" in shown and f"--set=submit.env_vars.TOKEN={REDACTED}" in shown
     assert "output.storage_options.endpoint_url=http://e" in shown and "data.batch_size=8" in shown
+
+
+def test_only_env_vars_that_look_like_secrets_are_redacted_so_a_printed_command_pastes_back():
+    """issue 37, case 13: every submit.env_vars value was redacted (and warned of), PATH and the README's own
+    EXTRACTOR_PROGRESS_S included, so the printed resume line could not be pasted back. Only what looks like a
+    credential, by its name or its value, is redacted, as storage options' secrets are."""
+    from extractor.spec.schema import REDACTED, apply_overrides, looks_secret, redact_argv
+
+    env = {"PATH": "/opt/venv/bin:/usr/bin:/bin", "EXTRACTOR_PROGRESS_S": "60", "OMP_NUM_THREADS": "4",
+           "HF_HOME": "/data/hf", "CUDA_VISIBLE_DEVICES": "0,1", "LOG_LEVEL": "debug",
+           "HF_TOKEN": "x", "OPENAI_API_KEY": "x", "PGPASSWORD": "x", "AWS_ACCESS_KEY_ID": "x",  # by name
+           "MY_ID": "AKIAIOSFODNN7EXAMPLE", "DB": "postgres://app:hunter2@db:5432/x", "UPLOAD": "hf_abcdef",  # value
+           "BLOB": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "HEXED": "0123456789abcdef" * 2}
+    public = parse_spec({**BASE, "data": {"root": "x"}, "submit": {"env_vars": env}}).public_dict()
+    kept = {k for k, v in public["submit"]["env_vars"].items() if v != REDACTED}
+    assert kept == {"PATH", "EXTRACTOR_PROGRESS_S", "OMP_NUM_THREADS", "HF_HOME", "CUDA_VISIBLE_DEVICES", "LOG_LEVEL"}
+    assert all(public["submit"]["env_vars"][k] == env[k] for k in kept)
+    assert [k for k, v in env.items() if looks_secret(k, v)] == [k for k in env if k not in kept]
+    argv = ["--set", "submit.env_vars.PATH=/opt/venv/bin:/usr/bin", "--set", "submit.env_vars.EXTRACTOR_PROGRESS_S=60",
+            "--set", "submit.env_vars.HF_TOKEN=hf_s3cr3t"]
+    shown = redact_argv(argv)
+    assert shown[:4] == argv[:4] and shown[5] == f"submit.env_vars.HF_TOKEN={REDACTED}"
+    assert apply_overrides({}, [a for a in shown[:4] if a != "--set"])["submit"]["env_vars"] == {
+        "PATH": "/opt/venv/bin:/usr/bin", "EXTRACTOR_PROGRESS_S": 60}  # pasted back: taken as given
 
 
 def test_a_factory_model_has_no_name_and_older_stores_of_one_still_compare_equal():

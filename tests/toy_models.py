@@ -305,12 +305,12 @@ class SmallCNN(nn.Module):
     """conv-bn-relu(inplace) stem, a second conv block, pooled linear head: a classifier small
     enough to compile in seconds."""
 
-    def __init__(self, classes: int = 5) -> None:
+    def __init__(self, classes: int = 5, act: type[nn.Module] = nn.ReLU) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
         self.bn = nn.BatchNorm2d(8)
         self.relu = nn.ReLU(inplace=True)
-        self.layer1 = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.layer1 = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), act())
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(16, classes)
 
@@ -320,6 +320,11 @@ class SmallCNN(nn.Module):
 
 def small_cnn() -> nn.Module:
     return SmallCNN()
+
+
+def small_cnn_gelu() -> nn.Module:
+    """small_cnn's class and state dict (GELU has no parameters), another forward."""
+    return SmallCNN(act=nn.GELU)
 
 
 class FastPooled(nn.Module):

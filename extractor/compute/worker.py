@@ -11,6 +11,7 @@ layouts, the hooked forward); :mod:`extractor.pipeline` runs the shards through 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections import deque
@@ -40,7 +41,7 @@ from ..model import (
     settle_layouts,
 )
 from ..spec import JobSpec
-from ..store import BFLOAT16, CaptureRecord, ExtraRecord, Probe, ReuseIndex
+from ..store import BFLOAT16, FORMAT_VERSION, CaptureRecord, ExtraRecord, Probe, ReuseIndex, forward_summary
 from ..store.sampling import BY_DIGEST
 from .pipeline import Pipeline, ShardQueue
 from .shard import Forwarded, ShardSummary
@@ -329,7 +330,7 @@ class Worker:
             values = self._blank()
             if self._decide_layouts():
                 values = self._blank()  # again, reduced as decided
-            self._check_deterministic()
+            fixed = self._check_deterministic()
         except _PROBE_PASSES:
             raise
         except Exception as err:
@@ -344,6 +345,9 @@ class Worker:
         self._check_prefix(original)
         if self.capturer.logits is not None:  # a gradient job: labels (target: label) must be among them
             self.model_info = {**self.model_info, "logits": self.capturer.logits}
+        # what the captured layers give on the fixed input: resume and reuse compare it (not only class and weights)
+        self.model_info = {**self.model_info, "forward_summary": forward_summary(
+            {t.key: fixed[t.key].detach().float().cpu().numpy() for t in self.targets})}
         modules = dict(self.model.named_modules())
         widths = dict(self.capturer.matrices)  # project: (key, features in) as the blank saw them
         self.captures = {t.key: _record(t, modules[t.layer], values[t.key].shape[1:], original[t.key],
@@ -351,10 +355,11 @@ class Worker:
                          for t in self.targets}
         self.extras = _extras(values, self.captures)
 
-    def _check_deterministic(self) -> None:
+    def _check_deterministic(self) -> dict[str, torch.Tensor]:
         """Refuse a model whose eval forward draws at random (ViTMAE masks patches at random in eval
         mode): two forwards of one image must store the same values, else every stored row is one
-        draw and a resume mixes draws. Float rounding (another kernel on a GPU) passes."""
+        draw and a resume mixes draws. Float rounding (another kernel on a GPU) passes. Returns the
+        captures of that fixed image (the model's forward summary is made of them)."""
         h, w = self.preprocess.size
         # seeded mid-grey noise: its patches differ (a shuffle of equal patches would not show), and no pixel is
         # saturated (blank images pass the model: an unusual one must not fail here instead)
@@ -374,6 +379,7 @@ class Worker:
                     "random draw and a resume would mix draws. A model that masks or samples at random (ViTMAE's "
                     "random_masking) needs its randomness fixed: see the README, 'A forward that draws at random'"
                 )
+        return first
 
     def _check_prefix(self, original: dict[str, tuple[int, ...]]) -> None:
         """A capture that leaves out the model's prefix tokens must be one of its token sequences:
@@ -527,7 +533,10 @@ class Worker:
         """The rows of the stores of ``output.reuse`` by content digest (read once, at the first shard)."""
         if self._reuse is None:
             keys = [*(self.captures or {}), *self.extras]
-            self._reuse = ReuseIndex(self.spec.output.reuse, self.spec.output.storage_options, keys)
+            # what the driver's check_sources compared, as a store records it: a source replaced since is left out
+            want = json.loads(json.dumps({"format_version": FORMAT_VERSION, "spec": self.spec.public_dict(),
+                                          **self.probe().to_dict()}))
+            self._reuse = ReuseIndex(self.spec.output.reuse, self.spec.output.storage_options, keys, want=want)
             log.info("output.reuse: %d rows of %d stores to take by content", len(self._reuse),
                      len(self.spec.output.reuse))
         return self._reuse

@@ -34,6 +34,7 @@ class ImageDecoder:
     def __init__(self, data: DataSpec, preprocess: Preprocess | None = None) -> None:
         self.preprocess = preprocess if preprocess is not None else resolve_preprocess(data, IMAGENET)
         self.storage_options = data.storage_options
+        self.outside_root = data.outside_root
         self.max_pixels = data.max_image_pixels
         self.draft = self.preprocess if data.jpeg_draft else None
 
@@ -42,7 +43,7 @@ class ImageDecoder:
 
     def read(self, item: Locator) -> bytes:
         """The bytes of an image (a file, a URL, a tar member)."""
-        return read_bytes(item, self.storage_options)
+        return read_bytes(item, self.storage_options, self.outside_root)
 
     def from_bytes(self, data: bytes):  # -> torch.Tensor (3, h, w) uint8
         return self.preprocess.apply(rgb_from_bytes(data, self.max_pixels, self.draft))
@@ -127,7 +128,7 @@ class JpegDecoder:
         self.storage_options = data.storage_options
 
     def read(self, item: Locator):  # -> EncodedJpeg | torch.Tensor (3, crop, crop) uint8
-        return self.prepare(read_bytes(item, self.storage_options))
+        return self.prepare(self.cpu.read(item))
 
     def prepare(self, data: bytes):  # -> EncodedJpeg | torch.Tensor (3, crop, crop) uint8
         """On a decode thread: a JPEG's bytes, checked, for the device; other files decoded by Pillow here."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import DataError
 
-__all__ = ["Locator", "is_url", "is_relative", "absolute", "storable_path", "display_name", "read_bytes",
+__all__ = ["Locator", "is_url", "is_relative", "leaves_root", "absolute", "storable_path", "display_name", "read_bytes",
            "forget_reads", "tar_url_of", "remote_error", "content_digest", "fingerprint", "local_fingerprint",
            "remote_fingerprint"]
 
@@ -26,6 +26,20 @@ def is_url(path: str) -> bool:
 def is_relative(path: str) -> bool:
     """A local path relative to the current directory (not a URL, not ``file://``, not absolute)."""
     return "://" not in path and not os.path.isabs(path)
+
+
+def leaves_root(path: str) -> bool:
+    """A path, named by a manifest's row or a Parquet row, that leaves the folder it is relative to: absolute,
+    a URL, or climbing out with ``..``. The one rule for every source: such a path is refused unless
+    ``data.outside_root: true`` says the source's paths lead elsewhere by design."""
+    if not is_relative(path):
+        return True
+    depth = 0
+    for part in path.replace("\\", "/").split("/"):
+        depth += -1 if part == ".." else 0 if part in ("", ".") else 1
+        if depth < 0:
+            return True
+    return False
 
 
 def absolute(path: str) -> str:
@@ -85,14 +99,15 @@ def forget_reads() -> None:
         parquet.row_groups.clear()
 
 
-def read_bytes(item: Locator, storage_options: dict | None = None) -> bytes:
+def read_bytes(item: Locator, storage_options: dict | None = None, outside_root: bool = True) -> bytes:
     """The bytes of one image: a file, a URL, a member's byte range inside a tar, or a Parquet file's row
-    (``FILE.parquet#COLUMN/ROW``)."""
+    (``FILE.parquet#COLUMN/ROW``). ``outside_root``: false, a Parquet row's path that leaves its file's folder
+    (:func:`leaves_root`) is refused, not opened (the job's decoders pass ``data.outside_root``)."""
     if isinstance(item, str) and "#" in item:
         from .parquet import is_parquet_row, parquet_bytes
 
         if is_parquet_row(item):
-            return parquet_bytes(item, storage_options)
+            return parquet_bytes(item, storage_options, outside_root)
     if isinstance(item, tuple):
         path, offset, size = item
         url = tar_url_of(path, storage_options or {})
@@ -169,8 +184,9 @@ def content_digest(data: bytes) -> int:
 
 
 def fingerprint(*facts: object) -> int:
-    """A cheap fingerprint of where an image's bytes come from (its size and modification time or ETag;
-    a tar member's tar and place in it): when it is unchanged, the bytes are taken to be. Never 0 (unknown)."""
+    """A cheap fingerprint of where an image's bytes come from (a file's size, mtime, ctime and inode; an
+    object's size and ETag; a tar member's tar and place in it): when it is unchanged, the bytes are taken to be.
+    Never 0 (unknown)."""
     import xxhash
 
     return xxhash.xxh3_64_intdigest("|".join(map(str, facts)).encode("utf-8", "surrogateescape")) or 1
@@ -185,12 +201,20 @@ def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[
 
 
 def local_fingerprint(path: str) -> int:
-    """The fingerprint of a local file (size, mtime in ns), or 0 when it cannot be seen (its row fails on read)."""
+    """The fingerprint of a local file, or 0 when it cannot be seen (its row fails on read).
+
+    Its size and mtime, and its ctime and inode: ``touch -r`` (``os.utime``) puts an mtime back, never a
+    ctime, and a file replaced by another has another inode. Stores made before ctime and inode were part of
+    it recorded ``fingerprint(size, mtime)``: every row of theirs differs now, so a resume reads their bytes
+    once and compares content digests (the ground truth), then records the new fingerprints. A ctime moves
+    also on chmod or a new hard link, and an inode on a copy: such rows cost a digest read, never a wrong
+    answer.
+    """
     try:
         st = os.stat(local_path(path))
     except OSError:
         return 0
-    return fingerprint(st.st_size, st.st_mtime_ns)
+    return fingerprint(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def remote_fingerprint(info: dict[str, Any]) -> int:

@@ -23,6 +23,7 @@ from .files import (
     display_name,
     is_relative,
     is_url,
+    leaves_root,
     local_fingerprint,
     remote_error,
     remote_fingerprint,
@@ -162,19 +163,6 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
                 fingerprints=np.frombuffer(prints, dtype=np.uint64) if prints else None)
 
 
-def _outside(path: str) -> bool:
-    """A manifest path that leaves its root: absolute, a URL, or climbing out with ``..``."""
-    if not is_relative(path):
-        return True
-    parts = path.replace("\\", "/").split("/")
-    depth = 0
-    for part in parts:
-        depth += -1 if part == ".." else 0 if part in ("", ".") else 1
-        if depth < 0:
-            return True
-    return False
-
-
 def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False,
                    columns: dict[str, str] | None = None) -> Rows:
     base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
@@ -187,7 +175,7 @@ def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root:
     def labels() -> Iterator[Any]:
         for n, rec in enumerate(_manifest_records(manifest, storage)):
             p = names.image_of(rec, n)
-            if not outside_root and _outside(p):
+            if not outside_root and leaves_root(p):
                 raise DataError(f"{manifest} row {n + 1}: path {p!r} lies outside data.root ({base}); a manifest "
                                 "names images under its root, by relative paths that stay inside it. If its paths are "
                                 "absolute, URLs or lead elsewhere by design, set data.outside_root: true")

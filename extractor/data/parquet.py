@@ -134,6 +134,7 @@ def _scan(url: str, cols: _Columns, storage: dict[str, Any]) -> _File:
         f = _arrow(url).read_all() if _is_arrow(url) else pq.ParquetFile(handle)
         schema = f.schema if _is_arrow(url) else f.schema_arrow
         _check_columns(url, schema.names, cols)
+        _check_image_type(url, schema.field(cols.image), cols.image)
         read = [c for c in (cols.label, cols.id) if c in schema.names]
         table = (f.select(read) if _is_arrow(url) else f.read(columns=read)) if read else None
         n_rows = f.num_rows if _is_arrow(url) else f.metadata.num_rows
@@ -159,6 +160,25 @@ def _check_columns(url: str, names: list[str], cols: _Columns) -> None:
         if what not in names:
             raise DataError(f"data.columns: {what!r} is not a column of {url} (its columns: "
                             f"{', '.join(names[:12])}); fix the name, or remove it from data.columns")
+
+
+def _holds_images(kind: Any) -> bool:
+    """An Arrow type an image column may have: encoded bytes, a path, or a struct of ``bytes`` and ``path``."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind) or t.is_binary_view(kind):
+        return True
+    if t.is_string(kind) or t.is_large_string(kind) or t.is_string_view(kind):
+        return True
+    return t.is_struct(kind) and bool({kind.field(i).name for i in range(kind.num_fields)} & {"bytes", "path"})
+
+
+def _check_image_type(url: str, field: Any, name: str) -> None:
+    """Refuse, at planning, an image column that cannot hold images (integers, floats, lists...)."""
+    if not _holds_images(field.type):
+        raise DataError(f"{url}: image column {name!r} holds {field.type}, not images (bytes, a path, or a struct of "
+                        "bytes and path); name the image column with data.columns: {image: COLUMN}")
 
 
 def _unreadable(url: str, err: BaseException) -> DataError:
@@ -351,10 +371,11 @@ class RowGroups:
 row_groups = RowGroups()  # one per process: a worker's decode threads share it
 
 
-def parquet_bytes(item: str, storage: dict[str, Any] | None = None) -> bytes:
+def parquet_bytes(item: str, storage: dict[str, Any] | None = None, outside_root: bool = True) -> bytes:
     """The encoded image of a stored Parquet row ``FILE#COLUMN/ROW``: its bytes, or the file its path names
-    (a relative path: in the Parquet file's folder)."""
-    from .files import read_bytes
+    (a relative path: in the Parquet file's folder). ``outside_root`` false: a path that leaves that folder is
+    refused, as a manifest's row is (:func:`~extractor.data.files.leaves_root`)."""
+    from .files import leaves_root, read_bytes
 
     m = ROW.match(item)
     assert m is not None
@@ -369,6 +390,9 @@ def parquet_bytes(item: str, storage: dict[str, Any] | None = None) -> bytes:
     if not path:
         raise ValueError(f"row {row} of {url} holds no image in column {column!r} (no bytes and no path)")
     base = url.rsplit("/", 1)[0]
+    if not outside_root and leaves_root(path):
+        raise DataError(f"image path leaves the Parquet file's folder (refused, as a manifest's; data.outside_root: "
+                        f"true allows it): {path!r}")
     return read_bytes(path if not _relative(path) else f"{base.rstrip('/')}/{path}", storage)
 
 

@@ -550,6 +550,10 @@ class Capturer:
             raise LayerError(f"{where} stores {tuple(x.shape)}: project applies to a last dimension of features "
                              "((batch, features) or (batch, tokens, features)); pool the map first (reduce: mean)")
         width = x.shape[-1]
+        if t.project > width:  # its matrix alone would be width x project floats (1.4 TiB at project: 10**9)
+            raise LayerError(f"capture[{t.capture}] {where}: project: {t.project} is more than its {width} features; a "
+                             f"random projection keeps fewer: set project to at most {width}, or leave it out to store "
+                             "them all")
         matrix = self.matrices.get((t.key, width))
         if matrix is None or matrix.device != x.device:
             matrix = torch.from_numpy(projection_matrix(t.seed, width, t.project, t.projection)).to(x.device)

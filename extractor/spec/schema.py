@@ -221,9 +221,10 @@ class DataSpec(_Section):
     manifest: str | None = None
     """CSV or JSONL file (path or URL) with a ``path`` column and optional ``id`` and ``label``."""
     outside_root: bool = False
-    """Let a manifest's rows name images outside ``data.root`` (or the manifest's folder): absolute
-    paths, URLs, ``..``. Off: such a row is refused before any work, so a manifest cannot point the
-    job at any file the machine can read."""
+    """Let a manifest's rows name images outside ``data.root`` (or the manifest's folder), and a Parquet row
+    whose image is a path name a file outside its Parquet file's folder: absolute paths, URLs, ``..``. Off: such
+    a manifest row is refused before any work, such a Parquet row fails without its file being opened, so
+    neither can point the job at any file the machine can read."""
     tars: str | tuple[str, ...] | None = None
     """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``)."""
     parquet: str | tuple[str, ...] | None = None
@@ -627,9 +628,34 @@ _PUBLIC_OPTIONS = {"endpoint_url", "region_name", "region", "anon", "use_ssl", "
 REDACTED = "***redacted***"
 
 
+# environment variables: a name holding one of these looks like a credential's
+_SECRET_NAME_PARTS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE", "SIGNATURE", "COOKIE", "AUTH",
+                      "SESSION", "APIKEY", "ACCESS_KEY")
+_SECRET_NAME_WORDS = {"KEY", "PASS", "PW", "PAT", "DSN", "CERT"}  # ... or one of these words (split at _ - .)
+# a value that is a key, a URL with a password, a known token's prefix or a long hex string
+_SECRET_VALUE = re.compile(r"-----BEGIN|://[^/\s:@]+:[^/\s@]+@|^(AKIA|ASIA)[A-Z0-9]{16}$|"
+                           r"^(ghp_|gho_|ghs_|github_pat_|hf_|sk-|xox[abpr]-|glpat-)|^[0-9a-fA-F]{32,}$")
+
+
+def looks_secret(name: str, value: Any) -> bool:
+    """An environment variable (``submit.env_vars``) that looks like a credential, by its name (``HF_TOKEN``,
+    ``AWS_SECRET_ACCESS_KEY``, ``PGPASSWORD``, ``API_KEY``) or its value (``AKIA...``, ``hf_...``, a private key,
+    ``https://user:pass@host``, a long random-looking word: 20 characters or more, no spaces, upper and lower case
+    letters and digits). ``PATH``, ``OMP_NUM_THREADS: "4"`` or ``EXTRACTOR_PROGRESS_S: "60"`` are not."""
+    upper = name.upper()
+    if any(part in upper for part in _SECRET_NAME_PARTS) or _SECRET_NAME_WORDS & set(re.split(r"[_.\-]", upper)):
+        return True
+    text = str(value)
+    if _SECRET_VALUE.search(text):
+        return True
+    classes = sum(bool(re.search(c, text)) for c in ("[a-z]", "[A-Z]", "[0-9]"))
+    return len(text) >= 20 and not re.search(r"\s", text) and classes == 3
+
+
 def redact(d: Any, inside_options: bool = False) -> Any:
     """A copy of ``d`` with every non-public value under a ``storage_options`` key, and every
-    value under ``env_vars`` (the job's environment on the cluster: credentials), redacted."""
+    value under ``env_vars`` (the job's environment on the cluster) that looks like a credential
+    (:func:`looks_secret`), redacted."""
     if isinstance(d, dict):
         out: dict[Any, Any] = {}
         for k, v in d.items():
@@ -638,7 +664,7 @@ def redact(d: Any, inside_options: bool = False) -> Any:
             elif inside_options and isinstance(v, dict):  # client_kwargs, config_kwargs: options of their own
                 out[k] = redact(v, True)
             elif k == "env_vars" and isinstance(v, dict):
-                out[k] = {name: REDACTED for name in v}
+                out[k] = {name: REDACTED if looks_secret(str(name), value) else value for name, value in v.items()}
             else:
                 out[k] = redact(v, inside_options or k == "storage_options")
         return out

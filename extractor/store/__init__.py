@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         take_rows,
         update_attrs,
     )
+    from .forward import forward_differences, forward_summary
     from .provenance import Probe, changed_rows, check_resumable, differences, moved_members, owner, store_attrs
     from .reuse import ReuseIndex, check_sources
     from .stats import ShardStats, Totals, dumps, merge, merge_shards, shard_record
@@ -103,6 +104,8 @@ __all__ = [
     "dumps",
     "ReuseIndex",
     "check_sources",
+    "forward_summary",
+    "forward_differences",
     "PREPROCESS_FIELDS",
     "Probe",
     "store_attrs",
@@ -165,6 +168,8 @@ __getattr__ = face(
         "dumps": "stats",
         "ReuseIndex": "reuse",
         "check_sources": "reuse",
+        "forward_summary": "forward",
+        "forward_differences": "forward",
         "PREPROCESS_FIELDS": "format",
         "Probe": "provenance",
         "store_attrs": "provenance",

@@ -30,6 +30,7 @@ from ..errors import StoreError
 from ..spec import JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .dtypes import numpy_dtype
 from .format import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, source_digests
+from .forward import forward_differences
 
 __all__ = ["Probe", "store_attrs", "check_resumable", "changed_rows", "moved_members", "owner", "differences"]
 
@@ -210,6 +211,9 @@ def _value_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                  for k in PREPROCESS_FIELDS if was[k] != now_[k]]
     if old.get("model", {}).get("state_dict_sha256") != new["model"]["state_dict_sha256"]:
         problems.append("the model's weights differ (state-dict hash)")
+    elif moved := forward_differences(old.get("model", {}), new["model"]):
+        problems.append(f"the model's forward differs (same weights, other values of {', '.join(moved)} on the "
+                        "probe's fixed input: another activation or code)")
     if old.get("captures") != new["captures"]:
         problems += ["capture " + d for d in differences(old.get("captures", {}), new["captures"])]
     return problems

@@ -1,0 +1,251 @@
+"""Identity by facts (issue 37): what a resume or a reuse takes as "the same" is decided from facts that cannot be
+put back by hand: a local file's ctime and inode beside its size and mtime; a digest of the model's forward on the
+probe's input beside its class and weights; a reused store's identity and rows checked again after their values
+were read."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from conftest import job
+from PIL import Image
+
+from extractor.data.files import fingerprint, local_fingerprint
+from extractor.driver.runner import run
+from extractor.errors import StoreError
+from extractor.read.reader import open_store
+from extractor.spec.schema import parse_spec
+
+CHANGED = r"the images of 1 row computed before have changed since \(their content digest differs\)"
+
+
+def other_bytes_of_the_same_size(data: bytes) -> bytes:
+    """Another image (a grey JPEG), padded after its end marker to ``len(data)`` bytes."""
+    buf = io.BytesIO()
+    Image.fromarray(np.full((50, 60, 3), 200, np.uint8)).save(buf, format="JPEG")
+    new = buf.getvalue()
+    assert len(new) < len(data)
+    return new + b"\0" * (len(data) - len(new))
+
+
+def rewrite_keeping_size_and_mtime(path: Path, edit) -> None:
+    """Rewrite ``path`` in place with ``edit(bytes)`` (the same size), then put its times back (``touch -r``)."""
+    st = path.stat()
+    data = path.read_bytes()
+    new = edit(data)
+    assert len(new) == len(data) and new != data
+    with open(path, "r+b") as f:
+        f.write(new)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def _interrupted_after(raw: dict, shards: int) -> None:
+    done = []
+
+    def stop(name: str, info: dict) -> None:
+        if name == "shard_done":
+            done.append(info["shard"])
+            if len(done) == shards:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_spec(raw), on_event=stop)
+
+
+def _copy(image_dir: Path, to: Path) -> Path:
+    shutil.copytree(image_dir, to)
+    return to
+
+
+def test_a_file_rewritten_with_its_size_and_mtime_put_back_is_found_changed(image_dir: Path, tmp_path: Path):
+    """issue 37, case 4 (folder): other bytes of the same size, the mtime put back with ``touch -r``: the resume
+    used to take the row as unchanged (size + mtime); its ctime moved, so its content digest is compared."""
+    root = _copy(image_dir, tmp_path / "imgs")
+    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
+    _interrupted_after(raw, 1)  # rows 0-3 done
+    victim = root / open_store(str(tmp_path / "s.zarr")).ids[2]
+    assert victim.suffix == ".jpg"
+    rewrite_keeping_size_and_mtime(victim, other_bytes_of_the_same_size)
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=CHANGED):
+        run(parse_spec(raw))
+
+
+def test_a_parquet_file_rewritten_with_its_size_and_mtime_put_back_is_found_changed(image_dir: Path,
+                                                                                      tmp_path: Path):
+    """issue 37, case 4 (Parquet): one row's image bytes replaced inside the file, its size and mtime as they were."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import images_of, parquet_job
+
+    images = images_of(image_dir)
+    path = tmp_path / "data" / "train.parquet"
+    path.parent.mkdir()
+    pq.write_table(pa.table({"image": [{"bytes": p.read_bytes(), "path": p.name} for p in images],
+                             "label": [0] * len(images)}), path, compression="none")  # the bytes as they are
+    raw = parquet_job(image_dir, tmp_path / "p.zarr", str(path), shard_size=4)
+    _interrupted_after(raw, 1)
+    first = images[0].read_bytes()
+    assert images[0].suffix == ".jpg"
+
+    def edit(data: bytes) -> bytes:
+        assert data.count(first) == 1
+        return data.replace(first, other_bytes_of_the_same_size(first))
+
+    rewrite_keeping_size_and_mtime(path, edit)
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=CHANGED + r": 'train/0'"):
+        run(parse_spec(raw))
+
+
+def test_a_store_with_fingerprints_of_the_old_form_resumes_after_a_digest_pass(image_dir: Path, tmp_path: Path):
+    """Stores made before ctime and inode were part of a file's fingerprint recorded fingerprint(size, mtime): a
+    resume reads the computed rows' bytes once, compares their content digests (the ground truth), so it is neither
+    refused wholesale nor blind to a change, and records the new fingerprints."""
+    root = _copy(image_dir, tmp_path / "imgs")
+    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
+    _interrupted_after(raw, 2)  # rows 0-7 done
+    s = open_store(str(tmp_path / "s.zarr"))
+    files = [root / i for i in s.ids]
+    old_form = np.array([fingerprint(f.stat().st_size, f.stat().st_mtime_ns) for f in files], np.uint64)
+    zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")["fingerprint"][:] = old_form
+    victim = files[6]
+    assert victim.suffix == ".jpg"
+    rewrite_keeping_size_and_mtime(victim, other_bytes_of_the_same_size)
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=CHANGED + rf": {s.ids[6]!r}\."):  # only it: the others' digests agree
+        run(parse_spec(raw))
+    raw["output"]["on_change"] = "redo"
+    summary = run(parse_spec(raw))
+    assert 1 in {p.shard for p in summary.per_shard} and 0 not in {p.shard for p in summary.per_shard}
+    now_ = np.asarray(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["fingerprint"][:])
+    assert now_.tolist() == [local_fingerprint(str(f)) for f in files]
+
+
+SMALL = {"model": {"name": None, "factory": "toy_models:small_cnn", "weights": None, "device": "cpu"},
+         "capture": [{"layer": "layer1", "reduce": "mean"}, {"layer": "fc"}]}
+
+
+def test_a_model_with_the_same_class_and_weights_but_another_forward_is_refused_for_reuse(image_dir: Path,
+                                                                                           tmp_path: Path):
+    """issue 37, case 6 (reuse): a factory that swaps ReLU for GELU keeps the class and the state dict; its rows
+    were copied. The forward's summary on the probe's fixed input tells the two apart."""
+    run(parse_spec(job(image_dir, tmp_path / "relu.zarr", **SMALL)))
+    gelu = {**SMALL, "model": {**SMALL["model"], "factory": "toy_models:small_cnn_gelu"}}
+    raw = job(image_dir, tmp_path / "s.zarr", **gelu, output={"reuse": [str(tmp_path / "relu.zarr")]})
+    with pytest.raises(StoreError, match=r"relu.zarr are not what this job computes: it differs in the model's "
+                                         r"forward \(other values of fc, layer1 on the probe's fixed input\)"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
+    raw = job(image_dir, tmp_path / "r.zarr", **SMALL, output={"reuse": [str(tmp_path / "relu.zarr")]})
+    assert run(parse_spec(raw)).reused == 12  # the same forward: taken
+
+
+def test_a_python_model_with_another_forward_cannot_resume_and_an_older_store_still_resumes(image_dir: Path,
+                                                                                             tmp_path: Path):
+    """issue 37, case 6 (``model=`` from Python): the same class and state dict, GELU for ReLU: the resume is
+    refused naming the forward. A store made before the forward's summary (no such field) resumes as before."""
+    from toy_models import small_cnn, small_cnn_gelu
+
+    import extractor
+
+    raw = job(image_dir, tmp_path / "s.zarr", **SMALL)
+    raw["model"] = {"device": "cpu"}  # the module given
+    relu, gelu = small_cnn(), small_cnn_gelu()
+    gelu.load_state_dict(relu.state_dict())
+    extractor.run(raw, model=relu, progress=False)
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=r"the model's forward differs \(same weights, other values of fc, layer1"):
+        extractor.run(raw, model=gelu, progress=False)
+    assert extractor.run(raw, model=relu, progress=False).last_run.shards_run == 0
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    attrs = dict(group.attrs["extractor"])
+    assert set(attrs["model"]["forward_summary"]) == {"layer1", "fc"}
+    attrs["model"] = {k: v for k, v in attrs["model"].items() if k != "forward_summary"}
+    group.attrs["extractor"] = attrs  # as a store made before it
+    assert extractor.run(raw, model=relu, progress=False).last_run.shards_run == 0
+
+
+def test_the_forward_summary_holds_across_float_rounding_and_not_across_another_forward():
+    from extractor.store.forward import forward_differences, forward_summary
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 7, 7)).astype(np.float32)
+    noisy = x * (1 + rng.uniform(-1e-3, 1e-3, x.shape)).astype(np.float32)  # half-precision-like rounding
+    relu, gelu = np.maximum(x, 0), x * 0.5 * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
+    def model(values: np.ndarray) -> dict:
+        return {"forward_summary": forward_summary({"k": values})}
+
+    assert forward_differences(model(x), model(noisy)) == []
+    assert forward_differences(model(relu), model(gelu)) == ["k"]
+    assert forward_differences({}, model(x)) == []  # a store made before it: not compared
+
+
+def _replace(store: Path, by: Path) -> None:
+    """``store`` overwritten by another job's store (another preprocessing: other values for the same images)."""
+    shutil.rmtree(store)
+    shutil.copytree(by, store)
+
+
+def _reuse_job(image_dir: Path, store: Path, source: Path) -> dict:
+    return job(image_dir, store, **SMALL, output={"store": str(store), "reuse": [str(source)]})
+
+
+@pytest.mark.parametrize("when", ["after the index was built", "before the index was built"])
+def test_a_source_overwritten_while_the_reusing_job_runs_gives_no_row(image_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch, when: str):
+    """issue 37, case 5: the source of output.reuse overwritten by another job (another preprocessing) while the
+    reusing job runs: after the driver checked it and before the worker indexed it, or after the index was built
+    and before any value was copied. Rows were copied from the new store (another preprocessing's values; NaN
+    where it had not written yet). Now its identity and rows are checked after their values are read (and its
+    inputs when the index is built): every row is computed, and the store equals a clean run."""
+    from extractor.store.reuse import ReuseIndex
+
+    run(parse_spec(job(image_dir, tmp_path / "src.zarr", **SMALL)))
+    run(parse_spec(job(image_dir, tmp_path / "other.zarr", **SMALL, data={"resize": 80})))
+    built = ReuseIndex.__init__
+
+    def replaced_at_that_moment(self, *args, **kwargs):
+        if when.startswith("before"):
+            _replace(tmp_path / "src.zarr", tmp_path / "other.zarr")
+        built(self, *args, **kwargs)
+        if when.startswith("after"):
+            assert len(self) == 12  # every row indexed, from the store as it was
+            _replace(tmp_path / "src.zarr", tmp_path / "other.zarr")
+
+    monkeypatch.setattr(ReuseIndex, "__init__", replaced_at_that_moment)
+    summary = run(parse_spec(_reuse_job(image_dir, tmp_path / "s.zarr", tmp_path / "src.zarr")))
+    assert summary.ok == 12 and summary.reused == 0
+    monkeypatch.undo()
+    run(parse_spec(job(image_dir, tmp_path / "clean.zarr", **SMALL)))
+    s, c = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "clean.zarr"))
+    for key in ("layer1", "fc"):
+        np.testing.assert_allclose(s.numpy(key), c.numpy(key), rtol=1e-5, atol=1e-6)
+
+
+def test_rows_of_a_source_no_longer_ok_after_their_values_were_read_are_withdrawn(image_dir: Path, tmp_path: Path):
+    """The rows' status and digests are read again after their values: rows made pending (a redo) or holding
+    another image since the index was built are computed, the others taken."""
+    from extractor.store.reuse import ReuseIndex
+
+    run(parse_spec(job(image_dir, tmp_path / "src.zarr", **SMALL, output={"store": str(tmp_path / "src.zarr"),
+                                                                         "chunk_rows": 4})))
+    digests = open_store(str(tmp_path / "src.zarr")).digests
+    index = ReuseIndex([str(tmp_path / "src.zarr")], None, ["layer1", "fc"])
+    group = zarr.open_group(str(tmp_path / "src.zarr"), mode="r+")
+    status, digest = group["status"][:], group["digest"][:]
+    status[1], digest[2] = 0, 12345  # row 1 pending again, row 2 another image's
+    group["status"][:], group["digest"][:] = status, digest
+    assert index.lookup(int(digests[0])) is not None  # its chunk read: rows 0-3 checked after it
+    assert index.lookup(int(digests[1])) is None and index.lookup(int(digests[2])) is None
+    assert index.lookup(int(digests[3])) is not None
+    group.attrs["extractor"] = {**group.attrs["extractor"], "created": "2000-01-01T00:00:00+00:00"}  # replaced
+    assert index.lookup(int(digests[4])) is None  # the next chunk read finds another store: nothing more taken
+    assert index.lookup(int(digests[0])) is None
