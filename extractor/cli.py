@@ -306,27 +306,28 @@ def _layers_model(args: argparse.Namespace) -> tuple[Any, Any]:
                              "weights": args.weights, "kwargs": kwargs}, "extractor layers"), None
 
 
-def _layers_size(args: argparse.Namespace, defaults: Any, data: Any) -> tuple[int, int]:
+def _layers_size(args: argparse.Namespace, defaults: Any, data: Any, processor: Any) -> tuple[int, int]:
     """The input size the layers are listed at: --input-size, the job's preprocessing, the model's library's."""
     from .data import from_dict
-    from .data import resolve as resolve_preprocess
+    from .model import settle_preprocess
 
     if args.input_size:
         return args.input_size, args.input_size
     if data is not None:
-        return resolve_preprocess(data, from_dict(defaults) if isinstance(defaults, dict) else defaults).size
+        return settle_preprocess(data, from_dict(defaults) if isinstance(defaults, dict) else defaults,
+                                 processor)[0].size
     if isinstance(defaults, dict):
         return from_dict(defaults).size
     raise ExtractorError(f"{defaults}: pass the input size with --input-size")
 
 
 def cmd_layers(args: argparse.Namespace) -> int:
-    from .model import build_model, layer_table, model_call
+    from .model import build_with_processor, layer_table, model_call
 
     logging.getLogger("extractor.model").setLevel(logging.ERROR)  # random init is fine for shapes
     mspec, data = _layers_model(args)
-    model, info = build_model(mspec)
-    size = _layers_size(args, info["preprocess_defaults"], data)
+    model, info, processor = build_with_processor(mspec)
+    size = _layers_size(args, info["preprocess_defaults"], data, processor)
     layers = layer_table(model, size, model_call(model, mspec))
     if args.depth is not None:
         layers = [r for r in layers if r["depth"] <= args.depth]
