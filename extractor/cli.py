@@ -214,6 +214,27 @@ def _store_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _pixels_line(p: dict[str, Any]) -> str:
+    """Who made the model's input, and what the probe measured against the library's own processor."""
+    if p.get("runs") == "library":
+        return p.get("source", "the library's processor")
+    check = p.get("check")
+    if not check or not check.get("against"):
+        return f"extractor's resize and crop: {p.get('source', '?')}"
+    measured = check.get("measured", {})
+    others = "; ".join(f"{name}: {_levels(m)}" for name, m in measured.items() if name != check["against"])
+    return (f"extractor's resize and crop, equal to {check['against']} on {len(check.get('probe_images', []))} probe "
+            f"images ({_levels(measured.get(check['against'], {}))}, tolerance {check.get('tolerance_levels')} "
+            "levels)" + (f"; {others}" if others else ""))
+
+
+def _levels(m: dict[str, Any]) -> str:
+    """A probe's measured difference, in words."""
+    if m.get("max_abs_levels") is None:
+        return "other output sizes"
+    return f"max {m['max_abs_levels']:.3g} levels, {m['max_abs_normalised']:.3g} normalised"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .read import open_store
 
@@ -232,6 +253,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "to finish the store")
     print(f"model   {m['name']}: {m['weights']}; {m['parameters']:,} parameters; "
           f"state sha256 {m['state_dict_sha256'][:12]}")
+    if s["preprocess"]:
+        print(f"pixels  {_pixels_line(s['preprocess'])}")
     print(f"rows    {s['rows']}: {rs['ok']} ok, {rs['failed']} failed, {rs['pending']} pending; "
           f"shards {s['shards']['done']}/{s['shards']['total']} done")
     if s["classes"]:

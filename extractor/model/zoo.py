@@ -332,12 +332,13 @@ def _hf_processor(transformers: Any, src: str, p: Any) -> LibraryProcessor:
     """An image processor as the probe and ``data.preprocess: library`` run it; the probe compares with its
     Pillow backend first (extractor resizes with Pillow), then with the processor itself."""
     name = type(p).__name__
-    pil_cls = getattr(transformers, name.removesuffix("Pil") + "Pil", None)
+    pil_name = name.removesuffix("Pil") + "Pil"
+    pil_cls: Any = getattr(transformers, pil_name, None)
     refs = []
-    if isinstance(pil_cls, type) and not isinstance(p, pil_cls):
+    if pil_cls is not None and not isinstance(p, pil_cls):
         with _offline():
             pil = pil_cls.from_pretrained(src, local_files_only=not _downloads())
-        refs.append((f"{pil_cls.__name__} of hf:{src}", _hf_run(pil)))
+        refs.append((f"{pil_name} of hf:{src}", _hf_run(pil)))
     refs.append((f"{name} of hf:{src}", _hf_run(p)))
     return LibraryProcessor(f"{name} of hf:{src}", _hf_run(p), tuple(refs), _hf_unknown(p))
 
