@@ -423,12 +423,11 @@ def _hf(spec: ModelSpec) -> Built:
     pretrained = _hf_weights(spec, local)  # the folder's or the hub id's own weights
     fetch = f"`hf download {src}`"
     config, tower = _hf_config(transformers, spec, local, fetch)
-    cls = _hf_class(transformers, config, tower)
+    cls = _hf_class(transformers, config, tower, src)
     try:
         with _offline(), _quiet_transformers(transformers):
             if pretrained:
-                model, report = cls.from_pretrained(src, config=tower, local_files_only=not _downloads(),
-                                                    output_loading_info=True)
+                model, report = _hf_load(cls, src, tower, tower is not config)
             else:
                 model, report = cls(tower), {}  # the public constructor: a random init from the config
     except (OSError, ValueError) as err:
@@ -448,13 +447,42 @@ def _hf(spec: ModelSpec) -> Built:
     return Built(model, source, found, pretrained, "hf", processor)
 
 
-def _hf_class(transformers: Any, config: Any, tower: Any) -> Any:
+def _hf_load(cls: Any, src: str, config: Any, tower: bool) -> tuple[Any, dict[str, Any]]:
+    """``cls.from_pretrained`` and its load report; a composite model's vision tower whose class holds its
+    modules at the root (BLIP's ``BlipVisionModel``) takes them from the checkpoint's ``vision_model.``."""
+    model, report = cls.from_pretrained(src, config=config, local_files_only=not _downloads(),
+                                        output_loading_info=True)
+    if tower and report.get("missing_keys"):
+        again, second = cls.from_pretrained(src, config=config, local_files_only=not _downloads(),
+                                            output_loading_info=True, key_mapping={r"^vision_model\.": ""})
+        if not second.get("missing_keys"):
+            return again, second
+    return model, report
+
+
+def _hf_tower_class(transformers: Any, tower: Any, src: str) -> Any:
+    """The class of a composite model's vision tower: AutoModel's for its config, else the class its config
+    names (``Owlv2VisionConfig``: ``Owlv2VisionModel``), else refused naming the way (a factory)."""
+    try:
+        return transformers.MODEL_MAPPING[type(tower)]
+    except KeyError:
+        pass
+    named = type(tower).__name__.removesuffix("Config") + "Model"
+    cls = getattr(transformers, named, None)
+    if isinstance(cls, type):
+        return cls
+    raise ModelError(f"hf:{src}: its vision tower ({type(tower).__name__}) has no model class transformers builds on "
+                     "its own; build the tower in a function named by model.factory, or pass it as "
+                     "extractor.run(job, model=...)")
+
+
+def _hf_class(transformers: Any, config: Any, tower: Any, src: str = "") -> Any:
     """The class an ``hf:`` model is built as: a composite model's vision tower (CLIP's with its projection),
     else the class its config names (``architectures``: a ``...ForImageClassification`` keeps its head, so
     ``.logits`` feed gradient jobs), else the base model of its config."""
     if tower is not config:
         name = _HF_TOWERS.get(config.model_type)
-        return getattr(transformers, name) if name else transformers.MODEL_MAPPING[type(tower)]
+        return getattr(transformers, name) if name else _hf_tower_class(transformers, tower, src)
     for name in getattr(config, "architectures", None) or []:
         if isinstance(getattr(transformers, name, None), type):
             return getattr(transformers, name)
