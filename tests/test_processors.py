@@ -228,6 +228,12 @@ def test_the_probe_finds_a_difference_no_setting_names():
     assert isinstance(found, str) and "differ from flipper by up to" in found
     good = check(ours, LibraryProcessor("same", same))
     assert not isinstance(good, str) and good.check["measured"]["same"]["max_abs_levels"] < 1e-3
+    def needs_text(img):
+        raise KeyError("pixel_values")
+
+    assert check(ours, LibraryProcessor("texty", needs_text)) == ("the image processor texty failed on a probe image "
+                                                                  "(KeyError: 'pixel_values'): extractor cannot run "
+                                                                  "it per image")
     assert [im.size for im in probe_images()] == [(19, 13), (301, 24), (97, 181), (80, 64), (250, 333)]
 
 

@@ -109,7 +109,11 @@ def _sizes(processor: LibraryProcessor, images: list[Any]) -> list[tuple[int, ..
 
 def _one_size(processor: LibraryProcessor, images: list[Any]) -> tuple[int, int] | str:
     """The (h, w) the processor gives every image, or why there is none (a size per image, not an image)."""
-    sizes = _sizes(processor, images)
+    try:
+        sizes = _sizes(processor, images)
+    except Exception as err:  # noqa: BLE001 - a processor that needs more than an image (text, annotations...)
+        return (f"the image processor {processor.name} failed on a probe image ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200] if str(err) else ''}): extractor cannot run it per image")
     if any(len(s) != 3 or s[0] != 3 for s in sizes):
         return (f"the image processor {processor.name} gives each image as {sizes[0]}, not (3, H, W) pixels: "
                 "extractor cannot feed it")

@@ -306,7 +306,10 @@ def _hf_geometry(p: Any, src: str) -> tuple[int | tuple[int, int] | None, tuple[
     else:
         return f"the image processor of hf:{src} resizes to {size}, which extractor does not reproduce"
     if getattr(p, "do_center_crop", False):
-        cget = _getter(p.crop_size)
+        cget = _getter(getattr(p, "crop_size", None) or {})
+        if not (cget("height") and cget("width")):
+            return (f"the image processor of hf:{src} centre-crops to {getattr(p, 'crop_size', None)}, which "
+                    "extractor does not reproduce")
         crop = (int(cget("height")), int(cget("width")))
     return resize, crop
 
