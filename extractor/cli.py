@@ -216,6 +216,27 @@ def _store_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _pixels_line(p: dict[str, Any]) -> str:
+    """Who made the model's input, and what the probe measured against the library's own processor."""
+    if p.get("runs") == "library":
+        return p.get("source", "the library's processor")
+    check = p.get("check")
+    if not check or not check.get("against"):
+        return f"extractor's resize and crop: {p.get('source', '?')}"
+    measured = check.get("measured", {})
+    others = "; ".join(f"{name}: {_levels(m)}" for name, m in measured.items() if name != check["against"])
+    return (f"extractor's resize and crop, equal to {check['against']} on {len(check.get('probe_images', []))} probe "
+            f"images ({_levels(measured.get(check['against'], {}))}, tolerance {check.get('tolerance_levels')} "
+            "levels)" + (f"; {others}" if others else ""))
+
+
+def _levels(m: dict[str, Any]) -> str:
+    """A probe's measured difference, in words."""
+    if m.get("max_abs_levels") is None:
+        return "other output sizes"
+    return f"max {m['max_abs_levels']:.3g} levels, {m['max_abs_normalised']:.3g} normalised"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .read import open_store
 
@@ -234,6 +255,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "to finish the store")
     print(f"model   {m['name']}: {m['weights']}; {m['parameters']:,} parameters; "
           f"state sha256 {m['state_dict_sha256'][:12]}")
+    if s["preprocess"]:
+        print(f"pixels  {_pixels_line(s['preprocess'])}")
     print(f"rows    {s['rows']}: {rs['ok']} ok, {rs['failed']} failed, {rs['pending']} pending; "
           f"shards {s['shards']['done']}/{s['shards']['total']} done")
     if s["classes"]:
@@ -308,27 +331,28 @@ def _layers_model(args: argparse.Namespace) -> tuple[Any, Any]:
                              "weights": args.weights, "kwargs": kwargs}, "extractor layers"), None
 
 
-def _layers_size(args: argparse.Namespace, defaults: Any, data: Any) -> tuple[int, int]:
+def _layers_size(args: argparse.Namespace, defaults: Any, data: Any, processor: Any) -> tuple[int, int]:
     """The input size the layers are listed at: --input-size, the job's preprocessing, the model's library's."""
     from .data import from_dict
-    from .data import resolve as resolve_preprocess
+    from .model import settle_preprocess
 
     if args.input_size:
         return args.input_size, args.input_size
     if data is not None:
-        return resolve_preprocess(data, from_dict(defaults) if isinstance(defaults, dict) else defaults).size
+        return settle_preprocess(data, from_dict(defaults) if isinstance(defaults, dict) else defaults,
+                                 processor)[0].size
     if isinstance(defaults, dict):
         return from_dict(defaults).size
     raise ExtractorError(f"{defaults}: pass the input size with --input-size")
 
 
 def cmd_layers(args: argparse.Namespace) -> int:
-    from .model import build_model, layer_table, model_call
+    from .model import build_with_processor, layer_table, model_call
 
     logging.getLogger("extractor.model").setLevel(logging.ERROR)  # random init is fine for shapes
     mspec, data = _layers_model(args)
-    model, info = build_model(mspec)
-    size = _layers_size(args, info["preprocess_defaults"], data)
+    model, info, processor = build_with_processor(mspec)
+    size = _layers_size(args, info["preprocess_defaults"], data, processor)
     layers = layer_table(model, size, model_call(model, mspec))
     if args.depth is not None:
         layers = [r for r in layers if r["depth"] <= args.depth]

@@ -645,3 +645,40 @@ def test_a_module_object_gets_its_own_librarys_preprocessing_or_is_refused(photo
                                         r"imagenet"):
         extractor.run(raw, model=plain, progress=False)
     assert not (tmp_path / "e.zarr").exists()
+
+
+@pytest.mark.parametrize("kind", ["owlv2", "blip"])
+def test_a_composite_folder_whose_tower_has_no_auto_class_builds_the_tower_its_config_names(kind: str, tmp_path: Path):
+    """OWLv2's and BLIP's vision towers have no AutoModel class (before: a KeyError traceback in _hf_class); BLIP's
+    holds its modules at the root, so its weights come from the checkpoint's vision_model."""
+    from extractor.model.zoo import build
+    from extractor.spec.schema import parse_model_spec
+
+    t = transformers
+    torch.manual_seed(0)
+    v = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "image_size": 32, "patch_size": 8}
+    text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "vocab_size": 99, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+    whole = (t.Owlv2ForObjectDetection(t.Owlv2Config(vision_config=v, text_config=text)) if kind == "owlv2" else
+             t.BlipModel(t.BlipConfig(vision_config=v, text_config={**text, "sep_token_id": 2}))).eval()
+    whole.save_pretrained(tmp_path / kind)
+    built = build(parse_model_spec({"name": f"hf:{tmp_path / kind}", "weights": "pretrained"}, "test"))
+    assert type(built.model).__name__ == ("Owlv2VisionModel" if kind == "owlv2" else "BlipVisionModel")
+    tower = whole.owlv2.vision_model if kind == "owlv2" else whole.vision_model
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        np.testing.assert_allclose(built.model(pixel_values=x).pooler_output.numpy(),
+                                   tower(pixel_values=x).pooler_output.numpy(), atol=1e-6)
+
+
+def test_a_vision_tower_with_no_class_of_its_own_is_refused_naming_the_factory():
+    from extractor.model.zoo import _hf_tower_class
+
+    class NoSuchVisionConfig:  # a tower config transformers has no model class for (Idefics2's, say)
+        pass
+
+    with pytest.raises(ModelError, match=r"^hf:somewhere: its vision tower \(NoSuchVisionConfig\) has no model class "
+                                         r"transformers builds on its own; build the tower in a function named by "
+                                         r"model.factory"):
+        _hf_tower_class(transformers, NoSuchVisionConfig(), "somewhere")

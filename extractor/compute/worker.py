@@ -23,14 +23,13 @@ import numpy as np
 import torch
 
 from ..data import BatchStream, ImageDecoder, JpegDecoder, Preprocess, Shard, forget_reads, from_dict
-from ..data import resolve as resolve_preprocess
 from ..errors import DeviceError, ExtractorError, LayerError, ModelError, ShardError
 from ..faults import describe_error, device_errors, device_fault, not_an_image
 from ..model import (
     ROOT,
     Capturer,
     Target,
-    build_model,
+    build_with_processor,
     contradicted_layouts,
     dim_names,
     model_call,
@@ -39,6 +38,7 @@ from ..model import (
     resolve_device,
     resolve_targets,
     settle_layouts,
+    settle_preprocess,
 )
 from ..spec import JobSpec
 from ..store import BFLOAT16, FORMAT_VERSION, CaptureRecord, ExtraRecord, Probe, ReuseIndex, forward_summary
@@ -74,10 +74,11 @@ def decode_threads(setting: int | str, cpus: int | None = None) -> int:
     return max(1, min(cpus, MAX_DECODE_THREADS))
 
 
-def _preprocess(spec: JobSpec, defaults: dict[str, Any] | str) -> Preprocess:
-    """The job's preprocessing: the model library's (``defaults``, or why none is known: then the spec
-    must give every setting) under the spec's."""
-    return resolve_preprocess(spec.data, from_dict(defaults) if isinstance(defaults, dict) else defaults)
+def _preprocess(spec: JobSpec, defaults: dict[str, Any] | str, processor: Any) -> tuple[Preprocess, Any]:
+    """The job's preprocessing record and transform stage: the model library's (``defaults``, or why none is
+    known: then the spec must give every setting; taken where the probe shows it equal to ``processor``, the
+    library's own) under the spec's, or ``processor`` itself (``data.preprocess: library``)."""
+    return settle_preprocess(spec.data, from_dict(defaults) if isinstance(defaults, dict) else defaults, processor)
 
 
 def _layers_hint(spec: JobSpec) -> str:
@@ -148,8 +149,9 @@ class Worker:
     def _build(self, spec: JobSpec, cpus: int | None, model: torch.nn.Module | None) -> None:
         """The rest of ``__init__``: model, hooks, decoders, thread pools."""
         self.device = resolve_device(spec.model.device)
-        model, self.model_info = build_model(spec.model, model)
-        self.preprocess = _preprocess(spec, self.model_info["preprocess_defaults"])
+        model, self.model_info, processor = build_with_processor(spec.model, model)
+        # the record and the transform stage: extractor's own (a Preprocess), or the library's processor
+        self.preprocess, transform = _preprocess(spec, self.model_info["preprocess_defaults"], processor)
         model.requires_grad_(False)  # extraction never trains: gradients flow only from captured layers on
         self.channels_last = spec.model.channels_last
         if self.channels_last:
@@ -161,7 +163,7 @@ class Worker:
         self.targets: list[Target] = resolve_targets(model, spec.capture, _layers_hint(spec), prefix)
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels once
-        self.decode = ImageDecoder(spec.data, self.preprocess)
+        self.decode = ImageDecoder(spec.data, self.preprocess, transform)
         self.jpeg: JpegDecoder | None = None
         if spec.data.decode_device == "cuda":
             if self.device.type != "cuda":
@@ -209,10 +211,13 @@ class Worker:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 (B,3,H,W) on the host (or already on the device) -> normalised float on the device."""
+        """(B,3,H,W) on the host (or already on the device) -> normalised float on the device: uint8 levels
+        (extractor's transform) normalised here; float pixels (the library's processor) as they came."""
         if self.device.type == "cuda" and images.device.type == "cpu" and not images.is_pinned():
             images = images.pin_memory()  # page-locked: the copy below runs asynchronously
-        x = images.to(self.device, non_blocking=True).float().div_(255.0).sub_(self.mean).div_(self.std)
+        x = images.to(self.device, non_blocking=True).float()
+        if images.dtype == torch.uint8:
+            x = x.div_(255.0).sub_(self.mean).div_(self.std)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x

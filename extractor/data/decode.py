@@ -25,14 +25,18 @@ __all__ = ["ImageDecoder", "JpegDecoder", "EncodedJpeg", "ImageTooLarge", "open_
 
 class ImageDecoder:
     """Reads one image file into a uint8 ``(3, h, w)`` tensor: RGB, resized, cropped (``preprocess``;
-    by default the job's ``data`` settings over ImageNet's).
+    by default the job's ``data`` settings over ImageNet's); or, through ``transform`` (the library's own
+    processor), into the float ``(3, h, w)`` pixels the model takes.
 
     Grayscale, palette, RGBA, CMYK and 16-bit images become 8-bit RGB; EXIF orientation
     is applied. Normalisation happens later, on the model's device.
     """
 
-    def __init__(self, data: DataSpec, preprocess: Preprocess | None = None) -> None:
+    def __init__(self, data: DataSpec, preprocess: Preprocess | None = None, transform: Any = None) -> None:
         self.preprocess = preprocess if preprocess is not None else resolve_preprocess(data, IMAGENET)
+        # what makes a decoded image the model's input: extractor's (the record itself: uint8 levels) or the
+        # library's processor (extractor.model.processors.LibraryTransform: float pixels); ``apply(img)``
+        self.transform = transform if transform is not None else self.preprocess
         self.storage_options = data.storage_options
         self.outside_root = data.outside_root
         self.max_pixels = data.max_image_pixels
@@ -46,7 +50,7 @@ class ImageDecoder:
         return read_bytes(item, self.storage_options, self.outside_root)
 
     def from_bytes(self, data: bytes):  # -> torch.Tensor (3, h, w) uint8
-        return self.preprocess.apply(rgb_from_bytes(data, self.max_pixels, self.draft))
+        return self.transform.apply(rgb_from_bytes(data, self.max_pixels, self.draft))
 
 
 class ImageTooLarge(ValueError):

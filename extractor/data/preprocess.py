@@ -45,6 +45,13 @@ class Preprocess:
     or ``floor`` (Hugging Face image processors): one pixel apart."""
     source: str = "ImageNet defaults"
     """Where the defaults came from (the library's config), for the store's record."""
+    runs: str = "extractor"
+    """Who makes the model's input: ``extractor`` (this record's resize and crop with Pillow, normalised on the
+    device) or ``library`` (the model's own processor, per image on the CPU: ``data.preprocess: library``; then
+    ``crop`` is the size it gives and ``mean``/``std`` are 0 and 1: its output is taken as it is)."""
+    check: dict[str, Any] | None = None
+    """What the probe measured: extractor's transform against the library's own processor on fixed probe
+    images (see :mod:`extractor.model.processors`); None when nothing of a library's is claimed."""
 
     @property
     def size(self) -> Size:
@@ -56,6 +63,8 @@ class Preprocess:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if d["check"] is None:
+            del d["check"]
         for k in ("resize", "crop", "mean", "std"):
             if isinstance(d[k], tuple):
                 d[k] = list(d[k])
@@ -258,6 +267,8 @@ def from_dict(d: dict[str, Any]) -> Preprocess:
         crop_pct=d.get("crop_pct"),
         crop_offset=d.get("crop_offset", "round"),
         source=d.get("source", ""),
+        runs=d.get("runs", "extractor"),
+        check=d.get("check"),
     )
 
 

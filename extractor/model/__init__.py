@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .build import (
         TokenFacts,
         build_model,
+        build_with_processor,
         decide_prefix_tokens,
         describe_model,
         layer_table,
@@ -35,10 +36,13 @@ if TYPE_CHECKING:
         resolve_targets,
         settle_layouts,
     )
+    from .processors import settle_preprocess
     from .zoo import HF_WEIGHT_FILES, Built, load_checkpoint
 
 __all__ = [
     "build_model",
+    "build_with_processor",
+    "settle_preprocess",
     "model_call",
     "resolve_device",
     "describe_model",
@@ -70,6 +74,8 @@ __getattr__ = face(
     __name__,
     {
         "build_model": "build",
+        "build_with_processor": "build",
+        "settle_preprocess": "processors",
         "model_call": "build",
         "resolve_device": "build",
         "describe_model": "build",

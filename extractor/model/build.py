@@ -16,8 +16,8 @@ from ..errors import ModelError
 from ..spec import ModelSpec
 from . import zoo
 
-__all__ = ["build_model", "model_call", "resolve_device", "describe_model", "layer_table", "prefix_tokens",
-           "decide_prefix_tokens", "token_facts", "TokenFacts"]
+__all__ = ["build_model", "build_with_processor", "model_call", "resolve_device", "describe_model", "layer_table",
+           "prefix_tokens", "decide_prefix_tokens", "token_facts", "TokenFacts"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ def build_model(spec: ModelSpec, module: nn.Module | None = None) -> tuple[nn.Mo
     """Build the model on the CPU in eval mode (or take ``module``, made in Python); return it with
     its description (``preprocess_defaults``: what its library prescribes, or why nothing is
     known; ``prefix_tokens``)."""
+    model, info, _ = build_with_processor(spec, module)
+    return model, info
+
+
+def build_with_processor(spec: ModelSpec, module: nn.Module | None = None) \
+        -> tuple[nn.Module, dict[str, Any], zoo.LibraryProcessor | None]:
+    """:func:`build_model`, and the model's own library's processor (None: it brings none)."""
     if module is not None:
         built = zoo.from_object(module, spec)
     else:
@@ -60,7 +67,7 @@ def build_model(spec: ModelSpec, module: nn.Module | None = None) -> tuple[nn.Mo
     info["prefix_tokens"] = spec.prefix_tokens if isinstance(spec.prefix_tokens, int) else library_prefix(model)
     p = built.preprocess
     info["preprocess_defaults"] = p.to_dict() if not isinstance(p, str) else p  # what the library prescribes
-    return model, info
+    return model, info, built.processor
 
 
 def model_call(model: nn.Module, spec: ModelSpec) -> Callable[[torch.Tensor], Any]:

@@ -132,16 +132,17 @@ def _prefix_to_drop(c: CaptureSpec, prefix_tokens: int | None, where: str) -> in
     return prefix_tokens
 
 
+UNKNOWN_PREFIX = -1  # Target.keep of a sampling capture whose model's prefix-token count is not known
+
+
 def _cutting(c: CaptureSpec, prefix_tokens: int | None, where: str) -> dict[str, Any]:
     """The Target fields of sample_tokens and project: with sampling, the prefix tokens kept in front (all of the
     model's, unless drop_prefix left them out: so their count must be known)."""
     keep = 0
     if c.sample_tokens and not c.drop_prefix:
-        if prefix_tokens is None:
-            raise LayerError(f"{where}.sample_tokens keeps the prefix tokens (CLS, registers) in front of the sampled "
-                             "patch tokens, but how many this model has is not known; set model.prefix_tokens, or "
-                             f"{where}.drop_prefix: true to sample patch tokens only")
-        keep = prefix_tokens
+        # an unknown count is asked for once the layer's output is seen to be a token sequence (_sample): a CNN's
+        # 4-D map is refused as what it is first, not after a round of prefix settings that cannot help
+        keep = UNKNOWN_PREFIX if prefix_tokens is None else prefix_tokens
     return {"sample": c.sample_tokens or 0, "keep": keep, "project": c.project or 0, "projection": c.projection,
             "seed": c.seed}
 
@@ -280,7 +281,13 @@ def _sample(t: Target, tokens: torch.Tensor, draws: torch.Tensor, where: str) ->
     """``sample_tokens``: of (B, T, D) tokens, the ``keep`` prefix ones and ``sample`` patch ones per row; and their
     positions in the layer's sequence (B, keep + sample)."""
     if tokens.ndim != 3:
-        raise LayerError(f"{where} is {tuple(tokens.shape)}; sample_tokens needs (batch, tokens, features)")
+        raise LayerError(f"{where} is {tuple(tokens.shape)}, not a token sequence (batch, tokens, features): "
+                         "sample_tokens samples tokens; a 4-D map (a CNN's) has none. Capture a layer that gives "
+                         "tokens, or reduce the map (reduce: mean, project)")
+    if t.keep == UNKNOWN_PREFIX:
+        raise LayerError(f"{where}: sample_tokens keeps the prefix tokens (CLS, registers) in front of the sampled "
+                         "patch tokens, but how many this model has is not known; set model.prefix_tokens, or "
+                         f"capture[{t.capture}].drop_prefix: true to sample patch tokens only")
     patches = tokens.shape[1] - t.keep
     if t.sample > patches:
         raise LayerError(f"{where}: sample_tokens {t.sample} is more than its {patches} patch tokens; set at most "

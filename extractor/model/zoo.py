@@ -24,6 +24,7 @@ from torch import nn
 from ..data import IMAGENET, PIL_RESAMPLE, Preprocess
 from ..errors import ModelError
 from ..spec import ModelSpec
+from .processors import LibraryProcessor
 
 __all__ = ["Built", "build", "load_checkpoint", "HF_WEIGHT_FILES"]
 
@@ -37,6 +38,15 @@ _EXTRA = "pip install 'extractor[models]' (timm, transformers, open_clip_torch)"
 _RESAMPLE = {code: name for name, code in PIL_RESAMPLE.items()}  # PIL's codes, as processors store them
 # composite configs whose vision tower has a class of its own with the image projection
 _HF_TOWERS = {"clip": "CLIPVisionModelWithProjection"}
+# the image processor settings extractor reproduces (the probe then checks how, on its images); any other
+# setting that is on counts as one it does not (MobileViT's do_flip_channel_order, OWLv2's do_pad...)
+_HF_REPRODUCED = frozenset({"do_resize", "size", "resample", "do_center_crop", "crop_size", "crop_pct", "do_rescale",
+                            "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb",
+                            "default_to_square"})
+# names, not settings; and settings of no effect on images (segmentation labels only)
+_HF_RECORDS = frozenset({"image_processor_type", "processor_class", "_processor_class", "feature_extractor_type",
+                         "do_reduce_labels"})
+_HF_NEUTRAL = {"ensure_multiple_of": 1, "size_divisor": 1}  # settings at a value that changes nothing
 
 
 @dataclass
@@ -46,6 +56,7 @@ class Built:
     preprocess: Preprocess | str  # the library's preprocessing, or why none is known
     pretrained: bool  # weights came from somewhere (not a random init of ours)
     library: str  # torchvision, timm, hf, open_clip, factory
+    processor: LibraryProcessor | None = None  # the library's own processor, run by the probe (or the decoders)
 
 
 def _downloads() -> bool:
@@ -107,8 +118,9 @@ def from_object(model: nn.Module, spec: ModelSpec) -> Built:
     """A module made in Python and given to ``extractor.run(..., model=...)``, used as it is."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"model= takes a torch.nn.Module, not {type(model).__name__}")
+    found, processor = _own_preprocess(model, spec)
     return Built(model, f"python object {type(model).__module__}.{type(model).__qualname__} (weights as given)",
-                 _own_preprocess(model, spec), True, "python")
+                 found, True, "python", processor)
 
 
 def _python(spec: ModelSpec) -> Built:
@@ -294,7 +306,10 @@ def _hf_geometry(p: Any, src: str) -> tuple[int | tuple[int, int] | None, tuple[
     else:
         return f"the image processor of hf:{src} resizes to {size}, which extractor does not reproduce"
     if getattr(p, "do_center_crop", False):
-        cget = _getter(p.crop_size)
+        cget = _getter(getattr(p, "crop_size", None) or {})
+        if not (cget("height") and cget("width")):
+            return (f"the image processor of hf:{src} centre-crops to {getattr(p, 'crop_size', None)}, which "
+                    "extractor does not reproduce")
         crop = (int(cget("height")), int(cget("width")))
     return resize, crop
 
@@ -304,14 +319,47 @@ def _three(value: Any) -> Any:
     return (float(value),) * 3 if isinstance(value, (int, float)) else tuple(float(v) for v in value)
 
 
-def _hf_preprocess(transformers: Any, src: str) -> Preprocess | str:
+def _hf_unknown(p: Any) -> tuple[str, ...]:
+    """The settings of an image processor outside the allow-list, that are on (``do_flip_channel_order=True``)."""
+    return tuple(f"{k}={v!r}" for k, v in p.to_dict().items()
+                 if k not in _HF_REPRODUCED and k not in _HF_RECORDS and v not in (False, None)
+                 and _HF_NEUTRAL.get(k, ...) != v)
+
+
+def _hf_run(p: Any) -> Callable[[Any], Any]:
+    """One image through a transformers image processor: its ``pixel_values`` (3, h, w)."""
+    return lambda img: p(img, return_tensors="pt")["pixel_values"][0]
+
+
+def _hf_processor(transformers: Any, src: str, p: Any) -> LibraryProcessor:
+    """An image processor as the probe and ``data.preprocess: library`` run it; the probe compares with its
+    Pillow backend first (extractor resizes with Pillow), then with the processor itself."""
+    name = type(p).__name__
+    pil_name = name.removesuffix("Pil") + "Pil"
+    pil_cls: Any = getattr(transformers, pil_name, None)
+    refs = []
+    if pil_cls is not None and not isinstance(p, pil_cls):
+        with _offline():
+            pil = pil_cls.from_pretrained(src, local_files_only=not _downloads())
+        refs.append((f"{pil_name} of hf:{src}", _hf_run(pil)))
+    refs.append((f"{name} of hf:{src}", _hf_run(p)))
+    return LibraryProcessor(f"{name} of hf:{src}", _hf_run(p), tuple(refs), _hf_unknown(p))
+
+
+def _hf_preprocess(transformers: Any, src: str) -> tuple[Preprocess | str, LibraryProcessor | None]:
     """What an ``hf:`` model's image processor does, as a :class:`Preprocess` (or why extractor cannot
-    reproduce it): its resize and crop, rescale (1/255 only), normalisation and resampling."""
+    reproduce it from its settings: resize and crop, rescale (1/255 only), normalisation and resampling),
+    and the processor itself (None: there is none)."""
     try:
         with _offline():
             p = transformers.AutoImageProcessor.from_pretrained(src, local_files_only=not _downloads())
     except (OSError, ValueError, KeyError) as err:
-        return f"hf:{src} has no image processor config (preprocessor_config.json) here ({type(err).__name__})"
+        return f"hf:{src} has no image processor config (preprocessor_config.json) here ({type(err).__name__})", None
+    return _hf_settings(p, src), _hf_processor(transformers, src, p)
+
+
+def _hf_settings(p: Any, src: str) -> Preprocess | str:
+    """An image processor's settings as a :class:`Preprocess`, or why they cannot be one."""
     if getattr(p, "max_num_patches", None) is not None:  # Siglip2's NaFlex: each image at its own size
         return (f"the image processor of hf:{src} ({type(p).__name__}) resizes each image to its own size "
                 "(variable resolution, max_num_patches): extractor stores one shape per capture and does not support "
@@ -378,12 +426,11 @@ def _hf(spec: ModelSpec) -> Built:
     pretrained = _hf_weights(spec, local)  # the folder's or the hub id's own weights
     fetch = f"`hf download {src}`"
     config, tower = _hf_config(transformers, spec, local, fetch)
-    cls = _hf_class(transformers, config, tower)
+    cls = _hf_class(transformers, config, tower, src)
     try:
         with _offline(), _quiet_transformers(transformers):
             if pretrained:
-                model, report = cls.from_pretrained(src, config=tower, local_files_only=not _downloads(),
-                                                    output_loading_info=True)
+                model, report = _hf_load(cls, src, tower, tower is not config)
             else:
                 model, report = cls(tower), {}  # the public constructor: a random init from the config
     except (OSError, ValueError) as err:
@@ -396,20 +443,49 @@ def _hf(spec: ModelSpec) -> Built:
                          "(its config's architectures), or set model.weights: random")
     what = f"{cls.__name__} of " if tower is not config else ""
     source = f"hf {what}{src}" + (" pretrained" if pretrained else "")
-    found = _hf_preprocess(transformers, src)
+    found, processor = _hf_preprocess(transformers, src)
     size = getattr(tower, "image_size", None)
     if isinstance(found, str) and isinstance(size, int):
         found += f"; its config says image_size {size} (e.g. crop: {size})"
-    return Built(model, source, found, pretrained, "hf")
+    return Built(model, source, found, pretrained, "hf", processor)
 
 
-def _hf_class(transformers: Any, config: Any, tower: Any) -> Any:
+def _hf_load(cls: Any, src: str, config: Any, tower: bool) -> tuple[Any, dict[str, Any]]:
+    """``cls.from_pretrained`` and its load report; a composite model's vision tower whose class holds its
+    modules at the root (BLIP's ``BlipVisionModel``) takes them from the checkpoint's ``vision_model.``."""
+    model, report = cls.from_pretrained(src, config=config, local_files_only=not _downloads(),
+                                        output_loading_info=True)
+    if tower and report.get("missing_keys"):
+        again, second = cls.from_pretrained(src, config=config, local_files_only=not _downloads(),
+                                            output_loading_info=True, key_mapping={r"^vision_model\.": ""})
+        if not second.get("missing_keys"):
+            return again, second
+    return model, report
+
+
+def _hf_tower_class(transformers: Any, tower: Any, src: str) -> Any:
+    """The class of a composite model's vision tower: AutoModel's for its config, else the class its config
+    names (``Owlv2VisionConfig``: ``Owlv2VisionModel``), else refused naming the way (a factory)."""
+    try:
+        return transformers.MODEL_MAPPING[type(tower)]
+    except KeyError:
+        pass
+    named = type(tower).__name__.removesuffix("Config") + "Model"
+    cls = getattr(transformers, named, None)
+    if isinstance(cls, type):
+        return cls
+    raise ModelError(f"hf:{src}: its vision tower ({type(tower).__name__}) has no model class transformers builds on "
+                     "its own; build the tower in a function named by model.factory, or pass it as "
+                     "extractor.run(job, model=...)")
+
+
+def _hf_class(transformers: Any, config: Any, tower: Any, src: str = "") -> Any:
     """The class an ``hf:`` model is built as: a composite model's vision tower (CLIP's with its projection),
     else the class its config names (``architectures``: a ``...ForImageClassification`` keeps its head, so
     ``.logits`` feed gradient jobs), else the base model of its config."""
     if tower is not config:
         name = _HF_TOWERS.get(config.model_type)
-        return getattr(transformers, name) if name else transformers.MODEL_MAPPING[type(tower)]
+        return getattr(transformers, name) if name else _hf_tower_class(transformers, tower, src)
     for name in getattr(config, "architectures", None) or []:
         if isinstance(getattr(transformers, name, None), type):
             return getattr(transformers, name)
@@ -527,25 +603,25 @@ def _factory(spec: ModelSpec) -> Built:
         raise ModelError(f"model.factory {factory!r} raised {type(err).__name__}: {err}") from err
     if not isinstance(model, nn.Module):
         raise ModelError(f"model.factory {factory!r} returned {type(model).__name__}, not a torch.nn.Module")
-    return Built(model, f"factory {factory} (weights as the factory built them)", _own_preprocess(model, spec),
-                 True, "factory")
+    found, processor = _own_preprocess(model, spec)
+    return Built(model, f"factory {factory} (weights as the factory built them)", found, True, "factory", processor)
 
 
-def _own_preprocess(model: nn.Module, spec: ModelSpec) -> Preprocess | str:
+def _own_preprocess(model: nn.Module, spec: ModelSpec) -> tuple[Preprocess | str, LibraryProcessor | None]:
     """The preprocessing a module made elsewhere (a factory's, one given to ``extractor.run``) carries
     with it: timm's ``pretrained_cfg``, open_clip's ``preprocess_cfg`` (on the model or its ``visual``
     tower), a Hugging Face model's processor config (its ``name_or_path`` folder or cached hub id);
     else why none is known (the job must then give the ``data.*`` settings: no silent ImageNet)."""
     if hasattr(model, "pretrained_cfg") and "timm" in sys.modules:
-        return _timm_preprocess(sys.modules["timm"], model, spec)
+        return _timm_preprocess(sys.modules["timm"], model, spec), None
     for carrier in (model, getattr(model, "visual", None)):
         if isinstance(carrier, nn.Module) and getattr(carrier, "preprocess_cfg", None):
-            return _open_clip_preprocess(carrier, spec)
+            return _open_clip_preprocess(carrier, spec), None
     source = getattr(model, "name_or_path", None)
     if isinstance(source, str) and source and "transformers" in sys.modules:
         return _hf_preprocess(sys.modules["transformers"], source)
     return (f"the model {spec.factory or spec.name} ({type(model).__name__}) carries no preprocessing extractor knows "
-            "(timm's pretrained_cfg, open_clip's preprocess_cfg, a Hugging Face model's processor config)")
+            "(timm's pretrained_cfg, open_clip's preprocess_cfg, a Hugging Face model's processor config)"), None
 
 
 # --------------------------------------------------------------------------- checkpoints

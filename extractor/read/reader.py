@@ -769,6 +769,7 @@ class ActivationStore:
             "created": self.attrs.get("created"),
             "updated": self.attrs.get("updated"),
             "model": self.model,
+            "preprocess": self.attrs.get("preprocess"),  # with what the probe measured against the library (check)
             "rows": len(self),
             "row_status": counts,
             "shards": {"total": int(self.attrs["n_shards"]), "done": int(self.done_shards.sum())},

@@ -252,10 +252,13 @@ class DataSpec(_Section):
     """fsspec options for remote images, manifests and tars (``endpoint_url``, ``key``, ``secret``...)."""
     extensions: tuple[str, ...] = IMAGE_EXTENSIONS
     """File name endings taken as images by the folder source (case-insensitive)."""
-    preprocess: Literal["auto", "imagenet"] = Field(default="auto", json_schema_extra=RESOLVED)
+    preprocess: Literal["auto", "imagenet", "library"] = Field(default="auto", json_schema_extra=RESOLVED)
     """Where the settings below that are left at ``auto`` come from: the model's own library (timm's
     data config, the Hugging Face image processor, open_clip's transform, torchvision's weights
-    transforms) or ``imagenet`` (shorter side 256, crop 224, bilinear, ImageNet mean and std)."""
+    transforms), taken only when the probe shows extractor's resize and crop equal to that library's own
+    processor; or ``imagenet`` (shorter side 256, crop 224, bilinear, ImageNet mean and std); or ``library``:
+    the model's own processor runs as it is, per image in the decode workers (CPU; slower, right by
+    construction), with no ``data.*`` setting of its own."""
     resize: int | tuple[int, int] | None | Literal["auto"] = Field(default="auto", json_schema_extra=RESOLVED)
     """``auto`` (see ``preprocess``); an int resizes the shorter side to it; ``[H, W]`` squashes every
     image to that size (no aspect kept); null: no resize."""
@@ -301,6 +304,21 @@ class DataSpec(_Section):
         if self.jpeg_draft and self.resize is None:
             raise ValueError("data.jpeg_draft decodes at a scale that the resize allows; with resize: null "
                              "nothing is resized, so it would do nothing: remove jpeg_draft")
+        return self
+
+    @model_validator(mode="after")
+    def _library(self) -> DataSpec:
+        if self.preprocess != "library":
+            return self
+        given = [f for f in ("resize", "crop", "interpolation", "mean", "std") if getattr(self, f) != "auto"]
+        given += ["crop_pct"] if self.crop_pct is not None else []
+        if given:
+            raise ValueError(f"data.{given[0]} is set, but data.preprocess: library runs the model's own processor "
+                             f"as it is: remove data.{', data.'.join(given)}, or set data.preprocess: auto")
+        if self.decode_device == "cuda" or self.jpeg_draft:
+            what = "decode_device: cuda" if self.decode_device == "cuda" else "jpeg_draft"
+            raise ValueError(f"data.{what} changes how extractor decodes, but data.preprocess: library hands each "
+                             f"image to the model's own processor on the CPU: remove data.{what}")
         return self
 
     @model_validator(mode="after")

@@ -74,7 +74,7 @@ STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
 ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint")
 ATTR = "extractor"  # root attribute holding everything this package records
 # the resolved preprocessing's settings that change pixels (the ``preprocess`` record holds more: its source)
-PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset")
+PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset", "runs")
 
 
 def now() -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from ..data import Reused
+from ..data import Reused, from_dict
 from ..errors import StoreError
 from .format import OK, PREPROCESS_FIELDS, get_array, lease_token, open_group, root_attrs
 from .forward import forward_differences
@@ -51,7 +51,7 @@ def _value_inputs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     the captures' records (without their place in the spec) and the per-row extras."""
     model_spec, data_spec = _spec_inputs(attrs)
     model = attrs.get("model") or {}
-    preprocess = attrs.get("preprocess") or {}
+    preprocess = from_dict(attrs["preprocess"]).to_dict() if attrs.get("preprocess") else {}  # older: runs
     captures = {k: {f: v for f, v in c.items() if f != "capture"} for k, c in (attrs.get("captures") or {}).items()}
     return {
         "format_version": attrs.get("format_version"),
