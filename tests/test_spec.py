@@ -244,7 +244,8 @@ def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
     argv = ["extractor", "run", "job.yaml", "--set", "data.storage_options.secret=s1", "--set",
             "output.storage_options.endpoint_url=http://e", "--set=submit.env_vars.TOKEN=s2", "--set",
             "data.storage_options={key: k, secret: s3}", "--set", "data.batch_size=8", "--set",
-            "submit={env_vars: {HF_TOKEN: s4}}", "--set", "data.storage_options.client_kwargs={aws_secret_access_key: s5}",
+            "submit={env_vars: {HF_TOKEN: s4}}", "--set",
+            "data.storage_options.client_kwargs={aws_secret_access_key: s5}",
             "-q"]
     shown = " ".join(redact_argv(argv))
     assert not {"s1", "s2", "s3", "s4", "s5"} & set(shown.replace("=", " ").replace(",", " ").replace("}", " ").split())
