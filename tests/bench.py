@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".bench"
@@ -323,6 +324,52 @@ def sharding_bench(rows: int = 4096, tokens: int = 197, features: int = 384, sha
                         rows * tokens, "tokens", mb)
 
 
+def sharded_reader_bench(repeats: int = 3) -> None:
+    """Shuffled epochs on sharded stores (the default layout) against a sequential zarr read of the same array:
+    rows of 16 KB (64x8x8 float32, shards of 64 rows, inner chunks of 16) and token rows of 150 KB (197 tokens x 384
+    float16, shards of 64 rows, inner chunks of 8)."""
+    import numpy as np
+
+    from extractor.data.rows import Rows
+    from extractor.read.reader import open_store
+    from extractor.store.format import OK, StoreArrays, create_store
+
+    cases = {"rows": ([64, 8, 8], "float32", 6000, 16), "tokens": ([197, 384], "float16", 640, 8)}
+    for name, (shape, dtype, rows, inner) in cases.items():
+        url = WORK / f"sharded-{name}.zarr"
+        meta = {"shape": shape, "dtype": dtype, "dims": [f"x.d{i}" for i in range(len(shape))], "layer": "x",
+                "what": "output", "reduce": "none"}
+        if not (url / "zarr.json").exists():
+            g = create_store(str(url), Rows(ids=[f"i{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
+                             StoreArrays(captures={"x": meta}, extras={}, shard_size=64, chunk_rows={"x": inner},
+                                         sharded=True),
+                             attrs={"n_rows": rows, "n_shards": -(-rows // 64), "captures": {"x": meta},
+                                    "format_version": 1, "spec": {}, "model": {"prefix_tokens": 1}})
+            rng = np.random.default_rng(0)
+            for a in range(0, rows, 64):
+                g["x"][a:a + 64] = rng.standard_normal((min(64, rows - a), *shape), dtype=np.float32).astype(dtype)
+            g["status"][:] = np.full(rows, OK, np.uint8)
+        s = open_store(str(url))
+        arr = s["x"]
+        mb = rows * int(np.prod(shape)) * np.dtype(dtype).itemsize / 1e6
+
+        def plain(arr: Any = arr, rows: int = rows) -> None:
+            for a in range(0, rows, 64):
+                np.asarray(arr[a:a + 64])
+
+        def epoch(s: Any = s, name: str = name) -> None:
+            if name == "rows":
+                sum(len(r) for r, _ in s.batches("x", 1024, shuffle=True, seed=1))
+            else:
+                sum(len(i) for i, _ in s.token_batches("x", 4096, shuffle=True, seed=1))
+
+        row_kb = int(np.prod(shape)) * np.dtype(dtype).itemsize / 1024
+        print(f"\nsharded store, {name}: {rows} rows of {row_kb:.0f} KB ({mb:.0f} MB), shards of 64 rows, inner "
+              f"chunks of {inner}; median of {repeats}")
+        _against_sequential({"sequential zarr read": plain, f"{'batches' if name == 'rows' else 'token_batches'}"
+                             "(shuffle=True)": epoch}, repeats, rows, "rows", mb)
+
+
 def as_parquet(image_dir: Path, row_group: int = 100) -> Path:
     """The images of ``image_dir`` in one Parquet file as the Hub holds them ({bytes, path} structs, ClassLabel
     names in the metadata), in the folder source's row order; row groups of 100 rows, as ``datasets`` writes."""
@@ -412,6 +459,7 @@ def main() -> None:
         reader_bench()
         token_bench()
         sharding_bench()
+        sharded_reader_bench()
         return
     if args.overhead:
         import bench_overhead

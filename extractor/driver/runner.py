@@ -243,6 +243,32 @@ def _claim(spec: JobSpec, rows: Rows, decision: _Decision, attrs: dict[str, Any]
     return create_store(url, rows, arrays, attrs, storage, lease=lease, fresh=decision.old is None)
 
 
+def _record_source(spec: JobSpec, decision: _Decision, attrs: dict[str, Any]) -> None:
+    """A resume with nothing to compute whose source moved but not its images (files touched, a tar rewritten with
+    the same members): the source's new fingerprints, member places and tar listing recorded under the lease, so
+    that the next resume neither reads those images again nor lists the tars again. Best effort: a store that
+    cannot be written (a read-only file system) keeps the old record, said in the log."""
+    listing = attrs.get("listing")
+    moved = listing is not None and listing != (decision.old or {}).get("listing")
+    if decision.fingerprints is None and decision.places is None and not moved:
+        return
+    lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
+    try:
+        lease.acquire()
+        group = lease.open()
+        if decision.fingerprints is not None:
+            get_array(group, "fingerprint")[:] = decision.fingerprints
+        if decision.places is not None:
+            get_array(group, "byte_offset")[:], get_array(group, "byte_size")[:] = decision.places
+        update_attrs(group, **({"listing": listing} if moved else {}))
+        consolidate(group)
+    except (OSError, StoreError) as err:
+        log.info("the source of %s moved but not its images; its new fingerprints were not recorded (%s): the next "
+                 "resume compares them again", spec.output.store, err)
+    finally:
+        lease.release()
+
+
 def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
     """``target: label`` differentiates each row's label's logit: every row needs a label, and
     one the model has an output for."""
@@ -432,7 +458,8 @@ def run(
         attrs, decided, per_row = _look(spec, rows, shards, backend)
         if on_start is not None:
             on_start(sum(len(s) for s in decided.todo), per_row)
-        if decided.nothing_to_do:  # exit 0 without writing: also on a read-only file system
+        if decided.nothing_to_do:  # exit 0 without writing (but what moved in the source): also read-only
+            _record_source(spec, decided, attrs)
             group = open_group(spec.output.store, "r", spec.output.storage_options)
             return _finish(spec, group, shards, [], [], per_row, time.perf_counter() - t0, write=False)
         lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())

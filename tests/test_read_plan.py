@@ -1,0 +1,69 @@
+"""The read plan of an epoch on a sharded store (issue 39): a shuffled epoch reads each shard's object in one
+request, as a sequential one does; mixing happens in memory. Requests are counted, not timed."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from extractor.data import Rows
+from extractor.read.reader import open_store
+from extractor.store import snapshot
+from extractor.store.format import OK, StoreArrays, create_store
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """600 rows of 64x8x8 float32 (16 KB) and of 9x4 tokens, shards of 64 rows, inner chunks of 16."""
+    url = str(tmp_path_factory.mktemp("plan") / "s.zarr")
+    caps = {"x": {"shape": [64, 8, 8], "dtype": "float32", "dims": ["x.c", "x.y", "x.x"], "layer": "x",
+                  "what": "output", "reduce": "none"},
+            "t": {"shape": [9, 4], "dtype": "float32", "dims": ["t.token", "t.feature"], "layer": "t",
+                  "what": "output", "reduce": "none"}}
+    n = 600
+    g = create_store(url, Rows(ids=[f"i{i}" for i in range(n)], paths=[""] * n, labels=[0] * n),
+                     StoreArrays(captures=caps, extras={}, shard_size=64, chunk_rows=dict.fromkeys(caps, 16),
+                                 sharded=True),
+                     {"n_rows": n, "n_shards": 10, "captures": caps, "format_version": 1, "spec": {},
+                      "model": {"prefix_tokens": 1}})
+    rng = np.random.default_rng(0)
+    g["x"][:] = rng.standard_normal((n, 64, 8, 8), dtype=np.float32)
+    g["t"][:] = rng.standard_normal((n, 9, 4), dtype=np.float32)
+    g["status"][:] = OK
+    return url
+
+
+def requests(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    seen: collections.Counter = collections.Counter()
+    get = snapshot.SnapshotStore.get
+
+    async def counted(self, key, prototype, byte_range=None):  # noqa: ANN001, ANN202 - the store's signature
+        if "/c/" in key:  # the array's chunks (its metadata is read once, when it is opened)
+            seen[key.split("/")[0]] += 1
+        return await get(self, key, prototype, byte_range)
+
+    monkeypatch.setattr(snapshot.SnapshotStore, "get", counted)
+    return seen
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_epoch_of_batches_reads_each_shard_in_one_request(sharded: str, monkeypatch: pytest.MonkeyPatch,
+                                                              shuffle: bool):
+    s = open_store(sharded)
+    seen = requests(monkeypatch)
+    got = [r for r, _ in s.batches("x", 50, shuffle=shuffle, seed=3)]
+    assert sorted(np.concatenate(got).tolist()) == list(range(600))
+    # 9 whole shards in one request each; the last (24 rows of 64) reads its index and its two inner chunks
+    assert seen["x"] == 9 + 1 + 2, seen
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_epoch_of_tokens_reads_each_shard_in_one_request(sharded: str, monkeypatch: pytest.MonkeyPatch,
+                                                             shuffle: bool):
+    s = open_store(sharded)
+    seen = requests(monkeypatch)
+    index = np.concatenate([i for i, _ in s.token_batches("t", 128, shuffle=shuffle, seed=3)])
+    assert len(index) == 600 * 9 and len({(int(r), int(t)) for r, t in index}) == 600 * 9
+    assert seen["t"] == 9 + 1 + 2, seen
