@@ -146,10 +146,10 @@ def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
 
     read = decode.read_bytes
 
-    def read_bytes(item, storage_options=None):  # noqa: ANN001, ANN202 - the patched function's signature
+    def read_bytes(item, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the patched function's
         if isinstance(item, str) and os.path.basename(item) == name:
             os._exit(70)
-        return read(item, storage_options)
+        return read(item, *args, **kwargs)
 
     decode.read_bytes = read_bytes
     return SlowNet(seconds)
