@@ -375,3 +375,17 @@ def test_a_reader_never_sees_a_shard_object_half_replaced(tmp_path: Path):
     finally:
         stop.set()
         writer.join()
+
+
+def test_a_store_on_another_fsspec_file_system_is_written_with_the_lease_checked(images: Path):
+    """memory:// (as gs:// and the rest): no lock, no conditional writes: the lease is read before each write, off
+    zarr's event loop (a read through zarr from inside its own loop fails)."""
+    url = "memory://fencing/s.zarr"
+    spec = spec_of(images, url, "mean", {"factory": "toy_models:slow_net", "factory_kwargs": {"seconds": 0}})
+    assert run(parse_spec(spec)).ok == 4
+    spec["output"]["if_exists"] = "overwrite"
+    assert run(parse_spec(spec)).ok == 4
+    from extractor.store.format import _LeaseObject
+
+    s = open_store(url)
+    assert s.attrs["status"] == "complete" and s.done_shards.all() and _LeaseObject(url, None).read()[0]["released"]

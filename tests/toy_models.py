@@ -435,7 +435,9 @@ def stopped_at_write(where: str, key: str, marker: str, nth: int = 1, seconds: f
             while any(f._holds for f in fence.LockFile._all.values()) and time.monotonic() < deadline:
                 time.sleep(0.001)
         open(marker, "w").close()
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # to this thread: it stops before its next instruction (a SIGSTOP to the process may be taken by another
+        # thread first, and this one would go on into its write for a moment)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
     if where == "before":
         original_set, original_close, original_wipe = fence.FencedStore.set, chunks.ShardStream.close, fmt.wipe

@@ -216,14 +216,20 @@ def _claim(spec: JobSpec, rows: Rows, decision: _Decision, attrs: dict[str, Any]
     store that appeared, was replaced or whose lease another job took since :func:`_decide` read it
     is refused, naming that job. Returns the store's group (this job's from then on)."""
     url, storage = spec.output.store, spec.output.storage_options
-    now_there = read_attrs(url, storage)
-    if (now_there or {}).get("created") != (decision.old or {}).get("created"):
-        Lease.check(url, storage, spec.output.lease_timeout_s)  # names a live job that did it
-        what = "created" if decision.old is None else "replaced"
-        raise StoreError(f"store {url} was {what} by another job after this one looked at it; run again (--resume "
-                         "finishes it)")
+
+    def unchanged() -> None:
+        """The store is still the one :func:`_decide` read (checked before the lease, and again under it)."""
+        now_there = read_attrs(url, storage)
+        if (now_there or {}).get("created") != (decision.old or {}).get("created"):
+            Lease.check(url, storage, spec.output.lease_timeout_s, lease.token)  # names a live job that did it
+            what = "created" if decision.old is None else "replaced"
+            raise StoreError(f"store {url} was {what} by another job after this one looked at it; run again "
+                             "(--resume finishes it)")
+
+    unchanged()
     if not decision.create:
         lease.acquire()  # a live lease refuses; a stale one is taken over
+        unchanged()  # a job that replaced it meanwhile and stopped: its store is not this job's to resume
         group = lease.open()  # every write from here on through the lease's fence
         reset_shards(group, [(s.index, s.start, s.stop) for s in decision.redo])  # before any new fingerprint
         if decision.fingerprints is not None:
@@ -240,7 +246,8 @@ def _claim(spec: JobSpec, rows: Rows, decision: _Decision, attrs: dict[str, Any]
                          chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
                          compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse),
                          sharded=spec.output.sharding)
-    return create_store(url, rows, arrays, attrs, storage, lease=lease, fresh=decision.old is None)
+    return create_store(url, rows, arrays, attrs, storage, lease=lease, fresh=decision.old is None,
+                        claimed=unchanged if decision.old is not None else None)
 
 
 def _record_source(spec: JobSpec, decision: _Decision, attrs: dict[str, Any]) -> None:
@@ -454,6 +461,7 @@ def run(
     backend = backend if backend is not None else _backend(spec)
     lease: Lease | None = None
     group: Any = None
+    decided: _Decision | None = None
     try:
         attrs, decided, per_row = _look(spec, rows, shards, backend)
         if on_start is not None:
@@ -466,26 +474,44 @@ def run(
         group = _claim(spec, rows, decided, attrs, lease)  # from here on the store is this job's
         del rows  # the store holds them now, and workers read their shards' rows from it: the driver lets them go
         events.merging(group, len(shards))
-        done = done_shards(group)  # read again under the lease
+        # read again under the lease; a new store's are not read at all (on an object store a paused job's marker
+        # could land in it before this read: its shard is computed, and its objects replaced)
+        done = done_shards(group) if not decided.create else np.zeros(len(shards), dtype=bool)
         todo = [s for s in shards if not done[s.index]]
         t_compute = time.perf_counter()
         summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), events, lease, group)
         compute_s = time.perf_counter() - t_compute
+        # still under the lease: a job that takes the released store over never meets this one's last writes
+        summary = _finish_done(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0, compute_s,
+                               events.totals)
     except BaseException as err:
-        if lease is not None and lease.held and not (isinstance(err, FencedError) or lease.lost):
-            if group is not None:  # else: stopped while creating it (status "creating": --resume starts again)
-                _mark_stopped(spec, group, spec.output.store, err, events.totals)  # not a word into another's
-            err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
-            err.creating = group is None  # type: ignore[attr-defined]  # and says what is left of the store
+        _stopped(spec, err, lease, group, decided is not None and decided.create, events.totals)
         raise
     finally:
         backend.close()
         if lease is not None:
             lease.release()
-    summary = _finish_done(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0, compute_s,
-                           events.totals)
     summary.workers = _worker_table(events.log)
     return summary
+
+
+def _stopped(spec: JobSpec, err: BaseException, lease: Lease | None, group: Any, create: bool,
+             totals: Totals | None) -> None:
+    """What a job that held its store (and still does) leaves in it when ``err`` stops it: the store marked
+    interrupted or failed with the shards that finished (a store stopped while being created stays "creating":
+    --resume starts it again), and the command that finishes it (``err.resumable``, said by the CLI)."""
+    if lease is None or not lease.held or isinstance(err, FencedError) or lease.lost:
+        return  # before the store was touched, or not a word more into another job's store
+    creating = create and group is None
+    if group is None and not creating:  # a resume stopped while it claimed the store: its shards are kept
+        try:
+            group = lease.open()
+        except Exception:  # noqa: BLE001 - the storage that stopped it may refuse this too: the status stays
+            group = None
+    if group is not None:
+        _mark_stopped(spec, group, spec.output.store, err, totals)
+    err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
+    err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store
 
 
 def _finish_done(spec: JobSpec, group: Any, shards: list[Shard], todo: list[Shard], summaries: list[ShardSummary],

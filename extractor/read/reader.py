@@ -56,8 +56,8 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
             # consolidated metadata when present: one read opens it all; a local store's shards read from one version
             # of their object each (store.snapshot)
             local = url.removeprefix("file://") if "://" not in url.removeprefix("file://") else None
-            group = zarr.open_group(snapshot_store(local) if local is not None and os.path.isdir(local) else url,
-                                    **kwargs)
+            snapshot = local is not None and hasattr(os, "pread") and os.path.isdir(local)  # POSIX's pread
+            group = zarr.open_group(snapshot_store(local) if snapshot and local is not None else url, **kwargs)
     except FileNotFoundError:
         raise StoreError(f"no store at {url}") from None
     except Exception as err:

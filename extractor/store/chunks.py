@@ -225,9 +225,10 @@ class ShardStream:
         root = getattr(self.store, "root", None)
         if root is not None:  # a local folder: a temporary file beside the shard's, renamed at close
             self.final = os.path.join(str(root), *self.key.split("/"))
-            os.makedirs(os.path.dirname(self.final), exist_ok=True)
             self.path = f"{self.final}.{tag}{PARTIAL}"
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            with self.fence.held() if self.fence is not None else contextlib.nullcontext():  # nothing of a job
+                os.makedirs(os.path.dirname(self.final), exist_ok=True)  # that lost the store, not a folder
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         elif _object_store(self.store) and "://" in url:  # one upload, completed by commit() in close()
             import fsspec
 
@@ -303,7 +304,10 @@ class ShardStream:
                 if (head.get("Metadata") or {}).get(_STAMP) == self.stamp:  # this upload's, its answer lost
                     return
                 self.fence.check()
-                self.fs.rm_file(self.object)
+                if head:  # an object there, removed only as this job saw it (If-Match), then created again
+                    with contextlib.suppress(Exception):
+                        self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=head["ETag"])
+                    self.fs.invalidate_cache(self.object)
         raise OSError(f"the storage refused {self.key} three times")
 
     def abort(self) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
+import errno
 import json
 import logging
 import os
@@ -66,7 +66,7 @@ def refused(err: BaseException) -> bool:
     """An S3 write refused for its condition (412 PreconditionFailed, 409 ConditionalRequestConflict)."""
     text = f"{type(err).__name__} {err}"
     return isinstance(err, FileExistsError) or any(
-        s in text for s in ("PreconditionFailed", "pre-conditions", "ConditionalRequestConflict", "412"))
+        s in text for s in ("PreconditionFailed", "pre-conditions", "ConditionalRequestConflict"))
 
 
 class LockFile:
@@ -74,7 +74,8 @@ class LockFile:
 
     ``flock`` locks belong to an open file: each process keeps one shared hold, counted over its threads (the
     writer threads, the lease's renewal), and lets it go when the last of them is done. One object per file per
-    process (:meth:`of`)."""
+    process (:meth:`of`). Where the file system has no ``flock`` (some FUSE, SMB or Lustre ``noflock`` mounts; a
+    platform without ``fcntl``), writes go on with the lease checked before each, and a warning says so."""
 
     _all: dict[str, LockFile] = {}
     _all_lock = threading.Lock()
@@ -84,6 +85,7 @@ class LockFile:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._holds = 0
+        self.works = True  # the file system takes flock locks
 
     @classmethod
     def of(cls, root: str) -> LockFile:
@@ -99,19 +101,50 @@ class LockFile:
             tmp = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
             with open(tmp, "wb") as f:
                 f.write(_LOCK_BODY)
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.link(tmp, self.path)
-            os.remove(tmp)
+            except FileExistsError:
+                pass
+            except OSError:  # no hard links here (exFAT, some FUSE mounts): renamed, if still absent
+                if not os.path.exists(self.path):
+                    os.replace(tmp, self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
         return os.open(self.path, os.O_RDWR)
+
+    def _flock(self, fd: int, how: str) -> bool:
+        """Lock ``fd`` (``shared``, ``exclusive``: without waiting); False where it would wait. Where the file system
+        takes no locks, says so once and from then on locks nothing (True)."""
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX platform
+            return self._unsupported("this platform has no flock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH if how == "shared" else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as err:
+            if err.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                return self._unsupported(os.strerror(err.errno or 0))
+            raise
+
+    def _unsupported(self, why: str) -> bool:
+        if self.works:
+            self.works = False
+            log.warning("the file system of %s takes no flock locks (%s): each write checks the lease just before it, "
+                        "and a job paused between that check and its write could still write; run one job at a time "
+                        "on this store", os.path.dirname(os.path.dirname(os.path.dirname(self.path))), why)
+        return True
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
         """Held by a writer while it checks the lease and writes (blocks while a takeover holds it)."""
         with self._lock:
-            if self._holds == 0:
+            if self._holds == 0 and self.works:
                 fd = self._open()
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    self._flock(fd, "shared")
                 except BaseException:
                     os.close(fd)
                     raise
@@ -133,14 +166,10 @@ class LockFile:
         fd = self._open()
         try:
             deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreError(busy()) from None
-                    time.sleep(0.02)
+            while not self._flock(fd, "exclusive"):
+                if time.monotonic() > deadline:
+                    raise StoreError(busy()) from None
+                time.sleep(0.02)
             yield
         finally:
             os.close(fd)
@@ -193,7 +222,7 @@ class Fence:
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """The store is this job's for the duration (locally: no takeover can happen meanwhile)."""
-        if self.lock is None:
+        if self.lock is None or not self.lock.works:
             self.check()
             yield
             return
@@ -270,11 +299,15 @@ class FencedStore(WrapperStore[Store]):
         elif self.root is not None:  # the lock held in the thread that writes, for that write alone
             await asyncio.to_thread(self._local, _put_file, key, value.as_buffer_like())
         else:
-            with self.fence.held():
-                await self._store.set(key, value)
+            await self._checked()
+            await self._store.set(key, value)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
-        with self.fence.held():
+        if self.root is not None:
+            with self.fence.held():
+                await self._store.set_if_not_exists(key, value)
+        else:
+            await self._checked()
             await self._store.set_if_not_exists(key, value)
 
     async def _set_many(self, values: Iterable[tuple[str, Buffer]]) -> None:
@@ -284,16 +317,22 @@ class FencedStore(WrapperStore[Store]):
     async def delete(self, key: str) -> None:
         if self.root is not None:
             await asyncio.to_thread(self._local, _remove, key)
-            return
-        with self.fence.held():
+        elif self._s3:
+            await self._s3_delete(key)
+        else:
+            await self._checked()
             await self._store.delete(key)
 
     async def delete_dir(self, prefix: str) -> None:
         if self.root is not None:
             await asyncio.to_thread(self._local, _remove, prefix)
             return
-        with self.fence.held():
-            await self._store.delete_dir(prefix)
+        await self._checked()
+        await self._store.delete_dir(prefix)
+
+    async def _checked(self) -> None:
+        """The lease checked, off the event loop (its read may use zarr's own loop: ``memory://``)."""
+        await asyncio.to_thread(self.fence.check)
 
     def _local(self, step: Callable[..., None], key: str, *args: Any) -> None:
         """``step(path of key, *args)`` within one step of the fence (a local store)."""
@@ -319,38 +358,53 @@ class FencedStore(WrapperStore[Store]):
         return (head.get("Metadata") or {}).get(STAMP), head.get("ETag")
 
     async def _s3_put(self, key: str, data: bytes) -> None:
-        """Put ``key`` under its condition (create-only for data, If-Match for metadata); on a refusal: the job's own
-        earlier try (its stamp), another job's store (fenced), or, for the holder, an object written again."""
+        """Put ``key`` under a condition: created only where absent, or replaced only at the ETag this job saw (its
+        own last write of a metadata object, or an object it found there while it held the store). A refusal is the
+        job's own earlier try (its stamp), another job's store (fenced), or an object written since it looked."""
         stamp = f"{self.fence.token}.{uuid.uuid4().hex[:12]}"
-        meta = key.endswith("zarr.json")
         bucket, k = self._key(key)
         for _ in range(4):
-            if meta and key not in self.etags:  # a first write of this metadata by this job: at its ETag now
+            if key.endswith("zarr.json") and key not in self.etags:  # a first write of this metadata: at its ETag
                 self.etags[key] = (await self._stamp_of(key))[1] or ""
-                self.fence.check()
-            cond = {"IfMatch": self.etags[key]} if meta and self.etags[key] else {"IfNoneMatch": "*"}
+                await self._checked()
+            etag = self.etags.get(key, "")
+            cond = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
             try:
                 out = await self.fs._call_s3("put_object", Bucket=bucket, Key=k, Body=data,
                                              Metadata={STAMP: stamp}, **cond)
             except Exception as err:  # noqa: BLE001 - told apart just below
                 if not refused(err):
                     raise
-                mine, etag = await self._stamp_of(key)
-                if mine == stamp:  # this very write landed; its response was lost
-                    out = {"ETag": etag}
+                mine, found = await self._stamp_of(key)
+                if mine == stamp:  # this very write landed; its answer was lost
+                    out = {"ETag": found}
                 else:
-                    self.fence.check()  # another job's store now: this job stops here
-                    if meta:
-                        self.etags[key] = etag or ""
-                    else:  # an object this job did not write in this try: the holder removes it, then creates
-                        await self.fs._call_s3("delete_object", Bucket=bucket, Key=k)
+                    await self._checked()  # another job's store now: this job stops here
+                    self.etags[key] = found or ""  # the object there now, replaced only as it is
                     continue
             self.fs.invalidate_cache(f"{bucket}/{k}")
-            if meta:
+            if key.endswith("zarr.json"):
                 self.etags[key] = str(out.get("ETag") or "")
+            else:
+                self.etags.pop(key, None)  # a data object: created only where absent next time
             return
         raise StoreError(f"cannot write {key} of {self.fence.url}: the storage refused it four times (another "
                          "writer of the same object?); run again with --resume")
+
+    async def _s3_delete(self, key: str) -> None:
+        """Remove ``key`` as this job saw it (If-Match on its ETag, read while the lease is checked)."""
+        bucket, k = self._key(key)
+        _, etag = await self._stamp_of(key)
+        if etag is None:
+            return
+        await self._checked()
+        try:
+            await self.fs._call_s3("delete_object", Bucket=bucket, Key=k, IfMatch=etag)
+        except Exception as err:  # noqa: BLE001 - written since: not this job's to remove
+            if not refused(err):
+                raise
+            await self._checked()
+        self.fs.invalidate_cache(f"{bucket}/{k}")
 
 
 def conditional_writes(fs: Any, path: str) -> bool:

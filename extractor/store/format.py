@@ -35,7 +35,7 @@ import shutil
 import socket
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict, cast
 
@@ -166,7 +166,7 @@ def read_attrs(url: str, storage_options: Mapping[str, Any] | None = None) -> di
         if not os.path.exists(os.path.join(path, "zarr.json")):
             if os.path.isdir(path) and not os.listdir(path):
                 return None
-            if read_record(path):  # a job holds it and is about to (re)create its root
+            if read_record(path) or os.listdir(path) == ["lease"]:  # a job holds it and (re)creates its root, or did
                 return {"status": "creating"}
             what = "a folder" if os.path.isdir(path) else "a file"
             raise StoreError(
@@ -292,19 +292,22 @@ def fill_value(dtype: str) -> float:
 
 def create_store(url: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
                  storage_options: Mapping[str, Any] | None = None, lease: Lease | None = None,
-                 fresh: bool = False) -> zarr.Group:
+                 fresh: bool = False, claimed: Callable[[], None] | None = None) -> zarr.Group:
     """Create the store's arrays under ``lease`` (replacing what is at ``url``); the caller checked, just before,
     that this is allowed. The lease is taken before anything is changed: in the old store (a live job's lease
     refuses), or in a ``fresh`` one (nothing was at ``url``: a local folder is made atomically, so of two jobs one
     wins). What was there is then removed under the lease, its lease kept (:func:`wipe`), and every write goes
     through the lease's fence (:class:`FencedStore`): a job that lost the store, paused anywhere in here, writes
-    nothing more into it. Without ``lease`` (tests) nothing is fenced."""
+    nothing more into it. ``claimed``: called once the lease is held, before anything is changed (it may refuse).
+    Without ``lease`` (tests) nothing is fenced."""
     comp = _compressors(arrays.compression, arrays.compression_level)  # before anything is wiped
     if fresh:
         _make_folder(url)
     try:
         if lease is not None:
             lease.acquire()
+        if claimed is not None:
+            claimed()  # the caller's check, now that no other job can change the store
         store = fenced_store(url, storage_options, lease.fence if lease is not None else None)
         wipe(store)
         root = {"zarr_format": 3, "node_type": "group", "attributes": {ATTR: {**attrs, "status": "creating"}}}
@@ -349,15 +352,16 @@ def wipe(store: Any) -> None:
     with held:
         root = getattr(store, "root", None)
         if root is not None:  # a local folder: its entries removed straight away (zarr would remove them one by one)
-            for name in os.listdir(root) if os.path.isdir(root) else []:
-                if name != "lease":
+            names = sorted(os.listdir(root) if os.path.isdir(root) else [], key=lambda n: n != "zarr.json")
+            for name in names:  # its root first: a run stopped midway leaves a store "being created", not one
+                if name != "lease":  # that says complete over arrays half gone
                     path = os.path.join(root, name)
                     (shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.remove)(path)
             return
         inner = store._store if isinstance(store, FencedStore) else store
 
         async def remove_all() -> None:
-            names = [n async for n in inner.list_dir("")]
+            names = sorted([n async for n in inner.list_dir("")], key=lambda n: n != "zarr.json")  # the root first
             for name in names:
                 if name == "zarr.json":
                     await inner.delete(name)
@@ -767,7 +771,7 @@ class _LeaseObject:
         self.root = local_root(url)
         self.fs: Any = None
         self.path = ""
-        if is_s3(url):
+        if self.root is None:
             import fsspec
 
             self.fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
@@ -775,7 +779,7 @@ class _LeaseObject:
 
     @property
     def conditional(self) -> bool:
-        return self.fs is not None
+        return is_s3(self.url)
 
     def read(self) -> tuple[LeaseRecord, str | None]:
         """The record (``{}`` when no job ever held the store) and the version it was read at (its ETag;
@@ -783,14 +787,9 @@ class _LeaseObject:
         newer than it makes the write fail, never the other way round."""
         if self.root is not None:
             return cast(LeaseRecord, read_record(self.root)), None
-        if self.fs is None:
-            try:
-                return read_lease(open_group(self.url, "r", self.storage_options)), None
-            except FileNotFoundError:
-                return {}, None
         try:
             self.fs.invalidate_cache(self.path)
-            version = str(self.fs.info(self.path)["ETag"])
+            version = str(self.fs.info(self.path)["ETag"]) if self.conditional else None
             meta = json.loads(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return {}, None
@@ -802,15 +801,11 @@ class _LeaseObject:
         if self.root is not None:
             write_record(self.root, record)
             return None
-        if self.fs is None:
-            group = open_group(self.url, "a", self.storage_options)
-            attrs = cast(dict[str, Any], record)  # a TypedDict is a dict of JSON values
-            try:
-                group["lease"].attrs.put(attrs)
-            except KeyError:
-                group.create_group("lease", attributes=attrs)
-            return None
         data = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": record}).encode()
+        if not self.conditional:  # another object store: written whole
+            self.fs.pipe_file(self.path, data)
+            self.fs.invalidate_cache(self.path)
+            return None
         try:
             if version is None:
                 out = self.fs.pipe_file(self.path, data, mode="create")
@@ -884,6 +879,7 @@ class Lease:
         """Take the store (a new one, or one whose lease is released or stale), or raise StoreError naming the job
         that holds it; then renew it in the background."""
         if self.object.root is not None:
+            _refuse_held(self.url, self.object.read()[0], self.timeout_s, self.token)  # a live job: at once
             with LockFile.of(self.object.root).exclusive(max(self.timeout_s, 1.0), self._busy):
                 _refuse_held(self.url, self.object.read()[0], self.timeout_s, self.token)
                 self.object.write(self._record(), None)
@@ -929,6 +925,10 @@ class Lease:
     def _busy(self) -> str:
         """What to say when the store's lock stays held by a writer of the job whose lease is stale."""
         held = self.object.read()[0]
+        try:
+            _refuse_held(self.url, held, self.timeout_s, self.token)  # renewed meanwhile: a live job, busy writing
+        except StoreError as err:
+            return str(err)
         return (f"store {self.url} is locked by a writer that stopped mid-write: the job that held it (pid "
                 f"{held.get('pid')} on {held.get('host')}, user {held.get('user')}) is paused or stuck; resume it "
                 f"(kill -CONT {held.get('pid')}) or end it, then run again")
