@@ -35,10 +35,17 @@ def make_images(
     return out
 
 
+# The default model of job(): resnet18's layer names at a sixtieth of its compute (toy_models.TinyResNet).
+# A test that compares against torchvision's resnet18 itself, or pins its widths, asks for RESNET18.
+TINY_RESNET: dict[str, Any] = {"name": None, "factory": "toy_models:tiny_resnet", "weights": None, "device": "cpu"}
+RESNET18: dict[str, Any] = {"name": "resnet18", "weights": None, "device": "cpu"}
+
+
 def job(root: Path, store: Path, **sections: Any) -> dict[str, Any]:
-    """A small job spec as plain data; ``sections`` replace or extend the defaults."""
+    """A small job spec as plain data; ``sections`` replace or extend the defaults (a ``model`` that
+    names a model, as ``model=RESNET18``, replaces the default toy factory)."""
     raw: dict[str, Any] = {
-        "model": {"name": "resnet18", "weights": None, "device": "cpu"},
+        "model": dict(TINY_RESNET),
         "data": {"source": "folder", "root": str(root), "resize": 72, "crop": 64,
                  "shard_size": 4, "batch_size": 3, "decode_workers": 2},
         "capture": [
@@ -48,6 +55,8 @@ def job(root: Path, store: Path, **sections: Any) -> dict[str, Any]:
         "output": {"store": str(store), "chunk_rows": 2},
         "cluster": {"backend": "local"},
     }
+    if isinstance(sections.get("model"), dict) and sections["model"].get("name"):  # a named model, not the toy
+        raw["model"] = {k: v for k, v in raw["model"].items() if k != "factory"}
     for k, v in sections.items():
         if isinstance(v, dict) and isinstance(raw.get(k), dict):
             raw[k] = {**raw[k], **v}
@@ -63,6 +72,13 @@ def image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("images")
     make_images(root)
     return root
+
+
+def tests_env(**extra: str) -> dict[str, str]:
+    """This process's environment with tests/ first on PYTHONPATH (a child then imports ``toy_models``,
+    the default model of :func:`job`), and ``extra``."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def free_port() -> int:

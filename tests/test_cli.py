@@ -55,7 +55,7 @@ def test_run_inspect_and_resume(image_dir: Path, tmp_path: Path):
     info = json.loads(r.stdout)
     assert info["row_status"] == {"pending": 0, "ok": 12, "failed": 0}
     assert info["shards"] == {"total": 3, "done": 3}
-    assert info["captures"]["layer3"]["shape"] == [12, 256, 4, 4]
+    assert info["captures"]["layer3"]["shape"] == [12, 32, 4, 4]  # the default toy (conftest.TINY_RESNET)
     assert info["bytes_on_disk"] > 0
     r = extractor("inspect", str(tmp_path / "s.zarr"))
     assert "layer3" in r.stdout and "12 ok" in r.stdout and "shards 3/3 done" in r.stdout

@@ -486,3 +486,39 @@ def stopped_at_write(where: str, key: str, marker: str, nth: int = 1, seconds: f
         fence._put_file, os.replace, shutil.rmtree = put_file, replace, rmtree
         s3fs.S3FileSystem._call_s3, s3fs.S3FileSystem.call_s3 = call_s3, call_s3_sync
     return SlowNet(seconds)
+
+
+class TinyResNet(nn.Module):
+    """resnet18's module tree (conv1, bn1, relu, maxpool, layer1-4 of two torchvision BasicBlocks each,
+    avgpool, fc) at widths 8/16/32/64 and 10 classes: every layer name a resnet18 job captures, at
+    about a sixtieth of its compute. The default model of ``conftest.job()``; a test that compares
+    against torchvision's resnet18 itself (or its widths) asks for that by name."""
+
+    def __init__(self, widths: tuple[int, int, int, int] = (8, 16, 32, 64), classes: int = 10) -> None:
+        super().__init__()
+        from torchvision.models.resnet import BasicBlock
+
+        self.conv1 = nn.Conv2d(3, widths[0], kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        blocks, inplanes = [], widths[0]
+        for i, planes in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            down = None
+            if stride != 1 or inplanes != planes:
+                down = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes))
+            blocks.append(nn.Sequential(BasicBlock(inplanes, planes, stride, down), BasicBlock(planes, planes)))
+            inplanes = planes
+        self.layer1, self.layer2, self.layer3, self.layer4 = blocks
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(widths[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def tiny_resnet() -> nn.Module:
+    return TinyResNet()
