@@ -300,12 +300,19 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tmp_path: Path):
 
 
 def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_path: Path):
+    """The first job is held at its first image (toy_models.GatedNet) until it is killed: however slow the
+    machine, it is still running while the second and third jobs are refused."""
     root = tmp_path / "imgs"
     make_images(root, per_class=30, classes=("a",), size=40)
     store = tmp_path / "s.zarr"
-    spec = slow_spec(root, store, tmp_path, seconds=1.0, lease_timeout_s=10)
+    spec = slow_spec(root, store, tmp_path, lease_timeout_s=10)
+    raw = yaml.safe_load(spec.read_text())
+    gate, held = tmp_path / "gate", tmp_path / "held"
+    gate.touch()
+    raw["model"].update(factory="toy_models:gated_net", factory_kwargs={"gate": str(gate), "marker": str(held)})
+    spec.write_text(yaml.safe_dump(raw))
     first = start(spec)
-    wait_for_shard(store, 0, first)
+    wait_for_file(held, first)
     second = start(spec, "--resume")
     out, err = second.communicate(timeout=120)
     assert second.returncode == 1
@@ -316,6 +323,7 @@ def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_pat
     assert first.poll() is None  # still running: the refusals above were about a live job
     first.kill()  # the first job dies without releasing its lease; on this host its pid is seen to be gone
     first.wait()
+    gate.unlink()
     resumed = start(spec, "--resume")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err

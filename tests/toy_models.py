@@ -114,11 +114,12 @@ def slow_net(seconds: float = 0.15) -> nn.Module:
 class GatedNet(SlowNet):
     """A SlowNet (same weights for the same seed) whose forward on an image waits while the file
     ``gate`` exists (at most two minutes): a test holds a job at its first batch until it lifts
-    the gate. The forwards a worker makes to probe the model when it starts pass."""
+    the gate. The forwards a worker makes to probe the model when it starts pass. With ``marker``,
+    it writes that file when it first waits: the job is then running, its store made."""
 
-    def __init__(self, gate: str) -> None:
+    def __init__(self, gate: str, marker: str | None = None) -> None:
         super().__init__(0.0)
-        self.gate, self.calls = gate, 0
+        self.gate, self.marker, self.calls = gate, marker, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import os
@@ -127,14 +128,16 @@ class GatedNet(SlowNet):
         from extractor.compute.worker import PROBE_FORWARDS
 
         self.calls += 1
+        if self.calls > PROBE_FORWARDS and self.marker and os.path.exists(self.gate):
+            open(self.marker, "w").close()
         deadline = time.monotonic() + 120
         while self.calls > PROBE_FORWARDS and os.path.exists(self.gate) and time.monotonic() < deadline:
             time.sleep(0.05)
         return super().forward(x)
 
 
-def gated_net(gate: str) -> nn.Module:
-    return GatedNet(gate)
+def gated_net(gate: str, marker: str | None = None) -> nn.Module:
+    return GatedNet(gate, marker)
 
 
 def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
