@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,35 @@ def image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def tests_env(**extra: str) -> dict[str, str]:
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[dict[str, str]]:
+    """One S3-compatible server for the session: moto in this process (a thread) on 127.0.0.1; its
+    ``storage_options``. Each test module makes and uses its own bucket. (A server with other settings,
+    or a patched handler, is started by its test: tests/test_remote.py, tests/test_fencing.py.)"""
+    pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    port = free_port()
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A Ray instance in this process on loopback (2 CPUs, a short temp dir: Ray's socket paths must stay under
+    107 bytes), shared by a module's tests, as Ray's own ``ray_start_regular_shared``. Module-scoped, not
+    session-scoped: an idle Ray holds about 750 MB and some CPU through every other file, and
+    tests/test_nodes.py connects this process to a cluster of its own. Workers import ``toy_models``."""
+    ray = pytest.importorskip("ray")
+    os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def child_env(**extra: str) -> dict[str, str]:
     """This process's environment with tests/ first on PYTHONPATH (a child then imports ``toy_models``,
     the default model of :func:`job`), and ``extra``."""
     path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
