@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: venv demo test bench lint clean
+.PHONY: venv demo test check bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/extractor demo
 
+# Everything (what CI and the README run); the 15 slowest tests are printed so the cost stays visible.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
+
+# The fast tier for the edit-test loop: unit and in-process tests, no clusters, servers or CLI subprocesses.
+check: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow" --durations=10
 
 bench: $(STAMP)
 	$(PY) tests/bench.py $(BENCH_ARGS)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,17 @@ def make_images(
     return out
 
 
+# The default model of job(): resnet18's layer names at a sixtieth of its compute (toy_models.TinyResNet).
+# A test that compares against torchvision's resnet18 itself, or pins its widths, asks for RESNET18.
+TINY_RESNET: dict[str, Any] = {"name": None, "factory": "toy_models:tiny_resnet", "weights": None, "device": "cpu"}
+RESNET18: dict[str, Any] = {"name": "resnet18", "weights": None, "device": "cpu"}
+
+
 def job(root: Path, store: Path, **sections: Any) -> dict[str, Any]:
-    """A small job spec as plain data; ``sections`` replace or extend the defaults."""
+    """A small job spec as plain data; ``sections`` replace or extend the defaults (a ``model`` that
+    names a model, as ``model=RESNET18``, replaces the default toy factory)."""
     raw: dict[str, Any] = {
-        "model": {"name": "resnet18", "weights": None, "device": "cpu"},
+        "model": dict(TINY_RESNET),
         "data": {"source": "folder", "root": str(root), "resize": 72, "crop": 64,
                  "shard_size": 4, "batch_size": 3, "decode_workers": 2},
         "capture": [
@@ -48,6 +57,8 @@ def job(root: Path, store: Path, **sections: Any) -> dict[str, Any]:
         "output": {"store": str(store), "chunk_rows": 2},
         "cluster": {"backend": "local"},
     }
+    if isinstance(sections.get("model"), dict) and sections["model"].get("name"):  # a named model, not the toy
+        raw["model"] = {k: v for k, v in raw["model"].items() if k != "factory"}
     for k, v in sections.items():
         if isinstance(v, dict) and isinstance(raw.get(k), dict):
             raw[k] = {**raw[k], **v}
@@ -63,6 +74,41 @@ def image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("images")
     make_images(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[dict[str, str]]:
+    """One S3-compatible server for the session: moto in this process (a thread) on 127.0.0.1; its
+    ``storage_options``. Each test module makes and uses its own bucket. (A server with other settings,
+    or a patched handler, is started by its test: tests/test_remote.py, tests/test_fencing.py.)"""
+    pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    port = free_port()
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A Ray instance in this process on loopback (2 CPUs, a short temp dir: Ray's socket paths must stay under
+    107 bytes), shared by a module's tests, as Ray's own ``ray_start_regular_shared``. Module-scoped, not
+    session-scoped: an idle Ray holds about 750 MB and some CPU through every other file, and
+    tests/test_nodes.py connects this process to a cluster of its own. Workers import ``toy_models``."""
+    ray = pytest.importorskip("ray")
+    os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment with tests/ first on PYTHONPATH (a child then imports ``toy_models``,
+    the default model of :func:`job`), and ``extra``."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def free_port() -> int:

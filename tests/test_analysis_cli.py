@@ -104,9 +104,9 @@ def test_show_top_draws_the_images_where_a_feature_is_highest_with_their_values(
     assert main(["show", ok, "--key", "emb", "--top", "5", "--k", "4", "--columns", "2", "--out", str(out)]) == 0
     assert Image.open(out).size[0] > 100  # a PNG was written (what it shows: test_figures)
     direction = tmp_path / "d.npy"
-    np.save(direction, np.ones(512))
+    np.save(direction, np.ones(64))  # the width of the default toy's avgpool (conftest.TINY_RESNET)
     assert main(["show", ok, "--key", "emb", "--top", str(direction), "--out", str(tmp_path / "d.png")]) == 0
-    rows, values = top_rows(open_store(ok), "emb", np.ones(512), k=16)
+    rows, values = top_rows(open_store(ok), "emb", np.ones(64), k=16)
     assert len(rows) == 6 and (np.diff(values) <= 0).all()  # every ok row, highest first
     capsys.readouterr()
     assert main(["show", ok, "--key", "emb", "--top", "nope.npy"]) == 1

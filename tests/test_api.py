@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import job
+from conftest import RESNET18, child_env, job
 
 import extractor
 from extractor.errors import ClusterError, SpecError
@@ -36,10 +35,11 @@ def _no_model(raw: dict) -> dict:
     return {**raw, "model": {"device": "cpu"}, "data": {**raw["data"], "preprocess": "imagenet"}}
 
 
+@pytest.mark.slow
 def test_run_from_python_with_a_module_equals_the_cli_run_of_the_named_model(image_dir: Path, tmp_path: Path):
-    raw = job(image_dir, tmp_path / "cli.zarr")
+    raw = job(image_dir, tmp_path / "cli.zarr", model=RESNET18)  # the named model, against _resnet18() below
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "job.yaml"), "-q"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -87,7 +87,7 @@ def test_a_module_comes_back_as_given_after_a_run_and_after_a_failed_one(image_d
 
 
 def test_a_path_with_overrides_and_a_job_that_also_names_a_model(image_dir: Path, tmp_path: Path):
-    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "(model)", "key": "logits"}])
+    raw = job(image_dir, tmp_path / "s.zarr", model=RESNET18, capture=[{"layer": "(model)", "key": "logits"}])
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
     store = extractor.run(tmp_path / "job.yaml", overrides=["data.batch_size=5", "output.chunk_rows=4"],
                           progress=False)
@@ -96,16 +96,7 @@ def test_a_path_with_overrides_and_a_job_that_also_names_a_model(image_dir: Path
         extractor.run(raw, model=_resnet18())
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
+@pytest.mark.slow
 def test_a_module_from_python_runs_on_ray_as_locally(ray_cluster, image_dir: Path, tmp_path: Path):
     raw = _no_model(job(image_dir, tmp_path / "local.zarr"))
     local = extractor.run(raw, model=_resnet18(), progress=False)
@@ -154,6 +145,7 @@ def test_the_readme_python_section_runs_as_written(tmp_path: Path, monkeypatch: 
     assert namespace["cnn"]["embedding"].shape == (32, 512)
 
 
+@pytest.mark.slow
 def test_the_sae_example_runs(tmp_path: Path):
     r = subprocess.run([sys.executable, str(TESTS.parent / "examples" / "sae_quickstart.py"), str(tmp_path)],
                        capture_output=True, text=True, timeout=600)

@@ -109,6 +109,7 @@ def test_rows_are_aligned_by_id_across_stores_and_stores_sharing_none_are_refuse
         compare([(a, "x"), (a, "nope")])
 
 
+@pytest.mark.slow
 def test_the_compare_command_prints_the_tables_and_json(stores):
     root, *_ = stores
     cmd = [sys.executable, "-m", "extractor.cli", "compare", f"{root / 'a.zarr'}:x", str(root / "b.zarr"), "--json"]

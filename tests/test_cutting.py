@@ -141,7 +141,7 @@ def test_cutting_settings_that_cannot_hold_are_refused(image_dir: Path, tmp_path
 def test_sample_tokens_on_a_cnn_map_says_first_that_a_map_is_not_a_token_sequence(image_dir: Path, tmp_path: Path):
     """Before: it asked for drop_prefix, then for model.prefix_tokens, and only then said the real reason."""
     a_map = job(image_dir, tmp_path / "d.zarr", capture=[{"layer": "layer3", "reduce": "none", "sample_tokens": 4}])
-    with pytest.raises(LayerError, match=r"is \(1, 256, 4, 4\), not a token sequence \(batch, tokens, features\): "
+    with pytest.raises(LayerError, match=r"is \(1, 32, 4, 4\), not a token sequence \(batch, tokens, features\): "
                                          r"sample_tokens samples tokens; a 4-D map \(a CNN's\) has none"):
         run(parse_spec(a_map))
     assert not (tmp_path / "d.zarr").exists()

@@ -19,13 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import job, make_images
+from conftest import child_env, job, make_images
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
 from extractor.spec.schema import parse_spec
 
 TESTS = Path(__file__).parent
+pytestmark = pytest.mark.slow  # paused job processes, an S3 server: make test, not make check
 REPEAT = range(int(os.environ.get("EXTRACTOR_PAUSE_REPEAT", "1")))
 LEASE_S = 1.0
 
@@ -57,7 +58,7 @@ def start_paused(spec: dict, tmp_path: Path, where: str, key: str, nth: int) -> 
     path = tmp_path / "a.yaml"
     path.write_text(yaml.safe_dump(spec))
     proc = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(path), "-q", "--overwrite"],
-                            env={**os.environ, "PYTHONPATH": str(TESTS)}, stdout=subprocess.PIPE,
+                            env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while not (marker.exists() and stopped(proc.pid)):
@@ -165,22 +166,17 @@ def test_a_job_stopped_inside_a_write_keeps_the_store_and_the_other_job_refuses_
 
 
 @pytest.fixture(scope="module")
-def s3_case(images: Path) -> dict:
-    pytest.importorskip("s3fs")
+def s3_case(images: Path, moto_s3: dict[str, str]) -> dict:
     import s3fs
-    from test_remote import start_moto
 
-    proc, port = start_moto()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
+    options = moto_s3
     fs = s3fs.S3FileSystem(**options)
     fs.mkdir("fence")
     model = {"factory": "toy_models:slow_net", "factory_kwargs": {"seconds": 0}}
     spec_b = spec_of(images, "s3://fence/clean-b.zarr", "max", model, storage_options=options)
     run(parse_spec(spec_b))
-    yield {"fs": fs, "options": options, "a": spec_of(images, "", "mean", model, storage_options=options),
+    return {"fs": fs, "options": options, "a": spec_of(images, "", "mean", model, storage_options=options),
            "b": spec_b}
-    proc.kill()
-    proc.wait()
 
 
 def s3_objects(fs, url: str) -> dict[str, str]:  # noqa: ANN001 - an s3fs file system

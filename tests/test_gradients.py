@@ -56,14 +56,15 @@ GRAD_CAPTURES = [
 
 
 def reference(paths: list[str], target: str | int, labels: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Independent: torchvision's feature extractor on a copy without in-place ReLUs, torch.autograd.grad."""
+    """Independent: torchvision's feature extractor on a copy of the job's model (the default toy, resnet18's
+    module tree: conftest.TINY_RESNET, seeded as extractor seeds it) without in-place ReLUs, torch.autograd.grad."""
     import torch.nn.functional as F
     from test_worker import reference_batch
-    from torchvision.models import resnet18
     from torchvision.models.feature_extraction import create_feature_extractor
+    from toy_models import tiny_resnet
 
-    torch.manual_seed(0)
-    model = resnet18().eval()
+    torch.manual_seed(0)  # extractor seeds random-init models with 0
+    model = tiny_resnet().eval()
     for m in model.modules():
         if isinstance(m, torch.nn.ReLU):
             m.inplace = False
@@ -153,7 +154,7 @@ def test_label_target_needs_labels_and_targets_must_agree(tmp_path: Path):
     (tmp_path / "m.csv").write_text("path,label\n" + "".join(lines))
     raw = job(root, tmp_path / "m.zarr", data={"source": "manifest", "manifest": str(tmp_path / "m.csv")},
               capture=[{"layer": "layer4", "what": "gradcam", "target": "label"}])
-    with pytest.raises(DataError, match=rf"model has outputs for \(0 to 999\), but 1 rows have larger ones "
+    with pytest.raises(DataError, match=rf"model has outputs for \(0 to 9\), but 1 rows have larger ones "
                                         rf"\(first: {files[1]}, label 5000\)"):
         run(parse_spec(raw))  # before anything is written (it failed every shard, blaming missing labels)
     assert not (tmp_path / "m.zarr").exists()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import job, make_images
+from conftest import child_env, job, make_images
 from PIL import Image
 
 from extractor.compute.worker import PROBE_FORWARDS
@@ -27,15 +27,6 @@ from extractor.spec.schema import parse_spec
 ray = pytest.importorskip("ray")
 TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay under 107 bytes
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def slow_job(root: Path, store: Path, **cluster) -> dict:
@@ -285,7 +276,7 @@ def test_killed_driver_then_resume_redoes_only_unfinished_shards(slow_images: Pa
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(raw))
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "RAY_TMPDIR": ray_tmp}
+    env = child_env(RAY_TMPDIR=ray_tmp)
     cmd = [sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     marker = tmp_path / "s.zarr" / "shard_done" / "c" / "1"
@@ -324,7 +315,7 @@ def test_sigterm_on_the_ray_backend_interrupts_the_job_and_resume_finishes(slow_
     raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, local_cpus=2)
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
+    env = child_env(RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     cmd = [sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -357,7 +348,7 @@ def test_an_address_where_no_cluster_listens_fails_fast(image_dir: Path, tmp_pat
     spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr",
                                        cluster={"backend": "ray", "address": "127.0.0.1:1"})))
     out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env=child_env())
     assert out.returncode == 1
     assert "cannot reach a Ray cluster at cluster.address 127.0.0.1:1: ConnectionRefusedError" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "s.zarr").exists()
@@ -369,7 +360,7 @@ def test_a_stale_ray_address_in_the_environment_fails_fast_naming_it(image_dir: 
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray"})))
     out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
+                         text=True, timeout=120, env=child_env(RAY_ADDRESS="127.0.0.1:1"))
     assert out.returncode == 1
     assert "cannot reach a Ray cluster at RAY_ADDRESS 127.0.0.1:1" in out.stderr and "unset RAY_ADDRESS" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "s.zarr").exists()
@@ -398,7 +389,7 @@ def test_workers_that_do_not_start_in_time_are_a_cluster_error(image_dir: Path, 
     spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr",
                                        cluster={"backend": "ray", "startup_timeout_s": 0.01})))
     out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+                         text=True, timeout=300, env=child_env())
     assert out.returncode == 1, out.stderr[-2000:]
     assert "did not start within 0.01 s (cluster.startup_timeout_s); free resources now:" in out.stderr
     assert "Traceback" not in out.stderr and "RaySystemError" not in out.stderr
@@ -430,7 +421,7 @@ def test_a_ray_job_that_looked_before_another_created_the_store_refuses_instead_
     raw = slow_job(slow_images, store, workers=1, cpus_per_worker=1)
     local = {**raw, "cluster": {"backend": "local"}}
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(local))
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = child_env()
     procs: list[subprocess.Popen] = []
 
     def while_a_waits(total: int, per_row: dict) -> None:

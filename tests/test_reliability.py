@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 import zarr
-from conftest import job, make_images
+from conftest import child_env, job, make_images
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -268,7 +268,7 @@ def slow_spec(root: Path, store: Path, tmp_path: Path, seconds: float = 0.15, **
 
 
 def start(spec: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = child_env()
     return subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -281,6 +281,7 @@ def wait_for_shard(store: Path, shard: int, proc: subprocess.Popen, seconds: flo
     assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "timeout"
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_resume_finishes(tmp_path: Path):
     root = tmp_path / "imgs"
     make_images(root, per_class=8, classes=("a",), size=40)
@@ -299,13 +300,21 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tmp_path: Path):
     assert (open_store(str(store)).status == 1).all()
 
 
+@pytest.mark.slow
 def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_path: Path):
+    """The first job is held at its first image (toy_models.GatedNet) until it is killed: however slow the
+    machine, it is still running while the second and third jobs are refused."""
     root = tmp_path / "imgs"
     make_images(root, per_class=30, classes=("a",), size=40)
     store = tmp_path / "s.zarr"
-    spec = slow_spec(root, store, tmp_path, seconds=1.0, lease_timeout_s=10)
+    spec = slow_spec(root, store, tmp_path, lease_timeout_s=10)
+    raw = yaml.safe_load(spec.read_text())
+    gate, held = tmp_path / "gate", tmp_path / "held"
+    gate.touch()
+    raw["model"].update(factory="toy_models:gated_net", factory_kwargs={"gate": str(gate), "marker": str(held)})
+    spec.write_text(yaml.safe_dump(raw))
     first = start(spec)
-    wait_for_shard(store, 0, first)
+    wait_for_file(held, first)
     second = start(spec, "--resume")
     out, err = second.communicate(timeout=120)
     assert second.returncode == 1
@@ -316,6 +325,7 @@ def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_pat
     assert first.poll() is None  # still running: the refusals above were about a live job
     first.kill()  # the first job dies without releasing its lease; on this host its pid is seen to be gone
     first.wait()
+    gate.unlink()
     resumed = start(spec, "--resume")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
@@ -408,6 +418,7 @@ def test_a_storage_that_dies_mid_job_is_one_line_with_the_resume_command(
     assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
 
 
+@pytest.mark.slow
 def test_a_job_paused_past_its_lease_writes_nothing_into_the_store_that_took_it_over(tmp_path: Path):
     """issue 17, defect 1 (data lost): job A is paused (SIGSTOP) past output.lease_timeout_s; job B takes
     the store with --overwrite and another spec and completes; A resumes. A must stop, writing nothing:
@@ -483,6 +494,7 @@ def wait_for_file(path: Path, proc: subprocess.Popen, seconds: float = 120) -> N
     assert path.exists(), proc.stderr.read() if proc.poll() is not None else "timeout"
 
 
+@pytest.mark.slow
 def test_a_job_that_looked_before_another_created_the_store_refuses_instead_of_wiping_it(tmp_path: Path):
     """issue 26, defect 1 (data lost, T3-11): job A found no store and paused (a slow compile, a frozen VM);
     job B created the store and ran shards; A woke. A decides again at the moment it would create: it
@@ -521,6 +533,7 @@ def test_a_store_created_and_finished_meanwhile_is_named_not_wiped(image_dir: Pa
     assert s.attrs["status"] == "complete" and list(s.captures) == ["layer2"] and (s.status == 1).all()
 
 
+@pytest.mark.slow
 def test_a_job_paused_while_creating_its_store_stops_in_one_line_when_another_replaced_it(tmp_path: Path):
     """issue 26, defect 1: A paused mid-creation (its root and lease written) past its lease; B replaced the
     store (--overwrite) and finished; A wakes: one line, nothing written (before: a raw ContainsArrayError
@@ -612,6 +625,7 @@ def test_resuming_a_complete_store_writes_nothing(image_dir: Path, tmp_path: Pat
     assert snapshot() == before
 
 
+@pytest.mark.slow
 def test_the_lease_is_released_after_a_slow_renewal_without_a_thread_error(image_dir: Path, tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch):
     """issue 26, defect 6: a job that ends while its heartbeat writes to a slow storage: the heartbeat thread
@@ -643,6 +657,7 @@ def test_the_lease_is_released_after_a_slow_renewal_without_a_thread_error(image
     assert not errors and read_lease(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")).get("released")
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_while_stopping_exits_130(tmp_path: Path):
     """issue 26, defect 9: a second Ctrl-C within a second of the first killed the process (exit -2)."""
     root = tmp_path / "imgs"

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import free_port, job, kill_processes_mentioning
+from conftest import RESNET18, child_env, free_port, job, kill_processes_mentioning
 from test_sources import write_tars
 
 from extractor.driver.runner import run
@@ -54,17 +54,12 @@ def start_moto(env: dict | None = None):
 
 
 @pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("s3fs")
-    proc, port = start_moto()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
+def s3(moto_s3: dict[str, str]):
     import s3fs
 
-    fs = s3fs.S3FileSystem(**options)
+    fs = s3fs.S3FileSystem(**moto_s3)
     fs.mkdir("bucket")
-    yield fs, options
-    proc.kill()
-    proc.wait()
+    return fs, moto_s3
 
 
 def test_tars_and_manifest_from_s3_store_to_s3(s3, image_dir: Path, tmp_path: Path, capsys):
@@ -197,7 +192,8 @@ def extractor(*args: str, env: dict, timeout: float = 400) -> subprocess.Complet
 
 def test_submit_wait_status_logs_and_a_failing_job(ray_head, image_dir: Path, tmp_path: Path):
     address, env = ray_head
-    raw = job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1},
+    raw = job(image_dir, tmp_path / "s.zarr", model=RESNET18,  # the head's jobs cannot import tests/toy_models
+              cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1},
               output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2,
                       "storage_options": {"secret": "hunter2"}})
     raw["output"].pop("storage_options")  # a local store takes no storage options; see the S3 test
@@ -221,7 +217,7 @@ def test_submit_wait_status_logs_and_a_failing_job(ray_head, image_dir: Path, tm
     line = next(ln for ln in r.stdout.splitlines() if "extractor-ok" in ln)
     assert "SUCCEEDED" in line and "job.yaml" in line and str(tmp_path / "s.zarr") in line  # its job file and store
 
-    bad = job(image_dir, tmp_path / "bad.zarr", capture=[{"layer": "layer44"}],
+    bad = job(image_dir, tmp_path / "bad.zarr", model=RESNET18, capture=[{"layer": "layer44"}],
               cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1})
     spec.write_text(yaml.safe_dump(bad))
     r = extractor("submit", str(spec), "--address", address, "--wait", "--job-id", "extractor-bad", env=env)
@@ -302,7 +298,7 @@ def test_a_storage_that_does_not_answer_is_one_line_and_nothing_after_it(image_d
     raw = job(image_dir, "s3://bucket/z.zarr", output={"store": "s3://bucket/z.zarr", "storage_options": dead})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
     r = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "job.yaml"), "-q"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+                       capture_output=True, text=True, timeout=300, env=child_env())
     assert r.returncode == 1
     assert r.stderr.startswith("error: cannot open s3://bucket/z.zarr as a Zarr group: EndpointConnectionError")
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr

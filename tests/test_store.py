@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 import zarr
-from conftest import job
+from conftest import RESNET18, job
 
 from extractor.driver.runner import run
 from extractor.errors import ShardError, StoreError
@@ -24,7 +24,7 @@ from extractor.store.format import FORMAT_VERSION
 @pytest.fixture(scope="module")
 def store(image_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("layout") / "s.zarr"
-    raw = job(image_dir, path, capture=[
+    raw = job(image_dir, path, model=RESNET18, capture=[  # the widths the layout pins
         {"layer": "layer3", "reduce": "none", "dtype": "float16"},
         {"layer": "layer4", "reduce": "mean", "key": "pooled"},
     ])
@@ -258,9 +258,11 @@ def test_shard_sizes_of_100_and_1000_run_without_chunk_rows_and_record_the_chunk
     """issue 19: output.chunk_rows: auto (the default) fits the shard size; issue 20: per capture, the
     mean-pooled layer4 (2 KB rows) in bigger chunks than the full layer3 map (16 KB rows); the store
     records the chunking and holds what a store chunked by 2 rows holds."""
-    ref = job(image_dir, tmp_path / "ref.zarr", data={"shard_size": shard_size}, cluster={"backend": "local"})
+    ref = job(image_dir, tmp_path / "ref.zarr", model=RESNET18, data={"shard_size": shard_size},  # its row sizes
+              cluster={"backend": "local"})
     run(parse_spec(ref))
-    raw = job(image_dir, tmp_path / "s.zarr", data={"shard_size": shard_size}, cluster={"backend": "local"})
+    raw = job(image_dir, tmp_path / "s.zarr", model=RESNET18, data={"shard_size": shard_size},
+              cluster={"backend": "local"})
     raw["output"].pop("chunk_rows")
     raw["output"]["sharding"] = False  # the rule of unsharded stores (sharded ones: tests/test_sharding.py)
     summary = run(parse_spec(raw))
@@ -293,9 +295,10 @@ def test_captures_chunked_apart_store_what_one_chunking_stores_also_with_failed_
     shutil.copytree(image_dir, images)
     bad = sorted(images.rglob("*.jpg"))[5]
     bad.write_bytes(b"not a jpeg")  # row 5: chunk 2 of layer3, chunk 1 of layer4
-    run(parse_spec(job(images, tmp_path / "ref.zarr")))  # chunk_rows: 2 for both
-    raw = job(images, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": "auto",
-                                                   "sharding": False})  # the unsharded rule, as small_auto_chunks
+    run(parse_spec(job(images, tmp_path / "ref.zarr", model=RESNET18)))  # chunk_rows: 2 for both; its row sizes
+    raw = job(images, tmp_path / "s.zarr", model=RESNET18,
+              output={"store": str(tmp_path / "s.zarr"), "chunk_rows": "auto",
+                      "sharding": False})  # the unsharded rule, as small_auto_chunks
     run(parse_spec(raw))
     g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
     assert (g["layer3"].chunks[0], g["layer4"].chunks[0]) == (2, 4)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import job, make_images
+from conftest import RESNET18, child_env, job, make_images
 from PIL import Image
 
 from extractor.driver.runner import run
@@ -30,7 +30,7 @@ def test_matches_create_feature_extractor_on_real_jpeg_and_png(image_dir: Path, 
     from torchvision.models import resnet18
     from torchvision.models.feature_extraction import create_feature_extractor
 
-    raw = job(image_dir, tmp_path / "s.zarr", capture=[
+    raw = job(image_dir, tmp_path / "s.zarr", model=RESNET18, capture=[  # torchvision's own resnet18
         {"layer": "layer1", "reduce": "none"},
         {"layer": "layer2.1.conv2", "reduce": "max"},
         {"layer": "layer3", "reduce": "mean"},
@@ -255,6 +255,7 @@ def test_missing_manifest_file_fails_its_row(image_dir: Path, tmp_path: Path):
     assert "FileNotFoundError" in str(s.errors[1])
 
 
+@pytest.mark.slow
 def test_unreadable_file_fails_its_row(tmp_path: Path):
     """A file without read permission. Root reads anything, so root runs the job without that power."""
     import os
@@ -274,7 +275,7 @@ def test_unreadable_file_fails_its_row(tmp_path: Path):
         if not shutil.which("setpriv"):
             pytest.skip("running as root without setpriv to drop the permission-override capabilities")
         cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env())  # the default toy model is in tests/
     assert out.returncode == 0, out.stderr
     assert "1 ok, 1 failed" in out.stdout and "PermissionError" in out.stdout
 

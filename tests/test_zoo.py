@@ -618,6 +618,7 @@ def test_a_module_object_gets_its_own_librarys_preprocessing_or_is_refused(photo
     raw = job(photos, tmp_path / "a.zarr", data={"resize": "auto", "crop": "auto"},
               capture=[{"layer": "(model)", "index": "pooler_output", "key": "emb"}])
     del raw["model"]
+    del raw["data"]["preprocess"]  # what job() sets for its default toy model, not for a module given
     loaded = transformers.SiglipVisionModel.from_pretrained(folder).eval()
     a = extractor.run(raw, model=loaded, progress=False)
     raw_b = job(photos, tmp_path / "b.zarr", model={"name": f"hf:{folder}", "device": "cpu"},

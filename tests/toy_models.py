@@ -114,11 +114,12 @@ def slow_net(seconds: float = 0.15) -> nn.Module:
 class GatedNet(SlowNet):
     """A SlowNet (same weights for the same seed) whose forward on an image waits while the file
     ``gate`` exists (at most two minutes): a test holds a job at its first batch until it lifts
-    the gate. The forwards a worker makes to probe the model when it starts pass."""
+    the gate. The forwards a worker makes to probe the model when it starts pass. With ``marker``,
+    it writes that file when it first waits: the job is then running, its store made."""
 
-    def __init__(self, gate: str) -> None:
+    def __init__(self, gate: str, marker: str | None = None) -> None:
         super().__init__(0.0)
-        self.gate, self.calls = gate, 0
+        self.gate, self.marker, self.calls = gate, marker, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import os
@@ -127,14 +128,16 @@ class GatedNet(SlowNet):
         from extractor.compute.worker import PROBE_FORWARDS
 
         self.calls += 1
+        if self.calls > PROBE_FORWARDS and self.marker and os.path.exists(self.gate):
+            open(self.marker, "w").close()
         deadline = time.monotonic() + 120
         while self.calls > PROBE_FORWARDS and os.path.exists(self.gate) and time.monotonic() < deadline:
             time.sleep(0.05)
         return super().forward(x)
 
 
-def gated_net(gate: str) -> nn.Module:
-    return GatedNet(gate)
+def gated_net(gate: str, marker: str | None = None) -> nn.Module:
+    return GatedNet(gate, marker)
 
 
 def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
@@ -488,3 +491,39 @@ def stopped_at_write(where: str, key: str, marker: str, nth: int = 1, seconds: f
         fence._put_file, os.replace, shutil.rmtree = put_file, replace, rmtree
         s3fs.S3FileSystem._call_s3, s3fs.S3FileSystem.call_s3 = call_s3, call_s3_sync
     return SlowNet(seconds)
+
+
+class TinyResNet(nn.Module):
+    """resnet18's module tree (conv1, bn1, relu, maxpool, layer1-4 of two torchvision BasicBlocks each,
+    avgpool, fc) at widths 8/16/32/64 and 10 classes: every layer name a resnet18 job captures, at
+    about a sixtieth of its compute. The default model of ``conftest.job()``; a test that compares
+    against torchvision's resnet18 itself (or its widths) asks for that by name."""
+
+    def __init__(self, widths: tuple[int, int, int, int] = (8, 16, 32, 64), classes: int = 10) -> None:
+        super().__init__()
+        from torchvision.models.resnet import BasicBlock
+
+        self.conv1 = nn.Conv2d(3, widths[0], kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        blocks, inplanes = [], widths[0]
+        for i, planes in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            down = None
+            if stride != 1 or inplanes != planes:
+                down = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes))
+            blocks.append(nn.Sequential(BasicBlock(inplanes, planes, stride, down), BasicBlock(planes, planes)))
+            inplanes = planes
+        self.layer1, self.layer2, self.layer3, self.layer4 = blocks
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(widths[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def tiny_resnet() -> nn.Module:
+    return TinyResNet()
