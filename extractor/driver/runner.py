@@ -491,8 +491,19 @@ def run(
         backend.close()
         if lease is not None:
             lease.release()
+    _consolidate(spec, group)
     summary.workers = _worker_table(events.log)
     return summary
+
+
+def _consolidate(spec: JobSpec, group: Any) -> None:
+    """The store's metadata in one object (fast to open on object stores), written once the lease is released so
+    that it holds the released lease; through the job's fence: when another job took the store at once, it is
+    left to that job (a store opens without it, only slower)."""
+    try:
+        consolidate(group)
+    except (FencedError, StoreError, OSError) as err:
+        log.info("%s: metadata not consolidated (%s)", spec.output.store, err)
 
 
 def _stopped(spec: JobSpec, err: BaseException, lease: Lease | None, group: Any, create: bool,
@@ -625,7 +636,6 @@ def _finish(
         complete = bool(done_shards(group).all())
         stats = merge_shards(group, totals)
         update_attrs(group, status="complete" if complete else "incomplete", error=None, stats=stats)
-        consolidate(group)
     else:
         stats = dict(group.attrs["extractor"].get("stats") or {})
     processed = sum(s.rows for s in summaries)
