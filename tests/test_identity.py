@@ -15,6 +15,7 @@ import pytest
 import zarr
 from conftest import job
 from PIL import Image
+from test_reliability import _interrupted_after
 
 from extractor.data.files import fingerprint, local_fingerprint
 from extractor.driver.runner import run
@@ -44,19 +45,6 @@ def rewrite_keeping_size_and_mtime(path: Path, edit) -> None:
         f.write(new)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
-
-
-def _interrupted_after(raw: dict, shards: int) -> None:
-    done = []
-
-    def stop(name: str, info: dict) -> None:
-        if name == "shard_done":
-            done.append(info["shard"])
-            if len(done) == shards:
-                raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        run(parse_spec(raw), on_event=stop)
 
 
 def _copy(image_dir: Path, to: Path) -> Path:
