@@ -124,7 +124,7 @@ def load_dictionary(path: str | Path, activation: str | None = None) -> Dictiona
     else:
         raise DictionaryError(f"{path}: not a dictionary file this reads (.safetensors, .npz, .pt, or a SAELens folder "
                               f"with {SAELENS_CONFIG} and {SAELENS_WEIGHTS})")
-    return _build(tensors, activation, str(p), file_digest([p]), {})
+    return _build(tensors, activation, str(p.resolve()), file_digest([p]), {})
 
 
 def _saelens(folder: Path, activation: str | None) -> Dictionary:
@@ -137,7 +137,8 @@ def _saelens(folder: Path, activation: str | None) -> Dictionary:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as err:
         raise DictionaryError(f"{cfg_path}: not JSON ({err})") from None
-    return _build(read_safetensors(weights), activation, str(folder), file_digest([cfg_path, weights]), cfg)
+    return _build(read_safetensors(weights), activation, str(folder.resolve()), file_digest([cfg_path, weights]),
+                  cfg)
 
 
 def _cfg_activation(cfg: dict[str, Any]) -> str | None:
@@ -248,3 +249,21 @@ def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
     if not isinstance(obj, dict):
         raise DictionaryError(f"{path}: holds a {type(obj).__name__}, not a dict of tensors")
     return {str(k): v.detach().float().numpy() for k, v in obj.items() if isinstance(v, torch.Tensor)}
+
+
+_CACHE: dict[tuple[str, str], Dictionary] = {}
+
+
+def cached_dictionary(path: str, activation: str, digest: str) -> Dictionary:
+    """The dictionary at ``path``, read once per process (a job's shards share it); refused when the file is not
+    the one the job recorded (``digest``)."""
+    key = (path, activation)
+    if key not in _CACHE:
+        dic = load_dictionary(path, activation)
+        if dic.digest != digest:
+            raise DictionaryError(f"dictionary {path} changed since the job recorded it (digest {digest}, now "
+                                  f"{dic.digest}); run the job again with --overwrite, or put the file back")
+        if len(_CACHE) >= 4:  # a job's few dictionaries at a time
+            _CACHE.clear()
+        _CACHE[key] = dic
+    return _CACHE[key]

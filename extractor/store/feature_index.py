@@ -516,3 +516,73 @@ def merged_parts(group: zarr.Group, key: str, feed: IndexFeed) -> tuple[int, int
         else:
             missing += 1
     return len(done) - missing, missing
+
+
+def feed_of(key: str, record: Mapping[str, Any], prefix_tokens: int | None = None) -> IndexFeed:
+    """The feed of the write-time index a capture's record asks for (its ``feature_index``)."""
+    from .dictionary import cached_dictionary
+
+    settings = record["feature_index"]
+    layout = Layout.of(key, record, prefix_tokens)
+    dic = settings.get("dictionary")
+    encoder = cached_dictionary(dic["path"], dic["activation"], dic["digest"]) if dic else None
+    return IndexFeed(layout, int(settings["k"]), str(settings["pool"]), float(settings["threshold"]), encoder)
+
+
+def indexed(captures: Mapping[str, Mapping[str, Any]]) -> dict[str, IndexFeed]:
+    """A fresh feed per capture whose record asks for a write-time index."""
+    return {key: feed_of(key, m) for key, m in captures.items() if m.get("feature_index")}
+
+
+def finish_indexes(group: zarr.Group) -> list[str]:
+    """At a job's end, under its lease: each write-time index merged from the parts of the done shards and written
+    (``indexes/<name>``); the names written. One whose parts are missing (shards done before it was asked for) is
+    left out, with a warning."""
+    import logging
+
+    from .format import root_attrs
+
+    attrs = root_attrs(group)
+    written = []
+    for key, m in attrs["captures"].items():
+        if not m.get("feature_index"):
+            continue
+        feed = feed_of(key, m, (attrs.get("model") or {}).get("prefix_tokens"))
+        merged, missing = merged_parts(group, key, feed)
+        settings = m["feature_index"]
+        name = settings["name"]
+        if missing:
+            logging.getLogger(__name__).warning("index %s not written: %d done shards have no part of it (computed "
+                                                "before it was asked for); run extractor index", name, missing)
+            continue
+        record = index_record(name, key, feed, settings.get("dictionary"), source_state(group), "write-time")
+        write_index(group, name, feed.state.finish(), record)
+        written.append(name)
+    return written
+
+
+def with_indexes(capture_specs: Any, captures: Mapping[str, Any], prefix_tokens: int | None) -> dict[str, Any]:
+    """The capture records, each whose spec asks for a write-time index (``capture[i].feature_index``) with its
+    settings (``feature_index``: k, pool, threshold, the dictionary's record, name), checked before the store is
+    touched: a capture that has no features to index, or a dictionary that does not fit it, is an error here."""
+    from ..errors import SpecError
+    from .dictionary import load_dictionary
+
+    out = {}
+    for key, record in captures.items():
+        want = capture_specs[record["capture"]].feature_index
+        if want is None:
+            out[key] = record
+            continue
+        try:
+            layout = Layout.of(key, record, prefix_tokens)
+        except ValueError as err:
+            raise SpecError(f"capture[{record['capture']}].feature_index: {err}") from None
+        dic = load_dictionary(want.dictionary, want.activation) if want.dictionary else None
+        if dic is not None:
+            dic.check_input(layout.features, f"capture[{record['capture']}] {key} {list(record['shape'])}")
+        settings = {"k": want.k, "pool": want.pool, "threshold": want.threshold,
+                    "dictionary": dic.record() if dic is not None else None,
+                    "name": want.name or index_name(key, dic.stem if dic is not None else None)}
+        out[key] = {**record, "feature_index": settings}
+    return out
