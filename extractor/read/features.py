@@ -207,6 +207,9 @@ class FeatureIndex:
         dic = self.attrs.get("dictionary")
         return dic is not None and Path(dic["path"]).exists() and _digest_of(dic["path"]) != dic["digest"]
 
+    def _lazy(self, name: str) -> zarr.Array:
+        return get_array(self.group, name)
+
     def _array(self, name: str) -> np.ndarray:
         if name not in self._cache:
             self._cache[name] = np.asarray(get_array(self.group, name)[:])
@@ -246,25 +249,25 @@ class FeatureIndex:
     def top(self, f: int) -> TopRows:
         """The rows where feature ``f`` is highest (at most k; fewer when it fires in fewer rows)."""
         f = self._feature(f)
-        rows = np.asarray(self.group["top_rows"][f])
-        values = np.asarray(self.group["top_values"][f])
+        rows = np.asarray(self._lazy("top_rows")[f])
+        values = np.asarray(self._lazy("top_values")[f])
         keep = rows >= 0
         return TopRows(rows[keep], self.store.ids[rows[keep]], values[keep])
 
     def tokens(self, f: int) -> np.ndarray:
         """(k, T): feature ``f`` at every position of each of its top rows (NaN rows: empty ranks)."""
-        return np.asarray(self.group["top_tokens"][self._feature(f)])
+        return np.asarray(self._lazy("top_tokens")[self._feature(f)])
 
     def histogram(self, f: int, rows: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Counts of log10 of feature ``f``'s values where it fires, per token (``rows``: of its pooled values, per
         firing row), and the log10 bin edges (values outside count in the end bins)."""
         name = "histogram_rows" if rows else "histogram"
-        return np.asarray(self.group[name][self._feature(f)]), np.asarray(self.attrs["hist_edges"])
+        return np.asarray(self._lazy(name)[self._feature(f)]), np.asarray(self.attrs["hist_edges"])
 
     def quantiles(self, f: int) -> list[TopRows]:
         """Example rows of feature ``f`` per quantile group of its firing rows (lowest first; empty groups kept)."""
         f = self._feature(f)
-        rows, values = np.asarray(self.group["quantile_rows"][f]), np.asarray(self.group["quantile_values"][f])
+        rows, values = np.asarray(self._lazy("quantile_rows")[f]), np.asarray(self._lazy("quantile_values")[f])
         return [TopRows(r[r >= 0], self.store.ids[r[r >= 0]], v[r >= 0]) for r, v in zip(rows, values, strict=True)]
 
     def heatmap(self, f: int, rank: int = 0) -> np.ndarray:
@@ -275,7 +278,7 @@ class FeatureIndex:
                              "count that is not a square after the prefix): use tokens(f)")
         if not 0 <= rank < self.k:
             raise IndexError(f"rank {rank} out of range: the index keeps {self.k} rows per feature")
-        values = np.asarray(self.group["top_tokens"][self._feature(f), rank])
+        values = np.asarray(self._lazy("top_tokens")[self._feature(f), rank])
         return values[int(self.attrs["prefix"]) :].reshape(self.grid)
 
     # ------------------------------------------------------------------ the encoder

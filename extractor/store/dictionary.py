@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,16 @@ def _check_activation(activation: str, threshold: np.ndarray | None, where: str)
 
 def _build(tensors: dict[str, np.ndarray], activation: str | None, where: str, digest: str,
            cfg: dict[str, Any]) -> Dictionary:
-    t = dict(tensors)
+    w, b = _encoder(dict(tensors), where)
+    _check_cfg(cfg, w, where)
+    b_dec = _b_dec(tensors, cfg, w, where)
+    threshold = _threshold(tensors, w.shape[1])
+    chosen = activation or _cfg_activation(cfg) or ("jumprelu" if threshold is not None else "relu")
+    return Dictionary(w, b, b_dec, threshold, _check_activation(chosen, threshold, where), where, digest)
+
+
+def _encoder(t: dict[str, np.ndarray], where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``W_enc`` (d_in, d_sae) and ``b_enc`` (d_sae,) float32 (``encoder.weight``/``.bias`` as a Linear holds them)."""
     if "W_enc" not in t and "encoder.weight" in t:
         t["W_enc"] = np.asarray(t.pop("encoder.weight")).T
         if "encoder.bias" in t:
@@ -185,26 +195,40 @@ def _build(tensors: dict[str, np.ndarray], activation: str | None, where: str, d
     if w.ndim != 2 or b.shape != (w.shape[1],):
         raise DictionaryError(f"{where}: W_enc {list(w.shape)} and b_enc {list(b.shape)} do not fit: W_enc must be "
                               "(d_in, d_sae) and b_enc (d_sae,)")
-    d_in, d_sae = w.shape
-    for key, want in (("d_in", d_in), ("d_sae", d_sae)):
+    return w, b
+
+
+def _check_cfg(cfg: dict[str, Any], w: np.ndarray, where: str) -> None:
+    """A SAELens cfg that says other widths than the weights have, or a normalisation this cannot apply: refused."""
+    for key, want in (("d_in", w.shape[0]), ("d_sae", w.shape[1])):
         if key in cfg and int(cfg[key]) != want:
             raise DictionaryError(f"{where}: cfg.json says {key} {cfg[key]}, but W_enc is {list(w.shape)} "
                                   "(d_in, d_sae)")
-    b_dec = np.asarray(t["b_dec"], np.float32) if "b_dec" in t and cfg.get("apply_b_dec_to_input", True) else None
-    if b_dec is not None and b_dec.shape != (d_in,):
-        raise DictionaryError(f"{where}: b_dec {list(b_dec.shape)} does not fit W_enc {list(w.shape)}: it must be "
-                              f"({d_in},)")
-    threshold = t.get("threshold")
-    if threshold is None and "log_threshold" in t:
-        threshold = np.exp(np.asarray(t["log_threshold"], np.float64))
-    if threshold is not None:
-        threshold = np.broadcast_to(np.asarray(threshold, np.float32), (d_sae,)).copy()
-    chosen = activation or _cfg_activation(cfg) or ("jumprelu" if threshold is not None else "relu")
     norm = str(cfg.get("normalize_activations") or "none")
     if norm != "none":
         raise DictionaryError(f"{where}: normalize_activations {norm!r} scales inputs by a factor the SAE does not "
                               "store; only 'none' is read")
-    return Dictionary(w, b, b_dec, threshold, _check_activation(chosen, threshold, where), where, digest)
+
+
+def _b_dec(t: Mapping[str, np.ndarray], cfg: dict[str, Any], w: np.ndarray, where: str) -> np.ndarray | None:
+    """``b_dec``, subtracted from the input first (unless the cfg says ``apply_b_dec_to_input: false``)."""
+    if "b_dec" not in t or not cfg.get("apply_b_dec_to_input", True):
+        return None
+    b_dec = np.asarray(t["b_dec"], np.float32)
+    if b_dec.shape != (w.shape[0],):
+        raise DictionaryError(f"{where}: b_dec {list(b_dec.shape)} does not fit W_enc {list(w.shape)}: it must be "
+                              f"({w.shape[0]},)")
+    return b_dec
+
+
+def _threshold(t: Mapping[str, np.ndarray], d_sae: int) -> np.ndarray | None:
+    """A JumpReLU's threshold per latent (``threshold``, or ``log_threshold``), or None."""
+    threshold = t.get("threshold")
+    if threshold is None and "log_threshold" in t:
+        threshold = np.exp(np.asarray(t["log_threshold"], np.float64))
+    if threshold is None:
+        return None
+    return np.broadcast_to(np.asarray(threshold, np.float32), (d_sae,)).copy()
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:

@@ -309,7 +309,7 @@ class IndexState:
             return False
         if zlib.crc32(raw[8:]) != int.from_bytes(raw[4:8], "little"):
             return False
-        at, out = 8, []
+        at, out = 8, []  # type: tuple[int, list[Any]]
         for a in self._parts():
             n = a.nbytes
             out.append(np.frombuffer(raw[at : at + n], a.dtype.newbyteorder("<")).astype(a.dtype).reshape(a.shape))
@@ -324,10 +324,14 @@ class IndexState:
 
 
 def _bins(values: np.ndarray) -> np.ndarray:
-    """The log10 bin of each value (below and above the edges: the first and last bin)."""
+    """The bin of HIST_EDGES that holds each value's log10 (in float64; below and above the edges: the first and
+    last bin), exactly as ``np.histogram`` puts it: the arithmetic guess corrected against the edges."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        at = np.floor((np.log10(np.maximum(values, np.float32(1e-30))) - HIST_LO) / HIST_STEP)
-    return np.clip(at, 0, HIST_BINS - 1).astype(np.int64)
+        logs = np.log10(np.maximum(values, np.float32(1e-30)), dtype=np.float64)
+    at = np.clip(np.floor((logs - HIST_LO) / HIST_STEP), 0, HIST_BINS - 1).astype(np.int64)
+    at -= (logs < HIST_EDGES[at]) & (at > 0)
+    at += (logs >= HIST_EDGES[at + 1]) & (at < HIST_BINS - 1)
+    return at
 
 
 class IndexRecord(TypedDict):
@@ -369,9 +373,9 @@ def write_index(group: zarr.Group, name: str, arrays: IndexArrays, record: Mappi
         if not value.size:
             chunks = (1,) * value.ndim
         dims = ["feature", *(f"{field}.{i}" for i in range(1, value.ndim))] if field != "dead" else ["dead"]
-        node.create_array(field, shape=value.shape, chunks=chunks, dtype=value.dtype, dimension_names=dims,
-                          fill_value=-1 if value.dtype.kind == "i" else 0)
-        node[field][...] = value
+        array = node.create_array(field, shape=value.shape, chunks=chunks, dtype=value.dtype, dimension_names=dims,
+                                  fill_value=-1 if value.dtype.kind == "i" else 0)
+        array[...] = value
     node.attrs.update(dict(record))
 
 
@@ -455,6 +459,7 @@ def source_state(group: zarr.Group) -> dict[str, Any]:
     differs since (resumed, more shards done) makes the index stale."""
     from .format import OK, done_shards, get_array, root_attrs
 
+    group = zarr.open_group(store=group.store, mode="r", use_consolidated=False)  # as the storage has it now
     attrs = root_attrs(group)
     status = np.asarray(get_array(group, "status")[:])
     return {"created": attrs.get("created"), "resumed": attrs.get("resumed"),
@@ -494,7 +499,8 @@ def ensure_parts(group: zarr.Group, feeds: Mapping[str, IndexFeed], n_shards: in
     parent = group.require_group(PARTS)
     for key, feed in feeds.items():
         size = feed.state.nbytes()
-        if key in parent and parent[key].shape == (n_shards, size):
+        existing = parent.get(key)
+        if isinstance(existing, zarr.Array) and existing.shape == (n_shards, size):
             continue
         parent.create_array(key, shape=(n_shards, size), chunks=(1, size), dtype="uint8", fill_value=0,
                             dimension_names=["shard", "index_byte"], overwrite=True)
