@@ -35,9 +35,9 @@ def _by_hand_top(pooled: np.ndarray, fires: np.ndarray, f: int, k: int) -> np.nd
 
 
 def _hist(values: np.ndarray) -> np.ndarray:
-    """numpy's histogram of log10 values, the values outside the edges counted in the end bins."""
-    logs = np.clip(np.log10(values.astype(np.float64)), HIST_EDGES[0], HIST_EDGES[-1] - 1e-9)
-    return np.histogram(logs, HIST_EDGES)[0]
+    """numpy's histogram over the edges 10**HIST_EDGES, the values outside them counted in the end bins."""
+    edges = 10.0**HIST_EDGES
+    return np.histogram(np.clip(values.astype(np.float64), edges[0], np.nextafter(edges[-1], 0)), edges)[0]
 
 
 def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: str) -> None:
@@ -252,7 +252,10 @@ def _saelens(folder: Path, tensors: dict[str, np.ndarray], **cfg) -> Path:
     return folder
 
 
-def test_encode_is_the_sae_by_hand_for_each_activation(tmp_path: Path):
+@pytest.mark.parametrize("by", ["torch", "numpy"])
+def test_encode_is_the_sae_by_hand_for_each_activation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by: str):
+    if by == "numpy":  # where torch is not installed
+        monkeypatch.setattr("extractor.store.dictionary._torch", lambda: None)
     t = _sae()
     x = np.random.default_rng(1).standard_normal((20, 32)).astype(np.float32)
     pre = (x - t["b_dec"]) @ t["W_enc"] + t["b_enc"]

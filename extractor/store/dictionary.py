@@ -15,6 +15,7 @@ JumpReLU; ``encoder.weight`` (d_sae, d_in) and ``encoder.bias`` are read as ``W_
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -74,10 +75,15 @@ class Dictionary:
                                   f"{list(self.w_enc.shape)}), but {what} has {width} features per position")
 
     def encode(self, x: np.ndarray) -> np.ndarray:
-        """The latents of ``x`` (n, d_in): (n, d_sae) float32."""
-        x = np.asarray(x, np.float32)
+        """The latents of ``x`` (n, d_in): (n, d_sae) float32; computed by torch where it is installed (its matmul
+        is the bare loop's), else by numpy."""
+        x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.d_in:
             raise DictionaryError(f"encode needs (n, {self.d_in}) inputs, not {list(x.shape)}")
+        torch = _torch()
+        if torch is not None:
+            return self._encode_torch(torch, x)
+        x = x.astype(np.float32, copy=False)
         if self.b_dec is not None:
             x = x - self.b_dec
         pre = x @ self.w_enc
@@ -85,16 +91,56 @@ class Dictionary:
         if self.activation == "relu":
             return np.maximum(pre, 0, out=pre)
         if self.activation == "jumprelu":
-            assert self.threshold is not None  # load_dictionary checks it
             pre[pre <= self.threshold] = 0
             return pre
-        k = int(self.activation.split(":")[1])
+        k = self.topk
         if k >= self.d_sae:
             return np.maximum(pre, 0, out=pre)
         top = np.argpartition(pre, self.d_sae - k, axis=1)[:, self.d_sae - k:]
         out = np.zeros_like(pre)
         np.put_along_axis(out, top, np.maximum(np.take_along_axis(pre, top, axis=1), 0), axis=1)
         return out
+
+    @property
+    def topk(self) -> int:
+        return int(self.activation.split(":")[1]) if self.activation.startswith("topk:") else self.d_sae
+
+    def _encode_torch(self, torch: Any, x: np.ndarray) -> np.ndarray:
+        w, b, b_dec, threshold = self._tensors(torch)
+        with torch.inference_mode():
+            t = torch.from_numpy(x if x.flags.writeable else x.copy()).float()
+            if b_dec is not None:
+                t = t - b_dec
+            pre = torch.addmm(b, t, w)
+            if self.activation == "relu":
+                pre.clamp_(min=0)
+            elif self.activation == "jumprelu":
+                pre.masked_fill_(pre <= threshold, 0)
+            elif self.topk < self.d_sae:
+                top = torch.topk(pre, self.topk, dim=1)
+                pre = torch.zeros_like(pre).scatter_(1, top.indices, top.values.clamp(min=0))
+            else:
+                pre.clamp_(min=0)
+            return pre.numpy()
+
+    def _tensors(self, torch: Any) -> tuple[Any, Any, Any, Any]:
+        """The weights as torch tensors, made once."""
+        cache = self.__dict__.setdefault("_torch_tensors", {})
+        if "w" not in cache:
+            made = [None if a is None else torch.from_numpy(np.array(a, np.float32))  # a writable copy
+                    for a in (self.w_enc, self.b_enc, self.b_dec, self.threshold)]
+            cache.update(zip(("w", "b", "b_dec", "t"), made, strict=True))
+        return cache["w"], cache["b"], cache["b_dec"], cache["t"]
+
+
+@functools.cache
+def _torch() -> Any:
+    """torch, when installed (the reader never needs it)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
 
 
 def file_digest(paths: list[Path]) -> str:
