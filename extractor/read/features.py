@@ -306,7 +306,7 @@ class FeatureIndex:
         return acts if dic is None else dic.encode(acts)
 
     # ------------------------------------------------------------------ figures
-    def top_figure(self, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.5) -> Figure:
+    def top_figure(self, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.6) -> Figure:
         """Feature ``f``'s top images (as the job saw them) with its heatmap over each."""
         from .feature_figures import top_figure
 
