@@ -404,3 +404,14 @@ def test_figures_draw_a_features_top_images_and_the_densities(store: Path):
     f = int(np.argmax(ix.density_rows))
     assert pixels(ix.top_figure(f)).shape[2] == 3
     assert pixels(ix.density_figure()).shape[2] == 3
+
+
+@pytest.mark.slow
+def test_on_ray_the_workers_parts_make_the_index_a_post_hoc_pass_makes(ray_cluster, images: Path, tmp_path: Path):
+    """Two Ray workers write the parts of their shards; the driver merges them."""
+    path = tmp_path / "r.zarr"
+    raw = _job(images, path, feature_index={"k": 4})
+    raw["cluster"] = {"backend": "ray", "workers": 2, "cpus_per_worker": 1}
+    summary = run(parse_spec(raw))
+    assert summary.shards_run == 4
+    _same(open_index(str(path), "layer3"), index(str(path), "layer3", k=4, name="again"))

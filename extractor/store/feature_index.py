@@ -543,7 +543,9 @@ def part_array(group: zarr.Group, key: str) -> zarr.Array:
 
 def ensure_parts(group: zarr.Group, feeds: Mapping[str, IndexFeed], n_shards: int) -> None:
     """The arrays that keep each shard's part of each write-time index (made where missing or of another size;
-    a shard's part is one chunk: its own object)."""
+    a shard's part is one chunk: its own object). Nothing for a job without one."""
+    if not feeds:
+        return
     parent = group.require_group(PARTS)
     for key, feed in feeds.items():
         size = feed.state.nbytes()
