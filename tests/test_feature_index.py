@@ -296,6 +296,9 @@ def test_a_saelens_folder_gives_the_index_of_the_same_weights_as_npz_and_pt(stor
     np.testing.assert_allclose(got.top_tokens[7, : len(top)], latents[top, :, 7], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got.density_tokens, (latents > 0).sum(axis=(0, 1)) / latents[..., 0].size)
     np.testing.assert_allclose(b.encode_row(int(rows[2])), latents[2], rtol=1e-5, atol=1e-6)
+    assert not open_index(str(store), "layer3@sae").stale  # c's, of the same name as a's
+    torch.save({k: torch.from_numpy(v) for k, v in _sae(9).items()}, tmp_path / "sae.pt")
+    assert open_index(str(store), "layer3@sae").stale  # the dictionary file changed since
 
 
 def _refused(call, *args, **kwargs) -> str:

@@ -319,13 +319,19 @@ class FeatureIndex:
         return density_figure(self)
 
 
-def _digest_of(path: str) -> str:
-    p = Path(path)
-    if p.is_dir():
-        from ..store.dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS
+_DIGESTS: dict[tuple[Any, ...], str] = {}  # (files, their sizes and mtimes) -> digest: a file is hashed once
 
-        return file_digest([p / SAELENS_CONFIG, p / SAELENS_WEIGHTS])
-    return file_digest([p])
+
+def _digest_of(path: str) -> str:
+    """The digest of a dictionary's file(s) as load_dictionary computes it (hashed again only once they change)."""
+    from ..store.dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS
+
+    p = Path(path)
+    files = [p / SAELENS_CONFIG, p / SAELENS_WEIGHTS] if p.is_dir() else [p]
+    facts = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists())
+    if facts not in _DIGESTS:
+        _DIGESTS[facts] = file_digest(files)
+    return _DIGESTS[facts]
 
 
 def describe(ix: FeatureIndex) -> Iterator[str]:
