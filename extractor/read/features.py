@@ -57,8 +57,11 @@ class TopRows:
     values: np.ndarray  # (n,) float32: the feature pooled over each row's positions
 
 
-def _store(store_or_path: ActivationStore | str | Path) -> ActivationStore:
-    return store_or_path if isinstance(store_or_path, ActivationStore) else open_store(str(store_or_path))
+def _store(store_or_path: ActivationStore | str | Path,
+           storage_options: Mapping[str, Any] | None = None) -> ActivationStore:
+    if isinstance(store_or_path, ActivationStore):
+        return store_or_path
+    return open_store(str(store_or_path), storage_options)
 
 
 def _layout(store: ActivationStore, key: str) -> Layout:
@@ -79,15 +82,17 @@ def _dictionary(dictionary: str | Path | Dictionary | None, activation: str | No
 
 def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str | Path | Dictionary | None = None,
           k: int = 16, pool: str = "max", name: str | None = None, *, threshold: float = 0.0,
-          activation: str | None = None, on_progress: Callable[[int], None] | None = None) -> FeatureIndex:
+          activation: str | None = None, on_progress: Callable[[int], None] | None = None,
+          storage_options: Mapping[str, Any] | None = None) -> FeatureIndex:
     """Index the features of capture ``key`` (its channels or features, or the latents of ``dictionary``: a file,
     see :func:`~extractor.store.dictionary.load_dictionary`) over the store's ok rows in one pass, write it into
     the store as ``indexes/<name>`` (default: ``key``, or ``key@<dictionary stem>``) and return it.
 
     ``k`` top rows per feature, ranked by the feature pooled over the row's positions by ``pool`` (max or mean); a
     feature fires where it is above ``threshold``. The store's lease is taken for the pass: a store a job is writing
-    is refused, naming the job. ``on_progress(rows)`` is called as rows are done."""
-    store = _store(store_or_path)
+    is refused, naming the job. ``on_progress(rows)`` is called as rows are done; ``storage_options``: fsspec
+    options of a remote store given by its URL."""
+    store = _store(store_or_path, storage_options)
     layout = _layout(store, key)
     dic = _dictionary(dictionary, activation)
     if dic is not None:
@@ -142,9 +147,10 @@ def index_names(store: ActivationStore) -> list[str]:
     return sorted(n for n, g in parent.groups() if "index_version" in g.attrs)
 
 
-def open_index(store_or_path: ActivationStore | str | Path, name: str | None = None) -> FeatureIndex:
+def open_index(store_or_path: ActivationStore | str | Path, name: str | None = None, *,
+               storage_options: Mapping[str, Any] | None = None) -> FeatureIndex:
     """An index the store holds; ``name`` may be left out when it holds one."""
-    store = _store(store_or_path)
+    store = _store(store_or_path, storage_options)
     names = index_names(store)
     if name is None:
         if len(names) != 1:
