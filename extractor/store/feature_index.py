@@ -178,16 +178,14 @@ class IndexState:
     bounded by features x (k x positions + bins x examples), never by rows. ``update`` adds a block, ``merge``
     another state (another shard's), in any order; ``finish`` gives the index."""
 
-    def __init__(self, features: int, positions: int, k: int = 16, pool: str = "max", threshold: float = 0.0,
-                 nonnegative: bool = False) -> None:
-        """``nonnegative``: the values are never below 0 (a dictionary's activation): a faster sum."""
+    def __init__(self, features: int, positions: int, k: int = 16, pool: str = "max", threshold: float = 0.0) -> None:
         if pool not in ("max", "mean"):
             raise ValueError(f"pool must be max or mean, not {pool!r}")
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0 (the histogram is of log10 of the values above it), "
                              f"not {threshold}")
         self.features, self.positions, self.k, self.pool = features, positions, k, pool
-        self.threshold, self.nonnegative = float(threshold), nonnegative
+        self.threshold = float(threshold)
         self.top = _Slots(features, k, (positions,), np.float32)  # keys: top_keys; payload: the row's values
         self.examples = _Slots(features * HIST_BINS, EXAMPLES, (), np.float32)  # keys: sample_keys; pooled value
         self.fire_tokens = np.zeros(features, np.int64)
@@ -491,7 +489,7 @@ class IndexFeed:
     def __init__(self, layout: Layout, k: int, pool: str, threshold: float, encoder: Encoder | None = None) -> None:
         self.layout, self.encoder = layout, encoder
         features = encoder.d_sae if encoder is not None else layout.features
-        self.state = IndexState(features, layout.positions, k, pool, threshold, nonnegative=encoder is not None)
+        self.state = IndexState(features, layout.positions, k, pool, threshold)
 
     def add(self, x: np.ndarray, rows: np.ndarray) -> None:
         """Add rows ``x`` (n, *shape) of the capture, store rows ``rows`` (ok rows only)."""
@@ -566,8 +564,7 @@ def merged_parts(group: zarr.Group, key: str, feed: IndexFeed) -> tuple[int, int
 
     done = np.flatnonzero(done_shards(group))
     parts = part_array(group, key)
-    one = IndexState(feed.state.features, feed.state.positions, feed.state.k, feed.state.pool, feed.state.threshold,
-                     feed.state.nonnegative)
+    one = IndexState(feed.state.features, feed.state.positions, feed.state.k, feed.state.pool, feed.state.threshold)
     missing = 0
     for s in done.tolist():
         if one.load(np.asarray(parts[s])):
