@@ -102,13 +102,13 @@ def sae_bench(rows: int, repeats: int) -> None:
     import torch
 
     from extractor.read import open_store
-    from extractor.store.feature_index import BLOCK_VALUES
+    from extractor.store.feature_index import ENCODE_VALUES
 
     url = WORK / f"index-tokens-{rows}.zarr"
     _store(url, rows, [TOKENS, WIDTH], ["x.token", "x.feature"], "float16", 64)
     w = _sae(WORK / "sae.npz")
     x = open_store(str(url)).numpy("x")  # the bare loop's array, in memory (float16, as stored)
-    block = max(1, BLOCK_VALUES // (TOKENS * LATENTS))
+    block = max(1, ENCODE_VALUES // (TOKENS * LATENTS))
     bare = statistics.median(bare_sae(x, w, block) for _ in range(repeats))
     runs = [_timed_index(url, dictionary=WORK / "sae.npz", k=K) for _ in range(repeats)]
     ours = statistics.median(r[0] for r in runs)
@@ -120,7 +120,7 @@ def sae_bench(rows: int, repeats: int) -> None:
     print(f"  extractor index (read + encode + everything)          {ours:7.2f} s  {rows / ours:8.1f} rows/s  "
           f"ratio {ours / bare:.2f} (target <= 1.3)")
     print(f"  peak numpy memory of the pass {peak / 1e6:.0f} MB; bound: index state {_bound(ix):.0f} MB + a block "
-          f"of {BLOCK_VALUES * 4 / 1e6:.0f} MB activations (x a few temporaries); dead latents {len(ix.dead)}")
+          f"of {ENCODE_VALUES * 4 / 1e6:.0f} MB latents (x a few temporaries); dead latents {len(ix.dead)}")
     del x
 
 
