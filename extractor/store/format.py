@@ -358,6 +358,9 @@ def wipe(store: Any) -> None:
                     path = os.path.join(root, name)
                     (shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.remove)(path)
             return
+        if isinstance(store, FencedStore) and store._s3:  # each object removed as listed (If-Match)
+            sync(store.s3_wipe(keep="lease"))
+            return
         inner = store._store if isinstance(store, FencedStore) else store
 
         async def remove_all() -> None:
