@@ -149,7 +149,9 @@ def shard_bench(shards: int = 15) -> None:
     import zarr
 
     from extractor.data.rows import Rows
-    from extractor.store.format import Lease, ShardWriter, StoreArrays, create_store
+    from extractor.store.layout import StoreArrays, create_store
+    from extractor.store.lease import Lease
+    from extractor.store.writer import ShardWriter
 
     url, size = str(WORK / "shard-open-finish.zarr"), 256
     shutil.rmtree(url, ignore_errors=True)

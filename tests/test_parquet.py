@@ -113,7 +113,7 @@ def test_a_shard_reads_only_its_row_groups_and_only_the_image_column(image_dir: 
     assert sorted(reads) == [(0, ("image",)), (1, ("image",)), (2, ("image",))]  # once each, the image only
     assert wholes == [("label",)]  # planning: the footer and the label column
     # a shard run alone (the resume of one shard) reads its one row group
-    from extractor.store.format import open_group, reset_shards
+    from extractor.store.layout import open_group, reset_shards
 
     reset_shards(open_group(str(tmp_path / "s.zarr"), "r+"), [(1, 4, 8)])
     reads.clear()

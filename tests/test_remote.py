@@ -312,7 +312,7 @@ def test_the_lease_on_s3_is_a_compare_and_swap(s3, image_dir: Path, tmp_path: Pa
     import zarr
 
     from extractor.errors import FencedError, StoreError
-    from extractor.store.format import Lease, read_lease
+    from extractor.store.lease import Lease, read_lease
 
     fs, options = s3
     url = "s3://bucket/lease.zarr"

@@ -17,7 +17,7 @@ from extractor.driver.runner import run
 from extractor.read.reader import open_store
 from extractor.spec.schema import auto_inner_rows, parse_spec
 from extractor.store.chunks import ChunkCodec, ShardStream, write_chunks
-from extractor.store.format import open_group, reset_shards
+from extractor.store.layout import open_group, reset_shards
 
 CAPTURES = [{"layer": "layer3", "reduce": "none"}, {"layer": "layer4", "reduce": "mean", "dtype": "float16"}]
 
