@@ -134,7 +134,7 @@ def extract(args: argparse.Namespace) -> dict:
     import logging
 
     from extractor.driver.runner import run
-    from extractor.spec.schema import parse_spec
+    from extractor.spec.load import parse_spec
 
     store = WORK / f"{args.variant}.zarr"
     ray = args.variant == "ray"

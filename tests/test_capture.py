@@ -12,7 +12,8 @@ from extractor.driver.runner import run
 from extractor.errors import LayerError
 from extractor.model.capture import Capturer, resolve_targets
 from extractor.read.reader import open_store
-from extractor.spec.schema import CaptureSpec, parse_spec
+from extractor.spec.load import parse_spec
+from extractor.spec.schema import CaptureSpec
 
 
 def caps(*items: dict) -> list[CaptureSpec]:

@@ -305,7 +305,7 @@ def test_a_job_submitted_to_a_cluster_prints_the_command_that_finishes_it(image_
 def test_the_report_gives_the_wall_rate_and_labels_the_workers_compute_rates(image_dir: Path, tmp_path: Path):
     """issue 25, item 11: the report's images/s was the workers' compute rate (97 shown, 10.8 end to end)."""
     from extractor.driver.runner import run
-    from extractor.spec.schema import parse_spec
+    from extractor.spec.load import parse_spec
 
     summary = run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
     report = summary.report()

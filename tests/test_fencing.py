@@ -23,7 +23,7 @@ from conftest import child_env, job, make_images
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 TESTS = Path(__file__).parent
 pytestmark = pytest.mark.slow  # paused job processes, an S3 server: make test, not make check

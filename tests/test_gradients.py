@@ -16,7 +16,7 @@ from extractor.data.rows import plan
 from extractor.driver.runner import run
 from extractor.errors import DataError, SpecError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def tutorial_job(tmp_path: Path, double_grad: bool) -> dict:

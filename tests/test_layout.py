@@ -15,7 +15,7 @@ from test_worker import reference_batch
 from extractor.driver.runner import run
 from extractor.errors import LayerError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 SWIN = {"name": "swin_t", "weights": None, "device": "cpu"}
 DATA = {"resize": 72, "crop": 64}  # maps of 16x16 (features.1), 8x8 (features.3)

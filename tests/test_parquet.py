@@ -17,7 +17,8 @@ from extractor.data.parquet import row_groups
 from extractor.driver.runner import run
 from extractor.errors import DataError
 from extractor.read.reader import open_store
-from extractor.spec.schema import DataSpec, parse_spec
+from extractor.spec.load import parse_spec
+from extractor.spec.schema import DataSpec
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

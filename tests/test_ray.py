@@ -22,7 +22,7 @@ from extractor.data.rows import Shard
 from extractor.driver.runner import run
 from extractor.errors import ClusterError, LayerError, ShardError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 ray = pytest.importorskip("ray")
 TESTS = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ from extractor.data.rows import Rows
 from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read.reader import ActivationStore, open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 from extractor.store.layout import FAILED, OK, StoreArrays, create_store
 
 

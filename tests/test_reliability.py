@@ -27,7 +27,7 @@ from extractor.data.listing import list_rows
 from extractor.driver.runner import run
 from extractor.errors import DeviceError, ShardError, SpecError, StoreError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 from extractor.store.writer import ShardWriter
 
 TESTS = Path(__file__).resolve().parent

@@ -24,7 +24,7 @@ from test_sources import write_tars
 from extractor.driver.runner import run
 from extractor.errors import DataError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 pytestmark = pytest.mark.slow
 VENV_BIN = Path(sys.executable).parent

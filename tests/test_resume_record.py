@@ -12,7 +12,7 @@ import pytest
 from conftest import job, make_images
 
 from extractor.driver.runner import run
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 TOY = {"name": None, "factory": "toy_models:slow_net", "factory_kwargs": {"seconds": 0}, "device": "cpu"}
 

@@ -18,7 +18,7 @@ from extractor.data.tars import expand_braces
 from extractor.driver.runner import run
 from extractor.errors import DataError, SpecError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def write_tars(images: list[Path], out: Path, per_tar: int, labels: dict[str, object] | None = None,

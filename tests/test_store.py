@@ -17,7 +17,7 @@ from conftest import RESNET18, job
 from extractor.driver.runner import run
 from extractor.errors import ShardError, StoreError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 from extractor.store.layout import FORMAT_VERSION
 
 

@@ -20,7 +20,7 @@ from extractor.compute.worker import Worker
 from extractor.driver.runner import run
 from extractor.errors import ModelError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -653,7 +653,7 @@ def test_a_composite_folder_whose_tower_has_no_auto_class_builds_the_tower_its_c
     """OWLv2's and BLIP's vision towers have no AutoModel class (before: a KeyError traceback in _hf_class); BLIP's
     holds its modules at the root, so its weights come from the checkpoint's vision_model."""
     from extractor.model.zoo import build
-    from extractor.spec.schema import parse_model_spec
+    from extractor.spec.load import parse_model_spec
 
     t = transformers
     torch.manual_seed(0)
