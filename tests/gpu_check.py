@@ -458,7 +458,7 @@ import json, sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 from extractor.driver.runner import run
 from extractor.spec.load import parse_spec  # noqa: E402
-from extractor.read.reader import open_store
+from extractor.read.reader import open_store  # noqa: E402
 try:
     run(parse_spec({raw!r}))
     out = {{"raised": None}}

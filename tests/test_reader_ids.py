@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from extractor.read.reader import _IdIndex
+from extractor.read.ids import _IdIndex
 
 
 def ids_of(n: int) -> np.ndarray:
