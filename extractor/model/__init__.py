@@ -37,7 +37,9 @@ if TYPE_CHECKING:
         settle_layouts,
     )
     from .processors import settle_preprocess
-    from .zoo import HF_WEIGHT_FILES, Built, load_checkpoint
+    from .sources.checkpoint import load_checkpoint
+    from .sources.common import Built
+    from .sources.hf import HF_WEIGHT_FILES
 
 __all__ = [
     "build_model",
@@ -86,9 +88,9 @@ __getattr__ = face(
         "decide_prefix_tokens": "build",
         "token_facts": "build",
         "TokenFacts": "build",
-        "Built": "zoo",
-        "load_checkpoint": "zoo",
-        "HF_WEIGHT_FILES": "zoo",
+        "Built": "sources.common",
+        "load_checkpoint": "sources.checkpoint",
+        "HF_WEIGHT_FILES": "sources.hf",
         "Target": "capture",
         "Capturer": "capture",
         "resolve_targets": "capture",
