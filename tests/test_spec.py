@@ -348,7 +348,7 @@ def test_chunk_rows_auto_refuses_a_shard_size_without_a_sensible_divisor_and_a_s
 def test_a_redacted_secret_pasted_back_asks_for_the_secret_by_name():
     """issue 26, defect 5 (T3-2): the printed resume command holds ***redacted*** for a --set secret; pasted,
     it failed with a YAML error (an alias). Now it asks for that secret."""
-    from extractor.cli import _command
+    from extractor.cli.common import _command
 
     line = _command("run", "job.yaml", "--set", "output.storage_options.secret=hunter2", "--resume")
     assert "hunter2" not in line and "***redacted***" in line
