@@ -95,8 +95,8 @@ def tar_bench(tars: int = 10, per_tar: int = 10_000) -> None:
     import resource
     import tarfile
 
-    import extractor.data.tars as tars_module
-    from extractor.data.tars import list_tars
+    import extractor.data.sources.tar as tars_module
+    from extractor.data.sources.tar import list_tars
 
     root = WORK / f"tars-{tars}x{per_tar}"
     if not (root / f"{tars - 1:03d}.tar").exists():

@@ -13,7 +13,7 @@ from conftest import job
 from test_sources import write_tars
 
 from extractor.data.listing import list_rows
-from extractor.data.parquet import row_groups
+from extractor.data.sources.parquet import row_groups
 from extractor.driver.runner import run
 from extractor.errors import DataError
 from extractor.read.reader import open_store

@@ -767,7 +767,7 @@ def test_a_resume_takes_the_rows_of_unchanged_tars_from_the_store_and_lists_chan
     resume with work to do records the new listing; a complete store is never written to by a resume)."""
     from test_sources import write_tars
 
-    import extractor.data.tars as tars_module
+    import extractor.data.sources.tar as tars_module
 
     files = make_images(tmp_path / "imgs", per_class=4, classes=("a", "b"), size=40)
     write_tars(files, tmp_path / "tars", per_tar=3)

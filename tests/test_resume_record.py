@@ -24,7 +24,7 @@ def files_of(store: Path) -> dict[str, bytes]:
 def test_a_touched_tar_is_listed_once_then_taken_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from test_sources import write_tars
 
-    import extractor.data.tars as tars_module
+    import extractor.data.sources.tar as tars_module
 
     files = make_images(tmp_path / "imgs", per_class=3, classes=("a", "b"), size=40)
     write_tars(files, tmp_path / "tars", per_tar=3)
