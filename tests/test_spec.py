@@ -190,7 +190,7 @@ def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str
     """Hub models that are not in the local cache are checked on a small config of the same class
     (layer names do not depend on the width; the jobs' globs need only the blocks to exist)."""
     from extractor.model.build import build_model, prefix_tokens
-    from extractor.model.capture import resolve_targets
+    from extractor.model.targets import resolve_targets
 
     spec = load_spec(str(Path(__file__).resolve().parents[1] / "jobs" / name))
     update: dict = {"weights": None, "device": "cpu"}
