@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
-import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -56,8 +55,6 @@ from .fence import (
 
 if TYPE_CHECKING:
     from .lease import Lease
-
-log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
