@@ -435,3 +435,22 @@ def test_on_ray_the_workers_parts_make_the_index_a_post_hoc_pass_makes(ray_clust
     summary = run(parse_spec(raw))
     assert summary.shards_run == 4
     _same(open_index(str(path), "layer3"), index(str(path), "layer3", k=4, name="again"))
+
+
+def test_the_command_makes_lists_and_draws_an_index(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    pytest.importorskip("matplotlib")
+    from extractor.cli import main
+
+    assert main(["index", str(store), "--key", "layer3", "--k", "4", "--name", "cli", "-q"]) == 0
+    said = capsys.readouterr().out
+    assert "index cli: 32 features of layer3, top 4 rows by max, 14 rows" in said and "dead: " in said
+    _same(open_index(str(store), "cli"), open_index(str(store), "layer3"))  # as the job's write-time index
+    assert main(["index", str(store), "--json"]) == 0
+    listed = {ix["name"]: ix for ix in json.loads(capsys.readouterr().out)}
+    assert listed["cli"]["features"] == 32 and not listed["cli"]["stale"] and "layer3" in listed
+    assert main(["index", str(store), "--name", "cli", "--feature", "3", "--out", str(tmp_path / "f.png")]) == 0
+    assert (tmp_path / "f.png").stat().st_size > 0
+    np.savez(tmp_path / "narrow.npz", **_sae(d_in=16))
+    assert main(["index", str(store), "--key", "layer3", "--dictionary", str(tmp_path / "narrow.npz"), "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: dictionary") and "d_in 16" in err and "\n" not in err
