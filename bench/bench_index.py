@@ -1,4 +1,4 @@
-"""`make bench` (or `python tests/bench.py --index`): the feature index (issue 42) against what it must be as fast as.
+"""`make bench` (or `python bench/bench.py --index`): the feature index (issue 42) against what it must be as fast as.
 
 - SAE latents over ViT tokens: ``extractor.read.index`` with a dictionary (read from the store, encode, top-k,
   densities, histograms, quantile samples, written into the store) against the bare computation in torch over the
@@ -8,7 +8,7 @@
 Peak memory of the pass (numpy's allocations, by tracemalloc) is printed beside the bound: features x k x
 positions of top-row values, plus the examples and histograms per feature, plus a block of activations.
 
-    python tests/bench_index.py [--rows 20000] [--map-rows 100000]
+    python bench/bench_index.py [--rows 20000] [--map-rows 100000]
 """
 
 from __future__ import annotations
