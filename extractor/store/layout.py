@@ -132,6 +132,7 @@ class CaptureRecord(TypedDict):
     projected_from: NotRequired[int]  # the features it multiplied (the matrix is projected_from x project)
     seed: NotRequired[int]  # of sample_tokens and project
     sampled_by: NotRequired[str]  # with sample_tokens: what keys the draw, "digest" (absent: the row number)
+    feature_index: NotRequired[dict[str, Any]]  # a write-time index: k, pool, threshold, dictionary, name
 
 
 class ExtraRecord(TypedDict):
