@@ -1,6 +1,6 @@
 """Costs that grow with the job (issue 29), measured at a size this machine holds and extrapolated linearly:
 the statistics merge (24 captures x 1024 features; to 10M rows), tar planning (to 1M samples), the rows'
-memory on the driver (to 10M).
+memory on the driver (to 10M), a resume's listing of a complete folder store (to 1M).
 
     python tests/bench_scale.py        (also run by `make bench`)
 """
@@ -259,6 +259,54 @@ def parquet_bench(files: int = 100, per_file: int = 10_000, row_group: int = 100
           f"{used:5.2f} s CPU ({used / len(rows) * 1e6:.1f} us a row)")
 
 
+def resume_bench(files: int = 200_000, folders: int = 200) -> None:
+    """The source's part of a resume of a complete folder store (issue 39, item 3), CPU time: before, the folder
+    listed again and its ids and paths digested to compare with the store; now, the store's rows taken while the
+    tree is as listed (a stat of each folder, then of each file for its fingerprint)."""
+    import resource
+
+    import zarr
+
+    from extractor.data import list_rows, reuse
+    from extractor.spec import DataSpec
+    from extractor.store import StoredRows
+    from extractor.store.layout import ATTR
+    from extractor.store.provenance import _digest
+
+    root = WORK / f"folder-{files}"
+    if not (root / f"c{folders - 1:03d}").exists():
+        for c in range(folders):
+            (root / f"c{c:03d}").mkdir(parents=True, exist_ok=True)
+            for i in range(files // folders):
+                (root / f"c{c:03d}" / f"{i:06d}.jpg").write_bytes(b"\xff\xd8")
+    data = DataSpec(root=str(root))
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    c0 = cpu()
+    rows = list_rows(data)
+    digests = _digest(rows.ids), _digest(rows.paths)
+    before = cpu() - c0
+    store = WORK / f"folder-{files}.zarr"
+    shutil.rmtree(store, ignore_errors=True)
+    group = zarr.open_group(str(store), mode="w")
+    group.create_array("paths", data=np.asarray(rows.paths[:len(rows)].tolist(), dtype=str))
+    group.attrs[ATTR] = {"listing": rows.listing, "n_rows": len(rows), "ids_digest": digests[0],
+                         "paths_digest": digests[1], "classes": rows.classes, "spec": {"data": {"source": "folder"}}}
+    c0 = cpu()
+    again = reuse(data, StoredRows(zarr.open_group(str(store), mode="r")))
+    after = cpu() - c0
+    assert again is not None and again.stored is not None and again.fingerprints is not None
+    assert (again.fingerprints == rows.fingerprints).all()
+    per = 1_000_000 / files
+    print(f"\nresume of a complete folder store, the source's part: {files:,} files in {folders} folders; "
+          f"x{per:.0f} for 1M")
+    print(f"  listed again, digested   {before:6.2f} s CPU   1M: {before * per:5.1f} s")
+    print(f"  taken from the store     {after:6.2f} s CPU   1M: {after * per:5.1f} s  (a stat a folder, a stat a file)")
+
+
 def main() -> None:
     WORK.mkdir(exist_ok=True)
     stats_bench()
@@ -266,6 +314,7 @@ def main() -> None:
     parquet_bench()
     planning_bench()
     shard_bench()
+    resume_bench()
 
 
 if __name__ == "__main__":

@@ -52,14 +52,13 @@ def _with_module(raw: dict[str, Any], named: set[str], model: Any) -> dict[str, 
     return {**raw, "model": section}
 
 
-_DATA_PLACES = ("source", "root", "manifest", "tars", "parquet")
-
-
 def _with_dataset(raw: dict[str, Any], dataset: Any) -> dict[str, Any]:
     """The job whose data section reads the files of the ``datasets.Dataset`` ``dataset`` (its Arrow cache or
     what ``save_to_disk`` wrote): its Image column, and its ClassLabel column as the labels."""
     section = dict(raw.get("data") or {})
-    named = [k for k in _DATA_PLACES if section.get(k)]
+    from .spec import SOURCE_ONLY
+
+    named = [k for k in ("source", *SOURCE_ONLY) if section.get(k)]
     if named:
         raise SpecError(f"dataset= was given, and the job names its data too ({', '.join(f'data.{k}' for k in named)}"
                         "); remove them from the job, or do not pass dataset=")
@@ -158,10 +157,10 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, datase
     finally:
         bar.close()
     if summary.all_failed:
-        from .data.listing import PLACE
+        from .spec import SOURCE_SETTINGS
 
         raise DataError(f"every row of {summary.store} failed: {summary.failures[0][2] if summary.failures else ''}; "
-                        f"check the images of data.{PLACE[spec.data.source]}")
+                        f"check the images of data.{SOURCE_SETTINGS[spec.data.source].places[0]}")
     store = open_store(summary.store, spec.output.storage_options or None)
     store.last_run = summary
     return store

@@ -109,3 +109,125 @@ def test_each_face_serves_its_names_and_no_name_is_a_module_too(package: str):
         assert getattr(face, name) is not None
     with pytest.raises(AttributeError, match=r"has no attribute 'nope' \(its face: "):
         face.nope  # noqa: B018
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in _modules()}
+
+
+def _face_names(path: Path) -> dict[str, str]:
+    """A face's names and the modules (in its package) that hold them: the dict given to ``_face.face``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        table = None
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "face" and len(node.args) == 2:
+            table = node.args[1]
+        elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_LAZY"]:
+            table = node.value  # the package's own face
+        if isinstance(table, ast.Dict):
+            return {k.value: v.value for k, v in zip(table.keys, table.values, strict=True)
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+    return {}
+
+
+FACES = {name: _face_names(path) for name, path in MODULES.items() if path.name == "__init__.py"}
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The package's modules a module imports, anywhere in it (top level, in functions, under TYPE_CHECKING):
+    ``from . import x`` is module ``x`` where it is one; a name imported from a face is the module the face loads
+    it from (``from ..data import read_bytes``: ``data.sources``)."""
+    name = _module_name(path)
+    package = (name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]) if name else []
+    out: set[str] = set()
+
+    def add(target: list[str], imported: str | None) -> None:
+        dotted = ".".join([*target, imported] if imported else target)
+        if dotted not in MODULES:
+            dotted = ".".join(target)
+            face = FACES.get(dotted, {})
+            if imported in face:
+                dotted = f"{dotted}.{face[imported]}" if dotted else face[imported]
+        while dotted not in MODULES and "." in dotted:
+            dotted = dotted.rsplit(".", 1)[0]
+        if dotted in MODULES and dotted != name:
+            out.add(dotted)
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = [*package[: len(package) - node.level + 1], *(node.module.split(".") if node.module else [])]
+            elif node.module and (node.module == "extractor" or node.module.startswith("extractor.")):
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            for a in node.names:
+                add(target, a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("extractor."):
+                    add(a.name.split(".")[1:], None)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules that import each other (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for group in groups:  # a path back to its first module, inside the group: the cycle to name
+        start, members = group[0], set(group)
+        paths = {start: [start]}
+        todo = [start]
+        while todo:
+            v = todo.pop(0)
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    out.append([*paths[v], start])
+                    todo = []
+                    break
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    todo.append(w)
+    return out
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle anywhere in the package, lazy imports (in functions, under TYPE_CHECKING) included: each
+    names how one module reaches itself again. A name taken from a face is an import of the module holding it."""
+    graph = {name: _module_imports(path) for name, path in MODULES.items()}
+    for face, names in FACES.items():  # a face loads its modules when a name is asked for, not at its own import
+        graph[face] = {m for m in graph[face] if m.removeprefix(f"{face}.") not in set(names.values())}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

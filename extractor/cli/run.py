@@ -61,10 +61,10 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
         bar.close()
     print(summary.report())
     if summary.all_failed:
-        from ..data.listing import PLACE
+        from ..spec import SOURCE_SETTINGS
 
         print(f"error: every row of {summary.store} failed (reasons above); check the images of "
-              f"data.{PLACE[spec.data.source]}", file=sys.stderr)
+              f"data.{SOURCE_SETTINGS[spec.data.source].places[0]}", file=sys.stderr)
         return 1
     return 0
 

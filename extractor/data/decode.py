@@ -12,9 +12,10 @@ from PIL import Image
 
 from ..faults import describe_error, device_errors
 from ..spec import DataSpec
-from .files import Locator, read_bytes
+from .files import Locator
 from .preprocess import IMAGENET, Preprocess
 from .preprocess import resolve as resolve_preprocess
+from .sources import read_bytes
 
 # A process-wide setting, made once here: Pillow's own pixel limit is off, data.max_image_pixels (checked
 # by _open_checked before decoding) replaces it.

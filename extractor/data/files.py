@@ -1,20 +1,20 @@
-"""Where images are and how their bytes are read: local paths, URLs (fsspec), tar members.
+"""Where images are and how a file's bytes are read: local paths, URLs (fsspec), and their fingerprints.
 
-A row's stored path is a local path (absolute), a URL, or ``TAR_URL#MEMBER`` with the
-member's byte range (see :mod:`extractor.tarsource`); file names that are not UTF-8 are
-stored hex-encoded (``fsbytes:``).
+A row's stored path is a local path (absolute), a URL, or a locator of its source's own (see
+:mod:`extractor.data.sources`); file names that are not UTF-8 are stored hex-encoded (``fsbytes:``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Sequence
+import re
 from typing import Any
 
 from ..errors import DataError
 
-__all__ = ["Locator", "is_url", "is_relative", "leaves_root", "absolute", "storable_path", "display_name", "read_bytes",
-           "forget_reads", "tar_url_of", "remote_error", "content_digest", "fingerprint", "local_fingerprint",
+__all__ = ["Locator", "is_url", "is_relative", "leaves_root", "absolute", "storable_path", "display_name", "read_file",
+           "remote_error", "content_digest", "fingerprint", "local_fingerprint",
            "remote_fingerprint"]
 
 
@@ -29,7 +29,7 @@ def is_relative(path: str) -> bool:
 
 
 def leaves_root(path: str) -> bool:
-    """A path, named by a manifest's row or a Parquet row, that leaves the folder it is relative to: absolute,
+    """A path, named by a source's row (a manifest's, a table's), that leaves the folder it is relative to: absolute,
     a URL, or climbing out with ``..``. The one rule for every source: such a path is refused unless
     ``data.outside_root: true`` says the source's paths lead elsewhere by design."""
     if not is_relative(path):
@@ -62,7 +62,7 @@ def remote_error(what: str, url: str, err: BaseException) -> DataError:
     return DataError(f"cannot read {what} {url}: {name}: {err}{hint}")
 
 
-Locator = str | tuple[str, int, int]  # a path or URL, or (tar URL#member, byte offset, byte size)
+Locator = str | tuple[str, int, int]  # a path or URL, or a source's own: (a part's URL#name, byte offset, size)
 
 
 FS_BYTES = "fsbytes:"  # prefix of a stored path whose file name is not valid UTF-8 (hex of the raw bytes)
@@ -89,39 +89,9 @@ def local_path(path: str) -> str | bytes:
     return path.removeprefix("file://")
 
 
-def forget_reads() -> None:
-    """Reads from now on see the sources as they are now: what :func:`read_bytes` keeps of them (a Parquet
-    file's footers and row groups) is dropped. Called where rows are read to be computed or checked."""
-    import sys
-
-    parquet = sys.modules.get(f"{__package__}.sources.parquet")  # nothing is kept where no Parquet row was read
-    if parquet is not None:
-        parquet.row_groups.clear()
-
-
-def read_bytes(item: Locator, storage_options: dict | None = None, outside_root: bool = True) -> bytes:
-    """The bytes of one image: a file, a URL, a member's byte range inside a tar, or a Parquet file's row
-    (``FILE.parquet#COLUMN/ROW``). ``outside_root``: false, a Parquet row's path that leaves its file's folder
-    (:func:`leaves_root`) is refused, not opened (the job's decoders pass ``data.outside_root``)."""
-    if isinstance(item, str) and "#" in item:
-        from .sources.parquet import is_parquet_row, parquet_bytes
-
-        if is_parquet_row(item):
-            return parquet_bytes(item, storage_options, outside_root)
-    if isinstance(item, tuple):
-        path, offset, size = item
-        url = tar_url_of(path, storage_options or {})
-        if is_url(url):
-            import fsspec
-
-            fs, p = fsspec.core.url_to_fs(url, **(storage_options or {}))
-            return fs.cat_file(p, start=offset, end=offset + size)
-        with open(url.removeprefix("file://"), "rb") as f:
-            f.seek(offset)
-            data = f.read(size)
-        if len(data) != size:
-            raise OSError(f"{url} ends before the member's {size} bytes at offset {offset}: truncated tar")
-        return data
+def read_file(item: str, storage_options: dict | None = None) -> bytes:
+    """The bytes of a file: a local path (``fsbytes:`` names too) or an fsspec URL. A source's own locators (a tar
+    member, a Parquet row) are read by :func:`~extractor.data.sources.read_bytes`."""
     if is_url(item):
         import fsspec
 
@@ -129,50 +99,6 @@ def read_bytes(item: Locator, storage_options: dict | None = None, outside_root:
             return f.read()
     with open(local_path(item), "rb") as f:
         return f.read()
-
-
-_IS_FILE: dict[tuple[str, str], bool] = {}  # (URL, storage options) -> is a file: remote answers, per process
-
-
-def _is_file(url: str, storage_options: dict[str, Any]) -> bool:
-    if not is_url(url):
-        return os.path.isfile(url.removeprefix("file://"))
-    key = (url, repr(sorted(storage_options.items())))
-    if key not in _IS_FILE:
-        import fsspec
-
-        fs, p = fsspec.core.url_to_fs(url, **storage_options)
-        try:
-            _IS_FILE[key] = bool(fs.isfile(p))
-        except FileNotFoundError:  # a missing bucket; other errors (credentials, network) are the row's error
-            _IS_FILE[key] = False
-    return _IS_FILE[key]
-
-
-def tar_url_of(path: str, storage_options: dict[str, Any] | None = None) -> str:
-    """The tar URL of a stored row path ``TAR_URL#MEMBER``.
-
-    With one ``#`` that is where the URL ends. With several (``#`` in a folder name or a
-    member name), it is the first ``#`` before which an existing file ends: listing refused
-    tars with a file at an earlier ``#`` (:func:`check_unambiguous`), so this is the tar.
-    Raises FileNotFoundError, naming the whole path, when no prefix is a file.
-    """
-    if path.count("#") <= 1:
-        return path.split("#", 1)[0]
-    for i, c in enumerate(path):
-        if c == "#" and _is_file(path[:i], storage_options or {}):
-            return path[:i]
-    raise FileNotFoundError(f"no tar shard found for {path} (no part of it before a '#' is a file)")
-
-
-def check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
-    """Refuse a tar whose path has a file at one of its own ``#``: its rows could not be read back."""
-    for i, c in enumerate(url):
-        if c == "#" and _is_file(url[:i], storage_options):
-            raise DataError(
-                f"tar shard {url}: {url[:i]} is a file too, so rows stored as TAR#MEMBER would read it "
-                "instead; rename the folder or the file so that no part of the tar's path before a '#' is a file"
-            )
 
 
 def content_digest(data: bytes) -> int:
@@ -185,19 +111,11 @@ def content_digest(data: bytes) -> int:
 
 def fingerprint(*facts: object) -> int:
     """A cheap fingerprint of where an image's bytes come from (a file's size, mtime, ctime and inode; an
-    object's size and ETag; a tar member's tar and place in it): when it is unchanged, the bytes are taken to be.
-    Never 0 (unknown)."""
+    object's size and ETag; a part's fingerprint and a row's place in it): when it is unchanged, the bytes are
+    taken to be. Never 0 (unknown)."""
     import xxhash
 
     return xxhash.xxh3_64_intdigest("|".join(map(str, facts)).encode("utf-8", "surrogateescape")) or 1
-
-
-def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
-    """``fingerprint(tar_print, offset, size)`` of each member of a tar, at once (a tar's million members)."""
-    import xxhash
-
-    digest = xxhash.xxh3_64_intdigest
-    return [digest(f"{tar_print}|{o}|{n}".encode()) or 1 for o, n in zip(offsets, sizes, strict=True)]
 
 
 def local_fingerprint(path: str) -> int:
@@ -223,3 +141,22 @@ def remote_fingerprint(info: dict[str, Any]) -> int:
     tag = next((info[k] for k in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated")
                 if info.get(k) is not None), None)
     return 0 if tag is None else fingerprint(info.get("size"), tag)
+
+
+_BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}|\{([^{}]*,[^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``a-{000..002}.tar`` -> a-000.tar, a-001.tar, a-002.tar; ``{x,y}`` alternatives too."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    if m.group(3) is not None:
+        options = m.group(3).split(",")
+    else:
+        lo, hi = m.group(1), m.group(2)
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        step = 1 if int(hi) >= int(lo) else -1
+        options = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
+    head, tail = pattern[: m.start()], pattern[m.end():]
+    return list(itertools.chain.from_iterable(expand_braces(head + o + tail) for o in options))

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._text import count, table
 from ..compute import ShardSummary, Worker
-from ..data import Rows, Shard, absolute, list_rows, plan, tar_listing
+from ..data import Rows, Shard, absolute, list_rows, plan, reuse
 from ..errors import DataError, FencedError, StoreError
 from ..spec import JobSpec
 from ..store import (
@@ -30,6 +30,7 @@ from ..store import (
     Lease,
     Probe,
     StoreArrays,
+    StoredRows,
     Totals,
     changed_rows,
     check_resumable,
@@ -49,7 +50,6 @@ from ..store import (
     reset_shards,
     shard_record,
     store_attrs,
-    stored_rows,
     update_attrs,
 )
 from ..store.feature_index import ensure_parts, finish_indexes, indexed
@@ -181,7 +181,8 @@ def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any],
     hit = {r // spec.data.shard_size for r in changed}  # shards are contiguous runs of shard_size rows
     redo = [s for s in shards if done[s.index] and s.index in hit]
     if changed and spec.output.on_change != "redo":
-        named = ", ".join(f"{rows.ids[r]!r}" for r in changed[:10])
+        ids = rows.ids if rows.stored is None else get_array(group, "ids")  # rows left in the store: its ids
+        named = ", ".join(f"{str(ids[r])!r}" for r in changed[:10])
         raise StoreError(
             f"cannot resume {spec.output.store}: the images of {count(len(changed), 'row')} computed before have "
             f"changed since (their content digest differs): {named}{' ...' if len(changed) > 10 else ''}. Their "
@@ -551,23 +552,22 @@ def _list(spec: JobSpec, backend: Backend | None) -> Rows:
 
 
 def _recorded(spec: JobSpec) -> Rows | None:
-    """For a resume of a store made from tars: its rows as it records them, when the tars are the ones it was
-    listed from (each tar's size and mtime or ETag, the extensions); else None: the tars are listed again (and
-    the listing compared with the store, as for every source)."""
-    if spec.data.source != "tar" or spec.output.if_exists != "resume":
+    """For a resume: its rows from the store, where its source is as it was listed (the source's fingerprint, as
+    the store records it) or only parts of it changed (those listed again); else None: the source is listed
+    again (and the listing compared with the store, as for every source)."""
+    if spec.output.if_exists != "resume":
         return None
     old = read_attrs(spec.output.store, spec.output.storage_options)
-    recorded = (old or {}).get("listing")
-    if not recorded or old is None or old.get("status") == "creating":
+    if old is None or not old.get("listing") or old.get("status") == "creating":
         return None
     if not all(k in old for k in ("n_rows", "ids_digest", "paths_digest")):
         return None
-    now_ = tar_listing(spec.data.tars, spec.data.extensions, spec.data.storage_options)
-    if now_ != recorded or 0 in now_["fingerprints"]:
-        return None
-    log.info("the tars are as listed for %s: its rows are taken from it", spec.output.store)
     labels = any(c.gradient and c.score_target == "label" for c in spec.capture)  # _check_targets reads them
-    return stored_rows(open_group(spec.output.store, "r", spec.output.storage_options), labels=labels)
+    rows = reuse(spec.data, StoredRows(open_group(spec.output.store, "r", spec.output.storage_options), labels))
+    if rows is not None:
+        log.info("the source is as listed for %s%s", spec.output.store, ": its rows are taken from it" if
+                 rows.stored is not None else " but for the parts listed again")
+    return rows
 
 
 class _Events:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -19,7 +19,7 @@ from ..faults import whose
 from ..spec import ClusterSpec
 
 if TYPE_CHECKING:
-    from .ray_backend import RayBackend
+    from ..spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +143,28 @@ class _Slot:
         return {"worker": self.index, "pid": self.pid, "node": self.node, "node_id": self.node_id, **more}
 
 
+class _Backend(Protocol):
+    """What a job uses of its backend (``ray_backend.RayBackend``, which imports this module)."""
+
+    spec: JobSpec
+    slots: list[_Slot]
+    max_workers: int | None
+    cpus: float
+    gpus: float
+
+    def add_slot(self) -> _Slot: ...
+
+    def start_worker(self, slot: _Slot) -> None: ...
+
+    def take_start(self, slot: _Slot, ref: Any, raise_errors: bool = False) -> bool: ...
+
+
 class _Job:
     """One ``RayBackend.run``: hands shards to ready workers, collects their results, replaces dead
     workers in the background, adds workers on new capacity (``workers: auto``), and tells the
     runner (progress, events)."""
 
-    def __init__(self, backend: RayBackend, todo: list[Shard], url: str, fence: str | None, on_progress: Any,
+    def __init__(self, backend: _Backend, todo: list[Shard], url: str, fence: str | None, on_progress: Any,
                  on_event: Any) -> None:
         self.backend, self.url, self.fence = backend, url, fence
         self.on_progress, self.on_event = on_progress, on_event

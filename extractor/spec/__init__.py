@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         model_folder,
         weights_kind,
     )
+    from .sources import PLACES, SOURCE_ONLY, SOURCE_SETTINGS, SourceSettings
 
 __all__ = [
     "JobSpec",
@@ -53,6 +54,10 @@ __all__ = [
     "REDACTED",
     "IMAGE_EXTENSIONS",
     "CHECKPOINT_SUFFIXES",
+    "SOURCE_SETTINGS",
+    "SourceSettings",
+    "PLACES",
+    "SOURCE_ONLY",
 ]
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
@@ -84,5 +89,9 @@ __getattr__ = face(
         "REDACTED": "identity",
         "IMAGE_EXTENSIONS": "schema",
         "CHECKPOINT_SUFFIXES": "schema",
+        "SOURCE_SETTINGS": "sources",
+        "SourceSettings": "sources",
+        "PLACES": "sources",
+        "SOURCE_ONLY": "sources",
     },
 )

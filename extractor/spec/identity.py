@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 
-if TYPE_CHECKING:
-    from .schema import JobSpec
+
+class _Spec(Protocol):
+    """A job spec as its digest reads it (``schema.JobSpec``, which imports this module)."""
+
+    def content_dict(self) -> dict[str, Any]: ...
 
 
 # Field markers (json_schema_extra). Run-only: changes how a job runs, not what it computes (beyond float rounding:
@@ -99,7 +102,7 @@ def _marked(info: Any) -> bool:
     return isinstance(extra, dict) and bool(extra.get("run_only") or extra.get("resolved"))
 
 
-def spec_digest(spec: JobSpec) -> str:
+def spec_digest(spec: _Spec) -> str:
     """A short stable hash of what decides the store's contents."""
     import hashlib
 

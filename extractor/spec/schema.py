@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .identity import RESOLVED, RUN_ONLY, _marked, redact
+from .sources import PLACES, SOURCE_SETTINGS
 
 __all__ = ["JobSpec"]
 
@@ -191,15 +192,6 @@ def _auto_or_at_least(value: int | str, low: int, note: str = "") -> int | str:
     return value
 
 
-_SOURCE_NEEDS = {  # data.source: the settings of which it needs one, as the error names them
-    "folder": (("root",), "data.root (the image folder)"),
-    "manifest": (("manifest",), "data.manifest (a .csv or .jsonl file)"),
-    "tar": (("tars",), "data.tars (tar paths or URLs, brace patterns allowed)"),
-    "parquet": (("parquet", "dataset"), "data.parquet (Parquet paths or URLs, globs and brace patterns allowed) or "
-                "data.dataset (a Hugging Face data set in the local cache: ORG/NAME)"),
-}
-
-
 class DataSpec(_Section):
     source: Literal["folder", "manifest", "tar", "parquet"] = "folder"
     """``folder`` (recursive walk; ImageFolder labels), ``manifest`` (CSV/JSONL), ``tar`` (WebDataset shards) or
@@ -312,20 +304,27 @@ class DataSpec(_Section):
 
     @model_validator(mode="after")
     def _source_fields(self) -> DataSpec:
-        fields, what = _SOURCE_NEEDS[self.source]
-        if not any(getattr(self, f) for f in fields):
-            raise ValueError(f"data.source {self.source!r} needs {what}")
-        if self.parquet and self.dataset:
-            raise ValueError("data.parquet and data.dataset both name the files to read: keep one")
-        if self.dataset and self.source != "parquet":
-            raise ValueError(f"data.dataset names a Hugging Face data set, read with data.source: parquet; data.source "
-                             f"is {self.source!r}")
-        if self.columns and self.source not in ("manifest", "parquet"):
-            raise ValueError(f"data.columns names a manifest's or Parquet file's columns; data.source is "
-                             f"{self.source!r}: remove it")
+        declared = SOURCE_SETTINGS[self.source]
+        given = [f for f in declared.places if getattr(self, f)]
+        if not given:
+            raise ValueError(f"data.source {self.source!r} needs {declared.needs}")
+        if len(given) > 1:
+            raise ValueError(f"data.{' and data.'.join(given)} each name the images to read: keep one")
+        self._others_settings()
         if self.classes is not None and len(set(self.classes)) != len(self.classes):
             raise ValueError("data.classes names a class twice: each label needs one name")
         return self
+
+    def _others_settings(self) -> None:
+        """Refuse a setting only another source reads (as ``spec.sources`` declares them)."""
+        for name, other in SOURCE_SETTINGS.items():
+            stray = [f for f in other.only if name != self.source and getattr(self, f)]
+            if stray:
+                raise ValueError(f"data.{stray[0]} is read by data.source: {name}; data.source is {self.source!r}")
+        if self.columns and not SOURCE_SETTINGS[self.source].columns:
+            readers = " or ".join(n for n, s in SOURCE_SETTINGS.items() if s.columns)
+            raise ValueError(f"data.columns names the columns of a table ({readers}); data.source is "
+                             f"{self.source!r}: remove it")
 
     @model_validator(mode="after")
     def _sizes(self) -> DataSpec:
@@ -626,10 +625,10 @@ class JobSpec(_Section):
         folder), each store reused. URLs are among them (callers pass them by); relative paths mean a place under
         the folder the job runs from. The one list of them (workers elsewhere, jobs submitted elsewhere)."""
         d, m = self.data, self.model
-        tars = [d.tars] if isinstance(d.tars, str) else list(d.tars or [])
-        parquet = [d.parquet] if isinstance(d.parquet, str) else list(d.parquet or [])
-        out = [("output.store", self.output.store), ("data.root", d.root), ("data.manifest", d.manifest),
-               *(("data.tars", t) for t in tars), *(("data.parquet", p) for p in parquet)]
+        out: list[tuple[str, str | None]] = [("output.store", self.output.store)]
+        for place in PLACES:
+            value = getattr(d, place)
+            out += [(f"data.{place}", v) for v in ([value] if isinstance(value, str | None) else value)]
         if m.weights_kind == "file":
             out.append(("model.weights", m.weights))
         folder = model_folder(m.name)

@@ -34,7 +34,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
+from typing import Any, NotRequired, Protocol, TypedDict, cast
 
 import numpy as np
 import zarr
@@ -53,8 +53,15 @@ from .fence import (
     local_root,
 )
 
-if TYPE_CHECKING:
-    from .lease import Lease
+
+class _Lease(Protocol):
+    """The job's lease as creating a store uses it (``lease.Lease``, which imports this module)."""
+
+    fence: Any
+    token: str
+    lost: bool
+
+    def acquire(self) -> None: ...
 
 FORMAT_VERSION = 1
 PENDING, OK, FAILED = 0, 1, 2
@@ -210,7 +217,7 @@ def fill_value(dtype: str) -> float:
 
 
 def create_store(url: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
-                 storage_options: Mapping[str, Any] | None = None, lease: Lease | None = None,
+                 storage_options: Mapping[str, Any] | None = None, lease: _Lease | None = None,
                  fresh: bool = False, claimed: Callable[[], None] | None = None) -> zarr.Group:
     """Create the store's arrays under ``lease`` (replacing what is at ``url``); the caller checked, just before,
     that this is allowed. The lease is taken before anything is changed: in the old store (a live job's lease
@@ -444,32 +451,33 @@ def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping
 
 def current_places(group: zarr.Group, storage_options: Mapping[str, Any] | None = None) -> \
         tuple[np.ndarray, np.ndarray] | None:
-    """A tar source's member offsets and sizes of every row where its tars hold them now, when a tar was
-    rewritten since the store was listed (its size and mtime or ETag differ: its members may have moved; a
-    member gone: offset -1); None when every tar is as listed, or the store records no listing."""
-    from ..data import scan_tar, tar_listing
+    """Where the source holds each row's bytes now, when it moved them since the store was listed (a rewritten
+    tar's members: offsets and sizes, -1 where gone); None: where the store records them."""
+    from ..data import source
 
-    recorded = root_attrs(group).get("listing")
-    if "byte_offset" not in group or not recorded:
+    attrs = root_attrs(group)
+    if not attrs.get("listing"):
         return None
-    storage = dict(storage_options or {})
-    now_ = tar_listing(recorded["tars"], recorded["extensions"], storage)
-    moved = {u for u, was, is_ in zip(recorded["tars"], recorded["fingerprints"], now_["fingerprints"], strict=True)
-             if was != is_ or is_ == 0}
-    if not moved:
-        return None
-    offsets = np.asarray(get_array(group, "byte_offset")[:]).copy()
-    sizes = np.asarray(get_array(group, "byte_size")[:]).copy()
-    paths = np.asarray(get_array(group, "paths")[:])
-    for url in sorted(moved):
-        try:
-            found = scan_tar(url, recorded["extensions"], storage)
-            where = {m: (o, n) for m, o, n in zip(found.members, found.offsets, found.sizes, strict=True)}
-        except Exception:  # noqa: BLE001 - a tar gone or unreadable now: its rows are unreadable
-            where = {}
-        for r in np.flatnonzero(np.strings.startswith(paths, f"{url}#")):
-            offsets[r], sizes[r] = where.get(str(paths[r])[len(url) + 1:], (-1, 0))
-    return offsets, sizes
+    name = ((attrs.get("spec") or {}).get("data") or {}).get("source", "folder")
+    return source(name).places(StoredRows(group), dict(storage_options or {}))
+
+
+class StoredRows:
+    """The rows a store records, as a resume reads them back (``data.Recorded``): its listing record, the rows
+    left in it, a block of a per-row array."""
+
+    def __init__(self, group: zarr.Group, labels: bool = False) -> None:
+        self.group, self.labels = group, labels
+        self.listing: dict[str, Any] = root_attrs(group).get("listing") or {}
+        self._rows: Rows | None = None
+
+    def rows(self) -> Rows:
+        if self._rows is None:
+            self._rows = stored_rows(self.group, labels=self.labels)
+        return self._rows
+
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return np.asarray(get_array(self.group, name)[start:stop])
 
 
 def stored_rows(group: zarr.Group, labels: bool = False) -> Rows:

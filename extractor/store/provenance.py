@@ -27,7 +27,7 @@ from .. import __version__
 from ..data import Rows, of_store
 from ..data.rows import BLOCK
 from ..errors import StoreError
-from ..spec import JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
+from ..spec import PLACES, JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .dtypes import numpy_dtype
 from .forward import forward_differences
 from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, source_digests
@@ -174,7 +174,6 @@ def current_form(stored: dict[str, Any]) -> dict[str, Any]:
         return stored
 
 
-_LOCATIONS = ("root", "manifest", "tars", "parquet")  # data settings compared by the paths they list, not spelling
 
 
 def _moved(group: Any, paths: Any) -> str | None:
@@ -198,7 +197,7 @@ def _spec_differences(old: dict[str, Any], new: dict[str, Any], same_places: boo
     old_spec, new_spec = content_of(current_form(old.get("spec", {}))), content_of(new["spec"])
     if same_places:
         for d in (old_spec, new_spec):
-            for key in _LOCATIONS:
+            for key in PLACES:  # compared by the paths they list, not by their spelling
                 d.get("data", {}).pop(key, None)
     return differences(old_spec, new_spec)
 

@@ -22,6 +22,7 @@ import zarr
 
 from ..data import Reused, from_dict
 from ..errors import StoreError
+from ..spec import SOURCE_ONLY
 from .forward import forward_differences
 from .layout import OK, PREPROCESS_FIELDS, get_array, open_group, root_attrs
 from .lease import lease_token
@@ -31,8 +32,8 @@ __all__ = ["ReuseIndex", "check_sources"]
 log = logging.getLogger(__name__)
 
 # data settings that say where the images are, not what they become: they may differ between the stores
-_PLACE_FIELDS = ("source", "root", "manifest", "tars", "parquet", "dataset", "split", "config", "extensions",
-                 "shard_size", "outside_root", "max_image_pixels")
+_PLACE_FIELDS = ("source", *SOURCE_ONLY, "split", "config", "extensions", "shard_size", "outside_root",
+                 "max_image_pixels")
 
 
 def _spec_inputs(attrs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -10,8 +10,8 @@ import pytest
 from conftest import job, make_images
 from test_sources import write_tars
 
+from extractor.data import read_bytes
 from extractor.data.decode import open_rgb
-from extractor.data.files import read_bytes
 from extractor.data.listing import list_rows
 from extractor.driver.runner import run
 from extractor.errors import DataError

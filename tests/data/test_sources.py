@@ -12,9 +12,9 @@ from conftest import job, make_images
 from hypothesis import given
 from hypothesis import strategies as st
 
+from extractor.data.files import expand_braces
 from extractor.data.listing import list_rows
 from extractor.data.rows import plan
-from extractor.data.sources.tar import expand_braces
 from extractor.driver.runner import run
 from extractor.errors import DataError, SpecError
 from extractor.read.reader import open_store
@@ -298,7 +298,7 @@ def _tarfile_listing(path: Path) -> list[tuple[str, int, int]]:
 def test_the_tar_header_reader_lists_members_exactly_as_tarfile(tmp_path: Path, fmt: int):
     """ustar prefixes, GNU long names (L headers), pax extended and global headers, folders, links and empty
     members: the plain 512-byte header reader gives tarfile's names, data offsets and sizes."""
-    from extractor.data.sources.tar import _headers
+    from extractor.data.sources._tar_headers import _headers
 
     path = tmp_path / "t.tar"
     deep = "/".join(["folder-with-a-long-name"] * 5)  # 119 characters: a ustar prefix, a GNU L or pax path
@@ -374,8 +374,8 @@ def test_an_hf_imagefolder_metadata_csv_reads_as_it_is_through_data_columns(tmp_
     with pytest.raises(DataError, match=r"data.columns.label: 'label_name' is not a column of .*metadata.csv"):
         list_rows(DataSpec(source="manifest", manifest=str(tmp_path / "imgs" / "metadata.csv"),
                            columns={"image": "file_name", "label": "label_name"}))
-    with pytest.raises(SpecError, match="data.columns names a manifest's or Parquet file's columns; data.source is "
-                                        "'folder'"):
+    with pytest.raises(SpecError, match=r"data.columns names the columns of a table \(manifest or "
+                                        r"parquet\); data.source is 'folder'"):
         parse_spec({**job(tmp_path / "imgs", tmp_path / "s.zarr"), "data": {"root": str(tmp_path / "imgs"),
                                                                            "columns": {"image": "file_name"}}})
 

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from conftest import job, make_images
 
+from extractor.data.files import local_fingerprint
 from extractor.driver.runner import run
+from extractor.read import open_store
 from extractor.spec.load import parse_spec
 
 TOY = {"name": None, "factory": "toy_models:slow_net", "factory_kwargs": {"seconds": 0}, "device": "cpu"}
@@ -39,9 +41,13 @@ def test_a_touched_tar_is_listed_once_then_taken_from_the_store(tmp_path: Path, 
     raw["output"]["if_exists"] = "resume"
     later = os.stat(tmp_path / "tars" / "shard-001.tar").st_mtime_ns + 10**9
     os.utime(tmp_path / "tars" / "shard-001.tar", ns=(later, later))  # touched: same bytes, another mtime
-    assert run(parse_spec(raw)).shards_run == 0 and len(scanned) == 2  # listed again, compared, recorded
+    assert run(parse_spec(raw)).shards_run == 0  # the touched tar listed again alone, compared, recorded
+    assert scanned == [str(tmp_path / "tars" / "shard-001.tar")]
+    recorded = open_store(str(tmp_path / "s.zarr")).attrs["listing"]
+    assert recorded["fingerprints"][1] == local_fingerprint(str(tmp_path / "tars" / "shard-001.tar"))
+    assert recorded["rows"] == [3, 3]
     before = files_of(tmp_path / "s.zarr")
-    assert run(parse_spec(raw)).shards_run == 0 and len(scanned) == 2  # the record says so: no tar listed
+    assert run(parse_spec(raw)).shards_run == 0 and len(scanned) == 1  # the record says so: no tar listed
     assert files_of(tmp_path / "s.zarr") == before  # and nothing written
 
 

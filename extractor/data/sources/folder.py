@@ -7,7 +7,9 @@ import logging
 import os
 from array import array
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,12 +17,17 @@ from ...errors import DataError
 from ..files import (
     absolute,
     display_name,
+    is_url,
     local_fingerprint,
     remote_error,
     remote_fingerprint,
     storable_path,
 )
 from ..rows import Joined, Joining, Rows, Strings, distinct, strings
+from . import Recorded, Source, files_now
+
+if TYPE_CHECKING:
+    from ...spec import DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +105,54 @@ def _list_folder(root: Path, extensions: Sequence[str]) -> Rows:
     return Rows(ids=listed, paths=paths.joined(listed), labels=labels, classes=classes,
                 fingerprints=np.frombuffer(prints, dtype=np.uint64) if prints else None)
 
+
+
+def _tree(root: str) -> int:
+    """A fingerprint of a local folder's tree: each folder's path, mtime and number of entries (a file added,
+    removed or renamed changes its folder's mtime and count; a file written in place changes neither: its own
+    fingerprint says so). Folders walked as :func:`_list_folder` walks them."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        try:
+            mtime = os.stat(dirpath).st_mtime_ns
+        except OSError:
+            mtime = 0
+        h.update(f"{os.path.relpath(dirpath, root)}|{mtime}|{len(dirnames) + len(filenames)}\0"
+                 .encode("utf-8", "surrogateescape"))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    return h.intdigest()
+
+
+class FolderSource(Source):
+    """A folder of images (``data.root``), local or remote, walked in sorted order; ImageFolder labels."""
+
+    name = "folder"
+
+    def list(self, data: DataSpec) -> Rows:
+        assert data.root is not None  # the spec validator guarantees it
+        if is_url(data.root):
+            return _list_remote_folder(data.root, data.extensions, data.storage_options)
+        listing = self.listing(data)  # before the walk: a file added meanwhile makes the next resume list again
+        return replace(_list_folder(Path(data.root), data.extensions), listing=listing)
+
+    def listing(self, data: DataSpec) -> dict[str, Any] | None:
+        assert data.root is not None
+        if is_url(data.root) or not os.path.isdir(data.root):
+            return None  # a remote folder's listing is one request that brings every object's fingerprint
+        return {"source": self.name, "root": absolute(data.root), "extensions": sorted(e.lower() for e in
+                                                                                       data.extensions),
+                "tree": _tree(data.root)}
+
+    def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
+        return files_now(recorded)
+
+
+SOURCE = FolderSource()

@@ -8,8 +8,9 @@ import json
 import os
 from array import array
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
@@ -23,6 +24,10 @@ from ..files import (
     remote_error,
 )
 from ..rows import Joining, Rows, Strings, duplicate, labels_of
+from . import Recorded, Source, files_now
+
+if TYPE_CHECKING:
+    from ...spec import DataSpec
 
 
 def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False,
@@ -126,3 +131,39 @@ def _json_lines(manifest: str, lines: Iterable[str]) -> Iterator[Any]:
             except json.JSONDecodeError as err:
                 raise DataError(f"{manifest}:{lineno}: not valid JSON: {err.msg}") from None
 
+
+
+class ManifestSource(Source):
+    """A manifest (``data.manifest``): a CSV or JSON-lines file of rows, each a path or URL, an id, a label."""
+
+    name = "manifest"
+
+    def list(self, data: DataSpec) -> Rows:
+        assert data.manifest is not None  # the spec validator guarantees it
+        listing = self.listing(data)  # before the read: a manifest written meanwhile is read again next time
+        rows = _list_manifest(data.manifest, data.root, data.storage_options, data.outside_root,
+                              {str(k): v for k, v in data.columns.items()})
+        return replace(rows, listing=listing)
+
+    def listing(self, data: DataSpec) -> dict[str, Any] | None:
+        """A local manifest's size, mtime and content digest, and the settings that change its rows."""
+        assert data.manifest is not None
+        if is_url(data.manifest) or not os.path.isfile(data.manifest):
+            return None
+        import xxhash
+
+        h = xxhash.xxh3_64()
+        with open(data.manifest, "rb") as f:
+            st = os.fstat(f.fileno())
+            while block := f.read(1 << 22):
+                h.update(block)
+        root = None if data.root is None else data.root if is_url(data.root) else absolute(data.root)
+        return {"source": self.name, "manifest": absolute(data.manifest), "size": st.st_size,
+                "mtime": st.st_mtime_ns, "digest": h.hexdigest(), "root": root, "outside_root": data.outside_root,
+                "columns": dict(sorted((str(k), v) for k, v in data.columns.items()))}
+
+    def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
+        return files_now(recorded)
+
+
+SOURCE = ManifestSource()

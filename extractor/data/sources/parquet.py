@@ -17,19 +17,32 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..._threads import prefetched
 from ...errors import DataError
-from ..files import absolute, fingerprint, is_url, local_fingerprint, remote_error, remote_fingerprint
-from ..rows import Joining, Rows, Strings, duplicate, labels_of
-from .tar import expand_braces
+from ..files import (
+    absolute,
+    expand_braces,
+    fingerprint,
+    is_url,
+    leaves_root,
+    local_fingerprint,
+    read_file,
+    remote_error,
+    remote_fingerprint,
+)
+from ..rows import Joining, Rows, Strings, duplicate, labels_of, named
+from . import Locator, Source
 
-__all__ = ["list_parquet", "parquet_bytes", "is_parquet_row", "row_groups", "hub_files", "file_columns"]
+if TYPE_CHECKING:
+    from ...spec import DataSpec
+
+__all__ = ["list_parquet", "parquet_bytes", "is_parquet_row", "row_groups", "hub_files", "file_columns", "SOURCE"]
 
 ROW = re.compile(r"^(?P<url>.+\.(?:parquet|arrow))#(?P<column>[^/#]+)/(?P<row>\d+)$", re.IGNORECASE)
 KEEP_GROUPS = 4  # row groups a process keeps decoded (its image column), the most recently used
@@ -138,7 +151,7 @@ def _scan(url: str, cols: _Columns, storage: dict[str, Any]) -> _File:
         read = [c for c in (cols.label, cols.id) if c in schema.names]
         table = (f.select(read) if _is_arrow(url) else f.read(columns=read)) if read else None
         n_rows = f.num_rows if _is_arrow(url) else f.metadata.num_rows
-        print_ = local_fingerprint(url) if not is_url(url) else remote_fingerprint(handle.fs.info(handle.path))
+        print_ = _file_fingerprint(url, storage, handle)
     except DataError:
         raise
     except (pa.ArrowException, OSError, ValueError) as err:
@@ -257,6 +270,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
                     id=columns.get("id", "id"), named=frozenset(columns.values()))
     ids, paths = Strings(), Joining(f"{u}#{cols.image}/" for u in urls)
     prints: list[np.ndarray] = []
+    file_prints: list[int] = []
     names: set[tuple[str, ...]] = set()
     stems = _row_ids(urls)
     starts: list[int] = []
@@ -265,6 +279,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
         scanned = prefetched(urls, lambda u: _scan(u, cols, storage), 16, min(16, len(urls)))
         for t, (stem, f) in enumerate(zip(stems, scanned, strict=True)):
             starts.append(len(paths.which))
+            file_prints.append(f.print)
             if f.names:
                 names.add(tuple(f.names))
             for r in range(f.rows):
@@ -286,13 +301,12 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
         raise DataError(f"id {keys[twice[0]]!r} appears twice: {where(twice[0])} and {where(twice[1])}; ids must be "
                         f"unique (data.columns.id names the id column)")
     rows = Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes,
-                fingerprints=np.concatenate(prints) if prints else None)
+                fingerprints=np.concatenate(prints) if prints else None,
+                listing=_listing(urls, file_prints, columns))
     if len(names) > 1:
         raise DataError(f"the Parquet files of data.parquet name their classes differently ({len(names)} lists in "
                         "their Hugging Face metadata); list them once in data.classes")
     if names and not classes:
-        from ..rows import named
-
         return named(rows, list(next(iter(names))), f"{urls[0]} (its Hugging Face ClassLabel names)")
     return rows
 
@@ -375,8 +389,6 @@ def parquet_bytes(item: str, storage: dict[str, Any] | None = None, outside_root
     """The encoded image of a stored Parquet row ``FILE#COLUMN/ROW``: its bytes, or the file its path names
     (a relative path: in the Parquet file's folder). ``outside_root`` false: a path that leaves that folder is
     refused, as a manifest's row is (:func:`~extractor.data.files.leaves_root`)."""
-    from ..files import leaves_root, read_bytes
-
     m = ROW.match(item)
     assert m is not None
     url, column, row = m["url"], m["column"], int(m["row"])
@@ -393,8 +405,68 @@ def parquet_bytes(item: str, storage: dict[str, Any] | None = None, outside_root
     if not outside_root and leaves_root(path):
         raise DataError(f"image path leaves the Parquet file's folder (refused, as a manifest's; data.outside_root: "
                         f"true allows it): {path!r}")
-    return read_bytes(path if not _relative(path) else f"{base.rstrip('/')}/{path}", storage)
+    return read_file(path if not _relative(path) else f"{base.rstrip('/')}/{path}", storage)
 
 
 def _relative(path: str) -> bool:
     return not is_url(path) and not os.path.isabs(path)
+
+
+def _file_fingerprint(url: str, storage: dict[str, Any], handle: Any = None) -> int:
+    """A Parquet or Arrow file's fingerprint (its size and mtime or ETag; 0: unknown)."""
+    if not is_url(url):
+        return local_fingerprint(url)
+    try:
+        if handle is not None:
+            return remote_fingerprint(handle.fs.info(handle.path))
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url, **storage)
+        return remote_fingerprint(fs.info(path))
+    except Exception:  # noqa: BLE001 - unknown, not an error: the file is listed again
+        return 0
+
+
+def _listing(urls: list[str], prints: list[int], columns: dict[str, str]) -> dict[str, Any] | None:
+    """What a listing of the files was made from (a resume takes the rows from the store while it is the same);
+    None when a file's fingerprint is unknown."""
+    if 0 in prints:
+        return None
+    return {"source": "parquet", "files": urls, "fingerprints": prints, "columns": dict(sorted(columns.items()))}
+
+
+class ParquetSource(Source):
+    """Parquet or Arrow files (``data.parquet``, or ``data.dataset``'s in the local Hugging Face cache): a row
+    stored as ``FILE#COLUMN/ROW``, its image read from the row group it lies in."""
+
+    name = "parquet"
+
+    @staticmethod
+    def _files(data: DataSpec) -> str | Sequence[str] | None:
+        return data.parquet if data.dataset is None else hub_files(data.dataset, data.split, data.config)
+
+    def list(self, data: DataSpec) -> Rows:
+        return list_parquet(self._files(data), {str(k): v for k, v in data.columns.items()}, data.storage_options)
+
+    def empty(self, data: DataSpec) -> str:
+        return "its files hold no rows"
+
+    def reads(self, item: Locator) -> bool:
+        return is_parquet_row(item)
+
+    def read(self, item: Locator, storage_options: dict | None, outside_root: bool) -> bytes:
+        assert isinstance(item, str)
+        return parquet_bytes(item, storage_options, outside_root)
+
+    def forget(self) -> None:
+        row_groups.clear()
+
+    def listing(self, data: DataSpec) -> dict[str, Any] | None:
+        storage = data.storage_options
+        urls = parquet_urls(self._files(data), storage)
+        with ThreadPoolExecutor(min(16, len(urls))) as pool:
+            prints = list(pool.map(lambda u: _file_fingerprint(u, storage), urls))
+        return _listing(urls, prints, {str(k): v for k, v in data.columns.items()})
+
+
+SOURCE = ParquetSource()

@@ -17,58 +17,32 @@ from __future__ import annotations
 
 import bisect
 import io
-import itertools
 import json
 import logging
 import mmap
 import os
-import re
 import tarfile
-import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..._threads import prefetched
 from ...errors import DataError
-from ..files import (
-    absolute,
-    check_unambiguous,
-    is_url,
-    local_fingerprint,
-    member_fingerprints,
-    remote_error,
-    remote_fingerprint,
-    tar_url_of,
-)
-from ..rows import Joining, Rows, Strings, duplicate, labels_of
+from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
+from ..rows import Joining, Rows, Strings, duplicate, labels_of, strings
+from . import Locator, Recorded, Source
+from ._tar_headers import _headers, _members, _read_at, _Unusual
 
-__all__ = ["Samples", "expand_braces", "list_tars", "scan_tar", "tar_listing", "tar_url_of"]
+if TYPE_CHECKING:
+    from ...spec import DataSpec
+
+__all__ = ["Samples", "list_tars", "scan_tar", "tar_listing", "tar_url_of", "SOURCE"]
 
 log = logging.getLogger(__name__)
-
-_BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}|\{([^{}]*,[^{}]*)\}")
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """``a-{000..002}.tar`` -> a-000.tar, a-001.tar, a-002.tar; ``{x,y}`` alternatives too."""
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    if m.group(3) is not None:
-        options = m.group(3).split(",")
-    else:
-        lo, hi = m.group(1), m.group(2)
-        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
-        step = 1 if int(hi) >= int(lo) else -1
-        options = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
-    head, tail = pattern[: m.start()], pattern[m.end():]
-    return list(itertools.chain.from_iterable(expand_braces(head + o + tail) for o in options))
-
 
 def _key_and_ext(name: str) -> tuple[str, str]:
     slash = name.rfind("/")
@@ -149,132 +123,6 @@ def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str
 _NO_LABEL = object()  # no .cls or .json label read yet (None: a .json label that is null)
 
 
-class _Unusual(Exception):
-    """A member the plain header reader leaves to tarfile."""
-
-
-_BLOCK = 512
-_FILES = (b"0", b"\0", b"7")  # regular file, old regular file, contiguous file
-_NOT_FILES = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, FIFOs
-_EXTENDED = (b"L", b"K", b"x", b"g")  # GNU long name and link name, pax extended and global headers
-
-
-def _headers(f: Any, url: str) -> Iterator[tuple[str, int, int]]:
-    """``(name, data offset, size)`` of each regular file of the tar ``f``, as tarfile lists them: 512-byte
-    ustar/GNU headers, GNU long names (``L``), pax extended and global headers (``path``, ``size``) applied,
-    no Python object per member (tarfile's TarInfo costs ~58 us a member). A tar cut short ends the listing,
-    as :func:`_members` does; a bad first header is a TarError; anything else raises _Unusual."""
-    pos, count = 0, 0
-    pending = _Pending()
-    while True:
-        block = _read_at(f, pos, _BLOCK)
-        if len(block) < _BLOCK or not _checksum_ok(block):
-            _check_end(block, count, pos, url)
-            return
-        kind, size = block[156:157], _number(block[124:136])
-        data = pos + _BLOCK
-        if kind in _EXTENDED:
-            pending.read(kind, _read_at(f, data, size))
-            pos = data + -(-size // _BLOCK) * _BLOCK
-            continue
-        name, size = pending.apply(block, size)
-        pos = data + -(-size // _BLOCK) * _BLOCK
-        count += 1
-        if kind in _FILES and not (kind == b"\0" and name.endswith("/")):
-            yield name, data, size
-        elif kind not in _NOT_FILES and kind != b"\0":
-            raise _Unusual(kind)
-
-
-def _read_at(f: Any, pos: int, size: int) -> bytes:
-    """``size`` bytes of ``f`` at ``pos`` (fewer at its end): a slice of a mapped file, else a seek and a read."""
-    if isinstance(f, mmap.mmap):
-        return f[pos:pos + size]
-    f.seek(pos)
-    return f.read(size)
-
-
-def _check_end(block: bytes, count: int, pos: int, url: str) -> None:
-    """At a block that is no header: the end-of-archive mark, a tar cut short (a warning), or (first) no tar."""
-    zeros = len(block) == _BLOCK and block.count(0) == _BLOCK
-    if count == 0 and not zeros:  # (an archive of no members, as tarfile reads it, lists nothing)
-        raise tarfile.ReadError("bad checksum" if block else "empty file")
-    if block and not zeros:
-        log.warning("tar shard %s ends early after %d members (no header at %d): truncated?", url, count, pos)
-
-
-class _Pending:
-    """What extended headers say of the next member (GNU long name, pax records) or of all (pax global)."""
-
-    def __init__(self) -> None:
-        self.long_name: str | None = None
-        self.pax: dict[str, str] = {}
-        self.glob: dict[str, str] = {}
-
-    def read(self, kind: bytes, payload: bytes) -> None:
-        if kind == b"L":
-            self.long_name = payload.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        elif kind in (b"x", b"g"):
-            (self.pax if kind == b"x" else self.glob).update(_pax(payload))
-
-    def apply(self, block: bytes, size: int) -> tuple[str, int]:
-        """The member's name and size: its header's, unless extended headers say otherwise."""
-        if self.long_name is None and not self.pax and not self.glob:  # the plain member, most of them
-            return _name(block), size
-        fields = {**self.glob, **self.pax}
-        if any(k.startswith("GNU.sparse") for k in fields):
-            raise _Unusual("sparse")
-        name = fields.get("path", self.long_name if self.long_name is not None else _name(block))
-        self.long_name, self.pax = None, {}
-        return name, int(fields.get("size", size))
-
-
-def _number(field: bytes) -> int:
-    """A header's number: octal text, or GNU base-256 (first byte 0x80 or 0xff)."""
-    if field[0] in (0o200, 0o377):
-        value = int.from_bytes(field[1:], "big")
-        return value - (256 ** (len(field) - 1)) if field[0] == 0o377 else value
-    text = field.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
-
-
-def _checksum_ok(block: bytes) -> bool:
-    """The header's checksum, unsigned (POSIX) or signed (old tars), as tarfile accepts it; an all-zero block
-    (the end-of-archive mark) has none. The byte sum is adler32's low half (modulo 65521: the sum of a header
-    is below 2 x 65521, so a match is exact up to one alias), the signed one summed only when that fails."""
-    try:
-        stored = _number(block[148:156])
-    except ValueError:
-        return False
-    if ((zlib.adler32(block) & 0xFFFF) - 1 - sum(block[148:156]) + 256 - stored) % 65521 == 0:
-        return block.count(0) < _BLOCK
-    rest = block[:148] + b"        " + block[156:]
-    return stored == sum(rest) - 256 * sum(b >= 128 for b in rest)
-
-
-def _name(block: bytes) -> str:
-    name = block[:100].split(b"\0", 1)[0]
-    if block[257:263] == b"ustar\0":  # POSIX ustar: a prefix folder in its own field
-        prefix = block[345:500].split(b"\0", 1)[0]
-        if prefix:
-            name = prefix + b"/" + name
-    return name.decode("utf-8", "surrogateescape")
-
-
-def _pax(payload: bytes) -> dict[str, str]:
-    """Records ``LENGTH KEY=VALUE\\n`` of a pax header."""
-    out, at = {}, 0
-    while at < len(payload):
-        space = payload.find(b" ", at)
-        if space < 0:
-            break
-        length = int(payload[at:space])
-        key, _, value = payload[space + 1 : at + length - 1].partition(b"=")
-        out[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
-        at += length
-    return out
-
-
 def _open_tar(url: str, storage_options: dict[str, Any]) -> Any:
     """The tar's file object, local or remote; a missing or unreadable one is a DataError."""
     try:
@@ -307,21 +155,56 @@ def _read_label(raw: bytes, ext: str, label: Any) -> Any:
     return label
 
 
-def _members(tar: tarfile.TarFile, url: str):  # -> Iterator[tarfile.TarInfo]
-    """The members of a tar; a tar cut short ends the listing (its last rows then fail on read)."""
-    count = 0
-    while True:
+_IS_FILE: dict[tuple[str, str], bool] = {}  # (URL, storage options) -> is a file: remote answers, per process
+
+
+def _is_file(url: str, storage_options: dict[str, Any]) -> bool:
+    if not is_url(url):
+        return os.path.isfile(url.removeprefix("file://"))
+    key = (url, repr(sorted(storage_options.items())))
+    if key not in _IS_FILE:
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(url, **storage_options)
         try:
-            member = tar.next()
-        except tarfile.ReadError as err:
-            if count == 0:
-                raise
-            log.warning("tar shard %s ends early after %d members (%s): truncated?", url, count, err)
-            return
-        if member is None:
-            return
-        count += 1
-        yield member
+            _IS_FILE[key] = bool(fs.isfile(p))
+        except FileNotFoundError:  # a missing bucket; other errors (credentials, network) are the row's error
+            _IS_FILE[key] = False
+    return _IS_FILE[key]
+
+
+def tar_url_of(path: str, storage_options: dict[str, Any] | None = None) -> str:
+    """The tar URL of a stored row path ``TAR_URL#MEMBER``.
+
+    With one ``#`` that is where the URL ends. With several (``#`` in a folder name or a
+    member name), it is the first ``#`` before which an existing file ends: listing refused
+    tars with a file at an earlier ``#`` (:func:`check_unambiguous`), so this is the tar.
+    Raises FileNotFoundError, naming the whole path, when no prefix is a file.
+    """
+    if path.count("#") <= 1:
+        return path.split("#", 1)[0]
+    for i, c in enumerate(path):
+        if c == "#" and _is_file(path[:i], storage_options or {}):
+            return path[:i]
+    raise FileNotFoundError(f"no tar shard found for {path} (no part of it before a '#' is a file)")
+
+
+def check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
+    """Refuse a tar whose path has a file at one of its own ``#``: its rows could not be read back."""
+    for i, c in enumerate(url):
+        if c == "#" and _is_file(url[:i], storage_options):
+            raise DataError(
+                f"tar shard {url}: {url[:i]} is a file too, so rows stored as TAR#MEMBER would read it "
+                "instead; rename the folder or the file so that no part of the tar's path before a '#' is a file"
+            )
+
+
+def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """``fingerprint(tar_print, offset, size)`` of each member of a tar, at once (a tar's million members)."""
+    import xxhash
+
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(f"{tar_print}|{o}|{n}".encode()) or 1 for o, n in zip(offsets, sizes, strict=True)]
 
 
 def tar_urls(patterns: str | Sequence[str] | None) -> list[str]:
@@ -380,6 +263,7 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
     if twice is not None:
         raise DataError(f"sample key {keys[twice[0]]!r} appears in {tar_of(twice[0])} and {tar_of(twice[1])}; keys "
                         "must be unique")
+    listing["rows"] = np.diff([*starts, len(offsets)]).tolist()  # each tar's: a resume re-lists a changed one alone
     return Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes, offsets=_int64(offsets),
                 sizes=_int64(sizes), fingerprints=np.frombuffer(prints, dtype=np.uint64), listing=listing)
 
@@ -399,3 +283,98 @@ def _tar_fingerprint(url: str, storage: dict[str, Any]) -> int:
         return remote_fingerprint(fs.info(path))
     except Exception:  # noqa: BLE001 - read fine a moment ago: unknown, not an error
         return 0
+
+
+def read_member(item: tuple[str, int, int], storage_options: dict[str, Any] | None = None) -> bytes:
+    """The bytes of a tar member: ``(TAR_URL#MEMBER, offset, size)``."""
+    path, offset, size = item
+    url = tar_url_of(path, storage_options or {})
+    if is_url(url):
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return fs.cat_file(p, start=offset, end=offset + size)
+    with open(url.removeprefix("file://"), "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    if len(data) != size:
+        raise OSError(f"{url} ends before the member's {size} bytes at offset {offset}: truncated tar")
+    return data
+
+
+class TarSource(Source):
+    """WebDataset tar shards (``data.tars``): rows from their headers; a row's bytes read as a byte range."""
+
+    name = "tar"
+
+    def list(self, data: DataSpec) -> Rows:
+        return list_tars(data.tars, data.extensions, data.storage_options)
+
+    def reads(self, item: Locator) -> bool:
+        return isinstance(item, tuple)
+
+    def read(self, item: Locator, storage_options: dict | None, outside_root: bool) -> bytes:
+        assert isinstance(item, tuple)
+        return read_member(item, storage_options)
+
+    def listing(self, data: DataSpec) -> dict[str, Any] | None:
+        now = tar_listing(data.tars, data.extensions, data.storage_options)
+        return None if 0 in now["fingerprints"] else now  # a tar of unknown fingerprint: listed again
+
+    def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
+        """The tars whose fingerprint changed scanned again, the others' rows taken from the store; None (all
+        listed again) when the tars or extensions differ, or labels are class names (a new name renumbers them)."""
+        was = recorded.listing
+        counts = was.get("rows")
+        if counts is None or was.get("tars") != now["tars"] or was.get("extensions") != now["extensions"] or \
+                data.classes is not None or recorded.rows().classes:
+            return None
+        storage, starts = data.storage_options, np.cumsum([0, *counts]).tolist()
+        parts: list[dict[str, Any]] = []
+        for t, url in enumerate(now["tars"]):
+            a, b = starts[t], starts[t + 1]
+            if was["fingerprints"][t] == now["fingerprints"][t]:
+                parts.append({k: recorded.column(c, a, b) for k, c in _COLUMNS.items()})
+                continue
+            found = scan_tar(url, data.extensions, storage)
+            codes, classes = labels_of(found.labels)
+            if classes:
+                return None
+            parts.append({"ids": strings(found.keys), "paths": strings(f"{url}#{m}" for m in found.members),
+                          "labels": codes, "offsets": found.offsets, "sizes": found.sizes,
+                          "fingerprints": member_fingerprints(now["fingerprints"][t], found.offsets, found.sizes)})
+        columns = {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in _COLUMNS}
+        if duplicate(columns["ids"]) is not None:
+            return None  # a full listing names the duplicate
+        listing = {**now, "rows": [len(p["ids"]) for p in parts]}
+        return Rows(ids=columns["ids"], paths=columns["paths"], labels=columns["labels"], offsets=columns["offsets"],
+                    sizes=columns["sizes"], fingerprints=columns["fingerprints"], listing=listing)
+
+    def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each row's member offset and size where its tar holds it now, when a tar was rewritten since the store
+        was listed (its members may have moved; a member gone: offset -1)."""
+        was = recorded.listing
+        if not was or "tars" not in was:
+            return None
+        now = tar_listing(was["tars"], was["extensions"], storage_options)
+        moved = {u for u, a, b in zip(was["tars"], was["fingerprints"], now["fingerprints"], strict=True)
+                 if a != b or b == 0}
+        if not moved:
+            return None
+        offsets, sizes = recorded.column("byte_offset").copy(), recorded.column("byte_size").copy()
+        paths = recorded.column("paths")
+        for url in sorted(moved):
+            try:
+                found = scan_tar(url, was["extensions"], storage_options)
+                where = {m: (o, n) for m, o, n in zip(found.members, found.offsets, found.sizes, strict=True)}
+            except Exception:  # noqa: BLE001 - a tar gone or unreadable now: its rows are unreadable
+                where = {}
+            for r in np.flatnonzero(np.strings.startswith(paths, f"{url}#")):
+                offsets[r], sizes[r] = where.get(str(paths[r])[len(url) + 1:], (-1, 0))
+        return offsets, sizes
+
+
+_COLUMNS = {"ids": "ids", "paths": "paths", "labels": "labels", "offsets": "byte_offset", "sizes": "byte_size",
+            "fingerprints": "fingerprint"}  # a row's columns and the store's arrays that hold them
+
+SOURCE = TarSource()
