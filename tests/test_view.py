@@ -1,0 +1,350 @@
+"""The viewer (extractor.view) in a real browser: headless Chromium (Debian's, driven by Playwright) on a store made
+here, served by the app and exported as a static site opened from disk."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import job, make_images
+
+CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+K = 4  # top rows per feature in the test's index
+
+
+# ---------------------------------------------------------------------------------------------- the store
+def raw_index(store: Any, key: str, k: int = K, groups: int = 3, per_group: int = 2) -> dict[str, Any]:
+    """An index of ``key``'s own channels computed by hand with numpy, in the feature index's layout."""
+    ok = store.ok_rows()
+    x = store.numpy(key, rows=ok).astype(np.float64)  # (N, C, H, W)
+    n, c, h, w = x.shape
+    tokens = x.reshape(n, c, h * w).transpose(0, 2, 1)  # (N, T, F)
+    pooled = tokens.max(axis=1)  # (N, F)
+    order = np.argsort(-pooled, axis=0, kind="stable")[:k].T  # (F, k) places among ok rows
+    top_rows = ok[order]
+    top_values = np.take_along_axis(pooled, order.T, axis=0).T
+    top_tokens = np.stack([tokens[order[f], :, f] for f in range(c)])  # (F, k, T)
+    active = tokens > 0
+    fires = active.sum(axis=(0, 1))
+    edges = np.linspace(-3, 1, 21)
+    hist = np.stack([np.histogram(np.log10(tokens[..., f][active[..., f]]), bins=edges)[0] for f in range(c)])
+    q_rows = np.full((c, groups, per_group), -1, dtype=np.int64)
+    q_values = np.full((c, groups, per_group), np.nan, dtype=np.float32)
+    for f in range(c):
+        firing = np.flatnonzero(pooled[:, f] > 0)
+        firing = firing[np.argsort(pooled[firing, f], kind="stable")]
+        for q, part in enumerate(np.array_split(firing, groups)):
+            q_rows[f, q, : len(part[:per_group])] = ok[part[:per_group]]
+            q_values[f, q, : len(part[:per_group])] = pooled[part[:per_group], f]
+    return {
+        "attrs": {"index_version": 1, "key": key, "features": c, "k": k, "pool": "max", "dictionary": None,
+                  "rows": len(store), "source_state": None, "positions": h * w, "grid": [h, w], "prefix": 0,
+                  "threshold": 0.0, "hist_edges": edges.tolist(), "quantiles": groups, "created": "test"},
+        "top_rows": top_rows.astype(np.int64), "top_values": top_values.astype(np.float32),
+        "top_tokens": top_tokens.astype(np.float32),
+        "density_tokens": (fires / (n * h * w)).astype(np.float32),
+        "density_rows": active.any(axis=1).mean(axis=0).astype(np.float32),
+        "mean_active": np.where(fires > 0, np.where(active, tokens, 0).sum(axis=(0, 1)) / np.maximum(fires, 1), 0
+                                ).astype(np.float32),
+        "max_value": tokens.max(axis=(0, 1)).astype(np.float32), "histogram": hist.astype(np.int64),
+        "quantile_rows": q_rows, "quantile_values": q_values,
+        "dead": np.flatnonzero(fires == 0).astype(np.int64),
+    }
+
+
+def write_index(path: str, name: str, index: dict[str, Any]) -> None:
+    """Store ``index`` as the group ``indexes/NAME`` of the store at ``path`` (and consolidate its metadata)."""
+    import zarr
+
+    from extractor.store import consolidate
+
+    root = zarr.open_group(path, mode="r+")
+    group = root.require_group("indexes").create_group(name)
+    group.attrs.update(index["attrs"])
+    for array, values in index.items():
+        if array != "attrs":
+            group.create_array(array, data=values)
+    consolidate(root)
+
+
+def make_store(tmp: Path) -> tuple[Path, Path]:
+    """A store of 12 images (tiny ResNet: layer3 maps of 32 x 4 x 4, a Grad-CAM map) with an index of layer3's
+    channels; then one image deleted (its source is gone). Returns the store and the images' folder."""
+    import extractor
+
+    images = tmp / "images"
+    make_images(images, per_class=6, size=72)
+    path = tmp / "view.zarr"
+    raw = job(images, path, capture=[{"layer": "layer3", "reduce": "none"},
+                                     {"layer": "layer4", "what": "gradcam", "size": "input", "key": "cam"}])
+    raw["data"]["crop"] = 64
+    store = extractor.run(raw, progress=False)
+    write_index(str(path), "layer3", raw_index(store, "layer3"))
+    return path, images
+
+
+def chromium() -> str | None:
+    """Debian's Chromium (or another found on PATH), or None."""
+    found = [p for p in CHROMIUM if Path(p).exists()] or [shutil.which(n) for n in ("chromium", "chromium-browser")]
+    return next((p for p in found if p), None)
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path, images = make_store(tmp_path_factory.mktemp("view"))
+    (images / "dogs" / "dogs05.png").unlink()  # row 11: its source is gone
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(store_path: Path) -> Iterator[str]:
+    """The app over the store on a free loopback port, in a thread: its base URL."""
+    pytest.importorskip("flask")
+    import logging
+
+    from werkzeug.serving import make_server
+
+    from extractor.view import create_app
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    srv = make_server("127.0.0.1", 0, create_app(str(store_path)), threaded=True)
+    thread = threading.Thread(target=srv.serve_forever, name="view-test-server", daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_port}/"
+    srv.shutdown()
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for the module (skipped, saying why, where none is installed)."""
+    path = chromium()
+    if path is None:
+        pytest.skip("no Chromium on this machine (make installs Debian's chromium: apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the view extra)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=FLAGS[1:])
+        yield b
+        b.close()
+
+
+class Page:
+    """A browser tab that records console errors and uncaught exceptions."""
+
+    def __init__(self, browser: Any) -> None:
+        self.page = browser.new_page(viewport={"width": 1200, "height": 900})
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def open(self, url: str) -> Any:
+        """Load ``url`` and wait for the page's script to have run."""
+        response = self.page.goto(url)
+        self.page.wait_for_selector("body[data-ready=true]", state="attached")
+        return response
+
+
+@pytest.fixture
+def tab(browser: Any) -> Iterator[Page]:
+    page = Page(browser)
+    yield page
+    page.page.close()
+
+
+def shot(tab: Page, name: str) -> None:
+    """With EXTRACTOR_VIEW_SHOTS=DIR, a screenshot of the whole page in DIR (to look at; the README's are of the
+    demo store, docs/figures/view_*.png)."""
+    out = os.environ.get("EXTRACTOR_VIEW_SHOTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tab.page.screenshot(path=str(Path(out) / f"{name}.png"), full_page=True)
+
+
+# ---------------------------------------------------------------------------------------------- by hand
+def maps(store_path: Path) -> np.ndarray:
+    """The stored layer3 maps of every row, (N, C, H, W)."""
+    from extractor.read import open_store
+
+    s = open_store(str(store_path))
+    return s.numpy("layer3", rows=np.arange(len(s)), only_ok=False).astype(np.float64)
+
+
+def top_by_hand(x: np.ndarray, f: int, k: int = K) -> tuple[np.ndarray, np.ndarray]:
+    """Feature ``f``'s top ``k`` rows by their maximum over positions, and those maxima."""
+    pooled = x[:, f].reshape(len(x), -1).max(axis=1)
+    rows = np.argsort(-pooled, kind="stable")[:k]
+    return rows, pooled[rows]
+
+
+def patch_by_hand(x: np.ndarray, row: int, y: int, xx: int, n: int = 10) -> list[int]:
+    """The features of highest value above 0 at patch (y, x) of ``row``."""
+    v = x[row, :, y, xx]
+    return [int(f) for f in np.argsort(-v, kind="stable")[:n] if v[f] > 0]
+
+
+# ---------------------------------------------------------------------------------------------- in the page
+HEAT_ALPHA = """(fig) => {
+    const c = fig.querySelector("canvas.heat");
+    const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+    return {w: c.width, h: c.height, alpha: Array.from(d.filter((_, i) => i % 4 === 3))};
+}"""
+
+
+def check_feature_page(tab: Page, x: np.ndarray, f: int) -> None:
+    """The page shows feature f's top K rows (by hand), in order, with their values, and on each the brightest
+    patch of its heatmap is the position of the feature's highest value in that row."""
+    rows, values = top_by_hand(x, f)
+    figures = tab.page.locator("div.grid.top figure.pic")
+    assert figures.count() == K
+    assert [int(r) for r in figures.evaluate_all("fs => fs.map(f => f.dataset.row)")] == rows.tolist()
+    shown = [float(v) for v in tab.page.locator("div.grid.top .value").all_inner_texts()]
+    np.testing.assert_allclose(shown, values, rtol=1e-3)
+    scale = float(x[rows, f].max())
+    for n, row in enumerate(rows):
+        if row == 11:  # its source is gone: a message, no picture
+            assert "image not available" in figures.nth(n).inner_text()
+            continue
+        heat = figures.nth(n).evaluate(HEAT_ALPHA)
+        grid = x[row, f]
+        assert (heat["h"], heat["w"]) == grid.shape
+        brightest = int(np.argmax(heat["alpha"]))
+        # the brightest patch holds the highest value (to the overlay's 1/210 steps of the scale)
+        assert grid.ravel()[brightest] >= grid.max() - scale / 200, (row, brightest, int(np.argmax(grid)))
+        assert np.unravel_index(brightest, grid.shape) == np.unravel_index(np.argmax(grid), grid.shape) or \
+            np.isclose(grid.ravel()[brightest], grid.max(), rtol=1e-2)
+
+
+def click_patch(tab: Page, y: int, xx: int, grid: tuple[int, int]) -> list[int]:
+    """Click patch (y, x) of the image page's patch grid; the features it lists."""
+    canvas = tab.page.locator("canvas.patch-grid").first
+    box = canvas.bounding_box()
+    assert box is not None
+    canvas.click(position={"x": (xx + 0.5) * box["width"] / grid[1], "y": (y + 0.5) * box["height"] / grid[0]})
+    tab.page.wait_for_selector("section.index[data-ready=true]", state="attached")
+    listed = tab.page.locator("ol.patch-features")
+    assert int(listed.get_attribute("data-patch") or -1) == y * grid[1] + xx
+    return [int(f) for f in listed.locator("li").evaluate_all("ls => ls.map(l => l.dataset.feature)")]
+
+
+PAGES = ["index.html", "index/layer3.html", "index/layer3/0.html", "index/layer3/5.html", "image/0.html",
+         "image/11.html", "search.html?q=dogs0"]
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_every_page_loads_without_console_errors(server: str, tab: Page):
+    for path in PAGES:
+        response = tab.open(server + path)
+        assert response.status == 200, path
+        assert not tab.errors, (path, tab.errors)
+        shot(tab, path.replace("/", "_").replace("?", "_"))
+    tab.open(server + "index.html")
+    assert tab.page.locator("table.indexes a").inner_text() == "layer3"
+    assert "12 ok" in tab.page.inner_text("p.status")
+    tab.open(server + "image/11.html")  # the file was deleted after the run: said on the page, nothing broken
+    assert "image not available" in tab.page.inner_text("main") and "cannot be read from" in tab.page.inner_text("main")
+    tab.open(server + "search.html?q=dogs0")
+    hits = tab.page.locator("ol.hits li a").all_inner_texts()
+    assert hits == [f"dogs/dogs0{i}.{'jpg' if i % 2 == 0 else 'png'}" for i in range(6)]
+
+
+def test_features_table_sorts_and_filters(server: str, tab: Page, store_path: Path):
+    x = maps(store_path)
+    tab.open(server + "index/layer3.html")
+    rows = tab.page.locator("#feature-table tbody tr")
+    assert rows.count() == x.shape[1]
+    tab.page.click("th[data-sort=max_value]")  # descending first
+    first = int(rows.first.get_attribute("data-feature") or -1)
+    assert first == int(np.argmax(x.max(axis=(0, 2, 3))))
+    tab.page.fill("#feature-filter", "2")
+    shown = [int(f) for f in rows.evaluate_all("rs => rs.map(r => r.dataset.feature)")]
+    assert sorted(shown) == [f for f in range(x.shape[1]) if str(f).startswith("2")]
+    assert not tab.errors
+
+
+def test_feature_page_shows_top_images_with_heatmaps(server: str, tab: Page, store_path: Path):
+    x = maps(store_path)
+    f = int(np.argmax(x.max(axis=(0, 2, 3))))
+    tab.open(server + f"index/layer3/{f}.html")
+    check_feature_page(tab, x, f)
+    tab.page.locator("div.grid.top figure.pic a.frame").first.click()  # from a feature to its image, and back
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert "/image/" in tab.page.url
+    tab.page.locator(".top-features a", has_text=f"feature {f}").first.click() if \
+        tab.page.locator(".top-features a", has_text=f"feature {f}").count() else tab.page.go_back()
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert tab.page.url.endswith(f"index/layer3/{f}.html")
+    assert not tab.errors
+
+
+def test_clicking_a_patch_lists_the_features_firing_there(server: str, tab: Page, store_path: Path):
+    x = maps(store_path)
+    tab.open(server + "image/2.html")
+    for y, xx in [(1, 2), (3, 0)]:
+        assert click_patch(tab, y, xx, x.shape[2:]) == patch_by_hand(x, 2, y, xx)
+    assert not tab.errors
+    shot(tab, "image_2_patch")
+
+
+def test_unknown_ids_are_a_clear_404_page(server: str, tab: Page):
+    for path, says in [("image/999.html", "rows 0 to 11, not 999"), ("index/nope.html", "no index 'nope'"),
+                       ("index/layer3/4096.html", "features 0 to 31, not 4096"), ("nothing/here", "no page at")]:
+        response = tab.open(server + path)
+        assert response.status == 404
+        assert tab.page.inner_text("h1") == "Not found"
+        assert says in tab.page.inner_text(".missing-reason"), path
+
+
+def test_the_app_is_read_only_and_takes_no_path_from_the_request(server: str):
+    import urllib.error
+    import urllib.request
+
+    def status(path: str, method: str = "GET") -> int:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(server + path, method=method)) as r:
+                return r.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    assert status("index.html") == 200
+    assert status("index.html", "POST") == 405 and status("image/0.html", "PUT") == 405
+    for path in ["static/../app.py", "static/%2e%2e/app.py", "static/..%2fapp.py", "thumb/-1.jpg", "thumb/12.jpg",
+                 "thumb/11.jpg", "image/1e3.html", "api/index/layer3/patch/0/16.json", "index/..%2findexes.html"]:
+        assert status(path) == 404, path
+    assert status("thumb/0.jpg") == 200 and status("static/view.js") == 200
+
+
+def test_the_exported_site_opens_from_disk_and_shows_the_same(store_path: Path, tmp_path: Path, tab: Page):
+    from extractor.view import export_site
+
+    written = export_site(str(store_path), tmp_path / "site", images=4)
+    assert written["gone"] == 1  # row 11's image: its pages say so
+    site = (tmp_path / "site").resolve().as_uri() + "/"
+    x = maps(store_path)
+    for path in ["index.html", "index/layer3.html", "image/0.html", "image/11.html"]:
+        tab.open(site + path)
+        assert not tab.errors, (path, tab.errors)
+    f = int(np.argmax(x.max(axis=(0, 2, 3))))
+    tab.open(site + f"index/layer3/{f}.html")
+    check_feature_page(tab, x, f)
+    tab.open(site + "image/2.html")
+    assert click_patch(tab, 1, 2, x.shape[2:]) == patch_by_hand(x, 2, 1, 2)
+    tab.open(site + "search.html?q=cats01")
+    assert tab.page.locator("ol.hits li a").all_inner_texts() == ["cats/cats01.png"]
+    tab.page.click("ol.hits li a")
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert tab.page.url.endswith("image/1.html")
+    assert not tab.errors
+    import json
+
+    assert json.loads((tmp_path / "site" / "api" / f"index/layer3/{f}.json").read_text())["feature"] == f
+    with pytest.raises(Exception, match="holds files and is no export"):
+        export_site(str(store_path), tmp_path)  # a folder that is not an export is never written over
