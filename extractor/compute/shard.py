@@ -20,6 +20,7 @@ from ..errors import FencedError, ShardError
 from ..faults import shard_failed
 from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, numpy_dtype
 from ..store import dumps as stats_dumps
+from ..store.feature_index import indexed
 
 __all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
 
@@ -125,6 +126,7 @@ class ShardOutput:
         self.extras = {k: np.full((n, *m["shape"]), fill_value(m["dtype"]), dtype=m["dtype"])
                        for k, m in extras.items()}
         self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in captures.items()}
+        self.indexes = indexed(captures)  # write-time feature indexes (capture.feature_index): this shard's part
         self.locks = {k: threading.Lock() for k in self.stats}  # a capture's statistics: one writer at a time
         self.pending: deque[Future[None]] = deque()  # chunk writes in flight, one per chunk (its captures)
         self.decoded = self.forward_failed = 0  # images that reached the model, and those that made it raise
@@ -224,6 +226,8 @@ class ShardOutput:
             if len(rows):
                 with self.locks[key]:
                     self.stats[key].update(buf[rows], self.shard.start + start + rows)
+                    if key in self.indexes:
+                        self.indexes[key].add(buf[rows], self.shard.start + start + rows)
             self.spare[key].append(buf)
 
     def _wait(self, future: Future[None]) -> None:
@@ -259,8 +263,9 @@ class ShardOutput:
         try:
             while self.pending:  # every chunk durable (or its error raised) before the shard is marked done
                 self.pending.popleft().result()
+            parts = {key: feed.state.to_bytes() for key, feed in self.indexes.items()}
             self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats), self.digests,
-                               self.reused)
+                               self.reused, parts)
         except BaseException as err:
             drain(self.pending)
             self.writer.abandon()

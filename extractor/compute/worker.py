@@ -42,6 +42,7 @@ from ..model import (
 )
 from ..spec import JobSpec
 from ..store import BFLOAT16, FORMAT_VERSION, CaptureRecord, ExtraRecord, Probe, ReuseIndex, forward_summary
+from ..store.feature_index import with_indexes
 from ..store.sampling import BY_DIGEST
 from .pipeline import Pipeline, ShardQueue
 from .shard import Forwarded, ShardSummary
@@ -358,6 +359,8 @@ class Worker:
         self.captures = {t.key: _record(t, modules[t.layer], values[t.key].shape[1:], original[t.key],
                                         next((w for k, w in widths if k == t.key), 0))
                          for t in self.targets}
+        # write-time feature indexes (capture.feature_index): their settings, checked against the capture's shape
+        self.captures = with_indexes(self.spec.capture, self.captures, self.model_info.get("prefix_tokens"))
         self.extras = _extras(values, self.captures)
 
     def _check_deterministic(self) -> dict[str, torch.Tensor]:

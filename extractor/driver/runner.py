@@ -52,6 +52,7 @@ from ..store import (
     stored_rows,
     update_attrs,
 )
+from ..store.feature_index import ensure_parts, finish_indexes, indexed
 
 __all__ = ["run", "RunSummary", "Backend", "LocalBackend"]
 
@@ -472,6 +473,7 @@ def run(
             return _finish(spec, group, shards, [], [], per_row, time.perf_counter() - t0, write=False)
         lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
         group = _claim(spec, rows, decided, attrs, lease)  # from here on the store is this job's
+        ensure_parts(group, indexed(attrs["captures"]), len(shards))  # each shard's part of a write-time index
         del rows  # the store holds them now, and workers read their shards' rows from it: the driver lets them go
         events.merging(group, len(shards))
         # read again under the lease; a new store's are not read at all (on an object store a paused job's marker
@@ -635,6 +637,7 @@ def _finish(
     if write:
         complete = bool(done_shards(group).all())
         stats = merge_shards(group, totals)
+        finish_indexes(group)  # write-time feature indexes: their shards' parts merged
         update_attrs(group, status="complete" if complete else "incomplete", error=None, stats=stats)
     else:
         stats = dict(group.attrs["extractor"].get("stats") or {})

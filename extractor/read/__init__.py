@@ -1,4 +1,5 @@
-"""The analysis side: a store opened lazily (numpy, zarr), its torch and xarray views, probes and figures.
+"""The analysis side: a store opened lazily (numpy, zarr), its torch and xarray views, probes, feature indexes and
+figures.
 Needs only numpy and zarr; torch, xarray, scikit-learn and matplotlib when their views are asked for.
 """
 
@@ -9,7 +10,9 @@ from typing import TYPE_CHECKING
 from .._face import face
 
 if TYPE_CHECKING:
+    from ..store.dictionary import Dictionary, load_dictionary
     from .analysis import finite, linear_probe, pca, principal_components, probe_store, top_rows
+    from .features import FeatureIndex, TopRows, index, open_index
     from .figures import bar_chart, gradcam_grid, heatmap, image_grid, scatter_plot
     from .reader import ActivationStore, open_store
     from .similarity import Comparison, compare, linear_cka
@@ -31,6 +34,12 @@ __all__ = [
     "compare",
     "Comparison",
     "linear_cka",
+    "index",
+    "open_index",
+    "FeatureIndex",
+    "TopRows",
+    "Dictionary",
+    "load_dictionary",
 ]
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
@@ -53,5 +62,11 @@ __getattr__ = face(
         "compare": "similarity",
         "Comparison": "similarity",
         "linear_cka": "similarity",
+        "index": "features",
+        "open_index": "features",
+        "FeatureIndex": "features",
+        "TopRows": "features",
+        "Dictionary": "features",
+        "load_dictionary": "features",
     },
 )

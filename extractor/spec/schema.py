@@ -353,6 +353,26 @@ class DataSpec(_Section):
         return self
 
 
+class FeatureIndexSpec(_Section):
+    """A feature index of the capture made while the job runs (no second pass): each feature's top rows, firing
+    density and histograms, kept per shard and merged at the end (``indexes/<name>``; ``extractor index`` makes the
+    same after the fact)."""
+
+    k: int = Field(default=16, ge=1)
+    """Top rows kept per feature."""
+    pool: Literal["max", "mean"] = "max"
+    """How a feature's values at a row's positions (patches, tokens) rank the row."""
+    threshold: float = Field(default=0.0, ge=0)
+    """A feature fires where it is above this."""
+    dictionary: str | None = None
+    """An SAE's encoder (.safetensors, .npz, .pt or a SAELens folder) whose latents are the features; none: the
+    capture's own channels or features."""
+    activation: str | None = None
+    """The dictionary's activation (relu, jumprelu, topk:K); default: what its file says."""
+    name: str | None = None
+    """The index's name in the store (default: the capture's key, ``KEY@<dictionary stem>`` with a dictionary)."""
+
+
 class CaptureSpec(_Section):
     layer: str
     """Module name as in ``model.named_modules()``, a glob (``layer4.*.conv2``), or ``(model)`` (also
@@ -396,6 +416,9 @@ class CaptureSpec(_Section):
     ConvNeXt blocks, or attention probabilities (batch, head, query, key). ``auto`` decides from
     facts (probabilities that sum to 1, the module's type, which dims grow with the input size)
     and refuses when they do not decide."""
+    feature_index: FeatureIndexSpec | None = None
+    """Index what each of the capture's features responds to while the job runs (``{k: 16}``; see
+    ``extractor index``)."""
 
     @field_validator("key")
     @classmethod

@@ -214,6 +214,7 @@ class CaptureRecord(TypedDict):
     projected_from: NotRequired[int]  # the features it multiplied (the matrix is projected_from x project)
     seed: NotRequired[int]  # of sample_tokens and project
     sampled_by: NotRequired[str]  # with sample_tokens: what keys the draw, "digest" (absent: the row number)
+    feature_index: NotRequired[dict[str, Any]]  # a write-time index: k, pool, threshold, dictionary, name
 
 
 class ExtraRecord(TypedDict):
@@ -655,7 +656,9 @@ class ShardWriter:
         stats: str = "",
         digests: np.ndarray | None = None,
         reused: np.ndarray | None = None,
+        index_parts: Mapping[str, np.ndarray] | None = None,
     ) -> None:
+        """``index_parts``: this shard's part of each write-time feature index (store.feature_index)."""
         self.check_fence()  # the marker says "done": only while this job holds the store
         with self._lock:
             keys = list(self._streams)
@@ -669,6 +672,7 @@ class ShardWriter:
             writes.append((array("digest"), rows, digests))
         if reused is not None and self.opened.has("reused"):
             writes.append((array("reused"), rows, reused))
+        writes += [(array(f"index_parts/{key}"), self.index, part) for key, part in (index_parts or {}).items()]
         writes += [(array("status"), rows, status),
                    (array("errors"), rows, np.asarray(errors, dtype=np.dtypes.StringDType())),
                    (array("shard_stats"), self.index, stats)]

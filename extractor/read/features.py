@@ -1,0 +1,343 @@
+"""What every feature of a capture responds to: a feature index, computed in one pass over the store (or merged from
+the job's shards at write time) and kept in the store under ``indexes/<name>`` (numpy and zarr).
+
+    >>> ix = index("out.zarr", "blocks.11", dictionary="sae/")   # one pass; written into the store
+    >>> ix = open_index("out.zarr")                                # read back (a viewer, a notebook)
+    >>> ix.top(42)              # rows, ids, values: where latent 42 is highest (pooled over the patches)
+    >>> ix.heatmap(42, 0)       # (h, w): latent 42 at each patch of its top image
+    >>> ix.density, ix.dead     # share of tokens where each latent fires; latents that never fire
+    >>> ix.histogram(42)        # counts, log10 edges
+    >>> ix.encode_row(7)        # (T, F): which latents fire at each patch of row 7
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zarr
+
+from .._threads import prefetched
+from ..errors import StoreError
+from ..store import OK, Lease, consolidate, get_array
+from ..store.dictionary import Dictionary, DictionaryError, file_digest, load_dictionary
+from ..store.feature_index import (
+    INDEX_VERSION,
+    INDEXES,
+    IndexFeed,
+    Layout,
+    index_name,
+    index_record,
+    source_state,
+    write_index,
+)
+from ..store.provenance import owner
+from .reader import ActivationStore, _lease_timeout, open_store
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["index", "open_index", "FeatureIndex", "TopRows"]
+
+log = logging.getLogger(__name__)
+READ_AHEAD = 2  # chunks read ahead of the pass (zarr decodes on the reading threads)
+
+
+@dataclass(frozen=True)
+class TopRows:
+    """The rows where a feature is highest, highest first."""
+
+    rows: np.ndarray  # (n,) int64 store rows
+    ids: np.ndarray  # (n,) their image ids
+    values: np.ndarray  # (n,) float32: the feature pooled over each row's positions
+
+
+def _store(store_or_path: ActivationStore | str | Path) -> ActivationStore:
+    return store_or_path if isinstance(store_or_path, ActivationStore) else open_store(str(store_or_path))
+
+
+def _layout(store: ActivationStore, key: str) -> Layout:
+    meta = store.captures.get(key)
+    if meta is None:
+        raise StoreError(f"{key!r} is not a capture of {store.url}; its captures: {', '.join(store.keys)}")
+    try:
+        return Layout.of(key, meta, store.model.get("prefix_tokens"))
+    except ValueError as err:
+        raise StoreError(str(err)) from None
+
+
+def _dictionary(dictionary: str | Path | Dictionary | None, activation: str | None) -> Dictionary | None:
+    if dictionary is None or isinstance(dictionary, Dictionary):
+        return dictionary
+    return load_dictionary(dictionary, activation)
+
+
+def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str | Path | Dictionary | None = None,
+          k: int = 16, pool: str = "max", name: str | None = None, *, threshold: float = 0.0,
+          activation: str | None = None, on_progress: Callable[[int], None] | None = None) -> FeatureIndex:
+    """Index the features of capture ``key`` (its channels or features, or the latents of ``dictionary``: a file,
+    see :func:`~extractor.store.dictionary.load_dictionary`) over the store's ok rows in one pass, write it into
+    the store as ``indexes/<name>`` (default: ``key``, or ``key@<dictionary stem>``) and return it.
+
+    ``k`` top rows per feature, ranked by the feature pooled over the row's positions by ``pool`` (max or mean); a
+    feature fires where it is above ``threshold``. The store's lease is taken for the pass: a store a job is writing
+    is refused, naming the job. ``on_progress(rows)`` is called as rows are done."""
+    store = _store(store_or_path)
+    layout = _layout(store, key)
+    dic = _dictionary(dictionary, activation)
+    if dic is not None:
+        dic.check_input(layout.features, f"capture {key} {list(store.captures[key]['shape'])}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, not {k}")
+    feed = IndexFeed(layout, k, pool, threshold, dic)
+    name = name or index_name(key, dic.stem if dic is not None else None)
+    lease = Lease(store.url, store.storage_options, _lease_timeout(store.attrs), owner())
+    lease.acquire()  # a job writing the store holds it: refused, naming the job
+    try:
+        group = lease.open()  # every write through the lease's fence
+        state = source_state(group)
+        t0 = time.perf_counter()
+        _pass(store, key, feed, on_progress)
+        log.info("indexed %d features of %s over %d rows in %.1f s", feed.state.features, key, feed.state.rows,
+                 time.perf_counter() - t0)
+        record = index_record(name, key, feed, dic.record() if dic is not None else None, state, "post-hoc")
+        write_index(group, name, feed.state.finish(), record)
+    finally:
+        lease.release()
+    try:
+        consolidate(group)  # the store opens with consolidated metadata: it must list the index
+    except (StoreError, OSError) as err:
+        log.info("%s: metadata not consolidated (%s)", store.url, err)
+    return open_index(open_store(store.url, store.storage_options), name)
+
+
+def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callable[[int], None] | None) -> None:
+    """Feed the ok rows of ``key`` to ``feed``, a chunk at a time in row order (the blocks a job's writer meets)."""
+    arr = store[key]
+    step = int(arr.chunks[0])
+    status = store.status
+    starts = [a for a in range(0, len(status), step) if (status[a : a + step] == OK).any()]
+
+    def read(a: int) -> tuple[np.ndarray, np.ndarray]:
+        ok = np.flatnonzero(status[a : a + step] == OK)
+        return a + ok, np.asarray(arr[a : a + step])[ok]
+
+    for rows, x in prefetched(starts, read, READ_AHEAD, threads=2, name="extractor-index"):
+        feed.add(x, rows)
+        if on_progress is not None:
+            on_progress(len(rows))
+
+
+def index_names(store: ActivationStore) -> list[str]:
+    """The names of the indexes the store holds (whole ones: attributes written)."""
+    if INDEXES not in store.group:
+        return []
+    parent = store.group[INDEXES]
+    assert isinstance(parent, zarr.Group)
+    return sorted(n for n, g in parent.groups() if "index_version" in g.attrs)
+
+
+def open_index(store_or_path: ActivationStore | str | Path, name: str | None = None) -> FeatureIndex:
+    """An index the store holds; ``name`` may be left out when it holds one."""
+    store = _store(store_or_path)
+    names = index_names(store)
+    if name is None:
+        if len(names) != 1:
+            raise StoreError(f"{store.url} holds {len(names)} indexes ({', '.join(names) or 'none'}): name one"
+                             if names else f"{store.url} holds no feature index; make one with extractor index "
+                             f"{store.url} --key KEY")
+        name = names[0]
+    if name not in names:
+        raise StoreError(f"{store.url} holds no index {name!r}; its indexes: {', '.join(names) or 'none'}")
+    return FeatureIndex(store, store.group[f"{INDEXES}/{name}"])  # type: ignore[arg-type]
+
+
+class FeatureIndex:
+    """A feature index as the store keeps it (arrays read on first use)."""
+
+    def __init__(self, store: ActivationStore, group: zarr.Group) -> None:
+        self.store, self.group = store, group
+        self.attrs: dict[str, Any] = dict(group.attrs)
+        if self.attrs.get("index_version") != INDEX_VERSION:
+            raise StoreError(f"index {group.path} of {store.url} has version {self.attrs.get('index_version')}; "
+                             f"this reads version {INDEX_VERSION}: make it again with extractor index")
+        self._cache: dict[str, np.ndarray] = {}
+        self._dictionary: Dictionary | None = None
+
+    def __repr__(self) -> str:
+        return (f"<FeatureIndex {self.name} of {self.store.url}: {self.features} features, k {self.k}, "
+                f"{self.rows} rows, {len(self.dead)} dead{', stale' if self.stale else ''}>")
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    def name(self) -> str:
+        return str(self.attrs["name"])
+
+    @property
+    def key(self) -> str:
+        return str(self.attrs["key"])
+
+    @property
+    def features(self) -> int:
+        return int(self.attrs["features"])
+
+    @property
+    def k(self) -> int:
+        return int(self.attrs["k"])
+
+    @property
+    def rows(self) -> int:
+        return int(self.attrs["rows"])
+
+    @property
+    def grid(self) -> tuple[int, int] | None:
+        grid = self.attrs.get("grid")
+        return (int(grid[0]), int(grid[1])) if grid else None
+
+    @property
+    def stale(self) -> bool:
+        """The store changed since the index was made (resumed, more rows done), or the dictionary file did."""
+        if source_state(self.store.group) != self.attrs["source_state"]:
+            return True
+        dic = self.attrs.get("dictionary")
+        return dic is not None and Path(dic["path"]).exists() and _digest_of(dic["path"]) != dic["digest"]
+
+    def _array(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            self._cache[name] = np.asarray(get_array(self.group, name)[:])
+        return self._cache[name]
+
+    @property
+    def density(self) -> np.ndarray:
+        """(F,) the share of tokens (positions of the rows) where each feature fires."""
+        return self._array("density_tokens")
+
+    @property
+    def density_rows(self) -> np.ndarray:
+        """(F,) the share of rows where each feature fires at some position."""
+        return self._array("density_rows")
+
+    @property
+    def mean_active(self) -> np.ndarray:
+        """(F,) each feature's mean value where it fires (NaN: never)."""
+        return self._array("mean_active")
+
+    @property
+    def max_value(self) -> np.ndarray:
+        return self._array("max_value")
+
+    @property
+    def dead(self) -> np.ndarray:
+        """The features that never fire."""
+        return self._array("dead")
+
+    # ------------------------------------------------------------------ one feature
+    def _feature(self, f: int) -> int:
+        if not 0 <= int(f) < self.features:
+            raise IndexError(f"feature {f} out of range: the index has {self.features} features (0 to "
+                             f"{self.features - 1})")
+        return int(f)
+
+    def top(self, f: int) -> TopRows:
+        """The rows where feature ``f`` is highest (at most k; fewer when it fires in fewer rows)."""
+        f = self._feature(f)
+        rows = np.asarray(self.group["top_rows"][f])
+        values = np.asarray(self.group["top_values"][f])
+        keep = rows >= 0
+        return TopRows(rows[keep], self.store.ids[rows[keep]], values[keep])
+
+    def tokens(self, f: int) -> np.ndarray:
+        """(k, T): feature ``f`` at every position of each of its top rows (NaN rows: empty ranks)."""
+        return np.asarray(self.group["top_tokens"][self._feature(f)])
+
+    def histogram(self, f: int, rows: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Counts of log10 of feature ``f``'s values where it fires, per token (``rows``: of its pooled values, per
+        firing row), and the log10 bin edges (values outside count in the end bins)."""
+        name = "histogram_rows" if rows else "histogram"
+        return np.asarray(self.group[name][self._feature(f)]), np.asarray(self.attrs["hist_edges"])
+
+    def quantiles(self, f: int) -> list[TopRows]:
+        """Example rows of feature ``f`` per quantile group of its firing rows (lowest first; empty groups kept)."""
+        f = self._feature(f)
+        rows, values = np.asarray(self.group["quantile_rows"][f]), np.asarray(self.group["quantile_values"][f])
+        return [TopRows(r[r >= 0], self.store.ids[r[r >= 0]], v[r >= 0]) for r, v in zip(rows, values, strict=True)]
+
+    def heatmap(self, f: int, rank: int = 0) -> np.ndarray:
+        """(h, w): feature ``f`` at each position of its ``rank``-th top row, on the capture's grid (prefix tokens
+        left out)."""
+        if self.grid is None:
+            raise StoreError(f"capture {self.key}'s positions make no grid (a vector, sampled tokens, or a token "
+                             "count that is not a square after the prefix): use tokens(f)")
+        if not 0 <= rank < self.k:
+            raise IndexError(f"rank {rank} out of range: the index keeps {self.k} rows per feature")
+        values = np.asarray(self.group["top_tokens"][self._feature(f), rank])
+        return values[int(self.attrs["prefix"]) :].reshape(self.grid)
+
+    # ------------------------------------------------------------------ the encoder
+    @property
+    def dictionary(self) -> Dictionary | None:
+        """The dictionary the index encodes with (read from the path it records; None: raw features)."""
+        dic = self.attrs.get("dictionary")
+        if dic is None:
+            return None
+        if self._dictionary is None:
+            try:
+                self._dictionary = load_dictionary(dic["path"], dic["activation"])
+            except DictionaryError as err:
+                raise DictionaryError(f"the index's dictionary cannot be read again: {err}") from None
+            if self._dictionary.digest != dic["digest"]:
+                log.warning("%s changed since index %s was made (digest %s, now %s)", dic["path"], self.name,
+                            dic["digest"], self._dictionary.digest)
+        return self._dictionary
+
+    def encode_row(self, row: int) -> np.ndarray:
+        """(T, F): every feature at each position of store row ``row`` (which features fire at this patch)."""
+        layout = _layout(self.store, self.key)
+        acts = layout.tokens(np.asarray(self.store[self.key][int(row) : int(row) + 1]))[0]
+        dic = self.dictionary
+        return acts if dic is None else dic.encode(acts)
+
+    # ------------------------------------------------------------------ figures
+    def top_figure(self, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.5) -> Figure:
+        """Feature ``f``'s top images (as the job saw them) with its heatmap over each."""
+        from .feature_figures import top_figure
+
+        return top_figure(self, f, n, columns, alpha)
+
+    def density_figure(self) -> Figure:
+        """The histogram of all features' firing densities (log10), dead features counted apart."""
+        from .feature_figures import density_figure
+
+        return density_figure(self)
+
+
+def _digest_of(path: str) -> str:
+    p = Path(path)
+    if p.is_dir():
+        from ..store.dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS
+
+        return file_digest([p / SAELENS_CONFIG, p / SAELENS_WEIGHTS])
+    return file_digest([p])
+
+
+def describe(ix: FeatureIndex) -> Iterator[str]:
+    """Lines that say what an index holds (the CLI prints them)."""
+    d = ix.attrs.get("dictionary")
+    over = f" (dictionary {d['path']}, {d['activation']})" if d else ""
+    stale = " (STALE: the store changed since; run extractor index again)" if ix.stale else ""
+    yield f"index {ix.name}: {ix.features} features of {ix.key}{over}, top {ix.k} rows by {ix.attrs['pool']}, " \
+          f"{ix.rows} rows{stale}"
+    density = ix.density
+    alive = density[density > 0]
+    yield (f"dead: {len(ix.dead)} of {ix.features}; firing density (tokens) of the others: median "
+           f"{float(np.median(alive)) if len(alive) else 0:.3g}, max {float(alive.max()) if len(alive) else 0:.3g}")
+
+
+def summary(ix: FeatureIndex) -> Mapping[str, Any]:
+    return {"name": ix.name, "key": ix.key, "features": ix.features, "k": ix.k, "rows": ix.rows,
+            "dead": len(ix.dead), "stale": ix.stale}
