@@ -21,64 +21,20 @@ K = 4  # top rows per feature in the test's index
 
 
 # ---------------------------------------------------------------------------------------------- the store
-def raw_index(store: Any, key: str, k: int = K, groups: int = 3, per_group: int = 2) -> dict[str, Any]:
-    """An index of ``key``'s own channels computed by hand with numpy, in the feature index's layout."""
-    ok = store.ok_rows()
-    x = store.numpy(key, rows=ok).astype(np.float64)  # (N, C, H, W)
-    n, c, h, w = x.shape
-    tokens = x.reshape(n, c, h * w).transpose(0, 2, 1)  # (N, T, F)
-    pooled = tokens.max(axis=1)  # (N, F)
-    order = np.argsort(-pooled, axis=0, kind="stable")[:k].T  # (F, k) places among ok rows
-    top_rows = ok[order]
-    top_values = np.take_along_axis(pooled, order.T, axis=0).T
-    top_tokens = np.stack([tokens[order[f], :, f] for f in range(c)])  # (F, k, T)
-    active = tokens > 0
-    fires = active.sum(axis=(0, 1))
-    edges = np.linspace(-3, 1, 21)
-    hist = np.stack([np.histogram(np.log10(tokens[..., f][active[..., f]]), bins=edges)[0] for f in range(c)])
-    q_rows = np.full((c, groups, per_group), -1, dtype=np.int64)
-    q_values = np.full((c, groups, per_group), np.nan, dtype=np.float32)
-    for f in range(c):
-        firing = np.flatnonzero(pooled[:, f] > 0)
-        firing = firing[np.argsort(pooled[firing, f], kind="stable")]
-        for q, part in enumerate(np.array_split(firing, groups)):
-            q_rows[f, q, : len(part[:per_group])] = ok[part[:per_group]]
-            q_values[f, q, : len(part[:per_group])] = pooled[part[:per_group], f]
-    return {
-        "attrs": {"index_version": 1, "key": key, "features": c, "k": k, "pool": "max", "dictionary": None,
-                  "rows": len(store), "source_state": None, "positions": h * w, "grid": [h, w], "prefix": 0,
-                  "threshold": 0.0, "hist_edges": edges.tolist(), "quantiles": groups, "created": "test"},
-        "top_rows": top_rows.astype(np.int64), "top_values": top_values.astype(np.float32),
-        "top_tokens": top_tokens.astype(np.float32),
-        "density_tokens": (fires / (n * h * w)).astype(np.float32),
-        "density_rows": active.any(axis=1).mean(axis=0).astype(np.float32),
-        "mean_active": np.where(fires > 0, np.where(active, tokens, 0).sum(axis=(0, 1)) / np.maximum(fires, 1), 0
-                                ).astype(np.float32),
-        "max_value": tokens.max(axis=(0, 1)).astype(np.float32), "histogram": hist.astype(np.int64),
-        "quantile_rows": q_rows, "quantile_values": q_values,
-        "dead": np.flatnonzero(fires == 0).astype(np.int64),
-    }
+SAE = "layer3@sae"  # the index of a dictionary's latents (the other, "layer3": the capture's own channels)
 
 
-def write_index(path: str, name: str, index: dict[str, Any]) -> None:
-    """Store ``index`` as the group ``indexes/NAME`` of the store at ``path`` (and consolidate its metadata)."""
-    import zarr
-
-    from extractor.store import consolidate
-
-    root = zarr.open_group(path, mode="r+")
-    group = root.require_group("indexes").create_group(name)
-    group.attrs.update(index["attrs"])
-    for array, values in index.items():
-        if array != "attrs":
-            group.create_array(array, data=values)
-    consolidate(root)
+def sae_weights(d_in: int = 32, d_sae: int = 48) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"W_enc": rng.normal(size=(d_in, d_sae)).astype(np.float32),
+            "b_enc": rng.normal(scale=0.05, size=d_sae).astype(np.float32)}
 
 
 def make_store(tmp: Path) -> tuple[Path, Path]:
-    """A store of 12 images (tiny ResNet: layer3 maps of 32 x 4 x 4, a Grad-CAM map) with an index of layer3's
-    channels; then one image deleted (its source is gone). Returns the store and the images' folder."""
+    """A store of 12 images (tiny ResNet: layer3 maps of 32 x 4 x 4, a Grad-CAM map) with two indexes of layer3:
+    its channels, and the latents of a dictionary (an SAE's encoder, relu). Returns the store and the images."""
     import extractor
+    import extractor.read
 
     images = tmp / "images"
     make_images(images, per_class=6, size=72)
@@ -87,7 +43,9 @@ def make_store(tmp: Path) -> tuple[Path, Path]:
                                      {"layer": "layer4", "what": "gradcam", "size": "input", "key": "cam"}])
     raw["data"]["crop"] = 64
     store = extractor.run(raw, progress=False)
-    write_index(str(path), "layer3", raw_index(store, "layer3"))
+    extractor.read.index(store, "layer3", k=K)
+    np.savez(tmp / "sae.npz", **sae_weights())
+    extractor.read.index(store, "layer3", dictionary=tmp / "sae.npz", k=K)
     return path, images
 
 
@@ -185,9 +143,13 @@ def top_by_hand(x: np.ndarray, f: int, k: int = K) -> tuple[np.ndarray, np.ndarr
     return rows, pooled[rows]
 
 
-def patch_by_hand(x: np.ndarray, row: int, y: int, xx: int, n: int = 10) -> list[int]:
-    """The features of highest value above 0 at patch (y, x) of ``row``."""
+def patch_by_hand(x: np.ndarray, row: int, y: int, xx: int, n: int = 10, sae: bool = False) -> list[int]:
+    """The features of highest value above 0 at patch (y, x) of ``row``: layer3's channels, or with ``sae`` the
+    dictionary's latents, relu(x @ W_enc + b_enc)."""
     v = x[row, :, y, xx]
+    if sae:
+        w = sae_weights()
+        v = np.maximum(v @ w["W_enc"].astype(np.float64) + w["b_enc"], 0)
     return [int(f) for f in np.argsort(-v, kind="stable")[:n] if v[f] > 0]
 
 
@@ -223,14 +185,15 @@ def check_feature_page(tab: Page, x: np.ndarray, f: int) -> None:
             np.isclose(grid.ravel()[brightest], grid.max(), rtol=1e-2)
 
 
-def click_patch(tab: Page, y: int, xx: int, grid: tuple[int, int]) -> list[int]:
-    """Click patch (y, x) of the image page's patch grid; the features it lists."""
-    canvas = tab.page.locator("canvas.patch-grid").first
+def click_patch(tab: Page, y: int, xx: int, grid: tuple[int, int], slug: str = "layer3") -> list[int]:
+    """Click patch (y, x) of the image page's patch grid of index ``slug``; the features it lists."""
+    section = tab.page.locator(f'section.index[data-slug="{slug}"]')
+    canvas = section.locator("canvas.patch-grid")
     box = canvas.bounding_box()
     assert box is not None
     canvas.click(position={"x": (xx + 0.5) * box["width"] / grid[1], "y": (y + 0.5) * box["height"] / grid[0]})
-    tab.page.wait_for_selector("section.index[data-ready=true]", state="attached")
-    listed = tab.page.locator("ol.patch-features")
+    tab.page.wait_for_selector(f'section.index[data-slug="{slug}"][data-ready=true]', state="attached")
+    listed = section.locator("ol.patch-features")
     assert int(listed.get_attribute("data-patch") or -1) == y * grid[1] + xx
     return [int(f) for f in listed.locator("li").evaluate_all("ls => ls.map(l => l.dataset.feature)")]
 
@@ -247,10 +210,11 @@ def test_every_page_loads_without_console_errors(server: str, tab: Page):
         assert not tab.errors, (path, tab.errors)
         shot(tab, path.replace("/", "_").replace("?", "_"))
     tab.open(server + "index.html")
-    assert tab.page.locator("table.indexes a").inner_text() == "layer3"
+    assert tab.page.locator("table.indexes a").all_inner_texts() == ["layer3", SAE]
     assert "12 ok" in tab.page.inner_text("p.status")
     tab.open(server + "image/11.html")  # the file was deleted after the run: said on the page, nothing broken
-    assert "image not available" in tab.page.inner_text("main") and "cannot be read from" in tab.page.inner_text("main")
+    main = tab.page.inner_text("main")
+    assert "image not available" in main and "its source cannot be read (No such file or directory)" in main
     tab.open(server + "search.html?q=dogs0")
     hits = tab.page.locator("ol.hits li a").all_inner_texts()
     assert hits == [f"dogs/dogs0{i}.{'jpg' if i % 2 == 0 else 'png'}" for i in range(6)]
@@ -290,6 +254,7 @@ def test_clicking_a_patch_lists_the_features_firing_there(server: str, tab: Page
     tab.open(server + "image/2.html")
     for y, xx in [(1, 2), (3, 0)]:
         assert click_patch(tab, y, xx, x.shape[2:]) == patch_by_hand(x, 2, y, xx)
+        assert click_patch(tab, y, xx, x.shape[2:], SAE) == patch_by_hand(x, 2, y, xx, sae=True)
     assert not tab.errors
     shot(tab, "image_2_patch")
 
@@ -337,6 +302,7 @@ def test_the_exported_site_opens_from_disk_and_shows_the_same(store_path: Path, 
     check_feature_page(tab, x, f)
     tab.open(site + "image/2.html")
     assert click_patch(tab, 1, 2, x.shape[2:]) == patch_by_hand(x, 2, 1, 2)
+    assert click_patch(tab, 1, 2, x.shape[2:], SAE) == patch_by_hand(x, 2, 1, 2, sae=True)
     tab.open(site + "search.html?q=cats01")
     assert tab.page.locator("ol.hits li a").all_inner_texts() == ["cats/cats01.png"]
     tab.page.click("ol.hits li a")

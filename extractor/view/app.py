@@ -4,6 +4,7 @@ store's own (never a file path), the store read lazily behind it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
@@ -29,81 +30,71 @@ def create_app(store: ActivationStore | str) -> Flask:
     """The Flask app of the viewer over ``store`` (a path or URL, or a store opened already)."""
     site = Site(open_store(store) if isinstance(store, str) else store)
     app = Flask(__name__, static_folder=str(files("extractor.view") / "static"), static_url_path="/static")
-    app.config["site"] = site
+    views = _Views(site)
+    for rule, view in views.rules():
+        app.add_url_rule(rule, rule, view, methods=["GET"])
+    app.register_error_handler(NotFound, lambda err: _missing(str(err.args[0] if err.args else err)))
+    app.register_error_handler(404, lambda err: _missing(f"there is no page at {request.path}"))
+    app.after_request(_headers)
+    return app
 
-    def page(template: str, path: str, data: dict[str, Any]) -> str:
-        return render(template, path, data, "app")
 
-    @app.get("/")
-    @app.get("/index.html")
-    def store_page() -> str:
-        return page("store.html", page_path("store"), site.store_page())
+class _Views:
+    """The app's answers: a page (HTML) or its data (JSON) for each path; a number or an index's name is all
+    a path carries, looked up by :class:`Site` (NotFound: the 404 page)."""
 
-    @app.get("/search.html")
-    def search_page() -> str:
-        return page("search.html", page_path("search"), site.search(request.args.get("q", "")[:200]))
+    def __init__(self, site: Site) -> None:
+        self.site = site
 
-    @app.get("/index/<slug>.html")
-    def features_page(slug: str) -> str:
-        return page("features.html", page_path("features", slug), site.features_page(slug))
+    def rules(self) -> list[tuple[str, Callable[..., Any]]]:
+        return [
+            ("/", self.store_page), ("/index.html", self.store_page), ("/search.html", self.search_page),
+            ("/index/<slug>.html", self.features_page), ("/index/<slug>/<int:f>.html", self.feature_page),
+            ("/image/<int:row>.html", self.image_page), ("/thumb/<int:row>.jpg", self.thumb),
+            ("/api/store.json", lambda: jsonify(self.site.store_page())),
+            ("/api/search.json", lambda: jsonify(self.site.search(_query()))),
+            ("/api/index/<slug>.json", lambda slug: jsonify(self.site.features_page(slug))),
+            ("/api/index/<slug>/<int:f>.json", lambda slug, f: jsonify(self.site.feature_page(slug, f))),
+            ("/api/image/<int:row>.json", lambda row: jsonify(self.site.image_page(row))),
+            ("/api/index/<slug>/patch/<int:row>/<int:token>.json", self.patch),
+        ]
 
-    @app.get("/index/<slug>/<int:f>.html")
-    def feature_page(slug: str, f: int) -> str:
-        return page("feature.html", page_path("feature", slug, f), site.feature_page(slug, f))
+    def store_page(self) -> str:
+        return render("store.html", page_path("store"), self.site.store_page(), "app")
 
-    @app.get("/image/<int:row>.html")
-    def image_page(row: int) -> str:
-        return page("image.html", page_path("image", row), site.image_page(row))
+    def search_page(self) -> str:
+        return render("search.html", page_path("search"), self.site.search(_query()), "app")
 
-    @app.get("/thumb/<int:row>.jpg")
-    def thumb(row: int) -> Response:
-        site.row(row)
+    def features_page(self, slug: str) -> str:
+        return render("features.html", page_path("features", slug), self.site.features_page(slug), "app")
+
+    def feature_page(self, slug: str, f: int) -> str:
+        return render("feature.html", page_path("feature", slug, f), self.site.feature_page(slug, f), "app")
+
+    def image_page(self, row: int) -> str:
+        return render("image.html", page_path("image", row), self.site.image_page(row), "app")
+
+    def thumb(self, row: int) -> Response:
+        self.site.row(row)
         try:
-            data = site.thumbs.get(row)
+            data = self.site.thumbs.get(row)
         except SourceGone as gone:
             raise NotFound(str(gone)) from None
         return Response(data, mimetype="image/jpeg", headers={"Cache-Control": "max-age=3600"})
 
-    @app.get("/api/store.json")
-    def store_json() -> Response:
-        return jsonify(site.store_page())
+    def patch(self, slug: str, row: int, token: int) -> Response:
+        return jsonify(self.site.patch_features(slug, row, token))
 
-    @app.get("/api/search.json")
-    def search_json() -> Response:
-        return jsonify(site.search(request.args.get("q", "")[:200]))
 
-    @app.get("/api/index/<slug>.json")
-    def features_json(slug: str) -> Response:
-        return jsonify(site.features_page(slug))
+def _query() -> str:
+    return request.args.get("q", "")[:200]
 
-    @app.get("/api/index/<slug>/<int:f>.json")
-    def feature_json(slug: str, f: int) -> Response:
-        return jsonify(site.feature_page(slug, f))
 
-    @app.get("/api/image/<int:row>.json")
-    def image_json(row: int) -> Response:
-        return jsonify(site.image_page(row))
-
-    @app.get("/api/index/<slug>/patch/<int:row>/<int:token>.json")
-    def patch_json(slug: str, row: int, token: int) -> Response:
-        return jsonify(site.patch_features(slug, row, token))
-
-    @app.errorhandler(NotFound)
-    def not_found(err: NotFound) -> tuple[Any, int]:
-        return _missing(str(err.args[0] if err.args else err))
-
-    @app.errorhandler(404)
-    def no_route(err: Exception) -> tuple[Any, int]:
-        return _missing(f"there is no page at {request.path}")
-
-    @app.after_request
-    def headers(response: Response) -> Response:
-        response.headers["Content-Security-Policy"] = POLICY
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "no-referrer"
-        return response
-
-    return app
+def _headers(response: Response) -> Response:
+    response.headers["Content-Security-Policy"] = POLICY
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response
 
 
 def _missing(reason: str) -> tuple[Any, int]:

@@ -31,37 +31,52 @@ def export_site(store: ActivationStore | str, out: str | Path, features: int | N
     its first ``features`` feature pages (None: all), the image page of every row those show and of the first
     ``images`` rows, their thumbnails, the search page. Returns what it wrote: pages, thumbnails, gone sources."""
     site = Site(open_store(store) if isinstance(store, str) else store)
-    root = _folder(Path(out))
-    writer = _Writer(root, site)
+    writer = _Writer(_folder(Path(out)), site)
     for name in STATIC:
         writer.file(f"static/{name}", (files("extractor.view") / "static" / name).read_bytes())
-    writer.page("store.html", page_path("store"), site.store_page(), "api/store.json")
+    store_page = site.store_page()
+    writer.page("store.html", page_path("store"), store_page, "api/store.json")
     rows: set[int] = set(range(min(images, len(site.store))))
-    rows.update(int(r["row"]) for r in site.store_page()["failed"])
-    for slug, index in site.indexes.items():
-        writer.page("features.html", page_path("features", slug), site.features_page(slug), f"api/index/{slug}.json")
-        for f in range(index.features if features is None else min(features, index.features)):
-            data = site.feature_page(slug, f)
-            if features is not None and f + 1 >= features:
-                data["next"] = None
-            rows.update(p["row"] for p in data["top"])
-            rows.update(p["row"] for g in data["quantiles"] for p in g["pictures"])
-            writer.page("feature.html", page_path("feature", slug, f), data, f"api/index/{slug}/{f}.json")
+    rows.update(int(r["row"]) for r in store_page["failed"])
+    for slug in site.indexes:
+        rows |= _index_pages(writer, slug, features)
         if progress:
-            progress(f"index {index.name}: {f + 1 if index.features else 0} feature pages")
-    for n, row in enumerate(sorted(rows)):
-        data = site.image_page(row, patches=True)
-        data["previous"] = data["previous"] if row - 1 in rows else None
-        data["next"] = data["next"] if row + 1 in rows else None
-        writer.page("image.html", page_path("image", row), data, f"api/image/{row}.json")
-        writer.thumb(row)
-        if progress and (n + 1) % 200 == 0:
-            progress(f"{n + 1} of {len(rows)} image pages")
+            progress(f"index {site.indexes[slug].name}: its pages written")
+    _image_pages(writer, sorted(rows), progress)
     search = site.search("")
     search["rows"] = site.search_list(sorted(rows))
     writer.page("search.html", page_path("search"), search, None)
     writer.file(MARK, b"an extractor view export: extractor view STORE --export writes over this folder\n")
     return {"pages": writer.pages, "thumbnails": writer.thumbs, "gone": writer.gone}
+
+
+def _index_pages(writer: _Writer, slug: str, features: int | None) -> set[int]:
+    """Write an index's features page and its first ``features`` feature pages (None: all); the rows they show."""
+    site, rows = writer.site, set[int]()
+    writer.page("features.html", page_path("features", slug), site.features_page(slug), f"api/index/{slug}.json")
+    count = site.indexes[slug].features
+    last = count if features is None else min(features, count)
+    for f in range(last):
+        data = site.feature_page(slug, f)
+        if f + 1 == last:
+            data["next"] = None  # no page beyond the last written
+        rows.update(p["row"] for p in data["top"])
+        rows.update(p["row"] for g in data["quantiles"] for p in g["pictures"])
+        writer.page("feature.html", page_path("feature", slug, f), data, f"api/index/{slug}/{f}.json")
+    return rows
+
+
+def _image_pages(writer: _Writer, rows: list[int], progress: Callable[[str], None] | None) -> None:
+    """Write the image pages of ``rows`` (ascending; each with every patch's strongest features) and thumbnails."""
+    kept = set(rows)
+    for n, row in enumerate(rows):
+        data = writer.site.image_page(row, patches=True)
+        data["previous"] = data["previous"] if row - 1 in kept else None  # links only to pages written
+        data["next"] = data["next"] if row + 1 in kept else None
+        writer.page("image.html", page_path("image", row), data, f"api/image/{row}.json")
+        writer.thumb(row)
+        if progress and (n + 1) % 200 == 0:
+            progress(f"{n + 1} of {len(rows)} image pages")
 
 
 def _folder(root: Path) -> Path:

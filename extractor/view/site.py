@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..read import ActivationStore
+from ..read import ActivationStore, FeatureIndex, open_index
+from ..read.features import index_names
 from ..store import OK, STATUS_NAMES
 from . import svg
-from .indexes import FeatureIndex, index_names, open_index
 from .thumbs import Thumbnails
 
 __all__ = ["NotFound", "Site", "page_path"]
@@ -24,7 +24,7 @@ PATCH_FEATURES = 10  # features listed for a clicked patch
 TOP_FEATURES = 12  # an image's top features, per index
 SEARCH_HITS = 50
 CAM_CELLS = 56  # a Grad-CAM map is shown at most this many cells a side (block means)
-_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")  # an index name that is its URL name too
 
 
 class NotFound(LookupError):
@@ -99,10 +99,10 @@ class Site:
             return list(pool.map(self._picture, rows, values))
 
     def _index_record(self, slug: str, index: FeatureIndex) -> dict[str, Any]:
-        dictionary = index.dictionary
+        dictionary = index.attrs.get("dictionary")
         return {"slug": slug, "name": index.name, "key": index.key, "features": index.features, "k": index.k,
                 "pool": index.attrs.get("pool"), "rows": index.attrs.get("rows"), "stale": index.stale,
-                "dead": len(index.dead), "grid": index.grid, "prefix": index.prefix,
+                "dead": len(index.dead), "grid": index.grid, "prefix": _prefix(index),
                 "dictionary": None if not dictionary else {"path": dictionary.get("path"),
                                                            "activation": dictionary.get("activation"),
                                                            "d_sae": dictionary.get("d_sae")},
@@ -156,21 +156,20 @@ class Site:
 
     def feature_page(self, slug: str, f: int) -> dict[str, Any]:
         index = self.feature(slug, f)
-        rows, _, values = index.top(f)
-        top = self._pictures([int(r) for r in rows], _numbers(values))
-        if index.grid is not None and len(rows):
-            tokens = index.tokens(f)[: len(rows), index.prefix:]
+        best = index.top(f)
+        top = self._pictures([int(r) for r in best.rows], _numbers(best.values))
+        if index.grid is not None and len(best.rows):
+            tokens = index.tokens(f)[: len(best.rows), _prefix(index):]
             scale = max(float(np.nanmax(tokens)), 0.0) if tokens.size else 0.0
             for n, pic in enumerate(top):
                 pic["heat"] = {"grid": list(index.grid), "values": _numbers(tokens[n]), "scale": _number(scale)}
         counts, edges = index.histogram(f)
-        q_rows, q_values = index.quantile_groups(f)
         groups = []
-        for q, (r, v) in enumerate(zip(q_rows, q_values, strict=True)):
-            kept = r >= 0
-            if kept.any():
-                groups.append({"group": q, "low": _number(np.nanmin(v[kept])), "high": _number(np.nanmax(v[kept])),
-                               "pictures": self._pictures([int(x) for x in r[kept]], _numbers(v[kept]))})
+        for q, group in enumerate(index.quantiles(f)):
+            if len(group.rows):
+                groups.append({"group": q, "low": _number(np.nanmin(group.values)),
+                               "high": _number(np.nanmax(group.values)),
+                               "pictures": self._pictures([int(r) for r in group.rows], _numbers(group.values))})
         return {
             "title": f"{index.name}: feature {f}",
             "index": self._index_record(slug, index), "feature": f,
@@ -190,7 +189,7 @@ class Site:
         self.row(row)
         if index.grid is None or not 0 <= token < index.grid[0] * index.grid[1]:
             raise NotFound(f"index {slug!r} has no patch {token}")
-        values = index.encode_row(row)[index.prefix + token]
+        values = index.encode_row(row)[_prefix(index) + token]
         return {"row": row, "patch": token, "features": _strongest(values, n, slug)}
 
     def image_page(self, row: int, patches: bool = False) -> dict[str, Any]:
@@ -207,7 +206,7 @@ class Site:
                 values = index.encode_row(row)  # (T, F)
                 rec["top"] = _strongest(np.nanmax(values, axis=0), TOP_FEATURES, slug)
                 if patches and index.grid is not None:
-                    grid = values[index.prefix:]
+                    grid = values[_prefix(index):]
                     rec["patches"] = [_strongest(v, PATCH_FEATURES, slug) for v in grid]
             indexes.append(rec)
         return {
@@ -257,6 +256,11 @@ class Site:
     def search_list(self, rows: Sequence[int]) -> list[list[Any]]:
         """``[row, id, file name]`` of ``rows``: what the exported site's search page looks in."""
         return [[int(r), str(self.store.ids[r]), str(self._names[r])] for r in rows]
+
+
+def _prefix(index: FeatureIndex) -> int:
+    """Leading positions of the index's capture not on its patch grid (a ViT's CLS and registers)."""
+    return int(index.attrs.get("prefix") or 0)
 
 
 def _file_name(path: str) -> str:

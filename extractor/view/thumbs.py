@@ -57,8 +57,8 @@ class Thumbnails:
         try:
             img = crop_like_job(self.store.locator(row), self.store)
         except (OSError, ValueError) as err:  # a missing file, a truncated tar, an unreadable image
-            where = self.store.paths[row]
-            return SourceGone(f"the image of row {row} cannot be read from {where}: {err or type(err).__name__}")
+            why = err.strerror if isinstance(err, OSError) and err.strerror else str(err) or type(err).__name__
+            return SourceGone(f"its source cannot be read ({why}): {self.store.paths[row]}")
         img.thumbnail((self.size, self.size))
         out = io.BytesIO()
         img.save(out, format="JPEG", quality=85)
