@@ -14,7 +14,7 @@ import numpy as np
 
 from ..read import ActivationStore, FeatureIndex, open_index
 from ..read.features import index_names
-from ..store import OK, STATUS_NAMES
+from ..store import OK, STATUS_NAMES, get_array
 from . import svg
 from .thumbs import Thumbnails
 
@@ -65,6 +65,7 @@ class Site:
         for n, name in enumerate(index_names(store)):
             self.indexes[name if _SAFE.match(name) else f"index-{n}"] = open_index(store, name)
         self.cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
+        self._stale: dict[str, bool] = {}  # per index, found on first use (it reads the store's status)
 
     # ------------------------------------------------------------------ lookups (404 for anything not held)
     def index(self, slug: str) -> FeatureIndex:
@@ -98,10 +99,19 @@ class Site:
         with ThreadPoolExecutor(4, thread_name_prefix="extractor-thumbs") as pool:  # decoding releases the GIL
             return list(pool.map(self._picture, rows, values))
 
+    def _is_stale(self, slug: str) -> bool:
+        if slug not in self._stale:
+            self._stale[slug] = bool(self.indexes[slug].stale)
+        return self._stale[slug]
+
+    def _status(self, row: int) -> int:
+        """Row ``row``'s status (0 pending, 1 ok, 2 failed), read alone (not the store's whole column)."""
+        return int(np.asarray(get_array(self.store.group, "status")[row]))
+
     def _index_record(self, slug: str, index: FeatureIndex) -> dict[str, Any]:
         dictionary = index.attrs.get("dictionary")
         return {"slug": slug, "name": index.name, "key": index.key, "features": index.features, "k": index.k,
-                "pool": index.attrs.get("pool"), "rows": index.attrs.get("rows"), "stale": index.stale,
+                "pool": index.attrs.get("pool"), "rows": index.attrs.get("rows"), "stale": self._is_stale(slug),
                 "dead": len(index.dead), "grid": index.grid, "prefix": _prefix(index),
                 "dictionary": None if not dictionary else {"path": dictionary.get("path"),
                                                            "activation": dictionary.get("activation"),
@@ -197,7 +207,8 @@ class Site:
         compute them on demand)."""
         s = self.store
         self.row(row)
-        ok = int(s.status[row]) == OK
+        status = self._status(row)
+        ok = status == OK
         pic = self._picture(row)
         indexes = []
         for slug, index in self.indexes.items():
@@ -205,14 +216,18 @@ class Site:
             if ok:
                 values = index.encode_row(row)  # (T, F)
                 rec["top"] = _strongest(np.nanmax(values, axis=0), TOP_FEATURES, slug)
-                if patches and index.grid is not None:
-                    grid = values[_prefix(index):]
-                    rec["patches"] = [_strongest(v, PATCH_FEATURES, slug) for v in grid]
+                if index.grid is not None:
+                    grid = values[_prefix(index):]  # (h * w, F)
+                    for top in rec["top"]:  # where on the image each of its top features fires
+                        top["values"] = _numbers(np.maximum(grid[:, top["feature"]], 0))
+                    if patches:
+                        rec["patches"] = [_strongest(v, PATCH_FEATURES, slug) for v in grid]
             indexes.append(rec)
         return {
             "title": f"image {s.ids[row]}",
             "picture": pic,
-            "path": str(s.paths[row]), "status": STATUS_NAMES[int(s.status[row])], "error": str(s.errors[row]),
+            "path": str(s.paths[row]), "status": STATUS_NAMES[status],
+            "error": str(np.asarray(get_array(s.group, "errors")[row])) if status != OK else "",
             "label": self._label(row), "label_index": int(s.labels[row]),
             "previous": page_path("image", row - 1) if row > 0 else None,
             "next": page_path("image", row + 1) if row + 1 < len(s) else None,

@@ -119,16 +119,36 @@ function showPatch(section, canvas, token, result) {
     return li;
   }));
   if (!result.length) list.replaceChildren(Object.assign(document.createElement("li"), { textContent: "no feature fires here" }));
+  canvas.dataset.token = token;
+  paintPatches(canvas, null);
+  section.dataset.ready = "true";
+}
+
+// The explorer's canvas: a feature's values over the patches (while its name is pointed at), the patch grid, the
+// chosen patch outlined.
+function paintPatches(canvas, values) {
+  const [h, w] = canvas.dataset.grid.split(",").map(Number);
   const ctx = canvas.getContext("2d");
   const cell = canvas.width / w;
   ctx.clearRect(0, 0, canvas.width, canvas.height);
+  if (values) {
+    const scale = Math.max(...values.map((v) => v || 0)) || 1;
+    values.forEach((v, i) => {
+      const [r, g, b, a] = heatColour((v || 0) / scale);
+      ctx.fillStyle = `rgba(${r},${g},${b},${a / 255})`;
+      ctx.fillRect((i % w) * cell, Math.floor(i / w) * cell, cell, cell);
+    });
+  }
+  ctx.lineWidth = 1;
   ctx.strokeStyle = "rgba(255,255,255,0.25)";
   for (let i = 1; i < w; i++) { ctx.beginPath(); ctx.moveTo(i * cell, 0); ctx.lineTo(i * cell, canvas.height); ctx.stroke(); }
   for (let j = 1; j < h; j++) { ctx.beginPath(); ctx.moveTo(0, j * cell); ctx.lineTo(canvas.width, j * cell); ctx.stroke(); }
-  ctx.lineWidth = 3;
-  ctx.strokeStyle = "#ffd400";
-  ctx.strokeRect(x * cell + 1.5, y * cell + 1.5, cell - 3, cell - 3);
-  section.dataset.ready = "true";
+  if (canvas.dataset.token !== undefined) {
+    const token = Number(canvas.dataset.token);
+    ctx.lineWidth = 3;
+    ctx.strokeStyle = "#ffd400";
+    ctx.strokeRect((token % w) * cell + 1.5, Math.floor(token / w) * cell + 1.5, cell - 3, cell - 3);
+  }
 }
 
 function patchExplorer() {
@@ -140,6 +160,11 @@ function patchExplorer() {
     const section = canvas.closest("section.index");
     const slug = canvas.dataset.slug;
     const here = PAGE.indexes.find((ix) => ix.slug === slug);
+    paintPatches(canvas, null);
+    section.querySelectorAll(".top-features li[data-feature]").forEach((li, n) => {
+      li.addEventListener("mouseenter", () => paintPatches(canvas, here.top[n].values));
+      li.addEventListener("mouseleave", () => paintPatches(canvas, null));
+    });
     canvas.addEventListener("click", (event) => {
       const box = canvas.getBoundingClientRect();
       const x = Math.min(w - 1, Math.floor(((event.clientX - box.left) / box.width) * w));
