@@ -314,3 +314,35 @@ def test_the_exported_site_opens_from_disk_and_shows_the_same(store_path: Path, 
     assert json.loads((tmp_path / "site" / "api" / f"index/layer3/{f}.json").read_text())["feature"] == f
     with pytest.raises(Exception, match="holds files and is no export"):
         export_site(str(store_path), tmp_path)  # a folder that is not an export is never written over
+
+
+def test_thumbnails_of_tar_members_and_a_tar_that_is_gone(image_dir: Path, tmp_path: Path):
+    """Thumbnails are read from the recorded source as the job read it (a tar member's bytes: the same picture as
+    the file's); once the tar is gone the page says why, and the app's thumbnail is a 404 saying so."""
+    import io
+
+    from PIL import Image
+    from test_sources import write_tars
+
+    import extractor
+    from extractor.view import Site, create_app
+
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    write_tars(images, tmp_path / "tars", per_tar=12, labels={"cats": 0, "dogs": 1})
+    capture = [{"layer": "layer4", "reduce": "mean"}]
+    folder = extractor.run(job(image_dir, tmp_path / "f.zarr", capture=capture), progress=False)
+    tars = extractor.run(job(image_dir, tmp_path / "t.zarr", capture=capture, data={
+        "source": "tar", "root": None, "tars": str(tmp_path / "tars" / "shard-000.tar")}), progress=False)
+    a, b = Site(folder), Site(tars)
+    for row in (0, 7):
+        pictures = [np.asarray(Image.open(io.BytesIO(s.thumbs.get(row)))) for s in (a, b)]
+        np.testing.assert_array_equal(pictures[0], pictures[1])
+        assert pictures[0].shape == (64, 64, 3)  # the job's crop
+    (tmp_path / "tars" / "shard-000.tar").unlink()
+    gone = Site(extractor.open_store(str(tmp_path / "t.zarr")))
+    page = gone.image_page(3)
+    assert "No such file or directory" in page["picture"]["gone"] and "shard-000.tar" in page["picture"]["gone"]
+    client = create_app(str(tmp_path / "t.zarr")).test_client()
+    answer = client.get("/thumb/3.jpg")
+    assert answer.status_code == 404 and b"No such file or directory" in answer.data
+    assert client.get("/image/3.html").status_code == 200
