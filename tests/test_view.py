@@ -203,6 +203,7 @@ PAGES = ["index.html", "index/layer3.html", "index/layer3/0.html", "index/layer3
 
 
 # ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow  # a server and a browser
 def test_every_page_loads_without_console_errors(server: str, tab: Page):
     for path in PAGES:
         response = tab.open(server + path)
@@ -220,6 +221,7 @@ def test_every_page_loads_without_console_errors(server: str, tab: Page):
     assert hits == [f"dogs/dogs0{i}.{'jpg' if i % 2 == 0 else 'png'}" for i in range(6)]
 
 
+@pytest.mark.slow  # a server and a browser
 def test_features_table_sorts_and_filters(server: str, tab: Page, store_path: Path):
     x = maps(store_path)
     tab.open(server + "index/layer3.html")
@@ -234,6 +236,7 @@ def test_features_table_sorts_and_filters(server: str, tab: Page, store_path: Pa
     assert not tab.errors
 
 
+@pytest.mark.slow  # a server and a browser
 def test_feature_page_shows_top_images_with_heatmaps(server: str, tab: Page, store_path: Path):
     x = maps(store_path)
     f = int(np.argmax(x.max(axis=(0, 2, 3))))
@@ -249,6 +252,7 @@ def test_feature_page_shows_top_images_with_heatmaps(server: str, tab: Page, sto
     assert not tab.errors
 
 
+@pytest.mark.slow  # a server and a browser
 def test_clicking_a_patch_lists_the_features_firing_there(server: str, tab: Page, store_path: Path):
     x = maps(store_path)
     tab.open(server + "image/2.html")
@@ -259,6 +263,7 @@ def test_clicking_a_patch_lists_the_features_firing_there(server: str, tab: Page
     shot(tab, "image_2_patch")
 
 
+@pytest.mark.slow  # a server and a browser
 def test_unknown_ids_are_a_clear_404_page(server: str, tab: Page):
     for path, says in [("image/999.html", "rows 0 to 11, not 999"), ("index/nope.html", "no index 'nope'"),
                        ("index/layer3/4096.html", "features 0 to 31, not 4096"), ("nothing/here", "no page at")]:
@@ -268,6 +273,7 @@ def test_unknown_ids_are_a_clear_404_page(server: str, tab: Page):
         assert says in tab.page.inner_text(".missing-reason"), path
 
 
+@pytest.mark.slow  # a server and a browser
 def test_the_app_is_read_only_and_takes_no_path_from_the_request(server: str):
     import urllib.error
     import urllib.request
@@ -287,6 +293,7 @@ def test_the_app_is_read_only_and_takes_no_path_from_the_request(server: str):
     assert status("thumb/0.jpg") == 200 and status("static/view.js") == 200
 
 
+@pytest.mark.slow  # a server and a browser
 def test_the_exported_site_opens_from_disk_and_shows_the_same(store_path: Path, tmp_path: Path, tab: Page):
     from extractor.view import export_site
 

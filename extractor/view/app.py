@@ -8,8 +8,12 @@ from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
-from flask import Flask, Response, jsonify, request
+try:
+    from flask import Flask, Response, jsonify, request
+except ImportError as err:
+    raise ImportError("the viewer needs Flask: pip install 'extractor[view]' (make installs it)") from err
 
+from ..errors import ExtractorError
 from ..read import ActivationStore, open_store
 from .render import render
 from .site import NotFound, Site, page_path
@@ -105,11 +109,17 @@ def _missing(reason: str) -> tuple[Any, int]:
                   {"title": "not found", "reason": reason}, "app"), 404
 
 
-def serve(store: str, host: str = HOST, port: int = PORT, announce: Any = print) -> None:
-    """Serve the viewer of ``store`` until interrupted; ``announce`` gets the address once it listens."""
+def serve(store: ActivationStore | str, host: str = HOST, port: int = PORT, announce: Any = print) -> None:
+    """Serve the viewer of ``store`` until interrupted; ``announce`` gets the address once it listens (port 0: a
+    free one)."""
     from werkzeug.serving import make_server
 
-    server = make_server(host, port, create_app(store), threaded=True)
+    app = create_app(store)
+    try:
+        server = make_server(host, port, app, threaded=True)
+    except OSError as err:
+        why = err.strerror or err
+        raise ExtractorError(f"cannot listen on {host}:{port}: {why}; pick another with --port") from None
     shown = f"[{host}]" if ":" in host else host
     announce(f"http://{shown}:{server.server_port}/")
     try:

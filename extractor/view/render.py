@@ -6,7 +6,10 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+try:
+    from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+except ImportError as err:
+    raise ImportError("the viewer needs Jinja2: pip install 'extractor[view]' (make installs it)") from err
 
 __all__ = ["render", "STATIC"]
 
