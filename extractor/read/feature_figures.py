@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 __all__ = ["top_figure", "density_figure"]
 
 
-def top_figure(ix: FeatureIndex, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.5) -> Figure:
+def top_figure(ix: FeatureIndex, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.6) -> Figure:
     """Feature ``f``'s top ``n`` (default k) images as the job saw them, its value at each position drawn over the
-    image (one colour scale: 0 to the feature's highest value among them), titled with rank, row and pooled value."""
+    image where it fires (one colour scale: 0 to the feature's highest value among them; elsewhere the image shows
+    as it is), titled with rank, row and pooled value."""
     top = ix.top(f)
     if not len(top.rows):
         raise StoreError(f"feature {f} of index {ix.name} never fires: no top images to draw")
@@ -44,8 +45,9 @@ def top_figure(ix: FeatureIndex, f: int, n: int | None = None, columns: int = 4,
         if img is not None:
             ax.imshow(img)
         if maps is not None and img is not None:
-            shown = ax.imshow(np.maximum(maps[rank], 0), cmap="inferno", vmin=0, vmax=vmax or 1.0, alpha=alpha,
-                              interpolation="nearest", extent=(-0.5, img.shape[1] - 0.5, img.shape[0] - 0.5, -0.5))
+            fires = np.ma.masked_less_equal(maps[rank], float(ix.attrs["threshold"]))  # where it does not: the image
+            shown = ax.imshow(fires, cmap="plasma", vmin=0, vmax=vmax or 1.0, alpha=alpha, interpolation="nearest",
+                              extent=(-0.5, img.shape[1] - 0.5, img.shape[0] - 0.5, -0.5))
         ax.set_title(f"#{rank} row {row}: {float(top.values[rank]):.3g}", fontsize="small")
     if shown is not None:
         fig.colorbar(shown, ax=axes, shrink=0.8, label=f"feature {f} at each patch")

@@ -57,8 +57,11 @@ class TopRows:
     values: np.ndarray  # (n,) float32: the feature pooled over each row's positions
 
 
-def _store(store_or_path: ActivationStore | str | Path) -> ActivationStore:
-    return store_or_path if isinstance(store_or_path, ActivationStore) else open_store(str(store_or_path))
+def _store(store_or_path: ActivationStore | str | Path,
+           storage_options: Mapping[str, Any] | None = None) -> ActivationStore:
+    if isinstance(store_or_path, ActivationStore):
+        return store_or_path
+    return open_store(str(store_or_path), storage_options)
 
 
 def _layout(store: ActivationStore, key: str) -> Layout:
@@ -79,15 +82,17 @@ def _dictionary(dictionary: str | Path | Dictionary | None, activation: str | No
 
 def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str | Path | Dictionary | None = None,
           k: int = 16, pool: str = "max", name: str | None = None, *, threshold: float = 0.0,
-          activation: str | None = None, on_progress: Callable[[int], None] | None = None) -> FeatureIndex:
+          activation: str | None = None, on_progress: Callable[[int], None] | None = None,
+          storage_options: Mapping[str, Any] | None = None) -> FeatureIndex:
     """Index the features of capture ``key`` (its channels or features, or the latents of ``dictionary``: a file,
     see :func:`~extractor.store.dictionary.load_dictionary`) over the store's ok rows in one pass, write it into
     the store as ``indexes/<name>`` (default: ``key``, or ``key@<dictionary stem>``) and return it.
 
     ``k`` top rows per feature, ranked by the feature pooled over the row's positions by ``pool`` (max or mean); a
     feature fires where it is above ``threshold``. The store's lease is taken for the pass: a store a job is writing
-    is refused, naming the job. ``on_progress(rows)`` is called as rows are done."""
-    store = _store(store_or_path)
+    is refused, naming the job. ``on_progress(rows)`` is called as rows are done; ``storage_options``: fsspec
+    options of a remote store given by its URL."""
+    store = _store(store_or_path, storage_options)
     layout = _layout(store, key)
     dic = _dictionary(dictionary, activation)
     if dic is not None:
@@ -142,9 +147,10 @@ def index_names(store: ActivationStore) -> list[str]:
     return sorted(n for n, g in parent.groups() if "index_version" in g.attrs)
 
 
-def open_index(store_or_path: ActivationStore | str | Path, name: str | None = None) -> FeatureIndex:
+def open_index(store_or_path: ActivationStore | str | Path, name: str | None = None, *,
+               storage_options: Mapping[str, Any] | None = None) -> FeatureIndex:
     """An index the store holds; ``name`` may be left out when it holds one."""
-    store = _store(store_or_path)
+    store = _store(store_or_path, storage_options)
     names = index_names(store)
     if name is None:
         if len(names) != 1:
@@ -207,6 +213,9 @@ class FeatureIndex:
         dic = self.attrs.get("dictionary")
         return dic is not None and Path(dic["path"]).exists() and _digest_of(dic["path"]) != dic["digest"]
 
+    def _lazy(self, name: str) -> zarr.Array:
+        return get_array(self.group, name)
+
     def _array(self, name: str) -> np.ndarray:
         if name not in self._cache:
             self._cache[name] = np.asarray(get_array(self.group, name)[:])
@@ -246,25 +255,25 @@ class FeatureIndex:
     def top(self, f: int) -> TopRows:
         """The rows where feature ``f`` is highest (at most k; fewer when it fires in fewer rows)."""
         f = self._feature(f)
-        rows = np.asarray(self.group["top_rows"][f])
-        values = np.asarray(self.group["top_values"][f])
+        rows = np.asarray(self._lazy("top_rows")[f])
+        values = np.asarray(self._lazy("top_values")[f])
         keep = rows >= 0
         return TopRows(rows[keep], self.store.ids[rows[keep]], values[keep])
 
     def tokens(self, f: int) -> np.ndarray:
         """(k, T): feature ``f`` at every position of each of its top rows (NaN rows: empty ranks)."""
-        return np.asarray(self.group["top_tokens"][self._feature(f)])
+        return np.asarray(self._lazy("top_tokens")[self._feature(f)])
 
     def histogram(self, f: int, rows: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Counts of log10 of feature ``f``'s values where it fires, per token (``rows``: of its pooled values, per
         firing row), and the log10 bin edges (values outside count in the end bins)."""
         name = "histogram_rows" if rows else "histogram"
-        return np.asarray(self.group[name][self._feature(f)]), np.asarray(self.attrs["hist_edges"])
+        return np.asarray(self._lazy(name)[self._feature(f)]), np.asarray(self.attrs["hist_edges"])
 
     def quantiles(self, f: int) -> list[TopRows]:
         """Example rows of feature ``f`` per quantile group of its firing rows (lowest first; empty groups kept)."""
         f = self._feature(f)
-        rows, values = np.asarray(self.group["quantile_rows"][f]), np.asarray(self.group["quantile_values"][f])
+        rows, values = np.asarray(self._lazy("quantile_rows")[f]), np.asarray(self._lazy("quantile_values")[f])
         return [TopRows(r[r >= 0], self.store.ids[r[r >= 0]], v[r >= 0]) for r, v in zip(rows, values, strict=True)]
 
     def heatmap(self, f: int, rank: int = 0) -> np.ndarray:
@@ -275,7 +284,7 @@ class FeatureIndex:
                              "count that is not a square after the prefix): use tokens(f)")
         if not 0 <= rank < self.k:
             raise IndexError(f"rank {rank} out of range: the index keeps {self.k} rows per feature")
-        values = np.asarray(self.group["top_tokens"][self._feature(f), rank])
+        values = np.asarray(self._lazy("top_tokens")[self._feature(f), rank])
         return values[int(self.attrs["prefix"]) :].reshape(self.grid)
 
     # ------------------------------------------------------------------ the encoder
@@ -303,7 +312,7 @@ class FeatureIndex:
         return acts if dic is None else dic.encode(acts)
 
     # ------------------------------------------------------------------ figures
-    def top_figure(self, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.5) -> Figure:
+    def top_figure(self, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.6) -> Figure:
         """Feature ``f``'s top images (as the job saw them) with its heatmap over each."""
         from .feature_figures import top_figure
 
@@ -316,13 +325,19 @@ class FeatureIndex:
         return density_figure(self)
 
 
-def _digest_of(path: str) -> str:
-    p = Path(path)
-    if p.is_dir():
-        from ..store.dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS
+_DIGESTS: dict[tuple[Any, ...], str] = {}  # (files, their sizes and mtimes) -> digest: a file is hashed once
 
-        return file_digest([p / SAELENS_CONFIG, p / SAELENS_WEIGHTS])
-    return file_digest([p])
+
+def _digest_of(path: str) -> str:
+    """The digest of a dictionary's file(s) as load_dictionary computes it (hashed again only once they change)."""
+    from ..store.dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS
+
+    p = Path(path)
+    files = [p / SAELENS_CONFIG, p / SAELENS_WEIGHTS] if p.is_dir() else [p]
+    facts = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists())
+    if facts not in _DIGESTS:
+        _DIGESTS[facts] = file_digest(files)
+    return _DIGESTS[facts]
 
 
 def describe(ix: FeatureIndex) -> Iterator[str]:

@@ -15,9 +15,11 @@ JumpReLU; ``encoder.weight`` (d_sae, d_in) and ``encoder.bias`` are read as ``W_
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,10 +75,15 @@ class Dictionary:
                                   f"{list(self.w_enc.shape)}), but {what} has {width} features per position")
 
     def encode(self, x: np.ndarray) -> np.ndarray:
-        """The latents of ``x`` (n, d_in): (n, d_sae) float32."""
-        x = np.asarray(x, np.float32)
+        """The latents of ``x`` (n, d_in): (n, d_sae) float32; computed by torch where it is installed (its matmul
+        is the bare loop's), else by numpy."""
+        x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.d_in:
             raise DictionaryError(f"encode needs (n, {self.d_in}) inputs, not {list(x.shape)}")
+        torch = _torch()
+        if torch is not None:
+            return self._encode_torch(torch, x)
+        x = x.astype(np.float32, copy=False)
         if self.b_dec is not None:
             x = x - self.b_dec
         pre = x @ self.w_enc
@@ -84,16 +91,56 @@ class Dictionary:
         if self.activation == "relu":
             return np.maximum(pre, 0, out=pre)
         if self.activation == "jumprelu":
-            assert self.threshold is not None  # load_dictionary checks it
             pre[pre <= self.threshold] = 0
             return pre
-        k = int(self.activation.split(":")[1])
+        k = self.topk
         if k >= self.d_sae:
             return np.maximum(pre, 0, out=pre)
         top = np.argpartition(pre, self.d_sae - k, axis=1)[:, self.d_sae - k:]
         out = np.zeros_like(pre)
         np.put_along_axis(out, top, np.maximum(np.take_along_axis(pre, top, axis=1), 0), axis=1)
         return out
+
+    @property
+    def topk(self) -> int:
+        return int(self.activation.split(":")[1]) if self.activation.startswith("topk:") else self.d_sae
+
+    def _encode_torch(self, torch: Any, x: np.ndarray) -> np.ndarray:
+        w, b, b_dec, threshold = self._tensors(torch)
+        with torch.inference_mode():
+            t = torch.from_numpy(x if x.flags.writeable else x.copy()).float()
+            if b_dec is not None:
+                t = t - b_dec
+            pre = torch.addmm(b, t, w)
+            if self.activation == "relu":
+                pre.clamp_(min=0)
+            elif self.activation == "jumprelu":
+                pre.masked_fill_(pre <= threshold, 0)
+            elif self.topk < self.d_sae:
+                top = torch.topk(pre, self.topk, dim=1)
+                pre = torch.zeros_like(pre).scatter_(1, top.indices, top.values.clamp(min=0))
+            else:
+                pre.clamp_(min=0)
+            return pre.numpy()
+
+    def _tensors(self, torch: Any) -> tuple[Any, Any, Any, Any]:
+        """The weights as torch tensors, made once."""
+        cache = self.__dict__.setdefault("_torch_tensors", {})
+        if "w" not in cache:
+            made = [None if a is None else torch.from_numpy(np.array(a, np.float32))  # a writable copy
+                    for a in (self.w_enc, self.b_enc, self.b_dec, self.threshold)]
+            cache.update(zip(("w", "b", "b_dec", "t"), made, strict=True))
+        return cache["w"], cache["b"], cache["b_dec"], cache["t"]
+
+
+@functools.cache
+def _torch() -> Any:
+    """torch, when installed (the reader never needs it)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
 
 
 def file_digest(paths: list[Path]) -> str:
@@ -172,7 +219,16 @@ def _check_activation(activation: str, threshold: np.ndarray | None, where: str)
 
 def _build(tensors: dict[str, np.ndarray], activation: str | None, where: str, digest: str,
            cfg: dict[str, Any]) -> Dictionary:
-    t = dict(tensors)
+    w, b = _encoder(dict(tensors), where)
+    _check_cfg(cfg, w, where)
+    b_dec = _b_dec(tensors, cfg, w, where)
+    threshold = _threshold(tensors, w.shape[1])
+    chosen = activation or _cfg_activation(cfg) or ("jumprelu" if threshold is not None else "relu")
+    return Dictionary(w, b, b_dec, threshold, _check_activation(chosen, threshold, where), where, digest)
+
+
+def _encoder(t: dict[str, np.ndarray], where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``W_enc`` (d_in, d_sae) and ``b_enc`` (d_sae,) float32 (``encoder.weight``/``.bias`` as a Linear holds them)."""
     if "W_enc" not in t and "encoder.weight" in t:
         t["W_enc"] = np.asarray(t.pop("encoder.weight")).T
         if "encoder.bias" in t:
@@ -185,26 +241,40 @@ def _build(tensors: dict[str, np.ndarray], activation: str | None, where: str, d
     if w.ndim != 2 or b.shape != (w.shape[1],):
         raise DictionaryError(f"{where}: W_enc {list(w.shape)} and b_enc {list(b.shape)} do not fit: W_enc must be "
                               "(d_in, d_sae) and b_enc (d_sae,)")
-    d_in, d_sae = w.shape
-    for key, want in (("d_in", d_in), ("d_sae", d_sae)):
+    return w, b
+
+
+def _check_cfg(cfg: dict[str, Any], w: np.ndarray, where: str) -> None:
+    """A SAELens cfg that says other widths than the weights have, or a normalisation this cannot apply: refused."""
+    for key, want in (("d_in", w.shape[0]), ("d_sae", w.shape[1])):
         if key in cfg and int(cfg[key]) != want:
             raise DictionaryError(f"{where}: cfg.json says {key} {cfg[key]}, but W_enc is {list(w.shape)} "
                                   "(d_in, d_sae)")
-    b_dec = np.asarray(t["b_dec"], np.float32) if "b_dec" in t and cfg.get("apply_b_dec_to_input", True) else None
-    if b_dec is not None and b_dec.shape != (d_in,):
-        raise DictionaryError(f"{where}: b_dec {list(b_dec.shape)} does not fit W_enc {list(w.shape)}: it must be "
-                              f"({d_in},)")
-    threshold = t.get("threshold")
-    if threshold is None and "log_threshold" in t:
-        threshold = np.exp(np.asarray(t["log_threshold"], np.float64))
-    if threshold is not None:
-        threshold = np.broadcast_to(np.asarray(threshold, np.float32), (d_sae,)).copy()
-    chosen = activation or _cfg_activation(cfg) or ("jumprelu" if threshold is not None else "relu")
     norm = str(cfg.get("normalize_activations") or "none")
     if norm != "none":
         raise DictionaryError(f"{where}: normalize_activations {norm!r} scales inputs by a factor the SAE does not "
                               "store; only 'none' is read")
-    return Dictionary(w, b, b_dec, threshold, _check_activation(chosen, threshold, where), where, digest)
+
+
+def _b_dec(t: Mapping[str, np.ndarray], cfg: dict[str, Any], w: np.ndarray, where: str) -> np.ndarray | None:
+    """``b_dec``, subtracted from the input first (unless the cfg says ``apply_b_dec_to_input: false``)."""
+    if "b_dec" not in t or not cfg.get("apply_b_dec_to_input", True):
+        return None
+    b_dec = np.asarray(t["b_dec"], np.float32)
+    if b_dec.shape != (w.shape[0],):
+        raise DictionaryError(f"{where}: b_dec {list(b_dec.shape)} does not fit W_enc {list(w.shape)}: it must be "
+                              f"({w.shape[0]},)")
+    return b_dec
+
+
+def _threshold(t: Mapping[str, np.ndarray], d_sae: int) -> np.ndarray | None:
+    """A JumpReLU's threshold per latent (``threshold``, or ``log_threshold``), or None."""
+    threshold = t.get("threshold")
+    if threshold is None and "log_threshold" in t:
+        threshold = np.exp(np.asarray(t["log_threshold"], np.float64))
+    if threshold is None:
+        return None
+    return np.broadcast_to(np.asarray(threshold, np.float32), (d_sae,)).copy()
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:

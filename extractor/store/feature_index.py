@@ -30,6 +30,7 @@ INDEX_VERSION = 1
 INDEXES = "indexes"  # the store's group of indexes: indexes/<name>
 HIST_LO, HIST_STEP, HIST_BINS = -4.0, 0.1, 80  # log10 bins: 1e-4 to 1e4, a tenth of a decade each
 HIST_EDGES = HIST_LO + HIST_STEP * np.arange(HIST_BINS + 1)  # values outside count in the first or last bin
+_LINEAR_EDGES = 10.0**HIST_EDGES  # what a value is compared with: a bin holds 10**edge[b] <= v < 10**edge[b + 1]
 QUANTILES = 10  # groups of example rows, by the feature's pooled value among the rows where it fires
 EXAMPLES = 4  # example rows kept per (feature, row bin), and shown per quantile group
 BLOCK_VALUES = 1 << 24  # activations (rows x positions x features) computed at once: 64 MB of float32
@@ -76,13 +77,38 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def sample_keys(rows: np.ndarray, features: np.ndarray) -> np.ndarray:
-    """The key by which example rows are kept: larger for a smaller hash of (row, feature), then the lower row;
-    the kept ones of a bin are those of the largest keys (a uniform sample of the bin's rows, whatever order they
-    came in)."""
+    """The key by which example rows are kept, per (row, feature) pair: larger for a smaller hash of the pair, then
+    the lower row; the kept ones of a bin are those of the largest keys (a uniform sample of the bin's rows, whatever
+    order they came in)."""
     with np.errstate(over="ignore"):
-        h = _mix(rows.astype(np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15) + features.astype(np.uint64)[None])
-    priority = (h >> np.uint64(32) << np.uint64(32)) | rows.astype(np.uint64)[:, None]
-    return ~priority
+        h = _mix(rows.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + features.astype(np.uint64))
+    return ~((h >> np.uint64(32) << np.uint64(32)) | rows.astype(np.uint64))
+
+
+def _growing(n: int, seen: int, first: int = 32) -> np.ndarray:
+    """Ends of the parts a block of ``n`` rows is offered in, after ``seen`` rows: parts as large as all the rows
+    before them (from ``first``), so that early rows fill the slots before the many later ones are compared."""
+    ends, at = [], 0
+    while at < n:
+        at = min(n, at + max(first, seen + at))
+        ends.append(at)
+    return np.asarray(ends)
+
+
+@dataclass(frozen=True)
+class _Firing:
+    """The entries of a flat (rows x features) array above the threshold: where, which feature, value, log10 bin."""
+
+    at: np.ndarray  # flat positions, ascending
+    feature: np.ndarray
+    values: np.ndarray
+    bins: np.ndarray
+
+    @classmethod
+    def of(cls, flat: np.ndarray, fire: np.ndarray, features: int) -> _Firing:
+        at = np.flatnonzero(fire)
+        values = flat[at]
+        return cls(at, at % features, values, _bins(values))
 
 
 class _Slots:
@@ -184,42 +210,44 @@ class IndexState:
         if not n:
             return
         self.rows += n
-        fire = acts > self.threshold  # (n, T, F); NaN never fires
-        self.fire_tokens += fire.sum(axis=(0, 1))
-        active = acts if self.nonnegative and self.threshold == 0 else np.where(fire, acts, 0)
-        self.sum_active += active.sum(axis=(0, 1), dtype=np.float64)
-        peak = acts.max(axis=1)  # (n, F)
+        tokens = _Firing.of(acts.reshape(-1), acts.reshape(-1) > self.threshold, f)  # NaN never fires
+        self.fire_tokens += np.bincount(tokens.feature, minlength=f)
+        self.sum_active += np.bincount(tokens.feature, weights=tokens.values, minlength=f)
+        self.histogram += np.bincount(tokens.feature * HIST_BINS + tokens.bins,
+                                      minlength=f * HIST_BINS).reshape(f, HIST_BINS)
+        peak = acts[:, 0] if t == 1 else acts.max(axis=1)  # (n, F)
         self.max_value = np.fmax(self.max_value, np.fmax.reduce(peak, axis=0))  # NaN (a float16 overflow) left out
-        if self.pool == "max":
-            pooled, fired = peak, peak > self.threshold
+        if t == 1:
+            fired = tokens  # one position: the row's pooled value is the token's
+        elif self.pool == "max":
+            fired = _Firing.of(peak.reshape(-1), peak.reshape(-1) > self.threshold, f)
         else:
             pooled = acts.mean(axis=1)
-            fired = fire.any(axis=1) & ~np.isnan(pooled)
-        self.fire_rows += fired.sum(axis=0)
-        self._histogram(acts, fire)
-        r, c = np.nonzero(fired)  # the firing (row, feature) pairs
-        self._top(acts, pooled, rows, r, c)
-        self._examples(pooled, rows, r, c)
+            fires = (acts > self.threshold).any(axis=1) & ~np.isnan(pooled)
+            fired = _Firing.of(pooled.reshape(-1), fires.reshape(-1), f)
+        self.fire_rows += np.bincount(fired.feature, minlength=f)
+        cells = fired.feature * HIST_BINS + fired.bins
+        self.histogram_rows += np.bincount(cells, minlength=f * HIST_BINS).reshape(f, HIST_BINS)
+        row = fired.at // f  # of the block
+        top = top_keys(fired.values, rows[row])
+        sample = sample_keys(rows[row], fired.feature)
+        # a few rows first, then more: once the slots hold rows, few candidates beat their floors
+        a, ends = 0, np.searchsorted(row, _growing(n, self.rows - n), side="left")
+        for b in ends:
+            part = slice(a, b)
+            self._offer_top(acts, row[part], fired.feature[part], top[part])
+            self._offer_examples(cells[part], sample[part], fired.values[part])
+            a = b
 
-    def _histogram(self, acts: np.ndarray, fire: np.ndarray) -> None:
-        at = np.flatnonzero(fire)
-        cell = (at % self.features) * HIST_BINS + _bins(acts.reshape(-1)[at])
-        self.histogram += np.bincount(cell, minlength=self.features * HIST_BINS).reshape(self.features, HIST_BINS)
+    def _offer_top(self, acts: np.ndarray, row: np.ndarray, feature: np.ndarray, keys: np.ndarray) -> None:
+        fit = keys > self.top.floor[feature]
+        row, feature, keys = row[fit], feature[fit], keys[fit]
+        self.top.offer(feature, keys, lambda i: acts[row[i], :, feature[i]])
 
-    def _top(self, acts: np.ndarray, pooled: np.ndarray, rows: np.ndarray, r: np.ndarray, c: np.ndarray) -> None:
-        keys = top_keys(pooled[r, c], rows[r])
-        fit = keys > self.top.floor[c]
-        r, c, keys = r[fit], c[fit], keys[fit]
-        self.top.offer(c, keys, lambda i: acts[r[i], :, c[i]])
-
-    def _examples(self, pooled: np.ndarray, rows: np.ndarray, r: np.ndarray, c: np.ndarray) -> None:
-        values = pooled[r, c]
-        cell = c * HIST_BINS + _bins(values)
-        self.histogram_rows += np.bincount(cell, minlength=self.features * HIST_BINS).reshape(self.histogram.shape)
-        keys = sample_keys(rows, np.arange(self.features))[r, c]
-        fit = keys > self.examples.floor[cell]
-        cell, keys, values = cell[fit], keys[fit], values[fit]
-        self.examples.offer(cell, keys, lambda i: values[i])
+    def _offer_examples(self, cells: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
+        fit = keys > self.examples.floor[cells]
+        cells, keys, values = cells[fit], keys[fit], values[fit]
+        self.examples.offer(cells, keys, lambda i: values[i])
 
     def merge(self, other: IndexState) -> None:
         """Add another state of the same features (another shard's rows)."""
@@ -309,7 +337,7 @@ class IndexState:
             return False
         if zlib.crc32(raw[8:]) != int.from_bytes(raw[4:8], "little"):
             return False
-        at, out = 8, []
+        at, out = 8, []  # type: tuple[int, list[Any]]
         for a in self._parts():
             n = a.nbytes
             out.append(np.frombuffer(raw[at : at + n], a.dtype.newbyteorder("<")).astype(a.dtype).reshape(a.shape))
@@ -323,11 +351,35 @@ class IndexState:
         return True
 
 
+def _bin_table() -> np.ndarray:
+    """The bin of the smallest float32 of each value of its top 16 bits (sign, exponent, 7 bits of mantissa): such a
+    range spans less than 1% of a value, a bin 26%, so one comparison with the next edge finishes the bin."""
+    lowest = (np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        at = np.searchsorted(_LINEAR_EDGES, lowest.astype(np.float64), side="right") - 1
+    at[np.isnan(lowest) | (lowest <= 0)] = 0  # negative numbers, -0.0, NaN (never fire): the first bin
+    return np.clip(at, 0, HIST_BINS - 1).astype(np.uint8)
+
+
+def _float32_edges() -> np.ndarray:
+    """The smallest float32 at or above each edge: ``v >= it`` in float32 is ``v >= edge`` in float64."""
+    e = _LINEAR_EDGES.astype(np.float32)
+    below = e.astype(np.float64) < _LINEAR_EDGES
+    e[below] = np.nextafter(e[below], np.float32(np.inf))
+    return e
+
+
+_BIN_TABLE = _bin_table()
+_EDGES32 = _float32_edges()
+
+
 def _bins(values: np.ndarray) -> np.ndarray:
-    """The log10 bin of each value (below and above the edges: the first and last bin)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        at = np.floor((np.log10(np.maximum(values, np.float32(1e-30))) - HIST_LO) / HIST_STEP)
-    return np.clip(at, 0, HIST_BINS - 1).astype(np.int64)
+    """The bin of each float32 value among the edges 10**HIST_EDGES (below and above them: the first and last bin),
+    as ``np.histogram`` puts it (measured: 8x faster than float32 log10 and a correction on each side)."""
+    values = np.ascontiguousarray(values, np.float32)
+    at = np.take(_BIN_TABLE, (values.view(np.uint32) >> np.uint32(16)).astype(np.intp)).astype(np.intp)
+    at += (values >= np.take(_EDGES32, at + 1)) & (at < HIST_BINS - 1)
+    return at
 
 
 class IndexRecord(TypedDict):
@@ -369,9 +421,9 @@ def write_index(group: zarr.Group, name: str, arrays: IndexArrays, record: Mappi
         if not value.size:
             chunks = (1,) * value.ndim
         dims = ["feature", *(f"{field}.{i}" for i in range(1, value.ndim))] if field != "dead" else ["dead"]
-        node.create_array(field, shape=value.shape, chunks=chunks, dtype=value.dtype, dimension_names=dims,
-                          fill_value=-1 if value.dtype.kind == "i" else 0)
-        node[field][...] = value
+        array = node.create_array(field, shape=value.shape, chunks=chunks, dtype=value.dtype, dimension_names=dims,
+                                  fill_value=-1 if value.dtype.kind == "i" else 0)
+        array[...] = value
     node.attrs.update(dict(record))
 
 
@@ -455,6 +507,7 @@ def source_state(group: zarr.Group) -> dict[str, Any]:
     differs since (resumed, more shards done) makes the index stale."""
     from .format import OK, done_shards, get_array, root_attrs
 
+    group = zarr.open_group(store=group.store, mode="r", use_consolidated=False)  # as the storage has it now
     attrs = root_attrs(group)
     status = np.asarray(get_array(group, "status")[:])
     return {"created": attrs.get("created"), "resumed": attrs.get("resumed"),
@@ -490,11 +543,14 @@ def part_array(group: zarr.Group, key: str) -> zarr.Array:
 
 def ensure_parts(group: zarr.Group, feeds: Mapping[str, IndexFeed], n_shards: int) -> None:
     """The arrays that keep each shard's part of each write-time index (made where missing or of another size;
-    a shard's part is one chunk: its own object)."""
+    a shard's part is one chunk: its own object). Nothing for a job without one."""
+    if not feeds:
+        return
     parent = group.require_group(PARTS)
     for key, feed in feeds.items():
         size = feed.state.nbytes()
-        if key in parent and parent[key].shape == (n_shards, size):
+        existing = parent.get(key)
+        if isinstance(existing, zarr.Array) and existing.shape == (n_shards, size):
             continue
         parent.create_array(key, shape=(n_shards, size), chunks=(1, size), dtype="uint8", fill_value=0,
                             dimension_names=["shard", "index_byte"], overwrite=True)

@@ -52,7 +52,8 @@ def _value_inputs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     model_spec, data_spec = _spec_inputs(attrs)
     model = attrs.get("model") or {}
     preprocess = from_dict(attrs["preprocess"]).to_dict() if attrs.get("preprocess") else {}  # older: runs
-    captures = {k: {f: v for f, v in c.items() if f != "capture"} for k, c in (attrs.get("captures") or {}).items()}
+    captures = {k: {f: v for f, v in c.items() if f not in ("capture", "feature_index")}  # an index: not values
+                for k, c in (attrs.get("captures") or {}).items()}
     return {
         "format_version": attrs.get("format_version"),
         "model weights (state-dict hash)": model.get("state_dict_sha256"),

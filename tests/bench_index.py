@@ -1,0 +1,168 @@
+"""`make bench` (or `python tests/bench.py --index`): the feature index (issue 42) against what it must be as fast as.
+
+- SAE latents over ViT tokens: ``extractor.read.index`` with a dictionary (read from the store, encode, top-k,
+  densities, histograms, quantile samples, written into the store) against the bare computation in torch over the
+  same array already in memory (encoder matmul + ReLU + a running top-k of each latent's max over a row's tokens).
+- Raw channels of a 1,024-channel map: one index pass against a sequential zarr read of the same array.
+
+Peak memory of the pass (numpy's allocations, by tracemalloc) is printed beside the bound: features x k x
+positions of top-row values, plus the examples and histograms per feature, plus a block of activations.
+
+    python tests/bench_index.py [--rows 20000] [--map-rows 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+WORK = Path(__file__).resolve().parents[1] / ".bench"
+TOKENS, WIDTH, LATENTS, K = 196, 768, 4096, 16
+
+
+def _store(url: Path, rows: int, shape: list[int], dims: list[str], dtype: str, chunk_rows: int) -> None:
+    """A store of ``rows`` random rows of one capture ``x`` (made once, kept under .bench)."""
+    from extractor.data.rows import Rows
+    from extractor.store.format import OK, StoreArrays, create_store
+
+    if (url / "zarr.json").exists():
+        return
+    meta: dict[str, Any] = {"shape": shape, "dtype": dtype, "dims": dims, "layer": "x", "what": "output",
+                            "reduce": "none"}
+    shard = chunk_rows * 4
+    g = create_store(str(url), Rows(ids=[f"img{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
+                     StoreArrays(captures={"x": meta}, extras={}, shard_size=shard, chunk_rows={"x": chunk_rows}),
+                     attrs={"n_rows": rows, "n_shards": -(-rows // shard), "captures": {"x": meta},
+                            "format_version": 1, "spec": {}, "model": {"prefix_tokens": 0}, "created": "bench"})
+    rng = np.random.default_rng(0)
+    for a in range(0, rows, chunk_rows):
+        n = min(chunk_rows, rows - a)
+        g["x"][a : a + n] = rng.standard_normal((n, *shape), dtype=np.float32).astype(dtype)
+    g["status"][:] = np.full(rows, OK, np.uint8)
+    g.attrs.update({"extractor": {**dict(g.attrs["extractor"]), "status": "complete"}})
+
+
+def _sae(path: Path) -> np.ndarray:
+    """An SAE of LATENTS latents whose biases make about 2% of them fire per token (as trained ones do)."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((WIDTH, LATENTS), dtype=np.float32) / np.sqrt(WIDTH)).astype(np.float32)
+    b = np.full(LATENTS, -2.0, np.float32)
+    np.savez(path, W_enc=w, b_enc=b, b_dec=np.zeros(WIDTH, np.float32))
+    return w
+
+
+def bare_sae(x: np.ndarray, w: np.ndarray, rows_per_block: int) -> float:
+    """The bare computation in torch over ``x`` (rows, tokens, width) in memory: seconds."""
+    import torch
+
+    wt, bt = torch.from_numpy(w), torch.full((LATENTS,), -2.0)
+    best = torch.full((K, LATENTS), -float("inf"))
+    best_rows = torch.zeros((K, LATENTS), dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for a in range(0, len(x), rows_per_block):
+            xb = torch.from_numpy(np.asarray(x[a : a + rows_per_block], np.float32))
+            acts = torch.relu(xb.reshape(-1, WIDTH) @ wt + bt).view(len(xb), TOKENS, LATENTS)
+            pooled = acts.amax(dim=1)
+            rows = torch.arange(a, a + len(xb))[:, None].expand(-1, LATENTS)
+            best, at = torch.topk(torch.cat([best, pooled]), K, dim=0)
+            best_rows = torch.gather(torch.cat([best_rows, rows]), 0, at)
+    return time.perf_counter() - t0
+
+
+def _timed_index(url: Path, **kwargs: Any) -> tuple[float, int, Any]:
+    """Seconds, peak traced bytes and the index of one ``index`` call."""
+    from extractor.read import index
+
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    ix = index(str(url), "x", **kwargs)
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return seconds, peak, ix
+
+
+def _bound(ix: Any) -> float:
+    """The memory the index may hold, in MB: features x (k x positions of float32 + examples and histograms)."""
+    from extractor.store.feature_index import IndexState
+
+    state = IndexState(ix.features, int(ix.attrs["positions"]), ix.k)
+    return state.nbytes() / 1e6
+
+
+def sae_bench(rows: int, repeats: int) -> None:
+    import torch
+
+    from extractor.read import open_store
+    from extractor.store.feature_index import BLOCK_VALUES
+
+    url = WORK / f"index-tokens-{rows}.zarr"
+    _store(url, rows, [TOKENS, WIDTH], ["x.token", "x.feature"], "float16", 64)
+    w = _sae(WORK / "sae.npz")
+    x = open_store(str(url)).numpy("x")  # the bare loop's array, in memory (float16, as stored)
+    block = max(1, BLOCK_VALUES // (TOKENS * LATENTS))
+    bare = statistics.median(bare_sae(x, w, block) for _ in range(repeats))
+    runs = [_timed_index(url, dictionary=WORK / "sae.npz", k=K) for _ in range(repeats)]
+    ours = statistics.median(r[0] for r in runs)
+    peak, ix = max(r[1] for r in runs), runs[-1][2]
+    gb = rows * TOKENS * WIDTH * 2 / 1e9
+    print(f"\nindex: {LATENTS} SAE latents over {rows} rows x {TOKENS} tokens x {WIDTH} (float16, {gb:.2f} GB), k "
+          f"{K}, {torch.get_num_threads()} torch threads; median of {repeats}")
+    print(f"  bare torch (array in memory: matmul + relu + top-k)  {bare:7.2f} s  {rows / bare:8.1f} rows/s")
+    print(f"  extractor index (read + encode + everything)          {ours:7.2f} s  {rows / ours:8.1f} rows/s  "
+          f"ratio {ours / bare:.2f} (target <= 1.3)")
+    print(f"  peak numpy memory of the pass {peak / 1e6:.0f} MB; bound: index state {_bound(ix):.0f} MB + a block "
+          f"of {BLOCK_VALUES * 4 / 1e6:.0f} MB activations (x a few temporaries); dead latents {len(ix.dead)}")
+    del x
+
+
+def map_bench(rows: int, repeats: int, channels: int = 1024, side: int = 2) -> None:
+    from extractor.read import open_store
+
+    url = WORK / f"index-map-{rows}.zarr"
+    _store(url, rows, [channels, side, side], ["x.channel", "x.y", "x.x"], "float16", 1024)
+    arr = open_store(str(url))["x"]
+
+    def plain() -> float:
+        t0 = time.perf_counter()
+        for a in range(0, rows, 1024):
+            np.asarray(arr[a : a + 1024])
+        return time.perf_counter() - t0
+
+    read = statistics.median(plain() for _ in range(repeats))
+    runs = [_timed_index(url, k=K) for _ in range(repeats)]
+    ours = statistics.median(r[0] for r in runs)
+    peak, ix = max(r[1] for r in runs), runs[-1][2]
+    gb = rows * channels * side * side * 2 / 1e9
+    print(f"\nindex: raw channels of a {channels}-channel {side}x{side} map over {rows} rows (float16, {gb:.2f} GB); "
+          f"median of {repeats}")
+    print(f"  sequential zarr read      {read:7.2f} s  {rows / read:9.0f} rows/s")
+    print(f"  extractor index           {ours:7.2f} s  {rows / ours:9.0f} rows/s  ratio {ours / read:.2f} of the read "
+          f"time; peak numpy memory {peak / 1e6:.0f} MB (state bound {_bound(ix):.0f} MB)")
+
+
+def main(rows: int = 20000, map_rows: int = 100000, repeats: int = 1) -> None:
+    WORK.mkdir(exist_ok=True)
+    sae_bench(rows, repeats)
+    map_bench(map_rows, repeats)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=20000, help="images of 196 x 768 tokens for the SAE index")
+    p.add_argument("--map-rows", type=int, default=100000, help="rows of the 1,024-channel map")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--fresh", action="store_true", help="make the stores again")
+    args = p.parse_args()
+    if args.fresh:
+        for old in WORK.glob("index-*.zarr"):
+            shutil.rmtree(old)
+    main(args.rows, args.map_rows, args.repeats)

@@ -1,0 +1,420 @@
+"""Feature indexes (issue 42): the streamed state against numpy by hand, indexes of a store against its capture read
+whole, dictionaries in every layout giving the same index, the write-time index equal to the post-hoc one (also
+after a killed and resumed job), the lease, staleness and the stored layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import child_env, job, make_images
+
+from extractor.driver.runner import run
+from extractor.errors import StoreError
+from extractor.read import open_store
+from extractor.read.features import index, open_index
+from extractor.spec.schema import parse_spec
+from extractor.store.dictionary import DictionaryError, load_dictionary
+from extractor.store.feature_index import HIST_EDGES, QUANTILES, IndexState
+from extractor.store.format import Lease
+
+ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
+          "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
+
+
+def _by_hand_top(pooled: np.ndarray, fires: np.ndarray, f: int, k: int) -> np.ndarray:
+    """The rows where feature f fires, by pooled value descending, then the lower row: argsort of the column."""
+    rows = np.flatnonzero(fires[:, f])
+    return rows[np.lexsort((rows, -pooled[rows, f]))][:k]
+
+
+def _hist(values: np.ndarray) -> np.ndarray:
+    """numpy's histogram over the edges 10**HIST_EDGES, the values outside them counted in the end bins."""
+    edges = 10.0**HIST_EDGES
+    return np.histogram(np.clip(values.astype(np.float64), edges[0], np.nextafter(edges[-1], 0)), edges)[0]
+
+
+def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: str) -> None:
+    """Every array of an index ``got`` of ``acts`` (n, T, F) of store rows ``rows``, against numpy by hand."""
+    n, t, f = acts.shape
+    fire = acts > 0
+    pooled = acts.max(axis=1) if pool == "max" else acts.mean(axis=1)
+    fires = pooled > 0 if pool == "max" else fire.any(axis=1)
+    np.testing.assert_array_equal(got.density_tokens, fire.sum(axis=(0, 1)) / (n * t))
+    np.testing.assert_array_equal(got.density_rows, fires.sum(axis=0) / n)
+    np.testing.assert_array_equal(got.dead, np.flatnonzero(~fire.any(axis=(0, 1))))
+    np.testing.assert_array_equal(got.max_value, acts.max(axis=(0, 1)))
+    for j in range(f):
+        col = acts[:, :, j]
+        if fire[:, :, j].any():
+            assert got.mean_active[j] == pytest.approx(col[col > 0].mean(dtype=np.float64), rel=1e-6)
+        np.testing.assert_array_equal(got.histogram[j], _hist(col[col > 0]))
+        np.testing.assert_array_equal(got.histogram_rows[j], _hist(np.maximum(pooled[fires[:, j], j], 1e-30)))
+        top = _by_hand_top(pooled, fires, j, k)
+        np.testing.assert_array_equal(got.top_rows[j, : len(top)], rows[top])
+        assert (got.top_rows[j, len(top) :] == -1).all()
+        np.testing.assert_array_equal(got.top_values[j, : len(top)], pooled[top, j])
+        np.testing.assert_array_equal(got.top_tokens[j, : len(top)], col[top])  # the heatmaps' values
+        q_rows, q_values = got.quantile_rows[j], got.quantile_values[j]
+        kept = q_rows >= 0
+        at = np.searchsorted(rows, q_rows[kept])
+        assert fires[at, j].all() and len(set(q_rows[kept].tolist())) == kept.sum()  # firing rows, each once
+        np.testing.assert_array_equal(q_values[kept], pooled[at, j])
+        lows = [v[r >= 0].min() for r, v in zip(q_rows, q_values, strict=True) if (r >= 0).any()]
+        assert lows == sorted(lows)  # groups from the lowest values up
+    assert got.quantile_rows.shape[1] == QUANTILES
+
+
+@pytest.mark.parametrize("pool", ["max", "mean"])
+def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool: str):
+    rng = np.random.default_rng(0)
+    n, t, f, k = 400, 6, 9, 5
+    acts = rng.standard_normal((n, t, f)).astype(np.float32) * np.logspace(-3, 2, f, dtype=np.float32)
+    acts[:, :, 2] = -1  # dead
+    acts[:, :, 4] = np.round(acts[:, :, 4], 1)  # ties: the lower row ranks first
+    acts[::3, :, 6] = 0  # fires in fewer rows than... still many; feature 7 in 3 rows only:
+    acts[:, :, 7] = -1
+    acts[[5, 50, 300], 2, 7] = [0.5, 2.0, 0.5]
+    rows = np.arange(n, dtype=np.int64) * 3 + 7  # store rows need not be contiguous
+    whole = IndexState(f, t, k, pool)
+    for a in range(0, n, 64):
+        whole.update(acts[a : a + 64], rows[a : a + 64])
+    got = whole.finish()
+    _check_against_numpy(acts, rows, got, k, pool)
+    assert got.top_rows[7].tolist() == [rows[50], rows[5], rows[300], -1, -1]
+    # the same rows in another order, cut into parts merged through their bytes: the same index
+    parts = [IndexState(f, t, k, pool) for _ in range(3)]
+    order = rng.permutation(n)
+    for i, a in enumerate(range(0, n, 50)):
+        pick = np.sort(order[a : a + 50])
+        parts[i % 3].update(acts[pick], rows[pick])
+    merged = IndexState(f, t, k, pool)
+    for part in parts:
+        again = IndexState(f, t, k, pool)
+        assert again.load(part.to_bytes())
+        merged.merge(again)
+    other = merged.finish()
+    for name in ARRAYS:
+        a, b = getattr(got, name), getattr(other, name)
+        if name == "mean_active":
+            np.testing.assert_allclose(a, b, rtol=1e-12)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_part_cut_short_or_never_written_is_no_state():
+    state = IndexState(3, 2, 4)
+    state.update(np.ones((2, 2, 3), np.float32), np.arange(2))
+    blob = state.to_bytes()
+    assert len(blob) == state.nbytes()
+    fresh = IndexState(3, 2, 4)
+    assert not fresh.load(np.zeros_like(blob)) and not fresh.load(blob[:-1])
+    broken = blob.copy()
+    broken[-1] ^= 1
+    assert not fresh.load(broken) and fresh.load(blob) and fresh.rows == 2
+
+
+# ---------------------------------------------------------------------------------------------- a store
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("index") / "imgs"
+    make_images(root, per_class=7, classes=("a", "b"), size=48)
+    (root / "a" / "corrupt.jpg").write_bytes(b"not a jpeg")  # a failed row: in no index
+    return root
+
+
+def _job(images: Path, store: Path, **capture) -> dict:
+    return job(images, store, data={"resize": None, "crop": 32, "shard_size": 4, "batch_size": 3},
+               capture=[{"layer": "layer3", "reduce": "none", **capture}], output={"chunk_rows": 2})
+
+
+@pytest.fixture(scope="module")
+def store(images: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """15 rows (one failed) of layer3 (32 channels x 2 x 2), with a write-time index of k 4."""
+    path = tmp_path_factory.mktemp("index") / "s.zarr"
+    run(parse_spec(_job(images, path, feature_index={"k": 4})))
+    return path
+
+
+def _acts(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """layer3's ok rows as (n, positions, channels), and their store rows."""
+    s = open_store(str(path))
+    rows = s.ok_rows()
+    x = s.numpy("layer3")
+    return x.reshape(len(x), x.shape[1], -1).transpose(0, 2, 1), rows
+
+
+def _arrays(ix) -> dict[str, np.ndarray]:
+    return {name: np.asarray(ix.group[name][:]) for name in ARRAYS}
+
+
+def _same(a, b) -> None:
+    """Two indexes hold the same arrays (the mean where a feature fires: summed in another order, to rounding)."""
+    for name, x in _arrays(a).items():
+        y = np.asarray(b.group[name][:])
+        if name == "mean_active":
+            np.testing.assert_allclose(x, y, rtol=1e-12)
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_an_index_of_a_store_equals_its_capture_by_hand(store: Path):
+    ix = index(str(store), "layer3", k=4, name="posthoc")
+    acts, rows = _acts(store)
+    assert len(rows) == 14 and ix.rows == 14
+    _check_against_numpy(acts, rows, type("Got", (), _arrays(ix)), 4, "max")
+    s = open_store(str(store))
+    for f in (0, 5, 31):
+        top = ix.top(f)
+        assert list(top.ids) == [s.ids[r] for r in top.rows]
+        for rank, row in enumerate(top.rows):
+            np.testing.assert_array_equal(ix.heatmap(f, rank), s.numpy("layer3", rows=[row])[0, f])  # (y, x)
+    np.testing.assert_array_equal(ix.encode_row(int(rows[3])), acts[3])
+    np.testing.assert_array_equal(ix.density, ix.group["density_tokens"][:])
+    counts, edges = ix.histogram(0)
+    assert counts.sum() == (acts[:, :, 0] > 0).sum() and len(edges) == len(counts) + 1
+
+
+def test_the_index_in_the_store_has_the_agreed_layout(store: Path):
+    index(str(store), "layer3", k=3, name="layout")
+    s = open_store(str(store))
+    group = s.group["indexes/layout"]
+    attrs = dict(group.attrs)
+    for name in ("index_version", "key", "features", "k", "pool", "dictionary", "rows", "source_state", "positions",
+                 "grid", "prefix", "threshold", "hist_edges", "quantiles", "created"):
+        assert name in attrs, name
+    assert (attrs["index_version"], attrs["key"], attrs["features"], attrs["k"]) == (1, "layer3", 32, 3)
+    assert (attrs["positions"], attrs["grid"], attrs["prefix"], attrs["dictionary"]) == (4, [2, 2], 0, None)
+    f, k, t, b = 32, 3, 4, len(attrs["hist_edges"]) - 1
+    want = {"top_rows": ((f, k), "int64"), "top_values": ((f, k), "float32"), "top_tokens": ((f, k, t), "float32"),
+            "density_tokens": ((f,), "float64"), "density_rows": ((f,), "float64"), "mean_active": ((f,), "float64"),
+            "max_value": ((f,), "float32"), "histogram": ((f, b), "int64"),
+            "quantile_rows": ((f, attrs["quantiles"], attrs["examples"]), "int64"),
+            "quantile_values": ((f, attrs["quantiles"], attrs["examples"]), "float32")}
+    for name, (shape, dtype) in want.items():
+        assert (group[name].shape, str(group[name].dtype)) == (shape, dtype), name
+    assert group["dead"].ndim == 1 and str(group["dead"].dtype) == "int64"
+
+
+def test_the_write_time_index_equals_the_post_hoc_one(store: Path):
+    written = open_index(str(store), "layer3")
+    assert written.attrs["written"] == "write-time" and not written.stale
+    again = index(str(store), "layer3", k=4, name="again")
+    _same(written, again)
+
+
+def test_a_store_a_job_holds_is_refused_naming_the_job(store: Path):
+    lease = Lease(str(store), None, 60.0, {"host": "elsewhere", "pid": 4242, "user": "someone", "started": "now"})
+    lease.acquire()
+    try:
+        with pytest.raises(StoreError, match=r"in use by another extractor job: pid 4242 on elsewhere"):
+            index(str(store), "layer3")
+    finally:
+        lease.release()
+
+
+def test_open_index_names_what_the_store_holds(store: Path):
+    with pytest.raises(StoreError, match=r"holds no index 'nope'; its indexes: .*layer3"):
+        open_index(str(store), "nope")
+    ix = open_index(str(store), "layer3")
+    with pytest.raises(IndexError, match="feature 32 out of range: the index has 32 features"):
+        ix.top(32)
+
+
+# ---------------------------------------------------------------------------------------------- dictionaries
+D_SAE = 48
+
+
+def _sae(seed: int = 0, d_in: int = 32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"W_enc": rng.standard_normal((d_in, D_SAE)).astype(np.float32) * 0.5,
+            "b_enc": (rng.standard_normal(D_SAE) * 0.1 - 0.05).astype(np.float32),
+            "b_dec": (rng.standard_normal(d_in) * 0.01).astype(np.float32),
+            "W_dec": rng.standard_normal((D_SAE, d_in)).astype(np.float32)}
+
+
+def _saelens(folder: Path, tensors: dict[str, np.ndarray], **cfg) -> Path:
+    """An SAE saved by hand as SAELens saves one: cfg.json and sae_weights.safetensors."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "sae_weights.safetensors"))
+    d_in, d_sae = tensors["W_enc"].shape
+    (folder / "cfg.json").write_text(json.dumps({"d_in": int(d_in), "d_sae": int(d_sae), "architecture": "standard",
+                                                 "apply_b_dec_to_input": True, "normalize_activations": "none",
+                                                 "hook_name": "blocks.3.hook_resid_post", **cfg}))
+    return folder
+
+
+@pytest.mark.parametrize("by", ["torch", "numpy"])
+def test_encode_is_the_sae_by_hand_for_each_activation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by: str):
+    if by == "numpy":  # where torch is not installed
+        monkeypatch.setattr("extractor.store.dictionary._torch", lambda: None)
+    t = _sae()
+    x = np.random.default_rng(1).standard_normal((20, 32)).astype(np.float32)
+    pre = (x - t["b_dec"]) @ t["W_enc"] + t["b_enc"]
+    np.savez(tmp_path / "sae.npz", **t)
+    np.testing.assert_allclose(load_dictionary(tmp_path / "sae.npz").encode(x), np.maximum(pre, 0), rtol=1e-5,
+                               atol=1e-6)
+    top = load_dictionary(tmp_path / "sae.npz", "topk:5").encode(x)
+    assert ((top > 0).sum(axis=1) <= 5).all()
+    for i in range(len(x)):
+        keep = np.argsort(-pre[i])[:5]
+        np.testing.assert_allclose(top[i, keep], np.maximum(pre[i, keep], 0), rtol=1e-5, atol=1e-6)
+    threshold = np.full(D_SAE, 0.3, np.float32)
+    folder = _saelens(tmp_path / "jump", {**t, "threshold": threshold}, architecture="jumprelu")
+    jump = load_dictionary(folder)
+    assert jump.activation == "jumprelu"
+    np.testing.assert_allclose(jump.encode(x), np.where(pre > 0.3, pre, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_saelens_folder_gives_the_index_of_the_same_weights_as_npz_and_pt(store: Path, tmp_path: Path):
+    torch = pytest.importorskip("torch")
+    t = _sae()
+    np.savez(tmp_path / "sae.npz", **t)
+    torch.save({k: torch.from_numpy(v) for k, v in t.items()}, tmp_path / "sae.pt")
+    folder = _saelens(tmp_path / "my_sae", t)
+    a = index(str(store), "layer3", dictionary=tmp_path / "sae.npz", k=4)
+    b = index(str(store), "layer3", dictionary=folder, k=4)
+    c = index(str(store), "layer3", dictionary=tmp_path / "sae.pt", k=4)
+    assert (a.name, b.name, c.name) == ("layer3@sae", "layer3@my_sae", "layer3@sae")
+    assert b.attrs["dictionary"]["d_sae"] == D_SAE and b.attrs["dictionary"]["digest"].startswith("sha256:")
+    for name, want in _arrays(a).items():
+        np.testing.assert_array_equal(np.asarray(b.group[name][:]), want, err_msg=name)
+    # and the latents by hand: relu((x - b_dec) @ W_enc + b_enc) at every position of each ok row
+    acts, rows = _acts(store)
+    latents = np.maximum((acts.reshape(-1, 32) - t["b_dec"]) @ t["W_enc"] + t["b_enc"], 0).reshape(len(rows), 4, -1)
+    got = type("Got", (), _arrays(b))
+    top = _by_hand_top(latents.max(axis=1), latents.max(axis=1) > 0, 7, 4)
+    np.testing.assert_array_equal(got.top_rows[7, : len(top)], rows[top])
+    np.testing.assert_allclose(got.top_tokens[7, : len(top)], latents[top, :, 7], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got.density_tokens, (latents > 0).sum(axis=(0, 1)) / latents[..., 0].size)
+    np.testing.assert_allclose(b.encode_row(int(rows[2])), latents[2], rtol=1e-5, atol=1e-6)
+    assert not open_index(str(store), "layer3@sae").stale  # c's, of the same name as a's
+    torch.save({k: torch.from_numpy(v) for k, v in _sae(9).items()}, tmp_path / "sae.pt")
+    assert open_index(str(store), "layer3@sae").stale  # the dictionary file changed since
+
+
+def _refused(call, *args, **kwargs) -> str:
+    """The message of the DictionaryError ``call`` raises: one line."""
+    with pytest.raises(DictionaryError) as err:
+        call(*args, **kwargs)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_a_dictionary_that_does_not_fit_is_one_line_naming_the_shapes(store: Path, images: Path, tmp_path: Path):
+    np.savez(tmp_path / "narrow.npz", **_sae(d_in=16))
+    said = _refused(index, str(store), "layer3", dictionary=tmp_path / "narrow.npz")
+    assert "d_in 16 (W_enc [16, 48])" in said and "capture layer3 [32, 2, 2] has 32 features per position" in said
+    np.savez(tmp_path / "bad.npz", **{**_sae(), "b_enc": np.zeros(7, np.float32)})
+    assert "W_enc [32, 48] and b_enc [7] do not fit" in _refused(load_dictionary, tmp_path / "bad.npz")
+    (tmp_path / "sae.txt").write_text("W_enc")
+    assert "not a dictionary file this reads (.safetensors, .npz, .pt" in _refused(load_dictionary,
+                                                                                   tmp_path / "sae.txt")
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    assert "not a safetensors file" in _refused(load_dictionary, tmp_path / "junk.safetensors")
+    np.savez(tmp_path / "nothing.npz", W_dec=np.zeros((3, 3)))
+    assert "no encoder weights W_enc (or encoder.weight) among its tensors ['W_dec']" in _refused(
+        load_dictionary, tmp_path / "nothing.npz")
+    folder = _saelens(tmp_path / "wrong_cfg", _sae(), d_in=64)
+    assert "cfg.json says d_in 64, but W_enc is [32, 48]" in _refused(load_dictionary, folder)
+    gated = _saelens(tmp_path / "gated", _sae(), architecture="gated")
+    assert "gated SAE" in _refused(load_dictionary, gated)
+    spec = _job(images, tmp_path / "never.zarr", feature_index={"dictionary": str(tmp_path / "narrow.npz")})
+    assert "capture[0] layer3 [32, 2, 2] has 32 features" in _refused(run, parse_spec(spec))
+    assert not (tmp_path / "never.zarr").exists()  # refused before the store was touched
+
+
+def test_the_write_time_index_of_a_dictionary_equals_the_post_hoc_one(images: Path, tmp_path: Path):
+    np.savez(tmp_path / "sae.npz", **_sae(3))
+    path = tmp_path / "d.zarr"
+    run(parse_spec(_job(images, path, feature_index={"k": 3, "dictionary": str(tmp_path / "sae.npz")})))
+    written = open_index(str(path), "layer3@sae")
+    again = index(str(path), "layer3", dictionary=tmp_path / "sae.npz", k=3, name="again")
+    assert written.attrs["dictionary"] == again.attrs["dictionary"]
+    for name, a in _arrays(written).items():
+        np.testing.assert_allclose(a, np.asarray(again.group[name][:]), rtol=1e-6, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- killed, resumed
+KILL_AFTER_TWO_SHARDS = """
+import os, signal, sys, yaml
+from extractor.driver.runner import run
+from extractor.spec.schema import parse_spec
+done = []
+def kill(name, info):
+    if name == "shard_done":
+        done.append(info["shard"])
+        if len(done) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+run(parse_spec(yaml.safe_load(open(sys.argv[1]))), on_event=kill)
+"""
+
+
+def test_a_killed_and_resumed_job_writes_the_index_a_post_hoc_pass_makes_and_an_older_one_goes_stale(
+        images: Path, tmp_path: Path):
+    import yaml
+
+    path = tmp_path / "k.zarr"
+    raw = _job(images, path, feature_index={"k": 4, "pool": "mean"})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    proc = subprocess.run([sys.executable, "-c", KILL_AFTER_TWO_SHARDS, str(tmp_path / "job.yaml")],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    s = open_store(str(path))
+    assert s.attrs["status"] == "running" and 2 <= s.done_shards.sum() < 4 and "indexes" not in s.group
+    early = index(s, "layer3", k=4, pool="mean", name="early")  # the killed job's lease is stale: taken over
+    assert not early.stale and early.rows == int((s.status == 1).sum())
+    raw["output"]["if_exists"] = "resume"
+    summary = run(parse_spec(raw))
+    assert summary.shards_skipped >= 2
+    assert open_index(str(path), "early").stale  # the store was resumed since
+    written = open_index(str(path), "layer3")
+    again = index(str(path), "layer3", k=4, pool="mean", name="again")
+    assert written.rows == again.rows == 14 and not written.stale
+    _same(written, again)
+    assert os.path.isdir(path / "index_parts" / "layer3")
+
+
+# ---------------------------------------------------------------------------------------------- a ViT's patches
+def test_heatmaps_of_a_vit_leave_its_cls_token_out(images: Path, tmp_path: Path):
+    pytest.importorskip("timm")
+    vit = {"name": "timm:vit_small_patch16_224", "weights": "random", "device": "cpu",
+           "kwargs": {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 2}}
+    path = tmp_path / "v.zarr"
+    run(parse_spec(job(images, path, model=vit, data={"resize": 32, "crop": 32, "shard_size": 8, "batch_size": 4},
+                       capture=[{"layer": "blocks.1", "reduce": "none", "feature_index": {"k": 2}}])))
+    ix = open_index(str(path))
+    assert (ix.attrs["prefix"], ix.grid, ix.attrs["positions"]) == (1, (4, 4), 17)
+    s = open_store(str(path))
+    for f in (0, 47):
+        for rank, row in enumerate(ix.top(f).rows):
+            np.testing.assert_array_equal(ix.heatmap(f, rank), s.numpy("blocks.1", rows=[row])[0, 1:, f].reshape(4, 4))
+
+
+def test_figures_draw_a_features_top_images_and_the_densities(store: Path):
+    pytest.importorskip("matplotlib")
+    from extractor.read.figures import pixels
+
+    ix = open_index(str(store), "layer3")
+    f = int(np.argmax(ix.density_rows))
+    assert pixels(ix.top_figure(f)).shape[2] == 3
+    assert pixels(ix.density_figure()).shape[2] == 3
+
+
+@pytest.mark.slow
+def test_on_ray_the_workers_parts_make_the_index_a_post_hoc_pass_makes(ray_cluster, images: Path, tmp_path: Path):
+    """Two Ray workers write the parts of their shards; the driver merges them."""
+    path = tmp_path / "r.zarr"
+    raw = _job(images, path, feature_index={"k": 4})
+    raw["cluster"] = {"backend": "ray", "workers": 2, "cpus_per_worker": 1}
+    summary = run(parse_spec(raw))
+    assert summary.shards_run == 4
+    _same(open_index(str(path), "layer3"), index(str(path), "layer3", k=4, name="again"))
