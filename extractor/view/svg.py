@@ -30,7 +30,7 @@ def histogram(counts: np.ndarray, edges: np.ndarray, xlabel: str, caption: str) 
                      f"<title>{escape(title)}</title></rect>")
     base = TOP + plot_h
     parts.append(f'<line x1="{LEFT}" y1="{base}" x2="{LEFT + plot_w}" y2="{base}" class="axis"/>')
-    for n in np.linspace(0, len(counts), 5).round().astype(int) if len(edges) > 1 else []:
+    for n in _ticks(edges):
         x = LEFT + n * bar_w
         parts.append(f'<text x="{x:.1f}" y="{base + 14}" text-anchor="middle">{edges[n]:.2g}</text>')
     parts.append(f'<text x="{LEFT + plot_w / 2:.1f}" y="{HEIGHT - 4}" text-anchor="middle">{escape(xlabel)}</text>')
@@ -38,3 +38,13 @@ def histogram(counts: np.ndarray, edges: np.ndarray, xlabel: str, caption: str) 
     parts.append(f'<text x="{LEFT - 6}" y="{base}" text-anchor="end">0</text>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _ticks(edges: np.ndarray) -> list[int]:
+    """The edges to label: the whole numbers among them (log10 scales: powers of ten) when 2 to 12, else five."""
+    if len(edges) < 2:
+        return []
+    whole = [n for n, e in enumerate(edges) if abs(e - round(e)) < 1e-6]
+    if 2 <= len(whole) <= 12:
+        return whole
+    return [int(n) for n in np.linspace(0, len(edges) - 1, 5).round()]
