@@ -15,7 +15,8 @@ __all__ = ["open_store", "load_spec", "JobSpec", "run", "__version__"]
 if TYPE_CHECKING:
     from .api import run
     from .read.reader import open_store
-    from .spec.schema import JobSpec, load_spec
+    from .spec.load import load_spec
+    from .spec.schema import JobSpec
 
 _LAZY = {
     "open_store": "read",

@@ -134,7 +134,7 @@ def extract(args: argparse.Namespace) -> dict:
     import logging
 
     from extractor.driver.runner import run
-    from extractor.spec.schema import parse_spec
+    from extractor.spec.load import parse_spec
 
     store = WORK / f"{args.variant}.zarr"
     ray = args.variant == "ray"
@@ -169,7 +169,7 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
 
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
-    from extractor.store.format import OK, StoreArrays, create_store
+    from extractor.store.layout import OK, StoreArrays, create_store
 
     url = str(WORK / "reader.zarr")
     rng = np.random.default_rng(0)
@@ -227,7 +227,7 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
 
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
-    from extractor.store.format import OK, StoreArrays, create_store
+    from extractor.store.layout import OK, StoreArrays, create_store
 
     url = str(WORK / "tokens.zarr")
     meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",
@@ -273,7 +273,7 @@ def sharding_bench(rows: int = 4096, tokens: int = 197, features: int = 384, sha
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
     from extractor.spec.schema import auto_inner_rows
-    from extractor.store.format import OK, StoreArrays, create_store
+    from extractor.store.layout import OK, StoreArrays, create_store
 
     meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",
             "what": "output", "reduce": "none"}
@@ -332,7 +332,7 @@ def sharded_reader_bench(repeats: int = 3) -> None:
 
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
-    from extractor.store.format import OK, StoreArrays, create_store
+    from extractor.store.layout import OK, StoreArrays, create_store
 
     cases = {"rows": ([64, 8, 8], "float32", 6000, 16), "tokens": ([197, 384], "float16", 640, 8)}
     for name, (shape, dtype, rows, inner) in cases.items():

@@ -26,7 +26,7 @@ from torch import nn
 
 from extractor.compute.worker import Worker
 from extractor.driver.runner import LocalBackend, run
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 BATCH = 256
 BATCHES = 40

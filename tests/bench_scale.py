@@ -95,8 +95,8 @@ def tar_bench(tars: int = 10, per_tar: int = 10_000) -> None:
     import resource
     import tarfile
 
-    import extractor.data.tars as tars_module
-    from extractor.data.tars import list_tars
+    import extractor.data.sources.tar as tars_module
+    from extractor.data.sources.tar import list_tars
 
     root = WORK / f"tars-{tars}x{per_tar}"
     if not (root / f"{tars - 1:03d}.tar").exists():
@@ -149,7 +149,9 @@ def shard_bench(shards: int = 15) -> None:
     import zarr
 
     from extractor.data.rows import Rows
-    from extractor.store.format import Lease, ShardWriter, StoreArrays, create_store
+    from extractor.store.layout import StoreArrays, create_store
+    from extractor.store.lease import Lease
+    from extractor.store.writer import ShardWriter
 
     url, size = str(WORK / "shard-open-finish.zarr"), 256
     shutil.rmtree(url, ignore_errors=True)

@@ -48,7 +48,7 @@ from extractor.data.decode import ImageDecoder, JpegDecoder  # noqa: E402
 from extractor.data.stream import Batch  # noqa: E402
 from extractor.driver.runner import LocalBackend, run  # noqa: E402
 from extractor.read.reader import open_store  # noqa: E402
-from extractor.spec.schema import parse_spec  # noqa: E402
+from extractor.spec.load import parse_spec  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
 POOLED = [{"layer": "avgpool", "reduce": "flatten"}, {"layer": "layer3", "reduce": "mean"}]
@@ -457,8 +457,8 @@ FAULT_CHILD = """
 import json, sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 from extractor.driver.runner import run
-from extractor.spec.schema import parse_spec
-from extractor.read.reader import open_store
+from extractor.spec.load import parse_spec  # noqa: E402
+from extractor.read.reader import open_store  # noqa: E402
 try:
     run(parse_spec({raw!r}))
     out = {{"raised": None}}

@@ -9,7 +9,7 @@ from conftest import job, make_images
 
 from extractor.cli import main
 from extractor.driver.runner import run
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def _store(tmp: Path, name: str, root: Path) -> str:

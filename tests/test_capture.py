@@ -10,9 +10,11 @@ from PIL import Image
 
 from extractor.driver.runner import run
 from extractor.errors import LayerError
-from extractor.model.capture import Capturer, resolve_targets
+from extractor.model.capture import Capturer
+from extractor.model.targets import resolve_targets
 from extractor.read.reader import open_store
-from extractor.spec.schema import CaptureSpec, parse_spec
+from extractor.spec.load import parse_spec
+from extractor.spec.schema import CaptureSpec
 
 
 def caps(*items: dict) -> list[CaptureSpec]:
@@ -150,7 +152,7 @@ def test_keys_the_store_uses_for_its_own_arrays_are_refused(key: str):
 @pytest.mark.parametrize(("reduce", "shape"), [("none", (5, 7)), ("mean", (7,)), ("max", (7,)), ("cls", (7,)),
                                                ("flatten", (35,))])
 def test_token_reductions(reduce: str, shape: tuple[int, ...]):
-    from extractor.model.capture import reduce_tensor
+    from extractor.model.reduce import reduce_tensor
 
     t = torch.randn(2, 5, 7)
     out = reduce_tensor(t, reduce, "x")

@@ -11,7 +11,7 @@ import zarr
 from zarr.codecs import TransposeCodec
 
 from extractor.store.chunks import ChunkCodec, write_chunks
-from extractor.store.format import _compressors
+from extractor.store.layout import _compressors
 
 
 def _pair(tmp_path: Path, compression: str, level: int | None, dtype: str, shape: tuple[int, ...]):

@@ -133,7 +133,7 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
 
 @pytest.mark.slow
 def test_preflight_prints_sizes_and_a_time_estimate_from_the_first_batches(tmp_path: Path):
-    from extractor.cli import Estimate
+    from extractor.cli.common import Estimate
 
     est = Estimate(total=1000, batch_size=10)
     assert est.update(10, now=100.0) is None  # the first batch pays for warm-up: not measured
@@ -270,7 +270,8 @@ def test_printed_commands_and_debug_logs_carry_no_secret():
     log print access keys."""
     import logging
 
-    from extractor.cli import _command, main
+    from extractor.cli import main
+    from extractor.cli.common import _command
 
     line = _command("run", "j.yaml", "--set", "output.storage_options.secret=s3cr3t", "--set", "data.batch_size=3")
     assert "s3cr3t" not in line and "***redacted***" in line and "give it again" in line and "batch_size=3" in line
@@ -305,7 +306,7 @@ def test_a_job_submitted_to_a_cluster_prints_the_command_that_finishes_it(image_
 def test_the_report_gives_the_wall_rate_and_labels_the_workers_compute_rates(image_dir: Path, tmp_path: Path):
     """issue 25, item 11: the report's images/s was the workers' compute rate (97 shown, 10.8 end to end)."""
     from extractor.driver.runner import run
-    from extractor.spec.schema import parse_spec
+    from extractor.spec.load import parse_spec
 
     summary = run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
     report = summary.report()

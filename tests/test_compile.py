@@ -12,7 +12,7 @@ from conftest import job
 
 from extractor import open_store
 from extractor.driver.runner import run
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def _spec(image_dir: Path, store: Path, compile_: bool, capture: list[dict], **output: str):

@@ -14,9 +14,9 @@ from conftest import job
 
 from extractor.driver.runner import run
 from extractor.errors import LayerError, SpecError
-from extractor.model.capture import sample_positions as device_positions
+from extractor.model.reduce import sample_positions as device_positions
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 from extractor.store.sampling import draw_keys, projection_matrix, sample_positions
 
 pytest.importorskip("timm")

@@ -142,7 +142,7 @@ def test_gpu_decoding_without_a_gpu_is_a_clear_error(image_dir: Path, tmp_path: 
 
     from extractor.driver.runner import run
     from extractor.errors import ModelError
-    from extractor.spec.schema import parse_spec
+    from extractor.spec.load import parse_spec
 
     raw = job(image_dir, tmp_path / "s.zarr", data={"decode_device": "cuda"})
     with pytest.raises(ModelError, match="data.decode_device: cuda needs the model on a CUDA GPU.*decode_device: cpu"):

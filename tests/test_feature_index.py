@@ -22,7 +22,7 @@ from extractor.read.features import index, open_index
 from extractor.spec.schema import parse_spec
 from extractor.store.dictionary import DictionaryError, load_dictionary
 from extractor.store.feature_index import HIST_EDGES, QUANTILES, IndexState
-from extractor.store.format import Lease
+from extractor.store.lease import Lease
 
 ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
           "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")

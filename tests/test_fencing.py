@@ -23,7 +23,7 @@ from conftest import child_env, job, make_images
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 TESTS = Path(__file__).parent
 pytestmark = pytest.mark.slow  # paused job processes, an S3 server: make test, not make check
@@ -200,7 +200,7 @@ def test_on_s3_a_job_stopped_inside_a_conditional_write_writes_nothing_into_the_
         s3_case: dict, tmp_path: Path, key: str, nth: int, repeat: int):
     """On S3 there is no lock: A is stopped with its request about to go out, after every check it makes. B takes
     the store and completes; A's create-only (or If-Match) write is refused, and A stops."""
-    from extractor.store.format import _LeaseObject
+    from extractor.store.lease import _LeaseObject
 
     fs, options = s3_case["fs"], s3_case["options"]
     url = f"s3://fence/{tmp_path.name}.zarr"
@@ -254,7 +254,7 @@ def test_an_s3_that_ignores_conditional_writes_is_found_and_named(images: Path, 
         assert open_store("s3://loose/s.zarr", storage_options=options).attrs["status"] == "complete"
         # a paused job's late renewal there would take the lease back (its If-Match ignored): it reads first
         from extractor.errors import FencedError
-        from extractor.store.format import Lease, _LeaseObject
+        from extractor.store.lease import Lease, _LeaseObject
 
         a = Lease("s3://loose/s.zarr", options, 60, {"pid": 1, "host": "a"})
         a.acquire()
@@ -282,7 +282,7 @@ def test_a_full_disk_while_the_store_is_created_is_one_error_with_the_resume_com
     """issue 37, defect 7: an OSError while the arrays are created (a disk full) was an 84-line traceback."""
     import errno
 
-    import extractor.store.format as fmt
+    import extractor.store.layout as fmt
     from extractor.cli import main
 
     spec = toy_spec(images, tmp_path / "s.zarr", tmp_path)
@@ -303,7 +303,7 @@ def test_a_full_disk_while_the_store_is_created_is_one_error_with_the_resume_com
 def test_ctrl_c_while_overwrite_creates_the_store_says_the_old_one_is_gone(
         images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """issue 37, defect 8: an interrupt while --overwrite re-created the store said "nothing was written"."""
-    import extractor.store.format as fmt
+    import extractor.store.layout as fmt
     from extractor.cli import main
 
     spec = toy_spec(images, tmp_path / "s.zarr", tmp_path)
@@ -332,7 +332,7 @@ def test_a_reader_never_sees_a_shard_object_half_replaced(tmp_path: Path):
     import zarr
 
     from extractor.data import Rows
-    from extractor.store.format import StoreArrays, create_store
+    from extractor.store.layout import StoreArrays, create_store
 
     def made(name: str, value: float) -> Path:
         url = str(tmp_path / name)
@@ -390,7 +390,7 @@ def test_a_store_on_another_fsspec_file_system_is_written_with_the_lease_checked
     assert run(parse_spec(spec)).ok == 4
     spec["output"]["if_exists"] = "overwrite"
     assert run(parse_spec(spec)).ok == 4
-    from extractor.store.format import _LeaseObject
+    from extractor.store.lease import _LeaseObject
 
     s = open_store(url)
     assert s.attrs["status"] == "complete" and s.done_shards.all() and _LeaseObject(url, None).read()[0]["released"]

@@ -12,7 +12,7 @@ from conftest import job
 from extractor.cli import main
 from extractor.driver.runner import run
 from extractor.read import bar_chart, compare, heatmap, image_grid, open_store, principal_components, scatter_plot
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 pytest.importorskip("matplotlib")
 

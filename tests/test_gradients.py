@@ -16,7 +16,7 @@ from extractor.data.rows import plan
 from extractor.driver.runner import run
 from extractor.errors import DataError, SpecError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def tutorial_job(tmp_path: Path, double_grad: bool) -> dict:
@@ -123,7 +123,7 @@ def test_no_hooks_no_parameter_grads_no_graph_after_a_job(image_dir: Path, tmp_p
     spec = parse_spec(job(image_dir, tmp_path / "s.zarr", capture=GRAD_CAPTURES))
     worker = Worker(spec)
     rows = list_rows(spec.data)
-    from extractor.store.format import StoreArrays, create_store
+    from extractor.store.layout import StoreArrays, create_store
 
     probe = worker.probe()
     create_store(str(tmp_path / "s.zarr"), rows, StoreArrays(captures=probe.captures, extras=probe.extras,

@@ -21,7 +21,7 @@ from extractor.data.files import fingerprint, local_fingerprint
 from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 CHANGED = r"the images of 1 row computed before have changed since \(their content digest differs\)"
 

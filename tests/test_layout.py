@@ -15,7 +15,7 @@ from test_worker import reference_batch
 from extractor.driver.runner import run
 from extractor.errors import LayerError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 SWIN = {"name": "swin_t", "weights": None, "device": "cpu"}
 DATA = {"resize": 72, "crop": 64}  # maps of 16x16 (features.1), 8x8 (features.3)
@@ -121,7 +121,8 @@ def test_settle_layouts_decides_from_facts_and_asks_when_none_decides():
     another input size, flatten (nothing to decide), a given layout (left alone); none of them: refused."""
     from torch import nn
 
-    from extractor.model.capture import Target, contradicted_layouts, reduced_otherwise, settle_layouts
+    from extractor.model.reduce import contradicted_layouts, reduced_otherwise, settle_layouts
+    from extractor.model.targets import Target
 
     def target(key: str, layer: str, reduce: str = "mean", layout: str = "auto") -> Target:
         return Target(key, layer, "output", None, reduce, "float32", 0, layout=layout)

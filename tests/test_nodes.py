@@ -21,7 +21,7 @@ from conftest import free_port, job, make_images
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 ray = pytest.importorskip("ray")
 TESTS = Path(__file__).resolve().parent

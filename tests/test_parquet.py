@@ -13,11 +13,12 @@ from conftest import job
 from test_sources import write_tars
 
 from extractor.data.listing import list_rows
-from extractor.data.parquet import row_groups
+from extractor.data.sources.parquet import row_groups
 from extractor.driver.runner import run
 from extractor.errors import DataError
 from extractor.read.reader import open_store
-from extractor.spec.schema import DataSpec, parse_spec
+from extractor.spec.load import parse_spec
+from extractor.spec.schema import DataSpec
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -113,7 +114,7 @@ def test_a_shard_reads_only_its_row_groups_and_only_the_image_column(image_dir: 
     assert sorted(reads) == [(0, ("image",)), (1, ("image",)), (2, ("image",))]  # once each, the image only
     assert wholes == [("label",)]  # planning: the footer and the label column
     # a shard run alone (the resume of one shard) reads its one row group
-    from extractor.store.format import open_group, reset_shards
+    from extractor.store.layout import open_group, reset_shards
 
     reset_shards(open_group(str(tmp_path / "s.zarr"), "r+"), [(1, 4, 8)])
     reads.clear()

@@ -13,7 +13,7 @@ from test_cli import extractor, write_job
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:

@@ -20,7 +20,7 @@ from extractor.driver.runner import run
 from extractor.errors import SpecError
 from extractor.model.processors import LibraryProcessor, check, probe_images
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 transformers = pytest.importorskip("transformers")
 

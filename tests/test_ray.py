@@ -22,7 +22,7 @@ from extractor.data.rows import Shard
 from extractor.driver.runner import run
 from extractor.errors import ClusterError, LayerError, ShardError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 ray = pytest.importorskip("ray")
 TESTS = Path(__file__).resolve().parent
@@ -182,7 +182,7 @@ def test_a_worker_that_always_fails_as_a_whole_ends_the_job(ray_cluster, slow_im
 
 
 def test_shards_lost_together_are_redone_alone_and_only_a_lone_death_is_charged():
-    from extractor.driver.ray_backend import _Schedule
+    from extractor.driver.schedule import _Schedule
 
     shards = [Shard(i, 2 * i, 2 * i + 2) for i in range(5)]
     plan = _Schedule(shards[:4], max_retries=0)

@@ -12,8 +12,8 @@ from extractor.data.rows import Rows
 from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read.reader import ActivationStore, open_store
-from extractor.spec.schema import parse_spec
-from extractor.store.format import FAILED, OK, StoreArrays, create_store
+from extractor.spec.load import parse_spec
+from extractor.store.layout import FAILED, OK, StoreArrays, create_store
 
 
 @pytest.fixture(scope="module")
@@ -373,7 +373,7 @@ def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, c
     import zarr
 
     from extractor.cli import main
-    from extractor.store.format import update_attrs
+    from extractor.store.layout import update_attrs
 
     url = str(tmp_path / "s.zarr")
     run(parse_spec(job(image_dir, tmp_path / "s.zarr")))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from extractor.read.reader import _IdIndex
+from extractor.read.ids import _IdIndex
 
 
 def ids_of(n: int) -> np.ndarray:
@@ -46,7 +46,7 @@ def test_ids_that_share_a_hash_are_told_apart_by_their_text():
 def test_row_of_an_unknown_id_names_it(tmp_path):
     from extractor.data import Rows
     from extractor.read.reader import open_store
-    from extractor.store.format import StoreArrays, create_store
+    from extractor.store.layout import StoreArrays, create_store
 
     meta = {"shape": [2], "dtype": "float32", "dims": ["x.f"], "layer": "x", "what": "output", "reduce": "none"}
     ids = ids_of(40)

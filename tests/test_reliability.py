@@ -27,8 +27,8 @@ from extractor.data.listing import list_rows
 from extractor.driver.runner import run
 from extractor.errors import DeviceError, ShardError, SpecError, StoreError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
-from extractor.store.format import ShardWriter
+from extractor.spec.load import parse_spec
+from extractor.store.writer import ShardWriter
 
 TESTS = Path(__file__).resolve().parent
 
@@ -336,7 +336,7 @@ def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_pat
 def test_a_lease_from_another_host_expires_after_its_timeout(image_dir: Path, tmp_path: Path):
     import zarr
 
-    from extractor.store.format import Lease
+    from extractor.store.lease import Lease
 
     raw = job(image_dir, tmp_path / "s.zarr")
     run(parse_spec(raw))
@@ -632,7 +632,7 @@ def test_the_lease_is_released_after_a_slow_renewal_without_a_thread_error(image
     crashed (AttributeError on None.wait) and could land a renewal after the release."""
     import threading
 
-    from extractor.store.format import Lease, read_lease
+    from extractor.store.lease import Lease, read_lease
 
     run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
     lease = Lease(str(tmp_path / "s.zarr"), None, 0.2, {"pid": os.getpid()})
@@ -675,7 +675,8 @@ def test_a_second_ctrl_c_while_stopping_exits_130(tmp_path: Path):
 
 def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_path: Path):
     """issue 26, defect 11: a store a live job is creating was called "left half-created by a run that failed"."""
-    from extractor.store.format import ATTR, Lease, read_attrs
+    from extractor.store.layout import ATTR
+    from extractor.store.lease import Lease, read_attrs
 
     url = str(tmp_path / "s.zarr")
     lease = Lease(url, None, 60, {"pid": os.getpid(), "host": __import__("socket").gethostname()})
@@ -766,7 +767,7 @@ def test_a_resume_takes_the_rows_of_unchanged_tars_from_the_store_and_lists_chan
     resume with work to do records the new listing; a complete store is never written to by a resume)."""
     from test_sources import write_tars
 
-    import extractor.data.tars as tars_module
+    import extractor.data.sources.tar as tars_module
 
     files = make_images(tmp_path / "imgs", per_class=4, classes=("a", "b"), size=40)
     write_tars(files, tmp_path / "tars", per_tar=3)

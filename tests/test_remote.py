@@ -24,7 +24,7 @@ from test_sources import write_tars
 from extractor.driver.runner import run
 from extractor.errors import DataError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 pytestmark = pytest.mark.slow
 VENV_BIN = Path(sys.executable).parent
@@ -312,7 +312,7 @@ def test_the_lease_on_s3_is_a_compare_and_swap(s3, image_dir: Path, tmp_path: Pa
     import zarr
 
     from extractor.errors import FencedError, StoreError
-    from extractor.store.format import Lease, read_lease
+    from extractor.store.lease import Lease, read_lease
 
     fs, options = s3
     url = "s3://bucket/lease.zarr"

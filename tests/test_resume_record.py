@@ -12,7 +12,7 @@ import pytest
 from conftest import job, make_images
 
 from extractor.driver.runner import run
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 TOY = {"name": None, "factory": "toy_models:slow_net", "factory_kwargs": {"seconds": 0}, "device": "cpu"}
 
@@ -24,7 +24,7 @@ def files_of(store: Path) -> dict[str, bytes]:
 def test_a_touched_tar_is_listed_once_then_taken_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from test_sources import write_tars
 
-    import extractor.data.tars as tars_module
+    import extractor.data.sources.tar as tars_module
 
     files = make_images(tmp_path / "imgs", per_class=3, classes=("a", "b"), size=40)
     write_tars(files, tmp_path / "tars", per_tar=3)

@@ -15,9 +15,10 @@ from zarr.codecs import ZstdCodec
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
-from extractor.spec.schema import auto_inner_rows, parse_spec
+from extractor.spec.load import parse_spec
+from extractor.spec.schema import auto_inner_rows
 from extractor.store.chunks import ChunkCodec, ShardStream, write_chunks
-from extractor.store.format import open_group, reset_shards
+from extractor.store.layout import open_group, reset_shards
 
 CAPTURES = [{"layer": "layer3", "reduce": "none"}, {"layer": "layer4", "reduce": "mean", "dtype": "float16"}]
 

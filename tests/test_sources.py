@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from extractor.data.listing import list_rows
 from extractor.data.rows import plan
-from extractor.data.tars import expand_braces
+from extractor.data.sources.tar import expand_braces
 from extractor.driver.runner import run
 from extractor.errors import DataError, SpecError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def write_tars(images: list[Path], out: Path, per_tar: int, labels: dict[str, object] | None = None,
@@ -202,7 +202,7 @@ def test_a_stray_image_in_the_root_gets_no_label_and_a_warning_and_hidden_folder
     (tmp_path / "a" / "top.png").write_bytes((tmp_path / "a" / "b" / "b01.png").read_bytes())
     (tmp_path / "a" / ".ipynb_checkpoints").mkdir()
     (tmp_path / "a" / ".ipynb_checkpoints" / "c.png").write_bytes((tmp_path / "a" / "b" / "b01.png").read_bytes())
-    with caplog.at_level("WARNING", logger="extractor.data.listing"):
+    with caplog.at_level("WARNING", logger="extractor.data.sources.folder"):
         rows = list_rows(parse_spec(job(tmp_path / "a", tmp_path / "s.zarr")).data)
     assert list(rows.ids) == ["top.png", "b/b00.jpg", "b/b01.png", "z/z00.jpg", "z/z01.png"]
     assert rows.classes == ["b", "z"] and list(rows.labels) == [-1, 0, 0, 1, 1]  # the others keep their labels
@@ -298,7 +298,7 @@ def _tarfile_listing(path: Path) -> list[tuple[str, int, int]]:
 def test_the_tar_header_reader_lists_members_exactly_as_tarfile(tmp_path: Path, fmt: int):
     """ustar prefixes, GNU long names (L headers), pax extended and global headers, folders, links and empty
     members: the plain 512-byte header reader gives tarfile's names, data offsets and sizes."""
-    from extractor.data.tars import _headers
+    from extractor.data.sources.tar import _headers
 
     path = tmp_path / "t.tar"
     deep = "/".join(["folder-with-a-long-name"] * 5)  # 119 characters: a ustar prefix, a GNU L or pax path
@@ -330,7 +330,7 @@ def test_the_tar_header_reader_lists_members_exactly_as_tarfile(tmp_path: Path, 
 
 
 def test_a_file_that_is_not_a_tar_is_refused_by_the_header_reader(tmp_path: Path):
-    from extractor.data.tars import scan_tar
+    from extractor.data.sources.tar import scan_tar
 
     for name, data in (("noise.tar", np.random.default_rng(0).bytes(4096)), ("empty.tar", b"")):
         (tmp_path / name).write_bytes(data)
@@ -342,7 +342,7 @@ def test_a_file_that_is_not_a_tar_is_refused_by_the_header_reader(tmp_path: Path
 
 
 def test_a_sample_key_in_two_tars_is_refused_naming_both(tmp_path: Path):
-    from extractor.data.tars import list_tars
+    from extractor.data.sources.tar import list_tars
 
     files = make_images(tmp_path / "imgs", per_class=2, classes=("a",), size=16)
     first = write_tars(files, tmp_path / "one", per_tar=2)[0]

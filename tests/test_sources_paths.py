@@ -16,7 +16,7 @@ from extractor.data.listing import list_rows
 from extractor.driver.runner import run
 from extractor.errors import DataError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def tar_with_hashes(images: list[Path], path: Path) -> dict[str, bytes]:

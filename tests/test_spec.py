@@ -7,7 +7,8 @@ import yaml
 
 from extractor.demo import DEMO_JOB
 from extractor.errors import SpecError
-from extractor.spec.schema import apply_overrides, auto_chunk_rows, load_spec, parse_spec
+from extractor.spec.load import apply_overrides, load_spec, parse_spec
+from extractor.spec.schema import auto_chunk_rows
 
 BASE = {"data": {"root": "images"}, "capture": [{"layer": "layer3"}]}
 
@@ -100,7 +101,7 @@ def test_jobs_demo_yaml_is_the_demo_job():
 
 
 def test_content_digest_ignores_run_only_fields():
-    from extractor.spec.schema import spec_digest
+    from extractor.spec.identity import spec_digest
 
     a = parse_spec(BASE)
     b = parse_spec(apply_overrides(BASE, ["data.batch_size=7", "model.device=cpu", "output.if_exists=resume"]))
@@ -189,7 +190,7 @@ def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str
     """Hub models that are not in the local cache are checked on a small config of the same class
     (layer names do not depend on the width; the jobs' globs need only the blocks to exist)."""
     from extractor.model.build import build_model, prefix_tokens
-    from extractor.model.capture import resolve_targets
+    from extractor.model.targets import resolve_targets
 
     spec = load_spec(str(Path(__file__).resolve().parents[1] / "jobs" / name))
     update: dict = {"weights": None, "device": "cpu"}
@@ -231,7 +232,7 @@ def test_decode_workers_is_auto_or_a_count():
 
 
 def test_secrets_are_redacted_in_the_public_spec_and_in_command_lines():
-    from extractor.spec.schema import REDACTED, redact_argv
+    from extractor.spec.identity import REDACTED, redact_argv
 
     raw = {**BASE, "data": {"root": "x", "storage_options": {"secret": "s1", "endpoint_url": "http://e"}},
            "submit": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "s2", "OMP_NUM_THREADS": "4"}}}
@@ -257,7 +258,8 @@ def test_only_env_vars_that_look_like_secrets_are_redacted_so_a_printed_command_
     """issue 37, case 13: every submit.env_vars value was redacted (and warned of), PATH and the README's own
     EXTRACTOR_PROGRESS_S included, so the printed resume line could not be pasted back. Only what looks like a
     credential, by its name or its value, is redacted, as storage options' secrets are."""
-    from extractor.spec.schema import REDACTED, apply_overrides, looks_secret, redact_argv
+    from extractor.spec.identity import REDACTED, looks_secret, redact_argv
+    from extractor.spec.load import apply_overrides
 
     env = {"PATH": "/opt/venv/bin:/usr/bin:/bin", "EXTRACTOR_PROGRESS_S": "60", "OMP_NUM_THREADS": "4",
            "HF_HOME": "/data/hf", "CUDA_VISIBLE_DEVICES": "0,1", "LOG_LEVEL": "debug",
@@ -346,7 +348,7 @@ def test_chunk_rows_auto_refuses_a_shard_size_without_a_sensible_divisor_and_a_s
 def test_a_redacted_secret_pasted_back_asks_for_the_secret_by_name():
     """issue 26, defect 5 (T3-2): the printed resume command holds ***redacted*** for a --set secret; pasted,
     it failed with a YAML error (an alias). Now it asks for that secret."""
-    from extractor.cli import _command
+    from extractor.cli.common import _command
 
     line = _command("run", "job.yaml", "--set", "output.storage_options.secret=hunter2", "--resume")
     assert "hunter2" not in line and "***redacted***" in line

@@ -17,8 +17,8 @@ from conftest import RESNET18, job
 from extractor.driver.runner import run
 from extractor.errors import ShardError, StoreError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
-from extractor.store.format import FORMAT_VERSION
+from extractor.spec.load import parse_spec
+from extractor.store.layout import FORMAT_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +316,7 @@ def test_a_store_resumed_with_chunk_rows_auto_keeps_its_own_chunking(
     chunk it otherwise) and is written in its own chunks."""
     import errno
 
-    from extractor.store.format import ShardWriter
+    from extractor.store.writer import ShardWriter
 
     made = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
     real_write = ShardWriter.write

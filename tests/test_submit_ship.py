@@ -16,7 +16,7 @@ from test_remote import TESTS, VENV_BIN, extractor, jobs_head, start_head
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from PIL import Image
 from extractor.driver.runner import run
 from extractor.errors import DataError, LayerError, StoreError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 
 def reference_batch(paths: list[Path], resize: int, crop: int) -> torch.Tensor:

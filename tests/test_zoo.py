@@ -20,7 +20,7 @@ from extractor.compute.worker import Worker
 from extractor.driver.runner import run
 from extractor.errors import ModelError
 from extractor.read.reader import open_store
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -652,8 +652,8 @@ def test_a_module_object_gets_its_own_librarys_preprocessing_or_is_refused(photo
 def test_a_composite_folder_whose_tower_has_no_auto_class_builds_the_tower_its_config_names(kind: str, tmp_path: Path):
     """OWLv2's and BLIP's vision towers have no AutoModel class (before: a KeyError traceback in _hf_class); BLIP's
     holds its modules at the root, so its weights come from the checkpoint's vision_model."""
-    from extractor.model.zoo import build
-    from extractor.spec.schema import parse_model_spec
+    from extractor.model.sources import build
+    from extractor.spec.load import parse_model_spec
 
     t = transformers
     torch.manual_seed(0)
@@ -674,7 +674,7 @@ def test_a_composite_folder_whose_tower_has_no_auto_class_builds_the_tower_its_c
 
 
 def test_a_vision_tower_with_no_class_of_its_own_is_refused_naming_the_factory():
-    from extractor.model.zoo import _hf_tower_class
+    from extractor.model.sources.hf import _hf_tower_class
 
     class NoSuchVisionConfig:  # a tower config transformers has no model class for (Idefics2's, say)
         pass

@@ -386,7 +386,7 @@ def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Mo
     import time
 
     import extractor.driver.runner as runner
-    import extractor.store.format as store
+    import extractor.store.layout as store
 
     owner, name = {"claim": (runner, "_claim"), "arrays": (store, "_create_arrays")}[point]
     original = getattr(owner, name)
@@ -418,7 +418,7 @@ def stopped_at_write(where: str, key: str, marker: str, nth: int = 1, seconds: f
 
     import extractor.store.chunks as chunks
     import extractor.store.fence as fence
-    import extractor.store.format as fmt
+    import extractor.store.layout as fmt
 
     pattern = re.compile(rf"(^|/)(?:{key})$")
     seen = [0]

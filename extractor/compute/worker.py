@@ -327,7 +327,7 @@ class Worker:
 
     def _measure(self) -> None:
         """Run one blank image through the model: the stored shape and metadata of each capture.
-        4-D outputs left at ``layout: auto`` are decided here (see :func:`~extractor.model.capture.settle_layouts`)."""
+        4-D outputs left at ``layout: auto`` are decided here (see :func:`~extractor.model.reduce.settle_layouts`)."""
         h, w = self.preprocess.size
         d = self.spec.data
         size_from = "data.crop" if d.crop not in ("auto", None) else "data.resize" if d.crop is None and \

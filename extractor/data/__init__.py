@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from .listing import list_rows
     from .preprocess import IMAGENET, PIL_RESAMPLE, Preprocess, from_dict, of_store, resolve
     from .rows import Rows, Shard, labels_of, plan
+    from .sources.tar import expand_braces, list_tars, scan_tar, tar_listing
     from .stream import Batch, BatchStream, Reused, iter_batches
-    from .tars import expand_braces, list_tars, scan_tar, tar_listing
 
 __all__ = [
     "Rows",
@@ -96,10 +96,10 @@ __getattr__ = face(
         "local_fingerprint": "files",
         "remote_fingerprint": "files",
         "list_rows": "listing",
-        "expand_braces": "tars",
-        "list_tars": "tars",
-        "scan_tar": "tars",
-        "tar_listing": "tars",
+        "expand_braces": "sources.tar",
+        "list_tars": "sources.tar",
+        "scan_tar": "sources.tar",
+        "tar_listing": "sources.tar",
         "Preprocess": "preprocess",
         "PIL_RESAMPLE": "preprocess",
         "IMAGENET": "preprocess",

@@ -94,7 +94,7 @@ def forget_reads() -> None:
     file's footers and row groups) is dropped. Called where rows are read to be computed or checked."""
     import sys
 
-    parquet = sys.modules.get(f"{__package__}.parquet")  # nothing is kept where no Parquet row was read
+    parquet = sys.modules.get(f"{__package__}.sources.parquet")  # nothing is kept where no Parquet row was read
     if parquet is not None:
         parquet.row_groups.clear()
 
@@ -104,7 +104,7 @@ def read_bytes(item: Locator, storage_options: dict | None = None, outside_root:
     (``FILE.parquet#COLUMN/ROW``). ``outside_root``: false, a Parquet row's path that leaves its file's folder
     (:func:`leaves_root`) is refused, not opened (the job's decoders pass ``data.outside_root``)."""
     if isinstance(item, str) and "#" in item:
-        from .parquet import is_parquet_row, parquet_bytes
+        from .sources.parquet import is_parquet_row, parquet_bytes
 
         if is_parquet_row(item):
             return parquet_bytes(item, storage_options, outside_root)

@@ -9,13 +9,16 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Rows", "Joined", "Joining", "Shard", "Strings", "plan", "labels_of", "distinct", "strings", "duplicate"]
+from ..errors import DataError
+
+__all__ = ["Rows", "Joined", "Joining", "Shard", "Strings", "plan", "labels_of", "distinct", "strings", "duplicate",
+           "named"]
 
 log = logging.getLogger(__name__)
 
@@ -291,3 +294,24 @@ def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]
             firsts.append(n)
         codes.append(code)
     return np.frombuffer(codes, dtype=np.int64) if codes else np.zeros(0, np.int64), values, firsts
+
+
+def named(rows: Rows, classes: list[str], where: str) -> Rows:
+    """``rows`` with the class names ``data.classes``: integer labels checked to be among them, labels that were
+    names (or folders) given their index in them."""
+    labels = rows.labels
+    if rows.classes:  # names: their index in the given list
+        index = {c: i for i, c in enumerate(classes)}
+        unknown = sorted(set(rows.classes) - set(index))
+        if unknown:
+            raise DataError(f"{where}: labels {', '.join(map(repr, unknown[:10]))} are not in data.classes "
+                            f"({len(classes)} names); add them, or remove data.classes to take the labels' own names")
+        to = np.asarray([index[c] for c in rows.classes], dtype=np.int64)
+        labels = np.where(labels >= 0, to[np.maximum(labels, 0)], -1)
+    else:
+        beyond = np.flatnonzero(labels >= len(classes))
+        if len(beyond):
+            first = int(beyond[0])
+            raise DataError(f"{where}: row {rows.ids[first]!r} has label {labels[first]}, but data.classes names "
+                            f"{len(classes)} classes (labels 0 to {len(classes) - 1})")
+    return replace(rows, labels=labels, classes=classes)

@@ -21,7 +21,7 @@ from ..data import list_rows, plan
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
 from ..store import get_array, numpy_dtype, open_group, read_attrs, store_attrs
-from ..store.format import ROW_ARRAYS
+from ..store.layout import ROW_ARRAYS
 
 __all__ = ["Preview", "preview"]
 

@@ -23,21 +23,20 @@ if TYPE_CHECKING:
         state_dict_hash,
         token_facts,
     )
-    from .capture import (
-        RESERVED_KEYS,
-        ROOT,
-        Capturer,
-        Target,
+    from .capture import Capturer
+    from .processors import settle_preprocess
+    from .reduce import (
         contradicted_layouts,
         decide_layout,
         dim_names,
         reduce_tensor,
         reduced_otherwise,
-        resolve_targets,
         settle_layouts,
     )
-    from .processors import settle_preprocess
-    from .zoo import HF_WEIGHT_FILES, Built, load_checkpoint
+    from .sources.checkpoint import load_checkpoint
+    from .sources.common import Built
+    from .sources.hf import HF_WEIGHT_FILES
+    from .targets import RESERVED_KEYS, ROOT, Target, resolve_targets
 
 __all__ = [
     "build_model",
@@ -86,19 +85,19 @@ __getattr__ = face(
         "decide_prefix_tokens": "build",
         "token_facts": "build",
         "TokenFacts": "build",
-        "Built": "zoo",
-        "load_checkpoint": "zoo",
-        "HF_WEIGHT_FILES": "zoo",
-        "Target": "capture",
+        "Built": "sources.common",
+        "load_checkpoint": "sources.checkpoint",
+        "HF_WEIGHT_FILES": "sources.hf",
+        "Target": "targets",
         "Capturer": "capture",
-        "resolve_targets": "capture",
-        "decide_layout": "capture",
-        "settle_layouts": "capture",
-        "contradicted_layouts": "capture",
-        "reduced_otherwise": "capture",
-        "dim_names": "capture",
-        "reduce_tensor": "capture",
-        "ROOT": "capture",
-        "RESERVED_KEYS": "capture",
+        "resolve_targets": "targets",
+        "decide_layout": "reduce",
+        "settle_layouts": "reduce",
+        "contradicted_layouts": "reduce",
+        "reduced_otherwise": "reduce",
+        "dim_names": "reduce",
+        "reduce_tensor": "reduce",
+        "ROOT": "targets",
+        "RESERVED_KEYS": "targets",
     },
 )

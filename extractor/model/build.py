@@ -14,7 +14,9 @@ from torch import nn
 
 from ..errors import ModelError
 from ..spec import ModelSpec
-from . import zoo
+from . import sources
+from .processors import LibraryProcessor
+from .sources.checkpoint import load_checkpoint
 
 __all__ = ["build_model", "build_with_processor", "model_call", "resolve_device", "describe_model", "layer_table",
            "prefix_tokens", "decide_prefix_tokens", "token_facts", "TokenFacts"]
@@ -46,17 +48,17 @@ def build_model(spec: ModelSpec, module: nn.Module | None = None) -> tuple[nn.Mo
 
 
 def build_with_processor(spec: ModelSpec, module: nn.Module | None = None) \
-        -> tuple[nn.Module, dict[str, Any], zoo.LibraryProcessor | None]:
+        -> tuple[nn.Module, dict[str, Any], LibraryProcessor | None]:
     """:func:`build_model`, and the model's own library's processor (None: it brings none)."""
     if module is not None:
-        built = zoo.from_object(module, spec)
+        built = sources.from_object(module, spec)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(RANDOM_SEED)
-            built = zoo.build(spec)
+            built = sources.build(spec)
     model, source = built.model, built.source
     if spec.weights_kind == "file" and spec.source != "open_clip":
-        zoo.load_checkpoint(model, str(spec.weights))
+        load_checkpoint(model, str(spec.weights))
         source = f"{source}, weights from checkpoint {spec.weights}"
     elif not built.pretrained:  # asked for (weights: random or null), and recorded so
         log.info("model.weights is %s: %s uses random weights (seed %d)", spec.weights, spec.name, RANDOM_SEED)

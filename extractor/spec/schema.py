@@ -1,36 +1,25 @@
-"""The job spec: one YAML file parsed into a frozen, strictly validated tree of models.
+"""The job spec's schema: a frozen, strictly validated tree of pydantic models.
 
-Unknown keys, wrong types and bad values raise :class:`~extractor.errors.SpecError` whose
-message names the field path (``capture[1].reduce: ...``). ``load_spec(path, overrides)``
-applies ``--set a.b=value`` overrides before validation, so they are checked the same way.
+Unknown keys, wrong types and bad values raise :class:`~extractor.errors.SpecError` (through
+:mod:`.load`) whose message names the field path (``capture[1].reduce: ...``).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import re
-from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..errors import SpecError
+from .identity import RESOLVED, RUN_ONLY, _marked, redact
 
-__all__ = ["JobSpec", "load_spec", "read_spec", "parse_spec", "apply_overrides"]
+__all__ = ["JobSpec"]
+
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
-
-
-# Field markers (json_schema_extra). Run-only: changes how a job runs, not what it computes (beyond float rounding:
-# another device or batch size may sum in another order), so a store may be resumed with it changed.
-# model.channels_last is not one: it changes stored values by about one float16 ulp, so a resumed store would
-# mix both. Resolved: a preprocessing setting, compared through the resolved record instead of as written.
-RUN_ONLY: dict[str, Any] = {"run_only": True}
-RESOLVED: dict[str, Any] = {"resolved": "preprocess"}
 
 
 def _leaf_types(ann: Any) -> set[Any]:
@@ -662,78 +651,6 @@ class JobSpec(_Section):
         return content_of(self.to_dict())
 
 
-# storage-option keys whose values are not secret; every other value is redacted
-_PUBLIC_OPTIONS = {"endpoint_url", "region_name", "region", "anon", "use_ssl", "requester_pays", "profile",
-                   "project", "default_block_size", "default_fill_cache", "client_kwargs", "config_kwargs",
-                   "s3_additional_kwargs", "version_aware", "asynchronous", "skip_instance_cache"}
-REDACTED = "***redacted***"
-
-
-# environment variables: a name holding one of these looks like a credential's
-_SECRET_NAME_PARTS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE", "SIGNATURE", "COOKIE", "AUTH",
-                      "SESSION", "APIKEY", "ACCESS_KEY")
-_SECRET_NAME_WORDS = {"KEY", "PASS", "PW", "PAT", "DSN", "CERT"}  # ... or one of these words (split at _ - .)
-# a value that is a key, a URL with a password, a known token's prefix or a long hex string
-_SECRET_VALUE = re.compile(r"-----BEGIN|://[^/\s:@]+:[^/\s@]+@|^(AKIA|ASIA)[A-Z0-9]{16}$|"
-                           r"^(ghp_|gho_|ghs_|github_pat_|hf_|sk-|xox[abpr]-|glpat-)|^[0-9a-fA-F]{32,}$")
-
-
-def looks_secret(name: str, value: Any) -> bool:
-    """An environment variable (``submit.env_vars``) that looks like a credential, by its name (``HF_TOKEN``,
-    ``AWS_SECRET_ACCESS_KEY``, ``PGPASSWORD``, ``API_KEY``) or its value (``AKIA...``, ``hf_...``, a private key,
-    ``https://user:pass@host``, a long random-looking word: 20 characters or more, no spaces, upper and lower case
-    letters and digits). ``PATH``, ``OMP_NUM_THREADS: "4"`` or ``EXTRACTOR_PROGRESS_S: "60"`` are not."""
-    upper = name.upper()
-    if any(part in upper for part in _SECRET_NAME_PARTS) or _SECRET_NAME_WORDS & set(re.split(r"[_.\-]", upper)):
-        return True
-    text = str(value)
-    if _SECRET_VALUE.search(text):
-        return True
-    classes = sum(bool(re.search(c, text)) for c in ("[a-z]", "[A-Z]", "[0-9]"))
-    return len(text) >= 20 and not re.search(r"\s", text) and classes == 3
-
-
-def redact(d: Any, inside_options: bool = False) -> Any:
-    """A copy of ``d`` with every non-public value under a ``storage_options`` key, and every
-    value under ``env_vars`` (the job's environment on the cluster) that looks like a credential
-    (:func:`looks_secret`), redacted."""
-    if isinstance(d, dict):
-        out: dict[Any, Any] = {}
-        for k, v in d.items():
-            if inside_options and k not in _PUBLIC_OPTIONS:
-                out[k] = REDACTED
-            elif inside_options and isinstance(v, dict):  # client_kwargs, config_kwargs: options of their own
-                out[k] = redact(v, True)
-            elif k == "env_vars" and isinstance(v, dict):
-                out[k] = {name: REDACTED if looks_secret(str(name), value) else value for name, value in v.items()}
-            else:
-                out[k] = redact(v, inside_options or k == "storage_options")
-        return out
-    if isinstance(d, list):
-        return [redact(v, inside_options) for v in d]
-    return d
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """A command line with the secret values of its ``--set KEY=VALUE`` overrides redacted (as
-    :func:`redact` would redact them in the spec): for the store's lease and logs."""
-    out: list[str] = []
-    for k, arg in enumerate(argv):
-        prefix, item = ("--set=", arg[6:]) if arg.startswith("--set=") else ("", arg)
-        if (prefix or (k and argv[k - 1] == "--set")) and "=" in item:
-            key, value = item.split("=", 1)
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError:
-                parsed = value
-            nested: Any = parsed
-            for part in reversed(key.split(".")):  # the override as the spec it makes: redacted as the spec is
-                nested = {part: nested}
-            arg = f"{prefix}{key}={REDACTED if redact(nested) != nested else value}"
-        out.append(arg)
-    return out
-
-
 def content_of(spec_dict: dict[str, Any]) -> dict[str, Any]:
     """``spec_dict`` (a resolved spec as plain data) without the fields marked run-only, and without the
     preprocessing settings (marked resolved): what they resolve to (the store's ``preprocess`` record) is
@@ -749,211 +666,3 @@ def content_of(spec_dict: dict[str, Any]) -> dict[str, Any]:
                 d[section].pop(name, None)
     return d
 
-
-def _marked(info: Any) -> bool:
-    """A field that is run-only or compared through what it resolves to (not as written)."""
-    extra = info.json_schema_extra
-    return isinstance(extra, dict) and bool(extra.get("run_only") or extra.get("resolved"))
-
-
-def _loc_to_path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "(top level)"
-
-
-def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The pydantic model class that holds the field at ``loc`` (for listing valid keys)."""
-    model: Any = JobSpec
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        ann = field.annotation
-        args = getattr(ann, "__args__", ()) or (ann,)
-        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if model is None:
-            return None
-    return model
-
-
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    errors = err.errors()
-    for e in errors:
-        loc = tuple(e["loc"])
-        if e["type"] == "too_short" and any(tuple(o["loc"])[: len(loc)] == loc and len(o["loc"]) > len(loc)
-                                            for o in errors):
-            continue  # "capture: at least 1 item" only because its one item is invalid: that item's error says it
-        path = _loc_to_path(loc)
-        if e["type"] == "extra_forbidden":
-            owner = _model_at(loc)
-            valid = ", ".join(owner.model_fields) if owner else ""
-            lines.append(f"{path}: unknown key (valid keys here: {valid})")
-        elif e["type"] == "missing":
-            lines.append(f"{path}: required key is missing")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            got = e.get("input")
-            shown = "" if isinstance(got, (dict, list)) or e["type"] == "value_error" else f" (got {got!r})"
-            lines.append(f"{path}: {msg}{shown}")
-    return "\n".join(lines)
-
-
-def _placeholders(d: Any, path: tuple[int | str, ...] = ()) -> list[str]:
-    """The field paths of ``d`` whose value is the redaction placeholder: a printed spec or command
-    pasted back, where a secret belongs."""
-    if isinstance(d, dict):
-        return [p for k, v in d.items() for p in _placeholders(v, (*path, k))]
-    if isinstance(d, list):
-        return [p for i, v in enumerate(d) for p in _placeholders(v, (*path, i))]
-    return [_loc_to_path(path)] if d == REDACTED else []
-
-
-def parse_spec(raw: Any, source: str = "job spec") -> JobSpec:
-    """Validate a plain mapping into a :class:`JobSpec`, raising :class:`SpecError`."""
-    if not isinstance(raw, dict):
-        raise SpecError(f"{source}: expected a mapping with sections model, data, capture, output, cluster")
-    secrets = _placeholders(raw)
-    if secrets:
-        verb = "is" if len(secrets) == 1 else "are"
-        raise SpecError(f"{source}: {', '.join(secrets)} {verb} {REDACTED}, which stands for a secret that extractor "
-                        "never prints; give its value (--set KEY=VALUE, quoted) or leave it out and give it through "
-                        "the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
-    try:
-        return JobSpec.model_validate(raw)
-    except ValidationError as err:
-        raise SpecError(f"{source} is invalid:\n{_format_errors(err)}") from None
-
-
-def parse_model_spec(raw: dict[str, Any], source: str) -> ModelSpec:
-    """Validate a ``model`` section alone (``extractor layers``), raising :class:`SpecError`."""
-    try:
-        return ModelSpec.model_validate(raw)
-    except ValidationError as err:
-        lines = _format_errors(err).replace("(top level): ", "")
-        raise SpecError(f"{source}: {lines}" if "\n" not in lines else f"{source}:\n{lines}") from None
-
-
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")
-
-
-def _split_path(path: str) -> list[str | int]:
-    parts: list[str | int] = []
-    for name, idx in _PATH_PART.findall(path):
-        if idx:
-            parts.append(int(idx))
-        elif name.lstrip("-").isdigit():
-            parts.append(int(name))
-        else:
-            parts.append(name)
-    if not parts:
-        raise SpecError(f"--set {path!r}: empty key path")
-    return parts
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` / ``capture[0].reduce=mean`` overrides; values are YAML-parsed."""
-    out = copy.deepcopy(raw)
-    for item in overrides:
-        if "=" not in item:
-            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. data.batch_size=16")
-        path, _, text = item.partition("=")
-        parts = _split_path(path.strip())
-        if text.strip() == REDACTED:  # a printed command pasted back: YAML would read it as an alias
-            key = path.strip()
-            raise SpecError(f"--set {key}={REDACTED}: {REDACTED} stands for a secret that extractor never prints; give "
-                            f"its value (--set '{key}=VALUE') or leave it out and give it through the environment "
-                            "(e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as err:
-            where = getattr(err, "problem", None) or type(err).__name__
-            raise SpecError(f"--set {path.strip()}: the value {text!r} is not valid YAML ({where}); quote it, "
-                            f"e.g. --set '{path.strip()}=[0.5, 0.5, 0.5]'") from None
-        node: Any = out
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            where = _loc_to_path(tuple(parts[: i + 1]))
-            if isinstance(part, int):
-                parent = _loc_to_path(tuple(parts[:i]))
-                if not isinstance(node, list):
-                    raise SpecError(f"--set {path}: {parent} is not a list in the spec (a setting left out takes its "
-                                    f"default); set the whole list, e.g. --set '{parent}=[...]'")
-                if not -len(node) <= part < len(node):
-                    raise SpecError(f"--set {path}: {where} does not exist (the list has {len(node)} entries)")
-            elif not isinstance(node, dict):
-                raise SpecError(f"--set {path}: {_loc_to_path(tuple(parts[:i]))} is not a mapping")
-            if last:
-                node[part] = value
-            else:
-                if isinstance(node, dict) and node.get(part) is None:
-                    node[part] = {}
-                node = node[part]
-    return out
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (the second would
-    silently replace the first: a whole section's settings lost)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, Any] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                hash(key)
-            except TypeError:
-                break  # an unhashable key: the loader below says so
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    f"the key {key!r} first given", seen[key], "is given again (merge the two into one)",
-                    key_node.start_mark)
-            seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_spec(path: str | Path) -> dict[str, Any]:
-    """A YAML job spec as plain data (safe loader, a key given twice refused), not yet validated."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"job spec {path} does not exist") from None
-    except OSError as err:
-        raise SpecError(f"cannot read job spec {path}: {err}") from err
-    try:
-        loader = _UniqueKeyLoader(text)
-        loader.name = str(path)  # error marks name the file
-        try:
-            raw = loader.get_single_data()
-        finally:
-            loader.dispose()
-    except yaml.YAMLError as err:
-        raise SpecError(f"{path} is not valid YAML: {err}") from None
-    if raw is None:
-        raise SpecError(f"{path} is empty; see jobs/demo.yaml for an example job spec")
-    if not isinstance(raw, dict):
-        raise SpecError(f"{path}: expected a mapping with sections model, data, capture, output, cluster")
-    return raw
-
-
-def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    """Read a YAML job spec (safe loader), apply ``--set`` overrides and validate it."""
-    return parse_spec(apply_overrides(read_spec(path), overrides or []), source=str(path))
-
-
-def spec_digest(spec: JobSpec) -> str:
-    """A short stable hash of what decides the store's contents."""
-    import hashlib
-
-    blob = json.dumps(spec.content_dict(), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]

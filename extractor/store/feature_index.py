@@ -505,7 +505,7 @@ class IndexFeed:
 def source_state(group: zarr.Group) -> dict[str, Any]:
     """What an index covers of the store: its creation, last resume, done shards and ok rows. A store whose state
     differs since (resumed, more shards done) makes the index stale."""
-    from .format import OK, done_shards, get_array, root_attrs
+    from .layout import OK, done_shards, get_array, root_attrs
 
     group = zarr.open_group(store=group.store, mode="r", use_consolidated=False)  # as the storage has it now
     attrs = root_attrs(group)
@@ -520,7 +520,7 @@ def index_name(key: str, dictionary_stem: str | None) -> str:
 
 def index_record(name: str, key: str, feed: IndexFeed, dictionary: Mapping[str, Any] | None,
                  state: Mapping[str, Any], written: str) -> IndexRecord:
-    from .format import now
+    from .layout import now
 
     s = feed.state
     return IndexRecord(
@@ -536,7 +536,7 @@ PARTS = "index_parts"  # group of the store: one (shards, bytes) uint8 array per
 
 
 def part_array(group: zarr.Group, key: str) -> zarr.Array:
-    from .format import get_array
+    from .layout import get_array
 
     return get_array(group, f"{PARTS}/{key}")
 
@@ -559,7 +559,7 @@ def ensure_parts(group: zarr.Group, feeds: Mapping[str, IndexFeed], n_shards: in
 def merged_parts(group: zarr.Group, key: str, feed: IndexFeed) -> tuple[int, int]:
     """Merge into ``feed`` the part of every done shard, read one at a time (memory: two states); returns (merged,
     missing): done shards whose part is not there (made before the index was asked for) are missing."""
-    from .format import done_shards
+    from .layout import done_shards
 
     done = np.flatnonzero(done_shards(group))
     parts = part_array(group, key)
@@ -596,7 +596,7 @@ def finish_indexes(group: zarr.Group) -> list[str]:
     left out, with a warning."""
     import logging
 
-    from .format import root_attrs
+    from .layout import root_attrs
 
     attrs = root_attrs(group)
     written = []

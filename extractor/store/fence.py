@@ -49,6 +49,7 @@ LEASE_KEY = "lease/zarr.json"  # the lease record: the attributes of the ``lease
 # sees a group where it lists the store's members
 LOCK_KEY = "lease/lock/zarr.json"
 _LOCK_BODY = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
+WIPE_CHECK = 64  # S3: the lease checked again after this many removals of a wipe
 STAMP = "extractor-write"  # S3 user metadata on each object a job writes: its lease token and a nonce
 _S3 = ("s3://", "s3a://")
 
@@ -390,6 +391,32 @@ class FencedStore(WrapperStore[Store]):
             return
         raise StoreError(f"cannot write {key} of {self.fence.url}: the storage refused it four times (another "
                          "writer of the same object?); run again with --resume")
+
+    async def s3_wipe(self, keep: str) -> None:
+        """Remove every object of the store but those under ``keep`` (its lease), as this job saw them: listed with
+        their ETags first, then the lease checked, then each removed only at its listed ETag (If-Match), the root's
+        ``zarr.json`` first and the lease checked again every :data:`WIPE_CHECK` objects. A job paused anywhere in
+        here removes nothing another job wrote after its listing (that job rewrites the root first: refused);
+        what is gone already is skipped."""
+        base = self.path.rstrip("/")
+        found = await self.fs._find(base, detail=True)
+        listed = sorted(((name[len(base) + 1:], info.get("ETag")) for name, info in found.items()
+                         if not name[len(base) + 1:].startswith(f"{keep}/")), key=lambda kv: kv[0] != "zarr.json")
+        await self._checked()
+        for i, (key, etag) in enumerate(listed):
+            if i and i % WIPE_CHECK == 0:
+                await self._checked()
+            bucket, k = self._key(key)
+            try:
+                await self.fs._call_s3("delete_object", Bucket=bucket, Key=k, **({"IfMatch": etag} if etag else {}))
+            except FileNotFoundError:
+                continue  # removed already
+            except Exception as err:  # noqa: BLE001 - told apart just below
+                if not refused(err):
+                    raise
+                await self._checked()  # written since the listing: another job's store, or a stray write
+                raise fenced(self.fence.url, self.fence.token) from None
+        self.fs.invalidate_cache(base)
 
     async def _s3_delete(self, key: str) -> None:
         """Remove ``key`` as this job saw it (If-Match on its ETag, read while the lease is checked)."""

@@ -22,8 +22,9 @@ import zarr
 
 from ..data import Reused, from_dict
 from ..errors import StoreError
-from .format import OK, PREPROCESS_FIELDS, get_array, lease_token, open_group, root_attrs
 from .forward import forward_differences
+from .layout import OK, PREPROCESS_FIELDS, get_array, open_group, root_attrs
+from .lease import lease_token
 
 __all__ = ["ReuseIndex", "check_sources"]
 

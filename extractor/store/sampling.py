@@ -5,7 +5,7 @@
 the bytes read), :func:`token_scores` ranks a row's tokens and the K lowest are kept, in sequence
 order. An image keeps its draw whatever its row or id: in a store over more images, or rows taken
 from another store (``output.reuse`` matches rows by that digest). The worker computes the same integers on the device
-(``extractor.model.capture.sample_positions``); a test holds the two equal. ``project: D``
+(``extractor.model.reduce.sample_positions``); a test holds the two equal. ``project: D``
 multiplies the last dimension by :func:`projection_matrix` (made from the seed by numpy, on the
 worker as here), so a reader regenerates the matrix instead of storing it.
 """

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from .format import done_shards, get_array, take_rows
+from .layout import done_shards, get_array, take_rows
 
 __all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
 

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from .._threads import prefetched
-from ..errors import DataError
-from .files import (
+from ..._threads import prefetched
+from ...errors import DataError
+from ..files import (
     absolute,
     check_unambiguous,
     is_url,
@@ -45,7 +45,7 @@ from .files import (
     remote_fingerprint,
     tar_url_of,
 )
-from .rows import Joining, Rows, Strings, duplicate, labels_of
+from ..rows import Joining, Rows, Strings, duplicate, labels_of
 
 __all__ = ["Samples", "expand_braces", "list_tars", "scan_tar", "tar_listing", "tar_url_of"]
 

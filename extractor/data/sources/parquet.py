@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from .._threads import prefetched
-from ..errors import DataError
-from .files import absolute, fingerprint, is_url, local_fingerprint, remote_error, remote_fingerprint
-from .rows import Joining, Rows, Strings, duplicate, labels_of
-from .tars import expand_braces
+from ..._threads import prefetched
+from ...errors import DataError
+from ..files import absolute, fingerprint, is_url, local_fingerprint, remote_error, remote_fingerprint
+from ..rows import Joining, Rows, Strings, duplicate, labels_of
+from .tar import expand_braces
 
 __all__ = ["list_parquet", "parquet_bytes", "is_parquet_row", "row_groups", "hub_files", "file_columns"]
 
@@ -291,7 +291,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
         raise DataError(f"the Parquet files of data.parquet name their classes differently ({len(names)} lists in "
                         "their Hugging Face metadata); list them once in data.classes")
     if names and not classes:
-        from .listing import named
+        from ..rows import named
 
         return named(rows, list(next(iter(names))), f"{urls[0]} (its Hugging Face ClassLabel names)")
     return rows
@@ -375,7 +375,7 @@ def parquet_bytes(item: str, storage: dict[str, Any] | None = None, outside_root
     """The encoded image of a stored Parquet row ``FILE#COLUMN/ROW``: its bytes, or the file its path names
     (a relative path: in the Parquet file's folder). ``outside_root`` false: a path that leaves that folder is
     refused, as a manifest's row is (:func:`~extractor.data.files.leaves_root`)."""
-    from .files import leaves_root, read_bytes
+    from ..files import leaves_root, read_bytes
 
     m = ROW.match(item)
     assert m is not None

@@ -1,0 +1,351 @@
+"""Streaming a store's rows in batches: every selected row (:meth:`Batching.batches`) or every token of a token
+capture (:meth:`Batching.token_batches`) once per epoch, read in whole chunks on background threads, shuffled
+in a buffer of chunks (no random reads), split into disjoint parts for DataLoader workers or ranks. Needs only
+numpy and zarr."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import numpy as np
+import zarr
+
+from .._threads import prefetched
+from ..errors import StoreError
+from ..store import (
+    CaptureRecord,
+    read_rows,
+    take_rows,
+)
+
+Rows = slice | Sequence[int] | np.ndarray | None
+_Columns = tuple[np.ndarray, ...]  # arrays of one length: a batch's row numbers (or token index), then its data
+_Read = tuple[np.ndarray, np.ndarray]  # rows of one key: store row numbers, their values
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _prefetched(items: Iterable[_T], fn: Callable[[_T], _R], depth: int, threads: int = 2) -> Iterator[_R]:
+    """``fn(item)`` for each item, computed up to ``depth`` ahead on ``threads`` background threads
+    (chunks decode in parallel: zstd and zarr release the GIL), in order."""
+    return prefetched(items, fn, depth, threads, name="extractor-read")
+
+
+def _check_sizes(batch_size: int, buffer_chunks: int) -> None:
+    """Refuse a batch or buffer size below one."""
+    if batch_size < 1 or buffer_chunks < 1:
+        raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
+
+
+def _chunk_runs(idx: np.ndarray, step: int) -> list[np.ndarray]:
+    """``idx`` cut into runs of consecutive entries inside one chunk of ``step`` rows."""
+    return np.split(idx, np.flatnonzero(np.diff(idx // step)) + 1) if idx.size else []
+
+
+def _shuffled_chunks(idx: np.ndarray, step: int, seed: int) -> list[np.ndarray]:
+    """The rows of ``idx`` grouped by chunk (ascending inside each), the chunks in a random order drawn
+    from ``seed``: random order that costs no random reads."""
+    runs = _chunk_runs(np.sort(idx, kind="stable"), step)  # sorting takes linear time when already ascending
+    return [runs[i] for i in np.random.default_rng(seed).permutation(len(runs))]
+
+
+Part = tuple[int, int]  # (k, n): the k-th of n disjoint parts of an epoch (DataLoader workers, ranks)
+
+
+def _check_part(part: Part | None) -> Part:
+    """``part`` as (k, n) with 0 <= k < n; None is the whole epoch, (0, 1)."""
+    if part is None:
+        return (0, 1)
+    try:
+        k, n = (int(v) for v in part)
+    except (TypeError, ValueError):
+        raise ValueError(f"part must be (k, n), the k-th of n parts of an epoch, not {part!r}") from None
+    if not 0 <= k < n:
+        raise ValueError(f"part (k, n) needs 0 <= k < n, not {part!r}")
+    return k, n
+
+
+def _epoch_runs(idx: np.ndarray, step: int, shuffle: bool, seed: int, part: Part) -> list[np.ndarray]:
+    """The runs of rows (each inside one chunk of ``step`` rows) one epoch reads, in order: the chunks
+    in a random order drawn from ``seed`` with ``shuffle``, else in the order given. Of the epoch's
+    runs, ``part`` (k, n) takes every n-th from the k-th: the n parts together read every run once,
+    whatever the number of parts."""
+    runs = _shuffled_chunks(idx, step, seed) if shuffle else _chunk_runs(idx, step)
+    k, n = part
+    return runs[k::n] if n > 1 else runs
+
+
+def _mix_seed(seed: int, part: Part, n: int) -> list[int]:
+    """The seed of the n-th buffer of a part (the whole epoch keeps the seeds it always had)."""
+    return [seed, n] if part == (0, 1) else [seed, *part, n]
+
+
+def _read_runs(arrays: Sequence[zarr.Array], runs: Sequence[np.ndarray],
+               spare: list[np.ndarray] | None = None) -> tuple[np.ndarray, _Columns]:
+    """Runs of rows (each inside one chunk) of each array: the rows read (ascending for several runs, else
+    in the run's order) and each array's values of them. ``spare``: arrays no longer used, of the first
+    array's rows; one with room is read into (a fresh one costs first-touch page faults)."""
+    rows = np.sort(np.concatenate(runs)) if len(runs) > 1 else np.concatenate(runs)
+    into = None
+    if spare:
+        room = spare.pop()
+        if len(room) >= len(rows) and room.shape[1:] == arrays[0].shape[1:] and room.dtype == arrays[0].dtype:
+            into = room[: len(rows)]
+    return rows, (take_rows(arrays[0], rows, into), *(take_rows(arr, rows) for arr in arrays[1:]))
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """Rows read at once, served in the order ``perm`` (None: as read)."""
+
+    index: np.ndarray  # (n,) store row numbers; for tokens (n, 2): row and position in its sequence
+    data: _Columns  # per key, in the order asked: its (n, ...) values
+    perm: np.ndarray | None
+
+    @classmethod
+    def read(cls, arrays: Mapping[str, zarr.Array], runs: Sequence[np.ndarray], seed: list[int] | None) -> _Buffer:
+        """Read runs of rows (each inside one chunk; on the prefetch thread); with ``seed``, draw the
+        order of their rows."""
+        rows, data = _read_runs(list(arrays.values()), runs)
+        perm = None if seed is None else np.random.default_rng(seed).permutation(len(rows))
+        return cls(rows, data, perm)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def take(self, lo: int, hi: int) -> _Columns:
+        """Places ``lo:hi`` of the buffer's order: index, then each key's values."""
+        at = slice(lo, hi) if self.perm is None else self.perm[lo:hi]
+        return (self.index[at], *(x[at] for x in self.data))
+
+
+def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: bool = False) -> Iterator[_Columns]:
+    """Batches of ``batch_size`` rows across buffers: a batch that one buffer leaves short is completed
+    from the start of the next (copying only the rows carried); the last short batch comes unless
+    ``drop_last``."""
+    carry: _Columns | None = None
+    for buffer in buffers:
+        lo = 0
+        if carry is not None:
+            lo = min(batch_size - len(carry[0]), len(buffer))
+            carry = tuple(np.concatenate([c, h]) for c, h in zip(carry, buffer.take(0, lo), strict=True))
+            if len(carry[0]) < batch_size:
+                continue
+            batch, carry = carry, None
+            yield batch
+        for a in range(lo, len(buffer), batch_size):
+            batch = buffer.take(a, min(a + batch_size, len(buffer)))
+            if len(batch[0]) < batch_size:
+                carry = batch
+            else:
+                yield batch
+    if carry is not None and not drop_last:
+        yield carry
+
+
+class _Tokens:
+    """The tokens ``skip : skip + tokens`` of rows read from a ``(tokens, features)`` capture, served as single
+    tokens in the order ``order`` (token numbers, row after row; None: as read). Each batch is gathered into an
+    array of its own: no copy of the whole buffer (fresh at every buffer, its first-touch page faults cost more
+    than the mixing), and a batch the caller keeps is never overwritten."""
+
+    def __init__(self, rows: np.ndarray, x: np.ndarray, positions: np.ndarray | int, skip: int, tokens: int,
+                 order: np.ndarray | None) -> None:
+        # positions: (rows, stored tokens) in the layer's sequence, or where the stored tokens begin in it
+        self.rows, self.x, self.positions = rows, x, positions
+        self.skip, self.tokens, self.order = skip, tokens, order
+
+    @classmethod
+    def mixed(cls, rows: np.ndarray, columns: _Columns, origin: int, skip: int, tokens: int,
+              seed: list[int] | None) -> _Tokens:
+        """Of rows read (their values, then a sampled capture's ``KEY.token_index``; else ``origin``: the first
+        stored token's position in the layer's sequence), the tokens in a random order drawn from ``seed``
+        (None: in order)."""
+        order = None if seed is None else np.random.default_rng(seed).permutation(len(rows) * tokens)
+        return cls(rows, columns[0], columns[1] if len(columns) > 1 else origin, skip, tokens, order)
+
+    def __len__(self) -> int:
+        return len(self.rows) * self.tokens
+
+    @property
+    def memory(self) -> np.ndarray:
+        """The array its values were read into (which a later read may use again once this is served)."""
+        return self.x if self.x.base is None else self.x.base
+
+    def take(self, lo: int, hi: int) -> _Columns:
+        """Places ``lo:hi`` of the order: ``(index, data)``; index holds each token's row and position."""
+        r, t = np.divmod(np.arange(lo, hi) if self.order is None else self.order[lo:hi], self.tokens)
+        t += self.skip
+        position = t + self.positions if isinstance(self.positions, int) else self.positions[r, t]
+        return np.stack([self.rows[r], position], axis=1), self.x[r, t]
+
+
+class Batching:
+    """The streaming reads of a store (:class:`~.reader.ActivationStore`, which these methods are part of): every
+    selected row, or every token of a token capture, once per epoch in batches, read in whole chunks."""
+
+    if TYPE_CHECKING:  # what the store view gives them
+
+        @property
+        def captures(self) -> dict[str, CaptureRecord]: ...
+
+        @property
+        def model(self) -> dict[str, Any]: ...
+
+        def __getitem__(self, key: str) -> zarr.Array: ...
+
+        def _known(self) -> str: ...
+
+        def _select_rows(self, rows: Rows, only_ok: bool, strict: bool = False) -> np.ndarray: ...
+
+    def batches(
+        self,
+        keys: str | Sequence[str],
+        batch_size: int = 1024,
+        shuffle: bool = True,
+        seed: int = 0,
+        rows: Rows = None,
+        only_ok: bool = True,
+        buffer_chunks: int = 8,
+        prefetch: int = 2,
+        part: Part | None = None,
+    ) -> Iterator[tuple[np.ndarray, Any]]:
+        """Yield ``(row_indices, data)``: every selected row once per call (one epoch).
+
+        ``data`` is an array for one key, a dict of arrays for several; ``data[i]`` is row
+        ``row_indices[i]``. ``rows`` may come in any order and repeat a row (it then comes as
+        often as listed); rows that are not ok are left out unless ``only_ok=False``. Reads
+        are whole chunks, prefetched on a background thread. With ``shuffle`` the chunks come
+        in a random order and rows are mixed in a buffer of ``buffer_chunks`` chunks, so
+        random order costs no random reads; the same ``seed`` gives the same order. Without
+        it rows come in the order given, and a chunk is read once per run of consecutive
+        selected rows inside it: rows grouped by chunk (e.g. ascending) read each chunk once.
+
+        ``part=(k, n)`` yields the k-th of n disjoint parts of the epoch (its chunks split among n
+        readers: DataLoader worker processes, distributed ranks): the n parts of one seed together
+        hold every selected row once. :meth:`dataloader` with ``num_workers`` does this for you.
+        """
+        _check_sizes(batch_size, buffer_chunks)
+        part = _check_part(part)
+        arrays, step = self._arrays_of(keys, "batches")
+        idx = self._select_rows(rows, only_ok)
+        # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
+        runs = _epoch_runs(idx, step, shuffle, seed, part)
+        per = buffer_chunks if shuffle else 1
+
+        def read(job: tuple[int, Sequence[np.ndarray]]) -> _Buffer:
+            n, chunk_runs = job
+            return _Buffer.read(arrays, chunk_runs, _mix_seed(seed, part, n) if shuffle else None)
+
+        jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
+        for index, *data in _rebatch(_prefetched(jobs, read, prefetch), batch_size):
+            yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
+
+    def _arrays_of(self, keys: str | Sequence[str], what: str) -> tuple[dict[str, zarr.Array], int]:
+        """The arrays of ``keys`` and the rows a read takes: their smallest chunk (a capture with bigger chunks,
+        small rows under ``chunk_rows: auto``, is read several times per chunk), or of sharded arrays a run of
+        chunks of about 32 MiB (:func:`read_rows`)."""
+        names = [keys] if isinstance(keys, str) else list(keys)
+        if not names:
+            raise ValueError(f"{what} needs at least one capture key; {self._known()}")
+        arrays = {k: self[k] for k in names}
+        return arrays, min(read_rows(a) for a in arrays.values())
+
+    def epoch_rows(self, keys: str | Sequence[str], shuffle: bool = True, seed: int = 0, rows: Rows = None,
+                   only_ok: bool = True, part: Part | None = None) -> int:
+        """How many rows one epoch of :meth:`batches` (or the part ``part`` of it) yields."""
+        _, step = self._arrays_of(keys, "epoch_rows")
+        runs = _epoch_runs(self._select_rows(rows, only_ok), step, shuffle, seed, _check_part(part))
+        return sum(len(r) for r in runs)
+
+    def token_batches(
+        self,
+        key: str,
+        batch_size: int = 4096,
+        shuffle: bool = True,
+        seed: int = 0,
+        rows: Rows = None,
+        only_ok: bool = True,
+        drop_prefix: bool | int = False,
+        buffer_chunks: int = 8,
+        prefetch: int = 1,
+        drop_last: bool = False,
+        part: Part | None = None,
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
+        ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
+        position in the layer's sequence, however the capture was stored (whole, without its prefix
+        tokens, or a ``sample_tokens`` capture's, from ``KEY.token_index``): the same patch has the same
+        position in every capture of a layer. Every (row, token) comes once per call (one epoch), for
+        sparse-autoencoder training. With ``shuffle`` tokens are mixed across the images of a
+        buffer of ``buffer_chunks`` chunks read whole in a random chunk order (as :meth:`batches`
+        reads rows): the same ``seed`` gives the same order. ``drop_prefix`` leaves out each
+        row's first tokens: ``True`` the model's prefix tokens (CLS, registers; the store's
+        ``model.prefix_tokens``), unless the capture was stored without them already (its
+        ``drop_prefix``): then nothing more; or a count, of the tokens as stored. ``drop_last``
+        leaves out a last short batch. ``part=(k, n)``: the k-th of n disjoint parts of the epoch
+        (see :meth:`batches`). ``prefetch``: buffers read ahead while one is served (each more holds a
+        buffer's memory: one overlaps reading with serving)."""
+        if not isinstance(key, str):
+            raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool):
+            raise TypeError(f"batch_size must be an int, not {batch_size!r}")
+        skip, tokens = self.token_span(key, drop_prefix)
+        _check_sizes(batch_size, buffer_chunks)
+        part = _check_part(part)
+        arrays = [self[key]]
+        if self.captures[key].get("sample_tokens"):  # each stored token's position in the layer's sequence
+            arrays.append(self[f"{key}.token_index"])
+        origin = int(self.captures[key].get("drop_prefix") or 0)  # stored without its prefix: patches from there
+        # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
+        runs = _epoch_runs(self._select_rows(rows, only_ok), read_rows(arrays[0]), shuffle, seed, part)
+        per = buffer_chunks if shuffle else 1
+
+        spare: list[np.ndarray] = []  # the memory of buffers served (their batches are copies), read into again
+
+        def read(job: tuple[int, Sequence[np.ndarray]]) -> _Tokens:
+            n, chunk_runs = job
+            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare), origin, skip, tokens,
+                                 _mix_seed(seed, part, n) if shuffle else None)
+
+        def served(buffers: Iterable[_Tokens]) -> Iterator[_Tokens]:
+            for buffer in buffers:
+                yield buffer  # asked for the next one: this one is served
+                spare.append(buffer.memory)
+
+        jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
+        # one reading thread: a buffer is one zarr read that decodes its chunks concurrently already (and a buffer
+        # more ahead is a fresh one: 0.65x of a sequential read with two ahead, against 0.97x with one)
+        buffers = _prefetched(jobs, read, prefetch, threads=1)
+        yield from cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last))
+
+    def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
+        """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``
+        leaves out, and how many tokens remain (what :meth:`token_batches` yields per row)."""
+        meta = self.captures.get(key)
+        if meta is None or len(meta["shape"]) != 2:
+            shape = meta["shape"] if meta else None
+            raise StoreError(f"token_batches needs a capture of (tokens, features) rows; {key!r} is "
+                             f"{'not a capture' if meta is None else f'{shape}'}; {self._known()}")
+        skip = self._prefix(key, drop_prefix)
+        tokens = int(meta["shape"][0]) - skip
+        if tokens <= 0:
+            raise StoreError(f"{key!r} has {meta['shape'][0]} tokens per row; dropping {skip} leaves none")
+        return skip, tokens
+
+    def _prefix(self, key: str, drop_prefix: bool | int) -> int:
+        """Tokens to leave out of each stored row of ``key``: a count, or for ``True`` the model's
+        prefix-token count, none when the capture is stored without its prefix tokens already."""
+        if isinstance(drop_prefix, bool):
+            if not drop_prefix or self.captures[key].get("drop_prefix"):
+                return 0  # not asked, or left out when the store was written: its rows are patch tokens
+            n = self.model.get("prefix_tokens")
+            if not isinstance(n, int):
+                raise StoreError("drop_prefix=True: the store does not record how many prefix tokens the model has "
+                                 "(CLS, registers); pass their count, e.g. drop_prefix=1")
+            return n
+        if not isinstance(drop_prefix, int) or drop_prefix < 0:
+            raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix!r}")
+        return int(drop_prefix)
