@@ -19,7 +19,7 @@ from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read import open_store
 from extractor.read.features import index, open_index
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 from extractor.store.dictionary import DictionaryError, load_dictionary
 from extractor.store.feature_index import HIST_EDGES, QUANTILES, IndexState
 from extractor.store.lease import Lease
@@ -347,7 +347,7 @@ def test_the_write_time_index_of_a_dictionary_equals_the_post_hoc_one(images: Pa
 KILL_AFTER_TWO_SHARDS = """
 import os, signal, sys, yaml
 from extractor.driver.runner import run
-from extractor.spec.schema import parse_spec
+from extractor.spec.load import parse_spec
 done = []
 def kill(name, info):
     if name == "shard_done":
