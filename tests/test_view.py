@@ -353,3 +353,40 @@ def test_thumbnails_of_tar_members_and_a_tar_that_is_gone(image_dir: Path, tmp_p
     answer = client.get("/thumb/3.jpg")
     assert answer.status_code == 404 and b"No such file or directory" in answer.data
     assert client.get("/image/3.html").status_code == 200
+    # search by id, by a member's file name (ids of tar rows are sample keys, without the extension), by row
+    assert [h["row"] for h in gone.search("cats/cats01")["hits"]] == [1]
+    assert [h["id"] for h in gone.search("CATS01.PNG")["hits"]] == ["cats/cats01"]
+    assert gone.search("7")["hits"][0]["row"] == 7
+
+
+@pytest.mark.slow  # a server in a subprocess
+def test_extractor_view_prints_its_address_and_exports_a_site(store_path: Path, tmp_path: Path):
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from conftest import child_env
+
+    command = [sys.executable, "-m", "extractor.cli", "view", str(store_path)]
+    server = subprocess.Popen([*command, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=child_env())
+    try:
+        line = server.stdout.readline() if server.stdout else ""  # printed once it listens
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert found, (line, server.stderr.read() if server.poll() is not None and server.stderr else "")
+        with urllib.request.urlopen(found.group(0) + "index/layer3@sae.html", timeout=60) as answer:
+            assert answer.status == 200 and b"Features of" in answer.read()
+    finally:
+        server.terminate()
+        server.wait(30)
+    done = subprocess.run([*command, "--export", str(tmp_path / "site"), "--features", "3", "--images", "12"],
+                          capture_output=True, text=True, timeout=240, env=child_env())
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout and "the source of 1 image(s) is gone" in done.stdout
+    site = tmp_path / "site"
+    assert (site / "index/layer3/2.html").exists() and not (site / "index/layer3/3.html").exists()
+    assert (site / "image/0.html").exists() and (site / "thumb/0.jpg").exists()
+    again = subprocess.run([*command, "--export", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           env=child_env())
+    assert again.returncode != 0 and "is no export of the viewer" in again.stderr
