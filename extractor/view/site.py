@@ -47,12 +47,17 @@ def page_path(kind: str, *parts: object) -> str:
 
 def _number(value: Any, digits: int = 4) -> float | None:
     """A float for JSON (None for NaN or infinity), rounded to ``digits`` significant digits."""
-    v = float(value)
-    return float(f"{v:.{digits}g}") if np.isfinite(v) else None
+    return _numbers(np.asarray([value]), digits)[0]
 
 
 def _numbers(values: np.ndarray, digits: int = 4) -> list[float | None]:
-    return [_number(v, digits) for v in np.asarray(values, dtype=np.float64).ravel()]
+    """:func:`_number` of each value (vectorised: a page carries thousands)."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    finite = np.isfinite(v)
+    nonzero = np.where(finite & (v != 0), np.abs(v), 1.0)
+    scale = 10.0 ** (digits - 1 - np.floor(np.log10(nonzero)))
+    rounded = (np.round(np.where(finite, v, 0) * scale) / scale).tolist()
+    return [r if f else None for r, f in zip(rounded, finite.tolist(), strict=True)]
 
 
 class Site:
@@ -220,8 +225,8 @@ class Site:
                     grid = values[_prefix(index):]  # (h * w, F)
                     for top in rec["top"]:  # where on the image each of its top features fires
                         top["values"] = _numbers(np.maximum(grid[:, top["feature"]], 0))
-                    if patches:
-                        rec["patches"] = [_strongest(v, PATCH_FEATURES, slug) for v in grid]
+                    if patches:  # per patch [[feature, value], ...]: compact, the page makes the links
+                        rec["patches"] = [[list(t) for t in each] for each in _strongest_each(grid, PATCH_FEATURES)]
             indexes.append(rec)
         return {
             "title": f"image {s.ids[row]}",
@@ -284,10 +289,24 @@ def _file_name(path: str) -> str:
 
 def _strongest(values: np.ndarray, n: int, slug: str) -> list[dict[str, Any]]:
     """The ``n`` features of highest value above 0 (ties: the lower number first), each with its page."""
-    values = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=-np.inf)
-    order = np.argsort(-values, kind="stable")[:n]
-    return [{"feature": int(f), "value": _number(values[f]), "page": page_path("feature", slug, int(f))}
-            for f in order if values[f] > 0]
+    return [{"feature": f, "value": v, "page": page_path("feature", slug, f)} for f, v in _strongest_each(values, n)[0]]
+
+
+def _strongest_each(values: np.ndarray, n: int) -> list[list[tuple[int, float | None]]]:
+    """Of each row of ``values`` (..., F), its ``n`` features of highest value above 0, highest first (ties: the
+    lower number first), with their values."""
+    v = np.nan_to_num(np.atleast_2d(np.asarray(values, dtype=np.float64)), nan=-np.inf)
+    n = min(n, v.shape[1])
+    if n == 0:
+        return [[] for _ in v]
+    best = np.sort(np.argpartition(-v, n - 1, axis=1)[:, :n], axis=1)  # the n highest, by feature number
+    best = np.take_along_axis(best, np.argsort(-np.take_along_axis(v, best, 1), axis=1, kind="stable"), 1)
+    top = np.take_along_axis(v, best, 1)
+    shown = _numbers(top)
+    out = []
+    for r in range(len(v)):
+        out.append([(int(best[r, i]), shown[r * n + i]) for i in range(n) if top[r, i] > 0])
+    return out
 
 
 def _block_means(x: np.ndarray, cells: int) -> np.ndarray:

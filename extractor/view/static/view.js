@@ -172,7 +172,9 @@ function patchExplorer() {
       const token = y * w + x;
       section.dataset.ready = "false";
       if (here.patches) {
-        showPatch(section, canvas, token, here.patches[token]);
+        const listed = here.patches[token].map(([feature, value]) =>
+          ({ feature, value, page: "index/" + slug + "/" + feature + ".html" }));
+        showPatch(section, canvas, token, listed);
       } else {
         const url = link("api/index/" + slug + "/patch/" + PAGE.picture.row + "/" + token + ".json");
         fetch(url).then((r) => r.json()).then((r) => showPatch(section, canvas, token, r.features));
