@@ -1,6 +1,6 @@
 """The ``extractor`` command line: ``build_parser`` lists its commands, ``main`` runs one; each command group in
-a module of its own (:mod:`.run`, :mod:`.cluster`, :mod:`.stores`, :mod:`.layers`, :mod:`.demo`). Only this
-package prints."""
+a module of its own (:mod:`.run`, :mod:`.cluster`, :mod:`.stores`, :mod:`.index`, :mod:`.layers`, :mod:`.demo`).
+Only this package prints."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..errors import ExtractorError
 from .cluster import cmd_jobs, cmd_submit
 from .common import _at_least
 from .demo import cmd_demo
+from .index import add_index_parser
 from .layers import cmd_layers
 from .run import cmd_plan, cmd_run
 from .stores import cmd_compare, cmd_inspect, cmd_probe, cmd_show
@@ -27,8 +28,9 @@ Push an image collection through a PyTorch vision model and keep what chosen lay
 List a model's layers with `extractor layers`; run a YAML job spec here with `extractor run`,
 or on a Ray cluster with `extractor submit` and follow it with `extractor jobs`. Then
 summarise a store with `extractor inspect`, draw it with `extractor show`, measure how
-well each capture separates the labels with `extractor probe` and browse it in a web
-browser with `extractor view`. `extractor COMMAND --help` gives a command's options."""
+well each capture separates the labels with `extractor probe`, see what every feature responds
+to with `extractor index` and browse it all in a web browser with `extractor view`.
+`extractor COMMAND --help` gives a command's options."""
 
 
 def verbosity(args: argparse.Namespace) -> int:
@@ -125,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--json", action="store_true", help="the matrices as JSON")
     co.add_argument("--out", default=None, help="the matrices as heatmaps (PNG, PDF or SVG)")
     co.set_defaults(func=cmd_compare)
+
+    add_index_parser(sub, [common, remote])
 
     v = sub.add_parser("view", parents=[common, remote],
                        help="browse a store and its feature indexes in the browser (or --export a static site)")

@@ -1,6 +1,6 @@
-"""Feature indexes (issue 42): the streamed state against numpy by hand, indexes of a store against its capture read
-whole, dictionaries in every layout giving the same index, the write-time index equal to the post-hoc one (also
-after a killed and resumed job), the lease, staleness and the stored layout."""
+"""Feature indexes of stores (issue 42): an index against its capture read whole, the agreed layout, dictionaries in
+every layout giving the same index, the write-time index equal to the post-hoc one (also after a killed and resumed
+job, and on Ray), the lease, staleness, figures and the command."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import child_env, job, make_images
+from test_feature_index import ARRAYS, _by_hand_top, _check_against_numpy
 
 from extractor.driver.runner import run
 from extractor.errors import StoreError
@@ -21,103 +22,7 @@ from extractor.read import open_store
 from extractor.read.features import index, open_index
 from extractor.spec.load import parse_spec
 from extractor.store.dictionary import DictionaryError, load_dictionary
-from extractor.store.feature_index import HIST_EDGES, QUANTILES, IndexState
 from extractor.store.lease import Lease
-
-ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
-          "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
-
-
-def _by_hand_top(pooled: np.ndarray, fires: np.ndarray, f: int, k: int) -> np.ndarray:
-    """The rows where feature f fires, by pooled value descending, then the lower row: argsort of the column."""
-    rows = np.flatnonzero(fires[:, f])
-    return rows[np.lexsort((rows, -pooled[rows, f]))][:k]
-
-
-def _hist(values: np.ndarray) -> np.ndarray:
-    """numpy's histogram over the edges 10**HIST_EDGES, the values outside them counted in the end bins."""
-    edges = 10.0**HIST_EDGES
-    return np.histogram(np.clip(values.astype(np.float64), edges[0], np.nextafter(edges[-1], 0)), edges)[0]
-
-
-def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: str) -> None:
-    """Every array of an index ``got`` of ``acts`` (n, T, F) of store rows ``rows``, against numpy by hand."""
-    n, t, f = acts.shape
-    fire = acts > 0
-    pooled = acts.max(axis=1) if pool == "max" else acts.mean(axis=1)
-    fires = pooled > 0 if pool == "max" else fire.any(axis=1)
-    np.testing.assert_array_equal(got.density_tokens, fire.sum(axis=(0, 1)) / (n * t))
-    np.testing.assert_array_equal(got.density_rows, fires.sum(axis=0) / n)
-    np.testing.assert_array_equal(got.dead, np.flatnonzero(~fire.any(axis=(0, 1))))
-    np.testing.assert_array_equal(got.max_value, acts.max(axis=(0, 1)))
-    for j in range(f):
-        col = acts[:, :, j]
-        if fire[:, :, j].any():
-            assert got.mean_active[j] == pytest.approx(col[col > 0].mean(dtype=np.float64), rel=1e-6)
-        np.testing.assert_array_equal(got.histogram[j], _hist(col[col > 0]))
-        np.testing.assert_array_equal(got.histogram_rows[j], _hist(np.maximum(pooled[fires[:, j], j], 1e-30)))
-        top = _by_hand_top(pooled, fires, j, k)
-        np.testing.assert_array_equal(got.top_rows[j, : len(top)], rows[top])
-        assert (got.top_rows[j, len(top) :] == -1).all()
-        np.testing.assert_array_equal(got.top_values[j, : len(top)], pooled[top, j])
-        np.testing.assert_array_equal(got.top_tokens[j, : len(top)], col[top])  # the heatmaps' values
-        q_rows, q_values = got.quantile_rows[j], got.quantile_values[j]
-        kept = q_rows >= 0
-        at = np.searchsorted(rows, q_rows[kept])
-        assert fires[at, j].all() and len(set(q_rows[kept].tolist())) == kept.sum()  # firing rows, each once
-        np.testing.assert_array_equal(q_values[kept], pooled[at, j])
-        lows = [v[r >= 0].min() for r, v in zip(q_rows, q_values, strict=True) if (r >= 0).any()]
-        assert lows == sorted(lows)  # groups from the lowest values up
-    assert got.quantile_rows.shape[1] == QUANTILES
-
-
-@pytest.mark.parametrize("pool", ["max", "mean"])
-def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool: str):
-    rng = np.random.default_rng(0)
-    n, t, f, k = 400, 6, 9, 5
-    acts = rng.standard_normal((n, t, f)).astype(np.float32) * np.logspace(-3, 2, f, dtype=np.float32)
-    acts[:, :, 2] = -1  # dead
-    acts[:, :, 4] = np.round(acts[:, :, 4], 1)  # ties: the lower row ranks first
-    acts[::3, :, 6] = 0  # fires in fewer rows than... still many; feature 7 in 3 rows only:
-    acts[:, :, 7] = -1
-    acts[[5, 50, 300], 2, 7] = [0.5, 2.0, 0.5]
-    rows = np.arange(n, dtype=np.int64) * 3 + 7  # store rows need not be contiguous
-    whole = IndexState(f, t, k, pool)
-    for a in range(0, n, 64):
-        whole.update(acts[a : a + 64], rows[a : a + 64])
-    got = whole.finish()
-    _check_against_numpy(acts, rows, got, k, pool)
-    assert got.top_rows[7].tolist() == [rows[50], rows[5], rows[300], -1, -1]
-    # the same rows in another order, cut into parts merged through their bytes: the same index
-    parts = [IndexState(f, t, k, pool) for _ in range(3)]
-    order = rng.permutation(n)
-    for i, a in enumerate(range(0, n, 50)):
-        pick = np.sort(order[a : a + 50])
-        parts[i % 3].update(acts[pick], rows[pick])
-    merged = IndexState(f, t, k, pool)
-    for part in parts:
-        again = IndexState(f, t, k, pool)
-        assert again.load(part.to_bytes())
-        merged.merge(again)
-    other = merged.finish()
-    for name in ARRAYS:
-        a, b = getattr(got, name), getattr(other, name)
-        if name == "mean_active":
-            np.testing.assert_allclose(a, b, rtol=1e-12)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=name)
-
-
-def test_a_part_cut_short_or_never_written_is_no_state():
-    state = IndexState(3, 2, 4)
-    state.update(np.ones((2, 2, 3), np.float32), np.arange(2))
-    blob = state.to_bytes()
-    assert len(blob) == state.nbytes()
-    fresh = IndexState(3, 2, 4)
-    assert not fresh.load(np.zeros_like(blob)) and not fresh.load(blob[:-1])
-    broken = blob.copy()
-    broken[-1] ^= 1
-    assert not fresh.load(broken) and fresh.load(blob) and fresh.rows == 2
 
 
 # ---------------------------------------------------------------------------------------------- a store
@@ -418,3 +323,22 @@ def test_on_ray_the_workers_parts_make_the_index_a_post_hoc_pass_makes(ray_clust
     summary = run(parse_spec(raw))
     assert summary.shards_run == 4
     _same(open_index(str(path), "layer3"), index(str(path), "layer3", k=4, name="again"))
+
+
+def test_the_command_makes_lists_and_draws_an_index(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    pytest.importorskip("matplotlib")
+    from extractor.cli import main
+
+    assert main(["index", str(store), "--key", "layer3", "--k", "4", "--name", "cli", "-q"]) == 0
+    said = capsys.readouterr().out
+    assert "index cli: 32 features of layer3, top 4 rows by max, 14 rows" in said and "dead: " in said
+    _same(open_index(str(store), "cli"), open_index(str(store), "layer3"))  # as the job's write-time index
+    assert main(["index", str(store), "--json"]) == 0
+    listed = {ix["name"]: ix for ix in json.loads(capsys.readouterr().out)}
+    assert listed["cli"]["features"] == 32 and not listed["cli"]["stale"] and "layer3" in listed
+    assert main(["index", str(store), "--name", "cli", "--feature", "3", "--out", str(tmp_path / "f.png")]) == 0
+    assert (tmp_path / "f.png").stat().st_size > 0
+    np.savez(tmp_path / "narrow.npz", **_sae(d_in=16))
+    assert main(["index", str(store), "--key", "layer3", "--dictionary", str(tmp_path / "narrow.npz"), "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: dictionary") and "d_in 16" in err and "\n" not in err

@@ -443,6 +443,9 @@ def main() -> None:
     p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
     p.add_argument("--scale", action="store_true", help="only the costs that grow with the job (bench_scale.py)")
+    p.add_argument("--index", action="store_true", help="only the feature index (bench_index.py)")
+    p.add_argument("--index-rows", type=int, default=20000, help="images of ViT-B tokens for the SAE index")
+    p.add_argument("--index-map-rows", type=int, default=100000, help="rows of the 1,024-channel map to index")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -475,6 +478,11 @@ def main() -> None:
         import bench_decode
 
         bench_decode.main()
+        return
+    if args.index:
+        import bench_index
+
+        bench_index.main(args.index_rows, args.index_map_rows)
         return
     image_dir = make_images(args.images)
     if "thingsvision" in args.variants.split(","):
@@ -540,12 +548,14 @@ def main() -> None:
     token_bench()
     sharding_bench()
     import bench_decode
+    import bench_index
     import bench_overhead
     import bench_scale
 
     bench_overhead.main()
     bench_decode.main()
     bench_scale.main()
+    bench_index.main(args.index_rows, args.index_map_rows)
 
 
 if __name__ == "__main__":

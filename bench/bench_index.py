@@ -1,4 +1,4 @@
-"""`make bench` (or `python tests/bench.py --index`): the feature index (issue 42) against what it must be as fast as.
+"""`make bench` (or `python bench/bench.py --index`): the feature index (issue 42) against what it must be as fast as.
 
 - SAE latents over ViT tokens: ``extractor.read.index`` with a dictionary (read from the store, encode, top-k,
   densities, histograms, quantile samples, written into the store) against the bare computation in torch over the
@@ -8,7 +8,7 @@
 Peak memory of the pass (numpy's allocations, by tracemalloc) is printed beside the bound: features x k x
 positions of top-row values, plus the examples and histograms per feature, plus a block of activations.
 
-    python tests/bench_index.py [--rows 20000] [--map-rows 100000]
+    python bench/bench_index.py [--rows 20000] [--map-rows 100000]
 """
 
 from __future__ import annotations
@@ -102,13 +102,13 @@ def sae_bench(rows: int, repeats: int) -> None:
     import torch
 
     from extractor.read import open_store
-    from extractor.store.feature_index import BLOCK_VALUES
+    from extractor.store.feature_index import ENCODE_VALUES
 
     url = WORK / f"index-tokens-{rows}.zarr"
     _store(url, rows, [TOKENS, WIDTH], ["x.token", "x.feature"], "float16", 64)
     w = _sae(WORK / "sae.npz")
     x = open_store(str(url)).numpy("x")  # the bare loop's array, in memory (float16, as stored)
-    block = max(1, BLOCK_VALUES // (TOKENS * LATENTS))
+    block = max(1, ENCODE_VALUES // (TOKENS * LATENTS))
     bare = statistics.median(bare_sae(x, w, block) for _ in range(repeats))
     runs = [_timed_index(url, dictionary=WORK / "sae.npz", k=K) for _ in range(repeats)]
     ours = statistics.median(r[0] for r in runs)
@@ -120,7 +120,7 @@ def sae_bench(rows: int, repeats: int) -> None:
     print(f"  extractor index (read + encode + everything)          {ours:7.2f} s  {rows / ours:8.1f} rows/s  "
           f"ratio {ours / bare:.2f} (target <= 1.3)")
     print(f"  peak numpy memory of the pass {peak / 1e6:.0f} MB; bound: index state {_bound(ix):.0f} MB + a block "
-          f"of {BLOCK_VALUES * 4 / 1e6:.0f} MB activations (x a few temporaries); dead latents {len(ix.dead)}")
+          f"of {ENCODE_VALUES * 4 / 1e6:.0f} MB latents (x a few temporaries); dead latents {len(ix.dead)}")
     del x
 
 

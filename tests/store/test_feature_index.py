@@ -1,0 +1,122 @@
+"""The feature index's streamed state (issue 42) against numpy by hand: top-k rows and values as argsort of the
+pooled matrix, densities, means, histograms, heatmap values, quantile groups, in any order and partition; a part's
+bytes; how a capture's rows read as positions x features."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from extractor.store.feature_index import HIST_EDGES, QUANTILES, IndexState, Layout
+
+ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
+          "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
+
+
+def _by_hand_top(pooled: np.ndarray, fires: np.ndarray, f: int, k: int) -> np.ndarray:
+    """The rows where feature f fires, by pooled value descending, then the lower row: argsort of the column."""
+    rows = np.flatnonzero(fires[:, f])
+    return rows[np.lexsort((rows, -pooled[rows, f]))][:k]
+
+
+def _hist(values: np.ndarray) -> np.ndarray:
+    """numpy's histogram over the edges 10**HIST_EDGES, the values outside them counted in the end bins."""
+    edges = 10.0**HIST_EDGES
+    return np.histogram(np.clip(values.astype(np.float64), edges[0], np.nextafter(edges[-1], 0)), edges)[0]
+
+
+def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: str, threshold: float = 0.0) -> None:
+    """Every array of an index ``got`` of ``acts`` (n, T, F) of store rows ``rows``, against numpy by hand."""
+    n, t, f = acts.shape
+    fire = acts > threshold
+    pooled = acts.max(axis=1) if pool == "max" else acts.mean(axis=1)
+    fires = pooled > threshold if pool == "max" else fire.any(axis=1)
+    np.testing.assert_array_equal(got.density_tokens, fire.sum(axis=(0, 1)) / (n * t))
+    np.testing.assert_array_equal(got.density_rows, fires.sum(axis=0) / n)
+    np.testing.assert_array_equal(got.dead, np.flatnonzero(~fire.any(axis=(0, 1))))
+    np.testing.assert_array_equal(got.max_value, acts.max(axis=(0, 1)))
+    for j in range(f):
+        col = acts[:, :, j]
+        if fire[:, :, j].any():
+            assert got.mean_active[j] == pytest.approx(col[col > threshold].mean(dtype=np.float64), rel=1e-6)
+        np.testing.assert_array_equal(got.histogram[j], _hist(col[col > threshold]))
+        np.testing.assert_array_equal(got.histogram_rows[j], _hist(np.maximum(pooled[fires[:, j], j], 1e-30)))
+        top = _by_hand_top(pooled, fires, j, k)
+        np.testing.assert_array_equal(got.top_rows[j, : len(top)], rows[top])
+        assert (got.top_rows[j, len(top) :] == -1).all()
+        np.testing.assert_array_equal(got.top_values[j, : len(top)], pooled[top, j])
+        np.testing.assert_array_equal(got.top_tokens[j, : len(top)], col[top])  # the heatmaps' values
+        q_rows, q_values = got.quantile_rows[j], got.quantile_values[j]
+        kept = q_rows >= 0
+        at = np.searchsorted(rows, q_rows[kept])
+        assert fires[at, j].all() and len(set(q_rows[kept].tolist())) == kept.sum()  # firing rows, each once
+        np.testing.assert_array_equal(q_values[kept], pooled[at, j])
+        lows = [v[r >= 0].min() for r, v in zip(q_rows, q_values, strict=True) if (r >= 0).any()]
+        assert lows == sorted(lows)  # groups from the lowest values up
+    assert got.quantile_rows.shape[1] == QUANTILES
+
+
+@pytest.mark.parametrize(("pool", "threshold"), [("max", 0.0), ("mean", 0.0), ("max", 0.25)])
+def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool: str, threshold: float):
+    rng = np.random.default_rng(0)
+    n, t, f, k = 400, 6, 9, 5
+    acts = rng.standard_normal((n, t, f)).astype(np.float32) * np.logspace(-3, 2, f, dtype=np.float32)
+    acts[:, :, 2] = -1  # dead
+    acts[:, :, 4] = np.round(acts[:, :, 4], 1)  # ties: the lower row ranks first
+    acts[::3, :, 6] = 0  # fires in fewer rows than... still many; feature 7 in 3 rows only:
+    acts[:, :, 7] = -1
+    acts[[5, 50, 300], 2, 7] = [0.5, 2.0, 0.5]
+    rows = np.arange(n, dtype=np.int64) * 3 + 7  # store rows need not be contiguous
+    whole = IndexState(f, t, k, pool, threshold)
+    for a in range(0, n, 64):
+        whole.update(acts[a : a + 64], rows[a : a + 64])
+    got = whole.finish()
+    _check_against_numpy(acts, rows, got, k, pool, threshold)
+    assert got.top_rows[7].tolist() == [rows[50], rows[5], rows[300], -1, -1]
+    # the same rows in another order, cut into parts merged through their bytes: the same index
+    parts = [IndexState(f, t, k, pool, threshold) for _ in range(3)]
+    order = rng.permutation(n)
+    for i, a in enumerate(range(0, n, 50)):
+        pick = np.sort(order[a : a + 50])
+        parts[i % 3].update(acts[pick], rows[pick])
+    merged = IndexState(f, t, k, pool, threshold)
+    for part in parts:
+        again = IndexState(f, t, k, pool, threshold)
+        assert again.load(part.to_bytes())
+        merged.merge(again)
+    other = merged.finish()
+    for name in ARRAYS:
+        a, b = getattr(got, name), getattr(other, name)
+        if name == "mean_active":
+            np.testing.assert_allclose(a, b, rtol=1e-12)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_captures_rows_read_as_positions_by_features():
+    x = np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2)  # (rows, channel, y, x)
+    cases = [(["k.channel", "k.y", "k.x"], x, ("map", 3, 4, (2, 2), 0)),
+             (["k.y", "k.x", "k.channel"], x.transpose(0, 2, 3, 1), ("map_last", 3, 4, (2, 2), 0))]
+    for dims, stored, want in cases:
+        layout = Layout.of("k", {"dims": dims, "shape": list(stored.shape[1:])}, None)
+        assert (layout.kind, layout.features, layout.positions, layout.grid, layout.prefix) == want
+        np.testing.assert_array_equal(layout.tokens(stored), x.reshape(2, 3, 4).transpose(0, 2, 1))
+    tokens = Layout.of("t", {"dims": ["t.token", "t.feature"], "shape": [17, 8]}, 1)
+    assert (tokens.positions, tokens.grid, tokens.prefix) == (17, (4, 4), 1)
+    dropped = Layout.of("t", {"dims": ["t.token", "t.feature"], "shape": [16, 8], "drop_prefix": 1}, 1)
+    assert (dropped.grid, dropped.prefix) == ((4, 4), 0)
+    assert Layout.of("v", {"dims": ["v.feature"], "shape": [8]}, None).positions == 1
+    with pytest.raises(ValueError, match=r"stored as \(head, query, key\): an index needs"):
+        Layout.of("a", {"dims": ["a.head", "a.query", "a.key"], "shape": [2, 4, 4]}, None)
+
+
+def test_a_part_cut_short_or_never_written_is_no_state():
+    state = IndexState(3, 2, 4)
+    state.update(np.ones((2, 2, 3), np.float32), np.arange(2))
+    blob = state.to_bytes()
+    assert len(blob) == state.nbytes()
+    fresh = IndexState(3, 2, 4)
+    assert not fresh.load(np.zeros_like(blob)) and not fresh.load(blob[:-1])
+    broken = blob.copy()
+    broken[-1] ^= 1
+    assert not fresh.load(broken) and fresh.load(blob) and fresh.rows == 2
