@@ -215,19 +215,7 @@ class Site:
         status = self._status(row)
         ok = status == OK
         pic = self._picture(row)
-        indexes = []
-        for slug, index in self.indexes.items():
-            rec: dict[str, Any] = {"slug": slug, "name": index.name, "key": index.key, "grid": index.grid}
-            if ok:
-                values = index.encode_row(row)  # (T, F)
-                rec["top"] = _strongest(np.nanmax(values, axis=0), TOP_FEATURES, slug)
-                if index.grid is not None:
-                    grid = values[_prefix(index):]  # (h * w, F)
-                    for top in rec["top"]:  # where on the image each of its top features fires
-                        top["values"] = _numbers(np.maximum(grid[:, top["feature"]], 0))
-                    if patches:  # per patch [[feature, value], ...]: compact, the page makes the links
-                        rec["patches"] = [[list(t) for t in each] for each in _strongest_each(grid, PATCH_FEATURES)]
-            indexes.append(rec)
+        indexes = [self._image_features(slug, row if ok else None, patches) for slug in self.indexes]
         return {
             "title": f"image {s.ids[row]}",
             "picture": pic,
@@ -240,6 +228,23 @@ class Site:
             "explorer": ok and any(ix.grid is not None for ix in self.indexes.values()) and not pic["gone"],
             "cams": [self._cam(key, row) for key in self.cams] if ok else [],
         }
+
+    def _image_features(self, slug: str, row: int | None, patches: bool) -> dict[str, Any]:
+        """An index's section of an image page: the row's top features (and where each fires), with ``patches``
+        every patch's strongest; only the index's name for a row that is not ok (None)."""
+        index = self.indexes[slug]
+        rec: dict[str, Any] = {"slug": slug, "name": index.name, "key": index.key, "grid": index.grid}
+        if row is None:
+            return rec
+        values = index.encode_row(row)  # (T, F)
+        rec["top"] = _strongest(np.nanmax(values, axis=0), TOP_FEATURES, slug)
+        if index.grid is not None:
+            grid = values[_prefix(index):]  # (h * w, F)
+            for top in rec["top"]:  # where on the image each of its top features fires
+                top["values"] = _numbers(np.maximum(grid[:, top["feature"]], 0))
+            if patches:  # per patch [[feature, value], ...]: compact, the page makes the links
+                rec["patches"] = [[list(t) for t in each] for each in _strongest_each(grid, PATCH_FEATURES)]
+        return rec
 
     def _cam(self, key: str, row: int) -> dict[str, Any]:
         cam = np.asarray(self.store[key][row], dtype=np.float32)
