@@ -7,12 +7,20 @@ STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: venv demo test check bench lint clean
+.PHONY: venv demo test check bench lint clean chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,models,analysis,parquet]'
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,models,analysis,parquet,view]'
+	$(MAKE) --no-print-directory chromium
 	touch $(STAMP)
+
+# Debian's Chromium for the viewer's browser tests (tests/view/test_view.py drives it with Playwright), where missing;
+# skipped quietly without root or apt-get (the tests then skip, saying why).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+		>/dev/null; } || true; }
 
 venv: $(STAMP)
 

@@ -23,6 +23,7 @@ LAYERS = {
     "compute": {"spec", "data", "model", "store"},
     "driver": {"spec", "data", "model", "compute", "store"},
     "read": {"store", "data"},
+    "view": {"read", "store", "data"},  # the top floor, beside api and cli: the viewer of a store
 }
 
 

@@ -18,6 +18,7 @@ from .index import add_index_parser
 from .layers import cmd_layers
 from .run import cmd_plan, cmd_run
 from .stores import cmd_compare, cmd_inspect, cmd_probe, cmd_show
+from .view import cmd_view
 
 log = logging.getLogger("extractor")
 
@@ -26,10 +27,10 @@ Push an image collection through a PyTorch vision model and keep what chosen lay
 (outputs, inputs, gradients, Grad-CAM maps) in a Zarr store. Start with `extractor demo`.
 List a model's layers with `extractor layers`; run a YAML job spec here with `extractor run`,
 or on a Ray cluster with `extractor submit` and follow it with `extractor jobs`. Then
-summarise a store with `extractor inspect`, draw it with `extractor show` and measure how
-well each capture separates the labels with `extractor probe`; see what every feature responds to
-with `extractor index`. `extractor COMMAND --help`
-gives a command's options."""
+summarise a store with `extractor inspect`, draw it with `extractor show`, measure how
+well each capture separates the labels with `extractor probe`, see what every feature responds
+to with `extractor index` and browse it all in a web browser with `extractor view`.
+`extractor COMMAND --help` gives a command's options."""
 
 
 def verbosity(args: argparse.Namespace) -> int:
@@ -128,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     co.set_defaults(func=cmd_compare)
 
     add_index_parser(sub, [common, remote])
+
+    v = sub.add_parser("view", parents=[common, remote],
+                       help="browse a store and its feature indexes in the browser (or --export a static site)")
+    v.add_argument("store")
+    v.add_argument("--port", type=int, default=8050, help="port to listen on (default 8050; 0: a free one)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    v.add_argument("--export", metavar="DIR", default=None,
+                   help="write the pages, their JSON and the thumbnails to DIR (a new or empty folder, or an earlier "
+                        "export) instead of serving them: it opens from disk")
+    v.add_argument("--features", type=_at_least(1), default=None, metavar="N",
+                   help="with --export: the first N feature pages of each index (default: all)")
+    v.add_argument("--images", type=_at_least(0), default=1000, metavar="N",
+                   help="with --export: image pages of the first N rows, besides those the feature pages show "
+                        "(default 1000)")
+    v.set_defaults(func=cmd_view)
 
     su = sub.add_parser("submit", parents=[common], help="submit a job spec to a Ray cluster (Ray Jobs API)")
     su.add_argument("job", help="job spec (YAML)")

@@ -1,0 +1,392 @@
+"""The viewer (extractor.view) in a real browser: headless Chromium (Debian's, driven by Playwright) on a store made
+here, served by the app and exported as a static site opened from disk."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import job, make_images
+
+CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+K = 4  # top rows per feature in the test's index
+
+
+# ---------------------------------------------------------------------------------------------- the store
+SAE = "layer3@sae"  # the index of a dictionary's latents (the other, "layer3": the capture's own channels)
+
+
+def sae_weights(d_in: int = 32, d_sae: int = 48) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"W_enc": rng.normal(size=(d_in, d_sae)).astype(np.float32),
+            "b_enc": rng.normal(scale=0.05, size=d_sae).astype(np.float32)}
+
+
+def make_store(tmp: Path) -> tuple[Path, Path]:
+    """A store of 12 images (tiny ResNet: layer3 maps of 32 x 4 x 4, a Grad-CAM map) with two indexes of layer3:
+    its channels, and the latents of a dictionary (an SAE's encoder, relu). Returns the store and the images."""
+    import extractor
+    import extractor.read
+
+    images = tmp / "images"
+    make_images(images, per_class=6, size=72)
+    path = tmp / "view.zarr"
+    raw = job(images, path, capture=[{"layer": "layer3", "reduce": "none"},
+                                     {"layer": "layer4", "what": "gradcam", "size": "input", "key": "cam"}])
+    raw["data"]["crop"] = 64
+    store = extractor.run(raw, progress=False)
+    extractor.read.index(store, "layer3", k=K)
+    np.savez(tmp / "sae.npz", **sae_weights())
+    extractor.read.index(store, "layer3", dictionary=tmp / "sae.npz", k=K)
+    return path, images
+
+
+def chromium() -> str | None:
+    """Debian's Chromium (or another found on PATH), or None."""
+    found = [p for p in CHROMIUM if Path(p).exists()] or [shutil.which(n) for n in ("chromium", "chromium-browser")]
+    return next((p for p in found if p), None)
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path, images = make_store(tmp_path_factory.mktemp("view"))
+    (images / "dogs" / "dogs05.png").unlink()  # row 11: its source is gone
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(store_path: Path) -> Iterator[str]:
+    """The app over the store on a free loopback port, in a thread: its base URL."""
+    pytest.importorskip("flask")
+    import logging
+
+    from werkzeug.serving import make_server
+
+    from extractor.view import create_app
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    srv = make_server("127.0.0.1", 0, create_app(str(store_path)), threaded=True)
+    thread = threading.Thread(target=srv.serve_forever, name="view-test-server", daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_port}/"
+    srv.shutdown()
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for the module (skipped, saying why, where none is installed)."""
+    path = chromium()
+    if path is None:
+        pytest.skip("no Chromium on this machine (make installs Debian's chromium: apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the view extra)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=FLAGS[1:])
+        yield b
+        b.close()
+
+
+class Page:
+    """A browser tab that records console errors and uncaught exceptions."""
+
+    def __init__(self, browser: Any) -> None:
+        self.page = browser.new_page(viewport={"width": 1200, "height": 900})
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def open(self, url: str) -> Any:
+        """Load ``url`` and wait for the page's script to have run."""
+        response = self.page.goto(url)
+        self.page.wait_for_selector("body[data-ready=true]", state="attached")
+        return response
+
+
+@pytest.fixture
+def tab(browser: Any) -> Iterator[Page]:
+    page = Page(browser)
+    yield page
+    page.page.close()
+
+
+def shot(tab: Page, name: str) -> None:
+    """With EXTRACTOR_VIEW_SHOTS=DIR, a screenshot of the whole page in DIR (to look at; the README's are of the
+    demo store, docs/figures/view_*.png)."""
+    out = os.environ.get("EXTRACTOR_VIEW_SHOTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tab.page.screenshot(path=str(Path(out) / f"{name}.png"), full_page=True)
+
+
+# ---------------------------------------------------------------------------------------------- by hand
+def maps(store_path: Path) -> np.ndarray:
+    """The stored layer3 maps of every row, (N, C, H, W)."""
+    from extractor.read import open_store
+
+    s = open_store(str(store_path))
+    return s.numpy("layer3", rows=np.arange(len(s)), only_ok=False).astype(np.float64)
+
+
+def top_by_hand(x: np.ndarray, f: int, k: int = K) -> tuple[np.ndarray, np.ndarray]:
+    """Feature ``f``'s top ``k`` rows by their maximum over positions, and those maxima."""
+    pooled = x[:, f].reshape(len(x), -1).max(axis=1)
+    rows = np.argsort(-pooled, kind="stable")[:k]
+    return rows, pooled[rows]
+
+
+def patch_by_hand(x: np.ndarray, row: int, y: int, xx: int, n: int = 10, sae: bool = False) -> list[int]:
+    """The features of highest value above 0 at patch (y, x) of ``row``: layer3's channels, or with ``sae`` the
+    dictionary's latents, relu(x @ W_enc + b_enc)."""
+    v = x[row, :, y, xx]
+    if sae:
+        w = sae_weights()
+        v = np.maximum(v @ w["W_enc"].astype(np.float64) + w["b_enc"], 0)
+    return [int(f) for f in np.argsort(-v, kind="stable")[:n] if v[f] > 0]
+
+
+# ---------------------------------------------------------------------------------------------- in the page
+HEAT_ALPHA = """(fig) => {
+    const c = fig.querySelector("canvas.heat");
+    const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+    return {w: c.width, h: c.height, alpha: Array.from(d.filter((_, i) => i % 4 === 3))};
+}"""
+
+
+def check_feature_page(tab: Page, x: np.ndarray, f: int) -> None:
+    """The page shows feature f's top K rows (by hand), in order, with their values, and on each the brightest
+    patch of its heatmap is the position of the feature's highest value in that row."""
+    rows, values = top_by_hand(x, f)
+    figures = tab.page.locator("div.grid.top figure.pic")
+    assert figures.count() == K
+    assert [int(r) for r in figures.evaluate_all("fs => fs.map(f => f.dataset.row)")] == rows.tolist()
+    shown = [float(v) for v in tab.page.locator("div.grid.top .value").all_inner_texts()]
+    np.testing.assert_allclose(shown, values, rtol=1e-3)
+    scale = float(x[rows, f].max())
+    for n, row in enumerate(rows):
+        if row == 11:  # its source is gone: a message, no picture
+            assert "image not available" in figures.nth(n).inner_text()
+            continue
+        heat = figures.nth(n).evaluate(HEAT_ALPHA)
+        grid = x[row, f]
+        assert (heat["h"], heat["w"]) == grid.shape
+        brightest = int(np.argmax(heat["alpha"]))
+        # the brightest patch holds the highest value (to the overlay's 1/210 steps of the scale)
+        assert grid.ravel()[brightest] >= grid.max() - scale / 200, (row, brightest, int(np.argmax(grid)))
+        assert np.unravel_index(brightest, grid.shape) == np.unravel_index(np.argmax(grid), grid.shape) or \
+            np.isclose(grid.ravel()[brightest], grid.max(), rtol=1e-2)
+
+
+def click_patch(tab: Page, y: int, xx: int, grid: tuple[int, int], slug: str = "layer3") -> list[int]:
+    """Click patch (y, x) of the image page's patch grid of index ``slug``; the features it lists."""
+    section = tab.page.locator(f'section.index[data-slug="{slug}"]')
+    canvas = section.locator("canvas.patch-grid")
+    box = canvas.bounding_box()
+    assert box is not None
+    canvas.click(position={"x": (xx + 0.5) * box["width"] / grid[1], "y": (y + 0.5) * box["height"] / grid[0]})
+    tab.page.wait_for_selector(f'section.index[data-slug="{slug}"][data-ready=true]', state="attached")
+    listed = section.locator("ol.patch-features")
+    assert int(listed.get_attribute("data-patch") or -1) == y * grid[1] + xx
+    return [int(f) for f in listed.locator("li").evaluate_all("ls => ls.map(l => l.dataset.feature)")]
+
+
+PAGES = ["index.html", "index/layer3.html", "index/layer3/0.html", "index/layer3/5.html", "image/0.html",
+         "image/11.html", "search.html?q=dogs0"]
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow  # a server and a browser
+def test_every_page_loads_without_console_errors(server: str, tab: Page):
+    for path in PAGES:
+        response = tab.open(server + path)
+        assert response.status == 200, path
+        assert not tab.errors, (path, tab.errors)
+        shot(tab, path.replace("/", "_").replace("?", "_"))
+    tab.open(server + "index.html")
+    assert tab.page.locator("table.indexes a").all_inner_texts() == ["layer3", SAE]
+    assert "12 ok" in tab.page.inner_text("p.status")
+    tab.open(server + "image/11.html")  # the file was deleted after the run: said on the page, nothing broken
+    main = tab.page.inner_text("main")
+    assert "image not available" in main and "its source cannot be read (No such file or directory)" in main
+    tab.open(server + "search.html?q=dogs0")
+    hits = tab.page.locator("ol.hits li a").all_inner_texts()
+    assert hits == [f"dogs/dogs0{i}.{'jpg' if i % 2 == 0 else 'png'}" for i in range(6)]
+
+
+@pytest.mark.slow  # a server and a browser
+def test_features_table_sorts_and_filters(server: str, tab: Page, store_path: Path):
+    x = maps(store_path)
+    tab.open(server + "index/layer3.html")
+    rows = tab.page.locator("#feature-table tbody tr")
+    assert rows.count() == x.shape[1]
+    tab.page.click("th[data-sort=max_value]")  # descending first
+    first = int(rows.first.get_attribute("data-feature") or -1)
+    assert first == int(np.argmax(x.max(axis=(0, 2, 3))))
+    tab.page.fill("#feature-filter", "2")
+    shown = [int(f) for f in rows.evaluate_all("rs => rs.map(r => r.dataset.feature)")]
+    assert sorted(shown) == [f for f in range(x.shape[1]) if str(f).startswith("2")]
+    assert not tab.errors
+
+
+@pytest.mark.slow  # a server and a browser
+def test_feature_page_shows_top_images_with_heatmaps(server: str, tab: Page, store_path: Path):
+    x = maps(store_path)
+    f = int(np.argmax(x.max(axis=(0, 2, 3))))
+    tab.open(server + f"index/layer3/{f}.html")
+    check_feature_page(tab, x, f)
+    tab.page.locator("div.grid.top figure.pic a.frame").first.click()  # from a feature to its image, and back
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert "/image/" in tab.page.url
+    tab.page.locator(".top-features a", has_text=f"feature {f}").first.click() if \
+        tab.page.locator(".top-features a", has_text=f"feature {f}").count() else tab.page.go_back()
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert tab.page.url.endswith(f"index/layer3/{f}.html")
+    assert not tab.errors
+
+
+@pytest.mark.slow  # a server and a browser
+def test_clicking_a_patch_lists_the_features_firing_there(server: str, tab: Page, store_path: Path):
+    x = maps(store_path)
+    tab.open(server + "image/2.html")
+    for y, xx in [(1, 2), (3, 0)]:
+        assert click_patch(tab, y, xx, x.shape[2:]) == patch_by_hand(x, 2, y, xx)
+        assert click_patch(tab, y, xx, x.shape[2:], SAE) == patch_by_hand(x, 2, y, xx, sae=True)
+    assert not tab.errors
+    shot(tab, "image_2_patch")
+
+
+@pytest.mark.slow  # a server and a browser
+def test_unknown_ids_are_a_clear_404_page(server: str, tab: Page):
+    for path, says in [("image/999.html", "rows 0 to 11, not 999"), ("index/nope.html", "no index 'nope'"),
+                       ("index/layer3/4096.html", "features 0 to 31, not 4096"), ("nothing/here", "no page at")]:
+        response = tab.open(server + path)
+        assert response.status == 404
+        assert tab.page.inner_text("h1") == "Not found"
+        assert says in tab.page.inner_text(".missing-reason"), path
+
+
+@pytest.mark.slow  # a server and a browser
+def test_the_app_is_read_only_and_takes_no_path_from_the_request(server: str):
+    import urllib.error
+    import urllib.request
+
+    def status(path: str, method: str = "GET") -> int:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(server + path, method=method)) as r:
+                return r.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    assert status("index.html") == 200
+    assert status("index.html", "POST") == 405 and status("image/0.html", "PUT") == 405
+    for path in ["static/../app.py", "static/%2e%2e/app.py", "static/..%2fapp.py", "thumb/-1.jpg", "thumb/12.jpg",
+                 "thumb/11.jpg", "image/1e3.html", "api/index/layer3/patch/0/16.json", "index/..%2findexes.html"]:
+        assert status(path) == 404, path
+    assert status("thumb/0.jpg") == 200 and status("static/view.js") == 200
+
+
+@pytest.mark.slow  # a server and a browser
+def test_the_exported_site_opens_from_disk_and_shows_the_same(store_path: Path, tmp_path: Path, tab: Page):
+    from extractor.view import export_site
+
+    written = export_site(str(store_path), tmp_path / "site", images=4)
+    assert written["gone"] == 1  # row 11's image: its pages say so
+    site = (tmp_path / "site").resolve().as_uri() + "/"
+    x = maps(store_path)
+    for path in ["index.html", "index/layer3.html", "image/0.html", "image/11.html"]:
+        tab.open(site + path)
+        assert not tab.errors, (path, tab.errors)
+    f = int(np.argmax(x.max(axis=(0, 2, 3))))
+    tab.open(site + f"index/layer3/{f}.html")
+    check_feature_page(tab, x, f)
+    tab.open(site + "image/2.html")
+    assert click_patch(tab, 1, 2, x.shape[2:]) == patch_by_hand(x, 2, 1, 2)
+    assert click_patch(tab, 1, 2, x.shape[2:], SAE) == patch_by_hand(x, 2, 1, 2, sae=True)
+    tab.open(site + "search.html?q=cats01")
+    assert tab.page.locator("ol.hits li a").all_inner_texts() == ["cats/cats01.png"]
+    tab.page.click("ol.hits li a")
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert tab.page.url.endswith("image/1.html")
+    assert not tab.errors
+    import json
+
+    assert json.loads((tmp_path / "site" / "api" / f"index/layer3/{f}.json").read_text())["feature"] == f
+    with pytest.raises(Exception, match="holds files and is no export"):
+        export_site(str(store_path), tmp_path)  # a folder that is not an export is never written over
+
+
+def test_thumbnails_of_tar_members_and_a_tar_that_is_gone(image_dir: Path, tmp_path: Path):
+    """Thumbnails are read from the recorded source as the job read it (a tar member's bytes: the same picture as
+    the file's); once the tar is gone the page says why, and the app's thumbnail is a 404 saying so."""
+    import io
+
+    from PIL import Image
+    from test_sources import write_tars
+
+    import extractor
+    from extractor.view import Site, create_app
+
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    write_tars(images, tmp_path / "tars", per_tar=12, labels={"cats": 0, "dogs": 1})
+    capture = [{"layer": "layer4", "reduce": "mean"}]
+    folder = extractor.run(job(image_dir, tmp_path / "f.zarr", capture=capture), progress=False)
+    tars = extractor.run(job(image_dir, tmp_path / "t.zarr", capture=capture, data={
+        "source": "tar", "root": None, "tars": str(tmp_path / "tars" / "shard-000.tar")}), progress=False)
+    a, b = Site(folder), Site(tars)
+    for row in (0, 7):
+        pictures = [np.asarray(Image.open(io.BytesIO(s.thumbs.get(row)))) for s in (a, b)]
+        np.testing.assert_array_equal(pictures[0], pictures[1])
+        assert pictures[0].shape == (64, 64, 3)  # the job's crop
+    (tmp_path / "tars" / "shard-000.tar").unlink()
+    gone = Site(extractor.open_store(str(tmp_path / "t.zarr")))
+    page = gone.image_page(3)
+    assert "No such file or directory" in page["picture"]["gone"] and "shard-000.tar" in page["picture"]["gone"]
+    client = create_app(str(tmp_path / "t.zarr")).test_client()
+    answer = client.get("/thumb/3.jpg")
+    assert answer.status_code == 404 and b"No such file or directory" in answer.data
+    assert client.get("/image/3.html").status_code == 200
+    # search by id, by a member's file name (ids of tar rows are sample keys, without the extension), by row
+    assert [h["row"] for h in gone.search("cats/cats01")["hits"]] == [1]
+    assert [h["id"] for h in gone.search("CATS01.PNG")["hits"]] == ["cats/cats01"]
+    assert gone.search("7")["hits"][0]["row"] == 7
+
+
+@pytest.mark.slow  # a server in a subprocess
+def test_extractor_view_prints_its_address_and_exports_a_site(store_path: Path, tmp_path: Path):
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from conftest import child_env
+
+    command = [sys.executable, "-m", "extractor.cli", "view", str(store_path)]
+    server = subprocess.Popen([*command, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=child_env())
+    try:
+        line = server.stdout.readline() if server.stdout else ""  # printed once it listens
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert found, (line, server.stderr.read() if server.poll() is not None and server.stderr else "")
+        with urllib.request.urlopen(found.group(0) + "index/layer3@sae.html", timeout=60) as answer:
+            assert answer.status == 200 and b"Features of" in answer.read()
+    finally:
+        server.terminate()
+        server.wait(30)
+    done = subprocess.run([*command, "--export", str(tmp_path / "site"), "--features", "3", "--images", "12"],
+                          capture_output=True, text=True, timeout=240, env=child_env())
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout and "the source of 1 image(s) is gone" in done.stdout
+    site = tmp_path / "site"
+    assert (site / "index/layer3/2.html").exists() and not (site / "index/layer3/3.html").exists()
+    assert (site / "image/0.html").exists() and (site / "thumb/0.jpg").exists()
+    again = subprocess.run([*command, "--export", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           env=child_env())
+    assert again.returncode != 0 and "is no export of the viewer" in again.stderr
