@@ -2,16 +2,18 @@
 the statistics merge (24 captures x 1024 features; to 10M rows), tar planning (to 1M samples), the rows'
 memory on the driver (to 10M), a resume's listing of a complete folder store (to 1M).
 
-    python tests/bench_scale.py        (also run by `make bench`)
+    python tests/bench_scale.py [--rows 0.1,1,2]    (millions of rows per source; also run by `make bench`)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -179,49 +181,79 @@ def shard_bench(shards: int = 15) -> None:
           f"{opening[0] * 1e3:.1f} ms)")
 
 
-def planning_bench(rows: int = 300_000, files: int = 100_000) -> None:
-    """The driver's memory for the rows of a job: the peak while listing (tracked allocations, numpy's included)
-    and what the listed rows hold afterwards, for a manifest, a folder and tars (the tar bench's), each listed at
-    two sizes: the growth per row between them, and 10M rows extrapolated along it."""
-    import tracemalloc
+def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitStack]:
+    """A data spec of ``n`` rows of ``source`` and the patches that list it without files: ImageNet's names
+    (class folders of 1,300, tars and Parquet files of 10,000 rows); a manifest is written once (CSV)."""
+    from unittest import mock
 
-    from extractor.data import list_rows
+    import extractor.data.sources.folder as folder
+    import extractor.data.sources.parquet as parquet
+    import extractor.data.sources.tar as tar
     from extractor.spec import DataSpec
 
-    def manifest(n: int) -> DataSpec:
-        path = WORK / f"manifest-{n}.csv"
+    stack, per = contextlib.ExitStack(), 10_000
+    if source == "manifest":
+        path = work / f"manifest-{n}.csv"
         if not path.exists():
-            path.write_text("path,label\n" + "".join(f"train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG,{i % 1000}\n"
-                                                     for i in range(n)))
-        return DataSpec(source="manifest", manifest=str(path), root="/data/imagenet")
+            with open(path, "w") as f:
+                f.write("path,label\n")
+                f.writelines(f"train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG,{i % 1000}\n" for i in range(n))
+        return DataSpec(source="manifest", manifest=str(path), root="/data/imagenet"), stack
+    if source == "folder":
+        classes = -(-n // 1300)
 
-    def folder(n: int) -> DataSpec:
-        root = WORK / f"folder-{n}"  # class folders of 1000 images, as ImageNet's hold 1300
-        if not (root / f"c{(n - 1) // 1000:04d}" / f"{n - 1:07d}.jpg").exists():
-            for i in range(n):
-                (root / f"c{i // 1000:04d}").mkdir(parents=True, exist_ok=True)
-                (root / f"c{i // 1000:04d}" / f"{i:07d}.jpg").touch()
-        return DataSpec(source="folder", root=str(root))
+        def walk(root: Any, onerror: Any = None, followlinks: bool = False) -> Any:
+            yield str(root), [f"n{c:08d}" for c in range(classes)], []
+            for c in range(classes):
+                yield f"{root}/n{c:08d}", [], [f"n{c:08d}_{i}.JPEG" for i in range(c * 1300, min(n, c * 1300 + 1300))]
 
-    def tars(n: int) -> DataSpec:
-        return DataSpec(source="tar", tars=str(WORK / "tars-10x10000" / f"{{000..{n // 10_000 - 1:03d}}}.tar"))
+        stack.enter_context(mock.patch.object(folder.os, "walk", walk))
+        stack.enter_context(mock.patch.object(folder, "local_fingerprint", lambda p: 12345))
+        return DataSpec(source="folder", root=str(work)), stack
+    if source == "tar":
+        def scan(url: str, extensions: Any, storage: Any) -> Any:
+            t, s = int(url.rsplit("-", 1)[1][:6]), tar.Samples()
+            for i in range(t * per, t * per + per):
+                s.keys.append(f"imagenet-train/{t:06d}/{i:09d}")
+                s.members.append(f"imagenet-train/{t:06d}/{i:09d}.jpg")
+                s.offsets.append(1536 * i + 512), s.sizes.append(110_000), s.labels.append(str(i % 1000))
+            return s
 
-    def measured(data: DataSpec) -> tuple[int, int, int]:
-        tracemalloc.start()
-        listed = list_rows(data)
-        held, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        return len(listed), peak, held
+        stack.enter_context(mock.patch.object(tar, "scan_tar", scan))
+        stack.enter_context(mock.patch.object(tar, "_tar_fingerprint", lambda url, storage: 987654321))
+        return DataSpec(source="tar", tars=f"/data/tars/train-{{000000..{n // per - 1:06d}}}.tar"), stack
+    stack.enter_context(mock.patch.object(parquet, "_scan", lambda url, cols, storage: parquet._File(
+        rows=per, labels=[i % 1000 for i in range(per)], ids=None, names=None, print=987654321)))
+    files = [f"/data/hub/imagenet-1k/data/train-{f:05d}-of-{n // per:05d}.parquet" for f in range(n // per)]
+    return DataSpec(source="parquet", parquet=files), stack
 
-    print("\nthe rows on the driver: peak while listing, held after (bytes a row, the growth between two sizes)")
-    sizes = {"manifest": (manifest, rows), "folder": (folder, files), "tar": (tars, 100_000)}
-    for name, (source, n) in sizes.items():
-        if name == "tar" and not (WORK / "tars-10x10000" / "009.tar").exists():
-            continue
-        (n1, peak1, held1), (n2, peak2, held2) = measured(source(n // 2)), measured(source(n))
-        grow, keep = (peak2 - peak1) / (n2 - n1), (held2 - held1) / (n2 - n1)
-        print(f"  {name:9s} {n1:,} and {n2:,} rows: peak {grow:4.0f} B a row ({peak2 / 1e6:4.0f} MB at {n2:,}), "
-              f"held {keep:4.0f} B a row; 10M rows: peak {(peak2 + grow * (1e7 - n2)) / 1e9:4.2f} GB")
+
+def planning_bench(sizes: tuple[int, ...] = (100_000, 1_000_000, 2_000_000)) -> None:
+    """The driver's memory for the rows of a job, each source listed at ``sizes`` from synthetic listings (no
+    files: the listing functions patched): the peak while listing and what the rows hold after (tracked
+    allocations, numpy's included), fitted along the sizes (least squares) to 10M rows."""
+    from extractor.data import list_rows
+
+    print(f"\nthe rows on the driver, from synthetic listings of {', '.join(f'{n:,}' for n in sizes)} rows: peak "
+          "while listing, held after (tracemalloc), fitted to 10M rows")
+    for source in ("manifest", "folder", "tar", "parquet"):
+        points = []
+        for n in sizes:
+            spec, patched = _synthetic(source, n, WORK)
+            with patched:
+                tracemalloc.start()
+                listed = list_rows(spec)
+                held, peak = tracemalloc.get_traced_memory()
+                tracemalloc.stop()
+            assert len(listed) == n
+            del listed
+            points.append((n, peak, held))
+        ns = np.array([p[0] for p in points], dtype=float)
+        fit = {what: np.polyfit(ns, [p[k] for p in points], 1) if len(points) > 1 else
+               np.array([points[0][k] / ns[0], 0]) for k, what in ((1, "peak"), (2, "held"))}
+        print(f"  {source:9s} peak {fit['peak'][0]:5.1f} B a row, held {fit['held'][0]:5.1f} B a row; 10M rows: peak "
+              f"{np.polyval(fit['peak'], 1e7) / 1e9:4.2f} GB, held {np.polyval(fit['held'], 1e7) / 1e9:4.2f} GB "
+              f"(target: 1 GB)")
 
 
 def parquet_bench(files: int = 100, per_file: int = 10_000, row_group: int = 1000) -> None:
@@ -307,15 +339,27 @@ def resume_bench(files: int = 200_000, folders: int = 200) -> None:
     print(f"  taken from the store     {after:6.2f} s CPU   1M: {after * per:5.1f} s  (a stat a folder, a stat a file)")
 
 
-def main() -> None:
+def main(rows: tuple[int, ...] = (100_000, 1_000_000, 2_000_000)) -> None:
     WORK.mkdir(exist_ok=True)
     stats_bench()
     tar_bench()
     parquet_bench()
-    planning_bench()
+    planning_bench(rows)
     shard_bench()
     resume_bench()
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="0.1,1,2", help="millions of rows each source is listed at (the memory fit)")
+    p.add_argument("--only", choices=["stats", "tar", "parquet", "rows", "shard", "resume"], help="one of the benches")
+    args = p.parse_args()
+    sizes = tuple(int(float(m) * 1e6) for m in args.rows.split(","))
+    if args.only:
+        WORK.mkdir(exist_ok=True)
+        {"stats": stats_bench, "tar": tar_bench, "parquet": parquet_bench, "rows": lambda: planning_bench(sizes),
+         "shard": shard_bench, "resume": resume_bench}[args.only]()
+    else:
+        main(sizes)

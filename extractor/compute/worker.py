@@ -561,7 +561,7 @@ def _extras(values: dict[str, torch.Tensor], captures: dict[str, CaptureRecord])
     capture's KEY.token_index), as the blank image gave them."""
     return {
         key: {
-            "dtype": "float32" if v.is_floating_point() else "int64",
+            "dtype": "float32" if v.is_floating_point() else "int16" if v.dtype == torch.int16 else "int64",
             "shape": list(v.shape[1:]),
             "dims": [f"{key}.minmax"] if key.endswith(".range") else [f"{key}.token"] if v.ndim == 2 else [],
         }

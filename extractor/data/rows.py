@@ -7,7 +7,9 @@ order, tars in pattern order, so the same spec always gives the same row for the
 from __future__ import annotations
 
 import logging
+import operator
 import re
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
@@ -17,19 +19,19 @@ import numpy as np
 
 from ..errors import DataError
 
-__all__ = ["Rows", "Joined", "Joining", "Shard", "Strings", "plan", "labels_of", "distinct", "strings", "duplicate",
-           "named"]
+__all__ = ["Rows", "Joined", "Joining", "Shard", "Strings", "Texts", "plan", "labels_of", "distinct", "strings",
+           "duplicate", "named"]
 
 log = logging.getLogger(__name__)
 
 STRINGS = np.dtypes.StringDType()
-BLOCK = 1 << 16  # strings gathered in a list before they join an array
+BLOCK = 1 << 16  # strings decoded at a time (iterating, hashing, writing)
 
 
-def strings(items: Iterable[str]) -> np.ndarray:
-    """Strings as one numpy array (16 bytes each beside their text, against about 60 for a ``str`` in a list),
-    gathered a block at a time: no list of all of them is ever held."""
-    if isinstance(items, np.ndarray) and items.dtype == STRINGS:
+def strings(items: Iterable[str]) -> Texts | np.ndarray:
+    """Strings as one compact column (:class:`Texts`), gathered one at a time: no list of all of them is ever
+    held. A numpy array of strings or a Texts given is kept as it is."""
+    if isinstance(items, Texts) or (isinstance(items, np.ndarray) and items.dtype == STRINGS):
         return items
     gathered = Strings()
     for item in items:
@@ -37,45 +39,90 @@ def strings(items: Iterable[str]) -> np.ndarray:
     return gathered.array()
 
 
+ENCODING = ("utf-8", "surrogatepass")  # every Python str round-trips, a file name's escaped bytes included
+
+
+class Texts:
+    """Strings held as their UTF-8 bytes in one buffer and where each ends: 8 bytes a string beside its text
+    (a numpy StringDType array: 16, and 8 more in its arena beside a text over 15 bytes; a ``str`` in a list: 60).
+    The ids and paths a source lists, at 10M rows. Indexing gives a ``str``; a slice, a StringDType array."""
+
+    def __init__(self, data: np.ndarray, ends: np.ndarray) -> None:
+        self.data = data  # uint8: every string's UTF-8, one after another
+        self.ends = ends  # int64: where string i's bytes end (its start: where string i - 1's end, or 0)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return np.asarray([self[n] for n in range(start, stop, step)], dtype=STRINGS)
+            return np.asarray(self._decoded(start, stop), dtype=STRINGS)
+        n = operator.index(i)
+        if not -len(self) <= n < len(self):
+            raise IndexError(f"string {n} of {len(self)}")
+        n %= len(self)
+        start = int(self.ends[n - 1]) if n else 0
+        return self.data[start:int(self.ends[n])].tobytes().decode(*ENCODING)
+
+    def _decoded(self, start: int, stop: int) -> list[str]:
+        if start >= stop:
+            return []
+        base = int(self.ends[start - 1]) if start else 0
+        raw = self.data[base:int(self.ends[stop - 1])].tobytes()
+        cuts = (self.ends[start:stop] - base).tolist()
+        if raw.isascii():  # most ids and paths: one decode, then slices of the text
+            text = raw.decode("ascii")
+            return [text[a:b] for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
+        return [raw[a:b].decode(*ENCODING) for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), BLOCK):
+            yield from self._decoded(start, min(start + BLOCK, len(self)))
+
+    def tolist(self) -> list[str]:
+        return self._decoded(0, len(self))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.tolist(), dtype=STRINGS if dtype is None else dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.ends.nbytes)
+
+
 class Strings:
-    """Strings appended one by one into numpy arrays of ``BLOCK`` each, joined into one at the end."""
+    """Strings appended one by one into a :class:`Texts`: their UTF-8 into one growing buffer, where each ends
+    into another (no Python object kept a string; the buffers become the Texts' without a copy)."""
 
     def __init__(self) -> None:
-        self.blocks: list[np.ndarray] = []
-        self.block: list[str] = []
+        self.data = bytearray()
+        self.ends = array("q")
+
+    def __len__(self) -> int:
+        return len(self.ends)
 
     def __getitem__(self, n: int) -> str:
         """String ``n`` of those appended so far (before :meth:`array`)."""
-        block, at = divmod(n, BLOCK)
-        return str(self.blocks[block][at]) if block < len(self.blocks) else self.block[at]
+        return self.data[self.ends[n - 1] if n else 0:self.ends[n]].decode(*ENCODING)
 
     def append(self, item: str) -> None:
-        self.block.append(item)
-        if len(self.block) == BLOCK:
-            self.blocks.append(np.asarray(self.block, dtype=STRINGS))
-            self.block = []
+        self.data += item.encode(*ENCODING)
+        self.ends.append(len(self.data))
 
-    def extend(self, items: Sequence[str]) -> None:
-        for start in range(0, len(items), BLOCK):
-            self.block.extend(items[start:start + BLOCK])
-            if len(self.block) >= BLOCK:
-                self.blocks.append(np.asarray(self.block[:BLOCK], dtype=STRINGS))
-                self.block = self.block[BLOCK:]
+    def extend(self, items: Iterable[str]) -> None:
+        for item in items:
+            self.data += item.encode(*ENCODING)
+            self.ends.append(len(self.data))
 
-    def array(self) -> np.ndarray:
-        """All of them as one array, each block let go once copied (a concatenation held them twice)."""
-        self.blocks.append(np.asarray(self.block, dtype=STRINGS))
-        self.block = []
-        if len(self.blocks) == 1:
-            return self.blocks.pop()
-        out = np.empty(sum(map(len, self.blocks)), dtype=STRINGS)
-        at = 0
-        self.blocks.reverse()
-        while self.blocks:
-            block = self.blocks.pop()
-            out[at:at + len(block)] = block
-            at += len(block)
-        return out
+    def array(self) -> Texts:
+        """All of them, the buffers handed over (this gathers anew from empty)."""
+        data = np.frombuffer(self.data, dtype=np.uint8) if self.data else np.zeros(0, np.uint8)
+        ends = np.frombuffer(self.ends, dtype=np.int64) if self.ends else np.zeros(0, np.int64)
+        self.data, self.ends = bytearray(), array("q")
+        return Texts(data, ends)
 
 
 @dataclass(frozen=True)
@@ -84,9 +131,12 @@ class Joined:
     ``heads[which[i]] + tails[i]`` (``which`` None: every string has head 0). A folder's paths are its root and the
     ids; a tar source's are the tars and their members. Indexing gives a ``str``; a slice, an array of them."""
 
-    heads: np.ndarray
-    tails: np.ndarray
+    heads: Any  # strings, made a StringDType array (a few, indexed by ``which`` at once)
+    tails: np.ndarray | Texts  # strings, or integers (a Parquet row's number in its file)
     which: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "heads", np.asarray(self.heads, dtype=STRINGS))
 
     def __len__(self) -> int:
         return len(self.tails)
@@ -94,7 +144,8 @@ class Joined:
     def __getitem__(self, i: int | slice) -> Any:
         if isinstance(i, slice):
             heads = self.heads[0] if self.which is None else self.heads[self.which[i]]
-            return np.strings.add(heads, self.tails[i])
+            tails = self.tails[i]
+            return np.strings.add(heads, tails.astype(STRINGS) if tails.dtype.kind in "iu" else tails)
         return str(self.heads[0 if self.which is None else self.which[i]]) + str(self.tails[i])
 
     def __iter__(self) -> Iterator[str]:
@@ -110,8 +161,6 @@ class Joining:
     relative paths, a manifest's paths without an id column) no tail is kept: the Joined takes the ids' array."""
 
     def __init__(self, heads: Iterable[str], ids: Strings | None = None) -> None:
-        from array import array
-
         self.heads = [*heads, ""]
         self.tails = Strings()
         self.which = array("i")
@@ -143,11 +192,11 @@ class Joining:
         self.which.append(head)
         self.tails.append(tail)
 
-    def joined(self, ids: np.ndarray | None = None) -> Joined:
+    def joined(self, ids: Texts | np.ndarray | None = None) -> Joined:
         """The strings; ``ids``: the array the ids given at the start became."""
         which = np.frombuffer(self.which, dtype=np.int32) if self.which else np.zeros(0, np.int32)
-        tails = self.tails.array() if self.ids is None or ids is None else ids
-        return Joined(strings(self.heads), tails, which if which.any() else None)
+        tails: Texts | np.ndarray = self.tails.array() if self.ids is None or ids is None else ids
+        return Joined(np.asarray(self.heads, dtype=STRINGS), tails, which if which.any() else None)
 
 
 @dataclass(frozen=True)
@@ -155,8 +204,8 @@ class Rows:
     """The data set as the store records it: one entry per row, in row order, each column one numpy array (a
     list given is made one): at 10M rows a list of strings and ints was gigabytes of the driver's memory."""
 
-    ids: np.ndarray  # of strings (StringDType)
-    paths: np.ndarray | Joined  # of strings, or Joined: the same paths, their shared heads held once
+    ids: Texts | np.ndarray | Joined  # strings: a Texts (or a StringDType array, or a Joined)
+    paths: Texts | np.ndarray | Joined  # strings, or Joined: the same paths, their shared heads held once
     labels: np.ndarray  # int64, -1: none
     classes: list[str] = field(default_factory=list)
     offsets: np.ndarray | None = None  # tar sources: where each image's bytes start in its tar (int64)
@@ -171,7 +220,8 @@ class Rows:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("ids", strings(self.ids))
+        if not isinstance(self.ids, Joined):
+            put("ids", strings(self.ids))
         if not isinstance(self.paths, Joined):
             put("paths", strings(self.paths))
         put("labels", np.asarray(self.labels, dtype=np.int64).reshape(-1))
@@ -183,7 +233,7 @@ class Rows:
         return len(self.ids) if self.stored is None else int(self.stored["n_rows"])
 
 
-def duplicate(ids: np.ndarray) -> tuple[int, int] | None:
+def duplicate(ids: Any) -> tuple[int, int] | None:
     """The rows of the first id that appears again, as (its first row, the row it appears again in); None when
     all are unique. Found by sorting the ids' hashes (24 bytes a row while it runs; a set of 10M ids was a
     gigabyte), the few that share a hash compared as strings."""
@@ -279,8 +329,6 @@ def labels_of(raw: Iterable[object],
 def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]]:
     """Each row's code into its distinct values (by type and value: ``1`` and ``True`` differ), the values, and
     the first row of each."""
-    from array import array
-
     codes = array("q")
     index: dict[tuple[type, object], int] = {}
     values: list[object] = []

@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 
-from extractor.data.rows import BLOCK, Joining, Rows, Strings, duplicate, labels_of, strings
+from extractor.data.rows import BLOCK, Joined, Joining, Rows, Strings, Texts, duplicate, labels_of, strings
 from extractor.store.provenance import _digest
 
 
@@ -20,6 +20,23 @@ def test_strings_across_blocks_equal_the_list_and_read_while_gathered():
         assert gathered[n] == item and gathered[n // 2] == items[n // 2]
     assert gathered.array().tolist() == items
     assert strings(iter(items)).tolist() == items and strings([]).tolist() == []
+
+
+def test_texts_hold_one_buffer_and_give_back_every_string():
+    """A column of strings as UTF-8 and ends: every string (accents, the empty one) comes back, by index (numpy's
+    integers too), slice, iteration and as an array; a lone surrogate by index (an array of strings holds none)."""
+    assert strings(["x\udcff.jpg"])[0] == "x\udcff.jpg"
+    items = ["", "a", "é" * 20, "ü", "b" * 16, *(f"train/n{i:08d}_{i}.JPEG" for i in range(BLOCK + 5))]
+    texts = strings(iter(items))
+    assert isinstance(texts, Texts) and len(texts) == len(items) and texts.ends.dtype == np.int64
+    assert texts.nbytes == sum(len(i.encode("utf-8", "surrogatepass")) for i in items) + 8 * len(items)
+    assert [texts[i] for i in range(6)] == items[:6] and texts[np.int64(7)] == items[7] and texts[-1] == items[-1]
+    assert texts[2:9].tolist() == items[2:9] and texts[2:9].dtype == np.dtypes.StringDType()
+    assert texts[5:5].tolist() == [] and texts[::2].tolist() == items[::2] and texts[9:2:-3].tolist() == items[9:2:-3]
+    assert list(texts) == items and texts.tolist() == items and np.asarray(texts).tolist() == items
+    numbered = Joined(["/f/a.parquet#image/", "/f/b.parquet#image/"], np.array([0, 1, 0]), np.array([0, 0, 1]))
+    assert numbered[1] == "/f/a.parquet#image/1" and numbered[0:3].tolist() == [
+        "/f/a.parquet#image/0", "/f/a.parquet#image/1", "/f/b.parquet#image/0"]  # rows as integers
 
 
 def test_joined_paths_equal_their_strings_whether_tails_are_the_ids_or_not():
@@ -47,7 +64,8 @@ def test_joined_tar_members_and_rows_made_of_lists():
     joined = paths.joined()
     assert list(joined) == ["/t/a.tar#k1.jpg", "/t/a.tar#k2.jpg", "/t/b.tar#k3.jpg"]
     rows = Rows(ids=["k1", "k2", "k3"], paths=joined, labels=[1, -1, 2], offsets=[0, 512, 1024], sizes=[3, 4, 5])
-    assert rows.ids.dtype == np.dtypes.StringDType() and rows.labels.dtype == np.int64 and len(rows) == 3
+    assert isinstance(rows.ids, Texts) and rows.ids.tolist() == ["k1", "k2", "k3"]
+    assert rows.labels.dtype == np.int64 and len(rows) == 3
     assert rows.offsets is not None and rows.offsets.tolist() == [0, 512, 1024] and rows.paths is joined
 
 

@@ -39,3 +39,23 @@ def test_a_missing_or_too_old_package_is_one_error_naming_each_and_the_fix(monke
         check_submitted()
     monkeypatch.delenv(SUBMITTED)
     assert check_submitted() == []  # not a submitted job: nothing to compare
+
+
+def test_a_stores_versions_are_what_the_packages_say_and_read_without_importing_them():
+    """A store records each package's ``__version__`` (torch's with its build) read from the installed files: a
+    job that does not use torchvision does not pay for importing it on every run and resume."""
+    import subprocess
+
+    code = ("import sys, json; from extractor.store.provenance import versions; v = versions(); "
+            "print(json.dumps([v, [m for m in ('torch', 'torchvision') if m in sys.modules]]))")
+    said, imported = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                               check=True).stdout)
+    assert imported == []
+    import numpy
+    import torch
+    import torchvision
+    import zarr
+
+    assert {k: said[k] for k in ("torch", "torchvision", "zarr", "numpy")} == {
+        "torch": torch.__version__, "torchvision": torchvision.__version__, "zarr": zarr.__version__,
+        "numpy": numpy.__version__}

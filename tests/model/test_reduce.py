@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zarr
 from conftest import job
 
 from extractor.driver.runner import run
@@ -71,6 +72,7 @@ def test_sampled_and_projected_captures_equal_the_full_capture_cut_by_hand(image
     assert s.captures["sampled"]["sampled_by"] == "digest"
 
     index = s.numpy("sampled.token_index")  # CLS in front, then 6 of the 16 patch tokens, drawn per row
+    assert index.dtype == np.int16 and s.extras["sampled.token_index"]["dtype"] == "int16"  # positions < 32,768
     want = np.concatenate([np.zeros((len(s), 1), np.int64), sample_positions(3, keys, 16, 6) + 1], axis=1)
     assert np.array_equal(index, want)
     assert np.array_equal(s.numpy("sampled"), np.take_along_axis(full, index[:, :, None], axis=1))
@@ -95,6 +97,16 @@ def test_sampled_and_projected_captures_equal_the_full_capture_cut_by_hand(image
     assert len(seen) == len(s) * 7  # every kept token once, named by its position in the layer's sequence
     for (row, position), x in seen.items():
         assert np.array_equal(x, full[row, position])
+    old = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+", use_consolidated=False)  # made before int16: int64
+    positions = old["sampled.token_index"][:]
+    del old["sampled.token_index"]
+    old.create_array("sampled.token_index", data=positions.astype(np.int64), chunks=(len(positions), 7))
+    zarr.consolidate_metadata(str(tmp_path / "s.zarr"))
+    before = open_store(str(tmp_path / "s.zarr"))
+    assert before.numpy("sampled.token_index").dtype == np.int64
+    again = {(int(r), int(p)): x for idx, data in before.token_batches("sampled", batch_size=5, shuffle=True, seed=1)
+             for (r, p), x in zip(idx, data, strict=True)}
+    assert again.keys() == seen.keys()
     # a patch has one position in every capture of the layer: stored whole, without the prefix, or sampled
     for key, drop in (("full", True), ("patches_only", False), ("patches", False)):
         for idx, data in s.token_batches(key, batch_size=64, shuffle=False, drop_prefix=drop):

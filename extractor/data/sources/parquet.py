@@ -15,6 +15,7 @@ import json
 import os
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +37,7 @@ from ..files import (
     remote_error,
     remote_fingerprint,
 )
-from ..rows import Joining, Rows, Strings, duplicate, labels_of, named
+from ..rows import Joined, Rows, Strings, duplicate, labels_of, named
 from . import Locator, Source
 
 if TYPE_CHECKING:
@@ -268,7 +269,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
     urls = parquet_urls(patterns, storage)
     cols = _Columns(image=columns.get("image", "image"), label=columns.get("label", "label"),
                     id=columns.get("id", "id"), named=frozenset(columns.values()))
-    ids, paths = Strings(), Joining(f"{u}#{cols.image}/" for u in urls)
+    ids, counts = Strings(), array("q")  # a row's path: its file's head and its row there, two integers
     prints: list[np.ndarray] = []
     file_prints: list[int] = []
     names: set[tuple[str, ...]] = set()
@@ -277,15 +278,15 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
 
     def labels() -> Any:
         scanned = prefetched(urls, lambda u: _scan(u, cols, storage), 16, min(16, len(urls)))
-        for t, (stem, f) in enumerate(zip(stems, scanned, strict=True)):
-            starts.append(len(paths.which))
+        for stem, f in zip(stems, scanned, strict=True):
+            starts.append(len(ids))
+            counts.append(f.rows)
             file_prints.append(f.print)
             if f.names:
                 names.add(tuple(f.names))
             for r in range(f.rows):
                 given = f.ids[r] if f.ids is not None else None
                 ids.append(str(given) if given not in (None, "") else f"{stem}/{r}")
-                paths.part(t, str(r))
             prints.append(np.array([fingerprint(f.print, r, 0) if f.print else 0 for r in range(f.rows)],
                                    dtype=np.uint64))
             yield from f.labels if f.labels is not None else [None] * f.rows
@@ -300,7 +301,10 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
     if twice is not None:
         raise DataError(f"id {keys[twice[0]]!r} appears twice: {where(twice[0])} and {where(twice[1])}; ids must be "
                         f"unique (data.columns.id names the id column)")
-    rows = Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes,
+    files = np.repeat(np.arange(len(urls), dtype=np.int32), counts)
+    in_file = np.arange(len(files)) - np.repeat(np.asarray(starts, dtype=np.int64), counts)
+    paths = Joined([f"{u}#{cols.image}/" for u in urls], in_file, files if files.any() else None)
+    rows = Rows(ids=keys, paths=paths, labels=codes, classes=classes,
                 fingerprints=np.concatenate(prints) if prints else None,
                 listing=_listing(urls, file_prints, columns))
     if len(names) > 1:
