@@ -19,6 +19,7 @@ from ..store import (
     read_rows,
     take_rows,
 )
+from .epoch import Part, Stream, check_part, epoch_runs, mix_seed, rank_part, skip_jobs
 
 Rows = slice | Sequence[int] | np.ndarray | None
 _Columns = tuple[np.ndarray, ...]  # arrays of one length: a batch's row numbers (or token index), then its data
@@ -37,49 +38,6 @@ def _check_sizes(batch_size: int, buffer_chunks: int) -> None:
     """Refuse a batch or buffer size below one."""
     if batch_size < 1 or buffer_chunks < 1:
         raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
-
-
-def _chunk_runs(idx: np.ndarray, step: int) -> list[np.ndarray]:
-    """``idx`` cut into runs of consecutive entries inside one chunk of ``step`` rows."""
-    return np.split(idx, np.flatnonzero(np.diff(idx // step)) + 1) if idx.size else []
-
-
-def _shuffled_chunks(idx: np.ndarray, step: int, seed: int) -> list[np.ndarray]:
-    """The rows of ``idx`` grouped by chunk (ascending inside each), the chunks in a random order drawn
-    from ``seed``: random order that costs no random reads."""
-    runs = _chunk_runs(np.sort(idx, kind="stable"), step)  # sorting takes linear time when already ascending
-    return [runs[i] for i in np.random.default_rng(seed).permutation(len(runs))]
-
-
-Part = tuple[int, int]  # (k, n): the k-th of n disjoint parts of an epoch (DataLoader workers, ranks)
-
-
-def _check_part(part: Part | None) -> Part:
-    """``part`` as (k, n) with 0 <= k < n; None is the whole epoch, (0, 1)."""
-    if part is None:
-        return (0, 1)
-    try:
-        k, n = (int(v) for v in part)
-    except (TypeError, ValueError):
-        raise ValueError(f"part must be (k, n), the k-th of n parts of an epoch, not {part!r}") from None
-    if not 0 <= k < n:
-        raise ValueError(f"part (k, n) needs 0 <= k < n, not {part!r}")
-    return k, n
-
-
-def _epoch_runs(idx: np.ndarray, step: int, shuffle: bool, seed: int, part: Part) -> list[np.ndarray]:
-    """The runs of rows (each inside one chunk of ``step`` rows) one epoch reads, in order: the chunks
-    in a random order drawn from ``seed`` with ``shuffle``, else in the order given. Of the epoch's
-    runs, ``part`` (k, n) takes every n-th from the k-th: the n parts together read every run once,
-    whatever the number of parts."""
-    runs = _shuffled_chunks(idx, step, seed) if shuffle else _chunk_runs(idx, step)
-    k, n = part
-    return runs[k::n] if n > 1 else runs
-
-
-def _mix_seed(seed: int, part: Part, n: int) -> list[int]:
-    """The seed of the n-th buffer of a part (the whole epoch keeps the seeds it always had)."""
-    return [seed, n] if part == (0, 1) else [seed, *part, n]
 
 
 def _read_runs(arrays: Sequence[zarr.Array], runs: Sequence[np.ndarray],
@@ -121,13 +79,14 @@ class _Buffer:
         return (self.index[at], *(x[at] for x in self.data))
 
 
-def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: bool = False) -> Iterator[_Columns]:
+def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: bool = False,
+             start: int = 0) -> Iterator[_Columns]:
     """Batches of ``batch_size`` rows across buffers: a batch that one buffer leaves short is completed
     from the start of the next (copying only the rows carried); the last short batch comes unless
-    ``drop_last``."""
+    ``drop_last``. ``start``: places of the first buffer already served (a resumed stream)."""
     carry: _Columns | None = None
     for buffer in buffers:
-        lo = 0
+        lo, start = start, 0
         if carry is not None:
             lo = min(batch_size - len(carry[0]), len(buffer))
             carry = tuple(np.concatenate([c, h]) for c, h in zip(carry, buffer.take(0, lo), strict=True))
@@ -182,6 +141,45 @@ class _Tokens:
         return np.stack([self.rows[r], position], axis=1), self.x[r, t]
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """One epoch of a stream: its runs of rows (each inside one chunk) in the order read, cut into buffers of
+    ``per`` runs; the seeds that mix each buffer."""
+
+    runs: list[np.ndarray]
+    per: int
+    shuffle: bool
+    seed_: int
+    part: Part
+    worker: Part
+
+    @classmethod
+    def of(cls, idx: np.ndarray, step: int, shuffle: bool, seed: int, part: Part | None, worker: Part | None,
+           per: int) -> _Plan:
+        part, worker = rank_part(part), check_part(worker, "worker")
+        return cls(epoch_runs(idx, step, shuffle, seed, part, worker), per, shuffle, seed, part, worker)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r) for r in self.runs)
+
+    def seed(self, n: int) -> list[int] | None:
+        """The seed that mixes buffer ``n`` (None: not shuffled)."""
+        return mix_seed(self.seed_, self.part, self.worker, n) if self.shuffle else None
+
+    def jobs(self, start: int, per_row: int) -> tuple[list[tuple[int, list[np.ndarray]]], int]:
+        """The buffers left to read (numbered from the epoch's first) once ``start`` items are served, ``per_row``
+        items a row, and the places of the first of them already served."""
+        groups = [self.runs[i : i + self.per] for i in range(0, len(self.runs), self.per)]
+        sizes = [per_row * sum(len(r) for r in g) for g in groups]
+        return skip_jobs(list(enumerate(groups)), sizes, start)
+
+    def fixed(self, buffer_chunks: int, per_row: int) -> dict[str, Any]:
+        """What fixes the epoch's order (a saved state is of this epoch only): plain ints and lists."""
+        return {"seed": self.seed_, "shuffle": self.shuffle, "part": list(self.part), "worker": list(self.worker),
+                "buffer_chunks": buffer_chunks, "items": self.rows * per_row}
+
+
 class Batching:
     """The streaming reads of a store (:class:`~.reader.ActivationStore`, which these methods are part of): every
     selected row, or every token of a token capture, once per epoch in batches, read in whole chunks."""
@@ -211,7 +209,9 @@ class Batching:
         buffer_chunks: int = 8,
         prefetch: int = 2,
         part: Part | None = None,
-    ) -> Iterator[tuple[np.ndarray, Any]]:
+        *,
+        worker: Part | None = None,
+    ) -> Stream:
         """Yield ``(row_indices, data)``: every selected row once per call (one epoch).
 
         ``data`` is an array for one key, a dict of arrays for several; ``data[i]`` is row
@@ -223,25 +223,33 @@ class Batching:
         it rows come in the order given, and a chunk is read once per run of consecutive
         selected rows inside it: rows grouped by chunk (e.g. ascending) read each chunk once.
 
-        ``part=(k, n)`` yields the k-th of n disjoint parts of the epoch (its chunks split among n
-        readers: DataLoader worker processes, distributed ranks): the n parts of one seed together
-        hold every selected row once. :meth:`dataloader` with ``num_workers`` does this for you.
+        ``part=(k, n)`` yields the k-th of n disjoint parts of the epoch, for distributed ranks; by default
+        ``(rank, world size)`` when ``torch.distributed`` is initialised. Every part has the same length, as
+        ``DistributedSampler(drop_last=True)`` gives: the epoch's last ``rows % n`` rows (of its shuffled order:
+        other rows each epoch) are dropped, so that ranks run the same number of batches and none waits at
+        the end. ``worker=(w, W)``: the w-th of W DataLoader workers of the part (none dropped);
+        :meth:`dataloader` with ``num_workers`` does this for you.
+
+        The stream has ``state_dict()`` / ``load_state_dict()`` (torchdata's ``Stateful``): a stream made
+        with the same arguments and given a saved state before its first batch yields exactly the rows the
+        saved one had not yet yielded.
         """
         _check_sizes(batch_size, buffer_chunks)
-        part = _check_part(part)
         arrays, step = self._arrays_of(keys, "batches")
-        idx = self._select_rows(rows, only_ok)
         # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
-        runs = _epoch_runs(idx, step, shuffle, seed, part)
-        per = buffer_chunks if shuffle else 1
+        plan = _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker,
+                        buffer_chunks if shuffle else 1)
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Buffer:
             n, chunk_runs = job
-            return _Buffer.read(arrays, chunk_runs, _mix_seed(seed, part, n) if shuffle else None)
+            return _Buffer.read(arrays, chunk_runs, plan.seed(n))
 
-        jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
-        for index, *data in _rebatch(_prefetched(jobs, read, prefetch), batch_size):
-            yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
+        def make(start: int) -> Iterator[tuple[np.ndarray, Any]]:
+            jobs, offset = plan.jobs(start, 1)
+            for index, *data in _rebatch(_prefetched(jobs, read, prefetch), batch_size, start=offset):
+                yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
+
+        return Stream(make, plan.fixed(buffer_chunks, 1))
 
     def _arrays_of(self, keys: str | Sequence[str], what: str) -> tuple[dict[str, zarr.Array], int]:
         """The arrays of ``keys`` and the rows a read takes: their smallest chunk (a capture with bigger chunks,
@@ -254,11 +262,10 @@ class Batching:
         return arrays, min(read_rows(a) for a in arrays.values())
 
     def epoch_rows(self, keys: str | Sequence[str], shuffle: bool = True, seed: int = 0, rows: Rows = None,
-                   only_ok: bool = True, part: Part | None = None) -> int:
-        """How many rows one epoch of :meth:`batches` (or the part ``part`` of it) yields."""
+                   only_ok: bool = True, part: Part | None = None, *, worker: Part | None = None) -> int:
+        """How many rows one epoch of :meth:`batches` (or the part ``part`` of it, of its ``worker``) yields."""
         _, step = self._arrays_of(keys, "epoch_rows")
-        runs = _epoch_runs(self._select_rows(rows, only_ok), step, shuffle, seed, _check_part(part))
-        return sum(len(r) for r in runs)
+        return _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker, 1).rows
 
     def token_batches(
         self,
@@ -273,7 +280,9 @@ class Batching:
         prefetch: int = 1,
         drop_last: bool = False,
         part: Part | None = None,
-    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        *,
+        worker: Part | None = None,
+    ) -> Stream:
         """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
         ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
         position in the layer's sequence, however the capture was stored (whole, without its prefix
@@ -285,41 +294,43 @@ class Batching:
         row's first tokens: ``True`` the model's prefix tokens (CLS, registers; the store's
         ``model.prefix_tokens``), unless the capture was stored without them already (its
         ``drop_prefix``): then nothing more; or a count, of the tokens as stored. ``drop_last``
-        leaves out a last short batch. ``part=(k, n)``: the k-th of n disjoint parts of the epoch
-        (see :meth:`batches`). ``prefetch``: buffers read ahead while one is served (each more holds a
-        buffer's memory: one overlaps reading with serving)."""
+        leaves out a last short batch. ``part=(k, n)``, ``worker=(w, W)``: parts of equal length for
+        ranks, and of DataLoader workers (see :meth:`batches`); the stream resumes from its
+        ``state_dict()`` as :meth:`batches` does. ``prefetch``: buffers read ahead while one is served
+        (each more holds a buffer's memory: one overlaps reading with serving)."""
         if not isinstance(key, str):
             raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool):
             raise TypeError(f"batch_size must be an int, not {batch_size!r}")
         skip, tokens = self.token_span(key, drop_prefix)
         _check_sizes(batch_size, buffer_chunks)
-        part = _check_part(part)
         arrays = [self[key]]
         if self.captures[key].get("sample_tokens"):  # each stored token's position in the layer's sequence
             arrays.append(self[f"{key}.token_index"])
         origin = int(self.captures[key].get("drop_prefix") or 0)  # stored without its prefix: patches from there
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
-        runs = _epoch_runs(self._select_rows(rows, only_ok), read_rows(arrays[0]), shuffle, seed, part)
-        per = buffer_chunks if shuffle else 1
+        plan = _Plan.of(self._select_rows(rows, only_ok), read_rows(arrays[0]), shuffle, seed, part, worker,
+                        buffer_chunks if shuffle else 1)
 
         spare: list[np.ndarray] = []  # the memory of buffers served (their batches are copies), read into again
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Tokens:
             n, chunk_runs = job
-            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare), origin, skip, tokens,
-                                 _mix_seed(seed, part, n) if shuffle else None)
+            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare), origin, skip, tokens, plan.seed(n))
 
         def served(buffers: Iterable[_Tokens]) -> Iterator[_Tokens]:
             for buffer in buffers:
                 yield buffer  # asked for the next one: this one is served
                 spare.append(buffer.memory)
 
-        jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
-        # one reading thread: a buffer is one zarr read that decodes its chunks concurrently already (and a buffer
-        # more ahead is a fresh one: 0.65x of a sequential read with two ahead, against 0.97x with one)
-        buffers = _prefetched(jobs, read, prefetch, threads=1)
-        yield from cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last))
+        def make(start: int) -> Iterator[_Read]:
+            jobs, offset = plan.jobs(start, tokens)
+            # one reading thread: a buffer is one zarr read that decodes its chunks concurrently already (and a
+            # buffer more ahead is a fresh one: 0.65x of a sequential read with two ahead, against 0.97x with one)
+            buffers = _prefetched(jobs, read, prefetch, threads=1)
+            return cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last, offset))
+
+        return Stream(make, {**plan.fixed(buffer_chunks, tokens), "drop_prefix": skip})
 
     def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
         """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``

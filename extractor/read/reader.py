@@ -41,8 +41,8 @@ from ..store.snapshot import snapshot_store
 from .batching import (
     Batching,
     Rows,
-    _check_part,
 )
+from .epoch import check_part
 from .ids import _IdIndex
 
 __all__ = ["open_store", "ActivationStore"]
@@ -335,7 +335,7 @@ class ActivationStore(Batching):
         loader = {k: options.pop(k) for k in list(options) if k in LOADER_OPTIONS}
         source = self.token_batches if tokens else self.batches
         allowed = set(inspect.signature(source).parameters) - {"key", "keys", "batch_size", "shuffle", "seed",
-                                                                "drop_last"}
+                                                                "drop_last", "worker"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise TypeError(f"dataloader() got unknown option(s) {', '.join(unknown)}; it takes "
@@ -346,7 +346,7 @@ class ActivationStore(Batching):
             raise ValueError(f"dataloader(tokens=True) streams the tokens of one capture, not {names}")
         for k in names:
             self[k]  # an unknown key fails here, at the call
-        _check_part(options.get("part"))
+        check_part(options.get("part"))
         return batch_loader(self, names, batch_size, shuffle, seed, options, tokens=tokens, dtype=dtype,
                             drop_last=drop_last, num_workers=num_workers, loader=loader)
 
