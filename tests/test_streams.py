@@ -156,3 +156,21 @@ def test_a_dataloader_resumed_mid_epoch_gives_exactly_the_missing_tokens(store, 
     assert second.state_dict()["epoch"] == 2  # the resumed epoch ended: the next one is due
     whole = [p for b in loader() for p in zip(b["row"].tolist(), b["token"].tolist(), strict=True)]
     assert sorted(whole) == ALL
+
+
+def test_spread_buffers_mix_a_class_sorted_store_as_a_global_permutation(tmp_path):
+    """2000 rows in 20 classes stored in order (shards of 100 rows: one class each, inner chunks of 2): buffers of
+    whole read runs give batches dominated by few classes; a spread buffer of 256 inner chunks from anywhere
+    gives a largest class share per batch within 10% of a global permutation's, every token once."""
+    from mixing import class_sorted, largest_share, permuted
+
+    class_sorted(str(tmp_path / "s.zarr"), rows=2000, classes=20, tokens=4, shard=100, inner=2)
+    s = open_store(str(tmp_path / "s.zarr"))
+    labels = s.labels
+    best, _ = largest_share(labels, permuted(np.repeat(np.arange(2000), 4), 32))
+    local = [i for i, _ in s.token_batches("t", 32, seed=1, drop_last=True)]
+    spread = [i for i, _ in s.token_batches("t", 32, seed=1, spread=True, buffer_chunks=256)]
+    assert largest_share(labels, [i[:, 0] for i in local])[0] > 1.5 * best
+    assert largest_share(labels, [i[:, 0] for i in spread])[0] <= 1.1 * best
+    assert sorted(pairs(np.concatenate(spread))) == sorted((r, t) for r in range(2000) for t in range(4))
+    assert s.buffer_bytes("t", 256, spread=True) == 256 * 2 * 4 * 2 * 4

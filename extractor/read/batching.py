@@ -41,11 +41,15 @@ def _check_sizes(batch_size: int, buffer_chunks: int) -> None:
 
 
 def _read_runs(arrays: Sequence[zarr.Array], runs: Sequence[np.ndarray],
-               spare: list[np.ndarray] | None = None) -> tuple[np.ndarray, _Columns]:
+               spare: list[np.ndarray] | None = None, scattered: bool = False) -> tuple[np.ndarray, _Columns]:
     """Runs of rows (each inside one chunk) of each array: the rows read (ascending for several runs, else
     in the run's order) and each array's values of them. ``spare``: arrays no longer used, of the first
-    array's rows; one with room is read into (a fresh one costs first-touch page faults)."""
+    array's rows; one with room is read into (a fresh one costs first-touch page faults). ``scattered``: runs
+    of single small chunks from anywhere, read in one call (zarr fetches them concurrently: 4x faster here
+    than a call per chunk)."""
     rows = np.sort(np.concatenate(runs)) if len(runs) > 1 else np.concatenate(runs)
+    if scattered:
+        return rows, tuple(np.asarray(arr.oindex[rows]) for arr in arrays)
     into = None
     if spare:
         room = spare.pop()
@@ -63,10 +67,11 @@ class _Buffer:
     perm: np.ndarray | None
 
     @classmethod
-    def read(cls, arrays: Mapping[str, zarr.Array], runs: Sequence[np.ndarray], seed: list[int] | None) -> _Buffer:
+    def read(cls, arrays: Mapping[str, zarr.Array], runs: Sequence[np.ndarray], seed: list[int] | None,
+             scattered: bool = False) -> _Buffer:
         """Read runs of rows (each inside one chunk; on the prefetch thread); with ``seed``, draw the
         order of their rows."""
-        rows, data = _read_runs(list(arrays.values()), runs)
+        rows, data = _read_runs(list(arrays.values()), runs, scattered=scattered)
         perm = None if seed is None else np.random.default_rng(seed).permutation(len(rows))
         return cls(rows, data, perm)
 
@@ -141,6 +146,12 @@ class _Tokens:
         return np.stack([self.rows[r], position], axis=1), self.x[r, t]
 
 
+def _unit(array: zarr.Array, spread: bool) -> int:
+    """Rows a stream takes as one piece: a run of chunks read at once (:func:`read_rows`), or with ``spread`` one
+    (inner) chunk."""
+    return max(int(array.chunks[0]), 1) if spread else read_rows(array)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """One epoch of a stream: its runs of rows (each inside one chunk) in the order read, cut into buffers of
@@ -211,6 +222,7 @@ class Batching:
         part: Part | None = None,
         *,
         worker: Part | None = None,
+        spread: bool = False,
     ) -> Stream:
         """Yield ``(row_indices, data)``: every selected row once per call (one epoch).
 
@@ -230,41 +242,50 @@ class Batching:
         the end. ``worker=(w, W)``: the w-th of W DataLoader workers of the part (none dropped);
         :meth:`dataloader` with ``num_workers`` does this for you.
 
+        Mixing: a buffer holds ``buffer_chunks`` pieces of the epoch, each a run of chunks read at once (up to
+        about 32 MiB of a sharded array), so a batch draws on ``buffer_chunks`` places of the store: rows
+        stored in class order give batches of few classes. ``spread=True`` makes each piece a single (inner)
+        chunk, taken from anywhere in the epoch (random reads of small chunks): with ``buffer_chunks`` a few
+        times the batch size, batches mix about as a global permutation's (``make bench --reader-only``
+        measures it). Memory: :meth:`buffer_bytes` per buffer, ``prefetch + 1`` buffers.
+
         The stream has ``state_dict()`` / ``load_state_dict()`` (torchdata's ``Stateful``): a stream made
         with the same arguments and given a saved state before its first batch yields exactly the rows the
         saved one had not yet yielded.
         """
         _check_sizes(batch_size, buffer_chunks)
-        arrays, step = self._arrays_of(keys, "batches")
+        arrays, step = self._arrays_of(keys, "batches", spread)
         # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
         plan = _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker,
                         buffer_chunks if shuffle else 1)
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Buffer:
             n, chunk_runs = job
-            return _Buffer.read(arrays, chunk_runs, plan.seed(n))
+            return _Buffer.read(arrays, chunk_runs, plan.seed(n), spread)
 
         def make(start: int) -> Iterator[tuple[np.ndarray, Any]]:
             jobs, offset = plan.jobs(start, 1)
             for index, *data in _rebatch(_prefetched(jobs, read, prefetch), batch_size, start=offset):
                 yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
 
-        return Stream(make, plan.fixed(buffer_chunks, 1))
+        return Stream(make, {**plan.fixed(buffer_chunks, 1), "spread": spread})
 
-    def _arrays_of(self, keys: str | Sequence[str], what: str) -> tuple[dict[str, zarr.Array], int]:
+    def _arrays_of(self, keys: str | Sequence[str], what: str, spread: bool = False
+                   ) -> tuple[dict[str, zarr.Array], int]:
         """The arrays of ``keys`` and the rows a read takes: their smallest chunk (a capture with bigger chunks,
         small rows under ``chunk_rows: auto``, is read several times per chunk), or of sharded arrays a run of
-        chunks of about 32 MiB (:func:`read_rows`)."""
+        chunks of about 32 MiB (:func:`read_rows`); with ``spread`` one (inner) chunk."""
         names = [keys] if isinstance(keys, str) else list(keys)
         if not names:
             raise ValueError(f"{what} needs at least one capture key; {self._known()}")
         arrays = {k: self[k] for k in names}
-        return arrays, min(read_rows(a) for a in arrays.values())
+        return arrays, min(_unit(a, spread) for a in arrays.values())
 
     def epoch_rows(self, keys: str | Sequence[str], shuffle: bool = True, seed: int = 0, rows: Rows = None,
-                   only_ok: bool = True, part: Part | None = None, *, worker: Part | None = None) -> int:
+                   only_ok: bool = True, part: Part | None = None, *, worker: Part | None = None,
+                   spread: bool = False) -> int:
         """How many rows one epoch of :meth:`batches` (or the part ``part`` of it, of its ``worker``) yields."""
-        _, step = self._arrays_of(keys, "epoch_rows")
+        _, step = self._arrays_of(keys, "epoch_rows", spread)
         return _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker, 1).rows
 
     def token_batches(
@@ -282,6 +303,7 @@ class Batching:
         part: Part | None = None,
         *,
         worker: Part | None = None,
+        spread: bool = False,
     ) -> Stream:
         """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
         ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
@@ -295,9 +317,9 @@ class Batching:
         ``model.prefix_tokens``), unless the capture was stored without them already (its
         ``drop_prefix``): then nothing more; or a count, of the tokens as stored. ``drop_last``
         leaves out a last short batch. ``part=(k, n)``, ``worker=(w, W)``: parts of equal length for
-        ranks, and of DataLoader workers (see :meth:`batches`); the stream resumes from its
-        ``state_dict()`` as :meth:`batches` does. ``prefetch``: buffers read ahead while one is served
-        (each more holds a buffer's memory: one overlaps reading with serving)."""
+        ranks, and of DataLoader workers; ``spread``: mixing across the store (see :meth:`batches`); the
+        stream resumes from its ``state_dict()`` as :meth:`batches` does. ``prefetch``: buffers read ahead
+        while one is served (each more holds a buffer's memory: one overlaps reading with serving)."""
         if not isinstance(key, str):
             raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool):
@@ -309,14 +331,14 @@ class Batching:
             arrays.append(self[f"{key}.token_index"])
         origin = int(self.captures[key].get("drop_prefix") or 0)  # stored without its prefix: patches from there
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
-        plan = _Plan.of(self._select_rows(rows, only_ok), read_rows(arrays[0]), shuffle, seed, part, worker,
+        plan = _Plan.of(self._select_rows(rows, only_ok), _unit(arrays[0], spread), shuffle, seed, part, worker,
                         buffer_chunks if shuffle else 1)
 
         spare: list[np.ndarray] = []  # the memory of buffers served (their batches are copies), read into again
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Tokens:
             n, chunk_runs = job
-            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare), origin, skip, tokens, plan.seed(n))
+            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare, spread), origin, skip, tokens, plan.seed(n))
 
         def served(buffers: Iterable[_Tokens]) -> Iterator[_Tokens]:
             for buffer in buffers:
@@ -330,7 +352,14 @@ class Batching:
             buffers = _prefetched(jobs, read, prefetch, threads=1)
             return cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last, offset))
 
-        return Stream(make, {**plan.fixed(buffer_chunks, tokens), "drop_prefix": skip})
+        return Stream(make, {**plan.fixed(buffer_chunks, tokens), "drop_prefix": skip, "spread": spread})
+
+    def buffer_bytes(self, key: str, buffer_chunks: int = 8, spread: bool = False) -> int:
+        """Bytes of one mixing buffer of :meth:`batches` / :meth:`token_batches` over ``key`` (at most: the last
+        piece of a part may be shorter); a stream holds ``prefetch + 1`` of them."""
+        array = self[key]
+        row = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
+        return buffer_chunks * _unit(array, spread) * row
 
     def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
         """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``

@@ -90,7 +90,7 @@ class _Batches(IterableDataset):
 
     def items(self, worker: int, workers: int, epoch: int) -> int:
         """Rows (tokens) the part of ``worker`` of ``workers`` yields in epoch ``epoch``."""
-        options = {k: self.kwargs[k] for k in ("rows", "only_ok", "part") if k in self.kwargs}
+        options = {k: self.kwargs[k] for k in ("rows", "only_ok", "part", "spread") if k in self.kwargs}
         per_row = 1
         if self.tokens:
             per_row = self.store.token_span(self.keys[0], self.kwargs.get("drop_prefix", False))[1]
