@@ -174,3 +174,37 @@ def test_spread_buffers_mix_a_class_sorted_store_as_a_global_permutation(tmp_pat
     assert largest_share(labels, [i[:, 0] for i in spread])[0] <= 1.1 * best
     assert sorted(pairs(np.concatenate(spread))) == sorted((r, t) for r in range(2000) for t in range(4))
     assert s.buffer_bytes("t", 256, spread=True) == 256 * 2 * 4 * 2 * 4
+
+
+def test_per_token_norms_and_normalized_streams_equal_numpy(tmp_path):
+    """The statistics of a token capture hold its mean token norm (numpy's, over every token of the finite rows);
+    normalize= subtracts the per-feature mean, divides by it, or centres and divides by the centred RMS norm."""
+    from extractor.store.stats import ShardStats, Totals, dumps
+
+    url = str(tmp_path / "s.zarr")
+    _make(url)
+    s = open_store(url)
+    x = np.asarray(s["t"][:], np.float64)
+    x[7, 2, 1] = np.nan  # a row holding NaN: out of the norms, as of the moments
+    totals = Totals(2)
+    for shard, rows in enumerate([np.arange(0, 30), np.arange(30, N)]):  # two shards' records, merged
+        st = ShardStats(s.captures["t"]["dims"], s.captures["t"]["shape"])
+        st.update(x[rows].astype(np.float32), rows)
+        totals.add(shard, dumps({"t": st}))
+    stats = totals.summary()["t"]
+    finite = np.delete(x, 7, axis=0)
+    np.testing.assert_allclose(stats["mean_token_l2"], np.linalg.norm(finite, axis=-1).mean(), rtol=1e-6)
+    assert stats["mean_l2"] != pytest.approx(stats["mean_token_l2"])  # a row's norm is another figure
+
+    import zarr
+
+    zarr.open_group(url, mode="r+").attrs["extractor"] = {**s.attrs, "stats": {"t": stats}}
+    s = open_store(url)
+    data = np.asarray(s["t"][:], np.float64)
+    mean = np.asarray(stats["mean"])
+    for normalize, want in [("mean", data - mean), ("norm", data / stats["mean_token_l2"]),
+                            (("mean", "norm"), (data - mean) / np.sqrt(np.sum(np.square(stats["std"]))))]:
+        for index, got in s.token_batches("t", 50, seed=3, normalize=normalize):
+            np.testing.assert_allclose(got, want[index[:, 0], index[:, 1]], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="'mean', 'norm' or both"):
+        s.token_batches("t", normalize="unit")

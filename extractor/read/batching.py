@@ -146,6 +146,16 @@ class _Tokens:
         return np.stack([self.rows[r], position], axis=1), self.x[r, t]
 
 
+def _normalized(x: np.ndarray, shift: np.ndarray | None, scale: float | None) -> np.ndarray:
+    """``(x - shift) / scale`` in float32 (either left out when None)."""
+    out = x.astype(np.float32)
+    if shift is not None:
+        out -= shift
+    if scale is not None:
+        out /= np.float32(scale)
+    return out
+
+
 def _unit(array: zarr.Array, spread: bool) -> int:
     """Rows a stream takes as one piece: a run of chunks read at once (:func:`read_rows`), or with ``spread`` one
     (inner) chunk."""
@@ -202,6 +212,9 @@ class Batching:
 
         @property
         def model(self) -> dict[str, Any]: ...
+
+        @property
+        def stats(self) -> dict[str, Any]: ...
 
         def __getitem__(self, key: str) -> zarr.Array: ...
 
@@ -304,6 +317,7 @@ class Batching:
         *,
         worker: Part | None = None,
         spread: bool = False,
+        normalize: str | Sequence[str] | None = None,
     ) -> Stream:
         """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
         ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
@@ -319,7 +333,13 @@ class Batching:
         leaves out a last short batch. ``part=(k, n)``, ``worker=(w, W)``: parts of equal length for
         ranks, and of DataLoader workers; ``spread``: mixing across the store (see :meth:`batches`); the
         stream resumes from its ``state_dict()`` as :meth:`batches` does. ``prefetch``: buffers read ahead
-        while one is served (each more holds a buffer's memory: one overlaps reading with serving)."""
+        while one is served (each more holds a buffer's memory: one overlaps reading with serving).
+
+        ``normalize`` (from the store's statistics of ``key``, over every stored token; data then float32):
+        ``"mean"`` subtracts the per-feature mean; ``"norm"`` divides by the mean token L2 norm
+        (``stats[key]["mean_token_l2"]``): tokens of unit mean norm, as SAELens and saev scale; both
+        (``("mean", "norm")``) divide the centred tokens by their root mean square norm (the square root of
+        the summed per-feature variances, exact from the statistics)."""
         if not isinstance(key, str):
             raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool):
@@ -330,6 +350,7 @@ class Batching:
         if self.captures[key].get("sample_tokens"):  # each stored token's position in the layer's sequence
             arrays.append(self[f"{key}.token_index"])
         origin = int(self.captures[key].get("drop_prefix") or 0)  # stored without its prefix: patches from there
+        shift, scale = self._normalizer(key, normalize)
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
         plan = _Plan.of(self._select_rows(rows, only_ok), _unit(arrays[0], spread), shuffle, seed, part, worker,
                         buffer_chunks if shuffle else 1)
@@ -350,9 +371,31 @@ class Batching:
             # one reading thread: a buffer is one zarr read that decodes its chunks concurrently already (and a
             # buffer more ahead is a fresh one: 0.65x of a sequential read with two ahead, against 0.97x with one)
             buffers = _prefetched(jobs, read, prefetch, threads=1)
-            return cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last, offset))
+            batches = cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last, offset))
+            if shift is None and scale is None:
+                return batches
+            return ((index, _normalized(x, shift, scale)) for index, x in batches)
 
         return Stream(make, {**plan.fixed(buffer_chunks, tokens), "drop_prefix": skip, "spread": spread})
+
+    def _normalizer(self, key: str, normalize: str | Sequence[str] | None) -> tuple[np.ndarray | None, float | None]:
+        """What ``normalize`` subtracts (per feature) and divides by, from the statistics of ``key``."""
+        asked = {normalize} if isinstance(normalize, str) else set(normalize or ())
+        if not asked:
+            return None, None
+        if not asked <= {"mean", "norm"}:
+            raise ValueError(f"normalize takes 'mean', 'norm' or both, not {normalize!r}")
+        stats = self.stats.get(key)
+        if not stats or (asked == {"norm"} and stats.get("mean_token_l2") is None):
+            raise StoreError(f"normalize={normalize!r} needs the store's per-token statistics of {key!r}, which it "
+                             "does not have (a store of a run that did not end, or made before per-token norms): "
+                             "run 'extractor run --resume' on it, or leave normalize out")
+        mean = np.asarray(stats["mean"], np.float32)
+        if asked == {"norm"}:
+            return None, float(stats["mean_token_l2"])
+        if asked == {"mean"}:
+            return mean, None
+        return mean, float(np.sqrt(np.sum(np.square(np.asarray(stats["std"], np.float64)))))
 
     def buffer_bytes(self, key: str, buffer_chunks: int = 8, spread: bool = False) -> int:
         """Bytes of one mixing buffer of :meth:`batches` / :meth:`token_batches` over ``key`` (at most: the last
