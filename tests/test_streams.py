@@ -208,3 +208,23 @@ def test_per_token_norms_and_normalized_streams_equal_numpy(tmp_path):
             np.testing.assert_allclose(got, want[index[:, 0], index[:, 1]], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="'mean', 'norm' or both"):
         s.token_batches("t", normalize="unit")
+
+
+def test_token_batches_of_two_layers_are_aligned_position_by_position(store):
+    """token_batches(["t", "u"]): each batch holds the same (row, token) positions of both captures, every
+    position once; the DataLoader view gives both keys."""
+    t, u = np.asarray(store["t"][:]), np.asarray(store["u"][:])
+    seen = []
+    for index, data in store.token_batches(["t", "u"], 13, seed=6, buffer_chunks=2):
+        assert set(data) == {"t", "u"}
+        np.testing.assert_array_equal(data["t"], t[index[:, 0], index[:, 1]])
+        np.testing.assert_array_equal(data["u"], u[index[:, 0], index[:, 1]])
+        seen += pairs(index)
+    assert sorted(seen) == ALL
+    one = [pairs(i) for i, _ in store.token_batches("t", 13, seed=6, buffer_chunks=2)]
+    assert [p for b in one for p in b] == seen  # the order of one capture's stream, with the other alongside
+    pytest.importorskip("torch")
+    b = next(iter(store.dataloader(["t", "u"], batch_size=13, tokens=True)))
+    rows, tok = b["row"].numpy(), b["token"].numpy()
+    np.testing.assert_array_equal(b["u"].numpy(), u[rows, tok])
+    np.testing.assert_array_equal(b["t"].numpy(), t[rows, tok])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import zarr
@@ -23,7 +23,6 @@ from .epoch import Part, Stream, check_part, epoch_runs, mix_seed, rank_part, sk
 
 Rows = slice | Sequence[int] | np.ndarray | None
 _Columns = tuple[np.ndarray, ...]  # arrays of one length: a batch's row numbers (or token index), then its data
-_Read = tuple[np.ndarray, np.ndarray]  # rows of one key: store row numbers, their values
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -110,40 +109,44 @@ def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: b
 
 
 class _Tokens:
-    """The tokens ``skip : skip + tokens`` of rows read from a ``(tokens, features)`` capture, served as single
-    tokens in the order ``order`` (token numbers, row after row; None: as read). Each batch is gathered into an
-    array of its own: no copy of the whole buffer (fresh at every buffer, its first-touch page faults cost more
-    than the mixing), and a batch the caller keeps is never overwritten."""
+    """The tokens ``skip : skip + tokens`` of rows read from ``(tokens, features)`` captures of one token layout,
+    served as single tokens in the order ``order`` (token numbers, row after row; None: as read), the same
+    positions from each capture. Each batch is gathered into an array of its own: no copy of the whole buffer
+    (fresh at every buffer, its first-touch page faults cost more than the mixing), and a batch the caller keeps
+    is never overwritten."""
 
-    def __init__(self, rows: np.ndarray, x: np.ndarray, positions: np.ndarray | int, skip: int, tokens: int,
+    def __init__(self, rows: np.ndarray, xs: _Columns, positions: np.ndarray | int, skip: int, tokens: int,
                  order: np.ndarray | None) -> None:
         # positions: (rows, stored tokens) in the layer's sequence, or where the stored tokens begin in it
-        self.rows, self.x, self.positions = rows, x, positions
+        self.rows, self.xs, self.positions = rows, xs, positions
         self.skip, self.tokens, self.order = skip, tokens, order
 
     @classmethod
-    def mixed(cls, rows: np.ndarray, columns: _Columns, origin: int, skip: int, tokens: int,
+    def mixed(cls, rows: np.ndarray, columns: _Columns, keys: int, origin: int, skip: int, tokens: int,
               seed: list[int] | None) -> _Tokens:
-        """Of rows read (their values, then a sampled capture's ``KEY.token_index``; else ``origin``: the first
-        stored token's position in the layer's sequence), the tokens in a random order drawn from ``seed``
-        (None: in order)."""
+        """Of rows read (the values of ``keys`` captures, then a sampled capture's ``KEY.token_index``; else
+        ``origin``: the first stored token's position in the layer's sequence), the tokens in a random order
+        drawn from ``seed`` (None: in order)."""
         order = None if seed is None else np.random.default_rng(seed).permutation(len(rows) * tokens)
-        return cls(rows, columns[0], columns[1] if len(columns) > 1 else origin, skip, tokens, order)
+        positions = columns[keys] if len(columns) > keys else origin
+        return cls(rows, columns[:keys], positions, skip, tokens, order)
 
     def __len__(self) -> int:
         return len(self.rows) * self.tokens
 
     @property
     def memory(self) -> np.ndarray:
-        """The array its values were read into (which a later read may use again once this is served)."""
-        return self.x if self.x.base is None else self.x.base
+        """The array the first capture's values were read into (which a later read may use again once this is
+        served)."""
+        x = self.xs[0]
+        return x if x.base is None else x.base
 
     def take(self, lo: int, hi: int) -> _Columns:
-        """Places ``lo:hi`` of the order: ``(index, data)``; index holds each token's row and position."""
+        """Places ``lo:hi`` of the order: ``(index, *data)``; index holds each token's row and position."""
         r, t = np.divmod(np.arange(lo, hi) if self.order is None else self.order[lo:hi], self.tokens)
         t += self.skip
         position = t + self.positions if isinstance(self.positions, int) else self.positions[r, t]
-        return np.stack([self.rows[r], position], axis=1), self.x[r, t]
+        return (np.stack([self.rows[r], position], axis=1), *(x[r, t] for x in self.xs))
 
 
 def _normalized(x: np.ndarray, shift: np.ndarray | None, scale: float | None) -> np.ndarray:
@@ -303,7 +306,7 @@ class Batching:
 
     def token_batches(
         self,
-        key: str,
+        key: str | Sequence[str],
         batch_size: int = 4096,
         shuffle: bool = True,
         seed: int = 0,
@@ -339,18 +342,22 @@ class Batching:
         ``"mean"`` subtracts the per-feature mean; ``"norm"`` divides by the mean token L2 norm
         (``stats[key]["mean_token_l2"]``): tokens of unit mean norm, as SAELens and saev scale; both
         (``("mean", "norm")``) divide the centred tokens by their root mean square norm (the square root of
-        the summed per-feature variances, exact from the statistics)."""
-        if not isinstance(key, str):
-            raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
+        the summed per-feature variances, exact from the statistics).
+
+        Several captures of one token layout (``[k1, k2, ...]``: the layers of a multi-layer SAE or a
+        crosscoder, stored with the same tokens): ``data`` is a dict ``{key: (B, features_key)}`` of the same
+        (row, token) positions from each, ``index`` those positions; each capture normalised by its own
+        statistics."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool):
             raise TypeError(f"batch_size must be an int, not {batch_size!r}")
-        skip, tokens = self.token_span(key, drop_prefix)
+        keys = self._token_keys(key, drop_prefix)
+        skip, tokens = self.token_span(keys[0], drop_prefix)
         _check_sizes(batch_size, buffer_chunks)
-        arrays = [self[key]]
-        if self.captures[key].get("sample_tokens"):  # each stored token's position in the layer's sequence
-            arrays.append(self[f"{key}.token_index"])
-        origin = int(self.captures[key].get("drop_prefix") or 0)  # stored without its prefix: patches from there
-        shift, scale = self._normalizer(key, normalize)
+        arrays = [self[k] for k in keys]
+        if self.captures[keys[0]].get("sample_tokens"):  # each stored token's position in the layer's sequence
+            arrays.append(self[f"{keys[0]}.token_index"])
+        origin = int(self.captures[keys[0]].get("drop_prefix") or 0)  # stored without its prefix: patches from there
+        norms = [self._normalizer(k, normalize) for k in keys]
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
         plan = _Plan.of(self._select_rows(rows, only_ok), _unit(arrays[0], spread), shuffle, seed, part, worker,
                         buffer_chunks if shuffle else 1)
@@ -359,22 +366,23 @@ class Batching:
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Tokens:
             n, chunk_runs = job
-            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare, spread), origin, skip, tokens, plan.seed(n))
+            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare, spread), len(keys), origin, skip, tokens,
+                                 plan.seed(n))
 
         def served(buffers: Iterable[_Tokens]) -> Iterator[_Tokens]:
             for buffer in buffers:
                 yield buffer  # asked for the next one: this one is served
                 spare.append(buffer.memory)
 
-        def make(start: int) -> Iterator[_Read]:
+        def make(start: int) -> Iterator[tuple[np.ndarray, Any]]:
             jobs, offset = plan.jobs(start, tokens)
             # one reading thread: a buffer is one zarr read that decodes its chunks concurrently already (and a
             # buffer more ahead is a fresh one: 0.65x of a sequential read with two ahead, against 0.97x with one)
             buffers = _prefetched(jobs, read, prefetch, threads=1)
-            batches = cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last, offset))
-            if shift is None and scale is None:
-                return batches
-            return ((index, _normalized(x, shift, scale)) for index, x in batches)
+            for index, *xs in _rebatch(served(buffers), batch_size, drop_last, offset):
+                xs = [x if shift is None and scale is None else _normalized(x, shift, scale)
+                      for x, (shift, scale) in zip(xs, norms, strict=True)]
+                yield index, (xs[0] if isinstance(key, str) else dict(zip(keys, xs, strict=True)))
 
         return Stream(make, {**plan.fixed(buffer_chunks, tokens), "drop_prefix": skip, "spread": spread})
 
@@ -403,6 +411,20 @@ class Batching:
         array = self[key]
         row = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
         return buffer_chunks * _unit(array, spread) * row
+
+    def _token_keys(self, key: str | Sequence[str], drop_prefix: bool | int) -> list[str]:
+        """The token captures ``key`` names, checked to share one token layout (the same positions per row)."""
+        keys = [key] if isinstance(key, str) else list(key)
+        if not keys or not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"token_batches takes a capture key or a list of them, not {key!r}")
+        layouts = {k: (self.token_span(k, drop_prefix), self.captures[k].get("drop_prefix"),
+                       self.captures[k].get("sample_tokens"),
+                       self.captures[k].get("seed") if self.captures[k].get("sample_tokens") else None) for k in keys}
+        if len(set(layouts.values())) > 1:
+            raise StoreError("token_batches of several captures needs one token layout (tokens per row, "
+                             "drop_prefix, sample_tokens and its seed); "
+                             + ", ".join(f"{k}: {v}" for k, v in layouts.items()) + ": stream them one by one")
+        return keys
 
     def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
         """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``

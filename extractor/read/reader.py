@@ -313,9 +313,10 @@ class ActivationStore(Batching):
     ):
         """A ``torch.utils.data.DataLoader`` of dict batches streamed by :meth:`batches` (chunk-aware
         shuffle): one tensor per key, plus ``row`` and ``label``. With ``tokens=True`` the rows are
-        single tokens of one ``(tokens, features)`` capture (:meth:`token_batches`): the batch holds
-        that key, ``row`` and ``token``. ``dtype`` (e.g. ``torch.float32``, ``torch.bfloat16``)
-        converts the stored values; ``drop_last`` leaves out a last short batch (of each worker).
+        single tokens of ``(tokens, features)`` captures (:meth:`token_batches`; several of one token
+        layout give the same positions of each): the batch holds each key, ``row`` and ``token``.
+        ``dtype`` (e.g. ``torch.float32``, ``torch.bfloat16``) converts the stored values; ``drop_last``
+        leaves out a last short batch (of each worker).
 
         ``num_workers=N`` reads in N worker processes, each a disjoint part of the epoch's chunks
         (every row, or token, once per epoch); ``pin_memory``, ``prefetch_factor``,
@@ -342,10 +343,10 @@ class ActivationStore(Batching):
                             f"{', '.join(sorted(allowed))} (the options of {source.__name__}()), num_workers and "
                             f"the DataLoader's {', '.join(LOADER_OPTIONS)}")
         names = [keys] if isinstance(keys, str) else list(keys or self.keys)
-        if tokens and len(names) != 1:
-            raise ValueError(f"dataloader(tokens=True) streams the tokens of one capture, not {names}")
         for k in names:
             self[k]  # an unknown key fails here, at the call
+        if tokens:
+            self._token_keys(names, options.get("drop_prefix", False))  # token captures of one layout, at the call
         check_part(options.get("part"))
         return batch_loader(self, names, batch_size, shuffle, seed, options, tokens=tokens, dtype=dtype,
                             drop_last=drop_last, num_workers=num_workers, loader=loader)

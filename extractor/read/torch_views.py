@@ -116,7 +116,7 @@ class _Batches(IterableDataset):
 
     def _stream(self, seed: int, worker: tuple[int, int]) -> Any:
         if self.tokens:
-            return self.store.token_batches(self.keys[0], self.batch_size, shuffle=self.shuffle, seed=seed,
+            return self.store.token_batches(self.keys, self.batch_size, shuffle=self.shuffle, seed=seed,
                                             drop_last=self.drop_last, worker=worker, **self.kwargs)
         return self.store.batches(self.keys, self.batch_size, shuffle=self.shuffle, seed=seed, worker=worker,
                                   **self.kwargs)
@@ -131,8 +131,8 @@ class _Batches(IterableDataset):
         if start:
             stream.load_state_dict({**stream.state_dict(), "served": start})
         if self.tokens:
-            for index, x in stream:
-                yield {self.keys[0]: self._tensor(x), "row": torch.from_numpy(index[:, 0].copy()),
+            for index, xs in stream:
+                yield {**{k: self._tensor(x) for k, x in xs.items()}, "row": torch.from_numpy(index[:, 0].copy()),
                        "token": torch.from_numpy(index[:, 1].copy())}
             return
         labels = self.store.labels
