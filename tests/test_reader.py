@@ -246,6 +246,7 @@ def test_xarray_view_matches_raw_arrays(store):
     assert list(ds["ids"].values) == list(store.ids)
     np.testing.assert_array_equal(ds["labels"].values, store.labels)
     np.testing.assert_array_equal(ds["status"].values, store.status)
+    assert store.classes and list(ds["class_name"].values) == [store.classes[v] if v >= 0 else "" for v in store.labels]
     row = ds.sel(row=3)
     assert str(row["ids"].values) == str(store.ids[3])
     ok = store.to_xarray()  # like numpy(): the rows that are ok, each under its store row number

@@ -354,7 +354,8 @@ class ActivationStore(Batching):
     def to_xarray(self, only_ok: bool = True, stack: Sequence[str] | None = None):
         """An ``xarray.Dataset`` (dask-backed, lazy): one DataArray per capture on dim ``row``, whose
         coordinate is the store's row number, with ``ids``, ``labels`` and ``status`` coordinates
-        (the names ``xarray.open_zarr`` gives the store's own coordinate arrays).
+        (the names ``xarray.open_zarr`` gives the store's own coordinate arrays), and ``class_name`` (the
+        label's name; "" for none) when the store records class names.
         Extras of gradient jobs: per-row scalars (``target``, ``target_score``) are coordinates
         on ``row`` like ``labels``; ``KEY.range`` is a DataArray on (``row``, ``KEY.range.minmax``),
         labelled ``min``, ``max``. Rows that are not ok (failed: NaN; pending: not computed yet)
@@ -376,6 +377,11 @@ class ActivationStore(Batching):
         ds = ds[[*self.keys, *extras]].assign_coords(row=np.arange(len(status)),
                                                      ids=("row", np.asarray(self.ids, dtype=object)),
                                                      labels=("row", self.labels), status=("row", status))
+        if self.classes:  # each row's class name ("" where a row has no label)
+            names = np.asarray([*self.classes, ""], dtype=object)
+            labels = self.labels
+            ds = ds.assign_coords(class_name=("row", names[np.where((labels >= 0) & (labels < len(self.classes)),
+                                                                     labels, len(self.classes))]))
         ds = ds.set_coords([k for k, m in extras.items() if not m["dims"]])  # per-row scalars: follow each capture
         ds = ds.assign_coords({m["dims"][0]: ["min", "max"] for k, m in extras.items() if k.endswith(".range")})
         ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}
