@@ -370,6 +370,37 @@ def sharded_reader_bench(repeats: int = 3) -> None:
                              "(shuffle=True)": epoch}, repeats, rows, "rows", mb)
 
 
+def mixing_bench(rows: int = 20000, classes: int = 100, tokens: int = 16, batch: int = 1024) -> None:
+    """Issue 44's mixing figure: the largest class share per batch of token batches of a store written in class
+    order (shards of 1000 rows, inner chunks of 4), against a global permutation of the tokens."""
+    import shutil
+
+    import numpy as np
+    from mixing import class_sorted, largest_share, permuted
+
+    from extractor.read.reader import open_store
+
+    url = str(WORK / "mixing.zarr")
+    shutil.rmtree(url, ignore_errors=True)
+    class_sorted(url, rows=rows, classes=classes, tokens=tokens, shard=1000, inner=4)
+    s = open_store(url)
+    labels = s.labels
+    mean, worst = largest_share(labels, permuted(np.repeat(np.arange(rows), tokens), batch))
+    print(f"mixing: {rows} rows in {classes} sorted classes, {tokens} tokens each, batches of {batch} tokens; "
+          f"largest class share per batch (mean, worst); load {os.getloadavg()[0]:.1f}")
+    print(f"  global permutation             {mean:.3f} {worst:.3f}")
+    for name, options in [("buffer_chunks=8 (default)", {}),
+                          ("spread, buffer_chunks=1024", {"spread": True, "buffer_chunks": 1024}),
+                          ("spread, buffer_chunks=4096", {"spread": True, "buffer_chunks": 4096})]:
+        t = time.perf_counter()
+        got = [i[:, 0] for i, _ in s.token_batches("t", batch, seed=1, drop_last=True, **options)]
+        took = time.perf_counter() - t
+        m, w = largest_share(labels, got)
+        memory = s.buffer_bytes("t", options.get("buffer_chunks", 8), options.get("spread", False))
+        print(f"  {name:30} {m:.3f} {w:.3f} ({m / mean:.2f}x), buffer {memory / 2**20:.1f} MiB, "
+              f"{rows * tokens / took / 1e6:.2f} M tokens/s")
+
+
 def as_parquet(image_dir: Path, row_group: int = 100) -> Path:
     """The images of ``image_dir`` in one Parquet file as the Hub holds them ({bytes, path} structs, ClassLabel
     names in the metadata), in the folder source's row order; row groups of 100 rows, as ``datasets`` writes."""
@@ -463,6 +494,7 @@ def main() -> None:
         token_bench()
         sharding_bench()
         sharded_reader_bench()
+        mixing_bench()
         return
     if args.overhead:
         import bench_overhead

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 __all__ = ["Progress", "PROGRESS_LOG_S"]
 
-log = logging.getLogger("extractor")
+log = logging.getLogger("extractor.progress")  # INFO lines: `extractor run` shows them; a script configures logging
 
 PROGRESS_LOG_S = 10.0  # without a terminal or a notebook: a progress line this often (EXTRACTOR_PROGRESS_S sets it)
 
@@ -42,14 +42,14 @@ class Progress:
 
             self.bar = tqdm(total=total, unit="img", dynamic_ncols=True, file=self._out())
         else:
-            log.warning("%d images to process", total)
+            log.info("%d images to process", total)
 
     def update(self, n: int) -> None:
         if self.bar is not None:
             self.bar.update(n - self.bar.n)
         elif self.enabled and time.monotonic() - self.last >= self.every:
             self.last = time.monotonic()
-            log.warning("%s", self.line(n))
+            log.info("%s", self.line(n))
 
     def line(self, n: int) -> str:
         """``n`` of the total images done, the rate since the start, and the time left at that rate."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ._progress import Progress
+from ._text import estimate
 from .errors import SpecError
 from .read import ActivationStore, open_store
 from .spec import JobSpec, apply_overrides, parse_spec, read_spec
@@ -151,9 +152,13 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, datase
 
         backend = RayBackend(spec, model=model)
     bar = Progress(progress)
+
+    def started(total: int, per_row: dict[str, int]) -> None:
+        bar.start(total)
+        bar.write(estimate(total, per_row))  # the size line `extractor run` prints
+
     try:
-        summary = run_spec(spec, on_start=lambda total, _per_row: bar.start(total), on_progress=bar.update,
-                           backend=backend)
+        summary = run_spec(spec, on_start=started, on_progress=bar.update, backend=backend)
     finally:
         bar.close()
     if summary.all_failed:

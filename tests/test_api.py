@@ -173,3 +173,11 @@ def test_bad_arguments_are_one_line_errors(image_dir: Path, tmp_path: Path):
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
     store = extractor.run(raw, overrides="data.batch_size=5", progress=False)  # one override, as a string
     assert store.spec["data"]["batch_size"] == 5
+
+
+def test_run_prints_the_size_estimate_as_the_command_does(image_dir: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture):
+    raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
+    store = extractor.run(raw)
+    err = capsys.readouterr().err
+    assert f"{len(store)} images to process; 256 B per row uncompressed (layer4 256 B); store about 3.0 KiB" in err, err

@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     # -vv debugs extractor, not the libraries under it: botocore's debug log prints access key ids
     logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("extractor").setLevel(level)
+    # progress lines are INFO (a library's progress is no warning); the command shows them unless asked to be quiet
+    logging.getLogger("extractor.progress").setLevel(min(level, logging.INFO) if level <= logging.WARNING else level)
     if args.command == "layers" and not (args.model or args.factory):
         print("error: name a model (extractor layers resnet50), a job (extractor layers JOB.yaml) or pass --factory",
               file=sys.stderr)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import zarr
@@ -19,10 +19,10 @@ from ..store import (
     read_rows,
     take_rows,
 )
+from .epoch import Part, Stream, check_part, epoch_runs, mix_seed, rank_part, skip_jobs
 
 Rows = slice | Sequence[int] | np.ndarray | None
 _Columns = tuple[np.ndarray, ...]  # arrays of one length: a batch's row numbers (or token index), then its data
-_Read = tuple[np.ndarray, np.ndarray]  # rows of one key: store row numbers, their values
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -39,55 +39,16 @@ def _check_sizes(batch_size: int, buffer_chunks: int) -> None:
         raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
 
 
-def _chunk_runs(idx: np.ndarray, step: int) -> list[np.ndarray]:
-    """``idx`` cut into runs of consecutive entries inside one chunk of ``step`` rows."""
-    return np.split(idx, np.flatnonzero(np.diff(idx // step)) + 1) if idx.size else []
-
-
-def _shuffled_chunks(idx: np.ndarray, step: int, seed: int) -> list[np.ndarray]:
-    """The rows of ``idx`` grouped by chunk (ascending inside each), the chunks in a random order drawn
-    from ``seed``: random order that costs no random reads."""
-    runs = _chunk_runs(np.sort(idx, kind="stable"), step)  # sorting takes linear time when already ascending
-    return [runs[i] for i in np.random.default_rng(seed).permutation(len(runs))]
-
-
-Part = tuple[int, int]  # (k, n): the k-th of n disjoint parts of an epoch (DataLoader workers, ranks)
-
-
-def _check_part(part: Part | None) -> Part:
-    """``part`` as (k, n) with 0 <= k < n; None is the whole epoch, (0, 1)."""
-    if part is None:
-        return (0, 1)
-    try:
-        k, n = (int(v) for v in part)
-    except (TypeError, ValueError):
-        raise ValueError(f"part must be (k, n), the k-th of n parts of an epoch, not {part!r}") from None
-    if not 0 <= k < n:
-        raise ValueError(f"part (k, n) needs 0 <= k < n, not {part!r}")
-    return k, n
-
-
-def _epoch_runs(idx: np.ndarray, step: int, shuffle: bool, seed: int, part: Part) -> list[np.ndarray]:
-    """The runs of rows (each inside one chunk of ``step`` rows) one epoch reads, in order: the chunks
-    in a random order drawn from ``seed`` with ``shuffle``, else in the order given. Of the epoch's
-    runs, ``part`` (k, n) takes every n-th from the k-th: the n parts together read every run once,
-    whatever the number of parts."""
-    runs = _shuffled_chunks(idx, step, seed) if shuffle else _chunk_runs(idx, step)
-    k, n = part
-    return runs[k::n] if n > 1 else runs
-
-
-def _mix_seed(seed: int, part: Part, n: int) -> list[int]:
-    """The seed of the n-th buffer of a part (the whole epoch keeps the seeds it always had)."""
-    return [seed, n] if part == (0, 1) else [seed, *part, n]
-
-
 def _read_runs(arrays: Sequence[zarr.Array], runs: Sequence[np.ndarray],
-               spare: list[np.ndarray] | None = None) -> tuple[np.ndarray, _Columns]:
+               spare: list[np.ndarray] | None = None, scattered: bool = False) -> tuple[np.ndarray, _Columns]:
     """Runs of rows (each inside one chunk) of each array: the rows read (ascending for several runs, else
     in the run's order) and each array's values of them. ``spare``: arrays no longer used, of the first
-    array's rows; one with room is read into (a fresh one costs first-touch page faults)."""
+    array's rows; one with room is read into (a fresh one costs first-touch page faults). ``scattered``: runs
+    of single small chunks from anywhere, read in one call (zarr fetches them concurrently: 4x faster here
+    than a call per chunk)."""
     rows = np.sort(np.concatenate(runs)) if len(runs) > 1 else np.concatenate(runs)
+    if scattered:
+        return rows, tuple(np.asarray(arr.oindex[rows]) for arr in arrays)
     into = None
     if spare:
         room = spare.pop()
@@ -105,10 +66,11 @@ class _Buffer:
     perm: np.ndarray | None
 
     @classmethod
-    def read(cls, arrays: Mapping[str, zarr.Array], runs: Sequence[np.ndarray], seed: list[int] | None) -> _Buffer:
+    def read(cls, arrays: Mapping[str, zarr.Array], runs: Sequence[np.ndarray], seed: list[int] | None,
+             scattered: bool = False) -> _Buffer:
         """Read runs of rows (each inside one chunk; on the prefetch thread); with ``seed``, draw the
         order of their rows."""
-        rows, data = _read_runs(list(arrays.values()), runs)
+        rows, data = _read_runs(list(arrays.values()), runs, scattered=scattered)
         perm = None if seed is None else np.random.default_rng(seed).permutation(len(rows))
         return cls(rows, data, perm)
 
@@ -121,13 +83,14 @@ class _Buffer:
         return (self.index[at], *(x[at] for x in self.data))
 
 
-def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: bool = False) -> Iterator[_Columns]:
+def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: bool = False,
+             start: int = 0) -> Iterator[_Columns]:
     """Batches of ``batch_size`` rows across buffers: a batch that one buffer leaves short is completed
     from the start of the next (copying only the rows carried); the last short batch comes unless
-    ``drop_last``."""
+    ``drop_last``. ``start``: places of the first buffer already served (a resumed stream)."""
     carry: _Columns | None = None
     for buffer in buffers:
-        lo = 0
+        lo, start = start, 0
         if carry is not None:
             lo = min(batch_size - len(carry[0]), len(buffer))
             carry = tuple(np.concatenate([c, h]) for c, h in zip(carry, buffer.take(0, lo), strict=True))
@@ -146,40 +109,99 @@ def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: b
 
 
 class _Tokens:
-    """The tokens ``skip : skip + tokens`` of rows read from a ``(tokens, features)`` capture, served as single
-    tokens in the order ``order`` (token numbers, row after row; None: as read). Each batch is gathered into an
-    array of its own: no copy of the whole buffer (fresh at every buffer, its first-touch page faults cost more
-    than the mixing), and a batch the caller keeps is never overwritten."""
+    """The tokens ``skip : skip + tokens`` of rows read from ``(tokens, features)`` captures of one token layout,
+    served as single tokens in the order ``order`` (token numbers, row after row; None: as read), the same
+    positions from each capture. Each batch is gathered into an array of its own: no copy of the whole buffer
+    (fresh at every buffer, its first-touch page faults cost more than the mixing), and a batch the caller keeps
+    is never overwritten."""
 
-    def __init__(self, rows: np.ndarray, x: np.ndarray, positions: np.ndarray | int, skip: int, tokens: int,
+    def __init__(self, rows: np.ndarray, xs: _Columns, positions: np.ndarray | int, skip: int, tokens: int,
                  order: np.ndarray | None) -> None:
         # positions: (rows, stored tokens) in the layer's sequence, or where the stored tokens begin in it
-        self.rows, self.x, self.positions = rows, x, positions
+        self.rows, self.xs, self.positions = rows, xs, positions
         self.skip, self.tokens, self.order = skip, tokens, order
 
     @classmethod
-    def mixed(cls, rows: np.ndarray, columns: _Columns, origin: int, skip: int, tokens: int,
+    def mixed(cls, rows: np.ndarray, columns: _Columns, keys: int, origin: int, skip: int, tokens: int,
               seed: list[int] | None) -> _Tokens:
-        """Of rows read (their values, then a sampled capture's ``KEY.token_index``; else ``origin``: the first
-        stored token's position in the layer's sequence), the tokens in a random order drawn from ``seed``
-        (None: in order)."""
+        """Of rows read (the values of ``keys`` captures, then a sampled capture's ``KEY.token_index``; else
+        ``origin``: the first stored token's position in the layer's sequence), the tokens in a random order
+        drawn from ``seed`` (None: in order)."""
         order = None if seed is None else np.random.default_rng(seed).permutation(len(rows) * tokens)
-        return cls(rows, columns[0], columns[1] if len(columns) > 1 else origin, skip, tokens, order)
+        positions = columns[keys] if len(columns) > keys else origin
+        return cls(rows, columns[:keys], positions, skip, tokens, order)
 
     def __len__(self) -> int:
         return len(self.rows) * self.tokens
 
     @property
     def memory(self) -> np.ndarray:
-        """The array its values were read into (which a later read may use again once this is served)."""
-        return self.x if self.x.base is None else self.x.base
+        """The array the first capture's values were read into (which a later read may use again once this is
+        served)."""
+        x = self.xs[0]
+        return x if x.base is None else x.base
 
     def take(self, lo: int, hi: int) -> _Columns:
-        """Places ``lo:hi`` of the order: ``(index, data)``; index holds each token's row and position."""
+        """Places ``lo:hi`` of the order: ``(index, *data)``; index holds each token's row and position."""
         r, t = np.divmod(np.arange(lo, hi) if self.order is None else self.order[lo:hi], self.tokens)
         t += self.skip
         position = t + self.positions if isinstance(self.positions, int) else self.positions[r, t]
-        return np.stack([self.rows[r], position], axis=1), self.x[r, t]
+        return (np.stack([self.rows[r], position], axis=1), *(x[r, t] for x in self.xs))
+
+
+def _normalized(x: np.ndarray, shift: np.ndarray | None, scale: float | None) -> np.ndarray:
+    """``(x - shift) / scale`` in float32 (either left out when None)."""
+    out = x.astype(np.float32)
+    if shift is not None:
+        out -= shift
+    if scale is not None:
+        out /= np.float32(scale)
+    return out
+
+
+def _unit(array: zarr.Array, spread: bool) -> int:
+    """Rows a stream takes as one piece: a run of chunks read at once (:func:`read_rows`), or with ``spread`` one
+    (inner) chunk."""
+    return max(int(array.chunks[0]), 1) if spread else read_rows(array)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One epoch of a stream: its runs of rows (each inside one chunk) in the order read, cut into buffers of
+    ``per`` runs; the seeds that mix each buffer."""
+
+    runs: list[np.ndarray]
+    per: int
+    shuffle: bool
+    seed_: int
+    part: Part
+    worker: Part
+
+    @classmethod
+    def of(cls, idx: np.ndarray, step: int, shuffle: bool, seed: int, part: Part | None, worker: Part | None,
+           per: int) -> _Plan:
+        part, worker = rank_part(part), check_part(worker, "worker")
+        return cls(epoch_runs(idx, step, shuffle, seed, part, worker), per, shuffle, seed, part, worker)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r) for r in self.runs)
+
+    def seed(self, n: int) -> list[int] | None:
+        """The seed that mixes buffer ``n`` (None: not shuffled)."""
+        return mix_seed(self.seed_, self.part, self.worker, n) if self.shuffle else None
+
+    def jobs(self, start: int, per_row: int) -> tuple[list[tuple[int, list[np.ndarray]]], int]:
+        """The buffers left to read (numbered from the epoch's first) once ``start`` items are served, ``per_row``
+        items a row, and the places of the first of them already served."""
+        groups = [self.runs[i : i + self.per] for i in range(0, len(self.runs), self.per)]
+        sizes = [per_row * sum(len(r) for r in g) for g in groups]
+        return skip_jobs(list(enumerate(groups)), sizes, start)
+
+    def fixed(self, buffer_chunks: int, per_row: int) -> dict[str, Any]:
+        """What fixes the epoch's order (a saved state is of this epoch only): plain ints and lists."""
+        return {"seed": self.seed_, "shuffle": self.shuffle, "part": list(self.part), "worker": list(self.worker),
+                "buffer_chunks": buffer_chunks, "items": self.rows * per_row}
 
 
 class Batching:
@@ -193,6 +215,9 @@ class Batching:
 
         @property
         def model(self) -> dict[str, Any]: ...
+
+        @property
+        def stats(self) -> dict[str, Any]: ...
 
         def __getitem__(self, key: str) -> zarr.Array: ...
 
@@ -211,7 +236,10 @@ class Batching:
         buffer_chunks: int = 8,
         prefetch: int = 2,
         part: Part | None = None,
-    ) -> Iterator[tuple[np.ndarray, Any]]:
+        *,
+        worker: Part | None = None,
+        spread: bool = False,
+    ) -> Stream:
         """Yield ``(row_indices, data)``: every selected row once per call (one epoch).
 
         ``data`` is an array for one key, a dict of arrays for several; ``data[i]`` is row
@@ -223,46 +251,62 @@ class Batching:
         it rows come in the order given, and a chunk is read once per run of consecutive
         selected rows inside it: rows grouped by chunk (e.g. ascending) read each chunk once.
 
-        ``part=(k, n)`` yields the k-th of n disjoint parts of the epoch (its chunks split among n
-        readers: DataLoader worker processes, distributed ranks): the n parts of one seed together
-        hold every selected row once. :meth:`dataloader` with ``num_workers`` does this for you.
+        ``part=(k, n)`` yields the k-th of n disjoint parts of the epoch, for distributed ranks; by default
+        ``(rank, world size)`` when ``torch.distributed`` is initialised. Every part has the same length, as
+        ``DistributedSampler(drop_last=True)`` gives: the epoch's last ``rows % n`` rows (of its shuffled order:
+        other rows each epoch) are dropped, so that ranks run the same number of batches and none waits at
+        the end. ``worker=(w, W)``: the w-th of W DataLoader workers of the part (none dropped);
+        :meth:`dataloader` with ``num_workers`` does this for you.
+
+        Mixing: a buffer holds ``buffer_chunks`` pieces of the epoch, each a run of chunks read at once (up to
+        about 32 MiB of a sharded array), so a batch draws on ``buffer_chunks`` places of the store: rows
+        stored in class order give batches of few classes. ``spread=True`` makes each piece a single (inner)
+        chunk, taken from anywhere in the epoch (random reads of small chunks): with ``buffer_chunks`` a few
+        times the batch size, batches mix about as a global permutation's (``make bench --reader-only``
+        measures it). Memory: :meth:`buffer_bytes` per buffer, ``prefetch + 1`` buffers.
+
+        The stream has ``state_dict()`` / ``load_state_dict()`` (torchdata's ``Stateful``): a stream made
+        with the same arguments and given a saved state before its first batch yields exactly the rows the
+        saved one had not yet yielded.
         """
         _check_sizes(batch_size, buffer_chunks)
-        part = _check_part(part)
-        arrays, step = self._arrays_of(keys, "batches")
-        idx = self._select_rows(rows, only_ok)
+        arrays, step = self._arrays_of(keys, "batches", spread)
         # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
-        runs = _epoch_runs(idx, step, shuffle, seed, part)
-        per = buffer_chunks if shuffle else 1
+        plan = _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker,
+                        buffer_chunks if shuffle else 1)
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Buffer:
             n, chunk_runs = job
-            return _Buffer.read(arrays, chunk_runs, _mix_seed(seed, part, n) if shuffle else None)
+            return _Buffer.read(arrays, chunk_runs, plan.seed(n), spread)
 
-        jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
-        for index, *data in _rebatch(_prefetched(jobs, read, prefetch), batch_size):
-            yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
+        def make(start: int) -> Iterator[tuple[np.ndarray, Any]]:
+            jobs, offset = plan.jobs(start, 1)
+            for index, *data in _rebatch(_prefetched(jobs, read, prefetch), batch_size, start=offset):
+                yield index, (data[0] if isinstance(keys, str) else dict(zip(arrays, data, strict=True)))
 
-    def _arrays_of(self, keys: str | Sequence[str], what: str) -> tuple[dict[str, zarr.Array], int]:
+        return Stream(make, {**plan.fixed(buffer_chunks, 1), "spread": spread})
+
+    def _arrays_of(self, keys: str | Sequence[str], what: str, spread: bool = False
+                   ) -> tuple[dict[str, zarr.Array], int]:
         """The arrays of ``keys`` and the rows a read takes: their smallest chunk (a capture with bigger chunks,
         small rows under ``chunk_rows: auto``, is read several times per chunk), or of sharded arrays a run of
-        chunks of about 32 MiB (:func:`read_rows`)."""
+        chunks of about 32 MiB (:func:`read_rows`); with ``spread`` one (inner) chunk."""
         names = [keys] if isinstance(keys, str) else list(keys)
         if not names:
             raise ValueError(f"{what} needs at least one capture key; {self._known()}")
         arrays = {k: self[k] for k in names}
-        return arrays, min(read_rows(a) for a in arrays.values())
+        return arrays, min(_unit(a, spread) for a in arrays.values())
 
     def epoch_rows(self, keys: str | Sequence[str], shuffle: bool = True, seed: int = 0, rows: Rows = None,
-                   only_ok: bool = True, part: Part | None = None) -> int:
-        """How many rows one epoch of :meth:`batches` (or the part ``part`` of it) yields."""
-        _, step = self._arrays_of(keys, "epoch_rows")
-        runs = _epoch_runs(self._select_rows(rows, only_ok), step, shuffle, seed, _check_part(part))
-        return sum(len(r) for r in runs)
+                   only_ok: bool = True, part: Part | None = None, *, worker: Part | None = None,
+                   spread: bool = False) -> int:
+        """How many rows one epoch of :meth:`batches` (or the part ``part`` of it, of its ``worker``) yields."""
+        _, step = self._arrays_of(keys, "epoch_rows", spread)
+        return _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker, 1).rows
 
     def token_batches(
         self,
-        key: str,
+        key: str | Sequence[str],
         batch_size: int = 4096,
         shuffle: bool = True,
         seed: int = 0,
@@ -273,7 +317,11 @@ class Batching:
         prefetch: int = 1,
         drop_last: bool = False,
         part: Part | None = None,
-    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        *,
+        worker: Part | None = None,
+        spread: bool = False,
+        normalize: str | Sequence[str] | None = None,
+    ) -> Stream:
         """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
         ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
         position in the layer's sequence, however the capture was stored (whole, without its prefix
@@ -285,41 +333,98 @@ class Batching:
         row's first tokens: ``True`` the model's prefix tokens (CLS, registers; the store's
         ``model.prefix_tokens``), unless the capture was stored without them already (its
         ``drop_prefix``): then nothing more; or a count, of the tokens as stored. ``drop_last``
-        leaves out a last short batch. ``part=(k, n)``: the k-th of n disjoint parts of the epoch
-        (see :meth:`batches`). ``prefetch``: buffers read ahead while one is served (each more holds a
-        buffer's memory: one overlaps reading with serving)."""
-        if not isinstance(key, str):
-            raise TypeError(f"token_batches streams the tokens of one capture: give its key, not {key!r}")
+        leaves out a last short batch. ``part=(k, n)``, ``worker=(w, W)``: parts of equal length for
+        ranks, and of DataLoader workers; ``spread``: mixing across the store (see :meth:`batches`); the
+        stream resumes from its ``state_dict()`` as :meth:`batches` does. ``prefetch``: buffers read ahead
+        while one is served (each more holds a buffer's memory: one overlaps reading with serving).
+
+        ``normalize`` (from the store's statistics of ``key``, over every stored token; data then float32):
+        ``"mean"`` subtracts the per-feature mean; ``"norm"`` divides by the mean token L2 norm
+        (``stats[key]["mean_token_l2"]``): tokens of unit mean norm, as SAELens and saev scale; both
+        (``("mean", "norm")``) divide the centred tokens by their root mean square norm (the square root of
+        the summed per-feature variances, exact from the statistics).
+
+        Several captures of one token layout (``[k1, k2, ...]``: the layers of a multi-layer SAE or a
+        crosscoder, stored with the same tokens): ``data`` is a dict ``{key: (B, features_key)}`` of the same
+        (row, token) positions from each, ``index`` those positions; each capture normalised by its own
+        statistics."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool):
             raise TypeError(f"batch_size must be an int, not {batch_size!r}")
-        skip, tokens = self.token_span(key, drop_prefix)
+        keys = self._token_keys(key, drop_prefix)
+        skip, tokens = self.token_span(keys[0], drop_prefix)
         _check_sizes(batch_size, buffer_chunks)
-        part = _check_part(part)
-        arrays = [self[key]]
-        if self.captures[key].get("sample_tokens"):  # each stored token's position in the layer's sequence
-            arrays.append(self[f"{key}.token_index"])
-        origin = int(self.captures[key].get("drop_prefix") or 0)  # stored without its prefix: patches from there
+        arrays = [self[k] for k in keys]
+        if self.captures[keys[0]].get("sample_tokens"):  # each stored token's position in the layer's sequence
+            arrays.append(self[f"{keys[0]}.token_index"])
+        origin = int(self.captures[keys[0]].get("drop_prefix") or 0)  # stored without its prefix: patches from there
+        norms = [self._normalizer(k, normalize) for k in keys]
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
-        runs = _epoch_runs(self._select_rows(rows, only_ok), read_rows(arrays[0]), shuffle, seed, part)
-        per = buffer_chunks if shuffle else 1
+        plan = _Plan.of(self._select_rows(rows, only_ok), _unit(arrays[0], spread), shuffle, seed, part, worker,
+                        buffer_chunks if shuffle else 1)
 
         spare: list[np.ndarray] = []  # the memory of buffers served (their batches are copies), read into again
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Tokens:
             n, chunk_runs = job
-            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare), origin, skip, tokens,
-                                 _mix_seed(seed, part, n) if shuffle else None)
+            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare, spread), len(keys), origin, skip, tokens,
+                                 plan.seed(n))
 
         def served(buffers: Iterable[_Tokens]) -> Iterator[_Tokens]:
             for buffer in buffers:
                 yield buffer  # asked for the next one: this one is served
                 spare.append(buffer.memory)
 
-        jobs = enumerate(runs[i : i + per] for i in range(0, len(runs), per))
-        # one reading thread: a buffer is one zarr read that decodes its chunks concurrently already (and a buffer
-        # more ahead is a fresh one: 0.65x of a sequential read with two ahead, against 0.97x with one)
-        buffers = _prefetched(jobs, read, prefetch, threads=1)
-        yield from cast(Iterator[_Read], _rebatch(served(buffers), batch_size, drop_last))
+        def make(start: int) -> Iterator[tuple[np.ndarray, Any]]:
+            jobs, offset = plan.jobs(start, tokens)
+            # one reading thread: a buffer is one zarr read that decodes its chunks concurrently already (and a
+            # buffer more ahead is a fresh one: 0.65x of a sequential read with two ahead, against 0.97x with one)
+            buffers = _prefetched(jobs, read, prefetch, threads=1)
+            for index, *xs in _rebatch(served(buffers), batch_size, drop_last, offset):
+                xs = [x if shift is None and scale is None else _normalized(x, shift, scale)
+                      for x, (shift, scale) in zip(xs, norms, strict=True)]
+                yield index, (xs[0] if isinstance(key, str) else dict(zip(keys, xs, strict=True)))
+
+        return Stream(make, {**plan.fixed(buffer_chunks, tokens), "drop_prefix": skip, "spread": spread})
+
+    def _normalizer(self, key: str, normalize: str | Sequence[str] | None) -> tuple[np.ndarray | None, float | None]:
+        """What ``normalize`` subtracts (per feature) and divides by, from the statistics of ``key``."""
+        asked = {normalize} if isinstance(normalize, str) else set(normalize or ())
+        if not asked:
+            return None, None
+        if not asked <= {"mean", "norm"}:
+            raise ValueError(f"normalize takes 'mean', 'norm' or both, not {normalize!r}")
+        stats = self.stats.get(key)
+        if not stats or (asked == {"norm"} and stats.get("mean_token_l2") is None):
+            raise StoreError(f"normalize={normalize!r} needs the store's per-token statistics of {key!r}, which it "
+                             "does not have (a store of a run that did not end, or made before per-token norms): "
+                             "run 'extractor run --resume' on it, or leave normalize out")
+        mean = np.asarray(stats["mean"], np.float32)
+        if asked == {"norm"}:
+            return None, float(stats["mean_token_l2"])
+        if asked == {"mean"}:
+            return mean, None
+        return mean, float(np.sqrt(np.sum(np.square(np.asarray(stats["std"], np.float64)))))
+
+    def buffer_bytes(self, key: str, buffer_chunks: int = 8, spread: bool = False) -> int:
+        """Bytes of one mixing buffer of :meth:`batches` / :meth:`token_batches` over ``key`` (at most: the last
+        piece of a part may be shorter); a stream holds ``prefetch + 1`` of them."""
+        array = self[key]
+        row = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
+        return buffer_chunks * _unit(array, spread) * row
+
+    def _token_keys(self, key: str | Sequence[str], drop_prefix: bool | int) -> list[str]:
+        """The token captures ``key`` names, checked to share one token layout (the same positions per row)."""
+        keys = [key] if isinstance(key, str) else list(key)
+        if not keys or not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"token_batches takes a capture key or a list of them, not {key!r}")
+        layouts = {k: (self.token_span(k, drop_prefix), self.captures[k].get("drop_prefix"),
+                       self.captures[k].get("sample_tokens"),
+                       self.captures[k].get("seed") if self.captures[k].get("sample_tokens") else None) for k in keys}
+        if len(set(layouts.values())) > 1:
+            raise StoreError("token_batches of several captures needs one token layout (tokens per row, "
+                             "drop_prefix, sample_tokens and its seed); "
+                             + ", ".join(f"{k}: {v}" for k, v in layouts.items()) + ": stream them one by one")
+        return keys
 
     def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
         """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``

@@ -6,6 +6,8 @@ global state, no window, safe in threads.
 
 from __future__ import annotations
 
+import functools
+import io
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,11 +31,27 @@ FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 def _figure(width: float, height: float) -> Figure:
     try:
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401
     except ImportError:
         raise ExtractorError("figures are drawn with matplotlib, which is not installed: pip install "
                              "'extractor[analysis]'") from None
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return _shown()(figsize=(width, height), dpi=100, layout="constrained")
+
+
+@functools.cache
+def _shown() -> type[Figure]:
+    """A matplotlib Figure that a notebook shows as PNG (``_repr_png_``) also where pyplot was never imported:
+    IPython's inline formatter for figures is installed only when pyplot's inline backend starts, so a fresh
+    kernel shows a plain ``Figure`` as ``<Figure size ...>``."""
+    from matplotlib.figure import Figure
+
+    class ShownFigure(Figure):
+        def _repr_png_(self) -> bytes:
+            out = io.BytesIO()
+            self.savefig(out, format="png")  # a Figure's own savefig draws on an Agg canvas when it has none
+            return out.getvalue()
+
+    return ShownFigure
 
 
 def save(fig: Figure, out: str | Path) -> None:

@@ -41,8 +41,8 @@ from ..store.snapshot import snapshot_store
 from .batching import (
     Batching,
     Rows,
-    _check_part,
 )
+from .epoch import check_part
 from .ids import _IdIndex
 
 __all__ = ["open_store", "ActivationStore"]
@@ -313,9 +313,10 @@ class ActivationStore(Batching):
     ):
         """A ``torch.utils.data.DataLoader`` of dict batches streamed by :meth:`batches` (chunk-aware
         shuffle): one tensor per key, plus ``row`` and ``label``. With ``tokens=True`` the rows are
-        single tokens of one ``(tokens, features)`` capture (:meth:`token_batches`): the batch holds
-        that key, ``row`` and ``token``. ``dtype`` (e.g. ``torch.float32``, ``torch.bfloat16``)
-        converts the stored values; ``drop_last`` leaves out a last short batch (of each worker).
+        single tokens of ``(tokens, features)`` captures (:meth:`token_batches`; several of one token
+        layout give the same positions of each): the batch holds each key, ``row`` and ``token``.
+        ``dtype`` (e.g. ``torch.float32``, ``torch.bfloat16``) converts the stored values; ``drop_last``
+        leaves out a last short batch (of each worker).
 
         ``num_workers=N`` reads in N worker processes, each a disjoint part of the epoch's chunks
         (every row, or token, once per epoch); ``pin_memory``, ``prefetch_factor``,
@@ -335,25 +336,26 @@ class ActivationStore(Batching):
         loader = {k: options.pop(k) for k in list(options) if k in LOADER_OPTIONS}
         source = self.token_batches if tokens else self.batches
         allowed = set(inspect.signature(source).parameters) - {"key", "keys", "batch_size", "shuffle", "seed",
-                                                                "drop_last"}
+                                                                "drop_last", "worker"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise TypeError(f"dataloader() got unknown option(s) {', '.join(unknown)}; it takes "
                             f"{', '.join(sorted(allowed))} (the options of {source.__name__}()), num_workers and "
                             f"the DataLoader's {', '.join(LOADER_OPTIONS)}")
         names = [keys] if isinstance(keys, str) else list(keys or self.keys)
-        if tokens and len(names) != 1:
-            raise ValueError(f"dataloader(tokens=True) streams the tokens of one capture, not {names}")
         for k in names:
             self[k]  # an unknown key fails here, at the call
-        _check_part(options.get("part"))
+        if tokens:
+            self._token_keys(names, options.get("drop_prefix", False))  # token captures of one layout, at the call
+        check_part(options.get("part"))
         return batch_loader(self, names, batch_size, shuffle, seed, options, tokens=tokens, dtype=dtype,
                             drop_last=drop_last, num_workers=num_workers, loader=loader)
 
     def to_xarray(self, only_ok: bool = True, stack: Sequence[str] | None = None):
         """An ``xarray.Dataset`` (dask-backed, lazy): one DataArray per capture on dim ``row``, whose
         coordinate is the store's row number, with ``ids``, ``labels`` and ``status`` coordinates
-        (the names ``xarray.open_zarr`` gives the store's own coordinate arrays).
+        (the names ``xarray.open_zarr`` gives the store's own coordinate arrays), and ``class_name`` (the
+        label's name; "" for none) when the store records class names.
         Extras of gradient jobs: per-row scalars (``target``, ``target_score``) are coordinates
         on ``row`` like ``labels``; ``KEY.range`` is a DataArray on (``row``, ``KEY.range.minmax``),
         labelled ``min``, ``max``. Rows that are not ok (failed: NaN; pending: not computed yet)
@@ -375,6 +377,11 @@ class ActivationStore(Batching):
         ds = ds[[*self.keys, *extras]].assign_coords(row=np.arange(len(status)),
                                                      ids=("row", np.asarray(self.ids, dtype=object)),
                                                      labels=("row", self.labels), status=("row", status))
+        if self.classes:  # each row's class name ("" where a row has no label)
+            names = np.asarray([*self.classes, ""], dtype=object)
+            labels = self.labels
+            ds = ds.assign_coords(class_name=("row", names[np.where((labels >= 0) & (labels < len(self.classes)),
+                                                                     labels, len(self.classes))]))
         ds = ds.set_coords([k for k, m in extras.items() if not m["dims"]])  # per-row scalars: follow each capture
         ds = ds.assign_coords({m["dims"][0]: ["min", "max"] for k, m in extras.items() if k.endswith(".range")})
         ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}

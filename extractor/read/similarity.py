@@ -37,7 +37,7 @@ class Comparison:
     names: list[str]
     cka: np.ndarray  # (k, k)
     rsa: np.ndarray  # (k, k)
-    shared: int  # ids ok in every store compared
+    shared: int  # images ok in every store compared (by id, else by content digest)
     cka_rows: int  # rows in the CKA sample
     rsa_rows: int  # rows in the RSA sample
     notes: list[str] = field(default_factory=list)
@@ -80,47 +80,51 @@ def compare(captures: Sequence[tuple[ActivationStore, str]], rows: int | None = 
     ``SAMPLE_ROWS``, each capture read with at most ``FEATURE_BYTES`` of float32), RSA on ``rsa_rows`` of the
     sample."""
     _check(captures)
-    ids = _shared_ids([s for s, _ in captures])
-    if len(ids) < 3:
-        raise StoreError(f"the captures compared share {len(ids)} ok rows; CKA and RSA need at least 3 (an RDM of 3 "
+    aligned, how = _aligned([s for s, _ in captures])
+    total = len(aligned[0])
+    if total < 3:
+        raise StoreError(f"the captures compared share {total} ok rows; CKA and RSA need at least 3 (an RDM of 3 "
                          "rows has 3 dissimilarities)")
     widths = [int(np.prod(s[k].shape[1:])) for s, k in captures]
     features = sum(widths) <= FEATURE_WIDTH
-    want = min(rows or (len(ids) if features else SAMPLE_ROWS), len(ids))
+    want = min(rows or (total if features else SAMPLE_ROWS), total)
     n = want if features else min(want, max(FEATURE_BYTES // (4 * max(widths)), 3))
     notes = [] if n == want else [f"the CKA sample is {n} rows: {max(widths)} features a row, read at most "
                                   f"{FEATURE_BYTES >> 20} MiB of them per capture"]
-    sample = _sample(ids, n, seed)
+    notes += [how] if how else []
+    sample = [r[_sample(total, n, seed)] for r in aligned]
     cka = _cka_features(captures, sample, widths) if features else _cka_grams(captures, sample)
     m = min(rsa_rows, n)
-    rdms = [_ranks(_upper(1.0 - np.corrcoef(_rows_of(store, key, _sample(sample, m, seed + 1)))))
-            for store, key in captures]
+    few = _sample(n, m, seed + 1)
+    rdms = [_ranks(_upper(1.0 - np.corrcoef(_rows_of(store, key, r[few]))))
+            for (store, key), r in zip(captures, sample, strict=True)]
     rsa = np.array([[float(np.corrcoef(a, b)[0, 1]) for b in rdms] for a in rdms])
     names = [f"{s.url}:{k}" for s, k in captures]
-    return Comparison(names, cka, rsa, len(ids), n, m, notes)
+    return Comparison(names, cka, rsa, total, n, m, notes)
 
 
-def _sample(ids: list[str], n: int, seed: int) -> list[str]:
-    """A seeded sample of ``n`` of ``ids``, in their order (all of them when ``n`` is their number)."""
-    if n >= len(ids):
-        return ids
-    return [ids[i] for i in np.sort(np.random.default_rng(seed).choice(len(ids), n, replace=False))]
+def _sample(total: int, n: int, seed: int) -> np.ndarray:
+    """A seeded sample of ``n`` of the places ``0 .. total - 1``, in order (all of them when ``n`` is ``total``)."""
+    if n >= total:
+        return np.arange(total)
+    return np.sort(np.random.default_rng(seed).choice(total, n, replace=False))
 
 
-def _cka_features(captures: Sequence[tuple[ActivationStore, str]], ids: list[str], widths: list[int]) -> np.ndarray:
+def _cka_features(captures: Sequence[tuple[ActivationStore, str]], rows: list[np.ndarray], widths: list[int]
+                  ) -> np.ndarray:
     """Linear CKA of every pair, in the feature form: the features' sums and cross-products (all captures side by
-    side) summed over ``ids`` a batch at a time, centred at the end."""
+    side) summed over ``rows`` (of each capture, aligned) a batch at a time, centred at the end."""
     edges = np.cumsum([0, *widths])
     total = int(edges[-1])
     cross = np.zeros((total, total))
     sums = np.zeros(total)
     batch = max(1, BATCH_BYTES // (8 * total))
-    for start in range(0, len(ids), batch):
-        part = ids[start:start + batch]
-        x = np.hstack([_rows_of(store, key, part) for store, key in captures])
+    n = len(rows[0])
+    for start in range(0, n, batch):
+        x = np.hstack([_rows_of(store, key, r[start:start + batch]) for (store, key), r in zip(captures, rows,
+                                                                                              strict=True)])
         cross += x.T @ x
         sums += x.sum(axis=0)
-    n = len(ids)
     centred = cross - np.outer(sums, sums) / n  # X'X of the centred features: sum x x' - n mean mean'
     blocks = [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     norms = [np.linalg.norm(centred[b, b]) for b in blocks]
@@ -132,12 +136,12 @@ def _cka_features(captures: Sequence[tuple[ActivationStore, str]], ids: list[str
     return out
 
 
-def _cka_grams(captures: Sequence[tuple[ActivationStore, str]], ids: list[str]) -> np.ndarray:
-    """Linear CKA of every pair from the centred Gram matrices of ``ids`` (for captures too wide for the
-    feature form)."""
+def _cka_grams(captures: Sequence[tuple[ActivationStore, str]], rows: list[np.ndarray]) -> np.ndarray:
+    """Linear CKA of every pair from the centred Gram matrices of ``rows`` (of each capture, aligned; for captures
+    too wide for the feature form)."""
     grams = []
-    for store, key in captures:
-        x = _centred(_rows_of(store, key, ids))
+    for (store, key), r in zip(captures, rows, strict=True):
+        x = _centred(_rows_of(store, key, r))
         g = x @ x.T
         grams.append(g / np.linalg.norm(g))
     return np.array([[float(np.sum(a * b)) for b in grams] for a in grams])
@@ -156,24 +160,40 @@ def _check(captures: Sequence[tuple[ActivationStore, str]]) -> None:
             raise StoreError(f"{key!r} is not a capture of {store.url}; its captures: {', '.join(store.keys)}")
 
 
-def _shared_ids(stores: Sequence[ActivationStore]) -> list[str]:
-    """The ids ok in every store, in the first store's row order; refused when there are none."""
-    ok = [{str(i) for i in s.ids[s.ok_rows()]} for s in stores]
-    common = set.intersection(*ok)
+def _ok_places(store: ActivationStore, values: np.ndarray) -> dict[str, int]:
+    """Of the store's ok rows: each value (id, digest) -> the first row holding it."""
+    ok = store.ok_rows()
+    return {str(v): int(r) for v, r in zip(values[ok[::-1]], ok[::-1], strict=True)}
+
+
+def _aligned(stores: Sequence[ActivationStore]) -> tuple[list[np.ndarray], str | None]:
+    """Per store, the rows of the images ok in every store (the i-th of each the same image), in the first store's
+    row order: matched by image id or, where the stores share no id (one image set read from two sources: a
+    folder and its Parquet copy), by content digest, with a note saying so. Refused when none is shared."""
+    places = [_ok_places(s, s.ids) for s in stores]
+    common = set.intersection(*(set(p) for p in places))
+    how = None
+    if not common and all(s.digests is not None for s in stores):
+        by_digest = [_ok_places(s, np.asarray(s.digests)) for s in stores]
+        for p in by_digest:
+            p.pop("0", None)  # a row never read has no digest
+        common = set.intersection(*(set(p) for p in by_digest))
+        if common:
+            places, how = by_digest, (f"no image id is shared: {len(common)} rows aligned by content digest "
+                                      "(the same image bytes)")
     if not common:
-        raise StoreError("the stores compared share no image id whose row is ok in all of them: "
-                         + ", ".join(f"{s.url} ({len(o)} ok)" for s, o in zip(stores, ok, strict=True))
+        raise StoreError("the stores compared share no image id (nor image content digest) whose row is ok in all "
+                         "of them: " + ", ".join(f"{s.url} ({len(p)} ok)" for s, p in zip(stores, places, strict=True))
                          + "; compare stores made from the same images")
-    first = stores[0]
-    return [str(i) for i in first.ids[first.ok_rows()] if str(i) in common]
+    keys = sorted(common, key=places[0].__getitem__)
+    return [np.array([p[k] for k in keys], dtype=np.int64) for p in places], how
 
 
-def _rows_of(store: ActivationStore, key: str, ids: list[str]) -> np.ndarray:
-    """The rows of ``ids`` of a capture, flattened, float64."""
-    index = store.row_numbers(ids)
-    order = np.argsort(index)
-    x = np.empty((len(ids), int(np.prod(store[key].shape[1:]))), np.float64)
-    x[order] = store.numpy(key, rows=index[order]).reshape(len(ids), -1)
+def _rows_of(store: ActivationStore, key: str, rows: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` of a capture, flattened, float64."""
+    order = np.argsort(rows)
+    x = np.empty((len(rows), int(np.prod(store[key].shape[1:]))), np.float64)
+    x[order] = store.numpy(key, rows=rows[order]).reshape(len(rows), -1)
     if not np.isfinite(x).all():
         raise StoreError(f"{store.url}:{key} holds NaN or Inf in rows of the sample (see extractor inspect): "
                          "compare needs finite values")

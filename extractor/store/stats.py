@@ -2,8 +2,9 @@
 
 Per capture: count, mean and standard deviation per feature (the channel of a map, the
 feature of a token sequence, each element of a vector), global min and max, NaN and Inf
-counts, rows holding any NaN/Inf, and the mean L2 norm of a row. Non-finite values are
-counted, not folded into the moments.
+counts, rows holding any NaN/Inf, and the mean L2 norm of a row; of a token capture (its last dims
+``token``, ``feature``) also the mean L2 norm of a token (``mean_token_l2``: what a sparse autoencoder
+normalises by). Non-finite values are counted, not folded into the moments.
 
 A shard's record (``shard_stats[s]``) is JSON whose per-feature sums are base64 of their bytes (records
 written before hold lists of numbers: both are read). The driver merges records into :class:`Totals` as
@@ -28,7 +29,7 @@ from .layout import done_shards, get_array, take_rows
 __all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
 
 _SUMS = {"count": np.int64, "sum": np.float64, "sumsq": np.float64}  # per feature
-_SCALARS = ("nan", "inf", "rows", "nonfinite_row_count", "l2_sum", "l2_rows")
+_SCALARS = ("nan", "inf", "rows", "nonfinite_row_count", "l2_sum", "l2_rows", "token_l2_sum", "token_l2_count")
 _FIRST = 20  # rows holding NaN or Inf named, the first ones
 MERGE_SLICE = 32  # shards' records read at once by a merge (24 x 1024 features: 800 KB each)
 
@@ -48,6 +49,9 @@ class ShardStats:
 
     def __init__(self, dims: Sequence[str], shape: Sequence[int]) -> None:
         self.axis = feature_axis(dims)
+        names = [d.rsplit(".", 1)[-1] for d in dims]
+        self.tokens = names[-2:] == ["token", "feature"]  # per-token norms too
+        self.token_l2_sum, self.token_l2_count = 0.0, 0
         n_feat = int(shape[self.axis - 1]) if self.axis is not None else 1
         self.count = np.zeros(n_feat, np.int64)
         self.sum = np.zeros(n_feat, np.float64)
@@ -91,6 +95,10 @@ class ShardStats:
             sq_good = sq[finite_rows] if len(good) < len(x) else sq
             self.l2_sum += float(np.sqrt(sq_good.reshape(len(good), -1).sum(axis=1, dtype=np.float64)).sum())
             self.l2_rows += len(good)
+            if self.tokens:  # (rows, ..., tokens, features): the norm of each token of the finite rows
+                norms = np.sqrt(sq_good.sum(axis=-1, dtype=np.float64))
+                self.token_l2_sum += float(norms.sum())
+                self.token_l2_count += norms.size
 
     def _count_nonfinite(self, x: np.ndarray, rows: np.ndarray, finite_rows: np.ndarray,
                          axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -117,6 +125,7 @@ class ShardStats:
             "nan": self.nan, "inf": self.inf, "rows": self.rows, "nonfinite_rows": self.nonfinite_rows,
             "nonfinite_row_count": self.nonfinite_count,
             "l2_sum": self.l2_sum, "l2_rows": self.l2_rows,
+            "token_l2_sum": self.token_l2_sum, "token_l2_count": self.token_l2_count,
         }
 
 
@@ -160,7 +169,7 @@ class Totals:
                 if d[k] is not None:
                     a[k] = d[k] if a[k] is None else f(a[k], d[k])
             for k in _SCALARS:
-                a[k] += d[k]
+                a[k] = a.get(k, 0) + d.get(k, 0)  # records (totals) written before per-token norms have none
             a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + d["nonfinite_rows"])[:_FIRST]
 
     def summary(self) -> dict[str, dict[str, Any]]:
@@ -182,6 +191,8 @@ class Totals:
                 "first_nonfinite_rows": a["nonfinite_rows"],
                 "mean_l2": a["l2_sum"] / a["l2_rows"] if a["l2_rows"] else None,
             }
+            if a.get("token_l2_count"):
+                out[key]["mean_token_l2"] = a["token_l2_sum"] / a["token_l2_count"]
         return out
 
     def to_bytes(self) -> bytes:

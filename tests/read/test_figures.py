@@ -94,3 +94,24 @@ def test_compare_heatmaps_show_both_measures_with_their_sample_and_colour_bars(s
     out = tmp_path / "c.svg"
     assert main(["compare", f"{store.url}:layer3", f"{store.url}:layer4", "--out", str(out)]) == 0
     assert b"<svg" in out.read_bytes() and f"wrote {out}" in capsys.readouterr().out
+
+
+def test_figures_show_as_png_where_pyplot_was_never_imported():
+    """A returned figure has a PNG representation of its own: a notebook shows it without pyplot's inline
+    backend (a fresh kernel showed ``<Figure size ...>``)."""
+    fig = bar_chart({"a": {"accuracy": 0.8, "std": 0.05, "chance": 0.5}}, "a probe")
+    png = fig._repr_png_()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+@pytest.mark.slow
+def test_a_fresh_notebook_kernel_renders_a_figure_as_png():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    code = ("from extractor.read import bar_chart\n"
+            "bar_chart({'a': {'accuracy': 0.8, 'std': 0.05, 'chance': 0.5}}, 'a probe')")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    nbclient.NotebookClient(nb, timeout=240, kernel_name="python3").execute()
+    [out] = nb.cells[0].outputs
+    assert out["output_type"] == "execute_result" and "image/png" in out["data"], out

@@ -246,6 +246,7 @@ def test_xarray_view_matches_raw_arrays(store):
     assert list(ds["ids"].values) == list(store.ids)
     np.testing.assert_array_equal(ds["labels"].values, store.labels)
     np.testing.assert_array_equal(ds["status"].values, store.status)
+    assert store.classes and list(ds["class_name"].values) == [store.classes[v] if v >= 0 else "" for v in store.labels]
     row = ds.sel(row=3)
     assert str(row["ids"].values) == str(store.ids[3])
     ok = store.to_xarray()  # like numpy(): the rows that are ok, each under its store row number
@@ -543,7 +544,7 @@ def test_dataloader_refuses_unknown_options_at_the_call(tokens):
         s.dataloader(["a"], bufer_chunks=2)
     with pytest.raises(KeyError, match="'nope' is not a capture"):
         s.dataloader(["nope"])
-    with pytest.raises(ValueError, match="tokens of one capture"):
+    with pytest.raises(StoreError, match=r"needs a capture of \(tokens, features\) rows; 'a' is \[4\]"):
         s.dataloader(["tok", "a"], tokens=True)
 
 
@@ -573,8 +574,8 @@ def test_the_torch_views_take_float_dtypes_only_and_know_their_length(tokens):
     assert batches[0]["tok"].dtype == torch.float32 and len(loader) == len(batches) == -(-55 * 4 // 16)
     rows = s.dataloader(["a"], batch_size=10, drop_last=True)
     assert len(rows) == len(list(rows)) == 5
-    with pytest.raises(TypeError, match="tokens of one capture: give its key"):
-        next(s.token_batches(["tok", "a"]))
+    with pytest.raises(StoreError, match="token layout .* stream them one by one"):
+        s.token_batches(["tok", "pat"])
     with pytest.raises(TypeError, match="batch_size must be an int"):
         next(s.token_batches("tok", batch_size="4"))
 

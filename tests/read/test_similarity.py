@@ -17,7 +17,7 @@ from extractor.store.layout import FAILED, OK, StoreArrays, create_store
 
 
 def _store(url: str, ids: list[str], arrays: dict[str, np.ndarray], failed: tuple[int, ...] = (),
-           dims: dict[str, list[str]] | None = None) -> None:
+           dims: dict[str, list[str]] | None = None, digests: np.ndarray | None = None) -> None:
     n = len(ids)
     caps = {k: {"shape": list(v.shape[1:]), "dtype": "float32", "dims": (dims or {}).get(k, [f"{k}.feature"]),
                 "layer": k, "what": "output", "reduce": "mean"} for k, v in arrays.items()}
@@ -29,6 +29,8 @@ def _store(url: str, ids: list[str], arrays: dict[str, np.ndarray], failed: tupl
     status = np.full(n, OK, np.uint8)
     status[list(failed)] = FAILED
     g["status"][:] = status
+    if digests is not None:
+        g["digest"][:] = digests
 
 
 def _cka_by_formula(x: np.ndarray, y: np.ndarray) -> float:
@@ -53,9 +55,13 @@ def stores(tmp_path_factory: pytest.TempPathFactory):
     q, _ = np.linalg.qr(rng.standard_normal((20, 20)))
     z = (np.tanh(x[:, :12] @ rng.standard_normal((12, 30))) + rng.standard_normal((n, 30))).astype(np.float32)
     ids = [f"img{i}" for i in range(n)]
-    _store(str(root / "a.zarr"), ids, {"x": x, "rotated": (x @ q * 3.0).astype(np.float32), "z": z}, failed=(5,))
+    digests = np.arange(1, n + 1, dtype=np.uint64)  # image i's content digest
+    _store(str(root / "a.zarr"), ids, {"x": x, "rotated": (x @ q * 3.0).astype(np.float32), "z": z}, failed=(5,),
+           digests=digests)
     order = rng.permutation(n)[: n - 40]  # another store: 260 of the images, in another order, one more failed
-    _store(str(root / "b.zarr"), [ids[i] for i in order], {"x": x[order]}, failed=(0,))
+    _store(str(root / "b.zarr"), [ids[i] for i in order], {"x": x[order]}, failed=(0,), digests=digests[order])
+    # the same images read from another source (a Parquet copy): other ids, the same bytes
+    _store(str(root / "d.zarr"), [f"pq/{i}" for i in order], {"x": x[order]}, failed=(0,), digests=digests[order])
     _store(str(root / "c.zarr"), [f"other{i}" for i in range(10)], {"x": x[:10]})
     return root, x, z, order
 
@@ -103,10 +109,20 @@ def test_rows_are_aligned_by_id_across_stores_and_stores_sharing_none_are_refuse
     assert got.cka[0, 1] == pytest.approx(1.0, abs=1e-12) and got.rsa[0, 1] == pytest.approx(1.0, abs=1e-12)
     sampled = compare([(a, "x"), (b, "x")], rows=50, seed=3)
     assert sampled.cka_rows == 50 and sampled.cka[0, 1] == pytest.approx(1.0, abs=1e-12)
-    with pytest.raises(StoreError, match=r"share no image id whose row is ok in all of them: .*a.zarr \(299 ok\)"):
+    with pytest.raises(StoreError, match=r"share no image id \(nor image content digest\) whose row is ok in all of "
+                                         r"them: .*a.zarr \(299 ok\)"):
         compare([(a, "x"), (open_store(str(root / "c.zarr")), "x")])
     with pytest.raises(StoreError, match="'nope' is not a capture of"):
         compare([(a, "x"), (a, "nope")])
+    # stores of the same images from two sources: no id shared, aligned by content digest, the same result
+    d = open_store(str(root / "d.zarr"))
+    for rows in (1000, 50):
+        by_id, by_digest = compare([(a, "x"), (b, "x")], rows=rows, seed=3), compare([(a, "x"), (d, "x")], rows=rows,
+                                                                                    seed=3)
+        assert by_digest.shared == by_id.shared and by_digest.cka_rows == by_id.cka_rows
+        np.testing.assert_allclose(by_digest.cka, by_id.cka, atol=1e-12)
+        np.testing.assert_allclose(by_digest.rsa, by_id.rsa, atol=1e-12)
+        assert any("aligned by content digest" in note for note in by_digest.notes)
 
 
 @pytest.mark.slow
