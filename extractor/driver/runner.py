@@ -20,28 +20,9 @@ import numpy as np
 from .._text import count, table
 from ..compute import ShardSummary, Worker
 from ..data import Rows, Shard, absolute, list_rows, plan, tar_listing
-from ..errors import DataError, StoreError
+from ..errors import DataError
 from ..spec import JobSpec
-from ..store import (
-    FAILED,
-    OK,
-    PENDING,
-    Lease,
-    Probe,
-    Totals,
-    check_sources,
-    done_shards,
-    drop_partials,
-    merge_shards,
-    open_group,
-    owner,
-    read_attrs,
-    shard_record,
-    store_attrs,
-    stored_rows,
-    update_attrs,
-)
-from ..store.session import _claim, _consolidate, _decide, _Decision, _record_source, _stopped
+from ..store import Decision, Outcome, Probe, StoreSession
 
 __all__ = ["run", "RunSummary", "Backend", "LocalBackend"]
 
@@ -251,15 +232,10 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
 
 
 def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Progress, on_event: Event,
-             lease: Lease, group: Any) -> list[ShardSummary]:
-    """Run the shards ``todo`` on ``backend`` while this job holds the store's ``lease``."""
+             session: StoreSession) -> list[ShardSummary]:
+    """Run the shards ``todo`` on ``backend`` while this job holds the store (every write through its fence)."""
     url = absolute(spec.output.store)  # for workers in another directory
-    summaries = backend.run(todo, url, on_progress, on_event, fence=lease.token) if todo else []
-    lease.verify()  # a job paused past its lease marks nothing complete in another job's store
-    # still under the lease, every writer of this job done: what runs killed mid-shard left goes
-    if drop_partials(group):
-        log.info("removed the unfinished shard files of an earlier run of %s", spec.output.store)
-    return summaries
+    return backend.run(todo, url, on_progress, on_event, fence=session.fence) if todo else []
 
 
 # run is over 60 lines, a quarter of them its docstring: the job's steps, in order, read best in one place
@@ -288,54 +264,29 @@ def run(
     log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
     events = _Events(on_event)
     backend = backend if backend is not None else _backend(spec)
-    lease: Lease | None = None
-    group: Any = None
-    decided: _Decision | None = None
+    session = StoreSession(spec)
     try:
-        attrs, decided, per_row = _look(spec, rows, shards, backend)
+        decided, per_row = _look(spec, rows, shards, backend, session)
         if on_start is not None:
             on_start(sum(len(s) for s in decided.todo), per_row)
         if decided.nothing_to_do:  # exit 0 without writing (but what moved in the source): also read-only
-            _record_source(spec, decided, attrs)
-            group = open_group(spec.output.store, "r", spec.output.storage_options)
-            return _finish(spec, group, shards, [], [], per_row, time.perf_counter() - t0, write=False)
-        lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
-        group = _claim(spec, rows, decided, attrs, lease)  # from here on the store is this job's
+            return _summary(spec, session.unchanged(), shards, [], [], per_row, time.perf_counter() - t0)
+        todo = session.on_write_start(rows)  # from here on the store is this job's
         del rows  # the store holds them now, and workers read their shards' rows from it: the driver lets them go
-        events.merging(group, len(shards))
-        # read again under the lease; a new store's are not read at all (on an object store a paused job's marker
-        # could land in it before this read: its shard is computed, and its objects replaced)
-        done = done_shards(group) if not decided.create else np.zeros(len(shards), dtype=bool)
-        todo = [s for s in shards if not done[s.index]]
+        events.session = session  # each shard done has its statistics merged as it comes
         t_compute = time.perf_counter()
-        summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), events, lease, group)
+        summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), events, session)
         compute_s = time.perf_counter() - t_compute
-        # still under the lease: a job that takes the released store over never meets this one's last writes
-        summary = _finish_done(spec, group, shards, todo, summaries, per_row, time.perf_counter() - t0, compute_s,
-                               events.totals)
+        seconds = time.perf_counter() - t0
+        summary = _summary(spec, session.on_write_complete(), shards, todo, summaries, per_row, seconds, compute_s)
     except BaseException as err:
-        _stopped(spec, err, lease, group, decided is not None and decided.create, events.totals)
+        session.on_write_failed(err)
         raise
     finally:
         backend.close()
-        if lease is not None:
-            lease.release()
-    _consolidate(spec, group)
+        session.close()  # the lease released; a complete store's metadata consolidated after
     summary.workers = _worker_table(events.log)
     return summary
-
-
-def _finish_done(spec: JobSpec, group: Any, shards: list[Shard], todo: list[Shard], summaries: list[ShardSummary],
-                 per_row: dict[str, int], seconds: float, compute_s: float, totals: Totals | None) -> RunSummary:
-    """:func:`_finish` once every shard ran; a storage that refuses the final attributes is a StoreError that
-    says the shards are kept."""
-    try:
-        return _finish(spec, group, shards, todo, summaries, per_row, seconds, compute_s=compute_s, totals=totals)
-    except StoreError:
-        raise
-    except OSError as err:  # every shard is done; only the final attributes could not be written
-        raise StoreError(f"cannot write the final attributes of {spec.output.store}: {type(err).__name__}: {err}; "
-                         "its shards are done and kept: --resume finishes it once the storage works") from err
 
 
 def _list(spec: JobSpec, backend: Backend | None) -> Rows:
@@ -354,7 +305,8 @@ def _recorded(spec: JobSpec) -> Rows | None:
     the listing compared with the store, as for every source)."""
     if spec.data.source != "tar" or spec.output.if_exists != "resume":
         return None
-    old = read_attrs(spec.output.store, spec.output.storage_options)
+    store = StoreSession(spec)
+    old = store.recorded()
     recorded = (old or {}).get("listing")
     if not recorded or old is None or old.get("status") == "creating":
         return None
@@ -365,86 +317,50 @@ def _recorded(spec: JobSpec) -> Rows | None:
         return None
     log.info("the tars are as listed for %s: its rows are taken from it", spec.output.store)
     labels = any(c.gradient and c.score_target == "label" for c in spec.capture)  # _check_targets reads them
-    return stored_rows(open_group(spec.output.store, "r", spec.output.storage_options), labels=labels)
+    return store.stored_rows(labels=labels)
 
 
 class _Events:
     """The job's worker and shard events: kept for the report's worker table, logged, passed on. Once the
-    store is the job's (``merging``), each shard done has its statistics merged into ``totals`` as it comes."""
+    store is the job's (``session``), each shard done has its statistics merged as it comes."""
 
     def __init__(self, on_event: Event | None) -> None:
         self.log: list[tuple[str, dict[str, Any]]] = []
         self.on_event = on_event
-        self.totals: Totals | None = None
-        self.group: Any = None
-
-    def merging(self, group: Any, n_shards: int) -> None:
-        self.group, self.totals = group, Totals.kept(group, n_shards)
+        self.session: StoreSession | None = None
 
     def __call__(self, name: str, info: dict[str, Any]) -> None:
         self.log.append((name, info))
         log.debug("%s %s", name, info)
-        if name == "shard_done" and self.totals is not None:
-            try:
-                self.totals.add(info["shard"], shard_record(self.group, info["shard"]))
-            except Exception as err:  # noqa: BLE001 - the end of the run merges what is not merged yet
-                log.debug("statistics of shard %s not merged now: %s", info["shard"], err)
+        if name == "shard_done" and self.session is not None:
+            self.session.shard_done(info["shard"])
         if self.on_event is not None:
             self.on_event(name, info)
 
 
-def _look(spec: JobSpec, rows: Rows, shards: list[Shard],
-          backend: Backend) -> tuple[dict[str, Any], _Decision, dict[str, int]]:
+def _look(spec: JobSpec, rows: Rows, shards: list[Shard], backend: Backend,
+          session: StoreSession) -> tuple[Decision, dict[str, int]]:
     """Everything that can fail before the first image (model, shapes, layouts, preprocessing, compile, the
-    estimate, the store's state), before the store is touched: the store record this job writes, what it will
-    do to the store, and the bytes per row of each capture."""
+    estimate, the store's state), before the store is touched: what the job will do to the store, and the bytes
+    per row of each capture."""
     probe = backend.probe()
     _check_targets(spec, rows, probe.model.get("logits"))
-    attrs = store_attrs(spec, rows, len(shards), probe)
-    if spec.output.reuse:  # every store to take rows from makes them as this job would
-        check_sources(spec.output.reuse, attrs, spec.output.store, spec.output.storage_options)
-    decided = _decide(spec, rows, shards, attrs, read_attrs(spec.output.store, spec.output.storage_options))
+    decided = session.decide(rows, shards, probe)
     if decided.todo:
         backend.warm_up()  # a resume with nothing left to compute compiles nothing
-    return attrs, decided, probe.bytes_per_row()
+    return decided, probe.bytes_per_row()
 
 
-def _finish(
-    spec: JobSpec,
-    group: Any,
-    shards: list[Shard],
-    todo: list[Shard],
-    summaries: list[ShardSummary],
-    per_row: dict[str, int],
-    seconds: float,
-    compute_s: float = 0.0,
-    write: bool = True,
-    totals: Totals | None = None,
-) -> RunSummary:
-    """The run's summary; with ``write``, the store's final status and statistics (a resume with nothing
-    to do reads them as they are)."""
-    status = np.asarray(group["status"][:])
-    failed_rows = np.flatnonzero(status == FAILED)
-    failures = []
-    if len(failed_rows):
-        ids = group["ids"]
-        errors = group["errors"]
-        for r in failed_rows[:20]:
-            failures.append((int(r), str(ids[int(r)]), str(errors[int(r)])))
-    n_pending = int((status == PENDING).sum())
-    if write:
-        complete = bool(done_shards(group).all())
-        stats = merge_shards(group, totals)
-        update_attrs(group, status="complete" if complete else "incomplete", error=None, stats=stats)
-    else:
-        stats = dict(group.attrs["extractor"].get("stats") or {})
+def _summary(spec: JobSpec, outcome: Outcome, shards: list[Shard], todo: list[Shard], summaries: list[ShardSummary],
+             per_row: dict[str, int], seconds: float, compute_s: float = 0.0) -> RunSummary:
+    """The run's summary, from the store's outcome and the shards' summaries."""
     processed = sum(s.rows for s in summaries)
     return RunSummary(
         store=spec.output.store,
-        rows=len(status),
-        ok=int((status == OK).sum()),
-        failed=len(failed_rows),
-        pending=n_pending,
+        rows=outcome.rows,
+        ok=outcome.ok,
+        failed=outcome.failed,
+        pending=outcome.pending,
         shards=len(shards),
         shards_skipped=len(shards) - len(todo),
         shards_run=len(summaries),
@@ -452,10 +368,9 @@ def _finish(
         images_per_s=processed / max(seconds, 1e-9),
         compute_images_per_s=processed / max(compute_s, 1e-9),
         bytes_per_row=per_row,
-        failures=failures,
+        failures=outcome.failures,
         per_shard=summaries,
-        nonfinite={k: (v["nonfinite_rows"], v["first_nonfinite_rows"]) for k, v in stats.items()
-                   if v["nonfinite_rows"]},
-        float16=[k for k, m in group.attrs["extractor"]["captures"].items() if m["dtype"] == "float16"],
+        nonfinite=outcome.nonfinite,
+        float16=outcome.float16,
         reused=sum(s.reused for s in summaries),
     )

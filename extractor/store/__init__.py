@@ -52,8 +52,18 @@ if TYPE_CHECKING:
         read_attrs,
         read_lease,
     )
-    from .provenance import Probe, changed_rows, check_resumable, differences, moved_members, owner, store_attrs
+    from .provenance import (
+        Probe,
+        StoreRecord,
+        changed_rows,
+        check_resumable,
+        differences,
+        moved_members,
+        owner,
+        store_attrs,
+    )
     from .reuse import ReuseIndex, check_sources
+    from .session import Decision, Outcome, StoreSession
     from .stats import ShardStats, Totals, dumps, merge, merge_shards, shard_record
     from .writer import ShardWriter
 
@@ -116,6 +126,10 @@ __all__ = [
     "moved_members",
     "owner",
     "differences",
+    "StoreRecord",
+    "StoreSession",
+    "Decision",
+    "Outcome",
 ]
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
@@ -180,5 +194,9 @@ __getattr__ = face(
         "moved_members": "provenance",
         "owner": "provenance",
         "differences": "provenance",
+        "StoreRecord": "provenance",
+        "StoreSession": "session",
+        "Decision": "session",
+        "Outcome": "session",
     },
 )
