@@ -19,19 +19,24 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/extractor demo
 
+# Test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them (its module fixtures
+# built once); most slow tests wait on subprocesses, clusters and servers, so two overlap well on 2 cores.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+
 # Everything (what CI and the README run); the 15 slowest tests are printed so the cost stays visible.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=15
+	$(PYTEST) --durations=15
 
 # The fast tier for the edit-test loop: unit and in-process tests, no clusters, servers or CLI subprocesses.
 check: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow" --durations=10
+	$(PYTEST) -m "not slow" --durations=10
 
 bench: $(STAMP)
-	$(PY) tests/bench.py $(BENCH_ARGS)
+	$(PY) bench/bench.py $(BENCH_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check extractor tests jobs examples
+	$(VENV)/bin/ruff check extractor tests bench jobs examples
 	$(VENV)/bin/mypy
 	$(PY) tests/complexity.py
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+# Tests mirror the package (tests/data/ tests extractor/data/, ...); helpers one test file shares with others are
+# imported by module name (``from test_sources import write_tars``): every test folder is on the path, and no two
+# test files share a name.
+TESTS = Path(__file__).resolve().parent
+sys.path[1:1] = [str(p) for p in sorted(TESTS.iterdir()) if p.is_dir() and p.name.isidentifier()
+                 and str(p) not in sys.path]
 
 # Ray started by any test binds to loopback only and needs no token (see shared NOTES.md).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -80,7 +88,7 @@ def image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def moto_s3() -> Iterator[dict[str, str]]:
     """One S3-compatible server for the session: moto in this process (a thread) on 127.0.0.1; its
     ``storage_options``. Each test module makes and uses its own bucket. (A server with other settings,
-    or a patched handler, is started by its test: tests/test_remote.py, tests/test_fencing.py.)"""
+    or a patched handler, is started by its test: tests/driver/test_remote.py, tests/store/test_fence.py.)"""
     pytest.importorskip("s3fs")
     server_module = pytest.importorskip("moto.server")
     port = free_port()
@@ -95,7 +103,7 @@ def ray_cluster() -> Iterator[None]:
     """A Ray instance in this process on loopback (2 CPUs, a short temp dir: Ray's socket paths must stay under
     107 bytes), shared by a module's tests, as Ray's own ``ray_start_regular_shared``. Module-scoped, not
     session-scoped: an idle Ray holds about 750 MB and some CPU through every other file, and
-    tests/test_nodes.py connects this process to a cluster of its own. Workers import ``toy_models``."""
+    tests/driver/test_nodes.py connects this process to a cluster of its own. Workers import ``toy_models``."""
     ray = pytest.importorskip("ray")
     os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # bench_overhead, for the overhead table
 
 from extractor.compute import worker as worker_mod  # noqa: E402
 from extractor.data.decode import ImageDecoder, JpegDecoder  # noqa: E402

@@ -5,7 +5,7 @@ measured on a 2-core machine: a 16 KB chunk compresses in 0.04 ms). A job with s
 captures writes one chunk of each per batch, so that cost, not compression, set its speed.
 Here a chunk is encoded by the same numcodecs codec, with the settings zarr recorded in the
 array's metadata, and the chunks of every array are put in the store together, in one round of
-zarr's event loop. What lands is byte for byte what zarr writes (``tests/test_chunks.py``).
+zarr's event loop. What lands is byte for byte what zarr writes (``tests/store/test_chunks.py``).
 
 Arrays with codecs other than those extractor creates (bytes, then zstd, blosc, gzip or none),
 chunks that do not span an array's trailing dimensions, and a partial last chunk go through zarr.

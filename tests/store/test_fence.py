@@ -25,7 +25,7 @@ from extractor.driver.runner import run
 from extractor.read.reader import open_store
 from extractor.spec.load import parse_spec
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # paused job processes, an S3 server: make test, not make check
 REPEAT = range(int(os.environ.get("EXTRACTOR_PAUSE_REPEAT", "1")))
 LEASE_S = 1.0

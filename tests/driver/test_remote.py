@@ -28,7 +28,7 @@ from extractor.spec.load import parse_spec
 
 pytestmark = pytest.mark.slow
 VENV_BIN = Path(sys.executable).parent
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def wait_for(url: str, seconds: float) -> None:

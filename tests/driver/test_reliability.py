@@ -30,7 +30,7 @@ from extractor.read.reader import open_store
 from extractor.spec.load import parse_spec
 from extractor.store.writer import ShardWriter
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def png_claiming(width: int, height: int) -> bytes:

@@ -470,7 +470,7 @@ def test_a_forward_that_draws_at_random_is_refused_and_the_readme_way_out_works(
         run(parse_spec(raw))
     assert not (tmp_path / "s.zarr").exists()
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text[text.index("### A forward that draws at random"):text.index("## Store layout")]
     namespace: dict = {}
     exec(compile(re.findall(r"```python\n(.*?)```", section, re.S)[0], "README.md", "exec"), namespace)  # noqa: S102

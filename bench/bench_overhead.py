@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_check import SliceStream
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # gpu_check: its SliceStream
+from gpu_check import SliceStream  # noqa: E402
 
 from extractor.compute.worker import Worker
 from extractor.driver.runner import LocalBackend, run

@@ -24,7 +24,7 @@ from extractor.read.reader import open_store
 from extractor.spec.load import parse_spec
 
 ray = pytest.importorskip("ray")
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 

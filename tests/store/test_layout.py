@@ -264,7 +264,7 @@ def test_shard_sizes_of_100_and_1000_run_without_chunk_rows_and_record_the_chunk
     raw = job(image_dir, tmp_path / "s.zarr", model=RESNET18, data={"shard_size": shard_size},
               cluster={"backend": "local"})
     raw["output"].pop("chunk_rows")
-    raw["output"]["sharding"] = False  # the rule of unsharded stores (sharded ones: tests/test_sharding.py)
+    raw["output"]["sharding"] = False  # the rule of unsharded stores (sharded ones: tests/store/test_sharding.py)
     summary = run(parse_spec(raw))
     assert summary.ok == 12
     g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")

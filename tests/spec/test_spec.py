@@ -93,7 +93,7 @@ def test_load_spec_errors(tmp_path: Path):
 
 
 def test_jobs_demo_yaml_is_the_demo_job():
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     assert (repo / "jobs" / "demo.yaml").read_text() == DEMO_JOB
     spec = load_spec(repo / "jobs" / "demo.yaml", ["model.device=cpu"])
     assert spec.data.shard_size % spec.output.chunk_rows == 0
@@ -110,7 +110,7 @@ def test_content_digest_ignores_run_only_fields():
 
 
 def test_every_job_in_jobs_folder_is_valid():
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     specs = sorted((repo / "jobs").glob("*.yaml"))
     assert len(specs) >= 2
     for path in specs:
@@ -169,7 +169,7 @@ def test_the_readme_specs_are_valid_and_name_every_field():
     """The README's spec is what users copy: it parses, and it shows every section's fields."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
     full = next(b for b in blocks if b.startswith("model:"))
     raw = yaml.safe_load(full)
@@ -185,14 +185,14 @@ def test_the_readme_specs_are_valid_and_name_every_field():
         parse_spec({**raw, **{k: ({**raw[k], **v} if isinstance(v, dict) else v) for k, v in part.items()}})
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "jobs").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "jobs").glob("*.yaml")))
 def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str, tmp_path: Path):
     """Hub models that are not in the local cache are checked on a small config of the same class
     (layer names do not depend on the width; the jobs' globs need only the blocks to exist)."""
     from extractor.model.build import build_model, prefix_tokens
     from extractor.model.targets import resolve_targets
 
-    spec = load_spec(str(Path(__file__).resolve().parents[1] / "jobs" / name))
+    spec = load_spec(str(Path(__file__).resolve().parents[2] / "jobs" / name))
     update: dict = {"weights": None, "device": "cpu"}
     if spec.model.source == "hf":
         t = pytest.importorskip("transformers")
