@@ -8,50 +8,11 @@ from typing import TYPE_CHECKING
 
 from .._face import face
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .analysis import finite, linear_probe, pca, principal_components, probe_store, top_rows
-    from .figures import bar_chart, gradcam_grid, heatmap, image_grid, scatter_plot
+    from .figures import bar_chart, gradcam_grid, heatmap, image_grid, save, scatter_plot
     from .reader import ActivationStore, open_store
-    from .similarity import Comparison, compare, linear_cka
-
-__all__ = [
-    "open_store",
-    "ActivationStore",
-    "linear_probe",
-    "probe_store",
-    "pca",
-    "principal_components",
-    "finite",
-    "image_grid",
-    "scatter_plot",
-    "bar_chart",
-    "gradcam_grid",
-    "heatmap",
-    "top_rows",
-    "compare",
-    "Comparison",
-    "linear_cka",
-]
+    from .similarity import compare, linear_cka
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
-__getattr__ = face(
-    __name__,
-    {
-        "open_store": "reader",
-        "ActivationStore": "reader",
-        "linear_probe": "analysis",
-        "probe_store": "analysis",
-        "pca": "analysis",
-        "principal_components": "analysis",
-        "finite": "analysis",
-        "image_grid": "figures",
-        "scatter_plot": "figures",
-        "bar_chart": "figures",
-        "gradcam_grid": "figures",
-        "heatmap": "figures",
-        "top_rows": "analysis",
-        "compare": "similarity",
-        "Comparison": "similarity",
-        "linear_cka": "similarity",
-    },
-)
+__all__, __getattr__ = face(__name__, __file__)
