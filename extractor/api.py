@@ -80,7 +80,7 @@ def _dataset_files(dataset: Any) -> list[str]:
     if getattr(dataset, "_indices", None) is not None:
         raise SpecError("dataset= is a selection of its files' rows (select, shuffle, filter and train_test_split "
                         "keep an indices mapping): pass ds.flatten_indices(), which writes its rows in order")
-    from .data.sources.parquet import file_columns
+    from .data import file_columns
 
     for f in files:
         held = file_columns(f)
@@ -158,7 +158,7 @@ def run(job: str | Path | dict[str, Any] | JobSpec, *, model: Any = None, datase
     finally:
         bar.close()
     if summary.all_failed:
-        from .data.listing import PLACE
+        from .data import PLACE
 
         raise DataError(f"every row of {summary.store} failed: {summary.failures[0][2] if summary.failures else ''}; "
                         f"check the images of data.{PLACE[spec.data.source]}")

@@ -61,7 +61,7 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
         bar.close()
     print(summary.report())
     if summary.all_failed:
-        from ..data.listing import PLACE
+        from ..data import PLACE
 
         print(f"error: every row of {summary.store} failed (reasons above); check the images of "
               f"data.{PLACE[spec.data.source]}", file=sys.stderr)

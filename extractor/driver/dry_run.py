@@ -20,8 +20,7 @@ from .._text import count, estimate, size, table
 from ..data import list_rows, plan
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
-from ..store import Decision, StoreSession, numpy_dtype
-from ..store.layout import ROW_ARRAYS
+from ..store import ROW_ARRAYS, Decision, StoreSession, numpy_dtype
 
 __all__ = ["Preview", "preview"]
 

@@ -23,9 +23,8 @@ from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
-from .. import __version__
-from ..data import Rows, of_store
-from ..data.rows import BLOCK
+from .._version import __version__
+from ..data import BLOCK, Rows, of_store
 from ..errors import StoreError
 from ..spec import JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .dtypes import numpy_dtype
