@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
+
 __all__ = ["open_store", "load_spec", "JobSpec", "run", "__version__"]
 
 if TYPE_CHECKING:
     from .api import run
-    from .read.reader import open_store
-    from .spec.load import load_spec
-    from .spec.schema import JobSpec
+    from .read import open_store
+    from .spec import JobSpec, load_spec
 
 _LAZY = {
     "open_store": "read",

@@ -80,7 +80,7 @@ def _dataset_files(dataset: Any) -> list[str]:
     if getattr(dataset, "_indices", None) is not None:
         raise SpecError("dataset= is a selection of its files' rows (select, shuffle, filter and train_test_split "
                         "keep an indices mapping): pass ds.flatten_indices(), which writes its rows in order")
-    from .data.sources.parquet import file_columns
+    from .data import file_columns
 
     for f in files:
         held = file_columns(f)

@@ -161,3 +161,25 @@ def test_every_code_name_in_the_architecture_resolves(token: str):
 def test_a_name_that_is_not_in_the_code_does_not_resolve():
     assert not resolves("runner._open_store") and not resolves("shardio.ShardOutput") and not resolves("Worker.nope")
     assert not resolves("data.no_such_setting") and not resolves("NO_SUCH_CONSTANT") and not resolves("nope.py")
+
+
+def _where_to_change_what() -> list[str]:
+    """The rows of ARCHITECTURE's "Where to change what" table (not its header)."""
+    section = DOC.read_text().split("## Where to change what", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| to add")]
+    assert rows, "docs/ARCHITECTURE.md has no 'Where to change what' table"
+    return rows
+
+
+@pytest.mark.parametrize("row", _where_to_change_what(), ids=lambda row: row.split("|")[1].strip())
+def test_each_row_of_where_to_change_what_names_modules_that_exist(row: str):
+    """A row says where to change the code: each folder or file it names exists (``model/sources/``,
+    ``tests/test_zoo.py``), each module's name resolves (``sources.build``), and it names at least one."""
+    tokens = re.findall(r"`([^`]+)`", row)
+    paths = [t for t in tokens if "/" in t]
+    named = [t for t in tokens if NAME.match(t) and t.split(".")[0] in MODULES]
+    assert paths or named, f"the row {row.split('|')[1].strip()!r} names no module"
+    for path in paths:
+        assert (ROOT / path).exists() or (PACKAGE / path).exists(), f"{row.split('|')[1].strip()!r}: no {path}"
+    for name in named:
+        assert resolves(name), f"{row.split('|')[1].strip()!r}: {name} is not in the code"

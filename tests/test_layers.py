@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "extractor"
 TOP = {"cli"}  # the top floor's sub-packages: they may import every layer
-BASE = {"errors", "faults", "_text", "_face", "_threads", "__version__"}  # the ground floor: every layer may use them
+BASE = {"errors", "faults", "_text", "_face", "_threads", "_version"}  # the ground floor: every layer may use them
 # each sub-package and the sub-packages it may import (the layers below it)
 LAYERS = {
     "spec": set(),
@@ -121,17 +121,17 @@ MODULES = {_module_name(p): p for p in _modules()}
 
 
 def _face_names(path: Path) -> dict[str, str]:
-    """A face's names and the modules (in its package) that hold them: the dict given to ``_face.face``."""
+    """A face's names and the modules (in its package) that hold them: its ``if TYPE_CHECKING:`` imports, as
+    ``_face.face`` reads them (the package's own face: its ``_LAZY`` table)."""
+    from extractor._face import listed
+
+    names = {name: module for name, (module, _) in listed(path).items()}
     for node in ast.walk(ast.parse(path.read_text())):
-        table = None
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "face" and len(node.args) == 2:
-            table = node.args[1]
-        elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_LAZY"]:
-            table = node.value  # the package's own face
-        if isinstance(table, ast.Dict):
-            return {k.value: v.value for k, v in zip(table.keys, table.values, strict=True)
-                    if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
-    return {}
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_LAZY"] and \
+                isinstance(node.value, ast.Dict):
+            names.update({k.value: v.value for k, v in zip(node.value.keys, node.value.values, strict=True)
+                          if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)})
+    return names
 
 
 FACES = {name: _face_names(path) for name, path in MODULES.items() if path.name == "__init__.py"}
@@ -232,3 +232,34 @@ def test_no_module_imports_itself_through_others():
         graph[face] = {m for m in graph[face] if m.removeprefix(f"{face}.") not in set(names.values())}
     cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _past_a_face(path: Path, source: str | None = None) -> list[str]:
+    """The imports of ``path`` that reach into another sub-package's module (``from ..store.layout import X``)
+    instead of importing from its face (``from ..store import X``), also inside functions."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    here = list(parts[:-1])
+    targets: list[list[str]] = []
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - node.level + 1]
+            targets.append([*base, *(node.module.split(".") if node.module else [])])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("extractor."):
+            targets.append(node.module.split(".")[1:])
+        elif isinstance(node, ast.Import):
+            targets += [a.name.split(".")[1:] for a in node.names if a.name.startswith("extractor.")]
+    own = here[0] if here else None
+    return [".".join(t) for t in targets if len(t) >= 2 and t[0] != own and (PACKAGE / t[0]).is_dir()]
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_reaches_past_another_layers_face(path: Path):
+    """Another layer is used through its face (its ``__init__``'s list): what is not on it is private to it."""
+    past = _past_a_face(path)
+    assert not past, f"{path.relative_to(PACKAGE)} imports {past}: import those names from the package's face"
+
+
+def test_a_face_skipping_import_is_found():
+    code = ("from ..store.layout import ROW_ARRAYS\nfrom ..store import Lease\nfrom . import runner\n"
+            "from .schedule import IN_FLIGHT\nimport extractor.data.rows\n")
+    assert _past_a_face(PACKAGE / "driver" / "x.py", code) == ["store.layout", "data.rows"]

@@ -385,10 +385,10 @@ def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Mo
     import os
     import time
 
-    import extractor.driver.runner as runner
     import extractor.store.layout as store
+    import extractor.store.session as session
 
-    owner, name = {"claim": (runner, "_claim"), "arrays": (store, "_create_arrays")}[point]
+    owner, name = {"claim": (session, "_claim"), "arrays": (store, "_create_arrays")}[point]
     original = getattr(owner, name)
 
     def paused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the patched function's signature

@@ -21,7 +21,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     import yaml
 
     from ..driver import client, follow_logs
-    from ..driver.submit import submit
+    from ..driver import submit_job as submit
     from ..spec import load_spec, looks_secret
 
     spec = load_spec(args.job, list(args.set or []))

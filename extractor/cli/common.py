@@ -66,7 +66,7 @@ def _command(*args: str) -> str:
 def _save(fig: Any, out: str | Path) -> None:
     """Write a figure (PNG, PDF or SVG by the extension), creating its folder; a bad path or file type is a
     one-line error."""
-    from ..read.figures import save
+    from ..read import save
 
     save(fig, out)
 

@@ -8,39 +8,10 @@ from typing import TYPE_CHECKING
 
 from .._face import face
 
-if TYPE_CHECKING:
-    from .pipeline import CallbackError, Forwarder, Pipeline, ShardQueue
-    from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary
+if TYPE_CHECKING:  # the face: what other layers may import, each name once
+    from .pipeline import CallbackError, Pipeline, ShardQueue
+    from .shard import ShardInput, ShardOutput, ShardSummary
     from .worker import PROBE_FORWARDS, Worker, decode_threads
 
-__all__ = [
-    "Worker",
-    "decode_threads",
-    "PROBE_FORWARDS",
-    "Pipeline",
-    "ShardQueue",
-    "CallbackError",
-    "Forwarder",
-    "ShardSummary",
-    "ShardInput",
-    "Forwarded",
-    "ShardOutput",
-]
-
 # a name of the face is never a module's name too: the module, once imported, would shadow it
-__getattr__ = face(
-    __name__,
-    {
-        "Worker": "worker",
-        "decode_threads": "worker",
-        "PROBE_FORWARDS": "worker",
-        "Pipeline": "pipeline",
-        "ShardQueue": "pipeline",
-        "CallbackError": "pipeline",
-        "Forwarder": "pipeline",
-        "ShardSummary": "shard",
-        "ShardInput": "shard",
-        "Forwarded": "shard",
-        "ShardOutput": "shard",
-    },
-)
+__all__, __getattr__ = face(__name__, __file__)

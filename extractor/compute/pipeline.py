@@ -19,8 +19,7 @@ from ..data import Batch, Shard
 from ..errors import ShardError
 from ..faults import blame
 from ..spec import JobSpec
-from ..store import CaptureRecord, ExtraRecord
-from ..store.sampling import draw_keys
+from ..store import CaptureRecord, ExtraRecord, draw_keys
 from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard
 
 __all__ = ["Pipeline", "ShardQueue", "CallbackError", "Forwarder"]

@@ -41,9 +41,17 @@ from ..model import (
     settle_preprocess,
 )
 from ..spec import JobSpec
-from ..store import BFLOAT16, FORMAT_VERSION, CaptureRecord, ExtraRecord, Probe, ReuseIndex, forward_summary
-from ..store.feature_index import with_indexes
-from ..store.sampling import BY_DIGEST
+from ..store import (
+    BFLOAT16,
+    BY_DIGEST,
+    FORMAT_VERSION,
+    CaptureRecord,
+    ExtraRecord,
+    Probe,
+    ReuseIndex,
+    forward_summary,
+    with_indexes,
+)
 from .pipeline import Pipeline, ShardQueue
 from .shard import Forwarded, ShardSummary
 

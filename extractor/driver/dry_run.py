@@ -1,7 +1,7 @@
 """``extractor plan`` (also ``run --dry-run``): what a job would write, before anything is written.
 
 The model is built and probed on this machine's CPU (shapes do not depend on the device), the rows
-listed and the store read as a run would read it (:func:`runner._decide`, read-only): per capture
+listed and the store read as a run would read it (``StoreSession.decide``, read-only): per capture
 the stored shape, dtype, bytes per row, rows and bytes per chunk (a row's read costs one) and the
 storage objects it makes (one per work shard when sharded); totals;
 what the run would do to an existing store; free space at a local destination. Nothing is created,
@@ -20,8 +20,7 @@ from .._text import count, estimate, size, table
 from ..data import list_rows, plan
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
-from ..store import get_array, numpy_dtype, open_group, read_attrs, store_attrs
-from ..store.layout import ROW_ARRAYS
+from ..store import ROW_ARRAYS, Decision, StoreSession, numpy_dtype
 
 __all__ = ["Preview", "preview"]
 
@@ -108,14 +107,7 @@ def _free_bytes(url: str) -> int | None:
     return shutil.disk_usage(path).free
 
 
-def _store_layout(spec: JobSpec, keys: list[str]) -> dict[str, tuple[int, bool]]:
-    """Rows per chunk and whether sharded, of the capture arrays of the store at ``output.store``."""
-    group = open_group(spec.output.store, "r", spec.output.storage_options)
-    arrays = {k: get_array(group, k) for k in keys}
-    return {k: (int(a.chunks[0]), bool(getattr(a, "shards", None))) for k, a in arrays.items()}
-
-
-def _action(decided: Any) -> str:
+def _action(decided: Decision) -> str:
     if decided.create:
         return "create" if decided.old is None else "overwrite"
     if decided.nothing_to_do:
@@ -125,7 +117,7 @@ def _action(decided: Any) -> str:
 
 def preview(spec: JobSpec) -> Preview:
     """What ``run(spec)`` would write; creates, replaces and locks nothing."""
-    from .runner import LocalBackend, _decide
+    from .runner import LocalBackend
 
     rows = list_rows(spec.data)
     shards = plan(len(rows), spec.data.shard_size)
@@ -134,16 +126,17 @@ def preview(spec: JobSpec) -> Preview:
         probe = backend.probe()
     finally:
         backend.close()
-    attrs = store_attrs(spec, rows, len(shards), probe)
-    old = read_attrs(spec.output.store, spec.output.storage_options)
-    layout = {k: (attrs["chunk_rows"][k], spec.output.sharding) for k in probe.captures}
+    store = StoreSession(spec)
     try:
-        decided = _decide(spec, rows, shards, attrs, old)
+        decided = store.decide(rows, shards, probe, sources=False)
         todo, action = sum(len(s) for s in decided.todo), _action(decided)
-        if not decided.create:  # a store resumed keeps its own chunking and sharding
-            layout = _store_layout(spec, list(probe.captures))
+        # a store resumed keeps its own chunking and sharding
+        layout = None if decided.create else store.stored_chunking(list(probe.captures))
     except StoreError as err:
-        todo, action = 0, f"run would refuse: {err}"
+        todo, action, layout = 0, f"run would refuse: {err}", None
+    if layout is None:
+        chunk_rows = store.record["chunk_rows"] if store.record is not None else {}
+        layout = {k: (chunk_rows[k], spec.output.sharding) for k in probe.captures}
     per_row = probe.bytes_per_row()
 
     def objects(chunk_rows: int, sharded: bool) -> int:  # sharded: one object per work shard; else one per chunk

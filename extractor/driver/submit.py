@@ -124,9 +124,7 @@ def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_comman
         (work / JOB_FILE).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         runtime_env: dict[str, Any] = {"working_dir": str(work)}
         if ship:
-            import extractor
-
-            runtime_env["py_modules"] = [str(Path(extractor.__file__).parent)]
+            runtime_env["py_modules"] = [str(Path(__file__).resolve().parents[1])]  # the extractor package
         if sub.pip:
             runtime_env["pip"] = list(sub.pip)
         # Ray writes the runtime environment to its logs on the cluster: said at submit (cli)

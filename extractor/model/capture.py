@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import LayerError
-from ..store.sampling import projection_matrix
+from ..store import projection_matrix
 from .reduce import _describe, _sample, channels_last, probabilities, reduce_tensor, select
 from .targets import ROOT, Target
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data.preprocess import Preprocess, resolve
+from ..data import Preprocess, resolve
 from ..errors import SpecError
 
 __all__ = ["LibraryProcessor", "LibraryTransform", "TOLERANCE_LEVELS", "probe_images", "measure", "settle_preprocess"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import LayerError
-from ..store.sampling import rank_keys
+from ..store import rank_keys
 from .targets import ROOT, UNKNOWN_PREFIX, Target
 
 

@@ -123,7 +123,7 @@ def top_rows(store: ActivationStore, key: str, feature: int | np.ndarray, k: int
     row: the features' dot product with it), pooled over positions or tokens by ``pool`` (``max`` or ``mean``).
     Streamed a batch of whole chunks at a time (never the whole capture). Returns ``(rows, values)``, highest
     first; rows holding NaN or Inf there never come."""
-    from ..store.stats import feature_axis
+    from ..store import feature_axis
 
     meta = store.captures.get(key)
     if meta is None:

@@ -31,13 +31,13 @@ from ..store import (
     done_shards,
     get_array,
     lease_timeout,
+    projection_matrix,
     read_lease,
     root_attrs,
+    snapshot_store,
     source_digests,
     take_rows,
 )
-from ..store.sampling import projection_matrix
-from ..store.snapshot import snapshot_store
 from .batching import (
     Batching,
     Rows,

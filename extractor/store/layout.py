@@ -42,8 +42,7 @@ from zarr.buffer import default_buffer_prototype
 from zarr.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
-from ..data import Rows, is_url
-from ..data.rows import strings
+from ..data import Rows, is_url, strings
 from ..errors import FencedError, StoreError
 from .chunks import remove_partials
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens

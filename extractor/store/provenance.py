@@ -18,20 +18,21 @@ import os
 import platform
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
-from .. import __version__
-from ..data import Rows, of_store
-from ..data.rows import BLOCK
+from .._version import __version__
+from ..data import BLOCK, Rows, of_store
 from ..errors import StoreError
 from ..spec import PLACES, JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .dtypes import numpy_dtype
 from .forward import forward_differences
 from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, source_digests
 
-__all__ = ["Probe", "store_attrs", "check_resumable", "changed_rows", "moved_members", "owner", "differences"]
+__all__ = [
+    "Probe", "StoreRecord", "store_attrs", "check_resumable", "changed_rows", "moved_members", "owner", "differences",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,35 @@ class Probe:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class StoreRecord(TypedDict):
+    """The store's ``extractor`` attributes, as :func:`store_attrs` makes them at its creation (the runner's
+    end adds ``stats`` and ``error``, a resume ``resumed``)."""
+
+    format_version: int
+    created: str
+    updated: str
+    status: str  # creating, running, complete, incomplete, interrupted, failed
+    spec: dict[str, Any]  # the public spec (no secrets)
+    spec_digest: str
+    model: dict[str, Any]
+    preprocess: dict[str, Any]  # what resize, crop, interpolation, mean and std resolved to
+    captures: dict[str, CaptureRecord]
+    extras: dict[str, ExtraRecord]
+    classes: list[str]
+    n_rows: int
+    n_shards: int
+    shard_size: int
+    chunk_rows: dict[str, int]  # per capture
+    ids_digest: str
+    paths_digest: str
+    versions: dict[str, str]
+    reused_from: NotRequired[list[str]]  # output.reuse's stores
+    listing: NotRequired[dict[str, Any]]  # a tar source's listing, to take the rows from the store on resume
+    stats: NotRequired[dict[str, Any]]
+    error: NotRequired[str | None]
+    resumed: NotRequired[str]
 
 
 def versions() -> dict[str, str]:
@@ -119,9 +149,9 @@ def chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int
             for k, c in captures.items()}
 
 
-def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> dict[str, Any]:
+def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> StoreRecord:
     """The store's ``extractor`` attributes at its creation (or, on resume, what it must match)."""
-    return {
+    record: StoreRecord = {
         "format_version": FORMAT_VERSION,
         "created": now(),
         "updated": now(),
@@ -141,9 +171,12 @@ def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> dict[
         "ids_digest": _digest(rows.ids) if rows.stored is None else rows.stored["ids_digest"],
         "paths_digest": _digest(rows.paths) if rows.stored is None else rows.stored["paths_digest"],
         "versions": versions(),
-        **({"reused_from": list(spec.output.reuse)} if spec.output.reuse else {}),  # the reused array's stores
-        **({"listing": rows.listing} if rows.listing else {}),  # a resume takes the rows from the store while it holds
     }
+    if spec.output.reuse:  # the reused array's stores
+        record["reused_from"] = list(spec.output.reuse)
+    if rows.listing:  # a resume takes the rows from the store while it holds
+        record["listing"] = rows.listing
+    return record
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:

@@ -387,6 +387,7 @@ def test_an_interrupt_during_a_resumes_start_leaves_the_store_saying_interrupted
     """Ctrl-C while a resume starts: while it lists the images (the store untouched, as the run before left
     it), or once it has taken the store (status running: marked interrupted); the next resume finishes."""
     from extractor.driver import runner
+    from extractor.store import session
 
     raw = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2})
 
@@ -397,12 +398,13 @@ def test_an_interrupt_during_a_resumes_start_leaves_the_store_saying_interrupted
     with pytest.raises(KeyboardInterrupt):
         run(parse_spec(raw), on_progress=stop_midway)
     raw["output"]["if_exists"] = "resume"
-    for name in ("list_rows", "done_shards"):  # during the listing; once the store is taken (its done shards read)
+    # during the listing; once the store is taken (its done shards read)
+    for module, name in ((runner, "list_rows"), (session, "done_shards")):
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
 
         with monkeypatch.context() as m:
-            m.setattr(runner, name, interrupted)
+            m.setattr(module, name, interrupted)
             with pytest.raises(KeyboardInterrupt):
                 run(parse_spec(raw))
         s = open_store(str(tmp_path / "s.zarr"))

@@ -392,9 +392,9 @@ def test_a_storage_that_dies_mid_job_is_one_line_with_the_resume_command(
     """issue 17, defect 6: a full disk made the runner's own "failed" mark raise too, masking the first
     error: a raw traceback, the store left "running", no resume hint."""
     from extractor.cli import main
-    from extractor.driver import runner as runner_mod
+    from extractor.store import session as session_mod
 
-    real_write, real_update = ShardWriter.write, runner_mod.update_attrs
+    real_write, real_update = ShardWriter.write, session_mod.update_attrs
 
     def failing_write(self, offset, chunks):
         if self.index == 1 and offset == 2:  # inside the second shard
@@ -407,7 +407,7 @@ def test_a_storage_that_dies_mid_job_is_one_line_with_the_resume_command(
         return real_update(url, so, **attrs)
 
     monkeypatch.setattr(ShardWriter, "write", failing_write)
-    monkeypatch.setattr(runner_mod, "update_attrs", failing_update)
+    monkeypatch.setattr(session_mod, "update_attrs", failing_update)
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr")))
     assert main(["run", str(spec), "-q"]) == 1
