@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 
 from .._face import face
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .app import create_app, serve
     from .export import export_site
     from .site import Site
 
-__all__ = ["create_app", "serve", "export_site", "Site"]
-
-__getattr__ = face(__name__, {"create_app": "app", "serve": "app", "export_site": "export", "Site": "site"})
+# a name of the face is never a module's name too: the module, once imported, would shadow it
+__all__, __getattr__ = face(__name__, __file__)
