@@ -4,7 +4,7 @@ each, and the firing densities of all features."""
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any  # ix: a features.FeatureIndex (not imported: features imports this)
 
 import numpy as np
 
@@ -15,12 +15,11 @@ from .pictures import crop_like_job
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .features import FeatureIndex
 
 __all__ = ["top_figure", "density_figure"]
 
 
-def top_figure(ix: FeatureIndex, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.6) -> Figure:
+def top_figure(ix: Any, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.6) -> Figure:
     """Feature ``f``'s top ``n`` (default k) images as the job saw them, its value at each position drawn over the
     image where it fires (one colour scale: 0 to the feature's highest value among them; elsewhere the image shows
     as it is), titled with rank, row and pooled value."""
@@ -57,7 +56,7 @@ def top_figure(ix: FeatureIndex, f: int, n: int | None = None, columns: int = 4,
     return fig
 
 
-def density_figure(ix: FeatureIndex) -> Figure:
+def density_figure(ix: Any) -> Figure:
     """A histogram of log10 of each feature's firing density (share of tokens), the dead ones said apart."""
     density = ix.density
     alive = density[density > 0]
