@@ -13,8 +13,7 @@ from .common import _at_least, _save, _store_options
 def cmd_index(args: argparse.Namespace) -> int:
     """``extractor index STORE``: the store's indexes; with ``--key K``, make one first; ``--feature F`` or
     ``--densities``: draw one (to ``--out``)."""
-    from ..read import open_store
-    from ..read.features import describe, index_names, open_index, summary
+    from ..read import describe, index_names, open_index, open_store, summary
 
     options = _store_options(args)
     store = open_store(args.store, options)
@@ -40,7 +39,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def _make(store: Any, args: argparse.Namespace) -> str:
     """Index ``args.key`` of ``store`` (a progress bar on the way); the index's name."""
-    from ..read.features import index
+    from ..read import index
 
     bar = Progress(enabled=not (args.quiet or args.json))
     bar.start(len(store.ok_rows()))

@@ -18,9 +18,8 @@ import numpy as np
 from ..data import Reused, Shard
 from ..errors import FencedError, ShardError
 from ..faults import shard_failed
-from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, numpy_dtype
+from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, indexed, numpy_dtype
 from ..store import dumps as stats_dumps
-from ..store.feature_index import indexed
 
 __all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
 

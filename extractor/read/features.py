@@ -24,19 +24,25 @@ import zarr
 
 from .._threads import prefetched
 from ..errors import StoreError
-from ..store import OK, Lease, consolidate, get_array
-from ..store.dictionary import Dictionary, DictionaryError, file_digest, load_dictionary
-from ..store.feature_index import (
+from ..store import (
     INDEX_VERSION,
     INDEXES,
+    OK,
+    Dictionary,
+    DictionaryError,
     IndexFeed,
     Layout,
+    Lease,
+    consolidate,
+    file_digest,
+    get_array,
     index_name,
     index_record,
+    load_dictionary,
+    owner,
     source_state,
     write_index,
 )
-from ..store.provenance import owner
 from .reader import ActivationStore, _lease_timeout, open_store
 
 if TYPE_CHECKING:
@@ -330,7 +336,7 @@ _DIGESTS: dict[tuple[Any, ...], str] = {}  # (files, their sizes and mtimes) -> 
 
 def _digest_of(path: str) -> str:
     """The digest of a dictionary's file(s) as load_dictionary computes it (hashed again only once they change)."""
-    from ..store.dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS
+    from ..store import SAELENS_CONFIG, SAELENS_WEIGHTS
 
     p = Path(path)
     files = [p / SAELENS_CONFIG, p / SAELENS_WEIGHTS] if p.is_dir() else [p]

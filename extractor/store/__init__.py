@@ -11,8 +11,20 @@ from .._face import face
 
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .chunks import ChunkCodec, write_chunks
+    from .dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS, Dictionary, DictionaryError, file_digest, load_dictionary
     from .dtypes import BFLOAT16, is_bfloat16, numpy_dtype
-    from .feature_index import with_indexes
+    from .feature_index import (
+        INDEX_VERSION,
+        INDEXES,
+        IndexFeed,
+        Layout,
+        index_name,
+        index_record,
+        indexed,
+        source_state,
+        with_indexes,
+        write_index,
+    )
     from .forward import forward_differences, forward_summary
     from .layout import (
         ATTR,

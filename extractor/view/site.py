@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..read import ActivationStore, FeatureIndex, open_index
-from ..read.features import index_names
+from ..read import ActivationStore, FeatureIndex, index_names, open_index
 from ..store import OK, STATUS_NAMES, get_array
 from . import svg
 from .thumbs import Thumbnails

@@ -7,8 +7,7 @@ import io
 import threading
 from collections import OrderedDict
 
-from ..read import ActivationStore
-from ..read.pictures import crop_like_job
+from ..read import ActivationStore, crop_like_job
 
 __all__ = ["SourceGone", "Thumbnails"]
 
