@@ -386,7 +386,6 @@ def test_an_interrupt_during_a_resumes_start_leaves_the_store_saying_interrupted
                                                                                  monkeypatch: pytest.MonkeyPatch):
     """Ctrl-C while a resume starts: while it lists the images (the store untouched, as the run before left
     it), or once it has taken the store (status running: marked interrupted); the next resume finishes."""
-    from extractor.driver import runner
     from extractor.store import session
 
     raw = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2})
@@ -398,8 +397,9 @@ def test_an_interrupt_during_a_resumes_start_leaves_the_store_saying_interrupted
     with pytest.raises(KeyboardInterrupt):
         run(parse_spec(raw), on_progress=stop_midway)
     raw["output"]["if_exists"] = "resume"
-    # during the listing; once the store is taken (its done shards read)
-    for module, name in ((runner, "list_rows"), (session, "done_shards")):
+    # while it reads its source (its rows taken from the store: the folder is as listed); once the store is taken
+    # (its done shards read)
+    for module, name in ((session, "reuse"), (session, "done_shards")):
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
 

@@ -79,7 +79,8 @@ class Cluster:
         self.tmp = tmp
         self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                     "RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), str(Path(__file__).resolve().parent),
+                                                                os.environ.get("PYTHONPATH")]))}  # Hog: this module
         self.address = f"127.0.0.1:{free_port()}"
         self.nodes = [Node([str(VENV_BIN / "ray"), "start", "--head", f"--port={self.address.rsplit(':', 1)[1]}",
                             "--num-cpus=1", "--node-ip-address=127.0.0.1", f"--temp-dir={tmp}",
