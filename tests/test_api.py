@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm
 import yaml
 from conftest import RESNET18, child_env, job
 
@@ -40,7 +41,7 @@ def test_run_from_python_with_a_module_equals_the_cli_run_of_the_named_model(ima
     raw = job(image_dir, tmp_path / "cli.zarr", model=RESNET18)  # the named model, against _resnet18() below
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
     env = child_env()
-    r = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "job.yaml"), "-q"],
+    r = warm.run([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "job.yaml"), "-q"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     model = _resnet18()

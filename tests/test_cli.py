@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
 import yaml
 from conftest import child_env, job, make_images
 
@@ -24,7 +25,7 @@ TESTS = Path(__file__).resolve().parent
 
 def extractor(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     env = child_env()
-    return subprocess.run([sys.executable, "-m", "extractor.cli", *args], capture_output=True, text=True,
+    return warm.run([sys.executable, "-m", "extractor.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout)
 
 
@@ -107,7 +108,7 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
     raw = slow_job(tmp_path, shard_size=2, chunk_rows=1, reduce="mean")
     spec = write_job(tmp_path / "job.yaml", raw)
     env = child_env()
-    proc = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", "--overwrite"], env=env,
+    proc = warm.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", "--overwrite"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done_marker = tmp_path / "s.zarr" / "shard_done" / "c" / "1"
     deadline = time.time() + 120

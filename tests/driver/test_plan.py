@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job
-from test_cli import extractor, write_job
+from conftest import cli, job
+from test_cli import write_job
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
@@ -25,7 +25,7 @@ def test_plan_says_what_the_run_writes_and_creates_nothing(image_dir: Path, tmp_
     raw = job(image_dir, tmp_path / "s.zarr", capture=[
         {"layer": "layer3", "reduce": "none"}, {"layer": "layer4", "reduce": "mean", "dtype": "float16"}])
     path = write_job(tmp_path / "job.yaml", raw)
-    r = extractor("plan", str(path), "--json")
+    r = cli("plan", str(path), "--json")
     assert r.returncode == 0, r.stderr
     planned = json.loads(r.stdout)
     assert not (tmp_path / "s.zarr").exists()  # nothing created
@@ -46,12 +46,12 @@ def test_plan_says_what_the_run_writes_and_creates_nothing(image_dir: Path, tmp_
 
     before = _files(tmp_path / "s.zarr")
     for args in (("plan", str(path)), ("run", str(path), "--dry-run"), ("plan", str(path), "--overwrite")):
-        r = extractor(*args)
+        r = cli(*args)
         assert _files(tmp_path / "s.zarr") == before, args  # an existing store is untouched, also to overwrite it
     assert r.returncode == 0 and r.stdout.startswith(f"{tmp_path / 's.zarr'}: overwrite")
-    r = extractor("run", str(path), "--dry-run")
+    r = cli("run", str(path), "--dry-run")
     assert r.returncode == 1 and "run would refuse: store" in r.stdout and "already exists" in r.stdout
-    r = extractor("plan", str(path), "--resume")
+    r = cli("plan", str(path), "--resume")
     assert r.returncode == 0 and "nothing to do (complete)" in r.stdout
     assert "0 images to process; 2.1 KiB per row uncompressed (layer3 2.0 KiB, layer4 128 B)" in r.stdout  # the toy
 
@@ -63,7 +63,7 @@ def test_the_plan_of_a_resume_counts_the_objects_of_the_store_as_it_was_made(ima
                                                        "sharding": False})
     run(parse_spec(raw))
     raw["output"] = {**raw["output"], "sharding": True, "chunk_rows": "auto", "if_exists": "resume"}
-    r = extractor("plan", str(write_job(tmp_path / "job.yaml", raw)), "--json")
+    r = cli("plan", str(write_job(tmp_path / "job.yaml", raw)), "--json")
     assert r.returncode == 0, r.stderr
     planned = json.loads(r.stdout)
     assert planned["action"] == "nothing to do (complete)"

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm
 import yaml
 from conftest import child_env, job, make_images
 from PIL import Image
@@ -89,8 +90,9 @@ def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images
     pids: dict[int, int] = {}
 
     def on_event(name: str, info: dict) -> None:
-        if name == "shard_done" and info["worker"] == 0 and not killed:  # it holds the shard queued behind
-            time.sleep(0.3)  # let it compute some of that shard's rows
+        # at once: it holds the shard queued behind (0.3 s of slow_net at least), which is then never complete
+        # (a pause here to let it compute some rows raced it: a shard finished first left no death to see)
+        if name == "shard_done" and info["worker"] == 0 and not killed:
             os.kill(pids[0], signal.SIGKILL)
             killed.append(pids[0])
         elif name == "worker_started":
@@ -278,7 +280,7 @@ def test_killed_driver_then_resume_redoes_only_unfinished_shards(slow_images: Pa
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     env = child_env(RAY_TMPDIR=ray_tmp)
     cmd = [sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = warm.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     marker = tmp_path / "s.zarr" / "shard_done" / "c" / "1"
     deadline = time.time() + 180
     while not marker.exists() and time.time() < deadline and proc.poll() is None:
@@ -317,7 +319,7 @@ def test_sigterm_on_the_ray_backend_interrupts_the_job_and_resume_finishes(slow_
     spec.write_text(yaml.safe_dump(raw))
     env = child_env(RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     cmd = [sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = warm.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     marker = tmp_path / "s.zarr" / "shard_done" / "c" / "0"
     deadline = time.time() + 180
@@ -347,7 +349,7 @@ def test_an_address_where_no_cluster_listens_fails_fast(image_dir: Path, tmp_pat
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr",
                                        cluster={"backend": "ray", "address": "127.0.0.1:1"})))
-    out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
+    out = warm.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
                          text=True, timeout=120, env=child_env())
     assert out.returncode == 1
     assert "cannot reach a Ray cluster at cluster.address 127.0.0.1:1: ConnectionRefusedError" in out.stderr
@@ -359,7 +361,7 @@ def test_a_stale_ray_address_in_the_environment_fails_fast_naming_it(image_dir: 
     minutes, deaf to SIGINT and SIGTERM."""
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray"})))
-    out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
+    out = warm.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
                          text=True, timeout=120, env=child_env(RAY_ADDRESS="127.0.0.1:1"))
     assert out.returncode == 1
     assert "cannot reach a Ray cluster at RAY_ADDRESS 127.0.0.1:1" in out.stderr and "unset RAY_ADDRESS" in out.stderr
@@ -388,7 +390,7 @@ def test_workers_that_do_not_start_in_time_are_a_cluster_error(image_dir: Path, 
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr",
                                        cluster={"backend": "ray", "startup_timeout_s": 0.01})))
-    out = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
+    out = warm.run([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"], capture_output=True,
                          text=True, timeout=300, env=child_env())
     assert out.returncode == 1, out.stderr[-2000:]
     assert "did not start within 0.01 s (cluster.startup_timeout_s); free resources now:" in out.stderr
@@ -425,7 +427,7 @@ def test_a_ray_job_that_looked_before_another_created_the_store_refuses_instead_
     procs: list[subprocess.Popen] = []
 
     def while_a_waits(total: int, per_row: dict) -> None:
-        b = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "b.yaml"), "-q"],
+        b = warm.Popen([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "b.yaml"), "-q"],
                              env=env, stderr=subprocess.PIPE, text=True)
         procs.append(b)
         deadline = time.time() + 120

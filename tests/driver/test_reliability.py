@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
 import yaml
 import zarr
 from conftest import child_env, job, make_images
@@ -269,7 +270,7 @@ def slow_spec(root: Path, store: Path, tmp_path: Path, seconds: float = 0.15, **
 
 def start(spec: Path, *args: str) -> subprocess.Popen:
     env = child_env()
-    return subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", *args], env=env,
+    return warm.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
 import yaml
 from conftest import RESNET18, child_env, free_port, job, kill_processes_mentioning
 from test_sources import write_tars
@@ -186,7 +187,7 @@ def ray_head():
 
 
 def extractor(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "extractor.cli", *args], capture_output=True, text=True,
+    return warm.run([sys.executable, "-m", "extractor.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
@@ -297,7 +298,7 @@ def test_a_storage_that_does_not_answer_is_one_line_and_nothing_after_it(image_d
     dead = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "testing", "secret": "testing"}
     raw = job(image_dir, "s3://bucket/z.zarr", output={"store": "s3://bucket/z.zarr", "storage_options": dead})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
-    r = subprocess.run([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "job.yaml"), "-q"],
+    r = warm.run([sys.executable, "-m", "extractor.cli", "run", str(tmp_path / "job.yaml"), "-q"],
                        capture_output=True, text=True, timeout=300, env=child_env())
     assert r.returncode == 1
     assert r.stderr.startswith("error: cannot open s3://bucket/z.zarr as a Zarr group: EndpointConnectionError")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
 import yaml
 from conftest import child_env, job, make_images
 
@@ -57,7 +58,7 @@ def start_paused(spec: dict, tmp_path: Path, where: str, key: str, nth: int) -> 
                               "factory_kwargs": {"where": where, "key": key, "nth": nth, "marker": str(marker)}}}
     path = tmp_path / "a.yaml"
     path.write_text(yaml.safe_dump(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "extractor.cli", "run", str(path), "-q", "--overwrite"],
+    proc = warm.Popen([sys.executable, "-m", "extractor.cli", "run", str(path), "-q", "--overwrite"],
                             env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
