@@ -86,7 +86,8 @@ def serve(path: str) -> None:
     server.listen(64)
     print("ready", flush=True)
     children: dict[int, socket.socket] = {}
-    while True:
+    parent = os.getppid()
+    while os.getppid() == parent:  # ends with the test process, also one that was killed
         readable, _, _ = select.select([server], [], [], 0.02)
         if readable:
             conn, _ = server.accept()
