@@ -25,7 +25,6 @@ from .layout import (
     OK,
     PENDING,
     StoreArrays,
-    StoredRows,
     consolidate,
     create_store,
     done_shards,
@@ -38,6 +37,7 @@ from .layout import (
 )
 from .lease import Lease, half_created, read_attrs
 from .provenance import Probe, StoreRecord, changed_rows, check_resumable, moved_members, owner, store_attrs
+from .recorded import StoredRows
 from .reuse import check_sources
 from .stats import Totals, merge_shards, shard_record
 
