@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         done_shards,
         fill_value,
         get_array,
+        locator_arrays,
         now,
         open_group,
         read_rows,

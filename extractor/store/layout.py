@@ -8,7 +8,8 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
     zarr.json           root attributes under "extractor" (see README "Store layout")
     ids      (N,)       str      image id (relative path or manifest id)
     paths    (N,)       str      where the image was read from (tar members: TAR_URL#MEMBER)
-    byte_offset, byte_size (N,) int64  tar sources only: the image's bytes inside its tar
+    <locators> (N,)     the source's own per-row arrays beside paths, where it has them (``Source.locators``:
+                        a tar source's byte_offset, byte_size, int64: the image's bytes inside its tar)
     labels   (N,)       int64    class index, -1 when none
     status   (N,)       uint8    0 pending, 1 ok, 2 failed
     errors   (N,)       str      why a failed row failed ("" otherwise)
@@ -42,7 +43,7 @@ from zarr.buffer import default_buffer_prototype
 from zarr.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
-from ..data import Rows, is_url
+from ..data import LocatorArray, Rows, is_url
 from ..errors import FencedError, StoreError
 from .chunks import remove_partials
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
@@ -161,6 +162,7 @@ class StoreArrays:
     compression_level: int | None = None
     reuse: bool = False  # rows may come from other stores (output.reuse): the ``reused`` array records which
     sharded: bool = False  # each work shard of a capture one storage object (Zarr v3 sharding) of its chunks
+    locators: tuple[LocatorArray, ...] = ()  # the data source's per-row arrays beside paths (its Source.locators)
 
 
 WRITE_ROWS = 1 << 20  # a new store's per-row arrays are written this many rows (rounded to chunks) at a time
@@ -307,7 +309,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     n = len(rows)
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
-    _create_row_arrays(group, shard_rows, rows)
+    _create_row_arrays(group, shard_rows, rows, arrays.locators)
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
     if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
         group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
@@ -339,10 +341,10 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     return group
 
 
-def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows) -> None:
-    """The per-row arrays (``ROW_ARRAYS``, and where tar sources have them ``byte_offset`` and
-    ``byte_size``), in chunks of ``shard_rows``: what is known before any image is read is written now, a
-    stretch of whole chunks at a time (the paths of a Joined made a stretch at a time)."""
+def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...]) -> None:
+    """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``), in chunks
+    of ``shard_rows``: what is known before any image is read is written now, a stretch of whole chunks at a time
+    (the paths of a Joined made a stretch at a time)."""
     n = len(rows)
     step = shard_rows * max(1, WRITE_ROWS // shard_rows)
 
@@ -356,9 +358,10 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows) -> None:
     row_array("ids", str, "", rows.ids)
     row_array("paths", str, "", rows.paths)
     row_array("labels", "int64", -1, rows.labels)
-    if rows.offsets is not None and rows.sizes is not None:  # tar sources: where each image's bytes are
-        row_array("byte_offset", "int64", -1, rows.offsets)
-        row_array("byte_size", "int64", -1, rows.sizes)
+    for locator in locators:  # where the source finds each image's bytes, beside its path
+        if locator.name not in rows.locators:
+            raise ValueError(f"the rows carry no {locator.name!r} column, which their source declares")
+        row_array(locator.name, locator.dtype, locator.fill, rows.locators[locator.name])
     row_array("status", "uint8", PENDING)
     row_array("errors", str, "")
     row_array("digest", "uint64", 0)  # written with each shard's status
@@ -373,6 +376,21 @@ def _create_shard_arrays(group: zarr.Group, n_shards: int) -> None:
     group.create_array(
         "shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="", dimension_names=["shard"]
     )
+
+
+def locator_arrays(group: zarr.Group, names: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The per-row arrays the store's data source keeps beside ``paths`` (its ``Source.locators``) that the store
+    holds (``names``: its arrays, when known), in the source's order: a row's locator is its path and their
+    values."""
+    from ..data import source
+
+    held = set(group.array_keys() if names is None else names)
+    return tuple(a.name for a in source(data_source(root_attrs(group))).locators if a.name in held)
+
+
+def data_source(attrs: Mapping[str, Any]) -> str:
+    """The ``data.source`` of the job a store's attributes record."""
+    return str(((attrs.get("spec") or {}).get("data") or {}).get("source", "folder"))
 
 
 def update_attrs(group: zarr.Group, **changes: Any) -> None:

@@ -12,50 +12,47 @@ import numpy as np
 import zarr
 
 from ..data import Rows, strings
-from .layout import get_array, root_attrs, take_rows
+from .layout import data_source, get_array, locator_arrays, root_attrs, take_rows
 
 
 def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping[str, Any] | None = None,
-                   threads: int = 16, places: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
+                   threads: int = 16, places: Mapping[str, np.ndarray] | None = None) -> list[int]:
     """The content digests of the images of store rows ``rows`` as their source holds them now, read again
-    from the stored places (0: gone or unreadable), on ``threads`` threads. ``places``: a tar source's member
-    offsets and sizes of those rows where a listing now finds them (a rewritten tar moves its members)."""
+    from the stored places (0: gone or unreadable), on ``threads`` threads. ``places``: the source's locator
+    arrays (``Source.locators``) of those rows where a listing now finds them (a source may move its images'
+    bytes: :func:`current_places`); None: as the store records them."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..data import content_digest, forget_reads, read_bytes
 
     forget_reads()  # the sources as they are now, not as an earlier read in this process kept them
-    paths = take_rows(get_array(group, "paths"), rows)
-    tar = "byte_offset" in group
-    offsets = take_rows(get_array(group, "byte_offset"), rows) if tar and places is None else None
-    sizes = take_rows(get_array(group, "byte_size"), rows) if tar and places is None else None
-    if tar and places is not None:
-        offsets, sizes = places
+    paths = take_rows(get_array(group, "paths"), rows).tolist()
+    names = locator_arrays(group)
+    columns = [np.asarray(places[n] if places is not None else take_rows(get_array(group, n), rows)).tolist()
+               for n in names]
+    items: list[Any] = list(zip(paths, *columns, strict=True)) if columns else paths  # (path, *locators)
     storage = dict(storage_options or {})
 
-    def digest(i: int) -> int:
-        item: Any = str(paths[i]) if offsets is None or sizes is None else \
-            (str(paths[i]), int(offsets[i]), int(sizes[i]))
+    def digest(item: Any) -> int:
         try:
             return content_digest(read_bytes(item, storage))
         except Exception:  # noqa: BLE001 - gone or unreadable: not the image the row read
             return 0
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        return list(pool.map(digest, range(len(rows))))
+        return list(pool.map(digest, items))
 
 
 def current_places(group: zarr.Group, storage_options: Mapping[str, Any] | None = None) -> \
-        tuple[np.ndarray, np.ndarray] | None:
+        dict[str, np.ndarray] | None:
     """Where the source holds each row's bytes now, when it moved them since the store was listed (a rewritten
-    tar's members: offsets and sizes, -1 where gone); None: where the store records them."""
+    tar's members): its locator arrays as they are now (``Source.places``); None: where the store records them."""
     from ..data import source
 
     attrs = root_attrs(group)
     if not attrs.get("listing"):
         return None
-    name = ((attrs.get("spec") or {}).get("data") or {}).get("source", "folder")
-    return source(name).places(StoredRows(group), dict(storage_options or {}))
+    return source(data_source(attrs)).places(StoredRows(group), dict(storage_options or {}))
 
 
 class StoredRows:

@@ -75,7 +75,8 @@ def test_json_labels_and_class_names(image_dir: Path, tmp_path: Path):
     write_tars(images, tmp_path / "tars", per_tar=12, labels={"cats": 7, "dogs": 3}, json_labels=True)
     rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
         "source": "tar", "root": None, "tars": [str(tmp_path / "tars" / "shard-000.tar")]})).data)
-    assert list(rows.labels) == [7] * 6 + [3] * 6 and rows.offsets is not None and len(rows.sizes) == 12
+    assert list(rows.labels) == [7] * 6 + [3] * 6
+    assert list(rows.locators) == ["byte_offset", "byte_size"] and len(rows.locators["byte_size"]) == 12
 
 
 def test_bad_tars_are_clear_errors(image_dir: Path, tmp_path: Path):
@@ -102,7 +103,8 @@ def test_truncated_tar_member_fails_its_row(image_dir: Path, tmp_path: Path):
     rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr",
                                     data={"source": "tar", "root": None, "tars": str(tar)})).data)
     data = tar.read_bytes()
-    tar.write_bytes(data[: rows.offsets[3] + rows.sizes[3] // 2])  # cut inside the last image
+    offsets, sizes = rows.locators["byte_offset"], rows.locators["byte_size"]
+    tar.write_bytes(data[: offsets[3] + sizes[3] // 2])  # cut inside the last image
     summary = run(parse_spec(job(image_dir, tmp_path / "s.zarr",
                                  data={"source": "tar", "root": None, "tars": str(tar)})))
     assert (summary.ok, summary.failed) == (3, 1)
