@@ -356,7 +356,7 @@ def test_a_sample_key_in_two_tars_is_refused_naming_both(tmp_path: Path):
 def test_an_hf_imagefolder_metadata_csv_reads_as_it_is_through_data_columns(tmp_path: Path):
     """Issue 30: a Hugging Face imagefolder's metadata.csv names its image column file_name; data.columns maps
     it (and any label or id column), and the rows equal those of the same manifest with the default names."""
-    from extractor.spec.schema import DataSpec
+    from extractor.spec.data_spec import DataSpec
 
     files = make_images(tmp_path / "imgs", per_class=3, classes=("cat", "dog"), size=16)
     rel = [f.relative_to(tmp_path / "imgs").as_posix() for f in files]
@@ -385,7 +385,7 @@ def test_an_hf_imagefolder_metadata_csv_reads_as_it_is_through_data_columns(tmp_
 def test_data_classes_name_integer_labels_and_order_named_ones(tmp_path: Path):
     """Issue 30: data.classes gives integer labels (a tar's .cls) their names, stored as the store's classes and
     checked against the labels seen; labels that are names take their index from it."""
-    from extractor.spec.schema import DataSpec
+    from extractor.spec.data_spec import DataSpec
 
     files = make_images(tmp_path / "imgs", per_class=2, classes=("a", "b"), size=16)
     tars = write_tars(files, tmp_path / "tars", per_tar=2, labels={"a": 0, "b": 1})
