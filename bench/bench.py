@@ -412,7 +412,7 @@ def as_parquet(image_dir: Path, row_group: int = 100) -> Path:
     path = image_dir.with_suffix(".parquet")
     if not path.exists():
         from extractor.data.listing import list_rows
-        from extractor.spec.schema import DataSpec
+        from extractor.spec.data_spec import DataSpec
 
         rows = list_rows(DataSpec(root=str(image_dir)))
         images = [{"bytes": Path(p).read_bytes(), "path": i} for p, i in zip(rows.paths, rows.ids, strict=True)]

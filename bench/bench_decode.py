@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from extractor.data.decode import ImageDecoder
-from extractor.spec.schema import DataSpec
+from extractor.spec.data_spec import DataSpec
 
 SIZES = ((500, 375), (1024, 768), (2048, 1536))
 SPEC = {"root": "unused", "resize": 256, "crop": 224}  # the model's input, as DataSpec settings

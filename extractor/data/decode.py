@@ -199,8 +199,8 @@ class JpegDecoder:
                 groups.setdefault((*img.shape, items[i].orientation), []).append((i, img))
             else:  # the device decoder rejected it: Pillow decides
                 self._on_cpu(i, items[i].data, out, failed)
-        for key, members in groups.items():
-            self._resize_group(key, members, out)
+        for key, images in groups.items():
+            self._resize_group(key, images, out)
         for i, x in enumerate(items):
             if out[i] is None and i not in failed:
                 out[i] = x.to(self.device, non_blocking=True)
@@ -216,13 +216,13 @@ class JpegDecoder:
         except Exception as err:  # noqa: BLE001 - fails its row only
             failed[i] = describe_error(err)
 
-    def _resize_group(self, key: tuple[Any, ...], members: list[tuple[int, Any]], out: list[Any]) -> None:
+    def _resize_group(self, key: tuple[Any, ...], images: list[tuple[int, Any]], out: list[Any]) -> None:
         """Decoded images of one size and orientation resized and cropped together, a few at a time when large."""
         import torch
 
         per = max(1, GPU_RESIZE_PIXELS // (key[1] * key[2]))
-        for a in range(0, len(members), per):
-            part = members[a : a + per]
+        for a in range(0, len(images), per):
+            part = images[a : a + per]
             done = self._geometry(torch.stack([img for _, img in part]), key[-1])
             for (i, _), img in zip(part, done, strict=True):
                 out[i] = img

@@ -10,7 +10,7 @@ import logging
 import operator
 import re
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
@@ -200,6 +200,16 @@ class Joining:
 
 
 @dataclass(frozen=True)
+class LocatorArray:
+    """A per-row array a data source keeps in the store beside ``paths``, to find a row's bytes where a path alone
+    does not (declared on its ``Source.locators``; the rows of its listing carry one column of it)."""
+
+    name: str  # the store's array
+    dtype: str  # numpy's name of its type
+    fill: Any  # what a row holds where the source gave nothing
+
+
+@dataclass(frozen=True)
 class Rows:
     """The data set as the store records it: one entry per row, in row order, each column one numpy array (a
     list given is made one): at 10M rows a list of strings and ints was gigabytes of the driver's memory."""
@@ -208,10 +218,10 @@ class Rows:
     paths: Texts | np.ndarray | Joined  # strings, or Joined: the same paths, their shared heads held once
     labels: np.ndarray  # int64, -1: none
     classes: list[str] = field(default_factory=list)
-    offsets: np.ndarray | None = None  # tar sources: where each image's bytes start in its tar (int64)
-    sizes: np.ndarray | None = None  # and how many there are
+    locators: Mapping[str, np.ndarray] = field(default_factory=dict)  # the source's locator arrays (its
+    # ``Source.locators``, in that order), by the store's array names: one column each, where the source has them
     fingerprints: np.ndarray | None = None  # uint64 per row, where the source tells cheaply (0: unknown); see files
-    listing: dict[str, Any] | None = None  # what a tar listing was made from: tars, their fingerprints, extensions
+    listing: dict[str, Any] | None = None  # what the listing was made from (``Source.listing``), where it tells
     stored: dict[str, Any] | None = None  # rows a store records, left there (a resume whose source is as listed):
     # their number and digests (n_rows, ids_digest, paths_digest); the columns then are empty, and labels only read
     # when asked for
@@ -225,9 +235,9 @@ class Rows:
         if not isinstance(self.paths, Joined):
             put("paths", strings(self.paths))
         put("labels", np.asarray(self.labels, dtype=np.int64).reshape(-1))
-        for name, dtype in (("offsets", np.int64), ("sizes", np.int64), ("fingerprints", np.uint64)):
-            if getattr(self, name) is not None:
-                put(name, np.asarray(getattr(self, name), dtype=dtype).reshape(-1))
+        if self.fingerprints is not None:
+            put("fingerprints", np.asarray(self.fingerprints, dtype=np.uint64).reshape(-1))
+        put("locators", {name: np.asarray(column).reshape(-1) for name, column in self.locators.items()})
 
     def __len__(self) -> int:
         return len(self.ids) if self.stored is None else int(self.stored["n_rows"])

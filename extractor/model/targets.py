@@ -11,13 +11,14 @@ from typing import Any
 
 from torch import nn
 
+from ..data import locator_names
 from ..errors import LayerError
 from ..spec import CaptureSpec
 
 __all__ = ["Target", "resolve_targets", "RESERVED_KEYS"]
 
 RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done", "shard_stats", "stats_sums",
-                           "byte_offset", "byte_size", "lease", "target", "target_score", "digest", "fingerprint"})
+                           "lease", "target", "target_score", "digest", "fingerprint"})  # and the sources' locators
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def _check_keys(targets: Sequence[Target]) -> None:
     ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}  # a Grad-CAM map's per-row min, max
     ranges |= {f"{g.key}.token_index" for g in targets if g.sample}  # a sampled capture's token positions
     for t in targets:
-        if t.key in RESERVED_KEYS or t.key in ranges:
+        if t.key in RESERVED_KEYS or t.key in ranges or t.key in locator_names():
             raise LayerError(
                 f"capture[{t.capture}]: key {t.key!r} is reserved by the store; set capture[{t.capture}].key"
             )

@@ -31,6 +31,7 @@ from ..store import (
     done_shards,
     get_array,
     lease_timeout,
+    locator_arrays,
     projection_matrix,
     read_lease,
     root_attrs,
@@ -197,12 +198,13 @@ class ActivationStore(Batching):
         return np.asarray(get_array(self.group, "digest")[:]) if "digest" in self.group else None
 
     def locator(self, row: int) -> Any:
-        """Where row's image is read from: its path, or (tar URL#member, byte offset, byte size)."""
+        """Where row's image is read from: its path, or where the source keeps locator arrays beside it
+        (``data.Source.locators``), the path and their values (a tar member: (TAR_URL#MEMBER, offset, size))."""
         path = str(self.paths[row])
-        if "byte_offset" in self.group:
-            offset, size = get_array(self.group, "byte_offset")[row], get_array(self.group, "byte_size")[row]
-            return (path, int(np.asarray(offset)), int(np.asarray(size)))
-        return path
+        names = locator_arrays(self.group)
+        if not names:
+            return path
+        return (path, *(np.asarray(get_array(self.group, n)[row]).item() for n in names))
 
     @property
     def labels(self) -> np.ndarray:
@@ -432,8 +434,8 @@ class ActivationStore(Batching):
         stored = np.asarray(get_array(self.group, "digest")[:])
         rows = np.flatnonzero(stored != 0)
         options = self.storage_options if source_options is None else source_options
-        moved = current_places(self.group, options)  # a rewritten tar: its members read where they are now
-        places = None if moved is None else (moved[0][rows], moved[1][rows])
+        moved = current_places(self.group, options)  # a source that moved its rows' bytes: read where they are now
+        places = None if moved is None else {name: column[rows] for name, column in moved.items()}
         now = np.asarray(source_digests(self.group, rows, options, threads, places=places), dtype=np.uint64)
         ids = self.ids
         gone = rows[now == 0]

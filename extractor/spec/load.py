@@ -13,7 +13,8 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import SpecError
 from .identity import REDACTED
-from .schema import JobSpec, ModelSpec
+from .model_spec import ModelSpec
+from .schema import JobSpec
 
 
 def _loc_to_path(loc: tuple[int | str, ...]) -> str:

@@ -36,26 +36,24 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         CaptureRecord,
         ExtraRecord,
         StoreArrays,
-        StoredRows,
         consolidate,
         create_store,
-        current_places,
         disk_usage,
         done_shards,
         fill_value,
         get_array,
+        locator_arrays,
         now,
         open_group,
         read_rows,
         reset_shards,
         root_attrs,
-        source_digests,
-        stored_rows,
         take_rows,
         update_attrs,
     )
     from .lease import Lease, being_created, lease_timeout, read_attrs, read_lease
     from .provenance import Probe, StoreRecord, changed_rows, check_resumable, differences, owner, store_attrs
+    from .recorded import StoredRows, current_places, source_digests, stored_rows
     from .reuse import ReuseIndex, check_sources
     from .sampling import BY_DIGEST, draw_keys, projection_matrix, rank_keys
     from .session import Decision, Outcome, StoreSession

@@ -8,7 +8,8 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
     zarr.json           root attributes under "extractor" (see README "Store layout")
     ids      (N,)       str      image id (relative path or manifest id)
     paths    (N,)       str      where the image was read from (tar members: TAR_URL#MEMBER)
-    byte_offset, byte_size (N,) int64  tar sources only: the image's bytes inside its tar
+    <locators> (N,)     the source's own per-row arrays beside paths, where it has them (``Source.locators``:
+                        a tar source's byte_offset, byte_size, int64: the image's bytes inside its tar)
     labels   (N,)       int64    class index, -1 when none
     status   (N,)       uint8    0 pending, 1 ok, 2 failed
     errors   (N,)       str      why a failed row failed ("" otherwise)
@@ -42,7 +43,7 @@ from zarr.buffer import default_buffer_prototype
 from zarr.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
-from ..data import Rows, is_url, strings
+from ..data import LocatorArray, Rows, is_url
 from ..errors import FencedError, StoreError
 from .chunks import remove_partials
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
@@ -161,6 +162,7 @@ class StoreArrays:
     compression_level: int | None = None
     reuse: bool = False  # rows may come from other stores (output.reuse): the ``reused`` array records which
     sharded: bool = False  # each work shard of a capture one storage object (Zarr v3 sharding) of its chunks
+    locators: tuple[LocatorArray, ...] = ()  # the data source's per-row arrays beside paths (its Source.locators)
 
 
 WRITE_ROWS = 1 << 20  # a new store's per-row arrays are written this many rows (rounded to chunks) at a time
@@ -307,7 +309,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     n = len(rows)
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
-    _create_row_arrays(group, shard_rows, rows)
+    _create_row_arrays(group, shard_rows, rows, arrays.locators)
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
     if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
         group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
@@ -339,10 +341,10 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     return group
 
 
-def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows) -> None:
-    """The per-row arrays (``ROW_ARRAYS``, and where tar sources have them ``byte_offset`` and
-    ``byte_size``), in chunks of ``shard_rows``: what is known before any image is read is written now, a
-    stretch of whole chunks at a time (the paths of a Joined made a stretch at a time)."""
+def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...]) -> None:
+    """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``), in chunks
+    of ``shard_rows``: what is known before any image is read is written now, a stretch of whole chunks at a time
+    (the paths of a Joined made a stretch at a time)."""
     n = len(rows)
     step = shard_rows * max(1, WRITE_ROWS // shard_rows)
 
@@ -356,9 +358,10 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows) -> None:
     row_array("ids", str, "", rows.ids)
     row_array("paths", str, "", rows.paths)
     row_array("labels", "int64", -1, rows.labels)
-    if rows.offsets is not None and rows.sizes is not None:  # tar sources: where each image's bytes are
-        row_array("byte_offset", "int64", -1, rows.offsets)
-        row_array("byte_size", "int64", -1, rows.sizes)
+    for locator in locators:  # where the source finds each image's bytes, beside its path
+        if locator.name not in rows.locators:
+            raise ValueError(f"the rows carry no {locator.name!r} column, which their source declares")
+        row_array(locator.name, locator.dtype, locator.fill, rows.locators[locator.name])
     row_array("status", "uint8", PENDING)
     row_array("errors", str, "")
     row_array("digest", "uint64", 0)  # written with each shard's status
@@ -373,6 +376,21 @@ def _create_shard_arrays(group: zarr.Group, n_shards: int) -> None:
     group.create_array(
         "shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="", dimension_names=["shard"]
     )
+
+
+def locator_arrays(group: zarr.Group, names: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The per-row arrays the store's data source keeps beside ``paths`` (its ``Source.locators``) that the store
+    holds (``names``: its arrays, when known), in the source's order: a row's locator is its path and their
+    values."""
+    from ..data import source
+
+    held = set(group.array_keys() if names is None else names)
+    return tuple(a.name for a in source(data_source(root_attrs(group))).locators if a.name in held)
+
+
+def data_source(attrs: Mapping[str, Any]) -> str:
+    """The ``data.source`` of the job a store's attributes record."""
+    return str(((attrs.get("spec") or {}).get("data") or {}).get("source", "folder"))
 
 
 def update_attrs(group: zarr.Group, **changes: Any) -> None:
@@ -416,79 +434,6 @@ def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> N
             get_array(group, "stats_sums")[:4] = 0
         if "digest" in group:
             get_array(group, "digest")[start:stop] = 0
-
-
-def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping[str, Any] | None = None,
-                   threads: int = 16, places: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
-    """The content digests of the images of store rows ``rows`` as their source holds them now, read again
-    from the stored places (0: gone or unreadable), on ``threads`` threads. ``places``: a tar source's member
-    offsets and sizes of those rows where a listing now finds them (a rewritten tar moves its members)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..data import content_digest, forget_reads, read_bytes
-
-    forget_reads()  # the sources as they are now, not as an earlier read in this process kept them
-    paths = take_rows(get_array(group, "paths"), rows)
-    tar = "byte_offset" in group
-    offsets = take_rows(get_array(group, "byte_offset"), rows) if tar and places is None else None
-    sizes = take_rows(get_array(group, "byte_size"), rows) if tar and places is None else None
-    if tar and places is not None:
-        offsets, sizes = places
-    storage = dict(storage_options or {})
-
-    def digest(i: int) -> int:
-        item: Any = str(paths[i]) if offsets is None or sizes is None else \
-            (str(paths[i]), int(offsets[i]), int(sizes[i]))
-        try:
-            return content_digest(read_bytes(item, storage))
-        except Exception:  # noqa: BLE001 - gone or unreadable: not the image the row read
-            return 0
-
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        return list(pool.map(digest, range(len(rows))))
-
-
-def current_places(group: zarr.Group, storage_options: Mapping[str, Any] | None = None) -> \
-        tuple[np.ndarray, np.ndarray] | None:
-    """Where the source holds each row's bytes now, when it moved them since the store was listed (a rewritten
-    tar's members: offsets and sizes, -1 where gone); None: where the store records them."""
-    from ..data import source
-
-    attrs = root_attrs(group)
-    if not attrs.get("listing"):
-        return None
-    name = ((attrs.get("spec") or {}).get("data") or {}).get("source", "folder")
-    return source(name).places(StoredRows(group), dict(storage_options or {}))
-
-
-class StoredRows:
-    """The rows a store records, as a resume reads them back (``data.Recorded``): its listing record, the rows
-    left in it, a block of a per-row array."""
-
-    def __init__(self, group: zarr.Group, labels: bool = False) -> None:
-        self.group, self.labels = group, labels
-        self.listing: dict[str, Any] = root_attrs(group).get("listing") or {}
-        self._rows: Rows | None = None
-
-    def rows(self) -> Rows:
-        if self._rows is None:
-            self._rows = stored_rows(self.group, labels=self.labels)
-        return self._rows
-
-    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        return np.asarray(get_array(self.group, name)[start:stop])
-
-
-def stored_rows(group: zarr.Group, labels: bool = False) -> Rows:
-    """The rows as the store records them, for a resume whose source is as it was listed: left in the store (the
-    workers read their shards' rows from it), their number, classes, listing and digests taken from its
-    attributes; ``labels``: the labels read too (a gradient of the label's logit checks them)."""
-    attrs = root_attrs(group)
-    none = strings([])
-    return Rows(ids=none, paths=none, labels=np.asarray(get_array(group, "labels")[:]) if labels else
-                np.zeros(0, np.int64),
-                classes=list(attrs.get("classes") or []), listing=attrs.get("listing"),
-                stored={k: attrs[k] for k in ("n_rows", "ids_digest", "paths_digest")})
 
 
 def done_shards(group: zarr.Group) -> np.ndarray:

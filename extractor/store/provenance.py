@@ -4,7 +4,7 @@ A store records what made its values (:func:`store_attrs`: the spec, the model, 
 preprocessing, each capture's record, the per-row extras, the image list's digests, versions) from a
 :class:`Probe`, what the worker measured with one blank image. :func:`check_resumable` decides whether a
 job may resume a store (the same format, spec content, preprocessing, weights, captures and images read
-from the same places); :func:`changed_rows` and :func:`moved_members` find the rows whose images changed
+from the same places); :func:`changed_rows` and :func:`moved_locators` find the rows whose images changed
 or moved since. The driver decides what to do with the answers; nothing here writes.
 """
 
@@ -28,10 +28,11 @@ from ..errors import StoreError
 from ..spec import PLACES, JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .dtypes import numpy_dtype
 from .forward import forward_differences
-from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, source_digests
+from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now
+from .recorded import source_digests
 
 __all__ = [
-    "Probe", "StoreRecord", "store_attrs", "check_resumable", "changed_rows", "moved_members", "owner", "differences",
+    "Probe", "StoreRecord", "store_attrs", "check_resumable", "changed_rows", "moved_locators", "owner", "differences",
 ]
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class StoreRecord(TypedDict):
     paths_digest: str
     versions: dict[str, str]
     reused_from: NotRequired[list[str]]  # output.reuse's stores
-    listing: NotRequired[dict[str, Any]]  # a tar source's listing, to take the rows from the store on resume
+    listing: NotRequired[dict[str, Any]]  # the source's listing (Source.listing), to take the rows from the store
     stats: NotRequired[dict[str, Any]]
     error: NotRequired[str | None]
     resumed: NotRequired[str]
@@ -303,15 +304,14 @@ def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: A
         )
 
 
-def moved_members(group: Any, rows: Rows) -> tuple[np.ndarray, np.ndarray] | None:
-    """A tar source's member offsets and sizes now, when a rewritten tar moved them (the rows still to
-    compute read their bytes where they are now; computed ones whose bytes changed are found by
-    :func:`changed_rows`)."""
-    if rows.offsets is None or rows.sizes is None or "byte_offset" not in group:
+def moved_locators(group: Any, rows: Rows) -> dict[str, np.ndarray] | None:
+    """The source's locator arrays as listed now (``rows.locators``), when the source moved its rows' bytes since
+    the store recorded them (a rewritten tar): the rows still to compute read them where they are now; computed
+    ones whose bytes changed are found by :func:`changed_rows`. None: none moved, or the source has none."""
+    if not rows.locators or any(name not in group for name in rows.locators):
         return None
-    offsets, sizes = np.asarray(rows.offsets, dtype=np.int64), np.asarray(rows.sizes, dtype=np.int64)
-    same = np.array_equal(offsets, group["byte_offset"][:]) and np.array_equal(sizes, group["byte_size"][:])
-    return None if same else (offsets, sizes)
+    same = all(np.array_equal(column, group[name][:]) for name, column in rows.locators.items())
+    return None if same else dict(rows.locators)
 
 
 def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.ndarray | None]:
@@ -334,7 +334,7 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.n
     changed: list[int] = []
     if len(suspects):
         digests = np.asarray(group["digest"][:])
-        places = None if rows.offsets is None or rows.sizes is None else (rows.offsets[suspects], rows.sizes[suspects])
+        places = {name: column[suspects] for name, column in rows.locators.items()} if rows.locators else None
         now_digests = source_digests(group, suspects, spec.data.storage_options, places=places)  # where they are now
         changed = [int(r) for r, d in zip(suspects, now_digests, strict=True) if d != digests[r]]
     return changed, (current if bool((current != stored).any()) else None)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._text import count
-from ..data import Rows, Shard, reuse
+from ..data import Rows, Shard, reuse, source
 from ..errors import FencedError, StoreError
 from ..spec import JobSpec
 from .feature_index import ensure_parts, finish_indexes, indexed
@@ -25,7 +25,6 @@ from .layout import (
     OK,
     PENDING,
     StoreArrays,
-    StoredRows,
     consolidate,
     create_store,
     done_shards,
@@ -37,7 +36,8 @@ from .layout import (
     update_attrs,
 )
 from .lease import Lease, half_created, read_attrs
-from .provenance import Probe, StoreRecord, changed_rows, check_resumable, moved_members, owner, store_attrs
+from .provenance import Probe, StoreRecord, changed_rows, check_resumable, moved_locators, owner, store_attrs
+from .recorded import StoredRows
 from .reuse import check_sources
 from .stats import Totals, merge_shards, shard_record
 
@@ -55,7 +55,7 @@ class Decision:
     todo: list[Shard]  # the shards to compute
     redo: list[Shard] = field(default_factory=list)  # done shards whose images changed: computed again
     fingerprints: np.ndarray | None = None  # the source's, to record on resume where they changed
-    places: tuple[np.ndarray, np.ndarray] | None = None  # tar members' offsets and sizes now, where they moved
+    locators: dict[str, np.ndarray] | None = None  # the source's locator arrays now, where it moved the bytes
 
     @property
     def nothing_to_do(self) -> bool:
@@ -109,7 +109,7 @@ def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any],
         )
     redone = {s.index for s in redo}
     return Decision(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
-                     moved_members(group, rows))
+                     moved_locators(group, rows))
 
 
 def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) -> None:
@@ -154,10 +154,10 @@ def _claim(spec: JobSpec, rows: Rows, decision: Decision, attrs: StoreRecord, le
         reset_shards(group, [(s.index, s.start, s.stop) for s in decision.redo])  # before any new fingerprint
         if decision.fingerprints is not None:
             get_array(group, "fingerprint")[:] = decision.fingerprints
-        if decision.places is not None:
-            get_array(group, "byte_offset")[:], get_array(group, "byte_size")[:] = decision.places
+        for name, column in (decision.locators or {}).items():
+            get_array(group, name)[:] = column
         update_attrs(group, status="running", resumed=now(), **({"listing": attrs["listing"]} if "listing" in
-                                                                attrs else {}))  # the tars as listed now
+                                                                attrs else {}))  # the source as listed now
         return group
     if decision.old is not None:
         Lease.check(url, storage, spec.output.lease_timeout_s)
@@ -165,19 +165,19 @@ def _claim(spec: JobSpec, rows: Rows, decision: Decision, attrs: StoreRecord, le
     arrays = StoreArrays(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
                          chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
                          compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse),
-                         sharded=spec.output.sharding)
+                         sharded=spec.output.sharding, locators=source(spec.data.source).locators)
     return create_store(url, rows, arrays, attrs, storage, lease=lease, fresh=decision.old is None,
                         claimed=unchanged if decision.old is not None else None)
 
 
 def _record_source(spec: JobSpec, decision: Decision, attrs: StoreRecord) -> None:
     """A resume with nothing to compute whose source moved but not its images (files touched, a tar rewritten with
-    the same members): the source's new fingerprints, member places and tar listing recorded under the lease, so
-    that the next resume neither reads those images again nor lists the tars again. Best effort: a store that
+    the same members): the source's new fingerprints, locators and listing recorded under the lease, so that the
+    next resume neither reads those images again nor lists the source again. Best effort: a store that
     cannot be written (a read-only file system) keeps the old record, said in the log."""
     listing = attrs.get("listing")
     moved = listing is not None and listing != (decision.old or {}).get("listing")
-    if decision.fingerprints is None and decision.places is None and not moved:
+    if decision.fingerprints is None and decision.locators is None and not moved:
         return
     lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
     try:
@@ -185,8 +185,8 @@ def _record_source(spec: JobSpec, decision: Decision, attrs: StoreRecord) -> Non
         group = lease.open()
         if decision.fingerprints is not None:
             get_array(group, "fingerprint")[:] = decision.fingerprints
-        if decision.places is not None:
-            get_array(group, "byte_offset")[:], get_array(group, "byte_size")[:] = decision.places
+        for name, column in (decision.locators or {}).items():
+            get_array(group, name)[:] = column
         update_attrs(group, **({"listing": listing} if moved else {}))
         consolidate(group)
     except (OSError, StoreError) as err:

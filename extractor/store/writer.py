@@ -17,7 +17,7 @@ from .fence import (
     fenced_group,
     is_s3,
 )
-from .layout import get_array
+from .layout import get_array, locator_arrays
 from .lease import job_fence
 
 
@@ -43,18 +43,18 @@ class ShardWriter:
         self._lock = threading.Lock()  # write() is called from several writer threads
 
     def opening(self, labels: bool = False) -> tuple[list[Any], np.ndarray | None]:
-        """What the decoder reads for each row (a path, or (tar URL#member, offset, size)) and, with ``labels``,
-        the rows' labels: the shard's rows of those arrays read in one round."""
-        tar = self.opened.has("byte_offset")
-        names = ["paths", *(["byte_offset", "byte_size"] if tar else []), *(["labels"] if labels else [])]
+        """What the decoder reads for each row (its path, or where the source keeps locator arrays beside it
+        (``data.Source.locators``), the path and their values: a tar member's (TAR_URL#MEMBER, offset, size)) and,
+        with ``labels``, the rows' labels: the shard's rows of those arrays read in one round."""
+        locators = list(self.opened.locators)
+        names = ["paths", *locators, *(["labels"] if labels else [])]
         got = dict(zip(names, read_at_once([(self.opened.array(n), slice(self.start, self.stop)) for n in names]),
                        strict=True))
         paths = got["paths"].tolist()
         found = np.asarray(got["labels"], dtype=np.int64) if labels else None
-        if not tar:
+        if not locators:
             return paths, found
-        return [(p, o, n) for p, o, n in zip(paths, got["byte_offset"].tolist(), got["byte_size"].tolist(),
-                                             strict=True)], found
+        return list(zip(paths, *(got[n].tolist() for n in locators), strict=True)), found
 
     def check_fence(self) -> None:
         """Raise :class:`FencedError` when the job that writes is no longer the one holding the store (early: every
@@ -141,6 +141,7 @@ class _Opened:
         self.fence = job_fence(url, storage_options, fence) if fence is not None else None
         self.group = fenced_group(url, storage_options, self.fence)
         self.names = set(self.group.array_keys())
+        self.locators = locator_arrays(self.group, self.names)  # the source's arrays beside paths, in its order
         self.arrays: dict[str, zarr.Array] = {}
         self.lock = threading.Lock()
         # on an object store every chunk of a shard is written, also one of fill values only (zarr would skip or

@@ -17,7 +17,7 @@ from PIL import Image
 
 from extractor.data.decode import EncodedJpeg, ImageDecoder, JpegDecoder
 from extractor.data.stream import iter_batches
-from extractor.spec.schema import DataSpec
+from extractor.spec.data_spec import DataSpec
 
 
 def photo(h: int, w: int, seed: int = 0) -> np.ndarray:

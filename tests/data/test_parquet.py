@@ -17,8 +17,8 @@ from extractor.data.sources.parquet import row_groups
 from extractor.driver.runner import run
 from extractor.errors import DataError
 from extractor.read.reader import open_store
+from extractor.spec.data_spec import DataSpec
 from extractor.spec.load import parse_spec
-from extractor.spec.schema import DataSpec
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -8,7 +8,7 @@ import torch
 
 from extractor.data.preprocess import IMAGENET, Preprocess, of_store, resolve
 from extractor.errors import SpecError
-from extractor.spec.schema import DataSpec
+from extractor.spec.data_spec import DataSpec
 
 TIMM = Preprocess(resize=248, crop=(224, 224), interpolation="bicubic", mean=(0.5,) * 3, std=(0.5,) * 3,
                   crop_pct=0.9, source="timm data config of x")

@@ -63,10 +63,12 @@ def test_joined_tar_members_and_rows_made_of_lists():
         paths.part(t, member)
     joined = paths.joined()
     assert list(joined) == ["/t/a.tar#k1.jpg", "/t/a.tar#k2.jpg", "/t/b.tar#k3.jpg"]
-    rows = Rows(ids=["k1", "k2", "k3"], paths=joined, labels=[1, -1, 2], offsets=[0, 512, 1024], sizes=[3, 4, 5])
+    rows = Rows(ids=["k1", "k2", "k3"], paths=joined, labels=[1, -1, 2],
+                locators={"byte_offset": [0, 512, 1024], "byte_size": [3, 4, 5]})
     assert isinstance(rows.ids, Texts) and rows.ids.tolist() == ["k1", "k2", "k3"]
     assert rows.labels.dtype == np.int64 and len(rows) == 3
-    assert rows.offsets is not None and rows.offsets.tolist() == [0, 512, 1024] and rows.paths is joined
+    assert rows.locators["byte_offset"].tolist() == [0, 512, 1024] and rows.paths is joined
+    assert isinstance(rows.locators["byte_size"], np.ndarray)
 
 
 def test_duplicate_finds_the_first_id_seen_again_as_a_set_would():

@@ -68,7 +68,7 @@ def test_a_hash_in_a_remote_tar_url(image_dir: Path, tmp_path: Path):
     try:
         rows = list_rows(parse_spec(tar_job(image_dir, tmp_path / "s.zarr", url)).data)
         assert list(rows.paths) == [f"{url}#{m}" for m in members]  # URLs are stored as given
-        got = [read_bytes((p, o, n)) for p, o, n in zip(rows.paths, rows.offsets, rows.sizes, strict=True)]
+        got = [read_bytes((p, o, n)) for p, o, n in zip(rows.paths, *rows.locators.values(), strict=True)]
         assert got == list(members.values())
     finally:
         fs.rm("memory://extractor-test-hash", recursive=True)
@@ -103,7 +103,7 @@ def test_local_paths_are_stored_absolute_and_read_from_any_directory(tmp_path: P
     assert [read_bytes(p) for p in list(folder.paths)] == [f.read_bytes() for f in files]
     assert read_bytes(no_root.paths[0]) == files[0].read_bytes()
     assert read_bytes(in_root.paths[0]) == files[0].read_bytes()  # images/../images/cats/cats00.jpg
-    got = [read_bytes((p, o, n)) for p, o, n in zip(tars.paths, tars.offsets, tars.sizes, strict=True)]
+    got = [read_bytes((p, o, n)) for p, o, n in zip(tars.paths, *tars.locators.values(), strict=True)]
     assert got == [f.read_bytes() for f in files]
 
 

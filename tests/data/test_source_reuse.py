@@ -110,7 +110,7 @@ def test_every_declared_source_is_registered_and_the_spec_offers_exactly_them():
 
     from extractor.data.sources import REGISTRY, Source, source
     from extractor.spec import SOURCE_SETTINGS
-    from extractor.spec.schema import DataSpec
+    from extractor.spec.data_spec import DataSpec
 
     assert get_args(DataSpec.model_fields["source"].annotation) == tuple(SOURCE_SETTINGS) == tuple(REGISTRY)
     for name in SOURCE_SETTINGS:

@@ -75,7 +75,8 @@ def test_json_labels_and_class_names(image_dir: Path, tmp_path: Path):
     write_tars(images, tmp_path / "tars", per_tar=12, labels={"cats": 7, "dogs": 3}, json_labels=True)
     rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
         "source": "tar", "root": None, "tars": [str(tmp_path / "tars" / "shard-000.tar")]})).data)
-    assert list(rows.labels) == [7] * 6 + [3] * 6 and rows.offsets is not None and len(rows.sizes) == 12
+    assert list(rows.labels) == [7] * 6 + [3] * 6
+    assert list(rows.locators) == ["byte_offset", "byte_size"] and len(rows.locators["byte_size"]) == 12
 
 
 def test_bad_tars_are_clear_errors(image_dir: Path, tmp_path: Path):
@@ -102,7 +103,8 @@ def test_truncated_tar_member_fails_its_row(image_dir: Path, tmp_path: Path):
     rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr",
                                     data={"source": "tar", "root": None, "tars": str(tar)})).data)
     data = tar.read_bytes()
-    tar.write_bytes(data[: rows.offsets[3] + rows.sizes[3] // 2])  # cut inside the last image
+    offsets, sizes = rows.locators["byte_offset"], rows.locators["byte_size"]
+    tar.write_bytes(data[: offsets[3] + sizes[3] // 2])  # cut inside the last image
     summary = run(parse_spec(job(image_dir, tmp_path / "s.zarr",
                                  data={"source": "tar", "root": None, "tars": str(tar)})))
     assert (summary.ok, summary.failed) == (3, 1)
@@ -354,7 +356,7 @@ def test_a_sample_key_in_two_tars_is_refused_naming_both(tmp_path: Path):
 def test_an_hf_imagefolder_metadata_csv_reads_as_it_is_through_data_columns(tmp_path: Path):
     """Issue 30: a Hugging Face imagefolder's metadata.csv names its image column file_name; data.columns maps
     it (and any label or id column), and the rows equal those of the same manifest with the default names."""
-    from extractor.spec.schema import DataSpec
+    from extractor.spec.data_spec import DataSpec
 
     files = make_images(tmp_path / "imgs", per_class=3, classes=("cat", "dog"), size=16)
     rel = [f.relative_to(tmp_path / "imgs").as_posix() for f in files]
@@ -383,7 +385,7 @@ def test_an_hf_imagefolder_metadata_csv_reads_as_it_is_through_data_columns(tmp_
 def test_data_classes_name_integer_labels_and_order_named_ones(tmp_path: Path):
     """Issue 30: data.classes gives integer labels (a tar's .cls) their names, stored as the store's classes and
     checked against the labels seen; labels that are names take their index from it."""
-    from extractor.spec.schema import DataSpec
+    from extractor.spec.data_spec import DataSpec
 
     files = make_images(tmp_path / "imgs", per_class=2, classes=("a", "b"), size=16)
     tars = write_tars(files, tmp_path / "tars", per_tar=2, labels={"a": 0, "b": 1})

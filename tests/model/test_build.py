@@ -7,7 +7,7 @@ import torch
 
 from extractor.errors import ModelError
 from extractor.model.build import build_model, layer_table, state_dict_hash
-from extractor.spec.schema import ModelSpec
+from extractor.spec.model_spec import ModelSpec
 
 
 def test_random_init_is_seeded_and_described():

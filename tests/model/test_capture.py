@@ -13,8 +13,8 @@ from extractor.errors import LayerError
 from extractor.model.capture import Capturer
 from extractor.model.targets import resolve_targets
 from extractor.read.reader import open_store
+from extractor.spec.capture_spec import CaptureSpec
 from extractor.spec.load import parse_spec
-from extractor.spec.schema import CaptureSpec
 
 
 def caps(*items: dict) -> list[CaptureSpec]:

@@ -243,7 +243,7 @@ def test_model_call_input_and_forward_kwargs_keep_the_layer_names(photos: Path, 
 
 def test_unknown_names_missing_weights_and_bad_kwargs_are_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from extractor.model.build import build_model
-    from extractor.spec.schema import ModelSpec
+    from extractor.spec.model_spec import ModelSpec
 
     monkeypatch.delenv("EXTRACTOR_ALLOW_DOWNLOAD", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
@@ -265,7 +265,7 @@ def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch):
     import sys
 
     from extractor.model.build import build_model
-    from extractor.spec.schema import ModelSpec
+    from extractor.spec.model_spec import ModelSpec
 
     monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed
     with pytest.raises(ModelError, match=r"needs timm, which is not installed .*extractor\[models\]"):
@@ -277,7 +277,7 @@ def test_inception_from_a_torchvision_state_dict_keeps_its_input_transform(tmp_p
     from torchvision.models import inception_v3
 
     from extractor.model.build import build_model
-    from extractor.spec.schema import ModelSpec
+    from extractor.spec.model_spec import ModelSpec
 
     torch.manual_seed(1)
     ref = inception_v3(weights=None, transform_input=True, aux_logits=True, init_weights=False).eval()
@@ -326,7 +326,7 @@ def test_drop_prefix_on_a_model_of_unknown_prefix_asks_for_the_count(image_dir: 
 
 def test_open_clip_takes_a_checkpoint_of_its_visual_tower_or_of_the_whole_clip(tmp_path: Path):
     from extractor.model.build import build_model, state_dict_hash
-    from extractor.spec.schema import ModelSpec
+    from extractor.spec.model_spec import ModelSpec
 
     torch.manual_seed(7)
     clip = open_clip.create_model("ViT-S-32", force_image_size=64)
@@ -492,7 +492,7 @@ def test_a_forward_that_draws_at_random_is_refused_and_the_readme_way_out_works(
 def test_an_hf_folder_loads_its_own_weights_unless_random_is_asked(photos: Path, tmp_path: Path):
     """weights left out (auto): the folder's model.safetensors (before: a random init from its config, so two
     folders gave identical stores); random init only when asked, and recorded so."""
-    from extractor.spec.schema import ModelSpec
+    from extractor.spec.model_spec import ModelSpec
 
     stores = {}
     for seed in (0, 1):
@@ -524,7 +524,7 @@ def test_an_hf_folder_loads_its_own_weights_unless_random_is_asked(photos: Path,
 
 def test_a_bare_architecture_name_asks_for_its_weights():
     from extractor.model.build import build_model
-    from extractor.spec.schema import ModelSpec
+    from extractor.spec.model_spec import ModelSpec
 
     with pytest.raises(ModelError, match=r"'resnet18' names an architecture, not its weights: set model.weights to "
                                          r"pretrained \(torchvision's DEFAULT\)"):

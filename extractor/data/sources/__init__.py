@@ -20,13 +20,16 @@ import numpy as np
 
 from ...spec import SOURCE_SETTINGS
 from ..files import FS_BYTES, Locator, is_url, local_fingerprint, read_file
-from ..rows import BLOCK
+from ..rows import BLOCK, LocatorArray
 
 if TYPE_CHECKING:
     from ...spec import DataSpec
     from ..rows import Rows
 
-__all__ = ["Source", "Recorded", "source", "read_bytes", "forget_reads", "reuse", "files_now", "REGISTRY"]
+__all__ = [
+    "Source", "Recorded", "LocatorArray", "source", "locator_names", "read_bytes", "forget_reads", "reuse", "files_now",
+    "REGISTRY",
+]
 
 
 REGISTRY: dict[str, str] = {name: name for name in SOURCE_SETTINGS}  # data.source -> its module here
@@ -51,6 +54,10 @@ class Source(ABC):
     The hooks with defaults are for the sources that need them."""
 
     name: ClassVar[str]  # its data.source
+    # the per-row arrays it keeps in the store beside ``paths`` where a path alone does not find a row's bytes (a
+    # tar member's byte range): its rows carry them (``Rows.locators``), the store writes them, and a row's
+    # locator read back from the store is ``(path, *their values)``, in this order, handed to :meth:`read`
+    locators: ClassVar[tuple[LocatorArray, ...]] = ()
 
     @abstractmethod
     def list(self, data: DataSpec) -> Rows:
@@ -91,9 +98,9 @@ class Source(ABC):
         change without their folder); None: the recorded ones hold."""
         return None
 
-    def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> dict[str, np.ndarray] | None:
         """Where each row's bytes are now, when the source moved them since the store recorded them (a rewritten
-        tar's members): offsets and sizes (-1: gone); None: where recorded."""
+        tar's members): its :attr:`locators` arrays as they are now, by name; None: where recorded."""
         return None
 
 
@@ -110,6 +117,11 @@ def source(name: str) -> Source:
         module = importlib.import_module(f"{__name__}.{REGISTRY[name]}")
         _LOADED[name] = module.SOURCE
     return _LOADED[name]
+
+
+def locator_names() -> frozenset[str]:
+    """The names of every source's locator arrays (:attr:`Source.locators`): per-row arrays of the store."""
+    return frozenset(a.name for name in REGISTRY for a in source(name).locators)
 
 
 def read_bytes(item: Locator, storage_options: dict | None = None, outside_root: bool = True) -> bytes:

@@ -33,7 +33,7 @@ import numpy as np
 from ..._threads import prefetched
 from ...errors import DataError
 from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
-from ..rows import Joining, Rows, Strings, duplicate, labels_of, strings
+from ..rows import Joining, LocatorArray, Rows, Strings, duplicate, labels_of, strings
 from . import Locator, Recorded, Source
 from ._tar_headers import _headers, _members, _read_at, _Unusual
 
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 __all__ = ["Samples", "list_tars", "scan_tar", "tar_listing", "tar_url_of", "SOURCE"]
 
 log = logging.getLogger(__name__)
+
+OFFSET, SIZE = "byte_offset", "byte_size"  # the store's arrays of a row's byte range in its tar (the locators)
 
 def _key_and_ext(name: str) -> tuple[str, str]:
     slash = name.rfind("/")
@@ -264,8 +266,9 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
         raise DataError(f"sample key {keys[twice[0]]!r} appears in {tar_of(twice[0])} and {tar_of(twice[1])}; keys "
                         "must be unique")
     listing["rows"] = np.diff([*starts, len(offsets)]).tolist()  # each tar's: a resume re-lists a changed one alone
-    return Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes, offsets=_int64(offsets),
-                sizes=_int64(sizes), fingerprints=np.frombuffer(prints, dtype=np.uint64), listing=listing)
+    return Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes,
+                locators={OFFSET: _int64(offsets), SIZE: _int64(sizes)},
+                fingerprints=np.frombuffer(prints, dtype=np.uint64), listing=listing)
 
 
 def _int64(values: array) -> np.ndarray:
@@ -306,6 +309,7 @@ class TarSource(Source):
     """WebDataset tar shards (``data.tars``): rows from their headers; a row's bytes read as a byte range."""
 
     name = "tar"
+    locators = (LocatorArray(OFFSET, "int64", -1), LocatorArray(SIZE, "int64", -1))
 
     def list(self, data: DataSpec) -> Rows:
         return list_tars(data.tars, data.extensions, data.storage_options)
@@ -347,10 +351,11 @@ class TarSource(Source):
         if duplicate(columns["ids"]) is not None:
             return None  # a full listing names the duplicate
         listing = {**now, "rows": [len(p["ids"]) for p in parts]}
-        return Rows(ids=columns["ids"], paths=columns["paths"], labels=columns["labels"], offsets=columns["offsets"],
-                    sizes=columns["sizes"], fingerprints=columns["fingerprints"], listing=listing)
+        return Rows(ids=columns["ids"], paths=columns["paths"], labels=columns["labels"],
+                    locators={OFFSET: columns["offsets"], SIZE: columns["sizes"]},
+                    fingerprints=columns["fingerprints"], listing=listing)
 
-    def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> dict[str, np.ndarray] | None:
         """Each row's member offset and size where its tar holds it now, when a tar was rewritten since the store
         was listed (its members may have moved; a member gone: offset -1)."""
         was = recorded.listing
@@ -361,7 +366,7 @@ class TarSource(Source):
                  if a != b or b == 0}
         if not moved:
             return None
-        offsets, sizes = recorded.column("byte_offset").copy(), recorded.column("byte_size").copy()
+        offsets, sizes = recorded.column(OFFSET).copy(), recorded.column(SIZE).copy()
         paths = recorded.column("paths")
         for url in sorted(moved):
             try:
@@ -371,10 +376,10 @@ class TarSource(Source):
                 where = {}
             for r in np.flatnonzero(np.strings.startswith(paths, f"{url}#")):
                 offsets[r], sizes[r] = where.get(str(paths[r])[len(url) + 1:], (-1, 0))
-        return offsets, sizes
+        return {OFFSET: offsets, SIZE: sizes}
 
 
-_COLUMNS = {"ids": "ids", "paths": "paths", "labels": "labels", "offsets": "byte_offset", "sizes": "byte_size",
+_COLUMNS = {"ids": "ids", "paths": "paths", "labels": "labels", "offsets": OFFSET, "sizes": SIZE,
             "fingerprints": "fingerprint"}  # a row's columns and the store's arrays that hold them
 
 SOURCE = TarSource()
