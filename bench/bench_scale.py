@@ -228,7 +228,8 @@ def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitSta
     return DataSpec(source="parquet", parquet=files), stack
 
 
-def planning_bench(sizes: tuple[int, ...] = (100_000, 1_000_000, 2_000_000)) -> None:
+def planning_bench(sizes: tuple[int, ...] = (100_000, 1_000_000, 2_000_000),
+                   sources: tuple[str, ...] = ("manifest", "folder", "tar", "parquet")) -> None:
     """The driver's memory for the rows of a job, each source listed at ``sizes`` from synthetic listings (no
     files: the listing functions patched): the peak while listing and what the rows hold after (tracked
     allocations, numpy's included), fitted along the sizes (least squares) to 10M rows."""
@@ -236,7 +237,7 @@ def planning_bench(sizes: tuple[int, ...] = (100_000, 1_000_000, 2_000_000)) -> 
 
     print(f"\nthe rows on the driver, from synthetic listings of {', '.join(f'{n:,}' for n in sizes)} rows: peak "
           "while listing, held after (tracemalloc), fitted to 10M rows")
-    for source in ("manifest", "folder", "tar", "parquet"):
+    for source in sources:
         points = []
         for n in sizes:
             spec, patched = _synthetic(source, n, WORK)
@@ -354,12 +355,14 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="0.1,1,2", help="millions of rows each source is listed at (the memory fit)")
+    p.add_argument("--sources", default="manifest,folder,tar,parquet", help="the sources the memory fit lists")
     p.add_argument("--only", choices=["stats", "tar", "parquet", "rows", "shard", "resume"], help="one of the benches")
     args = p.parse_args()
     sizes = tuple(int(float(m) * 1e6) for m in args.rows.split(","))
     if args.only:
         WORK.mkdir(exist_ok=True)
-        {"stats": stats_bench, "tar": tar_bench, "parquet": parquet_bench, "rows": lambda: planning_bench(sizes),
-         "shard": shard_bench, "resume": resume_bench}[args.only]()
+        sources = tuple(args.sources.split(","))
+        {"stats": stats_bench, "tar": tar_bench, "parquet": parquet_bench,
+         "rows": lambda: planning_bench(sizes, sources), "shard": shard_bench, "resume": resume_bench}[args.only]()
     else:
         main(sizes)

@@ -35,6 +35,7 @@ from ...errors import DataError
 from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
 from ..rows import Joining, Rows, Strings, duplicate, labels_of, strings
 from . import Locator, Recorded, Source
+from ._tar_fast import fast_samples
 from ._tar_headers import _headers, _members, _read_at, _Unusual
 
 if TYPE_CHECKING:
@@ -68,14 +69,13 @@ class Samples:
 def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any]) -> Samples:
     """The samples of one tar that have an image (key, member, offset, size, raw label)."""
     fobj = _open_tar(url, storage_options)
+    exts = tuple(e.lower() for e in extensions)
     try:
-        try:
-            members = list(_headers(fobj, url))
-        except _Unusual:  # a sparse or vendor member: tarfile reads what the plain header reader does not
-            fobj.seek(0)
-            with tarfile.open(fileobj=fobj, mode="r:") as tar:
-                members = [(m.name, m.offset_data, m.size) for m in _members(tar, url) if m.isfile()]
-        samples, keys = _samples(members, fobj, tuple(e.lower() for e in extensions), url)
+        # a local tar of plain headers read in bulk; else the plain header reader, else tarfile
+        fast = fast_samples(fobj, exts, url) if isinstance(fobj, mmap.mmap) else None
+        if fast is None:
+            fast = _samples(_listed(fobj, url), fobj, exts, url)
+        samples, keys = fast
     except tarfile.TarError as err:
         raise DataError(f"tar shard {url} is not a readable tar file ({type(err).__name__}: {err})") from None
     except DataError:
@@ -88,6 +88,16 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
         names = ", ".join(keys[:5]) or "no members"
         raise DataError(f"tar shard {url} holds no image members (keys: {names}); check data.extensions")
     return samples
+
+
+def _listed(fobj: Any, url: str) -> list[tuple[str, int, int]]:
+    """``(name, data offset, size)`` of each regular file, by the plain header reader, else by tarfile."""
+    try:
+        return list(_headers(fobj, url))
+    except _Unusual:  # a sparse or vendor member: tarfile reads what the plain header reader does not
+        fobj.seek(0)
+        with tarfile.open(fileobj=fobj, mode="r:") as tar:
+            return [(m.name, m.offset_data, m.size) for m in _members(tar, url) if m.isfile()]
 
 
 def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str, ...],
