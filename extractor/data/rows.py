@@ -380,7 +380,16 @@ def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]
     index: dict[tuple[type, object], int] = {}
     values: list[object] = []
     firsts: list[int] = []
+    texts: dict[str, int] = {}  # the str values' codes (most labels: no key to make)
     for n, v in enumerate(raw):
+        if type(v) is str:
+            code = texts.get(v)
+            if code is None:
+                code = texts[v] = index[(str, v)] = len(values)
+                values.append(v)
+                firsts.append(n)
+            codes.append(code)
+            continue
         key = (type(v), v if isinstance(v, str | int | float | None) else repr(v))
         code = index.get(key)
         if code is None:

@@ -49,7 +49,7 @@ def _listed(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, int,
 
 def _fast(path: Path) -> bool:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return _tar_fast.fast_samples(mm, (".jpg",), str(path)) is not None
+        return _tar_fast.fast_samples(mm, (".jpg",), str(path), lambda *a: None, object()) is not None
 
 
 def _write(path: Path, members: list[tuple[str, bytes]], fmt: int = tarfile.GNU_FORMAT, **kw: Any) -> Path:

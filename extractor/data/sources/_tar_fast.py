@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import mmap
 from array import array
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ...errors import DataError
 from ._tar_headers import _check_end, _checksum_ok, _number
 
-if TYPE_CHECKING:
-    from .tar import Samples
+Columns = dict[str, list[Any]]
 
 __all__ = ["fast_samples"]
 
@@ -32,40 +32,45 @@ _FILE_KINDS = np.frombuffer(b"0\x007", dtype=np.uint8)  # regular, old regular, 
 _COLUMN = np.arange(_BLOCK)
 
 
-def fast_samples(mm: mmap.mmap, exts: tuple[str, ...], url: str) -> tuple[Samples, list[str]] | None:
-    """The tar's samples with an image, as :func:`._tar_headers` and the plain grouping give them (keys, image
-    members, data offsets, sizes, raw labels; and the first keys seen), or None: read it the plain way."""
+Label = Callable[[bytes, str, Any], Any]  # a label member's bytes, extension, the label so far -> the label
+
+
+def fast_samples(mm: mmap.mmap, exts: tuple[str, ...], url: str, label: Label,
+                 none: object) -> tuple[Columns, list[str]] | None:
+    """The tar's samples with an image, as :func:`._tar_headers` and the plain grouping give them (key, image
+    member, data offset, size, raw label: columns by those names), and the first keys seen; or None: read it
+    the plain way. ``label`` reads a label member, ``none`` (no label yet) given first."""
     if not all(e.isascii() for e in exts):
         return None
     members = _members(mm, url)
     if members is None:
         return None
     names, offsets, sizes = members
-    return _grouped(mm, names, offsets, sizes, exts, url)
+    return _grouped(mm, names, offsets, sizes, exts, url, label, none)
 
 
-def _walk(mm: mmap.mmap) -> tuple[np.ndarray, np.ndarray, int]:
-    """Each header's position and size, each next header found past the last one's data, the size read as its
-    field's first 11 bytes (the 12th is checked in bulk), up to the first block not read so: the end mark, the
-    end of the file, or a header for the plain reader. Also where it stopped."""
-    starts, sizes = array("q"), array("q")
-    pos, last = 0, len(mm) - _BLOCK
-    while pos <= last:
+def _walk(mm: mmap.mmap) -> tuple[np.ndarray, int]:
+    """Each header's position, each next header found past the last one's data (the size read as its field's
+    first 11 bytes; the 12th is checked in bulk), up to the first block not read so: the end mark, the end of the
+    file, or a header for the plain reader. Also where it stopped."""
+    starts = array("q")
+    add, pos, last = starts.append, 0, len(mm) - _BLOCK
+    while pos <= last:  # (the loop of a member: kept to a slice, an int() and an append)
         try:
             size = int(mm[pos + 124:pos + 135], 8)
         except ValueError:
             break
-        starts.append(pos)
-        sizes.append(size)
-        pos += _BLOCK + ((size + _BLOCK - 1) & -_BLOCK)
-    return np.frombuffer(starts, np.int64) if starts else np.zeros(0, np.int64), \
-        np.frombuffer(sizes, np.int64) if sizes else np.zeros(0, np.int64), pos
+        if size < 0:
+            break
+        add(pos)
+        pos += 1023 + size & -512  # the header, then the data to a whole block
+    return np.frombuffer(starts, np.int64) if starts else np.zeros(0, np.int64), pos
 
 
 def _members(mm: mmap.mmap, url: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The regular files' names (bytes, a row of 100 each, zero past the name), data offsets and sizes; None:
     a header this path does not read. A block that is no header ends the listing as the plain reader's does."""
-    starts, sizes, stop = _walk(mm)
+    starts, stop = _walk(mm)
     names, offsets, kept = [], [], []
     for at in range(0, len(starts), _CHUNK):
         block = _gathered(mm, starts[at:at + _CHUNK])
@@ -75,12 +80,13 @@ def _members(mm: mmap.mmap, url: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
             block = block[:first]
             stop = int(starts[at + first])
             starts = starts[:at + first]
-        files = _plain(block, sizes[at:at + len(block)])
+        sizes = _octal(block[:, 124:136], 11)  # as the walk read them
+        files = _plain(block, sizes)
         if files is None:
             return None
         names.append(files[0])
         offsets.append(starts[at:at + len(block)][files[1]] + _BLOCK)
-        kept.append(sizes[at:at + len(block)][files[1]])
+        kept.append(sizes[files[1]])
         if len(bad):
             break
     end = bytes(mm[stop:stop + _BLOCK])
@@ -129,7 +135,7 @@ def _checksums_ok(block: np.ndarray) -> np.ndarray:
     """Of each header: its checksum is its bytes' sum, unsigned (POSIX) or signed (old tars), the checksum field
     taken as spaces, as tarfile accepts it; an all-zero block (the end mark) has none."""
     field = block[:, 148:156]
-    stored = _octal(field)
+    stored = _octal(field, 6)
     ok = stored == block.sum(1, dtype=np.uint32).astype(np.int64) - field.sum(1, dtype=np.int64) + 256
     for i in np.flatnonzero(~ok).tolist():  # the signed sum, of the few that the unsigned one fails
         signed = block[i].view(np.int8).sum(dtype=np.int64) - field[i].view(np.int8).sum(dtype=np.int64) + 256
@@ -137,12 +143,12 @@ def _checksums_ok(block: np.ndarray) -> np.ndarray:
     return ok
 
 
-def _octal(field: np.ndarray) -> np.ndarray:
+def _octal(field: np.ndarray, digits: int) -> np.ndarray:
     """Numbers of header fields as tarfile reads them (text to the first NUL, spaces around octal digits); the
     odd ones (base-256, other text) read one by one as the plain reader does; -1 where none is read."""
-    digits = field[:, :6].astype(np.int64) - ord("0")
-    common = ((digits >= 0) & (digits <= 7)).all(1) & (field[:, 6] == 0)  # "%06o\0": what tar writers write
-    out = digits @ 8 ** np.arange(5, -1, -1)
+    values = field[:, :digits].astype(np.int64) - ord("0")
+    common = ((values >= 0) & (values <= 7)).all(1) & (field[:, digits] == 0)  # "%0{digits}o\0": as tar writes
+    out = values @ 8 ** np.arange(digits - 1, -1, -1, dtype=np.int64)
     if not common.all():
         odd = np.flatnonzero(~common)
         out[odd] = _octal_any(field[odd])
@@ -171,12 +177,10 @@ def _octal_any(field: np.ndarray) -> np.ndarray:
 
 
 def _grouped(mm: mmap.mmap, names: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, exts: tuple[str, ...],
-             url: str) -> tuple[Samples, list[str]]:
+             url: str, label: Label, none: object) -> tuple[Columns, list[str]]:
     """The members grouped into samples by key (the name up to the first dot of its file name), in the order of
     their first member: each sample's image (the member whose extension ends with one of ``exts``) and label (the
     text of its last ``.cls``, else the ``label`` of its first ``.json`` that has one), as the plain grouping."""
-    from .tar import _NO_LABEL, Samples, _read_label
-
     n, width = names.shape
     length = _first_zero(names) if n else np.zeros(0, np.int64)
     slashes = names[:, ::-1] == ord("/")
@@ -198,16 +202,14 @@ def _grouped(mm: mmap.mmap, names: np.ndarray, offsets: np.ndarray, sizes: np.nd
     read = np.flatnonzero((cls | meta) & ~image & (sizes < 1 << 20))
     for g, o, size, text in zip(group[read].tolist(), offsets[read].tolist(), sizes[read].tolist(),
                                 cls[read].tolist(), strict=True):
-        labels[g] = _read_label(mm[o:o + size], ".cls" if text else ".json", labels.get(g, _NO_LABEL))
+        labels[g] = label(mm[o:o + size], ".cls" if text else ".json", labels.get(g, none))
     order = np.argsort(first, kind="stable")
     samples = order[chosen[order] >= 0]
     member = chosen[samples]
-    out = Samples()
-    out.keys = [k.decode("ascii") for k in unique[samples].tolist()]
-    out.members = [m.decode("ascii") for m in names[member].view(f"S{width}").ravel().tolist()]
-    out.offsets = offsets[member].tolist()
-    out.sizes = sizes[member].tolist()
-    out.labels = [None if (label := labels.get(g, _NO_LABEL)) is _NO_LABEL else label for g in samples.tolist()]
+    out = {"keys": [k.decode("ascii") for k in unique[samples].tolist()],
+           "members": [m.decode("ascii") for m in names[member].view(f"S{width}").ravel().tolist()],
+           "offsets": offsets[member].tolist(), "sizes": sizes[member].tolist(),
+           "labels": [None if (found := labels.get(g, none)) is none else found for g in samples.tolist()]}
     return out, [k.decode("ascii") for k in unique[order[:5]].tolist()]
 
 

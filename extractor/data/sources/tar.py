@@ -72,10 +72,9 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
     exts = tuple(e.lower() for e in extensions)
     try:
         # a local tar of plain headers read in bulk; else the plain header reader, else tarfile
-        fast = fast_samples(fobj, exts, url) if isinstance(fobj, mmap.mmap) else None
-        if fast is None:
-            fast = _samples(_listed(fobj, url), fobj, exts, url)
-        samples, keys = fast
+        fast = fast_samples(fobj, exts, url, _read_label, _NO_LABEL) if isinstance(fobj, mmap.mmap) else None
+        samples, keys = _samples(_listed(fobj, url), fobj, exts, url) if fast is None else (Samples(**fast[0]),
+                                                                                            fast[1])
     except tarfile.TarError as err:
         raise DataError(f"tar shard {url} is not a readable tar file ({type(err).__name__}: {err})") from None
     except DataError:
@@ -214,7 +213,7 @@ def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[
     import xxhash
 
     digest = xxhash.xxh3_64_intdigest
-    return [digest(f"{tar_print}|{o}|{n}".encode()) or 1 for o, n in zip(offsets, sizes, strict=True)]
+    return [digest(b"%d|%d|%d" % (tar_print, o, n)) or 1 for o, n in zip(offsets, sizes, strict=True)]
 
 
 def tar_urls(patterns: str | Sequence[str] | None) -> list[str]:
