@@ -128,15 +128,20 @@ class Strings:
 @dataclass(frozen=True)
 class Joined:
     """Many strings sharing a few heads, held as the heads and each string's tail: string ``i`` is
-    ``heads[which[i]] + tails[i]`` (``which`` None: every string has head 0). A folder's paths are its root and the
-    ids; a tar source's are the tars and their members. Indexing gives a ``str``; a slice, an array of them."""
+    ``heads[which[i]] + tails[i]`` (``which`` None: every string has head 0), and ``ends[end[i]]`` after it where
+    ``end`` is given. A folder's paths are its root and the ids; a tar source's are the tars, the ids (the array
+    of the rows' ids, held once) and the members' extensions. Indexing gives a ``str``; a slice, an array."""
 
     heads: Any  # strings, made a StringDType array (a few, indexed by ``which`` at once)
     tails: np.ndarray | Texts  # strings, or integers (a Parquet row's number in its file)
     which: np.ndarray | None = None
+    ends: Any = None  # strings after the tails (a few), made a StringDType array; None: none
+    end: np.ndarray | None = None  # each string's index into ``ends``
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "heads", np.asarray(self.heads, dtype=STRINGS))
+        if self.ends is not None:
+            object.__setattr__(self, "ends", np.asarray(self.ends, dtype=STRINGS))
 
     def __len__(self) -> int:
         return len(self.tails)
@@ -145,8 +150,10 @@ class Joined:
         if isinstance(i, slice):
             heads = self.heads[0] if self.which is None else self.heads[self.which[i]]
             tails = self.tails[i]
-            return np.strings.add(heads, tails.astype(STRINGS) if tails.dtype.kind in "iu" else tails)
-        return str(self.heads[0 if self.which is None else self.which[i]]) + str(self.tails[i])
+            out = np.strings.add(heads, tails.astype(STRINGS) if tails.dtype.kind in "iu" else tails)
+            return out if self.end is None else np.strings.add(out, self.ends[self.end[i]])
+        text = str(self.heads[0 if self.which is None else self.which[i]]) + str(self.tails[i])
+        return text if self.end is None else text + str(self.ends[self.end[i]])
 
     def __iter__(self) -> Iterator[str]:
         for start in range(0, len(self), BLOCK):
@@ -245,22 +252,57 @@ class Rows:
 
 def duplicate(ids: Any) -> tuple[int, int] | None:
     """The rows of the first id that appears again, as (its first row, the row it appears again in); None when
-    all are unique. Found by sorting the ids' hashes (24 bytes a row while it runs; a set of 10M ids was a
-    gigabyte), the few that share a hash compared as strings."""
-    hashes = np.empty(len(ids), dtype=np.int64)
-    for start in range(0, len(ids), BLOCK):
-        hashes[start:start + BLOCK] = [hash(i) for i in ids[start:start + BLOCK].tolist()]
-    order = np.argsort(hashes, kind="stable")
-    ordered = hashes[order]
-    same = np.flatnonzero(ordered[1:] == ordered[:-1])
-    del hashes, ordered
+    all are unique. Found by sorting the ids' hashes (16 bytes a row while it runs; a set of 10M ids was a
+    gigabyte), the few rows whose hash another shares compared as strings."""
+    hashes = _hashes(ids)
+    ordered = np.sort(hashes)
+    shared = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    del ordered
+    rows = []
+    for start in range(0, len(hashes) if len(shared) else 0, BLOCK):
+        block = hashes[start:start + BLOCK]
+        at = np.minimum(np.searchsorted(shared, block), len(shared) - 1)
+        rows.append(start + np.flatnonzero(shared[at] == block))
+    del hashes
     first: dict[str, int] = {}
-    for row in np.unique(np.concatenate([order[same], order[same + 1]])).tolist():  # in row order
+    for row in np.concatenate(rows).tolist() if rows else []:  # in row order
         key = str(ids[row])
         if key in first:
             return first[key], row
         first[key] = row
     return None
+
+
+def _hashes(ids: Any) -> np.ndarray:
+    """A 64-bit hash of each string (a Texts' in bulk from its bytes; others by Python's ``hash``)."""
+    hashes, step = np.empty(len(ids), dtype=np.int64), BLOCK // 16 if isinstance(ids, Texts) else BLOCK
+    for start in range(0, len(ids), step):  # (a Texts' block: its bytes' terms at 8 bytes each, so fewer)
+        stop = min(start + step, len(ids))
+        hashes[start:stop] = _text_hashes(ids, start, stop) if isinstance(ids, Texts) else \
+            [hash(i) for i in ids[start:stop].tolist()]
+    return hashes
+
+
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _text_hashes(texts: Texts, start: int, stop: int) -> np.ndarray:
+    """Strings ``start:stop`` of a Texts hashed from their UTF-8 at once: the sum of (byte + 1) x M^position
+    (modulo 2^64), mixed with the length."""
+    base = int(texts.ends[start - 1]) if start else 0
+    ends = texts.ends[start:stop].astype(np.int64) - base
+    lengths = np.diff(ends, prepend=0)
+    data = texts.data[base:base + int(ends[-1])]
+    if not len(data):
+        return lengths
+    firsts = ends - lengths
+    position = np.arange(len(data)) - np.repeat(firsts, lengths)
+    with np.errstate(over="ignore"):
+        powers = np.cumprod(np.full(int(lengths.max()), _MULTIPLIER, dtype=np.uint64))
+        terms = (data.astype(np.uint64) + np.uint64(1)) * powers[position]
+        sums = np.add.reduceat(terms, np.minimum(firsts, len(terms) - 1))
+        sums[lengths == 0] = 0
+        return (sums * _MULTIPLIER + lengths.astype(np.uint64)).view(np.int64)
 
 
 @dataclass(frozen=True)
@@ -339,11 +381,20 @@ def labels_of(raw: Iterable[object],
 def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]]:
     """Each row's code into its distinct values (by type and value: ``1`` and ``True`` differ), the values, and
     the first row of each."""
-    codes = array("q")
+    codes = array("i")  # (int32: half of int64's bytes at 10M rows)
     index: dict[tuple[type, object], int] = {}
     values: list[object] = []
     firsts: list[int] = []
+    texts: dict[str, int] = {}  # the str values' codes (most labels: no key to make)
     for n, v in enumerate(raw):
+        if type(v) is str:
+            code = texts.get(v)
+            if code is None:
+                code = texts[v] = index[(str, v)] = len(values)
+                values.append(v)
+                firsts.append(n)
+            codes.append(code)
+            continue
         key = (type(v), v if isinstance(v, str | int | float | None) else repr(v))
         code = index.get(key)
         if code is None:
@@ -351,7 +402,7 @@ def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]
             values.append(v)
             firsts.append(n)
         codes.append(code)
-    return np.frombuffer(codes, dtype=np.int64) if codes else np.zeros(0, np.int64), values, firsts
+    return np.frombuffer(codes, dtype=np.int32) if codes else np.zeros(0, np.int32), values, firsts
 
 
 def named(rows: Rows, classes: list[str], where: str) -> Rows:

@@ -33,8 +33,9 @@ import numpy as np
 from ..._threads import prefetched
 from ...errors import DataError
 from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
-from ..rows import Joining, LocatorArray, Rows, Strings, duplicate, labels_of, strings
+from ..rows import Joined, LocatorArray, Rows, Strings, Texts, duplicate, labels_of, strings
 from . import Locator, Recorded, Source
+from ._tar_fast import fast_samples
 from ._tar_headers import _headers, _members, _read_at, _Unusual
 
 if TYPE_CHECKING:
@@ -70,14 +71,12 @@ class Samples:
 def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any]) -> Samples:
     """The samples of one tar that have an image (key, member, offset, size, raw label)."""
     fobj = _open_tar(url, storage_options)
+    exts = tuple(e.lower() for e in extensions)
     try:
-        try:
-            members = list(_headers(fobj, url))
-        except _Unusual:  # a sparse or vendor member: tarfile reads what the plain header reader does not
-            fobj.seek(0)
-            with tarfile.open(fileobj=fobj, mode="r:") as tar:
-                members = [(m.name, m.offset_data, m.size) for m in _members(tar, url) if m.isfile()]
-        samples, keys = _samples(members, fobj, tuple(e.lower() for e in extensions), url)
+        # a local tar of plain headers read in bulk; else the plain header reader, else tarfile
+        fast = fast_samples(fobj, exts, url, _read_label, _NO_LABEL) if isinstance(fobj, mmap.mmap) else None
+        samples, keys = _samples(_listed(fobj, url), fobj, exts, url) if fast is None else (Samples(**fast[0]),
+                                                                                            fast[1])
     except tarfile.TarError as err:
         raise DataError(f"tar shard {url} is not a readable tar file ({type(err).__name__}: {err})") from None
     except DataError:
@@ -90,6 +89,16 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
         names = ", ".join(keys[:5]) or "no members"
         raise DataError(f"tar shard {url} holds no image members (keys: {names}); check data.extensions")
     return samples
+
+
+def _listed(fobj: Any, url: str) -> list[tuple[str, int, int]]:
+    """``(name, data offset, size)`` of each regular file, by the plain header reader, else by tarfile."""
+    try:
+        return list(_headers(fobj, url))
+    except _Unusual:  # a sparse or vendor member: tarfile reads what the plain header reader does not
+        fobj.seek(0)
+        with tarfile.open(fileobj=fobj, mode="r:") as tar:
+            return [(m.name, m.offset_data, m.size) for m in _members(tar, url) if m.isfile()]
 
 
 def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str, ...],
@@ -206,7 +215,7 @@ def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[
     import xxhash
 
     digest = xxhash.xxh3_64_intdigest
-    return [digest(f"{tar_print}|{o}|{n}".encode()) or 1 for o, n in zip(offsets, sizes, strict=True)]
+    return [digest(b"%d|%d|%d" % (tar_print, o, n)) or 1 for o, n in zip(offsets, sizes, strict=True)]
 
 
 def tar_urls(patterns: str | Sequence[str] | None) -> list[str]:
@@ -237,9 +246,7 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
             check_unambiguous(url, storage)
     # remote tars on 16 threads (their reads wait on the network); local ones on one: parsing holds the GIL,
     # and threads contending for it took twice the time of one
-    ids, paths = Strings(), Joining(f"{url}#" for url in urls)
-    offsets, sizes, prints = array("q"), array("q"), array("Q")
-    starts: list[int] = []  # each tar's first row
+    columns = _Columns(urls)
 
     def labels() -> Iterator[Any]:
         """Each sample's raw label, as the tars are read: the other columns gathered on the way."""
@@ -247,32 +254,74 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
         # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
         scanned = prefetched(urls, lambda u: scan_tar(u, extensions, storage), threads + 1, threads)
         for t, (found, tar_print) in enumerate(zip(scanned, tar_prints, strict=True)):
-            starts.append(len(offsets))
-            ids.extend(found.keys)
-            paths.parts(t, found.members)
-            offsets.extend(found.offsets)
-            sizes.extend(found.sizes)
-            prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes) if tar_print else
-                          [0] * len(found))
+            columns.add(t, found, tar_print)
             yield from found.labels
 
-    def tar_of(n: int) -> str:
-        return urls[bisect.bisect_right(starts, n) - 1]
-
-    codes, classes = labels_of(labels(), lambda n: f"tar shard {tar_of(n)}, sample {ids[n]!r}")
-    keys = ids.array()
+    codes, classes = labels_of(labels(), lambda n: f"tar shard {columns.tar_of(n)}, sample {columns.ids[n]!r}")
+    keys = columns.ids.array()
     twice = duplicate(keys)
     if twice is not None:
-        raise DataError(f"sample key {keys[twice[0]]!r} appears in {tar_of(twice[0])} and {tar_of(twice[1])}; keys "
-                        "must be unique")
-    listing["rows"] = np.diff([*starts, len(offsets)]).tolist()  # each tar's: a resume re-lists a changed one alone
-    return Rows(ids=keys, paths=paths.joined(), labels=codes, classes=classes,
-                locators={OFFSET: _int64(offsets), SIZE: _int64(sizes)},
-                fingerprints=np.frombuffer(prints, dtype=np.uint64), listing=listing)
+        raise DataError(f"sample key {keys[twice[0]]!r} appears in {columns.tar_of(twice[0])} and "
+                        f"{columns.tar_of(twice[1])}; keys must be unique")
+    listing["rows"] = np.diff([*columns.starts, len(keys)]).tolist()  # each tar's: a resume re-lists one alone
+    return columns.rows(keys, codes, classes, listing)
 
 
-def _int64(values: array) -> np.ndarray:
-    return np.frombuffer(values, dtype=np.int64)
+class _Columns:
+    """The tars' rows as they are scanned, in compact columns: each sample's id; its image member's name held as
+    the id and the member's extension (a code into the few there are); its tar (a code into the URLs), data
+    offset, size and fingerprint; each tar's first row. 10M rows: about 70 bytes a row."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.ids = Strings()
+        self.ends: dict[str, int] = {}  # the members' extensions (what follows the id), each one's code
+        self.end, self.which = array("h"), array("h")  # int16, made wider when a code does not fit
+        self.offsets, self.sizes, self.prints = array("q"), array("i"), array("Q")
+        self.starts: list[int] = []  # each tar's first row
+
+    def add(self, t: int, found: Samples, tar_print: int) -> None:
+        self.starts.append(len(self.offsets))
+        self.ids.extend(found.keys)
+        ends = self.ends
+        self.end = _widened(self.end, [ends.setdefault(m[len(k):], len(ends)) for k, m in zip(found.keys,
+                                                                                               found.members,
+                                                                                               strict=True)])
+        self.which = _widened(self.which, [t] * len(found))
+        self.offsets.extend(found.offsets)
+        self.sizes = _widened(self.sizes, found.sizes)
+        self.prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes) if tar_print else
+                           [0] * len(found))
+
+    def tar_of(self, n: int) -> str:
+        return self.urls[bisect.bisect_right(self.starts, n) - 1]
+
+    def rows(self, keys: Texts, codes: np.ndarray, classes: list[str], listing: dict[str, Any]) -> Rows:
+        """The rows, the columns handed over."""
+        paths = Joined([f"{url}#" for url in self.urls], keys, _numbers(self.which), list(self.ends),
+                       _numbers(self.end))
+        return Rows(ids=keys, paths=paths, labels=codes, classes=classes,
+                    locators={OFFSET: _numbers(self.offsets), SIZE: _numbers(self.sizes)},
+                    fingerprints=np.frombuffer(self.prints, dtype=np.uint64)
+                    if self.prints else np.zeros(0, np.uint64), listing=listing)
+
+
+def _widened(values: array, more: Sequence[int]) -> array:
+    """``values`` (a signed integer array) with ``more`` appended: made int64 first when one does not fit."""
+    n = len(values)
+    try:
+        values.extend(more)
+    except OverflowError:
+        del values[n:]  # (those appended before the one that did not fit)
+        values = array("q", values)
+        values.extend(more)
+    return values
+
+
+def _numbers(values: array) -> np.ndarray:
+    """A signed integer array's numbers as a numpy array of its width, its buffer taken without a copy."""
+    dtype = np.dtype(values.typecode)
+    return np.frombuffer(values, dtype=dtype) if values else np.zeros(0, dtype)
 
 
 def _tar_fingerprint(url: str, storage: dict[str, Any]) -> int:

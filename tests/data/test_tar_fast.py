@@ -1,0 +1,138 @@
+"""The tar source's listing against Python's tarfile (an independent reading of the same tars): the bulk header
+reader (``_tar_fast``), the plain one it falls back to, and the rows ``list_tars`` makes of them."""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from extractor.data.sources import _tar_fast
+from extractor.data.sources.tar import list_tars, scan_tar
+from extractor.errors import DataError
+
+
+def _expected(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, int, Any]]:
+    """(key, image member, data offset, size, raw label) of each sample with an image, from tarfile's members:
+    the key is the name to the first dot of its file name; the label the last ``.cls`` text, else the first
+    ``.json`` label."""
+    samples: dict[str, dict[str, Any]] = {}
+    with tarfile.open(path, "r:") as tar:
+        for m in tar:
+            if not m.isfile():
+                continue
+            base = m.name.rsplit("/", 1)[-1]
+            key = m.name[:len(m.name) - len(base)] + base.split(".", 1)[0]
+            ext = base[len(base.split(".", 1)[0]):].lower()
+            s = samples.setdefault(key, {})
+            if ext.endswith(exts):
+                s["image"] = (m.name, m.offset_data, m.size)
+            elif ext == ".cls":
+                s["cls"] = tar.extractfile(m).read().decode().strip()
+            elif ext == ".json":
+                meta = json.loads(tar.extractfile(m).read())
+                if "label" in meta:
+                    s.setdefault("json", meta["label"])
+    return [(k, *s["image"], s.get("cls", s.get("json"))) for k, s in samples.items() if "image" in s]
+
+
+def _listed(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, int, Any]]:
+    s = scan_tar(str(path), exts, {})
+    return list(zip(s.keys, s.members, s.offsets, s.sizes, s.labels, strict=True))
+
+
+def _fast(path: Path) -> bool:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return _tar_fast.fast_samples(mm, (".jpg",), str(path), lambda *a: None, object()) is not None
+
+
+def _write(path: Path, members: list[tuple[str, bytes]], fmt: int = tarfile.GNU_FORMAT, **kw: Any) -> Path:
+    rng = np.random.default_rng(len(members))
+    with tarfile.open(path, "w", format=fmt, **kw) as tar:
+        folder = tarfile.TarInfo("d.x")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        for n, (name, data) in enumerate(members):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            if rng.random() < 0.2:
+                link = tarfile.TarInfo(f"link{n}")
+                link.type, link.linkname = tarfile.SYMTYPE, name
+                tar.addfile(link)
+    return path
+
+
+def _members(n: int) -> list[tuple[str, bytes]]:
+    """A WebDataset-like tar's members: images of many sizes with .cls or .json labels (some both, some
+    neither), keys with dots in folders, upper-case extensions, a sample of no image, a member of no extension."""
+    rng = np.random.default_rng(n)
+    out: list[tuple[str, bytes]] = []
+    for i in range(n):
+        key = f"d.x/s{i:05d}" if i % 3 else f"part.{i % 4}/{i:05d}"
+        ext = ".JPG" if i % 7 == 0 else ".jpg"
+        out.append((f"{key}{ext}", bytes(rng.integers(0, 256, int(rng.integers(0, 3000)), dtype=np.uint8))))
+        if i % 2 == 0:
+            out.append((f"{key}.cls", f" {i % 5}\n".encode()))
+        if i % 3 == 0:
+            out.append((f"{key}.json", json.dumps({"label": f"c{i % 4}"} if i % 4 else {"x": 1}).encode()))
+    out += [("d.x/alone.txt", b"no image"), ("noext", b"x"), ("a" * 92 + ".jpg", b"long name")]
+    return out
+
+
+def test_the_bulk_reader_gives_tarfiles_samples(tmp_path: Path):
+    path = _write(tmp_path / "t.tar", _members(300))
+    assert _fast(path)
+    assert _listed(path, (".jpg",)) == _expected(path, (".jpg",))
+    ustar = _write(tmp_path / "u.tar", _members(50), fmt=tarfile.USTAR_FORMAT)
+    assert _fast(ustar) and _listed(ustar, (".jpg",)) == _expected(ustar, (".jpg",))
+
+
+def test_tars_the_bulk_reader_leaves_to_the_plain_one_list_the_same(tmp_path: Path):
+    """pax headers (a name beyond ASCII, a long name) and a ustar prefix folder: read the plain way, as tarfile."""
+    for name, fmt, extra in (("pax.tar", tarfile.PAX_FORMAT, [("ünï/cödé.jpg", b"u")]),
+                             ("long.tar", tarfile.GNU_FORMAT, [("x" * 150 + ".jpg", b"l")]),
+                             ("prefix.tar", tarfile.USTAR_FORMAT, [("/".join(["f" * 30] * 4) + "/p.jpg", b"p")])):
+        path = _write(tmp_path / name, _members(20) + extra, fmt=fmt)
+        assert not _fast(path)
+        assert _listed(path, (".jpg",)) == _expected(path, (".jpg",))
+
+
+def test_a_tar_cut_short_lists_the_members_before_the_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    path = _write(tmp_path / "t.tar", _members(40))
+    whole = _listed(path, (".jpg",))
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(path.read_bytes()[: whole[20][2] - 300])  # inside the header of the 21st image
+    assert _fast(cut)
+    assert _listed(cut, (".jpg",)) == _expected(cut, (".jpg",)) == whole[:20]
+    assert "ends early" in caplog.text
+    junk = tmp_path / "junk.tar"  # a block of noise where the 21st image's header was
+    data = bytearray(path.read_bytes())
+    data[whole[20][2] - 512:whole[20][2]] = np.random.default_rng(0).bytes(512)
+    junk.write_bytes(bytes(data))
+    assert _listed(junk, (".jpg",)) == whole[:20]
+
+
+def test_two_images_under_one_key_are_refused_naming_both(tmp_path: Path):
+    path = _write(tmp_path / "t.tar", [("a.jpg", b"1"), ("b.jpg", b"2"), ("b.x.jpg", b"3")])
+    with pytest.raises(DataError, match=r"sample 'b' has two images, b\.jpg and b\.x\.jpg"):
+        scan_tar(str(path), [".jpg"], {})
+
+
+def test_list_tars_rows_are_tarfiles_members(tmp_path: Path):
+    """The rows' ids, paths (TAR#MEMBER), offsets, sizes and labels equal tarfile's listing of the same tars."""
+    tars = [_write(tmp_path / f"{t}.tar", [(f"t{t}/{name}", d) for name, d in _members(30 + t)]) for t in range(3)]
+    rows = list_tars([str(t) for t in tars], [".jpg"], {})
+    want = [(k, f"{t}#{m}", o, s, lab) for t in tars for k, m, o, s, lab in _expected(t, (".jpg",))]
+    offsets, sizes = rows.locators["byte_offset"].tolist(), rows.locators["byte_size"].tolist()
+    assert list(zip(rows.ids, rows.paths, offsets, sizes, strict=True)) == \
+        [w[:4] for w in want]
+    labels = [lab for *_, lab in want]
+    assert rows.classes == sorted({str(v) for v in labels if v is not None})
+    assert [rows.classes[c] if c >= 0 else None for c in rows.labels.tolist()] == labels
