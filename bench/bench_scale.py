@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 import tracemalloc
@@ -346,11 +347,30 @@ def resume_bench(files: int = 200_000, folders: int = 200) -> None:
     after = cpu() - c0
     assert again is not None and again.stored is not None and again.fingerprints is not None
     assert (again.fingerprints == rows.fingerprints).all()
+    from extractor.data.sources import files_now
+    from extractor.data.sources.folder import _tree
+
+    c0 = cpu()
+    _tree(str(root))
+    tree = cpu() - c0
+    c0 = cpu()
+    files_now(StoredRows(zarr.open_group(str(store), mode="r")))
+    stats = cpu() - c0
+    c0 = cpu()
+    for folder in sorted(os.listdir(root)):  # the floor: a bare stat of each file by name, nothing else
+        fd = os.open(root / folder, os.O_RDONLY | os.O_DIRECTORY)
+        for name in sorted(os.listdir(fd)):
+            os.stat(name, dir_fd=fd)
+        os.close(fd)
+    floor = cpu() - c0
     per = 1_000_000 / files
     print(f"\nresume of a complete folder store, the source's part: {files:,} files in {folders} folders; "
           f"x{per:.0f} for 1M")
     print(f"  listed again, digested   {before:6.2f} s CPU   1M: {before * per:5.1f} s")
     print(f"  taken from the store     {after:6.2f} s CPU   1M: {after * per:5.1f} s  (a stat a folder, a stat a file)")
+    print(f"    the tree's fingerprint {tree:6.2f} s CPU   1M: {tree * per:5.1f} s  (os.walk: each folder's entries)")
+    print(f"    each file's stat, hash {stats:6.2f} s CPU   1M: {stats * per:5.1f} s  (files_now)")
+    print(f"    a bare stat a file     {floor:6.2f} s CPU   1M: {floor * per:5.1f} s  (the floor of a per-file check)")
 
 
 def main(rows: tuple[int, ...] = (100_000, 1_000_000, 2_000_000)) -> None:
