@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 import tracemalloc
@@ -145,9 +146,10 @@ def tar_bench(tars: int = 10, per_tar: int = 10_000) -> None:
               f"({used / n * 1e6:.1f} us a sample)")
 
 
-def shard_bench(shards: int = 15) -> None:
-    """A shard's opening reads (locators, labels, capture arrays) and finishing writes (status, errors, digests,
-    statistics, done marker) on a local store of 2 captures, as a worker does them; the median of ``shards``."""
+def shard_bench(shards: int = 15, captures: int = 4) -> None:
+    """A shard's opening reads (locators, labels, capture arrays) and finishing writes (each capture's sharded object
+    closed, status, errors, digests, statistics, done marker) on a local fenced store of ``captures`` captures, as a
+    worker does them: CPU (all threads of the process) and wall, the median of ``shards``."""
     import statistics
 
     import zarr
@@ -157,30 +159,40 @@ def shard_bench(shards: int = 15) -> None:
     from extractor.store.lease import Lease
     from extractor.store.writer import ShardWriter
 
-    url, size = str(WORK / "shard-open-finish.zarr"), 256
+    url, size, chunk = str(WORK / "shard-open-finish.zarr"), 256, 64
     shutil.rmtree(url, ignore_errors=True)
-    caps = {k: {"shape": [512], "dtype": "float32", "dims": [f"{k}.feature"], "layer": k, "what": "output",
-                "reduce": "mean"} for k in ("a", "b")}
+    caps = {f"c{k}": {"shape": [512], "dtype": "float32", "dims": [f"c{k}.feature"], "layer": f"c{k}",
+                      "what": "output", "reduce": "mean"} for k in range(captures)}
     n = size * shards
     lease = Lease(url, None, 60.0, {"host": "bench"})
     create_store(url, Rows(ids=[f"i{i}" for i in range(n)], paths=[f"/x/i{i}.jpg" for i in range(n)], labels=[0] * n),
-                 StoreArrays(captures=caps, extras={}, shard_size=size, chunk_rows=dict.fromkeys(caps, size)),
+                 StoreArrays(captures=caps, extras={}, shard_size=size, chunk_rows=dict.fromkeys(caps, chunk),
+                             sharded=True),
                  {"n_rows": n, "n_shards": shards, "captures": caps, "format_version": 1, "spec": {}, "model": {}},
                  lease=lease, fresh=True)
     token = lease.token
-    opening, finishing = [], []
+    rows = np.random.default_rng(0).standard_normal((chunk, 512)).astype(np.float32)
+    opening: list[tuple[float, float]] = []
+    finishing: list[tuple[float, float]] = []
     for i in range(shards):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         w = ShardWriter(url, i * size, (i + 1) * size, i, None, fence=token)
         w.opening(labels=True), w.chunk_rows(caps)
-        t1 = time.perf_counter()
+        opening.append((time.process_time() - c0, time.perf_counter() - t0))
+        for offset in range(0, size, chunk):
+            w.write(offset, dict.fromkeys(caps, rows))
+        c0, t0 = time.process_time(), time.perf_counter()
         w.finish(np.ones(size, np.uint8), [""] * size, None, "", np.zeros(size, np.uint64))
-        opening.append(t1 - t0)
-        finishing.append(time.perf_counter() - t1)
+        finishing.append((time.process_time() - c0, time.perf_counter() - t0))
     assert zarr.open_group(url, mode="r")["shard_done"][:].all()
-    print(f"\nper shard (local store, 2 captures, median of {shards}): open {statistics.median(opening) * 1e3:.1f} ms, "
-          f"finish {statistics.median(finishing) * 1e3:.1f} ms (the first shard of a job opens the arrays: "
-          f"{opening[0] * 1e3:.1f} ms)")
+
+    def ms(times: list[tuple[float, float]]) -> str:
+        cpu, wall = (statistics.median(t[k] for t in times[1:]) * 1e3 for k in (0, 1))
+        return f"{cpu:.1f} ms CPU, {wall:.1f} ms wall"
+
+    print(f"\nper shard (local fenced store, {captures} sharded captures, median of {shards - 1}): open {ms(opening)}; "
+          f"finish {ms(finishing)} (target 5 ms CPU); the first shard of a job opens the arrays: "
+          f"{opening[0][0] * 1e3:.1f} ms CPU")
 
 
 def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitStack]:
@@ -335,11 +347,30 @@ def resume_bench(files: int = 200_000, folders: int = 200) -> None:
     after = cpu() - c0
     assert again is not None and again.stored is not None and again.fingerprints is not None
     assert (again.fingerprints == rows.fingerprints).all()
+    from extractor.data.sources import files_now
+    from extractor.data.sources.folder import _tree
+
+    c0 = cpu()
+    _tree(str(root))
+    tree = cpu() - c0
+    c0 = cpu()
+    files_now(StoredRows(zarr.open_group(str(store), mode="r")))
+    stats = cpu() - c0
+    c0 = cpu()
+    for folder in sorted(os.listdir(root)):  # the floor: a bare stat of each file by name, nothing else
+        fd = os.open(root / folder, os.O_RDONLY | os.O_DIRECTORY)
+        for name in sorted(os.listdir(fd)):
+            os.stat(name, dir_fd=fd)
+        os.close(fd)
+    floor = cpu() - c0
     per = 1_000_000 / files
     print(f"\nresume of a complete folder store, the source's part: {files:,} files in {folders} folders; "
           f"x{per:.0f} for 1M")
     print(f"  listed again, digested   {before:6.2f} s CPU   1M: {before * per:5.1f} s")
     print(f"  taken from the store     {after:6.2f} s CPU   1M: {after * per:5.1f} s  (a stat a folder, a stat a file)")
+    print(f"    the tree's fingerprint {tree:6.2f} s CPU   1M: {tree * per:5.1f} s  (os.walk: each folder's entries)")
+    print(f"    each file's stat, hash {stats:6.2f} s CPU   1M: {stats * per:5.1f} s  (files_now)")
+    print(f"    a bare stat a file     {floor:6.2f} s CPU   1M: {floor * per:5.1f} s  (the floor of a per-file check)")
 
 
 def main(rows: tuple[int, ...] = (100_000, 1_000_000, 2_000_000)) -> None:

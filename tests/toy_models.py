@@ -457,7 +457,16 @@ def stopped_at_write(where: str, key: str, marker: str, nth: int = 1, seconds: f
             stop("<wipe>")
             original_wipe(store)
 
+        original_whole = fence.FencedStore.put_whole
+
+        def put_whole(self, items):  # noqa: ANN001, ANN202 - a shard's finishing writes, one step for them all
+            items = list(items)
+            for k, _ in items:
+                stop(k)
+            return original_whole(self, items)
+
         fence.FencedStore.set, chunks.ShardStream.close, fmt.wipe = fenced_set, close, wipe
+        fence.FencedStore.put_whole = put_whole
     else:
         original_put, original_replace, original_rmtree = fence._put_file, os.replace, shutil.rmtree
         original_call = s3fs.S3FileSystem._call_s3

@@ -12,7 +12,7 @@ import numpy as np
 import zarr
 from zarr.core.array_spec import ArrayConfigParams
 
-from .chunks import ChunkCodec, ShardStream, read_at_once, write_at_once, write_chunks
+from .chunks import ChunkCodec, ShardStream, read_at_once, write_chunks, write_whole
 from .fence import (
     fenced_group,
     is_s3,
@@ -114,18 +114,17 @@ class ShardWriter:
             self._streams[key].close()
             with self._lock:
                 del self._streams[key]  # closed: what a failure leaves open, abandon() gives up
-        array, rows = self.opened.array, slice(self.start, self.stop)
-        writes: list[tuple[zarr.Array, Any, Any]] = [(array(key), rows, v) for key, v in (extras or {}).items()]
+        rows, one = self.start, self.index  # where the per-row arrays' rows begin; the per-shard arrays' row
+        writes = [(key, rows, v) for key, v in (extras or {}).items()]
         if digests is not None and self.opened.has("digest"):  # stores made before digests have none
-            writes.append((array("digest"), rows, digests))
+            writes.append(("digest", rows, digests))
         if reused is not None and self.opened.has("reused"):
-            writes.append((array("reused"), rows, reused))
-        writes += [(array(f"index_parts/{key}"), self.index, part) for key, part in (index_parts or {}).items()]
-        writes += [(array("status"), rows, status),
-                   (array("errors"), rows, np.asarray(errors, dtype=np.dtypes.StringDType())),
-                   (array("shard_stats"), self.index, stats)]
-        write_at_once(writes)  # all of them, then the marker
-        array("shard_done")[self.index] = 1  # last: a crash before this never looks complete
+            writes.append(("reused", rows, reused))
+        writes += [(f"index_parts/{key}", one, np.asarray(part)[None]) for key, part in (index_parts or {}).items()]
+        writes += [("status", rows, status), ("errors", rows, np.asarray(errors, dtype=object)),
+                   ("shard_stats", one, np.asarray([stats], dtype=object))]
+        # all of them, then the marker last: a crash before it never looks complete
+        write_whole([self.opened.coded(*w) for w in writes], self.opened.coded("shard_done", one, np.ones(1, np.uint8)))
 
 
 class _Opened:
@@ -143,6 +142,7 @@ class _Opened:
         self.names = set(self.group.array_keys())
         self.locators = locator_arrays(self.group, self.names)  # the source's arrays beside paths, in its order
         self.arrays: dict[str, zarr.Array] = {}
+        self.codecs: dict[str, ChunkCodec | None] = {}  # how whole chunks of those arrays are encoded
         self.lock = threading.Lock()
         # on an object store every chunk of a shard is written, also one of fill values only (zarr would skip or
         # remove it): a stale writer's object at that key is then always met, and replaced
@@ -168,4 +168,12 @@ class _Opened:
                 array = get_array(self.group, name)
                 self.arrays[name] = array.with_config(self.config) if self.config else array
             return self.arrays[name]
+
+    def coded(self, name: str, start: int, data: np.ndarray) -> tuple[zarr.Array, ChunkCodec | None, int, np.ndarray]:
+        """The array ``name`` and its chunk codec (each found once), with rows ``start ...`` to write to it."""
+        array = self.array(name)
+        with self.lock:
+            if name not in self.codecs:
+                self.codecs[name] = ChunkCodec.of(array)
+            return array, self.codecs[name], start, data
 

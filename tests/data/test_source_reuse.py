@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import job, make_images
 
 import extractor.data.sources.folder as folder
 import extractor.data.sources.manifest as manifest
+from extractor.data.files import local_fingerprint
 from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.spec.load import parse_spec
@@ -126,3 +128,43 @@ def test_read_bytes_asks_the_source_that_reads_a_locator(tmp_path: Path):
     assert source("tar").reads((f"{tmp_path / 'x.bin'}#m", 2, 3))
     assert read_bytes((f"{tmp_path / 'x.bin'}#m", 2, 3)) == b"234"  # a byte range: the tar source's
     assert source("parquet").reads(f"{tmp_path}/f.parquet#image/3") and not source("parquet").reads("a#b.jpg")
+
+
+class _Column:
+    """A store's ``paths`` column, as a resume reads it back (``Recorded``)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths, self.listing = paths, {}
+
+    def rows(self) -> list[str]:
+        return self.paths
+
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        assert name == "paths"
+        return np.asarray(self.paths[start:stop], dtype=np.dtypes.StringDType())
+
+
+@pytest.mark.parametrize("block,by_name", [(2, True), (100_000, True), (3, False)])
+def test_files_now_are_each_files_own_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int,
+                                                  by_name: bool):
+    """The resume's stat of each file, by name in its open folder: the fingerprint files.local_fingerprint gives
+    that path (0 where it cannot be seen), for files in several folders, a folder back again after another, one
+    missing, a folder that cannot be read (searched only) and a symbolic link, across blocks of rows."""
+    import extractor.data.sources as sources
+
+    for d in ("a", "b", "c", "hidden"):
+        (tmp_path / d).mkdir()
+        for i in range(3):
+            (tmp_path / d / f"{i}.jpg").write_bytes(bytes(i + len(d)))
+    (tmp_path / "b" / "link.jpg").symlink_to(tmp_path / "a" / "1.jpg")
+    (tmp_path / "hidden").chmod(0o311)  # no listing, a stat by path still sees its files
+    paths = [str(tmp_path / p) for p in ("a/0.jpg", "a/1.jpg", "b/link.jpg", "b/0.jpg", "a/2.jpg", "c/9.jpg",
+                                         "c/1.jpg", "hidden/2.jpg", "hidden/0.jpg", "c/2.jpg")]
+    monkeypatch.setattr(sources, "BLOCK", block)
+    monkeypatch.setattr(sources, "_BY_NAME", by_name)
+    try:
+        now = sources.files_now(_Column(paths))
+    finally:
+        (tmp_path / "hidden").chmod(0o755)
+    expected = [local_fingerprint(p) for p in paths]
+    assert now.tolist() == expected and expected[5] == 0 and 0 not in expected[:5] + expected[6:]

@@ -10,7 +10,7 @@ import pytest
 import zarr
 from zarr.codecs import TransposeCodec
 
-from extractor.store.chunks import ChunkCodec, write_chunks
+from extractor.store.chunks import ChunkCodec, write_chunks, write_whole
 from extractor.store.layout import _compressors
 
 
@@ -52,8 +52,7 @@ def test_a_partial_last_chunk_and_unknown_codecs_go_through_zarr(tmp_path: Path)
     transposed = group.create_array("t", shape=(8, 2, 3), chunks=(4, 2, 3), dtype="float32",
                                     filters=[TransposeCodec(order=(0, 2, 1))])
     split = group.create_array("s", shape=(8, 6), chunks=(4, 3), dtype="float32")
-    strings = group.create_array("str", shape=(8,), chunks=(4,), dtype=str)
-    assert ChunkCodec.of(transposed) is None and ChunkCodec.of(split) is None and ChunkCodec.of(strings) is None
+    assert ChunkCodec.of(transposed) is None and ChunkCodec.of(split) is None
     cube = np.arange(48, dtype="float32").reshape(8, 2, 3)
     write_chunks(4, {"t": (transposed, None, cube[4:]), "s": (split, None, cube[4:].reshape(4, 6))})
     back = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
@@ -62,3 +61,31 @@ def test_a_partial_last_chunk_and_unknown_codecs_go_through_zarr(tmp_path: Path)
     assert np.isnan(back["ours"][4:8]).all()
     np.testing.assert_array_equal(back["t"][4:], cube[4:])
     np.testing.assert_array_equal(back["s"][4:], cube[4:].reshape(4, 6))
+
+
+@pytest.mark.parametrize("compression", ["zstd", "gzip", "none"])
+def test_a_shards_finishing_writes_are_the_bytes_zarr_writes(tmp_path: Path, compression: str):
+    """Strings (vlen-utf8), numbers and a last chunk padded with the fill value, put whole by write_whole with the
+    marker last: each object as zarr writes it (with write_empty_chunks, as a fenced S3 store has it)."""
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    made, empty = {}, {"write_empty_chunks": True}
+    for side in ("zarr", "ours"):
+        made[side] = [group.create_array(f"{side}-{name}", shape=(10,), chunks=(4,), dtype=dtype, fill_value=fill,
+                                         compressors=_compressors(compression, None), config=empty)
+                      for name, dtype, fill in (("errors", str, ""), ("digest", "uint64", 0), ("done", "uint8", 0))]
+    errors = np.asarray(["", "bad jpeg", "héllo", "", "x", "", "", "", "no file", ""], dtype=object)
+    digests = np.random.default_rng(2).integers(0, 2**63, 10, dtype=np.uint64)
+    for start, stop in ((0, 4), (8, 10)):  # a whole chunk, then the last one (2 rows of 4)
+        by_zarr = made["zarr"]
+        by_zarr[0][start:stop], by_zarr[1][start:stop] = errors[start:stop], digests[start:stop]
+        by_zarr[2][start // 4] = 1
+        ours = [(a, ChunkCodec.of(a)) for a in made["ours"]]
+        assert all(codec is not None for _, codec in ours)
+        write_whole([(*ours[0], start, errors[start:stop]), (*ours[1], start, digests[start:stop])],
+                    (*ours[2], start // 4, np.ones(1, np.uint8)))
+    root = tmp_path / "s.zarr"
+    for name in ("errors", "digest", "done"):
+        assert _chunk_files(root, f"ours-{name}") == _chunk_files(root, f"zarr-{name}") != {}, name
+    back = zarr.open_group(str(root), mode="r")
+    assert back["ours-errors"][8:].tolist() == errors[8:].tolist() and back["ours-errors"][4:8].tolist() == [""] * 4
+    np.testing.assert_array_equal(back["ours-digest"][:4], digests[:4])
