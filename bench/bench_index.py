@@ -92,7 +92,7 @@ def _timed_index(url: Path, **kwargs: Any) -> tuple[float, int, Any]:
 
 def _bound(ix: Any) -> float:
     """The memory the index may hold, in MB: features x (k x positions of float32 + examples and histograms)."""
-    from extractor.store.feature_index import IndexState
+    from extractor.store.index_state import IndexState
 
     state = IndexState(ix.features, int(ix.attrs["positions"]), ix.k)
     return state.nbytes() / 1e6

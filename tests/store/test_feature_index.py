@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from extractor.store.feature_index import HIST_EDGES, QUANTILES, IndexState, Layout
+from extractor.store.feature_index import Layout
+from extractor.store.index_state import HIST_EDGES, QUANTILES, IndexState
 
 ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
           "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
