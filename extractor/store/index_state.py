@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HIST_EDGES", "HIST_BINS", "QUANTILES", "EXAMPLES", "IndexState", "IndexArrays", "top_keys", "key_rows",
-           "key_values", "sample_keys"]
+__all__ = ["HIST_EDGES", "HIST_BINS", "QUANTILES", "EXAMPLES", "IndexState", "IndexArrays", "BlockPart", "top_keys",
+           "key_rows", "key_values", "sample_keys", "sample_hashes", "bin_tables"]
 
 HIST_LO, HIST_STEP, HIST_BINS = -4.0, 0.1, 80  # log10 bins: 1e-4 to 1e4, a tenth of a decade each
 HIST_EDGES = HIST_LO + HIST_STEP * np.arange(HIST_BINS + 1)  # values outside count in the first or last bin
@@ -149,6 +149,28 @@ class _Slots:
 
 
 @dataclass(frozen=True)
+class BlockPart:
+    """What a block of rows adds to an index, computed where the block is (``extractor.compute.index_device``: in
+    torch, on the device) and small: its counts and sums, and only the candidates that may take a slot (per
+    feature, the block's k best rows; per row bin, its EXAMPLES best), so the host merges it in
+    :meth:`IndexState.add_part` to the state ``update`` makes of the same rows."""
+
+    rows: int
+    fire_tokens: np.ndarray  # (F,) int64
+    fire_rows: np.ndarray  # (F,) int64
+    sum_active: np.ndarray  # (F,) float64
+    max_value: np.ndarray  # (F,) float32, -inf where no row without NaN
+    histogram: np.ndarray  # (F, HIST_BINS) int64
+    histogram_rows: np.ndarray  # (F, HIST_BINS) int64
+    top_features: np.ndarray  # (m,) int64: candidates for the top rows ...
+    top_keys: np.ndarray  # (m,) uint64: ... their keys (top_keys)
+    top_tokens: np.ndarray  # (m, T) float32: ... and values at every position
+    example_cells: np.ndarray  # (e,) int64: candidates for the examples, feature x HIST_BINS + bin ...
+    example_keys: np.ndarray  # (e,) uint64: ... their keys (sample_keys)
+    example_values: np.ndarray  # (e,) float32: ... and pooled values
+
+
+@dataclass(frozen=True)
 class IndexArrays:
     """A finished index: the arrays of ``indexes/<name>`` (see the README's store layout)."""
 
@@ -227,13 +249,29 @@ class IndexState:
             self._offer_examples(rows[part], pooled[part], bins[part], cells[part], hashes[part])
             a = b
 
+    def add_part(self, part: BlockPart) -> None:
+        """Add a block's part (:class:`BlockPart`): the same state ``update`` makes of the block's rows."""
+        self.rows += part.rows
+        self.fire_tokens += part.fire_tokens
+        self.fire_rows += part.fire_rows
+        self.sum_active += part.sum_active
+        self.max_value = np.fmax(self.max_value, part.max_value)
+        self.histogram += part.histogram
+        self.histogram_rows += part.histogram_rows
+        fit = part.top_keys > self.top.floor[part.top_features]
+        features, keys, tokens = part.top_features[fit], part.top_keys[fit], part.top_tokens[fit]
+        self.top.offer(features, keys, lambda i: tokens[i])
+        fit = part.example_keys > self.examples.floor[part.example_cells]
+        cells, keys, values = part.example_cells[fit], part.example_keys[fit], part.example_values[fit]
+        self.examples.offer(cells, keys, lambda i: values[i])
+
     def _pooled(self, acts: np.ndarray, fire: np.ndarray, peak: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each row's pooled value per feature (n, F), and whether the feature fires in the row."""
         if acts.shape[1] == 1:  # one position: the row's pooled value is the token's
             return peak, fire[:, 0]
         if self.pool == "max":
             return peak, peak > self.threshold
-        pooled = acts.mean(axis=1)
+        pooled = (acts.sum(axis=1, dtype=np.float64) / acts.shape[1]).astype(np.float32)  # any order: one rounding
         return pooled, fire.any(axis=1) & ~np.isnan(pooled)
 
     def _offer_top(self, acts: np.ndarray, rows: np.ndarray, pooled: np.ndarray, fires: np.ndarray) -> None:
@@ -399,6 +437,12 @@ def _float32_edges() -> np.ndarray:
 
 _BIN_TABLE, _BIN_LOW = _bin_tables()
 _EDGES32 = _float32_edges()
+
+
+def bin_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tables :func:`_bins` reads (top 16 bits -> bin or _AMBIGUOUS; -> the bucket's lowest positive bin; the
+    float32 edges), for another implementation of the same bins (the device's)."""
+    return _BIN_TABLE, _BIN_LOW, _EDGES32
 
 
 def _bins(values: np.ndarray) -> np.ndarray:

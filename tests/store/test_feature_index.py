@@ -30,7 +30,7 @@ def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: 
     """Every array of an index ``got`` of ``acts`` (n, T, F) of store rows ``rows``, against numpy by hand."""
     n, t, f = acts.shape
     fire = acts > threshold
-    pooled = acts.max(axis=1) if pool == "max" else acts.mean(axis=1)
+    pooled = acts.max(axis=1) if pool == "max" else acts.mean(axis=1, dtype=np.float64).astype(np.float32)
     fires = pooled > threshold if pool == "max" else fire.any(axis=1)
     np.testing.assert_array_equal(got.density_tokens, fire.sum(axis=(0, 1)) / (n * t))
     np.testing.assert_array_equal(got.density_rows, fires.sum(axis=0) / n)
