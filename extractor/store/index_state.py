@@ -229,10 +229,16 @@ class IndexState:
         self.rows += n
         flat = acts.reshape(n * t, f)
         fire = flat > self.threshold  # NaN never fires
-        self.fire_tokens += np.count_nonzero(fire, axis=0)
-        fired = np.fmax(flat, 0) if self.threshold == 0 else np.where(fire, flat, 0)  # fmax: NaN -> 0
-        self.sum_active += fired.sum(axis=0, dtype=np.float64)
-        self.histogram += _counts(_cells(_fired_bins(flat, fire, self.threshold == 0)))
+        counts = np.count_nonzero(fire, axis=0)
+        self.fire_tokens += counts
+        if counts.sum() * 8 < fire.size:  # few fire (an SAE's latents): only those are summed and binned
+            sums, histogram = _sparse_tokens(flat, fire)
+        else:
+            fired = np.fmax(flat, 0) if self.threshold == 0 else np.where(fire, flat, 0)  # fmax: NaN -> 0
+            sums = fired.sum(axis=0, dtype=np.float64)
+            histogram = _counts(_cells(_fired_bins(flat, fire, self.threshold == 0)))
+        self.sum_active += sums
+        self.histogram += histogram
         peak = acts[:, 0] if t == 1 else acts.max(axis=1)  # (n, F)
         self.max_value = np.fmax(self.max_value, np.fmax.reduce(peak, axis=0))  # NaN (a float16 overflow) left out
         pooled, fires = self._pooled(acts, fire.reshape(n, t, f), peak)
@@ -477,6 +483,19 @@ def _cells(bins: np.ndarray) -> np.ndarray:
     """Bins (..., F) uint8 (_DUMP: not counted) -> feature x (bins + 1) + bin (intp): one counter per cell."""
     f = bins.shape[-1]
     return np.add(bins, np.arange(f, dtype=np.intp) * (HIST_BINS + 1), dtype=np.intp)
+
+
+def _sparse_tokens(flat: np.ndarray, fire: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per feature the sum (F,) float64 and (F, HIST_BINS) bin counts of ``flat`` (N, F) where ``fire`` (values
+    above a threshold >= 0), the firing entries listed first: for blocks where few fire (a dense pass would bin
+    every value)."""
+    f = flat.shape[1]
+    at = np.flatnonzero(fire)
+    feature = at % f
+    values = flat.reshape(-1)[at]
+    sums = np.bincount(feature, weights=values, minlength=f)
+    counts = np.bincount(feature * HIST_BINS + _bins(values), minlength=f * HIST_BINS).reshape(f, HIST_BINS)
+    return sums, counts
 
 
 def _counts(cells: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ def _acts(n: int, t: int, f: int) -> np.ndarray:
 @pytest.mark.parametrize(("t", "pool", "threshold", "dtype"), [(5, "max", 0.0, torch.float32),
                                                                 (5, "mean", 0.0, torch.float32),
                                                                 (5, "max", 0.3, torch.float16),
+                                                                (5, "max", 300.0, torch.float32),
                                                                 (1, "max", 0.0, torch.float32)])
 def test_device_blocks_merged_equal_the_numpy_state_and_numpy_by_hand(t: int, pool: str, threshold: float,
                                                                        dtype: torch.dtype):

@@ -57,7 +57,7 @@ def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: 
     assert got.quantile_rows.shape[1] == QUANTILES
 
 
-@pytest.mark.parametrize(("pool", "threshold"), [("max", 0.0), ("mean", 0.0), ("max", 0.25)])
+@pytest.mark.parametrize(("pool", "threshold"), [("max", 0.0), ("mean", 0.0), ("max", 0.25), ("max", 20.0)])
 def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool: str, threshold: float):
     rng = np.random.default_rng(0)
     n, t, f, k = 400, 6, 9, 5
@@ -73,7 +73,8 @@ def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool
         whole.update(acts[a : a + 64], rows[a : a + 64])
     got = whole.finish()
     _check_against_numpy(acts, rows, got, k, pool, threshold)
-    assert got.top_rows[7].tolist() == [rows[50], rows[5], rows[300], -1, -1]
+    if threshold < 0.5:  # feature 7 fires at 0.5 and 2.0 only
+        assert got.top_rows[7].tolist() == [rows[50], rows[5], rows[300], -1, -1]
     # the same rows in another order, cut into parts merged through their bytes: the same index
     parts = [IndexState(f, t, k, pool, threshold) for _ in range(3)]
     order = rng.permutation(n)
