@@ -6,7 +6,7 @@ an :class:`~.index_state.IndexState` (:class:`IndexFeed`), the stored layout of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
 
@@ -104,15 +104,19 @@ class Layout:
         raise ValueError(f"{key} is stored as ({', '.join(names)}): an index needs channels of a map, a token "
                          "sequence's features or a vector's features")
 
-    def tokens(self, x: np.ndarray) -> np.ndarray:
-        """Rows ``x`` (n, *shape) as (n, positions, features) float32."""
+    def tokens(self, x: Any) -> Any:
+        """Rows ``x`` (n, *shape) as (n, positions, features) float32: a numpy array (contiguous), or a torch tensor
+        on its device (the write-time index's blocks: ``extractor.compute.index_device``)."""
         n = len(x)
-        x = np.asarray(x)
-        if x.dtype != np.float32:
-            x = x.astype(np.float32)
+        if not hasattr(x, "swapaxes"):
+            x = np.asarray(x)
         if self.kind == "map":
-            return np.ascontiguousarray(x.reshape(n, self.features, self.positions).transpose(0, 2, 1))
-        return x.reshape(n, self.positions, self.features)
+            x = x.reshape(n, self.features, self.positions).swapaxes(1, 2)
+        else:
+            x = x.reshape(n, self.positions, self.features)
+        if isinstance(x, np.ndarray):
+            return np.ascontiguousarray(x, np.float32)
+        return x.float()
 
 
 class Encoder(Protocol):
@@ -121,7 +125,7 @@ class Encoder(Protocol):
     @property
     def d_sae(self) -> int: ...
 
-    def encode(self, x: np.ndarray) -> np.ndarray: ...
+    def encode(self, x: Any) -> Any: ...  # (n, d_in) numpy or torch -> (n, d_sae) float32 of the same kind
 
 
 class IndexFeed:
@@ -134,15 +138,22 @@ class IndexFeed:
         features = encoder.d_sae if encoder is not None else layout.features
         self.state = IndexState(features, layout.positions, k, pool, threshold)
 
-    def add(self, x: np.ndarray, rows: np.ndarray) -> None:
-        """Add rows ``x`` (n, *shape) of the capture, store rows ``rows`` (ok rows only)."""
+    def blocks(self, x: Any, rows: np.ndarray) -> Iterator[tuple[Any, np.ndarray]]:
+        """Rows ``x`` (n, *shape) of the capture (numpy, or a torch tensor on its device) of store rows ``rows``, cut
+        into blocks from the first: each as (n', positions, features) float32 of the index's features (encoded by
+        the dictionary) of the same kind, with its rows."""
         step = self.state.block_rows(BLOCK_VALUES if self.encoder is None else ENCODE_VALUES)
         for a in range(0, len(x), step):
             acts = self.layout.tokens(x[a : a + step])
             if self.encoder is not None:
                 n, t, d = acts.shape
                 acts = self.encoder.encode(acts.reshape(n * t, d)).reshape(n, t, -1)
-            self.state.update(acts, rows[a : a + step])
+            yield acts, rows[a : a + step]
+
+    def add(self, x: np.ndarray, rows: np.ndarray) -> None:
+        """Add rows ``x`` (n, *shape) of the capture, store rows ``rows`` (ok rows only), on the host."""
+        for acts, block_rows in self.blocks(x, rows):
+            self.state.update(acts, block_rows)
 
 
 # ---------------------------------------------------------------------- the store's record of an index
