@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store import EXAMPLES, HIST_BINS, BlockPart, bin_tables
+from ..store import EXAMPLES, HIST_BINS, BlockPart, IndexFeed, bin_tables
 
-__all__ = ["block_part"]
+__all__ = ["block_part", "feed_parts"]
 
 _SIGN = -(1 << 63)  # int64 with only the sign bit: x ^ _SIGN maps unsigned order to signed order
 _LOW32 = 0xFFFFFFFF
@@ -151,3 +151,13 @@ def block_part(acts: torch.Tensor, rows: Any, k: int, pool: str, threshold: floa
             histogram=_counts(_fired_bins(x.view(n * t, f), fire.view(n * t, f), threshold == 0)),
             histogram_rows=_counts(row_bins), top_features=top_features, top_keys=top_keys, top_tokens=top_tokens,
             example_cells=cells, example_keys=keys, example_values=values)
+
+
+def feed_parts(feed: IndexFeed, values: torch.Tensor, rows: np.ndarray) -> list[BlockPart]:
+    """The parts of a forwarded batch's capture ``values`` (n, *shape) as the device holds them, of store rows
+    ``rows`` (n,), for ``feed``'s index: its blocks (the capture's layout, the dictionary's latents) made and summed
+    on the device, each a small :class:`BlockPart` on the host for ``feed.state.add_part``."""
+    s = feed.state
+    with torch.inference_mode():
+        return [block_part(acts, block_rows, s.k, s.pool, s.threshold)
+                for acts, block_rows in feed.blocks(values.detach(), rows)]
