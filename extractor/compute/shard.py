@@ -20,7 +20,7 @@ from ..errors import FencedError, ShardError
 from ..faults import shard_failed
 from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, indexed, numpy_dtype
 from ..store import dumps as stats_dumps
-from .index_device import feed_parts
+from .index_device import index_on_device
 
 __all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
 
@@ -188,19 +188,15 @@ class ShardOutput:
 
     def _index(self, offsets: np.ndarray, device: dict[str, Any]) -> None:
         """Add the computed rows ``offsets`` to the write-time indexes: their blocks made on the device from the
-        batch's tensors (:func:`~.index_device.feed_parts`), merged here. Without the tensors, the writer threads
+        batch's tensors (:func:`~.index_device.index_on_device`), merged here. Without the tensors, the writer threads
         add the rows from their chunks (on the host)."""
         if not self.indexes or not len(offsets):
             return
         if any(key not in device for key in self.indexes):
             self.on_host[offsets] = True
             return
-        rows = self.shard.start + offsets
         for key, feed in self.indexes.items():
-            parts = feed_parts(feed, device[key], rows)
-            with self.locks[key]:
-                for part in parts:
-                    feed.state.add_part(part)
+            index_on_device(feed, device[key], self.shard.start + offsets, self.locks[key])
 
     def _with_reused(self, offsets: np.ndarray, host: dict[str, np.ndarray],
                      reused: dict[int, Reused]) -> tuple[np.ndarray, dict[str, np.ndarray]]:

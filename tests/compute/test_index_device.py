@@ -39,9 +39,10 @@ def test_device_blocks_merged_equal_the_numpy_state_and_numpy_by_hand(t: int, po
     for a in range(0, n, 64):  # the store's chunks
         host.update(acts[a : a + 64], rows[a : a + 64])
     device = IndexState(f, t, k, pool, threshold)
-    for a in range(0, n, 27):  # the job's batches, in the capture's dtype
+    for a in range(0, n, 27):  # the job's batches, in the capture's dtype, sending only what beats the floors
+        floors = device.top.floor.copy(), device.examples.floor.copy()
         device.add_part(block_part(torch.from_numpy(acts[a : a + 27]).to(dtype), rows[a : a + 27], k, pool,
-                                   threshold))
+                                   threshold, floors))
     got, want = device.finish(), host.finish()
     for name in ARRAYS:
         a, b = getattr(got, name), getattr(want, name)
