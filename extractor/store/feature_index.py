@@ -130,8 +130,9 @@ class Encoder(Protocol):
 
 class IndexFeed:
     """One index being computed over a stream of a capture's rows: its layout, its encoder (None: the capture's own
-    features), its state. Rows are added as the store's chunks hold them, and cut into blocks from the chunk's
-    start: a write-time index (fed by the writer threads) and a post-hoc one meet the same blocks."""
+    features), its state. A post-hoc pass adds the store's chunks (``add``); a job's write-time index adds each
+    computed batch's blocks made on the device (``extractor.compute.index_device``, from :meth:`blocks`) and the
+    chunks of rows it did not compute. The state does not depend on how rows are cut into blocks."""
 
     def __init__(self, layout: Layout, k: int, pool: str, threshold: float, encoder: Encoder | None = None) -> None:
         self.layout, self.encoder = layout, encoder
