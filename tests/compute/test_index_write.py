@@ -122,3 +122,41 @@ def test_rows_copied_from_another_store_are_indexed_on_the_host_with_the_compute
     assert summary.reused == len(copied) == 3
     assert sorted(paths.host) == copied.tolist() and sum(paths.device) == 10 - 3
     _same(open_index(str(path)), index(str(path), "layer3", k=3, name="again"), exact=True)
+
+
+def picky_net():  # noqa: ANN201 - a model factory (model.factory)
+    """tiny_resnet, raising on a batch that holds an all-white image: that batch is retried image by image."""
+    from toy_models import tiny_resnet
+
+    net = tiny_resnet()
+    inner = net.forward
+
+    def forward(x):  # noqa: ANN001, ANN202 - the module's forward
+        if bool((x[:, 0] > 2.0).flatten(1).all(dim=1).any()):  # white, normalised: (1 - 0.485) / 0.229
+            raise RuntimeError("a white image")
+        return inner(x)
+
+    net.forward = forward
+    return net
+
+
+def test_rows_of_a_batch_retried_image_by_image_are_indexed_on_the_host(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """A batch that raised is retried image by image, on the host: its good rows have no batch tensor on the device,
+    so the writer threads index them from their chunks; the failed row is in no index."""
+    from PIL import Image
+
+    make_images(tmp_path / "imgs", per_class=4, classes=("a", "b"), size=40)
+    Image.new("RGB", (40, 40), (255, 255, 255)).save(tmp_path / "imgs" / "a" / "a01w.png")  # row 2: batch 0
+    path = tmp_path / "s.zarr"
+    raw = job(tmp_path / "imgs", path, model={"name": None, "factory": "test_index_write:picky_net", "weights": None,
+                                              "device": "cpu"},
+              data={"resize": 32, "crop": 32, "shard_size": 4, "batch_size": 3},
+              capture=[{"layer": "layer3", "reduce": "none", "feature_index": {"k": 3}}], output={"chunk_rows": 2})
+    paths = _Paths(monkeypatch)
+    run(parse_spec(raw))
+    monkeypatch.undo()
+    status = open_store(str(path)).status
+    assert status.tolist().count(1) == 8 and status[2] != 1
+    assert sorted(paths.host) == [0, 1] and sum(paths.device) == 6  # the retried batch's good rows: on the host
+    _same(open_index(str(path)), index(str(path), "layer3", k=3, name="again"), exact=True)
