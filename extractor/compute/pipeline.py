@@ -227,6 +227,8 @@ class Pipeline:
             labels = given.labels[offsets] if given.labels is not None else None
             forwarded = self.worker.forward_rows(batch.images, labels, self._draws(batch))
             out.count(len(offsets), forwarded)
+            # the indexed captures' tensors stay on the device until the batch is read back (ShardOutput._index)
+            forwarded.device = {k: v for k, v in forwarded.device.items() if k in out.indexes}
             forwarded.reused = batch.reused  # filed with the batch's computed rows, in row order
             self._finish(self.read_back.push(out, offsets, forwarded))  # maybe the shard before's last batch
         elif batch.reused:  # every row of the batch taken from other stores

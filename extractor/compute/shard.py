@@ -20,6 +20,7 @@ from ..errors import FencedError, ShardError
 from ..faults import shard_failed
 from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, indexed, numpy_dtype
 from ..store import dumps as stats_dumps
+from .index_device import index_on_device
 
 __all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
 
@@ -82,12 +83,14 @@ class ShardInput:
 
 @dataclass
 class Forwarded:
-    """A forwarded batch: host arrays (readable once ``event`` has completed) and per-image errors."""
+    """A forwarded batch: host arrays (readable once ``event`` has completed) and per-image errors; the captures'
+    tensors as the device holds them, for the write-time indexes (the pipeline keeps only the indexed ones)."""
 
     host: dict[str, np.ndarray]
     bad: dict[int, str]  # batch position -> error
     event: Any  # torch.cuda.Event, or None when ``host`` is ready
     reused: dict[int, Reused] = field(default_factory=dict)  # shard row offset -> its values from another store
+    device: dict[str, Any] = field(default_factory=dict)  # capture -> its tensor (n, *shape) on the device
 
 
 class _Chunks:
@@ -126,6 +129,10 @@ class ShardOutput:
                        for k, m in extras.items()}
         self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in captures.items()}
         self.indexes = indexed(captures)  # write-time feature indexes (capture.feature_index): this shard's part
+        # rows the indexes take on the host (the writer threads, from the chunks): rows copied from other stores, and
+        # those of a batch retried image by image (no batch tensor on the device); every other row's block is made on
+        # the device as its batch is read back (_index)
+        self.on_host = np.zeros(n, dtype=bool)
         self.locks = {k: threading.Lock() for k in self.stats}  # a capture's statistics: one writer at a time
         self.pending: deque[Future[None]] = deque()  # chunk writes in flight, one per chunk (its captures)
         self.decoded = self.forward_failed = 0  # images that reached the model, and those that made it raise
@@ -163,11 +170,12 @@ class ShardOutput:
             self.wait_device += time.perf_counter() - t
         for i, err in done.bad.items():
             self.fail(int(offsets[i]), err)
-        host = done.host
-        if done.bad:
+        host, device = done.host, done.device
+        if done.bad:  # the batch was retried image by image: its values are on the host only
             keep = np.setdiff1d(np.arange(len(offsets)), list(done.bad))
             offsets = offsets[keep]
-            host = {k: v[keep] for k, v in host.items()}
+            host, device = {k: v[keep] for k, v in host.items()}, {}
+        self._index(offsets, device)
         if done.reused:
             offsets, host = self._with_reused(offsets, host, done.reused)
         if not len(offsets):
@@ -178,11 +186,24 @@ class ShardOutput:
         for group in self.chunks:
             self._file(group, offsets, host)
 
+    def _index(self, offsets: np.ndarray, device: dict[str, Any]) -> None:
+        """Add the computed rows ``offsets`` to the write-time indexes: their blocks made on the device from the
+        batch's tensors (:func:`~.index_device.index_on_device`), merged here. Without the tensors, the writer threads
+        add the rows from their chunks (on the host)."""
+        if not self.indexes or not len(offsets):
+            return
+        if any(key not in device for key in self.indexes):
+            self.on_host[offsets] = True
+            return
+        for key, feed in self.indexes.items():
+            index_on_device(feed, device[key], self.shard.start + offsets, self.locks[key])
+
     def _with_reused(self, offsets: np.ndarray, host: dict[str, np.ndarray],
                      reused: dict[int, Reused]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """The batch's computed rows with its rows copied from other stores, in row order (chunks fill in order)."""
         taken = np.asarray(sorted(reused), dtype=np.int64)
         self.reused[taken] = [reused[int(o)].source for o in taken]
+        self.on_host[taken] = True  # values from another store: indexed from the chunks
         keys = host.keys() if len(offsets) else reused[int(taken[0])].values.keys()
         extra = {k: np.stack([reused[int(o)].values[k] for o in taken]) for k in keys}
         order = np.argsort(np.concatenate([offsets, taken]), kind="stable")
@@ -221,12 +242,13 @@ class ShardOutput:
             for buf in bufs.values():
                 buf[np.flatnonzero(~ok)] = np.nan  # failed rows, and what a recycled buffer held there
         self.writer.write(start, {key: buf[: len(ok)] for key, buf in bufs.items()})
+        on_host = rows[self.on_host[start + rows]]  # rows the device did not index (_index)
         for key, buf in bufs.items():
             if len(rows):
                 with self.locks[key]:
                     self.stats[key].update(buf[rows], self.shard.start + start + rows)
-                    if key in self.indexes:
-                        self.indexes[key].add(buf[rows], self.shard.start + start + rows)
+                    if key in self.indexes and len(on_host):
+                        self.indexes[key].add(buf[on_host], self.shard.start + start + on_host)
             self.spare[key].append(buf)
 
     def _wait(self, future: Future[None]) -> None:

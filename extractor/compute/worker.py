@@ -270,8 +270,9 @@ class Worker(Probing):
         is not an image (a model or device error): that is raised, and fails the shard.
         """
         try:
-            host, event = self._to_host(self._forward(images, labels, draws=draws))
-            return Forwarded(host, {}, event)
+            values = self._forward(images, labels, draws=draws)
+            host, event = self._to_host(values)
+            return Forwarded(host, {}, event, device=values)  # the device's tensors: for write-time indexes
         except not_an_image():
             raise
         except Exception as err:  # noqa: BLE001 - decided per image below

@@ -74,15 +74,17 @@ class Dictionary:
             raise DictionaryError(f"dictionary {self.path} encodes inputs of width d_in {self.d_in} (W_enc "
                                   f"{list(self.w_enc.shape)}), but {what} has {width} features per position")
 
-    def encode(self, x: np.ndarray) -> np.ndarray:
+    def encode(self, x: Any) -> Any:
         """The latents of ``x`` (n, d_in): (n, d_sae) float32; computed by torch where it is installed (its matmul
-        is the bare loop's), else by numpy."""
+        is the bare loop's), else by numpy. A torch tensor gives a tensor, on its device (:meth:`encode_tensor`)."""
+        if not isinstance(x, np.ndarray) and _torch() is not None and isinstance(x, _torch().Tensor):
+            return self.encode_tensor(x)
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.d_in:
             raise DictionaryError(f"encode needs (n, {self.d_in}) inputs, not {list(x.shape)}")
         torch = _torch()
         if torch is not None:
-            return self._encode_torch(torch, x)
+            return self.encode_tensor(torch.from_numpy(x if x.flags.writeable else x.copy())).numpy()
         x = x.astype(np.float32, copy=False)
         if self.b_dec is not None:
             x = x - self.b_dec
@@ -105,10 +107,15 @@ class Dictionary:
     def topk(self) -> int:
         return int(self.activation.split(":")[1]) if self.activation.startswith("topk:") else self.d_sae
 
-    def _encode_torch(self, torch: Any, x: np.ndarray) -> np.ndarray:
-        w, b, b_dec, threshold = self._tensors(torch)
+    def encode_tensor(self, x: Any) -> Any:
+        """The latents of a torch tensor ``x`` (n, d_in), any float dtype, on its device: (n, d_sae) float32 there
+        (the one torch encoder: the host's ``encode`` and the write-time index on the device both call it)."""
+        torch = _torch()
+        if x.ndim != 2 or x.shape[1] != self.d_in:
+            raise DictionaryError(f"encode needs (n, {self.d_in}) inputs, not {list(x.shape)}")
+        w, b, b_dec, threshold = self._tensors(x.device)
         with torch.inference_mode():
-            t = torch.from_numpy(x if x.flags.writeable else x.copy()).float()
+            t = x.float()
             if b_dec is not None:
                 t = t - b_dec
             pre = torch.addmm(b, t, w)
@@ -121,16 +128,16 @@ class Dictionary:
                 pre = torch.zeros_like(pre).scatter_(1, top.indices, top.values.clamp(min=0))
             else:
                 pre.clamp_(min=0)
-            return pre.numpy()
+            return pre
 
-    def _tensors(self, torch: Any) -> tuple[Any, Any, Any, Any]:
-        """The weights as torch tensors, made once."""
+    def _tensors(self, device: Any) -> tuple[Any, Any, Any, Any]:
+        """The weights as torch tensors on ``device``, made once per device."""
         cache = self.__dict__.setdefault("_torch_tensors", {})
-        if "w" not in cache:
-            made = [None if a is None else torch.from_numpy(np.array(a, np.float32))  # a writable copy
-                    for a in (self.w_enc, self.b_enc, self.b_dec, self.threshold)]
-            cache.update(zip(("w", "b", "b_dec", "t"), made, strict=True))
-        return cache["w"], cache["b"], cache["b_dec"], cache["t"]
+        if device not in cache:
+            torch = _torch()
+            cache[device] = tuple(None if a is None else torch.from_numpy(np.array(a, np.float32)).to(device)
+                                  for a in (self.w_enc, self.b_enc, self.b_dec, self.threshold))  # writable copies
+        return cache[device]
 
 
 @functools.cache

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from extractor.store.feature_index import HIST_EDGES, QUANTILES, IndexState, Layout
+from extractor.store.feature_index import Layout
+from extractor.store.index_state import HIST_EDGES, QUANTILES, IndexState
 
 ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
           "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
@@ -29,7 +30,7 @@ def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: 
     """Every array of an index ``got`` of ``acts`` (n, T, F) of store rows ``rows``, against numpy by hand."""
     n, t, f = acts.shape
     fire = acts > threshold
-    pooled = acts.max(axis=1) if pool == "max" else acts.mean(axis=1)
+    pooled = acts.max(axis=1) if pool == "max" else acts.mean(axis=1, dtype=np.float64).astype(np.float32)
     fires = pooled > threshold if pool == "max" else fire.any(axis=1)
     np.testing.assert_array_equal(got.density_tokens, fire.sum(axis=(0, 1)) / (n * t))
     np.testing.assert_array_equal(got.density_rows, fires.sum(axis=0) / n)
@@ -56,7 +57,7 @@ def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: 
     assert got.quantile_rows.shape[1] == QUANTILES
 
 
-@pytest.mark.parametrize(("pool", "threshold"), [("max", 0.0), ("mean", 0.0), ("max", 0.25)])
+@pytest.mark.parametrize(("pool", "threshold"), [("max", 0.0), ("mean", 0.0), ("max", 0.25), ("max", 20.0)])
 def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool: str, threshold: float):
     rng = np.random.default_rng(0)
     n, t, f, k = 400, 6, 9, 5
@@ -72,7 +73,8 @@ def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool
         whole.update(acts[a : a + 64], rows[a : a + 64])
     got = whole.finish()
     _check_against_numpy(acts, rows, got, k, pool, threshold)
-    assert got.top_rows[7].tolist() == [rows[50], rows[5], rows[300], -1, -1]
+    if threshold < 0.5:  # feature 7 fires at 0.5 and 2.0 only
+        assert got.top_rows[7].tolist() == [rows[50], rows[5], rows[300], -1, -1]
     # the same rows in another order, cut into parts merged through their bytes: the same index
     parts = [IndexState(f, t, k, pool, threshold) for _ in range(3)]
     order = rng.permutation(n)
@@ -120,3 +122,23 @@ def test_a_part_cut_short_or_never_written_is_no_state():
     broken = blob.copy()
     broken[-1] ^= 1
     assert not fresh.load(broken) and fresh.load(blob) and fresh.rows == 2
+
+
+def test_the_bins_of_every_float32_bucket_equal_searchsorted_over_the_edges():
+    """The table of top 16 bits and the comparison at the buckets an edge cuts: against np.searchsorted in float64,
+    over values of every bucket, each edge and its neighbours, zeros, infinities and NaN (those <= 0 or NaN:
+    not counted)."""
+    from extractor.store import index_state
+
+    rng = np.random.default_rng(1)
+    top = np.repeat(np.arange(1 << 16, dtype=np.uint32) << np.uint32(16), 4)
+    top |= rng.integers(0, 1 << 16, len(top), dtype=np.uint32)
+    e = (10.0**HIST_EDGES).astype(np.float32)
+    v = np.concatenate([top.view(np.float32), e, np.nextafter(e, -np.inf), np.nextafter(e, np.inf),
+                        np.float32([0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3e38])])
+    with np.errstate(invalid="ignore"):
+        want = np.clip(np.searchsorted(10.0**HIST_EDGES, v.astype(np.float64), side="right") - 1, 0,
+                       len(HIST_EDGES) - 2)
+    want[~(v > 0)] = len(HIST_EDGES) - 1  # not counted
+    np.testing.assert_array_equal(index_state._bins(v), want)
+    np.testing.assert_array_equal(index_state._bins(v.reshape(-1, 2)), want.reshape(-1, 2))  # any shape

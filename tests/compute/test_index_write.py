@@ -1,0 +1,162 @@
+"""A write-time feature index during extraction (issue 42): each computed batch's blocks made from the capture's
+tensor as the device holds it (the host feed gets none of its rows), rows copied from another store indexed on the
+host from their chunks; either way the index equals the post-hoc pass over the store, for a map and a token capture,
+its raw channels and a dictionary's latents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import job, make_images
+from test_feature_index import ARRAYS
+
+from extractor.driver.runner import run
+from extractor.read import open_store
+from extractor.read.features import index, open_index
+from extractor.spec.load import parse_spec
+from extractor.store.feature_index import IndexFeed
+from extractor.store.index_state import IndexState
+
+D_SAE = 40
+VIT = {"name": "timm:vit_small_patch16_224", "weights": "random", "device": "cpu",
+       "kwargs": {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 2}}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("write_index") / "imgs"
+    make_images(root, per_class=6, classes=("a", "b"), size=40)
+    (root / "a" / "corrupt.jpg").write_bytes(b"not a jpeg")  # a failed row: in no index
+    return root
+
+
+def _sae(path: Path, d_in: int) -> Path:
+    rng = np.random.default_rng(d_in)
+    np.savez(path, W_enc=rng.standard_normal((d_in, D_SAE)).astype(np.float32) * 0.5,
+             b_enc=(rng.standard_normal(D_SAE) * 0.1 - 0.05).astype(np.float32),
+             b_dec=(rng.standard_normal(d_in) * 0.01).astype(np.float32))
+    return path
+
+
+class _Paths:
+    """Rows each path of the write-time index was given: the host feed's (from chunks) and the device's parts."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.host: list[int] = []
+        self.device: list[int] = []
+        add, add_part = IndexFeed.add, IndexState.add_part
+
+        def host(feed: IndexFeed, x: np.ndarray, rows: np.ndarray) -> None:
+            self.host.extend(np.asarray(rows).tolist())
+            add(feed, x, rows)
+
+        def device(state: IndexState, part) -> None:  # noqa: ANN001 - a BlockPart
+            self.device.append(part.rows)
+            add_part(state, part)
+
+        monkeypatch.setattr(IndexFeed, "add", host)
+        monkeypatch.setattr(IndexState, "add_part", device)
+
+
+def _same(written, again, exact: bool) -> None:
+    """Two indexes hold the same arrays: exactly (sums in another order: to rounding), or to float32 rounding where
+    the dictionary's matmul met blocks of other sizes."""
+    for name in ARRAYS:
+        a, b = np.asarray(written.group[name][:]), np.asarray(again.group[name][:])
+        if name == "mean_active" or not exact:
+            np.testing.assert_allclose(a, b, rtol=1e-12 if exact else 1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+CASES = {  # capture, model, input size, dictionary width (0: raw channels)
+    "map raw": ({"layer": "layer3", "reduce": "none"}, None, 32, 0),
+    "map sae": ({"layer": "layer3", "reduce": "none"}, None, 32, 32),
+    "tokens raw, prefix dropped": ({"layer": "blocks.1", "reduce": "none", "drop_prefix": True}, VIT, 32, 0),
+    "tokens sae": ({"layer": "blocks.1", "reduce": "none"}, VIT, 32, 48),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_computed_rows_are_indexed_on_the_device_as_the_post_hoc_pass_indexes_them(
+        case: str, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    capture, model, size, d_in = CASES[case]
+    if model is not None:
+        pytest.importorskip("timm")
+    want = {"k": 3, "dictionary": str(_sae(tmp_path / "sae.npz", d_in))} if d_in else {"k": 3}
+    path = tmp_path / "s.zarr"
+    sections = {"model": model} if model is not None else {}
+    raw = job(images, path, data={"resize": size, "crop": size, "shard_size": 4, "batch_size": 3},
+              capture=[{**capture, "feature_index": want}], output={"chunk_rows": 2}, **sections)
+    paths = _Paths(monkeypatch)
+    run(parse_spec(raw))
+    monkeypatch.undo()
+    ok = int((open_store(str(path)).status == 1).sum())
+    assert ok == 12 and paths.host == [] and sum(paths.device) == ok  # every row on the device, none on the host
+    key = capture["layer"]
+    written = open_index(str(path))
+    again = index(str(path), key, dictionary=want.get("dictionary"), k=3, name="again")
+    assert written.attrs["written"] == "write-time" and written.rows == again.rows == ok
+    _same(written, again, exact=not d_in)
+
+
+def test_rows_copied_from_another_store_are_indexed_on_the_host_with_the_computed_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Rows output.reuse takes from another store have no tensor on the device: the writer threads index them from
+    their chunks, the computed rows of the same batches on the device, and the index is still the post-hoc one."""
+    make_images(tmp_path / "few", per_class=3, classes=("a",), size=40)  # the first 3 images of "all"'s class a
+    make_images(tmp_path / "all", per_class=5, classes=("a", "b"), size=40)
+    data = {"resize": 32, "crop": 32, "shard_size": 4, "batch_size": 3}
+    capture = [{"layer": "layer3", "reduce": "none", "feature_index": {"k": 3}}]
+    run(parse_spec(job(tmp_path / "few", tmp_path / "few.zarr", data=data, capture=capture)))
+    path = tmp_path / "all.zarr"
+    raw = job(tmp_path / "all", path, data=data, capture=capture,
+              output={"chunk_rows": 2, "reuse": [str(tmp_path / "few.zarr")]})
+    paths = _Paths(monkeypatch)
+    summary = run(parse_spec(raw))
+    monkeypatch.undo()
+    store = open_store(str(path))
+    copied = np.flatnonzero(np.asarray(store.group["reused"][:]) >= 0)
+    assert summary.reused == len(copied) == 3
+    assert sorted(paths.host) == copied.tolist() and sum(paths.device) == 10 - 3
+    _same(open_index(str(path)), index(str(path), "layer3", k=3, name="again"), exact=True)
+
+
+def picky_net():  # noqa: ANN201 - a model factory (model.factory)
+    """tiny_resnet, raising on a batch that holds an all-white image: that batch is retried image by image."""
+    from toy_models import tiny_resnet
+
+    net = tiny_resnet()
+    inner = net.forward
+
+    def forward(x):  # noqa: ANN001, ANN202 - the module's forward
+        if bool((x[:, 0] > 2.0).flatten(1).all(dim=1).any()):  # white, normalised: (1 - 0.485) / 0.229
+            raise RuntimeError("a white image")
+        return inner(x)
+
+    net.forward = forward
+    return net
+
+
+def test_rows_of_a_batch_retried_image_by_image_are_indexed_on_the_host(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """A batch that raised is retried image by image, on the host: its good rows have no batch tensor on the device,
+    so the writer threads index them from their chunks; the failed row is in no index."""
+    from PIL import Image
+
+    make_images(tmp_path / "imgs", per_class=4, classes=("a", "b"), size=40)
+    Image.new("RGB", (40, 40), (255, 255, 255)).save(tmp_path / "imgs" / "a" / "a01w.png")  # row 2: batch 0
+    path = tmp_path / "s.zarr"
+    raw = job(tmp_path / "imgs", path, model={"name": None, "factory": "test_index_write:picky_net", "weights": None,
+                                              "device": "cpu"},
+              data={"resize": 32, "crop": 32, "shard_size": 4, "batch_size": 3},
+              capture=[{"layer": "layer3", "reduce": "none", "feature_index": {"k": 3}}], output={"chunk_rows": 2})
+    paths = _Paths(monkeypatch)
+    run(parse_spec(raw))
+    monkeypatch.undo()
+    status = open_store(str(path)).status
+    assert status.tolist().count(1) == 8 and status[2] != 1
+    assert sorted(paths.host) == [0, 1] and sum(paths.device) == 6  # the retried batch's good rows: on the host
+    _same(open_index(str(path)), index(str(path), "layer3", k=3, name="again"), exact=True)
