@@ -20,6 +20,7 @@ from ..errors import ShardError
 from ..faults import blame
 from ..spec import JobSpec
 from ..store import CaptureRecord, ExtraRecord, draw_keys
+from .index_device import serves
 from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard
 
 __all__ = ["Pipeline", "ShardQueue", "CallbackError", "Forwarder"]
@@ -228,7 +229,7 @@ class Pipeline:
             forwarded = self.worker.forward_rows(batch.images, labels, self._draws(batch))
             out.count(len(offsets), forwarded)
             # the indexed captures' tensors stay on the device until the batch is read back (ShardOutput._index)
-            forwarded.device = {k: v for k, v in forwarded.device.items() if k in out.indexes}
+            forwarded.device = {k: v for k, v in forwarded.device.items() if k in out.indexes and serves(v)}
             forwarded.reused = batch.reused  # filed with the batch's computed rows, in row order
             self._finish(self.read_back.push(out, offsets, forwarded))  # maybe the shard before's last batch
         elif batch.reused:  # every row of the batch taken from other stores

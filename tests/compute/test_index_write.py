@@ -12,6 +12,7 @@ import pytest
 from conftest import job, make_images
 from test_feature_index import ARRAYS
 
+from extractor.compute import index_device
 from extractor.driver.runner import run
 from extractor.read import open_store
 from extractor.read.features import index, open_index
@@ -43,7 +44,9 @@ def _sae(path: Path, d_in: int) -> Path:
 class _Paths:
     """Rows each path of the write-time index was given: the host feed's (from chunks) and the device's parts."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, on_cpu: bool = True) -> None:
+        """``on_cpu``: run the device path on this CPU (a CPU worker takes the host's by default)."""
+        monkeypatch.setattr(index_device, "ON_CPU", on_cpu)
         self.host: list[int] = []
         self.device: list[int] = []
         add, add_part = IndexFeed.add, IndexState.add_part
@@ -100,6 +103,21 @@ def test_computed_rows_are_indexed_on_the_device_as_the_post_hoc_pass_indexes_th
     again = index(str(path), key, dictionary=want.get("dictionary"), k=3, name="again")
     assert written.attrs["written"] == "write-time" and written.rows == again.rows == ok
     _same(written, again, exact=not d_in)
+
+
+def test_a_cpu_worker_indexes_its_rows_on_the_writer_threads_as_the_post_hoc_pass_does(
+        images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """On a CPU the numpy pass (the writer threads, from the chunks) costs less than torch's: every row goes there."""
+    want = {"k": 3, "dictionary": str(_sae(tmp_path / "sae.npz", 32))}
+    path = tmp_path / "s.zarr"
+    raw = job(images, path, data={"resize": 32, "crop": 32, "shard_size": 4, "batch_size": 3},
+              capture=[{"layer": "layer3", "reduce": "none", "feature_index": want}], output={"chunk_rows": 2})
+    paths = _Paths(monkeypatch, on_cpu=False)
+    run(parse_spec(raw))
+    monkeypatch.undo()
+    assert sorted(paths.host) == np.flatnonzero(open_store(str(path)).status == 1).tolist() and paths.device == []
+    _same(open_index(str(path)), index(str(path), "layer3", dictionary=want["dictionary"], k=3, name="again"),
+          exact=False)
 
 
 def test_rows_copied_from_another_store_are_indexed_on_the_host_with_the_computed_ones(
