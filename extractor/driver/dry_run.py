@@ -144,10 +144,9 @@ def preview(spec: JobSpec) -> Preview:
 
     captures = [CapturePlan(k, list(c["shape"]), c["dtype"], per_row[k], layout[k][0], layout[k][0] * per_row[k],
                             objects(*layout[k])) for k, c in probe.captures.items()]
-    # a chunk per shard of each per-row array (errors: only where rows failed), its done marker and its sums; and
-    # the driver's merged sums (stats_sums), one object
-    written = [a for a in ROW_ARRAYS if a != "errors"]
-    n_per_row = len(written) + len(probe.extras) + len(rows.locators) + bool(spec.output.reuse) + 2
+    # a chunk per shard of each per-row array (a shard's finish writes each of its chunks whole, errors too), its
+    # done marker and its sums; and the driver's merged sums (stats_sums), one object
+    n_per_row = len(ROW_ARRAYS) + len(probe.extras) + len(rows.locators) + bool(spec.output.reuse) + 2
     extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
     planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
                       n_per_row * len(shards) + 1, extras, _free_bytes(spec.output.store))
