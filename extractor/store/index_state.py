@@ -257,19 +257,23 @@ class IndexState:
 
     def add_part(self, part: BlockPart) -> None:
         """Add a block's part (:class:`BlockPart`): the same state ``update`` makes of the block's rows."""
-        self.rows += part.rows
-        self.fire_tokens += part.fire_tokens
-        self.fire_rows += part.fire_rows
-        self.sum_active += part.sum_active
-        self.max_value = np.fmax(self.max_value, part.max_value)
-        self.histogram += part.histogram
-        self.histogram_rows += part.histogram_rows
+        self._add_sums(part)
         fit = part.top_keys > self.top.floor[part.top_features]
         features, keys, tokens = part.top_features[fit], part.top_keys[fit], part.top_tokens[fit]
         self.top.offer(features, keys, lambda i: tokens[i])
         fit = part.example_keys > self.examples.floor[part.example_cells]
         cells, keys, values = part.example_cells[fit], part.example_keys[fit], part.example_values[fit]
         self.examples.offer(cells, keys, lambda i: values[i])
+
+    def _add_sums(self, other: BlockPart | IndexState) -> None:
+        """Add another block's or state's counts, sums, maxima and histograms (what adds without slots)."""
+        self.rows += other.rows
+        self.fire_tokens += other.fire_tokens
+        self.fire_rows += other.fire_rows
+        self.sum_active += other.sum_active
+        self.max_value = np.fmax(self.max_value, other.max_value)
+        self.histogram += other.histogram
+        self.histogram_rows += other.histogram_rows
 
     def _pooled(self, acts: np.ndarray, fire: np.ndarray, peak: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each row's pooled value per feature (n, F), and whether the feature fires in the row."""
@@ -313,13 +317,7 @@ class IndexState:
         if (other.features, other.positions, other.k, other.pool) != (self.features, self.positions, self.k,
                                                                       self.pool):
             raise ValueError("merging indexes of other features, positions, k or pool")
-        self.rows += other.rows
-        self.fire_tokens += other.fire_tokens
-        self.fire_rows += other.fire_rows
-        self.sum_active += other.sum_active
-        self.max_value = np.fmax(self.max_value, other.max_value)
-        self.histogram += other.histogram
-        self.histogram_rows += other.histogram_rows
+        self._add_sums(other)
         self.top.merge(other.top)
         self.examples.merge(other.examples)
 
