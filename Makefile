@@ -30,7 +30,7 @@ demo: $(STAMP)
 # Test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them (its module fixtures
 # built once); most slow tests wait on subprocesses, clusters and servers, so two overlap well on 2 cores.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Everything (what CI and the README run); the 15 slowest tests are printed so the cost stays visible.
 test: $(STAMP)

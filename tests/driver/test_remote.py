@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import warm
 import yaml
-from conftest import RESNET18, child_env, free_port, job, kill_processes_mentioning
+from conftest import child_env, free_port, job, kill_processes_mentioning
 from test_sources import write_tars
 
 from extractor.driver.runner import run
@@ -193,12 +193,15 @@ def extractor(*args: str, env: dict, timeout: float = 400) -> subprocess.Complet
 
 def test_submit_wait_status_logs_and_a_failing_job(ray_head, image_dir: Path, tmp_path: Path):
     address, env = ray_head
-    raw = job(image_dir, tmp_path / "s.zarr", model=RESNET18,  # the head's jobs cannot import tests/toy_models
-              cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1},
+    shipped = tmp_path / "ship"  # the job's folder on the cluster: its driver and workers import toy_models
+    shipped.mkdir()
+    shutil.copy(TESTS / "toy_models.py", shipped)
+    raw = job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1},
               output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 2,
                       "storage_options": {"secret": "hunter2"}})
     raw["output"].pop("storage_options")  # a local store takes no storage options; see the S3 test
-    raw["submit"] = {"env_vars": {"EXTRACTOR_PROGRESS_S": "0"}}  # a progress line at every batch, not every 10 s
+    raw["submit"] = {"env_vars": {"EXTRACTOR_PROGRESS_S": "0"},  # a progress line at every batch, not every 10 s
+                     "working_dir": str(shipped)}
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(raw))
     r = extractor("submit", str(spec), "--address", address, "--wait", "--job-id", "extractor-ok", env=env)
@@ -218,7 +221,7 @@ def test_submit_wait_status_logs_and_a_failing_job(ray_head, image_dir: Path, tm
     line = next(ln for ln in r.stdout.splitlines() if "extractor-ok" in ln)
     assert "SUCCEEDED" in line and "job.yaml" in line and str(tmp_path / "s.zarr") in line  # its job file and store
 
-    bad = job(image_dir, tmp_path / "bad.zarr", model=RESNET18, capture=[{"layer": "layer44"}],
+    bad = job(image_dir, tmp_path / "bad.zarr", capture=[{"layer": "layer44"}], submit={"working_dir": str(shipped)},
               cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1})
     spec.write_text(yaml.safe_dump(bad))
     r = extractor("submit", str(spec), "--address", address, "--wait", "--job-id", "extractor-bad", env=env)
