@@ -56,7 +56,6 @@ def test_killed_driver_then_resume_redoes_only_unfinished_shards(slow_images: Pa
         proc.wait(timeout=30)
     finally:
         # the embedded Ray that driver started: end its processes (they share the driver's session)
-        time.sleep(2)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -64,7 +63,7 @@ def test_killed_driver_then_resume_redoes_only_unfinished_shards(slow_images: Pa
     s = open_store(str(tmp_path / "s.zarr"))
     done_before = int(s.done_shards.sum())
     assert s.attrs["status"] == "running" and 2 <= done_before < 6
-    out = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300,
+    out = warm.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300,
                          start_new_session=True)
     assert out.returncode == 0, out.stderr
     assert f"{6 - done_before} shards run, {done_before} already done" in out.stdout
@@ -95,7 +94,6 @@ def test_sigterm_on_the_ray_backend_interrupts_the_job_and_resume_finishes(slow_
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
-        time.sleep(2)
         try:  # what is left of the embedded Ray that driver started
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -104,7 +102,7 @@ def test_sigterm_on_the_ray_backend_interrupts_the_job_and_resume_finishes(slow_
     assert "--resume" in err and "SIGTERM received" not in err
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.attrs["status"] == "interrupted" and not s.done_shards.all()
-    out = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300,
+    out = warm.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300,
                          start_new_session=True)
     assert out.returncode == 0, out.stderr
     assert (open_store(str(tmp_path / "s.zarr")).status == 1).all()

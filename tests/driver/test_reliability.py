@@ -433,7 +433,7 @@ def test_a_job_paused_past_its_lease_writes_nothing_into_the_store_that_took_it_
     wait_for_shard(store, 0, proc)
     proc.send_signal(signal.SIGSTOP)  # SLURM suspend, a frozen VM, a long storage stall
     try:
-        time.sleep(3)  # A's lease goes stale
+        wait_for_stale_lease(store, 2)
         raw_b = {**raw_a, "capture": [{"layer": "conv", "reduce": "max", "key": "conv"}],  # A's key, B's values
                  "model": {**raw_a["model"], "factory_kwargs": {"seconds": 0}}}
         raw_b["output"] = {**raw_a["output"], "if_exists": "overwrite"}
@@ -486,6 +486,15 @@ def paused_job(root: Path, store: Path, tmp_path: Path, point: str, **output) ->
     path = tmp_path / "paused.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def wait_for_stale_lease(store: Path, timeout_s: float) -> None:
+    """Until the store's lease was last renewed more than ``timeout_s`` ago (its holder is stopped): the event
+    another job's takeover waits for."""
+    deadline = time.time() + 60
+    while time.time() - float(zarr.open_group(str(store), mode="r")["lease"].attrs["heartbeat"]) <= timeout_s:
+        assert time.time() < deadline, "the lease was still renewed a minute later"
+        time.sleep(0.1)
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
@@ -546,10 +555,7 @@ def test_a_job_paused_while_creating_its_store_stops_in_one_line_when_another_re
     wait_for_file(tmp_path / "marker", a)
     a.send_signal(signal.SIGSTOP)
     try:
-        deadline = time.time() + 60
-        while time.time() - float(zarr.open_group(str(store), mode="r")["lease"].attrs["heartbeat"]) < 1.5:
-            assert time.time() < deadline
-            time.sleep(0.1)  # A's lease goes stale: the event B's takeover waits for
+        wait_for_stale_lease(store, 1)
         (tmp_path / "gate").unlink()
         raw_b = yaml.safe_load(slow_spec(root, store, tmp_path, seconds=0).read_text())
         raw_b["capture"] = [{"layer": "conv", "reduce": "max", "key": "conv"}]
