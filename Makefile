@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
+# The suite starts many interpreters (test processes, Ray workers, CLI children): each reads the compiled modules
+# and pytest's rewritten tests from __pycache__ instead of compiling them again, where the environment sets
+# PYTHONDONTWRITEBYTECODE=1 (as these machines do: 10 s of CPU per test process to collect, 0.4 s per import).
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: venv demo test check bench lint clean chromium
 
