@@ -475,7 +475,8 @@ def main() -> None:
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
     p.add_argument("--scale", action="store_true", help="only the costs that grow with the job (bench_scale.py)")
     p.add_argument("--index", action="store_true", help="only the feature index (bench_index.py)")
-    p.add_argument("--index-rows", type=int, default=20000, help="images of ViT-B tokens for the SAE index")
+    p.add_argument("--index-rows", type=int, default=1000, help="images of ViT-B tokens for the SAE index (the "
+                   "issue's size: 20000, ~25 TFLOP per side)")
     p.add_argument("--index-map-rows", type=int, default=100000, help="rows of the 1,024-channel map to index")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--image-dir", dest="image_dir_arg", help=argparse.SUPPRESS)

@@ -313,7 +313,7 @@ class FeatureIndex:
     def encode_row(self, row: int) -> np.ndarray:
         """(T, F): every feature at each position of store row ``row`` (which features fire at this patch)."""
         layout = _layout(self.store, self.key)
-        acts = layout.tokens(np.asarray(self.store[self.key][int(row) : int(row) + 1]))[0]
+        acts = np.asarray(layout.tokens(np.asarray(self.store[self.key][int(row) : int(row) + 1]))[0], np.float32)
         dic = self.dictionary
         return acts if dic is None else dic.encode(acts)
 

@@ -105,8 +105,9 @@ class Layout:
                          "sequence's features or a vector's features")
 
     def tokens(self, x: Any) -> Any:
-        """Rows ``x`` (n, *shape) as (n, positions, features) float32: a numpy array (contiguous), or a torch tensor
-        on its device (the write-time index's blocks: ``extractor.compute.index_device``)."""
+        """Rows ``x`` (n, *shape) as (n, positions, features): a numpy array (float16: a view of ``x``, which the
+        index converts once and bins by a table of its values; anything else a contiguous float32 copy), or a float32
+        torch tensor on its device (the write-time index's blocks: ``extractor.compute.index_device``)."""
         n = len(x)
         if not hasattr(x, "swapaxes"):
             x = np.asarray(x)
@@ -115,7 +116,7 @@ class Layout:
         else:
             x = x.reshape(n, self.positions, self.features)
         if isinstance(x, np.ndarray):
-            return np.ascontiguousarray(x, np.float32)
+            return x if x.dtype == np.float16 else np.ascontiguousarray(x, np.float32)
         return x.float()
 
 

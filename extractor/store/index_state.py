@@ -216,10 +216,11 @@ class IndexState:
         return max(1, values // max(1, self.positions * self.features))
 
     def update(self, acts: np.ndarray, rows: np.ndarray) -> None:
-        """Add ``acts`` (n, T, F) float32: the features at each position of the store rows ``rows`` (n,). Every
-        step is a dense pass over the block (no list of firing entries): counts and sums are reductions, the
-        histograms one ``bincount`` of feature x bins + bin, the top rows and examples offered only where they can
-        beat what the slots hold."""
+        """Add ``acts`` (n, T, F) float32 or float16: the features at each position of the store rows ``rows`` (n,).
+        Every step is a dense pass over the block (no list of firing entries): sums are reductions, the histograms
+        one ``bincount`` of feature x (bins + 1) + bin (a float16 block binned by a table of all its values, whose
+        firing counts are the histogram's), the top rows and examples offered only where they can beat what the
+        slots hold. Memory: a few copies of the block, whatever the rows before it."""
         n, t, f = acts.shape
         if (t, f) != (self.positions, self.features):
             raise ValueError(f"a block of {t} positions x {f} features; the index has {self.positions} x "
@@ -227,33 +228,40 @@ class IndexState:
         if not n:
             return
         self.rows += n
-        flat = acts.reshape(n * t, f)
-        fire = flat > self.threshold  # NaN never fires
-        counts = np.count_nonzero(fire, axis=0)
-        self.fire_tokens += counts
-        if counts.sum() * 8 < fire.size:  # few fire (an SAE's latents): only those are summed and binned
-            sums, histogram = _sparse_tokens(flat, fire)
-        else:
-            fired = np.fmax(flat, 0) if self.threshold == 0 else np.where(fire, flat, 0)  # fmax: NaN -> 0
-            sums = fired.sum(axis=0, dtype=np.float64)
-            histogram = _counts(_cells(_fired_bins(flat, fire, self.threshold == 0)))
-        self.sum_active += sums
-        self.histogram += histogram
-        peak = acts[:, 0] if t == 1 else acts.max(axis=1)  # (n, F)
+        values = np.ascontiguousarray(acts, np.float32)  # compared and summed as float32; binned as stored
+        fire = self._add_tokens(acts, values.reshape(n * t, f))
+        peak = values[:, 0] if t == 1 else values.max(axis=1)  # (n, F)
         self.max_value = np.fmax(self.max_value, np.fmax.reduce(peak, axis=0))  # NaN (a float16 overflow) left out
-        pooled, fires = self._pooled(acts, fire.reshape(n, t, f), peak)
-        self.fire_rows += np.count_nonzero(fires, axis=0)
+        pooled, fires = self._pooled(values, fire.reshape(n, t, f), peak)
         bins = _fired_bins(pooled, fires, self.threshold == 0 and (self.pool == "max" or t == 1))
-        cells = _cells(bins)  # (n, F): feature x (bins + 1) + bin
-        self.histogram_rows += _counts(cells)
+        cells = bins + _offsets(f)  # (n, F): feature x (bins + 1) + bin
+        counts = _counts(cells, f)
+        self.histogram_rows += counts
+        self.fire_rows += counts.sum(axis=1)  # a firing row has a bin
         hashes = sample_hashes(rows, np.arange(f))
         # a few rows first, then more: once the slots hold rows, few candidates beat their floors
         a = 0
         for b in _growing(n, self.rows - n).tolist():
             part = slice(a, b)
-            self._offer_top(acts[part], rows[part], pooled[part], fires[part])
+            self._offer_top(values[part], rows[part], pooled[part], fires[part])
             self._offer_examples(rows[part], pooled[part], bins[part], cells[part], hashes[part])
             a = b
+
+    def _add_tokens(self, stored: np.ndarray, flat: np.ndarray) -> np.ndarray:
+        """Add the per-token sums and histogram of a block's values, as given to :meth:`update` (``stored``: (n, T,
+        F) float16 or float32, any strides) and as float32 (``flat``: (n x T, F)); returns where they fire. The
+        firing counts are the histogram's: a value above the threshold (>= 0) has a bin, and no other one."""
+        fire = flat > self.threshold  # NaN never fires
+        if np.count_nonzero(fire) * 8 < fire.size:  # few fire (an SAE's latents): only those are summed and binned
+            sums, histogram = _sparse_tokens(flat, fire)
+        else:
+            fired = np.fmax(flat, 0) if self.threshold == 0 else np.where(fire, flat, 0)  # fmax: NaN -> 0
+            sums = fired.sum(axis=0, dtype=np.float64)
+            histogram = _histogram(stored, None if self.threshold == 0 else fire.reshape(stored.shape))
+        self.sum_active += sums
+        self.histogram += histogram
+        self.fire_tokens += histogram.sum(axis=1)
+        return fire
 
     def add_part(self, part: BlockPart) -> None:
         """Add a block's part (:class:`BlockPart`): the same state ``update`` makes of the block's rows."""
@@ -288,11 +296,12 @@ class IndexState:
         """Offer the (row, feature) pairs that can beat their feature's k-th row: those at or above its value (and,
         when the slots are still filling, among the block's k best of the feature)."""
         n, f = pooled.shape
-        beat = fires & ~(pooled < key_values(self.top.floor))  # an empty floor is NaN: everything beats it
+        floor = key_values(self.top.floor)
+        beat = fires & (pooled >= np.where(np.isnan(floor), -np.inf, floor))  # an empty slot: anything beats it
         if n > self.k and np.count_nonzero(beat) > 2 * self.k * f:
             kth = np.partition(np.where(fires, pooled, -np.inf), n - self.k, axis=0)[n - self.k]
             beat &= pooled >= kth  # ties at the k-th value all kept: the lower row decides among them below
-        row, feature = np.nonzero(beat)
+        row, feature = np.divmod(np.flatnonzero(beat), f)
         keys = top_keys(pooled[row, feature], rows[row])
         fit = keys > self.top.floor[feature]
         row, feature, keys = row[fit], feature[fit], keys[fit]
@@ -302,12 +311,13 @@ class IndexState:
                         hashes: np.ndarray) -> None:
         """Offer the firing (row, feature) pairs whose hash can beat their row bin's kept examples."""
         f = pooled.shape[1]
-        ceiling = np.zeros((f, HIST_BINS + 1), np.uint32)  # the largest hash a pair may have; the dump bin: none
+        ceiling = np.zeros((f, HIST_BINS + 1), np.uint32)  # the largest hash a pair may have; the dump bin: 0
         ceiling[:, :HIST_BINS] = (~self.examples.floor >> np.uint64(32)).astype(np.uint32).reshape(f, HIST_BINS)
-        near = (hashes <= ceiling.reshape(-1)[cells]) & (bins != _DUMP)
-        row, feature = np.nonzero(near)
-        slot = cells[row, feature] - feature  # feature x bins + bin: the examples' cell
-        keys = sample_keys(hashes[row, feature], rows[row])
+        at = np.flatnonzero(hashes <= ceiling.reshape(-1)[cells])
+        at = at[bins.reshape(-1)[at] != _DUMP]  # a hash of 0 in the dump bin
+        row, feature = np.divmod(at, f)
+        slot = cells.reshape(-1)[at] - feature  # feature x bins + bin: the examples' cell
+        keys = sample_keys(hashes.reshape(-1)[at], rows[row])
         fit = keys > self.examples.floor[slot]
         values = pooled[row[fit], feature[fit]]
         self.examples.offer(slot[fit], keys[fit], lambda i: values[i])
@@ -440,6 +450,7 @@ def _float32_edges() -> np.ndarray:
 
 
 _BIN_TABLE, _BIN_LOW = _bin_tables()
+_BIN_CODES = _BIN_TABLE.astype(np.intp)  # the same as intp: what a histogram's codes are made of, without a cast
 _EDGES32 = _float32_edges()
 
 
@@ -450,21 +461,28 @@ def bin_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _bins(values: np.ndarray) -> np.ndarray:
-    """The bin (uint8) of each float32 value among the edges 10**HIST_EDGES (below and above them: the first and
-    last bin), as ``np.histogram`` puts it, and _DUMP for values <= 0 and NaN: a table of the top 16 bits, and a
-    comparison only for the few values whose bucket an edge cuts (measured: 5x faster than a comparison each)."""
+    """The bin (intp) of each float32 or float16 value among the edges 10**HIST_EDGES (below and above them: the
+    first and last bin), as ``np.histogram`` puts it, and _DUMP for values <= 0 and NaN. float32: a table of the top
+    16 bits, and a comparison only for the few values whose bucket an edge cuts (measured: 5x faster than a
+    comparison each); float16: a table of all its values (:data:`_BIN16`, made by the float32 rule)."""
+    values = np.asarray(values)
+    if values.dtype == np.float16:
+        return _BIN16[values.view(np.uint16)]
     values = np.ascontiguousarray(values, np.float32)
     if not values.ndim:
         values = values.reshape(1)
-    at = _BIN_TABLE[values.view(np.uint16)[..., _HIGH::2]]
+    at = _BIN_CODES[values.view(np.uint16)[..., _HIGH::2]]
     flat = at.reshape(-1)
     fix = np.flatnonzero(flat == _AMBIGUOUS)
     if len(fix):
         v = values.reshape(-1)[fix]
-        low = _BIN_LOW[(v.view(np.uint32) >> np.uint32(16)).astype(np.intp)]
-        up = (v >= _EDGES32[low.astype(np.intp) + 1]) & (low < HIST_BINS - 1)
+        low = _BIN_LOW[(v.view(np.uint32) >> np.uint32(16)).astype(np.intp)].astype(np.intp)
+        up = (v >= _EDGES32[low + 1]) & (low < HIST_BINS - 1)
         flat[fix] = np.where(v > 0, low + up, _DUMP)
     return at
+
+
+_BIN16 = _bins(np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32))  # exact: float16 -> float32
 
 
 def _fired_bins(values: np.ndarray, fire: np.ndarray, exact: bool) -> np.ndarray:
@@ -477,10 +495,25 @@ def _fired_bins(values: np.ndarray, fire: np.ndarray, exact: bool) -> np.ndarray
     return np.where(fire, bins, _DUMP)
 
 
-def _cells(bins: np.ndarray) -> np.ndarray:
-    """Bins (..., F) uint8 (_DUMP: not counted) -> feature x (bins + 1) + bin (intp): one counter per cell."""
-    f = bins.shape[-1]
-    return np.add(bins, np.arange(f, dtype=np.intp) * (HIST_BINS + 1), dtype=np.intp)
+def _offsets(f: int) -> np.ndarray:
+    """Each feature's first cell: feature x (bins + 1), intp."""
+    return np.arange(f, dtype=np.intp) * (HIST_BINS + 1)
+
+
+def _histogram(values: np.ndarray, fire: np.ndarray | None) -> np.ndarray:
+    """(F, HIST_BINS) counts of the bins of ``values`` (n, T, F) float32 or float16 where ``fire`` (None: where above
+    0): one ``bincount`` of feature x (bins + 1) + bin, made in place, in the order the values lie in memory (a map's
+    channels come first: each feature's offset repeated over its positions, not added along a stride)."""
+    n, t, f = values.shape
+    offsets = np.tile(_offsets(f), t)  # (T x F): the offset of each value of a row
+    if not values.flags.c_contiguous and values.transpose(0, 2, 1).flags.c_contiguous:
+        values, offsets = values.transpose(0, 2, 1), np.repeat(_offsets(f), t)  # (F x T)
+        fire = None if fire is None else fire.transpose(0, 2, 1)
+    codes = _bins(values).reshape(n, -1)
+    if fire is not None:
+        codes[~fire.reshape(n, -1)] = _DUMP
+    codes += offsets
+    return _counts(codes, f)
 
 
 def _sparse_tokens(flat: np.ndarray, fire: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -496,8 +529,7 @@ def _sparse_tokens(flat: np.ndarray, fire: np.ndarray) -> tuple[np.ndarray, np.n
     return sums, counts
 
 
-def _counts(cells: np.ndarray) -> np.ndarray:
-    """(F, HIST_BINS) counts of the cells of :func:`_cells` (the _DUMP column left out)."""
-    f = cells.shape[-1]
+def _counts(cells: np.ndarray, f: int) -> np.ndarray:
+    """(F, HIST_BINS) counts of cells feature x (bins + 1) + bin (intp; the _DUMP column left out) of ``f`` features."""
     counts = np.bincount(cells.reshape(-1), minlength=f * (HIST_BINS + 1))
     return counts.reshape(f, HIST_BINS + 1)[:, :HIST_BINS]

@@ -114,6 +114,22 @@ def test_the_write_time_index_equals_the_post_hoc_one(store: Path):
     _same(written, again)
 
 
+def test_a_float16_capture_is_indexed_as_its_values_by_hand_at_write_time_and_after(images: Path, tmp_path: Path):
+    """A float16 map (indexed as stored: binned by float16's own table) gives numpy's index of its values, the same
+    at write time and after; a row's values read back as float32."""
+    path = tmp_path / "h.zarr"
+    run(parse_spec(_job(images, path, dtype="float16", feature_index={"k": 4})))
+    assert open_store(str(path)).numpy("layer3").dtype == np.float16
+    again = index(str(path), "layer3", k=4, name="again")
+    _same(open_index(str(path), "layer3"), again)
+    acts, rows = _acts(path)
+    values = acts.astype(np.float32)
+    _check_against_numpy(values, rows, type("Got", (), _arrays(again)), 4, "max")
+    row = again.encode_row(int(rows[3]))
+    assert row.dtype == np.float32
+    np.testing.assert_array_equal(row, values[3])
+
+
 def test_a_store_a_job_holds_is_refused_naming_the_job(store: Path):
     lease = Lease(str(store), None, 60.0, {"host": "elsewhere", "pid": 4242, "user": "someone", "started": "now"})
     lease.acquire()

@@ -95,6 +95,45 @@ def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@pytest.mark.parametrize(("pool", "threshold"), [("max", 0.0), ("mean", 0.0), ("max", 0.25)])
+def test_a_float16_map_read_as_stored_equals_its_float32_values(pool: str, threshold: float):
+    """A float16 map's rows as Layout.tokens gives them (a view of the stored channels x positions, binned by a table
+    of float16 values, its histogram counted in the stored order) make the same index as the float32 blocks of the
+    same values, and that index is numpy's by hand."""
+    rng = np.random.default_rng(3)
+    n, c, h, w, k = 300, 7, 2, 3, 4
+    stored = (rng.standard_normal((n, c, h, w)) * np.logspace(-5, 4, c)[None, :, None, None]).astype(np.float16)
+    stored[:, 1] = np.float16(-2)  # dead
+    stored[7, 3, 1, 2] = np.float16(np.inf)  # a float16 overflow fires, in the last bin
+    stored[8, 4, 0, 0] = np.float16(6e-8)  # a subnormal fires, in the first bin
+    layout = Layout.of("m", {"dims": ["m.channel", "m.y", "m.x"], "shape": [c, h, w]}, None)
+    rows = np.arange(n, dtype=np.int64) * 2
+    as_stored, as_float32 = IndexState(c, h * w, k, pool, threshold), IndexState(c, h * w, k, pool, threshold)
+    for a in range(0, n, 64):
+        block = layout.tokens(stored[a : a + 64])
+        assert block.dtype == np.float16 and not block.flags.c_contiguous  # the stored bytes, not a copy
+        as_stored.update(block, rows[a : a + 64])
+        as_float32.update(np.ascontiguousarray(block, np.float32), rows[a : a + 64])
+    got, want = as_stored.finish(), as_float32.finish()
+    for name in ARRAYS:
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    with np.errstate(invalid="ignore"):
+        _check_against_numpy(np.ascontiguousarray(layout.tokens(stored), np.float32), rows, got, k, pool, threshold)
+    assert got.histogram[3, -1] >= 1 and (got.histogram[4, 0] >= 1 or threshold > 0)
+
+
+def test_the_bins_of_every_float16_value_equal_searchsorted_over_the_edges():
+    from extractor.store import index_state
+
+    v = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    with np.errstate(invalid="ignore"):
+        want = np.clip(np.searchsorted(10.0**HIST_EDGES, v.astype(np.float64), side="right") - 1, 0,
+                       len(HIST_EDGES) - 2)
+    want[~(v > 0)] = len(HIST_EDGES) - 1  # not counted
+    np.testing.assert_array_equal(index_state._bins(v), want)
+    np.testing.assert_array_equal(index_state._bins(v.reshape(-1, 4)[:, ::2]), want.reshape(-1, 4)[:, ::2])
+
+
 def test_a_captures_rows_read_as_positions_by_features():
     x = np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2)  # (rows, channel, y, x)
     cases = [(["k.channel", "k.y", "k.x"], x, ("map", 3, 4, (2, 2), 0)),
