@@ -5,6 +5,7 @@ mid-job gets a worker (``cluster.workers: auto``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -67,6 +68,12 @@ class Node:
         self.proc.wait()
 
 
+# A node killed is known dead after 3 failed health checks 1 s apart, not Ray's 5 checks 3 s apart (17 s a
+# loss here); a live node must be deaf for 3 checks of 3 s each to be taken for dead, even on a loaded machine.
+HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                 "health_check_timeout_ms": 3000, "health_check_failure_threshold": 3}
+
+
 def alive_nodes() -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
@@ -79,13 +86,12 @@ class Cluster:
         self.tmp = tmp
         self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                     "RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), str(Path(__file__).resolve().parent),
-                                                                os.environ.get("PYTHONPATH")]))}  # Hog: this module
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
         self.address = f"127.0.0.1:{free_port()}"
         self.nodes = [Node([str(VENV_BIN / "ray"), "start", "--head", f"--port={self.address.rsplit(':', 1)[1]}",
                             "--num-cpus=1", "--node-ip-address=127.0.0.1", f"--temp-dir={tmp}",
-                            "--include-dashboard=false", "--disable-usage-stats", "--block"], self.env,
-                           tmp / "head.log")]
+                            "--include-dashboard=false", "--disable-usage-stats", "--block",
+                            f"--system-config={json.dumps(HEALTH_CHECKS)}"], self.env, tmp / "head.log")]
 
     def join(self) -> tuple[Node, str]:
         before = {n["NodeID"] for n in alive_nodes()}
@@ -238,6 +244,12 @@ def test_no_worker_left_for_startup_timeout_stops_the_job_and_resume_finishes(cl
     head = next(n["NodeID"] for n in alive_nodes() if "node_b" not in n["Resources"])
     cluster.drop()
     node_b, b_id = cluster.join()
+    class Hog:
+        """An actor that only holds its CPU (defined here: Ray ships it by value, its worker imports no test module)."""
+
+        def ping(self) -> bool:
+            return True
+
     hog = ray.remote(num_cpus=1)(Hog).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)).remote()
     ray.get(hog.ping.remote())
@@ -265,10 +277,3 @@ def test_no_worker_left_for_startup_timeout_stops_the_job_and_resume_finishes(cl
     summary = run(parse_spec(raw))
     assert summary.shards_skipped >= 1 and summary.ok == 24
     assert_same(ref, open_store(str(tmp_path / "s.zarr")))
-
-
-class Hog:
-    """An actor that only holds its CPU."""
-
-    def ping(self) -> bool:
-        return True
