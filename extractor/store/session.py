@@ -36,7 +36,16 @@ from .layout import (
     update_attrs,
 )
 from .lease import Lease, half_created, read_attrs
-from .provenance import Probe, StoreRecord, changed_rows, check_resumable, moved_locators, owner, store_attrs
+from .provenance import (
+    Probe,
+    StoreRecord,
+    changed_rows,
+    check_resumable,
+    kept_probe,
+    moved_locators,
+    owner,
+    store_attrs,
+)
 from .recorded import StoredRows
 from .reuse import check_sources
 from .stats import Totals, merge_shards, shard_record
@@ -278,6 +287,11 @@ class StoreSession:
     def recorded(self) -> dict[str, Any] | None:
         """The store's attributes as they are now (None: no store there)."""
         return read_attrs(self.spec.output.store, self.spec.output.storage_options)
+
+    def kept_probe(self) -> Probe | None:
+        """What a complete store's probe measured, where this job's model would measure the same without being built
+        (:func:`~.provenance.kept_probe`); None: the job builds and probes its model."""
+        return kept_probe(self.spec, self.recorded())
 
     def stored_rows(self, labels: bool = False) -> Rows | None:
         """The rows as the store records them, where the source is as it was listed or only parts of it changed
