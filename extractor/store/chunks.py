@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - a zarr that moved it
     _sync = None
 
 __all__ = ["ChunkCodec", "ShardStream", "write_chunks", "write_at_once", "write_whole", "read_at_once",
-           "remove_partials"]
+           "read_whole", "remove_partials"]
 
 EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
 PARTIAL = ".partial"  # the suffix of a shard's object being written on a local disk
@@ -61,6 +61,17 @@ def _compressor(codec: Any) -> Callable[[Any], Any] | None:
                                blocksize=codec.blocksize, typesize=codec.typesize).encode
     if isinstance(codec, GzipCodec):
         return numcodecs.GZip(level=codec.level).encode
+    return None
+
+
+def _decompressor(codec: Any) -> Callable[[Any], Any] | None:
+    """The numcodecs ``decode`` undoing zarr's ``codec`` (None: one this module does not know)."""
+    if isinstance(codec, ZstdCodec):
+        return numcodecs.Zstd().decode
+    if isinstance(codec, BloscCodec):
+        return numcodecs.Blosc().decode
+    if isinstance(codec, GzipCodec):
+        return numcodecs.GZip().decode
     return None
 
 
@@ -270,6 +281,34 @@ def read_at_once(reads: list[tuple[zarr.Array, Any]]) -> list[np.ndarray]:
         return list(await asyncio.gather(*(array.async_array.getitem(selection) for array, selection in reads)))
 
     return [np.asarray(v) for v in _sync(get_all())]
+
+
+def read_whole(array: zarr.Array) -> np.ndarray | None:
+    """All of a local store's array of numbers (a per-row or per-shard array: a chunk a work shard), each chunk's
+    file read and decoded here: through zarr each chunk cost about 0.5 ms of CPU, so a resume read the done markers
+    and row status of 10M rows (10,000 objects each) in seconds. None where zarr reads it (a remote store, a sharded
+    array, codecs this module does not know, bfloat16); a chunk that was never written is the fill value."""
+    codec = ChunkCodec.of(array) if array.ndim == 1 and isinstance(array.store, zarr.storage.LocalStore) else None
+    plain = codec is not None and codec.shard_rows is None and codec.dtype.kind in "biuf"
+    if codec is None or not plain or codec.bits != codec.dtype:
+        return None
+    root = str(array.store.root)  # type: ignore[attr-defined]  # a LocalStore's folder
+    steps = [_decompressor(c) for c in list(getattr(array.metadata, "codecs", ()))[1:]]  # (v3: ChunkCodec.of)
+    if any(step is None for step in steps):
+        return None
+    out = np.full(array.shape, array.fill_value, dtype=codec.dtype)
+    rows = codec.rows
+    for start in range(0, array.shape[0], rows):
+        try:
+            with open(os.path.join(root, codec.key(start)), "rb") as f:
+                data: Any = f.read()
+        except FileNotFoundError:
+            continue
+        for step in reversed(steps):
+            data = step(data)
+        chunk = np.frombuffer(data, dtype=codec.dtype)
+        out[start:start + rows] = chunk[:min(rows, array.shape[0] - start)]
+    return out.astype(array.dtype, copy=False)
 
 
 class ShardStream:

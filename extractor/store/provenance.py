@@ -28,7 +28,7 @@ from ..errors import StoreError
 from ..spec import PLACES, JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .dtypes import numpy_dtype
 from .forward import forward_differences
-from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now
+from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, read_all
 from .recorded import source_digests
 
 __all__ = [
@@ -347,8 +347,8 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.n
                         spec.output.store)
         return [], None
     current = np.asarray(rows.fingerprints, dtype=np.uint64)
-    stored = np.asarray(group["fingerprint"][:])
-    read = np.asarray(group["status"][:]) != PENDING
+    stored = read_all(group["fingerprint"])
+    read = read_all(group["status"]) != PENDING
     unknown = int((read & (current == 0)).sum())
     if unknown:
         log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest): not checked for changed "

@@ -32,6 +32,7 @@ from .layout import (
     get_array,
     now,
     open_group,
+    read_all,
     reset_shards,
     update_attrs,
 )
@@ -389,7 +390,7 @@ class StoreSession:
         """The store's rows as they ended; with ``write``, its final status and statistics (a resume with nothing
         to do reads them as they are)."""
         group = self.group
-        status = np.asarray(group["status"][:])
+        status = read_all(get_array(group, "status"))
         failed_rows = np.flatnonzero(status == FAILED)
         failures = []
         if len(failed_rows):

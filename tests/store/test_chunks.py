@@ -10,7 +10,7 @@ import pytest
 import zarr
 from zarr.codecs import TransposeCodec
 
-from extractor.store.chunks import ChunkCodec, write_chunks, write_whole
+from extractor.store.chunks import ChunkCodec, read_whole, write_chunks, write_whole
 from extractor.store.layout import _compressors
 
 
@@ -97,3 +97,25 @@ def test_a_shards_finishing_writes_are_the_bytes_zarr_writes(tmp_path: Path, com
     back = zarr.open_group(str(root), mode="r")
     assert back["ours-errors"][8:].tolist() == errors[8:].tolist() and back["ours-errors"][4:8].tolist() == [""] * 4
     np.testing.assert_array_equal(back["ours-digest"][:4], digests[:4])
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc", "gzip", "none"])
+def test_a_whole_array_read_a_file_a_chunk_is_what_zarr_reads(tmp_path: Path, compression: str):
+    """Per-row and per-shard arrays of numbers (chunks of 4 rows and of 1, the last partial, some never written:
+    the fill value) read file by file equal zarr's reads; strings, 2-D and sharded arrays are left to zarr."""
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    rng = np.random.default_rng(0)
+    for name, dtype, chunk, fill in (("status", "uint8", 4, 0), ("fingerprint", "uint64", 4, 0),
+                                     ("labels", "int64", 4, -1), ("done", "uint8", 1, 0), ("x", "float32", 3, np.nan)):
+        array = group.create_array(name, shape=(11,), chunks=(chunk,), dtype=dtype, fill_value=fill,
+                                   compressors=_compressors(compression, None))
+        values = rng.integers(1, 2**62, 11).astype(dtype) if dtype != "float32" else rng.standard_normal(11, "f4")
+        array[:chunk] = values[:chunk]  # the first chunk
+        array[8:] = values[8:]  # and the last ones, one of them partial: those between never written
+        got = read_whole(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")[name])
+        assert got is not None and got.dtype == array.dtype
+        np.testing.assert_array_equal(got, array[:])
+        assert (got[:chunk] == values[:chunk]).all() and (got[8:] == values[8:]).all()
+    assert read_whole(group.create_array("ids", shape=(4,), chunks=(2,), dtype=str)) is None
+    assert read_whole(group.create_array("two", shape=(4, 2), chunks=(2, 2), dtype="uint8")) is None
+    assert read_whole(group.create_array("sharded", shape=(8,), chunks=(2,), shards=(4,), dtype="uint8")) is None
