@@ -283,32 +283,49 @@ def read_at_once(reads: list[tuple[zarr.Array, Any]]) -> list[np.ndarray]:
     return [np.asarray(v) for v in _sync(get_all())]
 
 
-def read_whole(array: zarr.Array) -> np.ndarray | None:
-    """All of a local store's array of numbers (a per-row or per-shard array: a chunk a work shard), each chunk's
-    file read and decoded here: through zarr each chunk cost about 0.5 ms of CPU, so a resume read the done markers
-    and row status of 10M rows (10,000 objects each) in seconds. None where zarr reads it (a remote store, a sharded
-    array, codecs this module does not know, bfloat16); a chunk that was never written is the fill value."""
+def read_whole(array: zarr.Array, start: int = 0, stop: int | None = None) -> np.ndarray | None:
+    """Rows ``start:stop`` of a local store's 1-D array of numbers or strings (a per-row or per-shard array: a chunk a
+    work shard), each chunk's file read and decoded here: through zarr each chunk cost about 0.5 ms of CPU, so a
+    resume read the done markers, row status and paths of 10M rows (10,000 objects each) in seconds. None where
+    zarr reads it (a remote store, a sharded array, codecs this module does not know, bfloat16); a chunk that was
+    never written is the fill value."""
+    found = _chunk_reader(array)
+    if found is None:
+        return None
+    codec, decode, root = found
+    n, rows = array.shape[0], codec.rows
+    start, stop = max(0, start), min(n, n if stop is None else stop)
+    out = np.full(max(0, stop - start), array.fill_value, dtype=codec.dtype)
+    for at in range(start - start % rows, stop, rows):
+        try:
+            with open(os.path.join(root, codec.key(at)), "rb") as f:
+                chunk = decode(f.read())
+        except FileNotFoundError:
+            continue
+        a, b = max(at, start), min(at + rows, stop)
+        out[a - start:b - start] = chunk[a - at:b - at]
+    return out.astype(array.dtype, copy=False)
+
+
+def _chunk_reader(array: zarr.Array) -> tuple[ChunkCodec, Callable[[bytes], np.ndarray], str] | None:
+    """For :func:`read_whole`: the array's codec, a chunk file's bytes to its rows, the store's folder; None: zarr
+    reads it."""
     codec = ChunkCodec.of(array) if array.ndim == 1 and isinstance(array.store, zarr.storage.LocalStore) else None
-    plain = codec is not None and codec.shard_rows is None and codec.dtype.kind in "biuf"
+    text = codec is not None and codec.dtype == np.dtype(object)  # UTF-8 strings
+    plain = codec is not None and codec.shard_rows is None and (codec.dtype.kind in "biuf" or text)
     if codec is None or not plain or codec.bits != codec.dtype:
         return None
-    root = str(array.store.root)  # type: ignore[attr-defined]  # a LocalStore's folder
     steps = [_decompressor(c) for c in list(getattr(array.metadata, "codecs", ()))[1:]]  # (v3: ChunkCodec.of)
     if any(step is None for step in steps):
         return None
-    out = np.full(array.shape, array.fill_value, dtype=codec.dtype)
-    rows = codec.rows
-    for start in range(0, array.shape[0], rows):
-        try:
-            with open(os.path.join(root, codec.key(start)), "rb") as f:
-                data: Any = f.read()
-        except FileNotFoundError:
-            continue
+    dtype = codec.dtype
+
+    def decode(data: Any) -> np.ndarray:
         for step in reversed(steps):
             data = step(data)
-        chunk = np.frombuffer(data, dtype=codec.dtype)
-        out[start:start + rows] = chunk[:min(rows, array.shape[0] - start)]
-    return out.astype(array.dtype, copy=False)
+        return numcodecs.VLenUTF8().decode(data) if text else np.frombuffer(data, dtype=dtype)
+
+    return codec, decode, str(array.store.root)  # type: ignore[attr-defined]  # a LocalStore's folder
 
 
 class ShardStream:

@@ -441,11 +441,11 @@ def done_shards(group: zarr.Group) -> np.ndarray:
     return np.asarray(read_all(get_array(group, "shard_done")), dtype=bool)
 
 
-def read_all(array: zarr.Array) -> np.ndarray:
-    """All of ``array``: a local store's per-row or per-shard numbers read a file a chunk (``chunks.read_whole``),
-    anything else through zarr."""
-    whole = read_whole(array)
-    return np.asarray(array[:]) if whole is None else whole
+def read_all(array: zarr.Array, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Rows ``start:stop`` of ``array``: a local store's per-row or per-shard numbers or strings read a file a chunk
+    (``chunks.read_whole``), anything else through zarr."""
+    whole = read_whole(array, start, stop)
+    return np.asarray(array[start:stop]) if whole is None else whole
 
 
 def disk_usage(url: str) -> int | None:

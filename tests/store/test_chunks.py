@@ -101,21 +101,27 @@ def test_a_shards_finishing_writes_are_the_bytes_zarr_writes(tmp_path: Path, com
 
 @pytest.mark.parametrize("compression", ["zstd", "blosc", "gzip", "none"])
 def test_a_whole_array_read_a_file_a_chunk_is_what_zarr_reads(tmp_path: Path, compression: str):
-    """Per-row and per-shard arrays of numbers (chunks of 4 rows and of 1, the last partial, some never written:
-    the fill value) read file by file equal zarr's reads; strings, 2-D and sharded arrays are left to zarr."""
+    """Per-row and per-shard arrays of numbers and strings (chunks of 4 rows and of 1, the last partial, some never
+    written: the fill value) read file by file, whole or rows a:b, equal zarr's reads; 2-D and sharded arrays are
+    left to zarr."""
     group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
     rng = np.random.default_rng(0)
     for name, dtype, chunk, fill in (("status", "uint8", 4, 0), ("fingerprint", "uint64", 4, 0),
-                                     ("labels", "int64", 4, -1), ("done", "uint8", 1, 0), ("x", "float32", 3, np.nan)):
+                                     ("labels", "int64", 4, -1), ("done", "uint8", 1, 0), ("x", "float32", 3, np.nan),
+                                     ("paths", str, 4, "")):
         array = group.create_array(name, shape=(11,), chunks=(chunk,), dtype=dtype, fill_value=fill,
                                    compressors=_compressors(compression, None))
-        values = rng.integers(1, 2**62, 11).astype(dtype) if dtype != "float32" else rng.standard_normal(11, "f4")
+        values = rng.standard_normal(11, "f4") if dtype == "float32" else \
+            np.asarray([f"/d/ü{i}/{'x' * i}.jpg" for i in range(11)]) if dtype is str else \
+            rng.integers(1, 2**62, 11).astype(dtype)
         array[:chunk] = values[:chunk]  # the first chunk
         array[8:] = values[8:]  # and the last ones, one of them partial: those between never written
-        got = read_whole(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")[name])
-        assert got is not None and got.dtype == array.dtype
-        np.testing.assert_array_equal(got, array[:])
+        stored = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")[name]
+        for a, b in ((0, None), (0, 11), (1, 9), (5, 7), (8, 11), (10, 11), (3, 3)):
+            got = read_whole(stored, a, b)
+            assert got is not None and got.dtype == array.dtype, (name, a, b)
+            np.testing.assert_array_equal(got, array[a:b])
+        got = read_whole(stored)
         assert (got[:chunk] == values[:chunk]).all() and (got[8:] == values[8:]).all()
-    assert read_whole(group.create_array("ids", shape=(4,), chunks=(2,), dtype=str)) is None
     assert read_whole(group.create_array("two", shape=(4, 2), chunks=(2, 2), dtype="uint8")) is None
     assert read_whole(group.create_array("sharded", shape=(8,), chunks=(2,), shards=(4,), dtype="uint8")) is None
