@@ -283,12 +283,13 @@ def read_at_once(reads: list[tuple[zarr.Array, Any]]) -> list[np.ndarray]:
     return [np.asarray(v) for v in _sync(get_all())]
 
 
-def read_whole(array: zarr.Array, start: int = 0, stop: int | None = None) -> np.ndarray | None:
+def read_whole(array: zarr.Array, start: int = 0, stop: int | None = None, as_read: bool = False) -> np.ndarray | None:
     """Rows ``start:stop`` of a local store's 1-D array of numbers or strings (a per-row or per-shard array: a chunk a
     work shard), each chunk's file read and decoded here: through zarr each chunk cost about 0.5 ms of CPU, so a
     resume read the done markers, row status and paths of 10M rows (10,000 objects each) in seconds. None where
     zarr reads it (a remote store, a sharded array, codecs this module does not know, bfloat16); a chunk that was
-    never written is the fill value."""
+    never written is the fill value. ``as_read``: strings as Python strings (an object array), not the array's
+    numpy strings."""
     found = _chunk_reader(array)
     if found is None:
         return None
@@ -304,13 +305,16 @@ def read_whole(array: zarr.Array, start: int = 0, stop: int | None = None) -> np
             continue
         a, b = max(at, start), min(at + rows, stop)
         out[a - start:b - start] = chunk[a - at:b - at]
-    return out.astype(array.dtype, copy=False)
+    return out if as_read else out.astype(array.dtype, copy=False)
 
 
 def _chunk_reader(array: zarr.Array) -> tuple[ChunkCodec, Callable[[bytes], np.ndarray], str] | None:
     """For :func:`read_whole`: the array's codec, a chunk file's bytes to its rows, the store's folder; None: zarr
     reads it."""
-    codec = ChunkCodec.of(array) if array.ndim == 1 and isinstance(array.store, zarr.storage.LocalStore) else None
+    local = array.store
+    while isinstance(local, zarr.storage.WrapperStore):  # the reader's snapshot store: a chunk is one whole read
+        local = local._store
+    codec = ChunkCodec.of(array) if array.ndim == 1 and isinstance(local, zarr.storage.LocalStore) else None
     text = codec is not None and codec.dtype == np.dtype(object)  # UTF-8 strings
     plain = codec is not None and codec.shard_rows is None and (codec.dtype.kind in "biuf" or text)
     if codec is None or not plain or codec.bits != codec.dtype:
@@ -325,7 +329,7 @@ def _chunk_reader(array: zarr.Array) -> tuple[ChunkCodec, Callable[[bytes], np.n
             data = step(data)
         return numcodecs.VLenUTF8().decode(data) if text else np.frombuffer(data, dtype=dtype)
 
-    return codec, decode, str(array.store.root)  # type: ignore[attr-defined]  # a LocalStore's folder
+    return codec, decode, str(local.root)  # type: ignore[attr-defined]  # a LocalStore's folder
 
 
 class ShardStream:

@@ -441,10 +441,10 @@ def done_shards(group: zarr.Group) -> np.ndarray:
     return np.asarray(read_all(get_array(group, "shard_done")), dtype=bool)
 
 
-def read_all(array: zarr.Array, start: int = 0, stop: int | None = None) -> np.ndarray:
+def read_all(array: zarr.Array, start: int = 0, stop: int | None = None, as_read: bool = False) -> np.ndarray:
     """Rows ``start:stop`` of ``array``: a local store's per-row or per-shard numbers or strings read a file a chunk
-    (``chunks.read_whole``), anything else through zarr."""
-    whole = read_whole(array, start, stop)
+    (``chunks.read_whole``; ``as_read``: its strings left Python strings), anything else through zarr."""
+    whole = read_whole(array, start, stop, as_read)
     return np.asarray(array[start:stop]) if whole is None else whole
 
 

@@ -12,6 +12,7 @@ from zarr.codecs import TransposeCodec
 
 from extractor.store.chunks import ChunkCodec, read_whole, write_chunks, write_whole
 from extractor.store.layout import _compressors
+from extractor.store.snapshot import snapshot_store
 
 
 def _pair(tmp_path: Path, compression: str, level: int | None, dtype: str, shape: tuple[int, ...]):
@@ -123,5 +124,9 @@ def test_a_whole_array_read_a_file_a_chunk_is_what_zarr_reads(tmp_path: Path, co
             np.testing.assert_array_equal(got, array[a:b])
         got = read_whole(stored)
         assert (got[:chunk] == values[:chunk]).all() and (got[8:] == values[8:]).all()
+        through = zarr.open_group(snapshot_store(str(tmp_path / "s.zarr")), mode="r")[name]  # the reader's store
+        np.testing.assert_array_equal(read_whole(through), array[:])  # type: ignore[arg-type]
+        if dtype is str:  # as read: Python strings, the same
+            assert read_whole(stored, as_read=True).tolist() == array[:].tolist()  # type: ignore[union-attr]
     assert read_whole(group.create_array("two", shape=(4, 2), chunks=(2, 2), dtype="uint8")) is None
     assert read_whole(group.create_array("sharded", shape=(8,), chunks=(2,), shards=(4,), dtype="uint8")) is None
