@@ -1,8 +1,11 @@
-"""Costs that grow with the job (issue 29), measured at a size this machine holds and extrapolated linearly:
-the statistics merge (24 captures x 1024 features; to 10M rows), tar planning (to 1M samples), the rows'
-memory on the driver (to 10M), a resume's listing of a complete folder store (to 1M).
+"""Costs that grow with the job (issues 29 and 39), measured at a size this machine holds and extrapolated
+linearly: the statistics merge (24 captures x 1024 features; to 10M rows), tar planning (to 1M samples), the rows'
+memory on the driver (to 10M), a shard's finish, a resume's per-file check of a folder store, shuffled reads of
+sharded stores, row(id) at 1M rows, the whole resume command per source (bench_resume.py, to 1M and 10M) and a
+touched tar; then issue 39's targets beside the figures, in one table.
 
-    python tests/bench_scale.py [--rows 0.1,1,2]    (millions of rows per source; also run by `make bench`)
+    python bench/bench.py --scale                       (all of it: about 15 minutes on 2 loaded cores)
+    python bench/bench_scale.py --only tar|rows|...     (one of them; --rows 0.1,0.5,1: the memory fit's sizes)
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def _list_merge(texts):
     return acc
 
 
-def stats_bench(shards: int = 128, captures: int = 24, features: int = 1024) -> None:
+def stats_bench(shards: int = 128, captures: int = 24, features: int = 1024, history: bool = True) -> None:
+    """The statistics merge (issue 29); ``history``: also the merge before it (40 s on this machine)."""
     import zarr
 
     from extractor.store.stats import ShardStats, Totals, dumps, merge_shards, shard_record
@@ -73,9 +77,10 @@ def stats_bench(shards: int = 128, captures: int = 24, features: int = 1024) -> 
     kb = len(records_new[0]) / 1e3
     print(f"\nstatistics merge: {captures} captures x {features} features, {shards} shards of records "
           f"({kb:.0f} KB each; lists {len(records_old[0]) / 1e3:.0f} KB); x{per:.0f} for 10M rows (10,000 shards)")
-    _, s_old, m_old = _measured(lambda: _list_merge(str(t) for t in groups["lists"]["shard_stats"][:]))
-    print(f"  before (all records at once, lists)  {s_old:6.2f} s {m_old / 1e6:7.0f} MB   10M rows: "
-          f"{s_old * per:6.0f} s {m_old * per / 1e9:5.1f} GB")
+    if history:
+        _, s_old, m_old = _measured(lambda: _list_merge(str(t) for t in groups["lists"]["shard_stats"][:]))
+        print(f"  before (all records at once, lists)  {s_old:6.2f} s {m_old / 1e6:7.0f} MB   10M rows: "
+              f"{s_old * per:6.0f} s {m_old * per / 1e9:5.1f} GB")
     _, s_all, m_all = _measured(lambda: merge_shards(groups["base64"]))
     print(f"  one merge of every record, slices   {s_all:6.2f} s {m_all / 1e6:7.0f} MB   10M rows: "
           f"{s_all * per:6.0f} s {m_all / 1e6:5.0f} MB (memory flat in shards)")
@@ -91,10 +96,10 @@ def stats_bench(shards: int = 128, captures: int = 24, features: int = 1024) -> 
     print(f"  a later merge from the kept totals   {s_kept:6.2f} s {m_kept / 1e6:7.0f} MB")
 
 
-def tar_bench(tars: int = 10, per_tar: int = 10_000) -> float:
+def tar_bench(tars: int = 10, per_tar: int = 10_000, history: bool = True) -> float:
     """Planning WebDataset tars (a .jpg and a .cls per sample, as most shards hold): the plain header reader
     against tarfile's, CPU time; and the same, all through tarfile (the planner before issue 29). Returns the bulk
-    reader's CPU microseconds a sample (the least of three runs)."""
+    reader's CPU microseconds a sample (the least of three runs). ``history``: also the readers before it."""
     import io
     import resource
     import tarfile
@@ -132,11 +137,13 @@ def tar_bench(tars: int = 10, per_tar: int = 10_000) -> float:
         raise tars_module._Unusual("bench")
         yield
 
+    plain = old = (float("nan"), float("nan"))
     try:
-        tars_module.fast_samples = lambda *a: None
-        plain = timed()
-        tars_module._headers = through_tarfile
-        old = timed()
+        if history:
+            tars_module.fast_samples = lambda *a: None
+            plain = timed()
+            tars_module._headers = through_tarfile
+            old = timed()
     finally:
         tars_module.fast_samples, tars_module._headers = real_fast, real_headers
     again = min(timed()[0] for _ in range(2))  # the bulk reader twice more: the least of three, as load varies
@@ -144,7 +151,7 @@ def tar_bench(tars: int = 10, per_tar: int = 10_000) -> float:
     per = 1_000_000 / n
     print(f"\ntar planning: {tars} tars x {per_tar:,} samples (.jpg + .cls); x{per:.0f} for 1M samples")
     for name, (used, wall) in (("tarfile, same planner", old), ("plain header reader", plain),
-                               ("bulk header reader", bulk)):
+                               ("bulk header reader", bulk))[0 if history else 2:]:
         print(f"  {name:22s} {used:6.2f} s CPU {wall:6.2f} s wall   1M: {used * per:5.0f} s CPU "
               f"({used / n * 1e6:.1f} us a sample)")
     return bulk[0] / n * 1e6
@@ -426,9 +433,11 @@ def _row(name: str, measured: str, target: str, met: bool | None) -> str:
     return f"  {name:58s} {measured:>22s}  {target:>14s}  {'-' if met is None else 'yes' if met else 'NO'}"
 
 
-def main(rows: tuple[int, ...] = (100_000, 1_000_000, 2_000_000),
+def main(rows: tuple[int, ...] = (100_000, 500_000, 1_000_000),
          resume_rows: tuple[int, ...] = (100_000, 200_000, 500_000)) -> None:
-    """Every bench here, then each target of issue 39 beside its measured figure, in one table."""
+    """Every bench here (without the planners before issues 29 and 39: ``--only stats`` and ``--only tar`` show
+    them), then each target of issue 39 beside its measured figure, in one table; about 15 minutes on 2 loaded
+    cores once the benches' files exist (the first run makes them: about 20 minutes more)."""
     import sys
 
     import bench_resume
@@ -438,8 +447,8 @@ def main(rows: tuple[int, ...] = (100_000, 1_000_000, 2_000_000),
 
     started, load = time.perf_counter(), os.getloadavg()[0]
     WORK.mkdir(exist_ok=True)
-    stats_bench()
-    tar_us = tar_bench()
+    stats_bench(history=False)
+    tar_us = tar_bench(history=False)
     parquet_bench()
     memory = planning_bench(rows)
     finish_ms = shard_bench()
@@ -473,7 +482,7 @@ if __name__ == "__main__":
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="0.1,1,2", help="millions of rows each source is listed at (the memory fit)")
+    p.add_argument("--rows", default="0.1,0.5,1", help="millions of rows each source is listed at (the memory fit)")
     p.add_argument("--sources", default="manifest,folder,tar,parquet", help="the sources the memory fit lists")
     p.add_argument("--resume-rows", default="0.1,0.2,0.5", help="millions of rows of the whole-command resume fit")
     p.add_argument("--only", choices=["stats", "tar", "parquet", "rows", "shard", "resume", "row"],
