@@ -205,8 +205,9 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
                          "batches(shuffle=True)": lambda: stream(True)}, repeats, rows, "rows", mb)
 
 
-def _against_sequential(variants: dict, repeats: int, items: int, unit: str, mb: float) -> None:
-    """Median time of each variant; print items/s, MB/s and the ratio to the first (the sequential read)."""
+def _against_sequential(variants: dict, repeats: int, items: int, unit: str, mb: float) -> dict[str, float]:
+    """Median time of each variant; print items/s, MB/s and the ratio to the first (the sequential read); returns
+    each variant's ratio."""
     results = {}
     for name, fn in variants.items():
         times = []
@@ -218,6 +219,7 @@ def _against_sequential(variants: dict, repeats: int, items: int, unit: str, mb:
     base = next(iter(results.values()))
     for name, t in results.items():
         print(f"  {name:30s} {items / t:10.0f} {unit}/s {mb / t:8.1f} MB/s  ratio {base / t:.2f}")
+    return {name: base / t for name, t in results.items()}
 
 
 def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_rows: int = 64,
@@ -324,10 +326,10 @@ def sharding_bench(rows: int = 4096, tokens: int = 197, features: int = 384, sha
                         rows * tokens, "tokens", mb)
 
 
-def sharded_reader_bench(repeats: int = 3) -> None:
+def sharded_reader_bench(repeats: int = 3) -> dict[str, float]:
     """Shuffled epochs on sharded stores (the default layout) against a sequential zarr read of the same array:
     rows of 16 KB (64x8x8 float32, shards of 64 rows, inner chunks of 16) and token rows of 150 KB (197 tokens x 384
-    float16, shards of 64 rows, inner chunks of 8)."""
+    float16, shards of 64 rows, inner chunks of 8). Returns each shuffled epoch's ratio to the sequential read."""
     import numpy as np
 
     from extractor.data.rows import Rows
@@ -335,6 +337,7 @@ def sharded_reader_bench(repeats: int = 3) -> None:
     from extractor.store.layout import OK, StoreArrays, create_store
 
     cases = {"rows": ([64, 8, 8], "float32", 6000, 16), "tokens": ([197, 384], "float16", 640, 8)}
+    ratios = {}
     for name, (shape, dtype, rows, inner) in cases.items():
         url = WORK / f"sharded-{name}.zarr"
         meta = {"shape": shape, "dtype": dtype, "dims": [f"x.d{i}" for i in range(len(shape))], "layer": "x",
@@ -366,8 +369,10 @@ def sharded_reader_bench(repeats: int = 3) -> None:
         row_kb = int(np.prod(shape)) * np.dtype(dtype).itemsize / 1024
         print(f"\nsharded store, {name}: {rows} rows of {row_kb:.0f} KB ({mb:.0f} MB), shards of 64 rows, inner "
               f"chunks of {inner}; median of {repeats}")
-        _against_sequential({"sequential zarr read": plain, f"{'batches' if name == 'rows' else 'token_batches'}"
-                             "(shuffle=True)": epoch}, repeats, rows, "rows", mb)
+        what = f"{'batches' if name == 'rows' else 'token_batches'}(shuffle=True)"
+        got = _against_sequential({"sequential zarr read": plain, what: epoch}, repeats, rows, "rows", mb)
+        ratios[f"{what}, {row_kb:.0f} KB rows"] = got[what]
+    return ratios
 
 
 def mixing_bench(rows: int = 20000, classes: int = 100, tokens: int = 16, batch: int = 1024) -> None:

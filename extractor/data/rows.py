@@ -113,9 +113,12 @@ class Strings:
         self.ends.append(len(self.data))
 
     def extend(self, items: Iterable[str]) -> None:
-        for item in items:
-            self.data += item.encode(*ENCODING)
-            self.ends.append(len(self.data))
+        """Append ``items``: encoded, joined and their ends summed at once (a tar's 10,000 keys)."""
+        encoded = [item.encode(*ENCODING) for item in items]
+        if encoded:
+            ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded))) + len(self.data)
+            self.data += b"".join(encoded)
+            self.ends.frombytes(ends.tobytes())
 
     def array(self) -> Texts:
         """All of them, the buffers handed over (this gathers anew from empty)."""

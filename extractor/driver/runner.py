@@ -13,16 +13,18 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .._text import count, table
-from ..compute import ShardSummary, Worker
 from ..data import Rows, Shard, absolute, list_rows, plan
 from ..errors import DataError
 from ..spec import JobSpec
 from ..store import Decision, Outcome, Probe, StoreSession
+
+if TYPE_CHECKING:  # the worker imports torch: only a job that builds its model loads it
+    from ..compute import ShardSummary, Worker
 
 __all__ = ["run", "RunSummary", "Backend", "LocalBackend"]
 
@@ -142,7 +144,11 @@ class LocalBackend:
 
     def __init__(self, spec: JobSpec, worker: Worker | None = None) -> None:
         # builds the model and resolves every layer before any image is read
-        self.worker = worker if worker is not None else Worker(spec)
+        if worker is None:
+            from ..compute import Worker
+
+            worker = Worker(spec)
+        self.worker = worker
 
     def probe(self) -> Probe:
         return self.worker.probe()
@@ -263,8 +269,11 @@ def run(
     shards = plan(len(rows), spec.data.shard_size)
     log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
     events = _Events(on_event)
-    backend = backend if backend is not None else _backend(spec)
     session = StoreSession(spec)
+    done = _complete(spec, rows, shards, session, on_start, t0) if backend is None else None
+    if done is not None:  # a complete store, its model fixed by its record: nothing built, nothing computed
+        return done
+    backend = backend if backend is not None else _backend(spec)
     try:
         decided, per_row = _look(spec, rows, shards, backend, session)
         if on_start is not None:
@@ -287,6 +296,23 @@ def run(
         session.close()  # the lease released; a complete store's metadata consolidated after
     summary.workers = _worker_table(events.log)
     return summary
+
+
+def _complete(spec: JobSpec, rows: Rows, shards: list[Shard], session: StoreSession,
+              on_start: Callable[[int, dict[str, int]], None] | None, t0: float) -> RunSummary | None:
+    """A resume of a complete store whose record fixes what this job's model would measure
+    (:meth:`StoreSession.kept_probe`): decided from that record, without torch or the model. The run's summary when
+    there is nothing to compute; None otherwise (the job builds its model, probes it and decides again)."""
+    probe = session.kept_probe()
+    if probe is None:
+        return None
+    _check_targets(spec, rows, probe.model.get("logits"))
+    if not session.decide(rows, shards, probe).nothing_to_do:
+        return None
+    per_row = probe.bytes_per_row()
+    if on_start is not None:
+        on_start(0, per_row)
+    return _summary(spec, session.unchanged(), shards, [], [], per_row, time.perf_counter() - t0)
 
 
 def _list(spec: JobSpec, backend: Backend | None) -> Rows:

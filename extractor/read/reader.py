@@ -33,6 +33,7 @@ from ..store import (
     lease_timeout,
     locator_arrays,
     projection_matrix,
+    read_all,
     read_lease,
     root_attrs,
     snapshot_store,
@@ -180,7 +181,7 @@ class ActivationStore(Batching):
     # ------------------------------------------------------------------ per-row arrays
     def _row_array(self, name: str) -> np.ndarray:
         if name not in self._cache:
-            self._cache[name] = np.asarray(get_array(self.group, name)[:])
+            self._cache[name] = read_all(get_array(self.group, name))  # a local store's: a file a chunk
         return self._cache[name]
 
     @property
@@ -277,8 +278,10 @@ class ActivationStore(Batching):
 
     def row_numbers(self, ids: Sequence[str]) -> np.ndarray:
         """The store rows of the image ids ``ids`` (KeyError naming the first one not in the store)."""
-        if self._row_of is None:
-            self._row_of = _IdIndex(self.ids)
+        if self._row_of is None:  # the ids as read (Python strings: found without making numpy's strings first)
+            known = self._cache.get("ids")
+            self._row_of = _IdIndex(known if known is not None else read_all(get_array(self.group, "ids"),
+                                                                             as_read=True))
         rows = self._row_of.find(ids)
         missing = np.flatnonzero(rows < 0)
         if len(missing):
@@ -291,7 +294,8 @@ class ActivationStore(Batching):
         if "status" not in self._arrays:
             self._arrays["status"] = get_array(self.group, "status")
         status = STATUS_NAMES[int(np.asarray(self._arrays["status"][n]))]
-        out: dict[str, Any] = {"row": n, "id": id, "label": int(self.labels[n]), "status": status}
+        label = self._cache["labels"][n] if "labels" in self._cache else np.asarray(get_array(self.group, "labels")[n])
+        out: dict[str, Any] = {"row": n, "id": id, "label": int(label), "status": status}  # (one label read)
         out.update({k: np.asarray(self[k][n]) for k in [*self.keys, *self.extras]})
         return out
 

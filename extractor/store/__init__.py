@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         locator_arrays,
         now,
         open_group,
+        read_all,
         read_rows,
         reset_shards,
         root_attrs,

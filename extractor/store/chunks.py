@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - a zarr that moved it
     _sync = None
 
 __all__ = ["ChunkCodec", "ShardStream", "write_chunks", "write_at_once", "write_whole", "read_at_once",
-           "remove_partials"]
+           "read_whole", "remove_partials"]
 
 EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
 PARTIAL = ".partial"  # the suffix of a shard's object being written on a local disk
@@ -61,6 +61,17 @@ def _compressor(codec: Any) -> Callable[[Any], Any] | None:
                                blocksize=codec.blocksize, typesize=codec.typesize).encode
     if isinstance(codec, GzipCodec):
         return numcodecs.GZip(level=codec.level).encode
+    return None
+
+
+def _decompressor(codec: Any) -> Callable[[Any], Any] | None:
+    """The numcodecs ``decode`` undoing zarr's ``codec`` (None: one this module does not know)."""
+    if isinstance(codec, ZstdCodec):
+        return numcodecs.Zstd().decode
+    if isinstance(codec, BloscCodec):
+        return numcodecs.Blosc().decode
+    if isinstance(codec, GzipCodec):
+        return numcodecs.GZip().decode
     return None
 
 
@@ -270,6 +281,55 @@ def read_at_once(reads: list[tuple[zarr.Array, Any]]) -> list[np.ndarray]:
         return list(await asyncio.gather(*(array.async_array.getitem(selection) for array, selection in reads)))
 
     return [np.asarray(v) for v in _sync(get_all())]
+
+
+def read_whole(array: zarr.Array, start: int = 0, stop: int | None = None, as_read: bool = False) -> np.ndarray | None:
+    """Rows ``start:stop`` of a local store's 1-D array of numbers or strings (a per-row or per-shard array: a chunk a
+    work shard), each chunk's file read and decoded here: through zarr each chunk cost about 0.5 ms of CPU, so a
+    resume read the done markers, row status and paths of 10M rows (10,000 objects each) in seconds. None where
+    zarr reads it (a remote store, a sharded array, codecs this module does not know, bfloat16); a chunk that was
+    never written is the fill value. ``as_read``: strings as Python strings (an object array), not the array's
+    numpy strings."""
+    found = _chunk_reader(array)
+    if found is None:
+        return None
+    codec, decode, root = found
+    n, rows = array.shape[0], codec.rows
+    start, stop = max(0, start), min(n, n if stop is None else stop)
+    out = np.full(max(0, stop - start), array.fill_value, dtype=codec.dtype)
+    for at in range(start - start % rows, stop, rows):
+        try:
+            with open(os.path.join(root, codec.key(at)), "rb") as f:
+                chunk = decode(f.read())
+        except FileNotFoundError:
+            continue
+        a, b = max(at, start), min(at + rows, stop)
+        out[a - start:b - start] = chunk[a - at:b - at]
+    return out if as_read else out.astype(array.dtype, copy=False)
+
+
+def _chunk_reader(array: zarr.Array) -> tuple[ChunkCodec, Callable[[bytes], np.ndarray], str] | None:
+    """For :func:`read_whole`: the array's codec, a chunk file's bytes to its rows, the store's folder; None: zarr
+    reads it."""
+    local = array.store
+    while isinstance(local, zarr.storage.WrapperStore):  # the reader's snapshot store: a chunk is one whole read
+        local = local._store
+    codec = ChunkCodec.of(array) if array.ndim == 1 and isinstance(local, zarr.storage.LocalStore) else None
+    text = codec is not None and codec.dtype == np.dtype(object)  # UTF-8 strings
+    plain = codec is not None and codec.shard_rows is None and (codec.dtype.kind in "biuf" or text)
+    if codec is None or not plain or codec.bits != codec.dtype:
+        return None
+    steps = [_decompressor(c) for c in list(getattr(array.metadata, "codecs", ()))[1:]]  # (v3: ChunkCodec.of)
+    if any(step is None for step in steps):
+        return None
+    dtype = codec.dtype
+
+    def decode(data: Any) -> np.ndarray:
+        for step in reversed(steps):
+            data = step(data)
+        return numcodecs.VLenUTF8().decode(data) if text else np.frombuffer(data, dtype=dtype)
+
+    return codec, decode, str(local.root)  # type: ignore[attr-defined]  # a LocalStore's folder
 
 
 class ShardStream:

@@ -28,11 +28,12 @@ from ..errors import StoreError
 from ..spec import PLACES, JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
 from .dtypes import numpy_dtype
 from .forward import forward_differences
-from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now
+from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, read_all
 from .recorded import source_digests
 
 __all__ = [
     "Probe", "StoreRecord", "store_attrs", "check_resumable", "changed_rows", "moved_locators", "owner", "differences",
+    "kept_probe",
 ]
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,28 @@ def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> Store
     return record
 
 
+# the model sources and weights whose module is a function of the spec and the installed versions: a torchvision
+# builder with a random init (seed 0) or its own weights (by name; torchvision checks their file's hash). A
+# factory's code, a checkpoint file, a hub's cache or a module made in Python can change under the same spec.
+_FIXED_BY_SPEC = {"torchvision": ("random", "pretrained", "name")}
+
+
+def kept_probe(spec: JobSpec, old: dict[str, Any] | None) -> Probe | None:
+    """What the probe of a complete store measured, as the store recorded it, where building the model again
+    would measure the same: the same spec (content digest) and versions, a model that both fix (``_FIXED_BY_SPEC``)
+    and no other stores to take rows from. A resume with nothing to compute then decides from it without importing
+    torch or building the model (6-10 s of CPU); None: the model is built and probed."""
+    if old is None or old.get("status") != "complete" or old.get("format_version") != FORMAT_VERSION:
+        return None
+    if spec.model.weights_kind not in _FIXED_BY_SPEC.get(spec.model.source, ()) or spec.output.reuse:
+        return None
+    if old.get("spec_digest") != spec_digest(spec) or old.get("versions") != versions():
+        return None
+    if not all(isinstance(old.get(k), dict) for k in ("captures", "extras", "model", "preprocess")):
+        return None
+    return Probe(captures=old["captures"], extras=old["extras"], model=old["model"], preprocess=old["preprocess"])
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict) and (d or not prefix):  # an empty mapping is a value: {} -> {depth: 3} shows
         out: dict[str, Any] = {}
@@ -324,8 +347,8 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.n
                         spec.output.store)
         return [], None
     current = np.asarray(rows.fingerprints, dtype=np.uint64)
-    stored = np.asarray(group["fingerprint"][:])
-    read = np.asarray(group["status"][:]) != PENDING
+    stored = read_all(group["fingerprint"])
+    read = read_all(group["status"]) != PENDING
     unknown = int((read & (current == 0)).sum())
     if unknown:
         log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest): not checked for changed "

@@ -12,7 +12,7 @@ import numpy as np
 import zarr
 
 from ..data import Rows, strings
-from .layout import data_source, get_array, locator_arrays, root_attrs, take_rows
+from .layout import data_source, get_array, locator_arrays, read_all, root_attrs, take_rows
 
 
 def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping[str, Any] | None = None,
@@ -70,7 +70,7 @@ class StoredRows:
         return self._rows
 
     def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        return np.asarray(get_array(self.group, name)[start:stop])
+        return read_all(get_array(self.group, name), start, stop)
 
 
 def stored_rows(group: zarr.Group, labels: bool = False) -> Rows:

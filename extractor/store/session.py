@@ -32,11 +32,21 @@ from .layout import (
     get_array,
     now,
     open_group,
+    read_all,
     reset_shards,
     update_attrs,
 )
 from .lease import Lease, half_created, read_attrs
-from .provenance import Probe, StoreRecord, changed_rows, check_resumable, moved_locators, owner, store_attrs
+from .provenance import (
+    Probe,
+    StoreRecord,
+    changed_rows,
+    check_resumable,
+    kept_probe,
+    moved_locators,
+    owner,
+    store_attrs,
+)
 from .recorded import StoredRows
 from .reuse import check_sources
 from .stats import Totals, merge_shards, shard_record
@@ -279,6 +289,11 @@ class StoreSession:
         """The store's attributes as they are now (None: no store there)."""
         return read_attrs(self.spec.output.store, self.spec.output.storage_options)
 
+    def kept_probe(self) -> Probe | None:
+        """What a complete store's probe measured, where this job's model would measure the same without being built
+        (:func:`~.provenance.kept_probe`); None: the job builds and probes its model."""
+        return kept_probe(self.spec, self.recorded())
+
     def stored_rows(self, labels: bool = False) -> Rows | None:
         """The rows as the store records them, where the source is as it was listed or only parts of it changed
         (those listed again: ``data.reuse``); None: the source is listed again."""
@@ -375,7 +390,7 @@ class StoreSession:
         """The store's rows as they ended; with ``write``, its final status and statistics (a resume with nothing
         to do reads them as they are)."""
         group = self.group
-        status = np.asarray(group["status"][:])
+        status = read_all(get_array(group, "status"))
         failed_rows = np.flatnonzero(status == FAILED)
         failures = []
         if len(failed_rows):

@@ -107,3 +107,17 @@ def test_the_digest_of_ids_is_the_one_older_stores_recorded():
         paths.whole("/r/" + i)
     assert _digest(strings(ids)) == h.hexdigest()[:16]
     assert _digest(paths.joined()) == _digest(strings(["/r/" + i for i in ids]))
+
+
+def test_strings_extended_at_once_hold_what_appending_one_by_one_holds():
+    items = ["a", "", "ünï", "x\udcff", "long" * 50]  # a file name's escaped byte round-trips
+    one, many = Strings(), Strings()
+    for item in items * 3:
+        one.append(item)
+    many.extend(items)
+    many.extend([])
+    many.append(items[0])
+    many.extend(iter(items[1:] + items))
+    a, b = one.array(), many.array()
+    assert a.tolist() == b.tolist() == items * 3
+    assert np.array_equal(a.ends, b.ends) and np.array_equal(a.data, b.data)

@@ -136,3 +136,35 @@ def test_list_tars_rows_are_tarfiles_members(tmp_path: Path):
     labels = [lab for *_, lab in want]
     assert rows.classes == sorted({str(v) for v in labels if v is not None})
     assert [rows.classes[c] if c >= 0 else None for c in rows.labels.tolist()] == labels
+
+
+def _webdataset(n: int, odd: dict[int, bytes] | None = None) -> list[tuple[str, bytes]]:
+    """A WebDataset writer's members: keys in order, each sample's members adjacent, one ``.cls`` each (some with
+    spaces, some samples without); ``odd``: other ``.cls`` bytes of some samples."""
+    out: list[tuple[str, bytes]] = []
+    for i in range(n):
+        out.append((f"shard/{i:06d}.{'JPG' if i % 5 == 0 else 'jpg'}", bytes(i % 700)))
+        if i % 4:
+            out.append((f"shard/{i:06d}.cls", (odd or {}).get(i, f" {i % 3}\n".encode())))
+    return out
+
+
+def test_a_webdataset_tar_is_grouped_and_labelled_in_bulk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Keys in order and one short .cls a sample: grouped without sorting and the labels read at once, the same
+    samples as tarfile's; a .cls the bulk path cannot hold (a zero byte, 100 bytes) and keys out of order or
+    met again later are read the plain way, still the same."""
+    bulk: list[bool] = []
+    real_labels, real_unique = _tar_fast._short_labels, np.unique
+    monkeypatch.setattr(_tar_fast, "_short_labels", lambda *a: bulk.append((r := real_labels(*a)) is not None) or r)
+    sorts: list[int] = []
+    monkeypatch.setattr(_tar_fast.np, "unique", lambda a, *x, **k: sorts.append(len(a)) or real_unique(a, *x, **k))
+    path = _write(tmp_path / "w.tar", _webdataset(400))
+    assert _listed(path, (".jpg",)) == _expected(path, (".jpg",)) and bulk == [True]
+    assert sorts and 700 not in sorts  # the keys of the 700 members were not sorted
+    for name, members in (("zero.tar", _webdataset(50, {5: b"1\x002"})), ("long.tar", _webdataset(50, {6: b"7" * 100})),
+                          ("again.tar", [("a.jpg", b"1"), ("b.jpg", b"2"), ("a.cls", b"3"), ("b.cls", b"4")]),
+                          ("order.tar", [("b.jpg", b"1"), ("b.cls", b"2"), ("a.jpg", b"3"), ("a.cls", b"4")])):
+        bulk.clear()
+        path = _write(tmp_path / name, members)
+        assert _listed(path, (".jpg",)) == _expected(path, (".jpg",)), name
+        assert bulk == [name in ("again.tar", "order.tar")], name

@@ -10,8 +10,9 @@ import pytest
 import zarr
 from zarr.codecs import TransposeCodec
 
-from extractor.store.chunks import ChunkCodec, write_chunks, write_whole
+from extractor.store.chunks import ChunkCodec, read_whole, write_chunks, write_whole
 from extractor.store.layout import _compressors
+from extractor.store.snapshot import snapshot_store
 
 
 def _pair(tmp_path: Path, compression: str, level: int | None, dtype: str, shape: tuple[int, ...]):
@@ -39,7 +40,8 @@ def test_whole_chunks_are_the_bytes_zarr_writes(tmp_path: Path, compression: str
         by_zarr[start : start + 4] = data[start : start + 4]
         assert write_chunks(start, {"ours": (ours, codec, data[start : start + 4])}) == data[start : start + 4].nbytes
     root = tmp_path / "s.zarr"
-    assert _chunk_files(root, "ours") == _chunk_files(root, "zarr") != {}
+    ours_files, zarr_files = (_mtime_out(_chunk_files(root, side), compression) for side in ("ours", "zarr"))
+    assert ours_files == zarr_files != {}
     np.testing.assert_array_equal(zarr.open_group(str(root), mode="r")["ours"][:8], data[:8])
 
 
@@ -97,3 +99,35 @@ def test_a_shards_finishing_writes_are_the_bytes_zarr_writes(tmp_path: Path, com
     back = zarr.open_group(str(root), mode="r")
     assert back["ours-errors"][8:].tolist() == errors[8:].tolist() and back["ours-errors"][4:8].tolist() == [""] * 4
     np.testing.assert_array_equal(back["ours-digest"][:4], digests[:4])
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc", "gzip", "none"])
+def test_a_whole_array_read_a_file_a_chunk_is_what_zarr_reads(tmp_path: Path, compression: str):
+    """Per-row and per-shard arrays of numbers and strings (chunks of 4 rows and of 1, the last partial, some never
+    written: the fill value) read file by file, whole or rows a:b, equal zarr's reads; 2-D and sharded arrays are
+    left to zarr."""
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    rng = np.random.default_rng(0)
+    for name, dtype, chunk, fill in (("status", "uint8", 4, 0), ("fingerprint", "uint64", 4, 0),
+                                     ("labels", "int64", 4, -1), ("done", "uint8", 1, 0), ("x", "float32", 3, np.nan),
+                                     ("paths", str, 4, "")):
+        array = group.create_array(name, shape=(11,), chunks=(chunk,), dtype=dtype, fill_value=fill,
+                                   compressors=_compressors(compression, None))
+        values = rng.standard_normal(11, "f4") if dtype == "float32" else \
+            np.asarray([f"/d/ü{i}/{'x' * i}.jpg" for i in range(11)]) if dtype is str else \
+            rng.integers(1, 2**62, 11).astype(dtype)
+        array[:chunk] = values[:chunk]  # the first chunk
+        array[8:] = values[8:]  # and the last ones, one of them partial: those between never written
+        stored = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")[name]
+        for a, b in ((0, None), (0, 11), (1, 9), (5, 7), (8, 11), (10, 11), (3, 3)):
+            got = read_whole(stored, a, b)
+            assert got is not None and got.dtype == array.dtype, (name, a, b)
+            np.testing.assert_array_equal(got, array[a:b])
+        got = read_whole(stored)
+        assert (got[:chunk] == values[:chunk]).all() and (got[8:] == values[8:]).all()
+        through = zarr.open_group(snapshot_store(str(tmp_path / "s.zarr")), mode="r")[name]  # the reader's store
+        np.testing.assert_array_equal(read_whole(through), array[:])  # type: ignore[arg-type]
+        if dtype is str:  # as read: Python strings, the same
+            assert read_whole(stored, as_read=True).tolist() == array[:].tolist()  # type: ignore[union-attr]
+    assert read_whole(group.create_array("two", shape=(4, 2), chunks=(2, 2), dtype="uint8")) is None
+    assert read_whole(group.create_array("sharded", shape=(8,), chunks=(2,), shards=(4,), dtype="uint8")) is None

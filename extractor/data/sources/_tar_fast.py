@@ -21,7 +21,7 @@ import numpy as np
 from ...errors import DataError
 from ._tar_headers import _check_end, _checksum_ok, _number
 
-Columns = dict[str, list[Any]]
+Columns = dict[str, Any]  # each a list, but end_codes: an array
 
 __all__ = ["fast_samples"]
 
@@ -195,22 +195,86 @@ def _grouped(mm: mmap.mmap, names: np.ndarray, offsets: np.ndarray, sizes: np.nd
         image |= _ends_with(lower, length, length - key_len, ext.lower().encode())
     cls = _ends_with(lower, length, length - key_len, b".cls") & (length - key_len == 4)
     meta = _ends_with(lower, length, length - key_len, b".json") & (length - key_len == 5)
-    unique, first, group = np.unique(keys.view(f"S{width}").ravel(), return_index=True, return_inverse=True)
-    group = group.reshape(-1)
+    unique, first, group = _keys(keys.view(f"S{width}").ravel())
     chosen = _images(group, image, len(unique), names, unique, url)
-    labels: dict[int, Any] = {}
     read = np.flatnonzero((cls | meta) & ~image & (sizes < 1 << 20))
-    for g, o, size, text in zip(group[read].tolist(), offsets[read].tolist(), sizes[read].tolist(),
-                                cls[read].tolist(), strict=True):
-        labels[g] = label(mm[o:o + size], ".cls" if text else ".json", labels.get(g, none))
     order = np.argsort(first, kind="stable")
     samples = order[chosen[order] >= 0]
     member = chosen[samples]
-    out = {"keys": [k.decode("ascii") for k in unique[samples].tolist()],
-           "members": [m.decode("ascii") for m in names[member].view(f"S{width}").ravel().tolist()],
-           "offsets": offsets[member].tolist(), "sizes": sizes[member].tolist(),
-           "labels": [None if (found := labels.get(g, none)) is none else found for g in samples.tolist()]}
+    bulk = _short_labels(mm, group[read], offsets[read], sizes[read], cls[read], len(unique), label, none)
+    if bulk is None:  # the plain way: each label member read in member order
+        labels: dict[int, Any] = {}
+        for g, o, size, text in zip(group[read].tolist(), offsets[read].tolist(), sizes[read].tolist(),
+                                    cls[read].tolist(), strict=True):
+            labels[g] = label(mm[o:o + size], ".cls" if text else ".json", labels.get(g, none))
+        found = [None if (was := labels.get(g, none)) is none else was for g in samples.tolist()]
+    else:
+        found = bulk[samples].tolist()
+    end_names, end_codes = _ends(names[member], key_len[member], length[member])
+    out = {"keys": _texts(unique[samples]), "members": _texts(names[member].view(f"S{width}").ravel()),
+           "offsets": offsets[member].tolist(), "sizes": sizes[member].tolist(), "labels": found,
+           "end_names": end_names, "end_codes": end_codes}
     return out, [k.decode("ascii") for k in unique[order[:5]].tolist()]
+
+
+def _keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_index=True, return_inverse=True)``; without sorting where each key's members are
+    adjacent and the keys in order (as WebDataset writers write them): runs of one key, each greater than the last."""
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
+    heads = keys[starts]
+    if not (heads[1:] > heads[:-1]).all():
+        unique, first, group = np.unique(keys, return_index=True, return_inverse=True)
+        return unique, first, group.reshape(-1)
+    return heads, starts, np.cumsum(np.r_[False, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
+
+
+def _texts(names: np.ndarray) -> list[str]:
+    """ASCII names (a bytes array; none holds a zero byte) as strings: joined, decoded and split at once."""
+    return b"\0".join(names.tolist()).decode("ascii").split("\0") if len(names) else []
+
+
+_SHORT = 64  # label members of at most this many bytes are read in bulk
+
+
+def _short_labels(mm: mmap.mmap, group: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, cls: np.ndarray,
+                  n_groups: int, label: Label, none: object) -> np.ndarray | None:
+    """Each sample's label (an object array by sample, None where it has none) where every label member is a
+    ``.cls`` of at most ``_SHORT`` bytes, none holding a zero byte, one at most a sample (WebDataset's): their bytes
+    gathered at once, ``label`` applied to each distinct text once. None: read them the plain way."""
+    if not cls.all() or (sizes > _SHORT).any() or np.bincount(group, minlength=1).max() > 1:
+        return None
+    width = max(int(sizes.max(initial=0)), 1)
+    raw = _bytes_at(mm, offsets, width)
+    inside = _COLUMN[:width] < sizes[:, None]
+    if (inside & (raw == 0)).any():
+        return None  # (a text's zero bytes would be cut by the bytes dtype)
+    raw[~inside] = 0
+    texts, codes = np.unique(raw.view(f"S{width}").ravel(), return_inverse=True)
+    table = np.empty(len(texts) + 1, dtype=object)  # the last: no label
+    table[:-1] = [label(t, ".cls", none) for t in texts.tolist()]
+    by_group = np.full(n_groups, len(texts), np.int64)
+    by_group[group] = codes.reshape(-1)
+    return table[by_group]
+
+
+def _bytes_at(mm: mmap.mmap, offsets: np.ndarray, width: int) -> np.ndarray:
+    """The ``width`` bytes at each offset (zero past the end of the file), copied: no view of the mapping outlives
+    this."""
+    data = np.frombuffer(mm, dtype=np.uint8)
+    at = offsets[:, None] + _COLUMN[:width]
+    out = data[np.minimum(at, len(data) - 1)]
+    out[at >= len(data)] = 0
+    return out
+
+
+def _ends(names: np.ndarray, key_len: np.ndarray, length: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """What follows the key in each member name (``.jpg``): the distinct ones and each name's code into them."""
+    width = names.shape[1]
+    at = key_len[:, None] + _COLUMN[:width]
+    tails = np.take_along_axis(names, np.minimum(at, width - 1), 1)
+    tails[at >= length[:, None]] = 0
+    distinct, codes = np.unique(tails.view(f"S{width}").ravel(), return_inverse=True)
+    return [t.decode("ascii") for t in distinct.tolist()], codes.reshape(-1)
 
 
 def _ends_with(lower: np.ndarray, length: np.ndarray, ext_len: np.ndarray, tail: bytes) -> np.ndarray:

@@ -63,6 +63,10 @@ class Samples:
     offsets: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     labels: list[Any] = field(default_factory=list)
+    # what follows each key in its member's name, where the reader found it in bulk: the distinct ones (.jpg) and
+    # each sample's code into them (None: taken from the names)
+    end_names: list[str] = field(default_factory=list)
+    end_codes: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -214,8 +218,8 @@ def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[
     """``fingerprint(tar_print, offset, size)`` of each member of a tar, at once (a tar's million members)."""
     import xxhash
 
-    digest = xxhash.xxh3_64_intdigest
-    return [digest(b"%d|%d|%d" % (tar_print, o, n)) or 1 for o, n in zip(offsets, sizes, strict=True)]
+    digest, form = xxhash.xxh3_64_intdigest, b"%d|%%d|%%d" % tar_print  # b"TAR|%d|%d": the tar's part once
+    return [digest(form % pair) or 1 for pair in zip(offsets, sizes, strict=True)]
 
 
 def tar_urls(patterns: str | Sequence[str] | None) -> list[str]:
@@ -284,9 +288,13 @@ class _Columns:
         self.starts.append(len(self.offsets))
         self.ids.extend(found.keys)
         ends = self.ends
-        self.end = _widened(self.end, [ends.setdefault(m[len(k):], len(ends)) for k, m in zip(found.keys,
-                                                                                               found.members,
-                                                                                               strict=True)])
+        if found.end_codes is not None:  # a few distinct ends, each sample's code: made the job's codes at once
+            codes = np.asarray([ends.setdefault(e, len(ends)) for e in found.end_names], np.int64)
+            self.end = _widened(self.end, codes[found.end_codes].tolist())
+        else:
+            self.end = _widened(self.end, [ends.setdefault(m[len(k):], len(ends)) for k, m in zip(found.keys,
+                                                                                                   found.members,
+                                                                                                   strict=True)])
         self.which = _widened(self.which, [t] * len(found))
         self.offsets.extend(found.offsets)
         self.sizes = _widened(self.sizes, found.sizes)
