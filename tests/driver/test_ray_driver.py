@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import warm
 import yaml
-from conftest import child_env, job
+from conftest import child_env, job, kill_processes_mentioning
 from test_ray import slow_images, slow_job
 
 from extractor.driver.runner import run
@@ -26,6 +26,18 @@ from extractor.spec.load import parse_spec
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 __all__ = ["slow_images"]  # the module fixture, shared with test_ray.py
+
+
+def end_embedded_ray(proc: subprocess.Popen, ray_tmp: str) -> None:
+    """SIGKILL what is left of the Ray that the driver ``proc`` embedded (RAY_TMPDIR ``ray_tmp``), and return once
+    none of it is alive: its session's processes, and any that keeps a file of ``ray_tmp`` open (a worker)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 60
+    while kill_processes_mentioning(ray_tmp):  # until a pass finds none (a process killed no longer has files open)
+        assert time.monotonic() < deadline, f"processes of {ray_tmp} still alive a minute after SIGKILL"
 
 
 @pytest.mark.parametrize("backend", ["ray", "local"])
@@ -55,11 +67,7 @@ def test_killed_driver_then_resume_redoes_only_unfinished_shards(slow_images: Pa
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
-        # the embedded Ray that driver started: end its processes (they share the driver's session)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        end_embedded_ray(proc, ray_tmp)  # its worker would go on writing the shard it holds
     s = open_store(str(tmp_path / "s.zarr"))
     done_before = int(s.done_shards.sum())
     assert s.attrs["status"] == "running" and 2 <= done_before < 6
@@ -82,7 +90,8 @@ def test_sigterm_on_the_ray_backend_interrupts_the_job_and_resume_finishes(slow_
     raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, local_cpus=2)
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(raw))
-    env = child_env(RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = child_env(RAY_TMPDIR=ray_tmp)
     cmd = [sys.executable, "-m", "extractor.cli", "run", str(spec), "-q"]
     proc = warm.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -94,10 +103,7 @@ def test_sigterm_on_the_ray_backend_interrupts_the_job_and_resume_finishes(slow_
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
-        try:  # what is left of the embedded Ray that driver started
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        end_embedded_ray(proc, ray_tmp)
     assert proc.returncode == 130, err
     assert "--resume" in err and "SIGTERM received" not in err
     s = open_store(str(tmp_path / "s.zarr"))
