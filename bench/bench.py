@@ -381,6 +381,8 @@ def mixing_bench(rows: int = 20000, classes: int = 100, tokens: int = 16, batch:
     import shutil
 
     import numpy as np
+
+    sys.path.insert(0, str(REPO / "tests"))  # the mixing tests' store writer and measures
     from mixing import class_sorted, largest_share, permuted
 
     from extractor.read.reader import open_store
