@@ -470,7 +470,11 @@ def fenced_store(url: str, storage_options: Mapping[str, Any] | None, fence: Fen
     if root is not None:
         store = LocalStore(root, read_only=False)
     else:
-        store = FsspecStore.from_url(url, storage_options=dict(storage_options or {}), read_only=False)
+        # never a listing from a cache: fsspec keeps one per thread and file system, and an object another writer
+        # (a worker, a job that took the store over) made since would be missing from it (a done shard read as not
+        # done: a complete store marked incomplete)
+        options = {**dict(storage_options or {}), "use_listings_cache": False}
+        store = FsspecStore.from_url(url, storage_options=options, read_only=False)
     return FencedStore(store, fence) if fence is not None else store
 
 

@@ -220,6 +220,36 @@ def test_on_s3_a_job_stopped_inside_a_conditional_write_writes_nothing_into_the_
     equal_captures(url, "s3://fence/clean-b.zarr", storage_options=options)
 
 
+def test_an_object_another_writer_made_after_a_listing_is_read(moto_s3: dict[str, str]):
+    """The loaded-run failure of the test above (1 in 8 under load): B's wipe listed A's store, fsspec kept that
+    listing (one per thread and file system), B's shard writer made ``shard_done/c/1`` through another file system
+    object, and B's own read of the done markers took c/1 from the stale listing as missing: a complete store
+    marked incomplete. The job's store reads each object, never a listing from a cache."""
+    import threading
+
+    import s3fs
+    import zarr
+    from zarr.core.sync import sync
+
+    from extractor.store.fence import fenced_group
+
+    s3fs.S3FileSystem(**moto_s3).mkdir("listed")
+    url = "s3://listed/s.zarr"
+    zarr.open_group(url, mode="w", storage_options=moto_s3).create_array("done", shape=(2,), chunks=(1,),
+                                                                         dtype="uint8", fill_value=0)[0] = 1
+    group = fenced_group(url, moto_s3, None)
+    fs = group.store.fs
+    sync(fs._find("listed/s.zarr", detail=True))  # a listing (a wipe's): c/0 only
+
+    def other_writer() -> None:  # a file system object of another thread: its writes invalidate nothing here
+        zarr.open_group(url, mode="r+", storage_options=moto_s3)["done"][1] = 1
+
+    t = threading.Thread(target=other_writer)
+    t.start()
+    t.join()
+    assert group["done"][:].tolist() == [1, 1]
+
+
 def test_an_s3_that_ignores_conditional_writes_is_found_and_named(images: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture):
     """A storage that accepts a create-only write it should refuse (it replaces the object) is found by the
