@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from .._face import face
 
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
-    from .chunks import ChunkCodec, write_chunks
+    from .chunks import ChunkCodec, read_all, write_chunks
     from .dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS, Dictionary, DictionaryError, file_digest, load_dictionary
     from .dtypes import BFLOAT16, is_bfloat16, numpy_dtype
     from .feature_index import (
@@ -46,7 +46,6 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         locator_arrays,
         now,
         open_group,
-        read_all,
         read_rows,
         reset_shards,
         root_attrs,

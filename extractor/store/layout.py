@@ -45,7 +45,7 @@ from zarr.core.sync import sync
 
 from ..data import LocatorArray, Rows, is_url
 from ..errors import FencedError, StoreError
-from .chunks import read_whole, remove_partials
+from .chunks import read_all, remove_partials
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
 from .fence import (
     FencedStore,
@@ -439,13 +439,6 @@ def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> N
 def done_shards(group: zarr.Group) -> np.ndarray:
     """Boolean per shard: True once its data and row status are durable."""
     return np.asarray(read_all(get_array(group, "shard_done")), dtype=bool)
-
-
-def read_all(array: zarr.Array, start: int = 0, stop: int | None = None, as_read: bool = False) -> np.ndarray:
-    """Rows ``start:stop`` of ``array``: a local store's per-row or per-shard numbers or strings read a file a chunk
-    (``chunks.read_whole``; ``as_read``: its strings left Python strings), anything else through zarr."""
-    whole = read_whole(array, start, stop, as_read)
-    return np.asarray(array[start:stop]) if whole is None else whole
 
 
 def disk_usage(url: str) -> int | None:
