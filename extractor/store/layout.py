@@ -52,6 +52,7 @@ from .fence import (
     fenced_store,
     local_root,
 )
+from .id_index import write_id_index
 
 
 class _Lease(Protocol):
@@ -310,6 +311,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
     _create_row_arrays(group, shard_rows, rows, arrays.locators)
+    write_id_index(group, rows.ids, attrs.get("ids_digest"))
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
     if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
         group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
