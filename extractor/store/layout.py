@@ -21,6 +21,7 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
     <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok
     target, target_score, <gradcam key>.range   (gradient jobs) per-row target class,
                         its logit, and each Grad-CAM map's min and max
+    id_index/hashes, id_index/rows   (N,) int64   the ids' hashes sorted, and the row of each (store.id_index)
 
 Per-row arrays are chunked by shard and each capture array by its ``chunk_rows`` (which divides
 the shard size), so no two shards ever write into the same storage object.
