@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         write_index,
     )
     from .forward import forward_differences, forward_summary
-    from .id_index import ID_INDEX, SortedIds, read_id_index, write_id_index
+    from .id_index import ID_INDEX, SortedIds, id_index_objects, read_id_index, write_id_index
     from .index_state import EXAMPLES, HIST_BINS, BlockPart, IndexState, bin_tables
     from .layout import (
         ATTR,

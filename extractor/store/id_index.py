@@ -15,11 +15,16 @@ import zarr
 from ..data import text_hashes
 from .chunks import read_all
 
-__all__ = ["ID_INDEX", "SortedIds", "write_id_index", "read_id_index"]
+__all__ = ["ID_INDEX", "SortedIds", "write_id_index", "read_id_index", "id_index_objects"]
 
 ID_INDEX = "id_index"
 HASH = "utf8-poly64"  # data.rows.text_hashes: the same in every process
 CHUNK = 1 << 18  # index entries an object: 2 MB of each array
+
+
+def id_index_objects(n_rows: int) -> int:
+    """The storage objects of a store's id index of ``n_rows`` (``extractor plan`` counts them)."""
+    return 2 * -(-n_rows // CHUNK)
 
 
 class IdIndexRecord(TypedDict):
