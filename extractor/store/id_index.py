@@ -68,16 +68,16 @@ class SortedIds:
     def find(self, ids: Sequence[str]) -> np.ndarray:
         """The row of each of ``ids`` (its first, when an id is there twice), -1 where absent."""
         asked = self.hash_of(ids)
-        first, last = np.searchsorted(self.hashes, asked, "left"), np.searchsorted(self.hashes, asked, "right")
-        at = [k for a, b in zip(first.tolist(), last.tolist(), strict=True) for k in range(a, b)]
-        rows = self.rows[np.asarray(at, dtype=np.int64)]
-        texts = self.texts_at(rows)  # every candidate's stored id, read at once
-        out = np.empty(len(ids), dtype=np.int64)
-        k = 0
-        for n, (i, many) in enumerate(zip(ids, (last - first).tolist(), strict=True)):
-            same = [j for j in range(k, k + many) if texts[j] == i]
-            out[n] = rows[same[0]] if same else -1
-            k += many
+        first = np.searchsorted(self.hashes, asked, "left")
+        many = np.searchsorted(self.hashes, asked, "right") - first  # rows whose hash is the id's
+        owner = np.repeat(np.arange(len(ids)), many)  # each candidate's asked id
+        at = np.arange(len(owner)) - np.repeat(np.cumsum(many) - many, many) + first[owner]
+        rows = self.rows[at]
+        texts = np.asarray(self.texts_at(rows), dtype=object)  # every candidate's stored id, read at once
+        hits = np.flatnonzero(texts == np.asarray(ids, dtype=object)[owner])
+        asked_found, firsts = np.unique(owner[hits], return_index=True)  # rows sharing a hash in row order: the first
+        out = np.full(len(ids), -1, dtype=np.int64)
+        out[asked_found] = rows[hits[firsts]]
         return out
 
 
