@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import DataError
 
 __all__ = ["Rows", "Joined", "Joining", "Shard", "Strings", "Texts", "plan", "labels_of", "distinct", "strings",
-           "duplicate", "named"]
+           "duplicate", "named", "text_hashes"]
 
 log = logging.getLogger(__name__)
 
@@ -277,12 +277,30 @@ def duplicate(ids: Any) -> tuple[int, int] | None:
 
 
 def _hashes(ids: Any) -> np.ndarray:
-    """A 64-bit hash of each string (a Texts' in bulk from its bytes; others by Python's ``hash``)."""
-    hashes, step = np.empty(len(ids), dtype=np.int64), BLOCK // 16 if isinstance(ids, Texts) else BLOCK
-    for start in range(0, len(ids), step):  # (a Texts' block: its bytes' terms at 8 bytes each, so fewer)
-        stop = min(start + step, len(ids))
-        hashes[start:stop] = _text_hashes(ids, start, stop) if isinstance(ids, Texts) else \
-            [hash(i) for i in ids[start:stop].tolist()]
+    """A 64-bit hash of each string (a Texts' in bulk from its bytes; others by Python's ``hash``: 4x faster than
+    making them a Texts first)."""
+    if isinstance(ids, Texts):
+        return text_hashes(ids)
+    hashes = np.empty(len(ids), dtype=np.int64)
+    for start in range(0, len(ids), BLOCK):
+        hashes[start:start + BLOCK] = [hash(i) for i in ids[start:start + BLOCK].tolist()]
+    return hashes
+
+
+def text_hashes(texts: Texts | Sequence[str]) -> np.ndarray:
+    """A 64-bit hash (int64) of each string from its UTF-8 (:func:`_text_hashes`), the same in every process, unlike
+    Python's ``hash``: a store's index of its ids keeps them. A sequence that is not a Texts is made one a block at
+    a time."""
+    hashes = np.empty(len(texts), dtype=np.int64)
+    if not isinstance(texts, Texts):
+        for start in range(0, len(texts), BLOCK):
+            block = Strings()
+            block.extend(list(texts[start:start + BLOCK]))
+            hashes[start:start + BLOCK] = text_hashes(block.array())
+        return hashes
+    step = BLOCK // 16  # its bytes' terms at 8 bytes each
+    for start in range(0, len(texts), step):
+        hashes[start:start + step] = _text_hashes(texts, start, min(start + step, len(texts)))
     return hashes
 
 

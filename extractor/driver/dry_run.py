@@ -20,7 +20,7 @@ from .._text import count, estimate, size, table
 from ..data import list_rows, plan
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
-from ..store import ROW_ARRAYS, Decision, StoreSession, numpy_dtype
+from ..store import ROW_ARRAYS, Decision, StoreSession, id_index_objects, numpy_dtype
 
 __all__ = ["Preview", "preview"]
 
@@ -49,7 +49,7 @@ class Preview:
     todo_rows: int  # rows the run would compute (a resume: those of shards not done)
     action: str  # create, overwrite, resume (N shards to do), nothing to do, or the refusal
     captures: list[CapturePlan]
-    per_row_objects: int  # ids, paths, status ... and the per-shard markers: objects besides the captures
+    per_row_objects: int  # objects besides the captures: ids, paths, status ..., the id index, shard markers
     per_row_bytes: int = 0  # a row's per-row results (KEY.token_index, target ...), uncompressed
     free_bytes: int | None = None  # at a local destination
     warnings: list[str] = field(default_factory=list)
@@ -73,7 +73,7 @@ class Preview:
             f"{self.rows:,} rows in {count(self.shards, 'shard')} of {self.shard_size}",
             table(rows, ["capture", "shape per row", "dtype", "per row", "chunk rows", "chunk", "objects", "total"]),
             f"total {size(self.total_bytes)} before compression in {self.objects:,} objects "
-            f"({self.per_row_objects:,} of them per-row arrays and shard markers"
+            f"({self.per_row_objects:,} of them per-row arrays, the id index and shard markers"
             + (f", {size(self.per_row_bytes * self.rows)} per-row results" if self.per_row_bytes else "")
             + "; a shard with failed rows adds one for their errors)",
         ]
@@ -149,7 +149,8 @@ def preview(spec: JobSpec) -> Preview:
     n_per_row = len(ROW_ARRAYS) + len(probe.extras) + len(rows.locators) + bool(spec.output.reuse) + 2
     extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
     planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
-                      n_per_row * len(shards) + 1, extras, _free_bytes(spec.output.store))
+                      n_per_row * len(shards) + 1 + id_index_objects(len(rows)), extras,
+                      _free_bytes(spec.output.store))
     if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
         planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "
                                 f"{size(planned.free_bytes)} free; cut it with dtype: float16 or bfloat16, "

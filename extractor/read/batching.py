@@ -82,30 +82,44 @@ class _Buffer:
         at = slice(lo, hi) if self.perm is None else self.perm[lo:hi]
         return (self.index[at], *(x[at] for x in self.data))
 
+    def take_into(self, lo: int, hi: int, out: _Columns, at: int) -> None:
+        """Places ``lo:hi`` of the buffer's order written into rows ``at ...`` of ``out`` (as :meth:`take` gives
+        them), each row copied once."""
+        for o, x in zip(out, (self.index, *self.data), strict=True):
+            if self.perm is None:
+                o[at:at + hi - lo] = x[lo:hi]
+            else:  # ("clip": the places are valid; the default buffers ``out``)
+                np.take(x, self.perm[lo:hi], axis=0, out=o[at:at + hi - lo], mode="clip")
+
 
 def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: bool = False,
              start: int = 0) -> Iterator[_Columns]:
-    """Batches of ``batch_size`` rows across buffers: a batch that one buffer leaves short is completed
-    from the start of the next (copying only the rows carried); the last short batch comes unless
+    """Batches of ``batch_size`` rows across buffers: a batch that one buffer leaves short is gathered into
+    arrays of its own and completed from the start of the next (each row copied once: gathered, then joined,
+    the 16 KB rows of batches wider than a buffer were copied twice); the last short batch comes unless
     ``drop_last``. ``start``: places of the first buffer already served (a resumed stream)."""
-    carry: _Columns | None = None
+    carry: _Columns | None = None  # a batch being completed: arrays of batch_size rows, ``filled`` of them so far
+    filled = 0
     for buffer in buffers:
         lo, start = start, 0
         if carry is not None:
-            lo = min(batch_size - len(carry[0]), len(buffer))
-            carry = tuple(np.concatenate([c, h]) for c, h in zip(carry, buffer.take(0, lo), strict=True))
-            if len(carry[0]) < batch_size:
+            lo = min(batch_size - filled, len(buffer))
+            buffer.take_into(0, lo, carry, filled)
+            filled += lo
+            if filled < batch_size:
                 continue
             batch, carry = carry, None
             yield batch
         for a in range(lo, len(buffer), batch_size):
-            batch = buffer.take(a, min(a + batch_size, len(buffer)))
-            if len(batch[0]) < batch_size:
-                carry = batch
-            else:
-                yield batch
+            hi = min(a + batch_size, len(buffer))
+            if hi - a == batch_size:
+                yield buffer.take(a, hi)
+                continue
+            carry = tuple(np.empty((batch_size, *c.shape[1:]), c.dtype) for c in buffer.take(a, a))
+            buffer.take_into(a, hi, carry, 0)
+            filled = hi - a
     if carry is not None and not drop_last:
-        yield carry
+        yield tuple(c[:filled] for c in carry)
 
 
 class _Tokens:
@@ -147,6 +161,12 @@ class _Tokens:
         t += self.skip
         position = t + self.positions if isinstance(self.positions, int) else self.positions[r, t]
         return (np.stack([self.rows[r], position], axis=1), *(x[r, t] for x in self.xs))
+
+    def take_into(self, lo: int, hi: int, out: _Columns, at: int) -> None:
+        """Places ``lo:hi`` of the order written into rows ``at ...`` of ``out`` (a batch across buffers: one a
+        buffer of tokens)."""
+        for o, x in zip(out, self.take(lo, hi), strict=True):
+            o[at:at + hi - lo] = x
 
 
 def _normalized(x: np.ndarray, shift: np.ndarray | None, scale: float | None) -> np.ndarray:

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - a zarr that moved it
     _sync = None
 
 __all__ = ["ChunkCodec", "ShardStream", "write_chunks", "write_at_once", "write_whole", "read_at_once",
-           "read_whole", "remove_partials"]
+           "read_whole", "read_all", "remove_partials"]
 
 EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
 PARTIAL = ".partial"  # the suffix of a shard's object being written on a local disk
@@ -306,6 +306,13 @@ def read_whole(array: zarr.Array, start: int = 0, stop: int | None = None, as_re
         a, b = max(at, start), min(at + rows, stop)
         out[a - start:b - start] = chunk[a - at:b - at]
     return out if as_read else out.astype(array.dtype, copy=False)
+
+
+def read_all(array: zarr.Array, start: int = 0, stop: int | None = None, as_read: bool = False) -> np.ndarray:
+    """Rows ``start:stop`` of ``array``: a local store's per-row or per-shard numbers or strings read a file a chunk
+    (:func:`read_whole`; ``as_read``: its strings left Python strings), anything else through zarr."""
+    whole = read_whole(array, start, stop, as_read)
+    return np.asarray(array[start:stop]) if whole is None else whole
 
 
 def _chunk_reader(array: zarr.Array) -> tuple[ChunkCodec, Callable[[bytes], np.ndarray], str] | None:

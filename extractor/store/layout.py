@@ -21,6 +21,7 @@ Layout (format version 1), all arrays at the root, row dimension named ``row``::
     <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok
     target, target_score, <gradcam key>.range   (gradient jobs) per-row target class,
                         its logit, and each Grad-CAM map's min and max
+    id_index/hashes, id_index/rows   (N,) int64   the ids' hashes sorted, and the row of each (store.id_index)
 
 Per-row arrays are chunked by shard and each capture array by its ``chunk_rows`` (which divides
 the shard size), so no two shards ever write into the same storage object.
@@ -45,13 +46,14 @@ from zarr.core.sync import sync
 
 from ..data import LocatorArray, Rows, is_url
 from ..errors import FencedError, StoreError
-from .chunks import read_whole, remove_partials
+from .chunks import read_all, remove_partials
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
 from .fence import (
     FencedStore,
     fenced_store,
     local_root,
 )
+from .id_index import write_id_index
 
 
 class _Lease(Protocol):
@@ -310,6 +312,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
     _create_row_arrays(group, shard_rows, rows, arrays.locators)
+    write_id_index(group, rows.ids, attrs.get("ids_digest"))
     _create_shard_arrays(group, n_shards=-(-n // shard_size))
     if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
         group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
@@ -439,13 +442,6 @@ def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> N
 def done_shards(group: zarr.Group) -> np.ndarray:
     """Boolean per shard: True once its data and row status are durable."""
     return np.asarray(read_all(get_array(group, "shard_done")), dtype=bool)
-
-
-def read_all(array: zarr.Array, start: int = 0, stop: int | None = None, as_read: bool = False) -> np.ndarray:
-    """Rows ``start:stop`` of ``array``: a local store's per-row or per-shard numbers or strings read a file a chunk
-    (``chunks.read_whole``; ``as_read``: its strings left Python strings), anything else through zarr."""
-    whole = read_whole(array, start, stop, as_read)
-    return np.asarray(array[start:stop]) if whole is None else whole
 
 
 def disk_usage(url: str) -> int | None:

@@ -26,9 +26,10 @@ from .._version import __version__
 from ..data import BLOCK, Rows, of_store
 from ..errors import StoreError
 from ..spec import PLACES, JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
+from .chunks import read_all
 from .dtypes import numpy_dtype
 from .forward import forward_differences
-from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now, read_all
+from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now
 from .recorded import source_digests
 
 __all__ = [

@@ -12,7 +12,8 @@ import numpy as np
 import zarr
 
 from ..data import Rows, strings
-from .layout import data_source, get_array, locator_arrays, read_all, root_attrs, take_rows
+from .chunks import read_all
+from .layout import data_source, get_array, locator_arrays, root_attrs, take_rows
 
 
 def source_digests(group: zarr.Group, rows: np.ndarray, storage_options: Mapping[str, Any] | None = None,

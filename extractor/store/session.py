@@ -19,6 +19,7 @@ from .._text import count
 from ..data import Rows, Shard, reuse, source
 from ..errors import FencedError, StoreError
 from ..spec import JobSpec
+from .chunks import read_all
 from .feature_index import ensure_parts, finish_indexes, indexed
 from .layout import (
     FAILED,
@@ -32,7 +33,6 @@ from .layout import (
     get_array,
     now,
     open_group,
-    read_all,
     reset_shards,
     update_attrs,
 )

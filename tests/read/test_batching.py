@@ -67,3 +67,48 @@ def test_an_epoch_of_tokens_reads_each_shard_in_one_request(sharded: str, monkey
     index = np.concatenate([i for i, _ in s.token_batches("t", 128, shuffle=shuffle, seed=3)])
     assert len(index) == 600 * 9 and len({(int(r), int(t)) for r, t in index}) == 600 * 9
     assert seen["t"] == 9 + 1 + 2, seen
+
+
+@pytest.mark.parametrize("batch_size, start, drop_last", [(7, 0, False), (25, 3, False), (25, 0, True), (4, 5, False)])
+def test_batches_across_buffers_are_the_rows_in_order_each_its_own_array(batch_size: int, start: int,
+                                                                         drop_last: bool):
+    """A batch wider than what a buffer has left is gathered into arrays of its own (its rows copied once): the
+    rows and values in the buffers' orders, shuffled or not, cut at ``batch_size``."""
+    from extractor.read.batching import _Buffer, _rebatch
+
+    rng = np.random.default_rng(1)
+    sizes = [10, 3, 12, 1, 9]
+    rows = np.arange(sum(sizes))
+    values = rng.standard_normal((len(rows), 2, 3)).astype(np.float32)
+    buffers, at = [], 0
+    for n, shuffled in zip(sizes, [True, False, True, True, False], strict=True):
+        perm = rng.permutation(n) if shuffled else None
+        buffers.append(_Buffer(rows[at:at + n], (values[at:at + n],), perm))
+        at += n
+    order = np.concatenate([b.index if b.perm is None else b.index[b.perm] for b in buffers])[start:]
+    batches = list(_rebatch(buffers, batch_size, drop_last, start))
+    expected = [order[a:a + batch_size] for a in range(0, len(order), batch_size)]
+    if drop_last and len(expected[-1]) < batch_size:
+        expected.pop()
+    assert [b[0].tolist() for b in batches] == [e.tolist() for e in expected]
+    for index, x in batches:
+        np.testing.assert_array_equal(x, values[index])
+        assert x.dtype == np.float32 and x.shape[1:] == (2, 3)
+
+
+def test_status_is_read_fresh_a_file_a_chunk(tmp_path):
+    """Each epoch reads the rows' status (a running job updates it): a local store's chunk files read at once, as
+    zarr reads them (through zarr 0.41 s at 1M rows)."""
+    import zarr
+
+    url = str(tmp_path / "s.zarr")
+    meta = {"shape": [2], "dtype": "float32", "dims": ["x.f"], "layer": "x", "what": "output", "reduce": "none"}
+    g = create_store(url, Rows(ids=[f"i{i}" for i in range(50)], paths=[""] * 50, labels=[0] * 50),
+                     StoreArrays(captures={"x": meta}, extras={}, shard_size=8, chunk_rows={"x": 8}),
+                     {"n_rows": 50, "n_shards": 7, "captures": {"x": meta}, "format_version": 1, "spec": {}})
+    s = open_store(url)
+    assert s.status.tolist() == [0] * 50 and s.epoch_rows("x") == 0
+    g["status"][3:45] = OK  # the job writes on
+    assert s.status.dtype == np.uint8
+    assert s.status.tolist() == zarr.open_array(url + "/status")[:].tolist() == [0] * 3 + [1] * 42 + [0] * 5
+    assert s.epoch_rows("x") == 42

@@ -59,6 +59,20 @@ def test_documented_layout(store: Path):
     assert np.isnan(g["pooled"].fill_value)
 
 
+def test_documented_id_index(store: Path):
+    from extractor.data import text_hashes
+
+    g = zarr.open_group(str(store), mode="r")
+    index, ids = g["id_index"], g["ids"][:].tolist()
+    assert dict(index.attrs) == {"hash": "utf8-poly64", "n_rows": 12,
+                                 "ids_digest": g.attrs["extractor"]["ids_digest"]}
+    assert sorted(index.array_keys()) == ["hashes", "rows"]
+    hashes, rows = index["hashes"][:], index["rows"][:]
+    assert hashes.dtype == rows.dtype == np.int64 and index["rows"].metadata.dimension_names == ("by_hash",)
+    assert (np.diff(hashes) >= 0).all() and sorted(rows.tolist()) == list(range(12))
+    assert hashes.tolist() == text_hashes([ids[r] for r in rows]).tolist()
+
+
 def test_documented_attributes(store: Path):
     meta = json.loads((store / "zarr.json").read_text())
     a = meta["attributes"]["extractor"]
