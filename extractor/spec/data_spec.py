@@ -58,7 +58,7 @@ class DataSpec(_Section):
     """What a resume checks before it takes the rows its store recorded instead of listing the source again:
     ``listing``, what the rows were listed from (a folder's folders by their mtimes, which move when a file is
     added, removed or renamed in them; a manifest's size, mtime and content; tars' and Parquet files'
-    fingerprints); ``files``: also every image file of a folder or manifest, by a stat each (about 3 s a million),
+    fingerprints); ``files``: also every image file of a folder or manifest, by a stat each (seconds a million files),
     for images rewritten in place under the same name."""
     storage_options: dict[str, Any] = Field(default_factory=dict, json_schema_extra=RUN_ONLY)
     """fsspec options for remote images, manifests and tars (``endpoint_url``, ``key``, ``secret``...)."""
