@@ -192,6 +192,17 @@ def test_a_store_that_recorded_the_tree_digest_is_listed_once_then_resumes_by_fo
     assert run(parse_spec(raw)).shards_run == 0 and len(walks) == 1
 
 
+def test_a_tree_of_too_many_folders_records_no_listing_and_is_listed_again(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    """Past _MAX_FOLDERS (a folder an image) the folders would be megabytes of the store's attributes: none
+    recorded, each resume lists the tree again, as before issue 39."""
+    monkeypatch.setattr(folder, "_MAX_FOLDERS", 2)
+    raw = folder_job(tmp_path)
+    assert "listing" not in open_store(str(tmp_path / "s.zarr")).attrs
+    walks = counted(monkeypatch, folder, "_list_folder")
+    assert run(parse_spec(raw)).shards_run == 0 and len(walks) == 1
+
+
 @pytest.mark.parametrize("verify", ["listing", "files"])
 def test_a_file_written_in_place_is_found_by_verify_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           verify: str):

@@ -1,5 +1,7 @@
 """The folder source (``data.root``): images under a local or remote folder, walked in sorted order, labelled
-by their class folders."""
+by their class folders. A local folder's listing records each folder walked with its mtime and number of rows: a
+resume stats those folders (thousands at a million images), not the files, and lists again only those whose mtime
+moved (a file added, removed or renamed in them)."""
 
 from __future__ import annotations
 
@@ -220,8 +222,7 @@ def _list_folder(root: Path, extensions: Sequence[str], settings: dict[str, Any]
 
 
 class FolderSource(Source):
-    """A folder of images (``data.root``), local or remote, walked in sorted order; ImageFolder labels. A local
-    folder's listing records every folder walked with its mtime: a resume stats those folders, not the files."""
+    """A folder of images (``data.root``), local or remote, walked in sorted order; ImageFolder labels."""
 
     name = "folder"
 
