@@ -21,7 +21,7 @@ from extractor.data.files import local_fingerprint
 from extractor.data.listing import list_rows
 from extractor.data.rows import Rows
 from extractor.driver.runner import run
-from extractor.errors import StoreError
+from extractor.errors import DataError, StoreError
 from extractor.read import open_store
 from extractor.spec.load import parse_spec
 
@@ -201,6 +201,13 @@ def test_a_tree_of_too_many_folders_records_no_listing_and_is_listed_again(tmp_p
     assert "listing" not in open_store(str(tmp_path / "s.zarr")).attrs
     walks = counted(monkeypatch, folder, "_list_folder")
     assert run(parse_spec(raw)).shards_run == 0 and len(walks) == 1
+
+
+def test_a_root_gone_since_is_named(tmp_path: Path):
+    raw = folder_job(tmp_path)
+    (tmp_path / "imgs").rename(tmp_path / "moved")
+    with pytest.raises(DataError, match="does not exist"):
+        run(parse_spec(raw))
 
 
 @pytest.mark.parametrize("verify", ["listing", "files"])

@@ -254,8 +254,9 @@ class FolderSource(Source):
 
     def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
         """The folders whose mtime moved listed again (and any new sub-folder of theirs), the others' rows taken
-        from the store. None (all listed again) with ``data.verify: files``: every file is stat-ed anyway."""
-        if data.verify == "files":
+        from the store. None (all listed again, which says what is wrong) with ``data.verify: files`` (every file
+        is stat-ed anyway) or where the root is no folder now."""
+        if data.verify == "files" or not os.path.isdir(now["root"]):
             return None
         kept = _Kept(recorded.listing, now["folders"])
         rows = _Walk(now["root"], data.extensions, kept).walk().rows(self._settings(data), recorded)
