@@ -1,7 +1,8 @@
-"""A resume takes its rows from the store while the source is as it was listed (issue 39, item 3): each source's
-fingerprint (a folder's tree, a manifest's size, mtime and digest, the Parquet files') is recorded with the store;
-an unchanged source is not listed again (the listing calls counted), a changed one is, and its new listing is
-recorded, so the resume after it lists nothing."""
+"""A resume takes its rows from the store while the source is as it was listed (issue 39): each source's
+fingerprint (a folder's folders walked, with their times; a manifest's size, mtime and digest; the Parquet files')
+is recorded with the store; an unchanged source is not listed again (the listing calls counted), a changed one is
+(a folder: only the folders whose times moved), and its new listing is recorded, so the resume after it lists
+nothing"""
 
 from __future__ import annotations
 
@@ -105,10 +106,10 @@ def folder_job(tmp_path: Path, per_class: int = 3, classes: tuple[str, ...] = ("
 
 
 def test_an_unchanged_folder_is_not_listed_and_no_file_is_stat_ed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """The folders' mtimes as recorded: a stat each, the rows taken from the store, no folder listed, no file
+    """The folders' times as recorded: a stat each, the rows taken from the store, no folder listed, no file
     stat-ed, nothing to compute."""
     raw = folder_job(tmp_path)
-    assert [rel for rel, _ in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]] == ["", "a", "b"]
+    assert [rel for rel, *_ in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]] == ["", "a", "b"]
     seen = Seen(monkeypatch, tmp_path / "imgs")
     assert run(parse_spec(raw)).shards_run == 0
     assert seen.listed == [] and seen.files == []
@@ -126,6 +127,19 @@ def test_a_file_added_lists_its_folder_alone_and_finds_the_row(tmp_path: Path, m
     assert_listed_as_now(rows, raw)
     with pytest.raises(StoreError, match="different job"):  # the image list differs from the store's
         run(parse_spec(raw))
+
+
+def test_a_file_added_is_found_when_its_folder_mtime_was_put_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``touch -r`` puts a folder's mtime back, never its ctime."""
+    raw = folder_job(tmp_path)
+    b = tmp_path / "imgs" / "b"
+    was = os.stat(b)
+    (b / "b99.png").write_bytes((b / "b01.png").read_bytes())
+    os.utime(b, ns=(was.st_atime_ns, was.st_mtime_ns))
+    assert os.stat(b).st_mtime_ns == was.st_mtime_ns
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    rows = resumed(raw)
+    assert seen.listed == [str(b)] and rows is not None and "b/b99.png" in list(rows.ids)
 
 
 def test_an_image_in_a_new_folder_under_a_folder_without_images_is_found(tmp_path: Path,
@@ -166,11 +180,11 @@ def test_a_folder_modified_while_it_was_listed_is_listed_again_once(tmp_path: Pa
     records its mtime), the one after lists nothing."""
     monkeypatch.setattr(folder, "_UNSETTLED_NS", 10**15)  # every folder modified "shortly" before
     raw = folder_job(tmp_path)
-    assert {m for _, m in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]} == {folder.UNSETTLED}
+    assert [t for _, *t in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]] == [folder.UNSETTLED] * 3
     monkeypatch.setattr(folder, "_UNSETTLED_NS", 0)
     seen = Seen(monkeypatch, tmp_path / "imgs")
     assert run(parse_spec(raw)).shards_run == 0 and len(seen.listed) == 3
-    assert folder.UNSETTLED not in {m for _, m in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]}
+    assert folder.UNSETTLED not in [t for _, *t in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]]
     assert run(parse_spec(raw)).shards_run == 0 and len(seen.listed) == 3
 
 

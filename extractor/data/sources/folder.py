@@ -1,7 +1,7 @@
 """The folder source (``data.root``): images under a local or remote folder, walked in sorted order, labelled
-by their class folders. A local folder's listing records each folder walked with its mtime and number of rows: a
-resume stats those folders (thousands at a million images), not the files, and lists again only those whose mtime
-moved (a file added, removed or renamed in them)."""
+by their class folders. A local folder's listing records each folder walked with its mtime, ctime and number of
+rows: a resume stats those folders (thousands at a million images), not the files, and lists again only those
+whose times moved (a file added, removed or renamed in them; the ctime also when the mtime was put back by hand)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def _top(rel: str) -> str:
 _UNSETTLED_NS = 2 * 10**9  # a folder modified this shortly before it was listed may change again within one tick
 # of its mtime after the listing: recorded as unsettled, listed again by the next resume
 _MAX_FOLDERS = 100_000  # more folders (a folder an image): no listing recorded (megabytes of the store's attributes)
-UNSETTLED = -1  # a recorded folder's mtime: list it again (modified during its listing, or it could not be listed)
+UNSETTLED = [-1, -1]  # a recorded folder's times: list it again (modified as it was listed, or not listable)
+_GONE: list[Any] = [None, None]  # a recorded folder's times now, where it cannot be seen
 
 
 def _real(rel: str) -> str:
@@ -85,12 +86,14 @@ def _real(rel: str) -> str:
     return os.fsdecode(local_path(rel))
 
 
-def _mtime(path: str) -> int | None:
-    """A folder's mtime (it moves when an entry is added, removed or renamed in it); None: it cannot be seen."""
+def _times(path: str) -> list[int] | None:
+    """A folder's mtime and ctime (both move when an entry is added, removed or renamed in it; a ctime cannot be put
+    back by hand); None: it cannot be seen."""
     try:
-        return os.stat(path).st_mtime_ns
+        st = os.stat(path)
     except OSError:
         return None
+    return [st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _entries(path: str) -> tuple[list[str], list[str]]:
@@ -108,18 +111,18 @@ def _entries(path: str) -> tuple[list[str], list[str]]:
 
 
 class _Kept:
-    """The folders a store's listing recorded (``folders``: path and mtime, in walk order; ``rows``: each one's
-    number of rows) and their mtimes now: where one's is as recorded, its rows are a run of the store's and its
-    sub-folders those recorded (an entry added, removed or renamed moves a folder's mtime)."""
+    """The folders a store's listing recorded (``folders``: path, mtime and ctime, in walk order; ``rows``: each
+    one's number of rows) and their times now: where one's are as recorded, its rows are a run of the store's and
+    its sub-folders those recorded (an entry added, removed or renamed moves a folder's times)."""
 
     def __init__(self, was: dict[str, Any], now: list[list[Any]]) -> None:
         stops = np.cumsum(was["rows"]).tolist()
-        self.same: dict[str, tuple[int, int, int]] = {}  # a folder as recorded -> (mtime, first row, end row)
-        for (rel, mtime), (_, mtime_now), stop, count in zip(was["folders"], now, stops, was["rows"], strict=True):
-            if mtime == mtime_now and mtime != UNSETTLED:
-                self.same[_real(rel)] = (mtime, stop - count, stop)
+        self.same: dict[str, tuple[list[int], int, int]] = {}  # a folder as recorded -> (times, first row, end row)
+        for (rel, *times), (_, *times_now), stop, count in zip(was["folders"], now, stops, was["rows"], strict=True):
+            if times == times_now and times != UNSETTLED:
+                self.same[_real(rel)] = (times, stop - count, stop)
         self.children: dict[str, list[str]] = {}
-        for rel, _ in was["folders"][1:]:
+        for rel, *_ in was["folders"][1:]:
             real = _real(rel)
             self.children.setdefault(real.rpartition("/")[0], []).append(real)
 
@@ -127,7 +130,7 @@ class _Kept:
 class _Walk:
     """One walk of a local folder tree in the listing's order: each folder's images sorted by name, then its
     sub-folders in sorted order (hidden ones skipped, links followed, a folder reached again through a link
-    skipped). Each folder is stat-ed before it is listed, and recorded with its mtime and number of rows: the
+    skipped). Each folder is stat-ed before it is listed, and recorded with its times and number of rows: the
     listing a resume checks by a stat per folder, no file stat-ed. ``kept``: an earlier walk's folders, from a
     store: one unchanged since is not listed, its rows taken from the store (``recorded``)."""
 
@@ -136,7 +139,7 @@ class _Walk:
         self.ids = Strings()
         self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
         self.prints = array("Q")
-        self.folders: list[list[Any]] = []  # [relative path ("": the root), mtime] of each folder walked
+        self.folders: list[list[Any]] = []  # [relative path ("": the root), mtime, ctime] of each folder walked
         self.counts: list[int] = []  # each one's rows
         self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
         self.seen: set[str] = set()  # the real paths walked
@@ -164,12 +167,12 @@ class _Walk:
 
     def _listed(self, rel: str, path: str) -> list[str]:
         """Folder ``rel`` listed now, its images stat-ed: its sub-folders to walk, in order."""
-        mtime = _mtime(path)  # before the listing: an entry added meanwhile moves it after
+        times = _times(path)  # before the listing: an entry added meanwhile moves them after
         try:
             files, folders = _entries(path)
         except OSError as err:
             log.warning("cannot list %s: %s", path, err.strerror)
-            files, folders, mtime = [], [], None
+            files, folders, times = [], [], None
         names = [n for n in files if n.lower().endswith(self.exts) and not n.startswith(".")]
         start = len(self.prints)
         self.prints.extend(folder_prints(path, names))
@@ -177,12 +180,12 @@ class _Walk:
             sub = f"{rel}/{name}" if rel else name
             self.ids.append(display_name(sub))
             self.paths.whole(storable_path(os.path.join(self.top, sub)))  # undecodable names: hex, whole
-        self._add(rel, mtime if mtime is not None and mtime < self.settled else UNSETTLED, False, start,
+        self._add(rel, times if times is not None and times[0] < self.settled else UNSETTLED, False, start,
                   len(self.prints))
         return [f"{rel}/{d}" if rel else d for d in folders if not d.startswith(".")]  # .git: not classes
 
-    def _add(self, rel: str, mtime: int, stored: bool, start: int, stop: int) -> None:
-        self.folders.append([storable_path(rel), mtime])  # (a name that is not UTF-8: hex, as a path)
+    def _add(self, rel: str, times: list[int], stored: bool, start: int, stop: int) -> None:
+        self.folders.append([storable_path(rel), *times])  # (a name that is not UTF-8: hex, as a path)
         self.counts.append(stop - start)
         if self.runs and self.runs[-1][0] == stored and self.runs[-1][2] == start:
             self.runs[-1][2] = stop
@@ -200,7 +203,7 @@ class _Walk:
             assert recorded is not None
             ids, paths, prints = (self._joined(recorded, name, own, dtype) for name, own, dtype in (
                 ("ids", listed, STRINGS), ("paths", paths, STRINGS), ("fingerprint", prints, np.uint64)))
-        tops = [display_name(_real(rel)).split("/", 1)[0] for rel, _ in self.folders]  # the root's: ""
+        tops = [display_name(_real(rel)).split("/", 1)[0] for rel, *_ in self.folders]  # the root's: ""
         labels, classes = _folder_labels(tops, self.counts, lambda: str(ids[0]))
         listing = {**settings, "folders": self.folders, "rows": self.counts} if len(self.folders) <= _MAX_FOLDERS \
             else None
@@ -239,7 +242,7 @@ class FolderSource(Source):
                 "extensions": sorted(e.lower() for e in data.extensions)}
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """The folders ``was`` records, each with its mtime now (a stat each); None where it records none (a
+        """The folders ``was`` records, each with its times now (a stat each); None where it records none (a
         remote folder, whose listing is one request that brings every object's fingerprint; a store made before
         folders were recorded) or other settings."""
         assert data.root is not None
@@ -249,11 +252,11 @@ class FolderSource(Source):
         if any(was.get(k) != v for k, v in settings.items()):
             return None
         top = settings["root"]
-        return {**settings, "folders": [[rel, _mtime(os.path.join(top, _real(rel)) if rel else top)]
-                                        for rel, _ in was["folders"]]}
+        return {**settings, "folders": [[rel, *(_times(os.path.join(top, _real(rel)) if rel else top) or _GONE)]
+                                        for rel, *_ in was["folders"]]}
 
     def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
-        """The folders whose mtime moved listed again (and any new sub-folder of theirs), the others' rows taken
+        """The folders whose times moved listed again (and any new sub-folder of theirs), the others' rows taken
         from the store. None (all listed again, which says what is wrong) with ``data.verify: files`` (every file
         is stat-ed anyway) or where the root is no folder now."""
         if data.verify == "files" or not os.path.isdir(now["root"]):
