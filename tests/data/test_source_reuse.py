@@ -1,12 +1,16 @@
-"""A resume takes its rows from the store while the source is as it was listed (issue 39, item 3): each source's
-fingerprint (a folder's tree, a manifest's size, mtime and digest, the Parquet files') is recorded with the store;
-an unchanged source is not listed again (the listing calls counted), a changed one is, and its new listing is
-recorded, so the resume after it lists nothing."""
+"""A resume takes its rows from the store while the source is as it was listed (issue 39): each source's
+fingerprint (a folder's folders walked, with their times; a manifest's size, mtime and digest; the Parquet files')
+is recorded with the store; an unchanged source is not listed again (the listing calls counted), a changed one is
+(a folder: only the folders whose times moved), and its new listing is recorded, so the resume after it lists
+nothing"""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from stat import S_ISDIR
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,8 +19,11 @@ from conftest import job, make_images
 import extractor.data.sources.folder as folder
 import extractor.data.sources.manifest as manifest
 from extractor.data.files import local_fingerprint
+from extractor.data.listing import list_rows
+from extractor.data.rows import Rows
 from extractor.driver.runner import run
-from extractor.errors import StoreError
+from extractor.errors import DataError, StoreError
+from extractor.read import open_store
 from extractor.spec.load import parse_spec
 
 TOY = {"name": None, "factory": "toy_models:slow_net", "factory_kwargs": {"seconds": 0}, "device": "cpu"}
@@ -36,38 +43,206 @@ def touch(path: Path) -> None:
     os.utime(path, ns=(later, later))
 
 
-def test_an_unchanged_folder_is_not_listed_again_and_a_changed_one_is(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch):
-    make_images(tmp_path / "imgs", per_class=3, classes=("a", "b"), size=40)
+def settle(root: Path) -> None:
+    """Every folder under ``root`` modified an hour ago: settled (a folder modified during its listing is listed
+    again by the next resume, whatever its mtime)."""
+    hour_ago = time.time_ns() - 3600 * 10**9
+    for folder_path, _, _ in os.walk(root):
+        os.utime(folder_path, ns=(hour_ago, hour_ago))
+
+
+class Seen:
+    """The folders listed (``os.scandir``) and the files stat-ed (``os.stat`` of a path that is not a folder, or by
+    name in an open folder) under ``root`` from now on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+        self.listed: list[str] = []
+        self.files: list[str] = []
+        scandir, stat, under = os.scandir, os.stat, str(root)
+
+        def counted_scandir(path: Any = ".") -> Any:
+            if str(path).startswith(under):
+                self.listed.append(str(path))
+            return scandir(path)
+
+        def counted_stat(path: Any, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> Any:
+            found = stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+            if dir_fd is not None or (str(path).startswith(under) and not S_ISDIR(found.st_mode)):
+                self.files.append(str(path))
+            return found
+
+        monkeypatch.setattr(os, "scandir", counted_scandir)
+        monkeypatch.setattr(os, "stat", counted_stat)
+
+
+def resumed(raw: dict[str, Any]) -> Rows | None:
+    """The rows a resume of ``raw``'s store takes (:func:`extractor.data.sources.reuse`); None: listed again."""
+    from extractor.store.session import StoreSession
+
+    return StoreSession(parse_spec({**raw, "output": {**raw["output"], "if_exists": "resume"}})).stored_rows()
+
+
+def assert_listed_as_now(rows: Rows | None, raw: dict[str, Any]) -> None:
+    """``rows`` (partly from the store) are the rows a listing of the source gives now."""
+    listed = list_rows(parse_spec(raw).data)
+    assert rows is not None and rows.stored is None
+    assert list(rows.ids) == list(listed.ids) and list(rows.paths) == list(listed.paths)
+    assert rows.labels.tolist() == listed.labels.tolist() and rows.classes == listed.classes
+    assert rows.fingerprints is not None and listed.fingerprints is not None
+    assert rows.fingerprints.tolist() == listed.fingerprints.tolist()
+
+
+def folder_job(tmp_path: Path, per_class: int = 3, classes: tuple[str, ...] = ("a", "b"),
+               **data: Any) -> dict[str, Any]:
+    """A complete store of a settled folder of images (those made here, beside any there already)."""
+    make_images(tmp_path / "imgs", per_class=per_class, classes=classes, size=40)
+    settle(tmp_path / "imgs")
     raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=CAPTURE,
-              data={"resize": None, "crop": 32, "shard_size": 2})
-    assert run(parse_spec(raw)).ok == 6
-    walks = counted(monkeypatch, folder, "_list_folder")
+              data={"resize": None, "crop": 32, "shard_size": 2, **data})
+    done = run(parse_spec(raw))
+    assert done.ok == done.rows > 0
     raw["output"]["if_exists"] = "resume"
-    assert run(parse_spec(raw)).shards_run == 0 and walks == []  # the tree as listed: taken from the store
+    return raw
+
+
+def test_an_unchanged_folder_is_not_listed_and_no_file_is_stat_ed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The folders' times as recorded: a stat each, the rows taken from the store, no folder listed, no file
+    stat-ed, nothing to compute."""
+    raw = folder_job(tmp_path)
+    assert [rel for rel, *_ in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]] == ["", "a", "b"]
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    assert run(parse_spec(raw)).shards_run == 0
+    assert seen.listed == [] and seen.files == []
+    assert resumed(raw).stored is not None  # type: ignore[union-attr]
+
+
+def test_a_file_added_lists_its_folder_alone_and_finds_the_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    raw = folder_job(tmp_path)
     first = sorted((tmp_path / "imgs" / "b").iterdir())[0]
-    (first.parent / f"extra{first.suffix}").write_bytes(first.read_bytes())
-    with pytest.raises(StoreError, match="different job"):  # a file added: listed again, and the listing differs
+    (first.parent / f"b99{first.suffix}").write_bytes(first.read_bytes())
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    rows = resumed(raw)
+    assert seen.listed == [str(tmp_path / "imgs" / "b")]  # a's rows from the store, unlisted
+    assert rows is not None and rows.classes == ["a", "b"] and rows.labels[list(rows.ids).index("b/b99.jpg")] == 1
+    assert_listed_as_now(rows, raw)
+    with pytest.raises(StoreError, match="different job"):  # the image list differs from the store's
         run(parse_spec(raw))
-    assert len(walks) == 1
 
 
-def test_a_file_written_in_place_is_found_without_listing_the_folder(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch):
-    """Its folder's mtime does not move: the tree is as listed, the rows come from the store, and each file's
-    fingerprint is taken again (a stat, no listing): the changed image is found."""
-    make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
-    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=CAPTURE,
-              data={"resize": None, "crop": 32, "shard_size": 2})
-    assert run(parse_spec(raw)).ok == 3
+def test_a_file_added_is_found_when_its_folder_mtime_was_put_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``touch -r`` puts a folder's mtime back, never its ctime."""
+    raw = folder_job(tmp_path)
+    b = tmp_path / "imgs" / "b"
+    was = os.stat(b)
+    (b / "b99.png").write_bytes((b / "b01.png").read_bytes())
+    os.utime(b, ns=(was.st_atime_ns, was.st_mtime_ns))
+    assert os.stat(b).st_mtime_ns == was.st_mtime_ns
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    rows = resumed(raw)
+    assert seen.listed == [str(b)] and rows is not None and "b/b99.png" in list(rows.ids)
+
+
+def test_an_image_in_a_new_folder_under_a_folder_without_images_is_found(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    """``a`` holds no image, only ``a/x``: a new ``a/y`` moves ``a``'s mtime (not the root's, not ``a/x``'s)."""
+    make_images(tmp_path / "imgs" / "a" / "x", per_class=2, classes=("p", "q"), size=40)
+    (tmp_path / "imgs" / "b").mkdir()
+    (tmp_path / "imgs" / "b" / "b.png").write_bytes((tmp_path / "imgs" / "a" / "x" / "p" / "p01.png").read_bytes())
+    raw = folder_job(tmp_path, per_class=0, classes=())
+    (tmp_path / "imgs" / "a" / "y").mkdir()
+    (tmp_path / "imgs" / "a" / "y" / "new.png").write_bytes((tmp_path / "imgs" / "b" / "b.png").read_bytes())
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    rows = resumed(raw)
+    assert seen.listed == [str(tmp_path / "imgs" / p) for p in ("a", "a/y")]
+    assert rows is not None and rows.classes == ["a", "b"] and rows.labels[list(rows.ids).index("a/y/new.png")] == 0
+    assert_listed_as_now(rows, raw)
+
+
+def test_a_file_added_behind_a_linked_folder_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The walk follows links: a linked folder's mtime is its target's."""
+    make_images(tmp_path / "elsewhere", per_class=2, classes=("c",), size=40)
+    settle(tmp_path / "elsewhere")
+    (tmp_path / "imgs").mkdir()
+    os.symlink(tmp_path / "elsewhere" / "c", tmp_path / "imgs" / "c")
+    raw = folder_job(tmp_path)
+    (tmp_path / "elsewhere" / "c" / "c99.png").write_bytes((tmp_path / "elsewhere" / "c" / "c01.png").read_bytes())
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    rows = resumed(raw)
+    assert seen.listed == [str(tmp_path / "imgs" / "c")]
+    assert rows is not None and "c/c99.png" in list(rows.ids)
+    assert_listed_as_now(rows, raw)
+
+
+def test_a_folder_modified_while_it_was_listed_is_listed_again_once(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """A file added within one tick of the folder's mtime after its listing would leave the mtime as recorded: a
+    folder modified shortly before its listing is recorded unsettled, and the next resume lists it again (and
+    records its mtime), the one after lists nothing."""
+    monkeypatch.setattr(folder, "_UNSETTLED_NS", 10**15)  # every folder modified "shortly" before
+    raw = folder_job(tmp_path)
+    assert [t for _, *t in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]] == [folder.UNSETTLED] * 3
+    monkeypatch.setattr(folder, "_UNSETTLED_NS", 0)
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    assert run(parse_spec(raw)).shards_run == 0 and len(seen.listed) == 3
+    assert folder.UNSETTLED not in [t for _, *t in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]]
+    assert run(parse_spec(raw)).shards_run == 0 and len(seen.listed) == 3
+
+
+def test_a_store_that_recorded_the_tree_digest_is_listed_once_then_resumes_by_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Stores made before the folders were recorded (a digest of the tree): listed again whole, the folders
+    recorded, then taken from the store."""
+    import zarr
+
+    from extractor.store.layout import update_attrs
+
+    raw = folder_job(tmp_path)
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    listing = open_store(str(tmp_path / "s.zarr")).attrs["listing"]
+    update_attrs(group, listing={k: v for k, v in listing.items() if k not in ("folders", "rows")} | {"tree": 7})
     walks = counted(monkeypatch, folder, "_list_folder")
-    image = sorted((tmp_path / "imgs" / "a").iterdir())[1]
-    other = sorted((tmp_path / "imgs" / "a").iterdir())[2]
-    image.write_bytes(other.read_bytes())  # other bytes, the same name
-    raw["output"]["if_exists"] = "resume"
-    with pytest.raises(StoreError, match="changed since"):
+    assert run(parse_spec(raw)).shards_run == 0 and len(walks) == 1
+    assert open_store(str(tmp_path / "s.zarr")).attrs["listing"] == listing
+    assert run(parse_spec(raw)).shards_run == 0 and len(walks) == 1
+
+
+def test_a_tree_of_too_many_folders_records_no_listing_and_is_listed_again(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    """Past _MAX_FOLDERS (a folder an image) the folders would be megabytes of the store's attributes: none
+    recorded, each resume lists the tree again, as before issue 39."""
+    monkeypatch.setattr(folder, "_MAX_FOLDERS", 2)
+    raw = folder_job(tmp_path)
+    assert "listing" not in open_store(str(tmp_path / "s.zarr")).attrs
+    walks = counted(monkeypatch, folder, "_list_folder")
+    assert run(parse_spec(raw)).shards_run == 0 and len(walks) == 1
+
+
+def test_a_root_gone_since_is_named(tmp_path: Path):
+    raw = folder_job(tmp_path)
+    (tmp_path / "imgs").rename(tmp_path / "moved")
+    with pytest.raises(DataError, match="does not exist"):
         run(parse_spec(raw))
-    assert walks == []
+
+
+@pytest.mark.parametrize("verify", ["listing", "files"])
+def test_a_file_written_in_place_is_found_by_verify_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          verify: str):
+    """Its folder's mtime does not move: the rows come from the store, no folder listed; with ``data.verify:
+    files`` each file is stat-ed (by name, no listing) and the changed image found; by default it is not looked at
+    (the documented trade: a stat of every file is seconds a million)."""
+    raw = folder_job(tmp_path, classes=("a",), verify=verify)
+    image, other = sorted((tmp_path / "imgs" / "a").iterdir())[1:3]
+    settled = os.stat(image.parent).st_mtime_ns
+    image.write_bytes(other.read_bytes())  # other bytes, the same name
+    assert os.stat(image.parent).st_mtime_ns == settled
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    if verify == "files":
+        with pytest.raises(StoreError, match="changed since"):
+            run(parse_spec(raw))
+        assert len(seen.files) >= 3
+    else:
+        assert run(parse_spec(raw)).shards_run == 0 and seen.files == []
+    assert seen.listed == []
 
 
 def test_a_manifest_touched_is_listed_once_then_taken_from_the_store(tmp_path: Path,
@@ -84,6 +259,29 @@ def test_a_manifest_touched_is_listed_once_then_taken_from_the_store(tmp_path: P
     touch(tmp_path / "m.csv")
     assert run(parse_spec(raw)).shards_run == 0 and len(listed) == 1  # listed again, compared, recorded
     assert run(parse_spec(raw)).shards_run == 0 and len(listed) == 1  # the record says so
+
+
+def test_a_manifest_edited_to_the_same_size_and_mtime_is_read_again(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    """An unchanged manifest: the rows from the store, no image file stat-ed; one whose rows were swapped (the same
+    size) and its mtime put back: its digest differs, it is read again (and the image list differs)."""
+    files = make_images(tmp_path / "imgs", per_class=2, classes=("a", "b"), size=40)
+    lines = [f"{f},{f.parent.name}\n" for f in files]
+    (tmp_path / "m.csv").write_text("path,label\n" + "".join(lines))
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=CAPTURE,
+              data={"source": "manifest", "manifest": str(tmp_path / "m.csv"), "root": None, "outside_root": True,
+                    "resize": None, "crop": 32, "shard_size": 2}, output={"if_exists": "resume"})
+    assert run(parse_spec(raw)).ok == 4
+    listed = counted(monkeypatch, manifest, "_list_manifest")
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    assert run(parse_spec(raw)).shards_run == 0 and listed == [] and seen.files == []
+    was = os.stat(tmp_path / "m.csv")
+    (tmp_path / "m.csv").write_text("path,label\n" + "".join([lines[1], lines[0], *lines[2:]]))
+    os.utime(tmp_path / "m.csv", ns=(was.st_atime_ns, was.st_mtime_ns))
+    assert os.stat(tmp_path / "m.csv").st_size == was.st_size
+    with pytest.raises(StoreError, match="different job"):
+        run(parse_spec(raw))
+    assert len(listed) == 1
 
 
 def test_parquet_files_touched_are_listed_once_then_taken_from_the_store(tmp_path: Path,

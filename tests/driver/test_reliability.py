@@ -720,12 +720,13 @@ def test_an_image_changed_between_a_run_and_its_resume_is_named_or_redone_never_
     """issue 26, defect 2 (T3-1): an image replaced at the same path between a run and --resume was accepted:
     done rows kept the old image's values, pending rows got the new one's. Per-row content digests: the
     resume names the changed rows; with output.on_change: redo their shards are computed again, and the
-    store equals a clean run on the new images (values and statistics)."""
+    store equals a clean run on the new images (values and statistics). Written in place, the image leaves its
+    folder's mtime as it was: ``data.verify: files`` has each file stat-ed (issue 39)."""
     import shutil
 
     root = tmp_path / "imgs"
     shutil.copytree(image_dir, root)
-    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
+    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4, "verify": "files"})
     _interrupted_after(raw, 2)  # shards 0 and 1 done: rows 0-7
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.done_shards.tolist()[:2] == [True, True] and s.attrs["status"] == "interrupted"

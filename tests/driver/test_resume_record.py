@@ -55,8 +55,8 @@ def test_a_touched_file_is_read_again_once(tmp_path: Path, monkeypatch: pytest.M
     import extractor.store.provenance as provenance
 
     make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
-    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, data={"resize": None, "crop": 32, "shard_size": 2},
-              capture=[{"layer": "conv", "reduce": "mean"}])
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
+              data={"resize": None, "crop": 32, "shard_size": 2, "verify": "files"})  # a file rewritten in place
     assert run(parse_spec(raw)).ok == 3
     read: list[int] = []
     real = provenance.source_digests

@@ -54,9 +54,10 @@ def _copy(image_dir: Path, to: Path) -> Path:
 
 def test_a_file_rewritten_with_its_size_and_mtime_put_back_is_found_changed(image_dir: Path, tmp_path: Path):
     """issue 37, case 4 (folder): other bytes of the same size, the mtime put back with ``touch -r``: the resume
-    used to take the row as unchanged (size + mtime); its ctime moved, so its content digest is compared."""
+    used to take the row as unchanged (size + mtime); its ctime moved, so its content digest is compared. (Written
+    in place, it leaves its folder's times as they were: ``data.verify: files`` stats each file, issue 39.)"""
     root = _copy(image_dir, tmp_path / "imgs")
-    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
+    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4, "verify": "files"})
     _interrupted_after(raw, 1)  # rows 0-3 done
     victim = root / open_store(str(tmp_path / "s.zarr")).ids[2]
     assert victim.suffix == ".jpg"
@@ -96,9 +97,10 @@ def test_a_parquet_file_rewritten_with_its_size_and_mtime_put_back_is_found_chan
 def test_a_store_with_fingerprints_of_the_old_form_resumes_after_a_digest_pass(image_dir: Path, tmp_path: Path):
     """Stores made before ctime and inode were part of a file's fingerprint recorded fingerprint(size, mtime): a
     resume reads the computed rows' bytes once, compares their content digests (the ground truth), so it is neither
-    refused wholesale nor blind to a change, and records the new fingerprints."""
+    refused wholesale nor blind to a change, and records the new fingerprints. (Such stores recorded no folders:
+    they are listed again; this one does, and its file is rewritten in place: ``data.verify: files``.)"""
     root = _copy(image_dir, tmp_path / "imgs")
-    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
+    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4, "verify": "files"})
     _interrupted_after(raw, 2)  # rows 0-7 done
     s = open_store(str(tmp_path / "s.zarr"))
     files = [root / i for i in s.ids]

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Source", "Recorded", "LocatorArray", "source", "locator_names", "read_bytes", "forget_reads", "reuse", "files_now",
-    "REGISTRY",
+    "folder_prints", "REGISTRY",
 ]
 
 
@@ -83,10 +83,11 @@ class Source(ABC):
         """Drop what reads keep of the source (a Parquet file's row groups): later reads see it as it is now."""
         return None
 
-    def listing(self, data: DataSpec) -> dict[str, Any] | None:
+    def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """What a listing would be made from now, cheaply (the files' fingerprints, the settings that change it),
-        as a JSON object; None: not known cheaply (every resume lists again). A store records it; a resume whose
-        source gives the same takes the rows from the store instead of listing them."""
+        as a JSON object; None: not known cheaply (every resume lists again). A store records it (``Rows.listing``);
+        a resume whose source gives the same takes the rows from the store instead of listing them. ``was``: the
+        listing the store recorded, where a resume asks (a folder stats the folders it names, no more)."""
         return None
 
     def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
@@ -95,8 +96,8 @@ class Source(ABC):
         return None
 
     def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
-        """The rows' fingerprints now, for rows taken from the store when its listing holds (a folder's files can
-        change without their folder); None: the recorded ones hold."""
+        """The rows' fingerprints now, for rows taken from the store when its listing holds and ``data.verify:
+        files`` asks (a folder's or a manifest's files rewritten in place); None: the recorded ones hold."""
         return None
 
     def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> dict[str, np.ndarray] | None:
@@ -147,17 +148,17 @@ def forget_reads() -> None:
 
 def reuse(data: DataSpec, recorded: Recorded) -> Rows | None:
     """A resume's rows, from the store where the source is as it was listed: all of them when its listing is the
-    same (their fingerprints checked again where the source needs it), the changed parts listed again otherwise;
-    None: the source lists them all again."""
+    same (their fingerprints taken again where ``data.verify: files`` asks), the changed parts listed again
+    otherwise; None: the source lists them all again."""
     src = source(data.source)
-    now = src.listing(data)
+    now = src.listing(data, recorded.listing)
     if now is None:
         return None
     was = {k: v for k, v in recorded.listing.items() if k != "rows"}
     if was != now:
         return src.relist(data, recorded, now)
     rows = recorded.rows()
-    prints = src.refresh(data, recorded)
+    prints = src.refresh(data, recorded) if data.verify == "files" else None
     return rows if prints is None else replace(rows, fingerprints=prints)
 
 
@@ -186,14 +187,14 @@ def _stat_prints(paths: np.ndarray) -> np.ndarray:
     out = np.zeros(len(paths), dtype=np.uint64)
     for a, b in zip(starts[:-1], starts[1:], strict=False):
         folder = str(folders[a]) or ("/" if seps[a] else ".")
-        out[a:b] = _folder_prints(folder, names[a:b].tolist())
+        out[a:b] = folder_prints(folder, names[a:b].tolist())
     return out
 
 
 _BY_NAME = os.stat in os.supports_dir_fd and hasattr(os, "O_DIRECTORY")
 
 
-def _folder_prints(folder: str, names: list[str]) -> list[int]:
+def folder_prints(folder: str, names: list[str]) -> list[int]:
     """The fingerprints of files ``names`` of one folder, each stat-ed by its name in the open folder (by its
     whole path where the folder cannot be opened: one that can be searched but not read)."""
     import xxhash

@@ -145,7 +145,7 @@ class ManifestSource(Source):
                               {str(k): v for k, v in data.columns.items()})
         return replace(rows, listing=listing)
 
-    def listing(self, data: DataSpec) -> dict[str, Any] | None:
+    def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """A local manifest's size, mtime and content digest, and the settings that change its rows."""
         assert data.manifest is not None
         if is_url(data.manifest) or not os.path.isfile(data.manifest):

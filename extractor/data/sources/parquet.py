@@ -465,7 +465,7 @@ class ParquetSource(Source):
     def forget(self) -> None:
         row_groups.clear()
 
-    def listing(self, data: DataSpec) -> dict[str, Any] | None:
+    def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         storage = data.storage_options
         urls = parquet_urls(self._files(data), storage)
         with ThreadPoolExecutor(min(16, len(urls))) as pool:

@@ -378,7 +378,7 @@ class TarSource(Source):
         assert isinstance(item, tuple)
         return read_member(item, storage_options)
 
-    def listing(self, data: DataSpec) -> dict[str, Any] | None:
+    def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         now = tar_listing(data.tars, data.extensions, data.storage_options)
         return None if 0 in now["fingerprints"] else now  # a tar of unknown fingerprint: listed again
 
