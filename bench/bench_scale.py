@@ -229,13 +229,16 @@ def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitSta
     if source == "folder":
         classes = -(-n // 1300)
 
-        def walk(root: Any, onerror: Any = None, followlinks: bool = False) -> Any:
-            yield str(root), [f"n{c:08d}" for c in range(classes)], []
-            for c in range(classes):
-                yield f"{root}/n{c:08d}", [], [f"n{c:08d}_{i}.JPEG" for i in range(c * 1300, min(n, c * 1300 + 1300))]
+        top = os.path.abspath(work)
 
-        stack.enter_context(mock.patch.object(folder.os, "walk", walk))
-        stack.enter_context(mock.patch.object(folder, "local_fingerprint", lambda p: 12345))
+        def entries(path: str) -> tuple[list[str], list[str]]:  # (files, folders) of a folder, as the walk lists
+            if path == top:
+                return [], [f"n{c:08d}" for c in range(classes)]
+            c = int(path.rsplit("/n", 1)[1])
+            return [f"n{c:08d}_{i}.JPEG" for i in range(c * 1300, min(n, c * 1300 + 1300))], []
+
+        stack.enter_context(mock.patch.object(folder, "_entries", entries))
+        stack.enter_context(mock.patch.object(folder, "folder_prints", lambda path, names: [12345] * len(names)))
         return DataSpec(source="folder", root=str(work)), stack
     if source == "tar":
         def scan(url: str, extensions: Any, storage: Any) -> Any:
