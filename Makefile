@@ -15,7 +15,7 @@ export PYTHONDONTWRITEBYTECODE :=
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,models,analysis,parquet,view]'
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,models,analysis,parquet,view,index]'
 	$(MAKE) --no-print-directory chromium
 	touch $(STAMP)
 

@@ -10,11 +10,12 @@ both targets printed side by side at the end of one run.
 
 Each side is timed by the wall clock and by the CPU seconds of its process (all threads): on a shared machine the
 load moves the wall-clock ratio, the CPU ratio much less; both are printed, with the load (``uptime``). Peak memory
-of the pass (numpy's allocations, by tracemalloc; and the peak RSS of the SAE pass, run in a process of its own
-before the bare loop reads the array into memory) is printed beside the bound: features x k x positions of top-row
-values, plus the examples and histograms per feature, plus a block of activations. ``--rows 0`` or ``--map-rows 0``
-leaves that part out. The defaults finish in a few minutes on 2 cores; the issue's sizes are ``--rows 20000``
-(20,000 images of 196 x 768 tokens: 6 GB of float16, ~25 TFLOP per side) and ``--map-rows 100000`` (the default).
+of the pass (the map's: numpy's allocations by tracemalloc, in a pass of its own, as it slows every allocation; the
+SAE's: its peak RSS, run in a process of its own before the bare loop reads the array into memory) is printed beside
+the bound: features x k x positions of top-row values, plus the examples and histograms per feature, plus a block of
+activations. ``--rows 0`` or ``--map-rows 0`` leaves that part out. The defaults finish in a few minutes on 2 cores;
+the issue's sizes are ``--rows 20000`` (20,000 images of 196 x 768 tokens: 6 GB of float16, ~25 TFLOP per side)
+and ``--map-rows 100000`` (the default).
 
     python bench/bench_index.py [--rows 1000] [--map-rows 100000]
 """
@@ -109,30 +110,38 @@ class Target:
     goal: float
 
 
-def _timed_index(url: Path, **kwargs: Any) -> tuple[Timed, int, Any]:
-    """Times, peak traced bytes and the index of one ``index`` call."""
+def _timed_index(url: Path, **kwargs: Any) -> tuple[Timed, Any]:
+    """Times and the index of one ``index`` call."""
+    from extractor.read import index
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    ix = index(str(url), "x", **kwargs)
+    return Timed(time.perf_counter() - t0, time.process_time() - c0, _load()), ix
+
+
+def _traced_index(url: Path, **kwargs: Any) -> int:
+    """Peak traced bytes (numpy's allocations included) of one ``index`` call: a pass of its own, as tracemalloc
+    slows every allocation (it made the map's pass 1.4x as long)."""
     from extractor.read import index
 
     tracemalloc.start()
-    t0, c0 = time.perf_counter(), time.process_time()
-    ix = index(str(url), "x", **kwargs)
-    timed = Timed(time.perf_counter() - t0, time.process_time() - c0, _load())
+    index(str(url), "x", **kwargs)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return timed, peak, ix
+    return peak
 
 
-def _in_child(url: Path, dictionary: Path) -> tuple[Timed, int, int, float]:
-    """One SAE index pass in a fresh process: times, traced peak bytes, peak RSS bytes, dead latents."""
+def _in_child(url: Path, dictionary: Path) -> tuple[Timed, int, float]:
+    """One SAE index pass in a fresh process: times, peak RSS bytes, dead latents."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        wall, cpu, load, peak, rss, dead = pool.apply(_child_pass, (str(url), str(dictionary)))
-    return Timed(wall, cpu, load), peak, rss, dead
+        wall, cpu, load, rss, dead = pool.apply(_child_pass, (str(url), str(dictionary)))
+    return Timed(wall, cpu, load), rss, dead
 
 
-def _child_pass(url: str, dictionary: str) -> tuple[float, float, str, int, int, float]:
-    timed, peak, ix = _timed_index(Path(url), dictionary=dictionary, k=K)
+def _child_pass(url: str, dictionary: str) -> tuple[float, float, str, int, int]:
+    timed, ix = _timed_index(Path(url), dictionary=dictionary, k=K)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
-    return timed.wall, timed.cpu, timed.load, peak, rss, len(ix.dead)
+    return timed.wall, timed.cpu, timed.load, rss, len(ix.dead)
 
 
 def _load() -> str:
@@ -170,14 +179,14 @@ def sae_bench(rows: int, repeats: int) -> Target:
         wall, cpu = bare_sae(x, w, block)
         bare.append(Timed(wall, cpu, _load()))
     base, ours = _median(bare), _median([r[0] for r in runs])
-    peak, rss, dead = max(r[1] for r in runs), max(r[2] for r in runs), runs[-1][3]
+    rss, dead = max(r[1] for r in runs), runs[-1][2]
     state = IndexState(LATENTS, TOKENS, K).nbytes()
     gb = rows * TOKENS * WIDTH * 2 / 1e9
     print(f"\nindex: {LATENTS} SAE latents over {rows} rows x {TOKENS} tokens x {WIDTH} (float16, {gb:.2f} GB), k "
           f"{K}, {torch.get_num_threads()} torch threads, blocks of {block} rows; median of {repeats}")
     print(f"  bare torch (array in memory: matmul + relu + top-k)  {_side(base, rows)}")
     print(f"  extractor index (read + encode + everything)          {_side(ours, rows)}")
-    print(f"  the pass: peak numpy memory {peak / 1e6:.0f} MB, peak RSS {rss / 1e6:.0f} MB; bound: index state "
+    print(f"  the pass: peak RSS {rss / 1e6:.0f} MB (torch and the reader included); bound: index state "
           f"{state / 1e6:.0f} MB + a block of {ENCODE_VALUES * 4 / 1e6:.0f} MB latents (x a few temporaries); dead "
           f"latents {dead}")
     del x
@@ -203,8 +212,8 @@ def map_bench(rows: int, repeats: int, channels: int = 1024, side: int = 2) -> T
 
     read = _median([plain() for _ in range(repeats)])
     runs = [_timed_index(url, k=K) for _ in range(repeats)]
-    ours = _median([r[0] for r in runs])
-    peak, ix = max(r[1] for r in runs), runs[-1][2]
+    ours, ix = _median([r[0] for r in runs]), runs[-1][1]
+    peak = _traced_index(url, k=K)
     gb = rows * channels * side * side * 2 / 1e9
     print(f"\nindex: raw channels of a {channels}-channel {side}x{side} map over {rows} rows (float16, {gb:.2f} GB); "
           f"median of {repeats}")

@@ -140,6 +140,11 @@ class IndexFeed:
         features = encoder.d_sae if encoder is not None else layout.features
         self.state = IndexState(features, layout.positions, k, pool, threshold)
 
+    def fresh(self) -> IndexFeed:
+        """A feed of the same layout, encoder and settings, with nothing added."""
+        s = self.state
+        return IndexFeed(self.layout, s.k, s.pool, s.threshold, self.encoder)
+
     def blocks(self, x: Any, rows: np.ndarray) -> Iterator[tuple[Any, np.ndarray]]:
         """Rows ``x`` (n, *shape) of the capture (numpy, or a torch tensor on its device) of store rows ``rows``, cut
         into blocks from the first: each as (n', positions, features) float32 of the index's features (encoded by

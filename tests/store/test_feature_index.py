@@ -7,11 +7,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from extractor.store import index_kernel
 from extractor.store.feature_index import Layout
 from extractor.store.index_state import HIST_EDGES, QUANTILES, IndexState
 
 ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
           "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def block_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here on both ways a block's per-value numbers are made: the compiled pass and numpy's passes."""
+    if request.param == "numpy":
+        monkeypatch.setattr(index_kernel, "_KERNELS", None)
+    elif not index_kernel.available():
+        pytest.skip("numba is not installed (the index extra)")
+    return request.param
 
 
 def _by_hand_top(pooled: np.ndarray, fires: np.ndarray, f: int, k: int) -> np.ndarray:
@@ -120,6 +131,38 @@ def test_a_float16_map_read_as_stored_equals_its_float32_values(pool: str, thres
     with np.errstate(invalid="ignore"):
         _check_against_numpy(np.ascontiguousarray(layout.tokens(stored), np.float32), rows, got, k, pool, threshold)
     assert got.histogram[3, -1] >= 1 and (got.histogram[4, 0] >= 1 or threshold > 0)
+
+
+@pytest.mark.parametrize(("pool", "threshold"), [("max", 0.0), ("mean", 0.0), ("max", 0.3), ("mean", 0.3)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_compiled_pass_equals_numpys_on_edges_nans_and_both_layouts(block_pass: str, pool: str, threshold: float,
+                                                                        dtype: type):
+    """Values at and beside every bin edge, NaN, infinities, subnormals and zeros, in a map's layout (channels
+    first: a strided view) and a token sequence's: the index the compiled pass makes equals numpy's, array for
+    array."""
+    if block_pass == "numpy":
+        pytest.skip("numpy against itself")
+    rng = np.random.default_rng(5)
+    edges = (10.0**HIST_EDGES).astype(dtype)
+    special = np.concatenate([edges, np.nextafter(edges, dtype(0)), np.nextafter(edges, dtype(np.inf)),
+                              [np.nan, np.inf, -np.inf, 0, -0.0, 1e-45, 6e-8, -1e-30, threshold]]).astype(dtype)
+    n, c, p, k = 96, 11, 6, 4
+    values = (rng.standard_normal((n, c, p)) * np.logspace(-4, 3, c)[None, :, None]).astype(dtype)
+    values.reshape(-1)[rng.choice(values.size, len(special) * 3)] = np.tile(special, 3)
+    values[4, 2] = np.nan  # a row whose every position is NaN
+    for block in (values.swapaxes(1, 2), np.ascontiguousarray(values.swapaxes(1, 2))):  # a map's view, tokens
+        made = {}
+        for way in ("compiled", "numpy"):
+            with pytest.MonkeyPatch.context() as m:
+                if way == "numpy":
+                    m.setattr(index_kernel, "_KERNELS", None)
+                state = IndexState(c, p, k, pool, threshold)
+                for a in range(0, n, 40):
+                    state.update(block[a : a + 40], np.arange(a, min(a + 40, n)))
+                made[way] = state.finish()
+        for name in ARRAYS:
+            np.testing.assert_array_equal(getattr(made["compiled"], name), getattr(made["numpy"], name),
+                                          err_msg=name)
 
 
 def test_the_bins_of_every_float16_value_equal_searchsorted_over_the_edges():
