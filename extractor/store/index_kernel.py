@@ -64,6 +64,59 @@ def _compiled(features_last: bool, half: bool, means: bool) -> Any:
     return kernel
 
 
+def _compiled_examples() -> Any:
+    """The per-row kernel: each (row, feature) of a part of a block, its pooled value's bin counted where it fires,
+    and offered as an example where its hash can beat what its bin keeps. Branch-free but for the offer, which
+    once the slots hold rows is rare (a branch that goes one way)."""
+    import numba
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def kernel(pooled: Any, bits: Any, fires: Any, row_mix: Any, feature_mix: Any, ceiling: Any, table: Any, low: Any,
+               edges: Any, dump: int, ambiguous: int, counts: Any, at: Any, bins_out: Any, hashes: Any) -> int:
+        n, f = pooled.shape
+        bins, spills, m = dump, len(counts) - 8, 0
+        for r in range(n):
+            for j in range(f):
+                v, u = pooled[r, j], bits[r, j]
+                b: Any = np.intp(table[u >> 16])
+                if b == ambiguous:  # an edge or 0 cuts the value's bucket: one comparison
+                    lo = np.intp(low[u >> 16])
+                    b = lo + np.intp(lo < bins - 1 and v >= edges[lo + 1]) if v > 0 else bins
+                b = b if b != bins else 0  # what fires at or below 0 (a mean) counts in the first bin
+                fire = fires[r, j]
+                spill = spills + (j & 7)
+                counts[spill + (j * bins + b - spill) * np.intp(fire)] += 1
+                x = np.uint64(row_mix[r] ^ feature_mix[j]) * np.uint64(0xC2B2AE3D) & np.uint64(0xFFFFFFFF)
+                x ^= x >> np.uint64(16)
+                if (x <= ceiling[j, b]) & fire:  # one branch, nearly always not taken (``and`` made two)
+                    at[m], bins_out[m], hashes[m] = r * f + j, b, x
+                    m += 1
+        return m
+
+    return kernel
+
+
+def examples(pooled: np.ndarray, fires: np.ndarray, row_mix: np.ndarray, feature_mix: np.ndarray,
+             ceiling: np.ndarray, counts: np.ndarray, tables: tuple[np.ndarray, ...], dump: int,
+             ambiguous: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """For a part of a block, ``pooled`` (n, F) float32 and where it ``fires`` (n, F): adds each firing pair's bin
+    to ``counts`` (F x bins + 8 spill slots, int64), and returns the pairs that may take an example slot: flat
+    indices (r x F + feature), bins and hashes (``sample_hashes``: the row and feature mixes given, combined here)
+    where the hash is at most the bin's ``ceiling`` (F, bins) uint32. None without numba."""
+    if _KERNELS is None:
+        return None
+    kernel = _KERNELS.get("examples")
+    if kernel is None:
+        kernel = _KERNELS["examples"] = _compiled_examples()
+    n, f = pooled.shape
+    pooled = np.ascontiguousarray(pooled, np.float32)
+    at, bins, hashes = np.empty(n * f, np.int64), np.empty(n * f, np.intp), np.empty(n * f, np.uint32)
+    _, _, table, low, edges = tables
+    m = kernel(pooled, pooled.view(np.uint32), np.ascontiguousarray(fires), row_mix, feature_mix, ceiling, table,
+               low, edges, dump, ambiguous, counts, at, bins, hashes)
+    return at[:m], bins[:m], hashes[:m]
+
+
 def _numba() -> bool:
     try:
         import numba  # noqa: F401
@@ -72,7 +125,7 @@ def _numba() -> bool:
     return True
 
 
-_KERNELS: dict[tuple[bool, bool, bool], Any] | None = {} if _numba() else None  # (features_last, half, means)
+_KERNELS: dict[Any, Any] | None = {} if _numba() else None  # (features_last, half, means) or "examples"
 
 
 def available() -> bool:

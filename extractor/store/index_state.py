@@ -81,13 +81,21 @@ def sample_hashes(rows: np.ndarray, features: np.ndarray) -> np.ndarray:
     """A 32-bit hash of each pair of ``rows`` (n,) and ``features`` (F,): (n, F) uint32, computed densely (each row
     and each feature mixed once, then each pair by a multiply and a shift: a bijection of the two mixed values'
     xor, so no two rows of a feature collide)."""
-    a = _fmix32((np.asarray(rows, np.int64) & 0xFFFFFFFF).astype(np.uint32) * np.uint32(0x9E3779B1))
-    b = _fmix32(np.asarray(features, np.int64).astype(np.uint32) * np.uint32(0x85EBCA77) + np.uint32(0x165667B1))
+    a, b = _row_mix(rows), _feature_mix(features)
     with np.errstate(over="ignore"):
         x = a[:, None] ^ b[None, :]
         x *= np.uint32(0xC2B2AE3D)
         x ^= x >> np.uint32(16)
     return x
+
+
+def _row_mix(rows: np.ndarray) -> np.ndarray:
+    """Each row mixed (uint32), as :func:`sample_hashes` combines it with a feature's."""
+    return _fmix32((np.asarray(rows, np.int64) & 0xFFFFFFFF).astype(np.uint32) * np.uint32(0x9E3779B1))
+
+
+def _feature_mix(features: np.ndarray) -> np.ndarray:
+    return _fmix32(np.asarray(features, np.int64).astype(np.uint32) * np.uint32(0x85EBCA77) + np.uint32(0x165667B1))
 
 
 def sample_keys(hashes: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -190,6 +198,56 @@ class IndexArrays:
     dead: np.ndarray  # (D,) int64: the features that never fire
 
 
+class _Examples:
+    """A block's firing (row, feature) pairs offered to the example slots a part of rows at a time, and their row
+    histogram: compiled where numba is (:func:`.index_kernel.examples`: each pair's bin, count and hash made as it
+    passes), else in numpy passes over the block (the same candidates and counts)."""
+
+    def __init__(self, state: IndexState, rows: np.ndarray, pooled: np.ndarray, fires: np.ndarray) -> None:
+        self.state, self.rows, self.pooled, self.fires = state, rows, pooled, fires
+        f = pooled.shape[1]
+        self.compiled = index_kernel.available()
+        if self.compiled:
+            self.tally = np.zeros(f * HIST_BINS + 8, np.int64)  # (F, bins), then 8 spill slots of what does not fire
+            self.row_mix, self.feature_mix = _row_mix(rows), _feature_mix(np.arange(f))
+        else:
+            exact = state.threshold == 0 and (state.pool == "max" or state.positions == 1)
+            self.bins = _fired_bins(pooled, fires, exact)
+            self.cells = self.bins + _offsets(f)  # (n, F): feature x (bins + 1) + bin
+            self.hashes = sample_hashes(rows, np.arange(f))
+
+    def counts(self) -> np.ndarray:
+        """(F, HIST_BINS) firing rows per bin of the pooled values."""
+        f = self.pooled.shape[1]
+        return self.tally[: f * HIST_BINS].reshape(f, HIST_BINS) if self.compiled else _counts(self.cells, f)
+
+    def offer(self, part: slice) -> None:
+        """Offer the firing pairs of rows ``part`` whose hash can beat their row bin's kept examples."""
+        f = self.pooled.shape[1]
+        floor = self.state.examples.floor
+        ceiling = np.zeros((f, HIST_BINS + 1), np.uint32)  # the largest hash a pair may have; the dump bin: 0
+        ceiling[:, :HIST_BINS] = (~floor >> np.uint64(32)).astype(np.uint32).reshape(f, HIST_BINS)
+        if self.compiled:
+            found = index_kernel.examples(self.pooled[part], self.fires[part], self.row_mix[part], self.feature_mix,
+                                          ceiling, self.tally, _KERNEL_TABLES, _DUMP, _AMBIGUOUS)
+            assert found is not None
+            at, bins, hashes = found
+            at += part.start * f
+            row, feature = np.divmod(at, f)
+            slot = feature * HIST_BINS + bins
+        else:
+            cells = self.cells[part]
+            at = np.flatnonzero(self.hashes[part] <= ceiling.reshape(-1)[cells])
+            at = at[self.bins[part].reshape(-1)[at] != _DUMP]  # a hash of 0 in the dump bin
+            hashes = self.hashes[part].reshape(-1)[at]
+            row, feature = np.divmod(at + part.start * f, f)
+            slot = cells.reshape(-1)[at] - feature  # feature x bins + bin: the examples' cell
+        keys = sample_keys(hashes, self.rows[row])
+        fit = keys > floor[slot]
+        values = self.pooled[row[fit], feature[fit]]
+        self.state.examples.offer(slot[fit], keys[fit], lambda i: values[i])
+
+
 class IndexState:
     """What a stream of rows has shown of each of ``features`` features over ``positions`` positions per row:
     bounded by features x (k x positions + bins x examples), never by rows. ``update`` adds a block, ``merge``
@@ -232,19 +290,17 @@ class IndexState:
         self.rows += n
         values, pooled, fires, peak = self._add_values(acts)
         self.max_value = np.fmax(self.max_value, np.fmax.reduce(peak, axis=0))  # NaN (a float16 overflow) left out
-        bins = _fired_bins(pooled, fires, self.threshold == 0 and (self.pool == "max" or t == 1))
-        cells = bins + _offsets(f)  # (n, F): feature x (bins + 1) + bin
-        counts = _counts(cells, f)
-        self.histogram_rows += counts
-        self.fire_rows += counts.sum(axis=1)  # a firing row has a bin
-        hashes = sample_hashes(rows, np.arange(f))
+        examples = _Examples(self, rows, pooled, fires)
         # a few rows first, then more: once the slots hold rows, few candidates beat their floors
         a = 0
         for b in _growing(n, self.rows - n).tolist():
             part = slice(a, b)
             self._offer_top(values[part], rows[part], pooled[part], fires[part])
-            self._offer_examples(rows[part], pooled[part], bins[part], cells[part], hashes[part])
+            examples.offer(part)
             a = b
+        counts = examples.counts()
+        self.histogram_rows += counts
+        self.fire_rows += counts.sum(axis=1)  # a firing row has a bin
 
     def _add_values(self, acts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Add the per-token sums and histogram of block ``acts`` (n, T, F); returns the block as the top rows take
@@ -331,21 +387,6 @@ class IndexState:
         fit = keys > self.top.floor[feature]
         row, feature, keys = row[fit], feature[fit], keys[fit]
         self.top.offer(feature, keys, lambda i: acts[row[i], :, feature[i]])
-
-    def _offer_examples(self, rows: np.ndarray, pooled: np.ndarray, bins: np.ndarray, cells: np.ndarray,
-                        hashes: np.ndarray) -> None:
-        """Offer the firing (row, feature) pairs whose hash can beat their row bin's kept examples."""
-        f = pooled.shape[1]
-        ceiling = np.zeros((f, HIST_BINS + 1), np.uint32)  # the largest hash a pair may have; the dump bin: 0
-        ceiling[:, :HIST_BINS] = (~self.examples.floor >> np.uint64(32)).astype(np.uint32).reshape(f, HIST_BINS)
-        at = np.flatnonzero(hashes <= ceiling.reshape(-1)[cells])
-        at = at[bins.reshape(-1)[at] != _DUMP]  # a hash of 0 in the dump bin
-        row, feature = np.divmod(at, f)
-        slot = cells.reshape(-1)[at] - feature  # feature x bins + bin: the examples' cell
-        keys = sample_keys(hashes.reshape(-1)[at], rows[row])
-        fit = keys > self.examples.floor[slot]
-        values = pooled[row[fit], feature[fit]]
-        self.examples.offer(slot[fit], keys[fit], lambda i: values[i])
 
     def merge(self, other: IndexState) -> None:
         """Add another state of the same features (another shard's rows)."""
