@@ -54,7 +54,8 @@ __all__ = ["index", "open_index", "FeatureIndex", "TopRows"]
 
 log = logging.getLogger(__name__)
 READ_AHEAD = 2  # chunks read ahead of the pass (zarr decodes on the reading threads)
-LANES = 2  # threads a pass over a capture's own features adds chunks on (measured on 2 cores: see _pass)
+LANES = 2  # threads a pass adds chunks on (2 cores, SAE of 4,096 latents over 2,000 images: 1.5x the bare loop's
+# time on one, 1.2x on two; raw channels of a 1,024-channel map: 5.0 s on one, 3.5 s on two)
 
 
 @dataclass(frozen=True)
@@ -132,14 +133,15 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
 
 def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callable[[int], None] | None) -> None:
     """Feed the ok rows of ``key`` to ``feed``, a chunk at a time in row order (the blocks a job's writer meets).
-    A capture's own features are indexed on :data:`LANES` threads, each adding every LANES-th chunk in order to a
-    state of its own, merged at the end (the same index: states merge in any partition; the compiled pass and
-    numpy's loops let go of the GIL); a dictionary's latents on one (its encoder's matmul takes every core)."""
+    The chunks are added on :data:`LANES` threads, each adding every LANES-th chunk in order to a state of its own,
+    merged at the end: the same index (states merge in any partition, and the partition is fixed), in the time the
+    parts take side by side (the compiled passes, numpy's loops and the encoder's matmul let go of the GIL).
+    Memory: LANES states, and a block of latents per lane."""
     arr = store[key]
     step = int(arr.chunks[0])
     status = store.status
     starts = [a for a in range(0, len(status), step) if (status[a : a + step] == OK).any()]
-    lanes = [feed] if feed.encoder is not None else [feed, *(feed.fresh() for _ in range(LANES - 1))]
+    lanes = [feed, *(feed.fresh() for _ in range(LANES - 1))]
     lock = threading.Lock()
 
     def read(a: int) -> tuple[np.ndarray, np.ndarray]:
@@ -153,9 +155,6 @@ def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callab
                 with lock:
                     on_progress(len(rows))
 
-    if len(lanes) == 1:
-        lane(0)
-        return
     with ThreadPoolExecutor(len(lanes), thread_name_prefix="extractor-index-lane") as pool:
         for done in [pool.submit(lane, i) for i in range(len(lanes))]:
             done.result()
