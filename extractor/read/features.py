@@ -29,6 +29,7 @@ from ..errors import StoreError
 from ..store import (
     INDEX_VERSION,
     INDEXES,
+    LEASE_TIMEOUT_S,
     OK,
     Dictionary,
     DictionaryError,
@@ -111,7 +112,8 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
         raise ValueError(f"k must be >= 1, not {k}")
     feed = IndexFeed(layout, k, pool, threshold, dic)
     name = name or index_name(key, dic.stem if dic is not None else None)
-    lease = Lease(store.url, store.storage_options, _lease_timeout(store.attrs), owner())
+    # the timeout the store's job ran with; a store that records none (not written by a job) gets the default
+    lease = Lease(store.url, store.storage_options, _lease_timeout(store.attrs) or LEASE_TIMEOUT_S, owner())
     lease.acquire()  # a job writing the store holds it: refused, naming the job
     try:
         group = lease.open()  # every write through the lease's fence

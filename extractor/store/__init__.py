@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         take_rows,
         update_attrs,
     )
-    from .lease import Lease, being_created, lease_timeout, read_attrs, read_lease
+    from .lease import LEASE_TIMEOUT_S, Lease, being_created, lease_timeout, read_attrs, read_lease
     from .provenance import Probe, StoreRecord, changed_rows, check_resumable, differences, owner, store_attrs
     from .recorded import StoredRows, current_places, source_digests, stored_rows
     from .reuse import ReuseIndex, check_sources

@@ -114,6 +114,10 @@ def job_fence(url: str, storage_options: Mapping[str, Any] | None, token: str) -
     return Fence(url, storage_options, token, lambda: lease.read()[0].get("token"))
 
 
+LEASE_TIMEOUT_S = 60.0  # a lease silent this long is stale, where the store's job recorded no other (the spec's
+# default output.lease_timeout_s); a lease is renewed every quarter of it
+
+
 def lease_timeout(held: LeaseRecord, default: float) -> float:
     """How long the lease ``held`` lives without a renewal: its own job's ``output.lease_timeout_s`` (which
     sets how often that job renews it), or ``default`` for leases that did not record it."""
@@ -223,6 +227,8 @@ class Lease:
     """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None, timeout_s: float, info: dict[str, Any]):
+        if not timeout_s > 0:  # renewed every timeout_s / 4: at 0 the heartbeat would write without pause
+            raise ValueError(f"a lease's timeout must be > 0 s, not {timeout_s}")
         self.url, self.storage_options, self.timeout_s = url, storage_options, timeout_s
         self.token = uuid.uuid4().hex
         self.info = dict(info)

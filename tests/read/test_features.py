@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 from conftest import child_env, job, make_images
 from test_feature_index import ARRAYS, _by_hand_top, _check_against_numpy
 
@@ -21,8 +23,10 @@ from extractor.errors import StoreError
 from extractor.read import open_store
 from extractor.read.features import index, open_index
 from extractor.spec.load import parse_spec
+from extractor.spec.schema import OutputSpec
 from extractor.store.dictionary import DictionaryError, load_dictionary
-from extractor.store.lease import Lease
+from extractor.store.layout import consolidate, update_attrs
+from extractor.store.lease import LEASE_TIMEOUT_S, Lease
 
 
 # ---------------------------------------------------------------------------------------------- a store
@@ -138,6 +142,30 @@ def test_a_store_a_job_holds_is_refused_naming_the_job(store: Path):
             index(str(store), "layer3")
     finally:
         lease.release()
+
+
+def test_a_store_that_records_no_lease_timeout_is_held_for_the_default_one(store: Path, tmp_path: Path):
+    """A store whose spec records no lease timeout (not written by a job): the index's lease took a timeout of 0, so
+    its heartbeat wrote the lease without pause and another job saw it stale at once. Now: the spec's default."""
+    path = tmp_path / "untimed.zarr"
+    shutil.copytree(store, path)
+    group = zarr.open_group(str(path), mode="r+")
+    spec = dict(group.attrs["extractor"]["spec"])
+    spec["output"] = {k: v for k, v in spec["output"].items() if k != "lease_timeout_s"}
+    update_attrs(group, spec=spec)
+    consolidate(group)
+    assert "lease_timeout_s" not in open_store(str(path)).attrs["spec"]["output"]
+    held = []
+
+    def during(rows: int) -> None:
+        with pytest.raises(StoreError, match="in use by another extractor job"):  # a second job is refused
+            Lease.check(str(path), None, 1.0)
+        held.append(dict(zarr.open_group(str(path), mode="r")["lease"].attrs)["timeout_s"])
+
+    index(str(path), "layer3", k=4, name="untimed", on_progress=during)
+    assert held and set(held) == {LEASE_TIMEOUT_S} == {OutputSpec.model_fields["lease_timeout_s"].default}
+    with pytest.raises(ValueError, match="a lease's timeout must be > 0 s, not 0"):
+        Lease(str(path), None, 0.0, {})
 
 
 def test_open_index_names_what_the_store_holds(store: Path):
