@@ -187,9 +187,9 @@ def sae_bench(rows: int, repeats: int) -> Target:
           f"{K}, {torch.get_num_threads()} torch threads, blocks of {block} rows; median of {repeats}")
     print(f"  bare torch (array in memory: matmul + relu + top-k)  {_side(base, rows)}")
     print(f"  extractor index (read + encode + everything)          {_side(ours, rows)}")
-    print(f"  the pass: peak RSS {rss / 1e6:.0f} MB (torch and the reader included); bound: {LANES} lanes x (index "
-          f"state {state / 1e6:.0f} MB + a block of {ENCODE_VALUES * 4 / 1e6:.0f} MB latents, x a few temporaries); "
-          f"dead latents {dead}")
+    print(f"  the pass: peak RSS {rss / 1e6:.0f} MB (torch and the reader included); bound: the index state "
+          f"{state / 1e6:.0f} MB (its slots shared by {LANES} lanes) + {LANES} lanes x a block of "
+          f"{ENCODE_VALUES * 4 / 1e6:.0f} MB latents, x a few temporaries; dead latents {dead}")
     del x
     return Target(f"SAE: {LATENTS} latents, {rows} x {TOKENS} tokens", ours, base, "bare torch", 1.3)
 

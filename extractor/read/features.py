@@ -135,15 +135,16 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
 
 def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callable[[int], None] | None) -> None:
     """Feed the ok rows of ``key`` to ``feed``, a chunk at a time in row order (the blocks a job's writer meets).
-    The chunks are added on :data:`LANES` threads, each adding every LANES-th chunk in order to a state of its own,
-    merged at the end: the same index (states merge in any partition, and the partition is fixed), in the time the
-    parts take side by side (the compiled passes, numpy's loops and the encoder's matmul let go of the GIL).
-    Memory: LANES states, and a block of latents per lane."""
+    The chunks are added on :data:`LANES` threads, each adding every LANES-th chunk in order to a lane of the state
+    (:meth:`~extractor.store.index_state.IndexState.lane`: counts of its own, the top rows and examples shared),
+    joined at the end: the same index (slots hold the same rows in any order; the counts' partition is fixed), in
+    the time the parts take side by side (the compiled passes, numpy's loops and the encoder's matmul let go of the
+    GIL). Memory: one state's slots, counts per lane, and a block of latents per lane."""
     arr = store[key]
     step = int(arr.chunks[0])
     status = store.status
     starts = [a for a in range(0, len(status), step) if (status[a : a + step] == OK).any()]
-    lanes = [feed, *(feed.fresh() for _ in range(LANES - 1))]
+    lanes = [feed, *(feed.lane() for _ in range(LANES - 1))]
     lock = threading.Lock()
 
     def read(a: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +162,7 @@ def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callab
         for done in [pool.submit(lane, i) for i in range(len(lanes))]:
             done.result()
     for other in lanes[1:]:
-        feed.state.merge(other.state)
+        feed.state.join(other.state)
 
 
 def index_names(store: ActivationStore) -> list[str]:

@@ -6,6 +6,7 @@ an :class:`~.index_state.IndexState` (:class:`IndexFeed`), the stored layout of 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
@@ -140,10 +141,12 @@ class IndexFeed:
         features = encoder.d_sae if encoder is not None else layout.features
         self.state = IndexState(features, layout.positions, k, pool, threshold)
 
-    def fresh(self) -> IndexFeed:
-        """A feed of the same layout, encoder and settings, with nothing added."""
-        s = self.state
-        return IndexFeed(self.layout, s.k, s.pool, s.threshold, self.encoder)
+    def lane(self) -> IndexFeed:
+        """A feed for another thread beside this one: the same layout and encoder, a :meth:`IndexState.lane` of its
+        state (counts of its own, the slots shared); its state is joined to this one's once done."""
+        feed = copy.copy(self)
+        feed.state = self.state.lane()
+        return feed
 
     def blocks(self, x: Any, rows: np.ndarray) -> Iterator[tuple[Any, np.ndarray]]:
         """Rows ``x`` (n, *shape) of the capture (numpy, or a torch tensor on its device) of store rows ``rows``, cut

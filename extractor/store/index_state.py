@@ -16,8 +16,10 @@ key holds both, :func:`top_keys`). How a capture's rows feed it and where a fini
 from __future__ import annotations
 
 import sys
+import threading
 import zlib
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,12 +125,17 @@ class _Slots:
         self.keys = np.zeros((cells, k), np.uint64)
         self.payload = np.zeros((cells, k, *payload), dtype)
         self.floor = np.zeros(cells, np.uint64)  # the smallest key held per cell: what a new one must beat
+        self.lock: Any = nullcontext()  # a lock once states on several threads share the slots (IndexState.lane)
 
     def offer(self, cells: np.ndarray, keys: np.ndarray, payload: Callable[[np.ndarray], np.ndarray]) -> None:
-        """Offer candidates (cell, key), each key above its cell's floor; ``payload(i)`` gives the payloads of
-        candidates ``i``, asked only for those that take a slot."""
-        if not len(keys):
-            return
+        """Offer candidates (cell, key), each key above its cell's floor as read at any time before (a floor only
+        rises: a key below it takes no slot); ``payload(i)`` gives the payloads of candidates ``i``, asked only for
+        those that take a slot."""
+        if len(keys):
+            with self.lock:
+                self._offer(cells, keys, payload)
+
+    def _offer(self, cells: np.ndarray, keys: np.ndarray, payload: Callable[[np.ndarray], np.ndarray]) -> None:
         k = self.keys.shape[1]
         order = np.lexsort((~keys, cells))  # by cell, largest key first
         cells, keys = cells[order], keys[order]
@@ -253,7 +260,8 @@ class IndexState:
     bounded by features x (k x positions + bins x examples), never by rows. ``update`` adds a block, ``merge``
     another state (another shard's), in any order; ``finish`` gives the index."""
 
-    def __init__(self, features: int, positions: int, k: int = 16, pool: str = "max", threshold: float = 0.0) -> None:
+    def __init__(self, features: int, positions: int, k: int = 16, pool: str = "max", threshold: float = 0.0, *,
+                 slots: tuple[_Slots, _Slots] | None = None) -> None:
         if pool not in ("max", "mean"):
             raise ValueError(f"pool must be max or mean, not {pool!r}")
         if threshold < 0:
@@ -261,8 +269,10 @@ class IndexState:
                              f"not {threshold}")
         self.features, self.positions, self.k, self.pool = features, positions, k, pool
         self.threshold = float(threshold)
-        self.top = _Slots(features, k, (positions,), np.float32)  # keys: top_keys; payload: the row's values
-        self.examples = _Slots(features * HIST_BINS, EXAMPLES, (), np.float32)  # keys: sample_keys; pooled value
+        # top: keys top_keys, payload the row's values; examples: keys sample_keys, payload the pooled value.
+        # ``slots``: another state's, shared (:meth:`lane`)
+        self.top, self.examples = slots or (_Slots(features, k, (positions,), np.float32),
+                                            _Slots(features * HIST_BINS, EXAMPLES, (), np.float32))
         self.fire_tokens = np.zeros(features, np.int64)
         self.fire_rows = np.zeros(features, np.int64)
         self.sum_active = np.zeros(features, np.float64)
@@ -387,6 +397,22 @@ class IndexState:
         fit = keys > self.top.floor[feature]
         row, feature, keys = row[fit], feature[fit], keys[fit]
         self.top.offer(feature, keys, lambda i: acts[row[i], :, feature[i]])
+
+    def lane(self) -> IndexState:
+        """A state for another thread to add rows to beside this one: counts, sums and histograms of its own, this
+        state's slots, each offer to them under their lock (slots hold the same keys whatever order they are offered
+        in); :meth:`join` adds its counts back. Memory: the slots once, however many lanes."""
+        for slots in (self.top, self.examples):
+            if isinstance(slots.lock, nullcontext):
+                slots.lock = threading.Lock()
+        return IndexState(self.features, self.positions, self.k, self.pool, self.threshold,
+                          slots=(self.top, self.examples))
+
+    def join(self, lane: IndexState) -> None:
+        """Add the counts of ``lane``, a :meth:`lane` of this state, once its rows are all added."""
+        if lane.top is not self.top:
+            raise ValueError("joining a state that is not a lane of this one: merge it")
+        self._add_sums(lane)
 
     def merge(self, other: IndexState) -> None:
         """Add another state of the same features (another shard's rows)."""

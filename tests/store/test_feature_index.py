@@ -4,6 +4,8 @@ bytes; how a capture's rows read as positions x features."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -105,6 +107,46 @@ def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool
             np.testing.assert_allclose(a, b, rtol=1e-12)
         else:
             np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.usefixtures("block_pass")
+def test_lanes_on_threads_share_one_states_slots_and_give_its_index():
+    """A pass's lanes (IndexState.lane): each thread adds its blocks to counts of its own and offers to the slots they
+    share, at the same moments (a barrier before each block); joined, the index of the rows added in one state."""
+    rng = np.random.default_rng(3)
+    n, t, f, k, lanes, step = 720, 4, 12, 5, 3, 40
+    acts = rng.standard_normal((n, t, f)).astype(np.float32)
+    acts[:, :, 3] = np.round(acts[:, :, 3], 1)  # ties, decided by the lower row whatever lane offers first
+    rows = np.arange(n, dtype=np.int64) * 2
+    whole = IndexState(f, t, k)
+    for a in range(0, n, step):
+        whole.update(acts[a : a + step], rows[a : a + step])
+    state = IndexState(f, t, k)
+    states = [state, *(state.lane() for _ in range(lanes - 1))]
+    assert all(s.top is state.top and s.examples is state.examples for s in states)
+    together = threading.Barrier(lanes)
+
+    def lane(i: int) -> None:
+        for a in range(i * step, n, lanes * step):
+            together.wait()
+            states[i].update(acts[a : a + step], rows[a : a + step])
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(lanes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for other in states[1:]:
+        state.join(other)
+    got, want = state.finish(), whole.finish()
+    _check_against_numpy(acts, rows, got, k, "max")
+    for name in ARRAYS:
+        if name == "mean_active":
+            np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-12)
+        else:
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    with pytest.raises(ValueError, match="not a lane of this one"):
+        state.join(IndexState(f, t, k))
 
 
 @pytest.mark.usefixtures("block_pass")
