@@ -25,9 +25,9 @@ def _compiled(features_last: bool, half: bool, means: bool) -> Any:
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def kernel(bits: Any, values: Any, threshold: Any, f32: Any, bin16: Any, table: Any, low: Any, edges: Any,
-               dump: int, ambiguous: int, sums: Any, hist: Any, peak: Any, row_sums: Any) -> None:
+               bins: int, ambiguous: int, sums: Any, hist: Any, peak: Any, row_sums: Any) -> None:
         n, a, b = bits.shape  # (n, T, F) where features_last, else (n, F, T): read in memory order
-        bins, spills, zero = dump, len(hist) - 8, np.float32(0)
+        spills, zero = len(hist) - 8, np.float32(0)
 
         def value(r: int, i: int, j: int) -> Any:
             return f32[bits[r, i, j]] if half else values[r, i, j]
@@ -72,9 +72,9 @@ def _compiled_examples() -> Any:
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def kernel(pooled: Any, bits: Any, fires: Any, row_mix: Any, feature_mix: Any, ceiling: Any, table: Any, low: Any,
-               edges: Any, dump: int, ambiguous: int, counts: Any, at: Any, bins_out: Any, hashes: Any) -> int:
+               edges: Any, bins: int, ambiguous: int, counts: Any, at: Any, bins_out: Any, hashes: Any) -> int:
         n, f = pooled.shape
-        bins, spills, m = dump, len(counts) - 8, 0
+        spills, m = len(counts) - 8, 0
         for r in range(n):
             for j in range(f):
                 v, u = pooled[r, j], bits[r, j]
@@ -97,7 +97,7 @@ def _compiled_examples() -> Any:
 
 
 def examples(pooled: np.ndarray, fires: np.ndarray, row_mix: np.ndarray, feature_mix: np.ndarray,
-             ceiling: np.ndarray, counts: np.ndarray, tables: tuple[np.ndarray, ...], dump: int,
+             ceiling: np.ndarray, counts: np.ndarray, tables: tuple[np.ndarray, ...], bins: int,
              ambiguous: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """For a part of a block, ``pooled`` (n, F) float32 and where it ``fires`` (n, F): adds each firing pair's bin
     to ``counts`` (F x bins + 8 spill slots, int64), and returns the pairs that may take an example slot: flat
@@ -110,11 +110,11 @@ def examples(pooled: np.ndarray, fires: np.ndarray, row_mix: np.ndarray, feature
         kernel = _KERNELS["examples"] = _compiled_examples()
     n, f = pooled.shape
     pooled = np.ascontiguousarray(pooled, np.float32)
-    at, bins, hashes = np.empty(n * f, np.int64), np.empty(n * f, np.intp), np.empty(n * f, np.uint32)
+    at, found, hashes = np.empty(n * f, np.int64), np.empty(n * f, np.intp), np.empty(n * f, np.uint32)
     _, _, table, low, edges = tables
     m = kernel(pooled, pooled.view(np.uint32), np.ascontiguousarray(fires), row_mix, feature_mix, ceiling, table,
-               low, edges, dump, ambiguous, counts, at, bins, hashes)
-    return at[:m], bins[:m], hashes[:m]
+               low, edges, bins, ambiguous, counts, at, found, hashes)
+    return at[:m], found[:m], hashes[:m]
 
 
 def _numba() -> bool:
@@ -132,15 +132,16 @@ def available() -> bool:
     return _KERNELS is not None
 
 
-def dense(stored: np.ndarray, threshold: float, means: bool, tables: tuple[np.ndarray, ...], dump: int,
-          ambiguous: int, bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
+def dense(stored: np.ndarray, threshold: float, means: bool, tables: tuple[np.ndarray, ...], bins: int,
+          ambiguous: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
     """For ``stored`` (n, T, F) float16 or float32, any strides: per feature the sum of its values above
     ``threshold`` (F,) float64 and the (F, bins) histogram of their bins; per row and feature the peak over the
     positions (n, F) float32 (NaN where one is NaN, as numpy's max: a feature fires in a row where its peak is above
     the threshold), and (``means``) the float64 sum of its values over the positions (n, F), else None. None without
     numba (or of another type).
     ``tables``: the float16 values as float32, their bins, and the float32 bin tables (``_BIN_TABLE``,
-    ``_BIN_LOW``, ``_EDGES32``)."""
+    ``_BIN_LOW``, ``_EDGES32``), which give ``bins`` (one past the last) where a value never fires; ``ambiguous``
+    where an edge cuts a float32 bucket."""
     if _KERNELS is None or stored.dtype not in (np.float16, np.float32):
         return None
     n, t, f = stored.shape
@@ -158,6 +159,6 @@ def dense(stored: np.ndarray, threshold: float, means: bool, tables: tuple[np.nd
     kernel = _KERNELS.get((features_last, half, means))
     if kernel is None:
         kernel = _KERNELS[features_last, half, means] = _compiled(features_last, half, means)
-    kernel(arranged, values, np.float32(threshold), f32, bin16, table, low, edges, dump, ambiguous, sums, hist, peak,
+    kernel(arranged, values, np.float32(threshold), f32, bin16, table, low, edges, bins, ambiguous, sums, hist, peak,
            row_sums)
     return sums, hist[: f * bins].reshape(f, bins), peak, row_sums if means else None

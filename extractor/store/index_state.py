@@ -236,7 +236,7 @@ class _Examples:
         ceiling[:, :HIST_BINS] = (~floor >> np.uint64(32)).astype(np.uint32).reshape(f, HIST_BINS)
         if self.compiled:
             found = index_kernel.examples(self.pooled[part], self.fires[part], self.row_mix[part], self.feature_mix,
-                                          ceiling, self.tally, _KERNEL_TABLES, _DUMP, _AMBIGUOUS)
+                                          ceiling, self.tally, _KERNEL_TABLES, HIST_BINS, _AMBIGUOUS)
             assert found is not None
             at, bins, hashes = found
             at += part.start * f
@@ -322,8 +322,8 @@ class IndexState:
         means = self.pool == "mean" and t > 1
         seen = (self.rows - n) * t * f  # values before this block: where few of them fired (an SAE's latents),
         sparse = seen and int(self.fire_tokens.sum()) * 8 < seen  # numpy's passes over those that fire are faster
-        done = None if sparse else index_kernel.dense(acts, self.threshold, means, _KERNEL_TABLES, _DUMP, _AMBIGUOUS,
-                                                      HIST_BINS)
+        done = None if sparse else index_kernel.dense(acts, self.threshold, means, _KERNEL_TABLES, HIST_BINS,
+                                                      _AMBIGUOUS)
         if done is None:
             values = np.ascontiguousarray(acts, np.float32)  # compared and summed as float32; binned as stored
             fire = self._add_tokens(acts, values.reshape(n * t, f))
