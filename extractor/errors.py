@@ -15,6 +15,7 @@ __all__ = [
     "FencedError",
     "LayerError",
     "ModelError",
+    "OutOfRangeError",
     "ShardError",
     "SpecError",
     "StoreError",
@@ -51,6 +52,10 @@ class StoreError(ExtractorError, OSError):
 class FencedError(StoreError):
     """This job no longer holds the store: another job took it over (this one was paused past its
     lease, or cut off). It stops at once and writes nothing more into the store."""
+
+
+class OutOfRangeError(ExtractorError, IndexError):
+    """A row, feature or rank asked of a store or an index that it does not hold (names what it holds)."""
 
 
 class ShardError(ExtractorError, RuntimeError):

@@ -72,7 +72,7 @@ def add_index_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     ix.add_argument("--name", help="the index's name in the store (default: KEY, or KEY@DICTIONARY_STEM)")
     ix.add_argument("--feature", type=int, help="draw this feature's top images with its heatmaps to --out")
     ix.add_argument("--densities", action="store_true", help="draw the histogram of all features' densities to --out")
-    ix.add_argument("--columns", type=int, default=4)
+    ix.add_argument("--columns", type=_at_least(1), default=4, help="images per row of a --feature picture")
     ix.add_argument("--out", default="index.png")
     ix.add_argument("--json", action="store_true", help="the indexes' summary as JSON")
     ix.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

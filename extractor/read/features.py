@@ -13,6 +13,7 @@ the job's shards at write time) and kept in the store under ``indexes/<name>`` (
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,7 +26,7 @@ import numpy as np
 import zarr
 
 from .._threads import prefetched
-from ..errors import StoreError
+from ..errors import OutOfRangeError, StoreError
 from ..store import (
     INDEX_VERSION,
     INDEXES,
@@ -105,16 +106,10 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
     options of a remote store given by its URL."""
     store = _store(store_or_path, storage_options)
     layout = _layout(store, key)
-    dic = _dictionary(dictionary, activation)
-    if dic is not None:
-        dic.check_input(layout.features, f"capture {key} {list(store.captures[key]['shape'])}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, not {k}")
+    dic, k = _settings(store, key, layout, dictionary, activation, k, threshold)
     feed = IndexFeed(layout, k, pool, threshold, dic)
-    name = name or index_name(key, dic.stem if dic is not None else None)
-    # the timeout the store's job ran with; a store that records none (not written by a job) gets the default
-    lease = Lease(store.url, store.storage_options, _lease_timeout(store.attrs) or LEASE_TIMEOUT_S, owner())
-    lease.acquire()  # a job writing the store holds it: refused, naming the job
+    name = _checked_name(name or index_name(key, dic.stem if dic is not None else None))
+    lease = _lease(store)
     try:
         group = lease.open()  # every write through the lease's fence
         state = source_state(group)
@@ -123,6 +118,7 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
         log.info("indexed %d features of %s over %d rows in %.1f s", feed.state.features, key, feed.state.rows,
                  time.perf_counter() - t0)
         record = index_record(name, key, feed, dic.record() if dic is not None else None, state, "post-hoc")
+        _say_replaced(store, name)
         write_index(group, name, feed.state.finish(), record)
     finally:
         lease.release()
@@ -131,6 +127,58 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
     except (StoreError, OSError) as err:
         log.info("%s: metadata not consolidated (%s)", store.url, err)
     return open_index(open_store(store.url, store.storage_options), name)
+
+
+def _settings(store: ActivationStore, key: str, layout: Layout, dictionary: str | Path | Dictionary | None,
+              activation: str | None, k: int, threshold: float) -> tuple[Dictionary | None, int]:
+    """The dictionary an index encodes with, checked against the capture, and its k (at most the ok rows: the same
+    index in slots that exist); a one-line error for settings that make no index."""
+    if activation is not None and dictionary is None:
+        raise StoreError(f"an activation ({activation}) applies to a dictionary's latents: give the dictionary too, "
+                         f"or leave the activation out to index {key}'s own features")
+    dic = _dictionary(dictionary, activation)
+    if dic is not None:
+        dic.check_input(layout.features, f"capture {key} {list(store.captures[key]['shape'])}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, not {k}")
+    if not (math.isfinite(threshold) and threshold >= 0):
+        raise StoreError(f"threshold must be a finite number >= 0 (a feature fires above it), not {threshold}")
+    rows = max(int((store.status == OK).sum()), 1)
+    if k > rows:
+        log.info("k %d over %d ok rows: keeping %d", k, rows, rows)
+    return dic, min(k, rows)
+
+
+def _lease(store: ActivationStore) -> Lease:
+    """The store's lease, taken: refused naming the job that writes it, or saying the store is read-only."""
+    # the timeout the store's job ran with; a store that records none (not written by a job) gets the default
+    lease = Lease(store.url, store.storage_options, _lease_timeout(store.attrs) or LEASE_TIMEOUT_S, owner())
+    try:
+        lease.acquire()
+    except StoreError:
+        raise
+    except OSError as err:  # the index is kept in the store
+        raise StoreError(f"{store.url}: the index is written into the store, which cannot be written here "
+                         f"({err.strerror or err}); index a writable copy of it") from None
+    return lease
+
+
+def _say_replaced(store: ActivationStore, name: str) -> None:
+    """Warn that index ``name``, which the store holds, is about to be replaced (it is deleted, then written)."""
+    if name in index_names(store):
+        old: dict[str, Any] = dict(store.group[f"{INDEXES}/{name}"].attrs)
+        dic = old.get("dictionary")
+        log.warning("replacing index %s of %s (%s features of %s%s, k %s, pool %s, %s rows)", name, store.url,
+                    old.get("features"), old.get("key"), f" through {dic['path']}" if dic else "", old.get("k"),
+                    old.get("pool"), old.get("rows"))
+
+
+def _checked_name(name: str) -> str:
+    """``name``, when it can name an index group in the store: one path segment, not hidden."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise StoreError(f"index name {name!r}: an index is named by one word of the store (no '/', no leading "
+                         "'.'), such as blocks.11 or blocks.11@my_sae")
+    return name
 
 
 def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callable[[int], None] | None) -> None:
@@ -234,18 +282,33 @@ class FeatureIndex:
 
     @property
     def stale(self) -> bool:
-        """The store changed since the index was made (resumed, more rows done), or the dictionary file did."""
-        if source_state(self.store.group) != self.attrs["source_state"]:
+        """The store changed since the index was made (resumed, more rows done), or the dictionary file did, or
+        the index was made again since it was opened (:attr:`replaced`)."""
+        if source_state(self.store.group) != self.attrs["source_state"] or self.replaced:
             return True
         dic = self.attrs.get("dictionary")
         return dic is not None and Path(dic["path"]).exists() and _digest_of(dic["path"]) != dic["digest"]
 
-    def _lazy(self, name: str) -> zarr.Array:
-        return get_array(self.group, name)
+    @property
+    def replaced(self) -> bool:
+        """An index of this name was written again since this one was opened (open it again to read that one)."""
+        now = zarr.open_group(store=self.group.store, path=self.group.path, mode="r", use_consolidated=False)
+        return dict(now.attrs) != self.attrs
+
+    def _read(self, name: str, at: Any) -> np.ndarray:
+        """``name``[at], or a StoreError that says so where the index was written again since it was opened
+        (its arrays no longer have the shapes it was opened with)."""
+        try:
+            return np.asarray(get_array(self.group, name)[at])
+        except (ValueError, KeyError, FileNotFoundError):
+            if self.replaced:
+                raise StoreError(f"index {self.name} of {self.store.url} was made again since it was opened: "
+                                 "open it again") from None
+            raise
 
     def _array(self, name: str) -> np.ndarray:
         if name not in self._cache:
-            self._cache[name] = np.asarray(get_array(self.group, name)[:])
+            self._cache[name] = self._read(name, slice(None))
         return self._cache[name]
 
     @property
@@ -275,32 +338,31 @@ class FeatureIndex:
     # ------------------------------------------------------------------ one feature
     def _feature(self, f: int) -> int:
         if not 0 <= int(f) < self.features:
-            raise IndexError(f"feature {f} out of range: the index has {self.features} features (0 to "
+            raise OutOfRangeError(f"feature {f} out of range: the index has {self.features} features (0 to "
                              f"{self.features - 1})")
         return int(f)
 
     def top(self, f: int) -> TopRows:
         """The rows where feature ``f`` is highest (at most k; fewer when it fires in fewer rows)."""
         f = self._feature(f)
-        rows = np.asarray(self._lazy("top_rows")[f])
-        values = np.asarray(self._lazy("top_values")[f])
+        rows, values = self._read("top_rows", f), self._read("top_values", f)
         keep = rows >= 0
         return TopRows(rows[keep], self.store.ids[rows[keep]], values[keep])
 
     def tokens(self, f: int) -> np.ndarray:
         """(k, T): feature ``f`` at every position of each of its top rows (NaN rows: empty ranks)."""
-        return np.asarray(self._lazy("top_tokens")[self._feature(f)])
+        return self._read("top_tokens", self._feature(f))
 
     def histogram(self, f: int, rows: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Counts of log10 of feature ``f``'s values where it fires, per token (``rows``: of its pooled values, per
         firing row), and the log10 bin edges (values outside count in the end bins)."""
         name = "histogram_rows" if rows else "histogram"
-        return np.asarray(self._lazy(name)[self._feature(f)]), np.asarray(self.attrs["hist_edges"])
+        return self._read(name, self._feature(f)), np.asarray(self.attrs["hist_edges"])
 
     def quantiles(self, f: int) -> list[TopRows]:
         """Example rows of feature ``f`` per quantile group of its firing rows (lowest first; empty groups kept)."""
         f = self._feature(f)
-        rows, values = np.asarray(self._lazy("quantile_rows")[f]), np.asarray(self._lazy("quantile_values")[f])
+        rows, values = self._read("quantile_rows", f), self._read("quantile_values", f)
         return [TopRows(r[r >= 0], self.store.ids[r[r >= 0]], v[r >= 0]) for r, v in zip(rows, values, strict=True)]
 
     def heatmap(self, f: int, rank: int = 0) -> np.ndarray:
@@ -310,8 +372,8 @@ class FeatureIndex:
             raise StoreError(f"capture {self.key}'s positions make no grid (a vector, sampled tokens, or a token "
                              "count that is not a square after the prefix): use tokens(f)")
         if not 0 <= rank < self.k:
-            raise IndexError(f"rank {rank} out of range: the index keeps {self.k} rows per feature")
-        values = np.asarray(self._lazy("top_tokens")[self._feature(f), rank])
+            raise OutOfRangeError(f"rank {rank} out of range: the index keeps {self.k} rows per feature")
+        values = self._read("top_tokens", (self._feature(f), rank))
         return values[int(self.attrs["prefix"]) :].reshape(self.grid)
 
     # ------------------------------------------------------------------ the encoder
@@ -333,6 +395,12 @@ class FeatureIndex:
 
     def encode_row(self, row: int) -> np.ndarray:
         """(T, F): every feature at each position of store row ``row`` (which features fire at this patch)."""
+        n = len(self.store.status)
+        if not 0 <= int(row) < n:
+            raise OutOfRangeError(f"row {row} out of range: {self.store.url} has {n} rows (0 to {n - 1})")
+        if self.store.status[int(row)] != OK:
+            raise StoreError(f"row {row} ({self.store.ids[int(row)]}) of {self.store.url} is not ok (its image "
+                             "failed, or was never computed): it holds no activations")
         layout = _layout(self.store, self.key)
         acts = np.asarray(layout.tokens(np.asarray(self.store[self.key][int(row) : int(row) + 1]))[0], np.float32)
         dic = self.dictionary

@@ -21,7 +21,7 @@ class FeatureIndexSpec(_Section):
     """Top rows kept per feature."""
     pool: Literal["max", "mean"] = "max"
     """How a feature's values at a row's positions (patches, tokens) rank the row."""
-    threshold: float = Field(default=0.0, ge=0)
+    threshold: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """A feature fires where it is above this."""
     dictionary: str | None = None
     """An SAE's encoder (.safetensors, .npz, .pt or a SAELens folder) whose latents are the features; none: the

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import struct
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,8 +172,7 @@ def load_dictionary(path: str | Path, activation: str | None = None) -> Dictiona
     if suffix == ".safetensors":
         tensors = read_safetensors(p)
     elif suffix == ".npz":
-        with np.load(p, allow_pickle=False) as z:
-            tensors = {k: z[k] for k in z.files}
+        tensors = _npz(p)
     elif suffix in (".pt", ".pth"):
         tensors = _torch_tensors(p)
     else:
@@ -191,6 +191,8 @@ def _saelens(folder: Path, activation: str | None) -> Dictionary:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as err:
         raise DictionaryError(f"{cfg_path}: not JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise DictionaryError(f"{cfg_path}: a SAELens cfg is a JSON object of settings, not a {type(cfg).__name__}")
     return _build(read_safetensors(weights), activation, str(folder.resolve()), file_digest([cfg_path, weights]),
                   cfg)
 
@@ -229,7 +231,7 @@ def _build(tensors: dict[str, np.ndarray], activation: str | None, where: str, d
     w, b = _encoder(dict(tensors), where)
     _check_cfg(cfg, w, where)
     b_dec = _b_dec(tensors, cfg, w, where)
-    threshold = _threshold(tensors, w.shape[1])
+    threshold = _threshold(tensors, w.shape[1], where)
     chosen = activation or _cfg_activation(cfg) or ("jumprelu" if threshold is not None else "relu")
     return Dictionary(w, b, b_dec, threshold, _check_activation(chosen, threshold, where), where, digest)
 
@@ -254,7 +256,9 @@ def _encoder(t: dict[str, np.ndarray], where: str) -> tuple[np.ndarray, np.ndarr
 def _check_cfg(cfg: dict[str, Any], w: np.ndarray, where: str) -> None:
     """A SAELens cfg that says other widths than the weights have, or a normalisation this cannot apply: refused."""
     for key, want in (("d_in", w.shape[0]), ("d_sae", w.shape[1])):
-        if key in cfg and int(cfg[key]) != want:
+        if key in cfg and not (isinstance(cfg[key], int) and not isinstance(cfg[key], bool)):
+            raise DictionaryError(f"{where}: cfg.json's {key} must be a whole number, not {cfg[key]!r}")
+        if key in cfg and cfg[key] != want:
             raise DictionaryError(f"{where}: cfg.json says {key} {cfg[key]}, but W_enc is {list(w.shape)} "
                                   "(d_in, d_sae)")
     norm = str(cfg.get("normalize_activations") or "none")
@@ -274,14 +278,27 @@ def _b_dec(t: Mapping[str, np.ndarray], cfg: dict[str, Any], w: np.ndarray, wher
     return b_dec
 
 
-def _threshold(t: Mapping[str, np.ndarray], d_sae: int) -> np.ndarray | None:
-    """A JumpReLU's threshold per latent (``threshold``, or ``log_threshold``), or None."""
+def _threshold(t: Mapping[str, np.ndarray], d_sae: int, where: str) -> np.ndarray | None:
+    """A JumpReLU's threshold per latent (``threshold``, or ``log_threshold``; one for all), or None."""
     threshold = t.get("threshold")
     if threshold is None and "log_threshold" in t:
         threshold = np.exp(np.asarray(t["log_threshold"], np.float64))
     if threshold is None:
         return None
-    return np.broadcast_to(np.asarray(threshold, np.float32), (d_sae,)).copy()
+    threshold = np.asarray(threshold, np.float32)
+    if threshold.size != 1 and threshold.shape != (d_sae,):
+        raise DictionaryError(f"{where}: threshold {list(threshold.shape)} does not fit d_sae {d_sae}: it must be "
+                              f"({d_sae},) or one value")
+    return np.broadcast_to(threshold.reshape(-1)[:1] if threshold.size == 1 else threshold, (d_sae,)).copy()
+
+
+def _npz(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise DictionaryError(f"{path}: not an .npz file of arrays ({type(err).__name__}: {err})"[:300]) from None
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -295,20 +312,30 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             data = f.read()
     except (OSError, ValueError, struct.error) as err:
         raise DictionaryError(f"{path}: not a safetensors file ({err})") from None
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = info["dtype"]
-        a, b = info["data_offsets"]
-        if dtype == "BF16":
-            arr = (np.frombuffer(data[a:b], "<u2").astype(np.uint32) << 16).view(np.float32)  # bfloat16's bits
-        elif dtype in _SAFETENSORS_DTYPES:
-            arr = np.frombuffer(data[a:b], np.dtype(_SAFETENSORS_DTYPES[dtype]).newbyteorder("<"))
-        else:
-            raise DictionaryError(f"{path}: tensor {name} has dtype {dtype}, which this does not read")
-        out[name] = arr.reshape(info["shape"])
-    return out
+    if not isinstance(header, dict):
+        raise DictionaryError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    try:
+        return {str(name): _safetensor(data, name, info, path) for name, info in header.items()
+                if name != "__metadata__"}
+    except (TypeError, KeyError, ValueError) as err:  # a header that does not describe the data (cut short)
+        if isinstance(err, DictionaryError):
+            raise
+        raise DictionaryError(f"{path}: not a safetensors file ({type(err).__name__}: {err})"[:300]) from None
+
+
+def _safetensor(data: bytes, name: str, info: Any, path: Path) -> np.ndarray:
+    """One tensor of a safetensors file's ``data``, as its header entry ``info`` describes it."""
+    dtype = info["dtype"]
+    a, b = (int(x) for x in info["data_offsets"])
+    if not 0 <= a <= b <= len(data):
+        raise ValueError(f"tensor {name} lies at bytes {a} to {b} of {len(data)}: the file is cut short")
+    if dtype == "BF16":
+        arr = (np.frombuffer(data[a:b], "<u2").astype(np.uint32) << 16).view(np.float32)  # bfloat16's bits
+    elif dtype in _SAFETENSORS_DTYPES:
+        arr = np.frombuffer(data[a:b], np.dtype(_SAFETENSORS_DTYPES[dtype]).newbyteorder("<"))
+    else:
+        raise DictionaryError(f"{path}: tensor {name} has dtype {dtype}, which this does not read")
+    return arr.reshape([int(x) for x in info["shape"]])
 
 
 def _torch_tensors(path: Path) -> dict[str, np.ndarray]:

@@ -264,9 +264,9 @@ class IndexState:
                  slots: tuple[_Slots, _Slots] | None = None) -> None:
         if pool not in ("max", "mean"):
             raise ValueError(f"pool must be max or mean, not {pool!r}")
-        if threshold < 0:
-            raise ValueError(f"threshold must be >= 0 (the histogram is of log10 of the values above it), "
-                             f"not {threshold}")
+        if not (threshold >= 0 and np.isfinite(threshold)):
+            raise ValueError(f"threshold must be a finite number >= 0 (the histogram is of log10 of the values above "
+                             f"it), not {threshold}")
         self.features, self.positions, self.k, self.pool = features, positions, k, pool
         self.threshold = float(threshold)
         # top: keys top_keys, payload the row's values; examples: keys sample_keys, payload the pooled value.

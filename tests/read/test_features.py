@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from conftest import child_env, job, make_images
 from test_feature_index import ARRAYS, _by_hand_top, _check_against_numpy
 
 from extractor.driver.runner import run
-from extractor.errors import StoreError
+from extractor.errors import OutOfRangeError, StoreError
 from extractor.read import open_store
 from extractor.read.features import index, open_index
 from extractor.spec.load import parse_spec
@@ -281,6 +282,96 @@ def test_a_dictionary_that_does_not_fit_is_one_line_naming_the_shapes(store: Pat
     assert not (tmp_path / "never.zarr").exists()  # refused before the store was touched
 
 
+def _damaged(tmp_path: Path, how: str) -> Path:
+    """A dictionary file damaged one way (each once a traceback)."""
+    from safetensors.numpy import save_file
+
+    good = tmp_path / "good.npz"
+    np.savez(good, **_sae())
+    if how == "garbage npz":
+        (path := tmp_path / "x.npz").write_bytes(b"PK\x03\x04 not a zip at all" * 20)
+    elif how == "npz cut short":
+        (path := tmp_path / "x.npz").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    elif how == "empty npz":
+        (path := tmp_path / "x.npz").write_bytes(b"")
+    elif how in ("safetensors header not of tensors", "safetensors cut short"):
+        save_file(_sae(), str(path := tmp_path / "x.safetensors"))
+        if how == "safetensors cut short":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        else:
+            header = json.dumps({"a": 1}).encode()
+            path.write_bytes(len(header).to_bytes(8, "little") + header)
+    elif how == "threshold of another width":
+        np.savez(path := tmp_path / "x.npz", **_sae(), threshold=np.zeros(7, np.float32))
+    else:
+        path = _saelens(tmp_path / "lens", _sae())
+        (path / "cfg.json").write_text("[1, 2]" if how == "cfg not an object" else json.dumps({"d_in": "abc"}))
+    return path
+
+
+@pytest.mark.parametrize("how", ["garbage npz", "npz cut short", "empty npz", "safetensors header not of tensors",
+                                 "safetensors cut short", "threshold of another width", "cfg not an object",
+                                 "cfg width not a number"])
+def test_a_damaged_dictionary_file_is_one_line_naming_it(tmp_path: Path, how: str):
+    path = _damaged(tmp_path, how)
+    said = _refused(load_dictionary, path)
+    assert path.name in said or str(path) in said, said
+
+
+def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they_were(store: Path, tmp_path: Path,
+                                                                                       monkeypatch, caplog):
+    path = tmp_path / "copy.zarr"
+    shutil.copytree(store, path)
+    before, names = _arrays(open_index(str(path), "layer3")), sorted(zarr.open_group(str(path / "indexes")))
+    for kwargs, said in [({"threshold": -1.0}, "threshold must be a finite number >= 0"),
+                         ({"threshold": float("nan")}, "fires above it), not nan"),
+                         ({"threshold": float("inf")}, "not inf"),
+                         ({"name": "a/b"}, "index name 'a/b': an index is named by one word"),
+                         ({"name": "../escape"}, "no '/', no leading '.'"), ({"name": "."}, "index name '.'"),
+                         ({"activation": "relu"}, "an activation (relu) applies to a dictionary's latents")]:
+        with pytest.raises(StoreError, match=re.escape(said)):
+            index(str(path), "layer3", name=kwargs.pop("name", "layer3"), **kwargs)
+    monkeypatch.setattr(Lease, "acquire", lambda self: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
+    with pytest.raises(StoreError, match="cannot be written here .Read-only file system.; index a writable copy"):
+        index(str(path), "layer3")
+    monkeypatch.undo()
+    after = open_index(str(path), "layer3")
+    assert sorted(zarr.open_group(str(path / "indexes"))) == names  # nothing half-written under another name
+    for name, x in before.items():
+        np.testing.assert_array_equal(np.asarray(after.group[name][:]), x, err_msg=name)
+    # k above the ok rows: the index of all of them, replaced with a word
+    with caplog.at_level("WARNING", logger="extractor"):
+        big = index(str(path), "layer3", k=1000)
+    assert "replacing index layer3 of" in caplog.text and "k 4" in caplog.text
+    acts, _ = _acts(path)
+    assert big.k == 14 and big.top(0).rows.size == (acts[:, :, 0].max(axis=1) > 0).sum()
+    _same(big, index(str(path), "layer3", k=14, name="k14"))
+
+
+def test_an_index_made_again_while_open_says_so(store: Path, tmp_path: Path):
+    path = tmp_path / "copy.zarr"
+    shutil.copytree(store, path)
+    ix = open_index(str(path), "layer3")
+    assert not ix.stale and not ix.replaced
+    index(str(path), "layer3", k=2)
+    assert ix.replaced and ix.stale
+    with pytest.raises(StoreError, match="index layer3 of .* was made again since it was opened: open it again"):
+        ix.top(0)
+    assert open_index(str(path), "layer3").top(0).rows.size == 2
+
+
+def test_a_row_that_is_not_there_or_not_ok_is_one_line(store: Path):
+    ix = open_index(str(store), "layer3")
+    s = open_store(str(store))
+    failed = int(np.flatnonzero(s.status != 1)[0])
+    with pytest.raises(OutOfRangeError, match=f"row {len(s)} out of range: .* has {len(s)} rows"):
+        ix.encode_row(len(s))
+    with pytest.raises(OutOfRangeError, match="row -1 out of range"):
+        ix.encode_row(-1)
+    with pytest.raises(StoreError, match=f"row {failed} .*corrupt.* is not ok"):
+        ix.encode_row(failed)
+
+
 def test_the_write_time_index_of_a_dictionary_equals_the_post_hoc_one(images: Path, tmp_path: Path):
     np.savez(tmp_path / "sae.npz", **_sae(3))
     path = tmp_path / "d.zarr"
@@ -386,3 +477,11 @@ def test_the_command_makes_lists_and_draws_an_index(store: Path, tmp_path: Path,
     assert main(["index", str(store), "--key", "layer3", "--dictionary", str(tmp_path / "narrow.npz"), "-q"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: dictionary") and "d_in 16" in err and "\n" not in err
+    for args, said in [(["--name", "cli", "--feature", "32"], "error: feature 32 out of range"),
+                       (["--key", "layer3", "--threshold", "nan"], "error: threshold must be a finite number")]:
+        assert main(["index", str(store), *args, "--out", str(tmp_path / "g.png"), "-q"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(said) and "\n" not in err, err
+    with pytest.raises(SystemExit):
+        main(["index", str(store), "--name", "cli", "--feature", "3", "--columns", "0"])
+    assert "--columns: must be at least 1" in capsys.readouterr().err
