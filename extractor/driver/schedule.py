@@ -29,6 +29,23 @@ DRAIN_S = 60.0  # after a device fault, how long the actor's shards already comp
 WATCH_S = 2.0  # how often the driver looks for free capacity (workers: auto)
 
 
+NODE_DIED = "its node has died"  # what Ray's GCS says of an actor it marks dead as its node died
+
+
+def _node_lost(err: BaseException, node_id: str) -> bool:
+    """An actor's failure that its node's loss (or its connection's) caused: Ray raises it as the actor being
+    unavailable or pre-empted, or as a death whose cause is the node's, or the node is already counted dead. A node
+    killed at once with its workers is heard of first by the connection or by the GCS, depending on the load."""
+    if isinstance(err, ActorUnavailableError) or getattr(err, "preempted", False) or NODE_DIED in str(err):
+        return True
+    if not isinstance(err, RayActorError) or not node_id:
+        return False
+    try:
+        return any(n.get("NodeID") == node_id and not n.get("Alive") for n in ray.nodes())
+    except Exception:  # noqa: BLE001 - the GCS not answering: the death stays the worker's
+        return False
+
+
 class _Schedule:
     """The driver's shard bookkeeping: which shard a worker gets next, and which one pays for a
     failure.
@@ -303,7 +320,7 @@ class _Job:
         replacement in the background (a CUDA context is not trusted again)."""
         cause = _cause(err)
         alive = isinstance(err, RayTaskError)
-        node_lost = isinstance(err, ActorUnavailableError) or getattr(err, "preempted", False)
+        node_lost = _node_lost(err, slot.node_id)
         lost = sorted([shard, *self._harvest(slot, gen, DRAIN_S if alive else 0.0)], key=lambda s: s.index)
         self.started.difference_update(s.index for s in lost)
         who = f"worker {slot.index} (pid {slot.pid}, node {slot.node})"
