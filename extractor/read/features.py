@@ -32,6 +32,7 @@ from ..store import (
     INDEXES,
     LEASE_TIMEOUT_S,
     OK,
+    READ_VERSIONS,
     Dictionary,
     DictionaryError,
     IndexFeed,
@@ -244,11 +245,17 @@ class FeatureIndex:
     def __init__(self, store: ActivationStore, group: zarr.Group) -> None:
         self.store, self.group = store, group
         self.attrs: dict[str, Any] = dict(group.attrs)
-        if self.attrs.get("index_version") != INDEX_VERSION:
+        if self.attrs.get("index_version") not in READ_VERSIONS:
             raise StoreError(f"index {group.path} of {store.url} has version {self.attrs.get('index_version')}; "
                              f"this reads version {INDEX_VERSION}: make it again with extractor index")
         self._cache: dict[str, np.ndarray] = {}
         self._dictionary: Dictionary | None = None
+
+    @property
+    def arrays(self) -> zarr.Group:
+        """The group holding the index's arrays (the subgroup its attributes name; version 1: its own group)."""
+        at = self.attrs.get("arrays")
+        return self.group[at] if at else self.group  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         return (f"<FeatureIndex {self.name} of {self.store.url}: {self.features} features, k {self.k}, "
@@ -299,7 +306,7 @@ class FeatureIndex:
         """``name``[at], or a StoreError that says so where the index was written again since it was opened
         (its arrays no longer have the shapes it was opened with)."""
         try:
-            return np.asarray(get_array(self.group, name)[at])
+            return np.asarray(get_array(self.arrays, name)[at])
         except (ValueError, KeyError, FileNotFoundError):
             if self.replaced:
                 raise StoreError(f"index {self.name} of {self.store.url} was made again since it was opened: "

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .feature_index import (
         INDEX_VERSION,
         INDEXES,
+        READ_VERSIONS,
         IndexFeed,
         Layout,
         index_name,

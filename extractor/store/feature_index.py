@@ -7,19 +7,21 @@ an :class:`~.index_state.IndexState` (:class:`IndexFeed`), the stored layout of 
 from __future__ import annotations
 
 import copy
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict
+from typing import Any, NotRequired, Protocol, TypedDict
 
 import numpy as np
 import zarr
 
 from .index_state import EXAMPLES, HIST_EDGES, QUANTILES, IndexArrays, IndexState
 
-__all__ = ["INDEX_VERSION", "INDEXES", "IndexRecord", "write_index", "Layout", "IndexFeed", "source_state",
-           "index_name", "index_record", "ensure_parts", "finish_indexes", "indexed", "with_indexes"]
+__all__ = ["INDEX_VERSION", "READ_VERSIONS", "INDEXES", "IndexRecord", "write_index", "Layout", "IndexFeed",
+           "source_state", "index_name", "index_record", "ensure_parts", "finish_indexes", "indexed", "with_indexes"]
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: the arrays in a subgroup the attributes name (``arrays``): an index replaced whole or not at all
+READ_VERSIONS = (1, 2)  # 1: the arrays in the index's group itself
 INDEXES = "indexes"  # the store's group of indexes: indexes/<name>
 BLOCK_VALUES = 1 << 20  # activations (rows x positions x features) taken at once: 4 MB of float32 (measured: 2x
 # faster than 64 MB blocks, whose temporaries are fresh pages each time)
@@ -48,16 +50,28 @@ class IndexRecord(TypedDict):
     examples: int  # rows per quantile group
     written: str  # "write-time" (merged from the job's shards) or "post-hoc"
     created: str
+    arrays: NotRequired[str]  # the subgroup of indexes/<name> holding its arrays (set by write_index)
 
 
 def write_index(group: zarr.Group, name: str, arrays: IndexArrays, record: Mapping[str, Any]) -> None:
     """Write ``indexes/<name>`` into the store whose root is ``group`` (opened for writing: through the job's or
-    the index's lease), replacing one of that name: its arrays, then its attributes (an index without them is
-    half-written and not read)."""
-    parent = group.require_group(INDEXES)
-    if name in parent:
-        del parent[name]
-    node = parent.create_group(name)
+    the index's lease), replacing one of that name whole: its arrays into a new subgroup, then its attributes,
+    which name that subgroup (one object: a reader finds the old index or the new one). The arrays of the index
+    replaced stay until the next write (a reader that opened it still reads it whole, and is told it was replaced);
+    older ones, and what writes that failed midway left, go. A write that fails midway leaves the index it was
+    replacing (an index without attributes is not listed)."""
+    node = group.require_group(INDEXES).require_group(name)
+    replaced = node.attrs.get("arrays")
+    old = [m for m in node.keys() if m != replaced]  # version 1's arrays, older versions, failed writes
+    at = f"v{uuid.uuid4().hex[:12]}"
+    _write_arrays(node.create_group(at), arrays)
+    node.attrs.put({**record, "arrays": at})
+    for member in old:
+        del node[member]
+
+
+def _write_arrays(node: zarr.Group, arrays: IndexArrays) -> None:
+    """An index's arrays, chunked by feature (about 4 MB a chunk)."""
     f = arrays.top_rows.shape[0]
     per = max(1, min(f, (1 << 22) // max(1, arrays.top_tokens[0].size * 4)))  # features per chunk: <= 4 MB
     for field, value in arrays.__dict__.items():
@@ -69,7 +83,6 @@ def write_index(group: zarr.Group, name: str, arrays: IndexArrays, record: Mappi
         array = node.create_array(field, shape=value.shape, chunks=chunks, dtype=value.dtype, dimension_names=dims,
                                   fill_value=-1 if value.dtype.kind == "i" else 0)
         array[...] = value
-    node.attrs.update(dict(record))
 
 
 # ---------------------------------------------------------------------- a capture's rows as positions x features

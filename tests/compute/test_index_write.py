@@ -67,7 +67,7 @@ def _same(written, again, exact: bool) -> None:
     """Two indexes hold the same arrays: exactly (sums in another order: to rounding), or to float32 rounding where
     the dictionary's matmul met blocks of other sizes."""
     for name in ARRAYS:
-        a, b = np.asarray(written.group[name][:]), np.asarray(again.group[name][:])
+        a, b = np.asarray(written.arrays[name][:]), np.asarray(again.arrays[name][:])
         if name == "mean_active" or not exact:
             np.testing.assert_allclose(a, b, rtol=1e-12 if exact else 1e-6, err_msg=name)
         else:

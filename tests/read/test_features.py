@@ -61,13 +61,13 @@ def _acts(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _arrays(ix) -> dict[str, np.ndarray]:
-    return {name: np.asarray(ix.group[name][:]) for name in ARRAYS}
+    return {name: np.asarray(ix.arrays[name][:]) for name in ARRAYS}
 
 
 def _same(a, b) -> None:
     """Two indexes hold the same arrays (the mean where a feature fires: summed in another order, to rounding)."""
     for name, x in _arrays(a).items():
-        y = np.asarray(b.group[name][:])
+        y = np.asarray(b.arrays[name][:])
         if name == "mean_active":
             np.testing.assert_allclose(x, y, rtol=1e-12)
         else:
@@ -86,7 +86,7 @@ def test_an_index_of_a_store_equals_its_capture_by_hand(store: Path):
         for rank, row in enumerate(top.rows):
             np.testing.assert_array_equal(ix.heatmap(f, rank), s.numpy("layer3", rows=[row])[0, f])  # (y, x)
     np.testing.assert_array_equal(ix.encode_row(int(rows[3])), acts[3])
-    np.testing.assert_array_equal(ix.density, ix.group["density_tokens"][:])
+    np.testing.assert_array_equal(ix.density, ix.arrays["density_tokens"][:])
     counts, edges = ix.histogram(0)
     assert counts.sum() == (acts[:, :, 0] > 0).sum() and len(edges) == len(counts) + 1
 
@@ -94,12 +94,13 @@ def test_an_index_of_a_store_equals_its_capture_by_hand(store: Path):
 def test_the_index_in_the_store_has_the_agreed_layout(store: Path):
     index(str(store), "layer3", k=3, name="layout")
     s = open_store(str(store))
-    group = s.group["indexes/layout"]
-    attrs = dict(group.attrs)
+    attrs = dict(s.group["indexes/layout"].attrs)
     for name in ("index_version", "key", "features", "k", "pool", "dictionary", "rows", "source_state", "positions",
-                 "grid", "prefix", "threshold", "hist_edges", "quantiles", "created"):
+                 "grid", "prefix", "threshold", "hist_edges", "quantiles", "created", "arrays"):
         assert name in attrs, name
-    assert (attrs["index_version"], attrs["key"], attrs["features"], attrs["k"]) == (1, "layer3", 32, 3)
+    assert (attrs["index_version"], attrs["key"], attrs["features"], attrs["k"]) == (2, "layer3", 32, 3)
+    group = s.group[f"indexes/layout/{attrs['arrays']}"]  # the arrays, in the subgroup the attributes name
+    assert list(s.group["indexes/layout"].keys()) == [attrs["arrays"]]
     assert (attrs["positions"], attrs["grid"], attrs["prefix"], attrs["dictionary"]) == (4, [2, 2], 0, None)
     f, k, t, b = 32, 3, 4, len(attrs["hist_edges"]) - 1
     want = {"top_rows": ((f, k), "int64"), "top_values": ((f, k), "float32"), "top_tokens": ((f, k, t), "float32"),
@@ -236,7 +237,7 @@ def test_a_saelens_folder_gives_the_index_of_the_same_weights_as_npz_and_pt(stor
     assert (a.name, b.name, c.name) == ("layer3@sae", "layer3@my_sae", "layer3@sae")
     assert b.attrs["dictionary"]["d_sae"] == D_SAE and b.attrs["dictionary"]["digest"].startswith("sha256:")
     for name, want in _arrays(a).items():
-        np.testing.assert_array_equal(np.asarray(b.group[name][:]), want, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(b.arrays[name][:]), want, err_msg=name)
     # and the latents by hand: relu((x - b_dec) @ W_enc + b_enc) at every position of each ok row
     acts, rows = _acts(store)
     latents = np.maximum((acts.reshape(-1, 32) - t["b_dec"]) @ t["W_enc"] + t["b_enc"], 0).reshape(len(rows), 4, -1)
@@ -338,7 +339,7 @@ def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they
     after = open_index(str(path), "layer3")
     assert sorted(zarr.open_group(str(path / "indexes"))) == names  # nothing half-written under another name
     for name, x in before.items():
-        np.testing.assert_array_equal(np.asarray(after.group[name][:]), x, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(after.arrays[name][:]), x, err_msg=name)
     # k above the ok rows: the index of all of them, replaced with a word
     with caplog.at_level("WARNING", logger="extractor"):
         big = index(str(path), "layer3", k=1000)
@@ -348,16 +349,68 @@ def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they
     _same(big, index(str(path), "layer3", k=14, name="k14"))
 
 
-def test_an_index_made_again_while_open_says_so(store: Path, tmp_path: Path):
+def test_a_write_that_fails_midway_leaves_the_index_it_was_replacing(store: Path, tmp_path: Path, monkeypatch):
+    """A disk filling up while an index is written again: the one it was replacing is read as before, whole; the
+    next write that lands leaves nothing of the failed one."""
+    path = tmp_path / "copy.zarr"
+    shutil.copytree(store, path)
+    before = _arrays(open_index(str(path), "layer3"))
+    create, made = zarr.Group.create_array, []
+
+    def full(self, *args, **kwargs):
+        made.append(args[0] if args else kwargs.get("name"))
+        if len(made) == 4:
+            raise OSError(28, "No space left on device")
+        return create(self, *args, **kwargs)
+
+    monkeypatch.setattr(zarr.Group, "create_array", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        index(str(path), "layer3", k=2)
+    monkeypatch.undo()
+    kept = open_index(str(path), "layer3")
+    assert kept.k == 4 and not kept.stale
+    for name, x in before.items():
+        np.testing.assert_array_equal(np.asarray(kept.arrays[name][:]), x, err_msg=name)
+    again = index(str(path), "layer3", k=2)  # the failed write's arrays go; the index replaced stays, once
+    assert again.k == 2 and sorted(again.group.keys()) == sorted([again.attrs["arrays"], kept.attrs["arrays"]])
+
+
+def test_an_index_made_again_while_open_reads_as_it_was_and_says_so(store: Path, tmp_path: Path):
     path = tmp_path / "copy.zarr"
     shutil.copytree(store, path)
     ix = open_index(str(path), "layer3")
+    before = _arrays(ix)
     assert not ix.stale and not ix.replaced
     index(str(path), "layer3", k=2)
     assert ix.replaced and ix.stale
-    with pytest.raises(StoreError, match="index layer3 of .* was made again since it was opened: open it again"):
-        ix.top(0)
-    assert open_index(str(path), "layer3").top(0).rows.size == 2
+    assert _arrays(ix).keys() == before.keys()
+    for name, x in _arrays(ix).items():  # the index it opened, whole: kept until the next write
+        np.testing.assert_array_equal(x, before[name], err_msg=name)
+    second = open_index(str(path), "layer3")
+    assert second.top(0).rows.size == 2
+    third = index(str(path), "layer3", k=3)  # the first one's arrays go; the second's stay, once
+    assert sorted(third.group.keys()) == sorted([third.attrs["arrays"], second.attrs["arrays"]])
+    assert ix.attrs["arrays"] not in third.group.keys()
+
+
+def test_an_index_of_version_1_is_read_and_replaced_whole(store: Path, tmp_path: Path):
+    """Version 1 kept the arrays in the index's group itself (before December 3, 2026)."""
+    path = tmp_path / "copy.zarr"
+    shutil.copytree(store, path)
+    node = path / "indexes" / "layer3"
+    at = zarr.open_group(str(node), mode="r").attrs["arrays"]
+    for part in (node / at).iterdir():
+        if part.name != "zarr.json":
+            shutil.move(str(part), str(node / part.name))
+    shutil.rmtree(node / at)
+    group = zarr.open_group(str(node), mode="r+")
+    group.attrs.put({**{k: v for k, v in group.attrs.items() if k != "arrays"}, "index_version": 1})
+    consolidate(zarr.open_group(str(path), mode="r+"))
+    old = open_index(str(path), "layer3")
+    assert old.attrs["index_version"] == 1 and old.arrays.path == old.group.path
+    _same(old, open_index(str(store), "layer3"))
+    new = index(str(path), "layer3", k=4)
+    assert new.attrs["index_version"] == 2 and list(new.group.keys()) == [new.attrs["arrays"]]
 
 
 def test_a_row_that_is_not_there_or_not_ok_is_one_line(store: Path):
@@ -380,7 +433,7 @@ def test_the_write_time_index_of_a_dictionary_equals_the_post_hoc_one(images: Pa
     again = index(str(path), "layer3", dictionary=tmp_path / "sae.npz", k=3, name="again")
     assert written.attrs["dictionary"] == again.attrs["dictionary"]
     for name, a in _arrays(written).items():
-        np.testing.assert_allclose(a, np.asarray(again.group[name][:]), rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(a, np.asarray(again.arrays[name][:]), rtol=1e-6, err_msg=name)
 
 
 # ---------------------------------------------------------------------------------------------- killed, resumed
