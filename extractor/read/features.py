@@ -28,7 +28,6 @@ import zarr
 from .._threads import prefetched
 from ..errors import OutOfRangeError, StoreError
 from ..store import (
-    INDEX_VERSION,
     INDEXES,
     LEASE_TIMEOUT_S,
     OK,
@@ -165,7 +164,8 @@ def _lease(store: ActivationStore) -> Lease:
 
 
 def _say_replaced(store: ActivationStore, name: str) -> None:
-    """Warn that index ``name``, which the store holds, is about to be replaced (it is deleted, then written)."""
+    """Warn that index ``name``, which the store holds, is about to be replaced (the new one written beside it,
+    then named in its place)."""
     if name in index_names(store):
         old: dict[str, Any] = dict(store.group[f"{INDEXES}/{name}"].attrs)
         dic = old.get("dictionary")
@@ -247,7 +247,8 @@ class FeatureIndex:
         self.attrs: dict[str, Any] = dict(group.attrs)
         if self.attrs.get("index_version") not in READ_VERSIONS:
             raise StoreError(f"index {group.path} of {store.url} has version {self.attrs.get('index_version')}; "
-                             f"this reads version {INDEX_VERSION}: make it again with extractor index")
+                             f"this reads versions {', '.join(map(str, READ_VERSIONS))}: make it again with "
+                             "extractor index")
         self._cache: dict[str, np.ndarray] = {}
         self._dictionary: Dictionary | None = None
 
@@ -346,7 +347,7 @@ class FeatureIndex:
     def _feature(self, f: int) -> int:
         if not 0 <= int(f) < self.features:
             raise OutOfRangeError(f"feature {f} out of range: the index has {self.features} features (0 to "
-                             f"{self.features - 1})")
+                                  f"{self.features - 1})")
         return int(f)
 
     def top(self, f: int) -> TopRows:
