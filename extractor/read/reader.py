@@ -224,7 +224,8 @@ class ActivationStore(Batching):
 
     @property
     def errors(self) -> np.ndarray:
-        return np.asarray(get_array(self.group, "errors")[:])
+        """Per row, why it failed ("" where it did not); read fresh each time, as :attr:`status`."""
+        return read_all(get_array(self.group, "errors"))
 
     @property
     def done_shards(self) -> np.ndarray:
