@@ -203,6 +203,8 @@ class Site:
         self.row(row)
         if index.grid is None or not 0 <= token < index.grid[0] * index.grid[1]:
             raise NotFound(f"index {slug!r} has no patch {token}")
+        if self.store.status[row] != OK:
+            raise NotFound(f"row {row} is {STATUS_NAMES[int(self.store.status[row])]}: it holds no activations")
         values = index.encode_row(row)[_prefix(index) + token]
         return {"row": row, "patch": token, "features": _strongest(values, n, slug)}
 
@@ -266,7 +268,7 @@ class Site:
             found = np.flatnonzero((np.strings.find(np.strings.lower(ids), low) >= 0)
                                    | (np.strings.find(np.strings.lower(self._names), low) >= 0))
             hits = list(dict.fromkeys([*exact.tolist(), *found.tolist()]))
-            if q.isdigit() and int(q) < len(self.store):
+            if q.isascii() and q.isdigit() and int(q) < len(self.store):  # a row number ('²' is a digit too)
                 hits = list(dict.fromkeys([int(q), *hits]))  # a row number
         return {"title": f"search {q}" if q else "search", "query": q, "count": len(hits),
                 "hits": [{"row": r, "id": str(self.store.ids[r]), "label": self._label(r),

@@ -413,6 +413,20 @@ def test_an_index_of_version_1_is_read_and_replaced_whole(store: Path, tmp_path:
     assert new.attrs["index_version"] == 2 and list(new.group.keys()) == [new.attrs["arrays"]]
 
 
+def test_the_viewer_answers_a_failed_rows_patch_and_a_unicode_digit_search_without_a_500(store: Path):
+    pytest.importorskip("flask")
+    from extractor.view import create_app
+
+    client = create_app(str(store)).test_client()
+    failed = int(np.flatnonzero(open_store(str(store)).status != 1)[0])
+    answer = client.get(f"/api/index/layer3/patch/{failed}/0.json")
+    assert answer.status_code == 404 and "it holds no activations" in answer.get_json()["reason"]
+    assert client.get("/api/index/layer3/patch/0/0.json").status_code == 200
+    for q in ("%C2%B2", "%C2%B9"):
+        answer = client.get(f"/api/search.json?q={q}")
+        assert answer.status_code == 200 and answer.get_json()["hits"] == []
+
+
 def test_a_row_that_is_not_there_or_not_ok_is_one_line(store: Path):
     ix = open_index(str(store), "layer3")
     s = open_store(str(store))
