@@ -116,6 +116,20 @@ def principal_components(x: np.ndarray, k: int = 2, seed: int = 0) -> tuple[np.n
     return np.pad(scores, ((0, 0), (0, k - n))), np.pad(ratio, (0, k - n))
 
 
+def _top_axis(key: str, dims: list[str], pool: str, k: int) -> int:
+    """The feature axis of a capture of ``dims`` that top rows rank by; a one-line error naming what is wrong."""
+    from ..store import feature_axis
+
+    axis = feature_axis(dims)
+    if axis is None:
+        raise StoreError(f"top rows of {key} need a feature axis; its dims: {', '.join(dims)}")
+    if pool not in ("max", "mean"):
+        raise StoreError(f"top rows of {key}: pool must be max or mean, not {pool!r}")
+    if k < 1:
+        raise StoreError(f"top rows of {key}: k must be >= 1, not {k}")
+    return axis
+
+
 def top_rows(store: ActivationStore, key: str, feature: int | np.ndarray, k: int = 16,
              pool: str = "max") -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` ok rows of capture ``key`` where a feature is highest: ``feature`` is the index of a channel (of a
@@ -123,15 +137,11 @@ def top_rows(store: ActivationStore, key: str, feature: int | np.ndarray, k: int
     row: the features' dot product with it), pooled over positions or tokens by ``pool`` (``max`` or ``mean``).
     Streamed a batch of whole chunks at a time (never the whole capture). Returns ``(rows, values)``, highest
     first; rows holding NaN or Inf there never come."""
-    from ..store import feature_axis
 
     meta = store.captures.get(key)
     if meta is None:
         raise StoreError(f"{key!r} is not a capture of {store.url}; its captures: {', '.join(store.keys)}")
-    axis = feature_axis(meta["dims"])
-    if axis is None or pool not in ("max", "mean") or k < 1:
-        raise StoreError(f"top rows of {key} need a feature axis (its dims: {', '.join(meta['dims'])}), pool max or "
-                         f"mean (not {pool!r}) and k >= 1 (not {k})")
+    axis = _top_axis(key, meta["dims"], pool, k)
     n_feat = int(meta["shape"][axis - 1])
     direction = None if isinstance(feature, int | np.integer) else np.asarray(feature, np.float64).reshape(-1)
     if direction is None and not 0 <= int(feature) < n_feat or direction is not None and len(direction) != n_feat:

@@ -33,10 +33,13 @@ def _prefetched(items: Iterable[_T], fn: Callable[[_T], _R], depth: int, threads
     return prefetched(items, fn, depth, threads, name="extractor-read")
 
 
-def _check_sizes(batch_size: int, buffer_chunks: int) -> None:
-    """Refuse a batch or buffer size below one."""
-    if batch_size < 1 or buffer_chunks < 1:
-        raise ValueError(f"batch_size and buffer_chunks must be >= 1, not {batch_size} and {buffer_chunks}")
+def _check_sizes(batch_size: int, buffer_chunks: int, seed: int) -> None:
+    """Refuse a batch or buffer size that is not a whole number >= 1, or a seed that is not one >= 0."""
+    for name, value, low in (("batch_size", batch_size, 1), ("buffer_chunks", buffer_chunks, 1), ("seed", seed, 0)):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, not {value!r}")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, not {value}")
 
 
 def _read_runs(arrays: Sequence[zarr.Array], runs: Sequence[np.ndarray],
@@ -289,7 +292,7 @@ class Batching:
         with the same arguments and given a saved state before its first batch yields exactly the rows the
         saved one had not yet yielded.
         """
-        _check_sizes(batch_size, buffer_chunks)
+        _check_sizes(batch_size, buffer_chunks, seed)
         arrays, step = self._arrays_of(keys, "batches", spread)
         # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
         plan = _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker,
@@ -368,11 +371,9 @@ class Batching:
         crosscoder, stored with the same tokens): ``data`` is a dict ``{key: (B, features_key)}`` of the same
         (row, token) positions from each, ``index`` those positions; each capture normalised by its own
         statistics."""
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool):
-            raise TypeError(f"batch_size must be an int, not {batch_size!r}")
+        _check_sizes(batch_size, buffer_chunks, seed)
         keys = self._token_keys(key, drop_prefix)
         skip, tokens = self.token_span(keys[0], drop_prefix)
-        _check_sizes(batch_size, buffer_chunks)
         arrays = [self[k] for k in keys]
         if self.captures[keys[0]].get("sample_tokens"):  # each stored token's position in the layer's sequence
             arrays.append(self[f"{keys[0]}.token_index"])

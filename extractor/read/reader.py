@@ -69,6 +69,10 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
             group = zarr.open_group(snapshot_store(local) if snapshot and local is not None else url, **kwargs)
     except FileNotFoundError:
         raise StoreError(f"no store at {url}") from None
+    except zarr.errors.ContainsArrayError:
+        parent = url.rstrip("/").rsplit("/", 1)[0]
+        raise StoreError(f"{url} is an array of a store, not a store: open the store ({parent}) and read the array by "
+                         "its key") from None
     except Exception as err:
         raise StoreError(f"cannot open {url} as a Zarr store: {err}") from err
     if ATTR not in group.attrs:
@@ -285,6 +289,8 @@ class ActivationStore(Batching):
 
     def row_numbers(self, ids: Sequence[str]) -> np.ndarray:
         """The store rows of the image ids ``ids`` (KeyError naming the first one not in the store)."""
+        if isinstance(ids, str):
+            raise TypeError(f"row_numbers takes a list of image ids; of one: row_numbers([{ids!r}])")
         if self._row_of is None:
             self._row_of = self._id_index()
         rows = self._row_of.find(ids)
@@ -314,6 +320,8 @@ class ActivationStore(Batching):
 
     def row(self, id: str) -> dict[str, Any]:
         """All captures and extras of the row with image id ``id`` (random access by id)."""
+        if not isinstance(id, str):
+            raise TypeError(f"row takes an image id (a str), not {id!r}; a row by its number: numpy(key, rows=[n])")
         n = int(self.row_numbers([id])[0])
         if "status" not in self._arrays:
             self._arrays["status"] = get_array(self.group, "status")

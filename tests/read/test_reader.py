@@ -88,6 +88,17 @@ def test_batches_leave_out_rows_that_are_not_ok_and_check_sizes(synthetic):
     for bad in ({"batch_size": 0}, {"buffer_chunks": 0}):
         with pytest.raises(ValueError, match="must be >= 1"):
             next(s.batches("emb", **{"batch_size": 4, **bad}))
+    for bad, said in [({"seed": -1}, "seed must be >= 0, not -1"), ({"seed": 1.5}, "seed must be an int, not 1.5"),
+                      ({"seed": None}, "seed must be an int, not None"),
+                      ({"batch_size": 2.5}, "batch_size must be an int, not 2.5")]:
+        with pytest.raises((TypeError, ValueError), match=said):
+            next(s.batches("emb", **{"batch_size": 4, **bad}))
+    assert len(next(s.batches("emb", np.int64(4), seed=np.int64(3)))[0]) == 4  # numpy's ints are ints
+    ids = [str(i) for i in s.ids[:2]]
+    with pytest.raises(TypeError, match=f"row_numbers takes a list of image ids; of one: row_numbers\\(\\[{ids[0]!r}"):
+        s.row_numbers(ids[0])
+    with pytest.raises(TypeError, match="row takes an image id .a str., not 5; a row by its number"):
+        s.row(5)
 
 
 class _CountingArray:
@@ -222,6 +233,12 @@ def test_row_by_id_and_torch_views(store):
     assert sorted(torch.cat(epoch1).tolist()) == sorted(store.ok_rows().tolist())
     assert torch.cat(epoch1).tolist() != torch.cat(epoch2).tolist()  # each epoch its own order
     assert epoch1[0].shape == (8,) and set(epoch1[0].tolist()) <= set(store.ok_rows().tolist())
+
+
+def test_an_array_of_a_store_opened_as_a_store_says_which_store(store):
+    with pytest.raises(StoreError, match=f"{store.url}/map is an array of a store, not a store: open the store "
+                                         f"\\({store.url}\\) and read the array by its key"):
+        open_store(f"{store.url}/map")
 
 
 def test_dataloader_refuses_what_is_no_option_of_its_own(store):

@@ -172,6 +172,10 @@ def test_top_rows_equal_argsort_on_the_whole_capture_for_an_index_or_a_direction
         top_rows(s, "tok", 6)
     with pytest.raises(StoreError, match=r"or a direction of 4 values \(not 3 values\)"):
         top_rows(s, "map", np.ones(3))
+    with pytest.raises(StoreError, match=r"top rows of map: k must be >= 1, not 0"):
+        top_rows(s, "map", 0, k=0)
+    with pytest.raises(StoreError, match=r"top rows of map: pool must be max or mean, not 'min'"):
+        top_rows(s, "map", 0, pool="min")
 
 
 def test_fewer_than_three_shared_rows_and_a_pca_of_one_row_are_refused(tmp_path):
