@@ -241,6 +241,29 @@ def test_an_array_of_a_store_opened_as_a_store_says_which_store(store):
         open_store(f"{store.url}/map")
 
 
+def test_a_store_made_again_while_open_is_refused_before_its_rows_are_read(store, tmp_path: Path):
+    """Another store made at the URL (``--overwrite``): its rows would come under the ids the reader holds."""
+    import shutil
+
+    import zarr
+
+    from extractor.store.layout import update_attrs
+
+    path = tmp_path / "s.zarr"
+    shutil.copytree(store.url, path)
+    s = open_store(str(path))
+    ids = s.ids
+    assert s.ok_rows().size and s.numpy("layer4").shape[0] == s.ok_rows().size
+    update_attrs(zarr.open_group(str(path), mode="r+"), created="2026-12-03T06:45:00+00:00")  # made again
+    for read in (s.ok_rows, lambda: s.numpy("layer4"), lambda: next(s.batches("layer4", 2)), lambda: s.status):
+        with pytest.raises(StoreError, match="was made again .or removed. since it was opened: .* open it again"):
+            read()
+    assert open_store(str(path)).ids.tolist() == ids.tolist()  # opened again: read
+    shutil.rmtree(path)
+    with pytest.raises(StoreError, match="was made again .or removed."):
+        s.ok_rows()
+
+
 def test_dataloader_refuses_what_is_no_option_of_its_own(store):
     pytest.importorskip("torch")
     with pytest.raises(TypeError, match=r"unknown option\(s\) sampler.*num_workers and the DataLoader's pin_memory"):
