@@ -66,8 +66,8 @@ def write_index(group: zarr.Group, name: str, arrays: IndexArrays, record: Mappi
     at = f"v{uuid.uuid4().hex[:12]}"
     _write_arrays(node.create_group(at), arrays)
     node.attrs.put({**record, "arrays": at})
-    for member in old:
-        del node[member]
+    for gone in old:
+        del node[gone]
 
 
 def _write_arrays(node: zarr.Group, arrays: IndexArrays) -> None:
