@@ -137,7 +137,6 @@ def top_rows(store: ActivationStore, key: str, feature: int | np.ndarray, k: int
     row: the features' dot product with it), pooled over positions or tokens by ``pool`` (``max`` or ``mean``).
     Streamed a batch of whole chunks at a time (never the whole capture). Returns ``(rows, values)``, highest
     first; rows holding NaN or Inf there never come."""
-
     meta = store.captures.get(key)
     if meta is None:
         raise StoreError(f"{key!r} is not a capture of {store.url}; its captures: {', '.join(store.keys)}")

@@ -145,7 +145,7 @@ def _settings(store: ActivationStore, key: str, layout: Layout, dictionary: str 
         raise StoreError(f"threshold must be a finite number >= 0 (a feature fires above it), not {threshold}")
     rows = max(int((store.status == OK).sum()), 1)
     if k > rows:
-        log.info("k %d over %d ok rows: keeping %d", k, rows, rows)
+        log.warning("k %d is more than the %d ok rows of %s: the index keeps them all (k %d)", k, rows, store.url, rows)
     return dic, min(k, rows)
 
 

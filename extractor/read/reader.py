@@ -351,6 +351,7 @@ class ActivationStore(Batching):
         if not isinstance(id, str):
             raise TypeError(f"row takes an image id (a str), not {id!r}; a row by its number: numpy(key, rows=[n])")
         n = int(self.row_numbers([id])[0])
+        self._check_same(len(self))  # the ids known are this store's (row reads its status alone, not through status)
         if "status" not in self._arrays:
             self._arrays["status"] = get_array(self.group, "status")
         status = STATUS_NAMES[int(np.asarray(self._arrays["status"][n]))]

@@ -344,6 +344,7 @@ def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they
     with caplog.at_level("WARNING", logger="extractor"):
         big = index(str(path), "layer3", k=1000)
     assert "replacing index layer3 of" in caplog.text and "k 4" in caplog.text
+    assert "k 1000 is more than the 14 ok rows" in caplog.text  # said, not silent
     acts, _ = _acts(path)
     assert big.k == 14 and big.top(0).rows.size == (acts[:, :, 0].max(axis=1) > 0).sum()
     _same(big, index(str(path), "layer3", k=14, name="k14"))

@@ -255,7 +255,8 @@ def test_a_store_made_again_while_open_is_refused_before_its_rows_are_read(store
     ids = s.ids
     assert s.ok_rows().size and s.numpy("layer4").shape[0] == s.ok_rows().size
     update_attrs(zarr.open_group(str(path), mode="r+"), created="2026-12-03T06:45:00+00:00")  # made again
-    for read in (s.ok_rows, lambda: s.numpy("layer4"), lambda: next(s.batches("layer4", 2)), lambda: s.status):
+    for read in (s.ok_rows, lambda: s.numpy("layer4"), lambda: next(s.batches("layer4", 2)), lambda: s.status,
+                 lambda: s.row(str(ids[0]))):
         with pytest.raises(StoreError, match="was made again .or removed. since it was opened: .* open it again"):
             read()
     assert open_store(str(path)).ids.tolist() == ids.tolist()  # opened again: read
