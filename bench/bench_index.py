@@ -1,7 +1,7 @@
 """`make bench` (or `python bench/bench.py --index`): the feature index (issue 42) against what it must be as fast as,
 both targets printed side by side at the end of one run.
 
-- SAE latents over ViT tokens: ``extractor.read.index`` with a dictionary (read from the store, encode, top-k,
+- SAE latents over ViT tokens: ``extractor.index.index`` with a dictionary (read from the store, encode, top-k,
   densities, histograms, quantile samples, written into the store) against the bare computation in torch over the
   same array already in memory (encoder matmul + ReLU + a running top-k of each latent's max over a row's tokens),
   in the same blocks of rows. Target: 1.3x.
@@ -112,7 +112,7 @@ class Target:
 
 def _timed_index(url: Path, **kwargs: Any) -> tuple[Timed, Any]:
     """Times and the index of one ``index`` call."""
-    from extractor.read import index
+    from extractor.index import index
 
     t0, c0 = time.perf_counter(), time.process_time()
     ix = index(str(url), "x", **kwargs)
@@ -122,7 +122,7 @@ def _timed_index(url: Path, **kwargs: Any) -> tuple[Timed, Any]:
 def _traced_index(url: Path, **kwargs: Any) -> int:
     """Peak traced bytes (numpy's allocations included) of one ``index`` call: a pass of its own, as tracemalloc
     slows every allocation (it made the map's pass 1.4x as long)."""
-    from extractor.read import index
+    from extractor.index import index
 
     tracemalloc.start()
     index(str(url), "x", **kwargs)
@@ -151,7 +151,7 @@ def _load() -> str:
 
 def _bound(ix: Any) -> float:
     """The memory the index may hold, in MB: features x (k x positions of float32 + examples and histograms)."""
-    from extractor.store.index_state import IndexState
+    from extractor.index.state import IndexState
 
     state = IndexState(ix.features, int(ix.attrs["positions"]), ix.k)
     return state.nbytes() / 1e6
@@ -164,10 +164,10 @@ def _median(runs: list[Timed]) -> Timed:
 def sae_bench(rows: int, repeats: int) -> Target:
     import torch
 
+    from extractor.index.layout import ENCODE_VALUES
+    from extractor.index.reader import LANES
+    from extractor.index.state import IndexState
     from extractor.read import open_store
-    from extractor.read.features import LANES
-    from extractor.store.feature_index import ENCODE_VALUES
-    from extractor.store.index_state import IndexState
 
     url = WORK / f"index-tokens-{rows}.zarr"
     _store(url, rows, [TOKENS, WIDTH], ["x.token", "x.feature"], "float16", 64)

@@ -18,12 +18,13 @@ BASE = {"errors", "faults", "_text", "_face", "_threads", "_version"}  # the gro
 LAYERS = {
     "spec": set(),
     "data": {"spec"},
-    "store": {"data", "spec"},
+    "store": {"data", "spec", "index"},  # index: the session's write-time indexes, until the driver hands them in
     "model": {"spec", "data", "store"},  # store.sampling: the draws a store records, made alike on the device
-    "compute": {"spec", "data", "model", "store"},
+    "compute": {"spec", "data", "model", "store", "index"},
     "driver": {"spec", "data", "model", "compute", "store"},
     "read": {"store", "data"},
-    "view": {"read", "store", "data"},  # the top floor, beside api and cli: the viewer of a store
+    "index": {"spec", "data", "store", "read"},  # feature indexes: stores read through read's ActivationStore
+    "view": {"read", "store", "data", "index"},  # the top floor, beside api and cli: the viewer of a store
 }
 
 

@@ -13,7 +13,8 @@ from .common import _at_least, _save, _store_options
 def cmd_index(args: argparse.Namespace) -> int:
     """``extractor index STORE``: the store's indexes; with ``--key K``, make one first; ``--feature F`` or
     ``--densities``: draw one (to ``--out``)."""
-    from ..read import describe, index_names, open_index, open_store, summary
+    from ..index import describe, index_names, open_index, summary
+    from ..read import open_store
 
     options = _store_options(args)
     store = open_store(args.store, options)
@@ -39,7 +40,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def _make(store: Any, args: argparse.Namespace) -> str:
     """Index ``args.key`` of ``store`` (a progress bar on the way); the index's name."""
-    from ..read import index
+    from ..index import index
 
     bar = Progress(enabled=not (args.quiet or args.json))
     bar.start(len(store.ok_rows()))

@@ -18,9 +18,9 @@ import torch
 from ..data import Batch, Shard
 from ..errors import ShardError
 from ..faults import blame
+from ..index import serves
 from ..spec import JobSpec
 from ..store import CaptureRecord, ExtraRecord, draw_keys
-from .index_device import serves
 from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard
 
 __all__ = ["Pipeline", "ShardQueue", "CallbackError", "Forwarder"]

@@ -16,6 +16,7 @@ import torch
 from ..data import Preprocess
 from ..errors import ExtractorError, LayerError, ModelError
 from ..faults import describe_error, device_errors
+from ..index import with_indexes
 from ..model import (
     ROOT,
     Capturer,
@@ -32,7 +33,6 @@ from ..store import (
     ExtraRecord,
     Probe,
     forward_summary,
-    with_indexes,
 )
 
 __all__ = ["Probing"]

@@ -18,9 +18,9 @@ import numpy as np
 from ..data import Reused, Shard
 from ..errors import FencedError, ShardError
 from ..faults import shard_failed
-from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, indexed, numpy_dtype
+from ..index import index_on_device, indexed
+from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, numpy_dtype
 from ..store import dumps as stats_dumps
-from .index_device import index_on_device
 
 __all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
 
@@ -188,8 +188,8 @@ class ShardOutput:
 
     def _index(self, offsets: np.ndarray, device: dict[str, Any]) -> None:
         """Add the computed rows ``offsets`` to the write-time indexes: their blocks made on the device from the
-        batch's tensors (:func:`~.index_device.index_on_device`), merged here. Without the tensors, the writer threads
-        add the rows from their chunks (on the host)."""
+        batch's tensors (:func:`~extractor.index.device.index_on_device`), merged here. Without the tensors, the writer
+        threads add the rows from their chunks (on the host)."""
         if not self.indexes or not len(offsets):
             return
         if any(key not in device for key in self.indexes):

@@ -29,7 +29,7 @@ __all__ = ["bar_chart", "scatter_plot", "image_grid", "gradcam_grid", "heatmap",
 FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
-def _figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
     try:
         import matplotlib.figure  # noqa: F401
     except ImportError:
@@ -86,7 +86,7 @@ def bar_chart(results: dict[str, dict[str, Any]], title: str) -> Figure:
     """Probe accuracy per capture: a bar each, the spread over folds as an error bar, the chance level (the
     majority class) marked on each."""
     names = list(results)
-    fig = _figure(7.5, 1.8 + 0.45 * len(names))
+    fig = new_figure(7.5, 1.8 + 0.45 * len(names))
     ax = fig.add_subplot()
     y = np.arange(len(names))
     acc, std = [results[n]["accuracy"] for n in names], [results[n]["std"] for n in names]
@@ -114,7 +114,7 @@ def scatter_plot(points: np.ndarray, labels: np.ndarray, classes: Sequence[str],
     ``explained``: each axis's share of the variance, in its label."""
     present = sorted({int(v) for v in labels})
     many = len(present) > LEGEND_CLASSES
-    fig = _figure(7 if len(present) <= 10 or many else 9, 5.5)
+    fig = new_figure(7 if len(present) <= 10 or many else 9, 5.5)
     ax = fig.add_subplot()
     if many:  # a legend of hundreds of names is no legend: colours by class index, a colour bar says which
         shown = ax.scatter(points[:, 0], points[:, 1], c=labels, cmap="turbo", s=10)
@@ -140,10 +140,10 @@ def scatter_plot(points: np.ndarray, labels: np.ndarray, classes: Sequence[str],
     return fig
 
 
-def _grid(n: int, columns: int, cell: float = 1.9) -> tuple[Figure, list[Any]]:
+def figure_grid(n: int, columns: int, cell: float = 1.9) -> tuple[Figure, list[Any]]:
     columns = max(1, min(columns, n))
     n_rows = -(-n // columns)
-    fig = _figure(cell * columns, (cell + 0.3) * n_rows)
+    fig = new_figure(cell * columns, (cell + 0.3) * n_rows)
     axes = fig.subplots(n_rows, columns, squeeze=False).ravel()
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -159,7 +159,7 @@ def image_grid(store: ActivationStore, rows: np.ndarray, columns: int = 8,
     row and its class, or ``captions``."""
     if not len(rows):
         raise StoreError("no rows to draw")
-    fig, axes = _grid(len(rows), columns)
+    fig, axes = figure_grid(len(rows), columns)
     classes = store.classes
     for n, (ax, r) in enumerate(zip(axes, rows, strict=True)):
         try:
@@ -198,7 +198,7 @@ def gradcam_grid(store: ActivationStore, key: str | None = None, rows: slice | N
     ranges = _rows_of(store, f"{key}.range", idx)
     targets, scores = _rows_of(store, "target", idx), _rows_of(store, "target_score", idx)
     classes = store.classes if store.captures[key].get("target") == "label" else []  # else the model's classes
-    fig, axes = _grid(len(idx), columns)
+    fig, axes = figure_grid(len(idx), columns)
     shown: Any = None
     for ax, row, cam, (lo, hi), t, sc in zip(axes, idx, maps, ranges, targets, scores, strict=True):
         img = np.asarray(crop_like_job(store.locator(int(row)), store))
@@ -216,7 +216,7 @@ def heatmap(matrices: dict[str, np.ndarray], names: Sequence[str], title: str) -
     """Square matrices of similarities between captures (``names`` on both axes), a panel each (titled by its
     key: what it measures), each cell written, a colour bar each."""
     n, k = len(names), len(matrices)
-    fig = _figure((3 + 0.75 * n) * k, 2.4 + 0.65 * n)
+    fig = new_figure((3 + 0.75 * n) * k, 2.4 + 0.65 * n)
     axes = fig.subplots(1, k, squeeze=False)[0]
     short = [f"[{i}]" for i in range(n)]
     for ax, (what, values) in zip(axes, matrices.items(), strict=True):

@@ -81,11 +81,11 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
         raise StoreError(f"{url} is a Zarr group but not an extractor store (no '{ATTR}' attributes)")
     attrs = root_attrs(group)
     if attrs.get("status") == "creating":
-        raise StoreError(being_created(url, group, _lease_timeout(attrs)))
+        raise StoreError(being_created(url, group, job_lease_timeout(attrs)))
     return ActivationStore(group, url, storage_options)
 
 
-def _lease_timeout(attrs: Mapping[str, Any]) -> float:
+def job_lease_timeout(attrs: Mapping[str, Any]) -> float:
     """The lease timeout the store's job ran with, as its spec records it (leases record their own too, and
     theirs counts); 0 where neither says (no store extractor writes): such a lease counts as stale."""
     return float((attrs.get("spec") or {}).get("output", {}).get("lease_timeout_s") or 0.0)
@@ -486,7 +486,7 @@ class ActivationStore(Batching):
         if not held or held.get("released"):
             return None
         age = time.time() - float(held.get("heartbeat", 0))
-        return age if age > lease_timeout(held, _lease_timeout(self.attrs)) else None
+        return age if age > lease_timeout(held, job_lease_timeout(self.attrs)) else None
 
     def verify(self, source_options: Mapping[str, Any] | None = None, threads: int = 16) -> dict[str, Any]:
         """Read every row's image again from where the store read it (its ``paths``; ``source_options``:

@@ -11,24 +11,9 @@ from .._face import face
 
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .chunks import ChunkCodec, read_all, write_chunks
-    from .dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS, Dictionary, DictionaryError, file_digest, load_dictionary
     from .dtypes import BFLOAT16, is_bfloat16, numpy_dtype
-    from .feature_index import (
-        INDEX_VERSION,
-        INDEXES,
-        READ_VERSIONS,
-        IndexFeed,
-        Layout,
-        index_name,
-        index_record,
-        indexed,
-        source_state,
-        with_indexes,
-        write_index,
-    )
     from .forward import forward_differences, forward_summary
     from .id_index import ID_INDEX, SortedIds, id_index_objects, read_id_index, write_id_index
-    from .index_state import EXAMPLES, HIST_BINS, BlockPart, IndexState, bin_tables
     from .layout import (
         ATTR,
         FAILED,

@@ -18,9 +18,9 @@ import numpy as np
 from .._text import count
 from ..data import Rows, Shard, reuse, source
 from ..errors import FencedError, StoreError
+from ..index import ensure_parts, finish_indexes, indexed
 from ..spec import JobSpec
 from .chunks import read_all
-from .feature_index import ensure_parts, finish_indexes, indexed
 from .layout import (
     FAILED,
     OK,

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..read import ActivationStore, FeatureIndex, index_names, open_index
+from ..index import FeatureIndex, index_names, open_index
+from ..read import ActivationStore
 from ..store import OK, STATUS_NAMES, get_array
 from . import svg
 from .thumbs import Thumbnails

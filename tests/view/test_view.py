@@ -34,7 +34,7 @@ def make_store(tmp: Path) -> tuple[Path, Path]:
     """A store of 12 images (tiny ResNet: layer3 maps of 32 x 4 x 4, a Grad-CAM map) with two indexes of layer3:
     its channels, and the latents of a dictionary (an SAE's encoder, relu). Returns the store and the images."""
     import extractor
-    import extractor.read
+    import extractor.index
 
     images = tmp / "images"
     make_images(images, per_class=6, size=72)
@@ -43,9 +43,9 @@ def make_store(tmp: Path) -> tuple[Path, Path]:
                                      {"layer": "layer4", "what": "gradcam", "size": "input", "key": "cam"}])
     raw["data"]["crop"] = 64
     store = extractor.run(raw, progress=False)
-    extractor.read.index(store, "layer3", k=K)
+    extractor.index.index(store, "layer3", k=K)
     np.savez(tmp / "sae.npz", **sae_weights())
-    extractor.read.index(store, "layer3", dictionary=tmp / "sae.npz", k=K)
+    extractor.index.index(store, "layer3", dictionary=tmp / "sae.npz", k=K)
     return path, images
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_feature_index import ARRAYS, _check_against_numpy
+from test_state import ARRAYS, _check_against_numpy
 
-from extractor.compute.index_device import block_part
-from extractor.store.index_state import IndexState
+from extractor.index.device import block_part
+from extractor.index.state import IndexState
 
 
 def _acts(n: int, t: int, f: int) -> np.ndarray:

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from extractor.store import index_kernel
-from extractor.store.feature_index import Layout
-from extractor.store.index_state import HIST_EDGES, QUANTILES, IndexState
+from extractor.index import kernel
+from extractor.index.layout import Layout
+from extractor.index.state import HIST_EDGES, QUANTILES, IndexState
 
 ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
           "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
@@ -21,8 +21,8 @@ ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_row
 def block_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A test on both ways a block's numbers are made: the compiled passes and numpy's."""
     if request.param == "numpy":
-        monkeypatch.setattr(index_kernel, "_KERNELS", None)
-    elif not index_kernel.available():
+        monkeypatch.setattr(kernel, "_KERNELS", None)
+    elif not kernel.available():
         pytest.skip("numba is not installed (the index extra)")
     return request.param
 
@@ -183,7 +183,7 @@ def test_the_compiled_pass_equals_numpys_on_edges_nans_and_both_layouts(pool: st
     """Values at and beside every bin edge, NaN, infinities, subnormals and zeros, in a map's layout (channels
     first: a strided view) and a token sequence's: the index the compiled pass makes equals numpy's, array for
     array."""
-    if not index_kernel.available():
+    if not kernel.available():
         pytest.skip("numba is not installed (the index extra)")
     rng = np.random.default_rng(5)
     edges = (10.0**HIST_EDGES).astype(dtype)
@@ -198,7 +198,7 @@ def test_the_compiled_pass_equals_numpys_on_edges_nans_and_both_layouts(pool: st
         for way in ("compiled", "numpy"):
             with pytest.MonkeyPatch.context() as m:
                 if way == "numpy":
-                    m.setattr(index_kernel, "_KERNELS", None)
+                    m.setattr(kernel, "_KERNELS", None)
                 state = IndexState(c, p, k, pool, threshold)
                 for a in range(0, n, 40):
                     state.update(block[a : a + 40], np.arange(a, min(a + 40, n)))
@@ -209,15 +209,15 @@ def test_the_compiled_pass_equals_numpys_on_edges_nans_and_both_layouts(pool: st
 
 
 def test_the_bins_of_every_float16_value_equal_searchsorted_over_the_edges():
-    from extractor.store import index_state
+    from extractor.index import state
 
     v = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     with np.errstate(invalid="ignore"):
         want = np.clip(np.searchsorted(10.0**HIST_EDGES, v.astype(np.float64), side="right") - 1, 0,
                        len(HIST_EDGES) - 2)
     want[~(v > 0)] = len(HIST_EDGES) - 1  # not counted
-    np.testing.assert_array_equal(index_state._bins(v), want)
-    np.testing.assert_array_equal(index_state._bins(v.reshape(-1, 4)[:, ::2]), want.reshape(-1, 4)[:, ::2])
+    np.testing.assert_array_equal(state._bins(v), want)
+    np.testing.assert_array_equal(state._bins(v.reshape(-1, 4)[:, ::2]), want.reshape(-1, 4)[:, ::2])
 
 
 def test_a_captures_rows_read_as_positions_by_features():
@@ -253,7 +253,7 @@ def test_the_bins_of_every_float32_bucket_equal_searchsorted_over_the_edges():
     """The table of top 16 bits and the comparison at the buckets an edge cuts: against np.searchsorted in float64,
     over values of every bucket, each edge and its neighbours, zeros, infinities and NaN (those <= 0 or NaN:
     not counted)."""
-    from extractor.store import index_state
+    from extractor.index import state
 
     rng = np.random.default_rng(1)
     top = np.repeat(np.arange(1 << 16, dtype=np.uint32) << np.uint32(16), 4)
@@ -265,5 +265,5 @@ def test_the_bins_of_every_float32_bucket_equal_searchsorted_over_the_edges():
         want = np.clip(np.searchsorted(10.0**HIST_EDGES, v.astype(np.float64), side="right") - 1, 0,
                        len(HIST_EDGES) - 2)
     want[~(v > 0)] = len(HIST_EDGES) - 1  # not counted
-    np.testing.assert_array_equal(index_state._bins(v), want)
-    np.testing.assert_array_equal(index_state._bins(v.reshape(-1, 2)), want.reshape(-1, 2))  # any shape
+    np.testing.assert_array_equal(state._bins(v), want)
+    np.testing.assert_array_equal(state._bins(v.reshape(-1, 2)), want.reshape(-1, 2))  # any shape

@@ -1,7 +1,7 @@
 """A feature index of a capture: how its rows read as positions x features (:class:`Layout`), a stream of them fed to
-an :class:`~.index_state.IndexState` (:class:`IndexFeed`), the stored layout of a finished index (``indexes/<name>``:
+an :class:`~.state.IndexState` (:class:`IndexFeed`), the stored layout of a finished index (``indexes/<name>``:
 :func:`write_index`, :class:`IndexRecord`) and a job's parts of a write-time index, one per shard, merged at its end
-(numpy and zarr only). The reader's view of a stored index is ``extractor.read.FeatureIndex``.
+(numpy and zarr only). The reader's view of a stored index is ``extractor.index.FeatureIndex``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, NotRequired, Protocol, TypedDict
 import numpy as np
 import zarr
 
-from .index_state import EXAMPLES, HIST_EDGES, QUANTILES, IndexArrays, IndexState
+from .state import EXAMPLES, HIST_EDGES, QUANTILES, IndexArrays, IndexState
 
 __all__ = ["INDEX_VERSION", "READ_VERSIONS", "INDEXES", "IndexRecord", "write_index", "Layout", "IndexFeed",
            "source_state", "index_name", "index_record", "ensure_parts", "finish_indexes", "indexed", "with_indexes"]
@@ -121,7 +121,7 @@ class Layout:
     def tokens(self, x: Any) -> Any:
         """Rows ``x`` (n, *shape) as (n, positions, features): a numpy array (float16: a view of ``x``, which the
         index converts once and bins by a table of its values; anything else a contiguous float32 copy), or a float32
-        torch tensor on its device (the write-time index's blocks: ``extractor.compute.index_device``)."""
+        torch tensor on its device (the write-time index's blocks: ``extractor.index.device``)."""
         n = len(x)
         if not hasattr(x, "swapaxes"):
             x = np.asarray(x)
@@ -146,7 +146,7 @@ class Encoder(Protocol):
 class IndexFeed:
     """One index being computed over a stream of a capture's rows: its layout, its encoder (None: the capture's own
     features), its state. A post-hoc pass adds the store's chunks (``add``); a job's write-time index adds each
-    computed batch's blocks made on the device (``extractor.compute.index_device``, from :meth:`blocks`) and the
+    computed batch's blocks made on the device (``extractor.index.device``, from :meth:`blocks`) and the
     chunks of rows it did not compute. The state does not depend on how rows are cut into blocks."""
 
     def __init__(self, layout: Layout, k: int, pool: str, threshold: float, encoder: Encoder | None = None) -> None:
@@ -183,7 +183,7 @@ class IndexFeed:
 def source_state(group: zarr.Group) -> dict[str, Any]:
     """What an index covers of the store: its creation, last resume, done shards and ok rows. A store whose state
     differs since (resumed, more shards done) makes the index stale."""
-    from .layout import OK, done_shards, get_array, root_attrs
+    from ..store import OK, done_shards, get_array, root_attrs
 
     group = zarr.open_group(store=group.store, mode="r", use_consolidated=False)  # as the storage has it now
     attrs = root_attrs(group)
@@ -198,7 +198,7 @@ def index_name(key: str, dictionary_stem: str | None) -> str:
 
 def index_record(name: str, key: str, feed: IndexFeed, dictionary: Mapping[str, Any] | None,
                  state: Mapping[str, Any], written: str) -> IndexRecord:
-    from .layout import now
+    from ..store import now
 
     s = feed.state
     return IndexRecord(
@@ -214,7 +214,7 @@ PARTS = "index_parts"  # group of the store: one (shards, bytes) uint8 array per
 
 
 def part_array(group: zarr.Group, key: str) -> zarr.Array:
-    from .layout import get_array
+    from ..store import get_array
 
     return get_array(group, f"{PARTS}/{key}")
 
@@ -237,7 +237,7 @@ def ensure_parts(group: zarr.Group, feeds: Mapping[str, IndexFeed], n_shards: in
 def merged_parts(group: zarr.Group, key: str, feed: IndexFeed) -> tuple[int, int]:
     """Merge into ``feed`` the part of every done shard, read one at a time (memory: two states); returns (merged,
     missing): done shards whose part is not there (made before the index was asked for) are missing."""
-    from .layout import done_shards
+    from ..store import done_shards
 
     done = np.flatnonzero(done_shards(group))
     parts = part_array(group, key)
@@ -273,7 +273,7 @@ def finish_indexes(group: zarr.Group) -> list[str]:
     left out, with a warning."""
     import logging
 
-    from .layout import root_attrs
+    from ..store import root_attrs
 
     attrs = root_attrs(group)
     written = []

@@ -1,5 +1,5 @@
 """A block of a write-time feature index computed where the activations are (issue 42): in torch, on the tensor's
-device, sending the host only what it adds to the index (:class:`~extractor.store.index_state.BlockPart`: counts,
+device, sending the host only what it adds to the index (:class:`~extractor.index.state.BlockPart`: counts,
 sums, and the few candidates that may take a slot), merged there into the shard's state as ``IndexState.update``
 would make it of the same rows. The same code runs on the CPU.
 
@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store import EXAMPLES, HIST_BINS, BlockPart, IndexFeed, bin_tables
+from .layout import IndexFeed
+from .state import EXAMPLES, HIST_BINS, BlockPart, bin_tables
 
 __all__ = ["block_part", "index_on_device", "serves"]
 
@@ -35,7 +36,7 @@ _EDGES: dict[torch.device, torch.Tensor] = {}
 
 
 def _bins(x: torch.Tensor) -> torch.Tensor:
-    """index_state._bins in torch: int64 bins, HIST_BINS (not counted) for values <= 0 and NaN. A binary search
+    """state._bins in torch: int64 bins, HIST_BINS (not counted) for values <= 0 and NaN. A binary search
     over the same float32 edges (``v >= edge`` in float32 is the host's ``v >= 10**edge``), below the first and above
     the last in the first and last bin (measured on the CPU: 2.2x faster than the host's table of top bits in torch,
     whose gathers torch does slowly)."""
@@ -74,7 +75,7 @@ def _firing(flat: torch.Tensor, fire: torch.Tensor) -> tuple[np.ndarray, np.ndar
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """index_state._fmix32 on int64 holding uint32 values."""
+    """state._fmix32 on int64 holding uint32 values."""
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & _LOW32
     x = x ^ (x >> 13)
@@ -83,7 +84,7 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _hashes(rows: torch.Tensor, f: int) -> torch.Tensor:
-    """index_state.sample_hashes: (n, F) int64 holding uint32."""
+    """state.sample_hashes: (n, F) int64 holding uint32."""
     a = _fmix32(((rows & _LOW32) * 0x9E3779B1) & _LOW32)
     b = _fmix32((torch.arange(f, device=rows.device) * 0x85EBCA77 + 0x165667B1) & _LOW32)
     x = a[:, None] ^ b[None, :]
@@ -92,7 +93,7 @@ def _hashes(rows: torch.Tensor, f: int) -> torch.Tensor:
 
 
 def _ordered(values: torch.Tensor) -> torch.Tensor:
-    """index_state._ordered: float32 -> int64 holding the uint32 whose order is the values'."""
+    """state._ordered: float32 -> int64 holding the uint32 whose order is the values'."""
     bits = values.view(torch.int32).to(torch.int64) & _LOW32
     return torch.where(bits >= 0x80000000, (~bits) & _LOW32, bits | 0x80000000)
 
@@ -132,7 +133,7 @@ def _examples(rows: torch.Tensor, pooled: torch.Tensor, bins: torch.Tensor,
     row, feature = torch.nonzero(bins != HIST_BINS, as_tuple=True)
     h = _hashes(rows, f)[row, feature]
     cell = feature * HIST_BINS + bins[row, feature]
-    keys = ~((h << 32) | rows[row])  # index_state.sample_keys, as int64 bits
+    keys = ~((h << 32) | rows[row])  # state.sample_keys, as int64 bits
     if floor is not None:
         fit = (keys ^ _SIGN) > floor[cell]
         cell, row, feature, h, keys = cell[fit], row[fit], feature[fit], h[fit], keys[fit]

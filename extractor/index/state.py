@@ -10,7 +10,7 @@ feature: a sample that does not depend on the order rows come in), from which th
 
 Ties never depend on the order either: a row ranks by its pooled value, then by the lower row number (one uint64
 key holds both, :func:`top_keys`). How a capture's rows feed it and where a finished index is stored:
-:mod:`.feature_index`.
+:mod:`.layout`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import index_kernel
+from . import kernel
 
 __all__ = ["HIST_EDGES", "HIST_BINS", "QUANTILES", "EXAMPLES", "IndexState", "IndexArrays", "BlockPart", "top_keys",
            "key_rows", "key_values", "sample_keys", "sample_hashes", "bin_tables"]
@@ -167,7 +167,7 @@ class _Slots:
 
 @dataclass(frozen=True)
 class BlockPart:
-    """What a block of rows adds to an index, computed where the block is (``extractor.compute.index_device``: in
+    """What a block of rows adds to an index, computed where the block is (``extractor.index.device``: in
     torch, on the device) and small: its counts and sums, and only the candidates that may take a slot (per
     feature, the block's k best rows; per row bin, its EXAMPLES best), so the host merges it in
     :meth:`IndexState.add_part` to the state ``update`` makes of the same rows."""
@@ -207,13 +207,13 @@ class IndexArrays:
 
 class _Examples:
     """A block's firing (row, feature) pairs offered to the example slots a part of rows at a time, and their row
-    histogram: compiled where numba is (:func:`.index_kernel.examples`: each pair's bin, count and hash made as it
+    histogram: compiled where numba is (:func:`.kernel.examples`: each pair's bin, count and hash made as it
     passes), else in numpy passes over the block (the same candidates and counts)."""
 
     def __init__(self, state: IndexState, rows: np.ndarray, pooled: np.ndarray, fires: np.ndarray) -> None:
         self.state, self.rows, self.pooled, self.fires = state, rows, pooled, fires
         f = pooled.shape[1]
-        self.compiled = index_kernel.available()
+        self.compiled = kernel.available()
         if self.compiled:
             self.tally = np.zeros(f * HIST_BINS + 8, np.int64)  # (F, bins), then 8 spill slots of what does not fire
             self.row_mix, self.feature_mix = _row_mix(rows), _feature_mix(np.arange(f))
@@ -235,7 +235,7 @@ class _Examples:
         ceiling = np.zeros((f, HIST_BINS + 1), np.uint32)  # the largest hash a pair may have; the dump bin: 0
         ceiling[:, :HIST_BINS] = (~floor >> np.uint64(32)).astype(np.uint32).reshape(f, HIST_BINS)
         if self.compiled:
-            found = index_kernel.examples(self.pooled[part], self.fires[part], self.row_mix[part], self.feature_mix,
+            found = kernel.examples(self.pooled[part], self.fires[part], self.row_mix[part], self.feature_mix,
                                           ceiling, self.tally, _KERNEL_TABLES, HIST_BINS, _AMBIGUOUS)
             assert found is not None
             at, bins, hashes = found
@@ -315,14 +315,14 @@ class IndexState:
     def _add_values(self, acts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Add the per-token sums and histogram of block ``acts`` (n, T, F); returns the block as the top rows take
         their values from it, each row's pooled value and whether the feature fires in it (n, F), and its peak over
-        the positions (n, F). Compiled where numba is (:mod:`.index_kernel`: each value read once, as stored);
+        the positions (n, F). Compiled where numba is (:mod:`.kernel`: each value read once, as stored);
         numpy's passes over a float32 copy (the same numbers) without it, and where few values fire (measured on an
         SAE's latents, 2% firing: numpy 5.3 ns a value, the compiled pass 11)."""
         n, t, f = acts.shape
         means = self.pool == "mean" and t > 1
         seen = (self.rows - n) * t * f  # values before this block: where few of them fired (an SAE's latents),
         sparse = seen and int(self.fire_tokens.sum()) * 8 < seen  # numpy's passes over those that fire are faster
-        done = None if sparse else index_kernel.dense(acts, self.threshold, means, _KERNEL_TABLES, HIST_BINS,
+        done = None if sparse else kernel.dense(acts, self.threshold, means, _KERNEL_TABLES, HIST_BINS,
                                                       _AMBIGUOUS)
         if done is None:
             values = np.ascontiguousarray(acts, np.float32)  # compared and summed as float32; binned as stored
@@ -576,7 +576,7 @@ def _bins(values: np.ndarray) -> np.ndarray:
 
 _BIN16 = _bins(np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32))  # exact: float16 -> float32
 _KERNEL_TABLES = (np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32), _BIN16.astype(np.uint8),
-                  _BIN_TABLE, _BIN_LOW, _EDGES32)  # what index_kernel reads: float16 values and bins, float32 bins
+                  _BIN_TABLE, _BIN_LOW, _EDGES32)  # what kernel reads: float16 values and bins, float32 bins
 
 
 def _fired_bins(values: np.ndarray, fire: np.ndarray, exact: bool) -> np.ndarray:

@@ -1,7 +1,7 @@
-"""The per-value part of a feature index's block (:meth:`.index_state.IndexState.update`) in one compiled pass, where
+"""The per-value part of a feature index's block (:meth:`.state.IndexState.update`) in one compiled pass, where
 numba is installed (the ``index`` extra): each value is read once, as stored (float16 or float32, any strides), and
 the sums, histogram and per-row peaks are made as it passes. Without numba, ``update`` makes the same numbers in numpy
-passes over the block (:func:`dense` is None); both are held equal by ``tests/store/test_feature_index.py``.
+passes over the block (:func:`dense` is None); both are held equal by ``tests/index/test_state.py``.
 
 Measured (a 1,024-channel 2x2 float16 map, 2 quiet cores): the compiled pass about 3 ns a value, numpy's passes 20;
 a zarr read of the values 2.5.

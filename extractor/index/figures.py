@@ -4,13 +4,12 @@ each, and the firing densities of all features."""
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Any  # ix: a features.FeatureIndex (not imported: features imports this)
+from typing import TYPE_CHECKING, Any  # ix: a reader.FeatureIndex (not imported: reader imports this)
 
 import numpy as np
 
 from ..errors import StoreError
-from .figures import _figure, _grid
-from .pictures import crop_like_job
+from ..read import crop_like_job, figure_grid, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -29,7 +28,7 @@ def top_figure(ix: Any, f: int, n: int | None = None, columns: int = 4, alpha: f
     count = min(len(top.rows), n or ix.k)
     maps = [ix.heatmap(f, r) for r in range(count)] if ix.grid is not None else None
     vmax = max(float(np.nanmax(m)) for m in maps) if maps else 1.0
-    fig, axes = _grid(count, columns)
+    fig, axes = figure_grid(count, columns)
     shown = None
     store = ix.store
     for rank, ax in enumerate(axes):
@@ -60,7 +59,7 @@ def density_figure(ix: Any) -> Figure:
     """A histogram of log10 of each feature's firing density (share of tokens), the dead ones said apart."""
     density = ix.density
     alive = density[density > 0]
-    fig = _figure(6.5, 3.2)
+    fig = new_figure(6.5, 3.2)
     ax = fig.add_subplot()
     if len(alive):
         ax.hist(np.log10(alive), bins=50, color="tab:blue")

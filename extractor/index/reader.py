@@ -27,27 +27,10 @@ import zarr
 
 from .._threads import prefetched
 from ..errors import OutOfRangeError, StoreError
-from ..store import (
-    INDEXES,
-    LEASE_TIMEOUT_S,
-    OK,
-    READ_VERSIONS,
-    Dictionary,
-    DictionaryError,
-    IndexFeed,
-    Layout,
-    Lease,
-    consolidate,
-    file_digest,
-    get_array,
-    index_name,
-    index_record,
-    load_dictionary,
-    owner,
-    source_state,
-    write_index,
-)
-from .reader import ActivationStore, _lease_timeout, open_store
+from ..read import ActivationStore, job_lease_timeout, open_store
+from ..store import LEASE_TIMEOUT_S, OK, Lease, consolidate, get_array, owner
+from .dictionary import Dictionary, DictionaryError, file_digest, load_dictionary
+from .layout import INDEXES, READ_VERSIONS, IndexFeed, Layout, index_name, index_record, source_state, write_index
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -97,7 +80,7 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
           activation: str | None = None, on_progress: Callable[[int], None] | None = None,
           storage_options: Mapping[str, Any] | None = None) -> FeatureIndex:
     """Index the features of capture ``key`` (its channels or features, or the latents of ``dictionary``: a file,
-    see :func:`~extractor.store.dictionary.load_dictionary`) over the store's ok rows in one pass, write it into
+    see :func:`~extractor.index.dictionary.load_dictionary`) over the store's ok rows in one pass, write it into
     the store as ``indexes/<name>`` (default: ``key``, or ``key@<dictionary stem>``) and return it.
 
     ``k`` top rows per feature, ranked by the feature pooled over the row's positions by ``pool`` (max or mean); a
@@ -152,7 +135,7 @@ def _settings(store: ActivationStore, key: str, layout: Layout, dictionary: str 
 def _lease(store: ActivationStore) -> Lease:
     """The store's lease, taken: refused naming the job that writes it, or saying the store is read-only."""
     # the timeout the store's job ran with; a store that records none (not written by a job) gets the default
-    lease = Lease(store.url, store.storage_options, _lease_timeout(store.attrs) or LEASE_TIMEOUT_S, owner())
+    lease = Lease(store.url, store.storage_options, job_lease_timeout(store.attrs) or LEASE_TIMEOUT_S, owner())
     try:
         lease.acquire()
     except StoreError:
@@ -185,7 +168,7 @@ def _checked_name(name: str) -> str:
 def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callable[[int], None] | None) -> None:
     """Feed the ok rows of ``key`` to ``feed``, a chunk at a time in row order (the blocks a job's writer meets).
     The chunks are added on :data:`LANES` threads, each adding every LANES-th chunk in order to a lane of the state
-    (:meth:`~extractor.store.index_state.IndexState.lane`: counts of its own, the top rows and examples shared),
+    (:meth:`~extractor.index.state.IndexState.lane`: counts of its own, the top rows and examples shared),
     joined at the end: the same index (slots hold the same rows in any order; the counts' partition is fixed), in
     the time the parts take side by side (the compiled passes, numpy's loops and the encoder's matmul let go of the
     GIL). Memory: one state's slots, counts per lane, and a block of latents per lane."""
@@ -417,13 +400,13 @@ class FeatureIndex:
     # ------------------------------------------------------------------ figures
     def top_figure(self, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.6) -> Figure:
         """Feature ``f``'s top images (as the job saw them) with its heatmap over each."""
-        from .feature_figures import top_figure
+        from .figures import top_figure
 
         return top_figure(self, f, n, columns, alpha)
 
     def density_figure(self) -> Figure:
         """The histogram of all features' firing densities (log10), dead features counted apart."""
-        from .feature_figures import density_figure
+        from .figures import density_figure
 
         return density_figure(self)
 
@@ -433,7 +416,7 @@ _DIGESTS: dict[tuple[Any, ...], str] = {}  # (files, their sizes and mtimes) -> 
 
 def _digest_of(path: str) -> str:
     """The digest of a dictionary's file(s) as load_dictionary computes it (hashed again only once they change)."""
-    from ..store import SAELENS_CONFIG, SAELENS_WEIGHTS
+    from .dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS
 
     p = Path(path)
     files = [p / SAELENS_CONFIG, p / SAELENS_WEIGHTS] if p.is_dir() else [p]

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import zarr
 from conftest import child_env, job, make_images
-from test_feature_index import ARRAYS, _by_hand_top, _check_against_numpy
+from test_state import ARRAYS, _by_hand_top, _check_against_numpy
 
 from extractor.driver.runner import run
 from extractor.errors import OutOfRangeError, StoreError
+from extractor.index.dictionary import DictionaryError, load_dictionary
+from extractor.index.reader import index, open_index
 from extractor.read import open_store
-from extractor.read.features import index, open_index
 from extractor.spec.load import parse_spec
 from extractor.spec.schema import OutputSpec
-from extractor.store.dictionary import DictionaryError, load_dictionary
 from extractor.store.layout import consolidate, update_attrs
 from extractor.store.lease import LEASE_TIMEOUT_S, Lease
 
@@ -206,7 +206,7 @@ def _saelens(folder: Path, tensors: dict[str, np.ndarray], **cfg) -> Path:
 @pytest.mark.parametrize("by", ["torch", "numpy"])
 def test_encode_is_the_sae_by_hand_for_each_activation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by: str):
     if by == "numpy":  # where torch is not installed
-        monkeypatch.setattr("extractor.store.dictionary._torch", lambda: None)
+        monkeypatch.setattr("extractor.index.dictionary._torch", lambda: None)
     t = _sae()
     x = np.random.default_rng(1).standard_normal((20, 32)).astype(np.float32)
     pre = (x - t["b_dec"]) @ t["W_enc"] + t["b_enc"]

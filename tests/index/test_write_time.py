@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import job, make_images
-from test_feature_index import ARRAYS
+from test_state import ARRAYS
 
-from extractor.compute import index_device
 from extractor.driver.runner import run
+from extractor.index import device as index_device
+from extractor.index.layout import IndexFeed
+from extractor.index.reader import index, open_index
+from extractor.index.state import IndexState
 from extractor.read import open_store
-from extractor.read.features import index, open_index
 from extractor.spec.load import parse_spec
-from extractor.store.feature_index import IndexFeed
-from extractor.store.index_state import IndexState
 
 D_SAE = 40
 VIT = {"name": "timm:vit_small_patch16_224", "weights": "random", "device": "cpu",
@@ -167,7 +167,7 @@ def test_rows_of_a_batch_retried_image_by_image_are_indexed_on_the_host(tmp_path
     make_images(tmp_path / "imgs", per_class=4, classes=("a", "b"), size=40)
     Image.new("RGB", (40, 40), (255, 255, 255)).save(tmp_path / "imgs" / "a" / "a01w.png")  # row 2: batch 0
     path = tmp_path / "s.zarr"
-    raw = job(tmp_path / "imgs", path, model={"name": None, "factory": "test_index_write:picky_net", "weights": None,
+    raw = job(tmp_path / "imgs", path, model={"name": None, "factory": "test_write_time:picky_net", "weights": None,
                                               "device": "cpu"},
               data={"resize": 32, "crop": 32, "shard_size": 4, "batch_size": 3},
               capture=[{"layer": "layer3", "reduce": "none", "feature_index": {"k": 3}}], output={"chunk_rows": 2})
