@@ -164,8 +164,8 @@ def _median(runs: list[Timed]) -> Timed:
 def sae_bench(rows: int, repeats: int) -> Target:
     import torch
 
-    from extractor.index.layout import ENCODE_VALUES
-    from extractor.index.reader import LANES
+    from extractor.index.feed import ENCODE_VALUES
+    from extractor.index.post_hoc import LANES
     from extractor.index.state import IndexState
     from extractor.read import open_store
 

@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 FILE_SECONDS = {
     "driver/test_ray.py": 253, "driver/test_ray_driver.py": 211, "driver/test_remote.py": 199,
     "store/test_fence.py": 196, "driver/test_nodes.py": 180, "driver/test_reliability.py": 162,
-    "test_api.py": 161, "index/test_features.py": 115, "model/test_channels_last.py": 96,
+    "test_api.py": 161, "index/test_post_hoc.py": 115, "model/test_channels_last.py": 96,
     "model/test_model_sources.py": 93, "driver/test_submit_ship.py": 77, "view/test_view.py": 70,
     "test_cli.py": 57, "store/test_layout.py": 54, "read/test_reader.py": 45, "store/test_identity.py": 43,
     "model/test_compile.py": 42, "data/test_parquet.py": 40,

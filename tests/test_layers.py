@@ -18,10 +18,10 @@ BASE = {"errors", "faults", "_text", "_face", "_threads", "_version"}  # the gro
 LAYERS = {
     "spec": set(),
     "data": {"spec"},
-    "store": {"data", "spec", "index"},  # index: the session's write-time indexes, until the driver hands them in
+    "store": {"data", "spec"},
     "model": {"spec", "data", "store"},  # store.sampling: the draws a store records, made alike on the device
     "compute": {"spec", "data", "model", "store", "index"},
-    "driver": {"spec", "data", "model", "compute", "store"},
+    "driver": {"spec", "data", "model", "compute", "store", "index"},  # index: the job's write-time indexes
     "read": {"store", "data"},
     "index": {"spec", "data", "store", "read"},  # feature indexes: stores read through read's ActivationStore
     "view": {"read", "store", "data", "index"},  # the top floor, beside api and cli: the viewer of a store
@@ -66,16 +66,17 @@ def test_each_layer_imports_only_the_layers_below_it(path: Path):
 
 
 def test_the_read_side_and_the_layers_under_it_import_without_torch_or_ray():
-    """Every module of read, store, data and spec imports with torch and Ray missing (and the read side and the
-    store without pydantic or Pillow either: a store opens with numpy and zarr alone)."""
+    """Every module of read, index, store, data and spec imports with torch and Ray missing (but the index's device
+    pass; and the read side and the store without pydantic or Pillow either: a store opens with numpy and zarr
+    alone)."""
     code = (
         "import sys, importlib, pkgutil\n"
         "for name in ('torch', 'ray', 'torchvision'): sys.modules[name] = None\n"
         "import extractor\n"
-        "for pkg in ('spec', 'data', 'store', 'read'):\n"
+        "for pkg in ('spec', 'data', 'store', 'read', 'index'):\n"
         "    p = importlib.import_module('extractor.' + pkg)\n"
         "    for m in pkgutil.iter_modules(p.__path__):\n"
-        "        if m.name != 'torch_views':  # the torch view: imported when asked for, with torch\n"
+        "        if m.name not in ('torch_views', 'device'):  # torch's view and the index's device pass: with torch\n"
         "            importlib.import_module(f'extractor.{pkg}.{m.name}')\n"
         "for name in ('pydantic', 'PIL'):\n"
         "    sys.modules[name] = None\n"

@@ -20,6 +20,7 @@ import numpy as np
 from .._text import count, table
 from ..data import Rows, Shard, absolute, list_rows, plan
 from ..errors import DataError
+from ..index import JobIndexes
 from ..spec import JobSpec
 from ..store import Decision, Outcome, Probe, StoreSession
 
@@ -269,7 +270,7 @@ def run(
     shards = plan(len(rows), spec.data.shard_size)
     log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
     events = _Events(on_event)
-    session = StoreSession(spec)
+    session = StoreSession(spec, JobIndexes())  # the store meets the job's write-time indexes through them
     done = _complete(spec, rows, shards, session, on_start, t0) if backend is None else None
     if done is not None:  # a complete store, its model fixed by its record: nothing built, nothing computed
         return done

@@ -3,9 +3,10 @@ device, sending the host only what it adds to the index (:class:`~extractor.inde
 sums, and the few candidates that may take a slot), merged there into the shard's state as ``IndexState.update``
 would make it of the same rows. The same code runs on the CPU.
 
-Every rule is the numpy state's, restated in int64 arithmetic: bins of the same float32 edges,
-top keys (the pooled value's ordered bits, then the lower row) and sample keys (a 32-bit pair hash, then the lower
-row) with the sign bit flipped, so that signed order is the host's unsigned order.
+Every rule is the numpy state's (the reference), restated in int64 arithmetic: bins of the same float32 edges,
+top keys (the pooled value's ordered bits, then the lower row) and sample keys (a 32-bit pair hash of :mod:`.keys`'s
+constants, then the lower row) with the sign bit flipped, so that signed order is the host's unsigned order;
+``tests/index/test_kernels.py`` holds the two equal.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .layout import IndexFeed
-from .state import EXAMPLES, HIST_BINS, BlockPart, bin_tables
+from .bins import HIST_BINS, bin_tables
+from .feed import IndexFeed
+from .keys import FEATURE_ADD, FEATURE_MUL, FMIX_MUL, PAIR_MUL, ROW_MUL
+from .state import EXAMPLES, BlockPart
 
 __all__ = ["block_part", "index_on_device", "serves"]
 
@@ -36,7 +39,7 @@ _EDGES: dict[torch.device, torch.Tensor] = {}
 
 
 def _bins(x: torch.Tensor) -> torch.Tensor:
-    """state._bins in torch: int64 bins, HIST_BINS (not counted) for values <= 0 and NaN. A binary search
+    """bins._bins in torch: int64 bins, HIST_BINS (not counted) for values <= 0 and NaN. A binary search
     over the same float32 edges (``v >= edge`` in float32 is the host's ``v >= 10**edge``), below the first and above
     the last in the first and last bin (measured on the CPU: 2.2x faster than the host's table of top bits in torch,
     whose gathers torch does slowly)."""
@@ -75,25 +78,25 @@ def _firing(flat: torch.Tensor, fire: torch.Tensor) -> tuple[np.ndarray, np.ndar
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """state._fmix32 on int64 holding uint32 values."""
+    """keys._fmix32 on int64 holding uint32 values."""
     x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _LOW32
+    x = (x * FMIX_MUL[0]) & _LOW32
     x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _LOW32
+    x = (x * FMIX_MUL[1]) & _LOW32
     return x ^ (x >> 16)
 
 
 def _hashes(rows: torch.Tensor, f: int) -> torch.Tensor:
-    """state.sample_hashes: (n, F) int64 holding uint32."""
-    a = _fmix32(((rows & _LOW32) * 0x9E3779B1) & _LOW32)
-    b = _fmix32((torch.arange(f, device=rows.device) * 0x85EBCA77 + 0x165667B1) & _LOW32)
+    """keys.sample_hashes: (n, F) int64 holding uint32."""
+    a = _fmix32(((rows & _LOW32) * ROW_MUL) & _LOW32)
+    b = _fmix32((torch.arange(f, device=rows.device) * FEATURE_MUL + FEATURE_ADD) & _LOW32)
     x = a[:, None] ^ b[None, :]
-    x = (x * 0xC2B2AE3D) & _LOW32
+    x = (x * PAIR_MUL) & _LOW32
     return x ^ (x >> 16)
 
 
 def _ordered(values: torch.Tensor) -> torch.Tensor:
-    """state._ordered: float32 -> int64 holding the uint32 whose order is the values'."""
+    """keys._ordered: float32 -> int64 holding the uint32 whose order is the values'."""
     bits = values.view(torch.int32).to(torch.int64) & _LOW32
     return torch.where(bits >= 0x80000000, (~bits) & _LOW32, bits | 0x80000000)
 
@@ -133,7 +136,7 @@ def _examples(rows: torch.Tensor, pooled: torch.Tensor, bins: torch.Tensor,
     row, feature = torch.nonzero(bins != HIST_BINS, as_tuple=True)
     h = _hashes(rows, f)[row, feature]
     cell = feature * HIST_BINS + bins[row, feature]
-    keys = ~((h << 32) | rows[row])  # state.sample_keys, as int64 bits
+    keys = ~((h << 32) | rows[row])  # keys.sample_keys, as int64 bits
     if floor is not None:
         fit = (keys ^ _SIGN) > floor[cell]
         cell, row, feature, h, keys = cell[fit], row[fit], feature[fit], h[fit], keys[fit]

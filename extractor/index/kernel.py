@@ -1,7 +1,8 @@
 """The per-value part of a feature index's block (:meth:`.state.IndexState.update`) in one compiled pass, where
 numba is installed (the ``index`` extra): each value is read once, as stored (float16 or float32, any strides), and
 the sums, histogram and per-row peaks are made as it passes. Without numba, ``update`` makes the same numbers in numpy
-passes over the block (:func:`dense` is None); both are held equal by ``tests/index/test_state.py``.
+passes over the block (:func:`dense` is None), the reference; ``tests/index/test_kernels.py`` holds both equal. The
+pair hash's constant is :mod:`.keys`'s.
 
 Measured (a 1,024-channel 2x2 float16 map, 2 quiet cores): the compiled pass about 3 ns a value, numpy's passes 20;
 a zarr read of the values 2.5.
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from .keys import PAIR_MUL
 
 __all__ = ["dense"]
 
@@ -86,7 +89,7 @@ def _compiled_examples() -> Any:
                 fire = fires[r, j]
                 spill = spills + (j & 7)
                 counts[spill + (j * bins + b - spill) * np.intp(fire)] += 1
-                x = np.uint64(row_mix[r] ^ feature_mix[j]) * np.uint64(0xC2B2AE3D) & np.uint64(0xFFFFFFFF)
+                x = np.uint64(row_mix[r] ^ feature_mix[j]) * np.uint64(PAIR_MUL) & np.uint64(0xFFFFFFFF)
                 x ^= x >> np.uint64(16)
                 if (x <= ceiling[j, b]) & fire:  # one branch, nearly always not taken (``and`` made two)
                     at[m], bins_out[m], hashes[m] = r * f + j, b, x

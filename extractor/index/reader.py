@@ -1,7 +1,7 @@
-"""What every feature of a capture responds to: a feature index, computed in one pass over the store (or merged from
-the job's shards at write time) and kept in the store under ``indexes/<name>`` (numpy and zarr).
+"""A feature index as the store keeps it, read back (numpy and zarr): what every feature of a capture responds to,
+made in one pass over the store (:func:`~.post_hoc.index`) or merged from the job's shards at write time
+(:mod:`.write_time`), kept under ``indexes/<name>``.
 
-    >>> ix = index("out.zarr", "blocks.11", dictionary="sae/")   # one pass; written into the store
     >>> ix = open_index("out.zarr")                                # read back (a viewer, a notebook)
     >>> ix.top(42)              # rows, ids, values: where latent 42 is highest (pooled over the patches)
     >>> ix.heatmap(42, 0)       # (h, w): latent 42 at each patch of its top image
@@ -13,11 +13,7 @@ the job's shards at write time) and kept in the store under ``indexes/<name>`` (
 from __future__ import annotations
 
 import logging
-import math
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,22 +21,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zarr
 
-from .._threads import prefetched
 from ..errors import OutOfRangeError, StoreError
-from ..read import ActivationStore, job_lease_timeout, open_store
-from ..store import LEASE_TIMEOUT_S, OK, Lease, consolidate, get_array, owner
-from .dictionary import Dictionary, DictionaryError, file_digest, load_dictionary
-from .layout import INDEXES, READ_VERSIONS, IndexFeed, Layout, index_name, index_record, source_state, write_index
+from ..read import ActivationStore, open_store
+from ..store import OK, get_array
+from .dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS, Dictionary, DictionaryError, file_digest, load_dictionary
+from .feed import Layout
+from .layout import INDEXES, READ_VERSIONS, source_state
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["index", "open_index", "FeatureIndex", "TopRows"]
+__all__ = ["open_index", "index_names", "FeatureIndex", "TopRows", "describe", "summary"]
 
 log = logging.getLogger(__name__)
-READ_AHEAD = 2  # chunks read ahead of the pass (zarr decodes on the reading threads)
-LANES = 2  # threads a pass adds chunks on (2 cores, SAE of 4,096 latents over 2,000 images: 1.5x the bare loop's
-# time on one, 1.2x on two; raw channels of a 1,024-channel map: 5.0 s on one, 3.5 s on two)
 
 
 @dataclass(frozen=True)
@@ -67,134 +60,6 @@ def _layout(store: ActivationStore, key: str) -> Layout:
         return Layout.of(key, meta, store.model.get("prefix_tokens"))
     except ValueError as err:
         raise StoreError(str(err)) from None
-
-
-def _dictionary(dictionary: str | Path | Dictionary | None, activation: str | None) -> Dictionary | None:
-    if dictionary is None or isinstance(dictionary, Dictionary):
-        return dictionary
-    return load_dictionary(dictionary, activation)
-
-
-def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str | Path | Dictionary | None = None,
-          k: int = 16, pool: str = "max", name: str | None = None, *, threshold: float = 0.0,
-          activation: str | None = None, on_progress: Callable[[int], None] | None = None,
-          storage_options: Mapping[str, Any] | None = None) -> FeatureIndex:
-    """Index the features of capture ``key`` (its channels or features, or the latents of ``dictionary``: a file,
-    see :func:`~extractor.index.dictionary.load_dictionary`) over the store's ok rows in one pass, write it into
-    the store as ``indexes/<name>`` (default: ``key``, or ``key@<dictionary stem>``) and return it.
-
-    ``k`` top rows per feature, ranked by the feature pooled over the row's positions by ``pool`` (max or mean); a
-    feature fires where it is above ``threshold``. The store's lease is taken for the pass: a store a job is writing
-    is refused, naming the job. ``on_progress(rows)`` is called as rows are done; ``storage_options``: fsspec
-    options of a remote store given by its URL."""
-    store = _store(store_or_path, storage_options)
-    layout = _layout(store, key)
-    dic, k = _settings(store, key, layout, dictionary, activation, k, threshold)
-    feed = IndexFeed(layout, k, pool, threshold, dic)
-    name = _checked_name(name or index_name(key, dic.stem if dic is not None else None))
-    lease = _lease(store)
-    try:
-        group = lease.open()  # every write through the lease's fence
-        state = source_state(group)
-        t0 = time.perf_counter()
-        _pass(store, key, feed, on_progress)
-        log.info("indexed %d features of %s over %d rows in %.1f s", feed.state.features, key, feed.state.rows,
-                 time.perf_counter() - t0)
-        record = index_record(name, key, feed, dic.record() if dic is not None else None, state, "post-hoc")
-        _say_replaced(store, name)
-        write_index(group, name, feed.state.finish(), record)
-    finally:
-        lease.release()
-    try:
-        consolidate(group)  # the store opens with consolidated metadata: it must list the index
-    except (StoreError, OSError) as err:
-        log.info("%s: metadata not consolidated (%s)", store.url, err)
-    return open_index(open_store(store.url, store.storage_options), name)
-
-
-def _settings(store: ActivationStore, key: str, layout: Layout, dictionary: str | Path | Dictionary | None,
-              activation: str | None, k: int, threshold: float) -> tuple[Dictionary | None, int]:
-    """The dictionary an index encodes with, checked against the capture, and its k (at most the ok rows: the same
-    index in slots that exist); a one-line error for settings that make no index."""
-    if activation is not None and dictionary is None:
-        raise StoreError(f"an activation ({activation}) applies to a dictionary's latents: give the dictionary too, "
-                         f"or leave the activation out to index {key}'s own features")
-    dic = _dictionary(dictionary, activation)
-    if dic is not None:
-        dic.check_input(layout.features, f"capture {key} {list(store.captures[key]['shape'])}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, not {k}")
-    if not (math.isfinite(threshold) and threshold >= 0):
-        raise StoreError(f"threshold must be a finite number >= 0 (a feature fires above it), not {threshold}")
-    rows = max(int((store.status == OK).sum()), 1)
-    if k > rows:
-        log.warning("k %d is more than the %d ok rows of %s: the index keeps them all (k %d)", k, rows, store.url, rows)
-    return dic, min(k, rows)
-
-
-def _lease(store: ActivationStore) -> Lease:
-    """The store's lease, taken: refused naming the job that writes it, or saying the store is read-only."""
-    # the timeout the store's job ran with; a store that records none (not written by a job) gets the default
-    lease = Lease(store.url, store.storage_options, job_lease_timeout(store.attrs) or LEASE_TIMEOUT_S, owner())
-    try:
-        lease.acquire()
-    except StoreError:
-        raise
-    except OSError as err:  # the index is kept in the store
-        raise StoreError(f"{store.url}: the index is written into the store, which cannot be written here "
-                         f"({err.strerror or err}); index a writable copy of it") from None
-    return lease
-
-
-def _say_replaced(store: ActivationStore, name: str) -> None:
-    """Warn that index ``name``, which the store holds, is about to be replaced (the new one written beside it,
-    then named in its place)."""
-    if name in index_names(store):
-        old: dict[str, Any] = dict(store.group[f"{INDEXES}/{name}"].attrs)
-        dic = old.get("dictionary")
-        log.warning("replacing index %s of %s (%s features of %s%s, k %s, pool %s, %s rows)", name, store.url,
-                    old.get("features"), old.get("key"), f" through {dic['path']}" if dic else "", old.get("k"),
-                    old.get("pool"), old.get("rows"))
-
-
-def _checked_name(name: str) -> str:
-    """``name``, when it can name an index group in the store: one path segment, not hidden."""
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise StoreError(f"index name {name!r}: an index is named by one word of the store (no '/', no leading "
-                         "'.'), such as blocks.11 or blocks.11@my_sae")
-    return name
-
-
-def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callable[[int], None] | None) -> None:
-    """Feed the ok rows of ``key`` to ``feed``, a chunk at a time in row order (the blocks a job's writer meets).
-    The chunks are added on :data:`LANES` threads, each adding every LANES-th chunk in order to a lane of the state
-    (:meth:`~extractor.index.state.IndexState.lane`: counts of its own, the top rows and examples shared),
-    joined at the end: the same index (slots hold the same rows in any order; the counts' partition is fixed), in
-    the time the parts take side by side (the compiled passes, numpy's loops and the encoder's matmul let go of the
-    GIL). Memory: one state's slots, counts per lane, and a block of latents per lane."""
-    arr = store[key]
-    step = int(arr.chunks[0])
-    status = store.status
-    starts = [a for a in range(0, len(status), step) if (status[a : a + step] == OK).any()]
-    lanes = [feed, *(feed.lane() for _ in range(LANES - 1))]
-    lock = threading.Lock()
-
-    def read(a: int) -> tuple[np.ndarray, np.ndarray]:
-        ok = np.flatnonzero(status[a : a + step] == OK)
-        return a + ok, np.asarray(arr[a : a + step])[ok]
-
-    def lane(i: int) -> None:
-        for rows, x in prefetched(starts[i :: len(lanes)], read, READ_AHEAD, threads=2, name="extractor-index"):
-            lanes[i].add(x, rows)
-            if on_progress is not None:
-                with lock:
-                    on_progress(len(rows))
-
-    with ThreadPoolExecutor(len(lanes), thread_name_prefix="extractor-index-lane") as pool:
-        for done in [pool.submit(lane, i) for i in range(len(lanes))]:
-            done.result()
-    for other in lanes[1:]:
-        feed.state.join(other.state)
 
 
 def index_names(store: ActivationStore) -> list[str]:
@@ -416,8 +281,6 @@ _DIGESTS: dict[tuple[Any, ...], str] = {}  # (files, their sizes and mtimes) -> 
 
 def _digest_of(path: str) -> str:
     """The digest of a dictionary's file(s) as load_dictionary computes it (hashed again only once they change)."""
-    from .dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS
-
     p = Path(path)
     files = [p / SAELENS_CONFIG, p / SAELENS_WEIGHTS] if p.is_dir() else [p]
     facts = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists())

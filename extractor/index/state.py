@@ -1,6 +1,7 @@
 """A feature index's streamed state: what every feature of a capture (its channels, or a dictionary's latents) responds
 to, accumulated a block of rows at a time in memory bounded by features x k (never by rows), mergeable across
-shards in any order and partition with the same result (numpy only).
+shards in any order and partition with the same result (numpy only: the reference that the compiled pass,
+:mod:`.kernel`, and the device's, :mod:`.device`, are held to).
 
 Per feature: the top-k rows by the feature pooled over the row's positions (max or mean), with its value at each
 position (a heatmap); how many tokens and rows it fires in (value above ``threshold``); the sum of its values where
@@ -9,102 +10,39 @@ it fires; its largest value; a histogram of log10 of its values where it fires (
 feature: a sample that does not depend on the order rows come in), from which the quantile groups are drawn.
 
 Ties never depend on the order either: a row ranks by its pooled value, then by the lower row number (one uint64
-key holds both, :func:`top_keys`). How a capture's rows feed it and where a finished index is stored:
-:mod:`.layout`.
+key holds both, :func:`~.keys.top_keys`); the bins are :mod:`.bins`', the slots :mod:`.slots`'. How a capture's
+rows feed it: :mod:`.feed`; where a finished index is stored: :mod:`.layout`.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import zlib
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from . import kernel
+from .bins import (
+    _AMBIGUOUS,
+    _DUMP,
+    _KERNEL_TABLES,
+    HIST_BINS,
+    _counts,
+    _fired_bins,
+    _histogram,
+    _offsets,
+    _sparse_tokens,
+)
+from .keys import _EMPTY, _ROW_MASK, _feature_mix, _row_mix, key_rows, key_values, sample_hashes, sample_keys, top_keys
+from .slots import _Slots
 
-__all__ = ["HIST_EDGES", "HIST_BINS", "QUANTILES", "EXAMPLES", "IndexState", "IndexArrays", "BlockPart", "top_keys",
-           "key_rows", "key_values", "sample_keys", "sample_hashes", "bin_tables"]
+__all__ = ["QUANTILES", "EXAMPLES", "IndexState", "IndexArrays", "BlockPart"]
 
-HIST_LO, HIST_STEP, HIST_BINS = -4.0, 0.1, 80  # log10 bins: 1e-4 to 1e4, a tenth of a decade each
-HIST_EDGES = HIST_LO + HIST_STEP * np.arange(HIST_BINS + 1)  # values outside count in the first or last bin
-_LINEAR_EDGES = 10.0**HIST_EDGES  # what a value is compared with: a bin holds 10**edge[b] <= v < 10**edge[b + 1]
 QUANTILES = 10  # groups of example rows, by the feature's pooled value among the rows where it fires
 EXAMPLES = 4  # example rows kept per (feature, row bin), and shown per quantile group
-_EMPTY = np.uint64(0)  # the key of an empty slot: below every real key
-_ROW_MASK = np.uint64(0xFFFFFFFF)
 _MAGIC = 0x58494632  # "2FIX": a part of an index, version 2 (sample keys of sample_hashes)
-
-
-def _ordered(values: np.ndarray) -> np.ndarray:
-    """float32 -> uint32 whose order is the values' order (IEEE bits, negatives flipped)."""
-    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
-    return np.where(bits & np.uint32(0x80000000), ~bits, bits | np.uint32(0x80000000))
-
-
-def _unordered(u: np.ndarray) -> np.ndarray:
-    """The inverse of :func:`_ordered`."""
-    u = u.astype(np.uint32)
-    bits = np.where(u & np.uint32(0x80000000), u & np.uint32(0x7FFFFFFF), ~u)
-    return bits.view(np.float32)
-
-
-def top_keys(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """One uint64 per (row, feature): higher value first, then the lower row (rows < 2**32 - 1)."""
-    high = _ordered(values).astype(np.uint64) << np.uint64(32)
-    return high | (_ROW_MASK - rows.astype(np.uint64).reshape(-1, *([1] * (values.ndim - 1))))
-
-
-def key_rows(keys: np.ndarray) -> np.ndarray:
-    """Row numbers of top keys (-1 for empty slots)."""
-    return np.where(keys == _EMPTY, -1, (_ROW_MASK - (keys & _ROW_MASK)).astype(np.int64))
-
-
-def key_values(keys: np.ndarray) -> np.ndarray:
-    """Pooled values of top keys (NaN for empty slots)."""
-    return np.where(keys == _EMPTY, np.float32(np.nan), _unordered(keys >> np.uint64(32)))
-
-
-def _fmix32(x: np.ndarray) -> np.ndarray:
-    """murmur3's finaliser: uint32 -> uint32, every bit of the input spread over the output."""
-    with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint32(16))
-        x = x * np.uint32(0x85EBCA6B)
-        x ^= x >> np.uint32(13)
-        x *= np.uint32(0xC2B2AE35)
-        return x ^ (x >> np.uint32(16))
-
-
-def sample_hashes(rows: np.ndarray, features: np.ndarray) -> np.ndarray:
-    """A 32-bit hash of each pair of ``rows`` (n,) and ``features`` (F,): (n, F) uint32, computed densely (each row
-    and each feature mixed once, then each pair by a multiply and a shift: a bijection of the two mixed values'
-    xor, so no two rows of a feature collide)."""
-    a, b = _row_mix(rows), _feature_mix(features)
-    with np.errstate(over="ignore"):
-        x = a[:, None] ^ b[None, :]
-        x *= np.uint32(0xC2B2AE3D)
-        x ^= x >> np.uint32(16)
-    return x
-
-
-def _row_mix(rows: np.ndarray) -> np.ndarray:
-    """Each row mixed (uint32), as :func:`sample_hashes` combines it with a feature's."""
-    return _fmix32((np.asarray(rows, np.int64) & 0xFFFFFFFF).astype(np.uint32) * np.uint32(0x9E3779B1))
-
-
-def _feature_mix(features: np.ndarray) -> np.ndarray:
-    return _fmix32(np.asarray(features, np.int64).astype(np.uint32) * np.uint32(0x85EBCA77) + np.uint32(0x165667B1))
-
-
-def sample_keys(hashes: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The key by which example rows are kept, per (row, feature) pair of hash ``hashes`` (:func:`sample_hashes`):
-    larger for a smaller hash, then the lower row; the kept ones of a bin are those of the largest keys (a uniform
-    sample of the bin's rows, whatever order they came in)."""
-    return ~((hashes.astype(np.uint64) << np.uint64(32)) | rows.astype(np.uint64))
 
 
 def _growing(n: int, seen: int, first: int = 32) -> np.ndarray:
@@ -115,54 +53,6 @@ def _growing(n: int, seen: int, first: int = 32) -> np.ndarray:
         at = min(n, at + max(first, seen + at))
         ends.append(at)
     return np.asarray(ends)
-
-
-class _Slots:
-    """Per cell, the ``k`` largest keys offered (0: an empty slot), each with its payload, in no order. Offering
-    the same keys in any order, or in parts merged later, leaves the same slots filled (keys are unique)."""
-
-    def __init__(self, cells: int, k: int, payload: tuple[int, ...], dtype: Any) -> None:
-        self.keys = np.zeros((cells, k), np.uint64)
-        self.payload = np.zeros((cells, k, *payload), dtype)
-        self.floor = np.zeros(cells, np.uint64)  # the smallest key held per cell: what a new one must beat
-        self.lock: Any = nullcontext()  # a lock once states on several threads share the slots (IndexState.lane)
-
-    def offer(self, cells: np.ndarray, keys: np.ndarray, payload: Callable[[np.ndarray], np.ndarray]) -> None:
-        """Offer candidates (cell, key), each key above its cell's floor as read at any time before (a floor only
-        rises: a key below it takes no slot); ``payload(i)`` gives the payloads of candidates ``i``, asked only for
-        those that take a slot."""
-        if len(keys):
-            with self.lock:
-                self._offer(cells, keys, payload)
-
-    def _offer(self, cells: np.ndarray, keys: np.ndarray, payload: Callable[[np.ndarray], np.ndarray]) -> None:
-        k = self.keys.shape[1]
-        order = np.lexsort((~keys, cells))  # by cell, largest key first
-        cells, keys = cells[order], keys[order]
-        starts = np.r_[0, np.flatnonzero(np.diff(cells)) + 1]
-        rank = np.arange(len(cells)) - np.repeat(starts, np.diff(np.r_[starts, len(cells)]))
-        keep = rank < k
-        cells, keys, rank, order = cells[keep], keys[keep], rank[keep], order[keep]
-        touched, at = np.unique(cells, return_inverse=True)
-        best = np.zeros((len(touched), k), np.uint64)  # candidates per touched cell, largest first
-        which = np.zeros((len(touched), k), np.int64)
-        best[at, rank], which[at, rank] = keys, order
-        held = self.keys[touched]
-        low = np.argsort(held, axis=1)  # slots, smallest key first
-        # the j-th best candidate replaces the j-th smallest slot while it is larger: that keeps the k largest
-        swap = best > np.take_along_axis(held, low, axis=1)
-        a, j = np.nonzero(swap)
-        slot = low[a, j]
-        self.keys[touched[a], slot] = best[a, j]
-        self.payload[touched[a], slot] = payload(which[a, j])
-        self.floor[touched] = self.keys[touched].min(axis=1)
-
-    def merge(self, other: _Slots) -> None:
-        cells, slots = np.nonzero(other.keys != _EMPTY)
-        keys = other.keys[cells, slots]
-        fit = keys > self.floor[cells]
-        cells, slots, keys = cells[fit], slots[fit], keys[fit]
-        self.offer(cells, keys, lambda i: other.payload[cells[i], slots[i]])
 
 
 @dataclass(frozen=True)
@@ -496,7 +386,7 @@ class IndexState:
             return False
         if zlib.crc32(raw[8:]) != int.from_bytes(raw[4:8], "little"):
             return False
-        at, out = 8, []  # type: tuple[int, list[Any]]
+        at, out = 8, []  # type: tuple[int, list[np.ndarray]]
         for a in self._parts():
             n = a.nbytes
             out.append(np.frombuffer(raw[at : at + n], a.dtype.newbyteorder("<")).astype(a.dtype).reshape(a.shape))
@@ -508,122 +398,3 @@ class IndexState:
         for slots in (self.top, self.examples):
             slots.floor = slots.keys.min(axis=1)
         return True
-
-
-_DUMP = HIST_BINS  # the bin of a value not counted (it does not fire): after the last, left out of the counts
-_AMBIGUOUS = 255  # in _BIN_TABLE: the bucket holds an edge, its values fall in _BIN_LOW or the next bin
-_HIGH = 1 if sys.byteorder == "little" else 0  # the uint16 half of a float32 holding its top bits
-
-
-def _bin_tables() -> tuple[np.ndarray, np.ndarray]:
-    """Per value of a float32's top 16 bits (sign, exponent, 7 bits of mantissa: a bucket spanning less than 1% of
-    a value, a bin 26%): the bin of all its values (_DUMP for values <= 0 and NaN, which never fire at threshold
-    0), or _AMBIGUOUS where an edge or 0 cuts it; and the bin of its smallest positive value, which one comparison
-    with the next edge finishes."""
-    top = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
-    ends = []
-    for bits in (top, top | np.uint32(0xFFFF)):  # each bucket's smallest and largest magnitude
-        v = bits.view(np.float32)
-        with np.errstate(invalid="ignore"):
-            at = np.clip(np.searchsorted(_LINEAR_EDGES, v.astype(np.float64), side="right") - 1, 0, HIST_BINS - 1)
-            at[np.isnan(v) | (v <= 0)] = _DUMP
-        ends.append(at.astype(np.uint8))
-    low, high = ends
-    smallest_positive = np.where(low == _DUMP, np.minimum(high, HIST_BINS - 1), low)  # +0's bucket: its denormals
-    return np.where(low == high, low, np.uint8(_AMBIGUOUS)), smallest_positive
-
-
-def _float32_edges() -> np.ndarray:
-    """The smallest float32 at or above each edge: ``v >= it`` in float32 is ``v >= edge`` in float64."""
-    e = _LINEAR_EDGES.astype(np.float32)
-    below = e.astype(np.float64) < _LINEAR_EDGES
-    e[below] = np.nextafter(e[below], np.float32(np.inf))
-    return e
-
-
-_BIN_TABLE, _BIN_LOW = _bin_tables()
-_BIN_CODES = _BIN_TABLE.astype(np.intp)  # the same as intp: what a histogram's codes are made of, without a cast
-_EDGES32 = _float32_edges()
-
-
-def bin_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The tables :func:`_bins` reads (top 16 bits -> bin or _AMBIGUOUS; -> the bucket's lowest positive bin; the
-    float32 edges), for another implementation of the same bins (the device's)."""
-    return _BIN_TABLE, _BIN_LOW, _EDGES32
-
-
-def _bins(values: np.ndarray) -> np.ndarray:
-    """The bin (intp) of each float32 or float16 value among the edges 10**HIST_EDGES (below and above them: the
-    first and last bin), as ``np.histogram`` puts it, and _DUMP for values <= 0 and NaN. float32: a table of the top
-    16 bits, and a comparison only for the few values whose bucket an edge cuts (measured: 5x faster than a
-    comparison each); float16: a table of all its values (:data:`_BIN16`, made by the float32 rule)."""
-    values = np.asarray(values)
-    if values.dtype == np.float16:
-        return _BIN16[values.view(np.uint16)]
-    values = np.ascontiguousarray(values, np.float32)
-    if not values.ndim:
-        values = values.reshape(1)
-    at = _BIN_CODES[values.view(np.uint16)[..., _HIGH::2]]
-    flat = at.reshape(-1)
-    fix = np.flatnonzero(flat == _AMBIGUOUS)
-    if len(fix):
-        v = values.reshape(-1)[fix]
-        low = _BIN_LOW[(v.view(np.uint32) >> np.uint32(16)).astype(np.intp)].astype(np.intp)
-        up = (v >= _EDGES32[low + 1]) & (low < HIST_BINS - 1)
-        flat[fix] = np.where(v > 0, low + up, _DUMP)
-    return at
-
-
-_BIN16 = _bins(np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32))  # exact: float16 -> float32
-_KERNEL_TABLES = (np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32), _BIN16.astype(np.uint8),
-                  _BIN_TABLE, _BIN_LOW, _EDGES32)  # what kernel reads: float16 values and bins, float32 bins
-
-
-def _fired_bins(values: np.ndarray, fire: np.ndarray, exact: bool) -> np.ndarray:
-    """The bins of ``values`` where ``fire``, _DUMP elsewhere; ``exact``: ``fire`` is ``values > 0`` (no pass
-    needed), else a value that fires at or below 0 (a mean over positions) is in the first bin."""
-    bins = _bins(values)
-    if exact:
-        return bins
-    bins[bins == _DUMP] = 0
-    return np.where(fire, bins, _DUMP)
-
-
-def _offsets(f: int) -> np.ndarray:
-    """Each feature's first cell: feature x (bins + 1), intp."""
-    return np.arange(f, dtype=np.intp) * (HIST_BINS + 1)
-
-
-def _histogram(values: np.ndarray, fire: np.ndarray | None) -> np.ndarray:
-    """(F, HIST_BINS) counts of the bins of ``values`` (n, T, F) float32 or float16 where ``fire`` (None: where above
-    0): one ``bincount`` of feature x (bins + 1) + bin, made in place, in the order the values lie in memory (a map's
-    channels come first: each feature's offset repeated over its positions, not added along a stride)."""
-    n, t, f = values.shape
-    offsets = np.tile(_offsets(f), t)  # (T x F): the offset of each value of a row
-    if not values.flags.c_contiguous and values.transpose(0, 2, 1).flags.c_contiguous:
-        values, offsets = values.transpose(0, 2, 1), np.repeat(_offsets(f), t)  # (F x T)
-        fire = None if fire is None else fire.transpose(0, 2, 1)
-    codes = _bins(values).reshape(n, -1)
-    if fire is not None:
-        codes[~fire.reshape(n, -1)] = _DUMP
-    codes += offsets
-    return _counts(codes, f)
-
-
-def _sparse_tokens(flat: np.ndarray, fire: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per feature the sum (F,) float64 and (F, HIST_BINS) bin counts of ``flat`` (N, F) where ``fire`` (values
-    above a threshold >= 0), the firing entries listed first: for blocks where few fire (a dense pass would bin
-    every value)."""
-    f = flat.shape[1]
-    at = np.flatnonzero(fire)
-    feature = at % f
-    values = flat.reshape(-1)[at]
-    sums = np.bincount(feature, weights=values, minlength=f)
-    counts = np.bincount(feature * HIST_BINS + _bins(values), minlength=f * HIST_BINS).reshape(f, HIST_BINS)
-    return sums, counts
-
-
-def _counts(cells: np.ndarray, f: int) -> np.ndarray:
-    """(F, HIST_BINS) counts of cells feature x (bins + 1) + bin (intp; the _DUMP column left out) of ``f`` features."""
-    counts = np.bincount(cells.reshape(-1), minlength=f * (HIST_BINS + 1))
-    return counts.reshape(f, HIST_BINS + 1)[:, :HIST_BINS]

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._text import count
 from ..data import Rows, Shard, reuse, source
 from ..errors import FencedError, StoreError
-from ..index import ensure_parts, finish_indexes, indexed
 from ..spec import JobSpec
 from .chunks import read_all
 from .layout import (
@@ -260,6 +260,17 @@ class Outcome:
     float16: list[str]  # captures stored as float16
 
 
+class WriteTimeIndexes(Protocol):
+    """A job's write-time feature indexes as its session meets them (``extractor.index.JobIndexes``, handed in by
+    the driver: the store does not import the index)."""
+
+    def on_write_start(self, group: Any, captures: Mapping[str, Any], n_shards: int) -> None:
+        """The store is claimed: make what keeps each shard's part of each index."""
+
+    def on_write_complete(self, group: Any) -> list[str]:
+        """Every shard ran (under the lease, before the final status): merge the parts, write each index."""
+
+
 class StoreSession:
     """One job's session with its store.
 
@@ -270,8 +281,9 @@ class StoreSession:
     marks the store stopped; :meth:`close` releases the lease (and consolidates a completed store's metadata after
     it). A resume with nothing to do calls :meth:`unchanged` instead of claiming the store."""
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, indexes: WriteTimeIndexes | None = None) -> None:
         self.spec = spec
+        self.indexes = indexes  # the job's write-time feature indexes (None: a session that writes none)
         self.record: StoreRecord | None = None  # what this job records in the store (decide)
         self.decision: Decision | None = None  # decide's
         self.shards: list[Shard] = []  # the job's, all of them
@@ -339,7 +351,8 @@ class StoreSession:
         spec = self.spec
         self.lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
         self.group = _claim(spec, rows, decision, record, self.lease)
-        ensure_parts(self.group, indexed(record["captures"]), len(self.shards))  # write-time indexes' shard parts
+        if self.indexes is not None:  # write-time indexes: the arrays of their shards' parts
+            self.indexes.on_write_start(self.group, record["captures"], len(self.shards))
         self.totals = Totals.kept(self.group, len(self.shards))
         done = done_shards(self.group) if not decision.create else np.zeros(len(self.shards), dtype=bool)
         return [s for s in self.shards if not done[s.index]]
@@ -402,7 +415,8 @@ class StoreSession:
         if write:
             complete = bool(done_shards(group).all())
             stats = merge_shards(group, self.totals)
-            finish_indexes(group)  # write-time feature indexes: their shards' parts merged
+            if self.indexes is not None:  # write-time feature indexes: their shards' parts merged
+                self.indexes.on_write_complete(group)
             update_attrs(group, status="complete" if complete else "incomplete", error=None, stats=stats)
         else:
             stats = dict(group.attrs["extractor"].get("stats") or {})

@@ -1,6 +1,6 @@
 """The feature index's streamed state (issue 42) against numpy by hand: top-k rows and values as argsort of the
-pooled matrix, densities, means, histograms, heatmap values, quantile groups, in any order and partition; a part's
-bytes; how a capture's rows read as positions x features."""
+pooled matrix, densities, means, histograms, heatmap values, quantile groups, in any order and partition, both ways
+a block's numbers are made (the compiled pass and numpy's); a part's bytes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from extractor.index import kernel
-from extractor.index.layout import Layout
-from extractor.index.state import HIST_EDGES, QUANTILES, IndexState
+from extractor.index.bins import HIST_EDGES
+from extractor.index.feed import Layout
+from extractor.index.state import QUANTILES, IndexState
 
 ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
           "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
@@ -177,66 +178,6 @@ def test_a_float16_map_read_as_stored_equals_its_float32_values(pool: str, thres
     assert got.histogram[3, -1] >= 1 and (got.histogram[4, 0] >= 1 or threshold > 0)
 
 
-@pytest.mark.parametrize(("pool", "threshold"), [("max", 0.0), ("mean", 0.0), ("max", 0.3), ("mean", 0.3)])
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_the_compiled_pass_equals_numpys_on_edges_nans_and_both_layouts(pool: str, threshold: float, dtype: type):
-    """Values at and beside every bin edge, NaN, infinities, subnormals and zeros, in a map's layout (channels
-    first: a strided view) and a token sequence's: the index the compiled pass makes equals numpy's, array for
-    array."""
-    if not kernel.available():
-        pytest.skip("numba is not installed (the index extra)")
-    rng = np.random.default_rng(5)
-    edges = (10.0**HIST_EDGES).astype(dtype)
-    special = np.concatenate([edges, np.nextafter(edges, dtype(0)), np.nextafter(edges, dtype(np.inf)),
-                              [np.nan, np.inf, -np.inf, 0, -0.0, 1e-45, 6e-8, -1e-30, threshold]]).astype(dtype)
-    n, c, p, k = 96, 11, 6, 4
-    values = (rng.standard_normal((n, c, p)) * np.logspace(-4, 3, c)[None, :, None]).astype(dtype)
-    values.reshape(-1)[rng.choice(values.size, len(special) * 3)] = np.tile(special, 3)
-    values[4, 2] = np.nan  # a row whose every position is NaN
-    for block in (values.swapaxes(1, 2), np.ascontiguousarray(values.swapaxes(1, 2))):  # a map's view, tokens
-        made = {}
-        for way in ("compiled", "numpy"):
-            with pytest.MonkeyPatch.context() as m:
-                if way == "numpy":
-                    m.setattr(kernel, "_KERNELS", None)
-                state = IndexState(c, p, k, pool, threshold)
-                for a in range(0, n, 40):
-                    state.update(block[a : a + 40], np.arange(a, min(a + 40, n)))
-                made[way] = state.finish()
-        for name in ARRAYS:
-            np.testing.assert_array_equal(getattr(made["compiled"], name), getattr(made["numpy"], name),
-                                          err_msg=name)
-
-
-def test_the_bins_of_every_float16_value_equal_searchsorted_over_the_edges():
-    from extractor.index import state
-
-    v = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
-    with np.errstate(invalid="ignore"):
-        want = np.clip(np.searchsorted(10.0**HIST_EDGES, v.astype(np.float64), side="right") - 1, 0,
-                       len(HIST_EDGES) - 2)
-    want[~(v > 0)] = len(HIST_EDGES) - 1  # not counted
-    np.testing.assert_array_equal(state._bins(v), want)
-    np.testing.assert_array_equal(state._bins(v.reshape(-1, 4)[:, ::2]), want.reshape(-1, 4)[:, ::2])
-
-
-def test_a_captures_rows_read_as_positions_by_features():
-    x = np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2)  # (rows, channel, y, x)
-    cases = [(["k.channel", "k.y", "k.x"], x, ("map", 3, 4, (2, 2), 0)),
-             (["k.y", "k.x", "k.channel"], x.transpose(0, 2, 3, 1), ("map_last", 3, 4, (2, 2), 0))]
-    for dims, stored, want in cases:
-        layout = Layout.of("k", {"dims": dims, "shape": list(stored.shape[1:])}, None)
-        assert (layout.kind, layout.features, layout.positions, layout.grid, layout.prefix) == want
-        np.testing.assert_array_equal(layout.tokens(stored), x.reshape(2, 3, 4).transpose(0, 2, 1))
-    tokens = Layout.of("t", {"dims": ["t.token", "t.feature"], "shape": [17, 8]}, 1)
-    assert (tokens.positions, tokens.grid, tokens.prefix) == (17, (4, 4), 1)
-    dropped = Layout.of("t", {"dims": ["t.token", "t.feature"], "shape": [16, 8], "drop_prefix": 1}, 1)
-    assert (dropped.grid, dropped.prefix) == ((4, 4), 0)
-    assert Layout.of("v", {"dims": ["v.feature"], "shape": [8]}, None).positions == 1
-    with pytest.raises(ValueError, match=r"stored as \(head, query, key\): an index needs"):
-        Layout.of("a", {"dims": ["a.head", "a.query", "a.key"], "shape": [2, 4, 4]}, None)
-
-
 def test_a_part_cut_short_or_never_written_is_no_state():
     state = IndexState(3, 2, 4)
     state.update(np.ones((2, 2, 3), np.float32), np.arange(2))
@@ -247,23 +188,3 @@ def test_a_part_cut_short_or_never_written_is_no_state():
     broken = blob.copy()
     broken[-1] ^= 1
     assert not fresh.load(broken) and fresh.load(blob) and fresh.rows == 2
-
-
-def test_the_bins_of_every_float32_bucket_equal_searchsorted_over_the_edges():
-    """The table of top 16 bits and the comparison at the buckets an edge cuts: against np.searchsorted in float64,
-    over values of every bucket, each edge and its neighbours, zeros, infinities and NaN (those <= 0 or NaN:
-    not counted)."""
-    from extractor.index import state
-
-    rng = np.random.default_rng(1)
-    top = np.repeat(np.arange(1 << 16, dtype=np.uint32) << np.uint32(16), 4)
-    top |= rng.integers(0, 1 << 16, len(top), dtype=np.uint32)
-    e = (10.0**HIST_EDGES).astype(np.float32)
-    v = np.concatenate([top.view(np.float32), e, np.nextafter(e, -np.inf), np.nextafter(e, np.inf),
-                        np.float32([0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3e38])])
-    with np.errstate(invalid="ignore"):
-        want = np.clip(np.searchsorted(10.0**HIST_EDGES, v.astype(np.float64), side="right") - 1, 0,
-                       len(HIST_EDGES) - 2)
-    want[~(v > 0)] = len(HIST_EDGES) - 1  # not counted
-    np.testing.assert_array_equal(state._bins(v), want)
-    np.testing.assert_array_equal(state._bins(v.reshape(-1, 2)), want.reshape(-1, 2))  # any shape

@@ -14,8 +14,9 @@ from test_state import ARRAYS
 
 from extractor.driver.runner import run
 from extractor.index import device as index_device
-from extractor.index.layout import IndexFeed
-from extractor.index.reader import index, open_index
+from extractor.index.feed import IndexFeed
+from extractor.index.post_hoc import index
+from extractor.index.reader import open_index
 from extractor.index.state import IndexState
 from extractor.read import open_store
 from extractor.spec.load import parse_spec

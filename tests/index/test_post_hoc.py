@@ -1,6 +1,7 @@
-"""Feature indexes of stores (issue 42): an index against its capture read whole, the agreed layout, dictionaries in
-every layout giving the same index, the write-time index equal to the post-hoc one (also after a killed and resumed
-job, and on Ray), the lease, staleness, figures and the command."""
+"""Feature indexes of stores (issue 42), made by the post-hoc pass and read back: an index against its capture read
+whole, the agreed layout, dictionaries in every layout giving the same index, the write-time index equal to the
+post-hoc one (also after a killed and resumed job, and on Ray), the lease, staleness, the reader's refusals, figures
+and the command."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import numpy as np
 import pytest
 import zarr
 from conftest import child_env, job, make_images
+from test_dictionary import D_SAE, _refused, _sae, _saelens
 from test_state import ARRAYS, _by_hand_top, _check_against_numpy
 
 from extractor.driver.runner import run
 from extractor.errors import OutOfRangeError, StoreError
-from extractor.index.dictionary import DictionaryError, load_dictionary
-from extractor.index.reader import index, open_index
+from extractor.index.dictionary import load_dictionary
+from extractor.index.post_hoc import index
+from extractor.index.reader import open_index
 from extractor.read import open_store
 from extractor.spec.load import parse_spec
 from extractor.spec.schema import OutputSpec
@@ -179,52 +182,6 @@ def test_open_index_names_what_the_store_holds(store: Path):
 
 
 # ---------------------------------------------------------------------------------------------- dictionaries
-D_SAE = 48
-
-
-def _sae(seed: int = 0, d_in: int = 32) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {"W_enc": rng.standard_normal((d_in, D_SAE)).astype(np.float32) * 0.5,
-            "b_enc": (rng.standard_normal(D_SAE) * 0.1 - 0.05).astype(np.float32),
-            "b_dec": (rng.standard_normal(d_in) * 0.01).astype(np.float32),
-            "W_dec": rng.standard_normal((D_SAE, d_in)).astype(np.float32)}
-
-
-def _saelens(folder: Path, tensors: dict[str, np.ndarray], **cfg) -> Path:
-    """An SAE saved by hand as SAELens saves one: cfg.json and sae_weights.safetensors."""
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "sae_weights.safetensors"))
-    d_in, d_sae = tensors["W_enc"].shape
-    (folder / "cfg.json").write_text(json.dumps({"d_in": int(d_in), "d_sae": int(d_sae), "architecture": "standard",
-                                                 "apply_b_dec_to_input": True, "normalize_activations": "none",
-                                                 "hook_name": "blocks.3.hook_resid_post", **cfg}))
-    return folder
-
-
-@pytest.mark.parametrize("by", ["torch", "numpy"])
-def test_encode_is_the_sae_by_hand_for_each_activation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by: str):
-    if by == "numpy":  # where torch is not installed
-        monkeypatch.setattr("extractor.index.dictionary._torch", lambda: None)
-    t = _sae()
-    x = np.random.default_rng(1).standard_normal((20, 32)).astype(np.float32)
-    pre = (x - t["b_dec"]) @ t["W_enc"] + t["b_enc"]
-    np.savez(tmp_path / "sae.npz", **t)
-    np.testing.assert_allclose(load_dictionary(tmp_path / "sae.npz").encode(x), np.maximum(pre, 0), rtol=1e-5,
-                               atol=1e-6)
-    top = load_dictionary(tmp_path / "sae.npz", "topk:5").encode(x)
-    assert ((top > 0).sum(axis=1) <= 5).all()
-    for i in range(len(x)):
-        keep = np.argsort(-pre[i])[:5]
-        np.testing.assert_allclose(top[i, keep], np.maximum(pre[i, keep], 0), rtol=1e-5, atol=1e-6)
-    threshold = np.full(D_SAE, 0.3, np.float32)
-    folder = _saelens(tmp_path / "jump", {**t, "threshold": threshold}, architecture="jumprelu")
-    jump = load_dictionary(folder)
-    assert jump.activation == "jumprelu"
-    np.testing.assert_allclose(jump.encode(x), np.where(pre > 0.3, pre, 0), rtol=1e-5, atol=1e-6)
-
-
 def test_a_saelens_folder_gives_the_index_of_the_same_weights_as_npz_and_pt(store: Path, tmp_path: Path):
     torch = pytest.importorskip("torch")
     t = _sae()
@@ -252,14 +209,6 @@ def test_a_saelens_folder_gives_the_index_of_the_same_weights_as_npz_and_pt(stor
     assert open_index(str(store), "layer3@sae").stale  # the dictionary file changed since
 
 
-def _refused(call, *args, **kwargs) -> str:
-    """The message of the DictionaryError ``call`` raises: one line."""
-    with pytest.raises(DictionaryError) as err:
-        call(*args, **kwargs)
-    assert "\n" not in str(err.value)
-    return str(err.value)
-
-
 def test_a_dictionary_that_does_not_fit_is_one_line_naming_the_shapes(store: Path, images: Path, tmp_path: Path):
     np.savez(tmp_path / "narrow.npz", **_sae(d_in=16))
     said = _refused(index, str(store), "layer3", dictionary=tmp_path / "narrow.npz")
@@ -281,42 +230,6 @@ def test_a_dictionary_that_does_not_fit_is_one_line_naming_the_shapes(store: Pat
     spec = _job(images, tmp_path / "never.zarr", feature_index={"dictionary": str(tmp_path / "narrow.npz")})
     assert "capture[0] layer3 [32, 2, 2] has 32 features" in _refused(run, parse_spec(spec))
     assert not (tmp_path / "never.zarr").exists()  # refused before the store was touched
-
-
-def _damaged(tmp_path: Path, how: str) -> Path:
-    """A dictionary file damaged one way (each once a traceback)."""
-    from safetensors.numpy import save_file
-
-    good = tmp_path / "good.npz"
-    np.savez(good, **_sae())
-    if how == "garbage npz":
-        (path := tmp_path / "x.npz").write_bytes(b"PK\x03\x04 not a zip at all" * 20)
-    elif how == "npz cut short":
-        (path := tmp_path / "x.npz").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    elif how == "empty npz":
-        (path := tmp_path / "x.npz").write_bytes(b"")
-    elif how in ("safetensors header not of tensors", "safetensors cut short"):
-        save_file(_sae(), str(path := tmp_path / "x.safetensors"))
-        if how == "safetensors cut short":
-            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-        else:
-            header = json.dumps({"a": 1}).encode()
-            path.write_bytes(len(header).to_bytes(8, "little") + header)
-    elif how == "threshold of another width":
-        np.savez(path := tmp_path / "x.npz", **_sae(), threshold=np.zeros(7, np.float32))
-    else:
-        path = _saelens(tmp_path / "lens", _sae())
-        (path / "cfg.json").write_text("[1, 2]" if how == "cfg not an object" else json.dumps({"d_in": "abc"}))
-    return path
-
-
-@pytest.mark.parametrize("how", ["garbage npz", "npz cut short", "empty npz", "safetensors header not of tensors",
-                                 "safetensors cut short", "threshold of another width", "cfg not an object",
-                                 "cfg width not a number"])
-def test_a_damaged_dictionary_file_is_one_line_naming_it(tmp_path: Path, how: str):
-    path = _damaged(tmp_path, how)
-    said = _refused(load_dictionary, path)
-    assert path.name in said or str(path) in said, said
 
 
 def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they_were(store: Path, tmp_path: Path,

@@ -1,0 +1,26 @@
+"""How a capture's rows read as positions x features (``feed.Layout``): a map's channels (either layout), a token
+sequence's features with its prefix, a vector's; what makes no index is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from extractor.index.feed import Layout
+
+
+def test_a_captures_rows_read_as_positions_by_features():
+    x = np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2)  # (rows, channel, y, x)
+    cases = [(["k.channel", "k.y", "k.x"], x, ("map", 3, 4, (2, 2), 0)),
+             (["k.y", "k.x", "k.channel"], x.transpose(0, 2, 3, 1), ("map_last", 3, 4, (2, 2), 0))]
+    for dims, stored, want in cases:
+        layout = Layout.of("k", {"dims": dims, "shape": list(stored.shape[1:])}, None)
+        assert (layout.kind, layout.features, layout.positions, layout.grid, layout.prefix) == want
+        np.testing.assert_array_equal(layout.tokens(stored), x.reshape(2, 3, 4).transpose(0, 2, 1))
+    tokens = Layout.of("t", {"dims": ["t.token", "t.feature"], "shape": [17, 8]}, 1)
+    assert (tokens.positions, tokens.grid, tokens.prefix) == (17, (4, 4), 1)
+    dropped = Layout.of("t", {"dims": ["t.token", "t.feature"], "shape": [16, 8], "drop_prefix": 1}, 1)
+    assert (dropped.grid, dropped.prefix) == ((4, 4), 0)
+    assert Layout.of("v", {"dims": ["v.feature"], "shape": [8]}, None).positions == 1
+    with pytest.raises(ValueError, match=r"stored as \(head, query, key\): an index needs"):
+        Layout.of("a", {"dims": ["a.head", "a.query", "a.key"], "shape": [2, 4, 4]}, None)
