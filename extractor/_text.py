@@ -1,7 +1,14 @@
-"""Text for people: aligned tables, counted nouns, sizes and the size estimate (the CLI's, the run report's,
+"""Text for people and records: timestamps, aligned tables, counted nouns, sizes and the size estimate (the CLI's, the run report's,
 the plan's)."""
 
 from __future__ import annotations
+
+import datetime as _dt
+
+
+def now() -> str:
+    """This moment in UTC, to the second (ISO 8601): when a record was written."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

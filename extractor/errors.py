@@ -17,6 +17,7 @@ __all__ = [
     "ModelError",
     "OutOfRangeError",
     "ShardError",
+    "ShardTaken",
     "SpecError",
     "StoreError",
 ]
@@ -50,8 +51,21 @@ class StoreError(ExtractorError, OSError):
 
 
 class FencedError(StoreError):
-    """This job no longer holds the store: another job took it over (this one was paused past its
-    lease, or cut off). It stops at once and writes nothing more into the store."""
+    """This job no longer holds what it writes: another job took its shard over (this one was paused past
+    its member's timeout, or cut off) or made the store again. What it wrote is never read; it stops."""
+
+
+class ShardTaken(StoreError):
+    """A shard this job was about to compute is another member's: committed already (``verdict`` "done") or
+    being computed by a live one ("taken"). Not a failure: the job goes on with other shards."""
+
+    def __init__(self, shard: int, verdict: str) -> None:
+        held = "committed already" if verdict == "done" else "being computed by another live process"
+        super().__init__(f"shard {shard} is {held}")
+        self.shard, self.verdict = shard, verdict
+
+    def __reduce__(self):  # pickled across Ray processes
+        return type(self), (self.shard, self.verdict)
 
 
 class OutOfRangeError(ExtractorError, IndexError):

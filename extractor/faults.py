@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-from .errors import FencedError, LayerError, ShardError
+from .errors import FencedError, LayerError, ShardError, ShardTaken
 
 __all__ = ["describe_error", "device_errors", "device_fault", "not_an_image", "blame", "shard_failed", "whose"]
 
@@ -64,7 +64,7 @@ def blame(err: BaseException, shard: int, passes: tuple[type[BaseException], ...
     the job's: a fenced-off writer, an interruption, or one of ``passes``)."""
     if isinstance(err, ShardError):
         return "another" if err.shard != shard else "as_is"
-    if isinstance(err, (FencedError, *passes)) or not isinstance(err, Exception):
+    if isinstance(err, (FencedError, ShardTaken, *passes)) or not isinstance(err, Exception):
         return "as_is"
     return "this"
 

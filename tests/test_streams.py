@@ -11,7 +11,8 @@ import pytest
 
 from extractor.data import Rows
 from extractor.read.reader import ActivationStore, open_store
-from extractor.store.layout import FAILED, OK, StoreArrays, create_store
+from extractor.store.synthetic import create_store
+from extractor.store.layout import FAILED, OK, StoreArrays
 
 N, TOKENS, FEATURES = 61, 6, 4
 

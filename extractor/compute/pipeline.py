@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from ..data import Batch, Shard
-from ..errors import ShardError
+from ..errors import ShardError, ShardTaken
 from ..faults import blame
 from ..index import serves
 from ..spec import JobSpec
-from ..store import CaptureRecord, ExtraRecord, draw_keys
-from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard
+from ..store import CaptureRecord, ExtraRecord, Ticket, draw_keys
+from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard, taken
 
 __all__ = ["Pipeline", "ShardQueue", "CallbackError", "Forwarder"]
 
@@ -81,9 +81,9 @@ class NextShard:
     rows join the batch stream as soon as it is open, so its first images decode meanwhile."""
 
     def __init__(self, worker: Forwarder, shards: ShardQueue, stream: Any, url: str,
-                 storage_options: dict[str, Any] | None, fence: str | None) -> None:
+                 storage_options: dict[str, Any] | None, ticket: Ticket | None) -> None:
         self.worker, self.shards, self.stream = worker, shards, stream
-        self.url, self.storage, self.fence = url, storage_options, fence
+        self.url, self.storage, self.ticket = url, storage_options, ticket
         self.shard: Shard | None = None
         self.opening: Future[ShardInput] | None = None
         self.queued = False  # its rows are in the stream
@@ -94,7 +94,7 @@ class NextShard:
             self.shard, self.queued = shard, False
             self.opening = self.worker.prepare_pool.submit(ShardInput.open, shard, self.url, self.storage,
                                                            self.worker.needs_labels, list(self.worker.captures or ()),
-                                                           self.fence)
+                                                           self.ticket)
 
     def feed(self) -> None:
         """Once it is open, add its rows to the stream."""
@@ -160,11 +160,11 @@ class Pipeline:
     def __init__(self, worker: Forwarder, shards: ShardQueue, url: str, storage_options: dict[str, Any] | None,
                  on_batch: Callable[[int], None] | None,
                  on_computed: Callable[[Shard, Future[ShardSummary]], None] | None,
-                 on_started: Callable[[Shard], None] | None, fence: str | None = None) -> None:
+                 on_started: Callable[[Shard], None] | None, ticket: Ticket | None = None) -> None:
         self.worker, self.shards = worker, shards
         self.on_batch, self.on_computed, self.on_started = on_batch, on_computed, on_started
         self.stream = worker.batches()
-        self.next = NextShard(worker, shards, self.stream, url, storage_options, fence)
+        self.next = NextShard(worker, shards, self.stream, url, storage_options, ticket)
         self.read_back = ReadBack()
         self.put_back: Shard | None = None  # a started shard that another one's failure interrupted
         self.shard_began = time.perf_counter()  # when the current shard began (the previous one's rows ran out)
@@ -198,8 +198,17 @@ class Pipeline:
             while (batch := self._next_batch(out)) is not None:
                 self._forward(batch, given, out)
             self._end(out)
+        except ShardTaken as err:  # another member's (its opening found it so): nothing to compute here
+            self._taken(shard, err)
         except BaseException as err:  # noqa: BLE001 - raised again by _stop, as the failure of the shard at fault
             self._stop(shard, out, err)
+
+    def _taken(self, shard: Shard, err: ShardTaken) -> None:
+        """A shard another member holds or committed: said as computed with nothing in it; on to the next."""
+        done: Future[ShardSummary] = Future()
+        done.set_result(taken(shard, err))
+        self._call(self.on_computed, shard, done)
+        self.next.fetch(block=True)
 
     def _next_batch(self, out: ShardOutput) -> Batch | None:
         """The shard's next decoded batch (None at its end); meanwhile the next shard opens."""
@@ -270,7 +279,7 @@ class Pipeline:
         raise failed_shard(shard, err) from err
 
     def _finish(self, out: ShardOutput | None) -> None:
-        """After ``out.close()``: its done marker is written behind its last chunks."""
+        """After ``out.close()``: its commit is made behind its last chunks."""
         if out is not None:
             self._call(self.on_computed, out.shard, out.hand_off())
 

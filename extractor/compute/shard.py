@@ -16,13 +16,23 @@ from typing import Any
 import numpy as np
 
 from ..data import Reused, Shard
-from ..errors import FencedError, ShardError
+from ..errors import FencedError, ShardError, ShardTaken
 from ..faults import shard_failed
 from ..index import index_on_device, indexed
-from ..store import FAILED, OK, CaptureRecord, ExtraRecord, ShardStats, ShardWriter, fill_value, numpy_dtype
+from ..store import (
+    FAILED,
+    OK,
+    CaptureRecord,
+    ExtraRecord,
+    ShardStats,
+    ShardWriter,
+    Ticket,
+    fill_value,
+    numpy_dtype,
+)
 from ..store import dumps as stats_dumps
 
-__all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain"]
+__all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain", "taken"]
 
 WRITE_QUEUE = 4  # chunks (of every capture) that may wait for the writer threads: bounds memory
 
@@ -57,9 +67,16 @@ class ShardSummary:
     wait_device: float = 0.0
     wait_write: float = 0.0
     reused: int = 0  # rows copied from another store (output.reuse), not computed
+    taken: str = ""  # not computed here: "done" (committed by another member), "taken" (a live one computes it)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def taken(shard: Shard, err: ShardTaken) -> ShardSummary:
+    """What a shard another member holds or committed leaves: nothing computed here."""
+    return ShardSummary(shard=shard.index, rows=0, ok=0, failed=0, seconds=0.0, bytes=0, pid=os.getpid(),
+                        taken=err.verdict)
 
 
 @dataclass
@@ -75,8 +92,9 @@ class ShardInput:
 
     @classmethod
     def open(cls, shard: Shard, url: str, storage_options: dict[str, Any] | None, labels: bool,
-             captures: Iterable[str], fence: str | None = None) -> ShardInput:
-        writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options, fence)
+             captures: Iterable[str], ticket: Ticket | None = None) -> ShardInput:
+        """The shard claimed for ``ticket``'s member (:class:`ShardTaken` where another member holds it), opened."""
+        writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options, ticket)
         paths, found = writer.opening(labels)
         return cls(shard, writer, paths, found, writer.chunk_rows(captures))
 

@@ -42,6 +42,7 @@ from ..store import (
     CaptureRecord,
     ExtraRecord,
     ReuseIndex,
+    Ticket,
 )
 from .pipeline import Pipeline, ShardQueue
 from .probe import Probing
@@ -338,10 +339,12 @@ class Worker(Probing):
         url: str,
         storage_options: dict[str, Any] | None = None,
         on_batch: Callable[[int], None] | None = None,
+        ticket: Ticket | None = None,
     ) -> ShardSummary:
-        """Process every row of ``shard`` and write it; returns once the done marker is written."""
+        """Process every row of ``shard`` and write it; returns once it is committed."""
         computed: list[Future[ShardSummary]] = []
-        self.run_shards([shard], url, storage_options, on_batch, lambda _shard, future: computed.append(future))
+        self.run_shards([shard], url, storage_options, on_batch, lambda _shard, future: computed.append(future),
+                        ticket=ticket)
         return computed[0].result()
 
     def run_shards(
@@ -352,11 +355,12 @@ class Worker(Probing):
         on_batch: Callable[[int], None] | None = None,
         on_computed: Callable[[Shard, Future[ShardSummary]], None] | None = None,
         on_started: Callable[[Shard], None] | None = None,
-        fence: str | None = None,
+        ticket: Ticket | None = None,
     ) -> None:
         """Forward every row of ``shards``, one after another, in one pipeline that does not
-        drain between shards. ``fence``: the job's lease token; a shard writes nothing once another
-        job holds the store (:class:`FencedError`, which stops the pipeline).
+        drain between shards. ``ticket``: the job's generation and member; each shard is claimed for it as it
+        opens (one that another member holds or committed is left: its summary says so), and a shard whose
+        claim was taken over meanwhile stops the pipeline (:class:`FencedError`).
 
         ``on_started(shard)`` is called as a shard's first batch is read, ``on_computed(shard,
         future)`` in shard order once a shard's last batch is on the host; the future completes
@@ -377,7 +381,7 @@ class Worker(Probing):
             shards = ShardQueue(shards)
             shards.close()  # a fixed list: nothing more will come
         try:
-            Pipeline(self, shards, url, storage, on_batch, on_computed, on_started, fence).run()
+            Pipeline(self, shards, url, storage, on_batch, on_computed, on_started, ticket).run()
         except Exception as err:
             fault = device_fault(err)
             if fault is None:

@@ -20,7 +20,7 @@ from .._text import count, estimate, size, table
 from ..data import list_rows, plan
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
-from ..store import ROW_ARRAYS, Decision, StoreSession, id_index_objects, numpy_dtype
+from ..store import ROW_ARRAYS, Decision, StoreSession, blocks_for, id_index_objects, numpy_dtype
 
 __all__ = ["Preview", "preview"]
 
@@ -144,12 +144,12 @@ def preview(spec: JobSpec) -> Preview:
 
     captures = [CapturePlan(k, list(c["shape"]), c["dtype"], per_row[k], layout[k][0], layout[k][0] * per_row[k],
                             objects(*layout[k])) for k, c in probe.captures.items()]
-    # a chunk per shard of each per-row array (a shard's finish writes each of its chunks whole, errors too), its
-    # done marker and its sums; and the driver's merged sums (stats_sums), one object
-    n_per_row = len(ROW_ARRAYS) + len(probe.extras) + len(rows.locators) + bool(spec.output.reuse) + 2
+    # a chunk per shard of each per-row array (a shard's finish writes each of its chunks whole, errors too) and
+    # its statistics; the ledger's blocks, the final record
+    n_per_row = len(ROW_ARRAYS) + len(probe.extras) + len(rows.locators) + bool(spec.output.reuse) + 1
     extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
     planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
-                      n_per_row * len(shards) + 1 + id_index_objects(len(rows)), extras,
+                      n_per_row * len(shards) + blocks_for(len(shards)) + 1 + id_index_objects(len(rows)), extras,
                       _free_bytes(spec.output.store))
     if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
         planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "

@@ -28,7 +28,7 @@ from ..compute import ShardQueue, ShardSummary
 from ..data import Shard
 from ..errors import ClusterError, ExtractorError, ShardError
 from ..spec import JobSpec
-from ..store import Probe
+from ..store import Probe, Ticket
 from .schedule import IN_FLIGHT, _cause, _fits, _Job, _Slot, _worker_size
 
 __all__ = ["RayBackend"]
@@ -86,7 +86,7 @@ class _WorkerActor:
     def probe(self) -> Probe:
         return self.worker.probe()
 
-    def run_shard(self, index: int, start: int, stop: int, url: str, fence: str | None = None) -> ShardSummary:
+    def run_shard(self, index: int, start: int, stop: int, url: str, ticket: Ticket | None = None) -> ShardSummary:
         call: Future[ShardSummary] = Future()
         with self.lock:
             if self.error is not None:  # the driver replaces this actor: run nothing more here
@@ -94,7 +94,7 @@ class _WorkerActor:
             self.calls[index] = call
             self.queue.put(Shard(index, start, stop))
             if self.thread is None:
-                self.thread = threading.Thread(target=self._pipeline, args=(url, fence), name="extractor-pipeline",
+                self.thread = threading.Thread(target=self._pipeline, args=(url, ticket), name="extractor-pipeline",
                                                daemon=True)
                 self.thread.start()
         return call.result()
@@ -103,7 +103,7 @@ class _WorkerActor:
         with self.lock:
             return self.calls.pop(index, None)
 
-    def _pipeline(self, url: str, fence: str | None) -> None:
+    def _pipeline(self, url: str, ticket: Ticket | None) -> None:
         def started(shard: Shard) -> None:
             self.current = (shard.index, 0)
 
@@ -119,7 +119,7 @@ class _WorkerActor:
         while True:
             try:
                 self.worker.run_shards(self.queue, url, on_batch=on_batch, on_computed=computed, on_started=started,
-                                       fence=fence)
+                                       ticket=ticket)
             except ShardError as err:  # that shard's call fails; the pipeline goes on with the queue
                 self.current = (-1, 0)  # a retry of it must not look started before it is
                 call = self._take(err.shard) if err.shard is not None else None
@@ -362,8 +362,8 @@ class RayBackend:
 
     # ------------------------------------------------------------------ the job
     def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any,
-            fence: str | None = None) -> list[ShardSummary]:
-        job = _Job(self, todo, url, fence, on_progress, on_event)
+            ticket: Ticket | None = None) -> list[ShardSummary]:
+        job = _Job(self, todo, url, ticket, on_progress, on_event)
         for slot in self.slots:
             if slot.ready:
                 on_event("worker_started", slot.event())

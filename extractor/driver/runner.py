@@ -19,10 +19,10 @@ import numpy as np
 
 from .._text import count, table
 from ..data import Rows, Shard, absolute, list_rows, plan
-from ..errors import DataError
+from ..errors import DataError, StoreError
 from ..index import JobIndexes
 from ..spec import JobSpec
-from ..store import Decision, Outcome, Probe, StoreSession
+from ..store import Decision, Outcome, Probe, StoreSession, Ticket
 
 if TYPE_CHECKING:  # the worker imports torch: only a job that builds its model loads it
     from ..compute import ShardSummary, Worker
@@ -132,9 +132,9 @@ class Backend(Protocol):
         """Compile the model where the job compiles it; called only when there are shards to compute."""
 
     def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event,
-            fence: str | None = None) -> list[ShardSummary]:
-        """Compute and write the shards ``todo`` into the store at ``url``, writing nothing once ``fence`` (the
-        job's lease token) is no longer the store's; returns the summaries of the shards done."""
+            ticket: Ticket | None = None) -> list[ShardSummary]:
+        """Compute and write the shards ``todo`` into the store at ``url``, each claimed and committed for
+        ``ticket``'s member (one another member holds is left); returns the summaries of the shards committed."""
 
     def close(self) -> None:
         """Stop the workers (a no-op when done twice)."""
@@ -158,7 +158,7 @@ class LocalBackend:
         self.worker.warm_up()
 
     def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event,
-            fence: str | None = None) -> list[ShardSummary]:
+            ticket: Ticket | None = None) -> list[ShardSummary]:
         summaries: list[ShardSummary] = []
         processed = [0]
         pid = os.getpid()
@@ -170,13 +170,18 @@ class LocalBackend:
         on_event("worker_started", {"worker": 0, "pid": pid})
         finishing: deque[tuple[Shard, Future[ShardSummary]]] = deque()
 
+        def done(shard: Shard, summary: ShardSummary) -> None:
+            if summary.taken:  # another member's: nothing done here
+                on_event("shard_skipped", {"shard": shard.index, "worker": 0, "held": summary.taken})
+                return
+            on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
+            summaries.append(summary)
+
         def report(keep: int) -> None:
-            """Report the shards whose done marker is written; wait while more than ``keep`` are not."""
+            """Report the shards that are committed; wait while more than ``keep`` are not."""
             while finishing and (len(finishing) > keep or finishing[0][1].done()):
                 shard, future = finishing.popleft()
-                summary = future.result()
-                on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
-                summaries.append(summary)
+                done(shard, future.result())
 
         def computed(shard: Shard, future: Future[ShardSummary]) -> None:
             # a shard's last writes and done marker are stored while the next one computes
@@ -187,14 +192,13 @@ class LocalBackend:
             self.worker.run_shards(
                 todo, url, on_batch=on_batch, on_computed=computed,
                 on_started=lambda shard: on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": pid}),
-                fence=fence,
+                ticket=ticket,
             )
             report(keep=0)
         except BaseException:
             for shard, future in finishing:  # what was computed is still written before the error goes up
                 if future.exception() is None:
-                    on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": future.result()})
-                    summaries.append(future.result())
+                    done(shard, future.result())
             raise
         return summaries
 
@@ -240,9 +244,23 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
 
 def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Progress, on_event: Event,
              session: StoreSession) -> list[ShardSummary]:
-    """Run the shards ``todo`` on ``backend`` while this job holds the store (every write through its fence)."""
+    """Run the shards ``todo`` on ``backend``, each claimed and committed for this job's member; then, until every
+    shard is committed, the shards left that this member may take (pending, or held by members that died: a
+    process that joined the store, or was paused, or killed), waiting while other live members hold the rest."""
     url = absolute(spec.output.store)  # for workers in another directory
-    return backend.run(todo, url, on_progress, on_event, fence=session.fence) if todo else []
+    ticket = session.ticket
+    summaries: list[ShardSummary] = []
+    stalled = 0  # passes in a row that committed nothing and left the same shards
+    while todo:
+        done = backend.run(todo, url, on_progress, on_event, ticket=ticket)
+        summaries += done
+        left = session.remaining(wait=True)
+        stalled = stalled + 1 if not done and {s.index for s in left} == {s.index for s in todo} else 0
+        if stalled >= 2:
+            raise StoreError(f"shards {[s.index for s in left][:10]} of {spec.output.store} stay uncommitted pass "
+                             "after pass; run again with --resume")
+        todo = left
+    return summaries
 
 
 # run is over 60 lines, a quarter of them its docstring: the job's steps, in order, read best in one place

@@ -20,6 +20,7 @@ from ..spec import ClusterSpec
 
 if TYPE_CHECKING:
     from ..spec import JobSpec
+    from ..store import Ticket
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +182,9 @@ class _Job:
     workers in the background, adds workers on new capacity (``workers: auto``), and tells the
     runner (progress, events)."""
 
-    def __init__(self, backend: _Backend, todo: list[Shard], url: str, fence: str | None, on_progress: Any,
+    def __init__(self, backend: _Backend, todo: list[Shard], url: str, ticket: Ticket | None, on_progress: Any,
                  on_event: Any) -> None:
-        self.backend, self.url, self.fence = backend, url, fence
+        self.backend, self.url, self.ticket = backend, url, ticket
         self.on_progress, self.on_event = on_progress, on_event
         self.plan = _Schedule(todo, backend.spec.cluster.max_retries)
         self.running: dict[Any, tuple[_Slot, Shard, int]] = {}  # task ref -> (slot, shard, actor generation)
@@ -198,7 +199,7 @@ class _Job:
     def dispatch(self) -> None:
         for slot in self.backend.slots:
             while slot.ready and (shard := self.plan.next_for(slot.held)) is not None:
-                ref = slot.actor.run_shard.remote(shard.index, shard.start, shard.stop, self.url, self.fence)
+                ref = slot.actor.run_shard.remote(shard.index, shard.start, shard.stop, self.url, self.ticket)
                 self.running[ref] = (slot, shard, slot.generation)
                 slot.held.append(shard)
 
@@ -289,6 +290,9 @@ class _Job:
     def _finished(self, slot: _Slot, shard: Shard, summary: ShardSummary) -> None:
         self._report_start(slot, shard)  # a shard that began and ended between two polls
         self.plan.done(shard)
+        if summary.taken:  # another member's: nothing done here
+            self.on_event("shard_skipped", {"shard": shard.index, "worker": slot.index, "held": summary.taken})
+            return
         self.summaries.append(summary)
         self.finished_rows += summary.rows
         self.on_event("shard_done", {"shard": shard.index, "worker": slot.index, "summary": summary})

@@ -5,6 +5,7 @@ README's store layout). The reader's view of a stored index is :class:`~.reader.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from typing import Any, NotRequired, TypedDict
@@ -12,13 +13,13 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 import zarr
 
-from ..store import OK, done_shards, get_array, now, root_attrs
+from ..store import OK, Generation, done_shards, get_array, now, root_attrs
 from .bins import HIST_EDGES
 from .feed import IndexFeed
 from .state import EXAMPLES, QUANTILES, IndexArrays
 
-__all__ = ["INDEX_VERSION", "READ_VERSIONS", "INDEXES", "IndexRecord", "write_index", "source_state", "index_name",
-           "index_record"]
+__all__ = ["INDEX_VERSION", "READ_VERSIONS", "INDEXES", "IndexRecord", "pointer", "write_index", "source_state",
+           "index_name", "index_record"]
 
 INDEX_VERSION = 2  # 2: the arrays in a subgroup the attributes name (``arrays``): an index replaced whole or not at all
 READ_VERSIONS = (1, 2)  # 1: the arrays in the index's group itself
@@ -49,21 +50,42 @@ class IndexRecord(TypedDict):
     arrays: NotRequired[str]  # the subgroup of indexes/<name> holding its arrays (set by write_index)
 
 
-def write_index(group: zarr.Group, name: str, arrays: IndexArrays, record: Mapping[str, Any]) -> None:
-    """Write ``indexes/<name>`` into the store whose root is ``group`` (opened for writing: through the job's or
-    the index's lease), replacing one of that name whole: its arrays into a new subgroup, then its attributes,
-    which name that subgroup (one object: a reader finds the old index or the new one). The arrays of the index
+def pointer(generation: Generation, name: str) -> tuple[str | None, str | None]:
+    """Index ``name``'s attributes as read now: the version a later :func:`write_index` swaps from, and the subgroup
+    they name (None: none yet). Its group is made where absent (without attributes: an index not listed)."""
+    objects = generation.objects
+    for key in (f"{INDEXES}/zarr.json", f"{INDEXES}/{name}/zarr.json"):
+        objects.create(generation.key(key), _EMPTY_GROUP)  # already there: nothing done
+    data, version = objects.read(generation.key(f"{INDEXES}/{name}/zarr.json"))
+    named = (json.loads(data).get("attributes") or {}).get("arrays") if data else None
+    return version, named
+
+
+def write_index(generation: Generation, name: str, arrays: IndexArrays, record: Mapping[str, Any],
+                at_version: tuple[str | None, str | None]) -> bool:
+    """Write ``indexes/<name>`` into the store's generation, replacing one of that name whole: its arrays into a new
+    subgroup, then its attributes, which name that subgroup: one swap from ``at_version`` (what :func:`pointer`
+    read before the index was made), so a reader finds the old index or the new one, and of two processes that
+    write one index at once one lands (False for the other: nothing of it is named). The arrays of the index
     replaced stay until the next write (a reader that opened it still reads it whole, and is told it was replaced);
-    older ones, and what writes that failed midway left, go. A write that fails midway leaves the index it was
-    replacing (an index without attributes is not listed)."""
-    node = group.require_group(INDEXES).require_group(name)
-    replaced = node.attrs.get("arrays")
-    old = [m for m in node.keys() if m != replaced]  # version 1's arrays, older versions, failed writes
+    older ones, and what writes that failed midway left, go."""
+    objects = generation.objects
+    version, replaced = at_version
     at = f"v{uuid.uuid4().hex[:12]}"
-    _write_arrays(node.create_group(at), arrays)
-    node.attrs.put({**record, "arrays": at})
-    for gone in old:
-        del node[gone]
+    node = zarr.open_group(store=objects.zarr_store(generation.name, read_only=False), path=f"{INDEXES}/{name}/{at}",
+                           mode="w")
+    _write_arrays(node, arrays)
+    meta = {"zarr_format": 3, "node_type": "group", "attributes": {**dict(record), "arrays": at}}
+    if not objects.swap(generation.key(f"{INDEXES}/{name}/zarr.json"), version, json.dumps(meta).encode()):
+        objects.remove(generation.key(f"{INDEXES}/{name}/{at}"))
+        return False
+    for gone in objects.list(generation.key(f"{INDEXES}/{name}")):  # version 1's arrays, older versions, failures
+        if gone not in ("zarr.json", at, replaced):
+            objects.remove(generation.key(f"{INDEXES}/{name}/{gone}"))
+    return True
+
+
+_EMPTY_GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
 
 
 def _write_arrays(node: zarr.Group, arrays: IndexArrays) -> None:
@@ -82,12 +104,11 @@ def _write_arrays(node: zarr.Group, arrays: IndexArrays) -> None:
 
 
 def source_state(group: zarr.Group) -> dict[str, Any]:
-    """What an index covers of the store: its creation, last resume, done shards and ok rows. A store whose state
-    differs since (resumed, more shards done) makes the index stale."""
-    group = zarr.open_group(store=group.store, mode="r", use_consolidated=False)  # as the storage has it now
+    """What an index covers of the store: its generation, its committed shards and ok rows. A store whose state
+    differs since (made again, more shards committed) makes the index stale."""
     attrs = root_attrs(group)
     status = np.asarray(get_array(group, "status")[:])
-    return {"created": attrs.get("created"), "resumed": attrs.get("resumed"),
+    return {"generation": attrs.get("generation"), "created": attrs.get("created"),
             "done_shards": int(done_shards(group).sum()), "ok_rows": int((status == OK).sum())}
 
 

@@ -1,5 +1,5 @@
 """The post-hoc pass: a feature index of a capture made in one pass over the store's ok rows (its channels or
-features, or a dictionary's latents), under the store's lease, and written into it as ``indexes/<name>`` (numpy and
+features, or a dictionary's latents), written into it as ``indexes/<name>`` (numpy and
 zarr; the encoder in torch where it is installed).
 
     >>> ix = index("out.zarr", "blocks.11", dictionary="sae/")   # one pass; written into the store; read back
@@ -14,17 +14,17 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .._threads import prefetched
 from ..errors import StoreError
-from ..read import ActivationStore, job_lease_timeout, open_store
-from ..store import LEASE_TIMEOUT_S, OK, Lease, consolidate, owner
+from ..read import ActivationStore, open_store
+from ..store import OK, Generation, Objects
 from .dictionary import Dictionary, load_dictionary
 from .feed import IndexFeed, Layout
-from .layout import INDEXES, index_name, index_record, source_state, write_index
+from .layout import INDEXES, index_name, index_record, pointer, source_state, write_index
 from .reader import FeatureIndex, _layout, _store, index_names, open_index
 
 __all__ = ["index"]
@@ -50,31 +50,28 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
     the store as ``indexes/<name>`` (default: ``key``, or ``key@<dictionary stem>``) and return it.
 
     ``k`` top rows per feature, ranked by the feature pooled over the row's positions by ``pool`` (max or mean); a
-    feature fires where it is above ``threshold``. The store's lease is taken for the pass: a store a job is writing
-    is refused, naming the job. ``on_progress(rows)`` is called as rows are done; ``storage_options``: fsspec
-    options of a remote store given by its URL."""
+    feature fires where it is above ``threshold``. The pass reads the store as it was committed when it was opened;
+    the index is named in the store by one swap of its attributes (:func:`~.layout.write_index`): where another
+    process wrote an index of that name meanwhile, this one is refused, and nothing of it is named.
+    ``on_progress(rows)`` is called as rows are done; ``storage_options``: fsspec options of a remote store given
+    by its URL."""
     store = _store(store_or_path, storage_options)
     layout = _layout(store, key)
     dic, k = _settings(store, key, layout, dictionary, activation, k, threshold)
     feed = IndexFeed(layout, k, pool, threshold, dic)
     name = _checked_name(name or index_name(key, dic.stem if dic is not None else None))
-    lease = _lease(store)
-    try:
-        group = lease.open()  # every write through the lease's fence
-        state = source_state(group)
-        t0 = time.perf_counter()
-        _pass(store, key, feed, on_progress)
-        log.info("indexed %d features of %s over %d rows in %.1f s", feed.state.features, key, feed.state.rows,
-                 time.perf_counter() - t0)
-        record = index_record(name, key, feed, dic.record() if dic is not None else None, state, "post-hoc")
-        _say_replaced(store, name)
-        write_index(group, name, feed.state.finish(), record)
-    finally:
-        lease.release()
-    try:
-        consolidate(group)  # the store opens with consolidated metadata: it must list the index
-    except (StoreError, OSError) as err:
-        log.info("%s: metadata not consolidated (%s)", store.url, err)
+    generation = _generation(store)
+    at = _writable(store, lambda: pointer(generation, name))
+    state = source_state(store.group)
+    t0 = time.perf_counter()
+    _pass(store, key, feed, on_progress)
+    log.info("indexed %d features of %s over %d rows in %.1f s", feed.state.features, key, feed.state.rows,
+             time.perf_counter() - t0)
+    record = index_record(name, key, feed, dic.record() if dic is not None else None, state, "post-hoc")
+    _say_replaced(store, name)
+    if not _writable(store, lambda: write_index(generation, name, feed.state.finish(), record, at)):
+        raise StoreError(f"index {name} of {store.url} was written by another process while this one made it; open "
+                         "that one (extractor index STORE --name ...), or run again to replace it")
     return open_index(open_store(store.url, store.storage_options), name)
 
 
@@ -98,18 +95,30 @@ def _settings(store: ActivationStore, key: str, layout: Layout, dictionary: str 
     return dic, min(k, rows)
 
 
-def _lease(store: ActivationStore) -> Lease:
-    """The store's lease, taken: refused naming the job that writes it, or saying the store is read-only."""
-    # the timeout the store's job ran with; a store that records none (not written by a job) gets the default
-    lease = Lease(store.url, store.storage_options, job_lease_timeout(store.attrs) or LEASE_TIMEOUT_S, owner())
+def _generation(store: ActivationStore) -> Generation:
+    """The generation the store was opened at (an index of a store made again since is refused)."""
+    name = store.attrs.get("generation")
+    if name is None:
+        raise StoreError(f"{store.url} was made by an older extractor (format {store.attrs.get('format_version')}): "
+                         "make it again (extractor run --overwrite) to index it")
+    generation = Generation(Objects.at(store.url, store.storage_options), str(name))
+    if not generation.still_live():
+        raise StoreError(f"{store.url} was made again since it was opened: open it again")
+    return generation
+
+
+_T = TypeVar("_T")
+
+
+def _writable(store: ActivationStore, step: Callable[[], _T]) -> _T:
+    """``step``'s result; a storage that cannot be written here said in one line (the index is kept in the store)."""
     try:
-        lease.acquire()
+        return step()
     except StoreError:
         raise
-    except OSError as err:  # the index is kept in the store
+    except OSError as err:
         raise StoreError(f"{store.url}: the index is written into the store, which cannot be written here "
                          f"({err.strerror or err}); index a writable copy of it") from None
-    return lease
 
 
 def _say_replaced(store: ActivationStore, name: str) -> None:

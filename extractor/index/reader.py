@@ -62,12 +62,20 @@ def _layout(store: ActivationStore, key: str) -> Layout:
         raise StoreError(str(err)) from None
 
 
+def _indexes(store: ActivationStore) -> zarr.Group | None:
+    """The store's group of indexes as the storage has it now (not from the metadata consolidated when the store was
+    made, which lists none: indexes are written later), or None."""
+    try:
+        return zarr.open_group(store=store.group.store, path=INDEXES, mode="r", use_consolidated=False)
+    except (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError):
+        return None
+
+
 def index_names(store: ActivationStore) -> list[str]:
     """The names of the indexes the store holds (whole ones: attributes written)."""
-    if INDEXES not in store.group:
+    parent = _indexes(store)
+    if parent is None:
         return []
-    parent = store.group[INDEXES]
-    assert isinstance(parent, zarr.Group)
     return sorted(n for n, g in parent.groups() if "index_version" in g.attrs)
 
 
@@ -84,7 +92,9 @@ def open_index(store_or_path: ActivationStore | str | Path, name: str | None = N
         name = names[0]
     if name not in names:
         raise StoreError(f"{store.url} holds no index {name!r}; its indexes: {', '.join(names) or 'none'}")
-    return FeatureIndex(store, store.group[f"{INDEXES}/{name}"])  # type: ignore[arg-type]
+    parent = _indexes(store)
+    assert parent is not None  # it lists the name
+    return FeatureIndex(store, parent[name])  # type: ignore[arg-type]
 
 
 class FeatureIndex:

@@ -1,6 +1,7 @@
 """A job's write-time feature indexes (``capture[i].feature_index``): their settings checked against the captures
 before the store is touched (:func:`with_indexes`), a feed per shard (:func:`indexed`), each shard's part kept in the
-store (``index_parts/<key>``, one row a shard), merged at the job's end and written (:func:`finish_indexes`). The
+store (``index_parts/<key>``, one row a shard, made with the store), merged at its end and written
+(:func:`finish_indexes`). The
 job's store session meets them through :class:`JobIndexes`, which the driver hands it (numpy and zarr).
 """
 
@@ -14,13 +15,13 @@ import numpy as np
 import zarr
 
 from ..errors import SpecError
-from ..store import done_shards, get_array, root_attrs
+from ..store import Generation, done_shards, get_array, root_attrs
 from .dictionary import cached_dictionary, load_dictionary
 from .feed import IndexFeed, Layout
-from .layout import index_name, index_record, source_state, write_index
+from .layout import index_name, index_record, pointer, source_state, write_index
 from .state import IndexState
 
-__all__ = ["JobIndexes", "ensure_parts", "finish_indexes", "indexed", "with_indexes"]
+__all__ = ["JobIndexes", "finish_indexes", "indexed", "with_indexes"]
 
 log = logging.getLogger(__name__)
 PARTS = "index_parts"  # group of the store: one (shards, bytes) uint8 array per indexed capture
@@ -28,21 +29,6 @@ PARTS = "index_parts"  # group of the store: one (shards, bytes) uint8 array per
 
 def part_array(group: zarr.Group, key: str) -> zarr.Array:
     return get_array(group, f"{PARTS}/{key}")
-
-
-def ensure_parts(group: zarr.Group, feeds: Mapping[str, IndexFeed], n_shards: int) -> None:
-    """The arrays that keep each shard's part of each write-time index (made where missing or of another size;
-    a shard's part is one chunk: its own object). Nothing for a job without one."""
-    if not feeds:
-        return
-    parent = group.require_group(PARTS)
-    for key, feed in feeds.items():
-        size = feed.state.nbytes()
-        existing = parent.get(key)
-        if isinstance(existing, zarr.Array) and existing.shape == (n_shards, size):
-            continue
-        parent.create_array(key, shape=(n_shards, size), chunks=(1, size), dtype="uint8", fill_value=0,
-                            dimension_names=["shard", "index_byte"], overwrite=True)
 
 
 def merged_parts(group: zarr.Group, key: str, feed: IndexFeed) -> tuple[int, int]:
@@ -74,10 +60,11 @@ def indexed(captures: Mapping[str, Mapping[str, Any]]) -> dict[str, IndexFeed]:
     return {key: feed_of(key, m) for key, m in captures.items() if m.get("feature_index")}
 
 
-def finish_indexes(group: zarr.Group) -> list[str]:
-    """At a job's end, under its lease: each write-time index merged from the parts of the done shards and written
-    (``indexes/<name>``); the names written. One whose parts are missing (shards done before it was asked for) is
-    left out, with a warning."""
+def finish_indexes(group: zarr.Group, generation: Generation) -> list[str]:
+    """At a store's end (every shard committed): each write-time index merged from the parts of the committed shards
+    (``group``: the generation read as committed) and written (``indexes/<name>``); the names written. One whose parts
+    are missing (shards committed before it was asked for) is left out, with a warning; one another process wrote
+    first (it finished the store too) is that process's."""
     attrs = root_attrs(group)
     written = []
     for key, m in attrs["captures"].items():
@@ -92,8 +79,9 @@ def finish_indexes(group: zarr.Group) -> list[str]:
                         "for); run extractor index", name, missing)
             continue
         record = index_record(name, key, feed, settings.get("dictionary"), source_state(group), "write-time")
-        write_index(group, name, feed.state.finish(), record)
-        written.append(name)
+        version = pointer(generation, name)
+        if version[1] is None and write_index(generation, name, feed.state.finish(), record, version):
+            written.append(name)
     return written
 
 
@@ -122,12 +110,12 @@ def with_indexes(capture_specs: Any, captures: Mapping[str, Any], prefix_tokens:
 
 
 class JobIndexes:
-    """A job's write-time indexes as its store session meets them (``StoreSession(spec, indexes)``: the driver hands
-    this in, the store does not import the index): the arrays of the shards' parts made once the store is claimed,
-    the indexes merged from the done shards' parts and written before the final status."""
+    """A job's write-time indexes as its store session meets them (``StoreSession(spec, index)``: the driver hands
+    this in, the store does not import the index): the bytes of a shard's part of each (its arrays are made with
+    the store), and the indexes merged from the committed shards' parts and written before the final record."""
 
-    def on_write_start(self, group: zarr.Group, captures: Mapping[str, Mapping[str, Any]], n_shards: int) -> None:
-        ensure_parts(group, indexed(captures), n_shards)
+    def parts(self, captures: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+        return {key: feed.state.nbytes() for key, feed in indexed(captures).items()}
 
-    def on_write_complete(self, group: zarr.Group) -> list[str]:
-        return finish_indexes(group)
+    def finish(self, group: zarr.Group, generation: Generation) -> list[str]:
+        return finish_indexes(group, generation)

@@ -18,7 +18,9 @@ from ..spec import CaptureSpec
 __all__ = ["Target", "resolve_targets", "RESERVED_KEYS"]
 
 RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done", "shard_stats", "stats_sums",
-                           "lease", "target", "target_score", "digest", "fingerprint"})  # and the sources' locators
+                           "lease", "target", "target_score", "digest", "fingerprint", "reused", "id_index",
+                           "index_parts", "indexes"})  # and the sources' locators; names beginning "__" (a generation's
+# own: its attempts and ledger), refused where a key is checked
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ def _check_keys(targets: Sequence[Target]) -> None:
     ranges = {f"{g.key}.range" for g in targets if g.what == "gradcam"}  # a Grad-CAM map's per-row min, max
     ranges |= {f"{g.key}.token_index" for g in targets if g.sample}  # a sampled capture's token positions
     for t in targets:
-        if t.key in RESERVED_KEYS or t.key in ranges or t.key in locator_names():
+        if t.key in RESERVED_KEYS or t.key in ranges or t.key in locator_names() or t.key.startswith("__"):
             raise LayerError(
                 f"capture[{t.capture}]: key {t.key!r} is reserved by the store; set capture[{t.capture}].key"
             )

@@ -26,19 +26,19 @@ from ..store import (
     OK,
     STATUS_NAMES,
     CaptureRecord,
+    Generation,
+    Objects,
     SortedIds,
-    being_created,
     current_places,
     disk_usage,
     done_shards,
     get_array,
-    lease_timeout,
     locator_arrays,
+    open_group,
     projection_matrix,
     read_all,
-    read_attrs,
+    read_head,
     read_id_index,
-    read_lease,
     root_attrs,
     snapshot_store,
     source_digests,
@@ -57,38 +57,29 @@ _IDS_READ_ALONE = 64  # ids the id index checks a chunk each; more: all ids read
 
 
 def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> ActivationStore:
-    """Open a store written by extractor, read-only and lazily."""
-    kwargs: dict[str, Any] = {"mode": "r"}
-    if storage_options:
-        kwargs["storage_options"] = dict(storage_options)
+    """Open a store written by extractor, read-only and lazily: its live generation as its ledger names its shards'
+    attempts now (what is committed later is read by opening it again); a store of format 1 as it is."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification"
-            # consolidated metadata when present: one read opens it all; a local store's shards read from one version
-            # of their object each (store.snapshot)
-            local = url.removeprefix("file://") if "://" not in url.removeprefix("file://") else None
-            snapshot = local is not None and hasattr(os, "pread") and os.path.isdir(local)  # POSIX's pread
-            group = zarr.open_group(snapshot_store(local) if snapshot and local is not None else url, **kwargs)
+            group = open_group(url, storage_options)
+            if root_attrs(group).get("format_version") == 1:  # format 1: a local store's shards read from one
+                local = url.removeprefix("file://") if "://" not in url.removeprefix("file://") else None  # version
+                if local is not None and hasattr(os, "pread"):  # of their object each (store.snapshot)
+                    group = zarr.open_group(snapshot_store(local), mode="r")
     except FileNotFoundError:
         raise StoreError(f"no store at {url}") from None
     except zarr.errors.ContainsArrayError:
         parent = url.rstrip("/").rsplit("/", 1)[0]
         raise StoreError(f"{url} is an array of a store, not a store: open the store ({parent}) and read the array by "
                          "its key") from None
+    except StoreError:
+        raise
+    except KeyError:
+        raise StoreError(f"{url} is a Zarr group but not an extractor store (no '{ATTR}' attributes)") from None
     except Exception as err:
         raise StoreError(f"cannot open {url} as a Zarr store: {err}") from err
-    if ATTR not in group.attrs:
-        raise StoreError(f"{url} is a Zarr group but not an extractor store (no '{ATTR}' attributes)")
-    attrs = root_attrs(group)
-    if attrs.get("status") == "creating":
-        raise StoreError(being_created(url, group, job_lease_timeout(attrs)))
     return ActivationStore(group, url, storage_options)
-
-
-def job_lease_timeout(attrs: Mapping[str, Any]) -> float:
-    """The lease timeout the store's job ran with, as its spec records it (leases record their own too, and
-    theirs counts); 0 where neither says (no store extractor writes): such a lease counts as stale."""
-    return float((attrs.get("spec") or {}).get("output", {}).get("lease_timeout_s") or 0.0)
 
 
 def _need_torch(what: str) -> None:
@@ -236,21 +227,25 @@ class ActivationStore(Batching):
         self._check_same(len(status))
         return status
 
-    def _created(self) -> Any:
-        """When the store now at this URL was made (its root's ``created``; None: no store there now)."""
+    def _made(self) -> Any:
+        """Which store is at this URL now: the generation its head names (format 2) or when it was made (format 1);
+        None: no store there now."""
         local = self.url.removeprefix("file://")
+        key = "generation" if "generation" in self.attrs else "created"
         try:
             if "://" not in local:  # the root's metadata file, read and parsed (a zarr open took twice as long)
                 with open(os.path.join(local, "zarr.json"), "rb") as f:
-                    return json.load(f).get("attributes", {}).get(ATTR, {}).get("created")
-            return (read_attrs(self.url, self.storage_options) or {}).get("created")
+                    return json.load(f).get("attributes", {}).get(ATTR, {}).get(key)
+            head = read_head(Objects.at(self.url, self.storage_options))
+            return None if head is None else head.attrs.get(key)
         except (OSError, ValueError, AttributeError):  # StoreError is an OSError
             return None
 
     def _check_same(self, rows: int) -> None:
-        """Raise StoreError where the store at this URL is not the one opened: another row count, or made at another
-        time (its root's ``created``; one small read of its root's attributes)."""
-        if rows != len(self) or self._created() != self.attrs.get("created"):
+        """Raise StoreError where the store at this URL is not the one opened: another row count, or another
+        generation (one small read of its head)."""
+        key = "generation" if "generation" in self.attrs else "created"
+        if rows != len(self) or self._made() != self.attrs.get(key):
             raise StoreError(f"{self.url} was made again (or removed) since it was opened: its rows are no longer "
                              "the ones this reader holds the ids of; open it again")
 
@@ -475,18 +470,27 @@ class ActivationStore(Batching):
 
     @property
     def stale(self) -> float | None:
-        """Seconds since the job writing this store last renewed its lease, when the store says
-        "running" but that job is silent for longer than its lease timeout (it was killed:
-        ``--resume`` finishes the store); None otherwise."""
+        """Seconds since the last process writing this store renewed its record, when none of them is alive and the
+        store is not finished (they were killed: ``--resume`` finishes the store); None otherwise."""
         import time
 
-        if self.attrs.get("status") != "running":
+        if self.attrs.get("status") == "complete" or "generation" not in self.attrs:
             return None
-        held = read_lease(self.group)
-        if not held or held.get("released"):
+        members = Generation(Objects.at(self.url, self.storage_options), self.attrs["generation"]).roster.all()
+        if not members or any(m.get("ended") for m in members[-1:]):
             return None
-        age = time.time() - float(held.get("heartbeat", 0))
-        return age if age > lease_timeout(held, job_lease_timeout(self.attrs)) else None
+        from ..store import alive
+
+        if any(alive(m) for m in members):
+            return None
+        return time.time() - max(float(m.get("heartbeat", 0)) for m in members)
+
+    def members(self) -> list[dict[str, Any]]:
+        """The processes that wrote into this store's generation: host, pid, user, started, shards committed, and
+        how each ended (``ended``; absent while it runs, or when it was killed)."""
+        if "generation" not in self.attrs:
+            return []
+        return Generation(Objects.at(self.url, self.storage_options), self.attrs["generation"]).roster.all()
 
     def verify(self, source_options: Mapping[str, Any] | None = None, threads: int = 16) -> dict[str, Any]:
         """Read every row's image again from where the store read it (its ``paths``; ``source_options``:

@@ -1,6 +1,6 @@
-"""The Zarr store: its format and arrays, a shard's writer, the lease, whole-chunk writes, statistics, rows
-taken from other stores (numpy and zarr only; bfloat16 through ml_dtypes); its record of the job and the
-resume contract (provenance).
+"""The Zarr store: its generations, ledger and members (how its changes become commits), its format and arrays,
+a shard's writer, whole-chunk writes, statistics, rows taken from other stores (numpy and zarr only; bfloat16
+through ml_dtypes); its record of the job and the resume contract (provenance).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .dtypes import BFLOAT16, is_bfloat16, numpy_dtype
     from .forward import forward_differences, forward_summary
     from .id_index import ID_INDEX, SortedIds, id_index_objects, read_id_index, write_id_index
+    from .generation import FORMAT, Generation, done_shards, open_group, read_head, read_state
     from .layout import (
         ATTR,
         FAILED,
@@ -24,30 +25,28 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         CaptureRecord,
         ExtraRecord,
         StoreArrays,
-        consolidate,
-        create_store,
+        create_generation,
         disk_usage,
-        done_shards,
         fill_value,
         get_array,
         locator_arrays,
         now,
-        open_group,
         read_rows,
-        reset_shards,
         root_attrs,
         take_rows,
-        update_attrs,
     )
-    from .lease import LEASE_TIMEOUT_S, Lease, being_created, lease_timeout, read_attrs, read_lease
+    from .ledger import Ledger, Table, blocks_for, new_id
+    from .members import Member, alive
+    from .objects import Objects
     from .provenance import Probe, StoreRecord, changed_rows, check_resumable, differences, owner, store_attrs
     from .recorded import StoredRows, current_places, source_digests, stored_rows
     from .reuse import ReuseIndex, check_sources
     from .sampling import BY_DIGEST, draw_keys, projection_matrix, rank_keys
-    from .session import Decision, Outcome, StoreSession
+    from .session import Decision, IndexHooks, Outcome, StoreSession, live_members
     from .snapshot import snapshot_store
+    from .synthetic import create_store
     from .stats import ShardStats, Totals, dumps, feature_axis, merge, merge_shards, shard_record
-    from .writer import ShardWriter
+    from .writer import ShardWriter, Ticket
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
 __all__, __getattr__ = face(__name__, __file__)

@@ -14,8 +14,9 @@ A sharded array (Zarr v3's sharding codec: one storage object per work shard, sm
 for random reads, the index at the end) is written as a stream: each inner chunk is encoded and
 appended to the shard's object as it fills (:class:`ShardStream`), in any order, and the index
 (offsets and sizes, crc32c) is written last, when the work shard finishes. Host memory holds no
-more than the chunks being encoded; on a local disk the object is written under a temporary name
-and renamed (a reader never sees half a shard), elsewhere it is one streamed upload.
+more than the chunks being encoded; on a local disk the object is written in place (its name is
+its attempt's alone, and no one reads it before the attempt is committed), elsewhere it is one
+streamed upload.
 """
 
 from __future__ import annotations
@@ -43,12 +44,9 @@ except ImportError:  # pragma: no cover - a zarr that moved it
     _sync = None
 
 __all__ = ["ChunkCodec", "ShardStream", "write_chunks", "write_at_once", "write_whole", "read_at_once",
-           "read_whole", "read_all", "remove_partials"]
+           "read_whole", "read_all", "physical_key"]
 
 EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
-PARTIAL = ".partial"  # the suffix of a shard's object being written on a local disk
-
-_STAMP = "extractor-write"  # user metadata on each object a fenced job writes (store.fence.STAMP)
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
 
@@ -189,14 +187,7 @@ def write_chunks(start: int, chunks: Mapping[str, tuple[zarr.Array, ChunkCodec |
             puts.append((array.store, codec.key(start), codec.encode(data)))
         else:
             array[start : start + len(data)] = data
-    if puts:
-        buffer = default_buffer_prototype().buffer
-
-        async def put_all() -> None:
-            await asyncio.gather(*(store.set(key, buffer.from_bytes(value)) for store, key, value in puts))
-
-        assert _sync is not None  # ChunkCodec.of gives no codec without it
-        _sync(put_all())
+    _put_all(puts)
     return sum(data.nbytes for _, _, data in chunks.values())
 
 
@@ -216,30 +207,21 @@ def write_at_once(writes: list[tuple[zarr.Array, Any, Any]]) -> None:
     _sync(set_all())
 
 
-def write_whole(writes: list[tuple[zarr.Array, ChunkCodec | None, int, np.ndarray]],
-                last: tuple[zarr.Array, ChunkCodec | None, int, np.ndarray]) -> None:
-    """Rows ``start ...`` of each array of ``writes`` (array, its codec, start, rows), then ``last`` once they all
-    landed (a shard's finishing writes, then its done marker). Rows that make one whole chunk of an array with a
-    known codec (the last chunk of an array padded, as zarr stores it) are encoded here and put as objects: on a
-    job's local store all within one hold of its fence, in this thread (through zarr each cost a metadata walk,
-    a thread hand-off and a read of the lease: a shard's finish was 12 ms of CPU); the others go through zarr."""
-    puts: list[tuple[str, Any]] = []
+def write_whole(writes: list[tuple[zarr.Array, ChunkCodec | None, int, np.ndarray]]) -> None:
+    """Rows ``start ...`` of each array of ``writes`` (array, its codec, start, rows): a shard's finishing writes.
+    Rows that make one whole chunk of an array with a known codec (the last chunk of an array padded, as zarr
+    stores it) are encoded here and put as objects, all in one round of zarr's event loop (through zarr each
+    cost a metadata walk and a thread hand-off); the others go through zarr."""
+    puts: list[tuple[Any, str, Any]] = []
     through: list[tuple[zarr.Array, Any, Any]] = []
     for array, codec, start, data in writes:
         encoded = _whole(codec, start, data)
         if encoded is None:
             through.append((array, slice(start, start + len(data)), data))
         else:
-            puts.append((codec.key(start), encoded))  # type: ignore[union-attr]  # encoded: it has a codec
-    array, codec, start, data = last
-    store, marker = array.store, _whole(codec, start, data)
+            puts.append((array.store, codec.key(start), encoded))  # type: ignore[union-attr]  # it has a codec
     write_at_once(through)  # rarely any
-    if marker is None:
-        _put_all(store, puts)
-        write_at_once([(array, slice(start, start + len(data)), data)])
-    elif not _put_in_order(store, [*puts, (codec.key(start), marker)]):  # type: ignore[union-attr]
-        _put_all(store, puts)
-        _put_all(store, [(codec.key(start), marker)])  # type: ignore[union-attr]
+    _put_all(puts)
 
 
 def _whole(codec: ChunkCodec | None, start: int, data: np.ndarray) -> Any:
@@ -251,21 +233,14 @@ def _whole(codec: ChunkCodec | None, start: int, data: np.ndarray) -> Any:
     return codec.encode(codec.padded(data))
 
 
-def _put_in_order(store: Any, puts: list[tuple[str, Any]]) -> bool:
-    """Objects put whole, one after the other, on a job's local store within one hold of its fence; False (nothing
-    written) on other stores."""
-    put_whole = getattr(store, "put_whole", None)
-    return bool(put_whole(puts)) if put_whole is not None else False
-
-
-def _put_all(store: Any, puts: list[tuple[str, Any]]) -> None:
-    """Objects put whole, in one round of zarr's event loop (or in order within one hold of the fence)."""
-    if not puts or _put_in_order(store, puts):
+def _put_all(puts: list[tuple[Any, str, Any]]) -> None:
+    """Objects (store, key, bytes) put whole, in one round of zarr's event loop."""
+    if not puts:
         return
     buffer = default_buffer_prototype().buffer
 
     async def put_all() -> None:
-        await asyncio.gather(*(store.set(key, buffer.from_bytes(value)) for key, value in puts))
+        await asyncio.gather(*(store.set(key, buffer.from_bytes(value)) for store, key, value in puts))
 
     assert _sync is not None  # ChunkCodec.of gives no codec without it
     _sync(put_all())
@@ -298,10 +273,17 @@ def read_whole(array: zarr.Array, start: int = 0, stop: int | None = None, as_re
     start, stop = max(0, start), min(n, n if stop is None else stop)
     out = np.full(max(0, stop - start), array.fill_value, dtype=codec.dtype)
     for at in range(start - start % rows, stop, rows):
+        key = codec.key(at)
+        where = physical_key(array.store, key)
+        if where is None:  # a shard not committed: fill values
+            continue
         try:
-            with open(os.path.join(root, codec.key(at)), "rb") as f:
+            with open(os.path.join(root, *where.split("/")), "rb") as f:
                 chunk = decode(f.read())
         except FileNotFoundError:
+            missing = getattr(array.store, "missing", None)
+            if where != key and missing is not None:  # a committed shard's: the store made again since it was
+                missing(where)  # opened is an error; else fill values
             continue
         a, b = max(at, start), min(at + rows, stop)
         out[a - start:b - start] = chunk[a - at:b - at]
@@ -319,8 +301,8 @@ def _chunk_reader(array: zarr.Array) -> tuple[ChunkCodec, Callable[[bytes], np.n
     """For :func:`read_whole`: the array's codec, a chunk file's bytes to its rows, the store's folder; None: zarr
     reads it."""
     local = array.store
-    while isinstance(local, zarr.storage.WrapperStore):  # the reader's snapshot store: a chunk is one whole read
-        local = local._store
+    while isinstance(local, zarr.storage.WrapperStore):  # a generation's view (its keys mapped by physical_key),
+        local = local._store  # the reader's snapshot store: a chunk is one whole read
     codec = ChunkCodec.of(array) if array.ndim == 1 and isinstance(local, zarr.storage.LocalStore) else None
     text = codec is not None and codec.dtype == np.dtype(object)  # UTF-8 strings
     plain = codec is not None and codec.shard_rows is None and (codec.dtype.kind in "biuf" or text)
@@ -339,48 +321,49 @@ def _chunk_reader(array: zarr.Array) -> tuple[ChunkCodec, Callable[[bytes], np.n
     return codec, decode, str(local.root)  # type: ignore[attr-defined]  # a LocalStore's folder
 
 
+def physical_key(store: Any, key: str) -> str | None:
+    """Where ``key`` of ``store`` lies in the objects below it: a generation's view maps a shard's chunk to its
+    attempt's name (:mod:`.views`; None: a shard not committed, read as fill values); other stores keep the key."""
+    resolve = getattr(store, "physical_sync", None)
+    return resolve(key) if resolve is not None else key
+
+
 class ShardStream:
     """One work shard's storage object of a sharded array, written as its inner chunks come (in any order,
-    from several threads): written at reserved offsets of a temporary file renamed at :meth:`close` (a local
-    store; the threads write at once), appended to one streamed upload (an fsspec store: ``url`` and
-    ``storage_options`` open it), or, for other stores, kept and put whole at the end. The index (offset and
-    size of each of ``n_chunks`` inner chunks, crc32c) is written last; :meth:`abort` leaves nothing behind
-    where it can. Each stream has a temporary name of its own (``tag``): two attempts at one shard (a Ray
-    worker drained while its shard runs again elsewhere) never write into one file."""
+    from several threads): written at reserved offsets of its file (a local store; the threads write at once),
+    appended to one streamed upload (an fsspec store: ``url`` and ``storage_options`` open it), or, for other
+    stores, kept and put whole at the end. The index (offset and size of each of ``n_chunks`` inner chunks,
+    crc32c) is written last. The object's name is its attempt's alone (``store``: the attempt's view): no one
+    reads it before the attempt is committed, and two attempts at one shard never write into one object.
+    :meth:`abort` leaves nothing behind where it can (what it cannot remove is garbage of an attempt no one
+    names)."""
 
-    def __init__(self, codec: ChunkCodec, start: int, url: str, storage_options: Mapping[str, Any] | None,
-                 tag: str) -> None:
+    def __init__(self, codec: ChunkCodec, start: int, store: Any, url: str,
+                 storage_options: Mapping[str, Any] | None) -> None:
         assert codec.shard_rows is not None
         self.n_chunks = codec.shard_rows // codec.rows
         self.key = codec.key(start)
-        self.store = codec.array.store
+        self.store = store
+        where = physical_key(store, self.key)
+        assert where is not None  # a writer's view maps every key it writes
+        self.where = where
         self.index = np.full((self.n_chunks, 2), EMPTY, dtype="<u8")
         self.at = 0
         self.lock = threading.Lock()
-        self.final: str | None = None
         self.fd: int | None = None
         self.file: Any = None
         self.parts: list[bytes] | None = None
-        self.fence = getattr(self.store, "fence", None)  # a job's fenced store (store.fence.FencedStore): its fence
-        root = getattr(self.store, "root", None)
-        if root is not None:  # a local folder: a temporary file beside the shard's, renamed at close
-            self.final = os.path.join(str(root), *self.key.split("/"))
-            self.path = f"{self.final}.{tag}{PARTIAL}"
-            with self.fence.held() if self.fence is not None else contextlib.nullcontext():  # nothing of a job
-                os.makedirs(os.path.dirname(self.final), exist_ok=True)  # that lost the store, not a folder
-                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        elif _object_store(self.store) and "://" in url:  # one upload, completed by commit() in close()
+        root = getattr(store, "root", None)
+        if root is not None:  # a local folder: the object written in place, at reserved offsets
+            self.path = os.path.join(str(root), *where.split("/"))
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        elif _object_store(store) and "://" in url:  # one upload, completed in close()
             import fsspec
 
-            self.fs, self.object = fsspec.core.url_to_fs(f"{url.rstrip('/')}/{self.key}", **dict(storage_options or {}))
-            self.stamp = f"{getattr(self.fence, 'token', '')}.{tag}"
-            if self.fence is not None and url.startswith(("s3://", "s3a://")):  # fenced: created only where absent
-                # (If-None-Match on its completion), with this upload's stamp
-                self.file = self.fs.open(self.object, "xb", autocommit=False, Metadata={_STAMP: self.stamp})
-            else:
-                self.fence = None  # another object store: the lease checked before the shard's writes
-                self.file = self.fs.open(self.object, "wb", autocommit=False)
-        else:  # a store whose files would show half written (file://, memory://): put whole at the end
+            self.fs, self.object = fsspec.core.url_to_fs(f"{url.rstrip('/')}/{where}", **dict(storage_options or {}))
+            self.file = self.fs.open(self.object, "wb", autocommit=False)
+        else:  # a store whose files would show half written (memory://): put whole at the end
             self.parts = []
 
     def add(self, i: int, encoded: Any) -> None:
@@ -399,7 +382,7 @@ class ShardStream:
         _write_at(fd, data, at)  # its own place in the file: outside the lock (the shard closes after its writes)
 
     def close(self) -> None:
-        """Write the index last and make the shard's object whole where readers see it."""
+        """Write the index last: the shard's object is whole."""
         import numcodecs
 
         tail = bytes(numcodecs.CRC32C().encode(np.ascontiguousarray(self.index).view(np.uint8)))
@@ -416,54 +399,24 @@ class ShardStream:
                 _write_at(self.fd, memoryview(tail), self.at)
                 os.close(self.fd)
                 self.fd = None
-                assert self.final is not None
-                with self.fence.held() if self.fence is not None else contextlib.nullcontext():
-                    os.replace(self.path, self.final)  # where readers see it: only while the job holds the store
             else:
                 self.file.write(tail)
-                self.file.close()
-                self._commit()
-
-    def _commit(self) -> None:
-        """Complete the upload: where it is fenced, only where no object is (a refusal is this upload's own
-        lost answer, another job's store: fenced, or an older object of this job's: removed, and again)."""
-        from .fence import refused
-
-        for _ in range(3):
-            try:
-                self.file.commit()
-                return
-            except Exception as err:  # noqa: BLE001 - told apart just below
-                if self.fence is None or not refused(err):
-                    raise
-                bucket, key, _ = self.fs.split_path(self.object)
-                try:
-                    head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
-                except FileNotFoundError:
-                    head = {}
-                if (head.get("Metadata") or {}).get(_STAMP) == self.stamp:  # this upload's, its answer lost
-                    return
-                self.fence.check()
-                if head:  # an object there, removed only as this job saw it (If-Match), then created again
-                    with contextlib.suppress(Exception):
-                        self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=head["ETag"])
-                    self.fs.invalidate_cache(self.object)
-        raise OSError(f"the storage refused {self.key} three times")
+                self.file.close()  # completes the upload
 
     def abort(self) -> None:
-        """Give the shard's object up (the shard failed, or another job took the store)."""
+        """Give the shard's object up (the shard failed, or its job stopped)."""
         with self.lock:
             if self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
                 with contextlib.suppress(OSError):
                     os.remove(self.path)
-            elif self.file is not None:  # an upload not committed: thrown away (also when close() failed)
+            elif self.file is not None:  # an upload not completed: thrown away (also when close() failed)
                 try:
                     with contextlib.suppress(Exception):
                         self.file.discard()
                 finally:
-                    self.file.closed = True  # never committed by a close() at garbage collection
+                    self.file.closed = True  # never completed by a close() at garbage collection
 
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az", "adl"}  # an object appears only once its upload completes
@@ -480,16 +433,3 @@ def _write_at(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
-
-
-def remove_partials(root: str) -> int:
-    """Remove the temporary shard files under a local store ``root`` that no writer finished (a job killed
-    mid-shard); call only while no writer of the store runs (the job's end). The count removed."""
-    removed = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            if name.endswith(PARTIAL):
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(dirpath, name))
-                    removed += 1
-    return removed

@@ -1,81 +1,64 @@
-"""The Zarr v3 store layout: its arrays and attributes, creating it, reading its rows and done markers
-(a shard's writer: :mod:`.writer`; the lease: :mod:`.lease`).
+"""The Zarr v3 store layout of one generation (:mod:`.generation`): its arrays and attributes, making them, reading
+rows (a shard's writer: :mod:`.writer`).
 
 Imports only numpy and zarr, so the reader can use it without torch.
 
-Layout (format version 1), all arrays at the root, row dimension named ``row``::
+Layout (format version 2; README "Store layout"), all arrays at the generation's root, row dimension ``row``::
 
-    zarr.json           root attributes under "extractor" (see README "Store layout")
+    zarr.json           the job's record under "extractor", and every array's metadata (consolidated)
     ids      (N,)       str      image id (relative path or manifest id)
     paths    (N,)       str      where the image was read from (tar members: TAR_URL#MEMBER)
-    <locators> (N,)     the source's own per-row arrays beside paths, where it has them (``Source.locators``:
-                        a tar source's byte_offset, byte_size, int64: the image's bytes inside its tar)
     labels   (N,)       int64    class index, -1 when none
-    status   (N,)       uint8    0 pending, 1 ok, 2 failed
-    errors   (N,)       str      why a failed row failed ("" otherwise)
-    digest   (N,)       uint64   xxh3-64 of the image's bytes as its row read them (0: not read)
-    fingerprint (N,)    uint64   the source's cheap facts about those bytes (size, mtime / ETag; 0: unknown)
-    shard_done (S,)     uint8    1 once shard s is durable (one object per shard)
-    shard_stats (S,)    str      JSON sums of shard s's values, merged into the "stats" attribute
-    stats_sums (B,)     uint8    the merged sums and the shards they hold (store.stats.Totals; driver only)
-    <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok
+    <locators> (N,)     the source's own per-row arrays beside paths, where it has them (``Source.locators``:
+                        a tar source's byte_offset, byte_size, int64: the image's bytes inside its tar)  [rows]
+    fingerprint (N,)    uint64   the source's cheap facts about those bytes (size, mtime / ETag; 0: unknown)  [rows]
+    status   (N,)       uint8    0 pending, 1 ok, 2 failed  [data]
+    errors   (N,)       str      why a failed row failed ("" otherwise)  [data]
+    digest   (N,)       uint64   xxh3-64 of the image's bytes as its row read them (0: not read)  [data]
+    shard_stats (S,)    str      JSON sums of shard s's values, merged into the "stats" attribute  [data]
+    <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok  [data]
     target, target_score, <gradcam key>.range   (gradient jobs) per-row target class,
-                        its logit, and each Grad-CAM map's min and max
+                        its logit, and each Grad-CAM map's min and max  [data]
+    index_parts/<key> (S, B) uint8   a write-time feature index's part of each shard  [data]
     id_index/hashes, id_index/rows   (N,) int64   the ids' hashes sorted, and the row of each (store.id_index)
 
-Per-row arrays are chunked by shard and each capture array by its ``chunk_rows`` (which divides
-the shard size), so no two shards ever write into the same storage object.
+Arrays marked ``[data]`` or ``[rows]`` are written shard by shard, each shard's chunks under the attempt its ledger
+entry names (:mod:`.views`); the others once, when the generation is made. Per-row arrays are chunked by shard and
+each capture array by its ``chunk_rows`` (which divides the shard size), so no two shards ever share an object.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
-import json
 import os
-import shutil
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, NotRequired, Protocol, TypedDict, cast
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NotRequired, TypedDict, cast
 
 import numpy as np
 import zarr
-from zarr.buffer import default_buffer_prototype
 from zarr.buffer.cpu import NDBuffer
-from zarr.core.sync import sync
 
+from .._text import now
 from ..data import LocatorArray, Rows, is_url
 from ..errors import FencedError, StoreError
-from .chunks import read_all, remove_partials
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
-from .fence import (
-    FencedStore,
-    fenced_store,
-    local_root,
-)
+from .generation import TXN
 from .id_index import write_id_index
+from .ledger import Ledger, blocks_for, new_id
+from .objects import Objects
+from .views import GenerationStore, Slot, write_view
 
-
-class _Lease(Protocol):
-    """The job's lease as creating a store uses it (``lease.Lease``, which imports this module)."""
-
-    fence: Any
-    token: str
-    lost: bool
-
-    def acquire(self) -> None: ...
-
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PENDING, OK, FAILED = 0, 1, 2
 STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
 ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint")
 ATTR = "extractor"  # root attribute holding everything this package records
+INDEX_PARTS = "index_parts"  # write-time feature indexes: each shard's part, per capture
+WRITE_CONFIG = {"write_empty_chunks": True}  # every chunk of a shard is written, also one of fill values only: a
+# committed shard's chunk that is missing is an error, never read as fill values
 # the resolved preprocessing's settings that change pixels (the ``preprocess`` record holds more: its source)
 PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset", "runs")
-
-
-def now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _compressors(name: str, level: int | None) -> Any:
@@ -88,16 +71,6 @@ def _compressors(name: str, level: int | None) -> Any:
     if name == "gzip":
         return GzipCodec(level=5 if level is None else level)
     return None
-
-
-def open_group(url: str, mode: str, storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
-    """The store's root group as the writer sees it: never through consolidated metadata."""
-    kwargs: dict[str, Any] = {"mode": mode}
-    if mode != "w":
-        kwargs["use_consolidated"] = False
-    if storage_options:
-        kwargs["storage_options"] = dict(storage_options)
-    return zarr.open_group(url, **kwargs)
 
 
 def get_array(group: zarr.Group, name: str) -> zarr.Array:
@@ -165,6 +138,8 @@ class StoreArrays:
     reuse: bool = False  # rows may come from other stores (output.reuse): the ``reused`` array records which
     sharded: bool = False  # each work shard of a capture one storage object (Zarr v3 sharding) of its chunks
     locators: tuple[LocatorArray, ...] = ()  # the data source's per-row arrays beside paths (its Source.locators)
+    index_parts: Mapping[str, int] = field(default_factory=dict)  # write-time feature indexes: capture -> bytes of
+    # a shard's part
 
 
 WRITE_ROWS = 1 << 20  # a new store's per-row arrays are written this many rows (rounded to chunks) at a time
@@ -219,101 +194,67 @@ def fill_value(dtype: str) -> float:
     return -1 if numpy_dtype(dtype).kind in "iu" else np.nan
 
 
-def create_store(url: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
-                 storage_options: Mapping[str, Any] | None = None, lease: _Lease | None = None,
-                 fresh: bool = False, claimed: Callable[[], None] | None = None) -> zarr.Group:
-    """Create the store's arrays under ``lease`` (replacing what is at ``url``); the caller checked, just before,
-    that this is allowed. The lease is taken before anything is changed: in the old store (a live job's lease
-    refuses), or in a ``fresh`` one (nothing was at ``url``: a local folder is made atomically, so of two jobs one
-    wins). What was there is then removed under the lease, its lease kept (:func:`wipe`), and every write goes
-    through the lease's fence (:class:`FencedStore`): a job that lost the store, paused anywhere in here, writes
-    nothing more into it. ``claimed``: called once the lease is held, before anything is changed (it may refuse).
-    Without ``lease`` (tests) nothing is fenced."""
-    comp = _compressors(arrays.compression, arrays.compression_level)  # before anything is wiped
-    if fresh:
-        _make_folder(url)
+def slots(arrays: StoreArrays, locators: Iterable[str]) -> dict[str, Slot]:
+    """The arrays whose chunks belong to shards, and the ledger's slot that names each one's attempt: what a shard
+    computes (``data``) or its rows' source facts (``rows``); the others (ids, paths, labels, the id index) are
+    written once, when the generation is made."""
+    one = Slot("data", 1)  # per-row arrays are chunked by shard; per-shard ones a chunk a shard; a capture's shard
+    out = {name: one for name in ("status", "errors", "digest", "shard_stats")}  # is one object
+    out.update({name: Slot("rows", 1) for name in ("fingerprint", *locators)})
+    out.update({key: one for key in arrays.extras})
+    if arrays.reuse:
+        out["reused"] = one
+    for key in arrays.captures:  # sharded: a work shard's chunks are one object; else chunk_rows divides it
+        out[key] = one if arrays.sharded else Slot("data", arrays.shard_size // arrays.chunk_rows[key])
+    for key in arrays.index_parts:
+        out[f"{INDEX_PARTS}/{key}"] = one
+    return out
+
+
+def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
+                      committed: bool = False) -> GenerationStore:
+    """Write generation ``name`` of the store under ``objects`` (its head names it already: no one reads it until
+    its root is written, last): its arrays, the rows' per-row arrays known before any image is read, the id index,
+    its ledger (every shard pending; ``committed``: every shard held by one attempt, committed at once, for a store
+    written without a job), then its root with the job's record and every array's metadata in one object. Returns
+    the view that wrote it (its attempts: ``rows``, and ``data`` where committed)."""
+    comp = _compressors(arrays.compression, arrays.compression_level)
+    n_shards = -(-len(rows) // arrays.shard_size)
+    attrs = {**attrs, "format_version": FORMAT_VERSION, "ledger_blocks": blocks_for(n_shards)}
+    locators = [locator.name for locator in arrays.locators]
+    attempts = {"rows": new_id(), **({"data": new_id()} if committed else {})}
+    store = write_view(objects.zarr_store(name, read_only=False), attempts,
+                       slots=slots(arrays, locators), url=objects.url, hold_root=True)
     try:
-        if lease is not None:
-            lease.acquire()
-        if claimed is not None:
-            claimed()  # the caller's check, now that no other job can change the store
-        store = fenced_store(url, storage_options, lease.fence if lease is not None else None)
-        wipe(store)
-        root = {"zarr_format": 3, "node_type": "group", "attributes": {ATTR: {**attrs, "status": "creating"}}}
-        sync(store.set("zarr.json", default_buffer_prototype().buffer.from_bytes(json.dumps(root).encode())))
-        group = zarr.open_group(store=store, mode="r+", use_consolidated=False)
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            group = zarr.open_group(store=store, mode="a", use_consolidated=False)
+            _create_arrays(group, rows, arrays, attrs, comp)
+        Ledger(objects, f"{name}/{TXN}/ledger", n_shards, int(attrs["ledger_blocks"])).create(
+            attempts["rows"], attempts.get("data", 0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification" (yet)
+            zarr.consolidate_metadata(store, path=None)
+        store.release_root()  # the generation is made
     except (StoreError, FencedError):
         raise
     except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
         raise StoreError(
-            f"cannot create the store at output.store {url}: {type(err).__name__}: {str(err).rstrip('.')}. Its parent "
-            "folder or bucket must exist and be writable (check output.store and output.storage_options)"
+            f"cannot create the store at output.store {objects.url}: {type(err).__name__}: {str(err).rstrip('.')}. "
+            "Its parent folder or bucket must exist and be writable (check output.store and output.storage_options)"
         ) from err
-    try:
-        return _create_arrays(group, rows, arrays, attrs, comp)
-    except Exception as err:  # fenced; or an array another job made meanwhile (ContainsArrayError)...
-        if lease is None or not (isinstance(err, FencedError) or lease.fence.current() != lease.token):
-            raise
-        lease.lost = True
-        raise StoreError(f"store {url} was replaced by another job while this one created it; this job stops "
-                         "and writes nothing more. Look at the store with `extractor inspect`") from None
+    return store
 
 
-def _make_folder(url: str) -> None:
-    """A new local store's folder, made with one atomic mkdir: of two jobs that both found nothing, one wins."""
-    path = local_root(url)
-    if path is None:
-        return
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        if os.listdir(path):  # another job made it since this one looked
-            raise StoreError(f"store {url} was created by another job after this one looked; run again with "
-                             "--resume to finish it, or wait for that job") from None
-    except OSError:
-        pass  # a missing parent and the like: said when the store is created
-
-
-def wipe(store: Any) -> None:
-    """Remove everything in ``store`` but its lease, in one step of the lease's fence (locally, no takeover can
-    come between the check and the last removal)."""
-    held = store.held() if isinstance(store, FencedStore) else contextlib.nullcontext()
-    with held:
-        root = getattr(store, "root", None)
-        if root is not None:  # a local folder: its entries removed straight away (zarr would remove them one by one)
-            names = sorted(os.listdir(root) if os.path.isdir(root) else [], key=lambda n: n != "zarr.json")
-            for name in names:  # its root first: a run stopped midway leaves a store "being created", not one
-                if name != "lease":  # that says complete over arrays half gone
-                    path = os.path.join(root, name)
-                    (shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.remove)(path)
-            return
-        if isinstance(store, FencedStore) and store._s3:  # each object removed as listed (If-Match)
-            sync(store.s3_wipe(keep="lease"))
-            return
-        inner = store._store if isinstance(store, FencedStore) else store
-
-        async def remove_all() -> None:
-            names = sorted([n async for n in inner.list_dir("")], key=lambda n: n != "zarr.json")  # the root first
-            for name in names:
-                if name == "zarr.json":
-                    await inner.delete(name)
-                elif name != "lease":
-                    await inner.delete_dir(name)
-
-        if isinstance(store, FencedStore):
-            store.fence.check()  # an object store: checked just before (the README says what that leaves)
-        sync(remove_all())
-
-
-def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
-                   comp: Any) -> zarr.Group:
-    """The arrays of a new store, then its attributes (status as the caller has it: no longer "creating")."""
+def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any], comp: Any) -> None:
+    """The arrays of a new generation, with what is known before any image is read, then its attributes."""
     n = len(rows)
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
+    n_shards = -(-n // shard_size)
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
     _create_row_arrays(group, shard_rows, rows, arrays.locators)
     write_id_index(group, rows.ids, attrs.get("ids_digest"))
-    _create_shard_arrays(group, n_shards=-(-n // shard_size))
+    group.create_array("shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="",
+                       dimension_names=["shard"])
     if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
         group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
                            dimension_names=["row"])
@@ -340,8 +281,10 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
             dimension_names=["row", *meta["dims"]],
             attributes={"extractor": dict(meta), "coordinates": "ids labels"},
         )
+    for key, size in arrays.index_parts.items():  # a write-time index's part of each shard, merged at the end
+        group.create_array(f"{INDEX_PARTS}/{key}", shape=(n_shards, size), dtype="uint8", chunks=(1, size),
+                           fill_value=0, dimension_names=["shard", "part_byte"])
     group.attrs.update({ATTR: dict(attrs)})
-    return group
 
 
 def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...]) -> None:
@@ -371,16 +314,6 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators:
     row_array("fingerprint", "uint64", 0, rows.fingerprints)
 
 
-def _create_shard_arrays(group: zarr.Group, n_shards: int) -> None:
-    """The per-shard arrays: done markers and statistics, one storage object per shard."""
-    group.create_array(
-        "shard_done", shape=(n_shards,), dtype="uint8", chunks=(1,), fill_value=0, dimension_names=["shard"]
-    )
-    group.create_array(
-        "shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="", dimension_names=["shard"]
-    )
-
-
 def locator_arrays(group: zarr.Group, names: Iterable[str] | None = None) -> tuple[str, ...]:
     """The per-row arrays the store's data source keeps beside ``paths`` (its ``Source.locators``) that the store
     holds (``names``: its arrays, when known), in the source's order: a row's locator is its path and their
@@ -394,54 +327,6 @@ def locator_arrays(group: zarr.Group, names: Iterable[str] | None = None) -> tup
 def data_source(attrs: Mapping[str, Any]) -> str:
     """The ``data.source`` of the job a store's attributes record."""
     return str(((attrs.get("spec") or {}).get("data") or {}).get("source", "folder"))
-
-
-def update_attrs(group: zarr.Group, **changes: Any) -> None:
-    """Update the root's extractor attributes (driver only: through its fenced group), as the storage has them."""
-    group = zarr.open_group(store=group.store, mode="r+", use_consolidated=False)
-    attrs = root_attrs(group)
-    attrs.update(changes, updated=now())
-    group.attrs.update({ATTR: attrs})
-
-
-def consolidate(group: zarr.Group) -> None:
-    """Write consolidated metadata (one object to open the whole store: fast on object stores).
-
-    Any later attribute update by a writer drops it again, and the next run's end rewrites it.
-    """
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "not part of the Zarr v3 specification" (yet)
-        zarr.consolidate_metadata(group.store, path=None)
-
-
-def drop_partials(group: zarr.Group) -> int:
-    """Temporary shard objects that no writer finished (a job killed mid-shard), removed from a local store;
-    call only while none of the store's writers runs (its job's end). How many there were."""
-    root = getattr(group.store, "root", None)
-    if root is None:
-        return 0
-    with group.store.held() if isinstance(group.store, FencedStore) else contextlib.nullcontext():
-        return remove_partials(str(root))
-
-
-def reset_shards(group: zarr.Group, shards: Iterable[tuple[int, int, int]]) -> None:
-    """Make ``(index, start, stop)`` shards pending again, to be computed anew: not done, no statistics,
-    their rows pending and unread (so that their old values are never taken for current ones)."""
-    for index, start, stop in shards:
-        get_array(group, "shard_done")[index] = 0
-        get_array(group, "shard_stats")[index] = ""
-        get_array(group, "status")[start:stop] = PENDING
-        if "stats_sums" in group:  # the merged totals hold the shard's old sums: not whole any more
-            get_array(group, "stats_sums")[:4] = 0
-        if "digest" in group:
-            get_array(group, "digest")[start:stop] = 0
-
-
-def done_shards(group: zarr.Group) -> np.ndarray:
-    """Boolean per shard: True once its data and row status are durable."""
-    return np.asarray(read_all(get_array(group, "shard_done")), dtype=bool)
 
 
 def disk_usage(url: str) -> int | None:

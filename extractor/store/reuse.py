@@ -24,8 +24,8 @@ from ..data import Reused, from_dict
 from ..errors import StoreError
 from ..spec import SOURCE_ONLY
 from .forward import forward_differences
-from .layout import OK, PREPROCESS_FIELDS, get_array, open_group, root_attrs
-from .lease import lease_token
+from .generation import open_group
+from .layout import OK, PREPROCESS_FIELDS, get_array, root_attrs
 
 __all__ = ["ReuseIndex", "check_sources"]
 
@@ -70,7 +70,7 @@ def _value_inputs(attrs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _open_source(url: str, storage_options: Mapping[str, Any] | None) -> tuple[zarr.Group, dict[str, Any]]:
     try:
-        group = open_group(url, "r", storage_options)
+        group = open_group(url, storage_options)
         attrs = root_attrs(group)
     except Exception as err:  # noqa: BLE001 - missing, not a store, unreachable: said the same way
         raise StoreError(f"output.reuse: cannot open {url} as an extractor store ({type(err).__name__}: {err})") \
@@ -118,9 +118,10 @@ def check_sources(urls: Sequence[str], attrs: Mapping[str, Any], store: str,
 
 
 def _identity(group: zarr.Group) -> tuple[Any, Any]:
-    """Which store generation ``group`` is and who last wrote it: its ``created`` attribute and its lease's token
-    (an overwrite changes both; any job that writes to it, a resume included, takes the lease with a new token)."""
-    return root_attrs(group).get("created"), lease_token(group)
+    """Which store generation ``group`` is: its name (an overwrite makes a new one; what a generation's commits name
+    never changes), or, for a store of format 1, its ``created`` attribute."""
+    attrs = root_attrs(group)
+    return attrs.get("generation"), attrs.get("created")
 
 
 class ReuseIndex:
@@ -141,7 +142,7 @@ class ReuseIndex:
                  cache_chunks: int = 4, want: Mapping[str, Any] | None = None) -> None:
         self.urls, self.storage_options = list(urls), storage_options
         self.keys, self.cache_chunks = list(keys), cache_chunks
-        self.groups = [open_group(u, "r", storage_options) for u in urls]
+        self.groups = [open_group(u, storage_options) for u in urls]
         self.identity = [_identity(g) for g in self.groups]  # read before the rows: a change after them shows
         # per source row, the digest of its image where it is ok (0: not taken from there)
         self.expected = [self._rows(i, want) for i in range(len(self.groups))]
@@ -202,7 +203,7 @@ class ReuseIndex:
     def _confirm(self, source: int, read: list[tuple[int, int]]) -> None:
         """After values of ``read`` (row ranges) were read: withdraw the rows there no longer ok with their
         digest, then drop the source when its identity changed (whatever was read may be another store's)."""
-        g = open_group(self.urls[source], "r", self.storage_options)  # as it is now, not as it was opened
+        g = open_group(self.urls[source], self.storage_options)  # as it is now, not as it was opened
         expected = self.expected[source]
         for start, stop in read:
             status = np.asarray(get_array(g, "status")[start:stop])

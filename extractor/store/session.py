@@ -1,42 +1,34 @@
 """One job's session with its store: what the job does to it, from the first read to the last write.
 
-:class:`StoreSession` has the store's life cycle in a few verbs, in the shape of Ray Data's ``Datasink``:
-decide (read only; ``extractor plan`` stops there), claim (``on_write_start``), the workers' writes (each
-shard's ``ShardWriter``, opened at the session's URL with its fence), then ``on_write_complete`` or
-``on_write_failed``, and ``close``. Every write goes through the job's lease (:class:`Lease`) and its fence.
+:class:`StoreSession` has the store's life cycle in a few verbs, in the shape of Ray Data's ``Datasink``: decide
+(read only; ``extractor plan`` stops there), start (``on_write_start``: the store made, a generation swapped in
+by the head, or resumed; this process a member of it), the workers' attempts (each shard claimed, written and
+committed in the ledger by a ``ShardWriter`` holding the session's :attr:`ticket`), then ``on_write_complete``
+(the final record, once every shard is committed) or ``on_write_failed``, and ``close``. No write of the job is
+read before a commit names it (:mod:`.generation`, :mod:`.ledger`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from .._text import count
+from .._text import count, now
 from ..data import Rows, Shard, reuse, source
 from ..errors import FencedError, StoreError
 from ..spec import JobSpec
 from .chunks import read_all
-from .layout import (
-    FAILED,
-    OK,
-    PENDING,
-    StoreArrays,
-    consolidate,
-    create_store,
-    done_shards,
-    drop_partials,
-    get_array,
-    now,
-    open_group,
-    reset_shards,
-    update_attrs,
-)
-from .lease import Lease, half_created, read_attrs
+from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
+from .layout import FAILED, OK, PENDING, StoreArrays, create_generation, get_array
+from .ledger import Table, Verdict, amend_rows, new_id, reset
+from .members import Member, alive
+from .objects import Objects
 from .provenance import (
     Probe,
     StoreRecord,
@@ -50,22 +42,39 @@ from .provenance import (
 from .recorded import StoredRows
 from .reuse import check_sources
 from .stats import Totals, merge_shards, shard_record
+from .views import write_view
+from .writer import Ticket, _Opened
 
-__all__ = ["StoreSession", "Decision", "Outcome"]
+__all__ = ["StoreSession", "Decision", "Outcome", "IndexHooks", "live_members"]
 
 log = logging.getLogger(__name__)
+
+WAIT_S = 1.0  # a member waiting for shards other live members hold reads the ledger again this often
+
+
+class IndexHooks(Protocol):
+    """The write-time feature indexes, as the store's session uses them (``index.JobIndexes``, wired in by the
+    driver: the store does not import the index)."""
+
+    def parts(self, captures: Mapping[str, Any]) -> dict[str, int]:
+        """The bytes of a shard's part of each indexed capture's index (their arrays are made with the store)."""
+
+    def finish(self, group: Any, generation: Generation) -> list[str]:
+        """Every committed shard's parts merged into the indexes (``group``: the generation read as committed),
+        written into ``generation``; the names written."""
 
 
 @dataclass(frozen=True)
 class Decision:
     """What a job will do to its store, decided from a read of it before anything is written."""
 
-    create: bool  # create the store (replacing what is there when ``old`` is not None), or resume it
-    old: dict[str, Any] | None  # its attributes as read (None: nothing there)
+    create: bool  # make a new generation (replacing what is there when ``old`` is not None), or resume one
+    old: dict[str, Any] | None  # the store's state as read (None: nothing there)
     todo: list[Shard]  # the shards to compute
     redo: list[Shard] = field(default_factory=list)  # done shards whose images changed: computed again
     fingerprints: np.ndarray | None = None  # the source's, to record on resume where they changed
     locators: dict[str, np.ndarray] | None = None  # the source's locator arrays now, where it moved the bytes
+    head: Head | None = None  # the store's head as read (a new generation is swapped in from it)
 
     @property
     def nothing_to_do(self) -> bool:
@@ -73,36 +82,64 @@ class Decision:
         return not self.create and not self.todo and (self.old or {}).get("status") == "complete"
 
 
-def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord,
-            old: dict[str, Any] | None) -> Decision:
-    """Whether the job may create, replace or resume the store, and what it would compute; refuses
-    (another job's live lease, an existing store without --resume or --overwrite, a store made by
-    another job) without writing anything."""
-    url, storage = spec.output.store, spec.output.storage_options
-    if old is None:
-        return Decision(True, None, shards)
-    Lease.check(url, storage, spec.output.lease_timeout_s)  # another job running on it: refuse, whatever the mode
-    mode = spec.output.if_exists
-    if old.get("status") == "creating":  # holds no data (its job is gone): --resume starts it again
+def _members_text(members: list[dict[str, Any]]) -> str:
+    m = members[0]
+    age = time.time() - float(m.get("heartbeat", 0))
+    more = f" and {count(len(members) - 1, 'other process')}" if len(members) > 1 else ""
+    return (f"pid {m.get('pid')} on {m.get('host')} (user {m.get('user')}, started {m.get('started')}, last "
+            f"heartbeat {age:.0f} s ago){more}")
+
+
+def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, objects: Objects) -> Decision:
+    """Whether the job may create, replace, resume or join the store, and what it would compute; refuses (another
+    job's live members without --join, an existing store without --resume or --overwrite, a store made by another
+    job) without writing anything."""
+    url, mode = spec.output.store, spec.output.if_exists
+    head = read_head(objects)
+    if head is None:
+        return Decision(True, None, shards, head=head)
+    if head.generation is None:  # format 1 (before December 2026): made again, or refused
+        old = dict(head.attrs)
+        if mode == "overwrite":
+            return Decision(True, old, shards, head=head)
+        raise StoreError(f"store {url} was made by an older extractor (format {head.format_version}, now {FORMAT}): "
+                         "it is read as it is, but not resumed; --overwrite makes it again")
+    generation = Generation(objects, head.generation)
+    old = generation.state()
+    live = [m for m in generation.roster.live()]
+    if live and mode != "join":
+        what = "being made" if old.get("status") == "creating" else "in use"
+        raise StoreError(f"store {url} is {what} by another extractor job: {_members_text(live)}. Wait for it to "
+                         "finish, run this job with --join to compute beside it, or, if it died, run again once "
+                         f"its heartbeat is {_timeout(live):.0f} s old (output.lease_timeout_s)")
+    if old.get("status") == "creating":  # left half-made by a job that is gone: --resume starts it again
         if mode == "error":
-            raise StoreError(half_created(url))
-        return Decision(True, old, shards)
-    group = open_group(url, "r", storage)
+            raise StoreError(f"store {url} was left half-created by a run that failed while creating it: it holds no "
+                             "data; run the job again with --resume (or --overwrite)")
+        if mode == "join" and live:
+            return Decision(False, old, shards, head=head)  # its maker is alive: joined once it is made
+        return Decision(True, old, shards, head=head)
+    group = generation.open()
     if mode == "error":
         n_done = int(done_shards(group).sum())
         raise StoreError(
             f"store {url} already exists ({n_done} of {old.get('n_shards', '?')} shards done, status "
-            f"{old.get('status', '?')}); pass --resume to finish it or --overwrite to replace it"
+            f"{old.get('status', '?')}); pass --resume to finish it, --join to compute beside other processes, or "
+            "--overwrite to replace it"
         )
     if mode == "overwrite":
-        return Decision(True, old, shards)
+        return Decision(True, old, shards, head=head)
     check_resumable(url, old, json.loads(json.dumps(attrs)), group, rows.paths)
-    return _resume(spec, rows, shards, old, group)
+    return _resume(spec, rows, shards, old, group, head)
 
 
-def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any], group: Any) -> Decision:
-    """What resuming a store made by this job computes: the shards not done, and the done ones whose images
-    changed since (refused unless output.on_change: redo)."""
+def _timeout(members: list[dict[str, Any]]) -> float:
+    return max(float(m.get("timeout_s", 0)) for m in members)
+
+
+def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any], group: Any, head: Head) -> Decision:
+    """What resuming a store made by this job computes: the shards not committed, and the committed ones whose
+    images changed since (refused unless output.on_change: redo)."""
     _check_labels(spec, rows, old, group)
     done = done_shards(group)
     changed, prints = changed_rows(spec, group, rows)
@@ -119,7 +156,7 @@ def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any],
         )
     redone = {s.index for s in redo}
     return Decision(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
-                     moved_locators(group, rows))
+                    moved_locators(group, rows), head)
 
 
 def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) -> None:
@@ -141,112 +178,6 @@ def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) ->
                      "(and a gradient of the label's logit used them): resuming would mix both. Use --overwrite")
 
 
-def _claim(spec: JobSpec, rows: Rows, decision: Decision, attrs: StoreRecord, lease: Lease) -> Any:
-    """Create, replace or resume the store under the job's lease, deciding again at that moment: a
-    store that appeared, was replaced or whose lease another job took since :func:`decide` read it
-    is refused, naming that job. Returns the store's group (this job's from then on)."""
-    url, storage = spec.output.store, spec.output.storage_options
-
-    def unchanged() -> None:
-        """The store is still the one :func:`decide` read (checked before the lease, and again under it)."""
-        now_there = read_attrs(url, storage)
-        if (now_there or {}).get("created") != (decision.old or {}).get("created"):
-            Lease.check(url, storage, spec.output.lease_timeout_s, lease.token)  # names a live job that did it
-            what = "created" if decision.old is None else "replaced"
-            raise StoreError(f"store {url} was {what} by another job after this one looked at it; run again "
-                             "(--resume finishes it)")
-
-    unchanged()
-    if not decision.create:
-        lease.acquire()  # a live lease refuses; a stale one is taken over
-        unchanged()  # a job that replaced it meanwhile and stopped: its store is not this job's to resume
-        group = lease.open()  # every write from here on through the lease's fence
-        reset_shards(group, [(s.index, s.start, s.stop) for s in decision.redo])  # before any new fingerprint
-        if decision.fingerprints is not None:
-            get_array(group, "fingerprint")[:] = decision.fingerprints
-        for name, column in (decision.locators or {}).items():
-            get_array(group, name)[:] = column
-        update_attrs(group, status="running", resumed=now(), **({"listing": attrs["listing"]} if "listing" in
-                                                                attrs else {}))  # the source as listed now
-        return group
-    if decision.old is not None:
-        Lease.check(url, storage, spec.output.lease_timeout_s)
-        log.info("%s %s", "creating again" if decision.old.get("status") == "creating" else "overwriting", url)
-    arrays = StoreArrays(captures=attrs["captures"], extras=attrs["extras"], shard_size=spec.data.shard_size,
-                         chunk_rows=attrs["chunk_rows"], compression=spec.output.compression,
-                         compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse),
-                         sharded=spec.output.sharding, locators=source(spec.data.source).locators)
-    return create_store(url, rows, arrays, attrs, storage, lease=lease, fresh=decision.old is None,
-                        claimed=unchanged if decision.old is not None else None)
-
-
-def _record_source(spec: JobSpec, decision: Decision, attrs: StoreRecord) -> None:
-    """A resume with nothing to compute whose source moved but not its images (files touched, a tar rewritten with
-    the same members): the source's new fingerprints, locators and listing recorded under the lease, so that the
-    next resume neither reads those images again nor lists the source again. Best effort: a store that
-    cannot be written (a read-only file system) keeps the old record, said in the log."""
-    listing = attrs.get("listing")
-    moved = listing is not None and listing != (decision.old or {}).get("listing")
-    if decision.fingerprints is None and decision.locators is None and not moved:
-        return
-    lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
-    try:
-        lease.acquire()
-        group = lease.open()
-        if decision.fingerprints is not None:
-            get_array(group, "fingerprint")[:] = decision.fingerprints
-        for name, column in (decision.locators or {}).items():
-            get_array(group, name)[:] = column
-        update_attrs(group, **({"listing": listing} if moved else {}))
-        consolidate(group)
-    except (OSError, StoreError) as err:
-        log.info("the source of %s moved but not its images; its new fingerprints were not recorded (%s): the next "
-                 "resume compares them again", spec.output.store, err)
-    finally:
-        lease.release()
-
-
-def _mark_stopped(spec: JobSpec, group: Any, url: str, err: BaseException, totals: Totals | None) -> None:
-    """Mark the store ``interrupted`` or ``failed`` with ``err`` and the statistics of the shards that
-    finished; a storage that refuses (the one that failed the job may) only gets a warning."""
-    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-    try:
-        stats = merge_shards(group, totals)
-        update_attrs(group, status=status, error=f"{type(err).__name__}: {err}"[:1000], stats=stats)
-    except Exception as mark:  # noqa: BLE001 - whatever the storage raises, its done shards are kept
-        log.warning("could not mark %s %s (%s: %s); its done shards are kept", url, status, type(mark).__name__,
-                    mark)
-
-
-def _consolidate(spec: JobSpec, group: Any) -> None:
-    """The store's metadata in one object (fast to open on object stores), written once the lease is released so
-    that it holds the released lease; through the job's fence: when another job took the store at once, it is
-    left to that job (a store opens without it, only slower)."""
-    try:
-        consolidate(group)
-    except (FencedError, StoreError, OSError) as err:
-        log.info("%s: metadata not consolidated (%s)", spec.output.store, err)
-
-
-def _stopped(spec: JobSpec, err: BaseException, lease: Lease | None, group: Any, create: bool,
-             totals: Totals | None) -> None:
-    """What a job that held its store (and still does) leaves in it when ``err`` stops it: the store marked
-    interrupted or failed with the shards that finished (a store stopped while being created stays "creating":
-    --resume starts it again), and the command that finishes it (``err.resumable``, said by the CLI)."""
-    if lease is None or not lease.held or isinstance(err, FencedError) or lease.lost:
-        return  # before the store was touched, or not a word more into another job's store
-    creating = create and group is None
-    if group is None and not creating:  # a resume stopped while it claimed the store: its shards are kept
-        try:
-            group = lease.open()
-        except Exception:  # noqa: BLE001 - the storage that stopped it may refuse this too: the status stays
-            group = None
-    if group is not None:
-        _mark_stopped(spec, group, spec.output.store, err, totals)
-    err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
-    err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store
-
-
 @dataclass(frozen=True)
 class Outcome:
     """What the store holds once the job is over, read from it for the run's summary."""
@@ -258,48 +189,44 @@ class Outcome:
     failures: list[tuple[int, str, str]]  # up to 20 failed rows: (row, id, error)
     nonfinite: dict[str, tuple[int, list[int]]]  # capture -> (rows holding NaN or Inf, the first of them)
     float16: list[str]  # captures stored as float16
-
-
-class WriteTimeIndexes(Protocol):
-    """A job's write-time feature indexes as its session meets them (``extractor.index.JobIndexes``, handed in by
-    the driver: the store does not import the index)."""
-
-    def on_write_start(self, group: Any, captures: Mapping[str, Any], n_shards: int) -> None:
-        """The store is claimed: make what keeps each shard's part of each index."""
-
-    def on_write_complete(self, group: Any) -> list[str]:
-        """Every shard ran (under the lease, before the final status): merge the parts, write each index."""
+    complete: bool = False  # every shard is committed
 
 
 class StoreSession:
-    """One job's session with its store.
+    """One job's session with its store (see the module's docstring).
 
-    :meth:`decide` reads the store and says what the job would do, writing nothing; :meth:`on_write_start` claims
-    it under the job's lease (created, replaced or resumed) and returns the shards to compute; the workers write
-    them, each through a ``ShardWriter`` opened at the store with :attr:`fence`; :meth:`shard_done` merges a done
-    shard's statistics as it comes; :meth:`on_write_complete` writes the final status, or :meth:`on_write_failed`
-    marks the store stopped; :meth:`close` releases the lease (and consolidates a completed store's metadata after
-    it). A resume with nothing to do calls :meth:`unchanged` instead of claiming the store."""
+    :meth:`decide` reads the store and says what the job would do, writing nothing; :meth:`on_write_start` makes
+    the store (a new generation) or resumes it, as a member, and returns the shards to compute; the workers claim,
+    write and commit them with :attr:`ticket`; :meth:`shard_done` merges a committed shard's statistics as it
+    comes; :meth:`remaining` says what is left once they ran (shards other members hold, or that came free);
+    :meth:`on_write_complete` finishes the store once every shard is committed (exactly once, whoever commits
+    last), or :meth:`on_write_failed` says how the job stopped; :meth:`close` ends the membership. A resume with
+    nothing to do calls :meth:`unchanged` instead."""
 
-    def __init__(self, spec: JobSpec, indexes: WriteTimeIndexes | None = None) -> None:
+    def __init__(self, spec: JobSpec, index: IndexHooks | None = None) -> None:
         self.spec = spec
-        self.indexes = indexes  # the job's write-time feature indexes (None: a session that writes none)
+        self.index = index
+        self.objects = Objects.at(spec.output.store, spec.output.storage_options)
         self.record: StoreRecord | None = None  # what this job records in the store (decide)
         self.decision: Decision | None = None  # decide's
         self.shards: list[Shard] = []  # the job's, all of them
-        self.lease: Lease | None = None  # the job's, from on_write_start
-        self.group: Any = None  # the store's root group, this job's from on_write_start
-        self.totals: Totals | None = None  # done shards' statistics, merged as they come
-        self._completed = False  # on_write_complete wrote the final status
+        self.generation: Generation | None = None  # the store's, from on_write_start
+        self.member: Member | None = None  # this process, a member of it from on_write_start
+        self.totals: Totals | None = None  # committed shards' statistics, merged as they come
+        self._ended = False
 
     @property
-    def fence(self) -> str | None:
-        """The token every writer of the job checks (None before the store is claimed)."""
-        return self.lease.token if self.lease is not None else None
+    def ticket(self) -> Ticket | None:
+        """What the job's writers claim and commit with (None before the store is started)."""
+        if self.generation is None or self.member is None:
+            return None
+        return Ticket(self.generation.name, self.member.id)
 
     def recorded(self) -> dict[str, Any] | None:
-        """The store's attributes as they are now (None: no store there)."""
-        return read_attrs(self.spec.output.store, self.spec.output.storage_options)
+        """The store's state as it is now (None: no store there)."""
+        from .generation import read_state
+
+        return read_state(self.spec.output.store, self.spec.output.storage_options)
 
     def kept_probe(self) -> Probe | None:
         """What a complete store's probe measured, where this job's model would measure the same without being built
@@ -309,12 +236,12 @@ class StoreSession:
     def stored_rows(self, labels: bool = False) -> Rows | None:
         """The rows as the store records them, where the source is as it was listed or only parts of it changed
         (those listed again: ``data.reuse``); None: the source is listed again."""
-        group = open_group(self.spec.output.store, "r", self.spec.output.storage_options)
+        group = open_group(self.spec.output.store, self.spec.output.storage_options)
         return reuse(self.spec.data, StoredRows(group, labels))
 
     def stored_chunking(self, keys: list[str]) -> dict[str, tuple[int, bool]]:
         """Rows per chunk and whether sharded, of the store's capture arrays ``keys``."""
-        group = open_group(self.spec.output.store, "r", self.spec.output.storage_options)
+        group = open_group(self.spec.output.store, self.spec.output.storage_options)
         arrays = {k: get_array(group, k) for k in keys}
         return {k: (int(a.chunks[0]), bool(getattr(a, "shards", None))) for k, a in arrays.items()}
 
@@ -326,8 +253,7 @@ class StoreSession:
         self.record = store_attrs(spec, rows, len(shards), probe)
         if sources and spec.output.reuse:  # every store to take rows from makes them as this job would
             check_sources(spec.output.reuse, self.record, spec.output.store, spec.output.storage_options)
-        self.decision = decide(spec, rows, shards, self.record,
-                               read_attrs(spec.output.store, spec.output.storage_options))
+        self.decision = decide(spec, rows, shards, self.record, self.objects)
         return self.decision
 
     def _decided(self) -> tuple[Decision, StoreRecord]:
@@ -336,73 +262,236 @@ class StoreSession:
         return self.decision, self.record
 
     def unchanged(self) -> Outcome:
-        """A resume with nothing to compute: what moved in the source recorded (best effort, :func:`_record_source`),
-        nothing else written; the store's outcome as it is."""
+        """A resume with nothing to compute: what moved in the source recorded (best effort), nothing else
+        written; the store's outcome as it is."""
         decision, record = self._decided()
-        _record_source(self.spec, decision, record)
-        self.group = open_group(self.spec.output.store, "r", self.spec.output.storage_options)
-        return self._outcome(write=False)
+        head = decision.head
+        assert head is not None and head.generation is not None  # a complete store of this format
+        self.generation = Generation(self.objects, head.generation)
+        try:
+            self._record_source(decision, record, None)
+        except (OSError, StoreError) as err:
+            log.info("the source of %s moved but not its images; its new fingerprints were not recorded (%s): the "
+                     "next resume compares them again", self.spec.output.store, err)
+        return self._outcome()
+
+    # ---------------------------------------------------------------------------------------------- start
 
     def on_write_start(self, rows: Rows) -> list[Shard]:
-        """Claim the store under the job's lease (:func:`_claim`); the shards to compute, read again under it (a new
-        store's are not read at all: on an object store a paused job's marker could land in it before this read;
-        its shard is computed, and its objects replaced)."""
+        """Make the store (a new generation, swapped in by the head: refused when the head changed since
+        :meth:`decide` read it) or resume it, as a member; the shards to compute (those not committed)."""
         decision, record = self._decided()
         spec = self.spec
-        self.lease = Lease(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s, owner())
-        self.group = _claim(spec, rows, decision, record, self.lease)
-        if self.indexes is not None:  # write-time indexes: the arrays of their shards' parts
-            self.indexes.on_write_start(self.group, record["captures"], len(self.shards))
-        self.totals = Totals.kept(self.group, len(self.shards))
-        done = done_shards(self.group) if not decision.create else np.zeros(len(self.shards), dtype=bool)
+        if decision.create:
+            name = swap_head(self.objects, decision.head, now())  # from here on the store is this generation
+            self.generation = Generation(self.objects, name)
+            self._join(dict(record.get("spec", {})))
+            if collect_others(self.objects, name):
+                log.info("%s: the objects of its earlier generation were removed", spec.output.store)
+            arrays = self._arrays(record)
+            create_generation(self.objects, name, rows, arrays, {**record, "status": "running"})
+        else:
+            head = read_head(self.objects)
+            assert decision.head is not None
+            if head is None or head.generation != decision.head.generation:
+                raise StoreError(f"store {spec.output.store} was replaced by another job after this one looked at "
+                                 "it; run again (--resume finishes it)")
+            self.generation = Generation(self.objects, head.generation)
+            self._join(dict(record.get("spec", {})))
+            self._wait_made()
+            table = self._redo(decision)
+            self._record_source(decision, record, table)
+        self.totals = Totals(len(self.shards))
+        done = self.generation.ledger().read().done
         return [s for s in self.shards if not done[s.index]]
 
+    def _arrays(self, record: StoreRecord) -> StoreArrays:
+        spec = self.spec
+        parts = self.index.parts(record["captures"]) if self.index is not None else {}
+        return StoreArrays(captures=record["captures"], extras=record["extras"], shard_size=spec.data.shard_size,
+                           chunk_rows=record["chunk_rows"], compression=spec.output.compression,
+                           compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse),
+                           sharded=spec.output.sharding, locators=source(spec.data.source).locators,
+                           index_parts=parts)
+
+    def _join(self, spec: Mapping[str, Any]) -> None:
+        """This process, a member of the generation (its record renewed until the session ends)."""
+        assert self.generation is not None
+        generation = self.generation
+        info = {**owner(), "join": self.spec.output.if_exists == "join"}
+        self.member = Member(self.objects, generation.members_prefix, self.spec.output.lease_timeout_s, info,
+                             still_ours=generation.still_live)
+        self.member.start()
+        opened = _Opened.last
+        if opened is not None and opened.key[1] != generation.name:
+            _Opened.last = None  # another generation's arrays: opened again by the first shard
+
+    def _wait_made(self) -> None:
+        """Joining a generation another live process is still making: wait until it is made (its maker gone
+        first: refused)."""
+        assert self.generation is not None
+        while self.generation.root() is None:
+            if not self.generation.roster.live() or not self.generation.still_live():
+                raise StoreError(f"store {self.spec.output.store} was left half-made by the job that made it; run "
+                                 "again with --resume (or --overwrite)")
+            time.sleep(WAIT_S / 4)
+
+    def _redo(self, decision: Decision) -> Table:
+        """The committed shards whose images changed made pending again, claimed by this member (their old values
+        no longer read); the ledger after."""
+        assert self.generation is not None and self.member is not None
+        ledger, member = self.generation.ledger(), self.member.id
+        dead = self.generation.roster.dead
+        verdicts = ledger.apply([s.index for s in decision.redo], lambda e, _s: reset(e, member, dead))
+        held = [s for s, v in verdicts.items() if v is not Verdict.OK]
+        if held:
+            raise StoreError(f"cannot redo shards {held[:10]} of {self.spec.output.store}: another live process "
+                             "computes them now; run again once it is done")
+        return ledger.read()
+
+    def _record_source(self, decision: Decision, record: StoreRecord, table: Table | None) -> None:
+        """The source's new fingerprints and locators (where they moved but not the images) recorded under a new
+        attempt of the ``rows`` slot, named shard by shard in the ledger; its listing recorded (a swap)."""
+        assert self.generation is not None
+        generation = self.generation
+        listing = record.get("listing")
+        was, version = generation.listing()
+        if listing is not None and listing != (was if was is not None else (decision.old or {}).get("listing")):
+            if not generation.record_listing(listing, version):
+                log.info("%s: the source's listing was recorded by another process meanwhile", self.spec.output.store)
+        if decision.fingerprints is None and decision.locators is None:
+            return
+        group = generation.open(table)
+        columns = {"fingerprint": decision.fingerprints, **(decision.locators or {})}
+        columns = {k: np.asarray(v) for k, v in columns.items() if v is not None}
+        size, n = self.spec.data.shard_size, len(next(iter(columns.values())))
+        stored = {k: read_all(get_array(group, k)) for k in columns}
+        moved = sorted({r // size for k, v in columns.items() for r in np.flatnonzero(v != stored[k])})
+        if not moved:
+            return
+        attempt = new_id()
+        view = write_view(self.objects.zarr_store(generation.name, read_only=False), {"rows": attempt},
+                          url=self.objects.url)
+        import zarr
+
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            target = zarr.open_group(store=view, mode="r")
+            for k, v in columns.items():
+                array = get_array(target, k)
+                for s in moved:
+                    array[s * size : min((s + 1) * size, n)] = v[s * size : min((s + 1) * size, n)]
+        dead = generation.roster.dead
+        generation.ledger().apply(moved, lambda e, _s: amend_rows(e, attempt, dead))
+
+    # ---------------------------------------------------------------------------------------------- shards
+
     def shard_done(self, index: int) -> None:
-        """Merge a done shard's statistics now (what is not merged now, the end merges)."""
-        if self.totals is None:
+        """Merge a committed shard's statistics now (what is not merged now, the end merges)."""
+        if self.totals is None or self.generation is None:
             return
         try:
-            self.totals.add(index, shard_record(self.group, index))
+            self.totals.add(index, shard_record(self.generation.open(), index))
         except Exception as err:  # noqa: BLE001 - the end of the run merges what is not merged yet
             log.debug("statistics of shard %s not merged now: %s", index, err)
 
+    def remaining(self, wait: bool) -> list[Shard]:
+        """The shards not committed that this member may take now (pending, or claimed by a dead member); with
+        ``wait``, while every shard left is held by another live member, waits until one is committed or free.
+        [] once every shard is committed."""
+        assert self.generation is not None
+        ledger = self.generation.ledger()
+        while True:
+            self._check()
+            table = ledger.read()
+            left = np.flatnonzero(~table.done)
+            if not len(left):
+                return []
+            claimant = table.entries["claimant"]
+            mine = self.member.id if self.member is not None else 0
+            free = [int(s) for s in left if int(claimant[s]) in (0, mine) or self.generation.roster.dead(int(claimant[s]))]
+            if free or not wait:
+                return [self.shards[s] for s in free]
+            time.sleep(WAIT_S)
+
+    def _check(self) -> None:
+        if self.member is not None:
+            self.member.check()
+
+    # ---------------------------------------------------------------------------------------------- end
+
     def on_write_complete(self) -> Outcome:
-        """Every shard ran: still under the lease (a job that takes the released store over never meets this one's
-        last writes), the unfinished shard files of killed runs removed, then the final status and statistics. A
-        storage that refuses the final attributes is a StoreError that says the shards are kept."""
-        if self.lease is None:
-            raise RuntimeError("StoreSession.on_write_start comes first")
-        self.lease.verify()  # a job paused past its lease marks nothing complete in another job's store
-        # every writer of this job done: what runs killed mid-shard left goes
-        if drop_partials(self.group):
-            log.info("removed the unfinished shard files of an earlier run of %s", self.spec.output.store)
+        """The shards ran: once every shard is committed, the store is finished (statistics and write-time indexes
+        merged, the final record written: once, whoever comes first; the garbage of attempts no one names removed);
+        otherwise this member says it ended incomplete. A storage that refuses is a StoreError that says the
+        committed shards are kept."""
+        assert self.generation is not None
+        self._check()
         try:
-            outcome = self._outcome(write=True)
-        except StoreError:
+            complete = bool(self.generation.ledger().read().done.all())
+            if complete and self.generation.final() is None:
+                self._finish()
+            self._end("complete" if complete else "incomplete")
+            return self._outcome()
+        except (StoreError, FencedError):
             raise
-        except OSError as err:  # every shard is done; only the final attributes could not be written
-            raise StoreError(f"cannot write the final attributes of {self.spec.output.store}: {type(err).__name__}: "
-                             f"{err}; its shards are done and kept: --resume finishes it once the storage works") \
-                from err
-        self._completed = True
-        return outcome
+        except OSError as err:
+            raise StoreError(f"cannot finish {self.spec.output.store}: {type(err).__name__}: {err}; its committed "
+                             "shards are kept: --resume finishes it once the storage works") from err
+
+    def _finish(self) -> None:
+        """Merge the statistics and the write-time indexes of every committed shard and write the final record."""
+        assert self.generation is not None
+        generation = self.generation
+        group = generation.open()
+        stats = self._stats(group)
+        if self.index is not None:
+            self.index.finish(group, generation)
+        by = f"{self.member.id:016x}" if self.member is not None else None
+        if generation.finish({"status": "complete", "stats": stats, "at": now(), "by": by}):
+            removed = generation.collect()
+            if removed:
+                log.info("%s: removed the objects of %s no one committed", self.spec.output.store,
+                         count(removed, "attempt"))
+
+    def _stats(self, group: Any) -> dict[str, Any]:
+        """Every committed shard's statistics, merged (those this job merged as they came, and the others)."""
+        if self.totals is None:
+            self.totals = Totals(len(self.shards))
+        return merge_shards(group, self.totals)
 
     def on_write_failed(self, err: BaseException) -> None:
-        """``err`` stopped the job: the store marked as :func:`_stopped` says, when this job holds it."""
-        create = self.decision is not None and self.decision.create
-        _stopped(self.spec, err, self.lease, self.group, create, self.totals)
+        """``err`` stopped the job: this member ends, saying how (its claims may be taken at once); the command
+        that finishes the store is said by the CLI (``err.resumable``)."""
+        if self.member is None or isinstance(err, FencedError):
+            return
+        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        self._end(status, f"{type(err).__name__}: {err}"[:1000])
+        creating = self.generation is not None and self.generation.root() is None
+        err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
+        err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store
+
+    def _end(self, status: str, error: str | None = None) -> None:
+        if self.member is None or self._ended:
+            return
+        self._ended = True
+        stats: dict[str, Any] | None = None
+        if status != "complete" and self.generation is not None and self.generation.root() is not None:
+            try:
+                stats = self._stats(self.generation.open())
+            except Exception as err:  # noqa: BLE001 - the storage that stopped the job may refuse this too
+                log.debug("statistics of %s not merged: %s", self.spec.output.store, err)
+        self.member.end(status, error, **({"stats": stats} if stats is not None else {}))
 
     def close(self) -> None:
-        """Release the lease; a completed store's metadata is then consolidated (holding the released lease)."""
-        if self.lease is not None:
-            self.lease.release()
-        if self._completed:
-            _consolidate(self.spec, self.group)
+        """End the membership (a member that did not say how it ended is ended as interrupted)."""
+        if self.member is not None and not self._ended:
+            self._end("interrupted")
 
-    def _outcome(self, write: bool) -> Outcome:
-        """The store's rows as they ended; with ``write``, its final status and statistics (a resume with nothing
-        to do reads them as they are)."""
-        group = self.group
+    def _outcome(self) -> Outcome:
+        """The store's rows as they are now, read as committed."""
+        assert self.generation is not None
+        table = self.generation.ledger().read()
+        group = self.generation.open(table)
         status = read_all(get_array(group, "status"))
         failed_rows = np.flatnonzero(status == FAILED)
         failures = []
@@ -411,22 +500,26 @@ class StoreSession:
             errors = group["errors"]
             for r in failed_rows[:20]:
                 failures.append((int(r), str(ids[int(r)]), str(errors[int(r)])))
-        n_pending = int((status == PENDING).sum())
-        if write:
-            complete = bool(done_shards(group).all())
-            stats = merge_shards(group, self.totals)
-            if self.indexes is not None:  # write-time feature indexes: their shards' parts merged
-                self.indexes.on_write_complete(group)
-            update_attrs(group, status="complete" if complete else "incomplete", error=None, stats=stats)
-        else:
-            stats = dict(group.attrs["extractor"].get("stats") or {})
+        attrs = group.attrs["extractor"]
+        stats = dict(attrs.get("stats") or {})
         return Outcome(
             rows=len(status),
             ok=int((status == OK).sum()),
             failed=len(failed_rows),
-            pending=n_pending,
+            pending=int((status == PENDING).sum()),
             failures=failures,
             nonfinite={k: (v["nonfinite_rows"], v["first_nonfinite_rows"]) for k, v in stats.items()
                        if v["nonfinite_rows"]},
-            float16=[k for k, m in group.attrs["extractor"]["captures"].items() if m["dtype"] == "float16"],
+            float16=[k for k, m in attrs["captures"].items() if m["dtype"] == "float16"],
+            complete=bool(table.done.all()),
         )
+
+
+def live_members(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The processes writing into the store's live generation now (inspect shows them)."""
+    objects = Objects.at(url, storage_options)
+    head = read_head(objects)
+    if head is None or head.generation is None:
+        return []
+    return [m for m in Generation(objects, head.generation).roster.all() if alive(m)]
+

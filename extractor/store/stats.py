@@ -8,8 +8,8 @@ normalises by). Non-finite values are counted, not folded into the moments.
 
 A shard's record (``shard_stats[s]``) is JSON whose per-feature sums are base64 of their bytes (records
 written before hold lists of numbers: both are read). The driver merges records into :class:`Totals` as
-shards finish and keeps the totals in the store (``stats_sums``) with the shards they hold, so that a merge
-reads only the shards done since: memory per capture and feature, never per shard.
+shards are committed, and the store's end merges only those it did not: memory per capture and feature, never
+per shard.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import zarr
 
-from .layout import done_shards, get_array, take_rows
+from .generation import done_shards
+from .layout import get_array, take_rows
 
 __all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
 
@@ -220,23 +221,6 @@ class Totals:
                 totals.acc[key] = {**rest, **{k: z[f"{k}/{key}"].astype(dtype) for k, dtype in _SUMS.items()}}
         return totals
 
-    @classmethod
-    def kept(cls, group: zarr.Group, n_shards: int) -> Totals:
-        """The totals the store keeps (``stats_sums``), or none held when there are none or they do not hold."""
-        try:
-            totals = cls.from_bytes(np.asarray(get_array(group, "stats_sums")[:], np.uint8).tobytes(), n_shards)
-        except KeyError:
-            totals = None
-        return totals if totals is not None else cls(n_shards)
-
-    def keep(self, group: zarr.Group) -> None:
-        """Write the totals into the store (one object: written whole, or read back as not whole)."""
-        blob = np.frombuffer(self.to_bytes(), np.uint8)
-        if "stats_sums" not in group or get_array(group, "stats_sums").shape != blob.shape:
-            group.create_array("stats_sums", shape=blob.shape, chunks=blob.shape, dtype="uint8", overwrite=True,
-                               dimension_names=["stats_byte"])
-        get_array(group, "stats_sums")[:] = blob
-
 
 def shard_record(group: zarr.Group, index: int) -> str:
     """Shard ``index``'s record (read as a slice: zarr 3.1 reads one element of a long string 60x slower)."""
@@ -244,21 +228,19 @@ def shard_record(group: zarr.Group, index: int) -> str:
 
 
 def merge_shards(group: zarr.Group, totals: Totals | None = None) -> dict[str, Any]:
-    """The store's statistics: ``totals`` (default: those the store keeps) with every done shard's record
-    not in them yet added, read ``MERGE_SLICE`` shards at a time; the totals are kept in the store for the
-    next merge. Totals holding a shard that is not done (reset since, to be computed again) are dropped."""
+    """The store's statistics: ``totals`` (shards merged already) with every committed shard's record not in them yet
+    added, read ``MERGE_SLICE`` shards at a time (``totals`` are updated). Totals holding a shard that is not
+    committed (made pending since, to be computed again) are started over."""
     done = done_shards(group)
-    totals = totals if totals is not None else Totals.kept(group, len(done))
+    totals = totals if totals is not None else Totals(len(done))
     if (totals.held & ~done).any():
-        totals = Totals(len(done))
+        totals.__init__(len(done))  # type: ignore[misc]  # started over, in place: the caller's object
     todo = np.flatnonzero(done & ~totals.held)
     records = get_array(group, "shard_stats")
     for a in range(0, len(todo), MERGE_SLICE):
         part = todo[a : a + MERGE_SLICE]
         for index, text in zip(part.tolist(), take_rows(records, part).tolist(), strict=True):
             totals.add(index, str(text))
-    if len(todo) or "stats_sums" not in group:
-        totals.keep(group)
     return totals.summary()
 
 

@@ -1,43 +1,61 @@
-"""A shard's writer: its rows of each capture array in whole chunks, then status, errors and its done marker,
-fenced by the lease of its job (numpy and zarr only)."""
+"""A shard's writer: one attempt at one shard, claimed in the ledger, its chunks written under the attempt's own
+name, then committed (numpy and zarr only).
+
+Nothing the writer writes is read until its commit, one swap of the shard's ledger entry that names the attempt:
+a writer stopped anywhere (killed, paused past its member's timeout, its job stopped) leaves objects no one names,
+removed later as garbage; one woken after another member took its shard finds its commit refused.
+"""
 
 from __future__ import annotations
 
+import copy
 import threading
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.array_spec import ArrayConfigParams
+from zarr.storage import StorePath
 
+from ..errors import FencedError, ShardTaken
 from .chunks import ChunkCodec, ShardStream, read_at_once, write_chunks, write_whole
-from .fence import (
-    fenced_group,
-    is_s3,
-)
-from .layout import get_array, locator_arrays
-from .lease import job_fence
+from .generation import Generation
+from .layout import INDEX_PARTS, WRITE_CONFIG, fill_value, get_array, locator_arrays
+from .ledger import Ledger, Verdict, claim, commit, new_id
+from .objects import Objects
+from .views import GenerationStore, Slot, write_view
+
+__all__ = ["ShardWriter", "Ticket"]
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a job's writers need to write its shards: the generation they write into, and the member (the job's
+    process that claims shards: :mod:`.members`) whose claims they hold."""
+
+    generation: str
+    member: int
 
 
 class ShardWriter:
-    """Writes the rows of one shard; ``finish`` writes status, errors, then the done marker.
-
-    With ``fence`` (the lease token of the job), the writer checks that its job still holds the
-    store before the shard is opened, before each chunk it writes and before its done marker, and raises
-    :class:`FencedError` otherwise: a job paused past its lease never writes into the store of
-    the job that took it over."""
+    """Writes one attempt at the rows ``start:stop`` of shard ``index``: claims it for ``ticket``'s member (raising
+    :class:`ShardTaken` where another member holds it or committed it), writes each capture's chunks
+    (:meth:`write`), then per-row arrays and the commit (:meth:`finish`). :class:`FencedError` when the member lost
+    the shard meanwhile (taken over after it seemed dead) or the store was made again."""
 
     def __init__(self, url: str, start: int, stop: int, index: int, storage_options: Mapping[str, Any] | None = None,
-                 fence: str | None = None):
-        self.url, self.fence, self.storage_options = url, fence, storage_options
-        self.opened = _Opened.of(url, storage_options, fence)
-        self.group = self.opened.group
-        self.check_fence()
+                 ticket: Ticket | None = None):
+        if ticket is None:
+            raise ValueError("a shard is written for a member of the store's generation: give its Ticket")
+        self.url, self.storage_options, self.ticket = url, storage_options, ticket
         self.start, self.stop, self.index = start, stop, index
+        self.opened = _Opened.of(url, storage_options, ticket.generation)
+        self.attempt = new_id()
+        rows = self.opened.claim(index, ticket.member, self.attempt)
+        self.view = self.opened.view({"data": self.attempt, "rows": rows}, index)
         self.bytes = 0
-        # opened once (each open reads the array's metadata), with how its whole chunks are encoded
+        # opened once per attempt (metadata read once per process), with how their whole chunks are encoded
         self._arrays: dict[str, tuple[zarr.Array, ChunkCodec | None]] = {}
         self._streams: dict[str, ShardStream] = {}  # sharded arrays: this shard's object of each, being written
         self._lock = threading.Lock()  # write() is called from several writer threads
@@ -48,7 +66,7 @@ class ShardWriter:
         with ``labels``, the rows' labels: the shard's rows of those arrays read in one round."""
         locators = list(self.opened.locators)
         names = ["paths", *locators, *(["labels"] if labels else [])]
-        got = dict(zip(names, read_at_once([(self.opened.array(n), slice(self.start, self.stop)) for n in names]),
+        got = dict(zip(names, read_at_once([(self._array(n), slice(self.start, self.stop)) for n in names]),
                        strict=True))
         paths = got["paths"].tolist()
         found = np.asarray(got["labels"], dtype=np.int64) if labels else None
@@ -57,16 +75,18 @@ class ShardWriter:
         return list(zip(paths, *(got[n].tolist() for n in locators), strict=True)), found
 
     def check_fence(self) -> None:
-        """Raise :class:`FencedError` when the job that writes is no longer the one holding the store (early: every
-        write is fenced by the store itself, :class:`FencedStore`)."""
-        if self.opened.fence is not None:
-            self.opened.fence.check()
+        """Raise :class:`FencedError` once the store was made again (its member read the head: :mod:`.members`)."""
+        member = self.opened.member
+        if member is not None:
+            member.check()
+
+    def _array(self, name: str) -> zarr.Array:
+        return self.opened.bound(name, self.view)
 
     def _open(self, key: str) -> tuple[zarr.Array, ChunkCodec | None]:
-        """The capture array ``key`` and its chunk codec, opened once (callers hold ``_lock``)."""
+        """The capture array ``key`` and its chunk codec (callers hold ``_lock``)."""
         if key not in self._arrays:
-            array = self.opened.array(key)
-            self._arrays[key] = array, ChunkCodec.of(array)
+            self._arrays[key] = self._array(key), self.opened.codec(key)
         return self._arrays[key]
 
     def chunk_rows(self, keys: Iterable[str]) -> dict[str, int]:
@@ -75,22 +95,21 @@ class ShardWriter:
             return {key: int(self._open(key)[0].chunks[0]) for key in keys}
 
     def write(self, offset: int, chunks: Mapping[str, np.ndarray]) -> None:
-        """Write rows ``start+offset ...`` of each capture in ``chunks`` (one whole chunk of each),
-        while this job holds the store (a small metadata read before each chunk: a job paused
-        mid-shard must not write into the store of the job that took it over)."""
+        """Write rows ``start+offset ...`` of each capture in ``chunks`` (one whole chunk of each)."""
         self.check_fence()
         with self._lock:
             opened = {key: (*self._open(key), data) for key, data in chunks.items()}
             for key, (_, codec, _) in opened.items():
                 if codec is not None and codec.shard_rows is not None and key not in self._streams:
-                    self._streams[key] = ShardStream(codec, self.start, self.url, self.storage_options,
-                                                     uuid.uuid4().hex[:12])
+                    self._streams[key] = ShardStream(codec, self.start, self.view, self.opened.base_url,
+                                                     self.storage_options)
         written = write_chunks(self.start + offset, opened, self._streams)
         with self._lock:
             self.bytes += written
 
     def abandon(self) -> None:
-        """The shard will not finish here: its sharded objects being written are given up."""
+        """The shard will not finish here: its sharded objects being written are given up (what is written stays
+        unnamed: garbage)."""
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
@@ -106,8 +125,10 @@ class ShardWriter:
         reused: np.ndarray | None = None,
         index_parts: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """``index_parts``: this shard's part of each write-time feature index (store.feature_index)."""
-        self.check_fence()  # the marker says "done": only while this job holds the store
+        """The shard's sharded objects made whole, its per-row and per-shard arrays written (every array of the
+        attempt, fill values where nothing is given), then the commit. ``index_parts``: this shard's part of each
+        write-time feature index."""
+        self.check_fence()
         with self._lock:
             keys = list(self._streams)
         for key in keys:  # each sharded array's object of this shard made whole: its index, last
@@ -115,65 +136,130 @@ class ShardWriter:
             with self._lock:
                 del self._streams[key]  # closed: what a failure leaves open, abandon() gives up
         rows, one = self.start, self.index  # where the per-row arrays' rows begin; the per-shard arrays' row
-        writes = [(key, rows, v) for key, v in (extras or {}).items()]
-        if digests is not None and self.opened.has("digest"):  # stores made before digests have none
-            writes.append(("digest", rows, digests))
-        if reused is not None and self.opened.has("reused"):
-            writes.append(("reused", rows, reused))
-        writes += [(f"index_parts/{key}", one, np.asarray(part)[None]) for key, part in (index_parts or {}).items()]
-        writes += [("status", rows, status), ("errors", rows, np.asarray(errors, dtype=object)),
-                   ("shard_stats", one, np.asarray([stats], dtype=object))]
-        # all of them, then the marker last: a crash before it never looks complete
-        write_whole([self.opened.coded(*w) for w in writes], self.opened.coded("shard_done", one, np.ones(1, np.uint8)))
+        given: dict[str, tuple[int, np.ndarray]] = {key: (rows, v) for key, v in (extras or {}).items()}
+        if digests is not None:
+            given["digest"] = (rows, digests)
+        if reused is not None:
+            given["reused"] = (rows, reused)
+        given.update({f"{INDEX_PARTS}/{key}": (one, np.asarray(part)[None]) for key, part in (index_parts or {}).items()})
+        given.update(status=(rows, status), errors=(rows, np.asarray(errors, dtype=object)),
+                     shard_stats=(one, np.asarray([stats], dtype=object)))
+        writes = [(name, *given[name]) if name in given else self.opened.filled(name, rows, one, len(status))
+                  for name in self.opened.per_row_data]
+        write_whole([(*self._open_row(name), start, data) for name, start, data in writes])
+        ok, failed = int((status == 1).sum()), int((status == 2).sum())
+        verdict = self.opened.commit(self.index, self.ticket.member, self.attempt, ok, failed, self.bytes)
+        if verdict is Verdict.LOST:
+            raise FencedError(f"shard {self.index} of {self.url} was taken over by another process while this one "
+                              "computed it (this one was paused or cut off for longer than output.lease_timeout_s); "
+                              "what it wrote is not used. This process stops")
+
+    def _open_row(self, name: str) -> tuple[zarr.Array, ChunkCodec | None]:
+        with self._lock:
+            return self._open(name)
 
 
 class _Opened:
-    """A job's store as this process opened it for writing: its root group and arrays, each opened once (an
-    opening reads metadata from the storage: 0.5-1 ms each locally, a round trip on an object store). Kept for
-    the shards of one job (its lease token) that the process writes; the lease itself is read fresh at every
-    fence check."""
+    """A job's generation as this process opened it for writing: its ledger, its arrays' metadata (each read once:
+    0.5-1 ms locally, a round trip on an object store) and chunk codecs; each attempt's arrays are those, bound to
+    its own view. Kept for the shards of one generation that the process writes."""
 
-    last: _Opened | None = None  # the job whose shards this process writes now
+    last: _Opened | None = None  # the generation whose shards this process writes now
+    _guard = threading.Lock()
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, fence: str | None) -> None:
-        self.key = (url, fence)
-        self.fence = job_fence(url, storage_options, fence) if fence is not None else None
-        self.group = fenced_group(url, storage_options, self.fence)
-        self.names = set(self.group.array_keys())
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, generation: str) -> None:
+        self.key = (url, generation)
+        self.objects = Objects.at(url, storage_options)
+        self.generation = Generation(self.objects, generation)
+        self.base_url = f"{self.objects.url}/{generation}"
+        self.ledger: Ledger = self.generation.ledger()
+        self.base = write_view(self.objects.zarr_store(generation, read_only=False), {}, url=url)
+        self.group = zarr.open_group(store=self.base, mode="r", use_consolidated=True)
+        self.names = set(self.group.array_keys()) | {f"{INDEX_PARTS}/{k}" for k in _index_parts(self.group)}
         self.locators = locator_arrays(self.group, self.names)  # the source's arrays beside paths, in its order
+        self.slots: dict[str, Slot] = {}
         self.arrays: dict[str, zarr.Array] = {}
-        self.codecs: dict[str, ChunkCodec | None] = {}  # how whole chunks of those arrays are encoded
+        self.codecs: dict[str, ChunkCodec | None] = {}
         self.lock = threading.Lock()
-        # on an object store every chunk of a shard is written, also one of fill values only (zarr would skip or
-        # remove it): a stale writer's object at that key is then always met, and replaced
-        self.config: ArrayConfigParams | None = {"write_empty_chunks": True} if is_s3(url) and fence else None
+        self.member: Any = None  # this process's member, where it is one (the local backend's driver)
+        self.rows = int(self.generation.root()["n_rows"])  # type: ignore[index]
+        self.shard_size = int(self.generation.root()["shard_size"])  # type: ignore[index]
+        # the arrays an attempt writes at finish (per row or per shard): every one of the data slot but captures
+        captures = set((self.generation.root() or {}).get("captures") or {})
+        self.per_row_data = sorted(n for n in self.names if n not in captures and self._slot(n) == "data")
 
     @classmethod
-    def of(cls, url: str, storage_options: Mapping[str, Any] | None, fence: str | None) -> _Opened:
-        """The store opened for the job with lease token ``fence`` (opened anew without one)."""
-        last = cls.last
-        if fence is not None and last is not None and last.key == (url, fence):
-            return last
-        opened = cls(url, storage_options, fence)
-        if fence is not None:
-            cls.last = opened
-        return opened
+    def of(cls, url: str, storage_options: Mapping[str, Any] | None, generation: str) -> _Opened:
+        """The generation opened for writing (once per process and generation)."""
+        with cls._guard:
+            last = cls.last
+            if last is not None and last.key == (url, generation):
+                return last
+            opened = cls.last = cls(url, storage_options, generation)
+            return opened
 
-    def has(self, name: str) -> bool:
-        return name in self.names
+    def _slot(self, name: str) -> str | None:
+        slot = self.base.slots.get(name)
+        if slot is None and name not in self.base.plain:
+            self.array(name)  # its metadata read: its slot known
+            slot = self.base.slots.get(name)
+        return slot.slot if slot is not None else None
 
     def array(self, name: str) -> zarr.Array:
         with self.lock:
             if name not in self.arrays:
-                array = get_array(self.group, name)
-                self.arrays[name] = array.with_config(self.config) if self.config else array
+                self.arrays[name] = get_array(self.group, name).with_config(WRITE_CONFIG)
             return self.arrays[name]
 
-    def coded(self, name: str, start: int, data: np.ndarray) -> tuple[zarr.Array, ChunkCodec | None, int, np.ndarray]:
-        """The array ``name`` and its chunk codec (each found once), with rows ``start ...`` to write to it."""
+    def bound(self, name: str, view: GenerationStore) -> zarr.Array:
+        """Array ``name`` writing through ``view`` (an attempt's): the array opened once, bound to the view."""
+        array = self.array(name)
+        inner = copy.copy(array.async_array)
+        object.__setattr__(inner, "store_path", StorePath(view, array.path))
+        return zarr.Array(inner)
+
+    def codec(self, name: str) -> ChunkCodec | None:
         array = self.array(name)
         with self.lock:
             if name not in self.codecs:
                 self.codecs[name] = ChunkCodec.of(array)
-            return array, self.codecs[name], start, data
+            return self.codecs[name]
 
+    def view(self, attempts: Mapping[str, int], shard: int) -> GenerationStore:
+        """The writes of one attempt at ``shard``."""
+        return GenerationStore(self.base._store, attempts=attempts, shards=range(shard, shard + 1), url=self.base.url,
+                               slots=self.base.slots, plain=self.base.plain)  # known already: shared, read once
+
+    def filled(self, name: str, rows: int, one: int, n: int) -> tuple[str, int, np.ndarray]:
+        """A per-row or per-shard array the attempt was given nothing for: its fill values (every chunk of a
+        committed shard is written)."""
+        array = self.array(name)
+        per_shard = array.shape[0] != self.rows  # (shards, ...) arrays: one row a shard
+        count = 1 if per_shard else n
+        data = np.full((count, *array.shape[1:]), array.fill_value, dtype=array.dtype)
+        return name, one if per_shard else rows, data
+
+    def claim(self, shard: int, member: int, attempt: int) -> int:
+        """Claim ``shard`` for ``member``'s ``attempt`` (:func:`.ledger.claim`); the attempt holding its rows."""
+        held: list[int] = []
+
+        def step(e: np.void) -> Verdict:
+            verdict = claim(e, member, attempt, self.generation.roster.dead)
+            held[:] = [int(e["rows"])]
+            return verdict
+
+        verdict = self.ledger.step(shard, step)
+        if verdict is not Verdict.OK:
+            raise ShardTaken(shard, verdict.value)
+        return held[0]
+
+    def commit(self, shard: int, member: int, attempt: int, ok: int, failed: int, nbytes: int) -> Verdict:
+        verdict = self.ledger.step(shard, lambda e: commit(e, member, attempt, ok, failed, nbytes))
+        if verdict is Verdict.OK and self.member is not None:
+            self.member.committed()
+        return verdict
+
+
+def _index_parts(group: zarr.Group) -> list[str]:
+    node = group.get(INDEX_PARTS)
+    return list(node.array_keys()) if isinstance(node, zarr.Group) else []

@@ -123,7 +123,8 @@ def test_no_hooks_no_parameter_grads_no_graph_after_a_job(image_dir: Path, tmp_p
     spec = parse_spec(job(image_dir, tmp_path / "s.zarr", capture=GRAD_CAPTURES))
     worker = Worker(spec)
     rows = list_rows(spec.data)
-    from extractor.store.layout import StoreArrays, create_store
+    from extractor.store.synthetic import create_store
+    from extractor.store.layout import StoreArrays
 
     probe = worker.probe()
     create_store(str(tmp_path / "s.zarr"), rows, StoreArrays(captures=probe.captures, extras=probe.extras,

@@ -11,7 +11,8 @@ import pytest
 from extractor.data import Rows
 from extractor.read.reader import open_store
 from extractor.store import snapshot
-from extractor.store.layout import OK, StoreArrays, create_store
+from extractor.store.synthetic import create_store
+from extractor.store.layout import OK, StoreArrays
 
 
 @pytest.fixture(scope="module")

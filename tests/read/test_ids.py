@@ -18,7 +18,8 @@ from extractor.data.rows import Strings
 from extractor.read.ids import _IdIndex
 from extractor.read.reader import open_store
 from extractor.store import SortedIds
-from extractor.store.layout import StoreArrays, create_store
+from extractor.store.synthetic import create_store
+from extractor.store.layout import StoreArrays
 
 META = {"shape": [2], "dtype": "float32", "dims": ["x.f"], "layer": "x", "what": "output", "reduce": "none"}
 

@@ -13,7 +13,8 @@ from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read.reader import ActivationStore, open_store
 from extractor.spec.load import parse_spec
-from extractor.store.layout import FAILED, OK, StoreArrays, create_store
+from extractor.store.synthetic import create_store
+from extractor.store.layout import FAILED, OK, StoreArrays
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 from extractor.data.rows import Rows
 from extractor.errors import StoreError
 from extractor.read import compare, linear_cka, open_store
-from extractor.store.layout import FAILED, OK, StoreArrays, create_store
+from extractor.store.synthetic import create_store
+from extractor.store.layout import FAILED, OK, StoreArrays
 
 
 def _store(url: str, ids: list[str], arrays: dict[str, np.ndarray], failed: tuple[int, ...] = (),

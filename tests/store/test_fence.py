@@ -363,7 +363,8 @@ def test_a_reader_never_sees_a_shard_object_half_replaced(tmp_path: Path):
     import zarr
 
     from extractor.data import Rows
-    from extractor.store.layout import StoreArrays, create_store
+    from extractor.store.synthetic import create_store
+    from extractor.store.layout import StoreArrays
 
     def made(name: str, value: float) -> Path:
         url = str(tmp_path / name)

@@ -1,0 +1,29 @@
+"""A store written without a job: tests, benchmarks and stores assembled by hand (numpy and zarr only)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import zarr
+
+from .._text import now
+from ..data import Rows
+from .generation import read_head, swap_head
+from .layout import StoreArrays, create_generation
+from .objects import Objects
+
+__all__ = ["create_store"]
+
+
+def create_store(url: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
+                 storage_options: Mapping[str, Any] | None = None) -> zarr.Group:
+    """Make a store at ``url`` (replacing what is there) whose every shard is held by one attempt, committed at
+    once: the group returned writes into that attempt (any array, any rows), and what it writes is read at once.
+    ``attrs``: the store's record (at least ``n_rows``, ``n_shards``, ``captures``)."""
+    objects = Objects.at(url, storage_options)
+    name = swap_head(objects, read_head(objects), now())
+    store = create_generation(objects, name, rows, arrays, {"created": now(), "spec": {}, "model": {}, **attrs},
+                              committed=True)
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        return zarr.open_group(store=store, mode="r+", use_consolidated=False)
