@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-__all__ = ["open_store", "load_spec", "JobSpec", "run", "__version__"]
+__all__ = ["open_store", "zarr_store", "load_spec", "JobSpec", "run", "__version__"]
 
 if TYPE_CHECKING:
     from .api import run
-    from .read import open_store
+    from .read import open_store, zarr_store
     from .spec import JobSpec, load_spec
 
 _LAZY = {
     "open_store": "read",
+    "zarr_store": "read",
     "load_spec": "spec",
     "JobSpec": "spec",
     "run": "api",

@@ -68,9 +68,11 @@ class ShardSummary:
     wait_write: float = 0.0
     reused: int = 0  # rows copied from another store (output.reuse), not computed
     taken: str = ""  # not computed here: "done" (committed by another member), "taken" (a live one computes it)
+    stats: str = ""  # the shard's statistics record, as committed (the driver merges it without reading the store)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As JSON gives it (without its statistics record: the store keeps it)."""
+        return {k: v for k, v in asdict(self).items() if k != "stats"}
 
 
 def taken(shard: Shard, err: ShardTaken) -> ShardSummary:
@@ -303,8 +305,8 @@ class ShardOutput:
             while self.pending:  # every chunk durable (or its error raised) before the shard is marked done
                 self.pending.popleft().result()
             parts = {key: feed.state.to_bytes() for key, feed in self.indexes.items()}
-            self.writer.finish(self.status, self.errors, self.extras, stats_dumps(self.stats), self.digests,
-                               self.reused, parts)
+            stats = stats_dumps(self.stats)
+            self.writer.finish(self.status, self.errors, self.extras, stats, self.digests, self.reused, parts)
         except BaseException as err:
             drain(self.pending)
             self.writer.abandon()
@@ -323,6 +325,7 @@ class ShardOutput:
             wait_device=self.wait_device,
             wait_write=self.wait_write,
             reused=int((self.reused >= 0).sum()),
+            stats=stats,
         )
 
     def abandon(self) -> None:

@@ -24,7 +24,7 @@ from ..read import ActivationStore, open_store
 from ..store import OK, Generation, Objects
 from .dictionary import Dictionary, load_dictionary
 from .feed import IndexFeed, Layout
-from .layout import INDEXES, index_name, index_record, pointer, source_state, write_index
+from .layout import index_name, index_record, pointer, source_state, write_index
 from .reader import FeatureIndex, _layout, _store, index_names, open_index
 
 __all__ = ["index"]
@@ -125,7 +125,7 @@ def _say_replaced(store: ActivationStore, name: str) -> None:
     """Warn that index ``name``, which the store holds, is about to be replaced (the new one written beside it,
     then named in its place)."""
     if name in index_names(store):
-        old: dict[str, Any] = dict(store.group[f"{INDEXES}/{name}"].attrs)
+        old: dict[str, Any] = dict(open_index(store, name).attrs)
         dic = old.get("dictionary")
         log.warning("replacing index %s of %s (%s features of %s%s, k %s, pool %s, %s rows)", name, store.url,
                     old.get("features"), old.get("key"), f" through {dic['path']}" if dic else "", old.get("k"),

@@ -51,7 +51,7 @@ from .batching import (
 from .epoch import check_part
 from .ids import _IdIndex
 
-__all__ = ["open_store", "ActivationStore"]
+__all__ = ["open_store", "zarr_store", "ActivationStore"]
 
 _IDS_READ_ALONE = 64  # ids the id index checks a chunk each; more: all ids read at once (0.25 s at 1M rows)
 
@@ -68,6 +68,10 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
                 if local is not None and hasattr(os, "pread"):  # of their object each (store.snapshot)
                     group = zarr.open_group(snapshot_store(local), mode="r")
     except FileNotFoundError:
+        parent = url.rstrip("/").rsplit("/", 1)[0]
+        if parent != url.rstrip("/") and _is_store(parent, storage_options):
+            raise StoreError(f"{url} is an array of a store, not a store: open the store ({parent}) and read the "
+                             "array by its key") from None
         raise StoreError(f"no store at {url}") from None
     except zarr.errors.ContainsArrayError:
         parent = url.rstrip("/").rsplit("/", 1)[0]
@@ -80,6 +84,21 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Ac
     except Exception as err:
         raise StoreError(f"cannot open {url} as a Zarr store: {err}") from err
     return ActivationStore(group, url, storage_options)
+
+
+def _is_store(url: str, storage_options: Mapping[str, Any] | None) -> bool:
+    try:
+        return read_head(Objects.at(url, storage_options)) is not None
+    except Exception:  # noqa: BLE001 - nothing readable there: no store
+        return False
+
+
+def zarr_store(url: str, storage_options: Mapping[str, Any] | None = None) -> zarr.abc.store.Store:
+    """The store at ``url`` as a zarr store that reads what its commits name (numpy and zarr only), for tools that
+    take one: ``xarray.open_zarr(zarr_store(url))``, ``zarr.open_array(zarr_store(url), path="layer3")``,
+    ``dask.array.from_zarr``. (Opened by URL, zarr and xarray refuse its arrays: they declare the storage
+    transformer that maps a chunk to the attempt holding it, which they do not know; never read as fill values.)"""
+    return open_store(url, storage_options).group.store
 
 
 def _need_torch(what: str) -> None:
@@ -430,10 +449,7 @@ class ActivationStore(Batching):
             import xarray as xr
         except ImportError as err:
             raise ImportError("to_xarray needs xarray and dask: pip install 'extractor[analysis]'") from err
-        kwargs: dict[str, Any] = {"consolidated": False}
-        if self.storage_options:
-            kwargs["storage_options"] = dict(self.storage_options)
-        ds = xr.open_zarr(self.url, **kwargs)
+        ds = xr.open_zarr(self.group.store, consolidated=False)
         status = self.status
         extras = self.extras
         ds = ds[[*self.keys, *extras]].assign_coords(row=np.arange(len(status)),

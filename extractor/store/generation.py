@@ -10,8 +10,10 @@ removed by the next job that makes or finishes the store.
 
 Within a generation (``<url>/<generation>/``)::
 
-    zarr.json                     its root: the job's record (spec, model, captures, ...) and, consolidated, every
-                                  array's metadata; written last when the generation is made (absent: being made)
+    __root.json                   its root group's metadata (zarr reads it as the root's ``zarr.json`` through the
+                                  store's view; a plain reader finds no group here): the job's record (spec, model,
+                                  captures, ...) and, consolidated, every array's metadata; written last when the
+                                  generation is made (absent: being made)
     <array>/zarr.json, ...        the arrays (:mod:`.layout`); chunks of shards under their attempts (:mod:`.views`)
     __attempts/<attempt>/...      each attempt's objects
     __txn/ledger/<block>          the ledger (:mod:`.ledger`): which attempt holds each shard
@@ -38,7 +40,7 @@ from ..errors import StoreError
 from .ledger import Ledger, Table
 from .members import Roster, alive
 from .objects import LOCK, Objects
-from .views import GenerationStore, read_view
+from .views import ROOT, GenerationStore, read_view
 
 __all__ = ["FORMAT", "Head", "Generation", "read_head", "swap_head", "TXN", "open_group", "read_state",
            "done_shards", "collect_others"]
@@ -122,7 +124,7 @@ class Generation:
     def root(self) -> dict[str, Any] | None:
         """The extractor attributes of the generation's root (None: still being made)."""
         if self._root is None:
-            data = self.objects.get(self.key("zarr.json"))
+            data = self.objects.get(self.key(ROOT))
             if data is None:
                 return None
             self._root = dict((json.loads(data).get("attributes") or {}).get(ATTR) or {})
@@ -195,6 +197,17 @@ class Generation:
             attrs["resumed"] = members[-1].get("started")
         return attrs
 
+    def being_made(self) -> str:
+        """What to say of a generation not made yet: being made by a live job now, or left half-made."""
+        live = self.roster.live()
+        if live:
+            m = live[0]
+            return (f"store {self.objects.url} is being created by another extractor job now: pid {m.get('pid')} on "
+                    f"{m.get('host')} (user {m.get('user')}, started {m.get('started')}); open it once that job has "
+                    "created it")
+        return (f"store {self.objects.url} was left half-created by a run that failed while creating it: it holds no "
+                "data; run the job again with --resume (or --overwrite)")
+
     def open(self, table: Table | None = None) -> zarr.Group:
         """The generation's root group, read as ``table`` (default: the ledger now) names its shards' attempts."""
         table = table if table is not None else self.ledger().read()
@@ -207,8 +220,8 @@ class Generation:
         error: its values are gone), or it was removed by hand (read as fill values; ``inspect --verify`` names
         it)."""
         if not self.still_live():
-            raise StoreError(f"{self.objects.url} was made again since it was opened (its generation {self.name} is "
-                             "gone): open it again")
+            raise StoreError(f"{self.objects.url} was made again (or removed) since it was opened (its generation "
+                             f"{self.name} is gone): open it again")
 
     # garbage
 
@@ -251,7 +264,7 @@ def open_group(url: str, storage_options: Mapping[str, Any] | None = None) -> za
         return zarr.open_group(url, **kwargs)
     generation = Generation(objects, head.generation)
     if generation.root() is None:
-        raise StoreError(f"store {url} is being made (or was left half-made): it holds no data yet")
+        raise StoreError(generation.being_made())
     return generation.open()
 
 

@@ -194,20 +194,23 @@ def fill_value(dtype: str) -> float:
     return -1 if numpy_dtype(dtype).kind in "iu" else np.nan
 
 
-def slots(arrays: StoreArrays, locators: Iterable[str]) -> dict[str, Slot]:
+def slots(arrays: StoreArrays, n_rows: int, locators: Iterable[str]) -> dict[str, Slot]:
     """The arrays whose chunks belong to shards, and the ledger's slot that names each one's attempt: what a shard
     computes (``data``) or its rows' source facts (``rows``); the others (ids, paths, labels, the id index) are
     written once, when the generation is made."""
-    one = Slot("data", 1)  # per-row arrays are chunked by shard; per-shard ones a chunk a shard; a capture's shard
-    out = {name: one for name in ("status", "errors", "digest", "shard_stats")}  # is one object
-    out.update({name: Slot("rows", 1) for name in ("fingerprint", *locators)})
-    out.update({key: one for key in arrays.extras})
+    size = arrays.shard_size
+    rows = min(size, max(n_rows, 1))  # per-row arrays: a chunk a shard (of a store smaller than one: its rows)
+    per_row, per_shard = Slot("data", rows, size), Slot("data", 1, 1)
+    out = {name: per_row for name in ("status", "errors", "digest")}
+    out["shard_stats"] = per_shard
+    out.update({name: Slot("rows", rows, size) for name in ("fingerprint", *locators)})
+    out.update({key: per_row for key in arrays.extras})
     if arrays.reuse:
-        out["reused"] = one
-    for key in arrays.captures:  # sharded: a work shard's chunks are one object; else chunk_rows divides it
-        out[key] = one if arrays.sharded else Slot("data", arrays.shard_size // arrays.chunk_rows[key])
+        out["reused"] = per_row
+    for key in arrays.captures:  # sharded: a work shard's chunks are one object; else chunks of chunk_rows
+        out[key] = Slot("data", size if arrays.sharded else min(arrays.chunk_rows[key], max(n_rows, 1)), size)
     for key in arrays.index_parts:
-        out[f"{INDEX_PARTS}/{key}"] = one
+        out[f"{INDEX_PARTS}/{key}"] = per_shard
     return out
 
 
@@ -224,7 +227,7 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
     locators = [locator.name for locator in arrays.locators]
     attempts = {"rows": new_id(), **({"data": new_id()} if committed else {})}
     store = write_view(objects.zarr_store(name, read_only=False), attempts,
-                       slots=slots(arrays, locators), url=objects.url, hold_root=True)
+                       slots=slots(arrays, len(rows), locators), url=objects.url, hold_root=True)
     try:
         with zarr.config.set({"array.write_empty_chunks": True}):
             group = zarr.open_group(store=store, mode="a", use_consolidated=False)

@@ -41,7 +41,7 @@ from .provenance import (
 )
 from .recorded import StoredRows
 from .reuse import check_sources
-from .stats import Totals, merge_shards, shard_record
+from .stats import Totals, merge_shards
 from .views import write_view
 from .writer import Ticket, _Opened
 
@@ -114,8 +114,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
                          f"its heartbeat is {_timeout(live):.0f} s old (output.lease_timeout_s)")
     if old.get("status") == "creating":  # left half-made by a job that is gone: --resume starts it again
         if mode == "error":
-            raise StoreError(f"store {url} was left half-created by a run that failed while creating it: it holds no "
-                             "data; run the job again with --resume (or --overwrite)")
+            raise StoreError(generation.being_made())
         if mode == "join" and live:
             return Decision(False, old, shards, head=head)  # its maker is alive: joined once it is made
         return Decision(True, old, shards, head=head)
@@ -283,7 +282,15 @@ class StoreSession:
         decision, record = self._decided()
         spec = self.spec
         if decision.create:
-            name = swap_head(self.objects, decision.head, now())  # from here on the store is this generation
+            try:
+                name = swap_head(self.objects, decision.head, now())  # from here on the store is this generation
+            except StoreError:
+                raise
+            except OSError as err:  # NotADirectoryError, PermissionError, no bucket, credentials...
+                raise StoreError(
+                    f"cannot create the store at output.store {spec.output.store}: {type(err).__name__}: "
+                    f"{str(err).rstrip('.')}. Its parent folder or bucket must exist and be writable (check "
+                    "output.store and output.storage_options)") from err
             self.generation = Generation(self.objects, name)
             self._join(dict(record.get("spec", {})))
             if collect_others(self.objects, name):
@@ -385,14 +392,11 @@ class StoreSession:
 
     # ---------------------------------------------------------------------------------------------- shards
 
-    def shard_done(self, index: int) -> None:
-        """Merge a committed shard's statistics now (what is not merged now, the end merges)."""
-        if self.totals is None or self.generation is None:
-            return
-        try:
-            self.totals.add(index, shard_record(self.generation.open(), index))
-        except Exception as err:  # noqa: BLE001 - the end of the run merges what is not merged yet
-            log.debug("statistics of shard %s not merged now: %s", index, err)
+    def shard_done(self, index: int, stats: str) -> None:
+        """Merge the statistics record ``stats`` of a shard this job committed now (what is not merged now, the end
+        merges from the store)."""
+        if self.totals is not None:
+            self.totals.add(index, stats)
 
     def remaining(self, wait: bool) -> list[Shard]:
         """The shards not committed that this member may take now (pending, or claimed by a dead member); with

@@ -3,8 +3,8 @@ it (numpy-free; zarr's store interface).
 
 An array whose chunks belong to shards (a capture, a row's status, a shard's statistics) declares, in its own
 metadata, the Zarr v3 storage transformer ``extractor-attempts`` with the slot of the ledger that names its
-chunks' attempt (``data``: what a shard computed; ``rows``: its rows' source facts) and how many of its chunks
-make a shard. The chunk ``<array>/c/<i>/...`` of shard ``s`` then lies at ``__attempts/<attempt>/<array>/c/<i>/...``,
+chunks' attempt (``data``: what a shard computed; ``rows``: its rows' source facts) and how its chunks fall in
+shards (rows per chunk, rows per shard). The chunk ``<array>/c/<i>/...`` of shard ``s`` then lies at ``__attempts/<attempt>/<array>/c/<i>/...``,
 where ``attempt`` is what the ledger names for ``s``. A reader without this package meets an unknown storage
 transformer and refuses the array (zarr-python: "Arrays with storage transformers are not supported"), never
 reading it as fill values; arrays without one (ids, paths, labels, the id index: written once, when the generation
@@ -32,9 +32,11 @@ from zarr.storage import WrapperStore
 from ..errors import StoreError
 from .ledger import Table
 
-__all__ = ["TRANSFORMER", "ATTEMPTS", "Slot", "read_view", "write_view", "GenerationStore", "attempt_prefix"]
+__all__ = ["TRANSFORMER", "ATTEMPTS", "ROOT", "Slot", "read_view", "write_view", "GenerationStore", "attempt_prefix"]
 
 TRANSFORMER = "extractor-attempts"
+ROOT = "__root.json"  # the generation's root metadata, where zarr reads "zarr.json" of the root through a view: a plain
+# reader opening the generation's folder finds no group there (an error), never its arrays as fill values
 ATTEMPTS = "__attempts"  # an attempt's objects: __attempts/<attempt as 16 hex digits>/<key>
 HIDDEN = "__"  # names of the generation's own bookkeeping (__txn, __attempts): not nodes of the hierarchy
 
@@ -45,13 +47,19 @@ def attempt_prefix(attempt: int) -> str:
 
 @dataclass(frozen=True)
 class Slot:
-    """An array's chunks as the ledger names them: ``slot`` (``data`` or ``rows``), ``per_shard`` chunks a shard."""
+    """An array's chunks as the ledger names them: ``slot`` (``data`` or ``rows``); the object of first chunk
+    coordinate ``i`` holds rows from ``i * chunk_rows``, of shard ``i * chunk_rows // shard_rows``."""
 
     slot: str
-    per_shard: int
+    chunk_rows: int  # rows (or shards, of a per-shard array) an object's first coordinate steps by
+    shard_rows: int  # rows (or 1) of a shard
+
+    def shard(self, coord: int) -> int:
+        return coord * self.chunk_rows // self.shard_rows
 
     def transformer(self) -> dict[str, Any]:
-        return {"name": TRANSFORMER, "configuration": {"slot": self.slot, "chunks_per_shard": self.per_shard}}
+        return {"name": TRANSFORMER, "configuration": {"slot": self.slot, "chunk_rows": self.chunk_rows,
+                                                       "shard_rows": self.shard_rows}}
 
     @classmethod
     def of(cls, meta: Mapping[str, Any]) -> Slot | None:
@@ -59,7 +67,7 @@ class Slot:
         for t in meta.get("storage_transformers") or ():
             if isinstance(t, Mapping) and t.get("name") == TRANSFORMER:
                 conf = t.get("configuration") or {}
-                return cls(str(conf["slot"]), int(conf["chunks_per_shard"]))
+                return cls(str(conf["slot"]), int(conf["chunk_rows"]), int(conf["shard_rows"]))
         return None
 
 
@@ -164,7 +172,7 @@ class GenerationStore(WrapperStore[Store]):
         committed, read as fill values)."""
         if slot is None:
             return key
-        shard = coord // slot.per_shard
+        shard = slot.shard(coord)
         if self.table is not None:
             attempts = self.table.attempts(slot.slot)
             attempt = int(attempts[shard]) if shard < len(attempts) else 0
@@ -215,7 +223,7 @@ class GenerationStore(WrapperStore[Store]):
         if key == "zarr.json" and self._root is not None:
             meta = json.loads(self._root)
         else:
-            found = await self._store.get(key, prototype)
+            found = await self._store.get(ROOT if key == "zarr.json" else key, prototype)
             if found is None:
                 return None
             meta = json.loads(found.to_bytes())
@@ -244,7 +252,7 @@ class GenerationStore(WrapperStore[Store]):
         return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
 
     async def exists(self, key: str) -> bool:
-        where = await self.resolve(key)
+        where = ROOT if key == "zarr.json" else await self.resolve(key)
         return where is not None and await self._store.exists(where)
 
     # writes
@@ -258,7 +266,7 @@ class GenerationStore(WrapperStore[Store]):
             if key == "zarr.json" and self.hold_root:
                 self._root = data
             else:
-                await self._store.set(key, _buffer(data))
+                await self._store.set(ROOT if key == "zarr.json" else key, _buffer(data))
             return
         where = await self.resolve(key)
         if where is None:  # pragma: no cover - a write view always maps
@@ -271,7 +279,7 @@ class GenerationStore(WrapperStore[Store]):
 
         if self._root is None:
             raise StoreError(f"{self.url}: no root to write")
-        sync(self._store.set("zarr.json", _buffer(self._root)))
+        sync(self._store.set(ROOT, _buffer(self._root)))
         self.hold_root, self._root = False, None
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:

@@ -13,10 +13,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import zarr
+from helpers.stores import generation, made_again
 from conftest import child_env, job, make_images
 from test_dictionary import D_SAE, _refused, _sae, _saelens
 from test_state import ARRAYS, _by_hand_top, _check_against_numpy
@@ -28,9 +30,7 @@ from extractor.index.post_hoc import index
 from extractor.index.reader import open_index
 from extractor.read import open_store
 from extractor.spec.load import parse_spec
-from extractor.spec.schema import OutputSpec
-from extractor.store.layout import consolidate, update_attrs
-from extractor.store.lease import LEASE_TIMEOUT_S, Lease
+from extractor.store.objects import LocalObjects
 
 
 # ---------------------------------------------------------------------------------------------- a store
@@ -95,15 +95,14 @@ def test_an_index_of_a_store_equals_its_capture_by_hand(store: Path):
 
 
 def test_the_index_in_the_store_has_the_agreed_layout(store: Path):
-    index(str(store), "layer3", k=3, name="layout")
-    s = open_store(str(store))
-    attrs = dict(s.group["indexes/layout"].attrs)
+    ix = index(str(store), "layer3", k=3, name="layout")
+    attrs = dict(ix.attrs)
     for name in ("index_version", "key", "features", "k", "pool", "dictionary", "rows", "source_state", "positions",
                  "grid", "prefix", "threshold", "hist_edges", "quantiles", "created", "arrays"):
         assert name in attrs, name
     assert (attrs["index_version"], attrs["key"], attrs["features"], attrs["k"]) == (2, "layer3", 32, 3)
-    group = s.group[f"indexes/layout/{attrs['arrays']}"]  # the arrays, in the subgroup the attributes name
-    assert list(s.group["indexes/layout"].keys()) == [attrs["arrays"]]
+    group = ix.arrays  # the arrays, in the subgroup the attributes name
+    assert group.path.endswith(f"indexes/layout/{attrs['arrays']}") and list(ix.group.keys()) == [attrs["arrays"]]
     assert (attrs["positions"], attrs["grid"], attrs["prefix"], attrs["dictionary"]) == (4, [2, 2], 0, None)
     f, k, t, b = 32, 3, 4, len(attrs["hist_edges"]) - 1
     want = {"top_rows": ((f, k), "int64"), "top_values": ((f, k), "float32"), "top_tokens": ((f, k, t), "float32"),
@@ -139,38 +138,33 @@ def test_a_float16_capture_is_indexed_as_its_values_by_hand_at_write_time_and_af
     np.testing.assert_array_equal(row, values[3])
 
 
-def test_a_store_a_job_holds_is_refused_naming_the_job(store: Path):
-    lease = Lease(str(store), None, 60.0, {"host": "elsewhere", "pid": 4242, "user": "someone", "started": "now"})
-    lease.acquire()
-    try:
-        with pytest.raises(StoreError, match=r"in use by another extractor job: pid 4242 on elsewhere"):
-            index(str(store), "layer3")
-    finally:
-        lease.release()
-
-
-def test_a_store_that_records_no_lease_timeout_is_held_for_the_default_one(store: Path, tmp_path: Path):
-    """A store whose spec records no lease timeout (not written by a job): the index's lease took a timeout of 0, so
-    its heartbeat wrote the lease without pause and another job saw it stale at once. Now: the spec's default."""
-    path = tmp_path / "untimed.zarr"
+def test_an_index_another_process_wrote_meanwhile_is_kept_and_this_one_refused(store: Path, tmp_path: Path):
+    """Two passes making one index at once (or one paused, then woken): the one whose write lands first is the
+    store's, whole; the other's write is refused (the index's attributes are one swap from the version its pass
+    began at) and nothing of it is named."""
+    path = tmp_path / "copy.zarr"
     shutil.copytree(store, path)
-    group = zarr.open_group(str(path), mode="r+")
-    spec = dict(group.attrs["extractor"]["spec"])
-    spec["output"] = {k: v for k, v in spec["output"].items() if k != "lease_timeout_s"}
-    update_attrs(group, spec=spec)
-    consolidate(group)
-    assert "lease_timeout_s" not in open_store(str(path)).attrs["spec"]["output"]
-    held = []
+    other: list[Any] = []
 
-    def during(rows: int) -> None:
-        with pytest.raises(StoreError, match="in use by another extractor job"):  # a second job is refused
-            Lease.check(str(path), None, 1.0)
-        held.append(dict(zarr.open_group(str(path), mode="r")["lease"].attrs)["timeout_s"])
+    def meanwhile(rows: int) -> None:
+        if not other:
+            other.append(index(str(path), "layer3", k=2, name="both"))
 
-    index(str(path), "layer3", k=4, name="untimed", on_progress=during)
-    assert held and set(held) == {LEASE_TIMEOUT_S} == {OutputSpec.model_fields["lease_timeout_s"].default}
-    with pytest.raises(ValueError, match="a lease's timeout must be > 0 s, not 0"):
-        Lease(str(path), None, 0.0, {})
+    with pytest.raises(StoreError, match="index both of .* was written by another process while this one made it"):
+        index(str(path), "layer3", k=4, name="both", on_progress=meanwhile)
+    kept = open_index(str(path), "both")
+    assert kept.k == 2 and kept.attrs["arrays"] == other[0].attrs["arrays"] and list(kept.group.keys()) == \
+        [kept.attrs["arrays"]]
+    _same(kept, other[0])
+
+
+def test_an_index_of_a_store_made_again_since_it_was_opened_is_refused(store: Path, tmp_path: Path):
+    path = tmp_path / "copy.zarr"
+    shutil.copytree(store, path)
+    s = open_store(str(path))
+    made_again(str(path))
+    with pytest.raises(StoreError, match="was made again .*since it was opened.*open it again"):
+        index(s, "layer3", k=2, name="late")
 
 
 def test_open_index_names_what_the_store_holds(store: Path):
@@ -236,7 +230,8 @@ def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they
                                                                                        monkeypatch, caplog):
     path = tmp_path / "copy.zarr"
     shutil.copytree(store, path)
-    before, names = _arrays(open_index(str(path), "layer3")), sorted(zarr.open_group(str(path / "indexes")))
+    indexes = str(path / generation(str(path)).name / "indexes")
+    before, names = _arrays(open_index(str(path), "layer3")), sorted(zarr.open_group(indexes))
     for kwargs, said in [({"threshold": -1.0}, "threshold must be a finite number >= 0"),
                          ({"threshold": float("nan")}, "fires above it), not nan"),
                          ({"threshold": float("inf")}, "not inf"),
@@ -245,12 +240,12 @@ def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they
                          ({"activation": "relu"}, "an activation (relu) applies to a dictionary's latents")]:
         with pytest.raises(StoreError, match=re.escape(said)):
             index(str(path), "layer3", name=kwargs.pop("name", "layer3"), **kwargs)
-    monkeypatch.setattr(Lease, "acquire", lambda self: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
+    monkeypatch.setattr(LocalObjects, "create", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
     with pytest.raises(StoreError, match="cannot be written here .Read-only file system.; index a writable copy"):
         index(str(path), "layer3")
     monkeypatch.undo()
     after = open_index(str(path), "layer3")
-    assert sorted(zarr.open_group(str(path / "indexes"))) == names  # nothing half-written under another name
+    assert sorted(zarr.open_group(indexes)) == names  # nothing half-written under another name
     for name, x in before.items():
         np.testing.assert_array_equal(np.asarray(after.arrays[name][:]), x, err_msg=name)
     # k above the ok rows: the index of all of them, replaced with a word
@@ -311,7 +306,7 @@ def test_an_index_of_version_1_is_read_and_replaced_whole(store: Path, tmp_path:
     """Version 1 kept the arrays in the index's group itself (before December 3, 2026)."""
     path = tmp_path / "copy.zarr"
     shutil.copytree(store, path)
-    node = path / "indexes" / "layer3"
+    node = path / generation(str(path)).name / "indexes" / "layer3"
     at = zarr.open_group(str(node), mode="r").attrs["arrays"]
     for part in (node / at).iterdir():
         if part.name != "zarr.json":
@@ -319,7 +314,6 @@ def test_an_index_of_version_1_is_read_and_replaced_whole(store: Path, tmp_path:
     shutil.rmtree(node / at)
     group = zarr.open_group(str(node), mode="r+")
     group.attrs.put({**{k: v for k, v in group.attrs.items() if k != "arrays"}, "index_version": 1})
-    consolidate(zarr.open_group(str(path), mode="r+"))
     old = open_index(str(path), "layer3")
     assert old.attrs["index_version"] == 1 and old.arrays.path == old.group.path
     _same(old, open_index(str(store), "layer3"))
@@ -391,17 +385,17 @@ def test_a_killed_and_resumed_job_writes_the_index_a_post_hoc_pass_makes_and_an_
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     s = open_store(str(path))
     assert s.attrs["status"] == "running" and 2 <= s.done_shards.sum() < 4 and "indexes" not in s.group
-    early = index(s, "layer3", k=4, pool="mean", name="early")  # the killed job's lease is stale: taken over
+    early = index(s, "layer3", k=4, pool="mean", name="early")  # the shards committed so far
     assert not early.stale and early.rows == int((s.status == 1).sum())
     raw["output"]["if_exists"] = "resume"
     summary = run(parse_spec(raw))
     assert summary.shards_skipped >= 2
-    assert open_index(str(path), "early").stale  # the store was resumed since
+    assert open_index(str(path), "early").stale  # more shards were committed since
     written = open_index(str(path), "layer3")
     again = index(str(path), "layer3", k=4, pool="mean", name="again")
     assert written.rows == again.rows == 14 and not written.stale
     _same(written, again)
-    assert os.path.isdir(path / "index_parts" / "layer3")
+    assert open_store(str(path)).group["index_parts/layer3"].shape[0] == 4  # a shard's part each
 
 
 # ---------------------------------------------------------------------------------------------- a ViT's patches

@@ -7,10 +7,11 @@ import collections
 
 import numpy as np
 import pytest
+from helpers.stores import opened
 
 from extractor.data import Rows
 from extractor.read.reader import open_store
-from extractor.store import snapshot
+from extractor.store.views import GenerationStore
 from extractor.store.synthetic import create_store
 from extractor.store.layout import OK, StoreArrays
 
@@ -38,14 +39,14 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def requests(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     seen: collections.Counter = collections.Counter()
-    get = snapshot.SnapshotStore.get
+    get = GenerationStore.get
 
     async def counted(self, key, prototype, byte_range=None):  # noqa: ANN001, ANN202 - the store's signature
         if "/c/" in key:  # the array's chunks (its metadata is read once, when it is opened)
             seen[key.split("/")[0]] += 1
         return await get(self, key, prototype, byte_range)
 
-    monkeypatch.setattr(snapshot.SnapshotStore, "get", counted)
+    monkeypatch.setattr(GenerationStore, "get", counted)
     return seen
 
 
@@ -111,5 +112,5 @@ def test_status_is_read_fresh_a_file_a_chunk(tmp_path):
     assert s.status.tolist() == [0] * 50 and s.epoch_rows("x") == 0
     g["status"][3:45] = OK  # the job writes on
     assert s.status.dtype == np.uint8
-    assert s.status.tolist() == zarr.open_array(url + "/status")[:].tolist() == [0] * 3 + [1] * 42 + [0] * 5
+    assert s.status.tolist() == opened(url)["status"][:].tolist() == [0] * 3 + [1] * 42 + [0] * 5
     assert s.epoch_rows("x") == 42

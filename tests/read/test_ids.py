@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.stores import dropped, generation, root_attrs
 from conftest import job
 
 import extractor.store.id_index as id_index
@@ -85,7 +86,7 @@ def test_ids_that_share_a_hash_are_told_apart_by_their_text(tmp_path: Path, monk
 def test_a_store_without_the_index_finds_its_rows_as_before(tmp_path: Path):
     ids = [str(i) for i in ids_of(200)]
     url = made(tmp_path / "s.zarr", ids)
-    shutil.rmtree(Path(url) / "id_index")  # a store made before it
+    dropped(url, "id_index")  # a store made before it
     s = open_store(url)
     truth, asked = first_rows(ids), asked_of(ids)
     assert [s.row_numbers([i])[0] for i in ids[:3]] == [truth[i] for i in ids[:3]]
@@ -97,17 +98,14 @@ def test_a_store_without_the_index_finds_its_rows_as_before(tmp_path: Path):
 def test_an_index_that_does_not_cover_the_ids_as_they_are_is_not_used(tmp_path: Path):
     ids = [str(i) for i in ids_of(64)]
     url = made(tmp_path / "s.zarr", ids)
-    root = Path(url) / "zarr.json"
-    meta = json.loads(root.read_text())
-    meta["attributes"]["extractor"]["ids_digest"] = "other"  # the ids rewritten since (by hand)
-    root.write_text(json.dumps(meta))
+    root_attrs(url, ids_digest="other")  # the ids rewritten since (by hand)
     s = open_store(url)
     assert isinstance(s._id_index(), _IdIndex)
     url = made(tmp_path / "t.zarr", ids)
-    node = Path(url) / "id_index" / "zarr.json"
-    meta = json.loads(node.read_text())
-    meta["attributes"] = {}  # its record not written yet: half written
-    node.write_text(json.dumps(meta))
+    root = Path(url) / generation(url).name / "__root.json"  # its record not written yet: half written (the
+    meta = json.loads(root.read_text())  # metadata consolidated when the store was made holds what readers read)
+    meta["consolidated_metadata"]["metadata"]["id_index"]["attributes"] = {}
+    root.write_text(json.dumps(meta))
     assert isinstance(open_store(url)._id_index(), _IdIndex)
     assert open_store(url).row_numbers([ids[5]]).tolist() == [5]
 

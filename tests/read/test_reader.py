@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.stores import generation, made_again, member_record, opened
 from conftest import job, make_images
 
 from extractor.data.rows import Rows
@@ -246,16 +247,12 @@ def test_a_store_made_again_while_open_is_refused_before_its_rows_are_read(store
     """Another store made at the URL (``--overwrite``): its rows would come under the ids the reader holds."""
     import shutil
 
-    import zarr
-
-    from extractor.store.layout import update_attrs
-
     path = tmp_path / "s.zarr"
     shutil.copytree(store.url, path)
     s = open_store(str(path))
     ids = s.ids
     assert s.ok_rows().size and s.numpy("layer4").shape[0] == s.ok_rows().size
-    update_attrs(zarr.open_group(str(path), mode="r+"), created="2026-12-03T06:45:00+00:00")  # made again
+    made_again(str(path))
     for read in (s.ok_rows, lambda: s.numpy("layer4"), lambda: next(s.batches("layer4", 2)), lambda: s.status,
                  lambda: s.row(str(ids[0]))):
         with pytest.raises(StoreError, match="was made again .or removed. since it was opened: .* open it again"):
@@ -264,6 +261,23 @@ def test_a_store_made_again_while_open_is_refused_before_its_rows_are_read(store
     shutil.rmtree(path)
     with pytest.raises(StoreError, match="was made again .or removed."):
         s.ok_rows()
+
+
+def test_an_array_read_from_a_store_made_again_and_collected_is_refused_never_fill_values(store, tmp_path: Path):
+    """``s[key][a:b]`` reads the generation the reader opened: its objects, while they are there (the same values,
+    never another store's); once the store is made again and the old generation collected, an error, never NaN."""
+    import shutil
+
+    path = tmp_path / "s.zarr"
+    shutil.copytree(store.url, path)
+    s = open_store(str(path))
+    before = s["layer4"][:8]
+    old = s.attrs["generation"]
+    made_again(str(path))
+    np.testing.assert_array_equal(s["layer4"][:8], before)  # the generation it opened, whole
+    shutil.rmtree(path / old)  # collected, as the next job that makes or finishes the store does
+    with pytest.raises(StoreError, match="was made again .or removed. since it was opened"):
+        s["layer4"][:8]
 
 
 def test_dataloader_refuses_what_is_no_option_of_its_own(store):
@@ -301,15 +315,28 @@ def test_xarray_view_matches_raw_arrays(store):
     assert str(ok.sel(row=int(store.ok_rows()[-1]))["ids"].values) == str(store.ids[store.ok_rows()[-1]])
 
 
-def test_xarray_open_zarr_without_this_package(store):
-    """The format stands on its own: xarray and dask read it with no extractor code."""
+def test_xarray_and_dask_read_it_through_zarr_store_and_refuse_it_by_url(store):
+    """xarray and dask read a store through ``extractor.zarr_store`` (numpy and zarr: the commits it reads); opened by
+    URL alone they refuse its arrays (Zarr's storage transformer they do not know), never reading fill values."""
+    import zarr
+
+    import extractor
+
     xr = pytest.importorskip("xarray")
     da = pytest.importorskip("dask.array")
-    ds = xr.open_zarr(store.url, consolidated=False)
+    ds = xr.open_zarr(extractor.zarr_store(store.url), consolidated=False)
     assert "ids" in ds.coords and "labels" in ds.coords
     np.testing.assert_array_equal(ds["layer4"].values, store["layer4"][:])
-    arr = da.from_zarr(store.url, component="map")
+    arr = da.from_zarr(zarr.open_array(extractor.zarr_store(store.url), path="map", mode="r"))
     assert arr.shape == store["map"].shape
+    np.testing.assert_array_equal(arr.compute(), store["map"][:])
+    generation = f"{store.url}/{store.attrs['generation']}"
+    with pytest.raises(ValueError, match="storage transformers"):
+        zarr.open_array(generation, path="map", mode="r")
+    for plain in (lambda: xr.open_zarr(generation, consolidated=False), lambda: zarr.open_group(generation, mode="r")):
+        with pytest.raises(FileNotFoundError):  # no group there: a plain reader meets an error, never fill values
+            plain()
+    assert not xr.open_zarr(store.url, consolidated=False).data_vars  # the head: a group of no arrays
 
 
 def test_probe_is_near_chance_on_shuffled_labels_and_high_on_separable_classes(tmp_path: Path):
@@ -409,23 +436,21 @@ def test_nan_and_inf_are_stored_as_computed_and_counted(tmp_path: Path, caplog: 
 
 
 def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
-    """status stays "running" when the driver is SIGKILLed: the silent lease tells it apart."""
+    """A store whose job was SIGKILLed says neither complete nor how it stopped: its silent member tells it apart."""
     import re
     import time
 
-    import zarr
-
     from extractor.cli import main
-    from extractor.store.layout import update_attrs
 
     url = str(tmp_path / "s.zarr")
     run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
     assert open_store(url).stale is None  # complete
-    update_attrs(zarr.open_group(url, mode="r+"), status="running")
-    lease = zarr.open_group(url, mode="r+")["lease"]
-    lease.attrs.update({"released": False, "heartbeat": time.time() - 5})
+    gen = generation(url)
+    gen.objects.remove(gen.txn("final"))  # as a job killed before its end leaves it
+    member_record(url, ended=None, heartbeat=time.time() - 5)
+    assert open_store(url).attrs["status"] == "running"
     assert open_store(url).stale is None  # a live job renews it every 15 s (timeout 60 s)
-    lease.attrs.update({"heartbeat": time.time() - 3600})
+    member_record(url, heartbeat=time.time() - 3600)
     assert 3600 <= open_store(url).stale < 3700
     assert main(["inspect", url]) == 0
     assert re.search(r"its job has been silent for 36\d\d s \(killed\?\): run it again with --resume",
@@ -451,7 +476,7 @@ def gradient_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Activation
               capture=[{"layer": "layer4", "what": "gradcam", "key": "cam"}, {"layer": "layer4", "reduce": "mean"}],
               output={"store": str(tmp / "g.zarr"), "chunk_rows": 2})
     assert run(parse_spec(raw)).ok == 6
-    g = zarr.open_group(str(tmp / "g.zarr"), mode="r")
+    g = opened(str(tmp / "g.zarr"))
     return open_store(str(tmp / "g.zarr")), {k: np.asarray(g[k][:]) for k in ("target", "target_score", "cam.range")}
 
 
@@ -591,6 +616,8 @@ def test_dataloader_refuses_unknown_options_at_the_call(tokens):
 
 
 def test_to_xarray_stacks_captures_of_one_shape_on_a_layer_dim(tokens):
+    import extractor
+
     xr = pytest.importorskip("xarray")
     pytest.importorskip("dask")
     s, _ = tokens
@@ -601,7 +628,7 @@ def test_to_xarray_stacks_captures_of_one_shape_on_a_layer_dim(tokens):
     np.testing.assert_array_equal(da["labels"].values, s.labels[s.ok_rows()])
     with pytest.raises(ValueError, match="one shape and kind"):
         s.to_xarray(stack=["a", "tok"])
-    plain = xr.open_zarr(s.url, consolidated=False)
+    plain = xr.open_zarr(extractor.zarr_store(s.url), consolidated=False)
     ours = s.to_xarray(only_ok=False)
     assert {"ids", "labels"} <= set(plain.coords) and {"ids", "labels"} <= set(ours.coords)  # the same names
 

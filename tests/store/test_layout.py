@@ -13,6 +13,7 @@ import pytest
 import yaml
 import zarr
 from conftest import RESNET18, job
+from helpers.stores import opened
 
 from extractor.driver.runner import run
 from extractor.errors import ShardError, StoreError
@@ -32,14 +33,20 @@ def store(image_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def _generation(store: Path) -> Path:
+    head = json.loads((store / "zarr.json").read_text())["attributes"]["extractor"]
+    return store / head["generation"]
+
+
 def test_documented_layout(store: Path):
-    g = zarr.open_group(str(store), mode="r")
+    import extractor
+
+    g = zarr.open_group(extractor.zarr_store(str(store)), mode="r")
     assert sorted(g.array_keys()) == sorted(["ids", "paths", "labels", "status", "errors", "digest", "fingerprint",
-                                             "shard_done", "shard_stats", "stats_sums", "layer3", "pooled"])
+                                             "shard_stats", "layer3", "pooled"])
     n = 12
     expect = {"ids": ("row",), "paths": ("row",), "labels": ("row",), "status": ("row",), "errors": ("row",),
-              "digest": ("row",), "fingerprint": ("row",),
-              "shard_done": ("shard",), "shard_stats": ("shard",), "stats_sums": ("stats_byte",),
+              "digest": ("row",), "fingerprint": ("row",), "shard_stats": ("shard",),
               "layer3": ("row", "layer3.channel", "layer3.y", "layer3.x"),
               "pooled": ("row", "pooled.channel")}
     for name, dims in expect.items():
@@ -54,15 +61,46 @@ def test_documented_layout(store: Path):
     assert g["layer3"].shape == (n, 256, 4, 4) and g["layer3"].dtype == np.float16
     assert g["layer3"].chunks == (2, 256, 4, 4)  # chunk_rows
     assert g["status"].chunks == (4,)  # one chunk per shard
-    assert g["shard_done"].shape == (3,) and g["shard_done"].chunks == (1,)
+    assert g["shard_stats"].shape == (3,) and g["shard_stats"].chunks == (1,)
     assert g["pooled"].shape == (n, 512) and g["pooled"].dtype == np.float32
     assert np.isnan(g["pooled"].fill_value)
 
 
+def test_documented_objects(store: Path):
+    """Format 2 on disk: the head names the generation; under it the arrays' metadata (those written shard by shard
+    declaring the storage transformer and their ledger slot), each committed attempt's chunks under its own name,
+    the ledger's blocks, the members' records and the final record; nothing else."""
+    head = json.loads((store / "zarr.json").read_text())
+    assert head["node_type"] == "group" and head["attributes"]["extractor"]["format_version"] == FORMAT_VERSION == 2
+    gen = _generation(store)
+    assert sorted(p.name for p in store.iterdir()) == sorted(["zarr.json", "__lock", gen.name])
+    slots = {}
+    for name in ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint", "shard_stats", "layer3",
+                 "pooled"):
+        meta = json.loads((gen / name / "zarr.json").read_text())
+        t = meta.get("storage_transformers")
+        slots[name] = t[0]["configuration"]["slot"] if t else None
+        if t:  # an object a shard of 4 rows (layer3: its Zarr shard of 2-row chunks), or a shard's own record
+            per = 1 if name == "shard_stats" else 4
+            assert t == [{"name": "extractor-attempts", "configuration": {
+                "slot": slots[name], "chunk_rows": per, "shard_rows": per}}], name
+    assert slots == {"ids": None, "paths": None, "labels": None, "fingerprint": "rows", "status": "data",
+                     "errors": "data", "digest": "data", "shard_stats": "data", "layer3": "data", "pooled": "data"}
+    ledger = json.loads((gen / "__root.json").read_text())["attributes"]["extractor"]["ledger_blocks"]
+    assert sorted(p.name for p in (gen / "__txn" / "ledger").iterdir()) == [str(b) for b in range(ledger)]
+    assert (gen / "__txn" / "final").is_file() and len(list((gen / "__txn" / "members").iterdir())) == 1
+    attempts = sorted(p.name for p in (gen / "__attempts").iterdir())
+    assert len(attempts) == 3 + 1 and all(len(a) == 16 for a in attempts)  # a shard's each, and the rows' facts
+    shard = sorted(str(p.relative_to(gen / "__attempts" / a)) for a in attempts
+                   for p in (gen / "__attempts" / a).rglob("*") if p.is_file() and "/c/0" in str(p) + "/")
+    assert "status/c/0" in shard and "pooled/c/0/0" in shard and "layer3/c/0/0/0/0" in shard
+
+
 def test_documented_id_index(store: Path):
+    import extractor
     from extractor.data import text_hashes
 
-    g = zarr.open_group(str(store), mode="r")
+    g = zarr.open_group(extractor.zarr_store(str(store)), mode="r")
     index, ids = g["id_index"], g["ids"][:].tolist()
     assert dict(index.attrs) == {"hash": "utf8-poly64", "n_rows": 12,
                                  "ids_digest": g.attrs["extractor"]["ids_digest"]}
@@ -74,14 +112,14 @@ def test_documented_id_index(store: Path):
 
 
 def test_documented_attributes(store: Path):
-    meta = json.loads((store / "zarr.json").read_text())
+    meta = json.loads((_generation(store) / "__root.json").read_text())
     a = meta["attributes"]["extractor"]
-    for key in ("format_version", "created", "updated", "status", "spec", "spec_digest", "model", "captures",
-                "classes", "n_rows", "n_shards", "shard_size", "chunk_rows", "ids_digest", "versions"):
+    for key in ("format_version", "created", "spec", "spec_digest", "model", "captures", "classes", "n_rows",
+                "n_shards", "shard_size", "chunk_rows", "ids_digest", "versions", "ledger_blocks"):
         assert key in a, key
-    assert a["format_version"] == FORMAT_VERSION == 1
+    assert a["format_version"] == FORMAT_VERSION == 2
     assert meta["consolidated_metadata"]["metadata"]["layer3"]["shape"] == [12, 256, 4, 4]  # one read opens it all
-    assert a["status"] == "complete"
+    assert open_store(str(store)).attrs["status"] == "complete"  # the state: its final record
     assert a["classes"] == ["cats", "dogs"]
     assert set(a["model"]) >= {"name", "weights", "parameters", "state_dict_sha256"}
     assert set(a["versions"]) >= {"extractor", "torch", "torchvision", "zarr", "numpy", "python"}
@@ -93,7 +131,7 @@ def test_documented_attributes(store: Path):
 
 
 def test_capture_attributes_make_ids_and_labels_coordinates(store: Path):
-    arr = json.loads((store / "layer3" / "zarr.json").read_text())
+    arr = json.loads((_generation(store) / "layer3" / "zarr.json").read_text())
     assert arr["attributes"]["coordinates"] == "ids labels"
     assert arr["attributes"]["extractor"]["layer"] == "layer3"
 
@@ -152,13 +190,14 @@ def _old_record(stats) -> str:
                              "sumsq": st.sumsq.tolist()} for key, st in stats.items()})
 
 
-def test_statistics_merged_as_shards_come_and_kept_in_the_store_equal_one_merge_of_all(tmp_path: Path):
+def test_statistics_merged_as_shards_come_and_then_from_the_store_equal_one_merge_of_all(tmp_path: Path):
     """Records with base64 sums merge exactly as the list records of earlier stores (values, NaN and Inf
-    counts); totals kept in the store after some shards, merged on with the rest, equal one merge of all;
-    totals not whole (a write cut short) or holding a shard reset since are not used."""
-    import zarr
-
+    counts); totals merged as shards come, merged on with the rest from the store, equal one merge of all; totals
+    as one object are read back whole or not at all."""
+    from extractor.data import Rows
+    from extractor.store.layout import StoreArrays
     from extractor.store.stats import ShardStats, Totals, dumps, merge, merge_shards
+    from extractor.store.synthetic import create_store
 
     rng = np.random.default_rng(0)
     shards = []
@@ -174,33 +213,25 @@ def test_statistics_merged_as_shards_come_and_kept_in_the_store_equal_one_merge_
     full = merge(new)
     assert (full["a"]["nan"], full["a"]["inf"], full["a"]["nonfinite_rows"]) == (2, 4, 6)
 
-    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
-    group.create_array("shard_done", shape=(6,), dtype="uint8", chunks=(1,), fill_value=0)
-    group.create_array("shard_stats", shape=(6,), dtype=str, chunks=(1,), fill_value="")
+    url = str(tmp_path / "s.zarr")  # a store whose shards 0-2 hold records of the old form, 3-5 of the new
+    rows = Rows(ids=[f"i{i}" for i in range(48)], paths=[""] * 48, labels=[0] * 48)
+    group = create_store(url, rows, StoreArrays(captures={}, extras={}, shard_size=8, chunk_rows={}),
+                         attrs={"n_rows": 48, "n_shards": 6, "captures": {}})
+    for i in range(6):
+        group["shard_stats"][i] = (old + new)[i] if i < 3 else new[i]
+    assert merge_shards(opened(url)) == merge(old[:3] + new[3:])
+    totals = Totals(6)
     for i in (0, 1, 2):
-        group["shard_done"][i], group["shard_stats"][i] = 1, old[i]  # an old store's first shards
-    assert merge_shards(group) == merge(old[:3])
-    kept = Totals.kept(group, 6)
-    assert kept.held.tolist() == [True] * 3 + [False] * 3
-    for i in (3, 4, 5):
-        group["shard_done"][i], group["shard_stats"][i] = 1, new[i]
-    for i in (0, 1, 2):
-        group["shard_stats"][i] = "not read again"  # the kept totals hold them: only shards 3-5 are read
-    merged = merge_shards(group)
+        totals.add(i, old[i])  # merged as they came
+        group["shard_stats"][i] = "not read again"  # the totals hold them: only shards 3-5 are read
+    merged = merge_shards(opened(url), totals)
     np.testing.assert_allclose(merged["a"]["mean"], full["a"]["mean"], rtol=1e-12)
     np.testing.assert_allclose(merged["b"]["std"], full["b"]["std"], rtol=1e-12)
     assert {k: v for k, v in merged["a"].items() if k not in ("mean", "std")} == \
         {k: v for k, v in full["a"].items() if k not in ("mean", "std")}
-
-    blob = np.asarray(group["stats_sums"][:])
-    for i in (0, 1, 2):
-        group["shard_stats"][i] = old[i]
-    group["stats_sums"][10:20] = 0  # cut short: not whole, merged from the records again
-    assert Totals.kept(group, 6).held.sum() == 0
-    assert merge_shards(group) == full
-    group["shard_done"][4] = 0  # shard 4 reset, to be computed again: totals holding it are dropped
-    group["stats_sums"][:] = blob
-    assert merge_shards(group) == merge([new[i] for i in (0, 1, 2, 3, 5)])
+    blob = Totals.from_bytes(totals.to_bytes(), 6)  # the totals as one object, whole
+    assert blob is not None and blob.summary() == totals.summary() and Totals.from_bytes(totals.to_bytes()[:-9], 6) \
+        is None
 
 
 def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
@@ -281,7 +312,7 @@ def test_shard_sizes_of_100_and_1000_run_without_chunk_rows_and_record_the_chunk
     raw["output"]["sharding"] = False  # the rule of unsharded stores (sharded ones: tests/store/test_sharding.py)
     summary = run(parse_spec(raw))
     assert summary.ok == 12
-    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    g = opened(str(tmp_path / "s.zarr"))
     assert g.attrs["extractor"]["chunk_rows"] == {"layer3": layer3_rows, "layer4": layer4_rows}
     assert g.attrs["extractor"]["spec"]["output"]["chunk_rows"] == "auto"
     assert g["layer3"].chunks[0] == g["layer4"].chunks[0] == 12  # a chunk holds at most the store's 12 rows
@@ -314,7 +345,7 @@ def test_captures_chunked_apart_store_what_one_chunking_stores_also_with_failed_
               output={"store": str(tmp_path / "s.zarr"), "chunk_rows": "auto",
                       "sharding": False})  # the unsharded rule, as small_auto_chunks
     run(parse_spec(raw))
-    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    g = opened(str(tmp_path / "s.zarr"))
     assert (g["layer3"].chunks[0], g["layer4"].chunks[0]) == (2, 4)
     s, ref = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "ref.zarr"))
     assert (s.status == ref.status).all() and (s.status == 1).sum() == 11
@@ -346,7 +377,7 @@ def test_a_store_resumed_with_chunk_rows_auto_keeps_its_own_chunking(
     monkeypatch.setattr(ShardWriter, "write", real_write)
     resumed = {**made, "output": {"store": str(tmp_path / "s.zarr"), "chunk_rows": "auto", "if_exists": "resume"}}
     assert run(parse_spec(resumed)).shards_run >= 1
-    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    g = opened(str(tmp_path / "s.zarr"))
     assert g["layer3"].chunks[0] == g["layer4"].chunks[0] == 1 and g.attrs["extractor"]["status"] == "complete"
     run(parse_spec(job(image_dir, tmp_path / "ref.zarr")))
     for key in ("layer3", "layer4"):

@@ -1,0 +1,1 @@
+"""Helpers the test files share (a package: no test file imports another)."""
