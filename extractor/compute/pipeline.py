@@ -198,13 +198,13 @@ class Pipeline:
             while (batch := self._next_batch(out)) is not None:
                 self._forward(batch, given, out)
             self._end(out)
-        except ShardTaken as err:  # another member's (its opening found it so): nothing to compute here
+        except ShardTaken as err:  # another claimant's (its opening found it so): nothing to compute here
             self._taken(shard, err)
         except BaseException as err:  # noqa: BLE001 - raised again by _stop, as the failure of the shard at fault
             self._stop(shard, out, err)
 
     def _taken(self, shard: Shard, err: ShardTaken) -> None:
-        """A shard another member holds or committed: said as computed with nothing in it; on to the next."""
+        """A shard another claimant holds or committed: said as computed with nothing in it; on to the next."""
         done: Future[ShardSummary] = Future()
         done.set_result(taken(shard, err))
         self._call(self.on_computed, shard, done)

@@ -67,7 +67,7 @@ class ShardSummary:
     wait_device: float = 0.0
     wait_write: float = 0.0
     reused: int = 0  # rows copied from another store (output.reuse), not computed
-    taken: str = ""  # not computed here: "done" (committed by another member), "taken" (a live one computes it)
+    taken: str = ""  # not computed here: "done" (committed by another claimant), "taken" (a live one computes it)
     stats: str = ""  # the shard's statistics record, as committed (the driver merges it without reading the store)
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,7 +76,7 @@ class ShardSummary:
 
 
 def taken(shard: Shard, err: ShardTaken) -> ShardSummary:
-    """What a shard another member holds or committed leaves: nothing computed here."""
+    """What a shard another claimant holds or committed leaves: nothing computed here."""
     return ShardSummary(shard=shard.index, rows=0, ok=0, failed=0, seconds=0.0, bytes=0, pid=os.getpid(),
                         taken=err.verdict)
 
@@ -95,7 +95,7 @@ class ShardInput:
     @classmethod
     def open(cls, shard: Shard, url: str, storage_options: dict[str, Any] | None, labels: bool,
              captures: Iterable[str], ticket: Ticket | None = None) -> ShardInput:
-        """The shard claimed for ``ticket``'s member (:class:`ShardTaken` where another member holds it), opened."""
+        """The shard claimed for ``ticket``'s claimant (:class:`ShardTaken` where another claimant holds it), opened."""
         writer = ShardWriter(url, shard.start, shard.stop, shard.index, storage_options, ticket)
         paths, found = writer.opening(labels)
         return cls(shard, writer, paths, found, writer.chunk_rows(captures))

@@ -358,8 +358,8 @@ class Worker(Probing):
         ticket: Ticket | None = None,
     ) -> None:
         """Forward every row of ``shards``, one after another, in one pipeline that does not
-        drain between shards. ``ticket``: the job's generation and member; each shard is claimed for it as it
-        opens (one that another member holds or committed is left: its summary says so), and a shard whose
+        drain between shards. ``ticket``: the job's generation and claimant; each shard is claimed for it as it
+        opens (one that another claimant holds or committed is left: its summary says so), and a shard whose
         claim was taken over meanwhile stops the pipeline (:class:`FencedError`).
 
         ``on_started(shard)`` is called as a shard's first batch is read, ``on_computed(shard,

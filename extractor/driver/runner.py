@@ -134,7 +134,7 @@ class Backend(Protocol):
     def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event,
             ticket: Ticket | None = None) -> list[ShardSummary]:
         """Compute and write the shards ``todo`` into the store at ``url``, each claimed and committed for
-        ``ticket``'s member (one another member holds is left); returns the summaries of the shards committed."""
+        ``ticket``'s claimant (one another claimant holds is left); returns the summaries of the shards committed."""
 
     def close(self) -> None:
         """Stop the workers (a no-op when done twice)."""
@@ -171,7 +171,7 @@ class LocalBackend:
         finishing: deque[tuple[Shard, Future[ShardSummary]]] = deque()
 
         def done(shard: Shard, summary: ShardSummary) -> None:
-            if summary.taken:  # another member's: nothing done here
+            if summary.taken:  # another claimant's: nothing done here
                 on_event("shard_skipped", {"shard": shard.index, "worker": 0, "held": summary.taken})
                 return
             on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
@@ -244,9 +244,9 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
 
 def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Progress, on_event: Event,
              session: StoreSession) -> list[ShardSummary]:
-    """Run the shards ``todo`` on ``backend``, each claimed and committed for this job's member; then, until every
-    shard is committed, the shards left that this member may take (pending, or held by members that died: a
-    process that joined the store, or was paused, or killed), waiting while other live members hold the rest."""
+    """Run the shards ``todo`` on ``backend``, each claimed and committed for this job's claimant; then, until every
+    shard is committed, the shards left that this claimant may take (pending, or held by claimants that died: a
+    process that joined the store, or was paused, or killed), waiting while other live claimants hold the rest."""
     url = absolute(spec.output.store)  # for workers in another directory
     ticket = session.ticket
     summaries: list[ShardSummary] = []

@@ -492,16 +492,16 @@ class ActivationStore(Batching):
 
         if self.attrs.get("status") == "complete" or "generation" not in self.attrs:
             return None
-        members = Generation(Objects.at(self.url, self.storage_options), self.attrs["generation"]).roster.all()
-        if not members or any(m.get("ended") for m in members[-1:]):
+        claimants = Generation(Objects.at(self.url, self.storage_options), self.attrs["generation"]).roster.all()
+        if not claimants or any(m.get("ended") for m in claimants[-1:]):
             return None
         from ..store import alive
 
-        if any(alive(m) for m in members):
+        if any(alive(m) for m in claimants):
             return None
-        return time.time() - max(float(m.get("heartbeat", 0)) for m in members)
+        return time.time() - max(float(m.get("heartbeat", 0)) for m in claimants)
 
-    def members(self) -> list[dict[str, Any]]:
+    def claimants(self) -> list[dict[str, Any]]:
         """The processes that wrote into this store's generation: host, pid, user, started, shards committed, and
         how each ended (``ended``; absent while it runs, or when it was killed)."""
         if "generation" not in self.attrs:

@@ -1,4 +1,4 @@
-"""The Zarr store: its generations, ledger and members (how its changes become commits), its format and arrays,
+"""The Zarr store: its generations, ledger and claimants (how its changes become commits), its format and arrays,
 a shard's writer, whole-chunk writes, statistics, rows taken from other stores (numpy and zarr only; bfloat16
 through ml_dtypes); its record of the job and the resume contract (provenance).
 """
@@ -36,13 +36,13 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         take_rows,
     )
     from .ledger import Ledger, Table, blocks_for, new_id
-    from .members import Member, alive
+    from .claimants import Claimant, alive
     from .objects import Objects
     from .provenance import Probe, StoreRecord, changed_rows, check_resumable, differences, owner, store_attrs
     from .recorded import StoredRows, current_places, source_digests, stored_rows
     from .reuse import ReuseIndex, check_sources
     from .sampling import BY_DIGEST, draw_keys, projection_matrix, rank_keys
-    from .session import Decision, IndexHooks, Outcome, StoreSession, live_members
+    from .session import Decision, IndexHooks, Outcome, StoreSession, live_claimants
     from .snapshot import snapshot_store
     from .synthetic import create_store
     from .stats import ShardStats, Totals, dumps, feature_axis, merge, merge_shards, shard_record

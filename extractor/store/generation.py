@@ -17,7 +17,7 @@ Within a generation (``<url>/<generation>/``)::
     <array>/zarr.json, ...        the arrays (:mod:`.layout`); chunks of shards under their attempts (:mod:`.views`)
     __attempts/<attempt>/...      each attempt's objects
     __txn/ledger/<block>          the ledger (:mod:`.ledger`): which attempt holds each shard
-    __txn/members/<member>        the processes writing into it (:mod:`.members`)
+    __txn/claimants/<claimant>        the processes writing into it (:mod:`.claimants`)
     __txn/listing                 the source's listing as last recorded (a swap)
     __txn/final                   written once, when every shard is committed: the merged statistics
 
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ import zarr
 
 from ..errors import StoreError
 from .ledger import Ledger, Table
-from .members import Roster, alive
+from .claimants import Roster, alive
 from .objects import LOCK, Objects
 from .views import ROOT, GenerationStore, read_view
 
@@ -47,6 +49,7 @@ __all__ = ["FORMAT", "Head", "Generation", "read_head", "swap_head", "TXN", "ope
 
 log = logging.getLogger(__name__)
 
+_GENERATION = re.compile(r"[0-9a-f]{16}")  # a generation's name
 FORMAT = 2  # the store format whose head names a generation (1: the arrays at the root, before December 2026)
 HEAD = "zarr.json"
 TXN = "__txn"
@@ -65,9 +68,12 @@ class Head:
 
 
 def read_head(objects: Objects) -> Head | None:
-    """The store's head (None: nothing at the URL). A root that is not an extractor store is a StoreError."""
+    """The store's head (None: nothing at the URL). A root that is not an extractor store is a StoreError: a local
+    folder of other things, a Zarr store of other attributes (extractor never writes into, nor removes, what it did
+    not make)."""
     data, version = objects.read(HEAD)
     if data is None:
+        _nothing_there(objects)
         return None
     try:
         meta = json.loads(data)
@@ -80,6 +86,20 @@ def read_head(objects: Objects) -> Head | None:
                          "(extractor never deletes stores it did not create)")
     fmt = int(attrs.get("format_version", 1))
     return Head(fmt, str(attrs["generation"]) if fmt >= FORMAT and attrs.get("generation") else None, attrs, version)
+
+
+def _nothing_there(objects: Objects) -> None:
+    """Where no head is: a local path that is a file, or a folder holding more than the lock file and what a make
+    cut short left, is refused (it is something else)."""
+    root = getattr(objects, "root", None)
+    if root is None or not os.path.exists(root):
+        return
+    if not os.path.isdir(root):
+        raise StoreError(f"{objects.url} exists and is a file, not a Zarr store; choose another output.store "
+                         "(extractor never deletes a file it did not create)")
+    if [n for n in os.listdir(root) if n != LOCK and not n.endswith(".tmp")]:
+        raise StoreError(f"{objects.url} exists and is a folder, not a Zarr store; choose another output.store "
+                         "(extractor never deletes a folder it did not create)")
 
 
 def swap_head(objects: Objects, was: Head | None, created: str) -> str:
@@ -96,11 +116,11 @@ def swap_head(objects: Objects, was: Head | None, created: str) -> str:
 
 
 class Generation:
-    """One generation of the store under ``objects``: its name, ledger, members and records."""
+    """One generation of the store under ``objects``: its name, ledger, claimants and records."""
 
     def __init__(self, objects: Objects, name: str) -> None:
         self.objects, self.name = objects, name
-        self.roster = Roster(objects, f"{name}/{TXN}/members")
+        self.roster = Roster(objects, f"{name}/{TXN}/claimants")
         self._root: dict[str, Any] | None = None
 
     @classmethod
@@ -116,8 +136,8 @@ class Generation:
         return f"{self.name}/{TXN}/{key}"
 
     @property
-    def members_prefix(self) -> str:
-        return self.txn("members")
+    def claimants_prefix(self) -> str:
+        return self.txn("claimants")
 
     # what is written once
 
@@ -179,22 +199,22 @@ class Generation:
         if final is not None:
             attrs.update(status="complete", stats=final.get("stats") or {}, updated=final.get("at"), error=None)
             return attrs
-        members = self.roster.all()
-        ended = [m for m in members if m.get("ended")]
-        if any(alive(m) for m in members):
+        claimants = self.roster.all()
+        ended = [m for m in claimants if m.get("ended")]
+        if any(alive(m) for m in claimants):
             attrs["status"] = "running"
         elif ended:
             attrs["status"] = str(ended[-1]["ended"].get("status") or "incomplete")
             attrs["error"] = ended[-1]["ended"].get("error")
-        else:  # every member gone without a word: killed
-            attrs["status"] = "running" if members else "incomplete"
+        else:  # every claimant gone without a word: killed
+            attrs["status"] = "running" if claimants else "incomplete"
         with_stats = [m for m in ended if m["ended"].get("stats") is not None]
         if with_stats:  # the last stopped run's merge of the shards committed then (none: a run killed before it)
             attrs["stats"] = with_stats[-1]["ended"]["stats"]
         if ended:
             attrs["updated"] = ended[-1]["ended"].get("at")
-        if len(members) > 1:
-            attrs["resumed"] = members[-1].get("started")
+        if len(claimants) > 1:
+            attrs["resumed"] = claimants[-1].get("started")
         return attrs
 
     def being_made(self) -> str:
@@ -236,14 +256,16 @@ class Generation:
         return len(garbage)
 
 
-def collect_others(objects: Objects, generation: str) -> int:
-    """Remove everything under the store's URL but its head, its lock file and ``generation`` (which must be the
-    head's: read after the listing). How many names were removed."""
+def collect_others(objects: Objects, generation: str, legacy: bool = False) -> int:
+    """Remove the other generations under the store's URL (names of 16 hex digits, and temporary files of cut-short
+    writes; ``legacy``: everything but the head and the lock file, the arrays of a store of format 1 this one
+    replaced), ``generation`` being the head's (read after the listing). How many names were removed."""
     listed = objects.list("")
     head = read_head(objects)
     if head is None or head.generation != generation:
         return 0  # another job's store now: not this one's to clean
-    garbage = [name for name in listed if name not in (HEAD, LOCK, generation)]
+    garbage = [name for name in listed if name not in (HEAD, LOCK, generation)
+               and (legacy or _GENERATION.fullmatch(name) or name.endswith(".tmp"))]
     for name in garbage:
         objects.remove(name)
     return len(garbage)

@@ -223,7 +223,8 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
     the view that wrote it (its attempts: ``rows``, and ``data`` where committed)."""
     comp = _compressors(arrays.compression, arrays.compression_level)
     n_shards = -(-len(rows) // arrays.shard_size)
-    attrs = {**attrs, "format_version": FORMAT_VERSION, "ledger_blocks": blocks_for(n_shards)}
+    attrs = {**attrs, "format_version": FORMAT_VERSION, "n_rows": len(rows), "n_shards": n_shards,
+             "shard_size": arrays.shard_size, "ledger_blocks": blocks_for(n_shards)}
     locators = [locator.name for locator in arrays.locators]
     attempts = {"rows": new_id(), **({"data": new_id()} if committed else {})}
     store = write_view(objects.zarr_store(name, read_only=False), attempts,
@@ -238,7 +239,7 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
             warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification" (yet)
             zarr.consolidate_metadata(store, path=None)
         store.release_root()  # the generation is made
-    except (StoreError, FencedError):
+    except (StoreError, FencedError, ValueError):  # ValueError: rows that lack what their source declares
         raise
     except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
         raise StoreError(

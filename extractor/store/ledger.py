@@ -6,19 +6,19 @@ a name of its own (``__attempts/<attempt>/...``, :mod:`.views`), and an entry na
 
 Each shard's entry (:data:`ENTRY`)::
 
-    claimant   the member (:mod:`.members`) computing the shard now, or that committed it (0: none)
+    claimant   the claimant (:mod:`.claimants`) computing the shard now, or that committed it (0: none)
     attempt    the attempt in flight: objects being written under its name (0: none)
     data       the attempt whose objects hold the shard's values (0: not committed: the shard reads as pending)
     rows       the attempt holding its rows' source facts (fingerprints, locators), written when they were listed
     ok, failed rows of each status, nbytes written; at: the time of the last change
 
 Its life, each step one swap of its block (the functions below, pure, tested alone):
-:func:`claim` (pending -> claimed by a member for an attempt; a claim of a dead member is taken over),
-:func:`commit` (claimed -> committed: only the attempt the entry names, of the member that claimed it),
+:func:`claim` (pending -> claimed by a claimant for an attempt; a claim of a dead claimant is taken over),
+:func:`commit` (claimed -> committed: only the attempt the entry names, of the claimant that claimed it),
 :func:`reset` (committed -> pending again: a redone shard), :func:`release` (a claim given up),
 :func:`amend_rows` (a done shard's source facts recorded again).
 
-A process stopped between two steps (SIGSTOP, a frozen VM) and woken after another member took its claim finds
+A process stopped between two steps (SIGSTOP, a frozen VM) and woken after another claimant took its claim finds
 the entry changed: its commit is refused, and its objects are never read. The entries are kept in blocks (shard
 ``s`` in block ``s % blocks``, so that writers taking shards in order change different blocks), each one small
 object: readers read every block at once; the totals of rows and bytes are sums over them.
@@ -54,7 +54,7 @@ SWAP_TRIES = 200  # a block changed under this many swaps in a row: too many wri
 
 
 def new_id() -> int:
-    """A random id of a member or an attempt: 64 bits, never 0 (0 means none)."""
+    """A random id of a claimant or an attempt: 64 bits, never 0 (0 means none)."""
     return uuid.uuid4().int & ((1 << 64) - 1) or 1
 
 
@@ -68,47 +68,47 @@ class Verdict(enum.Enum):
 
     OK = "ok"  # done
     DONE = "done"  # the shard is committed already (by another attempt): nothing to do
-    TAKEN = "taken"  # a live member holds the shard
-    LOST = "lost"  # the entry no longer names this member's claim or attempt: taken over, or redone
+    TAKEN = "taken"  # a live claimant holds the shard
+    LOST = "lost"  # the entry no longer names this claimant's claim or attempt: taken over, or redone
 
 
-Dead = Callable[[int], bool]  # whether a member (by id) is gone: its claims may be taken over
+Dead = Callable[[int], bool]  # whether a claimant (by id) is gone: its claims may be taken over
 
 
-def claim(e: np.void, member: int, attempt: int, dead: Dead) -> Verdict:
-    """``member`` takes a shard for ``attempt``: a pending shard, or one its own or a dead member's claim holds
+def claim(e: np.void, claimant: int, attempt: int, dead: Dead) -> Verdict:
+    """``claimant`` takes a shard for ``attempt``: a pending shard, or one its own or a dead claimant's claim holds
     (the attempt it named, abandoned, is left to the garbage collection)."""
     if e["data"]:
         return Verdict.DONE
     holder = int(e["claimant"])
-    if holder not in (0, member) and not dead(holder):
+    if holder not in (0, claimant) and not dead(holder):
         return Verdict.TAKEN
-    e["claimant"], e["attempt"], e["at"] = member, attempt, time.time()
+    e["claimant"], e["attempt"], e["at"] = claimant, attempt, time.time()
     return Verdict.OK
 
 
-def commit(e: np.void, member: int, attempt: int, ok: int, failed: int, nbytes: int) -> Verdict:
-    """The shard's values are ``attempt``'s: only while the entry names this member's claim and this attempt."""
-    if int(e["claimant"]) != member or int(e["attempt"]) != attempt:
+def commit(e: np.void, claimant: int, attempt: int, ok: int, failed: int, nbytes: int) -> Verdict:
+    """The shard's values are ``attempt``'s: only while the entry names this claimant's claim and this attempt."""
+    if int(e["claimant"]) != claimant or int(e["attempt"]) != attempt:
         return Verdict.DONE if int(e["data"]) == attempt else Verdict.LOST
     e["data"], e["attempt"], e["ok"], e["failed"], e["nbytes"], e["at"] = attempt, 0, ok, failed, nbytes, time.time()
     return Verdict.OK
 
 
-def reset(e: np.void, member: int, dead: Dead) -> Verdict:
-    """A committed shard made pending again and claimed by ``member`` (its images changed: it is computed again;
+def reset(e: np.void, claimant: int, dead: Dead) -> Verdict:
+    """A committed shard made pending again and claimed by ``claimant`` (its images changed: it is computed again;
     the values it held are no longer read)."""
     holder = int(e["claimant"])
-    if not e["data"] and holder not in (0, member) and not dead(holder):
+    if not e["data"] and holder not in (0, claimant) and not dead(holder):
         return Verdict.TAKEN
-    e["data"], e["claimant"], e["attempt"], e["ok"], e["failed"], e["nbytes"] = 0, member, 0, 0, 0, 0
+    e["data"], e["claimant"], e["attempt"], e["ok"], e["failed"], e["nbytes"] = 0, claimant, 0, 0, 0, 0
     e["at"] = time.time()
     return Verdict.OK
 
 
-def release(e: np.void, member: int) -> Verdict:
-    """``member`` gives up its claim of a shard it did not commit (a job stopped): others need not wait for it."""
-    if int(e["claimant"]) != member or e["data"]:
+def release(e: np.void, claimant: int) -> Verdict:
+    """``claimant`` gives up its claim of a shard it did not commit (a job stopped): others need not wait for it."""
+    if int(e["claimant"]) != claimant or e["data"]:
         return Verdict.LOST
     e["claimant"], e["attempt"], e["at"] = 0, 0, time.time()
     return Verdict.OK
@@ -116,7 +116,7 @@ def release(e: np.void, member: int) -> Verdict:
 
 def amend_rows(e: np.void, rows: int, dead: Dead) -> Verdict:
     """The shard's rows' source facts are now ``rows``'s (a resume that found them moved, their images not),
-    unless a live member is computing the shard."""
+    unless a live claimant is computing the shard."""
     holder = int(e["claimant"])
     if not e["data"] and holder and not dead(holder):
         return Verdict.TAKEN

@@ -2,7 +2,7 @@
 the version read, list, remove (no zarr, no numpy: fsspec for URLs).
 
 Every change of what a store holds is one of two steps (:mod:`.ledger`): an object put under a name no one
-else uses (an attempt's chunks, a member's record), or a *swap* of a small record, which lands only while the
+else uses (an attempt's chunks, a claimant's record), or a *swap* of a small record, which lands only while the
 record is still at the version its writer read (or absent, for a create). Of two writers that read one version,
 exactly one lands; the other is told, and reads again. Where that holds:
 

@@ -2,7 +2,7 @@
 
 :class:`StoreSession` has the store's life cycle in a few verbs, in the shape of Ray Data's ``Datasink``: decide
 (read only; ``extractor plan`` stops there), start (``on_write_start``: the store made, a generation swapped in
-by the head, or resumed; this process a member of it), the workers' attempts (each shard claimed, written and
+by the head, or resumed; this process a claimant of it), the workers' attempts (each shard claimed, written and
 committed in the ledger by a ``ShardWriter`` holding the session's :attr:`ticket`), then ``on_write_complete``
 (the final record, once every shard is committed) or ``on_write_failed``, and ``close``. No write of the job is
 read before a commit names it (:mod:`.generation`, :mod:`.ledger`).
@@ -27,7 +27,7 @@ from .chunks import read_all
 from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
 from .layout import FAILED, OK, PENDING, StoreArrays, create_generation, get_array
 from .ledger import Table, Verdict, amend_rows, new_id, reset
-from .members import Member, alive
+from .claimants import Claimant, alive
 from .objects import Objects
 from .provenance import (
     Probe,
@@ -45,11 +45,11 @@ from .stats import Totals, merge_shards
 from .views import write_view
 from .writer import Ticket, _Opened
 
-__all__ = ["StoreSession", "Decision", "Outcome", "IndexHooks", "live_members"]
+__all__ = ["StoreSession", "Decision", "Outcome", "IndexHooks", "live_claimants"]
 
 log = logging.getLogger(__name__)
 
-WAIT_S = 1.0  # a member waiting for shards other live members hold reads the ledger again this often
+WAIT_S = 1.0  # a claimant waiting for shards other live claimants hold reads the ledger again this often
 
 
 class IndexHooks(Protocol):
@@ -82,17 +82,17 @@ class Decision:
         return not self.create and not self.todo and (self.old or {}).get("status") == "complete"
 
 
-def _members_text(members: list[dict[str, Any]]) -> str:
-    m = members[0]
+def _claimants_text(claimants: list[dict[str, Any]]) -> str:
+    m = claimants[0]
     age = time.time() - float(m.get("heartbeat", 0))
-    more = f" and {count(len(members) - 1, 'other process')}" if len(members) > 1 else ""
+    more = f" and {count(len(claimants) - 1, 'other process')}" if len(claimants) > 1 else ""
     return (f"pid {m.get('pid')} on {m.get('host')} (user {m.get('user')}, started {m.get('started')}, last "
             f"heartbeat {age:.0f} s ago){more}")
 
 
 def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, objects: Objects) -> Decision:
     """Whether the job may create, replace, resume or join the store, and what it would compute; refuses (another
-    job's live members without --join, an existing store without --resume or --overwrite, a store made by another
+    job's live claimants without --join, an existing store without --resume or --overwrite, a store made by another
     job) without writing anything."""
     url, mode = spec.output.store, spec.output.if_exists
     head = read_head(objects)
@@ -109,7 +109,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
     live = [m for m in generation.roster.live()]
     if live and mode != "join":
         what = "being made" if old.get("status") == "creating" else "in use"
-        raise StoreError(f"store {url} is {what} by another extractor job: {_members_text(live)}. Wait for it to "
+        raise StoreError(f"store {url} is {what} by another extractor job: {_claimants_text(live)}. Wait for it to "
                          "finish, run this job with --join to compute beside it, or, if it died, run again once "
                          f"its heartbeat is {_timeout(live):.0f} s old (output.lease_timeout_s)")
     if old.get("status") == "creating":  # left half-made by a job that is gone: --resume starts it again
@@ -132,8 +132,8 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
     return _resume(spec, rows, shards, old, group, head)
 
 
-def _timeout(members: list[dict[str, Any]]) -> float:
-    return max(float(m.get("timeout_s", 0)) for m in members)
+def _timeout(claimants: list[dict[str, Any]]) -> float:
+    return max(float(m.get("timeout_s", 0)) for m in claimants)
 
 
 def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any], group: Any, head: Head) -> Decision:
@@ -195,11 +195,11 @@ class StoreSession:
     """One job's session with its store (see the module's docstring).
 
     :meth:`decide` reads the store and says what the job would do, writing nothing; :meth:`on_write_start` makes
-    the store (a new generation) or resumes it, as a member, and returns the shards to compute; the workers claim,
+    the store (a new generation) or resumes it, as a claimant, and returns the shards to compute; the workers claim,
     write and commit them with :attr:`ticket`; :meth:`shard_done` merges a committed shard's statistics as it
-    comes; :meth:`remaining` says what is left once they ran (shards other members hold, or that came free);
+    comes; :meth:`remaining` says what is left once they ran (shards other claimants hold, or that came free);
     :meth:`on_write_complete` finishes the store once every shard is committed (exactly once, whoever commits
-    last), or :meth:`on_write_failed` says how the job stopped; :meth:`close` ends the membership. A resume with
+    last), or :meth:`on_write_failed` says how the job stopped; :meth:`close` ends this claimant's part. A resume with
     nothing to do calls :meth:`unchanged` instead."""
 
     def __init__(self, spec: JobSpec, index: IndexHooks | None = None) -> None:
@@ -210,16 +210,16 @@ class StoreSession:
         self.decision: Decision | None = None  # decide's
         self.shards: list[Shard] = []  # the job's, all of them
         self.generation: Generation | None = None  # the store's, from on_write_start
-        self.member: Member | None = None  # this process, a member of it from on_write_start
+        self.claimant: Claimant | None = None  # this process, a claimant of it from on_write_start
         self.totals: Totals | None = None  # committed shards' statistics, merged as they come
         self._ended = False
 
     @property
     def ticket(self) -> Ticket | None:
         """What the job's writers claim and commit with (None before the store is started)."""
-        if self.generation is None or self.member is None:
+        if self.generation is None or self.claimant is None:
             return None
-        return Ticket(self.generation.name, self.member.id)
+        return Ticket(self.generation.name, self.claimant.id)
 
     def recorded(self) -> dict[str, Any] | None:
         """The store's state as it is now (None: no store there)."""
@@ -278,7 +278,7 @@ class StoreSession:
 
     def on_write_start(self, rows: Rows) -> list[Shard]:
         """Make the store (a new generation, swapped in by the head: refused when the head changed since
-        :meth:`decide` read it) or resume it, as a member; the shards to compute (those not committed)."""
+        :meth:`decide` read it) or resume it, as a claimant; the shards to compute (those not committed)."""
         decision, record = self._decided()
         spec = self.spec
         if decision.create:
@@ -293,7 +293,8 @@ class StoreSession:
                     "output.store and output.storage_options)") from err
             self.generation = Generation(self.objects, name)
             self._join(dict(record.get("spec", {})))
-            if collect_others(self.objects, name):
+            legacy = decision.head is not None and decision.head.generation is None  # a store of format 1 replaced
+            if collect_others(self.objects, name, legacy):
                 log.info("%s: the objects of its earlier generation were removed", spec.output.store)
             arrays = self._arrays(record)
             create_generation(self.objects, name, rows, arrays, {**record, "status": "running"})
@@ -322,13 +323,13 @@ class StoreSession:
                            index_parts=parts)
 
     def _join(self, spec: Mapping[str, Any]) -> None:
-        """This process, a member of the generation (its record renewed until the session ends)."""
+        """This process, a claimant of the generation (its record renewed until the session ends)."""
         assert self.generation is not None
         generation = self.generation
         info = {**owner(), "join": self.spec.output.if_exists == "join"}
-        self.member = Member(self.objects, generation.members_prefix, self.spec.output.lease_timeout_s, info,
+        self.claimant = Claimant(self.objects, generation.claimants_prefix, self.spec.output.lease_timeout_s, info,
                              still_ours=generation.still_live)
-        self.member.start()
+        self.claimant.start()
         opened = _Opened.last
         if opened is not None and opened.key[1] != generation.name:
             _Opened.last = None  # another generation's arrays: opened again by the first shard
@@ -344,12 +345,12 @@ class StoreSession:
             time.sleep(WAIT_S / 4)
 
     def _redo(self, decision: Decision) -> Table:
-        """The committed shards whose images changed made pending again, claimed by this member (their old values
+        """The committed shards whose images changed made pending again, claimed by this claimant (their old values
         no longer read); the ledger after."""
-        assert self.generation is not None and self.member is not None
-        ledger, member = self.generation.ledger(), self.member.id
+        assert self.generation is not None and self.claimant is not None
+        ledger, claimant = self.generation.ledger(), self.claimant.id
         dead = self.generation.roster.dead
-        verdicts = ledger.apply([s.index for s in decision.redo], lambda e, _s: reset(e, member, dead))
+        verdicts = ledger.apply([s.index for s in decision.redo], lambda e, _s: reset(e, claimant, dead))
         held = [s for s, v in verdicts.items() if v is not Verdict.OK]
         if held:
             raise StoreError(f"cannot redo shards {held[:10]} of {self.spec.output.store}: another live process "
@@ -399,8 +400,8 @@ class StoreSession:
             self.totals.add(index, stats)
 
     def remaining(self, wait: bool) -> list[Shard]:
-        """The shards not committed that this member may take now (pending, or claimed by a dead member); with
-        ``wait``, while every shard left is held by another live member, waits until one is committed or free.
+        """The shards not committed that this claimant may take now (pending, or claimed by a dead claimant); with
+        ``wait``, while every shard left is held by another live claimant, waits until one is committed or free.
         [] once every shard is committed."""
         assert self.generation is not None
         ledger = self.generation.ledger()
@@ -411,22 +412,22 @@ class StoreSession:
             if not len(left):
                 return []
             claimant = table.entries["claimant"]
-            mine = self.member.id if self.member is not None else 0
+            mine = self.claimant.id if self.claimant is not None else 0
             free = [int(s) for s in left if int(claimant[s]) in (0, mine) or self.generation.roster.dead(int(claimant[s]))]
             if free or not wait:
                 return [self.shards[s] for s in free]
             time.sleep(WAIT_S)
 
     def _check(self) -> None:
-        if self.member is not None:
-            self.member.check()
+        if self.claimant is not None:
+            self.claimant.check()
 
     # ---------------------------------------------------------------------------------------------- end
 
     def on_write_complete(self) -> Outcome:
         """The shards ran: once every shard is committed, the store is finished (statistics and write-time indexes
         merged, the final record written: once, whoever comes first; the garbage of attempts no one names removed);
-        otherwise this member says it ended incomplete. A storage that refuses is a StoreError that says the
+        otherwise this claimant says it ended incomplete. A storage that refuses is a StoreError that says the
         committed shards are kept."""
         assert self.generation is not None
         self._check()
@@ -450,7 +451,7 @@ class StoreSession:
         stats = self._stats(group)
         if self.index is not None:
             self.index.finish(group, generation)
-        by = f"{self.member.id:016x}" if self.member is not None else None
+        by = f"{self.claimant.id:016x}" if self.claimant is not None else None
         if generation.finish({"status": "complete", "stats": stats, "at": now(), "by": by}):
             removed = generation.collect()
             if removed:
@@ -464,9 +465,9 @@ class StoreSession:
         return merge_shards(group, self.totals)
 
     def on_write_failed(self, err: BaseException) -> None:
-        """``err`` stopped the job: this member ends, saying how (its claims may be taken at once); the command
+        """``err`` stopped the job: this claimant ends, saying how (its claims may be taken at once); the command
         that finishes the store is said by the CLI (``err.resumable``)."""
-        if self.member is None or isinstance(err, FencedError):
+        if self.claimant is None or isinstance(err, FencedError):
             return
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
         self._end(status, f"{type(err).__name__}: {err}"[:1000])
@@ -475,7 +476,7 @@ class StoreSession:
         err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store
 
     def _end(self, status: str, error: str | None = None) -> None:
-        if self.member is None or self._ended:
+        if self.claimant is None or self._ended:
             return
         self._ended = True
         stats: dict[str, Any] | None = None
@@ -484,11 +485,11 @@ class StoreSession:
                 stats = self._stats(self.generation.open())
             except Exception as err:  # noqa: BLE001 - the storage that stopped the job may refuse this too
                 log.debug("statistics of %s not merged: %s", self.spec.output.store, err)
-        self.member.end(status, error, **({"stats": stats} if stats is not None else {}))
+        self.claimant.end(status, error, **({"stats": stats} if stats is not None else {}))
 
     def close(self) -> None:
-        """End the membership (a member that did not say how it ended is ended as interrupted)."""
-        if self.member is not None and not self._ended:
+        """End this claimant's part (one that did not say how it ended is ended as interrupted)."""
+        if self.claimant is not None and not self._ended:
             self._end("interrupted")
 
     def _outcome(self) -> Outcome:
@@ -519,7 +520,7 @@ class StoreSession:
         )
 
 
-def live_members(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+def live_claimants(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The processes writing into the store's live generation now (inspect shows them)."""
     objects = Objects.at(url, storage_options)
     head = read_head(objects)

@@ -2,8 +2,8 @@
 name, then committed (numpy and zarr only).
 
 Nothing the writer writes is read until its commit, one swap of the shard's ledger entry that names the attempt:
-a writer stopped anywhere (killed, paused past its member's timeout, its job stopped) leaves objects no one names,
-removed later as garbage; one woken after another member took its shard finds its commit refused.
+a writer stopped anywhere (killed, paused past its claimant's timeout, its job stopped) leaves objects no one names,
+removed later as garbage; one woken after another claimant took its shard finds its commit refused.
 """
 
 from __future__ import annotations
@@ -31,28 +31,28 @@ __all__ = ["ShardWriter", "Ticket"]
 
 @dataclass(frozen=True)
 class Ticket:
-    """What a job's writers need to write its shards: the generation they write into, and the member (the job's
-    process that claims shards: :mod:`.members`) whose claims they hold."""
+    """What a job's writers need to write its shards: the generation they write into, and the claimant (the job's
+    process that claims shards: :mod:`.claimants`) whose claims they hold."""
 
     generation: str
-    member: int
+    claimant: int
 
 
 class ShardWriter:
-    """Writes one attempt at the rows ``start:stop`` of shard ``index``: claims it for ``ticket``'s member (raising
-    :class:`ShardTaken` where another member holds it or committed it), writes each capture's chunks
-    (:meth:`write`), then per-row arrays and the commit (:meth:`finish`). :class:`FencedError` when the member lost
+    """Writes one attempt at the rows ``start:stop`` of shard ``index``: claims it for ``ticket``'s claimant (raising
+    :class:`ShardTaken` where another claimant holds it or committed it), writes each capture's chunks
+    (:meth:`write`), then per-row arrays and the commit (:meth:`finish`). :class:`FencedError` when the claimant lost
     the shard meanwhile (taken over after it seemed dead) or the store was made again."""
 
     def __init__(self, url: str, start: int, stop: int, index: int, storage_options: Mapping[str, Any] | None = None,
                  ticket: Ticket | None = None):
         if ticket is None:
-            raise ValueError("a shard is written for a member of the store's generation: give its Ticket")
+            raise ValueError("a shard is written for a claimant of the store's generation: give its Ticket")
         self.url, self.storage_options, self.ticket = url, storage_options, ticket
         self.start, self.stop, self.index = start, stop, index
         self.opened = _Opened.of(url, storage_options, ticket.generation)
         self.attempt = new_id()
-        rows = self.opened.claim(index, ticket.member, self.attempt)
+        rows = self.opened.claim(index, ticket.claimant, self.attempt)
         self.view = self.opened.view({"data": self.attempt, "rows": rows}, index)
         self.bytes = 0
         # opened once per attempt (metadata read once per process), with how their whole chunks are encoded
@@ -75,10 +75,10 @@ class ShardWriter:
         return list(zip(paths, *(got[n].tolist() for n in locators), strict=True)), found
 
     def check_fence(self) -> None:
-        """Raise :class:`FencedError` once the store was made again (its member read the head: :mod:`.members`)."""
-        member = self.opened.member
-        if member is not None:
-            member.check()
+        """Raise :class:`FencedError` once the store was made again (its claimant read the head: :mod:`.claimants`)."""
+        claimant = self.opened.claimant
+        if claimant is not None:
+            claimant.check()
 
     def _array(self, name: str) -> zarr.Array:
         return self.opened.bound(name, self.view)
@@ -148,7 +148,7 @@ class ShardWriter:
                   for name in self.opened.per_row_data]
         write_whole([(*self._open_row(name), start, data) for name, start, data in writes])
         ok, failed = int((status == 1).sum()), int((status == 2).sum())
-        verdict = self.opened.commit(self.index, self.ticket.member, self.attempt, ok, failed, self.bytes)
+        verdict = self.opened.commit(self.index, self.ticket.claimant, self.attempt, ok, failed, self.bytes)
         if verdict is Verdict.LOST:
             raise FencedError(f"shard {self.index} of {self.url} was taken over by another process while this one "
                               "computed it (this one was paused or cut off for longer than output.lease_timeout_s); "
@@ -181,7 +181,7 @@ class _Opened:
         self.arrays: dict[str, zarr.Array] = {}
         self.codecs: dict[str, ChunkCodec | None] = {}
         self.lock = threading.Lock()
-        self.member: Any = None  # this process's member, where it is one (the local backend's driver)
+        self.claimant: Any = None  # this process's claimant, where it is one (the local backend's driver)
         self.rows = int(self.generation.root()["n_rows"])  # type: ignore[index]
         self.shard_size = int(self.generation.root()["shard_size"])  # type: ignore[index]
         # the arrays an attempt writes at finish (per row or per shard): every one of the data slot but captures
@@ -239,12 +239,12 @@ class _Opened:
         data = np.full((count, *array.shape[1:]), array.fill_value, dtype=array.dtype)
         return name, one if per_shard else rows, data
 
-    def claim(self, shard: int, member: int, attempt: int) -> int:
-        """Claim ``shard`` for ``member``'s ``attempt`` (:func:`.ledger.claim`); the attempt holding its rows."""
+    def claim(self, shard: int, claimant: int, attempt: int) -> int:
+        """Claim ``shard`` for ``claimant``'s ``attempt`` (:func:`.ledger.claim`); the attempt holding its rows."""
         held: list[int] = []
 
         def step(e: np.void) -> Verdict:
-            verdict = claim(e, member, attempt, self.generation.roster.dead)
+            verdict = claim(e, claimant, attempt, self.generation.roster.dead)
             held[:] = [int(e["rows"])]
             return verdict
 
@@ -253,10 +253,10 @@ class _Opened:
             raise ShardTaken(shard, verdict.value)
         return held[0]
 
-    def commit(self, shard: int, member: int, attempt: int, ok: int, failed: int, nbytes: int) -> Verdict:
-        verdict = self.ledger.step(shard, lambda e: commit(e, member, attempt, ok, failed, nbytes))
-        if verdict is Verdict.OK and self.member is not None:
-            self.member.committed()
+    def commit(self, shard: int, claimant: int, attempt: int, ok: int, failed: int, nbytes: int) -> Verdict:
+        verdict = self.ledger.step(shard, lambda e: commit(e, claimant, attempt, ok, failed, nbytes))
+        if verdict is Verdict.OK and self.claimant is not None:
+            self.claimant.committed()
         return verdict
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.stores import pending
 from conftest import RESNET18, child_env, job, make_images
 from PIL import Image
 
@@ -136,8 +137,9 @@ def test_a_queue_fed_pipeline_finishes_each_shard_before_waiting_for_more(image_
         computed.append((shard.index, future))
         ready.set()
 
+    ticket = pending(str(tmp_path / "s.zarr"), [0, 1, 2])  # made pending again, for this worker to write
     thread = threading.Thread(target=worker.run_shards, args=(queue, str(tmp_path / "s.zarr")),
-                              kwargs={"on_computed": on_computed})
+                              kwargs={"on_computed": on_computed, "ticket": ticket})
     thread.start()
     try:
         shards = plan(12, 4)

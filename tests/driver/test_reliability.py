@@ -18,6 +18,7 @@ import pytest
 import warm
 import yaml
 import zarr
+from helpers.stores import pending
 from conftest import child_env, job, make_images
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -209,8 +210,10 @@ def test_a_shard_interrupted_by_the_failure_of_the_one_before_goes_back_to_the_q
     worker = worker_mod.Worker(parse_spec(raw))
     queue = pipeline.ShardQueue(plan(12, 4)[:2])  # open, as an actor's
     computed: list[int] = []
+    ticket = pending(str(tmp_path / "s.zarr"), [0, 1])
     with pytest.raises(ShardError, match="No space left") as err:
-        worker.run_shards(queue, str(tmp_path / "s.zarr"), on_computed=lambda shard, f: computed.append(shard.index))
+        worker.run_shards(queue, str(tmp_path / "s.zarr"), on_computed=lambda shard, f: computed.append(shard.index),
+                          ticket=ticket)
     worker.close()
     assert err.value.shard == 0 and computed == []
     assert list(queue.items) == [plan(12, 4)[1]]

@@ -1,4 +1,4 @@
-"""A store's inside as tests reach it: what is committed, its members, and its arrays edited in place (as a damaged
+"""A store's inside as tests reach it: what is committed, its claimants, and its arrays edited in place (as a damaged
 or older store would hold them)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def committed(url: str, shard: int | None = None, storage_options: Mapping[str, 
     return bool(done.all() if shard is None else done[shard])
 
 
-def members(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+def claimants(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The records of the processes that wrote into the store's live generation."""
     return generation(str(url), storage_options).roster.all()
 
@@ -97,11 +97,11 @@ def made_again(url: str) -> str:
     return name
 
 
-def member_record(url: str, **changes: Any) -> dict[str, Any]:
-    """The store's last member's record, changed by ``changes`` (a key set to None is removed) and written back."""
+def claimant_record(url: str, **changes: Any) -> dict[str, Any]:
+    """The store's last claimant's record, changed by ``changes`` (a key set to None is removed) and written back."""
     gen = generation(str(url))
-    names = gen.objects.list(gen.members_prefix)
-    key = f"{gen.members_prefix}/{names[-1]}"
+    names = gen.objects.list(gen.claimants_prefix)
+    key = f"{gen.claimants_prefix}/{names[-1]}"
     record = json.loads(gen.objects.get(key) or b"{}")
     for k, v in changes.items():
         if v is None:
@@ -125,4 +125,33 @@ def dropped(url: str, name: str) -> None:
     inner = meta.get("consolidated_metadata", {}).get("metadata", {})
     for k in [k for k in inner if k == name or k.startswith(f"{name}/")]:
         del inner[k]
+    gen.objects.put(key, json.dumps(meta).encode())
+
+
+def pending(url: str, shards: list[int]) -> Any:
+    """Shards of a store made pending again (as a resume that redoes them makes them) and claimed for a new
+    claimant, whose ticket is returned: a worker given it writes them."""
+    from extractor.store import Ticket, new_id
+    from extractor.store.ledger import reset
+
+    gen = generation(str(url))
+    claimant = new_id()
+    gen.ledger().apply(shards, lambda e, _s: reset(e, claimant, lambda _c: True))
+    gen.objects.remove(gen.txn("final"))
+    return Ticket(gen.name, claimant)
+
+
+def replaced_array(url: str, name: str, data: Any, chunks: tuple[int, ...]) -> None:
+    """A local store's array ``name`` replaced by a plain one holding ``data`` (an array of another form, as a store
+    made by an older extractor holds it), in the generation and in its root's consolidated metadata."""
+    import shutil
+    from pathlib import Path
+
+    gen = generation(str(url))
+    shutil.rmtree(Path(url) / gen.name / name)
+    array = zarr.create_array(store=gen.objects.zarr_store(gen.name, read_only=False), name=name, data=data,
+                              chunks=chunks)
+    key = gen.key("__root.json")
+    meta = json.loads(gen.objects.get(key) or b"{}")
+    meta["consolidated_metadata"]["metadata"][name] = array.metadata.to_dict()
     gen.objects.put(key, json.dumps(meta).encode())

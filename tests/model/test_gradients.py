@@ -123,14 +123,14 @@ def test_no_hooks_no_parameter_grads_no_graph_after_a_job(image_dir: Path, tmp_p
     spec = parse_spec(job(image_dir, tmp_path / "s.zarr", capture=GRAD_CAPTURES))
     worker = Worker(spec)
     rows = list_rows(spec.data)
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import StoreArrays
+    from extractor.store.synthetic import create_store, ticket
 
     probe = worker.probe()
     create_store(str(tmp_path / "s.zarr"), rows, StoreArrays(captures=probe.captures, extras=probe.extras,
                                                              shard_size=4, chunk_rows=dict.fromkeys(probe.captures, 2)),
-                 attrs={})
-    worker.run_shard(plan(len(rows), 4)[0], str(tmp_path / "s.zarr"))
+                 attrs={"n_rows": len(rows), "n_shards": 3, "captures": probe.captures}, pending=True)
+    worker.run_shard(plan(len(rows), 4)[0], str(tmp_path / "s.zarr"), ticket=ticket(str(tmp_path / "s.zarr")))
     worker.close()
     for m in worker.model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks

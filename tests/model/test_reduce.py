@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zarr
 from conftest import job
+from helpers.stores import replaced_array
 
+import extractor
 from extractor.driver.runner import run
 from extractor.errors import LayerError, SpecError
 from extractor.model.reduce import sample_positions as device_positions
@@ -97,11 +98,8 @@ def test_sampled_and_projected_captures_equal_the_full_capture_cut_by_hand(image
     assert len(seen) == len(s) * 7  # every kept token once, named by its position in the layer's sequence
     for (row, position), x in seen.items():
         assert np.array_equal(x, full[row, position])
-    old = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+", use_consolidated=False)  # made before int16: int64
-    positions = old["sampled.token_index"][:]
-    del old["sampled.token_index"]
-    old.create_array("sampled.token_index", data=positions.astype(np.int64), chunks=(len(positions), 7))
-    zarr.consolidate_metadata(str(tmp_path / "s.zarr"))
+    positions = s.numpy("sampled.token_index", only_ok=False)  # made before int16: int64
+    replaced_array(str(tmp_path / "s.zarr"), "sampled.token_index", positions.astype(np.int64), (len(positions), 7))
     before = open_store(str(tmp_path / "s.zarr"))
     assert before.numpy("sampled.token_index").dtype == np.int64
     again = {(int(r), int(p)): x for idx, data in before.token_batches("sampled", batch_size=5, shuffle=True, seed=1)
@@ -184,19 +182,20 @@ def test_a_bfloat16_capture_holds_the_full_capture_rounded_and_reads_back_as_bfl
     assert str(half.dtype) == "bfloat16" and (s["half"].shards is not None) == sharding
     assert np.array_equal(half.view(np.int16), want.view(torch.int16).numpy())  # the same bits
     assert s.captures["half"]["dtype"] == "bfloat16"
-    meta = json.loads((tmp_path / "s.zarr" / "half" / "zarr.json").read_text())
+    meta = json.loads((tmp_path / "s.zarr" / s.attrs["generation"] / "half" / "zarr.json").read_text())
     assert meta["data_type"] == "bfloat16" and meta["fill_value"] == "NaN"
 
     index = s.numpy("cut.token_index")  # sampled and projected in float32 on the device, then rounded
     cut = np.take_along_axis(full, index[:, :, None], axis=1) @ s.projection("cut")
     np.testing.assert_allclose(s.numpy("cut").astype(np.float32), cut, rtol=2**-7, atol=1e-5)
 
-    native = zarr.open_array(str(tmp_path / "s.zarr" / "half"))
+    store = extractor.zarr_store(str(tmp_path / "s.zarr"))
+    native = zarr.open_array(store, path="half", mode="r")
     assert str(native.dtype) == "bfloat16" and np.array_equal(native[:].view(np.int16), half.view(np.int16))
-    ds = xr.open_zarr(str(tmp_path / "s.zarr"), consolidated=False)
+    ds = xr.open_zarr(store, consolidated=False)
     assert str(ds["half"].dtype) == "bfloat16" and np.array_equal(ds["half"].values.view(np.int16),
                                                                   half.view(np.int16))
-    lazy = da.from_zarr(str(tmp_path / "s.zarr" / "half"))
+    lazy = da.from_zarr(native)
     assert np.array_equal(lazy.compute().view(np.int16), half.view(np.int16))
 
     batch = next(iter(s.dataloader("half", batch_size=len(s))))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.stores import generation, made_again, member_record, opened
+from helpers.stores import generation, made_again, claimant_record, opened
 from conftest import job, make_images
 
 from extractor.data.rows import Rows
@@ -436,7 +436,7 @@ def test_nan_and_inf_are_stored_as_computed_and_counted(tmp_path: Path, caplog: 
 
 
 def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
-    """A store whose job was SIGKILLed says neither complete nor how it stopped: its silent member tells it apart."""
+    """A store whose job was SIGKILLed says neither complete nor how it stopped: its silent claimant tells it apart."""
     import re
     import time
 
@@ -447,10 +447,10 @@ def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, c
     assert open_store(url).stale is None  # complete
     gen = generation(url)
     gen.objects.remove(gen.txn("final"))  # as a job killed before its end leaves it
-    member_record(url, ended=None, heartbeat=time.time() - 5)
+    claimant_record(url, ended=None, heartbeat=time.time() - 5)
     assert open_store(url).attrs["status"] == "running"
     assert open_store(url).stale is None  # a live job renews it every 15 s (timeout 60 s)
-    member_record(url, heartbeat=time.time() - 3600)
+    claimant_record(url, heartbeat=time.time() - 3600)
     assert 3600 <= open_store(url).stale < 3700
     assert main(["inspect", url]) == 0
     assert re.search(r"its job has been silent for 36\d\d s \(killed\?\): run it again with --resume",

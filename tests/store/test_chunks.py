@@ -74,8 +74,8 @@ def _mtime_out(files: dict[str, bytes], compression: str) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("compression", ["zstd", "gzip", "none"])
 def test_a_shards_finishing_writes_are_the_bytes_zarr_writes(tmp_path: Path, compression: str):
-    """Strings (vlen-utf8), numbers and a last chunk padded with the fill value, put whole by write_whole with the
-    marker last: each object as zarr writes it (with write_empty_chunks, as a fenced S3 store has it)."""
+    """Strings (vlen-utf8), numbers and a last chunk padded with the fill value, put whole by write_whole: each
+    object as zarr writes it (with write_empty_chunks, as a shard's writer has it)."""
     group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
     made, empty = {}, {"write_empty_chunks": True}
     for side in ("zarr", "ours"):
@@ -90,8 +90,8 @@ def test_a_shards_finishing_writes_are_the_bytes_zarr_writes(tmp_path: Path, com
         by_zarr[2][start // 4] = 1
         ours = [(a, ChunkCodec.of(a)) for a in made["ours"]]
         assert all(codec is not None for _, codec in ours)
-        write_whole([(*ours[0], start, errors[start:stop]), (*ours[1], start, digests[start:stop])],
-                    (*ours[2], start // 4, np.ones(1, np.uint8)))
+        write_whole([(*ours[0], start, errors[start:stop]), (*ours[1], start, digests[start:stop]),
+                     (*ours[2], start // 4, np.ones(1, np.uint8))])
     root = tmp_path / "s.zarr"
     for name in ("errors", "digest", "done"):
         ours, theirs = (_mtime_out(_chunk_files(root, f"{side}-{name}"), compression) for side in ("ours", "zarr"))

@@ -17,6 +17,7 @@ from extractor.data import sources as registry
 from extractor.data.sources import Source
 from extractor.read.reader import open_store
 from extractor.store import ShardWriter, StoreArrays, create_store, source_digests
+from extractor.store.synthetic import ticket
 from extractor.store.provenance import moved_locators
 
 
@@ -58,7 +59,7 @@ def test_a_sources_locator_arrays_are_stored_and_read_back_as_it_declares(ranges
     url = str(tmp_path / "s.zarr")
     arrays = StoreArrays(captures={}, extras={}, shard_size=4, chunk_rows={}, locators=ranges.locators)
     group = create_store(url, rows, arrays, attrs={"n_rows": n, "n_shards": 3, "captures": {}, "format_version": 1,
-                                                   "spec": {"data": {"source": "ranges"}}, "model": {}})
+                                                   "spec": {"data": {"source": "ranges"}}, "model": {}}, pending=True)
     for declared in ranges.locators:  # as the source declares them: name, type, fill
         stored = group[declared.name]
         assert stored.dtype == np.dtype(declared.dtype) and stored.fill_value == declared.fill
@@ -66,7 +67,7 @@ def test_a_sources_locator_arrays_are_stored_and_read_back_as_it_declares(ranges
     np.testing.assert_array_equal(group["range_stop"][:], stops)
 
     expected = [(str(blob), int(a), int(b)) for a, b in zip(starts, stops, strict=True)]
-    paths, _ = ShardWriter(url, 4, 8, 1).opening()
+    paths, _ = ShardWriter(url, 4, 8, 1, ticket=ticket(url)).opening()
     assert paths == expected[4:8]
     assert open_store(url).locator(9) == expected[9]
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import zarr
 from conftest import job
+from helpers.stores import generation, pending
 from zarr.codecs import ZstdCodec
 
 from extractor.driver.runner import run
@@ -18,7 +19,6 @@ from extractor.read.reader import open_store
 from extractor.spec.load import parse_spec
 from extractor.spec.schema import auto_inner_rows
 from extractor.store.chunks import ChunkCodec, ShardStream, write_chunks
-from extractor.store.layout import open_group, reset_shards
 
 CAPTURES = [{"layer": "layer3", "reduce": "none"}, {"layer": "layer4", "reduce": "mean", "dtype": "float16"}]
 
@@ -29,22 +29,24 @@ def _job(image_dir: Path, store: Path, **output) -> dict:
 
 
 def test_a_sharded_store_equals_an_unsharded_one_and_opens_natively(image_dir: Path, tmp_path: Path):
+    import extractor
+
     run(parse_spec(_job(image_dir, tmp_path / "sharded.zarr")))
     run(parse_spec(_job(image_dir, tmp_path / "plain.zarr", sharding=False)))
     a, b = open_store(str(tmp_path / "sharded.zarr")), open_store(str(tmp_path / "plain.zarr"))
+    attempts = tmp_path / "sharded.zarr" / a.attrs["generation"] / "__attempts"
     for key in a.keys:
-        array = zarr.open_array(str(tmp_path / "sharded.zarr" / key), mode="r")
+        array = zarr.open_array(extractor.zarr_store(str(tmp_path / "sharded.zarr")), path=key, mode="r")
         assert array.shards == (8, *array.shape[1:]) and array.chunks == (2, *array.shape[1:])
-        objects = [p for p in (tmp_path / "sharded.zarr" / key / "c").rglob("*") if p.is_file()]
-        assert len(objects) == 2  # 12 rows, shards of 8: one object per work shard
+        objects = [p for p in attempts.rglob("*") if p.is_file() and f"/{key}/c/" in str(p)]
+        assert len(objects) == 2  # 12 rows, shards of 8: one object per work shard, each its attempt's
         assert np.array_equal(array[:], b[key][:], equal_nan=True)
         assert np.array_equal(a.numpy(key), b.numpy(key))
-    assert not list((tmp_path / "sharded.zarr").rglob("*.partial"))  # every object renamed into place
     xr = pytest.importorskip("xarray")
-    ds = xr.open_zarr(str(tmp_path / "sharded.zarr"), consolidated=False)
+    ds = xr.open_zarr(extractor.zarr_store(str(tmp_path / "sharded.zarr")), consolidated=False)
     assert np.array_equal(ds["layer3"].values, b["layer3"][:], equal_nan=True)
     da = pytest.importorskip("dask.array")
-    assert np.array_equal(da.from_zarr(str(tmp_path / "sharded.zarr"), component="layer4").compute(), b["layer4"][:])
+    assert np.array_equal(da.from_zarr(a["layer4"]).compute(), b["layer4"][:])
     assert np.array_equal(a.row(a.ids[5])["layer3"], b["layer3"][5])  # a row by id: one inner chunk read
 
 
@@ -58,7 +60,7 @@ def test_inner_chunks_written_in_any_order_from_threads_read_back_in_zarr(tmp_pa
     codec = ChunkCodec.of(array)
     assert codec is not None and codec.shard_rows == 8 and codec.rows == 2
     for shard in (0, 8):
-        streams = {"x": ShardStream(codec, shard, str(tmp_path / "s.zarr"), None, "t")}
+        streams = {"x": ShardStream(codec, shard, array.store, str(tmp_path / "s.zarr"), None)}
         starts = list(range(shard, min(shard + 8, 13), 2))[::-1]  # backwards, each from its own thread
         threads = [threading.Thread(target=write_chunks, args=(s, {"x": (array, codec, data[s : s + 2])}, streams))
                    for s in starts]
@@ -80,47 +82,49 @@ def test_a_store_made_unsharded_stays_so_when_resumed(image_dir: Path, tmp_path:
     store = tmp_path / "s.zarr"
     run(parse_spec(_job(image_dir, store, sharding=False)))
     clean = {k: open_store(str(store)).numpy(k) for k in ("layer3", "layer4")}
-    reset_shards(open_group(str(store), "r+"), [(1, 8, 12)])  # as if the job had stopped before shard 1
+    pending(str(store), [1])  # as if the job had stopped before shard 1
     run(parse_spec(_job(image_dir, store, if_exists="resume")))  # the spec now says sharding: true (the default)
     s = open_store(str(store))
-    assert zarr.open_array(str(store / "layer3"), mode="r").shards is None  # its own chunking kept
+    assert s["layer3"].shards is None  # its own chunking kept
     for key, values in clean.items():
         assert np.array_equal(s.numpy(key), values)
 
 
-def test_two_attempts_at_one_shard_never_share_a_file_and_leftovers_go_at_the_end(image_dir: Path,
-                                                                                  tmp_path: Path):
-    """A Ray worker drained while its shard runs again elsewhere: each attempt writes a file of its own, and
-    whichever is renamed last is whole. A file a killed run left is removed when the next run ends."""
-    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
-    array = group.create_array("x", shape=(8, 2), dtype="float32", chunks=(2, 2), shards=(8, 2), fill_value=np.nan)
-    codec = ChunkCodec.of(array)
-    assert codec is not None
-    data = np.arange(16, dtype=np.float32).reshape(8, 2)
-    a, b = (ShardStream(codec, 0, str(tmp_path / "s.zarr"), None, tag) for tag in ("a", "b"))
-    for start in range(0, 8, 2):
-        write_chunks(start, {"x": (array, codec, data[start : start + 2])}, {"x": a})
-        write_chunks(start, {"x": (array, codec, data[start : start + 2] + 100)}, {"x": b})
-    b.close()
-    a.close()
-    assert np.array_equal(zarr.open_array(str(tmp_path / "s.zarr" / "x"), mode="r")[:], data)
-    stream = ShardStream(codec, 0, str(tmp_path / "s.zarr"), None, "gone")
-    write_chunks(0, {"x": (array, codec, data[:2])}, {"x": stream})  # never closed: its job was killed
-    assert list((tmp_path / "s.zarr").rglob("*.partial"))
+def test_two_attempts_at_one_shard_never_share_an_object_and_the_unnamed_go_at_the_end(image_dir: Path,
+                                                                                       tmp_path: Path):
+    """A Ray worker drained while its shard runs again elsewhere: each attempt writes objects of its own name, and
+    the one the ledger names is read, whole. What an attempt no commit names left (a killed run's, a failed
+    one's) is removed when the store is finished."""
+    from extractor.store.ledger import new_id
+    from extractor.store.views import write_view
 
     store = tmp_path / "job.zarr"
     run(parse_spec(_job(image_dir, store)))
-    left = store / "layer3" / "c" / "0" / "0" / "0" / "0.killed.partial"
-    left.write_bytes(b"half a shard")
-    reset_shards(open_group(str(store), "r+"), [(0, 0, 8)])
+    gen = generation(str(store))
+    s = open_store(str(store))
+    codec = ChunkCodec.of(s["layer4"])
+    assert codec is not None
+    views = [write_view(gen.objects.zarr_store(gen.name, read_only=False), {"data": new_id()}, range(0, 1))
+             for _ in range(2)]
+    streams = [ShardStream(codec, 0, view, str(store), None) for view in views]
+    assert streams[0].where != streams[1].where and streams[0].where.endswith("layer4/c/0/0")
+    for stream, bias in zip(streams, (100, 200), strict=True):
+        for start in range(0, 8, 2):
+            write_chunks(start, {"layer4": (s["layer4"], codec, s["layer4"][start : start + 2] + bias)},
+                         {"layer4": stream})
+        stream.close()
+    assert np.array_equal(open_store(str(store))["layer4"][:8], s["layer4"][:8])  # what the ledger names
+    pending(str(store), [0])
     run(parse_spec(_job(image_dir, store, if_exists="resume")))
-    assert not list(store.rglob("*.partial"))
+    named = {f"{a:016x}" for a in gen.ledger().read().named()}
+    assert sorted(p.name for p in (store / gen.name / "__attempts").iterdir()) == sorted(named)
 
 
-def test_a_shard_whose_object_fails_to_close_leaves_nothing_half_written(image_dir: Path, tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch):
-    """A full disk as the first of two captures' shard objects closes: the shard fails, every object of it is
-    given up (no half-written object, no temporary file left), and --resume finishes the store as a clean run."""
+def test_a_shard_whose_object_fails_to_close_is_never_read_and_is_removed_at_the_end(
+        image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A full disk as the first of two captures' shard objects closes: the shard fails, nothing of its attempt is
+    read (its rows are NaN, not committed), and --resume finishes the store as a clean run, leaving no object of
+    the failed attempt."""
     import errno
 
     from extractor.errors import ShardError
@@ -137,17 +141,20 @@ def test_a_shard_whose_object_fails_to_close_leaves_nothing_half_written(image_d
     store = tmp_path / "s.zarr"
     with pytest.raises(ShardError, match="No space left on device"):
         run(parse_spec(_job(image_dir, store)))
-    assert not list(store.rglob("*.partial"))
     failed = int(calls[0].split("/c/")[1].split("/")[0])  # the shard whose object failed to close
-    for key in ("layer3", "layer4"):  # no object half written: all read, the failed shard's are absent (NaN)
-        rows = zarr.open_array(str(store / key), mode="r")[failed * 8 : failed * 8 + 8]
-        assert np.isnan(rows.astype(np.float32)).all()
+    s = open_store(str(store))
+    assert not s.done_shards[failed]
+    for key in ("layer3", "layer4"):  # nothing of its attempt read: the failed shard's rows are fill values (NaN)
+        assert np.isnan(s[key][failed * 8 : failed * 8 + 8].astype(np.float32)).all()
     monkeypatch.setattr(ShardStream, "close", real_close)
     run(parse_spec(_job(image_dir, store, if_exists="resume")))
     run(parse_spec(_job(image_dir, tmp_path / "clean.zarr")))
     a, b = open_store(str(store)), open_store(str(tmp_path / "clean.zarr"))
     for key in a.keys:
         assert np.array_equal(a.numpy(key), b.numpy(key))
+    gen = generation(str(store))
+    named = {f"{a:016x}" for a in gen.ledger().read().named()}
+    assert sorted(p.name for p in (store / gen.name / "__attempts").iterdir()) == sorted(named)
 
 
 def test_on_a_store_whose_files_show_half_written_a_shard_is_put_whole_at_its_end():
@@ -158,7 +165,7 @@ def test_on_a_store_whose_files_show_half_written_a_shard_is_put_whole_at_its_en
     codec = ChunkCodec.of(array)
     assert codec is not None
     data = np.arange(48, dtype=np.float32).reshape(16, 3)
-    kept, dropped = (ShardStream(codec, start, "memory://sharding-test.zarr", None, "t") for start in (0, 8))
+    kept, dropped = (ShardStream(codec, start, array.store, "memory://sharding-test.zarr", None) for start in (0, 8))
     assert kept.parts is not None and kept.fd is None and kept.file is None
     for start in range(0, 16, 2):
         write_chunks(start, {"x": (array, codec, data[start : start + 2])}, {"x": kept if start < 8 else dropped})

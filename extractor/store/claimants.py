@@ -1,13 +1,13 @@
-"""Members: the processes writing into a store's generation, each with a record it alone writes and renews.
+"""Claimants: the processes writing into a store's generation, each with a record it alone writes and renews.
 
-A member's claims (:mod:`.ledger`) hold while it lives: its record is renewed every ``timeout_s / 4`` by a
+A claimant's claims (:mod:`.ledger`) hold while it lives: its record is renewed every ``timeout_s / 4`` by a
 thread; a record not renewed for ``timeout_s`` (its own job's ``output.lease_timeout_s``), or one whose process
-is gone from this machine, belongs to a dead member, whose claims others take over. A member that wakes after
-that (SIGSTOP, a frozen VM) finds its claims taken: its commits are refused. A member never stops another one;
+is gone from this machine, belongs to a dead claimant, whose claims others take over. A claimant that wakes after
+that (SIGSTOP, a frozen VM) finds its claims taken: its commits are refused. A claimant never stops another one;
 the ledger decides.
 
 The renewing thread also reads the store's head: once the generation it writes into is no longer the store's
-(made again by ``--overwrite``), the member is :attr:`Member.lost` and the job stops.
+(made again by ``--overwrite``), the claimant is :attr:`Claimant.lost` and the job stops.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from ..errors import FencedError
 from .ledger import new_id
 from .objects import Objects
 
-__all__ = ["Member", "MemberRecord", "Roster", "alive"]
+__all__ = ["Claimant", "ClaimantRecord", "Roster", "alive"]
 
 log = logging.getLogger(__name__)
 
 
-class MemberRecord(TypedDict, total=False):
-    """A member's record (``__txn/members/<id>``), written by that member only."""
+class ClaimantRecord(TypedDict, total=False):
+    """A claimant's record (``__txn/claimants/<id>``), written by that claimant only."""
 
     id: str  # hex
     heartbeat: float  # time.time() of its last renewal
@@ -48,7 +48,7 @@ class MemberRecord(TypedDict, total=False):
 
 
 def alive(record: Mapping[str, Any], now: float | None = None) -> bool:
-    """A member whose record is renewed within its timeout, not ended, and whose process, when it ran on this
+    """A claimant whose record is renewed within its timeout, not ended, and whose process, when it ran on this
     machine, is still there."""
     if not record or record.get("ended"):
         return False
@@ -71,32 +71,32 @@ def _running(pid: int) -> bool:
 
 
 class Roster:
-    """The members of a generation as another process sees them: records read when asked (cached a moment)."""
+    """The claimants of a generation as another process sees them: records read when asked (cached a moment)."""
 
     def __init__(self, objects: Objects, prefix: str, fresh_s: float = 0.5) -> None:
         self.objects, self.prefix, self.fresh_s = objects, prefix.rstrip("/"), fresh_s
         self._seen: dict[int, tuple[float, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def record(self, member: int) -> dict[str, Any]:
-        """Member ``member``'s record ({} when there is none)."""
+    def record(self, claimant: int) -> dict[str, Any]:
+        """Claimant ``claimant``'s record ({} when there is none)."""
         now = time.monotonic()
         with self._lock:
-            seen = self._seen.get(member)
+            seen = self._seen.get(claimant)
             if seen is not None and now - seen[0] < self.fresh_s:
                 return seen[1]
-        data = self.objects.get(f"{self.prefix}/{member:016x}")
+        data = self.objects.get(f"{self.prefix}/{claimant:016x}")
         record = json.loads(data) if data else {}
         with self._lock:
-            self._seen[member] = (now, record)
+            self._seen[claimant] = (now, record)
         return record
 
-    def dead(self, member: int) -> bool:
-        """Whether ``member``'s claims may be taken over."""
-        return not alive(self.record(member))
+    def dead(self, claimant: int) -> bool:
+        """Whether ``claimant``'s claims may be taken over."""
+        return not alive(self.record(claimant))
 
     def all(self) -> list[dict[str, Any]]:
-        """Every member's record, the latest started last."""
+        """Every claimant's record, the latest started last."""
         records = []
         for name in self.objects.list(self.prefix):
             data = self.objects.get(f"{self.prefix}/{name}")
@@ -108,19 +108,19 @@ class Roster:
         return [r for r in self.all() if alive(r)]
 
 
-class Member:
-    """This process as a member of a generation: its record, renewed by a thread until :meth:`end`."""
+class Claimant:
+    """This process as a claimant of a generation: its record, renewed by a thread until :meth:`end`."""
 
     def __init__(self, objects: Objects, prefix: str, timeout_s: float, info: Mapping[str, Any],
                  still_ours: Callable[[], bool] | None = None) -> None:
         if not timeout_s > 0:  # renewed every timeout_s / 4: at 0 the thread would write without pause
-            raise ValueError(f"a member's timeout must be > 0 s, not {timeout_s}")
+            raise ValueError(f"a claimant's timeout must be > 0 s, not {timeout_s}")
         self.objects, self.prefix, self.timeout_s = objects, prefix.rstrip("/"), timeout_s
         self.id = new_id()
         self.key = f"{self.prefix}/{self.id:016x}"
-        self.record = cast(MemberRecord, {**dict(info), "id": f"{self.id:016x}", "timeout_s": timeout_s, "shards": 0})
+        self.record = cast(ClaimantRecord, {**dict(info), "id": f"{self.id:016x}", "timeout_s": timeout_s, "shards": 0})
         self.still_ours = still_ours  # whether the generation is still the store's (read at each renewal)
-        self.lost = False  # the generation is no longer the store's: this member stops
+        self.lost = False  # the generation is no longer the store's: this claimant stops
         self._stop: threading.Event | None = None
         self._beat: threading.Thread | None = None
         self._lock = threading.Lock()  # the record: renewals and counts from several threads
@@ -141,7 +141,7 @@ class Member:
                 except Exception as err:  # noqa: BLE001 - a missed renewal is tried again at the next one
                     log.debug("renewal of %s failed: %s", self.key, err)
 
-        self._beat = threading.Thread(target=beat, name="extractor-member", daemon=True)
+        self._beat = threading.Thread(target=beat, name="extractor-claimant", daemon=True)
         self._beat.start()
 
     def check(self) -> None:
@@ -155,7 +155,7 @@ class Member:
             self.record["shards"] = int(self.record.get("shards", 0)) + n
 
     def end(self, status: str, error: str | None = None, **extra: Any) -> None:
-        """Stop renewing (after a renewal in flight lands) and write how the member ended: others no longer wait
+        """Stop renewing (after a renewal in flight lands) and write how the claimant ended: others no longer wait
         for it."""
         if self._stop is not None:
             self._stop.set()
