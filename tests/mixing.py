@@ -27,8 +27,8 @@ def class_sorted(url: str, rows: int = 4000, classes: int = 40, tokens: int = 4,
     """A sharded store of ``rows`` rows of (tokens, 2) in class order (``classes`` equal blocks), inner chunks of
     ``inner`` rows in shards of ``shard``."""
     from extractor.data import Rows
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import OK, StoreArrays
+    from extractor.store.synthetic import create_store
 
     caps = {"t": {"shape": [tokens, 2], "dtype": "float32", "dims": ["t.token", "t.feature"], "layer": "t",
                   "what": "output", "reduce": "none"}}

@@ -12,8 +12,8 @@ from helpers.stores import root_attrs
 
 from extractor.data import Rows
 from extractor.read.reader import ActivationStore, open_store
-from extractor.store.synthetic import create_store
 from extractor.store.layout import FAILED, OK, StoreArrays
+from extractor.store.synthetic import create_store
 
 N, TOKENS, FEATURES = 61, 6, 4
 

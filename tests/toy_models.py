@@ -414,10 +414,10 @@ def stopped_at_write(where: str, key: str, marker: str, nth: int = 1, seconds: f
     import signal
     import threading
 
+    import extractor.store.fence as fence
     import s3fs
 
     import extractor.store.chunks as chunks
-    import extractor.store.fence as fence
     import extractor.store.layout as fmt
 
     pattern = re.compile(rf"(^|/)(?:{key})$")

@@ -114,11 +114,11 @@ def release(e: np.void, claimant: int) -> Verdict:
     return Verdict.OK
 
 
-def amend_rows(e: np.void, rows: int, dead: Dead) -> Verdict:
-    """The shard's rows' source facts are now ``rows``'s (a resume that found them moved, their images not),
-    unless a live claimant is computing the shard."""
+def amend_rows(e: np.void, rows: int, claimant: int, dead: Dead) -> Verdict:
+    """The shard's rows' source facts are now ``rows``'s (a resume by ``claimant`` that found them moved, their
+    images not), unless another live claimant is computing the shard."""
     holder = int(e["claimant"])
-    if not e["data"] and holder and not dead(holder):
+    if not e["data"] and holder not in (0, claimant) and not dead(holder):
         return Verdict.TAKEN
     e["rows"], e["at"] = rows, time.time()
     return Verdict.OK
@@ -197,10 +197,10 @@ class Ledger:
         whenever another writer changed the block first). Each shard's verdict; an entry is written only where its
         step said OK."""
         by_block: dict[int, list[int]] = {}
-        for s in shards:
+        for s in map(int, shards):
             if not 0 <= s < self.n_shards:
                 raise IndexError(f"shard {s} of a ledger of {self.n_shards}")
-            by_block.setdefault(s % self.blocks, []).append(int(s))
+            by_block.setdefault(s % self.blocks, []).append(s)
         out: dict[int, Verdict] = {}
         for block, mine in by_block.items():
             out.update(self._apply_block(block, mine, step))

@@ -383,13 +383,13 @@ class StoreSession:
         import zarr
 
         with zarr.config.set({"array.write_empty_chunks": True}):
-            target = zarr.open_group(store=view, mode="r")
+            target = zarr.open_group(store=view, mode="r+", use_consolidated=False)
             for k, v in columns.items():
                 array = get_array(target, k)
                 for s in moved:
                     array[s * size : min((s + 1) * size, n)] = v[s * size : min((s + 1) * size, n)]
-        dead = generation.roster.dead
-        generation.ledger().apply(moved, lambda e, _s: amend_rows(e, attempt, dead))
+        dead, claimant = generation.roster.dead, self.claimant.id if self.claimant is not None else 0
+        generation.ledger().apply(moved, lambda e, _s: amend_rows(e, attempt, claimant, dead))
 
     # ---------------------------------------------------------------------------------------------- shards
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.stores import pending
 from conftest import RESNET18, child_env, job, make_images
+from helpers.stores import pending
 from PIL import Image
 
 from extractor.driver.runner import run

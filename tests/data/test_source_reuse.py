@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import job, make_images
+from helpers.stores import root_attrs
 
 import extractor.data.sources.folder as folder
 import extractor.data.sources.manifest as manifest
@@ -192,14 +193,10 @@ def test_a_store_that_recorded_the_tree_digest_is_listed_once_then_resumes_by_fo
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Stores made before the folders were recorded (a digest of the tree): listed again whole, the folders
     recorded, then taken from the store."""
-    import zarr
-
-    from extractor.store.layout import update_attrs
-
     raw = folder_job(tmp_path)
-    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
     listing = open_store(str(tmp_path / "s.zarr")).attrs["listing"]
-    update_attrs(group, listing={k: v for k, v in listing.items() if k not in ("folders", "rows")} | {"tree": 7})
+    root_attrs(str(tmp_path / "s.zarr"),
+               listing={k: v for k, v in listing.items() if k not in ("folders", "rows")} | {"tree": 7})
     walks = counted(monkeypatch, folder, "_list_folder")
     assert run(parse_spec(raw)).shards_run == 0 and len(walks) == 1
     assert open_store(str(tmp_path / "s.zarr")).attrs["listing"] == listing

@@ -18,8 +18,8 @@ import pytest
 import warm
 import yaml
 import zarr
-from helpers.stores import pending
 from conftest import child_env, job, make_images
+from helpers.stores import pending
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -339,7 +339,6 @@ def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_pat
 
 def test_a_lease_from_another_host_expires_after_its_timeout(image_dir: Path, tmp_path: Path):
     import zarr
-
     from extractor.store.lease import Lease
 
     raw = job(image_dir, tmp_path / "s.zarr")
@@ -685,8 +684,9 @@ def test_a_second_ctrl_c_while_stopping_exits_130(tmp_path: Path):
 
 def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_path: Path):
     """issue 26, defect 11: a store a live job is creating was called "left half-created by a run that failed"."""
-    from extractor.store.layout import ATTR
     from extractor.store.lease import Lease, read_attrs
+
+    from extractor.store.layout import ATTR
 
     url = str(tmp_path / "s.zarr")
     lease = Lease(url, None, 60, {"pid": os.getpid(), "host": __import__("socket").gethostname()})

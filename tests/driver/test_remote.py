@@ -314,9 +314,9 @@ def test_the_lease_on_s3_is_a_compare_and_swap(s3, image_dir: Path, tmp_path: Pa
     released lease at once exactly one wins and the other is refused; a renewal after another job took the
     store fails (fenced) instead of overwriting that job's lease."""
     import zarr
+    from extractor.store.lease import Lease, read_lease
 
     from extractor.errors import FencedError, StoreError
-    from extractor.store.lease import Lease, read_lease
 
     fs, options = s3
     url = "s3://bucket/lease.zarr"

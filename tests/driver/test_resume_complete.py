@@ -73,9 +73,9 @@ def test_another_spec_is_refused_as_before(complete: dict[str, Any], monkeypatch
 
 
 def test_only_a_model_the_spec_fixes_is_taken_from_the_record(complete: dict[str, Any]):
-    from extractor.store import read_attrs
+    from extractor.store import read_state
 
-    old = read_attrs(complete["output"]["store"], None)
+    old = read_state(complete["output"]["store"], None)
     spec = parse_spec(complete)
     assert kept_probe(spec, old) is not None
     assert kept_probe(spec, {**old, "status": "incomplete"}) is None  # shards to compute: the model is needed

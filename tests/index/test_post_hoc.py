@@ -6,7 +6,6 @@ and the command."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -18,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers.stores import generation, made_again
 from conftest import child_env, job, make_images
+from helpers.stores import generation, made_again
 from test_dictionary import D_SAE, _refused, _sae, _saelens
 from test_state import ARRAYS, _by_hand_top, _check_against_numpy
 

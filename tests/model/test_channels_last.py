@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zarr
 from conftest import job
+from helpers.stores import root_attrs
 from test_worker import reference_batch
 
 from extractor.driver.runner import run
@@ -60,12 +60,10 @@ def test_a_store_made_before_layout_existed_still_resumes(image_dir: Path, tmp_p
     """A setting added since a store was made is compared at its default, not as a difference."""
     raw = job(image_dir, tmp_path / "s.zarr")
     run(parse_spec(raw))
-    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
-    attrs = dict(g.attrs["extractor"])
+    attrs = root_attrs(str(tmp_path / "s.zarr"))
     for c in attrs["spec"]["capture"]:
         del c["layout"]  # as written by the version before
-    attrs["spec_digest"] = "0123456789abcdef"
-    g.attrs["extractor"] = attrs
+    root_attrs(str(tmp_path / "s.zarr"), spec=attrs["spec"], spec_digest="0123456789abcdef")
     raw["output"]["if_exists"] = "resume"
     assert run(parse_spec(raw)).shards_skipped == 3
     raw["data"]["crop"] = 32  # a real difference is still one

@@ -11,9 +11,9 @@ from helpers.stores import opened
 
 from extractor.data import Rows
 from extractor.read.reader import open_store
-from extractor.store.views import GenerationStore
-from extractor.store.synthetic import create_store
 from extractor.store.layout import OK, StoreArrays
+from extractor.store.synthetic import create_store
+from extractor.store.views import GenerationStore
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,6 @@ def test_batches_across_buffers_are_the_rows_in_order_each_its_own_array(batch_s
 def test_status_is_read_fresh_a_file_a_chunk(tmp_path):
     """Each epoch reads the rows' status (a running job updates it): a local store's chunk files read at once, as
     zarr reads them (through zarr 0.41 s at 1M rows)."""
-    import zarr
 
     url = str(tmp_path / "s.zarr")
     meta = {"shape": [2], "dtype": "float32", "dims": ["x.f"], "layer": "x", "what": "output", "reduce": "none"}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.stores import dropped, generation, root_attrs
 from conftest import job
+from helpers.stores import dropped, generation, root_attrs
 
 import extractor.store.id_index as id_index
 from extractor.data import Rows, text_hashes
@@ -19,8 +19,8 @@ from extractor.data.rows import Strings
 from extractor.read.ids import _IdIndex
 from extractor.read.reader import open_store
 from extractor.store import SortedIds
-from extractor.store.synthetic import create_store
 from extractor.store.layout import StoreArrays
+from extractor.store.synthetic import create_store
 
 META = {"shape": [2], "dtype": "float32", "dims": ["x.f"], "layer": "x", "what": "output", "reduce": "none"}
 

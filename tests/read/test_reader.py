@@ -6,16 +6,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.stores import generation, made_again, claimant_record, opened
 from conftest import job, make_images
+from helpers.stores import claimant_record, generation, made_again, opened
 
 from extractor.data.rows import Rows
 from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read.reader import ActivationStore, open_store
 from extractor.spec.load import parse_spec
-from extractor.store.synthetic import create_store
 from extractor.store.layout import FAILED, OK, StoreArrays
+from extractor.store.synthetic import create_store
 
 
 @pytest.fixture(scope="module")
@@ -466,7 +466,6 @@ def test_batches_of_no_key_is_a_clear_error(store):
 def gradient_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[ActivationStore, dict[str, np.ndarray]]:
     """A Grad-CAM job over 6 images + 1 corrupt file (a failed row). Also returns its per-row
     extras read directly with zarr."""
-    import zarr
 
     tmp = tmp_path_factory.mktemp("gradients")
     root = tmp / "imgs"

@@ -13,8 +13,8 @@ import pytest
 from extractor.data.rows import Rows
 from extractor.errors import StoreError
 from extractor.read import compare, linear_cka, open_store
-from extractor.store.synthetic import create_store
 from extractor.store.layout import FAILED, OK, StoreArrays
+from extractor.store.synthetic import create_store
 
 
 def _store(url: str, ids: list[str], arrays: dict[str, np.ndarray], failed: tuple[int, ...] = (),

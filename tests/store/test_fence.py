@@ -125,8 +125,9 @@ def test_a_job_stopped_before_any_write_writes_nothing_once_another_took_the_sto
     spec_a = {**local_case["a"], "output": {**local_case["a"]["output"], "store": str(store)}}
     a, _ = start_paused(spec_a, tmp_path, "before", key, nth)
     try:
-        from extractor.errors import StoreError
         from extractor.store.fence import read_record
+
+        from extractor.errors import StoreError
 
         wait_stale(lambda: read_record(str(store)))
         spec_b = {**local_case["b"], "output": {**local_case["b"]["output"], "store": str(store),
@@ -155,8 +156,9 @@ def test_a_job_stopped_inside_a_write_keeps_the_store_and_the_other_job_refuses_
         local_case: dict, tmp_path: Path, key: str, nth: int, repeat: int):
     """Stopped with the store's lock held: no takeover can land (the other job refuses, naming the stopped job);
     woken, it finishes its store, equal to a clean run."""
-    from extractor.errors import StoreError
     from extractor.store.fence import read_record
+
+    from extractor.errors import StoreError
 
     store = tmp_path / "s.zarr"
     shutil.copytree(local_case["base"] / "old.zarr", store)
@@ -229,9 +231,8 @@ def test_an_object_another_writer_made_after_a_listing_is_read(moto_s3: dict[str
 
     import s3fs
     import zarr
-    from zarr.core.sync import sync
-
     from extractor.store.fence import fenced_group
+    from zarr.core.sync import sync
 
     s3fs.S3FileSystem(**moto_s3).mkdir("listed")
     url = "s3://listed/s.zarr"
@@ -284,8 +285,9 @@ def test_an_s3_that_ignores_conditional_writes_is_found_and_named(images: Path, 
         assert "run one job at a time on this store" in said[0]
         assert open_store("s3://loose/s.zarr", storage_options=options).attrs["status"] == "complete"
         # a paused job's late renewal there would take the lease back (its If-Match ignored): it reads first
-        from extractor.errors import FencedError
         from extractor.store.lease import Lease, _LeaseObject
+
+        from extractor.errors import FencedError
 
         a = Lease("s3://loose/s.zarr", options, 60, {"pid": 1, "host": "a"})
         a.acquire()
@@ -363,8 +365,8 @@ def test_a_reader_never_sees_a_shard_object_half_replaced(tmp_path: Path):
     import zarr
 
     from extractor.data import Rows
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import StoreArrays
+    from extractor.store.synthetic import create_store
 
     def made(name: str, value: float) -> Path:
         url = str(tmp_path / name)

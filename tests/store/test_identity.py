@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zarr
 from conftest import job
+from helpers.stores import edited, made_again, opened, root_attrs
 from PIL import Image
 from test_reliability import _interrupted_after
 
@@ -105,7 +105,7 @@ def test_a_store_with_fingerprints_of_the_old_form_resumes_after_a_digest_pass(i
     s = open_store(str(tmp_path / "s.zarr"))
     files = [root / i for i in s.ids]
     old_form = np.array([fingerprint(f.stat().st_size, f.stat().st_mtime_ns) for f in files], np.uint64)
-    zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")["fingerprint"][:] = old_form
+    edited(str(tmp_path / "s.zarr"))["fingerprint"][:] = old_form
     victim = files[6]
     assert victim.suffix == ".jpg"
     rewrite_keeping_size_and_mtime(victim, other_bytes_of_the_same_size)
@@ -115,7 +115,7 @@ def test_a_store_with_fingerprints_of_the_old_form_resumes_after_a_digest_pass(i
     raw["output"]["on_change"] = "redo"
     summary = run(parse_spec(raw))
     assert 1 in {p.shard for p in summary.per_shard} and 0 not in {p.shard for p in summary.per_shard}
-    now_ = np.asarray(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["fingerprint"][:])
+    now_ = np.asarray(opened(str(tmp_path / "s.zarr"))["fingerprint"][:])
     assert now_.tolist() == [local_fingerprint(str(f)) for f in files]
 
 
@@ -155,11 +155,10 @@ def test_a_python_model_with_another_forward_cannot_resume_and_an_older_store_st
     with pytest.raises(StoreError, match=r"the model's forward differs \(same weights, other values of fc, layer1"):
         extractor.run(raw, model=gelu, progress=False)
     assert extractor.run(raw, model=relu, progress=False).last_run.shards_run == 0
-    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
-    attrs = dict(group.attrs["extractor"])
+    attrs = root_attrs(str(tmp_path / "s.zarr"))
     assert set(attrs["model"]["forward_summary"]) == {"layer1", "fc"}
-    attrs["model"] = {k: v for k, v in attrs["model"].items() if k != "forward_summary"}
-    group.attrs["extractor"] = attrs  # as a store made before it
+    root_attrs(str(tmp_path / "s.zarr"), model={k: v for k, v in attrs["model"].items()  # as a store made before it
+                                                if k != "forward_summary"})
     assert extractor.run(raw, model=relu, progress=False).last_run.shards_run == 0
 
 
@@ -229,13 +228,13 @@ def test_rows_of_a_source_no_longer_ok_after_their_values_were_read_are_withdraw
                                                                          "chunk_rows": 4})))
     digests = open_store(str(tmp_path / "src.zarr")).digests
     index = ReuseIndex([str(tmp_path / "src.zarr")], None, ["layer1", "fc"])
-    group = zarr.open_group(str(tmp_path / "src.zarr"), mode="r+")
+    group = edited(str(tmp_path / "src.zarr"))
     status, digest = group["status"][:], group["digest"][:]
     status[1], digest[2] = 0, 12345  # row 1 pending again, row 2 another image's
     group["status"][:], group["digest"][:] = status, digest
     assert index.lookup(int(digests[0])) is not None  # its chunk read: rows 0-3 checked after it
     assert index.lookup(int(digests[1])) is None and index.lookup(int(digests[2])) is None
     assert index.lookup(int(digests[3])) is not None
-    group.attrs["extractor"] = {**group.attrs["extractor"], "created": "2000-01-01T00:00:00+00:00"}  # replaced
+    made_again(str(tmp_path / "src.zarr"))  # replaced
     assert index.lookup(int(digests[4])) is None  # the next chunk read finds another store: nothing more taken
     assert index.lookup(int(digests[0])) is None

@@ -17,8 +17,8 @@ from extractor.data import sources as registry
 from extractor.data.sources import Source
 from extractor.read.reader import open_store
 from extractor.store import ShardWriter, StoreArrays, create_store, source_digests
-from extractor.store.synthetic import ticket
 from extractor.store.provenance import moved_locators
+from extractor.store.synthetic import ticket
 
 
 class Ranges(Source):
