@@ -47,10 +47,13 @@ class ClaimantRecord(TypedDict, total=False):
     ended: dict[str, Any]  # how it ended: status (complete, incomplete, interrupted, failed), error, at, stats
 
 
+_ENDED: set[str] = set()  # claimants of this process that ended (their last word may have failed to land)
+
+
 def alive(record: Mapping[str, Any], now: float | None = None) -> bool:
     """A claimant whose record is renewed within its timeout, not ended, and whose process, when it ran on this
-    machine, is still there."""
-    if not record or record.get("ended"):
+    machine, is still there (and, when it is this process, has not ended)."""
+    if not record or record.get("ended") or record.get("id") in _ENDED:
         return False
     now = time.time() if now is None else now
     if now - float(record.get("heartbeat", 0)) > float(record.get("timeout_s", 0)):
@@ -162,6 +165,7 @@ class Claimant:
             if self._beat is not None:
                 self._beat.join(timeout=max(self.timeout_s, 1.0))
             self._stop = self._beat = None
+        _ENDED.add(str(self.record["id"]))  # dead to this process at once, whatever the storage says
         with self._lock:
             self.record["ended"] = {"status": status, "error": error, "at": now(), **extra}
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import errno
 import os
 import re
@@ -19,7 +21,7 @@ import warm
 import yaml
 import zarr
 from conftest import child_env, job, make_images
-from helpers.stores import pending
+from helpers.stores import generation, pending, root_attrs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -247,17 +249,36 @@ def test_storage_error_fails_the_job_and_resume_completes(image_dir: Path, tmp_p
 
 
 def test_store_of_another_format_version_is_refused(image_dir: Path, tmp_path: Path):
-    import zarr
-
     raw = job(image_dir, tmp_path / "s.zarr")
     run(parse_spec(raw))
-    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
-    attrs = dict(g.attrs["extractor"])
-    attrs["format_version"] = 99
-    g.attrs["extractor"] = attrs
+    root_attrs(str(tmp_path / "s.zarr"), format_version=99)
     raw["output"]["if_exists"] = "resume"
-    with pytest.raises(StoreError, match="format version 99 in the store, 1 now"):
+    with pytest.raises(StoreError, match="format version 99 in the store, 2 now"):
         run(parse_spec(raw))
+
+
+def test_a_store_of_format_1_is_read_refused_for_resume_and_made_again_by_overwrite(image_dir: Path,
+                                                                                      tmp_path: Path):
+    """A store of the first format (its arrays at its root, before December 2026): read as it is; a resume is
+    refused in one line; --overwrite makes it again (its arrays removed) as a store of format 2."""
+    import zarr
+
+    url = str(tmp_path / "s.zarr")
+    old = zarr.open_group(url, mode="w")
+    old.attrs["extractor"] = {"format_version": 1, "status": "complete", "n_rows": 2, "n_shards": 1, "captures": {},
+                              "spec": {}, "model": {}, "created": "2026-11-01T00:00:00+00:00"}
+    old.create_array("ids", shape=(2,), dtype=str, chunks=(2,))[:] = ["a", "b"]
+    old.create_array("status", shape=(2,), dtype="uint8", chunks=(2,))[:] = [1, 1]
+    assert open_store(url).ids.tolist() == ["a", "b"] and open_store(url).attrs["format_version"] == 1
+    raw = job(image_dir, tmp_path / "s.zarr", output={"store": url, "chunk_rows": 2, "if_exists": "resume"})
+    with pytest.raises(StoreError, match=r"made by an older extractor \(format 1, now 2\).*--overwrite makes it"):
+        run(parse_spec(raw))
+    raw["output"]["if_exists"] = "overwrite"
+    assert run(parse_spec(raw)).ok == 12
+    s = open_store(url)
+    assert s.attrs["format_version"] == 2 and len(s) == 12
+    assert sorted(p.name for p in (tmp_path / "s.zarr").iterdir()) == sorted(["zarr.json", "__lock",
+                                                                              s.attrs["generation"]])
 
 
 def slow_spec(root: Path, store: Path, tmp_path: Path, seconds: float = 0.15, **output) -> Path:
@@ -337,24 +358,21 @@ def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_pat
     assert (s.status == 1).all() and s.group["lease"].attrs.get("released")
 
 
-def test_a_lease_from_another_host_expires_after_its_timeout(image_dir: Path, tmp_path: Path):
-    import zarr
-    from extractor.store.lease import Lease
-
+def test_a_claimant_on_another_host_is_taken_for_dead_after_its_timeout(image_dir: Path, tmp_path: Path):
+    """A process of another host that writes the store (its record renewed): a job is refused, naming it; once its
+    record is silent for its timeout, it counts as dead and the job goes on."""
     raw = job(image_dir, tmp_path / "s.zarr")
     run(parse_spec(raw))
     url = str(tmp_path / "s.zarr")
-    g = zarr.open_group(url, mode="r+", use_consolidated=False)
-    g["lease"].attrs.put({"token": "other", "host": "node-7", "pid": 4242, "user": "ana", "started": "then",
-                          "heartbeat": time.time()})
-    with pytest.raises(StoreError, match="pid 4242 on node-7 \\(user ana"):
-        Lease.check(url, None, timeout_s=30)
+    other = {"id": "00000000000000aa", "host": "node-7", "pid": 4242, "user": "ana", "started": "then",
+             "heartbeat": time.time(), "timeout_s": 30}
+    gen = generation(url)
+    gen.objects.put(f"{gen.claimants_prefix}/{other['id']}", json.dumps(other).encode())
     raw["output"]["if_exists"] = "resume"
-    with pytest.raises(StoreError, match="in use by another extractor job"):
+    with pytest.raises(StoreError, match=r"in use by another extractor job: pid 4242 on node-7 \(user ana"):
         run(parse_spec(raw))
-    g["lease"].attrs.put({"token": "other", "host": "node-7", "pid": 4242, "heartbeat": time.time() - 31})
-    Lease.check(url, None, timeout_s=30)  # silent for longer than the timeout: stale, taken over
-    raw["output"]["lease_timeout_s"] = 30
+    other["heartbeat"] = time.time() - 31  # silent for longer than its timeout: dead
+    gen.objects.put(f"{gen.claimants_prefix}/{other['id']}", json.dumps(other).encode())
     assert run(parse_spec(raw)).shards_run == 0
 
 
@@ -395,22 +413,22 @@ def test_a_storage_that_dies_mid_job_is_one_line_with_the_resume_command(
     """issue 17, defect 6: a full disk made the runner's own "failed" mark raise too, masking the first
     error: a raw traceback, the store left "running", no resume hint."""
     from extractor.cli import main
-    from extractor.store import session as session_mod
+    from extractor.store.claimants import Claimant
 
-    real_write, real_update = ShardWriter.write, session_mod.update_attrs
+    real_write, real_record = ShardWriter.write, Claimant._write
 
     def failing_write(self, offset, chunks):
         if self.index == 1 and offset == 2:  # inside the second shard
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(self, offset, chunks)
 
-    def failing_update(url, so, **attrs):
-        if attrs.get("status") == "failed":
+    def failing_record(self):
+        if (self.record.get("ended") or {}).get("status") == "failed":  # the job's own word of how it ended
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_update(url, so, **attrs)
+        return real_record(self)
 
     monkeypatch.setattr(ShardWriter, "write", failing_write)
-    monkeypatch.setattr(session_mod, "update_attrs", failing_update)
+    monkeypatch.setattr(Claimant, "_write", failing_record)
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(job(image_dir, tmp_path / "s.zarr")))
     assert main(["run", str(spec), "-q"]) == 1
@@ -458,16 +476,13 @@ def test_a_relative_data_root_resumed_from_another_folder_is_refused_naming_both
     folder B and the job was resumed from there: the listing matched (same ids), so resume read
     the store's old paths, failed every pending row and said complete, exit 0. Now resume compares
     where the images are read from; the same place spelt as an absolute path is the same job."""
-    import zarr
-
     a, b = tmp_path / "A", tmp_path / "B"
     make_images(a / "imgs", per_class=2)
     b.mkdir()
     raw = job(Path("imgs"), tmp_path / "s.zarr", cluster={"backend": "local"}, data={"shard_size": 2})
     monkeypatch.chdir(a)
     run(parse_spec(raw))
-    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+", use_consolidated=False)
-    g["shard_done"][1:] = False  # as if interrupted after the first shard
+    pending(str(tmp_path / "s.zarr"), [1])  # as if interrupted after the first shard
     (a / "imgs").rename(b / "imgs")
     monkeypatch.chdir(b)
     resume = {**raw, "output": {**raw["output"], "if_exists": "resume"}}
@@ -684,22 +699,24 @@ def test_a_second_ctrl_c_while_stopping_exits_130(tmp_path: Path):
 
 def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_path: Path):
     """issue 26, defect 11: a store a live job is creating was called "left half-created by a run that failed"."""
-    from extractor.store.lease import Lease, read_attrs
-
-    from extractor.store.layout import ATTR
+    from extractor.store import Objects, now, read_state
+    from extractor.store.claimants import Claimant
+    from extractor.store.generation import swap_head
 
     url = str(tmp_path / "s.zarr")
-    lease = Lease(url, None, 60, {"pid": os.getpid(), "host": __import__("socket").gethostname()})
-    lease.acquire()  # as create_store does: the lease first, then the root
-    zarr.open_group(url, mode="a", attributes={ATTR: {"spec": {}, "status": "creating"}})
+    objects = Objects.at(url)
+    name = swap_head(objects, None, now())  # as a job making the store: the head first, then itself a claimant
+    maker = Claimant(objects, f"{name}/__txn/claimants", 60, {"pid": os.getpid(),
+                                                               "host": __import__("socket").gethostname()})
+    maker.start()
     try:
         with pytest.raises(StoreError, match=r"is being created by another extractor job now: pid \d+"):
             open_store(url)
-        with pytest.raises(StoreError, match=r"in use by another extractor job"):
+        with pytest.raises(StoreError, match=r"is being made by another extractor job"):
             run(parse_spec(job(image_dir, tmp_path / "s.zarr", output={"store": url, "if_exists": "resume"})))
     finally:
-        lease.release()
-    assert read_attrs(url)["status"] == "creating"
+        maker.end("interrupted")
+    assert read_state(url)["status"] == "creating"
     with pytest.raises(StoreError, match="left half-created by a run that failed"):
         open_store(url)
 
