@@ -199,6 +199,24 @@ def test_an_interrupted_demo_prints_a_run_command_that_finishes_it(tmp_path: Pat
     assert (s.status == 1).all() and s["embedding"].shape == (4, 512)
 
 
+@pytest.mark.slow  # the demo whole: a run, a probe, figures
+def test_the_demo_ends_with_the_commands_to_try_next_and_they_run(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """issue 54: `make demo` never pointed to `extractor index` and `extractor view`: it ends with them, pasteable."""
+    from extractor.cli import main
+
+    base = tmp_path / "demo dir"
+    assert main(["demo", "--dir", str(base), "--per-class", "2", "-q", "--set", "data.crop=32",
+                 "--set", "data.resize=40"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    steps = out[out.index("Next, try:") + 1:]
+    store = str(base / "demo.zarr")
+    prog = [sys.executable, "-m", "extractor.cli"]
+    assert [shlex.split(line.split("    # ")[0]) for line in steps] == [[*prog, "index", store, "--key", "layer3"],
+                                                                       [*prog, "view", store]]
+    assert main(shlex.split(steps[0].split("    # ")[0])[3:] + ["-q"]) == 0  # the index it names is made
+    assert "index layer3: 256 features of layer3" in capsys.readouterr().out
+
+
 def test_help_describes_every_command_and_verbose_goes_anywhere():
     from extractor.cli import build_parser, verbosity
 
