@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CLASSES", "DEMO_JOB", "write_sample_images"]
+__all__ = ["CLASSES", "DEMO_JOB", "NEXT", "write_sample_images"]
 
 CLASSES = ("circle", "square", "triangle", "stripes")
 
@@ -42,6 +42,14 @@ output:
 cluster:
   backend: local
 """
+
+
+# What to try on the demo's store next, as (what it shows, the command's arguments; STORE stands for the store):
+# the commands the demo does not run itself. `extractor demo` prints them, pasteable, as its last lines.
+NEXT = (
+    ("what every channel of layer3 responds to (its top images, densities)", ("index", "STORE", "--key", "layer3")),
+    ("browse the store and that index in the browser", ("view", "STORE")),
+)
 
 
 def _draw(cls: int, rng: np.random.Generator, size: int):  # -> PIL.Image.Image

@@ -132,6 +132,28 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
     assert np.isfinite(s.numpy("conv")).all()
 
 
+def test_progress_lines_count_the_rate_from_the_first_rows_done(caplog: pytest.LogCaptureFixture):
+    """issue 54: `extractor index` said images, and a rate from its start: the warm-up before the first rows (a
+    kernel compiled, the lease taken) made a 30-second pass say minutes left. The rate counts from the first rows."""
+    import io
+    import logging
+
+    from extractor._progress import Progress
+
+    now = [100.0]
+    bar = Progress(stream=io.StringIO(), unit="rows", clock=lambda: now[0])
+    bar.every = 0
+    with caplog.at_level(logging.INFO, logger="extractor.progress"):
+        bar.start(6000)
+        now[0] += 20  # warm-up: nothing done
+        bar.update(200)
+        now[0] += 1
+        bar.update(1200)  # 1000 rows in the second since the first ones
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["6000 rows to process", "200 of 6000 rows (3%), rate not known yet",
+                     "1200 of 6000 rows (20%), 1000.0 rows/s, 00:00:04 left"]  # from the start: 57 rows/s, 84 s
+
+
 @pytest.mark.slow
 def test_preflight_prints_sizes_and_a_time_estimate_from_the_first_batches(tmp_path: Path):
     from extractor.cli.common import Estimate
@@ -175,6 +197,24 @@ def test_an_interrupted_demo_prints_a_run_command_that_finishes_it(tmp_path: Pat
     assert main(shlex.split(printed)[3:]) == 0  # what follows "python -m extractor.cli"
     s = open_store(str(base / "demo.zarr"))
     assert (s.status == 1).all() and s["embedding"].shape == (4, 512)
+
+
+@pytest.mark.slow  # the demo whole: a run, a probe, figures
+def test_the_demo_ends_with_the_commands_to_try_next_and_they_run(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """issue 54: `make demo` never pointed to `extractor index` and `extractor view`: it ends with them, pasteable."""
+    from extractor.cli import main
+
+    base = tmp_path / "demo dir"
+    assert main(["demo", "--dir", str(base), "--per-class", "2", "-q", "--set", "data.crop=32",
+                 "--set", "data.resize=40"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    steps = out[out.index("Next, try:") + 1:]
+    store = str(base / "demo.zarr")
+    prog = [sys.executable, "-m", "extractor.cli"]
+    assert [shlex.split(line.split("    # ")[0]) for line in steps] == [[*prog, "index", store, "--key", "layer3"],
+                                                                       [*prog, "view", store]]
+    assert main(shlex.split(steps[0].split("    # ")[0])[3:] + ["-q"]) == 0  # the index it names is made
+    assert "index layer3: 256 features of layer3" in capsys.readouterr().out
 
 
 def test_help_describes_every_command_and_verbose_goes_anywhere():

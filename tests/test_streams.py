@@ -69,6 +69,29 @@ def test_parts_have_equal_lengths_and_drop_only_the_remainder(store, n: int, shu
     assert sorted(split) == part
 
 
+def test_more_parts_than_rows_a_part_not_a_whole_number_or_a_state_not_a_dict_are_refused(store):
+    """issue 54: part=(k, 61) over 60 ok rows gave every rank an empty epoch (equal parts: 0 rows each), part=(1.5, 3)
+    was taken as (1, 3), load_state_dict([1, 2, 3]) was an AttributeError. Each is one line saying why."""
+    assert store.epoch_rows("t", part=(59, 60)) == 1  # as many parts as rows: one each
+    for call in (lambda: store.epoch_rows("t", part=(0, 61)), lambda: store.batches("t", part=(3, 61)),
+                 lambda: store.token_batches("t", part=(60, 61))):
+        with pytest.raises(ValueError, match=r"the epoch's 60 rows make no 61 parts of equal length .*every part would "
+                                             r"be empty.* at most 60 parts"):
+            call()
+    assert len(list(store.batches("t", part=(0, 1), worker=(0, 61)))) == 0  # a DataLoader worker may have none
+    for part in [(1.5, 3), (1, 3.0), (True, 2), ("1", "3")]:
+        with pytest.raises(TypeError, match=r"part \(k, n\) takes whole numbers"):
+            store.batches("t", part=part)
+    for part, why in [((3, 3), r"part 3 of 3 does not exist \(the parts are 0 to 2\)"), ((-1, 3), "part -1 of 3"),
+                      ((0, 0), "at least one part")]:
+        with pytest.raises(ValueError, match=r"part \(k, n\) needs 0 <= k < n, not .*" + why):
+            store.batches("t", part=part)
+    assert store.epoch_rows("t", part=(np.int64(1), np.int32(2))) == 30  # numpy's ints are whole numbers
+    with pytest.raises(TypeError, match=r"^load_state_dict\(\) takes the dict that state_dict\(\) returned, not a "
+                                        r"list \(\[1, 2, 3\]\)$"):
+        store.batches("t").load_state_dict([1, 2, 3])
+
+
 def _rank(rank: int, url: str, port: int, out: multiprocessing.Queue) -> None:
     """One rank of a two-process gloo group: a DDP-like loop (an all-reduce per batch), its batches and pairs."""
     import torch

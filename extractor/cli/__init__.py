@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ExtractorError
 from .cluster import cmd_jobs, cmd_submit
-from .common import _at_least
+from .common import _at_least, _port
 from .demo import cmd_demo
 from .index import add_index_parser
 from .layers import cmd_layers
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("view", parents=[common, remote],
                        help="browse a store and its feature indexes in the browser (or --export a static site)")
     v.add_argument("store")
-    v.add_argument("--port", type=int, default=8050, help="port to listen on (default 8050; 0: a free one)")
+    v.add_argument("--port", type=_port, default=8050, help="port to listen on (default 8050; 0: a free one)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--export", metavar="DIR", default=None,
                    help="write the pages, their JSON and the thumbnails to DIR (a new or empty folder, or an earlier "

@@ -82,6 +82,17 @@ def _at_least(low: int):  # -> argparse type
     return parse
 
 
+def _port(text: str) -> int:  # argparse type of --port
+    """A port to listen on: 1 to 65535, or 0 for any free one."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535 (0: any free one), not {text}")
+    return port
+
+
 def _store_options(args: argparse.Namespace) -> dict[str, Any]:
     """``--storage-option KEY=VALUE`` (repeated) as fsspec options: text, except ``true``/``false``
     and plain integers (``0123`` stays text: it may be a secret)."""

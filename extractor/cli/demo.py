@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .common import _save
+from .common import _command, _save
 from .run import _run_spec
 from .stores import _print_probe, cmd_inspect
 
@@ -50,5 +50,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"wrote {base / 'probe.png'} and {base / 'pca.png'}")
         print(f"\nOpen it: python -c \"import extractor; s = extractor.open_store('{spec.output.store}'); "
               "print(s.numpy('embedding').shape)\"")
+        _next_steps(spec.output.store)
     return code
+
+
+def _next_steps(store: str) -> None:
+    """The commands to try next on the demo's store (``demo.NEXT``), each as it pastes."""
+    from ..demo import NEXT
+
+    print("\nNext, try:")
+    for what, args in NEXT:
+        print(f"  {_command(*(store if a == 'STORE' else a for a in args))}    # {what}")
 

@@ -42,7 +42,7 @@ def _make(store: Any, args: argparse.Namespace) -> str:
     """Index ``args.key`` of ``store`` (a progress bar on the way); the index's name."""
     from ..index import index
 
-    bar = Progress(enabled=not (args.quiet or args.json))
+    bar = Progress(enabled=not (args.quiet or args.json), unit="rows")
     bar.start(len(store.ok_rows()))
     done = [0]
 

@@ -28,9 +28,10 @@ def cmd_view(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK:
         log.warning("the viewer listens on %s: anyone who reaches this machine there can read the store's images "
                     "and activations", args.host)
+    chosen = " (--port 0: a free port, chosen now)" if args.port == 0 else ""
     try:
         serve(store, args.host, args.port,
-              announce=lambda url: print(f"the viewer of {args.store}: {url} (Ctrl-C stops it)", flush=True))
+              announce=lambda url: print(f"the viewer of {args.store}: {url}{chosen} (Ctrl-C stops it)", flush=True))
     except KeyboardInterrupt:
         pass
     return 0

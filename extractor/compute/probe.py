@@ -23,6 +23,7 @@ from ..model import (
     Target,
     contradicted_layouts,
     dim_names,
+    not_rgb,
     reduced_otherwise,
     settle_layouts,
 )
@@ -94,6 +95,10 @@ class Probing:
         except _PROBE_PASSES:
             raise
         except Exception as err:
+            channels = not_rgb(self.model)
+            if channels is not None:  # the cause: not the input size the message below suggests
+                raise ModelError(f"{channels}; it failed on a blank image, before any image was read: "
+                                 f"{describe_error(err)}") from err
             raise ModelError(
                 f"the model failed on a blank {h}x{w} image ({size_from}), before any image was read: "
                 f"{describe_error(err)}. If it expects another input size, set data.crop (and "

@@ -246,7 +246,9 @@ def _check(p: Preprocess, data: Any) -> None:
         short = p.resize if isinstance(p.resize, int) else None
         too_big = (short is not None and max(p.crop) > short) or \
             (isinstance(p.resize, tuple) and (p.crop[0] > p.resize[0] or p.crop[1] > p.resize[1]))
-        if too_big:
+        # a library's crop_pct above 1 (timm's VOLO at 448: 1.15) asks for the crop larger than the resize: its own
+        # transform pads the image with black, and so does this one (data.crop_pct of a job is at most 1)
+        if too_big and not (p.crop_pct is not None and p.crop_pct > 1):
             raise SpecError(
                 f"data.crop {list(p.crop)} is larger than data.resize {p.resize!r} (after resizing): the crop would be "
                 "padded with black. Set crop <= resize"

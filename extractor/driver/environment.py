@@ -64,6 +64,8 @@ def check_environment(submitted: dict[str, Any]) -> list[str]:
             old.append(f"{name} {have} (extractor needs {req})")
         if name in VALUE_PACKAGES and have != submitted["versions"].get(name):
             differs.append(f"{name} {have} (submitted from {submitted['versions'].get(name)})")
+    if any(_dist_name(m).lower() == "ray" for m in missing):
+        raise ClusterError(_not_rays(len(missing)))
     if missing or old:
         raise ClusterError(
             f"the cluster's Python ({sys.executable}, {platform.python_version()}) cannot run extractor: "
@@ -74,6 +76,16 @@ def check_environment(submitted: dict[str, Any]) -> list[str]:
     if submitted.get("python", "").split(".")[:2] != platform.python_version().split(".")[:2]:
         differs.insert(0, f"python {platform.python_version()} (submitted from {submitted.get('python')})")
     return differs
+
+
+def _not_rays(missing: int) -> str:
+    """A submitted job whose ``python`` has no ray: the cluster runs Ray (it started this job) with another Python,
+    and the job's PATH found this one first. Listing ray in submit.pip would install a second Ray beside it."""
+    return (f"the job's python ({sys.executable}) is not the Python the Ray cluster runs: it has no ray (and lacks "
+            f"{missing} of extractor's requirements in all), so the job's PATH ({os.environ.get('PATH', '')}) found "
+            "another first. Set submit.env_vars.PATH to the cluster's, the folder of its Python first, e.g. --set "
+            "submit.env_vars.PATH=/opt/venv/bin:/usr/local/bin:/usr/bin:/bin (on a node, `head -1 $(command -v "
+            "ray)` names that Python)")
 
 
 def _satisfies(requirement: str, version: str) -> bool:

@@ -177,6 +177,17 @@ def loopback_only() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def _driver_folder() -> str:
+    """The driver's current folder, as the job starts (a worker replaced later gets the same); one that is gone
+    (removed since the command started in it) is a one-line error: Ray cannot start there (it was a traceback)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise ClusterError("the current folder is gone (removed since this command started in it): Ray starts the "
+                           "job's processes there, and its workers search it for a model.factory module; cd into a "
+                           "folder that exists and run the command again") from None
+
+
 def _for_workers(spec: JobSpec) -> dict[str, Any]:
     """The spec as the actors get it: local paths made absolute (``JobSpec.local_paths``), since an actor runs
     in another directory than the driver when it joins a cluster (the images' paths are absolute in the store)."""
@@ -211,6 +222,7 @@ class RayBackend:
                     f"({type(err).__name__}: {err}); use cluster.backend: local, or build it in the workers with "
                     "model.factory"
                 ) from err
+        self.driver_cwd = _driver_folder()  # for the workers: a model.factory module found there
         if not ray.is_initialized():
             self._init_ray()
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
@@ -289,7 +301,7 @@ class RayBackend:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             slot.generation += 1
-        slot.actor = self.actor_cls.remote(self.spec_dict, max(int(self.cpus), 1), os.getcwd(), self.model_ref)
+        slot.actor = self.actor_cls.remote(self.spec_dict, max(int(self.cpus), 1), self.driver_cwd, self.model_ref)
         slot.warm = self.warm
         slot.starting = slot.actor.start.remote(self.warm)
         slot.pid, slot.held, slot.rows = None, [], 0

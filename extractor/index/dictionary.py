@@ -228,12 +228,36 @@ def _check_activation(activation: str, threshold: np.ndarray | None, where: str)
 
 def _build(tensors: dict[str, np.ndarray], activation: str | None, where: str, digest: str,
            cfg: dict[str, Any]) -> Dictionary:
+    _check_finite(tensors, where)
     w, b = _encoder(dict(tensors), where)
     _check_cfg(cfg, w, where)
     b_dec = _b_dec(tensors, cfg, w, where)
     threshold = _threshold(tensors, w.shape[1], where)
     chosen = activation or _cfg_activation(cfg) or ("jumprelu" if threshold is not None else "relu")
     return Dictionary(w, b, b_dec, threshold, _check_activation(chosen, threshold, where), where, digest)
+
+
+# the tensors the encoder reads (as the file names them); a NaN or an infinity in any makes every latent NaN or 0
+_READ = ("W_enc", "b_enc", "encoder.weight", "encoder.bias", "b_dec", "threshold", "log_threshold")
+
+
+def _check_finite(t: Mapping[str, np.ndarray], where: str) -> None:
+    """Refuse a tensor the encoder reads that holds a NaN or an infinity (an all-NaN SAE, a diverged run): its
+    latents would be NaN, or nothing, everywhere: an index of nothing that looks made."""
+    for name in _READ:
+        if name in t:
+            values = np.asarray(t[name]).reshape(-1)
+            bad = _nonfinite(values)
+            if bad:
+                raise DictionaryError(f"{where}: tensor {name} {list(np.shape(t[name]))} holds {bad} NaN or infinite "
+                                      f"values (of {values.size}): these are not an encoder's weights; check the "
+                                      "file, or save it again from a run that did not diverge")
+
+
+def _nonfinite(values: np.ndarray, block: int = 1 << 24) -> int:
+    """How many of ``values`` (flat) are NaN or infinite, counted a block at a time (an encoder of a billion
+    weights needs no billion-byte mask)."""
+    return sum(int(np.count_nonzero(~np.isfinite(values[a : a + block]))) for a in range(0, values.size, block))
 
 
 def _encoder(t: dict[str, np.ndarray], where: str) -> tuple[np.ndarray, np.ndarray]:

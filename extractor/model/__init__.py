@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         decide_prefix_tokens,
         layer_table,
         model_call,
+        not_rgb,
         prefix_tokens,
         resolve_device,
         state_dict_hash,

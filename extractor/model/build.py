@@ -19,7 +19,7 @@ from .processors import LibraryProcessor
 from .sources.checkpoint import load_checkpoint
 
 __all__ = ["build_model", "build_with_processor", "model_call", "resolve_device", "describe_model", "layer_table",
-           "prefix_tokens", "decide_prefix_tokens", "token_facts", "TokenFacts"]
+           "prefix_tokens", "decide_prefix_tokens", "token_facts", "TokenFacts", "not_rgb"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,24 @@ def prefix_tokens(model: nn.Module, size: tuple[int, int], spec: ModelSpec, entr
     return decide_prefix_tokens(facts, library_prefix(model), given), facts
 
 
+def not_rgb(model: nn.Module) -> str | None:
+    """Why ``model`` cannot take what extractor feeds it, 3-channel RGB images, when its first convolution (the
+    stem: libraries register it first) takes another number of channels (timm's ``in_chans: 1``, a Hugging Face
+    config's ``num_channels``); None when it takes 3, or has no convolution. Said where a model failed on the probe
+    image: a model may turn RGB into its own channels before its first convolution."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            n = module.in_channels
+            if n == 3:
+                return None
+            return (f"the model takes {n}-channel images (its first convolution, {name}, has in_channels {n}), and "
+                    "extractor feeds 3-channel RGB (a grayscale file is read as RGB, its value in each channel): build "
+                    "it for 3 channels (leave out what sets another count: model.kwargs in_chans, num_channels, a "
+                    "pretrained_cfg input_size), or wrap it in a "
+                    f"model.factory whose forward turns the 3 channels into its {n}")
+    return None
+
+
 def layer_table(model: nn.Module, size: int | tuple[int, int], entry: Any = None) -> list[dict[str, Any]]:
     """Every named module with its type, output shape (batch of 1) and parameter count; the model
     itself is ``(model)``: what ``entry`` (default: the model) returns."""
@@ -217,6 +235,9 @@ def layer_table(model: nn.Module, size: int | tuple[int, int], entry: Any = None
     try:
         outputs = module_outputs(model, torch.zeros(1, 3, h, w), entry)
     except Exception as err:
+        channels = not_rgb(model)
+        if channels is not None:
+            raise ModelError(f"{channels} ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from err
         raise ModelError(
             f"the model cannot run on a {h}x{w} input: {type(err).__name__}: {err}; "
             "pass the input size it expects with --input-size"

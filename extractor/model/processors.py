@@ -107,8 +107,8 @@ def _sizes(processor: LibraryProcessor, images: list[Any]) -> list[tuple[int, ..
     return [tuple(_theirs(processor.run, img).shape) for img in images]
 
 
-def _one_size(processor: LibraryProcessor, images: list[Any]) -> tuple[int, int] | str:
-    """The (h, w) the processor gives every image, or why there is none (a size per image, not an image)."""
+def _pixel_sizes(processor: LibraryProcessor, images: list[Any]) -> list[tuple[int, ...]] | str:
+    """The (3, h, w) the processor gives each image, or why it gives no pixels (it fails, or gives patches)."""
     try:
         sizes = _sizes(processor, images)
     except Exception as err:  # noqa: BLE001 - a processor that needs more than an image (text, annotations...)
@@ -117,13 +117,26 @@ def _one_size(processor: LibraryProcessor, images: list[Any]) -> tuple[int, int]
     if any(len(s) != 3 or s[0] != 3 for s in sizes):
         return (f"the image processor {processor.name} gives each image as {sizes[0]}, not (3, H, W) pixels: "
                 "extractor cannot feed it")
+    return sizes
+
+
+def _varies(processor: LibraryProcessor, sizes: list[tuple[int, ...]]) -> str:
+    """Why a processor that gives each probe image its own size (``sizes``) is not run."""
+    shown = ", ".join(f"{h}x{w}" for h, w in (PROBE_SIZES[i] for i in range(len(sizes))))
+    got = ", ".join(f"{s[1]}x{s[2]}" for s in sizes)
+    return (f"the image processor {processor.name} resizes each image to its own size (variable resolution: "
+            f"probe images {shown} became {got}): extractor stores one shape per capture and does not support "
+            "variable-resolution processors; set data.resize: [H, W] (a squash) and data.crop: null to run the "
+            "model at one size")
+
+
+def _one_size(processor: LibraryProcessor, images: list[Any]) -> tuple[int, int] | str:
+    """The (h, w) the processor gives every image, or why there is none (a size per image, not an image)."""
+    sizes = _pixel_sizes(processor, images)
+    if isinstance(sizes, str):
+        return sizes
     if len(set(sizes)) > 1:
-        shown = ", ".join(f"{h}x{w}" for h, w in (PROBE_SIZES[i] for i in range(len(sizes))))
-        got = ", ".join(f"{s[1]}x{s[2]}" for s in sizes)
-        return (f"the image processor {processor.name} resizes each image to its own size (variable resolution: "
-                f"probe images {shown} became {got}): extractor stores one shape per capture and does not support "
-                "variable-resolution processors; set data.resize: [H, W] (a squash) and data.crop: null to run the "
-                "model at one size")
+        return _varies(processor, sizes)
     return sizes[0][1], sizes[0][2]
 
 
@@ -151,9 +164,15 @@ def check(preprocess: Preprocess, processor: LibraryProcessor) -> Preprocess | s
 
 
 def _way_out(why: str, processor: LibraryProcessor) -> str:
-    """Why extractor has no values of the library's, and ``data.preprocess: library`` when the processor gives
-    images of one size (a variable-resolution one's reason stands alone)."""
-    return why if isinstance(_one_size(processor, probe_images()), str) else f"{why} ({LIBRARY_WAY})"
+    """Why extractor has no values of the library's (``why``: settings it does not reproduce), and ``data.preprocess:
+    library`` when the processor gives images of one size. One that gives each image its own size: that is the
+    cause, said in its place (not the settings, a ``SizeDict`` of them); one that gives no pixels: ``why``."""
+    sizes = _pixel_sizes(processor, probe_images())
+    if isinstance(sizes, str):
+        return why
+    if len(set(sizes)) > 1:
+        return _varies(processor, sizes)
+    return f"{why} ({LIBRARY_WAY})"
 
 
 class LibraryTransform:

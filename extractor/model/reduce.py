@@ -148,13 +148,30 @@ def decide_layout(module: nn.Module | None, shape: tuple[int, ...], probabilitie
         return "nchw"
     if module is not None and type(module) in _LAST_DIM_MODULES:
         return "nhwc"
-    if other is not None and len(other) == len(shape) == 3:
-        changed = tuple(i for i in range(3) if other[i] != shape[i])
-        if changed == (1, 2):
-            return "nchw"
-        if changed == (0, 1):
-            return "nhwc"
+    return _grown_layout(shape, other) if other is not None and len(other) == len(shape) == 3 else None
+
+
+def _grown_layout(shape: tuple[int, ...], other: tuple[int, ...]) -> str | None:
+    """The layout the dims that grow at another input size say (``other``: the shape there), or None."""
+    changed = tuple(i for i in range(3) if other[i] != shape[i])
+    if changed == (1, 2):
+        return "nchw"
+    if changed == (0, 1):
+        return "nhwc"
+    if not changed and shape[1:] == (1, 1):  # pooled to one position at every size (HF's pooler_output)
+        return "nchw"
+    if not changed and shape[:2] == (1, 1):
+        return "nhwc"
     return None
+
+
+def _undecided(shape: tuple[int, ...], other: tuple[int, ...] | None) -> str:
+    """Why the dims that grow at another input size do not decide a 4-D output's layout."""
+    if other is None:
+        return "the model does not run at another input size to see which dims grow"
+    if tuple(other) == tuple(shape):
+        return "it keeps this shape at another input size, so no dims grow to tell"
+    return f"at another input size it gives {'x'.join(map(str, other))}: not the dims of a map"
 
 
 def settle_layouts(targets: Sequence[Target], modules: dict[str, nn.Module], shapes: dict[str, tuple[int, ...]],
@@ -179,7 +196,7 @@ def settle_layouts(targets: Sequence[Target], modules: dict[str, nn.Module], sha
             raise LayerError(
                 f"capture[{t.capture}] {t.key}: layer {t.layer or ROOT!r} ({type(modules[t.layer]).__name__}) gives "
                 f"{'x'.join(map(str, shapes[t.key]))} outputs whose layout extractor cannot tell (not a module "
-                "type it knows, and the model does not run at another input size to see which dims grow); set "
+                f"type it knows, and {_undecided(shapes[t.key], (elsewhere or {}).get(t.key))}); set "
                 f"capture[{t.capture}].layout: nchw (channel, y, x), nhwc (y, x, channel) or attention "
                 "(head, query, key)"
             )

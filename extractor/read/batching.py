@@ -125,28 +125,54 @@ def _rebatch(buffers: Iterable[_Buffer | _Tokens], batch_size: int, drop_last: b
         yield tuple(c[:filled] for c in carry)
 
 
-class _Tokens:
-    """The tokens ``skip : skip + tokens`` of rows read from ``(tokens, features)`` captures of one token layout,
-    served as single tokens in the order ``order`` (token numbers, row after row; None: as read), the same
-    positions from each capture. Each batch is gathered into an array of its own: no copy of the whole buffer
-    (fresh at every buffer, its first-touch page faults cost more than the mixing), and a batch the caller keeps
-    is never overwritten."""
+@dataclass(frozen=True)
+class _TokenSpan:
+    """What a token stream serves of each row of one token capture: ``tokens`` tokens from ``skip`` of those stored,
+    and where they lie in the layer's own sequence (what two captures streamed together must share)."""
 
-    def __init__(self, rows: np.ndarray, xs: _Columns, positions: np.ndarray | int, skip: int, tokens: int,
-                 order: np.ndarray | None) -> None:
-        # positions: (rows, stored tokens) in the layer's sequence, or where the stored tokens begin in it
+    skip: int
+    tokens: int
+    first: int  # the position in the layer's sequence of the first stored token (a prefix stored without: its count)
+    sampled: tuple[Any, ...] | None  # a sampled capture's (sample_tokens, seed): its KEY.token_index says where
+
+    @property
+    def positions(self) -> tuple[Any, ...]:
+        """What fixes the positions served: the span of the layer's sequence, or for a sampled capture its draw."""
+        if self.sampled is None:
+            return (self.first + self.skip, self.tokens)
+        return (self.first, self.skip, self.tokens, self.sampled)
+
+    def said(self) -> str:
+        if self.sampled is None:
+            start = self.first + self.skip
+            return f"tokens {start} to {start + self.tokens - 1} of its layer's sequence"
+        count, seed = self.sampled
+        return (f"{self.tokens} of {count} tokens sampled per row with seed {seed}"
+                + (f" (the first {self.skip} left out)" if self.skip else ""))
+
+
+class _Tokens:
+    """The tokens ``skips[i] : skips[i] + tokens`` of rows read from ``(tokens, features)`` captures (one skip per
+    capture: the same positions from each), served as single tokens in the order ``order`` (token numbers, row after
+    row; None: as read). Each batch is gathered into an array of its own: no copy of the whole buffer (fresh at every
+    buffer, its first-touch page faults cost more than the mixing), and a batch the caller keeps is never
+    overwritten."""
+
+    def __init__(self, rows: np.ndarray, xs: _Columns, positions: np.ndarray | int, skips: Sequence[int],
+                 tokens: int, order: np.ndarray | None) -> None:
+        # positions: (rows, stored tokens) of the first capture in the layer's sequence, or where the first token
+        # served lies in it
         self.rows, self.xs, self.positions = rows, xs, positions
-        self.skip, self.tokens, self.order = skip, tokens, order
+        self.skips, self.tokens, self.order = tuple(skips), tokens, order
 
     @classmethod
-    def mixed(cls, rows: np.ndarray, columns: _Columns, keys: int, origin: int, skip: int, tokens: int,
-              seed: list[int] | None) -> _Tokens:
-        """Of rows read (the values of ``keys`` captures, then a sampled capture's ``KEY.token_index``; else
-        ``origin``: the first stored token's position in the layer's sequence), the tokens in a random order
-        drawn from ``seed`` (None: in order)."""
+    def mixed(cls, rows: np.ndarray, columns: _Columns, spans: Sequence[_TokenSpan], seed: list[int] | None) -> _Tokens:
+        """Of rows read (the values of the ``spans``' captures, then a sampled capture's ``KEY.token_index``), the
+        tokens in a random order drawn from ``seed`` (None: in order)."""
+        keys, tokens = len(spans), spans[0].tokens
         order = None if seed is None else np.random.default_rng(seed).permutation(len(rows) * tokens)
-        positions = columns[keys] if len(columns) > keys else origin
-        return cls(rows, columns[:keys], positions, skip, tokens, order)
+        positions = columns[keys] if len(columns) > keys else spans[0].first + spans[0].skip
+        return cls(rows, columns[:keys], positions, [span.skip for span in spans], tokens, order)
 
     def __len__(self) -> int:
         return len(self.rows) * self.tokens
@@ -161,9 +187,9 @@ class _Tokens:
     def take(self, lo: int, hi: int) -> _Columns:
         """Places ``lo:hi`` of the order: ``(index, *data)``; index holds each token's row and position."""
         r, t = np.divmod(np.arange(lo, hi) if self.order is None else self.order[lo:hi], self.tokens)
-        t += self.skip
-        position = t + self.positions if isinstance(self.positions, int) else self.positions[r, t]
-        return (np.stack([self.rows[r], position], axis=1), *(x[r, t] for x in self.xs))
+        position = t + self.positions if isinstance(self.positions, int) else self.positions[r, t + self.skips[0]]
+        return (np.stack([self.rows[r], position], axis=1),
+                *(x[r, t + skip] for x, skip in zip(self.xs, self.skips, strict=True)))
 
     def take_into(self, lo: int, hi: int, out: _Columns, at: int) -> None:
         """Places ``lo:hi`` of the order written into rows ``at ...`` of ``out`` (a batch across buffers: one a
@@ -367,17 +393,17 @@ class Batching:
         (``("mean", "norm")``) divide the centred tokens by their root mean square norm (the square root of
         the summed per-feature variances, exact from the statistics).
 
-        Several captures of one token layout (``[k1, k2, ...]``: the layers of a multi-layer SAE or a
-        crosscoder, stored with the same tokens): ``data`` is a dict ``{key: (B, features_key)}`` of the same
-        (row, token) positions from each, ``index`` those positions; each capture normalised by its own
-        statistics."""
+        Several captures that serve the same positions (``[k1, k2, ...]``: the layers of a multi-layer SAE or a
+        crosscoder; one stored whole and one without its prefix, with ``drop_prefix=True``): ``data`` is a dict
+        ``{key: (B, features_key)}`` of the same (row, token) positions from each, ``index`` those positions; each
+        capture normalised by its own statistics."""
         _check_sizes(batch_size, buffer_chunks, seed)
         keys = self._token_keys(key, drop_prefix)
-        skip, tokens = self.token_span(keys[0], drop_prefix)
+        spans = [self._span(k, drop_prefix) for k in keys]  # the same positions of each capture
+        skip, tokens = spans[0].skip, spans[0].tokens
         arrays = [self[k] for k in keys]
-        if self.captures[keys[0]].get("sample_tokens"):  # each stored token's position in the layer's sequence
+        if spans[0].sampled:  # each stored token's position in the layer's sequence
             arrays.append(self[f"{keys[0]}.token_index"])
-        origin = int(self.captures[keys[0]].get("drop_prefix") or 0)  # stored without its prefix: patches from there
         norms = [self._normalizer(k, normalize) for k in keys]
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
         plan = _Plan.of(self._select_rows(rows, only_ok), _unit(arrays[0], spread), shuffle, seed, part, worker,
@@ -387,8 +413,7 @@ class Batching:
 
         def read(job: tuple[int, Sequence[np.ndarray]]) -> _Tokens:
             n, chunk_runs = job
-            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare, spread), len(keys), origin, skip, tokens,
-                                 plan.seed(n))
+            return _Tokens.mixed(*_read_runs(arrays, chunk_runs, spare, spread), spans, plan.seed(n))
 
         def served(buffers: Iterable[_Tokens]) -> Iterator[_Tokens]:
             for buffer in buffers:
@@ -434,18 +459,24 @@ class Batching:
         return buffer_chunks * _unit(array, spread) * row
 
     def _token_keys(self, key: str | Sequence[str], drop_prefix: bool | int) -> list[str]:
-        """The token captures ``key`` names, checked to share one token layout (the same positions per row)."""
+        """The token captures ``key`` names, checked to serve the same positions of their layers' sequences (each
+        as it was stored: whole, without its prefix, or sampled)."""
         keys = [key] if isinstance(key, str) else list(key)
         if not keys or not all(isinstance(k, str) for k in keys):
             raise TypeError(f"token_batches takes a capture key or a list of them, not {key!r}")
-        layouts = {k: (self.token_span(k, drop_prefix), self.captures[k].get("drop_prefix"),
-                       self.captures[k].get("sample_tokens"),
-                       self.captures[k].get("seed") if self.captures[k].get("sample_tokens") else None) for k in keys}
-        if len(set(layouts.values())) > 1:
-            raise StoreError("token_batches of several captures needs one token layout (tokens per row, "
-                             "drop_prefix, sample_tokens and its seed); "
-                             + ", ".join(f"{k}: {v}" for k, v in layouts.items()) + ": stream them one by one")
+        spans = {k: self._span(k, drop_prefix) for k in keys}
+        if len({span.positions for span in spans.values()}) > 1:
+            raise StoreError(f"token_batches of several captures serves the same tokens of each; with drop_prefix="
+                             f"{drop_prefix!r} they differ ({'; '.join(f'{k}: {s.said()}' for k, s in spans.items())})"
+                             ": stream them one by one, or give a drop_prefix that leaves the same tokens of each")
         return keys
+
+    def _span(self, key: str, drop_prefix: bool | int) -> _TokenSpan:
+        """What a token stream with ``drop_prefix`` serves of each row of ``key`` (:class:`_TokenSpan`)."""
+        skip, tokens = self.token_span(key, drop_prefix)
+        meta = self.captures[key]
+        sampled = (meta.get("sample_tokens"), meta.get("seed")) if meta.get("sample_tokens") else None
+        return _TokenSpan(skip, tokens, int(meta.get("drop_prefix") or 0), sampled)
 
     def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
         """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``

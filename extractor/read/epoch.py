@@ -14,16 +14,20 @@ Part = tuple[int, int]  # (k, n): the k-th of n disjoint parts of an epoch (rank
 
 
 def check_part(part: Part | None, what: str = "part") -> Part:
-    """``part`` as (k, n) with 0 <= k < n; None is the whole epoch, (0, 1)."""
+    """``part`` as (k, n): whole numbers (numpy's too) with 0 <= k < n; None is the whole epoch, (0, 1)."""
     if part is None:
         return (0, 1)
     try:
-        k, n = (int(v) for v in part)
+        k, n = part
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be (k, n), the k-th of n parts of an epoch, not {part!r}") from None
+    if not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in (k, n)):
+        raise TypeError(f"{what} (k, n) takes whole numbers (the k-th of n parts), not {part!r}")
     if not 0 <= k < n:
-        raise ValueError(f"{what} (k, n) needs 0 <= k < n, not {part!r}")
-    return k, n
+        raise ValueError(f"{what} (k, n) needs 0 <= k < n, not {part!r}: "
+                         + (f"part {k} of {n} does not exist (the parts are 0 to {n - 1})" if n > 0 else
+                            "an epoch is split in at least one part"))
+    return int(k), int(n)
 
 
 def rank_part(part: Part | None) -> Part:
@@ -58,6 +62,10 @@ def _share(runs: list[np.ndarray], part: Part, equal: bool) -> list[np.ndarray]:
         return runs
     ends = np.cumsum([len(r) for r in runs], dtype=np.int64)
     total = int(ends[-1]) if len(ends) else 0
+    if equal and 0 < total < n:
+        raise ValueError(f"part {part}: the epoch's {total} rows make no {n} parts of equal length (one row each at "
+                         f"least): every part would be empty, an epoch of nothing on every rank. Split it in at "
+                         f"most {total} parts (ranks), or select more rows")
     lo, hi = (k * (total // n), (k + 1) * (total // n)) if equal else (k * total // n, (k + 1) * total // n)
     if hi <= lo:
         return []
@@ -122,6 +130,9 @@ class Stream:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (of :meth:`state_dict`): the next batch starts at the first item not served."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_state_dict() takes the dict that state_dict() returned, not a "
+                            f"{type(state).__name__} ({state!r:.60})")
         if self._it is not None:
             raise RuntimeError("load_state_dict() must come before the stream's first batch; make a new stream")
         differ = [f"{k} {state.get(k)!r} (now {v!r})" for k, v in self._fixed.items() if state.get(k) != v]

@@ -119,8 +119,23 @@ def _split_path(path: str) -> list[str | int]:
     return parts
 
 
+def _value(path: str, text: str) -> Any:
+    """The value of ``--set PATH=TEXT``: YAML, except an environment variable's (``submit.env_vars.NAME``):
+    its text, as typed (an environment holds text; YAML would read ``0022`` as 18)."""
+    parts = _split_path(path)
+    if len(parts) == 3 and parts[:2] == ["submit", "env_vars"]:
+        return text
+    try:
+        return yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem", None) or type(err).__name__
+        raise SpecError(f"--set {path}: the value {text!r} is not valid YAML ({where}); quote it, "
+                        f"e.g. --set '{path}=[0.5, 0.5, 0.5]'") from None
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` / ``capture[0].reduce=mean`` overrides; values are YAML-parsed."""
+    """Apply ``a.b=value`` / ``capture[0].reduce=mean`` overrides; values are YAML-parsed, except an environment
+    variable's (``submit.env_vars.NAME=0022``): text, as typed."""
     out = copy.deepcopy(raw)
     for item in overrides:
         if "=" not in item:
@@ -132,12 +147,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise SpecError(f"--set {key}={REDACTED}: {REDACTED} stands for a secret that extractor never prints; give "
                             f"its value (--set '{key}=VALUE') or leave it out and give it through the environment "
                             "(e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as err:
-            where = getattr(err, "problem", None) or type(err).__name__
-            raise SpecError(f"--set {path.strip()}: the value {text!r} is not valid YAML ({where}); quote it, "
-                            f"e.g. --set '{path.strip()}=[0.5, 0.5, 0.5]'") from None
+        value = _value(path.strip(), text)
         node: Any = out
         for i, part in enumerate(parts):
             last = i == len(parts) - 1

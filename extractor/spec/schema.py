@@ -124,7 +124,22 @@ class SubmitSpec(_Section):
     pip: tuple[str, ...] = ()
     """Packages pip installs for the job on the cluster (e.g. extractor itself)."""
     env_vars: dict[str, str] = Field(default_factory=dict)
-    """Environment variables of the job on the cluster."""
+    """Environment variables of the job on the cluster. A number is taken as its text (``OMP_NUM_THREADS: 4``;
+    ``--set submit.env_vars.X=0022`` keeps the text as typed, YAML reads ``0022`` in a file as a number: quote it);
+    true and false are refused (``"1"``, ``"true"``, ``"yes"``: say which)."""
+
+    @field_validator("env_vars", mode="before")
+    @classmethod
+    def _env_text(cls, value: Any) -> Any:
+        """An environment holds text: a number (YAML's ``4``) as its text; true or false refused, for the
+        spelling a program reads varies."""
+        if not isinstance(value, dict):
+            return value
+        for name, v in value.items():
+            if isinstance(v, bool):
+                raise ValueError(f"{name} is {v!r}: an environment variable holds text; quote the spelling the "
+                                 f"program reads, e.g. {name}: \"1\" or \"{str(v).lower()}\"")
+        return {name: str(v) if isinstance(v, int | float) else v for name, v in value.items()}
 
 
 MAX_AUTO_CHUNK_ROWS = 256  # output.chunk_rows: auto goes beyond it only for captures with small rows

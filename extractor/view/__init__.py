@@ -12,6 +12,7 @@ from .._face import face
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .app import create_app, serve
     from .export import export_site
+    from .hosts import Hosts
     from .site import Site
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it

@@ -1,5 +1,6 @@
 """The viewer as a local web app (Flask): GET only, every path parameter a number or a name looked up among the
-store's own (never a file path), the store read lazily behind it."""
+store's own (never a file path), the store read lazily behind it; answers only for the host it listens on
+(:mod:`.hosts`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ try:
 except ImportError as err:
     raise ImportError("the viewer needs Flask: pip install 'extractor[view]' (make installs it)") from err
 
-from ..errors import ExtractorError
 from ..read import ActivationStore, open_store
+from .hosts import LOOPBACK, Hosts, listen
 from .render import render
 from .site import NotFound, Site, page_path
 from .thumbs import SourceGone
@@ -30,10 +31,12 @@ POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'sel
           "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 
 
-def create_app(store: ActivationStore | str) -> Flask:
-    """The Flask app of the viewer over ``store`` (a path or URL, or a store opened already)."""
+def create_app(store: ActivationStore | str, hosts: Hosts = LOOPBACK) -> Flask:
+    """The Flask app of the viewer over ``store`` (a path or URL, or a store opened already), answering requests
+    for ``hosts`` only (default: this machine's loopback names; any other ``Host``: 403, saying why)."""
     site = Site(open_store(store) if isinstance(store, str) else store)
     app = Flask(__name__, static_folder=str(files("extractor.view") / "static"), static_url_path="/static")
+    app.before_request(lambda: _foreign(hosts))
     views = _Views(site)
     for rule, view in views.rules():
         app.add_url_rule(rule, rule, view, methods=["GET"])
@@ -94,6 +97,14 @@ def _query() -> str:
     return request.args.get("q", "")[:200]
 
 
+def _foreign(hosts: Hosts) -> Response | None:
+    """The 403 answer to a request for a host the app does not answer for (None: it does)."""
+    header = request.headers.get("Host", "")
+    if hosts.allows(header):
+        return None
+    return Response(hosts.refusal(header) + "\n", status=403, mimetype="text/plain")
+
+
 def _headers(response: Response) -> Response:
     response.headers["Content-Security-Policy"] = POLICY
     response.headers["X-Content-Type-Options"] = "nosniff"
@@ -111,17 +122,17 @@ def _missing(reason: str) -> tuple[Any, int]:
 
 def serve(store: ActivationStore | str, host: str = HOST, port: int = PORT, announce: Any = print) -> None:
     """Serve the viewer of ``store`` until interrupted; ``announce`` gets the address once it listens (port 0: a
-    free one)."""
+    free one). It answers for the host it listens on only (:class:`~.hosts.Hosts`). A port outside 0 to 65535 is
+    a ValueError; one that cannot be had (in use) an ExtractorError naming it."""
     from werkzeug.serving import make_server
 
-    app = create_app(store)
-    try:
-        server = make_server(host, port, app, threaded=True)
-    except OSError as err:
-        why = err.strerror or err
-        raise ExtractorError(f"cannot listen on {host}:{port}: {why}; pick another with --port") from None
+    sock = listen(host, port)  # bound here: Werkzeug's own bind prints its error and exits the process
+    with sock:
+        bound = sock.getsockname()[0]
+        server = make_server(host, port, create_app(store, Hosts.bound(host, bound)), threaded=True,
+                             fd=sock.fileno())  # the server listens on a copy of it
     shown = f"[{host}]" if ":" in host else host
-    announce(f"http://{shown}:{server.server_port}/")
+    announce(f"http://{shown}:{server.port}/")
     try:
         server.serve_forever()
     finally:

@@ -50,6 +50,17 @@ def test_bad_combinations_are_one_line_errors(kw: dict, message: str):
         resolve(data(**kw), IMAGENET)
 
 
+def test_a_librarys_crop_pct_above_one_pads_and_a_jobs_crop_above_its_resize_is_refused():
+    """issue 54: timm's crop_pct 1.15 (VOLO at 448) resizes the shorter side to 389 and crops 448, padding, as timm's
+    transform does: taken (it was refused as a crop larger than data.resize the job never set)."""
+    volo = Preprocess(resize=389, crop=(448, 448), interpolation="bicubic", mean=(0.5,) * 3, std=(0.5,) * 3,
+                      crop_pct=1.15, source="timm data config of volo_d4_448")
+    assert resolve(data(), volo) == volo
+    assert resolve(data(crop=224), volo).resize == 194  # a crop of the job's own, in timm's proportion
+    with pytest.raises(SpecError, match=r"data.crop \[448, 448\] is larger than data.resize 300"):
+        resolve(data(resize=300), volo)
+
+
 def test_no_known_preprocessing_asks_only_for_what_is_left_at_auto():
     why = "hf:x has no image processor config (preprocessor_config.json) here"
     with pytest.raises(SpecError, match=r"hf:x has no image processor config .*so data.resize, data.crop, "

@@ -59,3 +59,26 @@ def test_a_stores_versions_are_what_the_packages_say_and_read_without_importing_
     assert {k: said[k] for k in ("torch", "torchvision", "zarr", "numpy")} == {
         "torch": torch.__version__, "torchvision": torchvision.__version__, "zarr": zarr.__version__,
         "numpy": numpy.__version__}
+
+
+def test_a_job_python_without_ray_is_told_to_set_the_path_to_the_clusters(monkeypatch: pytest.MonkeyPatch):
+    """issue 54: on a running Ray cluster (it started the job), a `python` without ray is another interpreter found
+    first on the job's PATH; the hint listed ray as missing (for submit.pip) and never named submit.env_vars.PATH."""
+    env = environment()
+    env = {**env, "requires": [*env["requires"], "no-such-package-xyz"]}
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    real = metadata.version
+
+    def without_ray(name: str) -> str:
+        if name == "ray":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", without_ray)
+    with pytest.raises(ClusterError) as err:
+        check_environment(env)
+    said = str(err.value)
+    assert said.startswith(f"the job's python ({sys.executable}) is not the Python the Ray cluster runs: it has no "
+                           "ray (and lacks 2 of extractor's requirements in all), so the job's PATH (/usr/bin:/bin) "
+                           "found another first. Set submit.env_vars.PATH to the cluster's"), said
+    assert "submit.pip" not in said and "\n" not in said

@@ -180,3 +180,29 @@ def test_an_embedded_cluster_listens_on_loopback_even_when_ray_was_imported_firs
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "127.0.0.1"
+
+
+def test_a_current_folder_that_is_gone_is_one_line_not_a_traceback(image_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch):
+    """issue 54: the Ray driver called os.getcwd() unguarded: a working folder removed under it was a traceback (or
+    Ray's own FileNotFoundError). Refused in one line before Ray starts; a model.factory module not found says the
+    folder it was not searched in is gone."""
+    from extractor.driver.ray_backend import RayBackend
+    from extractor.errors import ClusterError, ModelError
+    from extractor.model.build import build_model
+    from extractor.spec.model_spec import ModelSpec
+
+    def gone() -> str:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    spec = parse_spec(job(image_dir, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1}))
+    monkeypatch.setattr(os, "getcwd", gone)
+    was = ray.is_initialized()
+    with pytest.raises(ClusterError, match=r"^the current folder is gone \(removed since this command started in "
+                                           r"it\): Ray starts the job's processes there.*cd into a folder that exists"):
+        RayBackend(spec)
+    assert ray.is_initialized() == was  # refused before Ray was started
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p])
+    with pytest.raises(ModelError, match=r"cannot import no_such_factory_module: .*\(PYTHONPATH is searched: the "
+                                         r"current folder is gone"):
+        build_model(ModelSpec(factory="no_such_factory_module:make"))

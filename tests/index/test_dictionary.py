@@ -99,3 +99,25 @@ def test_a_damaged_dictionary_file_is_one_line_naming_it(tmp_path: Path, how: st
     path = _damaged(tmp_path, how)
     said = _refused(load_dictionary, path)
     assert path.name in said or str(path) in said, said
+
+
+@pytest.mark.parametrize("tensor", ["W_enc", "b_enc", "b_dec", "threshold", "encoder.weight"])
+def test_a_dictionary_of_nan_or_infinite_weights_is_refused_naming_the_tensor(tmp_path: Path, tensor: str):
+    """issue 54: an all-NaN dictionary (a diverged SAE) was read, and indexed as latents that are NaN or 0
+    everywhere. Refused, one line naming the file and the tensor."""
+    from safetensors.numpy import save_file
+
+    t = _sae()
+    if tensor == "threshold":
+        t["threshold"] = np.full(D_SAE, 0.1, np.float32)
+    if tensor == "encoder.weight":  # a Linear's weights, (d_sae, d_in)
+        t["encoder.weight"], t["encoder.bias"] = t.pop("W_enc").T.copy(), t.pop("b_enc")
+    t[tensor] = t[tensor].copy()
+    t[tensor].reshape(-1)[: 3 if tensor != "W_enc" else None] = np.inf if tensor == "b_dec" else np.nan
+    np.savez(npz := tmp_path / "sae.npz", **t)
+    said = _refused(load_dictionary, npz)
+    assert said.startswith(str(npz.resolve())) and f"tensor {tensor} " in said and "NaN or infinite" in said, said
+    folder = _saelens(tmp_path / "lens", _sae())  # SAELens's folder, read by the safetensors parser
+    save_file({**_sae(), "W_enc": np.full((32, D_SAE), np.nan, np.float32)}, str(folder / "sae_weights.safetensors"))
+    said = _refused(load_dictionary, folder)
+    assert f"tensor W_enc [32, {D_SAE}] holds {32 * D_SAE} NaN or infinite values (of {32 * D_SAE})" in said, said

@@ -434,7 +434,8 @@ def test_on_ray_the_workers_parts_make_the_index_a_post_hoc_pass_makes(ray_clust
     _same(open_index(str(path), "layer3"), index(str(path), "layer3", k=4, name="again"))
 
 
-def test_the_command_makes_lists_and_draws_an_index(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+def test_the_command_makes_lists_and_draws_an_index(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch):
     pytest.importorskip("matplotlib")
     from extractor.cli import main
 
@@ -459,3 +460,9 @@ def test_the_command_makes_lists_and_draws_an_index(store: Path, tmp_path: Path,
     with pytest.raises(SystemExit):
         main(["index", str(store), "--name", "cli", "--feature", "3", "--columns", "0"])
     assert "--columns: must be at least 1" in capsys.readouterr().err
+    from conftest import cli
+
+    monkeypatch.setenv("EXTRACTOR_PROGRESS_S", "0")  # a line at every update (not a terminal: lines, not a bar)
+    r = cli("index", str(store), "--key", "layer3", "--k", "4", "--name", "rows")
+    assert r.returncode == 0, r.stderr
+    assert "14 rows to process" in r.stderr and " of 14 rows (" in r.stderr and "images" not in r.stderr, r.stderr

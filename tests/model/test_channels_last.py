@@ -146,5 +146,15 @@ def test_settle_layouts_decides_from_facts_and_asks_when_none_decides():
     assert reduced_otherwise(targets, layouts)  # lin's mean is over other dims than nchw's
     assert not reduced_otherwise(targets, {"conv": "nchw", "flat": "nchw"})
     with pytest.raises(LayerError, match=r"capture\[0\] odd: layer 'odd' \(Identity\) gives 4x6x6 outputs whose "
-                                         r"layout extractor cannot tell.*set capture\[0\].layout: nchw"):
+                                         r"layout extractor cannot tell \(not a module type it knows, and the model "
+                                         r"does not run at another input size .*set capture\[0\].layout: nchw"):
         settle_layouts([targets[3]], modules, shapes, {}, dict)
+    # issue 54: an output pooled to 1 x 1 (HF's pooler_output) keeps its shape at every size: its channels first;
+    # a shape kept otherwise is refused saying so, not that the model does not run at another size
+    pooled = {"pool": (8, 1, 1), "last": (1, 1, 8), "fixed": (4, 6, 6)}
+    mods = dict.fromkeys(pooled, nn.Identity())
+    ts = [target(k, k) for k in pooled]
+    assert settle_layouts(ts[:2], mods, pooled, {}, lambda: pooled) == {"pool": "nchw", "last": "nhwc"}
+    with pytest.raises(LayerError, match=r"gives 4x6x6 outputs whose layout extractor cannot tell \(not a module type "
+                                         r"it knows, and it keeps this shape at another input size, so no dims grow"):
+        settle_layouts(ts[2:], mods, pooled, {}, lambda: pooled)

@@ -683,3 +683,117 @@ def test_a_vision_tower_with_no_class_of_its_own_is_refused_naming_the_factory()
                                          r"transformers builds on its own; build the tower in a function named by "
                                          r"model.factory"):
         _hf_tower_class(transformers, NoSuchVisionConfig(), "somewhere")
+
+
+def test_an_hf_pooler_output_of_one_position_is_stored_channels_first(photos: Path, tmp_path: Path):
+    """issue 54: HF ResNet's pooler_output, C x 1 x 1 at every input size, was refused as "the model does not run
+    at another input size" (it does: no dim grows). Its channels come first; the values are the model's."""
+    t = transformers
+    torch.manual_seed(0)
+    cfg = t.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    model = t.ResNetModel(cfg).eval()
+    model.save_pretrained(tmp_path / "resnet")
+    raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{tmp_path / 'resnet'}", "device": "cpu"},
+              data={"resize": 48, "crop": 40, "preprocess": "imagenet"},
+              capture=[{"layer": "(model)", "index": "pooler_output", "reduce": "none", "key": "pooled"},
+                       {"layer": "(model)", "index": "pooler_output", "reduce": "mean", "key": "mean"}])
+    del raw["model"]["weights"]
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.captures["pooled"]["dims"] == ["pooled.channel", "pooled.y", "pooled.x"] and s["pooled"].shape[1:] == \
+        (16, 1, 1)
+    pixels, worker = _our_pixels({**raw, "capture": raw["capture"][:1]})
+    worker.close()
+    with torch.no_grad():
+        want = model(pixel_values=(pixels.float() / 255 - worker.mean) / worker.std).pooler_output
+    np.testing.assert_allclose(s.numpy("pooled"), want.numpy(), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(s.numpy("mean"), want.numpy()[:, :, 0, 0], atol=2e-5, rtol=1e-4)
+
+
+def test_an_hf_processor_of_a_size_per_image_or_of_a_size_extractor_cannot_make_says_which(photos: Path,
+                                                                                          tmp_path: Path):
+    """issue 54: a processor whose output size varies per image (DETR's shortest and longest edge) was refused as
+    "resizes to SizeDict(height=None, width=None, ...)"; one of one size that extractor's settings cannot make
+    (SAM's longest edge, padded) now names its size and data.preprocess: library, which runs it."""
+    from extractor.errors import SpecError
+
+    t = transformers
+    torch.manual_seed(0)
+    vit = t.ViTModel(t.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                 image_size=32, patch_size=8)).eval()
+    cases = {"detr": t.DetrImageProcessor(size={"shortest_edge": 32, "longest_edge": 64}),
+             "sam": t.SamImageProcessor(size={"longest_edge": 32}, pad_size={"height": 32, "width": 32})}
+    for name, proc in cases.items():
+        folder = _hf_folder(tmp_path / name, vit, proc)
+
+        def spec(preprocess: str, name: str = name, folder: Path = folder) -> dict:
+            raw = job(photos, tmp_path / f"{name}-{preprocess}.zarr", model={"name": f"hf:{folder}", "device": "cpu"},
+                      data={"resize": "auto", "crop": "auto", "preprocess": preprocess},
+                      capture=[{"layer": "(model)", "index": "pooler_output"}])
+            return parse_spec(raw)
+
+        with pytest.raises(SpecError) as err:
+            Worker(spec("auto"))
+        said = str(err.value)
+        assert "SizeDict" not in said, said
+        if name == "detr":
+            assert said.startswith(f"the image processor DetrImageProcessor of hf:{folder} resizes each image to its "
+                                   "own size (variable resolution: probe images 13x19"), said
+        else:
+            assert said.startswith(f"the image processor of hf:{folder} resizes (longest_edge 32), which extractor "
+                                   "does not reproduce") and "(data.preprocess: library runs that processor" in said
+            worker = Worker(spec("library"))
+            assert worker.preprocess.runs == "library" and worker.preprocess.size == (32, 32)
+            worker.close()
+
+
+def test_a_timm_crop_pct_above_one_pads_as_timm_does(photos: Path, tmp_path: Path):
+    """issue 54: timm's crop_pct 1.15 (VOLO at 448) resizes below the crop and pads, as timm's own transform does;
+    it was refused as "data.crop is larger than data.resize" though the job set neither. The pixels equal timm's."""
+    from PIL import Image
+
+    raw = job(photos, tmp_path / "s.zarr", data={"resize": "auto", "crop": "auto"},
+              model={"name": "timm:resnet10t", "device": "cpu",
+                     "kwargs": {"pretrained_cfg_overlay": {"crop_pct": 1.15, "input_size": [3, 64, 64]}}},
+              capture=[{"layer": "layer1", "reduce": "mean"}])
+    ours, worker = _our_pixels(raw)
+    cfg = timm.data.resolve_model_data_config(worker.model)
+    assert worker.preprocess.resize == 55 and worker.preprocess.crop == (64, 64)  # floor(64 / 1.15)
+    assert "padded with black as timm's transform pads it" in worker.preprocess.source
+    worker.close()
+    transform = timm.data.create_transform(**cfg)
+    ref = torch.stack([transform(Image.open(p).convert("RGB")) for p in _files(photos)])
+    assert (ours.float() - _levels(ref, cfg["mean"], cfg["std"])).abs().max() < 0.01
+    for img in ours:  # the shorter side, resized to 55, padded to 64: black rows or columns at its edge
+        assert (img[:, :4] == 0).all() or (img[:, :, :4] == 0).all()
+
+
+@pytest.mark.parametrize("how", ["timm in_chans", "timm pretrained_cfg", "hf num_channels"])
+def test_a_model_of_one_channel_is_refused_naming_its_channels_not_the_input_size(photos: Path, tmp_path: Path,
+                                                                                  how: str):
+    """issue 54: a grayscale model (timm's in_chans 1) failed inside torch's conv, the message suggesting another
+    input size. Refused naming the channels it takes and what to do, in the probe and in extractor layers."""
+    from conftest import cli
+
+    if how == "hf num_channels":
+        t = transformers
+        t.ViTModel(t.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                               image_size=32, patch_size=8, num_channels=1)).save_pretrained(tmp_path / "vit")
+        model = {"name": f"hf:{tmp_path / 'vit'}", "device": "cpu", "weights": "random"}
+        first = "embeddings.patch_embeddings.projection"
+    else:
+        kwargs = {"in_chans": 1} if how == "timm in_chans" else \
+            {"pretrained_cfg_overlay": {"input_size": [1, 32, 32]}}
+        model = {"name": "timm:resnet10t", "device": "cpu", "kwargs": kwargs}
+        first = "conv1.0"
+    raw = job(photos, tmp_path / "s.zarr", model=model, data={"resize": 32, "crop": 32, "preprocess": "imagenet"},
+              capture=[{"layer": "(model)", "index": "pooler_output"} if how == "hf num_channels" else
+                       {"layer": "layer1", "reduce": "mean"}])
+    with pytest.raises(ModelError, match=rf"^the model takes 1-channel images \(its first convolution, {first}, has "
+                                         r"in_channels 1\), and extractor feeds 3-channel RGB .*: build it for 3 "
+                                         r"channels .*; it failed on a blank image"):
+        run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
+    if how == "timm in_chans":
+        r = cli("layers", "timm:resnet10t", "--kwargs", "{in_chans: 1}", "--input-size", "32")
+        assert r.returncode == 1 and "error: the model takes 1-channel images (its first convolution" in r.stderr

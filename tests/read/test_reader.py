@@ -642,7 +642,9 @@ def test_the_torch_views_take_float_dtypes_only_and_know_their_length(tokens):
     assert batches[0]["tok"].dtype == torch.float32 and len(loader) == len(batches) == -(-55 * 4 // 16)
     rows = s.dataloader(["a"], batch_size=10, drop_last=True)
     assert len(rows) == len(list(rows)) == 5
-    with pytest.raises(StoreError, match="token layout .* stream them one by one"):
+    with pytest.raises(StoreError, match=r"^token_batches of several captures serves the same tokens of each; with "
+                                         r"drop_prefix=False they differ \(tok: tokens 0 to 4 of its layer's sequence; "
+                                         r"pat: tokens 1 to 4 of its layer's sequence\): stream them one by one"):
         s.token_batches(["tok", "pat"])
     with pytest.raises(TypeError, match="batch_size must be an int"):
         next(s.token_batches("tok", batch_size="4"))
@@ -671,6 +673,22 @@ def test_drop_prefix_true_drops_nothing_more_from_a_capture_stored_without_its_p
     b = next(iter(loader))
     np.testing.assert_array_equal(b["pat"].numpy(), full[b["row"].numpy(), b["token"].numpy()])  # tokens 1..4
     assert s.token_span("pat", 1) == (1, 3)  # an explicit count cuts further, from the tokens as stored
+
+
+def test_two_captures_of_the_same_positions_stream_together_however_each_was_stored(tokens):
+    """issue 54: a capture stored whole and one stored without its prefix serve the same tokens with drop_prefix=True
+    (positions 1 to 4), yet were refused, their layouts said as internal tuples. Streamed together: each token's
+    values from both, the same (pat holds tok's patch tokens)."""
+    s, full = tokens
+    seen = []
+    for index, x in s.token_batches(["tok", "pat"], 7, seed=1, drop_prefix=True, buffer_chunks=2):
+        np.testing.assert_array_equal(x["tok"], full[index[:, 0], index[:, 1]])
+        np.testing.assert_array_equal(x["pat"], x["tok"])
+        seen += [tuple(i) for i in index]
+    assert sorted(seen) == [(r, t) for r in range(56) if r != 3 for t in range(1, 5)]
+    pytest.importorskip("torch")
+    batch = next(iter(s.dataloader(["pat", "tok"], batch_size=8, tokens=True, drop_prefix=True)))
+    np.testing.assert_array_equal(batch["pat"].numpy(), batch["tok"].numpy())
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")

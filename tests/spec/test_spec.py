@@ -276,7 +276,7 @@ def test_only_env_vars_that_look_like_secrets_are_redacted_so_a_printed_command_
     shown = redact_argv(argv)
     assert shown[:4] == argv[:4] and shown[5] == f"submit.env_vars.HF_TOKEN={REDACTED}"
     assert apply_overrides({}, [a for a in shown[:4] if a != "--set"])["submit"]["env_vars"] == {
-        "PATH": "/opt/venv/bin:/usr/bin", "EXTRACTOR_PROGRESS_S": 60}  # pasted back: taken as given
+        "PATH": "/opt/venv/bin:/usr/bin", "EXTRACTOR_PROGRESS_S": "60"}  # pasted back: taken as given, as text
 
 
 def test_a_factory_model_has_no_name_and_older_stores_of_one_still_compare_equal():
@@ -360,3 +360,18 @@ def test_a_redacted_secret_pasted_back_asks_for_the_secret_by_name():
     with pytest.raises(SpecError, match=r"output.storage_options.key, output.storage_options.secret are "
                                         r"\*\*\*redacted\*\*\*"):
         parse_spec(raw)
+
+
+def test_env_vars_take_numbers_as_text_and_set_keeps_the_text_as_typed():
+    """issue 54: --set submit.env_vars.X=5 was refused as not a string (YAML read 5 as a number). An environment
+    variable set on the command line is its text as typed (0022 stays 0022); a number in a file is its text;
+    true and false are refused, naming the variable (which spelling a program reads varies)."""
+    spec = parse_spec(apply_overrides(BASE, ["submit.env_vars.OMP_NUM_THREADS=5", "submit.env_vars.UMASK=0022",
+                                             "submit.env_vars.FLAG=true", "submit.env_vars.EMPTY="]))
+    assert spec.submit.env_vars == {"OMP_NUM_THREADS": "5", "UMASK": "0022", "FLAG": "true", "EMPTY": ""}
+    assert apply_overrides(BASE, ["data.batch_size=5"])["data"]["batch_size"] == 5  # elsewhere: YAML, as before
+    spec = parse_spec({**BASE, "submit": {"env_vars": {"OMP_NUM_THREADS": 4, "RATIO": 0.5, "PATH": "/bin"}}})
+    assert spec.submit.env_vars == {"OMP_NUM_THREADS": "4", "RATIO": "0.5", "PATH": "/bin"}
+    with pytest.raises(SpecError, match=r"submit.env_vars: DEBUG is True: an environment variable holds text; quote "
+                                        r"the spelling the program reads, e.g. DEBUG: \"1\" or \"true\""):
+        parse_spec({**BASE, "submit": {"env_vars": {"DEBUG": True}}})

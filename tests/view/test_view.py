@@ -364,6 +364,7 @@ def test_extractor_view_prints_its_address_and_exports_a_site(store_path: Path, 
     import re
     import subprocess
     import sys
+    import urllib.error
     import urllib.request
 
     from conftest import child_env
@@ -377,6 +378,11 @@ def test_extractor_view_prints_its_address_and_exports_a_site(store_path: Path, 
         assert found, (line, server.stderr.read() if server.poll() is not None and server.stderr else "")
         with urllib.request.urlopen(found.group(0) + "index/layer3@sae.html", timeout=60) as answer:
             assert answer.status == 200 and b"Features of" in answer.read()
+        assert "(--port 0: a free port, chosen now)" in line
+        rebound = urllib.request.Request(found.group(0) + "api/store.json", headers={"Host": "evil.example"})
+        with pytest.raises(urllib.error.HTTPError) as refused:  # a name that is not the one it listens on
+            urllib.request.urlopen(rebound, timeout=60)
+        assert refused.value.code == 403 and b"DNS rebinding" in refused.value.read()
     finally:
         server.terminate()
         server.wait(30)
@@ -390,3 +396,51 @@ def test_extractor_view_prints_its_address_and_exports_a_site(store_path: Path, 
     again = subprocess.run([*command, "--export", str(tmp_path)], capture_output=True, text=True, timeout=120,
                            env=child_env())
     assert again.returncode != 0 and "is no export of the viewer" in again.stderr
+
+
+def test_the_app_answers_only_for_the_host_it_listens_on(image_dir: Path, tmp_path: Path):
+    """issue 54: the viewer answered any Host, so a page elsewhere could read the store through a name of its own
+    that resolves here (DNS rebinding). Now: the address it bound, localhost on loopback, else 403 saying why."""
+    pytest.importorskip("flask")
+    import extractor
+    from extractor.view import Hosts, create_app
+
+    extractor.run(job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}]), progress=False)
+    loopback = Hosts.bound("127.0.0.1", "127.0.0.1")
+    assert all(loopback.allows(h) for h in ("127.0.0.1:8050", "localhost:8050", "LOCALHOST", "127.0.0.1"))
+    assert not any(loopback.allows(h) for h in ("evil.example:8050", "127.0.0.1.evil.example", "10.0.0.5:8050", ""))
+    everywhere = Hosts.bound("0.0.0.0", "0.0.0.0")
+    assert everywhere.allows("10.0.0.5:8050") and everywhere.allows("[fe80::1]:80")
+    assert not everywhere.allows("evil.example:8050")
+    client = create_app(str(tmp_path / "s.zarr"), loopback).test_client()
+    assert client.get("/index.html").status_code == 200  # the test client's Host: localhost
+    for path in ("/index.html", "/api/store.json", "/thumb/0.jpg", "/static/view.js", "/nothing/here"):
+        answer = client.get(path, headers={"Host": "evil.example:8050"})
+        assert answer.status_code == 403, path
+        said = answer.get_data(as_text=True).strip()
+        assert "\n" not in said and "not for host 'evil.example'" in said and "DNS rebinding" in said, said
+
+
+def test_a_port_out_of_range_or_in_use_is_one_line_saying_which(image_dir: Path, tmp_path: Path):
+    """issue 54: --port 99999 listened on another port, --port -1 was a traceback, a port in use printed Werkzeug's
+    lines and exited; serve() now refuses each in one line naming the port."""
+    import socket
+
+    from conftest import cli
+
+    from extractor.errors import ExtractorError
+    from extractor.view import serve
+
+    for port in ("99999", "-1", "http"):
+        r = cli("view", str(tmp_path / "none.zarr"), "--port", port)
+        assert r.returncode == 2 and f"argument --port: a port is a number from 1 to 65535 (0: any free one), not " \
+            f"{port}" in r.stderr, r.stderr
+    with pytest.raises(ValueError, match="port must be a number from 1 to 65535 .0: any free one., not 70000"):
+        serve(str(tmp_path / "none.zarr"), port=70000)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ExtractorError, match=rf"^port {port} of 127.0.0.1 is in use by another program: pick "
+                                                 r"another with --port \(--port 0: any free one\)$"):
+            serve(str(tmp_path / "none.zarr"), port=port)

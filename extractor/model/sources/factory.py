@@ -37,13 +37,15 @@ def _python(spec: ModelSpec) -> Built:
 def _factory(spec: ModelSpec) -> Built:
     factory = spec.model
     module_name, _, attr = factory.partition(":")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a module in the current folder, as `python -m` finds it
+    here = current_folder()
+    if "" not in sys.path and here is not None and here not in sys.path:
+        sys.path.insert(0, here)  # a module in the current folder, as `python -m` finds it
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
-        raise ModelError(f"model.factory {factory!r}: cannot import {module_name}: {err} (the current folder and "
-                         "PYTHONPATH are searched)") from err
+        searched = "the current folder and PYTHONPATH are searched" if here is not None else \
+            "PYTHONPATH is searched: the current folder is gone (removed since this process started in it)"
+        raise ModelError(f"model.factory {factory!r}: cannot import {module_name}: {err} ({searched})") from err
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ModelError(f"model.factory {factory!r}: {module_name} has no attribute {attr!r}")
@@ -56,6 +58,14 @@ def _factory(spec: ModelSpec) -> Built:
         raise ModelError(f"model.factory {factory!r} returned {type(model).__name__}, not a torch.nn.Module")
     found, processor = _own_preprocess(model, spec)
     return Built(model, f"factory {factory} (weights as the factory built them)", found, True, "factory", processor)
+
+
+def current_folder() -> str | None:
+    """The current folder, or None when it is gone (removed since the process started in it: ``os.getcwd`` raises)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        return None
 
 
 def _own_preprocess(model: nn.Module, spec: ModelSpec) -> tuple[Preprocess | str, LibraryProcessor | None]:

@@ -37,6 +37,19 @@ def _getter(value: Any) -> Callable[[str], Any]:
     return value.get if isinstance(value, dict) else (lambda k: getattr(value, k, None))
 
 
+_SIZE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width", "min_pixels",
+              "max_pixels")
+
+
+def _said(value: Any) -> str:
+    """A processor's ``size`` or ``crop_size`` for a message: the keys it sets (``longest_edge 1333``), not a
+    ``SizeDict`` of every key transformers knows."""
+    get = _getter(value or {})
+    keys = list(value) if isinstance(value, dict) else _SIZE_KEYS
+    shown = ", ".join(f"{k} {get(k)}" for k in keys if get(k) not in (None, 0))
+    return shown or "no size given"
+
+
 def _hf_geometry(p: Any, src: str) -> tuple[int | tuple[int, int] | None, tuple[int, int] | None] | str:
     """A processor's resize and centre crop (or why extractor does not reproduce them)."""
     size = getattr(p, "size", None) or {}
@@ -57,12 +70,12 @@ def _hf_geometry(p: Any, src: str) -> tuple[int | tuple[int, int] | None, tuple[
     elif get("height") and get("width"):
         resize = (int(get("height")), int(get("width")))
     else:
-        return f"the image processor of hf:{src} resizes to {size}, which extractor does not reproduce"
+        return f"the image processor of hf:{src} resizes ({_said(size)}), which extractor does not reproduce"
     if getattr(p, "do_center_crop", False):
         cget = _getter(getattr(p, "crop_size", None) or {})
         if not (cget("height") and cget("width")):
-            return (f"the image processor of hf:{src} centre-crops to {getattr(p, 'crop_size', None)}, which "
-                    "extractor does not reproduce")
+            return (f"the image processor of hf:{src} centre-crops to {_said(getattr(p, 'crop_size', None))}, "
+                    "which extractor does not reproduce")
         crop = (int(cget("height")), int(cget("width")))
     return resize, crop
 

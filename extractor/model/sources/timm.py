@@ -34,9 +34,10 @@ def _timm_preprocess(timm: Any, model: nn.Module, spec: ModelSpec) -> Preprocess
     interpolation = cfg.get("interpolation") or "bilinear"
     if interpolation not in _RESAMPLE.values():
         return f"timm's data config for {spec.model} asks for interpolation {interpolation!r}"
+    padded = ": the crop is larger than the resize, padded with black as timm's transform pads it" if pct > 1 else ""
     return Preprocess(resize=resize, crop=(h, w), interpolation=interpolation, mean=tuple(cfg["mean"]),
                       std=tuple(cfg["std"]), crop_pct=pct,
-                      source=f"timm data config of {spec.model} (crop_pct {pct}, {mode})")
+                      source=f"timm data config of {spec.model} (crop_pct {pct}, {mode}{padded})")
 
 
 def _timm(spec: ModelSpec) -> Built:
