@@ -169,8 +169,8 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
 
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import OK, StoreArrays
+    from extractor.store.synthetic import create_store
 
     url = str(WORK / "reader.zarr")
     rng = np.random.default_rng(0)
@@ -230,8 +230,8 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
 
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import OK, StoreArrays
+    from extractor.store.synthetic import create_store
 
     url = str(WORK / "tokens.zarr")
     meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",
@@ -277,8 +277,8 @@ def sharding_bench(rows: int = 4096, tokens: int = 197, features: int = 384, sha
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
     from extractor.spec.schema import auto_inner_rows
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import OK, StoreArrays
+    from extractor.store.synthetic import create_store
 
     meta = {"shape": [tokens, features], "dtype": "float16", "dims": ["t.token", "t.feature"], "layer": "t",
             "what": "output", "reduce": "none"}
@@ -337,8 +337,8 @@ def sharded_reader_bench(repeats: int = 3) -> dict[str, float]:
 
     from extractor.data.rows import Rows
     from extractor.read.reader import open_store
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import OK, StoreArrays
+    from extractor.store.synthetic import create_store
 
     cases = {"rows": ([64, 8, 8], "float32", 6000, 16), "tokens": ([197, 384], "float16", 640, 8)}
     ratios = {}

@@ -43,8 +43,8 @@ TOKENS, WIDTH, LATENTS, K = 196, 768, 4096, 16
 def _store(url: Path, rows: int, shape: list[int], dims: list[str], dtype: str, chunk_rows: int) -> None:
     """A store of ``rows`` random rows of one capture ``x`` (made once, kept under .bench)."""
     from extractor.data.rows import Rows
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import OK, StoreArrays
+    from extractor.store.synthetic import create_store
 
     if (url / "zarr.json").exists():
         return

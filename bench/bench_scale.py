@@ -165,11 +165,11 @@ def shard_bench(shards: int = 15, captures: int = 4) -> float:
     import statistics
 
     import zarr
+    from extractor.store.lease import Lease
 
     from extractor.data.rows import Rows
-    from extractor.store.synthetic import create_store
     from extractor.store.layout import StoreArrays
-    from extractor.store.lease import Lease
+    from extractor.store.synthetic import create_store
     from extractor.store.writer import ShardWriter
 
     url, size, chunk = str(WORK / "shard-open-finish.zarr"), 256, 64
@@ -405,8 +405,8 @@ def row_bench(n: int = 1_000_000) -> tuple[float, float]:
     url = WORK / f"row-by-id-{n}.zarr"
     if not (url / "done").exists() or not (url / "id_index").exists():  # (made before the id index: again)
         from extractor.data.rows import Rows
-        from extractor.store.synthetic import create_store
         from extractor.store.layout import OK, StoreArrays
+        from extractor.store.synthetic import create_store
 
         shutil.rmtree(url, ignore_errors=True)
         ids = [f"train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG" for i in range(n)]

@@ -1,5 +1,5 @@
-"""Text for people and records: timestamps, aligned tables, counted nouns, sizes and the size estimate (the CLI's, the run report's,
-the plan's)."""
+"""Text for people and records: timestamps, aligned tables, counted nouns, sizes and the size estimate (the CLI's,
+the run report's, the plan's)."""
 
 from __future__ import annotations
 

@@ -84,8 +84,8 @@ def test_the_read_side_and_the_layers_under_it_import_without_torch_or_ray():
         "    del sys.modules[name]\n"
         "sys.modules['pydantic'] = sys.modules['PIL'] = None\n"
         "importlib.import_module('extractor.read.reader')\n"
-        "for m in ('layout', 'recorded', 'writer', 'objects', 'ledger', 'claimants', 'generation', 'views', 'synthetic',\n"
-        "          'chunks', 'dtypes', 'stats', 'reuse', 'sampling'):\n"
+        "for m in ('layout', 'recorded', 'writer', 'objects', 'ledger', 'claimants', 'generation', 'views',\n"
+        "          'synthetic', 'chunks', 'dtypes', 'stats', 'reuse', 'sampling'):\n"
         "    importlib.import_module('extractor.store.' + m)\n"
         "print('ok')\n"
     )

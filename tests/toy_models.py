@@ -402,103 +402,13 @@ def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Mo
     return SlowNet(seconds)
 
 
-def stopped_at_write(where: str, key: str, marker: str, nth: int = 1, seconds: float = 0.02) -> nn.Module:
-    """A SlowNet in a process that stops itself (SIGSTOP) at its ``nth`` write of a store key matching ``key`` (a
-    regular expression matched at the key's end; ``<wipe>``: the removal of an old store's contents), as a long GC
-    pause or a storage stall would stop it there. ``before``: before the write's step of the lease's fence (no lock
-    held, the lease not yet checked); ``inside``: the lease checked and the write not yet landed (locally the
-    store's lock held; on S3 the conditional request not yet sent). It writes the file ``marker`` just before."""
-    import os
-    import re
-    import shutil
-    import signal
-    import threading
+def stopped_at_write(key: str, marker: str, nth: int = 1, seconds: float = 0.02, inside: bool = False) -> nn.Module:
+    """A SlowNet in a process that stops itself (SIGSTOP) at its ``nth`` change of a store matching ``key``
+    (``helpers.pause.pause_at``; ``inside``: a local swap with the store's lock held), writing ``marker`` just
+    before."""
+    from helpers.pause import pause_at
 
-    import extractor.store.fence as fence
-    import s3fs
-
-    import extractor.store.chunks as chunks
-    import extractor.store.layout as fmt
-
-    pattern = re.compile(rf"(^|/)(?:{key})$")
-    seen = [0]
-    lock = threading.Lock()
-
-    def stop(name: str) -> None:
-        with lock:
-            if not pattern.search(name.replace(os.sep, "/")):
-                return
-            seen[0] += 1
-            if seen[0] != nth:
-                return
-        if where == "before":  # and no other write of this process in its step: none holds the store's lock
-            import time
-
-            deadline = time.monotonic() + 30
-            while any(f._holds for f in fence.LockFile._all.values()) and time.monotonic() < deadline:
-                time.sleep(0.001)
-        open(marker, "w").close()
-        # to this thread: it stops before its next instruction (a SIGSTOP to the process may be taken by another
-        # thread first, and this one would go on into its write for a moment)
-        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
-
-    if where == "before":
-        original_set, original_close, original_wipe = fence.FencedStore.set, chunks.ShardStream.close, fmt.wipe
-
-        async def fenced_set(self, k, value):  # noqa: ANN001, ANN202 - the patched method's signature
-            stop(k)
-            await original_set(self, k, value)
-
-        def close(self):  # noqa: ANN001, ANN202
-            stop(self.key)
-            original_close(self)
-
-        def wipe(store):  # noqa: ANN001, ANN202
-            stop("<wipe>")
-            original_wipe(store)
-
-        original_whole = fence.FencedStore.put_whole
-
-        def put_whole(self, items):  # noqa: ANN001, ANN202 - a shard's finishing writes, one step for them all
-            items = list(items)
-            for k, _ in items:
-                stop(k)
-            return original_whole(self, items)
-
-        fence.FencedStore.set, chunks.ShardStream.close, fmt.wipe = fenced_set, close, wipe
-        fence.FencedStore.put_whole = put_whole
-    else:
-        original_put, original_replace, original_rmtree = fence._put_file, os.replace, shutil.rmtree
-        original_call = s3fs.S3FileSystem._call_s3
-
-        def put_file(path, data):  # noqa: ANN001, ANN202 - a local object written, the lock held
-            stop(path)
-            original_put(path, data)
-
-        def replace(src, dst, **kwargs):  # noqa: ANN001, ANN003, ANN202 - a shard's object made whole
-            if str(src).endswith(chunks.PARTIAL):
-                stop(str(dst))
-            original_replace(src, dst, **kwargs)
-
-        def rmtree(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            stop("<wipe>")
-            original_rmtree(path, *args, **kwargs)
-
-        async def call_s3(self, method, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            name = getattr(method, "__name__", method)
-            if name in ("put_object", "complete_multipart_upload"):
-                stop(kwargs.get("Key", "lease/"))
-            return await original_call(self, method, *args, **kwargs)
-
-        original_sync = s3fs.S3FileSystem.call_s3
-
-        def call_s3_sync(self, method, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - an upload's end
-            if method == "complete_multipart_upload" or method == "put_object":
-                stop(kwargs.get("Key", "lease/"))
-            return original_sync(self, method, *args, **kwargs)
-
-        fence._put_file, os.replace, shutil.rmtree = put_file, replace, rmtree
-        s3fs.S3FileSystem._call_s3, s3fs.S3FileSystem.call_s3 = call_s3, call_s3_sync
+    pause_at(key, nth, marker, inside)
     return SlowNet(seconds)
 
 

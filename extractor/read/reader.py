@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.abc.store import Store
 
 from ..errors import StoreError
 from ..store import (
@@ -93,7 +94,7 @@ def _is_store(url: str, storage_options: Mapping[str, Any] | None) -> bool:
         return False
 
 
-def zarr_store(url: str, storage_options: Mapping[str, Any] | None = None) -> zarr.abc.store.Store:
+def zarr_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Store:
     """The store at ``url`` as a zarr store that reads what its commits name (numpy and zarr only), for tools that
     take one: ``xarray.open_zarr(zarr_store(url))``, ``zarr.open_array(zarr_store(url), path="layer3")``,
     ``dask.array.from_zarr``. (Opened by URL, zarr and xarray refuse its arrays: they declare the storage

@@ -11,10 +11,11 @@ from .._face import face
 
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .chunks import ChunkCodec, read_all, write_chunks
+    from .claimants import Claimant, alive
     from .dtypes import BFLOAT16, is_bfloat16, numpy_dtype
     from .forward import forward_differences, forward_summary
-    from .id_index import ID_INDEX, SortedIds, id_index_objects, read_id_index, write_id_index
     from .generation import FORMAT, Generation, done_shards, open_group, read_head, read_state
+    from .id_index import ID_INDEX, SortedIds, id_index_objects, read_id_index, write_id_index
     from .layout import (
         ATTR,
         FAILED,
@@ -36,7 +37,6 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         take_rows,
     )
     from .ledger import Ledger, Table, blocks_for, new_id
-    from .claimants import Claimant, alive
     from .objects import Objects
     from .provenance import Probe, StoreRecord, changed_rows, check_resumable, differences, owner, store_attrs
     from .recorded import StoredRows, current_places, source_digests, stored_rows
@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .sampling import BY_DIGEST, draw_keys, projection_matrix, rank_keys
     from .session import Decision, IndexHooks, Outcome, StoreSession, live_claimants
     from .snapshot import snapshot_store
-    from .synthetic import create_store
     from .stats import ShardStats, Totals, dumps, feature_axis, merge, merge_shards, shard_record
+    from .synthetic import create_store
     from .writer import ShardWriter, Ticket
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it

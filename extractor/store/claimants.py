@@ -48,6 +48,7 @@ class ClaimantRecord(TypedDict, total=False):
 
 
 _ENDED: set[str] = set()  # claimants of this process that ended (their last word may have failed to land)
+SUPERSEDED: set[str] = set()  # generations this process found the head no longer names: its writers stop
 
 
 def alive(record: Mapping[str, Any], now: float | None = None) -> bool:
@@ -138,6 +139,7 @@ class Claimant:
                 try:
                     if self.still_ours is not None and not self.still_ours():
                         self.lost = True
+                        SUPERSEDED.add(self.prefix.split("/", 1)[0])  # the generation's name
                         log.warning("%s was made again by another job: this one stops", self.objects.url)
                         return
                     self._write()

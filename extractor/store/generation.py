@@ -39,8 +39,8 @@ import numpy as np
 import zarr
 
 from ..errors import StoreError
-from .ledger import Ledger, Table
 from .claimants import Roster, alive
+from .ledger import Ledger, Table
 from .objects import LOCK, Objects
 from .views import ROOT, GenerationStore, read_view
 
@@ -154,7 +154,7 @@ class Generation:
         root = self.root()
         if root is None:
             raise StoreError(f"store {self.objects.url} is still being made (generation {self.name})")
-        return Ledger(self.objects, self.txn("ledger"), int(root["n_shards"]), int(root["ledger_blocks"]))
+        return Ledger(self.objects, self.txn("ledger"), int(root["n_shards"]), int(root["ledger_blocks"]), self.name)
 
     def final(self) -> dict[str, Any] | None:
         """The record written once every shard was committed (None: not yet)."""
@@ -199,22 +199,7 @@ class Generation:
         if final is not None:
             attrs.update(status="complete", stats=final.get("stats") or {}, updated=final.get("at"), error=None)
             return attrs
-        claimants = self.roster.all()
-        ended = [m for m in claimants if m.get("ended")]
-        if any(alive(m) for m in claimants):
-            attrs["status"] = "running"
-        elif ended:
-            attrs["status"] = str(ended[-1]["ended"].get("status") or "incomplete")
-            attrs["error"] = ended[-1]["ended"].get("error")
-        else:  # every claimant gone without a word: killed
-            attrs["status"] = "running" if claimants else "incomplete"
-        with_stats = [m for m in ended if m["ended"].get("stats") is not None]
-        if with_stats:  # the last stopped run's merge of the shards committed then (none: a run killed before it)
-            attrs["stats"] = with_stats[-1]["ended"]["stats"]
-        if ended:
-            attrs["updated"] = ended[-1]["ended"].get("at")
-        if len(claimants) > 1:
-            attrs["resumed"] = claimants[-1].get("started")
+        attrs.update(_unfinished(self.roster.all()))
         return attrs
 
     def being_made(self) -> str:
@@ -254,6 +239,27 @@ class Generation:
         for name in garbage:
             self.objects.remove(self.key(f"__attempts/{name}"))
         return len(garbage)
+
+
+def _unfinished(claimants: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state of a generation not finished, from its claimants' records (the latest started last): ``running``
+    while one lives (or when all went without a word: killed), else how the last one ended, with the statistics of
+    the last run that merged them (none: a run killed before it)."""
+    ended = [m for m in claimants if m.get("ended")]
+    state: dict[str, Any] = {}
+    if any(alive(m) for m in claimants) or (claimants and not ended):
+        state["status"] = "running"
+    elif ended:
+        last = ended[-1]["ended"]
+        state.update(status=str(last.get("status") or "incomplete"), error=last.get("error"), updated=last.get("at"))
+    else:
+        state["status"] = "incomplete"
+    with_stats = [m for m in ended if m["ended"].get("stats") is not None]
+    if with_stats:
+        state["stats"] = with_stats[-1]["ended"]["stats"]
+    if len(claimants) > 1:
+        state["resumed"] = claimants[-1].get("started")
+    return state
 
 
 def collect_others(objects: Objects, generation: str, legacy: bool = False) -> int:

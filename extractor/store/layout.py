@@ -38,8 +38,9 @@ from typing import Any, NotRequired, TypedDict, cast
 import numpy as np
 import zarr
 from zarr.buffer.cpu import NDBuffer
+from zarr.core.array_spec import ArrayConfigParams
 
-from .._text import now
+from .._text import now as now  # re-exported: the store's face lists it
 from ..data import LocatorArray, Rows, is_url
 from ..errors import FencedError, StoreError
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
@@ -55,8 +56,9 @@ STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
 ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint")
 ATTR = "extractor"  # root attribute holding everything this package records
 INDEX_PARTS = "index_parts"  # write-time feature indexes: each shard's part, per capture
-WRITE_CONFIG = {"write_empty_chunks": True}  # every chunk of a shard is written, also one of fill values only: a
-# committed shard's chunk that is missing is an error, never read as fill values
+# every chunk of a shard is written, also one of fill values only: a committed shard's chunk that is missing is a
+# damaged store (inspect --verify names it), never a chunk left out on purpose
+WRITE_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}
 # the resolved preprocessing's settings that change pixels (the ``preprocess`` record holds more: its source)
 PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset", "runs")
 
@@ -233,7 +235,7 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
         with zarr.config.set({"array.write_empty_chunks": True}):
             group = zarr.open_group(store=store, mode="a", use_consolidated=False)
             _create_arrays(group, rows, arrays, attrs, comp)
-        Ledger(objects, f"{name}/{TXN}/ledger", n_shards, int(attrs["ledger_blocks"])).create(
+        Ledger(objects, f"{name}/{TXN}/ledger", n_shards, int(attrs["ledger_blocks"]), name).create(
             attempts["rows"], attempts.get("data", 0))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification" (yet)

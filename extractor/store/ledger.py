@@ -158,10 +158,12 @@ class Table:
 
 
 class Ledger:
-    """The ledger of one generation: ``blocks`` objects under ``prefix`` of ``objects``."""
+    """The ledger of generation ``generation``: ``blocks`` objects under ``prefix`` of ``objects``. Each block names
+    its generation: a block copied in from another store (or generation) is refused, never read as this one's."""
 
-    def __init__(self, objects: Objects, prefix: str, n_shards: int, blocks: int) -> None:
+    def __init__(self, objects: Objects, prefix: str, n_shards: int, blocks: int, generation: str) -> None:
         self.objects, self.prefix, self.n_shards, self.blocks = objects, prefix.rstrip("/"), n_shards, blocks
+        self.generation = generation
 
     def key(self, block: int) -> str:
         return f"{self.prefix}/{block}"
@@ -210,7 +212,8 @@ class Ledger:
         """One shard's step (:meth:`apply`)."""
         return self.apply([shard], lambda e, _s: step(e))[shard]
 
-    def _apply_block(self, block: int, shards: list[int], step: Callable[[np.void, int], Verdict]) -> dict[int, Verdict]:
+    def _apply_block(self, block: int, shards: list[int],
+                     step: Callable[[np.void, int], Verdict]) -> dict[int, Verdict]:
         for attempt in range(SWAP_TRIES):
             entries, version = self._read_block(block)
             verdicts = {s: step(entries[s // self.blocks], s) for s in shards}
@@ -230,8 +233,8 @@ class Ledger:
         return self._decode(block, data), version
 
     def _encode(self, block: int, entries: np.ndarray) -> bytes:
-        head = json.dumps({"block": block, "blocks": self.blocks, "shards": self.n_shards,
-                           "nonce": uuid.uuid4().hex}).encode()  # no two writes the same bytes
+        head = json.dumps({"generation": self.generation, "block": block, "blocks": self.blocks,
+                           "shards": self.n_shards, "nonce": uuid.uuid4().hex}).encode()  # no two writes the same
         return _MAGIC + struct.pack("<I", len(head)) + head + np.ascontiguousarray(entries, ENTRY).tobytes()
 
     def _decode(self, block: int, data: bytes) -> np.ndarray:
@@ -239,6 +242,9 @@ class Ledger:
             raise StoreError(f"{self.key(block)} of {self.objects.url} is not a ledger block (damaged?)")
         (n,) = struct.unpack("<I", data[4:8])
         head: Mapping[str, Any] = json.loads(data[8 : 8 + n])
+        if head.get("generation") != self.generation:
+            raise StoreError(f"{self.key(block)} of {self.objects.url} is a block of another store's ledger "
+                             f"(generation {head.get('generation')}, not {self.generation}): copied in? It is not read")
         if head.get("blocks") != self.blocks or head.get("shards") != self.n_shards or head.get("block") != block:
             raise StoreError(f"{self.key(block)} of {self.objects.url} belongs to a ledger of another shape: {head}")
         entries = np.frombuffer(data, ENTRY, offset=8 + n).copy()

@@ -76,10 +76,12 @@ class Objects:
         self.url = url.rstrip("/")
 
     @staticmethod
-    def at(url: str, storage_options: Mapping[str, Any] | None = None) -> Objects:
+    def at(url: str, storage_options: Mapping[str, Any] | None = None, lock_wait_s: float = LOCK_WAIT_S) -> Objects:
+        """The objects at ``url``; ``lock_wait_s``: how long a local swap waits for another process's swap to end
+        (a job's ``output.lease_timeout_s``: longer, that process is stopped, and the swap says which it is)."""
         root = local_root(url)
         if root is not None:
-            return LocalObjects(url, root)
+            return LocalObjects(url, root, lock_wait_s)
         return RemoteObjects(url, storage_options)
 
     def get(self, key: str) -> bytes | None:
@@ -132,9 +134,10 @@ class Objects:
 class LocalObjects(Objects):
     """A local folder (see the module's docstring)."""
 
-    def __init__(self, url: str, root: str) -> None:
+    def __init__(self, url: str, root: str, lock_wait_s: float = LOCK_WAIT_S) -> None:
         super().__init__(url)
         self.root = os.path.abspath(root)
+        self.lock_wait_s = lock_wait_s
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/")) if key else self.root
@@ -231,7 +234,7 @@ class LocalObjects(Objects):
         os.makedirs(self.root, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            deadline = time.monotonic() + LOCK_WAIT_S
+            deadline = time.monotonic() + self.lock_wait_s
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

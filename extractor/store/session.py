@@ -24,10 +24,10 @@ from ..data import Rows, Shard, reuse, source
 from ..errors import FencedError, StoreError
 from ..spec import JobSpec
 from .chunks import read_all
-from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
-from .layout import FAILED, OK, PENDING, StoreArrays, create_generation, get_array
-from .ledger import Table, Verdict, amend_rows, new_id, reset
 from .claimants import Claimant, alive
+from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
+from .layout import FAILED, OK, PENDING, StoreArrays, create_generation, get_array, root_attrs
+from .ledger import Table, Verdict, amend_rows, new_id, reset
 from .objects import Objects
 from .provenance import (
     Probe,
@@ -205,7 +205,7 @@ class StoreSession:
     def __init__(self, spec: JobSpec, index: IndexHooks | None = None) -> None:
         self.spec = spec
         self.index = index
-        self.objects = Objects.at(spec.output.store, spec.output.storage_options)
+        self.objects = Objects.at(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s)
         self.record: StoreRecord | None = None  # what this job records in the store (decide)
         self.decision: Decision | None = None  # decide's
         self.shards: list[Shard] = []  # the job's, all of them
@@ -219,7 +219,7 @@ class StoreSession:
         """What the job's writers claim and commit with (None before the store is started)."""
         if self.generation is None or self.claimant is None:
             return None
-        return Ticket(self.generation.name, self.claimant.id)
+        return Ticket(self.generation.name, self.claimant.id, self.spec.output.lease_timeout_s)
 
     def recorded(self) -> dict[str, Any] | None:
         """The store's state as it is now (None: no store there)."""
@@ -301,7 +301,7 @@ class StoreSession:
         else:
             head = read_head(self.objects)
             assert decision.head is not None
-            if head is None or head.generation != decision.head.generation:
+            if head is None or head.generation is None or head.generation != decision.head.generation:
                 raise StoreError(f"store {spec.output.store} was replaced by another job after this one looked at "
                                  "it; run again (--resume finishes it)")
             self.generation = Generation(self.objects, head.generation)
@@ -367,29 +367,35 @@ class StoreSession:
         if listing is not None and listing != (was if was is not None else (decision.old or {}).get("listing")):
             if not generation.record_listing(listing, version):
                 log.info("%s: the source's listing was recorded by another process meanwhile", self.spec.output.store)
-        if decision.fingerprints is None and decision.locators is None:
+        columns: dict[str, np.ndarray] = {k: np.asarray(v) for k, v in {
+            "fingerprint": decision.fingerprints, **(decision.locators or {})}.items() if v is not None}
+        if not columns:
             return
         group = generation.open(table)
-        columns = {"fingerprint": decision.fingerprints, **(decision.locators or {})}
-        columns = {k: np.asarray(v) for k, v in columns.items() if v is not None}
-        size, n = self.spec.data.shard_size, len(next(iter(columns.values())))
-        stored = {k: read_all(get_array(group, k)) for k in columns}
-        moved = sorted({r // size for k, v in columns.items() for r in np.flatnonzero(v != stored[k])})
-        if not moved:
-            return
-        attempt = new_id()
-        view = write_view(self.objects.zarr_store(generation.name, read_only=False), {"rows": attempt},
-                          url=self.objects.url)
+        size = self.spec.data.shard_size
+        moved = sorted({int(r) // size for k, v in columns.items()
+                        for r in np.flatnonzero(v != read_all(get_array(group, k)))})
+        if moved:
+            attempt = self._write_rows(columns, moved)
+            dead, claimant = generation.roster.dead, self.claimant.id if self.claimant is not None else 0
+            generation.ledger().apply(moved, lambda e, _s: amend_rows(e, attempt, claimant, dead))
+
+    def _write_rows(self, columns: Mapping[str, np.ndarray], shards: list[int]) -> int:
+        """The rows of ``shards`` of the ``rows`` slot's arrays ``columns`` (whole arrays) written under a new
+        attempt; the attempt."""
         import zarr
 
+        assert self.generation is not None
+        attempt, size = new_id(), self.spec.data.shard_size
+        view = write_view(self.objects.zarr_store(self.generation.name, read_only=False), {"rows": attempt},
+                          url=self.objects.url)
         with zarr.config.set({"array.write_empty_chunks": True}):
             target = zarr.open_group(store=view, mode="r+", use_consolidated=False)
-            for k, v in columns.items():
-                array = get_array(target, k)
-                for s in moved:
-                    array[s * size : min((s + 1) * size, n)] = v[s * size : min((s + 1) * size, n)]
-        dead, claimant = generation.roster.dead, self.claimant.id if self.claimant is not None else 0
-        generation.ledger().apply(moved, lambda e, _s: amend_rows(e, attempt, claimant, dead))
+            for name, column in columns.items():
+                array = get_array(target, name)
+                for s in shards:
+                    array[s * size : (s + 1) * size] = column[s * size : (s + 1) * size]
+        return attempt
 
     # ---------------------------------------------------------------------------------------------- shards
 
@@ -398,6 +404,8 @@ class StoreSession:
         merges from the store)."""
         if self.totals is not None:
             self.totals.add(index, stats)
+        if self.claimant is not None:
+            self.claimant.committed()
 
     def remaining(self, wait: bool) -> list[Shard]:
         """The shards not committed that this claimant may take now (pending, or claimed by a dead claimant); with
@@ -413,7 +421,8 @@ class StoreSession:
                 return []
             claimant = table.entries["claimant"]
             mine = self.claimant.id if self.claimant is not None else 0
-            free = [int(s) for s in left if int(claimant[s]) in (0, mine) or self.generation.roster.dead(int(claimant[s]))]
+            dead = self.generation.roster.dead
+            free = [int(s) for s in left if int(claimant[s]) in (0, mine) or dead(int(claimant[s]))]
             if free or not wait:
                 return [self.shards[s] for s in free]
             time.sleep(WAIT_S)
@@ -501,11 +510,10 @@ class StoreSession:
         failed_rows = np.flatnonzero(status == FAILED)
         failures = []
         if len(failed_rows):
-            ids = group["ids"]
-            errors = group["errors"]
+            ids, errors = get_array(group, "ids"), get_array(group, "errors")
             for r in failed_rows[:20]:
                 failures.append((int(r), str(ids[int(r)]), str(errors[int(r)])))
-        attrs = group.attrs["extractor"]
+        attrs = root_attrs(group)
         stats = dict(attrs.get("stats") or {})
         return Outcome(
             rows=len(status),

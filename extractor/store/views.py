@@ -4,11 +4,12 @@ it (numpy-free; zarr's store interface).
 An array whose chunks belong to shards (a capture, a row's status, a shard's statistics) declares, in its own
 metadata, the Zarr v3 storage transformer ``extractor-attempts`` with the slot of the ledger that names its
 chunks' attempt (``data``: what a shard computed; ``rows``: its rows' source facts) and how its chunks fall in
-shards (rows per chunk, rows per shard). The chunk ``<array>/c/<i>/...`` of shard ``s`` then lies at ``__attempts/<attempt>/<array>/c/<i>/...``,
-where ``attempt`` is what the ledger names for ``s``. A reader without this package meets an unknown storage
-transformer and refuses the array (zarr-python: "Arrays with storage transformers are not supported"), never
-reading it as fill values; arrays without one (ids, paths, labels, the id index: written once, when the generation
-is made) are plain Zarr.
+shards (rows per chunk, rows per shard). The chunk ``<array>/c/<i>/...`` of shard ``s`` then lies at
+``__attempts/<attempt>/<array>/c/<i>/...``, where ``attempt`` is what the ledger names for ``s``. A reader without
+this package meets an unknown storage transformer and refuses the array (zarr-python's ``open_array``: "Arrays with
+storage transformers are not supported"; the generation's root is not where a plain reader looks, so it finds no
+group), never reading it as fill values; arrays without one (ids, paths, labels, the id index: written once, when
+the generation is made) are plain Zarr.
 
 - :func:`read_view`: a generation as one :class:`~.ledger.Table` names it: every chunk of a committed shard from
   its attempt (an object missing there is an error, never a fill value), a shard not committed reads as fill
@@ -115,8 +116,8 @@ def _buffer(data: bytes) -> Buffer:
 
 class GenerationStore(WrapperStore[Store]):
     """A generation's objects (``store``: a zarr store at its prefix) seen through its ledger: a read view
-    (``table``: the ledger as read, which names each shard's attempts) or an attempt's write view (``attempts``: per slot, the attempt
-    whose name its chunks take, ``shards``: the shards it may write). See the module's docstring."""
+    (``table``: the ledger as read, which names each shard's attempts) or an attempt's write view (``attempts``: per
+    slot, the attempt whose name its chunks take, ``shards``: the shards it may write). See the module's docstring."""
 
     def __init__(self, store: Store, table: Table | None = None,
                  attempts: Mapping[str, int] | None = None, attrs: Mapping[str, Any] | None = None,
@@ -228,24 +229,23 @@ class GenerationStore(WrapperStore[Store]):
                 return None
             meta = json.loads(found.to_bytes())
         path = key[: -len("zarr.json")].rstrip("/")
+        self._learn(path, meta)
+        consolidated = (meta.get("consolidated_metadata") or {}).get("metadata") or {}
+        for name, child in consolidated.items():  # what one read of the root tells of every array
+            if isinstance(child, dict):
+                self._learn(f"{path}/{name}" if path else name, child)
+        meta = _strip(meta)
+        if key == "zarr.json" and self.attrs is not None:  # the root: the generation's state
+            meta["attributes"] = {**(meta.get("attributes") or {}), "extractor": dict(self.attrs)}
+        return prototype.buffer.from_bytes(json.dumps(meta).encode())
+
+    def _learn(self, path: str, meta: Mapping[str, Any]) -> None:
+        """The slot of the array at ``path`` (or that it has none), from its metadata as read."""
         slot = Slot.of(meta)
         if slot is not None:
             self.slots.setdefault(path, slot)
         elif meta.get("node_type") == "array":
             self.plain.add(path)
-        consolidated = (meta.get("consolidated_metadata") or {}).get("metadata") or {}
-        for name, child in consolidated.items():  # what one read of the root tells of every array
-            if isinstance(child, dict) and child.get("node_type") == "array":
-                child_path = f"{path}/{name}" if path else name
-                child_slot = Slot.of(child)
-                if child_slot is not None:
-                    self.slots.setdefault(child_path, child_slot)
-                else:
-                    self.plain.add(child_path)
-        meta = _strip(meta)
-        if key == "zarr.json" and self.attrs is not None:  # the root: the generation's state
-            meta["attributes"] = {**(meta.get("attributes") or {}), "extractor": dict(self.attrs)}
-        return prototype.buffer.from_bytes(json.dumps(meta).encode())
 
     async def get_partial_values(self, prototype: BufferPrototype,
                                  key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
@@ -279,8 +279,8 @@ class GenerationStore(WrapperStore[Store]):
 
         if self._root is None:
             raise StoreError(f"{self.url}: no root to write")
-        sync(self._store.set(ROOT, _buffer(self._root)))
-        self.hold_root, self._root = False, None
+        root, self.hold_root, self._root = self._root, False, None
+        sync(self.set("zarr.json", _buffer(root)))
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         where = await self.resolve(key)

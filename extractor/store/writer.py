@@ -20,8 +20,9 @@ from zarr.storage import StorePath
 
 from ..errors import FencedError, ShardTaken
 from .chunks import ChunkCodec, ShardStream, read_at_once, write_chunks, write_whole
+from .claimants import SUPERSEDED
 from .generation import Generation
-from .layout import INDEX_PARTS, WRITE_CONFIG, fill_value, get_array, locator_arrays
+from .layout import INDEX_PARTS, WRITE_CONFIG, get_array, locator_arrays
 from .ledger import Ledger, Verdict, claim, commit, new_id
 from .objects import Objects
 from .views import GenerationStore, Slot, write_view
@@ -36,6 +37,7 @@ class Ticket:
 
     generation: str
     claimant: int
+    timeout_s: float = 60.0  # the job's output.lease_timeout_s: a swap waits this long for another's to end
 
 
 class ShardWriter:
@@ -50,7 +52,7 @@ class ShardWriter:
             raise ValueError("a shard is written for a claimant of the store's generation: give its Ticket")
         self.url, self.storage_options, self.ticket = url, storage_options, ticket
         self.start, self.stop, self.index = start, stop, index
-        self.opened = _Opened.of(url, storage_options, ticket.generation)
+        self.opened = _Opened.of(url, storage_options, ticket.generation, ticket.timeout_s)
         self.attempt = new_id()
         rows = self.opened.claim(index, ticket.claimant, self.attempt)
         self.view = self.opened.view({"data": self.attempt, "rows": rows}, index)
@@ -75,10 +77,11 @@ class ShardWriter:
         return list(zip(paths, *(got[n].tolist() for n in locators), strict=True)), found
 
     def check_fence(self) -> None:
-        """Raise :class:`FencedError` once the store was made again (its claimant read the head: :mod:`.claimants`)."""
-        claimant = self.opened.claimant
-        if claimant is not None:
-            claimant.check()
+        """Raise :class:`FencedError` once this process found the store made again (a claimant's renewal reads the
+        head: :mod:`.claimants`): what the writer would write goes to a generation no one reads."""
+        if self.ticket.generation in SUPERSEDED:
+            raise FencedError(f"{self.url} was made again by another job (--overwrite) while this one wrote into it; "
+                              "this job stops. Look at the store with `extractor inspect`")
 
     def _array(self, name: str) -> zarr.Array:
         return self.opened.bound(name, self.view)
@@ -141,14 +144,16 @@ class ShardWriter:
             given["digest"] = (rows, digests)
         if reused is not None:
             given["reused"] = (rows, reused)
-        given.update({f"{INDEX_PARTS}/{key}": (one, np.asarray(part)[None]) for key, part in (index_parts or {}).items()})
+        given.update({f"{INDEX_PARTS}/{key}": (one, np.asarray(part)[None])
+                      for key, part in (index_parts or {}).items()})
         given.update(status=(rows, status), errors=(rows, np.asarray(errors, dtype=object)),
                      shard_stats=(one, np.asarray([stats], dtype=object)))
         writes = [(name, *given[name]) if name in given else self.opened.filled(name, rows, one, len(status))
                   for name in self.opened.per_row_data]
         write_whole([(*self._open_row(name), start, data) for name, start, data in writes])
         ok, failed = int((status == 1).sum()), int((status == 2).sum())
-        verdict = self.opened.commit(self.index, self.ticket.claimant, self.attempt, ok, failed, self.bytes)
+        claimant, attempt, nbytes = self.ticket.claimant, self.attempt, self.bytes
+        verdict = self.opened.ledger.step(self.index, lambda e: commit(e, claimant, attempt, ok, failed, nbytes))
         if verdict is Verdict.LOST:
             raise FencedError(f"shard {self.index} of {self.url} was taken over by another process while this one "
                               "computed it (this one was paused or cut off for longer than output.lease_timeout_s); "
@@ -167,9 +172,10 @@ class _Opened:
     last: _Opened | None = None  # the generation whose shards this process writes now
     _guard = threading.Lock()
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, generation: str) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, generation: str,
+                 timeout_s: float = 60.0) -> None:
         self.key = (url, generation)
-        self.objects = Objects.at(url, storage_options)
+        self.objects = Objects.at(url, storage_options, timeout_s)
         self.generation = Generation(self.objects, generation)
         self.base_url = f"{self.objects.url}/{generation}"
         self.ledger: Ledger = self.generation.ledger()
@@ -181,7 +187,6 @@ class _Opened:
         self.arrays: dict[str, zarr.Array] = {}
         self.codecs: dict[str, ChunkCodec | None] = {}
         self.lock = threading.Lock()
-        self.claimant: Any = None  # this process's claimant, where it is one (the local backend's driver)
         self.rows = int(self.generation.root()["n_rows"])  # type: ignore[index]
         self.shard_size = int(self.generation.root()["shard_size"])  # type: ignore[index]
         # the arrays an attempt writes at finish (per row or per shard): every one of the data slot but captures
@@ -189,13 +194,14 @@ class _Opened:
         self.per_row_data = sorted(n for n in self.names if n not in captures and self._slot(n) == "data")
 
     @classmethod
-    def of(cls, url: str, storage_options: Mapping[str, Any] | None, generation: str) -> _Opened:
+    def of(cls, url: str, storage_options: Mapping[str, Any] | None, generation: str,
+           timeout_s: float = 60.0) -> _Opened:
         """The generation opened for writing (once per process and generation)."""
         with cls._guard:
             last = cls.last
             if last is not None and last.key == (url, generation):
                 return last
-            opened = cls.last = cls(url, storage_options, generation)
+            opened = cls.last = cls(url, storage_options, generation, timeout_s)
             return opened
 
     def _slot(self, name: str) -> str | None:
@@ -253,11 +259,6 @@ class _Opened:
             raise ShardTaken(shard, verdict.value)
         return held[0]
 
-    def commit(self, shard: int, claimant: int, attempt: int, ok: int, failed: int, nbytes: int) -> Verdict:
-        verdict = self.ledger.step(shard, lambda e: commit(e, claimant, attempt, ok, failed, nbytes))
-        if verdict is Verdict.OK and self.claimant is not None:
-            self.claimant.committed()
-        return verdict
 
 
 def _index_parts(group: zarr.Group) -> list[str]:

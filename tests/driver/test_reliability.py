@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import errno
+import json
 import os
 import re
 import signal

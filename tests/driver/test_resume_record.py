@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import job, make_images
+from helpers.stores import opened
 
 from extractor.data.files import local_fingerprint
 from extractor.driver.runner import run
@@ -67,5 +68,5 @@ def test_a_touched_file_is_read_again_once(tmp_path: Path, monkeypatch: pytest.M
     image.write_bytes(image.read_bytes())  # the same bytes written again: other mtime and ctime
     assert run(parse_spec(raw)).shards_run == 0 and read == [1]
     assert run(parse_spec(raw)).shards_run == 0 and read == [1]  # recorded: not read again
-    stored = np.asarray(__import__("zarr").open_group(str(tmp_path / "s.zarr"), mode="r")["fingerprint"][:])
+    stored = np.asarray(opened(str(tmp_path / "s.zarr"))["fingerprint"][:])
     assert (stored != 0).all()

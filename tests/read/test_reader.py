@@ -447,7 +447,7 @@ def test_a_store_whose_job_was_killed_says_so(image_dir: Path, tmp_path: Path, c
     assert open_store(url).stale is None  # complete
     gen = generation(url)
     gen.objects.remove(gen.txn("final"))  # as a job killed before its end leaves it
-    claimant_record(url, ended=None, heartbeat=time.time() - 5)
+    claimant_record(url, ended=None, heartbeat=time.time() - 5, id="00000000000000ab")  # another process's
     assert open_store(url).attrs["status"] == "running"
     assert open_store(url).stale is None  # a live job renews it every 15 s (timeout 60 s)
     claimant_record(url, heartbeat=time.time() - 3600)

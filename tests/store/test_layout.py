@@ -88,7 +88,7 @@ def test_documented_objects(store: Path):
                      "errors": "data", "digest": "data", "shard_stats": "data", "layer3": "data", "pooled": "data"}
     ledger = json.loads((gen / "__root.json").read_text())["attributes"]["extractor"]["ledger_blocks"]
     assert sorted(p.name for p in (gen / "__txn" / "ledger").iterdir()) == [str(b) for b in range(ledger)]
-    assert (gen / "__txn" / "final").is_file() and len(list((gen / "__txn" / "members").iterdir())) == 1
+    assert (gen / "__txn" / "final").is_file() and len(list((gen / "__txn" / "claimants").iterdir())) == 1
     attempts = sorted(p.name for p in (gen / "__attempts").iterdir())
     assert len(attempts) == 3 + 1 and all(len(a) == 16 for a in attempts)  # a shard's each, and the rows' facts
     shard = sorted(str(p.relative_to(gen / "__attempts" / a)) for a in attempts
