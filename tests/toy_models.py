@@ -402,13 +402,18 @@ def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Mo
     return SlowNet(seconds)
 
 
-def stopped_at_write(key: str, marker: str, nth: int = 1, seconds: float = 0.02, inside: bool = False) -> nn.Module:
-    """A SlowNet in a process that stops itself (SIGSTOP) at its ``nth`` change of a store matching ``key``
-    (``helpers.pause.pause_at``; ``inside``: a local swap with the store's lock held), writing ``marker`` just
-    before."""
-    from helpers.pause import pause_at
+def stopped_at_write(seconds: float = 0.0) -> nn.Module:
+    """A SlowNet in a process that stops itself (SIGSTOP) at one change of a store, where the environment asks for it:
+    ``EXTRACTOR_TEST_PAUSE`` = ``KEY|NTH|MARKER|inside-or-before`` (``helpers.pause.pause_at``), so that a job paused
+    and one that is not (that finishes the store after it) run the same spec."""
+    import os
 
-    pause_at(key, nth, marker, inside)
+    asked = os.environ.get("EXTRACTOR_TEST_PAUSE")
+    if asked:
+        from helpers.pause import pause_at
+
+        key, nth, marker, where = asked.rsplit("|", 3)
+        pause_at(key, int(nth), marker, where == "inside")
     return SlowNet(seconds)
 
 

@@ -241,13 +241,11 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
             warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification" (yet)
             zarr.consolidate_metadata(store, path=None)
         store.release_root()  # the generation is made
-    except (StoreError, FencedError, ValueError):  # ValueError: rows that lack what their source declares
-        raise
-    except Exception as err:  # FileNotFoundError (no bucket), NotADirectoryError, PermissionError, credentials...
-        raise StoreError(
-            f"cannot create the store at output.store {objects.url}: {type(err).__name__}: {str(err).rstrip('.')}. "
-            "Its parent folder or bucket must exist and be writable (check output.store and output.storage_options)"
-        ) from err
+    except (OSError, ValueError):  # a storage error (the head's swap showed the place writable: a disk full...), or
+        raise  # rows that lack what their source declares
+    except Exception as err:  # what an object store's client raises otherwise (credentials, a bucket gone)
+        raise StoreError(f"cannot create the store at output.store {objects.url}: {type(err).__name__}: "
+                         f"{str(err).rstrip('.')}; check output.store and output.storage_options") from err
     return store
 
 

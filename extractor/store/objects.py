@@ -240,8 +240,8 @@ class LocalObjects(Objects):
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreError(_held_by(path)) from None
+                    if time.monotonic() > deadline and _holders(path) - {os.getpid()}:  # this process's own thread
+                        raise StoreError(_held_by(path)) from None  # holds it only for one swap: waited on
                     time.sleep(0.002)
                 except OSError as err:  # a file system without flock: the swap is not one step there
                     if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
@@ -253,17 +253,25 @@ class LocalObjects(Objects):
             os.close(fd)  # closing lets the lock go
 
 
-def _held_by(path: str) -> str:
-    """What to say of a lock file another process keeps locked (its pids from /proc/locks, where Linux has it)."""
-    pids: list[str] = []
-    with contextlib.suppress(OSError, ValueError):
+def _holders(path: str) -> set[int]:
+    """The processes holding a flock of the file ``path`` (from /proc/locks, where Linux has it; {-1}: unknown)."""
+    pids: set[int] = set()
+    try:
         ino = os.stat(path).st_ino
         with open("/proc/locks") as f:
             for line in f:  # 1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF
                 parts = line.split()
                 if len(parts) > 5 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == str(ino):
-                    pids.append(parts[4])
-    who = f"process {', '.join(sorted(set(pids)))}" if pids else "another process"
+                    pids.add(int(parts[4]))
+    except (OSError, ValueError):
+        return {-1}
+    return pids or {-1}
+
+
+def _held_by(path: str) -> str:
+    """What to say of a lock file another process keeps locked."""
+    pids = sorted(p for p in _holders(path) if p > 0 and p != os.getpid())
+    who = f"process {', '.join(map(str, pids))}" if pids else "another process"
     return (f"the store's lock file {path} stays locked by {who}, stopped in the middle of a change of the store "
             f"(SIGSTOP, a frozen VM?); resume it (kill -CONT PID) or end it, then run again")
 

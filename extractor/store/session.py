@@ -28,7 +28,7 @@ from .claimants import Claimant, alive
 from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
 from .layout import FAILED, OK, PENDING, StoreArrays, create_generation, get_array, root_attrs
 from .ledger import Table, Verdict, amend_rows, new_id, reset
-from .objects import Objects
+from .objects import Objects, is_s3
 from .provenance import (
     Probe,
     StoreRecord,
@@ -330,6 +330,11 @@ class StoreSession:
         self.claimant = Claimant(self.objects, generation.claimants_prefix, self.spec.output.lease_timeout_s, info,
                              still_ours=generation.still_live)
         self.claimant.start()
+        if self.objects.conditional and is_s3(self.objects.url) and not self.objects.probe():
+            self.objects.conditional = False  # its swaps read, compare and write from now on
+            log.warning("%s does not honour conditional writes (a create-only write replaced the object it should "
+                        "have refused): a process paused past its claim could still commit after another took it; "
+                        "run one job at a time on this store", self.objects.url)
         opened = _Opened.last
         if opened is not None and opened.key[1] != generation.name:
             _Opened.last = None  # another generation's arrays: opened again by the first shard
@@ -431,6 +436,15 @@ class StoreSession:
         if self.claimant is not None:
             self.claimant.check()
 
+    def _live(self) -> None:
+        """Raise :class:`FencedError` where the store was made again since this job began (its generation is no
+        longer the head's): nothing this job would write or say of it holds."""
+        assert self.generation is not None
+        if not self.generation.still_live():
+            if self.claimant is not None:
+                self.claimant.lost = True
+            self._check()
+
     # ---------------------------------------------------------------------------------------------- end
 
     def on_write_complete(self) -> Outcome:
@@ -439,7 +453,7 @@ class StoreSession:
         otherwise this claimant says it ended incomplete. A storage that refuses is a StoreError that says the
         committed shards are kept."""
         assert self.generation is not None
-        self._check()
+        self._live()
         try:
             complete = bool(self.generation.ledger().read().done.all())
             if complete and self.generation.final() is None:
@@ -476,10 +490,12 @@ class StoreSession:
     def on_write_failed(self, err: BaseException) -> None:
         """``err`` stopped the job: this claimant ends, saying how (its claims may be taken at once); the command
         that finishes the store is said by the CLI (``err.resumable``)."""
-        if self.claimant is None or isinstance(err, FencedError):
+        if self.claimant is None:
             return
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-        self._end(status, f"{type(err).__name__}: {err}"[:1000])
+        self._end(status, f"{type(err).__name__}: {err}"[:1000])  # its own record: no one else's object
+        if isinstance(err, FencedError):
+            return
         creating = self.generation is not None and self.generation.root() is None
         err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
         err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store
