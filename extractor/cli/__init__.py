@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec key, e.g. data.batch_size=16")
     r.add_argument("--resume", action="store_true", help="finish an existing store, skipping done shards")
     r.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    r.add_argument("--join", action="store_true",
+                   help="compute beside the other processes writing the store (made by the first to come), each shard "
+                        "once: a Slurm array's tasks, several clusters; exits once the store is complete")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     r.add_argument("--dry-run", action="store_true", help="print what the run would write (as extractor plan)")
     r.add_argument("--resume-command", help=argparse.SUPPRESS)  # submit: the command that finishes a cluster job

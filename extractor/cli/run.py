@@ -92,16 +92,16 @@ def _print_plan(spec: Any, json_out: bool) -> int:
 
 
 def _job_spec(args: argparse.Namespace) -> Any:
-    """The job of ``run`` and ``plan``: its YAML, ``--set`` overrides, and ``--resume``/``--overwrite``."""
+    """The job of ``run`` and ``plan``: its YAML, ``--set`` overrides, and ``--resume``/``--overwrite``/``--join``."""
     from ..spec import load_spec
 
     overrides = list(args.set or [])
-    if args.resume and args.overwrite:
-        raise ExtractorError("choose one of --resume and --overwrite")
-    if args.resume:
-        overrides.append("output.if_exists=resume")
-    if args.overwrite:
-        overrides.append("output.if_exists=overwrite")
+    modes = [m for m in ("resume", "overwrite", "join") if getattr(args, m, False)]
+    if len(modes) > 1:
+        both = " and ".join(f"--{m}" for m in modes)
+        raise ExtractorError(f"choose one of --resume, --overwrite and --join, not {both}")
+    if modes:
+        overrides.append(f"output.if_exists={modes[0]}")
     return load_spec(args.job, overrides)
 
 

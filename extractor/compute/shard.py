@@ -307,6 +307,9 @@ class ShardOutput:
             parts = {key: feed.state.to_bytes() for key, feed in self.indexes.items()}
             stats = stats_dumps(self.stats)
             self.writer.finish(self.status, self.errors, self.extras, stats, self.digests, self.reused, parts)
+        except ShardTaken as err:  # joined: taken over while this process was stopped; the other claimant's now
+            self.writer.abandon()
+            return taken(self.shard, err)
         except BaseException as err:
             drain(self.pending)
             self.writer.abandon()

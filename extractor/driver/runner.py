@@ -348,7 +348,7 @@ def _recorded(spec: JobSpec) -> Rows | None:
     """For a resume: its rows from the store, where its source is as it was listed (the source's fingerprint, as
     the store records it) or only parts of it changed (those listed again); else None: the source is listed
     again (and the listing compared with the store, as for every source)."""
-    if spec.output.if_exists != "resume":
+    if spec.output.if_exists not in ("resume", "join"):
         return None
     store = StoreSession(spec)
     old = store.recorded()

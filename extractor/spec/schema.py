@@ -40,8 +40,10 @@ class OutputSpec(_Section):
     false: every chunk its own object (stores before it: a resumed store keeps its own)."""
     compression: Literal["zstd", "blosc", "gzip", "none"] = "zstd"
     compression_level: int | None = None
-    if_exists: Literal["error", "resume", "overwrite"] = Field(default="error", json_schema_extra=RUN_ONLY)
-    """What to do when the store exists (``--resume`` / ``--overwrite`` set this)."""
+    if_exists: Literal["error", "resume", "overwrite", "join"] = Field(default="error", json_schema_extra=RUN_ONLY)
+    """What to do when the store exists (``--resume`` / ``--overwrite`` / ``--join`` set this): ``join`` makes it
+    where there is none (the first process to come, exactly once) and computes beside the other processes writing
+    it, each shard claimed by one of them at a time; every one of them ends once the store is complete."""
     reuse: tuple[str, ...] = Field(default=(), json_schema_extra=RUN_ONLY)  # what it takes is checked to match
     """Other stores (paths or URLs, read with ``storage_options``) to take rows from instead of computing
     them: a row whose image has the content digest of an ok row there is copied, when the store was made

@@ -42,7 +42,7 @@ from zarr.core.array_spec import ArrayConfigParams
 
 from .._text import now as now  # re-exported: the store's face lists it
 from ..data import LocatorArray, Rows, is_url
-from ..errors import FencedError, StoreError
+from ..errors import StoreError
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
 from .generation import TXN
 from .id_index import write_id_index

@@ -10,7 +10,7 @@ exactly one lands; the other is told, and reads again. Where that holds:
   replace; the record is replaced whole by a rename (readers take no lock and never see half of it). A create
   links a finished temporary file to its name, which fails where the name exists. flock locks end with their
   process: a killed writer holds nothing; one stopped (SIGSTOP) inside a swap holds it for that one swap, and
-  the others wait, then say which process holds it.
+  the others wait for it, saying which process they wait for.
 - **S3** (``s3://``): the record's ETag; a PUT with ``If-Match`` (``If-None-Match: *`` to create). A write refused
   for its condition whose bytes are there all the same was this writer's own, its answer lost (every record
   carries a nonce, so two writers never write the same bytes).
@@ -42,7 +42,7 @@ __all__ = ["Objects", "LOCK", "is_s3", "local_root", "refused"]
 log = logging.getLogger(__name__)
 
 LOCK = "__lock"  # a local store's lock file: only its flock matters
-LOCK_WAIT_S = 60.0  # a swap waits this long for another process's swap to end before it names that process
+LOCK_WAIT_S = 60.0  # a swap waiting this long for another process's swap to end says which process it waits for
 _S3 = ("s3://", "s3a://")
 Version = str | None  # what a record was read at (None: absent)
 
@@ -77,8 +77,8 @@ class Objects:
 
     @staticmethod
     def at(url: str, storage_options: Mapping[str, Any] | None = None, lock_wait_s: float = LOCK_WAIT_S) -> Objects:
-        """The objects at ``url``; ``lock_wait_s``: how long a local swap waits for another process's swap to end
-        (a job's ``output.lease_timeout_s``: longer, that process is stopped, and the swap says which it is)."""
+        """The objects at ``url``; ``lock_wait_s``: how long a local swap waits for another process's swap to end before
+        it says which process it waits for (a job's ``output.lease_timeout_s``: longer, that process is stopped)."""
         root = local_root(url)
         if root is not None:
             return LocalObjects(url, root, lock_wait_s)
@@ -240,8 +240,10 @@ class LocalObjects(Objects):
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline and _holders(path) - {os.getpid()}:  # this process's own thread
-                        raise StoreError(_held_by(path)) from None  # holds it only for one swap: waited on
+                    if time.monotonic() > deadline:  # a swap takes microseconds: its process is stopped or stuck
+                        deadline = time.monotonic() + self.lock_wait_s
+                        if _holders(path) - {os.getpid()}:  # (one of this process's own threads: it goes on)
+                            log.warning("%s", _held_by(path))
                     time.sleep(0.002)
                 except OSError as err:  # a file system without flock: the swap is not one step there
                     if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
@@ -273,7 +275,7 @@ def _held_by(path: str) -> str:
     pids = sorted(p for p in _holders(path) if p > 0 and p != os.getpid())
     who = f"process {', '.join(map(str, pids))}" if pids else "another process"
     return (f"the store's lock file {path} stays locked by {who}, stopped in the middle of a change of the store "
-            f"(SIGSTOP, a frozen VM?); resume it (kill -CONT PID) or end it, then run again")
+            f"(SIGSTOP, a frozen VM?): waiting for it; resume it (kill -CONT PID) or end it")
 
 
 _warned: set[str] = set()

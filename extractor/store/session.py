@@ -105,6 +105,8 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
         raise StoreError(f"store {url} was made by an older extractor (format {head.format_version}, now {FORMAT}): "
                          "it is read as it is, but not resumed; --overwrite makes it again")
     generation = Generation(objects, head.generation)
+    if mode == "join":
+        _made_by_another(generation, url)  # joined once its maker has made it
     old = generation.state()
     live = [m for m in generation.roster.live()]
     if live and mode != "join":
@@ -115,8 +117,6 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
     if old.get("status") == "creating":  # left half-made by a job that is gone: --resume starts it again
         if mode == "error":
             raise StoreError(generation.being_made())
-        if mode == "join" and live:
-            return Decision(False, old, shards, head=head)  # its maker is alive: joined once it is made
         return Decision(True, old, shards, head=head)
     group = generation.open()
     if mode == "error":
@@ -130,6 +130,16 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
         return Decision(True, old, shards, head=head)
     check_resumable(url, old, json.loads(json.dumps(attrs)), group, rows.paths)
     return _resume(spec, rows, shards, old, group, head)
+
+
+def _made_by_another(generation: Generation, url: str) -> None:
+    """Wait while a live process makes the generation (a process joining a store another made a moment before);
+    return at once where it is made, or its maker is gone (half-made: made again)."""
+    while generation.root() is None and generation.roster.live():
+        if not generation.still_live():
+            raise StoreError(f"store {url} was made again by another job while this one waited to join it; run "
+                             "again")
+        time.sleep(WAIT_S / 4)
 
 
 def _timeout(claimants: list[dict[str, Any]]) -> float:
@@ -177,6 +187,10 @@ def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) ->
                      "(and a gradient of the label's logit used them): resuming would mix both. Use --overwrite")
 
 
+class _Raced(Exception):
+    """Joining: another process made the store between this one's look and its swap of the head."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What the store holds once the job is over, read from it for the run's summary."""
@@ -212,6 +226,7 @@ class StoreSession:
         self.generation: Generation | None = None  # the store's, from on_write_start
         self.claimant: Claimant | None = None  # this process, a claimant of it from on_write_start
         self.totals: Totals | None = None  # committed shards' statistics, merged as they come
+        self._probe: Probe | None = None  # decide's
         self._ended = False
 
     @property
@@ -219,7 +234,8 @@ class StoreSession:
         """What the job's writers claim and commit with (None before the store is started)."""
         if self.generation is None or self.claimant is None:
             return None
-        return Ticket(self.generation.name, self.claimant.id, self.spec.output.lease_timeout_s)
+        return Ticket(self.generation.name, self.claimant.id, self.spec.output.lease_timeout_s,
+                      self.spec.output.if_exists == "join")
 
     def recorded(self) -> dict[str, Any] | None:
         """The store's state as it is now (None: no store there)."""
@@ -249,6 +265,7 @@ class StoreSession:
         output.reuse checked first. The store record this job writes is :attr:`record` from then on."""
         spec = self.spec
         self.shards = shards
+        self._probe = probe
         self.record = store_attrs(spec, rows, len(shards), probe)
         if sources and spec.output.reuse:  # every store to take rows from makes them as this job would
             check_sources(spec.output.reuse, self.record, spec.output.store, spec.output.storage_options)
@@ -278,40 +295,64 @@ class StoreSession:
 
     def on_write_start(self, rows: Rows) -> list[Shard]:
         """Make the store (a new generation, swapped in by the head: refused when the head changed since
-        :meth:`decide` read it) or resume it, as a claimant; the shards to compute (those not committed)."""
+        :meth:`decide` read it; joining, the store another process made meanwhile is joined) or resume it, as a
+        claimant; the shards to compute (those not committed; joining, from a place of this claimant's own)."""
         decision, record = self._decided()
         spec = self.spec
-        if decision.create:
+        for _ in range(3):
+            if not decision.create:
+                self._resume(decision, record)
+                break
             try:
-                name = swap_head(self.objects, decision.head, now())  # from here on the store is this generation
-            except StoreError:
-                raise
-            except OSError as err:  # NotADirectoryError, PermissionError, no bucket, credentials...
-                raise StoreError(
-                    f"cannot create the store at output.store {spec.output.store}: {type(err).__name__}: "
-                    f"{str(err).rstrip('.')}. Its parent folder or bucket must exist and be writable (check "
-                    "output.store and output.storage_options)") from err
-            self.generation = Generation(self.objects, name)
-            self._join(dict(record.get("spec", {})))
-            legacy = decision.head is not None and decision.head.generation is None  # a store of format 1 replaced
-            if collect_others(self.objects, name, legacy):
-                log.info("%s: the objects of its earlier generation were removed", spec.output.store)
-            arrays = self._arrays(record)
-            create_generation(self.objects, name, rows, arrays, {**record, "status": "running"})
-        else:
-            head = read_head(self.objects)
-            assert decision.head is not None
-            if head is None or head.generation is None or head.generation != decision.head.generation:
-                raise StoreError(f"store {spec.output.store} was replaced by another job after this one looked at "
-                                 "it; run again (--resume finishes it)")
-            self.generation = Generation(self.objects, head.generation)
-            self._join(dict(record.get("spec", {})))
-            self._wait_made()
-            table = self._redo(decision)
-            self._record_source(decision, record, table)
+                self._make(decision, record, rows)
+                break
+            except _Raced:  # joining: another process made it meanwhile
+                assert self._probe is not None
+                decision = self.decide(rows, self.shards, self._probe, sources=False)
+        assert self.generation is not None and self.claimant is not None
         self.totals = Totals(len(self.shards))
         done = self.generation.ledger().read().done
-        return [s for s in self.shards if not done[s.index]]
+        todo = [s for s in self.shards if not done[s.index]]
+        if spec.output.if_exists == "join" and todo:  # joiners start apart, so that their claims rarely meet
+            at = self.claimant.id % len(todo)
+            todo = todo[at:] + todo[:at]
+        return todo
+
+    def _make(self, decision: Decision, record: StoreRecord, rows: Rows) -> None:
+        """A new generation swapped in by the head (from the version :meth:`decide` read), this process its claimant,
+        the other generations removed, the new one written."""
+        spec = self.spec
+        try:
+            name = swap_head(self.objects, decision.head, now())  # from here on the store is this generation
+        except StoreError:
+            if spec.output.if_exists == "join":
+                raise _Raced from None
+            raise
+        except OSError as err:  # NotADirectoryError, PermissionError, no bucket, credentials...
+            raise StoreError(
+                f"cannot create the store at output.store {spec.output.store}: {type(err).__name__}: "
+                f"{str(err).rstrip('.')}. Its parent folder or bucket must exist and be writable (check "
+                "output.store and output.storage_options)") from err
+        self.generation = Generation(self.objects, name)
+        self._join()
+        legacy = decision.head is not None and decision.head.generation is None  # a store of format 1 replaced
+        if collect_others(self.objects, name, legacy):
+            log.info("%s: the objects of its earlier generation were removed", spec.output.store)
+        create_generation(self.objects, name, rows, self._arrays(record), {**record, "status": "running"})
+
+    def _resume(self, decision: Decision, record: StoreRecord) -> None:
+        """This process a claimant of the generation :meth:`decide` read (refused where the head names another
+        now), its changed shards made pending again, the source recorded where it moved."""
+        head = read_head(self.objects)
+        assert decision.head is not None
+        if head is None or head.generation is None or head.generation != decision.head.generation:
+            raise StoreError(f"store {self.spec.output.store} was replaced by another job after this one looked at "
+                             "it; run again (--resume finishes it)")
+        self.generation = Generation(self.objects, head.generation)
+        self._join()
+        self._wait_made()
+        table = self._redo(decision)
+        self._record_source(decision, record, table)
 
     def _arrays(self, record: StoreRecord) -> StoreArrays:
         spec = self.spec
@@ -322,7 +363,7 @@ class StoreSession:
                            sharded=spec.output.sharding, locators=source(spec.data.source).locators,
                            index_parts=parts)
 
-    def _join(self, spec: Mapping[str, Any]) -> None:
+    def _join(self) -> None:
         """This process, a claimant of the generation (its record renewed until the session ends)."""
         assert self.generation is not None
         generation = self.generation

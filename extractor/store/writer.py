@@ -38,7 +38,7 @@ class Ticket:
     generation: str
     claimant: int
     timeout_s: float = 60.0  # the job's output.lease_timeout_s: a swap waits this long for another's to end
-
+    join: bool = False  # a shard taken over while computed is another claimant's now, not the end of the job
 
 class ShardWriter:
     """Writes one attempt at the rows ``start:stop`` of shard ``index``: claims it for ``ticket``'s claimant (raising
@@ -154,6 +154,8 @@ class ShardWriter:
         ok, failed = int((status == 1).sum()), int((status == 2).sum())
         claimant, attempt, nbytes = self.ticket.claimant, self.attempt, self.bytes
         verdict = self.opened.ledger.step(self.index, lambda e: commit(e, claimant, attempt, ok, failed, nbytes))
+        if verdict is Verdict.LOST and self.ticket.join:  # a joined store: it is the other claimant's now
+            raise ShardTaken(self.index, "taken")
         if verdict is Verdict.LOST:
             raise FencedError(f"shard {self.index} of {self.url} was taken over by another process while this one "
                               "computed it (this one was paused or cut off for longer than output.lease_timeout_s); "

@@ -208,24 +208,36 @@ def test_a_job_stopped_in_a_shard_never_has_it_taken_once_another_finished_the_s
 
 
 @pytest.mark.parametrize("repeat", REPEAT)
-def test_a_job_stopped_inside_a_local_swap_keeps_the_store_and_the_other_job_refuses_naming_it(
-        local_case: dict, tmp_path: Path, repeat: int):
-    """Stopped with the store's lock file held (a swap's read and compare made, its rename not yet): no other
-    change of the store can land meanwhile: another job waits its lease timeout, then refuses naming the stopped
-    process; woken, the stopped job finishes its store, equal to a clean run."""
+def test_a_job_stopped_inside_a_local_swap_holds_the_store_and_another_waits_for_it_naming_it(
+        local_case: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture, repeat: int):
+    """Stopped with the store's lock file held (a swap's read and compare made, its rename not yet): no other change
+    of the store can land meanwhile: another job waits, saying which process it waits for, and goes on once that one
+    is woken; the stopped job, woken, finishes its swap; then it finds the store made again (by the other) and
+    stops; the store is the other job's, equal to a clean run of its spec."""
+    import threading
+
     store = tmp_path / "s.zarr"
     spec_a = {**local_case["a"], "output": {**local_case["a"]["output"], "store": str(store)}}
     a = start_paused(spec_a, tmp_path, "objects:.*__txn/ledger/0$", 3, True)
+    spec_b = {**local_case["b"], "output": {**local_case["b"]["output"], "store": str(store),
+                                            "if_exists": "overwrite"}}
+    wait_dead(str(store))
+    got: list[Any] = []
+    b = threading.Thread(target=lambda: got.append(run(parse_spec(spec_b))))
     try:
-        spec_b = {**local_case["b"], "output": {**local_case["b"]["output"], "store": str(store),
-                                                "if_exists": "overwrite"}}
-        wait_dead(str(store))
-        with pytest.raises(StoreError, match=rf"stays locked by process {a.pid}.*kill -CONT PID"):
-            run(parse_spec(spec_b))
+        with caplog.at_level("WARNING", logger="extractor"):
+            b.start()
+            deadline = time.monotonic() + 60
+            while not any(f"stays locked by process {a.pid}" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline and b.is_alive(), "B never said which process it waits for"
+                time.sleep(0.05)
+        assert "kill -CONT PID" in caplog.text and not got  # B waits: nothing of it landed
     finally:
         code, err = wake(a)
-    assert code == 0, err
-    equal_values(str(store), str(local_case["base"] / "clean-a.zarr"))
+        b.join(timeout=120)
+    assert got and got[0].ok == 4
+    assert code == 1 and "made again" in err, err
+    equal_values(str(store), str(local_case["base"] / "clean-b.zarr"))
 
 
 def test_objects_copied_in_from_another_store_are_never_taken_as_done(local_case: dict, tmp_path: Path):
