@@ -16,6 +16,7 @@ import pytest
 import warm
 import yaml
 from conftest import child_env, job, make_images
+from helpers.stores import committed
 
 from extractor.compute.worker import PROBE_FORWARDS
 from extractor.read.reader import open_store
@@ -110,9 +111,8 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
     env = child_env()
     proc = warm.Popen([sys.executable, "-m", "extractor.cli", "run", str(spec), "-q", "--overwrite"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    done_marker = tmp_path / "s.zarr" / "shard_done" / "c" / "1"
     deadline = time.time() + 120
-    while not done_marker.exists() and time.time() < deadline and proc.poll() is None:
+    while not committed(tmp_path / "s.zarr", 1) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

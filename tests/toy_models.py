@@ -379,7 +379,8 @@ def loud_net() -> nn.Module:
 
 def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Module:
     """A SlowNet in a process whose job stops at ``point``: ``claim`` (it has looked at its store, and not
-    yet created or taken it) or ``arrays`` (its new store's root and lease are written, its arrays not yet).
+    yet made it: before its head's swap) or ``arrays`` (its generation swapped in, its claimant's record written,
+    its arrays not yet).
     There it writes the file ``marker``, then waits while the file ``gate`` exists (at most two minutes):
     a test pauses a real job between two steps as a slow compile or a frozen VM would."""
     import os
@@ -388,7 +389,7 @@ def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Mo
     import extractor.store.layout as store
     import extractor.store.session as session
 
-    owner, name = {"claim": (session, "_claim"), "arrays": (store, "_create_arrays")}[point]
+    owner, name = {"claim": (session, "swap_head"), "arrays": (store, "_create_arrays")}[point]
     original = getattr(owner, name)
 
     def paused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the patched function's signature

@@ -145,11 +145,11 @@ def preview(spec: JobSpec) -> Preview:
     captures = [CapturePlan(k, list(c["shape"]), c["dtype"], per_row[k], layout[k][0], layout[k][0] * per_row[k],
                             objects(*layout[k])) for k, c in probe.captures.items()]
     # a chunk per shard of each per-row array (a shard's finish writes each of its chunks whole, errors too) and
-    # its statistics; the ledger's blocks, the final record
+    # its statistics; the ledger's blocks, the final record and the job's claimant's record
     n_per_row = len(ROW_ARRAYS) + len(probe.extras) + len(rows.locators) + bool(spec.output.reuse) + 1
     extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
     planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
-                      n_per_row * len(shards) + blocks_for(len(shards)) + 1 + id_index_objects(len(rows)), extras,
+                      n_per_row * len(shards) + blocks_for(len(shards)) + 2 + id_index_objects(len(rows)), extras,
                       _free_bytes(spec.output.store))
     if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
         planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "

@@ -503,8 +503,8 @@ class ActivationStore(Batching):
         return time.time() - max(float(m.get("heartbeat", 0)) for m in claimants)
 
     def claimants(self) -> list[dict[str, Any]]:
-        """The processes that wrote into this store's generation: host, pid, user, started, shards committed, and
-        how each ended (``ended``; absent while it runs, or when it was killed)."""
+        """The processes that wrote into this store's generation, the latest started last: host, pid, user,
+        started, shards committed, and how each ended (``ended``; absent while it runs, or when it was killed)."""
         if "generation" not in self.attrs:
             return []
         return Generation(Objects.at(self.url, self.storage_options), self.attrs["generation"]).roster.all()

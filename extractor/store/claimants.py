@@ -140,7 +140,7 @@ class Claimant:
                     if self.still_ours is not None and not self.still_ours():
                         self.lost = True
                         SUPERSEDED.add(self.prefix.split("/", 1)[0])  # the generation's name
-                        log.warning("%s was made again by another job: this one stops", self.objects.url)
+                        log.info("%s was made again by another job: this one stops", self.objects.url)
                         return
                     self._write()
                 except Exception as err:  # noqa: BLE001 - a missed renewal is tried again at the next one

@@ -35,8 +35,6 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..errors import StoreError
-
 __all__ = ["Objects", "LOCK", "is_s3", "local_root", "refused"]
 
 log = logging.getLogger(__name__)

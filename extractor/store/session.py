@@ -327,7 +327,7 @@ class StoreSession:
         except StoreError:
             if spec.output.if_exists == "join":
                 raise _Raced from None
-            raise
+            raise StoreError(self._made_meanwhile(decision)) from None
         except OSError as err:  # NotADirectoryError, PermissionError, no bucket, credentials...
             raise StoreError(
                 f"cannot create the store at output.store {spec.output.store}: {type(err).__name__}: "
@@ -339,6 +339,17 @@ class StoreSession:
         if collect_others(self.objects, name, legacy):
             log.info("%s: the objects of its earlier generation were removed", spec.output.store)
         create_generation(self.objects, name, rows, self._arrays(record), {**record, "status": "running"})
+        if not self.generation.still_live():  # made again while this process made it (it was stopped meanwhile)
+            self._live()
+
+    def _made_meanwhile(self, decision: Decision) -> str:
+        """What to say where the store was made (again) by another job between this one's look and its swap."""
+        what = "created" if decision.head is None else "replaced"
+        head = read_head(self.objects)
+        live = Generation(self.objects, head.generation).roster.live() if head and head.generation else []
+        who = f" (by another extractor job: {_claimants_text(live)})" if live else ""
+        return (f"store {self.spec.output.store} was {what} by another job after this one looked at it{who}; run "
+                "again (--resume finishes it)")
 
     def _resume(self, decision: Decision, record: StoreRecord) -> None:
         """This process a claimant of the generation :meth:`decide` read (refused where the head names another

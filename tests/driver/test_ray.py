@@ -15,6 +15,7 @@ import torch
 import warm
 import yaml
 from conftest import child_env, job, make_images
+from helpers.stores import committed
 from PIL import Image
 
 from extractor.compute.worker import PROBE_FORWARDS
@@ -280,7 +281,7 @@ def test_a_ray_job_that_looked_before_another_created_the_store_refuses_instead_
                              env=env, stderr=subprocess.PIPE, text=True)
         procs.append(b)
         deadline = time.time() + 120
-        while not (store / "shard_done" / "c" / "0").exists() and b.poll() is None and time.time() < deadline:
+        while not committed(store, 0) and b.poll() is None and time.time() < deadline:
             time.sleep(0.05)
 
     with pytest.raises(StoreError, match=r"in use by another extractor job: pid \d+"):

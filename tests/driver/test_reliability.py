@@ -20,7 +20,7 @@ import warm
 import yaml
 import zarr
 from conftest import child_env, job, make_images
-from helpers.stores import generation, pending, root_attrs
+from helpers.stores import committed, generation, pending, root_attrs, wait_dead
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -260,7 +260,6 @@ def test_a_store_of_format_1_is_read_refused_for_resume_and_made_again_by_overwr
                                                                                       tmp_path: Path):
     """A store of the first format (its arrays at its root, before December 2026): read as it is; a resume is
     refused in one line; --overwrite makes it again (its arrays removed) as a store of format 2."""
-    import zarr
 
     url = str(tmp_path / "s.zarr")
     old = zarr.open_group(url, mode="w")
@@ -298,11 +297,10 @@ def start(spec: Path, *args: str) -> subprocess.Popen:
 
 
 def wait_for_shard(store: Path, shard: int, proc: subprocess.Popen, seconds: float = 120) -> None:
-    marker = store / "shard_done" / "c" / str(shard)
     deadline = time.time() + seconds
-    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+    while not committed(store, shard) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "timeout"
+    assert committed(store, shard), proc.stderr.read() if proc.poll() is not None else "timeout"
 
 
 @pytest.mark.slow
@@ -325,7 +323,7 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_path: Path):
+def test_second_job_on_the_same_store_is_refused_until_the_first_is_gone(tmp_path: Path):
     """The first job is held at its first image (toy_models.GatedNet) until it is killed: however slow the
     machine, it is still running while the second and third jobs are refused."""
     root = tmp_path / "imgs"
@@ -347,14 +345,14 @@ def test_second_job_on_the_same_store_is_refused_until_the_lease_expires(tmp_pat
     out, err = third.communicate(timeout=120)
     assert third.returncode == 1 and "in use by another extractor job" in err
     assert first.poll() is None  # still running: the refusals above were about a live job
-    first.kill()  # the first job dies without releasing its lease; on this host its pid is seen to be gone
+    first.kill()  # the first job dies without a word; on this host its pid is seen to be gone
     first.wait()
     gate.unlink()
     resumed = start(spec, "--resume")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     s = open_store(str(store))
-    assert (s.status == 1).all() and s.group["lease"].attrs.get("released")
+    assert (s.status == 1).all() and [c["ended"]["status"] for c in s.claimants() if c.get("ended")] == ["complete"]
 
 
 def test_a_claimant_on_another_host_is_taken_for_dead_after_its_timeout(image_dir: Path, tmp_path: Path):
@@ -452,7 +450,7 @@ def test_a_job_paused_past_its_lease_writes_nothing_into_the_store_that_took_it_
     wait_for_shard(store, 0, proc)
     proc.send_signal(signal.SIGSTOP)  # SLURM suspend, a frozen VM, a long storage stall
     try:
-        wait_for_stale_lease(store, 2)
+        wait_dead(str(store))
         raw_b = {**raw_a, "capture": [{"layer": "conv", "reduce": "max", "key": "conv"}],  # A's key, B's values
                  "model": {**raw_a["model"], "factory_kwargs": {"seconds": 0}}}
         raw_b["output"] = {**raw_a["output"], "if_exists": "overwrite"}
@@ -462,7 +460,7 @@ def test_a_job_paused_past_its_lease_writes_nothing_into_the_store_that_took_it_
     finally:
         proc.send_signal(signal.SIGCONT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "this job no longer holds" in err, err
+    assert proc.returncode == 1 and "made again by another job" in err, err
     s, c = open_store(str(store)), open_store(str(tmp_path / "clean.zarr"))
     assert s.attrs["status"] == "complete" and list(s.captures) == ["conv"] and s.done_shards.all()
     np.testing.assert_array_equal(s.numpy("conv"), c.numpy("conv"))  # not one of A's means among B's maxima
@@ -504,15 +502,6 @@ def paused_job(root: Path, store: Path, tmp_path: Path, point: str, **output) ->
     return path
 
 
-def wait_for_stale_lease(store: Path, timeout_s: float) -> None:
-    """Until the store's lease was last renewed more than ``timeout_s`` ago (its holder is stopped): the event
-    another job's takeover waits for."""
-    deadline = time.time() + 60
-    while time.time() - float(zarr.open_group(str(store), mode="r")["lease"].attrs["heartbeat"]) <= timeout_s:
-        assert time.time() < deadline, "the lease was still renewed a minute later"
-        time.sleep(0.1)
-
-
 def wait_for_file(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
     deadline = time.time() + seconds
     while not path.exists() and time.time() < deadline and proc.poll() is None:
@@ -536,7 +525,8 @@ def test_a_job_that_looked_before_another_created_the_store_refuses_instead_of_w
     wait_for_shard(store, 0, b)
     (tmp_path / "gate").unlink()
     _, err_a = a.communicate(timeout=120)
-    assert a.returncode == 1 and f"in use by another extractor job: pid {b.pid}" in err_a, err_a
+    said = f"was created by another job after this one looked at it (by another extractor job: pid {b.pid}"
+    assert a.returncode == 1 and said in err_a, err_a
     assert "Traceback" not in err_a
     _, err_b = b.communicate(timeout=300)
     assert b.returncode == 0, err_b
@@ -571,7 +561,7 @@ def test_a_job_paused_while_creating_its_store_stops_in_one_line_when_another_re
     wait_for_file(tmp_path / "marker", a)
     a.send_signal(signal.SIGSTOP)
     try:
-        wait_for_stale_lease(store, 1)
+        wait_dead(str(store))
         (tmp_path / "gate").unlink()
         raw_b = yaml.safe_load(slow_spec(root, store, tmp_path, seconds=0).read_text())
         raw_b["capture"] = [{"layer": "conv", "reduce": "max", "key": "conv"}]
@@ -580,7 +570,7 @@ def test_a_job_paused_while_creating_its_store_stops_in_one_line_when_another_re
     finally:
         a.send_signal(signal.SIGCONT)
     _, err = a.communicate(timeout=120)
-    assert a.returncode == 1 and "was replaced by another job while this one created it" in err, err
+    assert a.returncode == 1 and "was made again by another job (--overwrite) while this one wrote into it" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     clean = {**raw_b, "output": {**raw_b["output"], "store": str(tmp_path / "clean.zarr")}}
     run(parse_spec(clean))
@@ -649,35 +639,38 @@ def test_resuming_a_complete_store_writes_nothing(image_dir: Path, tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_the_lease_is_released_after_a_slow_renewal_without_a_thread_error(image_dir: Path, tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch):
-    """issue 26, defect 6: a job that ends while its heartbeat writes to a slow storage: the heartbeat thread
-    crashed (AttributeError on None.wait) and could land a renewal after the release."""
+def test_a_claimant_ends_after_a_slow_renewal_without_a_thread_error(image_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """issue 26, defect 6: a job that ends while its renewal writes to a slow storage: the renewing thread must not
+    crash, and no renewal lands after the record that says it ended."""
     import threading
 
-    from extractor.store.lease import Lease, read_lease
+    from extractor.store import Objects
+    from extractor.store.claimants import Claimant
 
     run(parse_spec(job(image_dir, tmp_path / "s.zarr")))
-    lease = Lease(str(tmp_path / "s.zarr"), None, 0.2, {"pid": os.getpid()})
-    lease.acquire()
+    gen = generation(str(tmp_path / "s.zarr"))
+    claimant = Claimant(Objects.at(str(tmp_path / "s.zarr")), gen.claimants_prefix, 0.2, {"pid": os.getpid()})
     writing, slow = threading.Event(), threading.Event()
-    real = lease._write
+    real = claimant._write
 
-    def slow_write(**extra: object) -> None:
-        if not extra:  # a renewal: slow
+    def slow_write() -> None:
+        if not claimant.record.get("ended"):  # a renewal: slow
             writing.set()
             slow.wait(5)
-        real(**extra)
+        real()
 
     errors: list = []
     monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
-    lease._write = slow_write  # type: ignore[method-assign]
+    claimant._write = slow_write  # type: ignore[method-assign]
+    claimant.start()
     assert writing.wait(10)  # a renewal is in flight
-    releasing = threading.Thread(target=lease.release)
-    releasing.start()
+    ending = threading.Thread(target=claimant.end, args=("complete",))
+    ending.start()
     slow.set()
-    releasing.join(10)
-    assert not errors and read_lease(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")).get("released")
+    ending.join(10)
+    mine = [c for c in gen.roster.all() if c["id"] == claimant.record["id"]]
+    assert not errors and mine and mine[0]["ended"]["status"] == "complete"
 
 
 @pytest.mark.slow

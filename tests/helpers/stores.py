@@ -91,6 +91,13 @@ def made_again(url: str) -> str:
     gen = generation(str(url))
     name = uuid.uuid4().hex[:16]
     shutil.copytree(Path(url) / gen.name, Path(url) / name)
+    for block in (Path(url) / name / "__txn" / "ledger").iterdir():  # each block names its generation
+        data = block.read_bytes()
+        size = int.from_bytes(data[4:8], "little")
+        header = json.loads(data[8 : 8 + size])
+        header["generation"] = name
+        new = json.dumps(header).encode()
+        block.write_bytes(data[:4] + len(new).to_bytes(4, "little") + new + data[8 + size :])
     head = json.loads((Path(url) / "zarr.json").read_text())
     head["attributes"]["extractor"]["generation"] = name
     (Path(url) / "zarr.json").write_text(json.dumps(head))
@@ -155,3 +162,21 @@ def replaced_array(url: str, name: str, data: Any, chunks: tuple[int, ...]) -> N
     meta = json.loads(gen.objects.get(key) or b"{}")
     meta["consolidated_metadata"]["metadata"][name] = array.metadata.to_dict()
     gen.objects.put(key, json.dumps(meta).encode())
+
+
+def wait_dead(url: str, storage_options: Mapping[str, Any] | None = None, seconds: float = 60) -> None:
+    """Until no claimant of the store's live generation is alive (those stopped stop renewing their records): what
+    another job waits for before it takes their claims, or makes the store again."""
+    import time
+
+    from extractor.store import alive
+
+    deadline = time.monotonic() + seconds
+    while True:
+        head = read_head(Objects.at(str(url), storage_options))
+        if head is None or head.generation is None:
+            return
+        if not any(alive(c) for c in generation(str(url), storage_options).roster.all()):
+            return
+        assert time.monotonic() < deadline, f"a claimant of {url} was still renewed after {seconds} s"
+        time.sleep(0.05)

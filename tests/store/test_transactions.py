@@ -26,14 +26,13 @@ import pytest
 import warm
 import yaml
 from conftest import child_env, job, make_images
-from helpers.stores import generation
+from helpers.stores import generation, wait_dead
 
 from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read.reader import open_store
 from extractor.spec.load import parse_spec
 from extractor.store import Objects, read_head
-from extractor.store.claimants import alive
 
 pytestmark = pytest.mark.slow  # paused job processes, an S3 server: make test, not make check
 REPEAT = range(int(os.environ.get("EXTRACTOR_PAUSE_REPEAT", "1")))
@@ -77,21 +76,6 @@ def start_paused(spec: dict, tmp_path: Path, key: str, nth: int, inside: bool = 
         assert time.monotonic() < deadline, f"job A never reached {key} ({nth})"
         time.sleep(0.02)
     return proc
-
-
-def wait_dead(url: str, options: dict | None = None) -> None:
-    """Until no claimant of the store's live generation is alive (A is stopped: its renewals too)."""
-    objects = Objects.at(url, options)
-    deadline = time.monotonic() + 60
-    while True:
-        head = read_head(objects)
-        if head is None or head.generation is None:
-            return
-        claimants = generation(url, options).roster.all()
-        if not any(alive(c) for c in claimants):
-            return
-        assert time.monotonic() < deadline, "A's claimant was still renewed a minute later"
-        time.sleep(0.05)
 
 
 def wake(proc: subprocess.Popen) -> tuple[int, str]:
