@@ -401,7 +401,8 @@ class ShardStream:
                 self.fd = None
             else:
                 self.file.write(tail)
-                self.file.close()  # completes the upload
+                self.file.close()
+                self.file.commit()  # the upload completed: the object is there, whole
 
     def abort(self) -> None:
         """Give the shard's object up (the shard failed, or its job stopped)."""

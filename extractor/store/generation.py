@@ -71,7 +71,13 @@ def read_head(objects: Objects) -> Head | None:
     """The store's head (None: nothing at the URL). A root that is not an extractor store is a StoreError: a local
     folder of other things, a Zarr store of other attributes (extractor never writes into, nor removes, what it did
     not make)."""
-    data, version = objects.read(HEAD)
+    try:
+        data, version = objects.read(HEAD)
+    except (StoreError, PermissionError):
+        raise
+    except Exception as err:  # noqa: BLE001 - an unreachable endpoint, rejected credentials, no bucket...
+        raise StoreError(f"cannot open {objects.url} as a Zarr group: {type(err).__name__}: {err}; check the store's "
+                         "URL and storage_options (endpoint_url, credentials) and that the storage answers") from err
     if data is None:
         _nothing_there(objects)
         return None

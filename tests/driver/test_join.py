@@ -68,6 +68,7 @@ def ended(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
 def same_as(store: Path, clean: Path) -> None:
     s, c = open_store(str(store)), open_store(str(clean))
     assert s.attrs["status"] == "complete" and s.done_shards.all() and (s.status == 1).all()
+    assert np.isfinite(s.numpy("conv")).all()
     np.testing.assert_array_equal(s.numpy("conv"), c.numpy("conv"))  # bit for bit
 
 

@@ -135,13 +135,13 @@ def dropped(url: str, name: str) -> None:
     gen.objects.put(key, json.dumps(meta).encode())
 
 
-def pending(url: str, shards: list[int]) -> Any:
+def pending(url: str, shards: list[int], storage_options: Mapping[str, Any] | None = None) -> Any:
     """Shards of a store made pending again (as a resume that redoes them makes them) and claimed for a new
     claimant, whose ticket is returned: a worker given it writes them."""
     from extractor.store import Ticket, new_id
     from extractor.store.ledger import reset
 
-    gen = generation(str(url))
+    gen = generation(str(url), storage_options)
     claimant = new_id()
     gen.ledger().apply(shards, lambda e, _s: reset(e, claimant, lambda _c: True))
     gen.objects.remove(gen.txn("final"))
