@@ -510,6 +510,7 @@ class StoreSession:
             complete = bool(self.generation.ledger().read().done.all())
             if complete and self.generation.final() is None:
                 self._finish()
+                self._live()  # made again while this process merged it (stopped meanwhile): not this job's to say
             self._end("complete" if complete else "incomplete")
             return self._outcome()
         except (StoreError, FencedError):

@@ -284,7 +284,8 @@ def test_a_ray_job_that_looked_before_another_created_the_store_refuses_instead_
         while not committed(store, 0) and b.poll() is None and time.time() < deadline:
             time.sleep(0.05)
 
-    with pytest.raises(StoreError, match=r"in use by another extractor job: pid \d+"):
+    with pytest.raises(StoreError, match=r"was created by another job after this one looked at it \(by another "
+                                         r"extractor job: pid \d+"):
         run(parse_spec(raw), on_start=while_a_waits)
     _, err = procs[0].communicate(timeout=300)
     assert procs[0].returncode == 0, err
