@@ -486,6 +486,8 @@ def main() -> None:
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
     p.add_argument("--scale", action="store_true", help="only the costs that grow with the job (bench_scale.py)")
     p.add_argument("--index", action="store_true", help="only the feature index (bench_index.py)")
+    p.add_argument("--join", action="store_true", help="only the claims and commits of 1, 4 and 16 processes "
+                                                       "sharing one store (bench_join.py)")
     p.add_argument("--index-rows", type=int, default=1000, help="images of ViT-B tokens for the SAE index (the "
                    "issue's size: 20000, ~25 TFLOP per side)")
     p.add_argument("--index-map-rows", type=int, default=100000, help="rows of the 1,024-channel map to index")
@@ -527,6 +529,12 @@ def main() -> None:
         import bench_index
 
         bench_index.main(args.index_rows, args.index_map_rows)
+        return
+    if args.join:
+        import bench_join
+
+        sys.argv = [sys.argv[0]]
+        bench_join.main()
         return
     image_dir = make_images(args.images)
     if "thingsvision" in args.variants.split(","):
@@ -593,6 +601,7 @@ def main() -> None:
     sharding_bench()
     import bench_decode
     import bench_index
+    import bench_join
     import bench_overhead
     import bench_scale
 
@@ -600,6 +609,8 @@ def main() -> None:
     bench_decode.main()
     bench_scale.main()
     bench_index.main(args.index_rows, args.index_map_rows)
+    sys.argv = [sys.argv[0]]
+    bench_join.main()
 
 
 if __name__ == "__main__":

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.add_argument("--verify", action="store_true",
                    help="read every computed row's image again and compare its content digest (exit 1 on a change)")
+    i.add_argument("--objects", action="store_true",
+                   help="with --verify: check every object the store's commits name instead (present, decoding as its "
+                        "array says; exit 1 on one missing or damaged)")
     i.set_defaults(func=cmd_inspect)
 
     la = sub.add_parser("layers", parents=[common], help="list a model's modules with output shapes")

@@ -37,13 +37,22 @@ def _levels(m: dict[str, Any]) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..read import open_store
 
+    if getattr(args, "objects", False) and not args.verify:
+        raise ExtractorError("--objects checks the store's objects with --verify: extractor inspect STORE --verify "
+                             "--objects")
     store = open_store(args.store, _store_options(args))
     if args.verify:
-        return _verify(store, args.json)
+        return _verify_objects(store, args.json) if getattr(args, "objects", False) else _verify(store, args.json)
     s = store.summary()
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
+    _print_summary(s)
+    return 0
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    """``extractor inspect``'s lines for people."""
     m = s["model"]
     rs = s["row_status"]
     print(f"store   {s['store']}  (format {s['format_version']}, status {s['status']}, updated {s['updated']})")
@@ -56,6 +65,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"pixels  {_pixels_line(s['preprocess'])}")
     print(f"rows    {s['rows']}: {rs['ok']} ok, {rs['failed']} failed, {rs['pending']} pending; "
           f"shards {s['shards']['done']}/{s['shards']['total']} done")
+    for w in s["writing"]:
+        print(f"writing pid {w['pid']} on {w['host']} (user {w['user']}, started {w['started']}): {w['shards']} "
+              f"shards committed so far{' (joined)' if w.get('join') else ''}")
     if s["classes"]:
         shown = ", ".join(s["classes"][:10]) + (", ..." if len(s["classes"]) > 10 else "")
         print(f"classes {len(s['classes'])}: {shown}")
@@ -82,7 +94,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(table(rows, ["key", "mean", "std", "min", "max", "row L2", "NaN", "Inf", "rows NaN/Inf"]))
         print("(mean and std: averaged over the per-feature values; --json has them per feature)")
     print(f"\nbytes on disk {size(s['bytes_on_disk'])}")
-    return 0
 
 
 def _verify(store: Any, as_json: bool) -> int:
@@ -99,6 +110,25 @@ def _verify(store: Any, as_json: bool) -> int:
             if len(result[what]) > 20:
                 print(f"  ... and {len(result[what]) - 20} more {what}")
     return 1 if result["changed"] or result["unreadable"] else 0
+
+
+def _verify_objects(store: Any, as_json: bool) -> int:
+    """``inspect --verify --objects``: every object the store's commits name, present and decoding."""
+    result = store.verify_objects()
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"verified {store.url}: {result['checked']} objects its commits name, {len(result['missing'])} missing, "
+              f"{len(result['damaged'])} damaged")
+        for key in result["missing"][:20]:
+            print(f"  missing: {key}")
+        for key, error in result["damaged"][:20]:
+            print(f"  damaged: {key}: {error}")
+        more = len(result["missing"]) + len(result["damaged"]) - min(len(result["missing"]), 20) - \
+            min(len(result["damaged"]), 20)
+        if more > 0:
+            print(f"  ... and {more} more")
+    return 1 if result["missing"] or result["damaged"] else 0
 
 
 def _parse_rows(text: str | None) -> slice | None:

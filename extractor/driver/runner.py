@@ -312,7 +312,7 @@ def run(
         raise
     finally:
         backend.close()
-        session.close()  # the lease released; a complete store's metadata consolidated after
+        session.close()  # the claimant ended (its record removed); a store's end was merged before
     summary.workers = _worker_table(events.log)
     return summary
 

@@ -54,7 +54,8 @@ class OutputSpec(_Section):
     differs where the source's size, modification time or ETag did): ``refuse`` names them; ``redo``
     computes their shards again. Never a store that mixes both versions."""
     lease_timeout_s: float = Field(default=60.0, gt=0, json_schema_extra=RUN_ONLY)
-    """A running job renews its lease on the store; one silent this long is taken to be dead."""
+    """A running job's claimant renews its heartbeat record in the store; one silent this long is taken to be dead
+    (its claimed shards are another's to compute; its late commits are refused)."""
 
     @field_validator("chunk_rows")
     @classmethod

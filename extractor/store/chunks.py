@@ -25,7 +25,8 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numcodecs
@@ -44,7 +45,7 @@ except ImportError:  # pragma: no cover - a zarr that moved it
     _sync = None
 
 __all__ = ["ChunkCodec", "ShardStream", "write_chunks", "write_at_once", "write_whole", "read_at_once",
-           "read_whole", "read_all", "physical_key"]
+           "read_whole", "read_all", "physical_key", "array_objects", "Where"]
 
 EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
@@ -326,6 +327,36 @@ def physical_key(store: Any, key: str) -> str | None:
     attempt's name (:mod:`.views`; None: a shard not committed, read as fill values); other stores keep the key."""
     resolve = getattr(store, "physical_sync", None)
     return resolve(key) if resolve is not None else key
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where an object of an array lies, and whether it is there."""
+
+    key: str  # in the store's objects (a generation's view maps a shard's chunk to its attempt's name)
+    exists: bool
+
+
+def array_objects(array: zarr.Array) -> Iterator[tuple[str, Where, slice]]:
+    """Each object of ``array`` along its first dimension (a chunk, or a sharded array's shard): its key, where it
+    lies and whether it is there, and the rows it holds; those of shards not committed (read as fill values) left
+    out. Arrays whose chunks split their trailing dimensions: their first object of each row only."""
+    store = array.store
+    while not hasattr(store, "physical_sync") and isinstance(store, zarr.storage.WrapperStore):
+        store = store._store  # down to the generation's view, whose keys name objects of the store below it
+    inner = store._store if isinstance(store, zarr.storage.WrapperStore) else store
+    if array.ndim == 0:
+        return
+    step = int((getattr(array, "shards", None) or array.chunks)[0])
+    trailing = (0,) * (array.ndim - 1)
+    n = int(array.shape[0])
+    for i in range(-(-n // max(step, 1))):
+        key = f"{array.path}/{array.metadata.encode_chunk_key((i, *trailing))}"
+        where = physical_key(store, key)
+        if where is None:
+            continue
+        assert _sync is not None
+        yield key, Where(where, bool(_sync(inner.exists(where)))), slice(i * step, min((i + 1) * step, n))
 
 
 class ShardStream:

@@ -194,6 +194,10 @@ class Ledger:
             entries[self.shards_of(block)] = part
         return Table(entries)
 
+    def entry(self, shard: int) -> np.void:
+        """One shard's entry as it is now (its block read)."""
+        return self._read_block(shard % self.blocks)[0][shard // self.blocks]
+
     def apply(self, shards: Iterable[int], step: Callable[[np.void, int], Verdict]) -> dict[int, Verdict]:
         """Apply ``step(entry, shard)`` to each of ``shards``, one swap per block touched (read again and redone
         whenever another writer changed the block first). Each shard's verdict; an entry is written only where its

@@ -8,9 +8,10 @@ removed later as garbage; one woken after another claimant took its shard finds 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from zarr.storage import StorePath
 from ..errors import FencedError, ShardTaken
 from .chunks import ChunkCodec, ShardStream, read_at_once, write_chunks, write_whole
 from .claimants import SUPERSEDED
-from .generation import Generation
+from .generation import Generation, read_head
 from .layout import INDEX_PARTS, WRITE_CONFIG, get_array, locator_arrays
 from .ledger import Ledger, Verdict, claim, commit, new_id
 from .objects import Objects
@@ -106,7 +107,8 @@ class ShardWriter:
                 if codec is not None and codec.shard_rows is not None and key not in self._streams:
                     self._streams[key] = ShardStream(codec, self.start, self.view, self.opened.base_url,
                                                      self.storage_options)
-        written = write_chunks(self.start + offset, opened, self._streams)
+        with self._moved_on():
+            written = write_chunks(self.start + offset, opened, self._streams)
         with self._lock:
             self.bytes += written
 
@@ -132,6 +134,14 @@ class ShardWriter:
         attempt, fill values where nothing is given), then the commit. ``index_parts``: this shard's part of each
         write-time feature index."""
         self.check_fence()
+        with self._moved_on():
+            self._write_rest(status, errors, extras, stats, digests, reused, index_parts)
+        self._commit(int((status == 1).sum()), int((status == 2).sum()))
+
+    def _write_rest(self, status: np.ndarray, errors: Sequence[str], extras: Mapping[str, np.ndarray] | None,
+                    stats: str, digests: np.ndarray | None, reused: np.ndarray | None,
+                    index_parts: Mapping[str, np.ndarray] | None) -> None:
+        """:meth:`finish`'s writes: the sharded objects made whole, every per-row and per-shard array."""
         with self._lock:
             keys = list(self._streams)
         for key in keys:  # each sharded array's object of this shard made whole: its index, last
@@ -151,15 +161,43 @@ class ShardWriter:
         writes = [(name, *given[name]) if name in given else self.opened.filled(name, rows, one, len(status))
                   for name in self.opened.per_row_data]
         write_whole([(*self._open_row(name), start, data) for name, start, data in writes])
-        ok, failed = int((status == 1).sum()), int((status == 2).sum())
+
+    def _commit(self, ok: int, failed: int) -> None:
+        """The commit: the shard's entry names this attempt, if the claim is still this claimant's."""
         claimant, attempt, nbytes = self.ticket.claimant, self.attempt, self.bytes
         verdict = self.opened.ledger.step(self.index, lambda e: commit(e, claimant, attempt, ok, failed, nbytes))
-        if verdict is Verdict.LOST and self.ticket.join:  # a joined store: it is the other claimant's now
-            raise ShardTaken(self.index, "taken")
         if verdict is Verdict.LOST:
-            raise FencedError(f"shard {self.index} of {self.url} was taken over by another process while this one "
-                              "computed it (this one was paused or cut off for longer than output.lease_timeout_s); "
-                              "what it wrote is not used. This process stops")
+            raise self._taken()
+
+    def _taken(self) -> Exception:
+        if self.ticket.join:  # a joined store: the shard is the other claimant's now
+            return ShardTaken(self.index, "taken")
+        return FencedError(f"shard {self.index} of {self.url} was taken over by another process while this one "
+                           "computed it (this one was paused or cut off for longer than output.lease_timeout_s); "
+                           "what it wrote is not used. This process stops")
+
+    @contextlib.contextmanager
+    def _moved_on(self) -> Iterator[None]:
+        """A write that fails because the store moved on under a stale writer (its generation made again and
+        removed, its attempt's objects collected once another committed the shard) stops it as the commit would
+        have: what failed is not the data's fault. Any other failure is itself."""
+        try:
+            yield
+        except OSError as err:
+            try:
+                head = read_head(self.opened.objects)
+                ours = head is not None and head.generation == self.ticket.generation
+                e = self.opened.ledger.entry(self.index) if ours else None
+            except Exception:  # noqa: BLE001 - the storage itself failing: the write's own error says more
+                raise err from None
+            if not ours:
+                SUPERSEDED.add(self.ticket.generation)
+                raise FencedError(f"{self.url} was made again by another job (--overwrite) while this one wrote "
+                                  "into it; this job stops. Look at the store with `extractor inspect`") from err
+            assert e is not None
+            if int(e["claimant"]) != self.ticket.claimant or int(e["attempt"]) != self.attempt:
+                raise self._taken() from err
+            raise
 
     def _open_row(self, name: str) -> tuple[zarr.Array, ChunkCodec | None]:
         with self._lock:

@@ -11,6 +11,7 @@ stops it there: every change a store sees goes through four doors, patched here 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -28,6 +29,10 @@ def pause_at(pattern: str, nth: int, marker: str, inside: bool = False) -> None:
     wanted = re.compile(pattern)
     seen = [0]
     lock = threading.Lock()
+    # a "before" stop is between two changes: no other thread of the process inside a local swap then (it would hold
+    # the store's lock file while stopped, which is the "inside" case); swaps are counted, and none starts meanwhile
+    swaps = threading.Condition()
+    inside_swaps = [0]
 
     def stop(name: str) -> None:
         with lock:
@@ -36,10 +41,14 @@ def pause_at(pattern: str, nth: int, marker: str, inside: bool = False) -> None:
             seen[0] += 1
             if seen[0] != nth:
                 return
-        open(marker, "w").close()
-        # to this thread: it stops before its next instruction (a SIGSTOP to the process may be taken by another
-        # thread first, and this one would go on into its change for a moment)
-        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        with contextlib.ExitStack() as held:
+            if not inside:
+                held.enter_context(swaps)
+                swaps.wait_for(lambda: inside_swaps[0] == 0)
+            open(marker, "w").close()
+            # to this thread: it stops before its next instruction (a SIGSTOP to the process may be taken by another
+            # thread first, and this one would go on into its change for a moment)
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
     def before(cls: Any, name: str, label: Callable[..., str]) -> None:
         original = getattr(cls, name)
@@ -69,6 +78,21 @@ def pause_at(pattern: str, nth: int, marker: str, inside: bool = False) -> None:
 
         objects.LocalObjects.swap, os.replace = swap, replace
         return
+    original_locked = objects.LocalObjects._locked
+
+    @contextlib.contextmanager
+    def counted(self: Any) -> Any:
+        with swaps:
+            inside_swaps[0] += 1
+        try:
+            with original_locked(self):
+                yield
+        finally:
+            with swaps:
+                inside_swaps[0] -= 1
+                swaps.notify_all()
+
+    objects.LocalObjects._locked = counted
     for cls in (objects.LocalObjects, objects.RemoteObjects):
         for name in ("put", "create", "swap"):
             before(cls, name, lambda self, key, *rest: f"objects:{key}")

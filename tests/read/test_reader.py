@@ -746,3 +746,30 @@ def test_map_style_dataset_reads_each_chunk_once_in_row_order(tokens, monkeypatc
     monkeypatch.undo()
     shuffled = torch.utils.data.DataLoader(s.torch_dataset("tok"), batch_size=10, shuffle=True, num_workers=2)
     assert sorted(int(r) for b in shuffled for r in b["row"]) == s.ok_rows().tolist()
+
+
+def test_inspect_verify_objects_finds_an_object_removed_or_cut_short(store, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture):
+    """``inspect --verify --objects``: each object a commit names is there and decodes; one removed by hand is
+    missing, one cut short is damaged, and the command exits 1 naming both (a whole store: 0)."""
+    import shutil
+
+    from extractor.cli import main
+
+    path = tmp_path / "s.zarr"
+    shutil.copytree(store.url, path)
+    assert main(["inspect", str(path), "--verify", "--objects"]) == 0
+    whole = open_store(str(path)).verify_objects()
+    assert whole["checked"] > 0 and not whole["missing"] and not whole["damaged"]
+    attempts = path / store.attrs["generation"] / "__attempts"
+    (removed,) = attempts.glob("*/map/c/1/0/0/0")
+    removed.unlink()
+    (cut,) = attempts.glob("*/layer4/c/3/0")
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--verify", "--objects"]) == 1
+    out = capsys.readouterr().out
+    assert f"{whole['checked']} objects its commits name, 1 missing, 1 damaged" in out
+    assert "missing: map/c/1/0/0/0" in out and "damaged: layer4/c/3/0" in out
+    assert main(["inspect", str(path), "--objects"]) != 0
+    assert "--objects checks the store's objects with --verify" in capsys.readouterr().err
