@@ -2,9 +2,11 @@
 the CPU of the claims and commits (the ledger's swaps, a claimant's record) per shard, for 1, 4 and 16 processes.
 
 Each process is a claimant of one store's generation, with a near-free "model": it claims the next shard it may take
-(``ledger.claim``), writes nothing, and commits it (``ledger.commit``), until every shard is committed. What each
-process spends is its own CPU (``time.process_time``) over the shards it committed; the figure is the mean over the
-processes, per shard, with the count of swaps refused (another process changed the block first) per shard.
+(``Ledger.claim``: where another has it, the other shards of its block that the same read found taken are
+skipped too, as a joined job's workers skip them), writes nothing, and commits it (``ledger.commit``), until every
+shard is committed. What each process spends is its own CPU (``time.process_time``) over the shards it committed;
+the figure is the mean over the processes, per shard, with the ledger's reads and the swaps refused (another
+process changed the block first) per shard.
 
     python bench/bench_join.py [--shards 4096] [--writers 1,4,16]
 """
@@ -41,30 +43,38 @@ def _writer(url: str, generation: str, start: int, out: mp.Queue) -> None:
     from extractor.store import Objects
     from extractor.store.claimants import Claimant
     from extractor.store.generation import Generation
-    from extractor.store.ledger import Verdict, claim, commit, new_id
+    from extractor.store.ledger import Verdict, commit, new_id
 
     gen = Generation(Objects.at(url), generation)
     ledger = gen.ledger()
     me = Claimant(gen.objects, gen.claimants_prefix, 60.0, {"pid": os.getpid(), "host": "bench"})
     me.start()
-    refused = [0]
-    real_swap = gen.objects.swap
+    refused, reads = [0], [0]
+    real_swap, real_read = gen.objects.swap, gen.objects.read
 
     def swap(key: str, version: object, data: bytes) -> bool:
         landed = real_swap(key, version, data)  # type: ignore[arg-type]
         refused[0] += not landed
         return landed
 
-    gen.objects.swap = swap  # type: ignore[method-assign]
+    def read(key: str) -> object:
+        reads[0] += 1
+        return real_read(key)
+
+    gen.objects.swap, gen.objects.read = swap, read  # type: ignore[method-assign,assignment]
     dead = gen.roster.dead
     n, cpu0 = 0, time.process_time()
     order = list(range(ledger.n_shards))
     order = order[start:] + order[:start]
     while True:
-        took = 0
-        for s in order:
+        took, skip = 0, set()
+        for s in order:  # as a joined job's worker does: a shard found another's drops the others its read found so
+            if s in skip:
+                continue
             attempt = new_id()
-            if ledger.step(s, lambda e, a=attempt: claim(e, me.id, a, dead)) is not Verdict.OK:
+            verdict, _, others = ledger.claim(s, me.id, attempt, dead)
+            if verdict is not Verdict.OK:
+                skip.update(others)
                 continue
             if ledger.step(s, lambda e, a=attempt: commit(e, me.id, a, 1, 0, 0)) is Verdict.OK:
                 n, took = n + 1, took + 1
@@ -76,7 +86,7 @@ def _writer(url: str, generation: str, start: int, out: mp.Queue) -> None:
             break
     cpu = time.process_time() - cpu0
     me.end("complete")
-    out.put({"shards": n, "cpu_s": cpu, "refused": refused[0]})
+    out.put({"shards": n, "cpu_s": cpu, "refused": refused[0], "reads": reads[0]})
 
 
 def run(shards: int, writers: int) -> dict[str, float]:
@@ -99,7 +109,8 @@ def run(shards: int, writers: int) -> dict[str, float]:
         assert done == shards, f"{done} shards committed of {shards}"
         return {"writers": writers, "shards": shards, "wall_s": wall,
                 "cpu_ms_per_shard": 1000 * sum(r["cpu_s"] for r in results) / done,
-                "refused_per_shard": sum(r["refused"] for r in results) / done}
+                "refused_per_shard": sum(r["refused"] for r in results) / done,
+                "reads_per_shard": sum(r["reads"] for r in results) / done}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -116,9 +127,10 @@ def main() -> None:
         return
     print(f"claims and commits of {args.shards} shards, a near-free model, on this machine's local disk "
           f"({os.cpu_count()} cores):")
-    print(f"{'writers':>8} {'CPU ms/shard':>13} {'swaps refused/shard':>20} {'wall s':>8}")
+    print(f"{'writers':>8} {'CPU ms/shard':>13} {'reads/shard':>12} {'swaps refused/shard':>20} {'wall s':>8}")
     for r in rows:
-        print(f"{r['writers']:>8} {r['cpu_ms_per_shard']:>13.2f} {r['refused_per_shard']:>20.2f} {r['wall_s']:>8.1f}")
+        print(f"{r['writers']:>8} {r['cpu_ms_per_shard']:>13.2f} {r['reads_per_shard']:>12.2f} "
+              f"{r['refused_per_shard']:>20.2f} {r['wall_s']:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ Messages say what went wrong, where (field path, file, shard, row) and how to fi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "ClusterError",
     "DataError",
@@ -59,13 +61,14 @@ class ShardTaken(StoreError):
     """A shard this job was about to compute is another member's: committed already (``verdict`` "done") or
     being computed by a live one ("taken"). Not a failure: the job goes on with other shards."""
 
-    def __init__(self, shard: int, verdict: str) -> None:
+    def __init__(self, shard: int, verdict: str, others: Sequence[int] = ()) -> None:
         held = "committed already" if verdict == "done" else "being computed by another live process"
         super().__init__(f"shard {shard} is {held}")
         self.shard, self.verdict = shard, verdict
+        self.others = tuple(others)  # other shards the same read found another's: skipped without a read
 
     def __reduce__(self):  # pickled across Ray processes
-        return type(self), (self.shard, self.verdict)
+        return type(self), (self.shard, self.verdict, self.others)
 
 
 class OutOfRangeError(ExtractorError, IndexError):

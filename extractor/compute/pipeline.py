@@ -67,6 +67,14 @@ class ShardQueue:
             self.closed = True
             self.cond.notify_all()
 
+    def drop(self, indices: Iterable[int]) -> list[Shard]:
+        """Take the shards of ``indices`` out of the queue (another process's: not to be opened here)."""
+        gone = set(indices)
+        with self.cond:
+            out = [s for s in self.items if s.index in gone]
+            self.items = deque(s for s in self.items if s.index not in gone)
+        return out
+
     def get(self, block: bool) -> Shard | None:
         """The next shard; None when there is none now (``block=False``) or ever (closed)."""
         with self.cond:
@@ -204,10 +212,12 @@ class Pipeline:
             self._stop(shard, out, err)
 
     def _taken(self, shard: Shard, err: ShardTaken) -> None:
-        """A shard another claimant holds or committed: said as computed with nothing in it; on to the next."""
-        done: Future[ShardSummary] = Future()
-        done.set_result(taken(shard, err))
-        self._call(self.on_computed, shard, done)
+        """A shard another claimant holds or committed: said as computed with nothing in it, and so are the queued
+        shards its block's read found another's (:attr:`ShardTaken.others`); on to the next."""
+        for each in [shard, *self.shards.drop(err.others)]:
+            done: Future[ShardSummary] = Future()
+            done.set_result(taken(each, ShardTaken(each.index, err.verdict)))
+            self._call(self.on_computed, each, done)
         self.next.fetch(block=True)
 
     def _next_batch(self, out: ShardOutput) -> Batch | None:

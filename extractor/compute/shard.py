@@ -68,6 +68,7 @@ class ShardSummary:
     wait_write: float = 0.0
     reused: int = 0  # rows copied from another store (output.reuse), not computed
     taken: str = ""  # not computed here: "done" (committed by another claimant), "taken" (a live one computes it)
+    skip: tuple[int, ...] = ()  # with taken: other shards the same read found another's (the driver drops them)
     stats: str = ""  # the shard's statistics record, as committed (the driver merges it without reading the store)
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,7 +79,7 @@ class ShardSummary:
 def taken(shard: Shard, err: ShardTaken) -> ShardSummary:
     """What a shard another claimant holds or committed leaves: nothing computed here."""
     return ShardSummary(shard=shard.index, rows=0, ok=0, failed=0, seconds=0.0, bytes=0, pid=os.getpid(),
-                        taken=err.verdict)
+                        taken=err.verdict, skip=err.others)
 
 
 @dataclass

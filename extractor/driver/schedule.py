@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
@@ -78,6 +79,13 @@ class _Schedule:
 
     def done(self, shard: Shard) -> None:
         self.suspects.discard(shard.index)
+
+    def drop(self, indices: Iterable[int]) -> list[Shard]:
+        """Take the shards of ``indices`` out of the queue (another process's: a worker found them so)."""
+        gone = set(indices)
+        out = [s for s in self.queue if s.index in gone]
+        self.queue = deque(s for s in self.queue if s.index not in gone)
+        return out
 
     def lost(self, shards: list[Shard], error: str, blame: bool = True) -> Shard | None:
         """A worker died holding ``shards``: the shard that pays a retry, or None when it held several
@@ -290,8 +298,9 @@ class _Job:
     def _finished(self, slot: _Slot, shard: Shard, summary: ShardSummary) -> None:
         self._report_start(slot, shard)  # a shard that began and ended between two polls
         self.plan.done(shard)
-        if summary.taken:  # another member's: nothing done here
-            self.on_event("shard_skipped", {"shard": shard.index, "worker": slot.index, "held": summary.taken})
+        if summary.taken:  # another claimant's: nothing done here, nor on the shards its read found another's
+            for each in [shard, *self.plan.drop(summary.skip)]:
+                self.on_event("shard_skipped", {"shard": each.index, "worker": slot.index, "held": summary.taken})
             return
         self.summaries.append(summary)
         self.finished_rows += summary.rows

@@ -42,8 +42,8 @@ import numpy as np
 from ..errors import StoreError
 from .objects import Objects
 
-__all__ = ["ENTRY", "Ledger", "Table", "Verdict", "blocks_for", "claim", "commit", "reset", "release", "amend_rows",
-           "new_id"]
+__all__ = ["ENTRY", "Ledger", "Table", "Verdict", "blocks_for", "free", "claim", "commit", "reset", "release",
+           "amend_rows", "new_id"]
 
 ENTRY = np.dtype([("claimant", "<u8"), ("attempt", "<u8"), ("data", "<u8"), ("rows", "<u8"), ("ok", "<u4"),
                   ("failed", "<u4"), ("nbytes", "<u8"), ("at", "<f8")])
@@ -75,14 +75,21 @@ class Verdict(enum.Enum):
 Dead = Callable[[int], bool]  # whether a claimant (by id) is gone: its claims may be taken over
 
 
-def claim(e: np.void, claimant: int, attempt: int, dead: Dead) -> Verdict:
-    """``claimant`` takes a shard for ``attempt``: a pending shard, or one its own or a dead claimant's claim holds
-    (the attempt it named, abandoned, is left to the garbage collection)."""
+def free(e: np.void, claimant: int, dead: Dead) -> Verdict:
+    """Whether ``claimant`` may take the shard (OK), or not: committed (DONE), or held by a live claimant (TAKEN).
+    Changes nothing."""
     if e["data"]:
         return Verdict.DONE
     holder = int(e["claimant"])
-    if holder not in (0, claimant) and not dead(holder):
-        return Verdict.TAKEN
+    return Verdict.TAKEN if holder not in (0, claimant) and not dead(holder) else Verdict.OK
+
+
+def claim(e: np.void, claimant: int, attempt: int, dead: Dead) -> Verdict:
+    """``claimant`` takes a shard for ``attempt``: a pending shard, or one its own or a dead claimant's claim holds
+    (the attempt it named, abandoned, is left to the garbage collection)."""
+    verdict = free(e, claimant, dead)
+    if verdict is not Verdict.OK:
+        return verdict
     e["claimant"], e["attempt"], e["at"] = claimant, attempt, time.time()
     return Verdict.OK
 
@@ -216,12 +223,35 @@ class Ledger:
         """One shard's step (:meth:`apply`)."""
         return self.apply([shard], lambda e, _s: step(e))[shard]
 
-    def _apply_block(self, block: int, shards: list[int],
-                     step: Callable[[np.void, int], Verdict]) -> dict[int, Verdict]:
+    def claim(self, shard: int, claimant: int, attempt: int, dead: Dead) -> tuple[Verdict, int, list[int]]:
+        """:func:`claim` of ``shard`` for ``claimant``'s ``attempt``: its verdict, the attempt holding its rows, and
+        (where it was not taken) the other shards of its block that ``claimant`` may not take either, as the same
+        read found them: a process that joined a store skips them without a read of its own (processes that never
+        talk learn of each other's claims a block at a time)."""
+        rows, read = [0], [np.zeros(0, ENTRY)]
+
+        def step(e: np.void, _s: int) -> Verdict:
+            rows[0] = int(e["rows"])
+            return claim(e, claimant, attempt, dead)
+
+        block = shard % self.blocks
+        verdict = self._apply_block(block, [shard], step, seen=read)[shard]
+        if verdict is Verdict.OK:
+            return verdict, rows[0], []
+        others = self.shards_of(block)
+        skip = [int(s) for s, e in zip(others, read[0], strict=True)
+                if s != shard and free(e, claimant, dead) is not Verdict.OK]
+        return verdict, rows[0], skip
+
+    def _apply_block(self, block: int, shards: list[int], step: Callable[[np.void, int], Verdict],
+                     seen: list[np.ndarray] | None = None) -> dict[int, Verdict]:
+        """``seen``: given the block's entries as last read, where no step changed them."""
         for attempt in range(SWAP_TRIES):
             entries, version = self._read_block(block)
             verdicts = {s: step(entries[s // self.blocks], s) for s in shards}
             if not any(v is Verdict.OK for v in verdicts.values()):
+                if seen is not None:
+                    seen[:] = [entries]
                 return verdicts
             if self.objects.swap(self.key(block), version, self._encode(block, entries)):
                 return verdicts

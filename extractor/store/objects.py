@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -184,16 +183,19 @@ class LocalObjects(Objects):
     def swap(self, key: str, version: Version, data: bytes) -> bool:
         path = self.path(key)
         tmp = self._temporary(path, data)
+        landed = False
         try:
             with self._locked():
                 now = self.get(key)
                 if (None if now is None else _digest(now)) != version:
                     return False
                 os.replace(tmp, path)
+                landed = True  # the temporary file is the record now
                 return True
         finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+            if not landed:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
 
     def list(self, prefix: str) -> list[str]:
         try:
@@ -232,25 +234,36 @@ class LocalObjects(Objects):
         os.makedirs(self.root, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            deadline = time.monotonic() + self.lock_wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:  # a swap takes microseconds: its process is stopped or stuck
-                        deadline = time.monotonic() + self.lock_wait_s
-                        if _holders(path) - {os.getpid()}:  # (one of this process's own threads: it goes on)
-                            log.warning("%s", _held_by(path))
-                    time.sleep(0.002)
-                except OSError as err:  # a file system without flock: the swap is not one step there
-                    if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    _warn_once(self.url, f"its file system takes no flock locks ({os.strerror(err.errno or 0)})")
-                    break
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._wait_for(fd, path)
+            except OSError as err:  # a file system without flock: the swap is not one step there
+                if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                _warn_once(self.url, f"its file system takes no flock locks ({os.strerror(err.errno or 0)})")
             yield
         finally:
             os.close(fd)  # closing lets the lock go
+
+    def _wait_for(self, fd: int, path: str) -> None:
+        """Block until the lock file is this swap's (no polling: the kernel wakes the waiter), saying every
+        ``lock_wait_s`` which process holds it meanwhile: a swap takes microseconds, so that one is stopped or
+        stuck (one of this process's own threads is waited for silently)."""
+        import fcntl
+
+        got = threading.Event()
+
+        def warn() -> None:
+            while not got.wait(self.lock_wait_s):
+                if _holders(path) - {os.getpid()}:
+                    log.warning("%s", _held_by(path))
+
+        threading.Thread(target=warn, name="extractor-lock-wait", daemon=True).start()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        finally:
+            got.set()
 
 
 def _holders(path: str) -> set[int]:

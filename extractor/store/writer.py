@@ -24,7 +24,7 @@ from .chunks import ChunkCodec, ShardStream, read_at_once, write_chunks, write_w
 from .claimants import SUPERSEDED
 from .generation import Generation, read_head
 from .layout import INDEX_PARTS, WRITE_CONFIG, get_array, locator_arrays
-from .ledger import Ledger, Verdict, claim, commit, new_id
+from .ledger import Ledger, Verdict, commit, new_id
 from .objects import Objects
 from .views import GenerationStore, Slot, write_view
 
@@ -286,18 +286,12 @@ class _Opened:
         return name, one if per_shard else rows, data
 
     def claim(self, shard: int, claimant: int, attempt: int) -> int:
-        """Claim ``shard`` for ``claimant``'s ``attempt`` (:func:`.ledger.claim`); the attempt holding its rows."""
-        held: list[int] = []
-
-        def step(e: np.void) -> Verdict:
-            verdict = claim(e, claimant, attempt, self.generation.roster.dead)
-            held[:] = [int(e["rows"])]
-            return verdict
-
-        verdict = self.ledger.step(shard, step)
+        """Claim ``shard`` for ``claimant``'s ``attempt`` (:meth:`.ledger.Ledger.claim`); the attempt holding its rows.
+        :class:`ShardTaken` where it is not free, naming the other shards of its block that are not either."""
+        verdict, rows, skip = self.ledger.claim(shard, claimant, attempt, self.generation.roster.dead)
         if verdict is not Verdict.OK:
-            raise ShardTaken(shard, verdict.value)
-        return held[0]
+            raise ShardTaken(shard, verdict.value, skip)
+        return rows
 
 
 

@@ -440,3 +440,36 @@ def test_the_head_and_a_ledger_entry_are_read_as_written_never_half(tmp_path: Pa
     data, version = objects.read("x")
     assert data == b"1" and objects.swap("x", version, b"3") and not objects.swap("x", version, b"4")
     assert objects.get("x") == b"3" and objects.probe()
+
+
+def test_a_claim_refused_names_the_shards_of_its_block_that_are_not_free_either(tmp_path: Path):
+    """Processes that never talk learn of each other's claims a block at a time: a claim that finds its shard
+    another's names the other shards the same read found committed or held by a live claimant (a joined job's
+    workers skip them without reading), never one that is free or held by a dead claimant."""
+    from extractor.data import Rows
+    from extractor.store.layout import StoreArrays
+    from extractor.store.ledger import Verdict, commit, new_id
+    from extractor.store.synthetic import create_store
+
+    url = str(tmp_path / "s.zarr")
+    n = 40  # 3 blocks of shards s, s+3, ...: one shard a row
+    create_store(url, Rows(ids=[f"i{i}" for i in range(n)], paths=[""] * n, labels=[0] * n),
+                 StoreArrays(captures={}, extras={}, shard_size=1, chunk_rows={}), attrs={}, pending=True)
+    ledger = generation(url).ledger()
+    block = [int(s) for s in ledger.shards_of(0)]
+    assert ledger.blocks > 1 and len(block) > 5
+    a, b, dead_one, c = new_id(), new_id(), new_id(), new_id()
+    alive_ids = {a, b, c}
+    dead = lambda claimant: claimant not in alive_ids  # noqa: E731
+    for s in block[:2]:  # a holds two, commits one
+        attempt = new_id()
+        assert ledger.claim(s, a, attempt, dead)[0] is Verdict.OK
+    assert ledger.step(block[0], lambda e: commit(e, a, int(e["attempt"]), 1, 0, 0)) is Verdict.OK
+    assert ledger.claim(block[2], b, new_id(), dead)[0] is Verdict.OK  # b holds one
+    assert ledger.claim(block[3], dead_one, new_id(), dead)[0] is Verdict.OK  # a claimant since dead holds one
+    verdict, _, skip = ledger.claim(block[1], c, new_id(), dead)
+    assert verdict is Verdict.TAKEN and sorted(skip) == sorted([block[0], block[2]])
+    verdict, _, skip = ledger.claim(block[0], c, new_id(), dead)
+    assert verdict is Verdict.DONE and sorted(skip) == sorted([block[1], block[2]])
+    verdict, _, skip = ledger.claim(block[3], c, new_id(), dead)  # the dead one's: taken over
+    assert verdict is Verdict.OK and skip == []
