@@ -80,7 +80,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _print_plan(spec, json_out=False)
     resume = ["run", args.job, *[a for s in args.set or [] for a in ("--set", s)], *(["-q"] if args.quiet else [])]
-    return _run_spec(spec, [*resume, "--resume"], quiet=args.quiet, resume_command=args.resume_command)
+    again = "--join" if spec.output.if_exists == "join" else "--resume"  # a joined store: join it again
+    return _run_spec(spec, [*resume, again], quiet=args.quiet, resume_command=args.resume_command)
 
 
 def _print_plan(spec: Any, json_out: bool) -> int:

@@ -81,6 +81,23 @@ def shards_said(out: str) -> int:
     return int(found.group(1))
 
 
+def wait_holding(victim: subprocess.Popen, store: Path) -> None:
+    """Until ``victim`` holds a claim of a shard not committed."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            gen = generation(str(store))
+            entries = gen.ledger().read().entries
+            mine = [c for c in gen.roster.all() if c.get("pid") == victim.pid]
+        except (AssertionError, OSError):
+            entries, mine = None, []
+        if entries is not None and mine and ((entries["claimant"] == int(mine[0]["id"], 16))
+                                             & (entries["data"] == 0)).any():
+            return
+        assert time.monotonic() < deadline and victim.poll() is None, "the victim never held a shard"
+        time.sleep(0.05)
+
+
 def test_three_processes_that_join_one_store_fill_it_each_shard_once(images: Path, clean: Path, tmp_path: Path):
     store = tmp_path / "s.zarr"
     procs = joiners(spec_of(images, store, seconds=0.05), tmp_path, 3)
@@ -103,19 +120,7 @@ def test_a_process_killed_while_it_holds_shards_has_them_taken_over(images: Path
     store = tmp_path / "s.zarr"
     procs = joiners(spec_of(images, store, seconds=0.3), tmp_path, 3)
     victim = procs[0]
-    deadline = time.monotonic() + 120
-    while True:  # until the victim holds a claim of a shard not committed
-        try:
-            gen = generation(str(store))
-            entries = gen.ledger().read().entries
-            mine = [c for c in gen.roster.all() if c.get("pid") == victim.pid]
-        except (AssertionError, OSError):
-            entries, mine = None, []
-        if entries is not None and mine and ((entries["claimant"] == int(mine[0]["id"], 16))
-                                             & (entries["data"] == 0)).any():
-            break
-        assert time.monotonic() < deadline and victim.poll() is None, "the victim never held a shard"
-        time.sleep(0.05)
+    wait_holding(victim, store)
     os.kill(victim.pid, signal.SIGKILL)
     results = ended(procs[1:])
     for code, _, err in results:
@@ -150,3 +155,23 @@ def test_a_paused_process_woken_after_its_shard_was_taken_writes_nothing_live(im
     assert code == 0 and "Traceback" not in err, err
     same_as(store, clean)
     assert {f"{x:016x}" for x in generation(str(store)).ledger().read().named()} == named  # nothing of A's named
+
+
+def test_a_process_stopped_with_sigterm_gives_its_claims_back_at_once(images: Path, clean: Path, tmp_path: Path):
+    """Pre-emption (a spot node reclaimed, ``scancel``, Kubernetes evicting a pod) sends SIGTERM: the joined process
+    stops cleanly, its record says it ended (so its claims are free at once, long before its timeout), and it says
+    to join again; the others finish the store."""
+    store = tmp_path / "s.zarr"
+    spec = spec_of(images, store, seconds=0.3)
+    spec["output"]["lease_timeout_s"] = 600.0  # were its claims left to time out, the others would wait 10 minutes
+    procs = joiners(spec, tmp_path, 2)
+    victim = procs[0]
+    wait_holding(victim, store)
+    victim.send_signal(signal.SIGTERM)
+    (code, _, err), = ended([victim])
+    assert code == 130 and "--join" in err and "Traceback" not in err, err
+    record = next(c for c in generation(str(store)).roster.all() if c.get("pid") == victim.pid)
+    assert record["ended"]["status"] == "interrupted"
+    (code, _, err), = ended(procs[1:])
+    assert code == 0, err
+    same_as(store, clean)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 import warm
 import yaml
 from conftest import child_env, job, make_images
-from helpers.stores import committed
+from helpers.stores import committed, generation
 from PIL import Image
 
 from extractor.compute.worker import PROBE_FORWARDS
@@ -294,3 +295,63 @@ def test_a_ray_job_that_looked_before_another_created_the_store_refuses_instead_
     assert s.attrs["status"] == "complete"
     for key in ("conv", "map"):
         np.testing.assert_array_equal(s.numpy(key), c.numpy(key))
+
+
+def only_held_by_the_stopped(store: Path) -> bool:
+    """Some shards committed, every other held by one claimant (a stopped worker holds its shard and the next one
+    it opened meanwhile)."""
+    entries = generation(str(store)).ledger().read().entries
+    pending = entries[entries["data"] == 0]
+    return len(pending) < len(entries) and len(set(pending["claimant"].tolist())) == 1 and pending["claimant"][0] != 0
+
+
+def test_two_ray_clusters_that_join_one_store_fill_it_each_shard_once(ray_cluster, tmp_path: Path):
+    """Two Ray clusters, one store (issue 58): a job on a cluster of its own (a process that starts an embedded
+    Ray) joins the store and its worker stops (SIGSTOP) in its first shard; a job on another cluster (this process's
+    Ray) joins and computes every other shard, then waits for the one held by the first (its driver is alive);
+    woken, the first commits it. Both exit complete, each shard committed once, equal to one job's store."""
+    import threading
+
+    root = tmp_path / "imgs"
+    make_images(root, per_class=4, classes=("a", "b"), size=40)  # 8 images: 4 shards of 2
+
+    def spec(store: Path) -> dict:
+        raw = slow_job(root, store, workers=1, cpus_per_worker=1)
+        raw["model"] = {"name": None, "factory": "toy_models:stopped_at_write", "device": "cpu"}
+        raw["capture"] = [{"layer": "conv", "reduce": "mean", "key": "conv"}]
+        raw["output"]["lease_timeout_s"] = 5.0
+        return raw
+
+    clean = tmp_path / "clean.zarr"
+    run(parse_spec({**spec(clean), "cluster": {"backend": "local"}}))
+    store = tmp_path / "s.zarr"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**spec(store), "output": {**spec(store)["output"], "if_exists": "join"}}))
+    marker = tmp_path / "stopped"
+    env = {k: v for k, v in child_env(EXTRACTOR_TEST_PAUSE=f"view:status/c/\\d+$|1|{marker}|before").items()
+           if k != "RAY_ADDRESS"}  # a cluster of its own
+    first = warm.Popen([sys.executable, "-m", "extractor.cli", "run", str(path), "-q"], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (marker.exists() and marker.read_text()):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    stopped = int(marker.read_text())  # the first cluster's worker, in its first shard
+    got: list = []
+    second = threading.Thread(target=lambda: got.append(run(parse_spec({**spec(store), "output": {
+        **spec(store)["output"], "if_exists": "join"}}))))
+    second.start()
+    try:
+        while not only_held_by_the_stopped(store):  # the second did every shard but those the stopped worker holds
+            assert second.is_alive() and time.monotonic() < deadline + 120, "the second cluster's job stopped"
+            time.sleep(0.05)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    second.join(timeout=180)
+    out, err = first.communicate(timeout=180)
+    assert first.returncode == 0, err
+    ran = int(re.search(r"(\d+) shards? run", out).group(1))  # type: ignore[union-attr]
+    assert got and got[0].shards_run >= 1 and ran >= 1 and got[0].shards_run + ran == 4, (got, out)
+    s, c = open_store(str(store)), open_store(str(clean))
+    assert s.attrs["status"] == "complete" and (s.status == 1).all()
+    np.testing.assert_array_equal(s.numpy("conv"), c.numpy("conv"))

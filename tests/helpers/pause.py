@@ -22,8 +22,8 @@ from typing import Any
 
 def pause_at(pattern: str, nth: int, marker: str, inside: bool = False) -> None:
     """In this process, stop at the ``nth`` change whose name (above) matches ``pattern`` (a regular expression,
-    searched), writing the file ``marker`` just before. ``inside``: for a swap of a local store, with the store's
-    lock file held (its read and compare made, its replace not yet); otherwise before the change."""
+    searched), writing the file ``marker`` (the process's pid) just before. ``inside``: for a swap of a local store,
+    with the store's lock file held (its read and compare made, its replace not yet); otherwise before the change."""
     from extractor.store import chunks, objects, views
 
     wanted = re.compile(pattern)
@@ -45,7 +45,8 @@ def pause_at(pattern: str, nth: int, marker: str, inside: bool = False) -> None:
             if not inside:
                 held.enter_context(swaps)
                 swaps.wait_for(lambda: inside_swaps[0] == 0)
-            open(marker, "w").close()
+            with open(marker, "w") as f:  # the stopped process's pid: the one to wake
+                f.write(str(os.getpid()))
             # to this thread: it stops before its next instruction (a SIGSTOP to the process may be taken by another
             # thread first, and this one would go on into its change for a moment)
             signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
