@@ -11,12 +11,12 @@ export RAY_AUTH_MODE := disabled
 # PYTHONDONTWRITEBYTECODE=1 (as these machines do: 10 s of CPU per test process to collect, 0.4 s per import).
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: venv demo test check bench lint clean chromium
+.PHONY: venv demo test check bench lint clean chromium slurm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,models,analysis,parquet,view,index]'
-	$(MAKE) --no-print-directory chromium
+	$(MAKE) --no-print-directory chromium slurm
 	touch $(STAMP)
 
 # Debian's Chromium for the viewer's browser tests (tests/view/test_view.py drives it with Playwright), where missing;
@@ -24,6 +24,13 @@ $(STAMP): pyproject.toml constraints.txt
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+		>/dev/null; } || true; }
+
+# Debian's Slurm and munge for the Slurm array test (tests/driver/test_launchers.py runs its own slurmctld and slurmd
+# on 127.0.0.1), where missing; skipped quietly without root or apt-get (that test then skips, saying why).
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge \
 		>/dev/null; } || true; }
 
 venv: $(STAMP)
