@@ -15,7 +15,7 @@ export PYTHONDONTWRITEBYTECODE :=
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,models,analysis,parquet,view,index]'
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[all,test]'
 	$(MAKE) --no-print-directory chromium slurm
 	touch $(STAMP)
 

@@ -31,5 +31,13 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        try:
+            return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        except ModuleNotFoundError as err:
+            from .errors import missing_extra
+
+            hint = missing_extra(err)
+            if hint is None:
+                raise
+            raise ModuleNotFoundError(f"extractor.{name} {hint}", name=err.name) from None
     raise AttributeError(f"module 'extractor' has no attribute {name!r}")

@@ -22,6 +22,7 @@ __all__ = [
     "ShardTaken",
     "SpecError",
     "StoreError",
+    "missing_extra",
 ]
 
 
@@ -93,3 +94,22 @@ class DeviceError(ExtractorError, RuntimeError):
 
 class ClusterError(ExtractorError, RuntimeError):
     """The Ray cluster cannot run the job as asked (no such cluster, not enough resources)."""
+
+
+# the package that brings each optional module: the core install (numpy, zarr, fsspec) reads stores; the rest are
+# extras (pyproject.toml)
+EXTRAS = {
+    "torch": "run", "torchvision": "run", "PIL": "run", "pydantic": "run", "tqdm": "run", "xxhash": "run",
+    "ray": "ray", "pyarrow": "parquet", "s3fs": "s3", "numba": "index", "flask": "view", "jinja2": "view",
+    "xarray": "analysis", "dask": "analysis", "sklearn": "analysis", "matplotlib": "analysis", "timm": "models",
+    "transformers": "models", "open_clip": "models", "safetensors": "models", "datasets": "datasets",
+}
+
+
+def missing_extra(err: ModuleNotFoundError) -> str | None:
+    """What to say of an optional module not installed (None: not one of the extras'): its name and the install
+    that brings it."""
+    name = (err.name or "").split(".")[0]
+    if name not in EXTRAS:
+        return None
+    return f"needs {name}, which is not installed: pip install 'extractor[{EXTRAS[name]}]'"

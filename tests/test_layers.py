@@ -93,6 +93,59 @@ def test_the_read_side_and_the_layers_under_it_import_without_torch_or_ray():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+CORE = {"zarr", "numpy", "ml_dtypes", "fsspec", "pyyaml"}  # pyproject's dependencies: `pip install extractor`
+
+
+def test_the_core_install_reads_a_store_and_each_command_that_needs_more_names_its_extra(tmp_path: Path):
+    """`pip install extractor` is the reader (numpy, zarr, fsspec; zarr brings PyYAML): torch, Ray and every other
+    library are extras. With all of them missing, a store opens, reads and is inspected; `extractor run` and
+    `extractor.run` say in one line which extra to install."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!\[ ;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    assert names == CORE, names
+    extras = project["optional-dependencies"]
+    assert any(d.startswith("torch") for d in extras["run"]) and any(d.startswith("ray") for d in extras["ray"])
+    from extractor.data import Rows
+    from extractor.store.layout import StoreArrays
+    from extractor.store.synthetic import create_store
+
+    url = str(tmp_path / "s.zarr")
+    meta = {"shape": [3], "dtype": "float32", "dims": ["emb.feature"], "layer": "x", "what": "output",
+            "reduce": "none"}
+    g = create_store(url, Rows(ids=["a", "b"], paths=["", ""], labels=[0, 1]),
+                     StoreArrays(captures={"emb": meta}, extras={}, shard_size=2, chunk_rows={"emb": 2}),
+                     attrs={"n_rows": 2, "n_shards": 1, "captures": {"emb": meta}, "spec": {}, "model": {}})
+    g["emb"][:] = [[1, 2, 3], [4, 5, 6]]
+    g["status"][:] = 1
+    code = (
+        "import importlib.abc, sys\n"
+        "EXTRAS = {'torch', 'torchvision', 'ray', 'PIL', 'pydantic', 'tqdm', 'xxhash', 'numba', 'pyarrow', 's3fs',\n"
+        "          'flask', 'jinja2', 'timm', 'transformers', 'open_clip', 'xarray', 'dask', 'sklearn', 'matplotlib'}\n"
+        "class Missing(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in EXTRAS:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "import extractor\n"
+        "from extractor.cli import main\n"
+        f"print(extractor.open_store({url!r}).numpy('emb').sum())\n"
+        f"assert main(['inspect', {url!r}]) == 0\n"
+        "assert main(['run', 'job.yaml']) == 1\n"
+        "try:\n"
+        "    extractor.run\n"
+        "except ModuleNotFoundError as err:\n"
+        "    print(err)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "21.0" and "rows    2: 2 ok" in r.stdout
+    assert "error: extractor run needs pydantic, which is not installed: pip install 'extractor[run]'" in r.stderr
+    assert "extractor.run needs pydantic, which is not installed: pip install 'extractor[run]'" in r.stdout
+
+
 def test_only_the_driver_names_ray():
     for path in _modules():
         if path.relative_to(PACKAGE).parts[0] == "driver":

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import ExtractorError
+from ..errors import ExtractorError, missing_extra
 from .cluster import cmd_jobs, cmd_submit
 from .common import _at_least, _port
 from .demo import cmd_demo
@@ -199,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except ExtractorError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as err:
+        hint = missing_extra(err)
+        if hint is None:
+            raise
+        print(f"error: extractor {args.command} {hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -51,6 +51,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_line(m: dict[str, Any]) -> str:
+    if m.get("name") is None:
+        return "not recorded (a store written without a job)"
+    return (f"{m['name']}: {m.get('weights')}; {m.get('parameters') or 0:,} parameters; "
+            f"state sha256 {(m.get('state_dict_sha256') or '?')[:12]}")
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     """``extractor inspect``'s lines for people."""
     m = s["model"]
@@ -59,8 +66,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     if s["silent_s"] is not None:
         print(f"        its job has been silent for {s['silent_s']:.0f} s (killed?): run it again with --resume "
               "to finish the store")
-    print(f"model   {m['name']}: {m['weights']}; {m['parameters']:,} parameters; "
-          f"state sha256 {m['state_dict_sha256'][:12]}")
+    print(f"model   {_model_line(m)}")
     if s["preprocess"]:
         print(f"pixels  {_pixels_line(s['preprocess'])}")
     print(f"rows    {s['rows']}: {rs['ok']} ok, {rs['failed']} failed, {rs['pending']} pending; "

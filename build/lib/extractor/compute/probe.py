@@ -1,0 +1,245 @@
+"""The worker's probe: one blank image through the hooked model measures what the store records (each capture's
+shape and record, the per-row extras, the model's facts), decides the layouts left at ``auto``, and refuses a
+model whose values could not be stored as one job's (a forward that draws at random, prefix tokens that are not
+there). Mixed into :class:`~extractor.compute.worker.Worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..data import Preprocess
+from ..errors import ExtractorError, LayerError, ModelError
+from ..faults import describe_error, device_errors
+from ..index import with_indexes
+from ..model import (
+    ROOT,
+    Capturer,
+    Target,
+    contradicted_layouts,
+    dim_names,
+    not_rgb,
+    reduced_otherwise,
+    settle_layouts,
+)
+from ..spec import JobSpec
+from ..store import (
+    BY_DIGEST,
+    CaptureRecord,
+    ExtraRecord,
+    Probe,
+    forward_summary,
+)
+
+__all__ = ["Probing"]
+
+log = logging.getLogger(__name__)
+
+_INTERRUPTS: tuple[type[BaseException], ...] = (KeyboardInterrupt, *device_errors())  # never the model's fault
+# errors the probe raises as they are; any other is the model's, on a blank image
+_PROBE_PASSES: tuple[type[BaseException], ...] = (ExtractorError, torch.OutOfMemoryError, *_INTERRUPTS)
+# two forwards of one image may differ by float rounding (GPU kernels), not by more than this, relatively
+RANDOM_FORWARD_TOLERANCE = 1e-3
+
+
+class Probing:
+    """The probe's part of a :class:`~extractor.compute.worker.Worker`, which holds these attributes."""
+
+    spec: JobSpec
+    preprocess: Preprocess
+    model: torch.nn.Module
+    model_info: dict[str, Any]
+    token_facts: Any
+    targets: list[Target]
+    capturer: Capturer
+    captures: dict[str, CaptureRecord] | None
+    extras: dict[str, ExtraRecord]
+
+    def _forward(
+        self, images: torch.Tensor, labels: np.ndarray | None = None, eager: bool = False,
+        draws: np.ndarray | None = None,
+    ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError  # the worker's hooked forward
+
+    def _blank(self, size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        """One blank image at the model's input size (or ``size``) through the hooked model, eagerly."""
+        h, w = size or self.preprocess.size
+        return self._forward(torch.zeros(1, 3, h, w, dtype=torch.uint8), np.zeros(1, np.int64), eager=True)
+
+    def probe(self) -> Probe:
+        """What the driver needs to create the store (captures, per-row extras, the model's facts, the resolved
+        preprocessing), measured once with a blank image (:meth:`_measure`)."""
+        if self.captures is None:
+            self._measure()
+        assert self.captures is not None
+        return Probe(captures=self.captures, extras=self.extras, model=self.model_info,
+                     preprocess=self.preprocess.to_dict())
+
+    def _measure(self) -> None:
+        """Run one blank image through the model: the stored shape and metadata of each capture.
+        4-D outputs left at ``layout: auto`` are decided here (see :func:`~extractor.model.reduce.settle_layouts`)."""
+        h, w = self.preprocess.size
+        d = self.spec.data
+        size_from = "data.crop" if d.crop not in ("auto", None) else "data.resize" if d.crop is None and \
+            d.resize != "auto" else f"the input size from {self.preprocess.source}"
+        try:
+            values = self._blank()
+            if self._decide_layouts():
+                values = self._blank()  # again, reduced as decided
+            fixed = self._check_deterministic()
+        except _PROBE_PASSES:
+            raise
+        except Exception as err:
+            channels = not_rgb(self.model)
+            if channels is not None:  # the cause: not the input size the message below suggests
+                raise ModelError(f"{channels}; it failed on a blank image, before any image was read: "
+                                 f"{describe_error(err)}") from err
+            raise ModelError(
+                f"the model failed on a blank {h}x{w} image ({size_from}), before any image was read: "
+                f"{describe_error(err)}. If it expects another input size, set data.crop (and "
+                "data.resize) to it; if it takes its input another way, see model.call, model.input and "
+                "model.forward_kwargs"
+            ) from err
+        self.targets = self.capturer.targets
+        original = dict(self.capturer.original_shapes)
+        self._check_prefix(original)
+        if self.capturer.logits is not None:  # a gradient job: labels (target: label) must be among them
+            self.model_info = {**self.model_info, "logits": self.capturer.logits}
+        # what the captured layers give on the fixed input: resume and reuse compare it (not only class and weights)
+        self.model_info = {**self.model_info, "forward_summary": forward_summary(
+            {t.key: fixed[t.key].detach().float().cpu().numpy() for t in self.targets})}
+        modules = dict(self.model.named_modules())
+        widths = dict(self.capturer.matrices)  # project: (key, features in) as the blank saw them
+        self.captures = {t.key: _record(t, modules[t.layer], values[t.key].shape[1:], original[t.key],
+                                        next((w for k, w in widths if k == t.key), 0))
+                         for t in self.targets}
+        # write-time feature indexes (capture.feature_index): their settings, checked against the capture's shape
+        self.captures = with_indexes(self.spec.capture, self.captures, self.model_info.get("prefix_tokens"))
+        self.extras = _extras(values, self.captures)
+
+    def _check_deterministic(self) -> dict[str, torch.Tensor]:
+        """Refuse a model whose eval forward draws at random (ViTMAE masks patches at random in eval
+        mode): two forwards of one image must store the same values, else every stored row is one
+        draw and a resume mixes draws. Float rounding (another kernel on a GPU) passes. Returns the
+        captures of that fixed image (the model's forward summary is made of them)."""
+        h, w = self.preprocess.size
+        # seeded mid-grey noise: its patches differ (a shuffle of equal patches would not show), and no pixel is
+        # saturated (blank images pass the model: an unusual one must not fail here instead)
+        image = torch.randint(64, 192, (1, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        labels = np.zeros(1, np.int64)
+        first, second = (self._forward(image, labels, eager=True) for _ in range(2))
+        for key, a in first.items():
+            x, y = a.float(), second[key].float()
+            same = (x == y) | (torch.isnan(x) & torch.isnan(y))  # equal Inf and NaN too
+            gap = float(torch.where(same, 0.0, (x - y).abs()).nan_to_num(nan=float("inf")).max()) if x.numel() \
+                else 0.0
+            scale = float(x.abs().nan_to_num(nan=0.0, posinf=0.0).max()) if x.numel() else 0.0
+            if gap > RANDOM_FORWARD_TOLERANCE * max(scale, 1.0):
+                raise ModelError(
+                    f"the model's forward is not deterministic in eval mode: two forwards of the same image differ "
+                    f"in {key} by up to {gap:.3g} (its values reach {scale:.3g}), so every stored row would be one "
+                    "random draw and a resume would mix draws. A model that masks or samples at random (ViTMAE's "
+                    "random_masking) needs its randomness fixed: see the README, 'A forward that draws at random'"
+                )
+        return first
+
+    def _check_prefix(self, original: dict[str, tuple[int, ...]]) -> None:
+        """A capture that leaves out the model's prefix tokens must be one of its token sequences:
+        patches + prefix long, when the count was decided from the patch grid."""
+        facts, given = self.token_facts, isinstance(self.spec.model.prefix_tokens, int)
+        for t in self.targets:
+            length = original[t.key][0]
+            if not t.drop_prefix or given or facts.patches is None or length == facts.patches + t.drop_prefix:
+                continue
+            raise LayerError(
+                f"capture[{t.capture}] {t.key}: drop_prefix leaves out the model's {t.drop_prefix} prefix tokens of "
+                f"sequences of {facts.patches} patches + {t.drop_prefix}, but layer {t.layer or ROOT!r} gives "
+                f"{length} tokens: it is not such a sequence. Capture a layer of the token sequence (see `extractor "
+                "layers`), or set model.prefix_tokens to the count to leave out of this one"
+            )
+
+    def _decide_layouts(self) -> bool:
+        """Decide ``layout: auto`` for the 4-D outputs whose layout matters (reduced, stored whole,
+        Grad-CAM) from facts (:func:`settle_layouts`); a given layout the facts contradict is said, then
+        obeyed. True when the blank must run again: a decided layout reduces otherwise than ``nchw`` did."""
+        modules = dict(self.model.named_modules())
+        shapes = dict(self.capturer.original_shapes)
+        for t, fact in contradicted_layouts(self.targets, modules, shapes):
+            log.warning("capture[%d] %s: layout %s is given, but layer %r (%s) gives %s outputs; its outputs "
+                        "are %s (see the README's capture section)", t.capture, t.key, t.layout,
+                        t.layer or ROOT, type(modules[t.layer]).__name__, fact, fact)
+        layouts = settle_layouts(self.targets, modules, shapes, self.capturer.auto_4d, self._shapes_at_another_size)
+        if not layouts:
+            return False
+        for t in self.targets:
+            if t.key in layouts and not (t.reduce == "flatten" and t.what != "gradcam"):
+                log.info("capture[%d] %s: layout %s", t.capture, t.key, layouts[t.key])
+        self.capturer.set_layouts(layouts)
+        self.targets = self.capturer.targets
+        return reduced_otherwise(self.targets, layouts)
+
+    def _shapes_at_another_size(self) -> dict[str, tuple[int, ...]]:
+        """The captures' shapes for a blank image 32 pixels larger each way ({} when the model refuses it)."""
+        h, w = self.preprocess.size
+        shapes = self.capturer.original_shapes  # the input size's: what the store records
+        try:
+            self._blank((h + 32, w + 32))
+            return dict(self.capturer.original_shapes)
+        except _INTERRUPTS:
+            raise
+        except Exception:  # noqa: BLE001 - a model with a fixed input size: this fact is not to be had
+            return {}
+        finally:
+            self.capturer.original_shapes = shapes
+
+
+def _extras(values: dict[str, torch.Tensor], captures: dict[str, CaptureRecord]) -> dict[str, ExtraRecord]:
+    """The per-row results besides the captures (a gradient job's target, target_score and KEY.range; a sampled
+    capture's KEY.token_index), as the blank image gave them."""
+    return {
+        key: {
+            "dtype": "float32" if v.is_floating_point() else "int16" if v.dtype == torch.int16 else "int64",
+            "shape": list(v.shape[1:]),
+            "dims": [f"{key}.minmax"] if key.endswith(".range") else [f"{key}.token"] if v.ndim == 2 else [],
+        }
+        for key, v in values.items()
+        if key not in captures
+    }
+
+
+def _record(t: Target, module: torch.nn.Module, shape: Sequence[int], original: Sequence[int],
+            projected_from: int = 0) -> CaptureRecord:
+    """How capture ``t`` is stored: ``shape`` per row as stored, ``original`` as the model computed it;
+    ``projected_from``: the features ``project`` multiplied (the matrix's rows)."""
+    record: CaptureRecord = {
+        "layer": t.layer,
+        "module_type": type(module).__name__,
+        "what": t.what,
+        "index": t.index,
+        "reduce": t.reduce,
+        "dtype": t.dtype,
+        "shape": list(shape),
+        "original_shape": list(original),
+        "dims": dim_names(t.key, tuple(original), t.reduce, t.what, t.layout),
+        "capture": t.capture,
+    }
+    if t.drop_prefix:
+        record["drop_prefix"] = t.drop_prefix
+    if t.gradient and t.target is not None:
+        record["target"] = t.target
+    if t.what == "gradcam":
+        record["size"] = t.size
+    if t.sample:  # the kept positions: KEY.token_index; the draw: extractor.store.sampling.sample_positions
+        record["sample_tokens"], record["prefix_kept"], record["seed"] = t.sample, t.keep, t.seed
+        record["sampled_by"] = BY_DIGEST
+    if t.project:  # the matrix: extractor.store.sampling.projection_matrix(seed, original features, project)
+        record["project"], record["projection"], record["seed"] = t.project, t.projection, t.seed
+        record["projected_from"] = projected_from
+    return record
+
+

@@ -1,0 +1,22 @@
+"""The images: rows and shards, where their bytes are, the preprocessing and the decoders, and the stream of
+decoded batches. Needs numpy and Pillow; the spec for listing and decoding; never torch at import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._face import face
+
+if TYPE_CHECKING:  # the face: what other layers may import, each name once
+    from .decode import EncodedJpeg, ImageDecoder, JpegDecoder, open_rgb, rgb_from_bytes
+    from .files import absolute, content_digest, expand_braces, fingerprint, is_relative, is_url, local_fingerprint
+    from .listing import list_rows
+    from .preprocess import IMAGENET, PIL_RESAMPLE, Preprocess, from_dict, of_store, resolve
+    from .rows import BLOCK, LocatorArray, Rows, Shard, labels_of, plan, strings, text_hashes
+    from .sources import Recorded, forget_reads, locator_names, read_bytes, reuse, source
+    from .sources._dataset import with_dataset
+    from .stream import Batch, BatchStream, Reused, iter_batches
+
+# a name of the face is never a module's name too: the module, once imported, would shadow it
+__all__, __getattr__ = face(__name__, __file__)

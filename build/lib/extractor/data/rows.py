@@ -1,0 +1,447 @@
+"""The data set as rows, and its shards: row order, labels, the unit of work.
+
+Row order is deterministic: a folder is walked in sorted order, a manifest is read in file
+order, tars in pattern order, so the same spec always gives the same row for the same image.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+
+from ..errors import DataError
+
+__all__ = ["Rows", "Joined", "Joining", "Shard", "Strings", "Texts", "plan", "labels_of", "distinct", "strings",
+           "duplicate", "named", "text_hashes"]
+
+log = logging.getLogger(__name__)
+
+STRINGS = np.dtypes.StringDType()
+BLOCK = 1 << 16  # strings decoded at a time (iterating, hashing, writing)
+
+
+def strings(items: Iterable[str]) -> Texts | np.ndarray:
+    """Strings as one compact column (:class:`Texts`), gathered one at a time: no list of all of them is ever
+    held. A numpy array of strings or a Texts given is kept as it is."""
+    if isinstance(items, Texts) or (isinstance(items, np.ndarray) and items.dtype == STRINGS):
+        return items
+    gathered = Strings()
+    for item in items:
+        gathered.append(item)
+    return gathered.array()
+
+
+ENCODING = ("utf-8", "surrogatepass")  # every Python str round-trips, a file name's escaped bytes included
+
+
+class Texts:
+    """Strings held as their UTF-8 bytes in one buffer and where each ends: 8 bytes a string beside its text
+    (a numpy StringDType array: 16, and 8 more in its arena beside a text over 15 bytes; a ``str`` in a list: 60).
+    The ids and paths a source lists, at 10M rows. Indexing gives a ``str``; a slice, a StringDType array."""
+
+    def __init__(self, data: np.ndarray, ends: np.ndarray) -> None:
+        self.data = data  # uint8: every string's UTF-8, one after another
+        self.ends = ends  # int64: where string i's bytes end (its start: where string i - 1's end, or 0)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return np.asarray([self[n] for n in range(start, stop, step)], dtype=STRINGS)
+            return np.asarray(self._decoded(start, stop), dtype=STRINGS)
+        n = operator.index(i)
+        if not -len(self) <= n < len(self):
+            raise IndexError(f"string {n} of {len(self)}")
+        n %= len(self)
+        start = int(self.ends[n - 1]) if n else 0
+        return self.data[start:int(self.ends[n])].tobytes().decode(*ENCODING)
+
+    def _decoded(self, start: int, stop: int) -> list[str]:
+        if start >= stop:
+            return []
+        base = int(self.ends[start - 1]) if start else 0
+        raw = self.data[base:int(self.ends[stop - 1])].tobytes()
+        cuts = (self.ends[start:stop] - base).tolist()
+        if raw.isascii():  # most ids and paths: one decode, then slices of the text
+            text = raw.decode("ascii")
+            return [text[a:b] for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
+        return [raw[a:b].decode(*ENCODING) for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), BLOCK):
+            yield from self._decoded(start, min(start + BLOCK, len(self)))
+
+    def tolist(self) -> list[str]:
+        return self._decoded(0, len(self))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.tolist(), dtype=STRINGS if dtype is None else dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.ends.nbytes)
+
+
+class Strings:
+    """Strings appended one by one into a :class:`Texts`: their UTF-8 into one growing buffer, where each ends
+    into another (no Python object kept a string; the buffers become the Texts' without a copy)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.ends = array("q")
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, n: int) -> str:
+        """String ``n`` of those appended so far (before :meth:`array`)."""
+        return self.data[self.ends[n - 1] if n else 0:self.ends[n]].decode(*ENCODING)
+
+    def append(self, item: str) -> None:
+        self.data += item.encode(*ENCODING)
+        self.ends.append(len(self.data))
+
+    def extend(self, items: Iterable[str]) -> None:
+        """Append ``items``: encoded, joined and their ends summed at once (a tar's 10,000 keys)."""
+        encoded = [item.encode(*ENCODING) for item in items]
+        if encoded:
+            ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded))) + len(self.data)
+            self.data += b"".join(encoded)
+            self.ends.frombytes(ends.tobytes())
+
+    def array(self) -> Texts:
+        """All of them, the buffers handed over (this gathers anew from empty)."""
+        data = np.frombuffer(self.data, dtype=np.uint8) if self.data else np.zeros(0, np.uint8)
+        ends = np.frombuffer(self.ends, dtype=np.int64) if self.ends else np.zeros(0, np.int64)
+        self.data, self.ends = bytearray(), array("q")
+        return Texts(data, ends)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Many strings sharing a few heads, held as the heads and each string's tail: string ``i`` is
+    ``heads[which[i]] + tails[i]`` (``which`` None: every string has head 0), and ``ends[end[i]]`` after it where
+    ``end`` is given. A folder's paths are its root and the ids; a tar source's are the tars, the ids (the array
+    of the rows' ids, held once) and the members' extensions. Indexing gives a ``str``; a slice, an array."""
+
+    heads: Any  # strings, made a StringDType array (a few, indexed by ``which`` at once)
+    tails: np.ndarray | Texts  # strings, or integers (a Parquet row's number in its file)
+    which: np.ndarray | None = None
+    ends: Any = None  # strings after the tails (a few), made a StringDType array; None: none
+    end: np.ndarray | None = None  # each string's index into ``ends``
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "heads", np.asarray(self.heads, dtype=STRINGS))
+        if self.ends is not None:
+            object.__setattr__(self, "ends", np.asarray(self.ends, dtype=STRINGS))
+
+    def __len__(self) -> int:
+        return len(self.tails)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            heads = self.heads[0] if self.which is None else self.heads[self.which[i]]
+            tails = self.tails[i]
+            out = np.strings.add(heads, tails.astype(STRINGS) if tails.dtype.kind in "iu" else tails)
+            return out if self.end is None else np.strings.add(out, self.ends[self.end[i]])
+        text = str(self.heads[0 if self.which is None else self.which[i]]) + str(self.tails[i])
+        return text if self.end is None else text + str(self.ends[self.end[i]])
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), BLOCK):
+            yield from self[start:start + BLOCK].tolist()
+
+
+class Joining:
+    """Strings gathered into a :class:`Joined` of the heads given and ``""``: each one given whole (held as
+    head 0 and the rest when it starts with head 0, else whole), or as a head's index and a tail.
+
+    ``ids``: the rows' ids, each appended before its string. While every tail is its row's id (a folder's
+    relative paths, a manifest's paths without an id column) no tail is kept: the Joined takes the ids' array."""
+
+    def __init__(self, heads: Iterable[str], ids: Strings | None = None) -> None:
+        self.heads = [*heads, ""]
+        self.tails = Strings()
+        self.which = array("i")
+        self.ids = ids  # None once a tail differs from its id
+
+    def whole(self, text: str) -> None:
+        if text.startswith(self.heads[0]):
+            self.part(0, text[len(self.heads[0]):])
+        else:
+            self.part(len(self.heads) - 1, text)
+
+    def parts(self, head: int, tails: Sequence[str]) -> None:
+        """Strings ``heads[head] + tail`` for each of ``tails``."""
+        if self.ids is not None:
+            for tail in tails:
+                self.part(head, tail)
+            return
+        self.which.extend([head] * len(tails))
+        self.tails.extend(tails)
+
+    def part(self, head: int, tail: str) -> None:
+        if self.ids is not None:
+            if tail == self.ids[len(self.which)]:
+                self.which.append(head)
+                return
+            for n in range(len(self.which)):  # the first that differs: the tails so far were the ids
+                self.tails.append(self.ids[n])
+            self.ids = None
+        self.which.append(head)
+        self.tails.append(tail)
+
+    def joined(self, ids: Texts | np.ndarray | None = None) -> Joined:
+        """The strings; ``ids``: the array the ids given at the start became."""
+        which = np.frombuffer(self.which, dtype=np.int32) if self.which else np.zeros(0, np.int32)
+        tails: Texts | np.ndarray = self.tails.array() if self.ids is None or ids is None else ids
+        return Joined(np.asarray(self.heads, dtype=STRINGS), tails, which if which.any() else None)
+
+
+@dataclass(frozen=True)
+class LocatorArray:
+    """A per-row array a data source keeps in the store beside ``paths``, to find a row's bytes where a path alone
+    does not (declared on its ``Source.locators``; the rows of its listing carry one column of it)."""
+
+    name: str  # the store's array
+    dtype: str  # numpy's name of its type
+    fill: Any  # what a row holds where the source gave nothing
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The data set as the store records it: one entry per row, in row order, each column one numpy array (a
+    list given is made one): at 10M rows a list of strings and ints was gigabytes of the driver's memory."""
+
+    ids: Texts | np.ndarray | Joined  # strings: a Texts (or a StringDType array, or a Joined)
+    paths: Texts | np.ndarray | Joined  # strings, or Joined: the same paths, their shared heads held once
+    labels: np.ndarray  # int64, -1: none
+    classes: list[str] = field(default_factory=list)
+    locators: Mapping[str, np.ndarray] = field(default_factory=dict)  # the source's locator arrays (its
+    # ``Source.locators``, in that order), by the store's array names: one column each, where the source has them
+    fingerprints: np.ndarray | None = None  # uint64 per row, where the source tells cheaply (0: unknown); see files
+    listing: dict[str, Any] | None = None  # what the listing was made from (``Source.listing``), where it tells
+    stored: dict[str, Any] | None = None  # rows a store records, left there (a resume whose source is as listed):
+    # their number and digests (n_rows, ids_digest, paths_digest); the columns then are empty, and labels only read
+    # when asked for
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if not isinstance(self.ids, Joined):
+            put("ids", strings(self.ids))
+        if not isinstance(self.paths, Joined):
+            put("paths", strings(self.paths))
+        put("labels", np.asarray(self.labels, dtype=np.int64).reshape(-1))
+        if self.fingerprints is not None:
+            put("fingerprints", np.asarray(self.fingerprints, dtype=np.uint64).reshape(-1))
+        put("locators", {name: np.asarray(column).reshape(-1) for name, column in self.locators.items()})
+
+    def __len__(self) -> int:
+        return len(self.ids) if self.stored is None else int(self.stored["n_rows"])
+
+
+def duplicate(ids: Any) -> tuple[int, int] | None:
+    """The rows of the first id that appears again, as (its first row, the row it appears again in); None when
+    all are unique. Found by sorting the ids' hashes (16 bytes a row while it runs; a set of 10M ids was a
+    gigabyte), the few rows whose hash another shares compared as strings."""
+    hashes = _hashes(ids)
+    ordered = np.sort(hashes)
+    shared = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    del ordered
+    rows = []
+    for start in range(0, len(hashes) if len(shared) else 0, BLOCK):
+        block = hashes[start:start + BLOCK]
+        at = np.minimum(np.searchsorted(shared, block), len(shared) - 1)
+        rows.append(start + np.flatnonzero(shared[at] == block))
+    del hashes
+    first: dict[str, int] = {}
+    for row in np.concatenate(rows).tolist() if rows else []:  # in row order
+        key = str(ids[row])
+        if key in first:
+            return first[key], row
+        first[key] = row
+    return None
+
+
+def _hashes(ids: Any) -> np.ndarray:
+    """A 64-bit hash of each string (a Texts' in bulk from its bytes; others by Python's ``hash``: 4x faster than
+    making them a Texts first)."""
+    if isinstance(ids, Texts):
+        return text_hashes(ids)
+    hashes = np.empty(len(ids), dtype=np.int64)
+    for start in range(0, len(ids), BLOCK):
+        hashes[start:start + BLOCK] = [hash(i) for i in ids[start:start + BLOCK].tolist()]
+    return hashes
+
+
+def text_hashes(texts: Texts | Sequence[str]) -> np.ndarray:
+    """A 64-bit hash (int64) of each string from its UTF-8 (:func:`_text_hashes`), the same in every process, unlike
+    Python's ``hash``: a store's index of its ids keeps them. A sequence that is not a Texts is made one a block at
+    a time."""
+    hashes = np.empty(len(texts), dtype=np.int64)
+    if not isinstance(texts, Texts):
+        for start in range(0, len(texts), BLOCK):
+            block = Strings()
+            block.extend(list(texts[start:start + BLOCK]))
+            hashes[start:start + BLOCK] = text_hashes(block.array())
+        return hashes
+    step = BLOCK // 16  # its bytes' terms at 8 bytes each
+    for start in range(0, len(texts), step):
+        hashes[start:start + step] = _text_hashes(texts, start, min(start + step, len(texts)))
+    return hashes
+
+
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _text_hashes(texts: Texts, start: int, stop: int) -> np.ndarray:
+    """Strings ``start:stop`` of a Texts hashed from their UTF-8 at once: the sum of (byte + 1) x M^position
+    (modulo 2^64), mixed with the length."""
+    base = int(texts.ends[start - 1]) if start else 0
+    ends = texts.ends[start:stop].astype(np.int64) - base
+    lengths = np.diff(ends, prepend=0)
+    data = texts.data[base:base + int(ends[-1])]
+    if not len(data):
+        return lengths
+    firsts = ends - lengths
+    position = np.arange(len(data)) - np.repeat(firsts, lengths)
+    with np.errstate(over="ignore"):
+        powers = np.cumprod(np.full(int(lengths.max()), _MULTIPLIER, dtype=np.uint64))
+        terms = (data.astype(np.uint64) + np.uint64(1)) * powers[position]
+        sums = np.add.reduceat(terms, np.minimum(firsts, len(terms) - 1))
+        sums[lengths == 0] = 0
+        return (sums * _MULTIPLIER + lengths.astype(np.uint64)).view(np.int64)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A contiguous range of rows ``[start, stop)``: the unit of work, retry and resume."""
+
+    index: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def plan(n_rows: int, shard_size: int) -> list[Shard]:
+    """Split ``n_rows`` rows into shards of ``shard_size`` rows (the last may be shorter)."""
+    if shard_size <= 0:
+        raise ValueError(f"shard_size must be positive, got {shard_size}")
+    return [
+        Shard(i, start, min(start + shard_size, n_rows))
+        for i, start in enumerate(range(0, n_rows, shard_size))
+    ]
+
+
+_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # no "+": "+1"/"-1" stay two class names, as before
+
+
+def _label_number(value: object) -> Decimal | None:
+    """A label read as a number: a JSON int or float, or text such as ``3``, ``3.0``, ``1e1``
+    (what pandas writes for an integer column with gaps); None for a class name."""
+    if isinstance(value, bool):  # JSON true/false: names, as before
+        return None
+    if isinstance(value, int | float):
+        return Decimal(value)  # exact; NaN and infinities included, refused by the caller
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return Decimal(value.strip())
+    return None
+
+
+def _whole(d: Decimal) -> bool:
+    """A label's number (a Decimal) is a class index: finite, whole, an int64."""
+    return bool(d.is_finite() and d == d.to_integral_value() and -(2**63) <= d < 2**63)
+
+
+def labels_of(raw: Iterable[object],
+              where: Callable[[int], str] = lambda n: f"row {n + 1}") -> tuple[np.ndarray, list[str]]:
+    """Integer labels as given, or class names mapped to sorted indices; -1 where missing.
+
+    Numbers are class indices when every present value is a whole number: ``3``, ``3.0`` and
+    JSON ``3.0`` are all label 3. Otherwise every value is a class name (``"3"`` beside
+    ``"cat"``); when all of them looked like numbers (``2.5``), with a warning naming
+    ``where(row)`` of the first that is not whole. Decided on the distinct values: the rows keep a code each.
+    """
+    codes, values, firsts = distinct(raw)
+    present = [k for k, v in enumerate(values) if v not in (None, "")]
+    table = np.full(len(values), -1, dtype=np.int64)
+    if not present:
+        return table[codes], []
+    numbers = {k: d for k in present if (d := _label_number(values[k])) is not None}
+    if len(numbers) == len(present):
+        odd = [k for k, d in numbers.items() if not _whole(d)]
+        if not odd:
+            for k, d in numbers.items():
+                table[k] = int(d)
+            return table[codes], []
+        first = min(odd, key=firsts.__getitem__)
+        log.warning("%s: label %r is not a whole number, so every label is taken as a class name (class indices "
+                    "are whole numbers: 3, or 3.0 as spreadsheets write it)", where(firsts[first]), values[first])
+    classes = sorted({str(values[k]) for k in present})
+    index = {c: i for i, c in enumerate(classes)}
+    for k in present:
+        table[k] = index[str(values[k])]
+    return table[codes], classes
+
+
+def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]]:
+    """Each row's code into its distinct values (by type and value: ``1`` and ``True`` differ), the values, and
+    the first row of each."""
+    codes = array("i")  # (int32: half of int64's bytes at 10M rows)
+    index: dict[tuple[type, object], int] = {}
+    values: list[object] = []
+    firsts: list[int] = []
+    texts: dict[str, int] = {}  # the str values' codes (most labels: no key to make)
+    for n, v in enumerate(raw):
+        if type(v) is str:
+            code = texts.get(v)
+            if code is None:
+                code = texts[v] = index[(str, v)] = len(values)
+                values.append(v)
+                firsts.append(n)
+            codes.append(code)
+            continue
+        key = (type(v), v if isinstance(v, str | int | float | None) else repr(v))
+        code = index.get(key)
+        if code is None:
+            code = index[key] = len(values)
+            values.append(v)
+            firsts.append(n)
+        codes.append(code)
+    return np.frombuffer(codes, dtype=np.int32) if codes else np.zeros(0, np.int32), values, firsts
+
+
+def named(rows: Rows, classes: list[str], where: str) -> Rows:
+    """``rows`` with the class names ``data.classes``: integer labels checked to be among them, labels that were
+    names (or folders) given their index in them."""
+    labels = rows.labels
+    if rows.classes:  # names: their index in the given list
+        index = {c: i for i, c in enumerate(classes)}
+        unknown = sorted(set(rows.classes) - set(index))
+        if unknown:
+            raise DataError(f"{where}: labels {', '.join(map(repr, unknown[:10]))} are not in data.classes "
+                            f"({len(classes)} names); add them, or remove data.classes to take the labels' own names")
+        to = np.asarray([index[c] for c in rows.classes], dtype=np.int64)
+        labels = np.where(labels >= 0, to[np.maximum(labels, 0)], -1)
+    else:
+        beyond = np.flatnonzero(labels >= len(classes))
+        if len(beyond):
+            first = int(beyond[0])
+            raise DataError(f"{where}: row {rows.ids[first]!r} has label {labels[first]}, but data.classes names "
+                            f"{len(classes)} classes (labels 0 to {len(classes) - 1})")
+    return replace(rows, labels=labels, classes=classes)

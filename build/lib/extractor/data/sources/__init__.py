@@ -1,0 +1,221 @@
+"""The data sources as plug-ins: one module each (a folder, a manifest, tar files, Parquet or Arrow files), each a
+:class:`Source`, registered by its ``data.source`` name (the names and the settings each reads are declared in
+:mod:`extractor.spec.sources`). Listing (:func:`~extractor.data.listing.list_rows`), reading a row's bytes
+(:func:`read_bytes`) and a resume's reuse of the rows a store recorded (:func:`reuse`) go through the registry;
+nothing outside a source's module knows how it lists or reads.
+
+Adding a source: its settings in ``spec.sources.SOURCE_SETTINGS`` (and ``DataSpec.source``'s names), one module
+here whose ``SOURCE`` is a :class:`Source`, and its tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from abc import ABC, abstractmethod
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+from ...spec import SOURCE_SETTINGS
+from ..files import FS_BYTES, Locator, is_url, local_fingerprint, read_file
+from ..rows import BLOCK, LocatorArray
+
+if TYPE_CHECKING:
+    from ...spec import DataSpec
+    from ..rows import Rows
+
+__all__ = [
+    "Source", "Recorded", "LocatorArray", "source", "locator_names", "read_bytes", "forget_reads", "reuse", "files_now",
+    "folder_prints", "REGISTRY",
+]
+
+
+REGISTRY: dict[str, str] = {name: name for name in SOURCE_SETTINGS}  # data.source -> its module here
+
+
+class Recorded(Protocol):
+    """The rows a store recorded, as a resume reads them back (the store makes one: ``store.StoredRows``)."""
+
+    listing: dict[str, Any]  # what they were listed from, as the source's :meth:`Source.listing` said then
+
+    def rows(self) -> Rows:
+        """The rows left in the store: their number, digests, classes and listing (``Rows.stored``)."""
+        ...
+
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows ``start:stop`` of a per-row array of the store (``ids``, ``paths``, ``labels``, ``fingerprint``...)."""
+        ...
+
+
+class Source(ABC):
+    """A data source: lists a data spec's images as rows (ids, paths, labels, fingerprints) and reads a row's bytes.
+    The hooks with defaults are for the sources that need them."""
+
+    name: ClassVar[str]  # its data.source
+    # the per-row arrays it keeps in the store beside ``paths`` where a path alone does not find a row's bytes (a
+    # tar member's byte range): its rows carry them (``Rows.locators``), the store writes them, and a row's
+    # locator read back from the store is ``(path, *their values)``, in this order, handed to :meth:`read`
+    locators: ClassVar[tuple[LocatorArray, ...]] = ()
+
+    @abstractmethod
+    def list(self, data: DataSpec) -> Rows:
+        """Every row, in a fixed order, with its fingerprint where one is cheap (0: unknown) and, where the source
+        can tell cheaply whether it changed, ``Rows.listing``: what the listing was made from (:meth:`listing`, with
+        ``rows``: each part's number of rows, where it has parts)."""
+
+    def empty(self, data: DataSpec) -> str:
+        """Why a listing found no rows, in the error's words."""
+        return f"looked for files ending in {', '.join(data.extensions)}"
+
+    def reads(self, item: Locator) -> bool:
+        """Whether a stored locator is one only this source reads (a tar member, a Parquet row)."""
+        return False
+
+    def read(self, item: Locator, storage_options: dict | None, outside_root: bool) -> bytes:
+        """The bytes of a locator it :meth:`reads`."""
+        assert isinstance(item, str)
+        return read_file(item, storage_options)
+
+    def forget(self) -> None:
+        """Drop what reads keep of the source (a Parquet file's row groups): later reads see it as it is now."""
+        return None
+
+    def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """What a listing would be made from now, cheaply (the files' fingerprints, the settings that change it),
+        as a JSON object; None: not known cheaply (every resume lists again). A store records it (``Rows.listing``);
+        a resume whose source gives the same takes the rows from the store instead of listing them. ``was``: the
+        listing the store recorded, where a resume asks (a folder stats the folders it names, no more)."""
+        return None
+
+    def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
+        """The rows, when the source changed since ``recorded`` was listed (``now``: :meth:`listing` now): the parts
+        that changed listed again, the others taken from the store. None: list it all."""
+        return None
+
+    def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
+        """The rows' fingerprints now, for rows taken from the store when its listing holds and ``data.verify:
+        files`` asks (a folder's or a manifest's files rewritten in place); None: the recorded ones hold."""
+        return None
+
+    def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> dict[str, np.ndarray] | None:
+        """Where each row's bytes are now, when the source moved them since the store recorded them (a rewritten
+        tar's members): its :attr:`locators` arrays as they are now, by name; None: where recorded."""
+        return None
+
+
+_LOADED: dict[str, Source] = {}
+
+
+def source(name: str) -> Source:
+    """The source registered as ``data.source: name``."""
+    if name not in _LOADED:
+        if name not in REGISTRY:
+            from ...errors import DataError
+
+            raise DataError(f"data.source {name!r} is not a data source; the sources are {', '.join(REGISTRY)}")
+        module = importlib.import_module(f"{__name__}.{REGISTRY[name]}")
+        _LOADED[name] = module.SOURCE
+    return _LOADED[name]
+
+
+def locator_names() -> frozenset[str]:
+    """The names of every source's locator arrays (:attr:`Source.locators`): per-row arrays of the store."""
+    return frozenset(a.name for name in REGISTRY for a in source(name).locators)
+
+
+def read_bytes(item: Locator, storage_options: dict | None = None, outside_root: bool = True) -> bytes:
+    """The bytes of one image: a file or URL, or a locator a source reads itself (a tar member's byte range, a
+    Parquet file's row). ``outside_root`` false: a path a source's row names that leaves its folder is refused,
+    not opened (the job's decoders pass ``data.outside_root``)."""
+    for name in REGISTRY:
+        reader = source(name)
+        if reader.reads(item):
+            return reader.read(item, storage_options, outside_root)
+    if not isinstance(item, str):
+        raise ValueError(f"no data source reads {item!r}")
+    return read_file(item, storage_options)
+
+
+def forget_reads() -> None:
+    """Reads from now on see the sources as they are now: what :func:`read_bytes` keeps of them is dropped.
+    Called where rows are read to be computed or checked."""
+    for loaded in list(_LOADED.values()):
+        loaded.forget()
+
+
+def reuse(data: DataSpec, recorded: Recorded) -> Rows | None:
+    """A resume's rows, from the store where the source is as it was listed: all of them when its listing is the
+    same (their fingerprints taken again where ``data.verify: files`` asks), the changed parts listed again
+    otherwise; None: the source lists them all again."""
+    src = source(data.source)
+    now = src.listing(data, recorded.listing)
+    if now is None:
+        return None
+    was = {k: v for k, v in recorded.listing.items() if k != "rows"}
+    if was != now:
+        return src.relist(data, recorded, now)
+    rows = recorded.rows()
+    prints = src.refresh(data, recorded) if data.verify == "files" else None
+    return rows if prints is None else replace(rows, fingerprints=prints)
+
+
+def files_now(recorded: Recorded) -> np.ndarray:
+    """The fingerprints now of the files a store's rows name (0: a URL, or a file that cannot be seen), ``BLOCK``
+    rows at a time: a stat each, no listing."""
+    n_rows = len(recorded.rows())
+    out = np.zeros(n_rows, dtype=np.uint64)
+    for start in range(0, n_rows, BLOCK):
+        block = recorded.column("paths", start, min(start + BLOCK, n_rows))
+        if block.dtype == object:
+            block = block.astype(np.dtypes.StringDType())
+        plain = not bool(np.strings.find(block, "://").max(initial=-1) >= 0 or
+                         np.strings.startswith(block, FS_BYTES).any())
+        out[start:start + len(block)] = _stat_prints(block) if plain else \
+            [0 if is_url(p) else local_fingerprint(p) for p in block.tolist()]
+    return out
+
+
+def _stat_prints(paths: np.ndarray) -> np.ndarray:
+    """:func:`~extractor.data.files.local_fingerprint` of plain local paths (a million in a resume): split at
+    their last ``/`` in numpy, each run of one folder's files stat-ed by name in that folder (no path joined or
+    walked again per file)."""
+    folders, seps, names = np.strings.rpartition(paths, np.asarray("/", dtype=paths.dtype))
+    starts = [0, *(np.flatnonzero(folders[1:] != folders[:-1]) + 1).tolist(), len(paths)]
+    out = np.zeros(len(paths), dtype=np.uint64)
+    for a, b in zip(starts[:-1], starts[1:], strict=False):
+        folder = str(folders[a]) or ("/" if seps[a] else ".")
+        out[a:b] = folder_prints(folder, names[a:b].tolist())
+    return out
+
+
+_BY_NAME = os.stat in os.supports_dir_fd and hasattr(os, "O_DIRECTORY")
+
+
+def folder_prints(folder: str, names: list[str]) -> list[int]:
+    """The fingerprints of files ``names`` of one folder, each stat-ed by its name in the open folder (by its
+    whole path where the folder cannot be opened: one that can be searched but not read)."""
+    import xxhash
+
+    digest, out = xxhash.xxh3_64_intdigest, []
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY) if _BY_NAME else None
+    except OSError:
+        fd = None
+    stat = functools.partial(os.stat, dir_fd=fd) if fd is not None else os.stat
+    named = names if fd is not None else [os.path.join(folder, n) for n in names]
+    try:
+        for name in named:
+            try:
+                st = stat(name)
+            except OSError:
+                out.append(0)
+                continue
+            # as files.fingerprint(size, mtime, ctime, inode) has it
+            out.append(digest(b"%d|%d|%d|%d" % (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)) or 1)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return out

@@ -1,0 +1,272 @@
+"""The folder source (``data.root``): images under a local or remote folder, walked in sorted order, labelled
+by their class folders. A local folder's listing records each folder walked with its mtime, ctime and number of
+rows: a resume stats those folders (thousands at a million images), not the files, and lists again only those
+whose times moved (a file added, removed or renamed in them; the ctime also when the mtime was put back by hand)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...errors import DataError
+from ..files import (
+    absolute,
+    display_name,
+    is_url,
+    local_path,
+    remote_error,
+    remote_fingerprint,
+    storable_path,
+)
+from ..rows import STRINGS, Joined, Joining, Rows, Strings, Texts, named, strings
+from . import Recorded, Source, files_now, folder_prints
+
+if TYPE_CHECKING:
+    from ...spec import DataSpec
+
+log = logging.getLogger(__name__)
+
+
+def _list_remote_folder(root: str, extensions: Sequence[str], storage: dict) -> Rows:
+    import fsspec
+
+    exts = tuple(e.lower() for e in extensions)
+    try:
+        fs, base = fsspec.core.url_to_fs(root, **storage)
+        infos = fs.find(base, detail=True)  # sizes and ETags come with the listing: the rows' fingerprints
+        found = sorted(p for p in infos if p.lower().endswith(exts))
+    except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+        raise remote_error("data.root", root, err) from err
+    base = base.rstrip("/")
+    kept = [p for p in found if not any(part.startswith(".") for part in p[len(base) + 1:].split("/"))]  # hidden
+    ids = strings(p[len(base) + 1:] for p in kept)
+    tops = [_top(r) for r in ids]
+    labels, classes = _folder_labels(tops, [1] * len(tops), lambda: str(ids[tops.index("")]))
+    return Rows(ids=ids, paths=Joined(strings([f"{root.rstrip('/')}/"]), ids), labels=labels, classes=classes,
+                fingerprints=np.fromiter((remote_fingerprint(infos[p]) for p in kept), np.uint64, len(kept)))
+
+
+def _folder_labels(tops: Sequence[str], counts: Sequence[int], first: Callable[[], str]) -> tuple[np.ndarray,
+                                                                                                  list[str]]:
+    """ImageFolder labels of runs of rows, ``counts[i]`` rows in top-level folder ``tops[i]``: an image's class is
+    its top-level folder. Images directly in the root (top ``""``) have no class (-1); when others do, a warning
+    names the first of them (``first()``)."""
+    n = np.asarray(counts, dtype=np.int64)
+    present = {t for t, c in zip(tops, counts, strict=True) if c}
+    classes = sorted(t for t in present if t)
+    if "" in present and classes:
+        log.warning("%d images lie directly in data.root (first: %s), outside the class folders; they get "
+                    "no label (-1). Move them into a class folder, or list them in a manifest",
+                    int(n[[t == "" for t in tops]].sum()), first())
+    index = {c: i for i, c in enumerate(classes)}
+    return np.repeat(np.asarray([index.get(t, -1) for t in tops], dtype=np.int64), n), classes
+
+
+def _top(rel: str) -> str:
+    """The top-level folder of an image's relative path ("": it lies in the root)."""
+    return rel.split("/", 1)[0] if "/" in rel else ""
+
+
+_UNSETTLED_NS = 2 * 10**9  # a folder modified this shortly before it was listed may change again within one tick
+# of its mtime after the listing: recorded as unsettled, listed again by the next resume
+_MAX_FOLDERS = 100_000  # more folders (a folder an image): no listing recorded (megabytes of the store's attributes)
+UNSETTLED = [-1, -1]  # a recorded folder's times: list it again (modified as it was listed, or not listable)
+_GONE: list[Any] = [None, None]  # a recorded folder's times now, where it cannot be seen
+
+
+def _real(rel: str) -> str:
+    """A folder's relative path as a listing records it (:func:`storable_path`), as the file system names it."""
+    return os.fsdecode(local_path(rel))
+
+
+def _times(path: str) -> list[int] | None:
+    """A folder's mtime and ctime (both move when an entry is added, removed or renamed in it; a ctime cannot be put
+    back by hand); None: it cannot be seen."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _entries(path: str) -> tuple[list[str], list[str]]:
+    """A folder's entries as :func:`os.walk` following links sorts them: (files, folders), each sorted."""
+    files: list[str] = []
+    folders: list[str] = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            (folders if is_dir else files).append(entry.name)
+    return sorted(files), sorted(folders)
+
+
+class _Kept:
+    """The folders a store's listing recorded (``folders``: path, mtime and ctime, in walk order; ``rows``: each
+    one's number of rows) and their times now: where one's are as recorded, its rows are a run of the store's and
+    its sub-folders those recorded (an entry added, removed or renamed moves a folder's times)."""
+
+    def __init__(self, was: dict[str, Any], now: list[list[Any]]) -> None:
+        stops = np.cumsum(was["rows"]).tolist()
+        self.same: dict[str, tuple[list[int], int, int]] = {}  # a folder as recorded -> (times, first row, end row)
+        for (rel, *times), (_, *times_now), stop, count in zip(was["folders"], now, stops, was["rows"], strict=True):
+            if times == times_now and times != UNSETTLED:
+                self.same[_real(rel)] = (times, stop - count, stop)
+        self.children: dict[str, list[str]] = {}
+        for rel, *_ in was["folders"][1:]:
+            real = _real(rel)
+            self.children.setdefault(real.rpartition("/")[0], []).append(real)
+
+
+class _Walk:
+    """One walk of a local folder tree in the listing's order: each folder's images sorted by name, then its
+    sub-folders in sorted order (hidden ones skipped, links followed, a folder reached again through a link
+    skipped). Each folder is stat-ed before it is listed, and recorded with its times and number of rows: the
+    listing a resume checks by a stat per folder, no file stat-ed. ``kept``: an earlier walk's folders, from a
+    store: one unchanged since is not listed, its rows taken from the store (``recorded``)."""
+
+    def __init__(self, top: str, extensions: Sequence[str], kept: _Kept | None = None) -> None:
+        self.top, self.exts, self.kept = top, tuple(e.lower() for e in extensions), kept
+        self.ids = Strings()
+        self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
+        self.prints = array("Q")
+        self.folders: list[list[Any]] = []  # [relative path ("": the root), mtime, ctime] of each folder walked
+        self.counts: list[int] = []  # each one's rows
+        self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
+        self.seen: set[str] = set()  # the real paths walked
+        self.settled = time.time_ns() - _UNSETTLED_NS  # a folder modified since: recorded UNSETTLED
+
+    def walk(self) -> _Walk:
+        todo = [""]
+        while todo:
+            todo.extend(reversed(self._folder(todo.pop())))
+        return self
+
+    def _folder(self, rel: str) -> list[str]:
+        """Take folder ``rel``'s rows; its sub-folders to walk, in order."""
+        path = os.path.join(self.top, rel) if rel else self.top
+        real = os.path.realpath(path)
+        if real in self.seen:  # a symlink loop, or a second link to a folder already walked
+            log.warning("skipping %s: it leads back to %s, already listed", path, real)
+            return []
+        self.seen.add(real)
+        if self.kept is not None and rel in self.kept.same:
+            was, start, stop = self.kept.same[rel]
+            self._add(rel, was, True, start, stop)
+            return self.kept.children.get(rel, [])
+        return self._listed(rel, path)
+
+    def _listed(self, rel: str, path: str) -> list[str]:
+        """Folder ``rel`` listed now, its images stat-ed: its sub-folders to walk, in order."""
+        times = _times(path)  # before the listing: an entry added meanwhile moves them after
+        try:
+            files, folders = _entries(path)
+        except OSError as err:
+            log.warning("cannot list %s: %s", path, err.strerror)
+            files, folders, times = [], [], None
+        names = [n for n in files if n.lower().endswith(self.exts) and not n.startswith(".")]
+        start = len(self.prints)
+        self.prints.extend(folder_prints(path, names))
+        for name in names:
+            sub = f"{rel}/{name}" if rel else name
+            self.ids.append(display_name(sub))
+            self.paths.whole(storable_path(os.path.join(self.top, sub)))  # undecodable names: hex, whole
+        self._add(rel, times if times is not None and times[0] < self.settled else UNSETTLED, False, start,
+                  len(self.prints))
+        return [f"{rel}/{d}" if rel else d for d in folders if not d.startswith(".")]  # .git: not classes
+
+    def _add(self, rel: str, times: list[int], stored: bool, start: int, stop: int) -> None:
+        self.folders.append([storable_path(rel), *times])  # (a name that is not UTF-8: hex, as a path)
+        self.counts.append(stop - start)
+        if self.runs and self.runs[-1][0] == stored and self.runs[-1][2] == start:
+            self.runs[-1][2] = stop
+        elif stop > start:
+            self.runs.append([stored, start, stop])
+
+    def rows(self, settings: dict[str, Any], recorded: Recorded | None = None) -> Rows:
+        """The rows walked (those of the store's runs read from ``recorded``), their listing: ``settings`` and
+        the folders walked."""
+        listed = self.ids.array()
+        ids: Texts | np.ndarray = listed
+        paths: Joined | np.ndarray = self.paths.joined(listed)
+        prints = np.frombuffer(self.prints, dtype=np.uint64) if self.prints else np.zeros(0, np.uint64)
+        if any(stored for stored, _, _ in self.runs):
+            assert recorded is not None
+            ids, paths, prints = (self._joined(recorded, name, own, dtype) for name, own, dtype in (
+                ("ids", listed, STRINGS), ("paths", paths, STRINGS), ("fingerprint", prints, np.uint64)))
+        tops = [display_name(_real(rel)).split("/", 1)[0] for rel, *_ in self.folders]  # the root's: ""
+        labels, classes = _folder_labels(tops, self.counts, lambda: str(ids[0]))
+        listing = {**settings, "folders": self.folders, "rows": self.counts} if len(self.folders) <= _MAX_FOLDERS \
+            else None
+        return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints, listing=listing)
+
+
+    def _joined(self, recorded: Recorded, name: str, own: Any, dtype: Any) -> np.ndarray:
+        """A column of the rows walked: the runs of the store's from its array ``name``, the others from ``own``."""
+        return np.concatenate([np.asarray(recorded.column(name, a, b) if stored else own[a:b], dtype=dtype)
+                               for stored, a, b in self.runs])
+
+
+def _list_folder(root: Path, extensions: Sequence[str], settings: dict[str, Any]) -> Rows:
+    if not root.exists():
+        raise DataError(f"data.root {root} does not exist; set data.root to a folder of images")
+    if not root.is_dir():
+        raise DataError(f"data.root {root} is not a folder; for a file list use data.source: manifest")
+    return _Walk(absolute(str(root)), extensions).walk().rows(settings)
+
+
+class FolderSource(Source):
+    """A folder of images (``data.root``), local or remote, walked in sorted order; ImageFolder labels."""
+
+    name = "folder"
+
+    def list(self, data: DataSpec) -> Rows:
+        assert data.root is not None  # the spec validator guarantees it
+        if is_url(data.root):
+            return _list_remote_folder(data.root, data.extensions, data.storage_options)
+        return _list_folder(Path(data.root), data.extensions, self._settings(data))
+
+    def _settings(self, data: DataSpec) -> dict[str, Any]:
+        """What a listing records beside its folders: the settings that change its rows."""
+        assert data.root is not None
+        return {"source": self.name, "root": absolute(data.root),
+                "extensions": sorted(e.lower() for e in data.extensions)}
+
+    def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The folders ``was`` records, each with its times now (a stat each); None where it records none (a
+        remote folder, whose listing is one request that brings every object's fingerprint; a store made before
+        folders were recorded) or other settings."""
+        assert data.root is not None
+        if is_url(data.root) or was is None or "folders" not in was:
+            return None
+        settings = self._settings(data)
+        if any(was.get(k) != v for k, v in settings.items()):
+            return None
+        top = settings["root"]
+        return {**settings, "folders": [[rel, *(_times(os.path.join(top, _real(rel)) if rel else top) or _GONE)]
+                                        for rel, *_ in was["folders"]]}
+
+    def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
+        """The folders whose times moved listed again (and any new sub-folder of theirs), the others' rows taken
+        from the store. None (all listed again, which says what is wrong) with ``data.verify: files`` (every file
+        is stat-ed anyway) or where the root is no folder now."""
+        if data.verify == "files" or not os.path.isdir(now["root"]):
+            return None
+        kept = _Kept(recorded.listing, now["folders"])
+        rows = _Walk(now["root"], data.extensions, kept).walk().rows(self._settings(data), recorded)
+        return rows if data.classes is None else named(rows, list(data.classes), now["root"])
+
+    def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
+        return files_now(recorded)
+
+
+SOURCE = FolderSource()

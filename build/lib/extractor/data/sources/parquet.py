@@ -1,0 +1,476 @@
+"""Parquet files as a data source: the Hugging Face ``datasets`` layout (``data/train-00000-of-00042.parquet``, an
+``image`` column of ``{bytes, path}`` structs, a ``label`` column whose class names sit in the schema's
+``huggingface`` metadata), and any Parquet file of encoded images beside labels and ids.
+
+Planning reads each file's footer (row groups and their sizes) and its small label and id columns only, on
+threads. A row is stored as ``FILE#COLUMN/ROW`` (its row in the file); a worker reads the row group a row lies in
+once, and only its image column (:class:`RowGroups`), by ranged reads: never a whole file per shard.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import os
+import re
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..._threads import prefetched
+from ...errors import DataError
+from ..files import (
+    absolute,
+    expand_braces,
+    fingerprint,
+    is_url,
+    leaves_root,
+    local_fingerprint,
+    read_file,
+    remote_error,
+    remote_fingerprint,
+)
+from ..rows import Joined, Rows, Strings, duplicate, labels_of, named
+from . import Locator, Source
+
+if TYPE_CHECKING:
+    from ...spec import DataSpec
+
+__all__ = ["list_parquet", "parquet_bytes", "is_parquet_row", "row_groups", "hub_files", "file_columns", "SOURCE"]
+
+ROW = re.compile(r"^(?P<url>.+\.(?:parquet|arrow))#(?P<column>[^/#]+)/(?P<row>\d+)$", re.IGNORECASE)
+KEEP_GROUPS = 4  # row groups a process keeps decoded (its image column), the most recently used
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("data.source: parquet reads with pyarrow, which is not installed: pip install "
+                        "'extractor[parquet]' (or pip install pyarrow)") from None
+    return pq
+
+
+def is_parquet_row(item: object) -> bool:
+    """A stored path that names a Parquet (or Arrow) file's row: ``FILE.parquet#COLUMN/ROW``."""
+    return isinstance(item, str) and "#" in item and ROW.match(item) is not None
+
+
+def parquet_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any]) -> list[str]:
+    """The files ``data.parquet`` names, in order: brace patterns expanded, globs matched (sorted)."""
+    pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
+    urls: list[str] = []
+    for pattern in (p for pat in pats for p in expand_braces(pat)):
+        if not glob.has_magic(pattern):
+            urls.append(absolute(pattern))
+        elif is_url(pattern):
+            import fsspec
+
+            try:
+                fs, path = fsspec.core.url_to_fs(pattern, **storage)
+                protocol = pattern.split("://", 1)[0]
+                urls += [f"{protocol}://{p}" for p in sorted(fs.glob(path))]
+            except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+                raise remote_error("data.parquet", pattern, err) from err
+        else:
+            urls += [absolute(p) for p in sorted(glob.glob(pattern, recursive=True))]
+    if not urls:
+        raise DataError(f"data.parquet {patterns!r} names no Parquet files; check the paths and patterns")
+    return urls
+
+
+@dataclass(frozen=True)
+class _Columns:
+    image: str
+    label: str
+    id: str
+    named: frozenset[str]  # the ones data.columns named: a file without them is refused
+
+
+@dataclass
+class _File:
+    """What planning takes from one Parquet file: its rows, their raw labels and ids, its class names."""
+
+    rows: int
+    labels: list[Any] | None
+    ids: list[Any] | None
+    names: list[str] | None  # the label column's ClassLabel names in the Hugging Face metadata
+    print: int  # the file's fingerprint (0: unknown)
+
+
+def _open(url: str, storage: dict[str, Any]) -> Any:
+    """A file object for pyarrow: a local path as it is; a remote file opened for ranged reads (no read-ahead:
+    a row group's column chunk is one request)."""
+    if not is_url(url):
+        return url.removeprefix("file://")
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **storage)
+    return fs.open(path, "rb", cache_type="none")
+
+
+def _arrow(url: str) -> Any:
+    """The record batches of an Arrow file as ``datasets`` writes them (its cache, ``save_to_disk``): the IPC
+    stream format, memory-mapped (local files only: the stream has no footer to read a part of it by)."""
+    _pyarrow()
+    import pyarrow as pa
+
+    if is_url(url):
+        raise DataError(f"{url}: Arrow files are read from a local disk (their format has no index for ranged "
+                        "reads); convert them to Parquet (Dataset.to_parquet) to read them from object storage")
+    return pa.ipc.open_stream(pa.memory_map(url.removeprefix("file://")))
+
+
+def file_columns(path: str) -> list[str]:
+    """The column names of a local Parquet or Arrow file, from its schema alone."""
+    pq = _pyarrow()
+    return list(_arrow(path).schema.names if _is_arrow(path) else pq.read_schema(path).names)
+
+
+def _is_arrow(url: str) -> bool:
+    return url.lower().endswith(".arrow")
+
+
+def _scan(url: str, cols: _Columns, storage: dict[str, Any]) -> _File:
+    """The footer and the label and id columns of one file (the image column is not read)."""
+    pq = _pyarrow()
+    import pyarrow as pa
+
+    try:
+        handle = _open(url, storage)
+        f = _arrow(url).read_all() if _is_arrow(url) else pq.ParquetFile(handle)
+        schema = f.schema if _is_arrow(url) else f.schema_arrow
+        _check_columns(url, schema.names, cols)
+        _check_image_type(url, schema.field(cols.image), cols.image)
+        read = [c for c in (cols.label, cols.id) if c in schema.names]
+        table = (f.select(read) if _is_arrow(url) else f.read(columns=read)) if read else None
+        n_rows = f.num_rows if _is_arrow(url) else f.metadata.num_rows
+        print_ = _file_fingerprint(url, storage, handle)
+    except DataError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise _unreadable(url, err) from None
+
+    def column(name: str) -> list[Any] | None:
+        return table.column(name).to_pylist() if table is not None and name in read else None
+
+    return _File(rows=n_rows, names=_class_names(schema, cols.label), print=print_,
+                 labels=column(cols.label), ids=column(cols.id))
+
+
+def _check_columns(url: str, names: list[str], cols: _Columns) -> None:
+    """Refuse a file without the image column, or without a column data.columns named."""
+    if cols.image not in names:
+        raise DataError(f"{url} has no image column {cols.image!r} (its columns: "
+                        f"{', '.join(names[:12])}); name it with data.columns: {{image: COLUMN}}")
+    for what in sorted(cols.named - {cols.image}):
+        if what not in names:
+            raise DataError(f"data.columns: {what!r} is not a column of {url} (its columns: "
+                            f"{', '.join(names[:12])}); fix the name, or remove it from data.columns")
+
+
+def _holds_images(kind: Any) -> bool:
+    """An Arrow type an image column may have: encoded bytes, a path, or a struct of ``bytes`` and ``path``."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind) or t.is_binary_view(kind):
+        return True
+    if t.is_string(kind) or t.is_large_string(kind) or t.is_string_view(kind):
+        return True
+    return t.is_struct(kind) and bool({kind.field(i).name for i in range(kind.num_fields)} & {"bytes", "path"})
+
+
+def _check_image_type(url: str, field: Any, name: str) -> None:
+    """Refuse, at planning, an image column that cannot hold images (integers, floats, lists...)."""
+    if not _holds_images(field.type):
+        raise DataError(f"{url}: image column {name!r} holds {field.type}, not images (bytes, a path, or a struct of "
+                        "bytes and path); name the image column with data.columns: {image: COLUMN}")
+
+
+def _unreadable(url: str, err: BaseException) -> DataError:
+    import pyarrow as pa
+
+    if isinstance(err, FileNotFoundError):
+        return DataError(f"Parquet file {url} does not exist; check data.parquet")
+    if is_url(url) and not isinstance(err, pa.ArrowException):
+        return remote_error("Parquet file", url, err)
+    return DataError(f"{url} is not a readable Parquet file ({type(err).__name__}: {err})")
+
+
+def _class_names(schema: Any, label: str) -> list[str] | None:
+    """The ClassLabel names of column ``label`` in the schema's Hugging Face metadata, when it has them."""
+    meta = (schema.metadata or {}).get(b"huggingface")
+    if not meta:
+        return None
+    try:
+        feature = json.loads(meta)["info"]["features"][label]
+    except (KeyError, TypeError, ValueError):
+        return None
+    names = feature.get("names") if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" else None
+    return [str(n) for n in names] if names else None
+
+
+def _row_ids(urls: list[str]) -> list[str]:
+    """Each file's part of the ids made from file and row: its path under the files' common folder, without
+    ``.parquet`` (``data/train-00000-of-00004``)."""
+    plain = [u.split("://", 1)[-1] for u in urls]
+    common = os.path.commonpath([os.path.dirname(p) for p in plain]) if len(plain) > 1 else os.path.dirname(plain[0])
+    return [re.sub(r"\.(parquet|arrow)$", "", os.path.relpath(p, common) if common else p, flags=re.IGNORECASE)
+            for p in plain]
+
+
+def hub_files(name: str, split: str, config: str | None) -> list[str]:
+    """The Parquet files of split ``split`` (and configuration ``config``) of the Hugging Face data set ``name``
+    in the local Hugging Face cache (fetched only when ``EXTRACTOR_ALLOW_DOWNLOAD=1``)."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise DataError("data.dataset reads the Hugging Face cache with huggingface_hub, which is not installed: "
+                        "pip install huggingface_hub") from None
+    fetch = f"hf download {name} --repo-type dataset"
+    try:
+        root = snapshot_download(name, repo_type="dataset", allow_patterns=["*.parquet", "**/*.parquet"],
+                                 local_files_only=os.environ.get("EXTRACTOR_ALLOW_DOWNLOAD") != "1")
+    except Exception as err:  # noqa: BLE001 - not cached (LocalEntryNotFoundError), unknown, unreachable
+        raise DataError(f"data.dataset {name!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}): "
+                        f"{fetch} fetches it (or set EXTRACTOR_ALLOW_DOWNLOAD=1 to let extractor fetch it) "
+                        f"[{type(err).__name__}]") from None
+    found = sorted(glob.glob(os.path.join(root, "**", "*.parquet"), recursive=True))
+
+    def chosen(path: str) -> bool:
+        *folders, file = os.path.relpath(path, root).split(os.sep)
+        in_split = split in folders or file.startswith(f"{split}-") or file == f"{split}.parquet"
+        return in_split and (config is None or config in folders)
+
+    files = [p for p in found if chosen(p)]  # the snapshot's links (their blobs have no .parquet name)
+    tops = sorted({os.path.relpath(p, root).split(os.sep)[0] for p in files if os.sep in os.path.relpath(p, root)})
+    if config is None and len(tops) > 1:
+        raise DataError(f"data.dataset {name!r}: split {split!r} has files in {len(tops)} folders ({', '.join(tops)}), "
+                        "each a configuration of the data set: name one with data.config")
+    if not files:
+        there = sorted({os.path.relpath(p, root) for p in found})[:8]
+        raise DataError(f"data.dataset {name!r}: no Parquet files of split {split!r}"
+                        f"{f' and config {config!r}' if config else ''} in its cached snapshot {root} (there: "
+                        f"{', '.join(there) or 'no Parquet files'}); set data.split and data.config, or {fetch}")
+    return files
+
+
+def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], storage: dict[str, Any]) -> Rows:
+    """Rows of every row of every Parquet file, in pattern order then row order (``patterns``: a list of files
+    as :func:`hub_files` gives them, or patterns)."""
+    urls = parquet_urls(patterns, storage)
+    cols = _Columns(image=columns.get("image", "image"), label=columns.get("label", "label"),
+                    id=columns.get("id", "id"), named=frozenset(columns.values()))
+    ids, counts = Strings(), array("q")  # a row's path: its file's head and its row there, two integers
+    prints: list[np.ndarray] = []
+    file_prints: list[int] = []
+    names: set[tuple[str, ...]] = set()
+    stems = _row_ids(urls)
+    starts: list[int] = []
+
+    def labels() -> Any:
+        scanned = prefetched(urls, lambda u: _scan(u, cols, storage), 16, min(16, len(urls)))
+        for stem, f in zip(stems, scanned, strict=True):
+            starts.append(len(ids))
+            counts.append(f.rows)
+            file_prints.append(f.print)
+            if f.names:
+                names.add(tuple(f.names))
+            for r in range(f.rows):
+                given = f.ids[r] if f.ids is not None else None
+                ids.append(str(given) if given not in (None, "") else f"{stem}/{r}")
+            prints.append(np.array([fingerprint(f.print, r, 0) if f.print else 0 for r in range(f.rows)],
+                                   dtype=np.uint64))
+            yield from f.labels if f.labels is not None else [None] * f.rows
+
+    def where(n: int) -> str:
+        t = bisect.bisect_right(starts, n) - 1
+        return f"{urls[t]} row {n - starts[t]}"
+
+    codes, classes = labels_of(labels(), where)
+    keys = ids.array()
+    twice = duplicate(keys)
+    if twice is not None:
+        raise DataError(f"id {keys[twice[0]]!r} appears twice: {where(twice[0])} and {where(twice[1])}; ids must be "
+                        f"unique (data.columns.id names the id column)")
+    files = np.repeat(np.arange(len(urls), dtype=np.int32), counts)
+    in_file = np.arange(len(files)) - np.repeat(np.asarray(starts, dtype=np.int64), counts)
+    paths = Joined([f"{u}#{cols.image}/" for u in urls], in_file, files if files.any() else None)
+    rows = Rows(ids=keys, paths=paths, labels=codes, classes=classes,
+                fingerprints=np.concatenate(prints) if prints else None,
+                listing=_listing(urls, file_prints, columns))
+    if len(names) > 1:
+        raise DataError(f"the Parquet files of data.parquet name their classes differently ({len(names)} lists in "
+                        "their Hugging Face metadata); list them once in data.classes")
+    if names and not classes:
+        return named(rows, list(next(iter(names))), f"{urls[0]} (its Hugging Face ClassLabel names)")
+    return rows
+
+
+class RowGroups:
+    """The image columns of the row groups this process read last (``KEEP_GROUPS`` of them), each read once
+    however many threads ask for its rows at the same moment; ``reads`` counts the row groups read."""
+
+    def __init__(self, keep: int = KEEP_GROUPS) -> None:
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.groups: OrderedDict[tuple[str, str, int], Future[list[Any]]] = OrderedDict()
+        # each file's row group starts, and its footer (Parquet) or its record batches (Arrow, memory-mapped)
+        self.footers: dict[str, tuple[list[int], Any]] = {}
+        self.reads = 0
+
+    def clear(self) -> None:
+        """Forget every row group and footer (files may have changed since)."""
+        with self.lock:
+            self.groups.clear()
+            self.footers.clear()
+
+    def value(self, url: str, column: str, row: int, storage: dict[str, Any]) -> Any:
+        """Row ``row``'s value of ``column`` in file ``url``."""
+        starts, index = self._footer(url, storage)
+        group = bisect.bisect_right(starts, row) - 1
+        if group < 0 or row >= starts[-1]:
+            raise IndexError(f"{url} has {starts[-1]} rows, not row {row}: the file changed since it was listed")
+        key = (url, column, group)
+        with self.lock:
+            future = self.groups.get(key)
+            mine = future is None
+            if future is None:
+                future = self.groups[key] = Future()
+                while len(self.groups) > self.keep:
+                    self.groups.popitem(last=False)
+            else:
+                self.groups.move_to_end(key)
+        if mine:
+            try:
+                future.set_result(self._read(url, column, group, index, storage))
+            except BaseException as err:  # noqa: BLE001 - given to every thread waiting for this row group
+                with self.lock:
+                    self.groups.pop(key, None)
+                future.set_exception(err)
+        return future.result()[row - starts[group]]
+
+    def _footer(self, url: str, storage: dict[str, Any]) -> tuple[list[int], Any]:
+        """A file's row group starts and what finds its row groups: a Parquet file's footer, read once; an Arrow
+        file's record batches (memory-mapped: nothing read but their headers)."""
+        found = self.footers.get(url)
+        if found is None:
+            if _is_arrow(url):
+                index: Any = list(_arrow(url))
+                counts = [b.num_rows for b in index]
+            else:
+                index = _pyarrow().ParquetFile(_open(url, storage)).metadata
+                counts = [index.row_group(g).num_rows for g in range(index.num_row_groups)]
+            found = self.footers[url] = ([0, *np.cumsum(counts).tolist()], index)
+        return found
+
+    def _read(self, url: str, column: str, group: int, index: Any, storage: dict[str, Any]) -> list[Any]:
+        try:
+            if _is_arrow(url):
+                table = index[group].select([column])
+            else:
+                parquet = _pyarrow().ParquetFile(_open(url, storage), metadata=index)
+                table = parquet.read_row_group(group, columns=[column])
+        except Exception as err:  # noqa: BLE001 - a file spoilt or cut since it was listed: its rows fail
+            raise OSError(f"row group {group} of {url} cannot be read ({type(err).__name__}: {err})") from None
+        with self.lock:
+            self.reads += 1
+        return table.column(column).to_pylist()
+
+
+row_groups = RowGroups()  # one per process: a worker's decode threads share it
+
+
+def parquet_bytes(item: str, storage: dict[str, Any] | None = None, outside_root: bool = True) -> bytes:
+    """The encoded image of a stored Parquet row ``FILE#COLUMN/ROW``: its bytes, or the file its path names
+    (a relative path: in the Parquet file's folder). ``outside_root`` false: a path that leaves that folder is
+    refused, as a manifest's row is (:func:`~extractor.data.files.leaves_root`)."""
+    m = ROW.match(item)
+    assert m is not None
+    url, column, row = m["url"], m["column"], int(m["row"])
+    value = row_groups.value(url, column, row, dict(storage or {}))
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+    else:
+        data, path = (value, None) if isinstance(value, bytes | bytearray) else (None, value)
+    if data:
+        return bytes(data)
+    if not path:
+        raise ValueError(f"row {row} of {url} holds no image in column {column!r} (no bytes and no path)")
+    base = url.rsplit("/", 1)[0]
+    if not outside_root and leaves_root(path):
+        raise DataError(f"image path leaves the Parquet file's folder (refused, as a manifest's; data.outside_root: "
+                        f"true allows it): {path!r}")
+    return read_file(path if not _relative(path) else f"{base.rstrip('/')}/{path}", storage)
+
+
+def _relative(path: str) -> bool:
+    return not is_url(path) and not os.path.isabs(path)
+
+
+def _file_fingerprint(url: str, storage: dict[str, Any], handle: Any = None) -> int:
+    """A Parquet or Arrow file's fingerprint (its size and mtime or ETag; 0: unknown)."""
+    if not is_url(url):
+        return local_fingerprint(url)
+    try:
+        if handle is not None:
+            return remote_fingerprint(handle.fs.info(handle.path))
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url, **storage)
+        return remote_fingerprint(fs.info(path))
+    except Exception:  # noqa: BLE001 - unknown, not an error: the file is listed again
+        return 0
+
+
+def _listing(urls: list[str], prints: list[int], columns: dict[str, str]) -> dict[str, Any] | None:
+    """What a listing of the files was made from (a resume takes the rows from the store while it is the same);
+    None when a file's fingerprint is unknown."""
+    if 0 in prints:
+        return None
+    return {"source": "parquet", "files": urls, "fingerprints": prints, "columns": dict(sorted(columns.items()))}
+
+
+class ParquetSource(Source):
+    """Parquet or Arrow files (``data.parquet``, or ``data.dataset``'s in the local Hugging Face cache): a row
+    stored as ``FILE#COLUMN/ROW``, its image read from the row group it lies in."""
+
+    name = "parquet"
+
+    @staticmethod
+    def _files(data: DataSpec) -> str | Sequence[str] | None:
+        return data.parquet if data.dataset is None else hub_files(data.dataset, data.split, data.config)
+
+    def list(self, data: DataSpec) -> Rows:
+        return list_parquet(self._files(data), {str(k): v for k, v in data.columns.items()}, data.storage_options)
+
+    def empty(self, data: DataSpec) -> str:
+        return "its files hold no rows"
+
+    def reads(self, item: Locator) -> bool:
+        return is_parquet_row(item)
+
+    def read(self, item: Locator, storage_options: dict | None, outside_root: bool) -> bytes:
+        assert isinstance(item, str)
+        return parquet_bytes(item, storage_options, outside_root)
+
+    def forget(self) -> None:
+        row_groups.clear()
+
+    def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        storage = data.storage_options
+        urls = parquet_urls(self._files(data), storage)
+        with ThreadPoolExecutor(min(16, len(urls))) as pool:
+            prints = list(pool.map(lambda u: _file_fingerprint(u, storage), urls))
+        return _listing(urls, prints, {str(k): v for k, v in data.columns.items()})
+
+
+SOURCE = ParquetSource()

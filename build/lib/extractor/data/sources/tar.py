@@ -1,0 +1,442 @@
+"""WebDataset-style tar shards: brace patterns, planning rows from tar headers.
+
+A sample is the group of members sharing a key (the member path up to the first dot of its
+file name); its image is the member with an image extension, its label the content of a
+``.cls`` member (an integer or a class name) or the ``label`` field of a ``.json`` member.
+Planning reads only headers (and the small label members), in parallel over tars, so rows
+are known and deterministic before any image is decoded; each row records its image's
+byte offset and size so workers read just those bytes.
+
+A row's stored path is ``TAR_URL#MEMBER``. Both parts may contain ``#`` (a folder
+``run#1``, a member ``a#1.jpg``), so the tar URL is the part before the first ``#`` at
+which an existing file ends (:func:`tar_url_of`); listing refuses a tar whose path would
+make that ambiguous. Local tar paths are stored absolute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import logging
+import mmap
+import os
+import tarfile
+from array import array
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..._threads import prefetched
+from ...errors import DataError
+from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
+from ..rows import Joined, LocatorArray, Rows, Strings, Texts, duplicate, labels_of, strings
+from . import Locator, Recorded, Source
+from ._tar_fast import fast_samples
+from ._tar_headers import _headers, _members, _read_at, _Unusual
+
+if TYPE_CHECKING:
+    from ...spec import DataSpec
+
+__all__ = ["Samples", "list_tars", "scan_tar", "tar_listing", "tar_url_of", "SOURCE"]
+
+log = logging.getLogger(__name__)
+
+OFFSET, SIZE = "byte_offset", "byte_size"  # the store's arrays of a row's byte range in its tar (the locators)
+
+def _key_and_ext(name: str) -> tuple[str, str]:
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    return (name, "") if dot < 0 else (name[:dot], name[dot:].lower())
+
+
+@dataclass
+class Samples:
+    """A tar's samples with an image, in the order of their first member, as columns: key, image member, its
+    data offset and size, raw label (None: none)."""
+
+    keys: list[str] = field(default_factory=list)
+    members: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    labels: list[Any] = field(default_factory=list)
+    # what follows each key in its member's name, where the reader found it in bulk: the distinct ones (.jpg) and
+    # each sample's code into them (None: taken from the names)
+    end_names: list[str] = field(default_factory=list)
+    end_codes: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any]) -> Samples:
+    """The samples of one tar that have an image (key, member, offset, size, raw label)."""
+    fobj = _open_tar(url, storage_options)
+    exts = tuple(e.lower() for e in extensions)
+    try:
+        # a local tar of plain headers read in bulk; else the plain header reader, else tarfile
+        fast = fast_samples(fobj, exts, url, _read_label, _NO_LABEL) if isinstance(fobj, mmap.mmap) else None
+        samples, keys = _samples(_listed(fobj, url), fobj, exts, url) if fast is None else (Samples(**fast[0]),
+                                                                                            fast[1])
+    except tarfile.TarError as err:
+        raise DataError(f"tar shard {url} is not a readable tar file ({type(err).__name__}: {err})") from None
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001
+        raise remote_error("tar shard", url, err) from err
+    finally:
+        fobj.close()
+    if not samples:
+        names = ", ".join(keys[:5]) or "no members"
+        raise DataError(f"tar shard {url} holds no image members (keys: {names}); check data.extensions")
+    return samples
+
+
+def _listed(fobj: Any, url: str) -> list[tuple[str, int, int]]:
+    """``(name, data offset, size)`` of each regular file, by the plain header reader, else by tarfile."""
+    try:
+        return list(_headers(fobj, url))
+    except _Unusual:  # a sparse or vendor member: tarfile reads what the plain header reader does not
+        fobj.seek(0)
+        with tarfile.open(fileobj=fobj, mode="r:") as tar:
+            return [(m.name, m.offset_data, m.size) for m in _members(tar, url) if m.isfile()]
+
+
+def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str, ...],
+             url: str) -> tuple[Samples, list[str]]:
+    """The tar's samples with an image, in the order of their first member (the labels read from the small
+    ``.cls`` and ``.json`` members), and every key seen. Columns, not a dict a sample: planning a million
+    samples spent a fifth of its time making and reading them."""
+    found: dict[str, list[Any]] = {}  # key -> [member, offset, size, label]
+    for name, offset, size in members:
+        key, ext = _key_and_ext(name)
+        rec = found.get(key)
+        if rec is None:
+            rec = found[key] = [None, 0, 0, _NO_LABEL]
+        if ext.endswith(exts):
+            if rec[0] is not None:
+                raise DataError(f"tar shard {url}: sample {key!r} has two images, {rec[0]} and {name}: a key names one "
+                                "sample and its one image; give each image its own key, or set data.extensions to "
+                                "the one to read")
+            rec[0], rec[1], rec[2] = name, offset, size
+        elif ext in (".cls", ".json") and size < 1 << 20:
+            rec[3] = _read_label(_read_at(fobj, offset, size), ext, rec[3])
+    out = Samples()
+    for key, (member, offset, size, label) in found.items():
+        if member is not None:
+            out.keys.append(key)
+            out.members.append(member)
+            out.offsets.append(offset)
+            out.sizes.append(size)
+            out.labels.append(None if label is _NO_LABEL else label)
+    return out, list(found)
+
+
+_NO_LABEL = object()  # no .cls or .json label read yet (None: a .json label that is null)
+
+
+def _open_tar(url: str, storage_options: dict[str, Any]) -> Any:
+    """The tar's file object, local or remote; a missing or unreadable one is a DataError."""
+    try:
+        if is_url(url):
+            import fsspec
+
+            return fsspec.open(url, "rb", **storage_options).open()
+        with open(url.removeprefix("file://"), "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return io.BytesIO(b"")  # (an empty file cannot be mapped)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # headers read without a system call each
+    except FileNotFoundError:
+        raise DataError(f"tar shard {url} does not exist") from None
+    except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+        raise remote_error("tar shard", url, err) from err
+
+
+def _read_label(raw: bytes, ext: str, label: Any) -> Any:
+    """A sample's label from its ``.cls`` member (the text), or its ``.json`` member's ``label``
+    field when no label was found before (``label``: the one found before, or _NO_LABEL)."""
+    text = raw.decode("utf-8", "replace").strip()
+    if ext == ".cls":
+        return text
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError:
+        meta = {}
+    if isinstance(meta, dict) and "label" in meta and label is _NO_LABEL:
+        return meta["label"]
+    return label
+
+
+_IS_FILE: dict[tuple[str, str], bool] = {}  # (URL, storage options) -> is a file: remote answers, per process
+
+
+def _is_file(url: str, storage_options: dict[str, Any]) -> bool:
+    if not is_url(url):
+        return os.path.isfile(url.removeprefix("file://"))
+    key = (url, repr(sorted(storage_options.items())))
+    if key not in _IS_FILE:
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(url, **storage_options)
+        try:
+            _IS_FILE[key] = bool(fs.isfile(p))
+        except FileNotFoundError:  # a missing bucket; other errors (credentials, network) are the row's error
+            _IS_FILE[key] = False
+    return _IS_FILE[key]
+
+
+def tar_url_of(path: str, storage_options: dict[str, Any] | None = None) -> str:
+    """The tar URL of a stored row path ``TAR_URL#MEMBER``.
+
+    With one ``#`` that is where the URL ends. With several (``#`` in a folder name or a
+    member name), it is the first ``#`` before which an existing file ends: listing refused
+    tars with a file at an earlier ``#`` (:func:`check_unambiguous`), so this is the tar.
+    Raises FileNotFoundError, naming the whole path, when no prefix is a file.
+    """
+    if path.count("#") <= 1:
+        return path.split("#", 1)[0]
+    for i, c in enumerate(path):
+        if c == "#" and _is_file(path[:i], storage_options or {}):
+            return path[:i]
+    raise FileNotFoundError(f"no tar shard found for {path} (no part of it before a '#' is a file)")
+
+
+def check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
+    """Refuse a tar whose path has a file at one of its own ``#``: its rows could not be read back."""
+    for i, c in enumerate(url):
+        if c == "#" and _is_file(url[:i], storage_options):
+            raise DataError(
+                f"tar shard {url}: {url[:i]} is a file too, so rows stored as TAR#MEMBER would read it "
+                "instead; rename the folder or the file so that no part of the tar's path before a '#' is a file"
+            )
+
+
+def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """``fingerprint(tar_print, offset, size)`` of each member of a tar, at once (a tar's million members)."""
+    import xxhash
+
+    digest, form = xxhash.xxh3_64_intdigest, b"%d|%%d|%%d" % tar_print  # b"TAR|%d|%d": the tar's part once
+    return [digest(form % pair) or 1 for pair in zip(offsets, sizes, strict=True)]
+
+
+def tar_urls(patterns: str | Sequence[str] | None) -> list[str]:
+    """The tars that ``data.tars`` names, in order."""
+    pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
+    urls = [absolute(u) for p in pats for u in expand_braces(p)]
+    if not urls:
+        raise DataError("data.tars names no tar shards")
+    return urls
+
+
+def tar_listing(patterns: str | Sequence[str] | None, extensions: Sequence[str],
+                storage: dict[str, Any]) -> dict[str, Any]:
+    """What a listing of the tars is made from: the tars, their fingerprints (size and mtime or ETag; 0 unknown),
+    the extensions; a listing recorded with a store is good as long as this is the same."""
+    urls = tar_urls(patterns)
+    with ThreadPoolExecutor(min(16, len(urls))) as pool:
+        prints = list(pool.map(lambda u: _tar_fingerprint(u, storage), urls))
+    return {"tars": urls, "fingerprints": prints, "extensions": list(extensions)}
+
+
+def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], storage: dict[str, Any]) -> Rows:
+    """Rows of every sample of every tar, in pattern order then member order."""
+    listing = tar_listing(patterns, extensions, storage)  # recorded with the store: a resume may reuse the rows
+    urls, tar_prints = listing["tars"], listing["fingerprints"]
+    for url in urls:
+        if "#" in url:
+            check_unambiguous(url, storage)
+    # remote tars on 16 threads (their reads wait on the network); local ones on one: parsing holds the GIL,
+    # and threads contending for it took twice the time of one
+    columns = _Columns(urls)
+
+    def labels() -> Iterator[Any]:
+        """Each sample's raw label, as the tars are read: the other columns gathered on the way."""
+        threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
+        # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
+        scanned = prefetched(urls, lambda u: scan_tar(u, extensions, storage), threads + 1, threads)
+        for t, (found, tar_print) in enumerate(zip(scanned, tar_prints, strict=True)):
+            columns.add(t, found, tar_print)
+            yield from found.labels
+
+    codes, classes = labels_of(labels(), lambda n: f"tar shard {columns.tar_of(n)}, sample {columns.ids[n]!r}")
+    keys = columns.ids.array()
+    twice = duplicate(keys)
+    if twice is not None:
+        raise DataError(f"sample key {keys[twice[0]]!r} appears in {columns.tar_of(twice[0])} and "
+                        f"{columns.tar_of(twice[1])}; keys must be unique")
+    listing["rows"] = np.diff([*columns.starts, len(keys)]).tolist()  # each tar's: a resume re-lists one alone
+    return columns.rows(keys, codes, classes, listing)
+
+
+class _Columns:
+    """The tars' rows as they are scanned, in compact columns: each sample's id; its image member's name held as
+    the id and the member's extension (a code into the few there are); its tar (a code into the URLs), data
+    offset, size and fingerprint; each tar's first row. 10M rows: about 70 bytes a row."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.ids = Strings()
+        self.ends: dict[str, int] = {}  # the members' extensions (what follows the id), each one's code
+        self.end, self.which = array("h"), array("h")  # int16, made wider when a code does not fit
+        self.offsets, self.sizes, self.prints = array("q"), array("i"), array("Q")
+        self.starts: list[int] = []  # each tar's first row
+
+    def add(self, t: int, found: Samples, tar_print: int) -> None:
+        self.starts.append(len(self.offsets))
+        self.ids.extend(found.keys)
+        ends = self.ends
+        if found.end_codes is not None:  # a few distinct ends, each sample's code: made the job's codes at once
+            codes = np.asarray([ends.setdefault(e, len(ends)) for e in found.end_names], np.int64)
+            self.end = _widened(self.end, codes[found.end_codes].tolist())
+        else:
+            self.end = _widened(self.end, [ends.setdefault(m[len(k):], len(ends)) for k, m in zip(found.keys,
+                                                                                                   found.members,
+                                                                                                   strict=True)])
+        self.which = _widened(self.which, [t] * len(found))
+        self.offsets.extend(found.offsets)
+        self.sizes = _widened(self.sizes, found.sizes)
+        self.prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes) if tar_print else
+                           [0] * len(found))
+
+    def tar_of(self, n: int) -> str:
+        return self.urls[bisect.bisect_right(self.starts, n) - 1]
+
+    def rows(self, keys: Texts, codes: np.ndarray, classes: list[str], listing: dict[str, Any]) -> Rows:
+        """The rows, the columns handed over."""
+        paths = Joined([f"{url}#" for url in self.urls], keys, _numbers(self.which), list(self.ends),
+                       _numbers(self.end))
+        return Rows(ids=keys, paths=paths, labels=codes, classes=classes,
+                    locators={OFFSET: _numbers(self.offsets), SIZE: _numbers(self.sizes)},
+                    fingerprints=np.frombuffer(self.prints, dtype=np.uint64)
+                    if self.prints else np.zeros(0, np.uint64), listing=listing)
+
+
+def _widened(values: array, more: Sequence[int]) -> array:
+    """``values`` (a signed integer array) with ``more`` appended: made int64 first when one does not fit."""
+    n = len(values)
+    try:
+        values.extend(more)
+    except OverflowError:
+        del values[n:]  # (those appended before the one that did not fit)
+        values = array("q", values)
+        values.extend(more)
+    return values
+
+
+def _numbers(values: array) -> np.ndarray:
+    """A signed integer array's numbers as a numpy array of its width, its buffer taken without a copy."""
+    dtype = np.dtype(values.typecode)
+    return np.frombuffer(values, dtype=dtype) if values else np.zeros(0, dtype)
+
+
+def _tar_fingerprint(url: str, storage: dict[str, Any]) -> int:
+    """The tar's own fingerprint (a member's is it with the member's offset and size); 0 when unknown."""
+    if not is_url(url):
+        return local_fingerprint(url)
+    try:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url, **storage)
+        return remote_fingerprint(fs.info(path))
+    except Exception:  # noqa: BLE001 - read fine a moment ago: unknown, not an error
+        return 0
+
+
+def read_member(item: tuple[str, int, int], storage_options: dict[str, Any] | None = None) -> bytes:
+    """The bytes of a tar member: ``(TAR_URL#MEMBER, offset, size)``."""
+    path, offset, size = item
+    url = tar_url_of(path, storage_options or {})
+    if is_url(url):
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return fs.cat_file(p, start=offset, end=offset + size)
+    with open(url.removeprefix("file://"), "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    if len(data) != size:
+        raise OSError(f"{url} ends before the member's {size} bytes at offset {offset}: truncated tar")
+    return data
+
+
+class TarSource(Source):
+    """WebDataset tar shards (``data.tars``): rows from their headers; a row's bytes read as a byte range."""
+
+    name = "tar"
+    locators = (LocatorArray(OFFSET, "int64", -1), LocatorArray(SIZE, "int64", -1))
+
+    def list(self, data: DataSpec) -> Rows:
+        return list_tars(data.tars, data.extensions, data.storage_options)
+
+    def reads(self, item: Locator) -> bool:
+        return isinstance(item, tuple)
+
+    def read(self, item: Locator, storage_options: dict | None, outside_root: bool) -> bytes:
+        assert isinstance(item, tuple)
+        return read_member(item, storage_options)
+
+    def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        now = tar_listing(data.tars, data.extensions, data.storage_options)
+        return None if 0 in now["fingerprints"] else now  # a tar of unknown fingerprint: listed again
+
+    def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
+        """The tars whose fingerprint changed scanned again, the others' rows taken from the store; None (all
+        listed again) when the tars or extensions differ, or labels are class names (a new name renumbers them)."""
+        was = recorded.listing
+        counts = was.get("rows")
+        if counts is None or was.get("tars") != now["tars"] or was.get("extensions") != now["extensions"] or \
+                data.classes is not None or recorded.rows().classes:
+            return None
+        storage, starts = data.storage_options, np.cumsum([0, *counts]).tolist()
+        parts: list[dict[str, Any]] = []
+        for t, url in enumerate(now["tars"]):
+            a, b = starts[t], starts[t + 1]
+            if was["fingerprints"][t] == now["fingerprints"][t]:
+                parts.append({k: recorded.column(c, a, b) for k, c in _COLUMNS.items()})
+                continue
+            found = scan_tar(url, data.extensions, storage)
+            codes, classes = labels_of(found.labels)
+            if classes:
+                return None
+            parts.append({"ids": strings(found.keys), "paths": strings(f"{url}#{m}" for m in found.members),
+                          "labels": codes, "offsets": found.offsets, "sizes": found.sizes,
+                          "fingerprints": member_fingerprints(now["fingerprints"][t], found.offsets, found.sizes)})
+        columns = {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in _COLUMNS}
+        if duplicate(columns["ids"]) is not None:
+            return None  # a full listing names the duplicate
+        listing = {**now, "rows": [len(p["ids"]) for p in parts]}
+        return Rows(ids=columns["ids"], paths=columns["paths"], labels=columns["labels"],
+                    locators={OFFSET: columns["offsets"], SIZE: columns["sizes"]},
+                    fingerprints=columns["fingerprints"], listing=listing)
+
+    def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> dict[str, np.ndarray] | None:
+        """Each row's member offset and size where its tar holds it now, when a tar was rewritten since the store
+        was listed (its members may have moved; a member gone: offset -1)."""
+        was = recorded.listing
+        if not was or "tars" not in was:
+            return None
+        now = tar_listing(was["tars"], was["extensions"], storage_options)
+        moved = {u for u, a, b in zip(was["tars"], was["fingerprints"], now["fingerprints"], strict=True)
+                 if a != b or b == 0}
+        if not moved:
+            return None
+        offsets, sizes = recorded.column(OFFSET).copy(), recorded.column(SIZE).copy()
+        paths = recorded.column("paths")
+        for url in sorted(moved):
+            try:
+                found = scan_tar(url, was["extensions"], storage_options)
+                where = {m: (o, n) for m, o, n in zip(found.members, found.offsets, found.sizes, strict=True)}
+            except Exception:  # noqa: BLE001 - a tar gone or unreadable now: its rows are unreadable
+                where = {}
+            for r in np.flatnonzero(np.strings.startswith(paths, f"{url}#")):
+                offsets[r], sizes[r] = where.get(str(paths[r])[len(url) + 1:], (-1, 0))
+        return {OFFSET: offsets, SIZE: sizes}
+
+
+_COLUMNS = {"ids": "ids", "paths": "paths", "labels": "labels", "offsets": OFFSET, "sizes": SIZE,
+            "fingerprints": "fingerprint"}  # a row's columns and the store's arrays that hold them
+
+SOURCE = TarSource()

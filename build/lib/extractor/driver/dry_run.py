@@ -1,0 +1,158 @@
+"""``extractor plan`` (also ``run --dry-run``): what a job would write, before anything is written.
+
+The model is built and probed on this machine's CPU (shapes do not depend on the device), the rows
+listed and the store read as a run would read it (``StoreSession.decide``, read-only): per capture
+the stored shape, dtype, bytes per row, rows and bytes per chunk (a row's read costs one) and the
+storage objects it makes (one per work shard when sharded); totals;
+what the run would do to an existing store; free space at a local destination. Nothing is created,
+replaced or locked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .._text import count, estimate, size, table
+from ..data import list_rows, plan
+from ..errors import StoreError
+from ..spec import JobSpec, parse_spec
+from ..store import ROW_ARRAYS, Decision, StoreSession, blocks_for, id_index_objects, numpy_dtype
+
+__all__ = ["Preview", "preview"]
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """One capture array as the job would store it."""
+
+    key: str
+    shape: list[int]  # per row
+    dtype: str
+    bytes_per_row: int
+    chunk_rows: int
+    chunk_bytes: int  # one chunk, uncompressed
+    objects: int  # storage objects of the whole array: its shards (sharded), else its chunks
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What ``extractor run`` would do with a job: rows, shards, captures, totals, the store's fate."""
+
+    store: str
+    rows: int
+    shards: int
+    shard_size: int
+    todo_rows: int  # rows the run would compute (a resume: those of shards not done)
+    action: str  # create, overwrite, resume (N shards to do), nothing to do, or the refusal
+    captures: list[CapturePlan]
+    per_row_objects: int  # objects besides the captures: ids, paths, status ..., the id index, shard markers
+    per_row_bytes: int = 0  # a row's per-row results (KEY.token_index, target ...), uncompressed
+    free_bytes: int | None = None  # at a local destination
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return (sum(c.bytes_per_row for c in self.captures) + self.per_row_bytes) * self.rows
+
+    @property
+    def objects(self) -> int:
+        return sum(c.objects for c in self.captures) + self.per_row_objects
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total_bytes": self.total_bytes, "objects": self.objects}
+
+    def report(self) -> str:
+        rows = [[c.key, "x".join(map(str, c.shape)), c.dtype, size(c.bytes_per_row), str(c.chunk_rows),
+                 size(c.chunk_bytes), f"{c.objects:,}", size(c.bytes_per_row * self.rows)] for c in self.captures]
+        lines = [
+            f"{self.store}: {self.action}",
+            f"{self.rows:,} rows in {count(self.shards, 'shard')} of {self.shard_size}",
+            table(rows, ["capture", "shape per row", "dtype", "per row", "chunk rows", "chunk", "objects", "total"]),
+            f"total {size(self.total_bytes)} before compression in {self.objects:,} objects "
+            f"({self.per_row_objects:,} of them per-row arrays, the id index and shard markers"
+            + (f", {size(self.per_row_bytes * self.rows)} per-row results" if self.per_row_bytes else "")
+            + "; a shard with failed rows adds one for their errors)",
+        ]
+        if self.free_bytes is not None:
+            lines.append(f"free at the destination: {size(self.free_bytes)}")
+        lines += [f"warning: {w}" for w in self.warnings]
+        per_row = {c.key: c.bytes_per_row for c in self.captures}
+        lines.append(estimate(self.todo_rows, per_row))  # the line `extractor run` prints
+        return "\n".join(lines)
+
+
+def _on_this_machine(spec: JobSpec) -> JobSpec:
+    """The job's spec with its model on this machine's CPU, uncompiled, in this process (shapes only)."""
+    raw = spec.to_dict()
+    raw["model"] = {**raw["model"], "device": "cpu", "compile": False}
+    raw["cluster"] = {"backend": "local"}
+    raw["data"] = {**raw["data"], "decode_device": "cpu"}
+    return parse_spec(raw)
+
+
+def _free_bytes(url: str) -> int | None:
+    """Free space where a local store would go (its nearest existing folder); None for URLs."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    path = os.path.abspath(url.removeprefix("file://"))
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return shutil.disk_usage(path).free
+
+
+def _action(decided: Decision) -> str:
+    if decided.create:
+        return "create" if decided.old is None else "overwrite"
+    if decided.nothing_to_do:
+        return "nothing to do (complete)"
+    return f"resume ({count(len(decided.todo), 'shard')} to do)"
+
+
+def preview(spec: JobSpec) -> Preview:
+    """What ``run(spec)`` would write; creates, replaces and locks nothing."""
+    from .runner import LocalBackend
+
+    rows = list_rows(spec.data)
+    shards = plan(len(rows), spec.data.shard_size)
+    backend = LocalBackend(_on_this_machine(spec))
+    try:
+        probe = backend.probe()
+    finally:
+        backend.close()
+    store = StoreSession(spec)
+    try:
+        decided = store.decide(rows, shards, probe, sources=False)
+        todo, action = sum(len(s) for s in decided.todo), _action(decided)
+        # a store resumed keeps its own chunking and sharding
+        layout = None if decided.create else store.stored_chunking(list(probe.captures))
+    except StoreError as err:
+        todo, action, layout = 0, f"run would refuse: {err}", None
+    if layout is None:
+        chunk_rows = store.record["chunk_rows"] if store.record is not None else {}
+        layout = {k: (chunk_rows[k], spec.output.sharding) for k in probe.captures}
+    per_row = probe.bytes_per_row()
+
+    def objects(chunk_rows: int, sharded: bool) -> int:  # sharded: one object per work shard; else one per chunk
+        return len(shards) if sharded else math.ceil(len(rows) / chunk_rows)
+
+    captures = [CapturePlan(k, list(c["shape"]), c["dtype"], per_row[k], layout[k][0], layout[k][0] * per_row[k],
+                            objects(*layout[k])) for k, c in probe.captures.items()]
+    # a chunk per shard of each per-row array (a shard's finish writes each of its chunks whole, errors too) and
+    # its statistics; the ledger's blocks, the final record and the job's claimant's record
+    n_per_row = len(ROW_ARRAYS) + len(probe.extras) + len(rows.locators) + bool(spec.output.reuse) + 1
+    extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
+    planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
+                      n_per_row * len(shards) + blocks_for(len(shards)) + 2 + id_index_objects(len(rows)), extras,
+                      _free_bytes(spec.output.store))
+    if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
+        planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "
+                                f"{size(planned.free_bytes)} free; cut it with dtype: float16 or bfloat16, "
+                                "sample_tokens or project, or write it elsewhere")
+    return planned

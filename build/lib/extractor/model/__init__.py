@@ -1,0 +1,32 @@
+"""The model: built from its library (torchvision, timm, Hugging Face, open_clip, factories), the facts read off
+its forward (layers, prefix tokens), and the hooks that capture its layers. Imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._face import face
+
+if TYPE_CHECKING:  # the face: what other layers may import, each name once
+    from .build import (
+        TokenFacts,
+        build_model,
+        build_with_processor,
+        decide_prefix_tokens,
+        layer_table,
+        model_call,
+        not_rgb,
+        prefix_tokens,
+        resolve_device,
+        state_dict_hash,
+        token_facts,
+    )
+    from .capture import Capturer
+    from .processors import settle_preprocess
+    from .reduce import contradicted_layouts, dim_names, reduce_tensor, reduced_otherwise, settle_layouts
+    from .sources.common import Built
+    from .targets import ROOT, Target, resolve_targets
+
+# a name of the face is never a module's name too: the module, once imported, would shadow it
+__all__, __getattr__ = face(__name__, __file__)

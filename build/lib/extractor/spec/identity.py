@@ -1,0 +1,111 @@
+"""What identifies a job's store and what a spec may show: the field markers (run-only, resolved), the spec's
+digest, and the redaction of secrets (storage options, credential-like environment variables)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Protocol
+
+import yaml
+
+
+class _Spec(Protocol):
+    """A job spec as its digest reads it (``schema.JobSpec``, which imports this module)."""
+
+    def content_dict(self) -> dict[str, Any]: ...
+
+
+# Field markers (json_schema_extra). Run-only: changes how a job runs, not what it computes (beyond float rounding:
+# another device or batch size may sum in another order), so a store may be resumed with it changed.
+# model.channels_last is not one: it changes stored values by about one float16 ulp, so a resumed store would
+# mix both. Resolved: a preprocessing setting, compared through the resolved record instead of as written.
+RUN_ONLY: dict[str, Any] = {"run_only": True}
+RESOLVED: dict[str, Any] = {"resolved": "preprocess"}
+
+
+# storage-option keys whose values are not secret; every other value is redacted
+_PUBLIC_OPTIONS = {"endpoint_url", "region_name", "region", "anon", "use_ssl", "requester_pays", "profile",
+                   "project", "default_block_size", "default_fill_cache", "client_kwargs", "config_kwargs",
+                   "s3_additional_kwargs", "version_aware", "asynchronous", "skip_instance_cache"}
+REDACTED = "***redacted***"
+
+
+# environment variables: a name holding one of these looks like a credential's
+_SECRET_NAME_PARTS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE", "SIGNATURE", "COOKIE", "AUTH",
+                      "SESSION", "APIKEY", "ACCESS_KEY")
+_SECRET_NAME_WORDS = {"KEY", "PASS", "PW", "PAT", "DSN", "CERT"}  # ... or one of these words (split at _ - .)
+# a value that is a key, a URL with a password, a known token's prefix or a long hex string
+_SECRET_VALUE = re.compile(r"-----BEGIN|://[^/\s:@]+:[^/\s@]+@|^(AKIA|ASIA)[A-Z0-9]{16}$|"
+                           r"^(ghp_|gho_|ghs_|github_pat_|hf_|sk-|xox[abpr]-|glpat-)|^[0-9a-fA-F]{32,}$")
+
+
+def looks_secret(name: str, value: Any) -> bool:
+    """An environment variable (``submit.env_vars``) that looks like a credential, by its name (``HF_TOKEN``,
+    ``AWS_SECRET_ACCESS_KEY``, ``PGPASSWORD``, ``API_KEY``) or its value (``AKIA...``, ``hf_...``, a private key,
+    ``https://user:pass@host``, a long random-looking word: 20 characters or more, no spaces, upper and lower case
+    letters and digits). ``PATH``, ``OMP_NUM_THREADS: "4"`` or ``EXTRACTOR_PROGRESS_S: "60"`` are not."""
+    upper = name.upper()
+    if any(part in upper for part in _SECRET_NAME_PARTS) or _SECRET_NAME_WORDS & set(re.split(r"[_.\-]", upper)):
+        return True
+    text = str(value)
+    if _SECRET_VALUE.search(text):
+        return True
+    classes = sum(bool(re.search(c, text)) for c in ("[a-z]", "[A-Z]", "[0-9]"))
+    return len(text) >= 20 and not re.search(r"\s", text) and classes == 3
+
+
+def redact(d: Any, inside_options: bool = False) -> Any:
+    """A copy of ``d`` with every non-public value under a ``storage_options`` key, and every
+    value under ``env_vars`` (the job's environment on the cluster) that looks like a credential
+    (:func:`looks_secret`), redacted."""
+    if isinstance(d, dict):
+        out: dict[Any, Any] = {}
+        for k, v in d.items():
+            if inside_options and k not in _PUBLIC_OPTIONS:
+                out[k] = REDACTED
+            elif inside_options and isinstance(v, dict):  # client_kwargs, config_kwargs: options of their own
+                out[k] = redact(v, True)
+            elif k == "env_vars" and isinstance(v, dict):
+                out[k] = {name: REDACTED if looks_secret(str(name), value) else value for name, value in v.items()}
+            else:
+                out[k] = redact(v, inside_options or k == "storage_options")
+        return out
+    if isinstance(d, list):
+        return [redact(v, inside_options) for v in d]
+    return d
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line with the secret values of its ``--set KEY=VALUE`` overrides redacted (as
+    :func:`redact` would redact them in the spec): for the store's lease and logs."""
+    out: list[str] = []
+    for k, arg in enumerate(argv):
+        prefix, item = ("--set=", arg[6:]) if arg.startswith("--set=") else ("", arg)
+        if (prefix or (k and argv[k - 1] == "--set")) and "=" in item:
+            key, value = item.split("=", 1)
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = value
+            nested: Any = parsed
+            for part in reversed(key.split(".")):  # the override as the spec it makes: redacted as the spec is
+                nested = {part: nested}
+            arg = f"{prefix}{key}={REDACTED if redact(nested) != nested else value}"
+        out.append(arg)
+    return out
+
+
+def _marked(info: Any) -> bool:
+    """A field that is run-only or compared through what it resolves to (not as written)."""
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("run_only") or extra.get("resolved"))
+
+
+def spec_digest(spec: _Spec) -> str:
+    """A short stable hash of what decides the store's contents."""
+    import hashlib
+
+    blob = json.dumps(spec.content_dict(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+

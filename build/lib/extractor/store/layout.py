@@ -1,0 +1,348 @@
+"""The Zarr v3 store layout of one generation (:mod:`.generation`): its arrays and attributes, making them, reading
+rows (a shard's writer: :mod:`.writer`).
+
+Imports only numpy and zarr, so the reader can use it without torch.
+
+Layout (format version 2; README "Store layout"), all arrays at the generation's root, row dimension ``row``::
+
+    zarr.json           the job's record under "extractor", and every array's metadata (consolidated)
+    ids      (N,)       str      image id (relative path or manifest id)
+    paths    (N,)       str      where the image was read from (tar members: TAR_URL#MEMBER)
+    labels   (N,)       int64    class index, -1 when none
+    <locators> (N,)     the source's own per-row arrays beside paths, where it has them (``Source.locators``:
+                        a tar source's byte_offset, byte_size, int64: the image's bytes inside its tar)  [rows]
+    fingerprint (N,)    uint64   the source's cheap facts about those bytes (size, mtime / ETag; 0: unknown)  [rows]
+    status   (N,)       uint8    0 pending, 1 ok, 2 failed  [data]
+    errors   (N,)       str      why a failed row failed ("" otherwise)  [data]
+    digest   (N,)       uint64   xxh3-64 of the image's bytes as its row read them (0: not read)  [data]
+    shard_stats (S,)    str      JSON sums of shard s's values, merged into the "stats" attribute  [data]
+    <key>    (N, ...)   float16/float32, one array per capture, NaN where not ok  [data]
+    target, target_score, <gradcam key>.range   (gradient jobs) per-row target class,
+                        its logit, and each Grad-CAM map's min and max  [data]
+    index_parts/<key> (S, B) uint8   a write-time feature index's part of each shard  [data]
+    id_index/hashes, id_index/rows   (N,) int64   the ids' hashes sorted, and the row of each (store.id_index)
+
+Arrays marked ``[data]`` or ``[rows]`` are written shard by shard, each shard's chunks under the attempt its ledger
+entry names (:mod:`.views`); the others once, when the generation is made. Per-row arrays are chunked by shard and
+each capture array by its ``chunk_rows`` (which divides the shard size), so no two shards ever share an object.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NotRequired, TypedDict, cast
+
+import numpy as np
+import zarr
+from zarr.buffer.cpu import NDBuffer
+from zarr.core.array_spec import ArrayConfigParams
+
+from .._text import now as now  # re-exported: the store's face lists it
+from ..data import LocatorArray, Rows, is_url
+from ..errors import StoreError
+from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
+from .generation import TXN
+from .id_index import write_id_index
+from .ledger import Ledger, blocks_for, new_id
+from .objects import Objects
+from .views import GenerationStore, Slot, write_view
+
+FORMAT_VERSION = 2
+PENDING, OK, FAILED = 0, 1, 2
+STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
+ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint")
+ATTR = "extractor"  # root attribute holding everything this package records
+INDEX_PARTS = "index_parts"  # write-time feature indexes: each shard's part, per capture
+# every chunk of a shard is written, also one of fill values only: a committed shard's chunk that is missing is a
+# damaged store (inspect --verify names it), never a chunk left out on purpose
+WRITE_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}
+# the resolved preprocessing's settings that change pixels (the ``preprocess`` record holds more: its source)
+PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset", "runs")
+
+
+def _compressors(name: str, level: int | None) -> Any:
+    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+    if name == "zstd":
+        return ZstdCodec(level=3 if level is None else level)
+    if name == "blosc":
+        return BloscCodec(cname="zstd", clevel=5 if level is None else level, shuffle="bitshuffle")
+    if name == "gzip":
+        return GzipCodec(level=5 if level is None else level)
+    return None
+
+
+def get_array(group: zarr.Group, name: str) -> zarr.Array:
+    """The array ``name`` of the store (KeyError when missing, StoreError when it is a group)."""
+    node = group[name]
+    if not isinstance(node, zarr.Array):
+        raise StoreError(f"{name!r} in the store at {group.store_path} is a group where an array belongs")
+    return node
+
+
+def root_attrs(group: zarr.Group) -> dict[str, Any]:
+    """The extractor attributes of the store's root (KeyError when it has none)."""
+    attrs = group.attrs[ATTR]
+    if not isinstance(attrs, Mapping):
+        raise StoreError(f"the '{ATTR}' attributes of the store at {group.store_path} are not a mapping")
+    return dict(attrs)
+
+
+class CaptureRecord(TypedDict):
+    """How one capture is stored: the store's ``captures`` attribute holds one per array name,
+    and each capture array holds its own under the ``extractor`` attribute. Written by the
+    worker's probe, read by the reader, the runner and the CLI."""
+
+    layer: str  # the module's name in model.named_modules()
+    module_type: str
+    what: str  # output, input, gradient, input_gradient, gradcam
+    index: int | str | None  # which positional output or input, or a key of a dict output
+    reduce: str
+    dtype: str
+    shape: list[int]  # per row, as stored
+    original_shape: list[int]  # per row, as the model computed it
+    dims: list[str]  # names of the dimensions after ``row``
+    capture: int  # its position in spec.capture
+    drop_prefix: NotRequired[int]  # token sequences: leading tokens left out
+    target: NotRequired[int | str]  # gradient captures: predicted, label or a class index
+    size: NotRequired[str]  # gradcam maps: layer or input resolution
+    sample_tokens: NotRequired[int]  # patch tokens kept per row (their positions: the KEY.token_index array)
+    prefix_kept: NotRequired[int]  # with sample_tokens: prefix tokens kept in front of them
+    project: NotRequired[int]  # features after the seeded random projection (store.sampling.projection_matrix)
+    projection: NotRequired[str]  # gaussian or sparse
+    projected_from: NotRequired[int]  # the features it multiplied (the matrix is projected_from x project)
+    seed: NotRequired[int]  # of sample_tokens and project
+    sampled_by: NotRequired[str]  # with sample_tokens: what keys the draw, "digest" (absent: the row number)
+    feature_index: NotRequired[dict[str, Any]]  # a write-time index: k, pool, threshold, dictionary, name
+
+
+class ExtraRecord(TypedDict):
+    """A per-row result of a gradient job (``target``, ``score``, ``*.range``), chunked by shard."""
+
+    dtype: str
+    shape: list[int]
+    dims: list[str]
+
+
+@dataclass(frozen=True)
+class StoreArrays:
+    """What a store holds besides its rows, and how its arrays are chunked and compressed."""
+
+    captures: Mapping[str, CaptureRecord]
+    extras: Mapping[str, ExtraRecord]
+    shard_size: int
+    chunk_rows: Mapping[str, int]  # per capture: rows per chunk, a divisor of shard_size
+    compression: str = "zstd"
+    compression_level: int | None = None
+    reuse: bool = False  # rows may come from other stores (output.reuse): the ``reused`` array records which
+    sharded: bool = False  # each work shard of a capture one storage object (Zarr v3 sharding) of its chunks
+    locators: tuple[LocatorArray, ...] = ()  # the data source's per-row arrays beside paths (its Source.locators)
+    index_parts: Mapping[str, int] = field(default_factory=dict)  # write-time feature indexes: capture -> bytes of
+    # a shard's part
+
+
+WRITE_ROWS = 1 << 20  # a new store's per-row arrays are written this many rows (rounded to chunks) at a time
+READ_BYTES = 32 << 20  # a streaming read of a sharded array takes chunks of its shard up to about this much
+
+
+def read_rows(array: zarr.Array) -> int:
+    """Rows a streaming read takes at once: one chunk, or of a sharded array as many of its chunks as fit
+    READ_BYTES (a run of them dividing its shard: reads stay aligned, one shard's index serves them)."""
+    rows = max(int(array.chunks[0]), 1)
+    shards = getattr(array, "shards", None)
+    if not shards:
+        return rows
+    shard = int(shards[0])
+    fits = [d for d in range(rows, shard + 1, rows) if shard % d == 0 and d * _row_bytes(array) <= READ_BYTES]
+    return max(fits, default=rows)
+
+
+def _row_bytes(array: zarr.Array) -> int:
+    return max(int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize, 1)
+
+
+def take_rows(array: zarr.Array, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``rows`` (any order, repeats allowed) of ``array``, into ``out`` if given (of their shape and the
+    array's dtype): every chunk touched read once, a stretch of touched chunks in one call (zarr decodes its
+    chunks concurrently), consecutive rows decoded straight into the result. Orthogonal indexing (``oindex``)
+    of a sharded array decodes inner chunk by inner chunk: 50x slower here than these slices."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if out is None:
+        out = np.empty((len(rows), *array.shape[1:]), dtype=array.dtype)
+    if not len(rows):
+        return out
+    order = np.argsort(rows, kind="stable")
+    ranked = rows[order]
+    step = max(int(array.chunks[0]), 1)
+    chunk = ranked // step
+    per_read = max(READ_BYTES // (step * _row_bytes(array)), 1)  # chunks of one call: about READ_BYTES at most
+    # a stretch ends where a chunk is skipped, or where a call holds its share
+    cuts = np.flatnonzero((np.diff(chunk) > 1) | (np.diff(chunk // per_read) != 0)) + 1
+    for at, part in zip(np.split(order, cuts), np.split(ranked, cuts), strict=True):
+        a, b = int(part[0]), int(part[-1]) + 1
+        if b - a == len(part) and bool((np.diff(at) == 1).all()):  # rows a..b-1, asked in this order
+            array.get_basic_selection(slice(a, b), out=NDBuffer.from_numpy_array(out[int(at[0]) : int(at[-1]) + 1]))
+        else:
+            out[at] = np.asarray(array[a:b])[part - a]
+    return out
+
+
+def fill_value(dtype: str) -> float:
+    """What a row not (yet) computed holds in a capture or extra array: NaN, or -1 for an integer (a Grad-CAM
+    job's ``target``)."""
+    return -1 if numpy_dtype(dtype).kind in "iu" else np.nan
+
+
+def slots(arrays: StoreArrays, n_rows: int, locators: Iterable[str]) -> dict[str, Slot]:
+    """The arrays whose chunks belong to shards, and the ledger's slot that names each one's attempt: what a shard
+    computes (``data``) or its rows' source facts (``rows``); the others (ids, paths, labels, the id index) are
+    written once, when the generation is made."""
+    size = arrays.shard_size
+    rows = min(size, max(n_rows, 1))  # per-row arrays: a chunk a shard (of a store smaller than one: its rows)
+    per_row, per_shard = Slot("data", rows, size), Slot("data", 1, 1)
+    out = {name: per_row for name in ("status", "errors", "digest")}
+    out["shard_stats"] = per_shard
+    out.update({name: Slot("rows", rows, size) for name in ("fingerprint", *locators)})
+    out.update({key: per_row for key in arrays.extras})
+    if arrays.reuse:
+        out["reused"] = per_row
+    for key in arrays.captures:  # sharded: a work shard's chunks are one object; else chunks of chunk_rows
+        out[key] = Slot("data", size if arrays.sharded else min(arrays.chunk_rows[key], max(n_rows, 1)), size)
+    for key in arrays.index_parts:
+        out[f"{INDEX_PARTS}/{key}"] = per_shard
+    return out
+
+
+def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
+                      committed: bool = False) -> GenerationStore:
+    """Write generation ``name`` of the store under ``objects`` (its head names it already: no one reads it until
+    its root is written, last): its arrays, the rows' per-row arrays known before any image is read, the id index,
+    its ledger (every shard pending; ``committed``: every shard held by one attempt, committed at once, for a store
+    written without a job), then its root with the job's record and every array's metadata in one object. Returns
+    the view that wrote it (its attempts: ``rows``, and ``data`` where committed)."""
+    comp = _compressors(arrays.compression, arrays.compression_level)
+    n_shards = -(-len(rows) // arrays.shard_size)
+    attrs = {**attrs, "format_version": FORMAT_VERSION, "n_rows": len(rows), "n_shards": n_shards,
+             "shard_size": arrays.shard_size, "ledger_blocks": blocks_for(n_shards)}
+    locators = [locator.name for locator in arrays.locators]
+    attempts = {"rows": new_id(), **({"data": new_id()} if committed else {})}
+    store = write_view(objects.zarr_store(name, read_only=False), attempts,
+                       slots=slots(arrays, len(rows), locators), url=objects.url, hold_root=True)
+    try:
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            group = zarr.open_group(store=store, mode="a", use_consolidated=False)
+            _create_arrays(group, rows, arrays, attrs, comp)
+        Ledger(objects, f"{name}/{TXN}/ledger", n_shards, int(attrs["ledger_blocks"]), name).create(
+            attempts["rows"], attempts.get("data", 0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification" (yet)
+            zarr.consolidate_metadata(store, path=None)
+        store.release_root()  # the generation is made
+    except (OSError, ValueError):  # a storage error (the head's swap showed the place writable: a disk full...), or
+        raise  # rows that lack what their source declares
+    except Exception as err:  # what an object store's client raises otherwise (credentials, a bucket gone)
+        raise StoreError(f"cannot create the store at output.store {objects.url}: {type(err).__name__}: "
+                         f"{str(err).rstrip('.')}; check output.store and output.storage_options") from err
+    return store
+
+
+def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any], comp: Any) -> None:
+    """The arrays of a new generation, with what is known before any image is read, then its attributes."""
+    n = len(rows)
+    shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
+    n_shards = -(-n // shard_size)
+    shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
+    _create_row_arrays(group, shard_rows, rows, arrays.locators)
+    write_id_index(group, rows.ids, attrs.get("ids_digest"))
+    group.create_array("shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="",
+                       dimension_names=["shard"])
+    if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
+        group.create_array("reused", shape=(n,), dtype="int16", chunks=(shard_rows,), fill_value=-1,
+                           dimension_names=["row"])
+    for key, extra in extras.items():  # per-row results of gradient jobs, chunked by shard
+        group.create_array(
+            key,
+            shape=(n, *extra["shape"]),
+            dtype=extra["dtype"],
+            chunks=(shard_rows, *extra["shape"]),
+            fill_value=fill_value(extra["dtype"]),
+            dimension_names=["row", *extra["dims"]],
+        )
+    for key, record in captures.items():
+        shape = tuple(record["shape"])
+        meta = cast(dict[str, Any], record)  # as JSON: a TypedDict is a dict
+        group.create_array(
+            key,
+            shape=(n, *shape),
+            dtype=meta["dtype"],
+            chunks=(arrays.chunk_rows[key] if arrays.sharded else min(arrays.chunk_rows[key], max(n, 1)), *shape),
+            shards=(shard_size, *shape) if arrays.sharded else None,
+            fill_value=fill_value(meta["dtype"]),
+            compressors=comp,
+            dimension_names=["row", *meta["dims"]],
+            attributes={"extractor": dict(meta), "coordinates": "ids labels"},
+        )
+    for key, size in arrays.index_parts.items():  # a write-time index's part of each shard, merged at the end
+        group.create_array(f"{INDEX_PARTS}/{key}", shape=(n_shards, size), dtype="uint8", chunks=(1, size),
+                           fill_value=0, dimension_names=["shard", "part_byte"])
+    group.attrs.update({ATTR: dict(attrs)})
+
+
+def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...]) -> None:
+    """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``), in chunks
+    of ``shard_rows``: what is known before any image is read is written now, a stretch of whole chunks at a time
+    (the paths of a Joined made a stretch at a time)."""
+    n = len(rows)
+    step = shard_rows * max(1, WRITE_ROWS // shard_rows)
+
+    def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:
+        arr = group.create_array(
+            name, shape=(n,), dtype=dtype, chunks=(shard_rows,), fill_value=fill, dimension_names=["row"]
+        )
+        for start in range(0, n if data is not None else 0, step):
+            arr[start:start + step] = data[start:start + step]
+
+    row_array("ids", str, "", rows.ids)
+    row_array("paths", str, "", rows.paths)
+    row_array("labels", "int64", -1, rows.labels)
+    for locator in locators:  # where the source finds each image's bytes, beside its path
+        if locator.name not in rows.locators:
+            raise ValueError(f"the rows carry no {locator.name!r} column, which their source declares")
+        row_array(locator.name, locator.dtype, locator.fill, rows.locators[locator.name])
+    row_array("status", "uint8", PENDING)
+    row_array("errors", str, "")
+    row_array("digest", "uint64", 0)  # written with each shard's status
+    row_array("fingerprint", "uint64", 0, rows.fingerprints)
+
+
+def locator_arrays(group: zarr.Group, names: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The per-row arrays the store's data source keeps beside ``paths`` (its ``Source.locators``) that the store
+    holds (``names``: its arrays, when known), in the source's order: a row's locator is its path and their
+    values."""
+    from ..data import source
+
+    held = set(group.array_keys() if names is None else names)
+    return tuple(a.name for a in source(data_source(root_attrs(group))).locators if a.name in held)
+
+
+def data_source(attrs: Mapping[str, Any]) -> str:
+    """The ``data.source`` of the job a store's attributes record."""
+    return str(((attrs.get("spec") or {}).get("data") or {}).get("source", "folder"))
+
+
+def disk_usage(url: str) -> int | None:
+    """Bytes on disk of a local store (None for remote stores)."""
+    if is_url(url):
+        return None
+    total = 0
+    for dirpath, _dirs, files in os.walk(url.removeprefix("file://")):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
+

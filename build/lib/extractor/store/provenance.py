@@ -1,0 +1,364 @@
+"""The store's record of its job, and the contract for resuming it: one home.
+
+A store records what made its values (:func:`store_attrs`: the spec, the model, the resolved
+preprocessing, each capture's record, the per-row extras, the image list's digests, versions) from a
+:class:`Probe`, what the worker measured with one blank image. :func:`check_resumable` decides whether a
+job may resume a store (the same format, spec content, preprocessing, weights, captures and images read
+from the same places); :func:`changed_rows` and :func:`moved_locators` find the rows whose images changed
+or moved since. The driver decides what to do with the answers; nothing here writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, NotRequired, TypedDict
+
+import numpy as np
+
+from .._version import __version__
+from ..data import BLOCK, Rows, of_store
+from ..errors import StoreError
+from ..spec import PLACES, JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
+from .chunks import read_all
+from .dtypes import numpy_dtype
+from .forward import forward_differences
+from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now
+from .recorded import source_digests
+
+__all__ = [
+    "Probe", "StoreRecord", "store_attrs", "check_resumable", "changed_rows", "moved_locators", "owner", "differences",
+    "kept_probe",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one blank image through the model measured, all the driver needs to create the store: each
+    capture's record, the per-row extras of a gradient job, the model's facts (class, weights hash, logits)
+    and the resolved preprocessing. Returned by ``Worker.probe()`` and every backend's ``probe()``."""
+
+    captures: dict[str, CaptureRecord]
+    extras: dict[str, ExtraRecord]
+    model: dict[str, Any]
+    preprocess: dict[str, Any]
+
+    def bytes_per_row(self) -> dict[str, int]:
+        return {k: math.prod(c["shape"]) * numpy_dtype(c["dtype"]).itemsize for k, c in self.captures.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StoreRecord(TypedDict):
+    """The store's ``extractor`` attributes, as :func:`store_attrs` makes them at its creation (the runner's
+    end adds ``stats`` and ``error``, a resume ``resumed``)."""
+
+    format_version: int
+    created: str
+    updated: str
+    status: str  # creating, running, complete, incomplete, interrupted, failed
+    spec: dict[str, Any]  # the public spec (no secrets)
+    spec_digest: str
+    model: dict[str, Any]
+    preprocess: dict[str, Any]  # what resize, crop, interpolation, mean and std resolved to
+    captures: dict[str, CaptureRecord]
+    extras: dict[str, ExtraRecord]
+    classes: list[str]
+    n_rows: int
+    n_shards: int
+    shard_size: int
+    chunk_rows: dict[str, int]  # per capture
+    ids_digest: str
+    paths_digest: str
+    versions: dict[str, str]
+    reused_from: NotRequired[list[str]]  # output.reuse's stores
+    listing: NotRequired[dict[str, Any]]  # the source's listing (Source.listing), to take the rows from the store
+    stats: NotRequired[dict[str, Any]]
+    error: NotRequired[str | None]
+    resumed: NotRequired[str]
+
+
+def versions() -> dict[str, str]:
+    """The versions that made a store's values (recorded; a resume under others warns, see the reader)."""
+    out = {"extractor": __version__, "python": platform.python_version()}
+    for name in ("torch", "torchvision", "zarr", "numpy"):  # as each says (torch's with its build: 2.9.0+cu128)
+        out[name] = _version(name)
+    return out
+
+
+def _version(name: str) -> str:
+    """An installed package's version as its ``__version__`` says, found without importing it (importing
+    torchvision for a job that does not use it was 3 s of CPU on every run and resume): torch's and torchvision's
+    ``version.py`` (their metadata leaves out the build, ``+cu128``), else the package's metadata."""
+    import re
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+
+    spec = find_spec(name)
+    if spec is None:
+        return "not installed"
+    for folder in spec.submodule_search_locations or []:
+        try:
+            with open(os.path.join(folder, "version.py"), encoding="utf-8") as f:
+                said = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.MULTILINE)
+        except OSError:
+            continue
+        if said:
+            return said.group(1)
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def owner() -> dict[str, Any]:
+    """Who holds a lease: host, pid, user, start and the command (secrets redacted)."""
+    import getpass
+    import socket
+    import sys
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        user = "?"
+    return {"host": socket.gethostname(), "pid": os.getpid(), "user": user, "started": now(),
+            "command": " ".join(redact_argv(sys.argv))[:500]}
+
+
+def _digest(names: Any) -> str:
+    """A short hash of ids or paths (an array of strings or a Joined), in order: each one's UTF-8 and a NUL,
+    hashed a block at a time."""
+    h = hashlib.sha256()
+    for start in range(0, len(names), BLOCK):
+        h.update(("\0".join(names[start:start + BLOCK].tolist()) + "\0").encode("utf-8", "surrogateescape"))
+    return h.hexdigest()[:16]
+
+
+def chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int]:
+    """Rows per chunk of each capture array: output.chunk_rows, or ``auto``'s choice for the capture's row size."""
+    if spec.output.chunk_rows != "auto":
+        return dict.fromkeys(captures, spec.output.chunk_rows)
+    auto = auto_inner_rows if spec.output.sharding else auto_chunk_rows
+    return {k: auto(spec.data.shard_size, math.prod(c["shape"]) * numpy_dtype(c["dtype"]).itemsize)
+            for k, c in captures.items()}
+
+
+def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> StoreRecord:
+    """The store's ``extractor`` attributes at its creation (or, on resume, what it must match)."""
+    record: StoreRecord = {
+        "format_version": FORMAT_VERSION,
+        "created": now(),
+        "updated": now(),
+        "status": "running",
+        "spec": spec.public_dict(),  # secrets in storage options never reach the store
+        "spec_digest": spec_digest(spec),
+        "model": probe.model,
+        "preprocess": probe.preprocess,  # what resize, crop, interpolation, mean and std resolved to
+        "captures": probe.captures,
+        "extras": probe.extras,
+        "classes": rows.classes,
+        "n_rows": len(rows),
+        "n_shards": n_shards,
+        "shard_size": spec.data.shard_size,
+        "chunk_rows": chunking(spec, probe.captures),
+        # where the images are read from, resolved; rows left in their store: the digests it recorded of them
+        "ids_digest": _digest(rows.ids) if rows.stored is None else rows.stored["ids_digest"],
+        "paths_digest": _digest(rows.paths) if rows.stored is None else rows.stored["paths_digest"],
+        "versions": versions(),
+    }
+    if spec.output.reuse:  # the reused array's stores
+        record["reused_from"] = list(spec.output.reuse)
+    if rows.listing:  # a resume takes the rows from the store while it holds
+        record["listing"] = rows.listing
+    return record
+
+
+# the model sources and weights whose module is a function of the spec and the installed versions: a torchvision
+# builder with a random init (seed 0) or its own weights (by name; torchvision checks their file's hash). A
+# factory's code, a checkpoint file, a hub's cache or a module made in Python can change under the same spec.
+_FIXED_BY_SPEC = {"torchvision": ("random", "pretrained", "name")}
+
+
+def kept_probe(spec: JobSpec, old: dict[str, Any] | None) -> Probe | None:
+    """What the probe of a complete store measured, as the store recorded it, where building the model again
+    would measure the same: the same spec (content digest) and versions, a model that both fix (``_FIXED_BY_SPEC``)
+    and no other stores to take rows from. A resume with nothing to compute then decides from it without importing
+    torch or building the model (6-10 s of CPU); None: the model is built and probed."""
+    if old is None or old.get("status") != "complete" or old.get("format_version") != FORMAT_VERSION:
+        return None
+    if spec.model.weights_kind not in _FIXED_BY_SPEC.get(spec.model.source, ()) or spec.output.reuse:
+        return None
+    if old.get("spec_digest") != spec_digest(spec) or old.get("versions") != versions():
+        return None
+    if not all(isinstance(old.get(k), dict) for k in ("captures", "extras", "model", "preprocess")):
+        return None
+    return Probe(captures=old["captures"], extras=old["extras"], model=old["model"], preprocess=old["preprocess"])
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and (d or not prefix):  # an empty mapping is a value: {} -> {depth: 3} shows
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        out = {}
+        for i, v in enumerate(d):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: d}
+
+
+def _outermost_lacking(k: str, lacking: dict[str, Any]) -> str:
+    """The outermost entry holding setting ``k`` (``capture[1]`` for ``capture[1].layer``) that the side
+    ``lacking`` has nothing of."""
+    prefixes = [k[:m.start()] for m in re.finditer(r"[.\[]", k)] + [k]
+    return next((p for p in prefixes if p and not any(x == p or x.startswith((p + ".", p + "[")) for x in lacking)), k)
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per changed setting; an entry (``capture[1]``) on one side only is one line."""
+    a, b = _flatten(old), _flatten(new)
+    diffs: list[str] = []
+    for k in sorted(set(a) | set(b)):
+        if k in a and k in b:
+            if a[k] != b[k]:
+                diffs.append(f"{k}: {json.dumps(a[k])} in the store, {json.dumps(b[k])} now")
+            continue
+        top = _outermost_lacking(k, b if k in a else a)
+        if top == k:
+            line = f"{k}: {json.dumps(a.get(k, '(unset)'))} in the store, {json.dumps(b.get(k, '(unset)'))} now"
+        else:
+            line = f"{top}: in the store, not in the spec now" if k in a else \
+                f"{top}: in the spec now, not in the store"
+        if line not in diffs:
+            diffs.append(line)
+    return diffs
+
+
+def current_form(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored (public) spec as this version writes it: settings it lacks get their defaults."""
+    model = stored.get("model")
+    if isinstance(model, dict) and model.get("factory") and model.get("name") == "resnet18":
+        stored = {**stored, "model": {k: v for k, v in model.items() if k != "name"}}  # the old default, unused
+    try:
+        return parse_spec(stored).public_dict()
+    except Exception:  # noqa: BLE001 - a spec this version refuses: compared as stored
+        return stored
+
+
+
+
+def _moved(group: Any, paths: Any) -> str | None:
+    """The first row whose image the store read from another path than ``paths`` (a relative
+    ``data.root`` resolved in another folder, moved data), as 'STORED in the store, NOW now'."""
+    stored = group["paths"]
+    for start in range(0, min(len(paths), stored.shape[0]), BLOCK):
+        stop = min(start + BLOCK, len(paths), stored.shape[0])
+        was, now_ = np.asarray(stored[start:stop]), np.asarray(paths[start:stop])
+        differ = np.flatnonzero(was != now_)
+        if len(differ):
+            i = int(differ[0])
+            return f"row {start + i}'s image: {str(was[i])!r} in the store, {str(now_[i])!r} now"
+    return None
+
+
+def _spec_differences(old: dict[str, Any], new: dict[str, Any], same_places: bool) -> list[str]:
+    """The stored spec against this job's, with the settings added since as their defaults: it differs in
+    content, or only in what an older version of extractor did not write down. ``same_places``: the same
+    images from the same places, so data.root spelt otherwise is the same."""
+    old_spec, new_spec = content_of(current_form(old.get("spec", {}))), content_of(new["spec"])
+    if same_places:
+        for d in (old_spec, new_spec):
+            for key in PLACES:  # compared by the paths they list, not by their spelling
+                d.get("data", {}).pop(key, None)
+    return differences(old_spec, new_spec)
+
+
+def _value_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What makes the values besides the spec: the resolved preprocessing, the weights, the captures."""
+    problems: list[str] = []
+    was, now_ = of_store(old).to_dict(), new["preprocess"]
+    problems += [f"preprocess {k}: {json.dumps(was[k])} in the store, {json.dumps(now_[k])} now"
+                 for k in PREPROCESS_FIELDS if was[k] != now_[k]]
+    if old.get("model", {}).get("state_dict_sha256") != new["model"]["state_dict_sha256"]:
+        problems.append("the model's weights differ (state-dict hash)")
+    elif moved := forward_differences(old.get("model", {}), new["model"]):
+        problems.append(f"the model's forward differs (same weights, other values of {', '.join(moved)} on the "
+                        "probe's fixed input: another activation or code)")
+    if old.get("captures") != new["captures"]:
+        problems += ["capture " + d for d in differences(old.get("captures", {}), new["captures"])]
+    return problems
+
+
+def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: Any) -> None:
+    """Refuse to resume a store made by another format, spec, model or data listing, or whose
+    images the job would read from another place (``paths``: this run's, resolved). ``new``: this job's
+    :func:`store_attrs` (as JSON would give them back)."""
+    problems: list[str] = []
+    if old.get("format_version") != FORMAT_VERSION:
+        problems.append(f"format version {old.get('format_version')} in the store, {FORMAT_VERSION} now")
+    else:
+        moved = _moved(group, paths) if old.get("paths_digest") != new["paths_digest"] else None
+        if old.get("spec_digest") != new["spec_digest"]:
+            problems += _spec_differences(old, new, same_places=moved is None)
+        problems += _value_differences(old, new)
+        if old.get("ids_digest") != new["ids_digest"]:
+            problems.append(f"the image list differs ({old.get('n_rows')} rows in the store, {new['n_rows']} now)")
+        elif moved is not None:
+            problems.append(
+                f"the images would be read from another place: {moved}; a relative data.root, data.manifest or "
+                "data.tars means a place under the folder the job runs from: run it from the folder of its first "
+                "run, or give that path absolute"
+            )
+    if problems:
+        listed = "\n  ".join(problems[:10])
+        raise StoreError(
+            f"cannot resume {url}: it was made by a different job:\n  {listed}\n"
+            "Use --overwrite to replace it, or set output.store to write a new store."
+        )
+
+
+def moved_locators(group: Any, rows: Rows) -> dict[str, np.ndarray] | None:
+    """The source's locator arrays as listed now (``rows.locators``), when the source moved its rows' bytes since
+    the store recorded them (a rewritten tar): the rows still to compute read them where they are now; computed
+    ones whose bytes changed are found by :func:`changed_rows`. None: none moved, or the source has none."""
+    if not rows.locators or any(name not in group for name in rows.locators):
+        return None
+    same = all(np.array_equal(column, group[name][:]) for name, column in rows.locators.items())
+    return None if same else dict(rows.locators)
+
+
+def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.ndarray | None]:
+    """Rows already read (ok or failed) whose image is not the one they read: where the source's fingerprint
+    (size, mtime, ETag) differs from the stored one, the bytes are read and their content digest compared
+    (a file touched but unchanged passes). Also the source's fingerprints, when any differ (to record)."""
+    if "digest" not in group or rows.fingerprints is None:
+        if "digest" not in group:
+            log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
+                        spec.output.store)
+        return [], None
+    current = np.asarray(rows.fingerprints, dtype=np.uint64)
+    stored = read_all(group["fingerprint"])
+    read = read_all(group["status"]) != PENDING
+    unknown = int((read & (current == 0)).sum())
+    if unknown:
+        log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest): not checked for changed "
+                    "images; `extractor inspect --verify` reads them", unknown, spec.output.store)
+    suspects = np.flatnonzero(read & (current != stored) & (current != 0))
+    changed: list[int] = []
+    if len(suspects):
+        digests = np.asarray(group["digest"][:])
+        places = {name: column[suspects] for name, column in rows.locators.items()} if rows.locators else None
+        now_digests = source_digests(group, suspects, spec.data.storage_options, places=places)  # where they are now
+        changed = [int(r) for r, d in zip(suspects, now_digests, strict=True) if d != digests[r]]
+    return changed, (current if bool((current != stored).any()) else None)

@@ -1,0 +1,607 @@
+"""One job's session with its store: what the job does to it, from the first read to the last write.
+
+:class:`StoreSession` has the store's life cycle in a few verbs, in the shape of Ray Data's ``Datasink``: decide
+(read only; ``extractor plan`` stops there), start (``on_write_start``: the store made, a generation swapped in
+by the head, or resumed; this process a claimant of it), the workers' attempts (each shard claimed, written and
+committed in the ledger by a ``ShardWriter`` holding the session's :attr:`ticket`), then ``on_write_complete``
+(the final record, once every shard is committed) or ``on_write_failed``, and ``close``. No write of the job is
+read before a commit names it (:mod:`.generation`, :mod:`.ledger`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._text import count, now
+from ..data import Rows, Shard, reuse, source
+from ..errors import FencedError, StoreError
+from ..spec import JobSpec
+from .chunks import read_all
+from .claimants import Claimant, alive
+from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
+from .layout import FAILED, OK, PENDING, StoreArrays, create_generation, get_array, root_attrs
+from .ledger import Table, Verdict, amend_rows, new_id, reset
+from .objects import Objects, is_s3
+from .provenance import (
+    Probe,
+    StoreRecord,
+    changed_rows,
+    check_resumable,
+    kept_probe,
+    moved_locators,
+    owner,
+    store_attrs,
+)
+from .recorded import StoredRows
+from .reuse import check_sources
+from .stats import Totals, merge_shards
+from .views import write_view
+from .writer import Ticket, _Opened
+
+__all__ = ["StoreSession", "Decision", "Outcome", "IndexHooks", "live_claimants"]
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 1.0  # a claimant waiting for shards other live claimants hold reads the ledger again this often
+
+
+class IndexHooks(Protocol):
+    """The write-time feature indexes, as the store's session uses them (``index.JobIndexes``, wired in by the
+    driver: the store does not import the index)."""
+
+    def parts(self, captures: Mapping[str, Any]) -> dict[str, int]:
+        """The bytes of a shard's part of each indexed capture's index (their arrays are made with the store)."""
+
+    def finish(self, group: Any, generation: Generation) -> list[str]:
+        """Every committed shard's parts merged into the indexes (``group``: the generation read as committed),
+        written into ``generation``; the names written."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a job will do to its store, decided from a read of it before anything is written."""
+
+    create: bool  # make a new generation (replacing what is there when ``old`` is not None), or resume one
+    old: dict[str, Any] | None  # the store's state as read (None: nothing there)
+    todo: list[Shard]  # the shards to compute
+    redo: list[Shard] = field(default_factory=list)  # done shards whose images changed: computed again
+    fingerprints: np.ndarray | None = None  # the source's, to record on resume where they changed
+    locators: dict[str, np.ndarray] | None = None  # the source's locator arrays now, where it moved the bytes
+    head: Head | None = None  # the store's head as read (a new generation is swapped in from it)
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """A resume of a complete store: nothing is computed, and nothing written."""
+        return not self.create and not self.todo and (self.old or {}).get("status") == "complete"
+
+
+def _claimants_text(claimants: list[dict[str, Any]]) -> str:
+    m = claimants[0]
+    age = time.time() - float(m.get("heartbeat", 0))
+    more = f" and {count(len(claimants) - 1, 'other process')}" if len(claimants) > 1 else ""
+    return (f"pid {m.get('pid')} on {m.get('host')} (user {m.get('user')}, started {m.get('started')}, last "
+            f"heartbeat {age:.0f} s ago){more}")
+
+
+def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, objects: Objects) -> Decision:
+    """Whether the job may create, replace, resume or join the store, and what it would compute; refuses (another
+    job's live claimants without --join, an existing store without --resume or --overwrite, a store made by another
+    job) without writing anything."""
+    url, mode = spec.output.store, spec.output.if_exists
+    head = read_head(objects)
+    if head is None:
+        return Decision(True, None, shards, head=head)
+    if head.generation is None:  # format 1 (before December 2026): made again, or refused
+        old = dict(head.attrs)
+        if mode == "overwrite":
+            return Decision(True, old, shards, head=head)
+        raise StoreError(f"store {url} was made by an older extractor (format {head.format_version}, now {FORMAT}): "
+                         "it is read as it is, but not resumed; --overwrite makes it again")
+    generation = Generation(objects, head.generation)
+    if mode == "join":
+        _made_by_another(generation, url)  # joined once its maker has made it
+    old = generation.state()
+    live = [m for m in generation.roster.live()]
+    if live and mode != "join":
+        what = "being made" if old.get("status") == "creating" else "in use"
+        raise StoreError(f"store {url} is {what} by another extractor job: {_claimants_text(live)}. Wait for it to "
+                         "finish, run this job with --join to compute beside it, or, if it died, run again once "
+                         f"its heartbeat is {_timeout(live):.0f} s old (output.lease_timeout_s)")
+    if old.get("status") == "creating":  # left half-made by a job that is gone: --resume starts it again
+        if mode == "error":
+            raise StoreError(generation.being_made())
+        return Decision(True, old, shards, head=head)
+    group = generation.open()
+    if mode == "error":
+        n_done = int(done_shards(group).sum())
+        raise StoreError(
+            f"store {url} already exists ({n_done} of {old.get('n_shards', '?')} shards done, status "
+            f"{old.get('status', '?')}); pass --resume to finish it, --join to compute beside other processes, or "
+            "--overwrite to replace it"
+        )
+    if mode == "overwrite":
+        return Decision(True, old, shards, head=head)
+    check_resumable(url, old, json.loads(json.dumps(attrs)), group, rows.paths)
+    return _resume(spec, rows, shards, old, group, head)
+
+
+def _made_by_another(generation: Generation, url: str) -> None:
+    """Wait while a live process makes the generation (a process joining a store another made a moment before);
+    return at once where it is made, or its maker is gone (half-made: made again)."""
+    while generation.root() is None and generation.roster.live():
+        if not generation.still_live():
+            raise StoreError(f"store {url} was made again by another job while this one waited to join it; run "
+                             "again")
+        time.sleep(WAIT_S / 4)
+
+
+def _timeout(claimants: list[dict[str, Any]]) -> float:
+    return max(float(m.get("timeout_s", 0)) for m in claimants)
+
+
+def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any], group: Any, head: Head) -> Decision:
+    """What resuming a store made by this job computes: the shards not committed, and the committed ones whose
+    images changed since (refused unless output.on_change: redo)."""
+    _check_labels(spec, rows, old, group)
+    done = done_shards(group)
+    changed, prints = changed_rows(spec, group, rows)
+    hit = {r // spec.data.shard_size for r in changed}  # shards are contiguous runs of shard_size rows
+    redo = [s for s in shards if done[s.index] and s.index in hit]
+    if changed and spec.output.on_change != "redo":
+        ids = rows.ids if rows.stored is None else get_array(group, "ids")  # rows left in the store: its ids
+        named = ", ".join(f"{str(ids[r])!r}" for r in changed[:10])
+        raise StoreError(
+            f"cannot resume {spec.output.store}: the images of {count(len(changed), 'row')} computed before have "
+            f"changed since (their content digest differs): {named}{' ...' if len(changed) > 10 else ''}. Their "
+            "stored values are the old images'; resuming would mix both. Set output.on_change: redo (--set "
+            "output.on_change=redo) to compute their shards again, or --overwrite"
+        )
+    redone = {s.index for s in redo}
+    return Decision(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
+                    moved_locators(group, rows), head)
+
+
+def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) -> None:
+    """Refuse to resume a store whose source now gives other labels or class names (a tar's ``.cls`` rewritten, a
+    manifest's label column edited): its rows keep the labels they were listed with, and a gradient of the
+    label's logit used them."""
+    if rows.stored is not None:  # the rows as the store lists them: nothing to compare
+        return
+    was = np.asarray(get_array(group, "labels")[:])
+    if len(was) != len(rows):  # another listing altogether: check_resumable refused it
+        return
+    differ = np.flatnonzero(was != rows.labels)
+    if not len(differ) and list(old.get("classes") or []) == list(rows.classes):
+        return
+    what = (f"the labels of {count(len(differ), 'row')} differ from the store's (first: row {differ[0]} "
+            f"{rows.ids[differ[0]]!r}, {was[differ[0]]} in the store, {rows.labels[differ[0]]} now)") if len(differ) \
+        else f"the class names differ from the store's ({old.get('classes')} in the store, {rows.classes} now)"
+    raise StoreError(f"cannot resume {spec.output.store}: {what}; its rows keep the labels they were listed with "
+                     "(and a gradient of the label's logit used them): resuming would mix both. Use --overwrite")
+
+
+class _Raced(Exception):
+    """Joining: another process made the store between this one's look and its swap of the head."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the store holds once the job is over, read from it for the run's summary."""
+
+    rows: int
+    ok: int
+    failed: int
+    pending: int
+    failures: list[tuple[int, str, str]]  # up to 20 failed rows: (row, id, error)
+    nonfinite: dict[str, tuple[int, list[int]]]  # capture -> (rows holding NaN or Inf, the first of them)
+    float16: list[str]  # captures stored as float16
+    complete: bool = False  # every shard is committed
+
+
+class StoreSession:
+    """One job's session with its store (see the module's docstring).
+
+    :meth:`decide` reads the store and says what the job would do, writing nothing; :meth:`on_write_start` makes
+    the store (a new generation) or resumes it, as a claimant, and returns the shards to compute; the workers claim,
+    write and commit them with :attr:`ticket`; :meth:`shard_done` merges a committed shard's statistics as it
+    comes; :meth:`remaining` says what is left once they ran (shards other claimants hold, or that came free);
+    :meth:`on_write_complete` finishes the store once every shard is committed (exactly once, whoever commits
+    last), or :meth:`on_write_failed` says how the job stopped; :meth:`close` ends this claimant's part. A resume with
+    nothing to do calls :meth:`unchanged` instead."""
+
+    def __init__(self, spec: JobSpec, index: IndexHooks | None = None) -> None:
+        self.spec = spec
+        self.index = index
+        self.objects = Objects.at(spec.output.store, spec.output.storage_options, spec.output.lease_timeout_s)
+        self.record: StoreRecord | None = None  # what this job records in the store (decide)
+        self.decision: Decision | None = None  # decide's
+        self.shards: list[Shard] = []  # the job's, all of them
+        self.generation: Generation | None = None  # the store's, from on_write_start
+        self.claimant: Claimant | None = None  # this process, a claimant of it from on_write_start
+        self.totals: Totals | None = None  # committed shards' statistics, merged as they come
+        self._probe: Probe | None = None  # decide's
+        self._ended = False
+
+    @property
+    def ticket(self) -> Ticket | None:
+        """What the job's writers claim and commit with (None before the store is started)."""
+        if self.generation is None or self.claimant is None:
+            return None
+        return Ticket(self.generation.name, self.claimant.id, self.spec.output.lease_timeout_s,
+                      self.spec.output.if_exists == "join")
+
+    def recorded(self) -> dict[str, Any] | None:
+        """The store's state as it is now (None: no store there)."""
+        from .generation import read_state
+
+        return read_state(self.spec.output.store, self.spec.output.storage_options)
+
+    def kept_probe(self) -> Probe | None:
+        """What a complete store's probe measured, where this job's model would measure the same without being built
+        (:func:`~.provenance.kept_probe`); None: the job builds and probes its model."""
+        return kept_probe(self.spec, self.recorded())
+
+    def stored_rows(self, labels: bool = False) -> Rows | None:
+        """The rows as the store records them, where the source is as it was listed or only parts of it changed
+        (those listed again: ``data.reuse``); None: the source is listed again."""
+        group = open_group(self.spec.output.store, self.spec.output.storage_options)
+        return reuse(self.spec.data, StoredRows(group, labels))
+
+    def stored_chunking(self, keys: list[str]) -> dict[str, tuple[int, bool]]:
+        """Rows per chunk and whether sharded, of the store's capture arrays ``keys``."""
+        group = open_group(self.spec.output.store, self.spec.output.storage_options)
+        arrays = {k: get_array(group, k) for k in keys}
+        return {k: (int(a.chunks[0]), bool(getattr(a, "shards", None))) for k, a in arrays.items()}
+
+    def decide(self, rows: Rows, shards: list[Shard], probe: Probe, sources: bool = True) -> Decision:
+        """What the job would do to the store (:func:`decide`), writing nothing; ``sources``: the stores of
+        output.reuse checked first. The store record this job writes is :attr:`record` from then on."""
+        spec = self.spec
+        self.shards = shards
+        self._probe = probe
+        self.record = store_attrs(spec, rows, len(shards), probe)
+        if sources and spec.output.reuse:  # every store to take rows from makes them as this job would
+            check_sources(spec.output.reuse, self.record, spec.output.store, spec.output.storage_options)
+        self.decision = decide(spec, rows, shards, self.record, self.objects)
+        return self.decision
+
+    def _decided(self) -> tuple[Decision, StoreRecord]:
+        if self.decision is None or self.record is None:
+            raise RuntimeError("StoreSession.decide comes first")
+        return self.decision, self.record
+
+    def unchanged(self) -> Outcome:
+        """A resume with nothing to compute: what moved in the source recorded (best effort), nothing else
+        written; the store's outcome as it is."""
+        decision, record = self._decided()
+        head = decision.head
+        assert head is not None and head.generation is not None  # a complete store of this format
+        self.generation = Generation(self.objects, head.generation)
+        try:
+            self._record_source(decision, record, None)
+        except (OSError, StoreError) as err:
+            log.info("the source of %s moved but not its images; its new fingerprints were not recorded (%s): the "
+                     "next resume compares them again", self.spec.output.store, err)
+        return self._outcome()
+
+    # ---------------------------------------------------------------------------------------------- start
+
+    def on_write_start(self, rows: Rows) -> list[Shard]:
+        """Make the store (a new generation, swapped in by the head: refused when the head changed since
+        :meth:`decide` read it; joining, the store another process made meanwhile is joined) or resume it, as a
+        claimant; the shards to compute (those not committed; joining, from a place of this claimant's own)."""
+        decision, record = self._decided()
+        spec = self.spec
+        for _ in range(3):
+            if not decision.create:
+                self._resume(decision, record)
+                break
+            try:
+                self._make(decision, record, rows)
+                break
+            except _Raced:  # joining: another process made it meanwhile
+                assert self._probe is not None
+                decision = self.decide(rows, self.shards, self._probe, sources=False)
+        assert self.generation is not None and self.claimant is not None
+        self.totals = Totals(len(self.shards))
+        done = self.generation.ledger().read().done
+        todo = [s for s in self.shards if not done[s.index]]
+        if spec.output.if_exists == "join" and todo:  # joiners start apart, so that their claims rarely meet
+            at = self.claimant.id % len(todo)
+            todo = todo[at:] + todo[:at]
+        return todo
+
+    def _make(self, decision: Decision, record: StoreRecord, rows: Rows) -> None:
+        """A new generation swapped in by the head (from the version :meth:`decide` read), this process its claimant,
+        the other generations removed, the new one written."""
+        spec = self.spec
+        try:
+            name = swap_head(self.objects, decision.head, now())  # from here on the store is this generation
+        except StoreError:
+            if spec.output.if_exists == "join":
+                raise _Raced from None
+            raise StoreError(self._made_meanwhile(decision)) from None
+        except OSError as err:  # NotADirectoryError, PermissionError, no bucket, credentials...
+            raise StoreError(
+                f"cannot create the store at output.store {spec.output.store}: {type(err).__name__}: "
+                f"{str(err).rstrip('.')}. Its parent folder or bucket must exist and be writable (check "
+                "output.store and output.storage_options)") from err
+        self.generation = Generation(self.objects, name)
+        self._join()
+        legacy = decision.head is not None and decision.head.generation is None  # a store of format 1 replaced
+        if collect_others(self.objects, name, legacy):
+            log.info("%s: the objects of its earlier generation were removed", spec.output.store)
+        create_generation(self.objects, name, rows, self._arrays(record), {**record, "status": "running"})
+        if not self.generation.still_live():  # made again while this process made it (it was stopped meanwhile)
+            self._live()
+
+    def _made_meanwhile(self, decision: Decision) -> str:
+        """What to say where the store was made (again) by another job between this one's look and its swap."""
+        what = "created" if decision.head is None else "replaced"
+        head = read_head(self.objects)
+        live = Generation(self.objects, head.generation).roster.live() if head and head.generation else []
+        who = f" (by another extractor job: {_claimants_text(live)})" if live else ""
+        return (f"store {self.spec.output.store} was {what} by another job after this one looked at it{who}; run "
+                "again (--resume finishes it)")
+
+    def _resume(self, decision: Decision, record: StoreRecord) -> None:
+        """This process a claimant of the generation :meth:`decide` read (refused where the head names another
+        now), its changed shards made pending again, the source recorded where it moved."""
+        head = read_head(self.objects)
+        assert decision.head is not None
+        if head is None or head.generation is None or head.generation != decision.head.generation:
+            raise StoreError(f"store {self.spec.output.store} was replaced by another job after this one looked at "
+                             "it; run again (--resume finishes it)")
+        self.generation = Generation(self.objects, head.generation)
+        self._join()
+        self._wait_made()
+        table = self._redo(decision)
+        self._record_source(decision, record, table)
+
+    def _arrays(self, record: StoreRecord) -> StoreArrays:
+        spec = self.spec
+        parts = self.index.parts(record["captures"]) if self.index is not None else {}
+        return StoreArrays(captures=record["captures"], extras=record["extras"], shard_size=spec.data.shard_size,
+                           chunk_rows=record["chunk_rows"], compression=spec.output.compression,
+                           compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse),
+                           sharded=spec.output.sharding, locators=source(spec.data.source).locators,
+                           index_parts=parts)
+
+    def _join(self) -> None:
+        """This process, a claimant of the generation (its record renewed until the session ends)."""
+        assert self.generation is not None
+        generation = self.generation
+        info = {**owner(), "join": self.spec.output.if_exists == "join"}
+        self.claimant = Claimant(self.objects, generation.claimants_prefix, self.spec.output.lease_timeout_s, info,
+                             still_ours=generation.still_live)
+        self.claimant.start()
+        if self.objects.conditional and is_s3(self.objects.url) and not self.objects.probe():
+            self.objects.conditional = False  # its swaps read, compare and write from now on
+            log.warning("%s does not honour conditional writes (a create-only write replaced the object it should "
+                        "have refused): a process paused past its claim could still commit after another took it; "
+                        "run one job at a time on this store", self.objects.url)
+        opened = _Opened.last
+        if opened is not None and opened.key[1] != generation.name:
+            _Opened.last = None  # another generation's arrays: opened again by the first shard
+
+    def _wait_made(self) -> None:
+        """Joining a generation another live process is still making: wait until it is made (its maker gone
+        first: refused)."""
+        assert self.generation is not None
+        while self.generation.root() is None:
+            if not self.generation.roster.live() or not self.generation.still_live():
+                raise StoreError(f"store {self.spec.output.store} was left half-made by the job that made it; run "
+                                 "again with --resume (or --overwrite)")
+            time.sleep(WAIT_S / 4)
+
+    def _redo(self, decision: Decision) -> Table:
+        """The committed shards whose images changed made pending again, claimed by this claimant (their old values
+        no longer read); the ledger after."""
+        assert self.generation is not None and self.claimant is not None
+        ledger, claimant = self.generation.ledger(), self.claimant.id
+        dead = self.generation.roster.dead
+        verdicts = ledger.apply([s.index for s in decision.redo], lambda e, _s: reset(e, claimant, dead))
+        held = [s for s, v in verdicts.items() if v is not Verdict.OK]
+        if held:
+            raise StoreError(f"cannot redo shards {held[:10]} of {self.spec.output.store}: another live process "
+                             "computes them now; run again once it is done")
+        return ledger.read()
+
+    def _record_source(self, decision: Decision, record: StoreRecord, table: Table | None) -> None:
+        """The source's new fingerprints and locators (where they moved but not the images) recorded under a new
+        attempt of the ``rows`` slot, named shard by shard in the ledger; its listing recorded (a swap)."""
+        assert self.generation is not None
+        generation = self.generation
+        listing = record.get("listing")
+        was, version = generation.listing()
+        if listing is not None and listing != (was if was is not None else (decision.old or {}).get("listing")):
+            if not generation.record_listing(listing, version):
+                log.info("%s: the source's listing was recorded by another process meanwhile", self.spec.output.store)
+        columns: dict[str, np.ndarray] = {k: np.asarray(v) for k, v in {
+            "fingerprint": decision.fingerprints, **(decision.locators or {})}.items() if v is not None}
+        if not columns:
+            return
+        group = generation.open(table)
+        size = self.spec.data.shard_size
+        moved = sorted({int(r) // size for k, v in columns.items()
+                        for r in np.flatnonzero(v != read_all(get_array(group, k)))})
+        if moved:
+            attempt = self._write_rows(columns, moved)
+            dead, claimant = generation.roster.dead, self.claimant.id if self.claimant is not None else 0
+            generation.ledger().apply(moved, lambda e, _s: amend_rows(e, attempt, claimant, dead))
+
+    def _write_rows(self, columns: Mapping[str, np.ndarray], shards: list[int]) -> int:
+        """The rows of ``shards`` of the ``rows`` slot's arrays ``columns`` (whole arrays) written under a new
+        attempt; the attempt."""
+        import zarr
+
+        assert self.generation is not None
+        attempt, size = new_id(), self.spec.data.shard_size
+        view = write_view(self.objects.zarr_store(self.generation.name, read_only=False), {"rows": attempt},
+                          url=self.objects.url)
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            target = zarr.open_group(store=view, mode="r+", use_consolidated=False)
+            for name, column in columns.items():
+                array = get_array(target, name)
+                for s in shards:
+                    array[s * size : (s + 1) * size] = column[s * size : (s + 1) * size]
+        return attempt
+
+    # ---------------------------------------------------------------------------------------------- shards
+
+    def shard_done(self, index: int, stats: str) -> None:
+        """Merge the statistics record ``stats`` of a shard this job committed now (what is not merged now, the end
+        merges from the store)."""
+        if self.totals is not None:
+            self.totals.add(index, stats)
+        if self.claimant is not None:
+            self.claimant.committed()
+
+    def remaining(self, wait: bool) -> list[Shard]:
+        """The shards not committed that this claimant may take now (pending, or claimed by a dead claimant); with
+        ``wait``, while every shard left is held by another live claimant, waits until one is committed or free.
+        [] once every shard is committed."""
+        assert self.generation is not None
+        ledger = self.generation.ledger()
+        while True:
+            self._check()
+            table = ledger.read()
+            left = np.flatnonzero(~table.done)
+            if not len(left):
+                return []
+            claimant = table.entries["claimant"]
+            mine = self.claimant.id if self.claimant is not None else 0
+            dead = self.generation.roster.dead
+            free = [int(s) for s in left if int(claimant[s]) in (0, mine) or dead(int(claimant[s]))]
+            if free or not wait:
+                return [self.shards[s] for s in free]
+            time.sleep(WAIT_S)
+
+    def _check(self) -> None:
+        if self.claimant is not None:
+            self.claimant.check()
+
+    def _live(self) -> None:
+        """Raise :class:`FencedError` where the store was made again since this job began (its generation is no
+        longer the head's): nothing this job would write or say of it holds."""
+        assert self.generation is not None
+        if not self.generation.still_live():
+            if self.claimant is not None:
+                self.claimant.lost = True
+            self._check()
+
+    # ---------------------------------------------------------------------------------------------- end
+
+    def on_write_complete(self) -> Outcome:
+        """The shards ran: once every shard is committed, the store is finished (statistics and write-time indexes
+        merged, the final record written: once, whoever comes first; the garbage of attempts no one names removed);
+        otherwise this claimant says it ended incomplete. A storage that refuses is a StoreError that says the
+        committed shards are kept."""
+        assert self.generation is not None
+        self._live()
+        try:
+            complete = bool(self.generation.ledger().read().done.all())
+            if complete and self.generation.final() is None:
+                self._finish()
+                self._live()  # made again while this process merged it (stopped meanwhile): not this job's to say
+            self._end("complete" if complete else "incomplete")
+            return self._outcome()
+        except (StoreError, FencedError):
+            raise
+        except OSError as err:
+            raise StoreError(f"cannot finish {self.spec.output.store}: {type(err).__name__}: {err}; its committed "
+                             "shards are kept: --resume finishes it once the storage works") from err
+
+    def _finish(self) -> None:
+        """Merge the statistics and the write-time indexes of every committed shard and write the final record."""
+        assert self.generation is not None
+        generation = self.generation
+        group = generation.open()
+        stats = self._stats(group)
+        if self.index is not None:
+            self.index.finish(group, generation)
+        by = f"{self.claimant.id:016x}" if self.claimant is not None else None
+        if generation.finish({"status": "complete", "stats": stats, "at": now(), "by": by}):
+            removed = generation.collect()
+            if removed:
+                log.info("%s: removed the objects of %s no one committed", self.spec.output.store,
+                         count(removed, "attempt"))
+
+    def _stats(self, group: Any) -> dict[str, Any]:
+        """Every committed shard's statistics, merged (those this job merged as they came, and the others)."""
+        if self.totals is None:
+            self.totals = Totals(len(self.shards))
+        return merge_shards(group, self.totals)
+
+    def on_write_failed(self, err: BaseException) -> None:
+        """``err`` stopped the job: this claimant ends, saying how (its claims may be taken at once); the command
+        that finishes the store is said by the CLI (``err.resumable``)."""
+        if self.claimant is None:
+            return
+        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        self._end(status, f"{type(err).__name__}: {err}"[:1000])  # its own record: no one else's object
+        if isinstance(err, FencedError):
+            return
+        creating = self.generation is not None and self.generation.root() is None
+        err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
+        err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store
+
+    def _end(self, status: str, error: str | None = None) -> None:
+        if self.claimant is None or self._ended:
+            return
+        self._ended = True
+        stats: dict[str, Any] | None = None
+        if status != "complete" and self.generation is not None and self.generation.root() is not None:
+            try:
+                stats = self._stats(self.generation.open())
+            except Exception as err:  # noqa: BLE001 - the storage that stopped the job may refuse this too
+                log.debug("statistics of %s not merged: %s", self.spec.output.store, err)
+        self.claimant.end(status, error, **({"stats": stats} if stats is not None else {}))
+
+    def close(self) -> None:
+        """End this claimant's part (one that did not say how it ended is ended as interrupted)."""
+        if self.claimant is not None and not self._ended:
+            self._end("interrupted")
+
+    def _outcome(self) -> Outcome:
+        """The store's rows as they are now, read as committed."""
+        assert self.generation is not None
+        table = self.generation.ledger().read()
+        group = self.generation.open(table)
+        status = read_all(get_array(group, "status"))
+        failed_rows = np.flatnonzero(status == FAILED)
+        failures = []
+        if len(failed_rows):
+            ids, errors = get_array(group, "ids"), get_array(group, "errors")
+            for r in failed_rows[:20]:
+                failures.append((int(r), str(ids[int(r)]), str(errors[int(r)])))
+        attrs = root_attrs(group)
+        stats = dict(attrs.get("stats") or {})
+        return Outcome(
+            rows=len(status),
+            ok=int((status == OK).sum()),
+            failed=len(failed_rows),
+            pending=int((status == PENDING).sum()),
+            failures=failures,
+            nonfinite={k: (v["nonfinite_rows"], v["first_nonfinite_rows"]) for k, v in stats.items()
+                       if v["nonfinite_rows"]},
+            float16=[k for k, m in attrs["captures"].items() if m["dtype"] == "float16"],
+            complete=bool(table.done.all()),
+        )
+
+
+def live_claimants(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The processes writing into the store's live generation now (inspect shows them)."""
+    objects = Objects.at(url, storage_options)
+    head = read_head(objects)
+    if head is None or head.generation is None:
+        return []
+    return [m for m in Generation(objects, head.generation).roster.all() if alive(m)]
+

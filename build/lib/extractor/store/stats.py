@@ -1,0 +1,253 @@
+"""Statistics of captured values, streamed per shard and merged across shards (numpy and zarr only).
+
+Per capture: count, mean and standard deviation per feature (the channel of a map, the
+feature of a token sequence, each element of a vector), global min and max, NaN and Inf
+counts, rows holding any NaN/Inf, and the mean L2 norm of a row; of a token capture (its last dims
+``token``, ``feature``) also the mean L2 norm of a token (``mean_token_l2``: what a sparse autoencoder
+normalises by). Non-finite values are counted, not folded into the moments.
+
+A shard's record (``shard_stats[s]``) is JSON whose per-feature sums are base64 of their bytes (records
+written before hold lists of numbers: both are read). The driver merges records into :class:`Totals` as
+shards are committed, and the store's end merges only those it did not: memory per capture and feature, never
+per shard.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import zarr
+
+from .generation import done_shards
+from .layout import get_array, take_rows
+
+__all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
+
+_SUMS = {"count": np.int64, "sum": np.float64, "sumsq": np.float64}  # per feature
+_SCALARS = ("nan", "inf", "rows", "nonfinite_row_count", "l2_sum", "l2_rows", "token_l2_sum", "token_l2_count")
+_FIRST = 20  # rows holding NaN or Inf named, the first ones
+MERGE_SLICE = 32  # shards' records read at once by a merge (24 x 1024 features: 800 KB each)
+
+
+def feature_axis(dims: Sequence[str]) -> int | None:
+    """Axis (in a batch-first array) whose entries get their own mean/std; None: one global."""
+    names = [d.rsplit(".", 1)[-1] for d in dims]
+    if names and names[0] == "channel":
+        return 1
+    if names and names[-1] == "feature":
+        return len(names)
+    return None
+
+
+class ShardStats:
+    """Running sums for one capture over one shard's ok rows."""
+
+    def __init__(self, dims: Sequence[str], shape: Sequence[int]) -> None:
+        self.axis = feature_axis(dims)
+        names = [d.rsplit(".", 1)[-1] for d in dims]
+        self.tokens = names[-2:] == ["token", "feature"]  # per-token norms too
+        self.token_l2_sum, self.token_l2_count = 0.0, 0
+        n_feat = int(shape[self.axis - 1]) if self.axis is not None else 1
+        self.count = np.zeros(n_feat, np.int64)
+        self.sum = np.zeros(n_feat, np.float64)
+        self.sumsq = np.zeros(n_feat, np.float64)
+        self.min, self.max = np.inf, -np.inf
+        self.nan = self.inf = 0
+        self.rows = 0
+        self.nonfinite_rows: list[int] = []  # the first _FIRST store rows holding NaN or Inf
+        self.nonfinite_count = 0
+        self.l2_sum, self.l2_rows = 0.0, 0
+
+    def update(self, x: np.ndarray, rows: np.ndarray) -> None:
+        """Add a batch ``x`` (B, *shape) whose store rows are ``rows``."""
+        if not len(x):
+            return
+        if x.dtype.itemsize < 4:  # float16 and bfloat16: summed as float32
+            x = x.astype(np.float32)
+        self.rows += len(x)
+        if self.axis is None:
+            axes: tuple[int, ...] = tuple(range(x.ndim))
+        else:
+            axes = tuple(a for a in range(x.ndim) if a != self.axis)
+        flat = x.reshape(len(x), -1)
+        finite_rows = np.isfinite(flat).all(axis=1)
+        if not finite_rows.all():  # rare: count the NaN/Inf, then zero them out of the moments
+            x, count = self._count_nonfinite(x, rows, finite_rows, axes)
+            good = x[finite_rows]
+        else:
+            count = np.full(self.count.shape, x.size // self.count.size, np.int64)
+            good = x
+            if x.size:
+                self.min = min(self.min, float(x.min()))
+                self.max = max(self.max, float(x.max()))
+        # accumulate in float64 without float64 copies of the batch, unless squares would overflow float32
+        big = x.size and max(abs(self.min), abs(self.max)) > 1e18
+        sq = np.square(x, dtype=np.float64) if big or x.dtype.itemsize > 4 else np.square(x)
+        self.count += count
+        self.sum += x.sum(axis=axes, dtype=np.float64).reshape(-1)
+        self.sumsq += sq.sum(axis=axes, dtype=np.float64).reshape(-1)
+        if len(good):
+            sq_good = sq[finite_rows] if len(good) < len(x) else sq
+            self.l2_sum += float(np.sqrt(sq_good.reshape(len(good), -1).sum(axis=1, dtype=np.float64)).sum())
+            self.l2_rows += len(good)
+            if self.tokens:  # (rows, ..., tokens, features): the norm of each token of the finite rows
+                norms = np.sqrt(sq_good.sum(axis=-1, dtype=np.float64))
+                self.token_l2_sum += float(norms.sum())
+                self.token_l2_count += norms.size
+
+    def _count_nonfinite(self, x: np.ndarray, rows: np.ndarray, finite_rows: np.ndarray,
+                         axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Count a batch's NaN and Inf (and the rows holding them); the batch with them zeroed, and the count of
+        finite values per feature. The minimum and maximum are of the finite values."""
+        finite = np.isfinite(x)
+        bad_rows = ~finite_rows
+        self.nonfinite_count += int(bad_rows.sum())
+        isnan = np.isnan(x)
+        self.nan += int(isnan.sum())
+        self.inf += int((~finite & ~isnan).sum())
+        self.nonfinite_rows = sorted(self.nonfinite_rows + [int(r) for r in rows[bad_rows]])[:_FIRST]
+        count = finite.sum(axis=axes).reshape(-1).astype(np.int64)
+        x = np.where(finite, x, 0)
+        if finite.any():
+            self.min = min(self.min, float(np.where(finite, x, np.inf).min()))
+            self.max = max(self.max, float(np.where(finite, x, -np.inf).max()))
+        return x, count
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "count": _pack(self.count), "sum": _pack(self.sum), "sumsq": _pack(self.sumsq),
+            "min": self.min if np.isfinite(self.min) else None, "max": self.max if np.isfinite(self.max) else None,
+            "nan": self.nan, "inf": self.inf, "rows": self.rows, "nonfinite_rows": self.nonfinite_rows,
+            "nonfinite_row_count": self.nonfinite_count,
+            "l2_sum": self.l2_sum, "l2_rows": self.l2_rows,
+            "token_l2_sum": self.token_l2_sum, "token_l2_count": self.token_l2_count,
+        }
+
+
+def _pack(x: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes()).decode()
+
+
+def _unpack(v: str | list[float], dtype: type) -> np.ndarray:
+    """Sums as a record holds them: base64 of little-endian bytes, or (records written before) a list."""
+    if isinstance(v, str):
+        return np.frombuffer(base64.b64decode(v), np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    return np.asarray(v, dtype)
+
+
+def dumps(stats: dict[str, ShardStats]) -> str:
+    return json.dumps({key: st.to_dict() for key, st in stats.items()})
+
+
+class Totals:
+    """Shards' records merged: per capture its sums (memory per capture and feature, never per shard), and
+    which shards they hold."""
+
+    def __init__(self, n_shards: int) -> None:
+        self.held = np.zeros(n_shards, bool)
+        self.acc: dict[str, dict[str, Any]] = {}
+
+    def add(self, index: int, text: str) -> None:
+        """Add shard ``index``'s record (once: a shard held already adds nothing; "" is a shard with none)."""
+        if self.held[index]:
+            return
+        record = json.loads(text) if text else {}
+        self.held[index] = True
+        for key, d in record.items():
+            a = self.acc.get(key)
+            if a is None:
+                a = self.acc[key] = {"min": None, "max": None, "nonfinite_rows": [], **dict.fromkeys(_SCALARS, 0)}
+            for k, dtype in _SUMS.items():
+                v = _unpack(d[k], dtype)
+                a[k] = a[k] + v if k in a else v
+            for k, f in (("min", min), ("max", max)):
+                if d[k] is not None:
+                    a[k] = d[k] if a[k] is None else f(a[k], d[k])
+            for k in _SCALARS:
+                a[k] = a.get(k, 0) + d.get(k, 0)  # records (totals) written before per-token norms have none
+            a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + d["nonfinite_rows"])[:_FIRST]
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per capture: rows, mean and std per feature, min, max, NaN and Inf counts, the rows holding them."""
+        out = {}
+        for key, a in self.acc.items():
+            count = np.maximum(a["count"], 1)
+            mean = a["sum"] / count
+            var = np.maximum(a["sumsq"] / count - mean**2, 0.0)
+            out[key] = {
+                "rows": a["rows"],
+                "mean": [float(v) for v in np.atleast_1d(mean)],
+                "std": [float(v) for v in np.atleast_1d(np.sqrt(var))],
+                "min": a["min"],
+                "max": a["max"],
+                "nan": a["nan"],
+                "inf": a["inf"],
+                "nonfinite_rows": a["nonfinite_row_count"],
+                "first_nonfinite_rows": a["nonfinite_rows"],
+                "mean_l2": a["l2_sum"] / a["l2_rows"] if a["l2_rows"] else None,
+            }
+            if a.get("token_l2_count"):
+                out[key]["mean_token_l2"] = a["token_l2_sum"] / a["token_l2_count"]
+        return out
+
+    def to_bytes(self) -> bytes:
+        """The totals as one object: a CRC-32, then npz of the sums and JSON of the rest."""
+        arrays = {f"{k}/{key}": a[k] for key, a in self.acc.items() for k in _SUMS}
+        rest = {key: {k: v for k, v in a.items() if k not in _SUMS} for key, a in self.acc.items()}
+        out = io.BytesIO()
+        np.savez(out, held=np.packbits(self.held), rest=np.frombuffer(json.dumps(rest).encode(), np.uint8), **arrays)
+        payload = out.getvalue()
+        return zlib.crc32(payload).to_bytes(4, "little") + payload
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, n_shards: int) -> Totals | None:
+        """Totals written by :meth:`to_bytes`; None when ``blob`` is not whole (a write cut short) or of another
+        shard count."""
+        if len(blob) < 4 or zlib.crc32(blob[4:]) != int.from_bytes(blob[:4], "little"):
+            return None
+        with np.load(io.BytesIO(blob[4:])) as z:
+            totals = cls(n_shards)
+            held = np.unpackbits(z["held"])
+            if len(held) < n_shards or held[n_shards:].any():
+                return None
+            totals.held = held[:n_shards].astype(bool)
+            for key, rest in json.loads(z["rest"].tobytes()).items():
+                totals.acc[key] = {**rest, **{k: z[f"{k}/{key}"].astype(dtype) for k, dtype in _SUMS.items()}}
+        return totals
+
+
+def shard_record(group: zarr.Group, index: int) -> str:
+    """Shard ``index``'s record (read as a slice: zarr 3.1 reads one element of a long string 60x slower)."""
+    return str(np.asarray(get_array(group, "shard_stats")[index : index + 1])[0])
+
+
+def merge_shards(group: zarr.Group, totals: Totals | None = None) -> dict[str, Any]:
+    """The store's statistics: ``totals`` (shards merged already) with every committed shard's record not in them yet
+    added, read ``MERGE_SLICE`` shards at a time (``totals`` are updated). Totals holding a shard that is not
+    committed (made pending since, to be computed again) are started over."""
+    done = done_shards(group)
+    totals = totals if totals is not None else Totals(len(done))
+    if (totals.held & ~done).any():
+        totals.__init__(len(done))  # type: ignore[misc]  # started over, in place: the caller's object
+    todo = np.flatnonzero(done & ~totals.held)
+    records = get_array(group, "shard_stats")
+    for a in range(0, len(todo), MERGE_SLICE):
+        part = todo[a : a + MERGE_SLICE]
+        for index, text in zip(part.tolist(), take_rows(records, part).tolist(), strict=True):
+            totals.add(index, str(text))
+    return totals.summary()
+
+
+def merge(shards: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Merge per-shard JSON records (as written by the workers) into the per-capture summary."""
+    texts = list(shards)
+    totals = Totals(len(texts))
+    for index, text in enumerate(texts):
+        totals.add(index, text)
+    return totals.summary()

@@ -1,0 +1,139 @@
+"""The viewer as a local web app (Flask): GET only, every path parameter a number or a name looked up among the
+store's own (never a file path), the store read lazily behind it; answers only for the host it listens on
+(:mod:`.hosts`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from importlib.resources import files
+from typing import Any
+
+try:
+    from flask import Flask, Response, jsonify, request
+except ImportError as err:
+    raise ImportError("the viewer needs Flask: pip install 'extractor[view]' (make installs it)") from err
+
+from ..read import ActivationStore, open_store
+from .hosts import LOOPBACK, Hosts, listen
+from .render import render
+from .site import NotFound, Site, page_path
+from .thumbs import SourceGone
+
+__all__ = ["create_app", "serve"]
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"  # loopback only, unless asked
+PORT = 8050
+# nothing from elsewhere: the pages' scripts, styles and images are the app's own (thumbnails, heatmaps drawn)
+POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+          "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+
+
+def create_app(store: ActivationStore | str, hosts: Hosts = LOOPBACK) -> Flask:
+    """The Flask app of the viewer over ``store`` (a path or URL, or a store opened already), answering requests
+    for ``hosts`` only (default: this machine's loopback names; any other ``Host``: 403, saying why)."""
+    site = Site(open_store(store) if isinstance(store, str) else store)
+    app = Flask(__name__, static_folder=str(files("extractor.view") / "static"), static_url_path="/static")
+    app.before_request(lambda: _foreign(hosts))
+    views = _Views(site)
+    for rule, view in views.rules():
+        app.add_url_rule(rule, rule, view, methods=["GET"])
+    app.register_error_handler(NotFound, lambda err: _missing(str(err.args[0] if err.args else err)))
+    app.register_error_handler(404, lambda err: _missing(f"there is no page at {request.path}"))
+    app.after_request(_headers)
+    return app
+
+
+class _Views:
+    """The app's answers: a page (HTML) or its data (JSON) for each path; a number or an index's name is all
+    a path carries, looked up by :class:`Site` (NotFound: the 404 page)."""
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+
+    def rules(self) -> list[tuple[str, Callable[..., Any]]]:
+        return [
+            ("/", self.store_page), ("/index.html", self.store_page), ("/search.html", self.search_page),
+            ("/index/<slug>.html", self.features_page), ("/index/<slug>/<int:f>.html", self.feature_page),
+            ("/image/<int:row>.html", self.image_page), ("/thumb/<int:row>.jpg", self.thumb),
+            ("/api/store.json", lambda: jsonify(self.site.store_page())),
+            ("/api/search.json", lambda: jsonify(self.site.search(_query()))),
+            ("/api/index/<slug>.json", lambda slug: jsonify(self.site.features_page(slug))),
+            ("/api/index/<slug>/<int:f>.json", lambda slug, f: jsonify(self.site.feature_page(slug, f))),
+            ("/api/image/<int:row>.json", lambda row: jsonify(self.site.image_page(row))),
+            ("/api/index/<slug>/patch/<int:row>/<int:token>.json", self.patch),
+        ]
+
+    def store_page(self) -> str:
+        return render("store.html", page_path("store"), self.site.store_page(), "app")
+
+    def search_page(self) -> str:
+        return render("search.html", page_path("search"), self.site.search(_query()), "app")
+
+    def features_page(self, slug: str) -> str:
+        return render("features.html", page_path("features", slug), self.site.features_page(slug), "app")
+
+    def feature_page(self, slug: str, f: int) -> str:
+        return render("feature.html", page_path("feature", slug, f), self.site.feature_page(slug, f), "app")
+
+    def image_page(self, row: int) -> str:
+        return render("image.html", page_path("image", row), self.site.image_page(row), "app")
+
+    def thumb(self, row: int) -> Response:
+        self.site.row(row)
+        try:
+            data = self.site.thumbs.get(row)
+        except SourceGone as gone:
+            raise NotFound(str(gone)) from None
+        return Response(data, mimetype="image/jpeg", headers={"Cache-Control": "max-age=3600"})
+
+    def patch(self, slug: str, row: int, token: int) -> Response:
+        return jsonify(self.site.patch_features(slug, row, token))
+
+
+def _query() -> str:
+    return request.args.get("q", "")[:200]
+
+
+def _foreign(hosts: Hosts) -> Response | None:
+    """The 403 answer to a request for a host the app does not answer for (None: it does)."""
+    header = request.headers.get("Host", "")
+    if hosts.allows(header):
+        return None
+    return Response(hosts.refusal(header) + "\n", status=403, mimetype="text/plain")
+
+
+def _headers(response: Response) -> Response:
+    response.headers["Content-Security-Policy"] = POLICY
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response
+
+
+def _missing(reason: str) -> tuple[Any, int]:
+    """The 404 answer: JSON under api/, else the not-found page."""
+    if request.path.startswith("/api/"):
+        return jsonify({"error": "not found", "reason": reason}), 404
+    return render("missing.html", request.path.lstrip("/") or "index.html",
+                  {"title": "not found", "reason": reason}, "app"), 404
+
+
+def serve(store: ActivationStore | str, host: str = HOST, port: int = PORT, announce: Any = print) -> None:
+    """Serve the viewer of ``store`` until interrupted; ``announce`` gets the address once it listens (port 0: a
+    free one). It answers for the host it listens on only (:class:`~.hosts.Hosts`). A port outside 0 to 65535 is
+    a ValueError; one that cannot be had (in use) an ExtractorError naming it."""
+    from werkzeug.serving import make_server
+
+    sock = listen(host, port)  # bound here: Werkzeug's own bind prints its error and exits the process
+    with sock:
+        bound = sock.getsockname()[0]
+        server = make_server(host, port, create_app(store, Hosts.bound(host, bound)), threaded=True,
+                             fd=sock.fileno())  # the server listens on a copy of it
+    shown = f"[{host}]" if ":" in host else host
+    announce(f"http://{shown}:{server.port}/")
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()

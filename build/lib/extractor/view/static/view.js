@@ -1,0 +1,212 @@
+// The viewer's pages: heatmaps drawn from the values in the page, the sortable features table, the patch explorer
+// and the exported site's search. Plain JavaScript, no library; the data of each page is in #page-data.
+"use strict";
+
+const PAGE = JSON.parse(document.getElementById("page-data").textContent);
+const MODE = document.body.dataset.mode;
+const ROOT = document.body.dataset.root;
+
+// A value in [0, 1] as a colour: transparent and dark red at 0 to opaque yellow at 1 (alpha rises with the value,
+// so the brightest patch is the highest one).
+function heatColour(v) {
+  const t = Math.min(Math.max(v, 0), 1);
+  return [255, Math.round(40 + 215 * t), Math.round(60 * (1 - t)), Math.round(210 * t)];
+}
+
+function drawHeat(canvas, heat) {
+  const [h, w] = heat.grid;
+  canvas.width = w;
+  canvas.height = h;
+  const ctx = canvas.getContext("2d");
+  const img = ctx.createImageData(w, h);
+  const scale = heat.scale > 0 ? heat.scale : 1;
+  heat.values.forEach((v, i) => {
+    const c = heatColour((v === null ? 0 : v) / scale);
+    img.data.set(c, 4 * i);
+  });
+  ctx.putImageData(img, 0, 0);
+}
+
+function drawHeats() {
+  document.querySelectorAll("figure.pic[data-heat]").forEach((fig) => {
+    const canvas = fig.querySelector("canvas.heat");
+    if (canvas) drawHeat(canvas, JSON.parse(fig.dataset.heat));
+  });
+}
+
+function link(path) {
+  return ROOT === "." ? path : ROOT + "/" + path;
+}
+
+// ---------------------------------------------------------------- the features table
+function featuresTable() {
+  const table = document.getElementById("feature-table");
+  if (!table) return;
+  const cols = PAGE.table;
+  const n = cols.density.length;
+  const body = table.querySelector("tbody");
+  const filter = document.getElementById("feature-filter");
+  const more = document.getElementById("feature-more");
+  const count = document.getElementById("feature-count");
+  let order = Array.from({ length: n }, (_, i) => i);
+  let sortKey = "feature";
+  let descending = false;
+  let shown = 100;
+
+  function value(key, f) {
+    return key === "feature" ? f : (cols[key][f] === null ? -Infinity : cols[key][f]);
+  }
+  function fmt(v, percent) {
+    if (v === null) return "–";
+    return percent ? (100 * v).toPrecision(3) + "%" : Number(v).toPrecision(4);
+  }
+  function render() {
+    const q = filter.value.trim();
+    const rows = q ? order.filter((f) => String(f).startsWith(q)) : order;
+    body.replaceChildren(...rows.slice(0, shown).map((f) => {
+      const tr = document.createElement("tr");
+      tr.dataset.feature = f;
+      const a = document.createElement("a");
+      a.href = link("index/" + PAGE.index.slug + "/" + f + ".html");
+      a.textContent = f;
+      const first = document.createElement("td");
+      first.append(a);
+      tr.append(first);
+      [["density", true], ["density_rows", true], ["mean_active", false], ["max_value", false]].forEach(([k, p]) => {
+        const td = document.createElement("td");
+        td.textContent = fmt(cols[k][f], p);
+        tr.append(td);
+      });
+      return tr;
+    }));
+    count.textContent = rows.length + " of " + n + " features" + (rows.length > shown ? ", the first " + shown + " shown" : "");
+    more.hidden = rows.length <= shown;
+  }
+  table.querySelectorAll("th[data-sort]").forEach((th) => {
+    th.addEventListener("click", () => {
+      const key = th.dataset.sort;
+      descending = key === sortKey ? !descending : key !== "feature";
+      sortKey = key;
+      order.sort((a, b) => (descending ? value(key, b) - value(key, a) : value(key, a) - value(key, b)) || a - b);
+      table.querySelectorAll("th").forEach((x) => x.removeAttribute("aria-sort"));
+      th.setAttribute("aria-sort", descending ? "descending" : "ascending");
+      render();
+    });
+  });
+  filter.addEventListener("input", render);
+  more.addEventListener("click", () => { shown += 500; render(); });
+  render();
+}
+
+// ---------------------------------------------------------------- the patch explorer of an image page
+function showPatch(section, canvas, token, result) {
+  const [h, w] = canvas.dataset.grid.split(",").map(Number);
+  const title = section.querySelector(".patch-title");
+  const list = section.querySelector("ol.patch-features");
+  const [y, x] = [Math.floor(token / w), token % w];
+  title.textContent = "Patch " + token + " (row " + y + ", column " + x + ")";
+  list.dataset.patch = token;
+  list.replaceChildren(...result.map((r) => {
+    const li = document.createElement("li");
+    li.dataset.feature = r.feature;
+    const a = document.createElement("a");
+    a.href = link(r.page);
+    a.textContent = "feature " + r.feature;
+    const v = document.createElement("span");
+    v.className = "value";
+    v.textContent = Number(r.value).toPrecision(4);
+    li.append(a, " ", v);
+    return li;
+  }));
+  if (!result.length) list.replaceChildren(Object.assign(document.createElement("li"), { textContent: "no feature fires here" }));
+  canvas.dataset.token = token;
+  paintPatches(canvas, null);
+  section.dataset.ready = "true";
+}
+
+// The explorer's canvas: a feature's values over the patches (while its name is pointed at), the patch grid, the
+// chosen patch outlined.
+function paintPatches(canvas, values) {
+  const [h, w] = canvas.dataset.grid.split(",").map(Number);
+  const ctx = canvas.getContext("2d");
+  const cell = canvas.width / w;
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  if (values) {
+    const scale = Math.max(...values.map((v) => v || 0)) || 1;
+    values.forEach((v, i) => {
+      const [r, g, b, a] = heatColour((v || 0) / scale);
+      ctx.fillStyle = `rgba(${r},${g},${b},${a / 255})`;
+      ctx.fillRect((i % w) * cell, Math.floor(i / w) * cell, cell, cell);
+    });
+  }
+  ctx.lineWidth = 1;
+  ctx.strokeStyle = "rgba(255,255,255,0.25)";
+  for (let i = 1; i < w; i++) { ctx.beginPath(); ctx.moveTo(i * cell, 0); ctx.lineTo(i * cell, canvas.height); ctx.stroke(); }
+  for (let j = 1; j < h; j++) { ctx.beginPath(); ctx.moveTo(0, j * cell); ctx.lineTo(canvas.width, j * cell); ctx.stroke(); }
+  if (canvas.dataset.token !== undefined) {
+    const token = Number(canvas.dataset.token);
+    ctx.lineWidth = 3;
+    ctx.strokeStyle = "#ffd400";
+    ctx.strokeRect((token % w) * cell + 1.5, Math.floor(token / w) * cell + 1.5, cell - 3, cell - 3);
+  }
+}
+
+function patchExplorer() {
+  document.querySelectorAll("canvas.patch-grid").forEach((canvas) => {
+    const [h, w] = canvas.dataset.grid.split(",").map(Number);
+    const cell = Math.max(8, Math.round(224 / w));
+    canvas.width = w * cell;
+    canvas.height = h * cell;
+    const section = canvas.closest("section.index");
+    const slug = canvas.dataset.slug;
+    const here = PAGE.indexes.find((ix) => ix.slug === slug);
+    paintPatches(canvas, null);
+    section.querySelectorAll(".top-features li[data-feature]").forEach((li, n) => {
+      li.addEventListener("mouseenter", () => paintPatches(canvas, here.top[n].values));
+      li.addEventListener("mouseleave", () => paintPatches(canvas, null));
+    });
+    canvas.addEventListener("click", (event) => {
+      const box = canvas.getBoundingClientRect();
+      const x = Math.min(w - 1, Math.floor(((event.clientX - box.left) / box.width) * w));
+      const y = Math.min(h - 1, Math.floor(((event.clientY - box.top) / box.height) * h));
+      const token = y * w + x;
+      section.dataset.ready = "false";
+      if (here.patches) {
+        const listed = here.patches[token].map(([feature, value]) =>
+          ({ feature, value, page: "index/" + slug + "/" + feature + ".html" }));
+        showPatch(section, canvas, token, listed);
+      } else {
+        const url = link("api/index/" + slug + "/patch/" + PAGE.picture.row + "/" + token + ".json");
+        fetch(url).then((r) => r.json()).then((r) => showPatch(section, canvas, token, r.features));
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------- the exported site's search (no server to ask)
+function exportedSearch() {
+  if (!PAGE.rows) return;
+  const q = (new URLSearchParams(location.search).get("q") || "").trim();
+  const input = document.querySelector("main form input[name=q]");
+  if (input) input.value = q;
+  if (!q) return;
+  const low = q.toLowerCase();
+  const hits = PAGE.rows.filter(([row, id, name]) => id === q || String(row) === q ||
+    id.toLowerCase().includes(low) || name.toLowerCase().includes(low));
+  document.querySelector(".search-count").textContent = hits.length + " images match " + q +
+    (hits.length > 50 ? " (the first 50 shown)" : "") + ".";
+  document.querySelector("ol.hits").replaceChildren(...hits.slice(0, 50).map(([row, id]) => {
+    const li = document.createElement("li");
+    const a = document.createElement("a");
+    a.href = link("image/" + row + ".html");
+    a.textContent = id;
+    li.append(a);
+    return li;
+  }));
+}
+
+drawHeats();
+featuresTable();
+patchExplorer();
+exportedSearch();
+document.body.dataset.ready = "true";
