@@ -70,10 +70,11 @@ class ShardSummary:
     taken: str = ""  # not computed here: "done" (committed by another claimant), "taken" (a live one computes it)
     skip: tuple[int, ...] = ()  # with taken: other shards the same read found another's (the driver drops them)
     stats: str = ""  # the shard's statistics record, as committed (the driver merges it without reading the store)
+    attempt: int = 0  # the attempt its commit named (what the statistics merged are of)
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON gives it (without its statistics record: the store keeps it)."""
-        return {k: v for k, v in asdict(self).items() if k != "stats"}
+        return {k: v for k, v in asdict(self).items() if k not in ("stats", "attempt")}
 
 
 def taken(shard: Shard, err: ShardTaken) -> ShardSummary:
@@ -330,6 +331,7 @@ class ShardOutput:
             wait_write=self.wait_write,
             reused=int((self.reused >= 0).sum()),
             stats=stats,
+            attempt=self.writer.attempt,
         )
 
     def abandon(self) -> None:

@@ -377,7 +377,7 @@ class _Events:
         self.log.append((name, info))
         log.debug("%s %s", name, info)
         if name == "shard_done" and self.session is not None:
-            self.session.shard_done(info["shard"], info["summary"].stats)
+            self.session.shard_done(info["shard"], info["summary"].stats, info["summary"].attempt)
         if self.on_event is not None:
             self.on_event(name, info)
 

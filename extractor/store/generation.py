@@ -33,7 +33,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
@@ -43,6 +43,9 @@ from .claimants import Roster, alive
 from .ledger import Ledger, Table
 from .objects import LOCK, Objects
 from .views import ROOT, GenerationStore, read_view
+
+if TYPE_CHECKING:
+    from .stats import Totals
 
 __all__ = ["FORMAT", "Head", "Generation", "read_head", "swap_head", "TXN", "open_group", "read_state",
            "done_shards", "collect_others"]
@@ -166,6 +169,28 @@ class Generation:
         """The record written once every shard was committed (None: not yet)."""
         data = self.objects.get(self.txn("final"))
         return json.loads(data) if data else None
+
+    def leave_partial(self, claimant: int, totals: Totals) -> None:
+        """A claimant's statistics of the shards it committed, left for whoever merges them all (written once, under
+        its own name)."""
+        if totals.held.any():
+            self.objects.create(self.txn(f"partials/{claimant:016x}"), totals.to_bytes())
+
+    def partials(self, but: int | None = None) -> list[Totals]:
+        """The statistics the claimants (but ``but``) left (:meth:`leave_partial`); each whole, of this store's
+        shard count (others are left out: read shard by shard instead)."""
+        from .stats import Totals  # (stats reads generations: imported when used)
+
+        n = int((self.root() or {}).get("n_shards") or 0)
+        out = []
+        for name in self.objects.list(self.txn("partials")):
+            if but is not None and name == f"{but:016x}":
+                continue
+            data = self.objects.get(self.txn(f"partials/{name}"))
+            totals = Totals.from_bytes(data, n) if data else None
+            if totals is not None:
+                out.append(totals)
+        return out
 
     def finish(self, record: Mapping[str, Any]) -> bool:
         """Write the final record (once: False where another process wrote it first)."""
@@ -312,6 +337,15 @@ def read_state(url: str, storage_options: Mapping[str, Any] | None = None) -> di
     if head.generation is None:
         return dict(head.attrs)
     return Generation(objects, head.generation).state()
+
+
+def committed_attempts(group: zarr.Group) -> np.ndarray:
+    """Per shard, the attempt its commit names (0: not committed), in the ledger the group was opened at (a group
+    opened otherwise: zeros)."""
+    store = group.store
+    if isinstance(store, GenerationStore) and store.table is not None:
+        return np.asarray(store.table.attempts("data"), dtype=np.uint64)
+    return np.zeros(len(done_shards(group)), np.uint64)
 
 
 def done_shards(group: zarr.Group) -> np.ndarray:

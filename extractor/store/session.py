@@ -10,6 +10,7 @@ read before a commit names it (:mod:`.generation`, :mod:`.ledger`).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -226,6 +227,7 @@ class StoreSession:
         self.generation: Generation | None = None  # the store's, from on_write_start
         self.claimant: Claimant | None = None  # this process, a claimant of it from on_write_start
         self.totals: Totals | None = None  # committed shards' statistics, merged as they come
+        self._left = False  # their partial left for the merge of all (:meth:`_leave_partial`)
         self._probe: Probe | None = None  # decide's
         self._ended = False
 
@@ -456,11 +458,11 @@ class StoreSession:
 
     # ---------------------------------------------------------------------------------------------- shards
 
-    def shard_done(self, index: int, stats: str) -> None:
-        """Merge the statistics record ``stats`` of a shard this job committed now (what is not merged now, the end
-        merges from the store)."""
+    def shard_done(self, index: int, stats: str, attempt: int = 0) -> None:
+        """Merge the statistics record ``stats`` of a shard this job committed now, by ``attempt`` (what is not merged
+        now, the end merges from the store)."""
         if self.totals is not None:
-            self.totals.add(index, stats)
+            self.totals.add(index, stats, attempt)
         if self.claimant is not None:
             self.claimant.committed()
 
@@ -475,6 +477,7 @@ class StoreSession:
             table = ledger.read()
             left = np.flatnonzero(~table.done)
             if not len(left):
+                self._leave_partial()
                 return []
             claimant = table.entries["claimant"]
             mine = self.claimant.id if self.claimant is not None else 0
@@ -482,6 +485,7 @@ class StoreSession:
             free = [int(s) for s in left if int(claimant[s]) in (0, mine) or dead(int(claimant[s]))]
             if free or not wait:
                 return [self.shards[s] for s in free]
+            self._leave_partial()  # nothing left to take: another claimant's commit may finish the store
             time.sleep(WAIT_S)
 
     def _check(self) -> None:
@@ -534,11 +538,28 @@ class StoreSession:
                 log.info("%s: removed the objects of %s no one committed", self.spec.output.store,
                          count(removed, "attempt"))
 
+    def _leave_partial(self) -> None:
+        """Once this claimant has no shard left to take (or stops): the statistics of the shards it committed, left
+        for whoever merges them all, who then reads none of their records (at 400M rows, 390,000 records of up to
+        800 KB)."""
+        if self._left or self.totals is None or self.claimant is None or self.generation is None:
+            return
+        self._left = True
+        try:
+            if self.generation.root() is not None:
+                self.generation.leave_partial(self.claimant.id, self.totals)
+        except Exception as err:  # noqa: BLE001 - the storage that stopped the job may refuse this too
+            log.debug("statistics of %s's shards not left: %s", self.spec.output.store, err)
+
     def _stats(self, group: Any) -> dict[str, Any]:
-        """Every committed shard's statistics, merged (those this job merged as they came, and the others)."""
+        """Every committed shard's statistics, merged: those this job merged as they came, those other claimants left
+        merged (their partials), and the records of the shards in neither, read from the store."""
+        assert self.generation is not None
         if self.totals is None:
             self.totals = Totals(len(self.shards))
-        return merge_shards(group, self.totals)
+        mine = self.claimant.id if self.claimant is not None else None
+        merged = copy.deepcopy(self.totals)  # this job's own stay its own: the partial it leaves
+        return merge_shards(group, merged, self.generation.partials(but=mine))
 
     def on_write_failed(self, err: BaseException) -> None:
         """``err`` stopped the job: this claimant ends, saying how (its claims may be taken at once); the command
@@ -558,6 +579,8 @@ class StoreSession:
             return
         self._ended = True
         stats: dict[str, Any] | None = None
+        if status != "complete":
+            self._leave_partial()
         if status != "complete" and self.generation is not None and self.generation.root() is not None:
             try:
                 stats = self._stats(self.generation.open())

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from .generation import done_shards
+from .generation import committed_attempts, done_shards
 from .layout import get_array, take_rows
 
 __all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
@@ -151,14 +151,17 @@ class Totals:
 
     def __init__(self, n_shards: int) -> None:
         self.held = np.zeros(n_shards, bool)
+        self.attempts = np.zeros(n_shards, np.uint64)  # the attempt whose record each shard held is (0: not known)
         self.acc: dict[str, dict[str, Any]] = {}
 
-    def add(self, index: int, text: str) -> None:
-        """Add shard ``index``'s record (once: a shard held already adds nothing; "" is a shard with none)."""
+    def add(self, index: int, text: str, attempt: int = 0) -> None:
+        """Add shard ``index``'s record, of ``attempt`` (once: a shard held already adds nothing; "" is a shard with
+        none)."""
         if self.held[index]:
             return
         record = json.loads(text) if text else {}
         self.held[index] = True
+        self.attempts[index] = attempt
         for key, d in record.items():
             a = self.acc.get(key)
             if a is None:
@@ -201,7 +204,8 @@ class Totals:
         arrays = {f"{k}/{key}": a[k] for key, a in self.acc.items() for k in _SUMS}
         rest = {key: {k: v for k, v in a.items() if k not in _SUMS} for key, a in self.acc.items()}
         out = io.BytesIO()
-        np.savez(out, held=np.packbits(self.held), rest=np.frombuffer(json.dumps(rest).encode(), np.uint8), **arrays)
+        np.savez(out, held=np.packbits(self.held), attempts=self.attempts,
+                 rest=np.frombuffer(json.dumps(rest).encode(), np.uint8), **arrays)
         payload = out.getvalue()
         return zlib.crc32(payload).to_bytes(4, "little") + payload
 
@@ -217,9 +221,34 @@ class Totals:
             if len(held) < n_shards or held[n_shards:].any():
                 return None
             totals.held = held[:n_shards].astype(bool)
+            if "attempts" in z.files:
+                totals.attempts = z["attempts"].astype(np.uint64)
             for key, rest in json.loads(z["rest"].tobytes()).items():
                 totals.acc[key] = {**rest, **{k: z[f"{k}/{key}"].astype(dtype) for k, dtype in _SUMS.items()}}
         return totals
+
+
+    def absorb(self, other: Totals) -> bool:
+        """Add ``other``'s sums (shards merged by another process), unless it holds a shard these hold already (a
+        sum cannot be taken back out): False then, nothing added."""
+        if len(other.held) != len(self.held) or (other.held & self.held).any():
+            return False
+        for key, b in other.acc.items():
+            a = self.acc.get(key)
+            if a is None:
+                self.acc[key] = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in b.items()}
+                continue
+            for k in _SUMS:
+                a[k] = a[k] + b[k]
+            for k, f in (("min", min), ("max", max)):
+                if b[k] is not None:
+                    a[k] = b[k] if a[k] is None else f(a[k], b[k])
+            for k in _SCALARS:
+                a[k] = a.get(k, 0) + b.get(k, 0)
+            a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + b["nonfinite_rows"])[:_FIRST]
+        self.held |= other.held
+        self.attempts[other.held] = other.attempts[other.held]
+        return True
 
 
 def shard_record(group: zarr.Group, index: int) -> str:
@@ -227,14 +256,21 @@ def shard_record(group: zarr.Group, index: int) -> str:
     return str(np.asarray(get_array(group, "shard_stats")[index : index + 1])[0])
 
 
-def merge_shards(group: zarr.Group, totals: Totals | None = None) -> dict[str, Any]:
-    """The store's statistics: ``totals`` (shards merged already) with every committed shard's record not in them yet
-    added, read ``MERGE_SLICE`` shards at a time (``totals`` are updated). Totals holding a shard that is not
-    committed (made pending since, to be computed again) are started over."""
+def merge_shards(group: zarr.Group, totals: Totals | None = None, partials: Iterable[Totals] = ()) -> dict[str, Any]:
+    """The store's statistics: ``totals`` (shards merged already) with other processes' ``partials`` (their own
+    shards, merged as they committed them) and every committed shard's record in none of them added, read
+    ``MERGE_SLICE`` shards at a time (``totals`` are updated): each record is read once, by whoever merged it first.
+    Totals holding a shard that is not committed (made pending since, to be computed again) are started over;
+    partials holding a shard whose commit names another attempt now (made pending, or committed again, since) are
+    left out."""
     done = done_shards(group)
     totals = totals if totals is not None else Totals(len(done))
     if (totals.held & ~done).any():
         totals.__init__(len(done))  # type: ignore[misc]  # started over, in place: the caller's object
+    committed = committed_attempts(group)
+    for partial in partials:  # of the shards as committed now: none made pending, or committed again, since
+        if (partial.attempts[partial.held] == committed[partial.held]).all():
+            totals.absorb(partial)
     todo = np.flatnonzero(done & ~totals.held)
     records = get_array(group, "shard_stats")
     for a in range(0, len(todo), MERGE_SLICE):

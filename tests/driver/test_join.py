@@ -112,6 +112,13 @@ def test_three_processes_that_join_one_store_fill_it_each_shard_once(images: Pat
     assert sum(shards_said(out) for _, out, _ in results) == 8
     named = {f"{a:016x}" for a in gen.ledger().read().named()}
     assert sorted(p.name for p in (store / gen.name / "__attempts").iterdir()) == sorted(named)  # no garbage left
+    # the statistics: each process left those of its own shards; the last merged them, equal to one job's
+    partials = store / gen.name / "__txn" / "partials"
+    assert sorted(p.name for p in partials.iterdir()) == sorted(c["id"] for c in claimants if c["shards"])
+    s, c = open_store(str(store)).stats["conv"], open_store(str(clean)).stats["conv"]
+    np.testing.assert_allclose(s["mean"], c["mean"], rtol=1e-6)
+    np.testing.assert_allclose(s["std"], c["std"], rtol=1e-5)
+    assert (s["rows"], s["nan"], s["min"]) == (c["rows"], c["nan"], c["min"])
 
 
 def test_a_process_killed_while_it_holds_shards_has_them_taken_over(images: Path, clean: Path, tmp_path: Path):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 import zarr
 from conftest import RESNET18, job
-from helpers.stores import opened
+from helpers.stores import generation, opened
 
 from extractor.driver.runner import run
 from extractor.errors import ShardError, StoreError
@@ -232,6 +232,21 @@ def test_statistics_merged_as_shards_come_and_then_from_the_store_equal_one_merg
     blob = Totals.from_bytes(totals.to_bytes(), 6)  # the totals as one object, whole
     assert blob is not None and blob.summary() == totals.summary() and Totals.from_bytes(totals.to_bytes()[:-9], 6) \
         is None
+    # another process's partial (shards 3 and 4, merged as it committed them): absorbed, only shard 5 read; one that
+    # holds a shard the totals hold already adds nothing (a sum is not taken back out)
+    # (partials are of the attempts that committed the shards: one of another attempt, a shard committed again
+    # since, is left out too)
+    attempts = generation(url).ledger().read().attempts("data")
+    partial, overlapping, stale = Totals(6), Totals(6), Totals(6)
+    for i in (3, 4):
+        partial.add(i, new[i], int(attempts[i]))
+        group["shard_stats"][i] = "not read either"
+    overlapping.add(0, new[0], int(attempts[0]))
+    stale.add(5, new[0], int(attempts[5]) + 1)
+    merged = merge_shards(opened(url), Totals.from_bytes(totals.to_bytes(), 6), [overlapping, stale, partial])
+    np.testing.assert_allclose(merged["a"]["mean"], full["a"]["mean"], rtol=1e-12)
+    np.testing.assert_allclose(merged["b"]["std"], full["b"]["std"], rtol=1e-12)
+    assert (merged["a"]["nan"], merged["a"]["inf"], merged["a"]["rows"]) == (2, 4, 48)
 
 
 def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
