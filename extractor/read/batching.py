@@ -274,6 +274,8 @@ class Batching:
 
         def _select_rows(self, rows: Rows, only_ok: bool, strict: bool = False) -> np.ndarray: ...
 
+        def _opened_again(self) -> Any: ...
+
     def batches(
         self,
         keys: str | Sequence[str],
@@ -288,6 +290,7 @@ class Batching:
         *,
         worker: Part | None = None,
         spread: bool = False,
+        follow: bool = False,
     ) -> Stream:
         """Yield ``(row_indices, data)``: every selected row once per call (one epoch).
 
@@ -317,7 +320,12 @@ class Batching:
         The stream has ``state_dict()`` / ``load_state_dict()`` (torchdata's ``Stateful``): a stream made
         with the same arguments and given a saved state before its first batch yields exactly the rows the
         saved one had not yet yielded.
+
+        ``follow=True``: over a store that a job writes now, the rows of each shard as its commit lands (in rounds,
+        each mixed as an epoch of its own rows), ending once the store is complete (:mod:`.follow`).
         """
+        if follow:
+            return self._following("batches", locals())
         _check_sizes(batch_size, buffer_chunks, seed)
         arrays, step = self._arrays_of(keys, "batches", spread)
         # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
@@ -370,6 +378,7 @@ class Batching:
         worker: Part | None = None,
         spread: bool = False,
         normalize: str | Sequence[str] | None = None,
+        follow: bool = False,
     ) -> Stream:
         """Yield ``(index, data)`` whose rows are single tokens of a ``(tokens, features)`` capture:
         ``data`` is ``(B, features)``, ``index`` is ``(B, 2)``: each token's store row and its
@@ -396,7 +405,11 @@ class Batching:
         Several captures that serve the same positions (``[k1, k2, ...]``: the layers of a multi-layer SAE or a
         crosscoder; one stored whole and one without its prefix, with ``drop_prefix=True``): ``data`` is a dict
         ``{key: (B, features_key)}`` of the same (row, token) positions from each, ``index`` those positions; each
-        capture normalised by its own statistics."""
+        capture normalised by its own statistics.
+
+        ``follow=True``: over a store that a job writes now, as :meth:`batches` follows one."""
+        if follow:
+            return self._following("token_batches", locals())
         _check_sizes(batch_size, buffer_chunks, seed)
         keys = self._token_keys(key, drop_prefix)
         spans = [self._span(k, drop_prefix) for k in keys]  # the same positions of each capture
@@ -431,6 +444,13 @@ class Batching:
                 yield index, (xs[0] if isinstance(key, str) else dict(zip(keys, xs, strict=True)))
 
         return Stream(make, {**plan.fixed(buffer_chunks, tokens), "drop_prefix": skip, "spread": spread})
+
+    def _following(self, method: str, args: dict[str, Any]) -> Any:
+        """The stream of ``method`` with ``args`` (its own locals) over the store as it is written."""
+        from .follow import Following
+
+        kwargs = {k: v for k, v in args.items() if k not in ("self", "follow")}
+        return Following(self, method, kwargs, self._opened_again)
 
     def _normalizer(self, key: str, normalize: str | Sequence[str] | None) -> tuple[np.ndarray | None, float | None]:
         """What ``normalize`` subtracts (per feature) and divides by, from the statistics of ``key``."""

@@ -288,6 +288,10 @@ class ActivationStore(Batching):
     def done_shards(self) -> np.ndarray:
         return done_shards(self.group)
 
+    def _opened_again(self) -> ActivationStore:
+        """The store at its URL as it is now (its ledger read again): what a followed stream reads next."""
+        return open_store(self.url, self.storage_options)
+
     def ok_rows(self) -> np.ndarray:
         return np.flatnonzero(self.status == OK)
 
