@@ -16,6 +16,7 @@ from .._threads import prefetched
 from ..errors import StoreError
 from ..store import (
     CaptureRecord,
+    patch_span,
     read_rows,
     take_rows,
 )
@@ -378,10 +379,10 @@ class Batching:
         position in every capture of a layer. Every (row, token) comes once per call (one epoch), for
         sparse-autoencoder training. With ``shuffle`` tokens are mixed across the images of a
         buffer of ``buffer_chunks`` chunks read whole in a random chunk order (as :meth:`batches`
-        reads rows): the same ``seed`` gives the same order. ``drop_prefix`` leaves out each
-        row's first tokens: ``True`` the model's prefix tokens (CLS, registers; the store's
-        ``model.prefix_tokens``), unless the capture was stored without them already (its
-        ``drop_prefix``): then nothing more; or a count, of the tokens as stored. ``drop_last``
+        reads rows): the same ``seed`` gives the same order. ``drop_prefix=True`` serves the
+        patch tokens only, as the capture's record says where they lie (CLS and registers before them,
+        YOLOS's detection tokens after them); nothing more from a capture stored without them (its
+        ``drop_prefix``); a count leaves out that many first tokens of each row as stored. ``drop_last``
         leaves out a last short batch. ``part=(k, n)``, ``worker=(w, W)``: parts of equal length for
         ranks, and of DataLoader workers; ``spread``: mixing across the store (see :meth:`batches`); the
         stream resumes from its ``state_dict()`` as :meth:`batches` does. ``prefetch``: buffers read ahead
@@ -480,29 +481,33 @@ class Batching:
 
     def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
         """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``
-        leaves out, and how many tokens remain (what :meth:`token_batches` yields per row)."""
+        leaves out, and how many tokens remain (what :meth:`token_batches` yields per row): for ``True``, the
+        capture's patch tokens, as its record says where they lie (tokens after them, YOLOS's detection
+        tokens, left out too)."""
         meta = self.captures.get(key)
         if meta is None or len(meta["shape"]) != 2:
             shape = meta["shape"] if meta else None
             raise StoreError(f"token_batches needs a capture of (tokens, features) rows; {key!r} is "
                              f"{'not a capture' if meta is None else f'{shape}'}; {self._known()}")
-        skip = self._prefix(key, drop_prefix)
-        tokens = int(meta["shape"][0]) - skip
+        stored = int(meta["shape"][0])
+        if isinstance(drop_prefix, bool):
+            skip, tokens = self._patches(key) if drop_prefix else (0, stored)
+        elif isinstance(drop_prefix, int) and drop_prefix >= 0:
+            skip, tokens = int(drop_prefix), stored - int(drop_prefix)
+        else:
+            raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix!r}")
         if tokens <= 0:
-            raise StoreError(f"{key!r} has {meta['shape'][0]} tokens per row; dropping {skip} leaves none")
+            raise StoreError(f"{key!r} has {stored} tokens per row; dropping {skip} leaves none")
         return skip, tokens
 
-    def _prefix(self, key: str, drop_prefix: bool | int) -> int:
-        """Tokens to leave out of each stored row of ``key``: a count, or for ``True`` the model's
-        prefix-token count, none when the capture is stored without its prefix tokens already."""
-        if isinstance(drop_prefix, bool):
-            if not drop_prefix or self.captures[key].get("drop_prefix"):
-                return 0  # not asked, or left out when the store was written: its rows are patch tokens
-            n = self.model.get("prefix_tokens")
-            if not isinstance(n, int):
-                raise StoreError("drop_prefix=True: the store does not record how many prefix tokens the model has "
-                                 "(CLS, registers); pass their count, e.g. drop_prefix=1")
-            return n
-        if not isinstance(drop_prefix, int) or drop_prefix < 0:
-            raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix!r}")
-        return int(drop_prefix)
+    def _patches(self, key: str) -> tuple[int, int]:
+        """The stored tokens of each row of ``key`` that are patches, ``(first, count)``, as its record says."""
+        span = patch_span(self.captures[key], self.model.get("prefix_tokens"))
+        if span is not None:
+            return span
+        if "tokens" in self.captures[key]:
+            raise StoreError(f"drop_prefix=True: which of {key!r}'s tokens are patches is not known (when the store "
+                             "was written, its layer's tokens besides the patches could not be placed); pass the "
+                             "count of tokens to leave out of each row, e.g. drop_prefix=1")
+        raise StoreError("drop_prefix=True: the store does not record how many prefix tokens the model has "
+                         "(CLS, registers); pass their count, e.g. drop_prefix=1")
