@@ -460,7 +460,7 @@ class ActivationStore(Batching):
 
         A token capture whose record says which of its tokens are patches has a ``KEY.patch`` coordinate on its
         ``KEY.token`` dim: True at the patch tokens (``ds[KEY].isel({"KEY.token": ds["KEY.patch"]})`` leaves out
-        the CLS, register and YOLOS detection tokens, wherever they sit)."""
+        the CLS, register and YOLOS detection tokens, wherever they sit); stacked, a ``patch`` coordinate."""
         try:
             import xarray as xr
         except ImportError as err:
@@ -509,7 +509,9 @@ class ActivationStore(Batching):
         if len(set(shapes.values())) > 1 or len(set(dims.values())) > 1:
             raise ValueError("to_xarray(stack=...) needs captures of one shape and kind; got "
                              + ", ".join(f"{k} {list(shapes[k])} {list(dims[k])}" for k in keys))
-        parts = [ds[k].rename({f"{k}.{d}": d for d in dims[k]}) for k in keys]
+        names = {k: {f"{k}.{d}": d for d in dims[k]} for k in keys}  # feature dims without the key; so the patch
+        names = {k: n | ({f"{k}.patch": "patch"} if f"{k}.patch" in ds[k].coords else {}) for k, n in names.items()}
+        parts = [ds[k].rename(names[k]) for k in keys]
         return xr.concat(parts, dim=xr.DataArray(keys, dims="layer", name="layer")).rename("stack")
 
     @property

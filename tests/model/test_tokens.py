@@ -179,6 +179,7 @@ def test_yolos_detection_tokens_after_the_patches_are_no_patches_to_any_reader(y
     ds = s.to_xarray()
     mask = ds["encoder.layer.1.patch"].values
     assert list(mask) == [False] + [True] * 16 + [False] * 5
+    assert list(s.to_xarray(stack=["encoder.layer.0", "encoder.layer.1"])["patch"].values) == list(mask)
     np.testing.assert_allclose(ds["encoder.layer.1"].isel({"encoder.layer.1.token": mask}).values, patches,
                                atol=1e-5, rtol=1e-4)
     assert Layout.of("encoder.layer.1", s.captures["encoder.layer.1"], 1) == Layout("tokens", 32, 22, (4, 4), 1)
