@@ -379,11 +379,14 @@ def sharded_reader_bench(repeats: int = 3) -> dict[str, float]:
     return ratios
 
 
-def mixing_bench(rows: int = 20000, classes: int = 100, tokens: int = 16, batch: int = 1024) -> None:
-    """Issue 44's mixing figure: the largest class share per batch of token batches of a store written in class
-    order (shards of 1000 rows, inner chunks of 4), against a global permutation of the tokens."""
-    import shutil
-
+def mixing_bench() -> None:
+    """Issue 54's mixing figure: token batches of stores written in class order (as an ImageFolder is listed), the
+    largest class share per batch of the default stream against a global permutation's and the former default's
+    (whole read runs, 8 to a buffer: ``spread=False``), with each buffer's memory and the read rate. Three stores:
+    small rows (the tests' store, scaled up); 16 KiB rows whose classes are longer than a read run, as ImageNet's
+    (6 runs of 32 MiB a class) but scaled down 8x (runs of 4 MiB, inner chunks of 256 KiB: a default buffer of 32
+    MiB, 1/16 of the store); 16 KiB rows in inner chunks of 1 MiB and runs of 32 MiB, as a job writes them (a
+    default buffer of 256 MiB, half the store): the read rate of chunks of the usual size."""
     import numpy as np
 
     sys.path.insert(0, str(REPO / "tests"))  # the mixing tests' store writer and measures
@@ -391,25 +394,32 @@ def mixing_bench(rows: int = 20000, classes: int = 100, tokens: int = 16, batch:
 
     from extractor.read.reader import open_store
 
-    url = str(WORK / "mixing.zarr")
-    shutil.rmtree(url, ignore_errors=True)
-    class_sorted(url, rows=rows, classes=classes, tokens=tokens, shard=1000, inner=4)
-    s = open_store(url)
-    labels = s.labels
-    mean, worst = largest_share(labels, permuted(np.repeat(np.arange(rows), tokens), batch))
-    print(f"mixing: {rows} rows in {classes} sorted classes, {tokens} tokens each, batches of {batch} tokens; "
-          f"largest class share per batch (mean, worst); load {os.getloadavg()[0]:.1f}")
-    print(f"  global permutation             {mean:.3f} {worst:.3f}")
-    for name, options in [("buffer_chunks=8 (default)", {}),
-                          ("spread, buffer_chunks=1024", {"spread": True, "buffer_chunks": 1024}),
-                          ("spread, buffer_chunks=4096", {"spread": True, "buffer_chunks": 4096})]:
-        t = time.perf_counter()
-        got = [i[:, 0] for i, _ in s.token_batches("t", batch, seed=1, drop_last=True, **options)]
-        took = time.perf_counter() - t
-        m, w = largest_share(labels, got)
-        memory = s.buffer_bytes("t", options.get("buffer_chunks", 8), options.get("spread", False))
-        print(f"  {name:30} {m:.3f} {w:.3f} ({m / mean:.2f}x), buffer {memory / 2**20:.1f} MiB, "
-              f"{rows * tokens / took / 1e6:.2f} M tokens/s")
+    big = {"rows": 32768, "tokens": 64, "features": 128, "dtype": "float16", "noise": True}
+    stores = {"small rows": ({"rows": 20000, "classes": 100, "tokens": 16, "shard": 1000, "inner": 4}, 1024),
+              "classes longer than runs": ({**big, "classes": 64, "shard": 256, "inner": 16}, 4096),
+              "1 MiB chunks": ({**big, "classes": 100, "shard": 2048, "inner": 64}, 4096)}
+    for name, (config, batch) in stores.items():
+        url = WORK / f"mixing-{'-'.join(f'{v}' for v in config.values())}.zarr"
+        if not (url / "zarr.json").exists():
+            class_sorted(str(url), **config)
+        s = open_store(str(url))
+        labels, rows, tokens = s.labels, config["rows"], config["tokens"]
+        mean, worst = largest_share(labels, permuted(np.repeat(np.arange(rows), tokens), batch))
+        mb = s["t"].nbytes / 2**20
+        print(f"\nmixing, {name}: {rows} rows ({mb:.0f} MiB) in {config['classes']} sorted classes, {tokens} tokens "
+              f"each, batches of {batch} tokens; largest class share per batch (mean, worst); load "
+              f"{os.getloadavg()[0]:.1f}")
+        print(f"  global permutation              {mean:.3f} {worst:.3f}")
+        for what, options in [("default", {}), ("spread=False (the former default)", {"spread": False}),
+                              ("buffer_chunks=4x default", {"buffer_chunks": 4 * s.token_batches("t").state_dict()[
+                                  "buffer_chunks"]})]:
+            t = time.perf_counter()
+            got = [i[:, 0] for i, _ in s.token_batches("t", batch, seed=1, drop_last=True, **options)]
+            took = time.perf_counter() - t
+            m, w = largest_share(labels, got)
+            memory = s.buffer_bytes("t", options.get("buffer_chunks"), options.get("spread", True))
+            print(f"  {what:33} {m:.3f} {w:.3f} ({m / mean:.2f}x), buffer {memory / 2**20:.1f} MiB, "
+                  f"{rows * tokens / took / 1e6:.2f} M tokens/s ({mb / took:.0f} MiB/s)")
 
 
 def as_parquet(image_dir: Path, row_group: int = 100) -> Path:

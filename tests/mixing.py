@@ -23,19 +23,25 @@ def permuted(rows: np.ndarray, batch_size: int, seed: int = 0) -> list[np.ndarra
 
 
 def class_sorted(url: str, rows: int = 4000, classes: int = 40, tokens: int = 4, shard: int = 100,
-                 inner: int = 2) -> None:
-    """A sharded store of ``rows`` rows of (tokens, 2) in class order (``classes`` equal blocks), inner chunks of
-    ``inner`` rows in shards of ``shard``."""
+                 inner: int = 2, features: int = 2, dtype: str = "float32", noise: bool = False) -> None:
+    """A sharded store of ``rows`` rows of (tokens, features) in class order (``classes`` equal blocks), inner chunks
+    of ``inner`` rows in shards of ``shard``; zeros, or with ``noise`` seeded normal values (which compress as
+    activations do: hardly)."""
     from extractor.data import Rows
     from extractor.store.layout import OK, StoreArrays
     from extractor.store.synthetic import create_store
 
-    caps = {"t": {"shape": [tokens, 2], "dtype": "float32", "dims": ["t.token", "t.feature"], "layer": "t",
+    caps = {"t": {"shape": [tokens, features], "dtype": dtype, "dims": ["t.token", "t.feature"], "layer": "t",
                   "what": "output", "reduce": "none"}}
     labels = [classes * i // rows for i in range(rows)]
     g = create_store(url, Rows(ids=[f"i{i}" for i in range(rows)], paths=[""] * rows, labels=labels),
                      StoreArrays(captures=caps, extras={}, shard_size=shard, chunk_rows={"t": inner}, sharded=True),
                      {"n_rows": rows, "n_shards": -(-rows // shard), "captures": caps, "format_version": 1,
                       "spec": {}, "model": {}, "classes": [f"c{c}" for c in range(classes)]})
-    g["t"][:] = np.zeros((rows, tokens, 2), np.float32)
+    rng = np.random.default_rng(0)
+    for a in range(0, rows, shard):
+        n = min(shard, rows - a)
+        values = rng.standard_normal((n, tokens, features), dtype=np.float32) if noise else \
+            np.zeros((n, tokens, features), np.float32)
+        g["t"][a : a + n] = values.astype(dtype)
     g["status"][:] = OK

@@ -452,3 +452,21 @@ class TinyResNet(nn.Module):
 
 def tiny_resnet() -> nn.Module:
     return TinyResNet()
+
+
+class PooledTokenNet(nn.Module):
+    """A patch embedding (8-pixel patches) whose sequence starts with a token made of the image (the patches' mean):
+    no fact tells it from a patch, so which positions are patches is known only when model.prefix_tokens says."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, width, kernel_size=8, stride=8)
+        self.blocks = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        patches = self.patch(x).flatten(2).transpose(1, 2)  # (B, h * w, width)
+        return self.blocks(torch.cat([patches.mean(1, keepdim=True), patches], dim=1))
+
+
+def pooled_token_net() -> nn.Module:
+    return PooledTokenNet()

@@ -20,9 +20,14 @@ from ..index import with_indexes
 from ..model import (
     ROOT,
     Capturer,
+    Claim,
     Target,
+    TokenFacts,
+    TokenLayout,
+    Unknown,
     contradicted_layouts,
     dim_names,
+    layer_tokens,
     not_rgb,
     reduced_otherwise,
     settle_layouts,
@@ -54,7 +59,8 @@ class Probing:
     preprocess: Preprocess
     model: torch.nn.Module
     model_info: dict[str, Any]
-    token_facts: Any
+    token_facts: TokenFacts
+    token_claim: Claim
     targets: list[Target]
     capturer: Capturer
     captures: dict[str, CaptureRecord] | None
@@ -89,8 +95,9 @@ class Probing:
             d.resize != "auto" else f"the input size from {self.preprocess.source}"
         try:
             values = self._blank()
-            if self._decide_layouts():
-                values = self._blank()  # again, reduced as decided
+            layouts, tokens = self._decide_layouts(), self._decide_tokens()
+            if layouts or tokens:
+                values = self._blank()  # again, reduced and cut as decided
             fixed = self._check_deterministic()
         except _PROBE_PASSES:
             raise
@@ -107,7 +114,6 @@ class Probing:
             ) from err
         self.targets = self.capturer.targets
         original = dict(self.capturer.original_shapes)
-        self._check_prefix(original)
         if self.capturer.logits is not None:  # a gradient job: labels (target: label) must be among them
             self.model_info = {**self.model_info, "logits": self.capturer.logits}
         # what the captured layers give on the fixed input: resume and reuse compare it (not only class and weights)
@@ -148,20 +154,23 @@ class Probing:
                 )
         return first
 
-    def _check_prefix(self, original: dict[str, tuple[int, ...]]) -> None:
-        """A capture that leaves out the model's prefix tokens must be one of its token sequences:
-        patches + prefix long, when the count was decided from the patch grid."""
-        facts, given = self.token_facts, isinstance(self.spec.model.prefix_tokens, int)
+    def _decide_tokens(self) -> bool:
+        """Decide which positions of each captured token sequence are patches, from its layer's length and the
+        model's token facts (:func:`~extractor.model.layer_tokens`); refuse a capture that needs to know where that
+        is not known, and a statement the facts contradict. True when the blank must run again: a capture keeps
+        other tokens than the first look did."""
+        decided: dict[str, TokenLayout] = {}
         for t in self.targets:
-            length = original[t.key][0]
-            if not t.drop_prefix or given or facts.patches is None or length == facts.patches + t.drop_prefix:
-                continue
-            raise LayerError(
-                f"capture[{t.capture}] {t.key}: drop_prefix leaves out the model's {t.drop_prefix} prefix tokens of "
-                f"sequences of {facts.patches} patches + {t.drop_prefix}, but layer {t.layer or ROOT!r} gives "
-                f"{length} tokens: it is not such a sequence. Capture a layer of the token sequence (see `extractor "
-                "layers`), or set model.prefix_tokens to the count to leave out of this one"
-            )
+            shape = self.capturer.original_shapes.get(t.key)
+            if shape is None:
+                continue  # never ran: the forward says so
+            found = layer_tokens(shape[0], self.token_facts, self.token_claim) if len(shape) == 2 else None
+            _check_tokens(t, shape, found, self.token_facts)
+            if isinstance(found, TokenLayout):
+                decided[t.key] = found
+        self.capturer.set_tokens(decided)
+        self.targets = self.capturer.targets
+        return any(t.key in decided and (t.drop_prefix or t.sample) for t in self.targets)
 
     def _decide_layouts(self) -> bool:
         """Decide ``layout: auto`` for the 4-D outputs whose layout matters (reduced, stored whole,
@@ -198,6 +207,35 @@ class Probing:
             self.capturer.original_shapes = shapes
 
 
+def _check_tokens(t: Target, shape: Sequence[int], found: TokenLayout | Unknown | None, facts: TokenFacts) -> None:
+    """Refuse capture ``t`` of a layer of per-row ``shape`` whose token layout ``found`` (None: not a sequence of
+    the patch grid) it cannot go with: patch tokens asked of a layer whose patches are not known, a class token asked
+    of a layer that has none, a stated count the facts contradict."""
+    where = f"capture[{t.capture}] {t.key}: layer {t.layer or ROOT!r}"
+    if isinstance(found, Unknown) and found.contradicted:
+        raise LayerError(f"{where}: {found.why}. {found.fix}")
+    if t.drop_prefix or t.sample:
+        _check_patches(t, shape, found, facts, where)
+    if t.reduce == "cls" and isinstance(found, TokenLayout) and not found.before:
+        raise LayerError(f"{where} gives {found.said()}: reduce: cls takes the first token, a patch here. Capture a "
+                         "layer whose sequence holds the class token (see `extractor layers`), or reduce: mean")
+
+
+def _check_patches(t: Target, shape: Sequence[int], found: TokenLayout | Unknown | None, facts: TokenFacts,
+                   where: str) -> None:
+    """Refuse ``drop_prefix`` or ``sample_tokens`` of a layer whose patch tokens are not known."""
+    wants = "drop_prefix keeps" if t.drop_prefix else "sample_tokens samples"
+    if len(shape) != 2:
+        raise LayerError(f"{where} gives {tuple(shape)} per image, not a token sequence (tokens, features): {wants} "
+                         "patch tokens; capture a layer that gives tokens (see `extractor layers`)")
+    if isinstance(found, Unknown):
+        raise LayerError(f"{where}: {found.why}. {wants} its patch tokens: {found.fix}")
+    if found is None:
+        grid = f"the model's {facts.patches} patches" if facts.patches else "a patch grid"
+        raise LayerError(f"{where} gives {shape[0]} tokens, not a sequence of {grid} and the tokens besides them: "
+                         f"{wants} its patch tokens; capture a layer of the token sequence (see `extractor layers`)")
+
+
 def _extras(values: dict[str, torch.Tensor], captures: dict[str, CaptureRecord]) -> dict[str, ExtraRecord]:
     """The per-row results besides the captures (a gradient job's target, target_score and KEY.range; a sampled
     capture's KEY.token_index), as the blank image gave them."""
@@ -228,14 +266,19 @@ def _record(t: Target, module: torch.nn.Module, shape: Sequence[int], original: 
         "dims": dim_names(t.key, tuple(original), t.reduce, t.what, t.layout),
         "capture": t.capture,
     }
-    if t.drop_prefix:
-        record["drop_prefix"] = t.drop_prefix
+    if len(original) == 2:  # a token sequence's layout: which positions are patches (None: not known)
+        record["tokens"] = t.tokens.record() if t.tokens else None
+    if t.drop_prefix and t.tokens:
+        record["drop_prefix"] = t.tokens.before
     if t.gradient and t.target is not None:
         record["target"] = t.target
     if t.what == "gradcam":
         record["size"] = t.size
     if t.sample:  # the kept positions: KEY.token_index; the draw: extractor.store.sampling.sample_positions
-        record["sample_tokens"], record["prefix_kept"], record["seed"] = t.sample, t.keep, t.seed
+        kept = (0, 0) if t.drop_prefix or not t.tokens else (t.tokens.before, t.tokens.after)
+        record["sample_tokens"], record["prefix_kept"], record["seed"] = t.sample, kept[0], t.seed
+        if kept[1]:
+            record["suffix_kept"] = kept[1]
         record["sampled_by"] = BY_DIGEST
     if t.project:  # the matrix: extractor.store.sampling.projection_matrix(seed, original features, project)
         record["project"], record["projection"], record["seed"] = t.project, t.projection, t.seed

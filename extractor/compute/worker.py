@@ -29,11 +29,13 @@ from ..model import (
     Capturer,
     Target,
     build_with_processor,
+    claim_of,
     model_call,
-    prefix_tokens,
+    model_prefix,
     resolve_device,
     resolve_targets,
     settle_preprocess,
+    token_facts,
 )
 from ..spec import JobSpec
 from ..store import (
@@ -155,9 +157,12 @@ class Worker(Probing):
             model = model.to(memory_format=torch.channels_last)
         self.model = model.to(self.device)
         entry = model_call(self.model, spec.model)
-        prefix, self.token_facts = prefix_tokens(self.model, self.preprocess.size, spec.model, entry, self.device)
-        self.model_info["prefix_tokens"] = prefix
-        self.targets: list[Target] = resolve_targets(model, spec.capture, _layers_hint(spec), prefix)
+        # which positions of each layer's tokens are patches: decided per captured layer by the probe, from these
+        self.token_facts = token_facts(self.model, self.preprocess.size, entry, self.device)
+        self.token_claim = claim_of(model, spec.model.prefix_tokens if isinstance(spec.model.prefix_tokens, int)
+                                    else None)
+        self.model_info["prefix_tokens"] = model_prefix(self.token_facts, self.token_claim)
+        self.targets: list[Target] = resolve_targets(model, spec.capture, _layers_hint(spec))
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels once
         self.decode = ImageDecoder(spec.data, self.preprocess, transform)

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..store import patch_span
 from .state import IndexState
 
 __all__ = ["Layout", "Encoder", "IndexFeed", "BLOCK_VALUES", "ENCODE_VALUES"]
@@ -30,8 +31,9 @@ class Layout:
     kind: str  # map (channel, y, x), map_last (y, x, channel), tokens (token, feature), vector (feature)
     features: int  # per position, as stored
     positions: int
-    grid: tuple[int, int] | None  # the positions after ``prefix`` as a (h, w) grid, when they make one
-    prefix: int  # leading positions not in the grid (a ViT's CLS and registers)
+    grid: tuple[int, int] | None  # the h * w positions after ``prefix`` as a (h, w) grid, when they make one
+    prefix: int  # leading positions not in the grid (a ViT's CLS and registers; positions after the grid, YOLOS's
+    # detection tokens, are not in it either)
 
     @classmethod
     def of(cls, key: str, record: Mapping[str, Any], prefix_tokens: int | None) -> Layout:
@@ -45,12 +47,7 @@ class Layout:
         if names == ["feature"] or names == ["channel"]:
             return cls("vector", shape[0], 1, None, 0)
         if names == ["token", "feature"]:
-            if record.get("sample_tokens"):  # sampled positions differ per row: no grid
-                return cls("tokens", shape[1], shape[0], None, int(record.get("prefix_kept") or 0))
-            prefix = 0 if record.get("drop_prefix") else int(prefix_tokens or 0)
-            side = int(round(max(shape[0] - prefix, 0) ** 0.5))
-            grid = (side, side) if side and side * side == shape[0] - prefix else None
-            return cls("tokens", shape[1], shape[0], grid, prefix)
+            return cls("tokens", shape[1], shape[0], *_patch_grid(record, prefix_tokens))
         raise ValueError(f"{key} is stored as ({', '.join(names)}): an index needs channels of a map, a token "
                          "sequence's features or a vector's features")
 
@@ -68,6 +65,23 @@ class Layout:
         if isinstance(x, np.ndarray):
             return x if x.dtype == np.float16 else np.ascontiguousarray(x, np.float32)
         return x.float()
+
+
+def _patch_grid(record: Mapping[str, Any], prefix_tokens: int | None) -> tuple[tuple[int, int] | None, int]:
+    """The grid of a token capture's patch tokens and the stored tokens before them, as its record says (an older
+    store's: the model's prefix count, and the patches a square)."""
+    span = patch_span(record, prefix_tokens)
+    if record.get("sample_tokens"):  # sampled positions differ per row: no grid
+        return None, span[0] if span else 0
+    if span is None:
+        return None, 0  # which tokens are patches is not known
+    first, count = span
+    layer = record.get("tokens")
+    if layer is not None and layer.get("grid"):
+        h, w = layer["grid"]
+        return ((h, w) if h * w == count else None), first
+    side = int(round(max(count, 0) ** 0.5))
+    return ((side, side) if side and side * side == count else None), first
 
 
 class Encoder(Protocol):

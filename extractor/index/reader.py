@@ -232,15 +232,16 @@ class FeatureIndex:
         return [TopRows(r[r >= 0], self.store.ids[r[r >= 0]], v[r >= 0]) for r, v in zip(rows, values, strict=True)]
 
     def heatmap(self, f: int, rank: int = 0) -> np.ndarray:
-        """(h, w): feature ``f`` at each position of its ``rank``-th top row, on the capture's grid (prefix tokens
-        left out)."""
+        """(h, w): feature ``f`` at each position of its ``rank``-th top row, on the capture's grid (the tokens
+        before and after the patches left out)."""
         if self.grid is None:
             raise StoreError(f"capture {self.key}'s positions make no grid (a vector, sampled tokens, or a token "
                              "count that is not a square after the prefix): use tokens(f)")
         if not 0 <= rank < self.k:
             raise OutOfRangeError(f"rank {rank} out of range: the index keeps {self.k} rows per feature")
         values = self._read("top_tokens", (self._feature(f), rank))
-        return values[int(self.attrs["prefix"]) :].reshape(self.grid)
+        first = int(self.attrs["prefix"])
+        return values[first : first + self.grid[0] * self.grid[1]].reshape(self.grid)
 
     # ------------------------------------------------------------------ the encoder
     @property

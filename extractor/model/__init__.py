@@ -10,23 +10,20 @@ from .._face import face
 
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .build import (
-        TokenFacts,
         build_model,
         build_with_processor,
-        decide_prefix_tokens,
         layer_table,
         model_call,
         not_rgb,
-        prefix_tokens,
         resolve_device,
         state_dict_hash,
-        token_facts,
     )
     from .capture import Capturer
     from .processors import settle_preprocess
     from .reduce import contradicted_layouts, dim_names, reduce_tensor, reduced_otherwise, settle_layouts
     from .sources.common import Built
     from .targets import ROOT, Target, resolve_targets
+    from .tokens import Claim, TokenFacts, TokenLayout, Unknown, claim_of, layer_tokens, model_prefix, token_facts
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
 __all__, __getattr__ = face(__name__, __file__)

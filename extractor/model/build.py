@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,9 +15,10 @@ from ..spec import ModelSpec
 from . import sources
 from .processors import LibraryProcessor
 from .sources.checkpoint import load_checkpoint
+from .tokens import library_prefix
 
 __all__ = ["build_model", "build_with_processor", "model_call", "resolve_device", "describe_model", "layer_table",
-           "prefix_tokens", "decide_prefix_tokens", "token_facts", "TokenFacts", "not_rgb"]
+           "not_rgb"]
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ def build_with_processor(spec: ModelSpec, module: nn.Module | None = None) \
         source += f", random init (seed {RANDOM_SEED})"
     model.eval()
     info = describe_model(model, spec, source)
-    # what the spec or the library says; the worker decides from the model's sequences (prefix_tokens())
+    # what the spec or the library says; the worker decides from the model's sequences (tokens.model_prefix)
     info["prefix_tokens"] = spec.prefix_tokens if isinstance(spec.prefix_tokens, int) else library_prefix(model)
     p = built.preprocess
     info["preprocess_defaults"] = p.to_dict() if not isinstance(p, str) else p  # what the library prescribes
@@ -139,73 +138,6 @@ def module_outputs(model: nn.Module, x: torch.Tensor, entry: Any = None) -> list
         for handle in handles:
             handle.remove()
     return seen
-
-
-def library_prefix(model: nn.Module) -> int | None:
-    """The prefix-token count the model's library states (timm's ``num_prefix_tokens``), or None."""
-    n = getattr(model, "num_prefix_tokens", None)
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
-
-
-@dataclass(frozen=True)
-class TokenFacts:
-    """What one forward shows of a vision transformer's token sequence (None: not such a model)."""
-
-    patches: int | None  # positions of the patch embedding's output grid at the probed input size
-    width: int | None  # its channels: the width of the token sequence
-    tokens: int | None  # the most common length of the (batch, tokens, width) outputs: patches + prefix
-
-
-def token_facts(outputs: list[tuple[str, nn.Module, Any]]) -> TokenFacts:
-    """The patch grid (the last convolution output before the first token sequence of its width)
-    and the usual sequence length, from :func:`module_outputs` of a batch of one."""
-    grid: dict[int, int] = {}  # channels -> positions of the latest conv output with that many channels
-    patches = width = None
-    lengths: Counter[int] = Counter()
-    for _name, module, out in outputs:
-        if not isinstance(out, torch.Tensor) or out.shape[:1] != (1,):
-            continue
-        if out.ndim == 4 and isinstance(module, nn.Conv2d) and patches is None:
-            grid[int(out.shape[1])] = int(out.shape[2] * out.shape[3])
-        elif out.ndim == 3:
-            d = int(out.shape[2])
-            if patches is None and d in grid:
-                patches, width = grid[d], d
-            if d == width:
-                lengths[int(out.shape[1])] += 1
-    tokens = lengths.most_common(1)[0][0] if lengths else None
-    return TokenFacts(patches, width, tokens)
-
-
-def decide_prefix_tokens(facts: TokenFacts, library: int | None, given: int | None) -> int | None:
-    """The model's prefix tokens (CLS, distillation, registers): ``given`` (``model.prefix_tokens``) when
-    set; else the sequence length less the patch grid, checked against the library's count; else the
-    library's count; None when nothing tells. A library count the sequence contradicts is refused."""
-    if given is not None:
-        return given
-    found = None
-    if facts.patches is not None and facts.tokens is not None and 0 <= facts.tokens - facts.patches < facts.patches:
-        found = facts.tokens - facts.patches
-    if found is not None and library is not None and found != library:
-        raise ModelError(
-            f"the model's token sequences hold {facts.tokens} tokens for a grid of {facts.patches} patches, so "
-            f"{found} prefix tokens, but its library says {library} (num_prefix_tokens); set model.prefix_tokens to "
-            "the number of tokens before the patch tokens (CLS, distillation, register tokens)"
-        )
-    return found if found is not None else library
-
-
-def prefix_tokens(model: nn.Module, size: tuple[int, int], spec: ModelSpec, entry: Any = None,
-                  device: torch.device | None = None) -> tuple[int | None, TokenFacts]:
-    """:func:`decide_prefix_tokens` for ``model`` at input ``size``, from one forward of a blank image
-    (facts unknown when the model refuses it: the worker's probe reports that)."""
-    x = torch.zeros(1, 3, *size, device=device)
-    try:
-        facts = token_facts(module_outputs(model, x, entry))
-    except Exception:  # noqa: BLE001 - a model that fails here fails the probe, which says why
-        facts = TokenFacts(None, None, None)
-    given = spec.prefix_tokens if isinstance(spec.prefix_tokens, int) else None
-    return decide_prefix_tokens(facts, library_prefix(model), given), facts
 
 
 def not_rgb(model: nn.Module) -> str | None:

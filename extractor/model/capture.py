@@ -22,6 +22,7 @@ from ..errors import LayerError
 from ..store import projection_matrix
 from .reduce import _describe, _sample, channels_last, probabilities, reduce_tensor, select
 from .targets import ROOT, Target
+from .tokens import TokenLayout
 
 __all__ = ["Capturer"]
 
@@ -155,7 +156,14 @@ class Capturer:
 
     def set_layouts(self, layouts: dict[str, str]) -> None:
         """Replace ``layout: auto`` by what the probe decided, per key (the hooks read it at each call)."""
-        self.targets = [dataclasses.replace(t, layout=layouts.get(t.key, t.layout)) for t in self.targets]
+        self._retarget([dataclasses.replace(t, layout=layouts.get(t.key, t.layout)) for t in self.targets])
+
+    def set_tokens(self, layers: dict[str, TokenLayout]) -> None:
+        """Give each key's target its layer's token layout, as the probe decided it (the hooks read it at each call)."""
+        self._retarget([dataclasses.replace(t, tokens=layers.get(t.key, t.tokens)) for t in self.targets])
+
+    def _retarget(self, targets: list[Target]) -> None:
+        self.targets = targets
         self.gradient = [t for t in self.targets if t.gradient]
         self.samples = any(t.sample for t in self.targets)  # sample_tokens: run() needs the images' draw keys
 
@@ -164,7 +172,7 @@ class Capturer:
         if layout == "auto" and tensor.ndim == 4:  # only before the probe decided: recorded, read as nchw
             self.auto_4d[t.key] = probabilities(tensor)
             layout = "nchw"
-        reduced = reduce_tensor(tensor, t.reduce, where, layout, t.drop_prefix)
+        reduced = reduce_tensor(tensor, t.reduce, where, layout, t.patches)
         if t.sample:
             draws = self.draws if self.draws is not None else torch.zeros(len(reduced), dtype=torch.int64)
             reduced, self.values[f"{t.key}.token_index"] = _sample(t, reduced, draws.to(reduced.device), where)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from ..errors import LayerError
 from ..store import rank_keys
-from .targets import ROOT, UNKNOWN_PREFIX, Target
+from .targets import ROOT, Target
 
 
 def _describe(value: Any) -> str:
@@ -56,13 +57,14 @@ def channels_last(layout: str) -> bool:
     return layout == "nhwc"
 
 
-def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "nchw", drop_prefix: int = 0) -> torch.Tensor:
+def reduce_tensor(t: torch.Tensor, how: str, where: str, layout: str = "nchw",
+                  patches: slice | None = None) -> torch.Tensor:
     """Reduce a batch-first tensor on its device. Layouts: (B,C,H,W...) maps, (B,H,W,C) ones
-    (``nhwc``), (B,heads,query,key) attention, and (B,T,D) tokens (the first ``drop_prefix`` left out)."""
-    if drop_prefix:
+    (``nhwc``), (B,heads,query,key) attention, and (B,T,D) tokens (``patches``: only those positions)."""
+    if patches is not None:
         if t.ndim != 3:
             raise LayerError(f"{where} is {tuple(t.shape)}; drop_prefix needs (batch, tokens, features)")
-        t = t[:, drop_prefix:]
+        t = t[:, patches]
     if how == "none":
         return t
     if how == "flatten":
@@ -99,27 +101,28 @@ def sample_positions(seed: int, rows: torch.Tensor, n_tokens: int, k: int) -> to
 
 
 def _sample(t: Target, tokens: torch.Tensor, draws: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sample_tokens``: of (B, T, D) tokens, the ``keep`` prefix ones and ``sample`` patch ones per row; and their
-    positions in the layer's sequence (B, keep + sample)."""
+    """``sample_tokens``: of (B, T, D) tokens, ``sample`` patch tokens per row, with the tokens before the patches
+    kept in front of them and those after the patches after them (unless drop_prefix left them out); and their
+    positions in the layer's sequence (B, kept). Before the probe decided the layer's tokens: all of them."""
     if tokens.ndim != 3:
         raise LayerError(f"{where} is {tuple(tokens.shape)}, not a token sequence (batch, tokens, features): "
                          "sample_tokens samples tokens; a 4-D map (a CNN's) has none. Capture a layer that gives "
                          "tokens, or reduce the map (reduce: mean, project)")
-    if t.keep == UNKNOWN_PREFIX:
-        raise LayerError(f"{where}: sample_tokens keeps the prefix tokens (CLS, registers) in front of the sampled "
-                         "patch tokens, but how many this model has is not known; set model.prefix_tokens, or "
-                         f"capture[{t.capture}].drop_prefix: true to sample patch tokens only")
-    patches = tokens.shape[1] - t.keep
-    if t.sample > patches:
-        raise LayerError(f"{where}: sample_tokens {t.sample} is more than its {patches} patch tokens; set at most "
-                         f"{patches}, or store them all (no sample_tokens)")
-    picked = sample_positions(t.seed, draws, patches, t.sample) + t.keep
-    prefix = torch.arange(t.keep, device=tokens.device, dtype=torch.int64).expand(len(tokens), -1)
-    index = torch.cat([prefix, picked], dim=1)
+    layer = t.tokens
+    if layer is None:  # the probe's first look (it refuses a layer whose patches are not known)
+        return tokens, torch.arange(tokens.shape[1], device=tokens.device).expand(len(tokens), -1)
+    before, after = (0, 0) if t.drop_prefix else (layer.before, layer.after)
+    if t.sample > layer.patches:
+        raise LayerError(f"{where}: sample_tokens {t.sample} is more than its {layer.patches} patch tokens; set at "
+                         f"most {layer.patches}, or store them all (no sample_tokens)")
+    arange = partial(torch.arange, device=tokens.device, dtype=torch.int64)
+    picked = sample_positions(t.seed, draws, layer.patches, t.sample) + before
+    index = torch.cat([arange(before).expand(len(tokens), -1), picked,
+                       arange(before + layer.patches, before + layer.patches + after).expand(len(tokens), -1)], dim=1)
     kept = tokens.gather(1, index[:, :, None].expand(-1, -1, tokens.shape[2]))
-    positions = index + t.drop_prefix  # in the layer's own sequence, a dropped prefix counted
+    positions = index + (layer.before if t.drop_prefix else 0)  # in the layer's own sequence
     # stored as int16 where every position fits (a quarter of int64's bytes: 8.1 GB less in a 2 TB plan)
-    return kept, positions.to(torch.int16) if tokens.shape[1] + t.drop_prefix <= POSITIONS_INT16 else positions
+    return kept, positions.to(torch.int16) if layer.length <= POSITIONS_INT16 else positions
 
 
 POSITIONS_INT16 = 1 << 15  # sequences up to this many tokens store their sampled positions as int16

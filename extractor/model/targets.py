@@ -1,5 +1,5 @@
-"""Capture targets: a spec's captures resolved against the model's layers (globs, keys, prefix tokens to drop),
-checked before the first image is read."""
+"""Capture targets: a spec's captures resolved against the model's layers (globs, keys), checked before the first
+image is read; each token sequence's layout (which positions are patches) is added by the worker's probe."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from ..data import locator_names
 from ..errors import LayerError
 from ..spec import CaptureSpec
+from .tokens import TokenLayout
 
 __all__ = ["Target", "resolve_targets", "RESERVED_KEYS"]
 
@@ -37,16 +38,23 @@ class Target:
     target: int | str | None = None  # gradient captures: predicted, label or a class index
     size: str = "layer"  # gradcam: layer or input resolution
     layout: str = "auto"  # a 4-D output's dims: nchw, nhwc, attention, or auto (decided by the worker's probe)
-    drop_prefix: int = 0  # token sequences: leading tokens (CLS, registers) left out
+    drop_prefix: bool = False  # token sequences: the patch tokens only (CLS, registers, detection tokens left out)
     sample: int = 0  # sample_tokens: patch tokens kept per image (0: all)
-    keep: int = 0  # with sample: prefix tokens kept in front of the sampled ones
     project: int = 0  # project: features after the random projection (0: none)
     projection: str = "gaussian"
     seed: int = 0
+    tokens: TokenLayout | None = None  # the layer's token sequence, as the probe decided it (None: not yet, not one)
 
     @property
     def gradient(self) -> bool:
         return self.what in ("grad_output", "gradcam")
+
+    @property
+    def patches(self) -> slice | None:
+        """The positions of the layer's sequence that ``drop_prefix`` keeps (None: all, or not decided yet)."""
+        if not self.drop_prefix or self.tokens is None:
+            return None
+        return slice(self.tokens.before, self.tokens.before + self.tokens.patches)
 
 
 def _is_glob(pattern: str) -> bool:
@@ -114,28 +122,9 @@ def _layers_of(c: CaptureSpec, names: Sequence[str], where: str, hint: str) -> l
     return layers
 
 
-def _prefix_to_drop(c: CaptureSpec, prefix_tokens: int | None, where: str) -> int:
-    if not c.drop_prefix:
-        return 0
-    if prefix_tokens is None:
-        raise LayerError(f"{where}.drop_prefix: how many prefix tokens (CLS, registers) this model has is not "
-                         "known; set model.prefix_tokens")
-    return prefix_tokens
-
-
-UNKNOWN_PREFIX = -1  # Target.keep of a sampling capture whose model's prefix-token count is not known
-
-
-def _cutting(c: CaptureSpec, prefix_tokens: int | None, where: str) -> dict[str, Any]:
-    """The Target fields of sample_tokens and project: with sampling, the prefix tokens kept in front (all of the
-    model's, unless drop_prefix left them out: so their count must be known)."""
-    keep = 0
-    if c.sample_tokens and not c.drop_prefix:
-        # an unknown count is asked for once the layer's output is seen to be a token sequence (_sample): a CNN's
-        # 4-D map is refused as what it is first, not after a round of prefix settings that cannot help
-        keep = UNKNOWN_PREFIX if prefix_tokens is None else prefix_tokens
-    return {"sample": c.sample_tokens or 0, "keep": keep, "project": c.project or 0, "projection": c.projection,
-            "seed": c.seed}
+def _cutting(c: CaptureSpec) -> dict[str, Any]:
+    """The Target fields of sample_tokens and project."""
+    return {"sample": c.sample_tokens or 0, "project": c.project or 0, "projection": c.projection, "seed": c.seed}
 
 
 def _key(c: CaptureSpec, layer: str) -> str:
@@ -164,23 +153,21 @@ def _check_keys(targets: Sequence[Target]) -> None:
         seen[t.key] = t
 
 
-def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec], hint: str = "extractor layers JOB.yaml",
-                    prefix_tokens: int | None = None) -> list[Target]:
+def resolve_targets(model: nn.Module, captures: Sequence[CaptureSpec],
+                    hint: str = "extractor layers JOB.yaml") -> list[Target]:
     """Resolve names and globs against ``model.named_modules()`` before any image is read.
     ``(model)`` (or ``""``) is the model itself; globs match named submodules only. ``hint`` is
-    the command that lists this model's layers; ``prefix_tokens`` its CLS and register tokens
-    (None: unknown), for ``drop_prefix``."""
+    the command that lists this model's layers."""
     names = [n for n, _ in model.named_modules() if n]
     targets: list[Target] = []
     for i, c in enumerate(captures):
         where = f"capture[{i}]"
         layers = _layers_of(c, names, where, hint)
-        drop = _prefix_to_drop(c, prefix_tokens, where)
         dtype = "float32" if c.what == "gradcam" else c.dtype
         target = c.score_target if c.gradient else None
-        cutting = _cutting(c, prefix_tokens, where)
-        targets += [Target(_key(c, layer), layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout, drop,
-                           **cutting) for layer in layers]
+        cutting = _cutting(c)
+        targets += [Target(_key(c, layer), layer, c.what, c.index, c.reduce, dtype, i, target, c.size, c.layout,
+                           c.drop_prefix, **cutting) for layer in layers]
     _check_keys(targets)
     return targets
 

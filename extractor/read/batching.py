@@ -16,6 +16,7 @@ from .._threads import prefetched
 from ..errors import StoreError
 from ..store import (
     CaptureRecord,
+    patch_span,
     read_rows,
     take_rows,
 )
@@ -33,9 +34,18 @@ def _prefetched(items: Iterable[_T], fn: Callable[[_T], _R], depth: int, threads
     return prefetched(items, fn, depth, threads, name="extractor-read")
 
 
-def _check_sizes(batch_size: int, buffer_chunks: int, seed: int) -> None:
-    """Refuse a batch or buffer size that is not a whole number >= 1, or a seed that is not one >= 0."""
-    for name, value, low in (("batch_size", batch_size, 1), ("buffer_chunks", buffer_chunks, 1), ("seed", seed, 0)):
+DEFAULT_RUNS = 8  # the default mixing buffer holds what this many read runs hold: up to 256 MiB of a sharded array
+SCATTERED_SLICES = 32 << 10  # pieces from anywhere whose chunks are at least this many bytes are read as slices:
+# zarr's oindex decodes them one by one (measured on 1 MiB inner chunks: 14 MiB/s against 235 MiB/s for slices, as
+# fast as a sequential read); smaller ones in one oindex call (4 KiB chunks: 8.2 against 2.5 MiB/s; even at 32 KiB)
+SCATTERED_THREADS = 8  # slices of pieces from anywhere read at once (a remote store's requests overlap)
+
+
+def _check_sizes(batch_size: int, buffer_chunks: int | None, seed: int) -> None:
+    """Refuse a batch or buffer size that is not a whole number >= 1 (a buffer may be left at its default, None),
+    or a seed that is not one >= 0."""
+    sizes = (("batch_size", batch_size, 1), ("seed", seed, 0))
+    for name, value, low in (*sizes, *((("buffer_chunks", buffer_chunks, 1),) if buffer_chunks is not None else ())):
         if not isinstance(value, int | np.integer) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, not {value!r}")
         if value < low:
@@ -48,16 +58,40 @@ def _read_runs(arrays: Sequence[zarr.Array], runs: Sequence[np.ndarray],
     in the run's order) and each array's values of them. ``spare``: arrays no longer used, of the first
     array's rows; one with room is read into (a fresh one costs first-touch page faults). ``scattered``: runs
     of single small chunks from anywhere, read in one call (zarr fetches them concurrently: 4x faster here
-    than a call per chunk)."""
-    rows = np.sort(np.concatenate(runs)) if len(runs) > 1 else np.concatenate(runs)
-    if scattered:
-        return rows, tuple(np.asarray(arr.oindex[rows]) for arr in arrays)
+    than a call per chunk; chunks of SCATTERED_SLICES or more are read as slices all the same)."""
+    if len(runs) > 1:  # the runs of one buffer hold distinct chunks: in order of their first rows, all ascending
+        runs = sorted(runs, key=lambda run: int(run[0]))
+    rows = np.concatenate(runs)
     into = None
     if spare:
         room = spare.pop()
         if len(room) >= len(rows) and room.shape[1:] == arrays[0].shape[1:] and room.dtype == arrays[0].dtype:
             into = room[: len(rows)]
-    return rows, (take_rows(arrays[0], rows, into), *(take_rows(arr, rows) for arr in arrays[1:]))
+    taken = [_take(arr, runs, rows, scattered, into if i == 0 else None) for i, arr in enumerate(arrays)]
+    return rows, tuple(taken)
+
+
+def _take(array: zarr.Array, runs: Sequence[np.ndarray], rows: np.ndarray, scattered: bool,
+          into: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``rows`` of ``array`` (its ``runs`` joined): stretches of chunks as slices; with ``scattered`` (runs of
+    single chunks from anywhere) small chunks in one oindex call, others as slices on SCATTERED_THREADS threads."""
+    if not scattered:
+        return take_rows(array, rows, into)
+    if int(array.chunks[0]) * _row_bytes(array) < SCATTERED_SLICES:
+        return np.asarray(array.oindex[rows])
+    out = into if into is not None else np.empty((len(rows), *array.shape[1:]), dtype=array.dtype)
+    ends = np.cumsum([len(run) for run in runs])
+
+    def read(i: int) -> None:
+        take_rows(array, runs[i], out[ends[i] - len(runs[i]) : ends[i]])
+
+    for _ in prefetched(range(len(runs)), read, SCATTERED_THREADS, SCATTERED_THREADS, "extractor-read-chunks"):
+        pass
+    return out
+
+
+def _row_bytes(array: zarr.Array) -> int:
+    return int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -214,6 +248,17 @@ def _unit(array: zarr.Array, spread: bool) -> int:
     return max(int(array.chunks[0]), 1) if spread else read_rows(array)
 
 
+def _pieces(arrays: Iterable[zarr.Array], spread: bool, buffer_chunks: int | None) -> int:
+    """The pieces a mixing buffer holds: ``buffer_chunks``, or by default (None) what DEFAULT_RUNS read runs hold, as
+    pieces of one (inner) chunk from anywhere in the epoch with ``spread``: the same memory, many more places."""
+    if buffer_chunks is not None:
+        return buffer_chunks
+    if not spread:
+        return DEFAULT_RUNS
+    arrays = list(arrays)
+    return DEFAULT_RUNS * max(min(read_rows(a) for a in arrays) // min(_unit(a, True) for a in arrays), 1)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """One epoch of a stream: its runs of rows (each inside one chunk) in the order read, cut into buffers of
@@ -284,12 +329,12 @@ class Batching:
         seed: int = 0,
         rows: Rows = None,
         only_ok: bool = True,
-        buffer_chunks: int = 8,
+        buffer_chunks: int | None = None,
         prefetch: int = 2,
         part: Part | None = None,
         *,
         worker: Part | None = None,
-        spread: bool = False,
+        spread: bool = True,
         follow: bool = False,
     ) -> Stream:
         """Yield ``(row_indices, data)``: every selected row once per call (one epoch).
@@ -298,8 +343,8 @@ class Batching:
         ``row_indices[i]``. ``rows`` may come in any order and repeat a row (it then comes as
         often as listed); rows that are not ok are left out unless ``only_ok=False``. Reads
         are whole chunks, prefetched on a background thread. With ``shuffle`` the chunks come
-        in a random order and rows are mixed in a buffer of ``buffer_chunks`` chunks, so
-        random order costs no random reads; the same ``seed`` gives the same order. Without
+        in a random order and rows are mixed in a buffer of chunks, so random order costs no
+        reads smaller than a chunk; the same ``seed`` gives the same order. Without
         it rows come in the order given, and a chunk is read once per run of consecutive
         selected rows inside it: rows grouped by chunk (e.g. ascending) read each chunk once.
 
@@ -310,12 +355,15 @@ class Batching:
         the end. ``worker=(w, W)``: the w-th of W DataLoader workers of the part (none dropped);
         :meth:`dataloader` with ``num_workers`` does this for you.
 
-        Mixing: a buffer holds ``buffer_chunks`` pieces of the epoch, each a run of chunks read at once (up to
-        about 32 MiB of a sharded array), so a batch draws on ``buffer_chunks`` places of the store: rows
-        stored in class order give batches of few classes. ``spread=True`` makes each piece a single (inner)
-        chunk, taken from anywhere in the epoch (random reads of small chunks): with ``buffer_chunks`` a few
-        times the batch size, batches mix about as a global permutation's (``make bench --reader-only``
-        measures it). Memory: :meth:`buffer_bytes` per buffer, ``prefetch + 1`` buffers.
+        Mixing: the epoch's (inner) chunks come in one random order over the whole epoch, and a buffer holds
+        ``buffer_chunks`` of them (``spread``, the default), so a batch draws on that many places of the store.
+        By default the buffer holds what 8 read runs hold (a run: the chunks of a sharded array read at once, up
+        to about 32 MiB: so up to 256 MiB), as some hundreds of chunks from anywhere: rows stored in class order
+        (an ImageFolder) give batches whose largest class share is about a global permutation's where the store
+        has fewer classes than the buffer has chunks (``make bench --reader-only`` measures it, and the read
+        rate, as fast as a sequential read for chunks of 256 KiB and more). ``spread=False`` takes whole read
+        runs as pieces (8 by default: the same memory in 8 places; batches of few classes when sorted).
+        Memory: :meth:`buffer_bytes` per buffer, ``prefetch + 1`` buffers.
 
         The stream has ``state_dict()`` / ``load_state_dict()`` (torchdata's ``Stateful``): a stream made
         with the same arguments and given a saved state before its first batch yields exactly the rows the
@@ -327,7 +375,9 @@ class Batching:
         if follow:
             return self._following("batches", locals())
         _check_sizes(batch_size, buffer_chunks, seed)
+        spread = spread and shuffle  # in order, a piece is a whole read run
         arrays, step = self._arrays_of(keys, "batches", spread)
+        buffer_chunks = _pieces(arrays.values(), spread, buffer_chunks)
         # the order is drawn anyway: a chunk's rows come together, so that a chunk is read once
         plan = _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker,
                         buffer_chunks if shuffle else 1)
@@ -343,7 +393,7 @@ class Batching:
 
         return Stream(make, {**plan.fixed(buffer_chunks, 1), "spread": spread})
 
-    def _arrays_of(self, keys: str | Sequence[str], what: str, spread: bool = False
+    def _arrays_of(self, keys: str | Sequence[str], what: str, spread: bool
                    ) -> tuple[dict[str, zarr.Array], int]:
         """The arrays of ``keys`` and the rows a read takes: their smallest chunk (a capture with bigger chunks,
         small rows under ``chunk_rows: auto``, is read several times per chunk), or of sharded arrays a run of
@@ -356,9 +406,9 @@ class Batching:
 
     def epoch_rows(self, keys: str | Sequence[str], shuffle: bool = True, seed: int = 0, rows: Rows = None,
                    only_ok: bool = True, part: Part | None = None, *, worker: Part | None = None,
-                   spread: bool = False) -> int:
+                   spread: bool = True) -> int:
         """How many rows one epoch of :meth:`batches` (or the part ``part`` of it, of its ``worker``) yields."""
-        _, step = self._arrays_of(keys, "epoch_rows", spread)
+        _, step = self._arrays_of(keys, "epoch_rows", spread and shuffle)
         return _Plan.of(self._select_rows(rows, only_ok), step, shuffle, seed, part, worker, 1).rows
 
     def token_batches(
@@ -370,13 +420,13 @@ class Batching:
         rows: Rows = None,
         only_ok: bool = True,
         drop_prefix: bool | int = False,
-        buffer_chunks: int = 8,
+        buffer_chunks: int | None = None,
         prefetch: int = 1,
         drop_last: bool = False,
         part: Part | None = None,
         *,
         worker: Part | None = None,
-        spread: bool = False,
+        spread: bool = True,
         normalize: str | Sequence[str] | None = None,
         follow: bool = False,
     ) -> Stream:
@@ -386,13 +436,13 @@ class Batching:
         tokens, or a ``sample_tokens`` capture's, from ``KEY.token_index``): the same patch has the same
         position in every capture of a layer. Every (row, token) comes once per call (one epoch), for
         sparse-autoencoder training. With ``shuffle`` tokens are mixed across the images of a
-        buffer of ``buffer_chunks`` chunks read whole in a random chunk order (as :meth:`batches`
-        reads rows): the same ``seed`` gives the same order. ``drop_prefix`` leaves out each
-        row's first tokens: ``True`` the model's prefix tokens (CLS, registers; the store's
-        ``model.prefix_tokens``), unless the capture was stored without them already (its
-        ``drop_prefix``): then nothing more; or a count, of the tokens as stored. ``drop_last``
+        buffer of chunks read whole in a random chunk order over the whole epoch (as :meth:`batches`
+        reads rows; see its mixing and memory): the same ``seed`` gives the same order. ``drop_prefix=True`` serves the
+        patch tokens only, as the capture's record says where they lie (CLS and registers before them,
+        YOLOS's detection tokens after them); nothing more from a capture stored without them (its
+        ``drop_prefix``); a count leaves out that many first tokens of each row as stored. ``drop_last``
         leaves out a last short batch. ``part=(k, n)``, ``worker=(w, W)``: parts of equal length for
-        ranks, and of DataLoader workers; ``spread``: mixing across the store (see :meth:`batches`); the
+        ranks, and of DataLoader workers; ``spread``, ``buffer_chunks``: mixing (see :meth:`batches`); the
         stream resumes from its ``state_dict()`` as :meth:`batches` does. ``prefetch``: buffers read ahead
         while one is served (each more holds a buffer's memory: one overlaps reading with serving).
 
@@ -418,6 +468,8 @@ class Batching:
         if spans[0].sampled:  # each stored token's position in the layer's sequence
             arrays.append(self[f"{keys[0]}.token_index"])
         norms = [self._normalizer(k, normalize) for k in keys]
+        spread = spread and shuffle  # in order, a piece is a whole read run
+        buffer_chunks = _pieces(arrays[:1], spread, buffer_chunks)
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
         plan = _Plan.of(self._select_rows(rows, only_ok), _unit(arrays[0], spread), shuffle, seed, part, worker,
                         buffer_chunks if shuffle else 1)
@@ -471,12 +523,12 @@ class Batching:
             return mean, None
         return mean, float(np.sqrt(np.sum(np.square(np.asarray(stats["std"], np.float64)))))
 
-    def buffer_bytes(self, key: str, buffer_chunks: int = 8, spread: bool = False) -> int:
+    def buffer_bytes(self, key: str, buffer_chunks: int | None = None, spread: bool = True) -> int:
         """Bytes of one mixing buffer of :meth:`batches` / :meth:`token_batches` over ``key`` (at most: the last
-        piece of a part may be shorter); a stream holds ``prefetch + 1`` of them."""
+        piece of a part may be shorter) with these options (their defaults: the streams'); a stream holds
+        ``prefetch + 1`` of them."""
         array = self[key]
-        row = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
-        return buffer_chunks * _unit(array, spread) * row
+        return _pieces([array], spread, buffer_chunks) * _unit(array, spread) * _row_bytes(array)
 
     def _token_keys(self, key: str | Sequence[str], drop_prefix: bool | int) -> list[str]:
         """The token captures ``key`` names, checked to serve the same positions of their layers' sequences (each
@@ -500,29 +552,33 @@ class Batching:
 
     def token_span(self, key: str, drop_prefix: bool | int = False) -> tuple[int, int]:
         """Of each row of the token capture ``key`` as stored: how many first tokens ``drop_prefix``
-        leaves out, and how many tokens remain (what :meth:`token_batches` yields per row)."""
+        leaves out, and how many tokens remain (what :meth:`token_batches` yields per row): for ``True``, the
+        capture's patch tokens, as its record says where they lie (tokens after them, YOLOS's detection
+        tokens, left out too)."""
         meta = self.captures.get(key)
         if meta is None or len(meta["shape"]) != 2:
             shape = meta["shape"] if meta else None
             raise StoreError(f"token_batches needs a capture of (tokens, features) rows; {key!r} is "
                              f"{'not a capture' if meta is None else f'{shape}'}; {self._known()}")
-        skip = self._prefix(key, drop_prefix)
-        tokens = int(meta["shape"][0]) - skip
+        stored = int(meta["shape"][0])
+        if isinstance(drop_prefix, bool):
+            skip, tokens = self._patches(key) if drop_prefix else (0, stored)
+        elif isinstance(drop_prefix, int) and drop_prefix >= 0:
+            skip, tokens = int(drop_prefix), stored - int(drop_prefix)
+        else:
+            raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix!r}")
         if tokens <= 0:
-            raise StoreError(f"{key!r} has {meta['shape'][0]} tokens per row; dropping {skip} leaves none")
+            raise StoreError(f"{key!r} has {stored} tokens per row; dropping {skip} leaves none")
         return skip, tokens
 
-    def _prefix(self, key: str, drop_prefix: bool | int) -> int:
-        """Tokens to leave out of each stored row of ``key``: a count, or for ``True`` the model's
-        prefix-token count, none when the capture is stored without its prefix tokens already."""
-        if isinstance(drop_prefix, bool):
-            if not drop_prefix or self.captures[key].get("drop_prefix"):
-                return 0  # not asked, or left out when the store was written: its rows are patch tokens
-            n = self.model.get("prefix_tokens")
-            if not isinstance(n, int):
-                raise StoreError("drop_prefix=True: the store does not record how many prefix tokens the model has "
-                                 "(CLS, registers); pass their count, e.g. drop_prefix=1")
-            return n
-        if not isinstance(drop_prefix, int) or drop_prefix < 0:
-            raise ValueError(f"drop_prefix must be True, False or a count >= 0, not {drop_prefix!r}")
-        return int(drop_prefix)
+    def _patches(self, key: str) -> tuple[int, int]:
+        """The stored tokens of each row of ``key`` that are patches, ``(first, count)``, as its record says."""
+        span = patch_span(self.captures[key], self.model.get("prefix_tokens"))
+        if span is not None:
+            return span
+        if "tokens" in self.captures[key]:
+            raise StoreError(f"drop_prefix=True: which of {key!r}'s tokens are patches is not known (when the store "
+                             "was written, its layer's tokens besides the patches could not be placed); pass the "
+                             "count of tokens to leave out of each row, e.g. drop_prefix=1")
+        raise StoreError("drop_prefix=True: the store does not record how many prefix tokens the model has "
+                         "(CLS, registers); pass their count, e.g. drop_prefix=1")

@@ -37,6 +37,7 @@ from ..store import (
     get_array,
     locator_arrays,
     open_group,
+    patch_span,
     projection_matrix,
     read_all,
     read_head,
@@ -459,7 +460,11 @@ class ActivationStore(Batching):
 
         ``stack=[keys]``: one DataArray instead, with a ``layer`` dimension (labelled by key) before
         ``row``, of captures of one shape (a sweep across blocks); their feature dims lose the key
-        (``channel``, ``token``, ``feature``...). Needs the ``analysis`` extra (xarray, dask)."""
+        (``channel``, ``token``, ``feature``...). Needs the ``analysis`` extra (xarray, dask).
+
+        A token capture whose record says which of its tokens are patches has a ``KEY.patch`` coordinate on its
+        ``KEY.token`` dim: True at the patch tokens (``ds[KEY].isel({"KEY.token": ds["KEY.patch"]})`` leaves out
+        the CLS, register and YOLOS detection tokens, wherever they sit); stacked, a ``patch`` coordinate."""
         try:
             import xarray as xr
         except ImportError as err:
@@ -475,12 +480,24 @@ class ActivationStore(Batching):
             labels = self.labels
             ds = ds.assign_coords(class_name=("row", names[np.where((labels >= 0) & (labels < len(self.classes)),
                                                                      labels, len(self.classes))]))
+        ds = ds.assign_coords({f"{k}.patch": (f"{k}.token", mask) for k, mask in self._patch_masks().items()})
         ds = ds.set_coords([k for k, m in extras.items() if not m["dims"]])  # per-row scalars: follow each capture
         ds = ds.assign_coords({m["dims"][0]: ["min", "max"] for k, m in extras.items() if k.endswith(".range")})
         ds.attrs = {"store": self.url, "model": self.model.get("name"), "format_version": self.attrs["format_version"]}
         if only_ok:
             ds = ds.isel(row=np.flatnonzero(status == OK))
         return ds if stack is None else self._stacked(ds, [stack] if isinstance(stack, str) else list(stack))
+
+    def _patch_masks(self) -> dict[str, np.ndarray]:
+        """Per token capture whose patch tokens are known: True at the stored tokens that are patches."""
+        masks = {}
+        for key, meta in self.captures.items():
+            span = patch_span(meta, self.model.get("prefix_tokens")) if len(meta["shape"]) == 2 else None
+            if span is not None and [d.rsplit(".", 1)[-1] for d in meta["dims"]] == ["token", "feature"]:
+                first, count = span
+                positions = np.arange(int(meta["shape"][0]))
+                masks[key] = (positions >= first) & (positions < first + count)
+        return masks
 
     def _stacked(self, ds: Any, keys: list[str]) -> Any:
         """Captures of one shape as one DataArray with a ``layer`` dimension (see :meth:`to_xarray`)."""
@@ -496,7 +513,9 @@ class ActivationStore(Batching):
         if len(set(shapes.values())) > 1 or len(set(dims.values())) > 1:
             raise ValueError("to_xarray(stack=...) needs captures of one shape and kind; got "
                              + ", ".join(f"{k} {list(shapes[k])} {list(dims[k])}" for k in keys))
-        parts = [ds[k].rename({f"{k}.{d}": d for d in dims[k]}) for k in keys]
+        names = {k: {f"{k}.{d}": d for d in dims[k]} for k in keys}  # feature dims without the key; so the patch
+        names = {k: n | ({f"{k}.patch": "patch"} if f"{k}.patch" in ds[k].coords else {}) for k, n in names.items()}
+        parts = [ds[k].rename(names[k]) for k in keys]
         return xr.concat(parts, dim=xr.DataArray(keys, dims="layer", name="layer")).rename("stack")
 
     @property

@@ -46,8 +46,9 @@ class CaptureSpec(_Section):
     """none; mean/max over spatial positions or tokens (prefix tokens included unless ``drop_prefix``);
     flatten; cls (token 0)."""
     drop_prefix: bool = False
-    """For token sequences (batch, tokens, features): leave out the prefix tokens (CLS, registers;
-    ``model.prefix_tokens``) before reducing or storing: patch tokens only."""
+    """For token sequences (batch, tokens, features): keep the patch tokens only, before reducing or storing (the
+    CLS and register tokens before them and YOLOS's detection tokens after them left out: each layer's own, decided
+    when the model is probed)."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Stored dtype (Grad-CAM maps are always float32). float16 is finite up to 65504; bfloat16 keeps float32's
     range with 8 bits of mantissa, and reads back as bfloat16 (numpy's through ml_dtypes)."""
@@ -60,8 +61,9 @@ class CaptureSpec(_Section):
     """For gradcam: keep the map at the layer's resolution or upsample it (bilinear) to the crop."""
     sample_tokens: int | None = Field(default=None, gt=0)
     """For token sequences stored whole (reduce: none): keep this many patch tokens per image, drawn without
-    replacement from (``seed``, row) on the device, in sequence order; the prefix tokens (CLS, registers) stay in
-    front unless ``drop_prefix``. The kept positions (in the layer's sequence) are stored as ``KEY.token_index``."""
+    replacement from (``seed``, row) on the device, in sequence order; the tokens before the patches (CLS,
+    registers) stay in front and those after them after, unless ``drop_prefix``. The kept positions (in the layer's
+    sequence) are stored as ``KEY.token_index``."""
     project: int | None = Field(default=None, gt=0)
     """Store a seeded random projection of the last dimension (features) to this many, computed on the device
     (``projection``: its matrix; the reader regenerates it from ``seed``: ``s.projection(KEY)``)."""

@@ -74,9 +74,10 @@ class ModelSpec(_Section):
     forward_kwargs: dict[str, Any] = Field(default_factory=dict)
     """More keyword arguments of every call (``output_attentions: true``, ``interpolate_pos_encoding: true``)."""
     prefix_tokens: int | Literal["auto"] = "auto"
-    """Tokens before the patch tokens (CLS, distillation, registers) that ``drop_prefix`` leaves out:
-    ``auto`` decides from the model's token sequences (their length less the patch grid at the input
-    size, checked against timm's ``num_prefix_tokens``) and asks when they do not tell."""
+    """Tokens before the patch tokens (CLS, distillation, registers): ``auto`` decides from each captured
+    layer's facts (its length against the patch grid; the positions that do not depend on the image), checked
+    against timm's ``num_prefix_tokens``. A count is checked the same way per layer, and decides for a layer
+    whose tokens besides the patches no fact places when it accounts for all of them."""
     device: str = Field(default="auto", json_schema_extra=RUN_ONLY)
     """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda``, ``cuda:1``..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

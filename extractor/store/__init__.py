@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .snapshot import snapshot_store
     from .stats import ShardStats, Totals, dumps, feature_axis, merge, merge_shards, shard_record
     from .synthetic import create_store
+    from .tokens import TokenRecord, patch_span
     from .writer import ShardWriter, Ticket
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it

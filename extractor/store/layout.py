@@ -48,6 +48,7 @@ from .generation import TXN
 from .id_index import write_id_index
 from .ledger import Ledger, blocks_for, new_id
 from .objects import Objects
+from .tokens import TokenRecord
 from .views import GenerationStore, Slot, write_view
 
 FORMAT_VERSION = 2
@@ -106,11 +107,13 @@ class CaptureRecord(TypedDict):
     original_shape: list[int]  # per row, as the model computed it
     dims: list[str]  # names of the dimensions after ``row``
     capture: int  # its position in spec.capture
-    drop_prefix: NotRequired[int]  # token sequences: leading tokens left out
+    drop_prefix: NotRequired[int]  # stored patch tokens only: the count of tokens before them left out
+    tokens: NotRequired[TokenRecord | None]  # a token sequence's layout (None: not known); absent in older stores
     target: NotRequired[int | str]  # gradient captures: predicted, label or a class index
     size: NotRequired[str]  # gradcam maps: layer or input resolution
     sample_tokens: NotRequired[int]  # patch tokens kept per row (their positions: the KEY.token_index array)
-    prefix_kept: NotRequired[int]  # with sample_tokens: prefix tokens kept in front of them
+    prefix_kept: NotRequired[int]  # with sample_tokens: the tokens before the patches kept in front of them
+    suffix_kept: NotRequired[int]  # with sample_tokens: the tokens after the patches kept after them
     project: NotRequired[int]  # features after the seeded random projection (store.sampling.projection_matrix)
     projection: NotRequired[str]  # gaussian or sparse
     projected_from: NotRequired[int]  # the features it multiplied (the matrix is projected_from x project)

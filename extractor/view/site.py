@@ -174,7 +174,7 @@ class Site:
         best = index.top(f)
         top = self._pictures([int(r) for r in best.rows], _numbers(best.values))
         if index.grid is not None and len(best.rows):
-            tokens = index.tokens(f)[: len(best.rows), _prefix(index):]
+            tokens = index.tokens(f)[: len(best.rows), _patches(index)]
             scale = max(float(np.nanmax(tokens)), 0.0) if tokens.size else 0.0
             for n, pic in enumerate(top):
                 pic["heat"] = {"grid": list(index.grid), "values": _numbers(tokens[n]), "scale": _number(scale)}
@@ -241,7 +241,7 @@ class Site:
         values = index.encode_row(row)  # (T, F)
         rec["top"] = _strongest(np.nanmax(values, axis=0), TOP_FEATURES, slug)
         if index.grid is not None:
-            grid = values[_prefix(index):]  # (h * w, F)
+            grid = values[_patches(index)]  # (h * w, F)
             for top in rec["top"]:  # where on the image each of its top features fires
                 top["values"] = _numbers(np.maximum(grid[:, top["feature"]], 0))
             if patches:  # per patch [[feature, value], ...]: compact, the page makes the links
@@ -288,6 +288,13 @@ class Site:
 def _prefix(index: FeatureIndex) -> int:
     """Leading positions of the index's capture not on its patch grid (a ViT's CLS and registers)."""
     return int(index.attrs.get("prefix") or 0)
+
+
+def _patches(index: FeatureIndex) -> slice:
+    """The positions of the index's capture on its patch grid (those after it, YOLOS's detection tokens, left out)."""
+    assert index.grid is not None  # asked only of an index with a grid
+    first = _prefix(index)
+    return slice(first, first + index.grid[0] * index.grid[1])
 
 
 def _file_name(path: str) -> str:

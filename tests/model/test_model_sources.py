@@ -316,11 +316,13 @@ def test_attention_probabilities_are_named_as_such_and_equal_output_attentions(p
         run(parse_spec(raw))
 
 
-def test_drop_prefix_on_a_model_of_unknown_prefix_asks_for_the_count(image_dir: Path, tmp_path: Path):
+def test_drop_prefix_on_a_map_is_refused_as_not_a_token_sequence(image_dir: Path, tmp_path: Path):
+    """Before: it asked for model.prefix_tokens, which cannot help a CNN's map."""
     from extractor.errors import LayerError
 
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer3", "reduce": "mean", "drop_prefix": True}])
-    with pytest.raises(LayerError, match=r"capture\[0\].drop_prefix: .*set model.prefix_tokens"):
+    with pytest.raises(LayerError, match=r"capture\[0\] layer3: layer 'layer3' gives \(32, 4, 4\) per image, not a "
+                                         r"token sequence \(tokens, features\): drop_prefix keeps patch tokens"):
         run(parse_spec(raw))
 
 
@@ -427,27 +429,22 @@ def test_drop_prefix_of_hf_deit_leaves_out_cls_and_distillation_tokens(photos: P
     assert s.token_span("patches", True) == (0, 16)  # the reader drops nothing more
 
 
-def test_prefix_tokens_that_facts_and_library_disagree_on_or_a_capture_off_the_sequence_are_refused(
-        photos: Path, tmp_path: Path):
-    from extractor.errors import LayerError
-    from extractor.model.build import TokenFacts, decide_prefix_tokens
-
-    facts = TokenFacts(patches=16, width=32, tokens=18)
-    assert decide_prefix_tokens(facts, None, None) == 2 and decide_prefix_tokens(facts, 2, None) == 2
-    assert decide_prefix_tokens(facts, 1, 3) == 3  # model.prefix_tokens decides
-    assert decide_prefix_tokens(TokenFacts(None, None, None), 1, None) == 1  # the library's, when facts are missing
-    assert decide_prefix_tokens(TokenFacts(None, None, None), None, None) is None
-    with pytest.raises(ModelError, match=r"18 tokens for a grid of 16 patches, so 2 prefix tokens, but its library "
-                                         r"says 1 .*set model.prefix_tokens"):
-        decide_prefix_tokens(facts, 1, None)
-    folder, _ = _deit_folder(tmp_path)
+def test_drop_prefix_of_a_layer_of_patches_only_keeps_them_all(photos: Path, tmp_path: Path):
+    """The patch embedding's 16 tokens: every one a patch (issue 54: decided per layer). Before: refused, as not
+    the model's sequence of 16 patches + 2."""
+    folder, model = _deit_folder(tmp_path)
     raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{folder}", "weights": "pretrained", "device": "cpu"},
               data={"resize": 32, "crop": 32, "preprocess": "imagenet"},
-              capture=[{"layer": "embeddings.patch_embeddings", "drop_prefix": True, "reduce": "mean"}])
-    with pytest.raises(LayerError, match=r"drop_prefix leaves out the model's 2 prefix tokens of sequences of 16 "
-                                         r"patches \+ 2, but layer 'embeddings.patch_embeddings' gives 16 tokens"):
-        run(parse_spec(raw))
-    assert not (tmp_path / "s.zarr").exists()
+              capture=[{"layer": "embeddings.patch_embeddings", "drop_prefix": True, "reduce": "mean", "key": "p"}])
+    assert run(parse_spec(raw)).ok == len(SIZES)
+    s = open_store(str(tmp_path / "s.zarr"))
+    pixels, worker = _our_pixels(raw)
+    x = (pixels.float() / 255 - worker.mean) / worker.std
+    worker.close()
+    with torch.no_grad():
+        want = model.embeddings.patch_embeddings(x).mean(1).numpy()
+    np.testing.assert_allclose(s.numpy("p"), want, atol=2e-5, rtol=1e-4)
+    assert s.captures["p"]["tokens"] == {"before": 0, "patches": 16, "after": 0, "grid": [4, 4]}
 
 
 def test_a_forward_that_draws_at_random_is_refused_and_the_readme_way_out_works(photos: Path, tmp_path: Path):

@@ -1,5 +1,6 @@
-"""The read plan of an epoch on a sharded store (issue 39): a shuffled epoch reads each shard's object in one
-request, as a sequential one does; mixing happens in memory. Requests are counted, not timed."""
+"""The read plan of an epoch on a sharded store (issue 39): an epoch of whole read runs (in order, or shuffled with
+spread=False) reads each shard's object in one request; the default shuffled one each inner chunk once (issue 54);
+mixing happens in memory. Requests are counted, not timed."""
 
 from __future__ import annotations
 
@@ -50,23 +51,42 @@ def requests(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     return seen
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("shuffle,spread", [(False, True), (True, False)])
 def test_an_epoch_of_batches_reads_each_shard_in_one_request(sharded: str, monkeypatch: pytest.MonkeyPatch,
-                                                              shuffle: bool):
+                                                              shuffle: bool, spread: bool):
     s = open_store(sharded)
     seen = requests(monkeypatch)
-    got = [r for r, _ in s.batches("x", 50, shuffle=shuffle, seed=3)]
+    got = [r for r, _ in s.batches("x", 50, shuffle=shuffle, seed=3, spread=spread)]
     assert sorted(np.concatenate(got).tolist()) == list(range(600))
     # 9 whole shards in one request each; the last (24 rows of 64) reads its index and its two inner chunks
     assert seen["x"] == 9 + 1 + 2, seen
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_shuffled_epoch_reads_each_inner_chunk_once_from_anywhere(sharded: str, monkeypatch: pytest.MonkeyPatch):
+    """The default: inner chunks from anywhere in the epoch, each read once: as a slice with its shard's index, on
+    threads (256 KiB chunks of rows), or in one call for the buffer (2 KiB chunks of tokens); every row once, its
+    values as stored."""
+    s = open_store(sharded)
+    full, tokens = np.asarray(s["x"][:]), np.asarray(s["t"][:])
+    seen = requests(monkeypatch)
+    got = list(s.batches("x", 50, seed=3))
+    assert seen["x"] <= 2 * 38, seen  # 600 rows: 38 inner chunks of 16, and an index read with each
+    rows = np.concatenate([r for r, _ in got])
+    assert sorted(rows.tolist()) == list(range(600))
+    np.testing.assert_array_equal(np.concatenate([x for _, x in got]), full[rows])
+    got = list(s.token_batches("t", 128, seed=3))
+    assert seen["t"] <= 2 * 38, seen
+    index = np.concatenate([i for i, _ in got])
+    assert len({(int(r), int(t)) for r, t in index}) == 600 * 9
+    np.testing.assert_array_equal(np.concatenate([x for _, x in got]), tokens[index[:, 0], index[:, 1]])
+
+
+@pytest.mark.parametrize("shuffle,spread", [(False, True), (True, False)])
 def test_an_epoch_of_tokens_reads_each_shard_in_one_request(sharded: str, monkeypatch: pytest.MonkeyPatch,
-                                                             shuffle: bool):
+                                                             shuffle: bool, spread: bool):
     s = open_store(sharded)
     seen = requests(monkeypatch)
-    index = np.concatenate([i for i, _ in s.token_batches("t", 128, shuffle=shuffle, seed=3)])
+    index = np.concatenate([i for i, _ in s.token_batches("t", 128, shuffle=shuffle, seed=3, spread=spread)])
     assert len(index) == 600 * 9 and len({(int(r), int(t)) for r, t in index}) == 600 * 9
     assert seen["t"] == 9 + 1 + 2, seen
 

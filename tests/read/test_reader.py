@@ -118,6 +118,17 @@ class _CountingArray:
         self.reads += range(sel.start // self.chunks[0], (sel.stop - 1) // self.chunks[0] + 1)
         return self.arr.get_basic_selection(sel, out=out)
 
+    @property
+    def oindex(self):  # small chunks from anywhere, in one call: each chunk of the rows asked read once
+        counting = self
+
+        class Rows:
+            def __getitem__(self, rows: np.ndarray):
+                counting.reads += sorted(set((np.asarray(rows) // counting.chunks[0]).tolist()))
+                return counting.arr.oindex[rows]
+
+        return Rows()
+
 
 @pytest.mark.parametrize("shuffle,buffer_chunks", [(False, 8), (True, 1), (True, 8)])
 def test_batches_read_each_chunk_once(synthetic, monkeypatch, shuffle, buffer_chunks):

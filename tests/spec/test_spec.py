@@ -189,7 +189,10 @@ def test_the_readme_specs_are_valid_and_name_every_field():
 def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str, tmp_path: Path):
     """Hub models that are not in the local cache are checked on a small config of the same class
     (layer names do not depend on the width; the jobs' globs need only the blocks to exist)."""
-    from extractor.model.build import build_model, prefix_tokens
+    import torch
+
+    from extractor.model import TokenLayout, claim_of, layer_tokens, token_facts
+    from extractor.model.build import build_model, module_outputs
     from extractor.model.targets import resolve_targets
 
     spec = load_spec(str(Path(__file__).resolve().parents[2] / "jobs" / name))
@@ -206,10 +209,15 @@ def test_the_example_jobs_parse_and_their_layers_exist_in_their_models(name: str
         small[spec.model.model]().save_pretrained(tmp_path / "hf")
         update["name"] = f"hf:{tmp_path / 'hf'}"
     model, _ = build_model(spec.model.model_copy(update=update))
-    prefix, _ = prefix_tokens(model, (32, 32) if name.startswith(("clip", "siglip", "dinov2")) else (224, 224),
-                              spec.model)
-    targets = resolve_targets(model, spec.capture, prefix_tokens=prefix)
+    size = (32, 32) if name.startswith(("clip", "siglip", "dinov2")) else (224, 224)
+    targets = resolve_targets(model, spec.capture)
     assert len(targets) >= len(spec.capture)  # every entry (globs expand to one or more)
+    if any(t.drop_prefix or t.sample for t in targets):  # each such layer's patch tokens are known
+        facts, claim = token_facts(model, size), claim_of(model, None)
+        lengths = {n: out.shape[1] for n, _, out in module_outputs(model, torch.zeros(1, 3, *size))
+                   if isinstance(out, torch.Tensor) and out.ndim == 3}
+        assert all(isinstance(layer_tokens(lengths[t.layer], facts, claim), TokenLayout) for t in targets
+                   if t.drop_prefix or t.sample)
     if name.startswith("vit"):
         assert len(targets) == 12 and all(t.reduce == "cls" for t in targets)
     if name.startswith("resnet50"):
