@@ -484,6 +484,8 @@ def main() -> None:
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
+    p.add_argument("--codecs", action="store_true", help="only each codec's ratio and CPU on extractor's "
+                                                         "activations (bench_codecs.py)")
     p.add_argument("--scale", action="store_true", help="only the costs that grow with the job (bench_scale.py)")
     p.add_argument("--index", action="store_true", help="only the feature index (bench_index.py)")
     p.add_argument("--join", action="store_true", help="only the claims and commits of 1, 4 and 16 processes "
@@ -524,6 +526,11 @@ def main() -> None:
         import bench_decode
 
         bench_decode.main()
+        return
+    if args.codecs:
+        import bench_codecs
+
+        bench_codecs.main()
         return
     if args.index:
         import bench_index
