@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -99,6 +100,70 @@ def marginal(model: nn.Module, pixels: torch.Tensor, captures: int, work: Path, 
     return (extractor(model, pixels, captures, work, channels_last, device)
             - extractor(model, pixels[:half], captures, work, channels_last, device)) \
         / (BATCHES - half // BATCH)
+
+
+def jpegs(folder: Path, n: int, side: int = 224) -> Path:
+    """``n`` JPEG files of smooth gradients, ``side`` pixels square (the model's input as it is: no resize)."""
+    from PIL import Image
+
+    folder = folder / f"{n}x{side}"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        ramp = np.linspace(0, 1, side)
+        for i in range(n):
+            tint = np.random.default_rng(i).uniform(0, 255, 3)
+            pixels = (np.add.outer(ramp, ramp)[..., None] / 2 * tint).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i:05d}.jpg")
+    return folder
+
+
+def main_thread(images: int, work: Path, batch: int = BATCH, captures: int = 4) -> float:
+    """Microseconds of the main thread's CPU per image outside the forward (time.thread_time): a job over JPEG files
+    of 224x224 decoded on the CPU threads, batch ``batch``, the near-free model with ``captures`` pooled captures.
+    The forward (``Worker._forward``: normalisation and the model) is measured apart and taken out; what is left is
+    the stream's batches, their rows' bookkeeping, the copies to the host and into chunk buffers, the read-back."""
+    from extractor.compute import pipeline as pipeline_mod
+
+    spec = parse_spec({
+        "model": {"name": f"python:{__name__}.Stack", "device": "cpu"},
+        "data": {"root": str(jpegs(work / "jpegs", images)), "batch_size": batch, "shard_size": batch * 4,
+                 "resize": None, "crop": 224, "preprocess": "imagenet"},
+        "capture": [{"layer": f"acts.{i}", "reduce": "mean"} for i in range(captures)],
+        "output": {"store": str(work / "jpegs.zarr"), "if_exists": "overwrite"},
+        "cluster": {"backend": "local"},
+    })
+    spent = {"pipeline": 0.0, "forward": 0.0}
+    inside: list[bool] = []  # the pipeline runs: forwards before it (the probe's) are not its
+    real_run, real_forward = pipeline_mod.Pipeline.run, Worker._forward
+
+    def run_timed(self, *args, **kwargs):
+        inside.append(True)
+        t = time.thread_time()
+        try:
+            return real_run(self, *args, **kwargs)
+        finally:
+            spent["pipeline"] += time.thread_time() - t
+            inside.pop()
+
+    def forward_timed(self, *args, **kwargs):
+        t = time.thread_time()
+        try:
+            return real_forward(self, *args, **kwargs)
+        finally:
+            if inside:
+                spent["forward"] += time.thread_time() - t
+
+    pipeline_mod.Pipeline.run, Worker._forward = run_timed, forward_timed
+    try:
+        worker = Worker(spec, model=Stack().eval())
+        try:
+            summary = run(spec, backend=LocalBackend(spec, worker))
+        finally:
+            worker.close()
+    finally:
+        pipeline_mod.Pipeline.run, Worker._forward = real_run, real_forward
+    assert summary.ok == images, f"{summary.ok} of {images} rows ok"
+    return (spent["pipeline"] - spent["forward"]) / images * 1e6
 
 
 def main(repeats: int = 3, device: str = "cpu") -> dict[int, dict[str, float]]:

@@ -414,19 +414,22 @@ def _nonfinite(url: Path, key: str) -> dict[str, Any]:
 def stage_nan(args: argparse.Namespace, photos: Path) -> None:
     """Rows holding NaN/Inf in the stores of the end-to-end job, by decoder and writer threads."""
     work = Path(args.work)
-    default = worker_mod.WRITE_THREADS
+    from unittest import mock
+
+    from extractor._machine import Machine
+
+    default = Machine.here().write_threads
     for where in ("cuda", "cpu"):
         for threads in (default, 1):
-            worker_mod.WRITE_THREADS = threads
+            with mock.patch.object(Machine, "write_threads", property(lambda self, n=threads: n)):
+                summary = run(job(photos, work / f"nan-{where}-{threads}.zarr", args.device,
+                                  model={"dtype": "bfloat16"},
+                                  data={"decode_device": where, "decode_workers": os.cpu_count(), "batch_size": 256,
+                                        "shard_size": 2048}))
             url = work / f"nan-{where}-{threads}.zarr"
-            spec = job(photos, url, args.device, model={"dtype": "bfloat16"},
-                       data={"decode_device": where, "decode_workers": os.cpu_count(), "batch_size": 256,
-                             "shard_size": 2048})
-            summary = run(spec)
             r = {k: _nonfinite(url, k) for k in ("avgpool", "layer3")}
             RESULTS[f"nan_{where}_{threads}"] = {"stats_nonfinite": summary.nonfinite, **r}
             log(f"nan check decode {where}, {threads} writer threads: stats say {summary.nonfinite}; store {r}")
-    worker_mod.WRITE_THREADS = default
 
 
 # --------------------------------------------------------------------------- 5. compile
