@@ -484,6 +484,8 @@ def main() -> None:
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
+    p.add_argument("--gpu", action="store_true", help="only the device check (gpu_check.py: images/s from JPEG "
+                                                      "files against the bare bfloat16 loop; small on a CPU)")
     p.add_argument("--codecs", action="store_true", help="only each codec's ratio and CPU on extractor's "
                                                          "activations (bench_codecs.py)")
     p.add_argument("--scale", action="store_true", help="only the costs that grow with the job (bench_scale.py)")
@@ -526,6 +528,12 @@ def main() -> None:
         import bench_decode
 
         bench_decode.main()
+        return
+    if args.gpu:
+        import gpu_check
+
+        sys.argv = [sys.argv[0]]
+        gpu_check.main()
         return
     if args.codecs:
         import bench_codecs

@@ -404,7 +404,8 @@ class Worker(Probing):
         threads = max(self.decode_threads, 1)
         h, w = self.preprocess.size
         ahead = self.machine.decode_ahead(bs, threads, bs * 3 * h * w)
-        common = {"read": self.decode.read, "reuse": reuse, "prefetch_batches": ahead, "pieces": 2 * threads}
+        common: dict[str, Any] = {"read": self.decode.read, "reuse": reuse, "prefetch_batches": ahead,
+                                  "pieces": 2 * threads}
         if self.jpeg is not None:
             return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, **common)
         if isinstance(self.decode.transform, Preprocess):  # uint8 images of the model's input size: into slots

@@ -14,7 +14,7 @@ pads, no crop) returns None and the caller resizes image by image. Needs torch; 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from .preprocess import Preprocess
 
@@ -84,7 +84,8 @@ def resize_crop(images: list[Any], pre: Preprocess) -> Any:
     for i, x in enumerate(images):
         padded[i, :, : x.shape[-2], : x.shape[-1]] = x
     # per image: input h, w; resized rh, rw; crop top, left
-    facts = torch.tensor([[x.shape[-2], x.shape[-1], *win] for x, win in zip(images, windows, strict=True)],
+    known = cast(list[tuple[int, int, int, int]], windows)  # none is None (checked above)
+    facts = torch.tensor([[x.shape[-2], x.shape[-1], *win] for x, win in zip(images, known, strict=True)],
                          dtype=torch.float32).to(device, non_blocking=True).view(len(images), 6, 1, 1)
     h, w, rh, rw, top, left = facts.unbind(1)
     ch, cw = pre.crop  # type: ignore[misc]  # checked by _window

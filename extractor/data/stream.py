@@ -199,8 +199,6 @@ class BatchStream:
 
     def _batch(self, decoding: _Decoding, pieces: list[_Piece]) -> Batch:
         """The batch its pieces make."""
-        import torch
-
         ok = [j for p in pieces for j in p.ok]
         failed, digests, reused = {}, {}, {}
         for p in pieces:
@@ -208,25 +206,38 @@ class BatchStream:
             digests.update(p.digests)
             reused.update(p.reused)
         offsets = [decoding.start + j for j in ok]
-        buffer, release = decoding.buffer, None
-        if buffer is not None:
-            assert self.slots is not None  # a buffer comes from the slots
-            if len(ok) == decoding.stop - decoding.start:  # every row decoded (the usual case): the buffer itself
-                images, release = buffer[: len(ok)], _Release(self.slots, buffer)
-            else:  # rows left out: the decoded ones gathered, the buffer free again at once
-                images = buffer[torch.as_tensor(ok, dtype=torch.long)] if ok else None
-                self.slots.give_back(buffer)
+        if decoding.buffer is not None:
+            images, release = self._from_buffer(decoding, ok)
         else:
-            items = [x for p in pieces for x in p.items or ()]
-            images = None
-            if items and self.collate is None:
-                images = torch.stack(items)
-            elif items:
-                images, bad = self.collate(items)
-                for j, err in bad.items():
-                    failed[offsets[j]] = err
-                offsets = [o for j, o in enumerate(offsets) if j not in bad]
+            images, release = self._collated([x for p in pieces for x in p.items or ()], offsets, failed), None
+            offsets = [o for o in offsets if o not in failed]
         return Batch(offsets, images, dict(sorted(failed.items())), digests, reused, release)
+
+    def _from_buffer(self, decoding: _Decoding, ok: list[int]) -> tuple[Any, _Release | None]:
+        """The images of a batch decoded into its buffer (rows ``ok``), and what gives the buffer back."""
+        import torch
+
+        buffer = decoding.buffer
+        assert self.slots is not None  # a buffer comes from the slots
+        if len(ok) == decoding.stop - decoding.start:  # every row decoded (the usual case): the buffer itself
+            return buffer[: len(ok)], _Release(self.slots, buffer)
+        images = buffer[torch.as_tensor(ok, dtype=torch.long)] if ok else None  # the decoded rows gathered:
+        self.slots.give_back(buffer)  # the buffer is free again at once
+        return images, None
+
+    def _collated(self, items: list[Any], offsets: list[int], failed: dict[int, str]) -> Any:
+        """The images of a batch's decoded ``items`` (rows ``offsets``): stacked, or by ``collate``, whose
+        rejected items join ``failed``."""
+        import torch
+
+        if not items:
+            return None
+        if self.collate is None:
+            return torch.stack(items)
+        images, bad = self.collate(items)
+        for j, err in bad.items():
+            failed[offsets[j]] = err
+        return images
 
 
 class _Release:

@@ -33,7 +33,7 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, Literal, NotRequired, TypedDict, cast
 
 import numpy as np
 import zarr
@@ -66,8 +66,9 @@ PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_off
 # output.shuffle: auto, for lz4, by the values' bytes: the shuffle measured best on extractor's activations
 # (bench/bench_codecs.py; README "Compression"): float32 1.16-1.18x by bytes (1.00 unshuffled), float16 1.07x by bits
 # (1.01 by bytes), bfloat16 1.31x by bits for less CPU than 1.30x by bytes
-_LZ4_SHUFFLE = {4: "shuffle", 2: "bitshuffle"}
-_SHUFFLES = {"byte": "shuffle", "bit": "bitshuffle", "none": "noshuffle"}
+_Shuffle = Literal["noshuffle", "shuffle", "bitshuffle"]  # blosc's names
+_LZ4_SHUFFLE: dict[int, _Shuffle] = {4: "shuffle", 2: "bitshuffle"}
+_SHUFFLES: dict[str, _Shuffle] = {"byte": "shuffle", "bit": "bitshuffle", "none": "noshuffle"}
 
 
 def _compressors(name: str, level: int | None, shuffle: str = "auto", itemsize: int = 4) -> Any:
@@ -75,13 +76,13 @@ def _compressors(name: str, level: int | None, shuffle: str = "auto", itemsize: 
     bytes (the shuffle of ``auto``)."""
     from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
+    how: _Shuffle = _SHUFFLES[shuffle] if shuffle != "auto" else \
+        _LZ4_SHUFFLE.get(itemsize, "shuffle") if name == "lz4" else "bitshuffle"  # blosc's, as before
     if name == "lz4":
-        how = _LZ4_SHUFFLE.get(itemsize, "shuffle") if shuffle == "auto" else _SHUFFLES[shuffle]
         return BloscCodec(cname="lz4", clevel=5 if level is None else level, shuffle=how)
     if name == "zstd":
         return ZstdCodec(level=3 if level is None else level)
     if name == "blosc":
-        how = "bitshuffle" if shuffle == "auto" else _SHUFFLES[shuffle]
         return BloscCodec(cname="zstd", clevel=5 if level is None else level, shuffle=how)
     if name == "gzip":
         return GzipCodec(level=5 if level is None else level)

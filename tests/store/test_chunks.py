@@ -19,8 +19,9 @@ from extractor.store.snapshot import snapshot_store
 def _pair(tmp_path: Path, compression: str, level: int | None, dtype: str, shape: tuple[int, ...]):
     group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
     size = numpy_dtype(dtype).itemsize
+    codec = _compressors(compression, level, itemsize=size)
     made = [group.create_array(name, shape=(10, *shape), chunks=(4, *shape), dtype=dtype, fill_value=np.nan,
-                               compressors=_compressors(compression, level, itemsize=size)) for name in ("zarr", "ours")]
+                               compressors=codec) for name in ("zarr", "ours")]
     return group, made[0], made[1]
 
 
