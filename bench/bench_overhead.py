@@ -141,8 +141,9 @@ def jpegs(folder: Path, n: int, side: int = 224) -> Path:
     return folder
 
 
-def main_thread(images: int, work: Path, batch: int = BATCH, captures: int = 4) -> float:
-    """Microseconds of the main thread's CPU per image outside the forward (time.thread_time): a job over JPEG files
+def main_thread(images: int, work: Path, batch: int = BATCH, captures: int = 4) -> tuple[float, float]:
+    """Microseconds of the main thread's CPU per image outside the forward (time.thread_time), and the job's
+    images/s (its pipeline's wall time): a job over JPEG files
     of 224x224 decoded on the CPU threads, batch ``batch``, the near-free model with ``captures`` pooled captures.
     The forward (``Worker._forward``: normalisation and the model) is measured apart and taken out; what is left is
     the stream's batches, their rows' bookkeeping, the copies to the host and into chunk buffers, the read-back."""
@@ -156,17 +157,18 @@ def main_thread(images: int, work: Path, batch: int = BATCH, captures: int = 4) 
         "output": {"store": str(work / "jpegs.zarr"), "if_exists": "overwrite"},
         "cluster": {"backend": "local"},
     })
-    spent = {"pipeline": 0.0, "forward": 0.0}
+    spent = {"pipeline": 0.0, "forward": 0.0, "wall": 0.0}
     inside: list[bool] = []  # the pipeline runs: forwards before it (the probe's) are not its
     real_run, real_forward = pipeline_mod.Pipeline.run, Worker._forward
 
     def run_timed(self, *args, **kwargs):
         inside.append(True)
-        t = time.thread_time()
+        t, wall = time.thread_time(), time.perf_counter()
         try:
             return real_run(self, *args, **kwargs)
         finally:
             spent["pipeline"] += time.thread_time() - t
+            spent["wall"] += time.perf_counter() - wall
             inside.pop()
 
     def forward_timed(self, *args, **kwargs):
@@ -187,7 +189,44 @@ def main_thread(images: int, work: Path, batch: int = BATCH, captures: int = 4) 
     finally:
         pipeline_mod.Pipeline.run, Worker._forward = real_run, real_forward
     assert summary.ok == images, f"{summary.ok} of {images} rows ok"
-    return (spent["pipeline"] - spent["forward"]) / images * 1e6
+    return (spent["pipeline"] - spent["forward"]) / images * 1e6, images / spent["wall"]
+
+
+def machine_settings(work: Path, images: int = BATCH * 8) -> dict[int, dict[str, float]]:
+    """The settings made from the machine (extractor._machine) at a 2-core and a 16-core setting (EXTRACTOR_CPUS),
+    and the JPEG job of :func:`main_thread` under each. What a setting cannot simulate: the cores themselves (16
+    decode and 8 writer threads on this machine's cores share them: images/s shows what the extra threads cost
+    here, not what they gain on 16 cores), nor a node's memory (this machine's is used)."""
+    import os
+
+    from extractor._machine import CPUS_VARIABLE, Machine
+    from extractor.compute.worker import decode_threads
+
+    print(f"\nsettings from the machine at a 2- and a 16-core setting ({CPUS_VARIABLE}; this machine: "
+          f"{len(os.sched_getaffinity(0))} cores, {Machine.here().memory / 2**30:.0f} GiB); the JPEG job above")
+    print(f"{'CPUs':>4s} {'decode thr':>10s} {'writer thr':>10s} {'queue@24MiB':>11s} {'decode ahead':>12s} "
+          f"{'index lanes':>11s} {'main us/img':>11s} {'images/s':>9s}")
+    table: dict[int, dict[str, float]] = {}
+    was = os.environ.get(CPUS_VARIABLE)
+    try:
+        for cpus in (2, 16):
+            os.environ[CPUS_VARIABLE] = str(cpus)
+            m, threads = Machine.here(), decode_threads("auto")
+            ahead = m.decode_ahead(BATCH, threads, BATCH * 3 * 224 * 224)
+            us, ips = main_thread(images, work)
+            table[cpus] = {"decode_threads": threads, "write_threads": m.write_threads,
+                           "write_queue": m.write_queue(24 << 20), "decode_ahead": ahead,
+                           "index_lanes": m.index_lanes(64 << 20), "main_us": us, "images_per_s": ips}
+            print(f"{cpus:4d} {threads:10d} {m.write_threads:10d} {m.write_queue(24 << 20):11d} {ahead:12d} "
+                  f"{m.index_lanes(64 << 20):11d} {us:11.1f} {ips:9.0f}")
+    finally:
+        if was is None:
+            os.environ.pop(CPUS_VARIABLE, None)
+        else:
+            os.environ[CPUS_VARIABLE] = was
+    print("A setting cannot simulate the cores: at 16 the threads share this machine's, so images/s shows their cost "
+          "here, not their gain on a 16-core node; the memory is this machine's.")
+    return table
 
 
 def main(repeats: int = 3, device: str = "cpu") -> dict[int, dict[str, float]]:
@@ -211,7 +250,9 @@ def main(repeats: int = 3, device: str = "cpu") -> dict[int, dict[str, float]]:
             table[captures] = {"bare_ms": b.wall, "extractor_ms": e.wall, "extra_ms": e.wall - b.wall,
                                "extra_cpu_ms": e.cpu - b.cpu}
             print(f"{captures:8d} {b.wall:14.2f} {e.wall:19.2f} {e.wall - b.wall:15.2f} {e.cpu - b.cpu:19.2f}")
-        main_thread_us = main_thread(BATCH * 8, Path(tmp)) if device == "cpu" else None
+        main_thread_us = main_thread(BATCH * 8, Path(tmp))[0] if device == "cpu" else None
+        if device == "cpu":
+            machine_settings(Path(tmp))
     print("extra = extractor's ms per batch minus the bare loop's: hooks, reductions, copies to the host, chunk "
           "filing, writes and statistics (on writer threads), bookkeeping; in wall time and in this process's CPU "
           "time (all threads: the figure that holds on a loaded machine). Targets (issues 20, 55): <= 1 ms per batch "
