@@ -146,7 +146,7 @@ def extract(args: argparse.Namespace) -> dict:
         "model": {"name": args.model, "weights": None, "device": "cpu"},
         "data": {**source, "batch_size": args.batch_size, "shard_size": 256, "decode_workers": args.decode_workers},
         "capture": CAPTURES["pooled" if ray or variant == "parquet" else variant],
-        "output": {"store": str(store), "chunk_rows": 64, "compression": "zstd", "if_exists": "overwrite",
+        "output": {"store": str(store), "chunk_rows": 64, "if_exists": "overwrite",
                    "sharding": not unsharded},  # fullmap-unsharded: each chunk its own object, as before sharding
         "cluster": {"backend": "ray", "workers": 1, "cpus_per_worker": cpus, "local_cpus": cpus} if ray
         else {"backend": "local"},
@@ -201,7 +201,7 @@ def reader_bench(rows: int = 40000, features: int = 512, chunk_rows: int = 1024,
         assert n == rows
 
     print(f"\nreader: {rows} rows x {features} float32 ({mb:.0f} MB uncompressed), chunks of {chunk_rows} rows, "
-          f"zstd; median of {repeats}")
+          f"lz4 (the default); median of {repeats}")
     _against_sequential({"sequential zarr read": plain, "batches(shuffle=False)": lambda: stream(False),
                          "batches(shuffle=True)": lambda: stream(True)}, repeats, rows, "rows", mb)
 
@@ -262,7 +262,7 @@ def token_bench(rows: int = 2000, tokens: int = 65, features: int = 384, chunk_r
         assert n == rows * tokens
 
     print(f"\ntokens: {rows} rows x {tokens} tokens x {features} float16 ({mb:.0f} MB uncompressed), chunks of "
-          f"{chunk_rows} rows, zstd, batches of 4096 tokens; median of {repeats}")
+          f"{chunk_rows} rows, lz4 (the default), batches of 4096 tokens; median of {repeats}")
     _against_sequential({"sequential zarr read": plain, "token_batches(shuffle=False)": lambda: stream(False),
                          "token_batches(shuffle=True)": lambda: stream(True)}, repeats, rows * tokens, "tokens", mb)
 
@@ -329,8 +329,9 @@ def sharding_bench(rows: int = 4096, tokens: int = 197, features: int = 384, sha
                         rows * tokens, "tokens", mb)
 
 
-def sharded_reader_bench(repeats: int = 3) -> dict[str, float]:
-    """Shuffled epochs on sharded stores (the default layout) against a sequential zarr read of the same array:
+def sharded_reader_bench(repeats: int = 3, compression: str = "lz4") -> dict[str, float]:
+    """Shuffled epochs on sharded stores (the default layout, ``compression``) against a sequential zarr read of the
+    same array:
     rows of 16 KB (64x8x8 float32, shards of 64 rows, inner chunks of 16) and token rows of 150 KB (197 tokens x 384
     float16, shards of 64 rows, inner chunks of 8). Returns each shuffled epoch's ratio to the sequential read."""
     import numpy as np
@@ -343,13 +344,13 @@ def sharded_reader_bench(repeats: int = 3) -> dict[str, float]:
     cases = {"rows": ([64, 8, 8], "float32", 6000, 16), "tokens": ([197, 384], "float16", 640, 8)}
     ratios = {}
     for name, (shape, dtype, rows, inner) in cases.items():
-        url = WORK / f"sharded-{name}.zarr"
+        url = WORK / f"sharded-{name}-{compression}.zarr"
         meta = {"shape": shape, "dtype": dtype, "dims": [f"x.d{i}" for i in range(len(shape))], "layer": "x",
                 "what": "output", "reduce": "none"}
         if not (url / "zarr.json").exists():
             g = create_store(str(url), Rows(ids=[f"i{i}" for i in range(rows)], paths=[""] * rows, labels=[0] * rows),
                              StoreArrays(captures={"x": meta}, extras={}, shard_size=64, chunk_rows={"x": inner},
-                                         sharded=True),
+                                         sharded=True, compression=compression),
                              attrs={"n_rows": rows, "n_shards": -(-rows // 64), "captures": {"x": meta},
                                     "format_version": 1, "spec": {}, "model": {"prefix_tokens": 1}})
             rng = np.random.default_rng(0)
@@ -372,7 +373,7 @@ def sharded_reader_bench(repeats: int = 3) -> dict[str, float]:
 
         row_kb = int(np.prod(shape)) * np.dtype(dtype).itemsize / 1024
         print(f"\nsharded store, {name}: {rows} rows of {row_kb:.0f} KB ({mb:.0f} MB), shards of 64 rows, inner "
-              f"chunks of {inner}; median of {repeats}")
+              f"chunks of {inner}, {compression}; median of {repeats}")
         what = f"{'batches' if name == 'rows' else 'token_batches'}(shuffle=True)"
         got = _against_sequential({"sequential zarr read": plain, what: epoch}, repeats, rows, "rows", mb)
         ratios[f"{what}, {row_kb:.0f} KB rows"] = got[what]
@@ -494,6 +495,10 @@ def main() -> None:
     p.add_argument("--reader-only", action="store_true", help="only the reader benchmark")
     p.add_argument("--overhead", action="store_true", help="only the host overhead per batch (bench_overhead.py)")
     p.add_argument("--decode", action="store_true", help="only JPEG decoding per core (bench_decode.py)")
+    p.add_argument("--gpu", action="store_true", help="only the device check (gpu_check.py: images/s from JPEG "
+                                                      "files against the bare bfloat16 loop; small on a CPU)")
+    p.add_argument("--codecs", action="store_true", help="only each codec's ratio and CPU on extractor's "
+                                                         "activations (bench_codecs.py)")
     p.add_argument("--scale", action="store_true", help="only the costs that grow with the job (bench_scale.py)")
     p.add_argument("--index", action="store_true", help="only the feature index (bench_index.py)")
     p.add_argument("--join", action="store_true", help="only the claims and commits of 1, 4 and 16 processes "
@@ -535,6 +540,17 @@ def main() -> None:
 
         bench_decode.main()
         return
+    if args.gpu:
+        import gpu_check
+
+        sys.argv = [sys.argv[0]]
+        gpu_check.main()
+        return
+    if args.codecs:
+        import bench_codecs
+
+        bench_codecs.main()
+        return
     if args.index:
         import bench_index
 
@@ -572,7 +588,7 @@ def main() -> None:
     what = {"bare": "DataLoader + forward, outputs discarded (reference)",
             "pooled": "extractor: avgpool + layer3 mean-pooled, float32",
             "parquet": "pooled, the same images from a Parquet file (Hub layout, row groups of 100)",
-            "fullmap": "extractor: layer3 full map, float16, zstd",
+            "fullmap": "extractor: layer3 full map, float16, lz4 (the default)",
             "fullmap-unsharded": "the same, each chunk its own object (output.sharding: false)",
             "early": "extractor: layer2 mean-pooled (stops after layer2)",
             "ray": "extractor on an embedded Ray, 1 worker: the pooled job",

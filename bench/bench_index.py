@@ -165,8 +165,8 @@ def _median(runs: list[Timed]) -> Timed:
 def sae_bench(rows: int, repeats: int) -> Target:
     import torch
 
+    from extractor._machine import Machine
     from extractor.index.feed import ENCODE_VALUES
-    from extractor.index.post_hoc import LANES
     from extractor.index.state import IndexState
     from extractor.read import open_store
 
@@ -183,13 +183,14 @@ def sae_bench(rows: int, repeats: int) -> Target:
     base, ours = _median(bare), _median([r[0] for r in runs])
     rss, dead = max(r[1] for r in runs), runs[-1][2]
     state = IndexState(LATENTS, TOKENS, K).nbytes()
+    lanes = Machine.here().index_lanes(ENCODE_VALUES * 4)  # as the pass decides (its chunks' read-ahead aside)
     gb = rows * TOKENS * WIDTH * 2 / 1e9
     print(f"\nindex: {LATENTS} SAE latents over {rows} rows x {TOKENS} tokens x {WIDTH} (float16, {gb:.2f} GB), k "
           f"{K}, {torch.get_num_threads()} torch threads, blocks of {block} rows; median of {repeats}")
     print(f"  bare torch (array in memory: matmul + relu + top-k)  {_side(base, rows)}")
     print(f"  extractor index (read + encode + everything)          {_side(ours, rows)}")
     print(f"  the pass: peak RSS {rss / 1e6:.0f} MB (torch and the reader included); bound: the index state "
-          f"{state / 1e6:.0f} MB (its slots shared by {LANES} lanes) + {LANES} lanes x a block of "
+          f"{state / 1e6:.0f} MB (its slots shared by {lanes} lanes) + {lanes} lanes x a block of "
           f"{ENCODE_VALUES * 4 / 1e6:.0f} MB latents, x a few temporaries; dead latents {dead}")
     del x
     return Target(f"SAE: {LATENTS} latents, {rows} x {TOKENS} tokens", ours, base, "bare torch", 1.3)

@@ -13,7 +13,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "extractor"
 TOP = {"cli"}  # the top floor's sub-packages: they may import every layer
-BASE = {"errors", "faults", "_text", "_face", "_threads", "_version"}  # the ground floor: every layer may use them
+# the ground floor: every layer may use them
+BASE = {"errors", "faults", "_text", "_face", "_threads", "_machine", "_version"}
 # each sub-package and the sub-packages it may import (the layers below it)
 LAYERS = {
     "spec": set(),

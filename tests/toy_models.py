@@ -209,7 +209,7 @@ def broken_worker(marker: str, after: int = 0, seconds: float = 0.15, once: bool
 
 class CudaFault(nn.Module):
     """Indexes far out of bounds in its forward number ``after + 1``: on CUDA a real
-    device-side assert, which leaves the process's CUDA context unusable (tests/gpu_check.py)."""
+    device-side assert, which leaves the process's CUDA context unusable (bench/gpu_check.py)."""
 
     def __init__(self, after: int) -> None:
         super().__init__()

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from .._machine import Machine
 from ..data import Batch, Shard
 from ..errors import ShardError, ShardTaken
 from ..faults import blame
@@ -36,6 +37,7 @@ class Forwarder(Protocol):
     samples: bool  # a sample_tokens job (its draws are keyed by the images' content digests)
     prepare_pool: ThreadPoolExecutor  # opens the next shard
     writer_pool: ThreadPoolExecutor  # compresses and stores chunks
+    machine: Machine  # how many chunks may wait for the writer threads
     spare: dict[str, deque[np.ndarray]]  # chunk buffers whose write is done
 
     def batches(self) -> Any: ...
@@ -149,6 +151,8 @@ class ReadBack:
         (out, offsets, forwarded), self.pending = self.pending, None
         try:
             out.add(offsets, forwarded)
+            if forwarded.release is not None:  # its values are in chunk buffers, its copy to the device done
+                forwarded.release()
             if out is not keep:
                 out.close()
         except BaseException as err:
@@ -201,7 +205,7 @@ class Pipeline:
             shard, given = self.next.take()  # raises the store's error for this shard
             w = self.worker
             assert w.captures is not None  # probed before any shard runs
-            out = ShardOutput(given, self.shard_began, w.captures, w.extras, w.writer_pool, w.spare)
+            out = ShardOutput(given, self.shard_began, w.captures, w.extras, w.writer_pool, w.spare, w.machine)
             self._call(self.on_started, shard)
             while (batch := self._next_batch(out)) is not None:
                 self._forward(batch, given, out)
@@ -250,6 +254,7 @@ class Pipeline:
             # the indexed captures' tensors stay on the device until the batch is read back (ShardOutput._index)
             forwarded.device = {k: v for k, v in forwarded.device.items() if k in out.indexes and serves(v)}
             forwarded.reused = batch.reused  # filed with the batch's computed rows, in row order
+            forwarded.release = batch.release  # its images' buffer: the stream's again once it is read back
             self._finish(self.read_back.push(out, offsets, forwarded))  # maybe the shard before's last batch
         elif batch.reused:  # every row of the batch taken from other stores
             self._finish(self.read_back.push(out, np.empty(0, np.int64), Forwarded({}, {}, None, batch.reused)))

@@ -8,13 +8,14 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .._machine import Machine
 from ..data import Reused, Shard
 from ..errors import FencedError, ShardError, ShardTaken
 from ..faults import shard_failed
@@ -32,9 +33,7 @@ from ..store import (
 )
 from ..store import dumps as stats_dumps
 
-__all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "WRITE_QUEUE", "failed_shard", "drain", "taken"]
-
-WRITE_QUEUE = 4  # chunks (of every capture) that may wait for the writer threads: bounds memory
+__all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "failed_shard", "drain", "taken"]
 
 
 def drain(pending: deque[Future[None]]) -> None:
@@ -113,6 +112,7 @@ class Forwarded:
     event: Any  # torch.cuda.Event, or None when ``host`` is ready
     reused: dict[int, Reused] = field(default_factory=dict)  # shard row offset -> its values from another store
     device: dict[str, Any] = field(default_factory=dict)  # capture -> its tensor (n, *shape) on the device
+    release: Callable[[], None] | None = None  # gives the batch's images back to its stream once read back
 
 
 class _Chunks:
@@ -132,9 +132,9 @@ class ShardOutput:
 
     def __init__(self, given: ShardInput, started: float, captures: dict[str, CaptureRecord],
                  extras: dict[str, ExtraRecord], pool: ThreadPoolExecutor,
-                 spare: dict[str, deque[np.ndarray]]) -> None:
+                 spare: dict[str, deque[np.ndarray]], machine: Machine) -> None:
         """``pool``: the writer threads; ``spare``: chunk buffers whose write is done, per capture
-        (shared by the shards of a worker)."""
+        (shared by the shards of a worker); ``machine``: how many chunks may wait for the writers."""
         self.shard, self.writer, self.pool = given.shard, given.writer, pool
         self.started, self.seconds = started, 0.0
         n = self.n = len(self.shard)
@@ -157,6 +157,8 @@ class ShardOutput:
         self.on_host = np.zeros(n, dtype=bool)
         self.locks = {k: threading.Lock() for k in self.stats}  # a capture's statistics: one writer at a time
         self.pending: deque[Future[None]] = deque()  # chunk writes in flight, one per chunk (its captures)
+        chunk_bytes = sum(int(np.prod(self.shapes[k])) * self.dtypes[k].itemsize for k in captures)
+        self.queue = machine.write_queue(chunk_bytes)  # chunks that may wait for the writers: bounds memory
         self.decoded = self.forward_failed = 0  # images that reached the model, and those that made it raise
         self.handed_off = False  # complete() is queued on the writer threads: they own the shard from then on
         self.wait_decode = self.wait_device = self.wait_write = 0.0
@@ -280,14 +282,14 @@ class ShardOutput:
 
     def _flush(self, group: _Chunks) -> None:
         """Hand ``group``'s current chunk to the writer threads and take fresh buffers; wait only
-        when WRITE_QUEUE chunks are already in flight."""
+        when ``queue`` chunks are already in flight."""
         c, rows = group.current, group.rows
         more = c < (self.n - 1) // rows  # a chunk after this one: it needs buffers
         full, group.buffers = group.buffers, {k: self._buffer(k) for k in group.keys} if more else {}
         ok = self.status[c * rows : min((c + 1) * rows, self.n)] == OK
         self.pending.append(self.pool.submit(self._write, c * rows, full, ok))
         group.current += 1
-        while len(self.pending) > WRITE_QUEUE:
+        while len(self.pending) > self.queue:
             self._wait(self.pending.popleft())
 
     def close(self) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import BatchStream, ImageDecoder, JpegDecoder, Preprocess, Shard, forget_reads, from_dict
+from .._machine import Machine
+from ..data import BatchStream, ImageDecoder, JpegDecoder, Preprocess, Shard, Slots, forget_reads, from_dict
 from ..errors import DeviceError, LayerError, ModelError, ShardError
 from ..faults import describe_error, device_errors, device_fault, not_an_image
 from ..model import (
@@ -56,21 +56,18 @@ log = logging.getLogger(__name__)
 
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_DECODE_THREADS = 32  # decode_workers: auto on a large machine
-WRITE_THREADS = 4  # chunks compressed and stored at once (zstd and zarr release the GIL)
 # forwards of one image a worker makes before its first shard: the token facts, the probe's blank (again when a
 # layout decided at the probe reduces otherwise) and two for determinism (tests count the model's calls)
 PROBE_FORWARDS = 4
 
 
 def decode_threads(setting: int | str, cpus: int | None = None) -> int:
-    """The decode threads of ``data.decode_workers``: ``auto`` is one per CPU of the worker, at most
-    MAX_DECODE_THREADS (Pillow decodes and resizes without the GIL; the window of rows decoded
-    ahead, not the thread count, bounds memory)."""
+    """The decode threads of ``data.decode_workers``: ``auto`` is one per CPU of the worker (``cpus``, or
+    :meth:`Machine.here`'s), at most MAX_DECODE_THREADS (Pillow decodes and resizes without the GIL; the window of
+    rows decoded ahead, not the thread count, bounds memory)."""
     if setting != "auto":
         return int(setting)
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cpus, MAX_DECODE_THREADS))
+    return max(1, min(Machine.here(cpus).cpus, MAX_DECODE_THREADS))
 
 
 def _preprocess(spec: JobSpec, defaults: dict[str, Any] | str, processor: Any) -> tuple[Preprocess, Any]:
@@ -174,9 +171,10 @@ class Worker(Probing):
                     "set data.decode_device: cpu"
                 )
             self.jpeg = JpegDecoder(spec.data, self.device, self.preprocess)
-        workers = decode_threads(spec.data.decode_workers, cpus)
+        self.machine = Machine.here(cpus)  # the writer threads and queue, the decode read-ahead
+        self.decode_threads = workers = decode_threads(spec.data.decode_workers, cpus)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers else None
-        self.writer_pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="extractor-write")
+        self.writer_pool = ThreadPoolExecutor(self.machine.write_threads, thread_name_prefix="extractor-write")
         # opens the next shard's store arrays and reads its row list while the current shard computes
         self.prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="extractor-prepare")
         self.spare: dict[str, deque[np.ndarray]] = {}  # chunk buffers whose write is done, per capture
@@ -408,12 +406,18 @@ class Worker(Probing):
         bs = self.spec.data.batch_size
         reuse = self._reuse_index().lookup if self.spec.output.reuse else None
         forget_reads()  # what an earlier call read may be of files changed since
+        threads = max(self.decode_threads, 1)
+        h, w = self.preprocess.size
+        ahead = self.machine.decode_ahead(bs, threads, bs * 3 * h * w)
+        common: dict[str, Any] = {"read": self.decode.read, "reuse": reuse, "prefetch_batches": ahead,
+                                  "pieces": 2 * threads}
         if self.jpeg is not None:
-            return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, read=self.decode.read,
-                               reuse=reuse)
+            return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, **common)
+        if isinstance(self.decode.transform, Preprocess):  # uint8 images of the model's input size: into slots
+            slots = Slots(bs, (3, h, w), torch.uint8, pin=self.device.type == "cuda")
+            return BatchStream(bs, self.decode.from_bytes, self.pool, slots=slots, **common)
         return BatchStream(bs, self.decode.from_bytes, self.pool,
-                           collate=_stack_pinned if self.device.type == "cuda" else None, read=self.decode.read,
-                           reuse=reuse)
+                           collate=_stack_pinned if self.device.type == "cuda" else None, **common)
 
     def _reuse_index(self) -> ReuseIndex:
         """The rows of the stores of ``output.reuse`` by content digest (read once, at the first shard)."""

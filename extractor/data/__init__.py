@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .rows import BLOCK, LocatorArray, Rows, Shard, labels_of, plan, strings, text_hashes
     from .sources import Recorded, forget_reads, locator_names, read_bytes, reuse, source
     from .sources._dataset import with_dataset
-    from .stream import Batch, BatchStream, Reused, iter_batches
+    from .stream import Batch, BatchStream, Reused, Slots, iter_batches
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
 __all__, __getattr__ = face(__name__, __file__)

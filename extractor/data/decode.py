@@ -105,7 +105,34 @@ _ORIENT = {2: (False, False, True), 3: (False, True, True), 4: (False, True, Fal
            5: (True, False, False), 6: (True, False, True), 7: (True, True, True), 8: (True, True, False)}
 
 
+def _oriented(imgs: Any, orientation: int) -> Any:
+    """(..., 3, H, W) images turned as their EXIF ``orientation`` says (1: as stored)."""
+    if orientation not in _ORIENT:
+        return imgs
+    transpose, flip_y, flip_x = _ORIENT[orientation]
+    if transpose:
+        imgs = imgs.transpose(-2, -1)
+    dims = [d for d, f in ((-2, flip_y), (-1, flip_x)) if f]
+    return imgs.flip(dims) if dims else imgs
+
+
 GPU_RESIZE_PIXELS = 1 << 26  # pixels resized in one stack on the device (768 MB as float32 RGB)
+
+
+def _padded_runs(images: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+    """``images`` cut into runs resized at once: each run padded to its largest height and width holds at most
+    GPU_RESIZE_PIXELS pixels (a batch of 256 ImageNet-sized images is one run)."""
+    runs: list[list[tuple[int, Any]]] = []
+    h = w = 0
+    for item in images:
+        ih, iw = int(item[1].shape[-2]), int(item[1].shape[-1])
+        if runs and (len(runs[-1]) + 1) * max(h, ih) * max(w, iw) <= GPU_RESIZE_PIXELS:
+            runs[-1].append(item)
+            h, w = max(h, ih), max(w, iw)
+        else:
+            runs.append([item])
+            h, w = ih, iw
+    return runs
 
 
 @dataclass
@@ -131,6 +158,7 @@ class JpegDecoder:
         self.cpu = ImageDecoder(data, preprocess)
         self.device = device
         self.storage_options = data.storage_options
+        self.stream: Any = None  # torch.cuda.Stream of the batches decoded on CUDA (made at the first)
 
     def read(self, item: Locator):  # -> EncodedJpeg | torch.Tensor (3, crop, crop) uint8
         return self.prepare(self.cpu.read(item))
@@ -154,10 +182,11 @@ class JpegDecoder:
 
         raw = [torch.frombuffer(bytearray(e.data), dtype=torch.uint8) for e in items]
         if self.device.type == "cuda":
-            # nvJPEG's hardware decoder writes its outputs without waiting for the work queued on
-            # the stream, into blocks the caching allocator recycled from tensors that queued
-            # kernels still read: activations came out NaN on an H200 (pytorch/vision#9606).
-            # Drain the stream first; the forward pass already queued is what we wait for.
+            # nvJPEG's hardware decoder writes its outputs on a stream of its own, without waiting for the work
+            # queued on the current one, into blocks the caching allocator recycled from tensors that queued kernels
+            # still read: activations came out NaN on an H200 (pytorch/vision#9606). The current stream here is
+            # the decoder's own (collate): only the previous batch's decode and resize are waited for, never the
+            # forward pass, whose blocks the decode stream cannot recycle (record_stream in collate).
             torch.cuda.current_stream(self.device).synchronize()
         try:
             return list(decode_jpeg(raw, mode=ImageReadMode.RGB, device=self.device))
@@ -176,18 +205,31 @@ class JpegDecoder:
 
     def _geometry(self, imgs, orientation: int):
         """Orientation, resize and centre crop of (N, 3, H, W) images, on the device."""
-        if orientation in _ORIENT:
-            transpose, flip_y, flip_x = _ORIENT[orientation]
-            if transpose:
-                imgs = imgs.transpose(-2, -1)
-            dims = [d for d, f in ((-2, flip_y), (-1, flip_x)) if f]
-            if dims:
-                imgs = imgs.flip(dims)
-        return self.cpu.preprocess.geometry(imgs)
+        return self.cpu.preprocess.geometry(_oriented(imgs, orientation))
 
     def collate(self, items: list[Any]):  # -> (torch.Tensor (B, 3, crop, crop) on device, {position: error})
-        """A batch on the device: JPEGs decoded with nvJPEG (what it rejects, by Pillow), resized and cropped there
-        in groups of one size and orientation; images the threads already decoded copied over."""
+        """A batch on the device (see :meth:`_collate`). On CUDA it is made on a stream of the decoder's own, while
+        the forward pass of the batch before runs on the current one: the current stream waits for it (an event,
+        not the host) before the next forward, and the batch's memory is marked as the current stream's
+        (``record_stream``: not recycled by the decode stream before that forward is done)."""
+        if self.device.type != "cuda":
+            return self._collate(items)
+        import torch
+
+        compute = torch.cuda.current_stream(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self.stream):
+            images, failed = self._collate(items)
+        if images is not None:
+            images.record_stream(compute)
+        compute.wait_stream(self.stream)  # the forward queued next waits for this batch; the one queued before not
+        return images, failed
+
+    def _collate(self, items: list[Any]):  # -> (torch.Tensor (B, 3, crop, crop) on device, {position: error})
+        """JPEGs decoded with nvJPEG (what it rejects, by Pillow), turned by their EXIF orientation, then resized and
+        cropped there all at once (:func:`~.batch_resize.resize_crop`; where it cannot, in groups of one size and
+        orientation); images the threads already decoded copied over."""
         import torch
 
         out: list[Any] = [None] * len(items)
@@ -199,8 +241,9 @@ class JpegDecoder:
                 groups.setdefault((*img.shape, items[i].orientation), []).append((i, img))
             else:  # the device decoder rejected it: Pillow decides
                 self._on_cpu(i, items[i].data, out, failed)
-        for key, images in groups.items():
-            self._resize_group(key, images, out)
+        if not self._resize_all(groups, out):
+            for key, images in groups.items():
+                self._resize_group(key, images, out)
         for i, x in enumerate(items):
             if out[i] is None and i not in failed:
                 out[i] = x.to(self.device, non_blocking=True)
@@ -215,6 +258,20 @@ class JpegDecoder:
             raise
         except Exception as err:  # noqa: BLE001 - fails its row only
             failed[i] = describe_error(err)
+
+    def _resize_all(self, groups: dict[tuple[Any, ...], list[tuple[int, Any]]], out: list[Any]) -> bool:
+        """Every decoded image turned by its orientation, then resized and cropped in one batch (False: not done,
+        for a filter or crop :func:`~.batch_resize.resize_crop` does not make)."""
+        from .batch_resize import resize_crop
+
+        turned = [(i, _oriented(img, key[-1])) for key, images in groups.items() for i, img in images]
+        for part in _padded_runs(turned):
+            done = resize_crop([img for _, img in part], self.cpu.preprocess)
+            if done is None:
+                return False
+            for (i, _), img in zip(part, done, strict=True):
+                out[i] = img
+        return True
 
     def _resize_group(self, key: tuple[Any, ...], images: list[tuple[int, Any]], out: list[Any]) -> None:
         """Decoded images of one size and orientation resized and cropped together, a few at a time when large."""

@@ -18,21 +18,22 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .._machine import Machine
 from .._threads import prefetched
 from ..errors import StoreError
 from ..read import ActivationStore, open_store
 from ..store import OK, Generation, Objects
 from .dictionary import Dictionary, load_dictionary
-from .feed import IndexFeed, Layout
+from .feed import BLOCK_VALUES, ENCODE_VALUES, IndexFeed, Layout
 from .layout import index_name, index_record, pointer, source_state, write_index
 from .reader import FeatureIndex, _layout, _store, index_names, open_index
 
 __all__ = ["index"]
 
 log = logging.getLogger(__name__)
-READ_AHEAD = 2  # chunks read ahead of the pass (zarr decodes on the reading threads)
-LANES = 2  # threads a pass adds chunks on (2 cores, SAE of 4,096 latents over 2,000 images: 1.5x the bare loop's
-# time on one, 1.2x on two; raw channels of a 1,024-channel map: 5.0 s on one, 3.5 s on two)
+# A pass adds chunks on lanes, one per CPU while memory holds them (Machine.index_lanes; 2 cores, SAE of 4,096 latents
+# over 2,000 images: 1.5x the bare loop's time on one lane, 1.2x on two; raw channels of a 1,024-channel map: 5.0 s on
+# one, 3.5 s on two), each reading Machine.read_ahead chunks ahead (zarr decodes on the reading threads)
 
 
 def _dictionary(dictionary: str | Path | Dictionary | None, activation: str | None) -> Dictionary | None:
@@ -142,7 +143,8 @@ def _checked_name(name: str) -> str:
 
 def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callable[[int], None] | None) -> None:
     """Feed the ok rows of ``key`` to ``feed``, a chunk at a time in row order (the blocks a job's writer meets).
-    The chunks are added on :data:`LANES` threads, each adding every LANES-th chunk in order to a lane of the state
+    The chunks are added on lanes (threads: :meth:`Machine.index_lanes`), each adding every n-th chunk in order to a
+    lane of the state
     (:meth:`~extractor.index.state.IndexState.lane`: counts of its own, the top rows and examples shared),
     joined at the end: the same index (slots hold the same rows in any order; the counts' partition is fixed), in
     the time the parts take side by side (the compiled passes, numpy's loops and the encoder's matmul let go of the
@@ -151,7 +153,11 @@ def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callab
     step = int(arr.chunks[0])
     status = store.status
     starts = [a for a in range(0, len(status), step) if (status[a : a + step] == OK).any()]
-    lanes = [feed, *(feed.lane() for _ in range(LANES - 1))]
+    machine = Machine.here()
+    chunk_bytes = step * int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
+    block_bytes = 4 * (BLOCK_VALUES if feed.encoder is None else ENCODE_VALUES)  # float32 latents of one block
+    lanes = [feed, *(feed.lane() for _ in range(machine.index_lanes(block_bytes + (machine.read_ahead + 1)
+                                                                     * chunk_bytes) - 1))]
     lock = threading.Lock()
 
     def read(a: int) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +165,8 @@ def _pass(store: ActivationStore, key: str, feed: IndexFeed, on_progress: Callab
         return a + ok, np.asarray(arr[a : a + step])[ok]
 
     def lane(i: int) -> None:
-        for rows, x in prefetched(starts[i :: len(lanes)], read, READ_AHEAD, threads=2, name="extractor-index"):
+        for rows, x in prefetched(starts[i :: len(lanes)], read, machine.read_ahead, threads=2,
+                                  name="extractor-index"):
             lanes[i].add(x, rows)
             if on_progress is not None:
                 with lock:

@@ -33,7 +33,7 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, Literal, NotRequired, TypedDict, cast
 
 import numpy as np
 import zarr
@@ -64,13 +64,27 @@ WRITE_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}
 PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_offset", "runs")
 
 
-def _compressors(name: str, level: int | None) -> Any:
+# output.shuffle: auto, for lz4, by the values' bytes: the shuffle measured best on extractor's activations
+# (bench/bench_codecs.py; README "Compression"): float32 1.16-1.18x by bytes (1.00 unshuffled), float16 1.07x by bits
+# (1.01 by bytes), bfloat16 1.31x by bits for less CPU than 1.30x by bytes
+_Shuffle = Literal["noshuffle", "shuffle", "bitshuffle"]  # blosc's names
+_LZ4_SHUFFLE: dict[int, _Shuffle] = {4: "shuffle", 2: "bitshuffle"}
+_SHUFFLES: dict[str, _Shuffle] = {"byte": "shuffle", "bit": "bitshuffle", "none": "noshuffle"}
+
+
+def _compressors(name: str, level: int | None, shuffle: str = "auto", itemsize: int = 4) -> Any:
+    """The zarr codec of ``output.compression`` ``name`` at ``level`` (None: its default), for values of ``itemsize``
+    bytes (the shuffle of ``auto``)."""
     from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
+    how: _Shuffle = _SHUFFLES[shuffle] if shuffle != "auto" else \
+        _LZ4_SHUFFLE.get(itemsize, "shuffle") if name == "lz4" else "bitshuffle"  # blosc's, as before
+    if name == "lz4":
+        return BloscCodec(cname="lz4", clevel=5 if level is None else level, shuffle=how)
     if name == "zstd":
         return ZstdCodec(level=3 if level is None else level)
     if name == "blosc":
-        return BloscCodec(cname="zstd", clevel=5 if level is None else level, shuffle="bitshuffle")
+        return BloscCodec(cname="zstd", clevel=5 if level is None else level, shuffle=how)
     if name == "gzip":
         return GzipCodec(level=5 if level is None else level)
     return None
@@ -138,8 +152,9 @@ class StoreArrays:
     extras: Mapping[str, ExtraRecord]
     shard_size: int
     chunk_rows: Mapping[str, int]  # per capture: rows per chunk, a divisor of shard_size
-    compression: str = "zstd"
+    compression: str = "lz4"  # output.compression
     compression_level: int | None = None
+    shuffle: str = "auto"  # output.shuffle
     reuse: bool = False  # rows may come from other stores (output.reuse): the ``reused`` array records which
     sharded: bool = False  # each work shard of a capture one storage object (Zarr v3 sharding) of its chunks
     locators: tuple[LocatorArray, ...] = ()  # the data source's per-row arrays beside paths (its Source.locators)
@@ -226,7 +241,6 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
     its ledger (every shard pending; ``committed``: every shard held by one attempt, committed at once, for a store
     written without a job), then its root with the job's record and every array's metadata in one object. Returns
     the view that wrote it (its attempts: ``rows``, and ``data`` where committed)."""
-    comp = _compressors(arrays.compression, arrays.compression_level)
     n_shards = -(-len(rows) // arrays.shard_size)
     attrs = {**attrs, "format_version": FORMAT_VERSION, "n_rows": len(rows), "n_shards": n_shards,
              "shard_size": arrays.shard_size, "ledger_blocks": blocks_for(n_shards)}
@@ -237,7 +251,7 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
     try:
         with zarr.config.set({"array.write_empty_chunks": True}):
             group = zarr.open_group(store=store, mode="a", use_consolidated=False)
-            _create_arrays(group, rows, arrays, attrs, comp)
+            _create_arrays(group, rows, arrays, attrs)
         Ledger(objects, f"{name}/{TXN}/ledger", n_shards, int(attrs["ledger_blocks"]), name).create(
             attempts["rows"], attempts.get("data", 0))
         with warnings.catch_warnings():
@@ -252,7 +266,7 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
     return store
 
 
-def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any], comp: Any) -> None:
+def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any]) -> None:
     """The arrays of a new generation, with what is known before any image is read, then its attributes."""
     n = len(rows)
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
@@ -284,7 +298,8 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
             chunks=(arrays.chunk_rows[key] if arrays.sharded else min(arrays.chunk_rows[key], max(n, 1)), *shape),
             shards=(shard_size, *shape) if arrays.sharded else None,
             fill_value=fill_value(meta["dtype"]),
-            compressors=comp,
+            compressors=_compressors(arrays.compression, arrays.compression_level, arrays.shuffle,
+                                     numpy_dtype(meta["dtype"]).itemsize),
             dimension_names=["row", *meta["dims"]],
             attributes={"extractor": dict(meta), "coordinates": "ids labels"},
         )

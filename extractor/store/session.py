@@ -370,9 +370,10 @@ class StoreSession:
     def _arrays(self, record: StoreRecord) -> StoreArrays:
         spec = self.spec
         parts = self.index.parts(record["captures"]) if self.index is not None else {}
+        out = spec.output
         return StoreArrays(captures=record["captures"], extras=record["extras"], shard_size=spec.data.shard_size,
-                           chunk_rows=record["chunk_rows"], compression=spec.output.compression,
-                           compression_level=spec.output.compression_level, reuse=bool(spec.output.reuse),
+                           chunk_rows=record["chunk_rows"], compression=out.compression,
+                           compression_level=out.compression_level, shuffle=out.shuffle, reuse=bool(out.reuse),
                            sharded=spec.output.sharding, locators=source(spec.data.source).locators,
                            index_parts=parts)
 

@@ -2,7 +2,7 @@
 
 ``JpegDecoder`` runs the same code with ``device="cpu"`` (libjpeg-turbo through
 ``torchvision.io.decode_jpeg``) as with ``device="cuda"`` (nvJPEG); the GPU itself is checked
-by ``tests/gpu_check.py`` when a GPU is lent.
+by ``bench/gpu_check.py`` when a GPU is lent.
 """
 
 from __future__ import annotations

@@ -192,14 +192,14 @@ def test_a_shard_interrupted_by_the_failure_of_the_one_before_goes_back_to_the_q
     """Shard 0's last batch is read back during shard 1's first batch; a write error of shard 0
     surfacing there fails shard 0 only, and shard 1 returns to the queue (a Ray actor's
     pipeline then runs it: its caller must not wait forever)."""
+    from extractor._machine import Machine
     from extractor.compute import pipeline as pipeline
-    from extractor.compute import shard as shardio
     from extractor.compute import worker as worker_mod
     from extractor.data.rows import plan
 
     raw = job(image_dir, tmp_path / "s.zarr", output={"store": str(tmp_path / "s.zarr"), "chunk_rows": 1})
     run(parse_spec(raw))  # creates the store
-    monkeypatch.setattr(shardio, "WRITE_QUEUE", 0)  # each chunk's write is waited for at once
+    monkeypatch.setattr(Machine, "write_queue", lambda self, chunk_bytes: 0)  # each chunk's write waited for at once
     real_write = ShardWriter.write
 
     def write(self, offset, chunks):

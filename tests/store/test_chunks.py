@@ -11,14 +11,17 @@ import zarr
 from zarr.codecs import TransposeCodec
 
 from extractor.store.chunks import ChunkCodec, read_whole, write_chunks, write_whole
+from extractor.store.dtypes import numpy_dtype
 from extractor.store.layout import _compressors
 from extractor.store.snapshot import snapshot_store
 
 
 def _pair(tmp_path: Path, compression: str, level: int | None, dtype: str, shape: tuple[int, ...]):
     group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    size = numpy_dtype(dtype).itemsize
+    codec = _compressors(compression, level, itemsize=size)
     made = [group.create_array(name, shape=(10, *shape), chunks=(4, *shape), dtype=dtype, fill_value=np.nan,
-                               compressors=_compressors(compression, level)) for name in ("zarr", "ours")]
+                               compressors=codec) for name in ("zarr", "ours")]
     return group, made[0], made[1]
 
 
@@ -27,15 +30,15 @@ def _chunk_files(root: Path, name: str) -> dict[str, bytes]:
     return {str(p.relative_to(root / name)): p.read_bytes() for p in files}
 
 
-@pytest.mark.parametrize("compression,level", [("zstd", None), ("zstd", 9), ("blosc", None), ("blosc", 1),
-                                               ("gzip", None), ("none", None)])
-@pytest.mark.parametrize("dtype,shape", [("float32", (5,)), ("float16", (3, 2, 2))])
+@pytest.mark.parametrize("compression,level", [("lz4", None), ("lz4", 1), ("zstd", None), ("zstd", 9),
+                                               ("blosc", None), ("blosc", 1), ("gzip", None), ("none", None)])
+@pytest.mark.parametrize("dtype,shape", [("float32", (5,)), ("float16", (3, 2, 2)), ("bfloat16", (4,))])
 def test_whole_chunks_are_the_bytes_zarr_writes(tmp_path: Path, compression: str, level: int | None,
                                                 dtype: str, shape: tuple[int, ...]):
     group, by_zarr, ours = _pair(tmp_path, compression, level, dtype, shape)
     codec = ChunkCodec.of(ours)
     assert codec is not None, f"{compression} should have the fast path"
-    data = np.random.default_rng(0).standard_normal((10, *shape)).astype(dtype)
+    data = np.random.default_rng(0).standard_normal((10, *shape)).astype(numpy_dtype(dtype))
     for start in (0, 4):
         by_zarr[start : start + 4] = data[start : start + 4]
         assert write_chunks(start, {"ours": (ours, codec, data[start : start + 4])}) == data[start : start + 4].nbytes

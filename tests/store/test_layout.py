@@ -285,6 +285,48 @@ def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
             monkeypatch.undo()
 
 
+def test_documented_codecs(store: Path):
+    """output.compression: lz4 (the default): each capture's inner chunks through blosc's lz4, after the shuffle
+    measured best for its values' size (bits for float16, bytes for float32)."""
+    gen = _generation(store)
+    for name, typesize, shuffle in (("layer3", 2, "bitshuffle"), ("pooled", 4, "shuffle")):
+        meta = json.loads((gen / name / "zarr.json").read_text())
+        inner = meta["codecs"][0]["configuration"]["codecs"]
+        assert inner == [{"name": "bytes", "configuration": {"endian": "little"}},
+                         {"name": "blosc", "configuration": {"typesize": typesize, "cname": "lz4", "clevel": 5,
+                                                             "shuffle": shuffle, "blocksize": 0}}], name
+
+
+def test_a_store_of_the_old_default_zstd_is_read_and_resumed_keeping_its_codec(image_dir: Path, tmp_path: Path):
+    """Compression never changes values: a store made with zstd (the default before issue 55) resumes under the
+    new default, its redone shard written with its own codec, and reads the same values as a fresh lz4 store."""
+    from helpers.stores import pending
+
+    old, new = tmp_path / "old.zarr", tmp_path / "new.zarr"
+    run(parse_spec(job(image_dir, old, output={"compression": "zstd"})))
+    run(parse_spec(job(image_dir, new)))
+    pending(str(old), [1])  # as if the job had stopped before shard 1
+    run(parse_spec(job(image_dir, old, output={"if_exists": "resume"})))  # compression: lz4 (the default) now
+    a, b = open_store(str(old)), open_store(str(new))
+    assert a.attrs["status"] == "complete" and a.done_shards.all()
+    codecs = json.loads((_generation(old) / "layer4" / "zarr.json").read_text())["codecs"]
+    assert codecs[0]["configuration"]["codecs"][1] == {"name": "zstd", "configuration": {"level": 3,
+                                                                                          "checksum": False}}
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+
+
+def test_a_shuffle_for_a_codec_that_does_not_shuffle_is_a_spec_error(image_dir: Path, tmp_path: Path):
+    from extractor.errors import SpecError
+
+    raw = job(image_dir, tmp_path / "s.zarr", output={"compression": "zstd", "shuffle": "bit"})
+    with pytest.raises(SpecError, match=r"output\.shuffle: .*compression zstd does not shuffle; remove shuffle, or "
+                                        r"set compression: lz4 or blosc"):
+        parse_spec(raw)
+    for compression in ("lz4", "blosc"):
+        assert parse_spec({**raw, "output": {**raw["output"], "compression": compression}}).output.shuffle == "bit"
+
+
 def test_a_compression_level_the_codec_refuses_is_a_spec_error_and_the_store_is_kept(image_dir: Path,
                                                                                     tmp_path: Path):
     from extractor.errors import SpecError
@@ -292,7 +334,7 @@ def test_a_compression_level_the_codec_refuses_is_a_spec_error_and_the_store_is_
 
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
     run(parse_spec(raw))
-    for compression, level in (("zstd", 99), ("gzip", 10), ("blosc", -1), ("none", 3)):
+    for compression, level in (("zstd", 99), ("gzip", 10), ("blosc", -1), ("lz4", 10), ("none", 3)):
         raw["output"].update(if_exists="overwrite", compression=compression, compression_level=level)
         with pytest.raises(SpecError, match=r"output\.compression_level: "):
             parse_spec(raw)

@@ -1,9 +1,14 @@
 """GPU checks and benchmarks in one script, for a lent GPU (CI has none; see README, "GPU").
 
-    python tests/gpu_check.py --out DIR [--images 20000] [--jpegs 6000] [--device cuda]
+    python bench/gpu_check.py                     # issue 55's device check (gpu_speed), at most 8 minutes
+    python bench/gpu_check.py --stages correct,decode,predecoded --out DIR [--images 20000] [--jpegs 6000]
 
-Needs torch, torchvision, numpy, pillow, zarr and pydantic; no Ray (the ``local`` backend).
+Needs torch, torchvision, numpy, pillow, zarr and pydantic; no Ray (the ``local`` backend). Without CUDA the
+device check runs its small version on the CPU (``tests/test_gpu_check.py`` runs it).
 Stages, each reported even when another fails:
+
+0. speed (the default): :mod:`gpu_speed`, images/s from JPEG files of a pooled ResNet-50 and ViT-B/16 and of
+   ViT-L/14's sampled tokens against the bare bfloat16 loop; GB/s written; the decode paths and their pixels.
 
 1. correct: a resnet50 job on the GPU (float32 and bfloat16; batches of 64, so the
    double-buffered pinned copies are exercised) against a direct forward of the same
@@ -41,7 +46,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "bench")]  # bench_overhead, for the overhead table
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # toy_models, for the fault stage
 
 from extractor.compute import worker as worker_mod  # noqa: E402
 from extractor.data.decode import ImageDecoder, JpegDecoder  # noqa: E402
@@ -110,6 +115,10 @@ def make_jpegs(folder: Path, n: int) -> Path:
         (folder / c).mkdir(parents=True, exist_ok=True)
     _write_photo.bases = _bases()  # type: ignore[attr-defined]
     jobs = [(i, str(folder / ("a" if i % 2 else "b") / f"{i:06d}.jpg")) for i in range(n)]
+    if n <= 64:  # a few (the small device check, in a test process): no processes forked
+        for one in jobs:
+            _write_photo(one)
+        return folder
     with Pool(min(16, os.cpu_count() or 1)) as pool:
         pool.map(_write_photo, jobs, chunksize=64)
     return folder
@@ -414,19 +423,22 @@ def _nonfinite(url: Path, key: str) -> dict[str, Any]:
 def stage_nan(args: argparse.Namespace, photos: Path) -> None:
     """Rows holding NaN/Inf in the stores of the end-to-end job, by decoder and writer threads."""
     work = Path(args.work)
-    default = worker_mod.WRITE_THREADS
+    from unittest import mock
+
+    from extractor._machine import Machine
+
+    default = Machine.here().write_threads
     for where in ("cuda", "cpu"):
         for threads in (default, 1):
-            worker_mod.WRITE_THREADS = threads
+            with mock.patch.object(Machine, "write_threads", property(lambda self, n=threads: n)):
+                summary = run(job(photos, work / f"nan-{where}-{threads}.zarr", args.device,
+                                  model={"dtype": "bfloat16"},
+                                  data={"decode_device": where, "decode_workers": os.cpu_count(), "batch_size": 256,
+                                        "shard_size": 2048}))
             url = work / f"nan-{where}-{threads}.zarr"
-            spec = job(photos, url, args.device, model={"dtype": "bfloat16"},
-                       data={"decode_device": where, "decode_workers": os.cpu_count(), "batch_size": 256,
-                             "shard_size": 2048})
-            summary = run(spec)
             r = {k: _nonfinite(url, k) for k in ("avgpool", "layer3")}
             RESULTS[f"nan_{where}_{threads}"] = {"stats_nonfinite": summary.nonfinite, **r}
             log(f"nan check decode {where}, {threads} writer threads: stats say {summary.nonfinite}; store {r}")
-    worker_mod.WRITE_THREADS = default
 
 
 # --------------------------------------------------------------------------- 5. compile
@@ -508,6 +520,13 @@ def stage_overhead(args: argparse.Namespace) -> None:
     RESULTS["overhead"] = bench_overhead.main(device=args.device)
 
 
+def stage_speed(args: argparse.Namespace) -> None:
+    """Issue 55's device check (gpu_speed): images/s from JPEG files against the bare bfloat16 loop."""
+    import gpu_speed
+
+    RESULTS["speed"] = gpu_speed.main(Path(args.work), args.device, small=args.small or None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / ".bench" / "gpu"))
@@ -518,8 +537,12 @@ def main() -> None:
     p.add_argument("--check-images", type=int, default=512)
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 64])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--stages", default="correct,decode,predecoded,overhead,jpeg,compile")
+    p.add_argument("--stages", default="speed", help="speed (the default: issue 55's device check), correct, "
+                   "decode, predecoded, overhead, jpeg, compile, nan, compiled, fault")
+    p.add_argument("--small", action="store_true", help="the speed stage's small version (the default without CUDA)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        args.device = "cpu"
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("extractor.model.build").setLevel(logging.ERROR)
     out, work = Path(args.out), Path(args.work)
@@ -531,10 +554,15 @@ def main() -> None:
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                       "cpus": os.cpu_count()}
     log(f"env {RESULTS['env']}")
+    if args.stages == "speed":  # the device check makes its own files
+        stage_speed(args)
+        (out / "gpu_results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+        return
     t0 = time.perf_counter()
     photos = make_jpegs(work / "photos", args.jpegs)
     log(f"{args.jpegs} JPEG files in {time.perf_counter() - t0:.1f} s")
-    stages = {"correct": lambda: stage_correct(args, photos), "decode": lambda: stage_decode(args, photos),
+    stages = {"speed": lambda: stage_speed(args), "correct": lambda: stage_correct(args, photos),
+              "decode": lambda: stage_decode(args, photos),
               "predecoded": lambda: stage_predecoded(args), "jpeg": lambda: stage_jpeg(args, photos),
               "compile": lambda: stage_compile(args, photos), "nan": lambda: stage_nan(args, photos),
               "compiled": lambda: stage_compiled(args), "fault": lambda: stage_fault(args, photos),
