@@ -313,7 +313,7 @@ class SmallCNN(nn.Module):
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
         with torch.no_grad():
-            self.stem.weight.mul_(gain)  # gain 4: its layers reach above 6 on the probe's input, as a trained net's do
+            self.stem.weight.mul_(gain)  # gain 8: its layers reach above 6 on the probe's input, as a trained net's do
         self.bn = nn.BatchNorm2d(8)
         self.relu = nn.ReLU(inplace=True)
         self.layer1 = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), act())
@@ -344,7 +344,7 @@ def every_relu(model: nn.Module, make: Callable[[], nn.Module]) -> nn.Module:
 
 def bright_cnn() -> nn.Module:
     """small_cnn whose layers reach above 6 on the probe's input (a ReLU6 for its ReLUs changes its values)."""
-    return SmallCNN(gain=4.0)
+    return SmallCNN(gain=8.0)
 
 
 def bright_cnn_leaky() -> nn.Module:

@@ -128,11 +128,10 @@ class Probing:
         self.extras = _extras(values, self.captures)
 
     def _fixed_image(self) -> torch.Tensor:
-        """The probe's fixed input: seeded noise over every pixel level (its patches differ, so a shuffle of
-        equal patches would show; a layer's values reach further than a photograph's mid-tones take them: a
-        ReLU6 for a ReLU shows only above 6)."""
+        """The probe's fixed input: seeded mid-grey noise (its patches differ, so a shuffle of equal patches would
+        show; no pixel is saturated: blank images pass the model, an unusual one must not fail here instead)."""
         h, w = self.preprocess.size
-        return torch.randint(0, 256, (1, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        return torch.randint(64, 192, (1, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
 
     def _check_deterministic(self) -> tuple[dict[str, torch.Tensor], bool]:
         """Refuse a model whose eval forward draws at random (ViTMAE masks patches at random in eval

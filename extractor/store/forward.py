@@ -3,8 +3,7 @@ layers give on the probe's fixed input, and within what two of its forwards are 
 
 The class and the state dict do not say what a model computes: a factory that swaps every ReLU for a
 LeakyReLU(0.01) or a ReLU6 keeps both, and moves the values by 1-3%. The worker's probe runs one fixed image
-(seeded noise over the whole range of pixel levels, the one its determinism check runs) through the hooked
-model and records, per capture:
+(seeded mid-grey noise, the one its determinism check runs) through the hooked model and records, per capture:
 
 - ``digest``: a hash of the values' bits, with the ``context`` they were computed in (torch build, device and
   its libraries, CPU instruction set and threads, compute dtype: :func:`extractor.model.rounding.forward_context`).
