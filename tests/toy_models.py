@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -308,9 +309,11 @@ class SmallCNN(nn.Module):
     """conv-bn-relu(inplace) stem, a second conv block, pooled linear head: a classifier small
     enough to compile in seconds."""
 
-    def __init__(self, classes: int = 5, act: type[nn.Module] = nn.ReLU) -> None:
+    def __init__(self, classes: int = 5, act: type[nn.Module] = nn.ReLU, gain: float = 1.0) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        with torch.no_grad():
+            self.stem.weight.mul_(gain)  # gain 8: its layers reach above 6 on the probe's input, as a trained net's do
         self.bn = nn.BatchNorm2d(8)
         self.relu = nn.ReLU(inplace=True)
         self.layer1 = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), act())
@@ -328,6 +331,30 @@ def small_cnn() -> nn.Module:
 def small_cnn_gelu() -> nn.Module:
     """small_cnn's class and state dict (GELU has no parameters), another forward."""
     return SmallCNN(act=nn.GELU)
+
+
+def every_relu(model: nn.Module, make: Callable[[], nn.Module]) -> nn.Module:
+    """``model`` with each of its ReLUs replaced by ``make()``: the same class and state dict, another forward."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.ReLU:
+                setattr(module, name, make())
+    return model
+
+
+def bright_cnn() -> nn.Module:
+    """small_cnn whose layers reach above 6 on the probe's input (a ReLU6 for its ReLUs changes its values)."""
+    return SmallCNN(gain=8.0)
+
+
+def bright_cnn_leaky() -> nn.Module:
+    """bright_cnn with every ReLU a LeakyReLU(0.01): its values move by about 1% (T5-15)."""
+    return every_relu(bright_cnn(), lambda: nn.LeakyReLU(0.01))
+
+
+def bright_cnn_relu6() -> nn.Module:
+    """bright_cnn with every ReLU a ReLU6: its values move by 1-2% (T5-15)."""
+    return every_relu(bright_cnn(), nn.ReLU6)
 
 
 class FastPooled(nn.Module):

@@ -27,21 +27,26 @@ from ..model import (
     Unknown,
     contradicted_layouts,
     dim_names,
+    forward_context,
     layer_tokens,
     not_rgb,
     reduced_otherwise,
+    reproducible_kernels,
+    rounding_noise,
     settle_layouts,
 )
 from ..spec import JobSpec
 from ..store import (
+    BFLOAT16,
     BY_DIGEST,
     CaptureRecord,
     ExtraRecord,
+    ForwardRecord,
     Probe,
-    forward_summary,
+    forward_record,
 )
 
-__all__ = ["Probing"]
+__all__ = ["Probing", "host_array"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,7 @@ class Probing:
     spec: JobSpec
     preprocess: Preprocess
     model: torch.nn.Module
+    device: torch.device
     model_info: dict[str, Any]
     token_facts: TokenFacts
     token_claim: Claim
@@ -98,7 +104,7 @@ class Probing:
             layouts, tokens = self._decide_layouts(), self._decide_tokens()
             if layouts or tokens:
                 values = self._blank()  # again, reduced and cut as decided
-            fixed = self._check_deterministic()
+            fixed, reproducible = self._check_deterministic()
         except _PROBE_PASSES:
             raise
         except Exception as err:
@@ -117,8 +123,7 @@ class Probing:
         if self.capturer.logits is not None:  # a gradient job: labels (target: label) must be among them
             self.model_info = {**self.model_info, "logits": self.capturer.logits}
         # what the captured layers give on the fixed input: resume and reuse compare it (not only class and weights)
-        self.model_info = {**self.model_info, "forward_summary": forward_summary(
-            {t.key: fixed[t.key].detach().float().cpu().numpy() for t in self.targets})}
+        self.model_info = {**self.model_info, "forward": self._forward_record(fixed, reproducible)}
         modules = dict(self.model.named_modules())
         widths = dict(self.capturer.matrices)  # project: (key, features in) as the blank saw them
         self.captures = {t.key: _record(t, modules[t.layer], values[t.key].shape[1:], original[t.key],
@@ -128,20 +133,26 @@ class Probing:
         self.captures = with_indexes(self.spec.capture, self.captures, self.model_info.get("prefix_tokens"))
         self.extras = _extras(values, self.captures)
 
-    def _check_deterministic(self) -> dict[str, torch.Tensor]:
+    def _fixed_image(self) -> torch.Tensor:
+        """The probe's fixed input: seeded mid-grey noise (its patches differ, so a shuffle of equal patches would
+        show; no pixel is saturated: blank images pass the model, an unusual one must not fail here instead)."""
+        h, w = self.preprocess.size
+        return torch.randint(64, 192, (1, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+    def _check_deterministic(self) -> tuple[dict[str, torch.Tensor], bool]:
         """Refuse a model whose eval forward draws at random (ViTMAE masks patches at random in eval
         mode): two forwards of one image must store the same values, else every stored row is one
         draw and a resume mixes draws. Float rounding (another kernel on a GPU) passes. Returns the
-        captures of that fixed image (the model's forward summary is made of them)."""
-        h, w = self.preprocess.size
-        # seeded mid-grey noise: its patches differ (a shuffle of equal patches would not show), and no pixel is
-        # saturated (blank images pass the model: an unusual one must not fail here instead)
-        image = torch.randint(64, 192, (1, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        captures of that fixed image (the model's forward record is made of them) and whether the two forwards
+        gave the same bits (kernels chosen by rule: :func:`reproducible_kernels`)."""
         labels = np.zeros(1, np.int64)
-        first, second = (self._forward(image, labels, eager=True) for _ in range(2))
+        with reproducible_kernels(self.device):
+            first, second = (self._forward(self._fixed_image(), labels, eager=True) for _ in range(2))
+        same_bits = True
         for key, a in first.items():
             x, y = a.float(), second[key].float()
             same = (x == y) | (torch.isnan(x) & torch.isnan(y))  # equal Inf and NaN too
+            same_bits = same_bits and bool(same.all())
             gap = float(torch.where(same, 0.0, (x - y).abs()).nan_to_num(nan=float("inf")).max()) if x.numel() \
                 else 0.0
             scale = float(x.abs().nan_to_num(nan=0.0, posinf=0.0).max()) if x.numel() else 0.0
@@ -152,7 +163,24 @@ class Probing:
                     "random draw and a resume would mix draws. A model that masks or samples at random (ViTMAE's "
                     "random_masking) needs its randomness fixed: see the README, 'A forward that draws at random'"
                 )
-        return first
+        return first, same_bits
+
+    def _forward_record(self, fixed: dict[str, torch.Tensor], reproducible: bool) -> ForwardRecord:
+        """The forward's record (:mod:`extractor.store.forward`): the captures' values on the fixed input, in the
+        context they were computed in, and how far rounding noise at every layer moves them (one more forward)."""
+        context = forward_context(self.device, self.spec.model.dtype)
+        keys = [t.key for t in self.targets]
+        perturbed = None
+        try:
+            with reproducible_kernels(self.device), rounding_noise(self.model, context["rounding"]):
+                moved = self._forward(self._fixed_image(), np.zeros(1, np.int64), eager=True)
+            perturbed = {k: host_array(moved[k].detach().cpu()) for k in keys}
+        except _INTERRUPTS:
+            raise
+        except Exception as err:  # noqa: BLE001 - a model whose layers refuse the hooks: its tolerance is wider
+            log.warning("the model's rounding noise could not be measured (%s): a resume or output.reuse in another "
+                        "setting compares its forward within 5%%", describe_error(err))
+        return forward_record({k: host_array(fixed[k].detach().cpu()) for k in keys}, perturbed, context, reproducible)
 
     def _decide_tokens(self) -> bool:
         """Decide which positions of each captured token sequence are patches, from its layer's length and the
@@ -234,6 +262,14 @@ def _check_patches(t: Target, shape: Sequence[int], found: TokenLayout | Unknown
         grid = f"the model's {facts.patches} patches" if facts.patches else "a patch grid"
         raise LayerError(f"{where} gives {shape[0]} tokens, not a sequence of {grid} and the tokens besides them: "
                          f"{wants} its patch tokens; capture a layer of the token sequence (see `extractor layers`)")
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as the numpy array it holds, bfloat16 ones as ml_dtypes' bfloat16 (numpy has none)."""
+    if t.dtype == torch.bfloat16:
+        assert BFLOAT16 is not None  # ml_dtypes: a dependency of the package
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
 
 
 def _extras(values: dict[str, torch.Tensor], captures: dict[str, CaptureRecord]) -> dict[str, ExtraRecord]:

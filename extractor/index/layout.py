@@ -13,6 +13,7 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 import zarr
 
+from ..spec import redact
 from ..store import OK, Generation, done_shards, get_array, now, root_attrs
 from .bins import HIST_EDGES
 from .feed import IndexFeed
@@ -121,7 +122,7 @@ def index_record(name: str, key: str, feed: IndexFeed, dictionary: Mapping[str, 
     s = feed.state
     return IndexRecord(
         index_version=INDEX_VERSION, name=name, key=key, features=s.features, k=s.k, pool=s.pool,
-        dictionary=dict(dictionary) if dictionary is not None else None, rows=s.rows, source_state=dict(state),
+        dictionary=redact(dict(dictionary)) if dictionary is not None else None, rows=s.rows, source_state=dict(state),
         positions=s.positions, grid=list(feed.layout.grid) if feed.layout.grid else None, prefix=feed.layout.prefix,
         threshold=s.threshold, hist_edges=[round(float(e), 6) for e in HIST_EDGES], quantiles=QUANTILES,
         examples=EXAMPLES, written=written, created=now())

@@ -22,6 +22,7 @@ from .._machine import Machine
 from .._threads import prefetched
 from ..errors import StoreError
 from ..read import ActivationStore, open_store
+from ..spec import index_name_problem
 from ..store import OK, Generation, Objects
 from .dictionary import Dictionary, load_dictionary
 from .feed import BLOCK_VALUES, ENCODE_VALUES, IndexFeed, Layout
@@ -56,6 +57,8 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
     process wrote an index of that name meanwhile, this one is refused, and nothing of it is named.
     ``on_progress(rows)`` is called as rows are done; ``storage_options``: fsspec options of a remote store given
     by its URL."""
+    if name is not None:
+        _checked_name(name)  # before anything is read or said
     store = _store(store_or_path, storage_options)
     layout = _layout(store, key)
     dic, k = _settings(store, key, layout, dictionary, activation, k, threshold)
@@ -134,10 +137,10 @@ def _say_replaced(store: ActivationStore, name: str) -> None:
 
 
 def _checked_name(name: str) -> str:
-    """``name``, when it can name an index group in the store: one path segment, not hidden."""
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise StoreError(f"index name {name!r}: an index is named by one word of the store (no '/', no leading "
-                         "'.'), such as blocks.11 or blocks.11@my_sae")
+    """``name``, when it can name an index group in the store (:func:`~extractor.spec.index_name_problem`)."""
+    problem = index_name_problem(name)
+    if problem is not None:
+        raise StoreError(problem)
     return name
 
 

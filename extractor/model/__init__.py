@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .capture import Capturer
     from .processors import settle_preprocess
     from .reduce import contradicted_layouts, dim_names, reduce_tensor, reduced_otherwise, settle_layouts
+    from .rounding import forward_context, reproducible_kernels, rounding_noise, unit_roundoff
     from .sources.common import Built
     from .targets import ROOT, Target, resolve_targets
     from .tokens import Claim, TokenFacts, TokenLayout, Unknown, claim_of, layer_tokens, model_prefix, token_facts

@@ -272,6 +272,11 @@ class ActivationStore(Batching):
         except (OSError, ValueError, AttributeError):  # StoreError is an OSError
             return None
 
+    def check_current(self) -> None:
+        """Raise StoreError where the store at this URL is no longer the one opened (made again, or removed): one
+        small read of its head. A reader that serves many reads (the viewer) asks before each."""
+        self._check_same(len(self))
+
     def _check_same(self, rows: int) -> None:
         """Raise StoreError where the store at this URL is not the one opened: another row count, or another
         generation (one small read of its head)."""

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 from .._face import face
 
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
-    from .capture_spec import CaptureSpec
+    from .capture_spec import CaptureSpec, index_name_problem
     from .data_spec import DataSpec
-    from .identity import REDACTED, looks_secret, redact_argv, spec_digest
+    from .identity import REDACTED, looks_secret, redact, redact_argv, spec_digest
     from .load import apply_overrides, load_spec, parse_model_spec, parse_spec, read_spec
     from .model_spec import ModelSpec, weights_kind
     from .schema import ClusterSpec, JobSpec, auto_chunk_rows, auto_inner_rows, content_of

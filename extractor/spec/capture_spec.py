@@ -3,13 +3,36 @@ feature index."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from .section import _Section
 
-__all__ = ["CaptureSpec", "FeatureIndexSpec"]
+__all__ = ["CaptureSpec", "FeatureIndexSpec", "index_name_problem"]
+
+_METADATA = {"zarr.json", "zarr.json.tmp"}  # a store's own objects in a group: an index of that name overwrites one
+
+
+def index_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a feature index in a store (its group ``indexes/<name>``), in one line; None: it
+    can. One word of the store: no path (``/``, ``\\``, ``.``, ``..``), nothing hidden (a leading ``.``), nothing
+    Zarr reserves (a leading ``__``: the store's ``__txn``), no object of the store's own (``zarr.json``), no control
+    character."""
+    why = None
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+        why = "no '/', no leading '.'"
+    elif name.startswith("__"):
+        why = "no leading '__', which Zarr keeps"
+    elif name in _METADATA:
+        why = f"not {name}, which is the store's own metadata"
+    elif re.search(r"[\x00-\x1f\x7f]", name):
+        why = "no control character"
+    if why is None:
+        return None
+    return (f"index name {name!r}: an index is named by one word of the store ({why}), such as blocks.11 or "
+            "blocks.11@my_sae")
 
 
 class FeatureIndexSpec(_Section):
@@ -30,6 +53,14 @@ class FeatureIndexSpec(_Section):
     """The dictionary's activation (relu, jumprelu, topk:K); default: what its file says."""
     name: str | None = None
     """The index's name in the store (default: the capture's key, ``KEY@<dictionary stem>`` with a dictionary)."""
+
+    @field_validator("name")
+    @classmethod
+    def _one_word(cls, name: str | None) -> str | None:
+        problem = None if name is None else index_name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return name
 
 
 class CaptureSpec(_Section):

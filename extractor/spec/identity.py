@@ -38,6 +38,8 @@ _SECRET_NAME_WORDS = {"KEY", "PASS", "PW", "PAT", "DSN", "CERT"}  # ... or one o
 # a value that is a key, a URL with a password, a known token's prefix or a long hex string
 _SECRET_VALUE = re.compile(r"-----BEGIN|://[^/\s:@]+:[^/\s@]+@|^(AKIA|ASIA)[A-Z0-9]{16}$|"
                            r"^(ghp_|gho_|ghs_|github_pat_|hf_|sk-|xox[abpr]-|glpat-)|^[0-9a-fA-F]{32,}$")
+_URL_PASSWORD = re.compile(r"(://[^/\s:@]+:)[^/\s@]+(@)")  # scheme://user:PASSWORD@host
+_SECRET_FLAG_PARTS = tuple(part.replace("_", "") for part in _SECRET_NAME_PARTS)  # in a flag's letters (--api-key)
 
 
 def looks_secret(name: str, value: Any) -> bool:
@@ -56,9 +58,10 @@ def looks_secret(name: str, value: Any) -> bool:
 
 
 def redact(d: Any, inside_options: bool = False) -> Any:
-    """A copy of ``d`` with every non-public value under a ``storage_options`` key, and every
+    """A copy of ``d`` with every non-public value under a ``storage_options`` key, every
     value under ``env_vars`` (the job's environment on the cluster) that looks like a credential
-    (:func:`looks_secret`), redacted."""
+    (:func:`looks_secret`), and every URL's password (``https://user:***@host``), redacted: the one rule for
+    every record a command writes (the store's record, a claimant's, an index's)."""
     if isinstance(d, dict):
         out: dict[Any, Any] = {}
         for k, v in d.items():
@@ -73,27 +76,48 @@ def redact(d: Any, inside_options: bool = False) -> Any:
         return out
     if isinstance(d, list):
         return [redact(v, inside_options) for v in d]
+    if isinstance(d, str) and "@" in d:
+        return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}\g<2>", d)
     return d
 
 
 def redact_argv(argv: list[str]) -> list[str]:
-    """A command line with the secret values of its ``--set KEY=VALUE`` overrides redacted (as
-    :func:`redact` would redact them in the spec): for the store's lease and logs."""
+    """A command line with its secrets redacted: the one rule for every command line a record, a log or a printed
+    line keeps (a claimant's record keeps the command that runs, ``sys.argv``, whatever program it is). Redacted:
+    a ``--set KEY=VALUE`` override whose spec :func:`redact` would redact; a ``--storage-option KEY=VALUE`` whose
+    key is not a public option (``endpoint_url``, ``region_name`` stay); the value of a flag whose name is a
+    credential's (``--token``, ``--aws-secret-access-key``, ``--password=...``); a value that is one by its look
+    (``AKIA...``, ``hf_...``, a private key, a long hex string); a URL's password (``https://user:***@host``)."""
     out: list[str] = []
     for k, arg in enumerate(argv):
-        prefix, item = ("--set=", arg[6:]) if arg.startswith("--set=") else ("", arg)
-        if (prefix or (k and argv[k - 1] == "--set")) and "=" in item:
-            key, value = item.split("=", 1)
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError:
-                parsed = value
-            nested: Any = parsed
-            for part in reversed(key.split(".")):  # the override as the spec it makes: redacted as the spec is
-                nested = {part: nested}
-            arg = f"{prefix}{key}={REDACTED if redact(nested) != nested else value}"
-        out.append(arg)
+        flag, value = (arg.split("=", 1)) if arg.startswith("--") and "=" in arg else ("", arg)
+        if not flag and k and argv[k - 1].startswith("--") and "=" not in argv[k - 1] and not arg.startswith("-"):
+            flag = argv[k - 1]  # --flag VALUE
+        redacted = _redact_value(flag, value)
+        out.append(f"{arg.split('=', 1)[0]}={redacted}" if arg.startswith("--") and "=" in arg else redacted)
     return out
+
+
+def _redact_value(flag: str, value: str) -> str:
+    """``value`` as given after ``flag`` ("" for none), redacted by :func:`redact_argv`'s rule."""
+    if flag in ("--set", "--storage-option") and "=" in value:
+        key, given = value.split("=", 1)
+        if flag == "--storage-option":
+            return value if key in _PUBLIC_OPTIONS else f"{key}={REDACTED}"
+        try:
+            parsed = yaml.safe_load(given)
+        except yaml.YAMLError:
+            parsed = given
+        nested: Any = parsed
+        for part in reversed(key.split(".")):  # the override as the spec it makes: redacted as the spec is
+            nested = {part: nested}
+        return f"{key}={REDACTED if redact(nested) != nested else given}"
+    letters = re.sub(r"[^A-Z]", "", flag.upper())  # --aws-secret-access-key: AWSSECRETACCESSKEY
+    if value and any(part in letters for part in _SECRET_FLAG_PARTS):
+        return REDACTED
+    if _URL_PASSWORD.search(value):
+        return str(redact(value))
+    return REDACTED if _SECRET_VALUE.search(value) else value
 
 
 def _marked(info: Any) -> bool:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .chunks import ChunkCodec, array_objects, read_all, write_chunks
     from .claimants import Claimant, alive
     from .dtypes import BFLOAT16, is_bfloat16, numpy_dtype
-    from .forward import forward_differences, forward_summary
+    from .forward import ForwardRecord, forward_differences, forward_record
     from .generation import FORMAT, Generation, done_shards, open_group, read_head, read_state
     from .id_index import ID_INDEX, SortedIds, id_index_objects, read_id_index, write_id_index
     from .layout import (

@@ -23,6 +23,7 @@ from typing import Any, TypedDict, cast
 
 from .._text import now
 from ..errors import FencedError
+from ..spec import redact
 from .ledger import new_id
 from .objects import Objects
 
@@ -178,5 +179,5 @@ class Claimant:
     def _write(self) -> None:
         with self._lock:
             self.record["heartbeat"] = time.time()
-            data = json.dumps(self.record).encode()
+            data = json.dumps(redact(self.record)).encode()  # an error's URL with a password: never stored
         self.objects.put(self.key, data)

@@ -25,7 +25,17 @@ import numpy as np
 from .._version import __version__
 from ..data import BLOCK, Rows, of_store
 from ..errors import StoreError
-from ..spec import PLACES, JobSpec, auto_chunk_rows, auto_inner_rows, content_of, parse_spec, redact_argv, spec_digest
+from ..spec import (
+    PLACES,
+    JobSpec,
+    auto_chunk_rows,
+    auto_inner_rows,
+    content_of,
+    parse_spec,
+    redact,
+    redact_argv,
+    spec_digest,
+)
 from .chunks import read_all
 from .dtypes import numpy_dtype
 from .forward import forward_differences
@@ -176,7 +186,7 @@ def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> Store
         "versions": versions(),
     }
     if spec.output.reuse:  # the reused array's stores
-        record["reused_from"] = list(spec.output.reuse)
+        record["reused_from"] = redact(list(spec.output.reuse))
     if rows.listing:  # a resume takes the rows from the store while it holds
         record["listing"] = rows.listing
     return record

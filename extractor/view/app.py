@@ -1,6 +1,8 @@
 """The viewer as a local web app (Flask): GET only, every path parameter a number or a name looked up among the
 store's own (never a file path), the store read lazily behind it; answers only for the host it listens on
-(:mod:`.hosts`)."""
+(:mod:`.hosts`), and only while the store is the one it opened: once it was made again (``--overwrite``) or
+removed, every request (but the app's own scripts and styles) is a 410 saying so and to restart the viewer (pages
+of the old store beside the new one's rows would mix two stores)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ try:
 except ImportError as err:
     raise ImportError("the viewer needs Flask: pip install 'extractor[view]' (make installs it)") from err
 
+from ..errors import StoreError
 from ..read import ActivationStore, open_store
 from .hosts import LOOPBACK, Hosts, listen
 from .render import render
@@ -36,12 +39,14 @@ def create_app(store: ActivationStore | str, hosts: Hosts = LOOPBACK) -> Flask:
     for ``hosts`` only (default: this machine's loopback names; any other ``Host``: 403, saying why)."""
     site = Site(open_store(store) if isinstance(store, str) else store)
     app = Flask(__name__, static_folder=str(files("extractor.view") / "static"), static_url_path="/static")
-    app.before_request(lambda: _foreign(hosts))
+    app.before_request(lambda: _foreign(hosts) or _made_again(site.store))
     views = _Views(site)
     for rule, view in views.rules():
         app.add_url_rule(rule, rule, view, methods=["GET"])
     app.register_error_handler(NotFound, lambda err: _missing(str(err.args[0] if err.args else err)))
     app.register_error_handler(404, lambda err: _missing(f"there is no page at {request.path}"))
+    # made again while a page was read (after the check above): that, not a 500
+    app.register_error_handler(500, lambda err: _made_again(site.store) or err)
     app.after_request(_headers)
     return app
 
@@ -105,6 +110,19 @@ def _foreign(hosts: Hosts) -> Response | None:
     return Response(hosts.refusal(header) + "\n", status=403, mimetype="text/plain")
 
 
+def _made_again(store: ActivationStore) -> tuple[Any, int] | None:
+    """The 410 answer to a request (but for the app's own files) once the store at the viewer's URL is no longer the
+    one it opened (None: it is)."""
+    if request.path.startswith("/static/"):
+        return None
+    try:
+        store.check_current()
+    except StoreError:
+        return _answer(f"{store.url} was made again (or removed) since this viewer opened it: restart the viewer "
+                       f"(extractor view {store.url}) to see it as it is now", 410, "The store was made again")
+    return None
+
+
 def _headers(response: Response) -> Response:
     response.headers["Content-Security-Policy"] = POLICY
     response.headers["X-Content-Type-Options"] = "nosniff"
@@ -114,10 +132,19 @@ def _headers(response: Response) -> Response:
 
 def _missing(reason: str) -> tuple[Any, int]:
     """The 404 answer: JSON under api/, else the not-found page."""
+    return _answer(reason, 404)
+
+
+def _answer(reason: str, status: int, heading: str | None = None) -> tuple[Any, int]:
+    """A refusal saying ``reason`` in one line: JSON under api/, plain text for a thumbnail, else a page (``heading``:
+    a refusal that no link of the store's pages can mend, such as a store made again; None: not found)."""
     if request.path.startswith("/api/"):
-        return jsonify({"error": "not found", "reason": reason}), 404
-    return render("missing.html", request.path.lstrip("/") or "index.html",
-                  {"title": "not found", "reason": reason}, "app"), 404
+        return jsonify({"error": heading.lower() if heading else "not found", "reason": reason}), status
+    if request.path.startswith("/thumb/") and heading:
+        return Response(reason + "\n", status=status, mimetype="text/plain"), status
+    page = {"title": heading.lower() if heading else "not found", "reason": reason, "heading": heading,
+            "gone": heading is not None}
+    return render("missing.html", request.path.lstrip("/") or "index.html", page, "app"), status
 
 
 def serve(store: ActivationStore | str, host: str = HOST, port: int = PORT, announce: Any = print) -> None:

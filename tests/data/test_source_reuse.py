@@ -106,14 +106,19 @@ def folder_job(tmp_path: Path, per_class: int = 3, classes: tuple[str, ...] = ("
     return raw
 
 
-def test_an_unchanged_folder_is_not_listed_and_no_file_is_stat_ed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """The folders' times as recorded: a stat each, the rows taken from the store, no folder listed, no file
-    stat-ed, nothing to compute."""
-    raw = folder_job(tmp_path)
+@pytest.mark.parametrize("verify", ["files", "listing"])
+def test_an_unchanged_folder_is_not_listed_and_its_files_stat_ed_by_default(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            verify: str):
+    """The folders' times as recorded: a stat each, the rows taken from the store, no folder listed, nothing to
+    compute; each file stat-ed once by name (``data.verify: files``, the default), none with ``listing``."""
+    raw = folder_job(tmp_path, verify=verify)
     assert [rel for rel, *_ in open_store(str(tmp_path / "s.zarr")).attrs["listing"]["folders"]] == ["", "a", "b"]
     seen = Seen(monkeypatch, tmp_path / "imgs")
     assert run(parse_spec(raw)).shards_run == 0
-    assert seen.listed == [] and seen.files == []
+    assert seen.listed == []
+    assert sorted(seen.files) == (sorted(f.name for f in (tmp_path / "imgs").glob("*/*")) if verify == "files"
+                                  else [])
     assert resumed(raw).stored is not None  # type: ignore[union-attr]
 
 
@@ -214,6 +219,22 @@ def test_a_tree_of_too_many_folders_records_no_listing_and_is_listed_again(tmp_p
     assert run(parse_spec(raw)).shards_run == 0 and len(walks) == 1
 
 
+def test_a_file_rewritten_in_place_beside_a_folder_listed_again_is_found(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """A folder's times moved (a file made and removed in it: the same rows), another one's file rewritten in place:
+    the first is listed again, the other's rows taken from the store with their files stat-ed (by default), and the
+    rewritten one found."""
+    raw = folder_job(tmp_path)
+    (tmp_path / "imgs" / "b" / "notes.tmp").write_text("x")
+    (tmp_path / "imgs" / "b" / "notes.tmp").unlink()
+    image, other = sorted((tmp_path / "imgs" / "a").iterdir())[1:3]
+    image.write_bytes(other.read_bytes())  # other bytes, the same name
+    seen = Seen(monkeypatch, tmp_path / "imgs")
+    with pytest.raises(StoreError, match=rf"changed since .*'a/{image.name}'"):
+        run(parse_spec(raw))
+    assert seen.listed == [str(tmp_path / "imgs" / "b")]
+
+
 def test_a_root_gone_since_is_named(tmp_path: Path):
     raw = folder_job(tmp_path)
     (tmp_path / "imgs").rename(tmp_path / "moved")
@@ -225,8 +246,8 @@ def test_a_root_gone_since_is_named(tmp_path: Path):
 def test_a_file_written_in_place_is_found_by_verify_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           verify: str):
     """Its folder's mtime does not move: the rows come from the store, no folder listed; with ``data.verify:
-    files`` each file is stat-ed (by name, no listing) and the changed image found; by default it is not looked at
-    (the documented trade: a stat of every file is seconds a million)."""
+    files`` (the default) each file is stat-ed (by name, no listing) and the changed image found; with ``listing``
+    it is not looked at (the documented trade, for trees too big to stat: about 4 s a million files)."""
     raw = folder_job(tmp_path, classes=("a",), verify=verify)
     image, other = sorted((tmp_path / "imgs" / "a").iterdir())[1:3]
     settled = os.stat(image.parent).st_mtime_ns
@@ -260,8 +281,9 @@ def test_a_manifest_touched_is_listed_once_then_taken_from_the_store(tmp_path: P
 
 def test_a_manifest_edited_to_the_same_size_and_mtime_is_read_again(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch):
-    """An unchanged manifest: the rows from the store, no image file stat-ed; one whose rows were swapped (the same
-    size) and its mtime put back: its digest differs, it is read again (and the image list differs)."""
+    """An unchanged manifest: the rows from the store, each image file stat-ed once (the default data.verify:
+    files); one whose rows were swapped (the same size) and its mtime put back: its digest differs, it is read
+    again (and the image list differs)."""
     files = make_images(tmp_path / "imgs", per_class=2, classes=("a", "b"), size=40)
     lines = [f"{f},{f.parent.name}\n" for f in files]
     (tmp_path / "m.csv").write_text("path,label\n" + "".join(lines))
@@ -271,7 +293,7 @@ def test_a_manifest_edited_to_the_same_size_and_mtime_is_read_again(tmp_path: Pa
     assert run(parse_spec(raw)).ok == 4
     listed = counted(monkeypatch, manifest, "_list_manifest")
     seen = Seen(monkeypatch, tmp_path / "imgs")
-    assert run(parse_spec(raw)).shards_run == 0 and listed == [] and seen.files == []
+    assert run(parse_spec(raw)).shards_run == 0 and listed == [] and sorted(seen.files) == sorted(f.name for f in files)
     was = os.stat(tmp_path / "m.csv")
     (tmp_path / "m.csv").write_text("path,label\n" + "".join([lines[1], lines[0], *lines[2:]]))
     os.utime(tmp_path / "m.csv", ns=(was.st_atime_ns, was.st_mtime_ns))

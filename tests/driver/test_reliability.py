@@ -764,6 +764,47 @@ def test_an_image_changed_between_a_run_and_its_resume_is_named_or_redone_never_
     assert run(parse_spec(raw)).shards_run == 0  # settled: the new fingerprints were recorded
 
 
+def test_an_image_rewritten_in_place_is_found_by_a_default_resume(image_dir: Path, tmp_path: Path):
+    """issue 54, T5-3: killed after 2 shards, a done row's JPEG rewritten in place by ``Image.save(path)`` (the
+    same inode and size, a new mtime, its folder's times untouched); the default ``--resume`` took the rows
+    from the store (its folders' times as recorded) and kept that row's old values, exit 0. The default
+    ``data.verify: files`` stats every file: the row is named, and with ``output.on_change: redo`` computed
+    again, the store equal to a clean run on the images as they are now."""
+    import shutil
+
+    root = tmp_path / "imgs"
+    shutil.copytree(image_dir, root)
+    hour_ago = time.time_ns() - 3600 * 10**9
+    for folder in (root, *root.iterdir()):  # settled, as a data set's folders are (not listed again for their age)
+        os.utime(folder, ns=(hour_ago, hour_ago))
+    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
+    assert "verify" not in raw["data"]
+    _interrupted_after(raw, 2)  # rows 0-7 done
+    s = open_store(str(tmp_path / "s.zarr"))
+    row = next(i for i in range(8) if s.ids[i].endswith(".jpg"))
+    victim = root / s.ids[row]
+    was, folder_was = victim.stat(), victim.parent.stat()
+    Image.fromarray(np.full((50, 60, 3), 200, np.uint8)).save(victim)  # in place: opened for writing, truncated
+    with open(victim, "ab") as f:  # the same size: bytes after the JPEG's end marker, which decoders skip
+        f.write(b"\0" * (was.st_size - victim.stat().st_size))
+    now_ = victim.stat()
+    assert (now_.st_ino, now_.st_size) == (was.st_ino, was.st_size) and now_.st_mtime_ns != was.st_mtime_ns
+    assert (victim.parent.stat().st_mtime_ns, victim.parent.stat().st_ctime_ns) == \
+        (folder_was.st_mtime_ns, folder_was.st_ctime_ns)
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=rf"the images of 1 row computed before have changed since \(their content "
+                                         rf"digest differs\): {re.escape(repr(s.ids[row]))}"):
+        run(parse_spec(raw))
+    raw["output"]["on_change"] = "redo"
+    summary = run(parse_spec(raw))
+    assert row // 4 in {p.shard for p in summary.per_shard}
+    run(parse_spec(job(root, tmp_path / "clean.zarr", data={"shard_size": 4})))
+    a, b = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "clean.zarr"))
+    for key in ("layer3", "layer4"):
+        np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
+    np.testing.assert_array_equal(a.digests, b.digests)
+
+
 def test_a_changed_tar_member_is_named_on_resume(tmp_path: Path):
     from test_sources import write_tars
 

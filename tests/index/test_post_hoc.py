@@ -23,7 +23,7 @@ from test_dictionary import D_SAE, _refused, _sae, _saelens
 from test_state import ARRAYS, _by_hand_top, _check_against_numpy
 
 from extractor.driver.runner import run
-from extractor.errors import OutOfRangeError, StoreError
+from extractor.errors import OutOfRangeError, SpecError, StoreError
 from extractor.index.dictionary import load_dictionary
 from extractor.index.post_hoc import index
 from extractor.index.reader import open_index
@@ -255,6 +255,30 @@ def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they
     acts, _ = _acts(path)
     assert big.k == 14 and big.top(0).rows.size == (acts[:, :, 0].max(axis=1) > 0).sum()
     _same(big, index(str(path), "layer3", k=14, name="k14"))
+
+
+@pytest.mark.parametrize("name", ["zarr.json", "__txn", "__x", "a/b", "..", "\\evil", "line\nbreak"])
+def test_an_index_name_that_is_a_store_key_a_path_or_reserved_is_one_line_and_writes_nothing(
+        store: Path, tmp_path: Path, name: str):
+    """T5-10: ``extractor index --name zarr.json`` wrote ``indexes/zarr.json/...`` over the indexes' own metadata (a
+    misleading "cannot be written here (File exists)"; on S3 it was written); ``__txn`` was written and then could
+    not be opened. Each is refused in one line naming the index name, before anything is read or written, by the
+    command, the API and a job's ``feature_index.name``."""
+    from conftest import cli
+
+    path = tmp_path / "copy.zarr"
+    shutil.copytree(store, path)
+    before = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    r = cli("index", str(path), "--key", "layer3", "--name", name, "-q")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith(f"error: index name {name!r}: an index is named by one word of the store")
+    assert r.stderr.count("\n") == 1, r.stderr
+    with pytest.raises(StoreError, match=re.escape(f"index name {name!r}")):
+        index(str(path), "layer3", name=name)
+    assert {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    raw = _job(tmp_path, tmp_path / "never.zarr", feature_index={"k": 2, "name": name})
+    with pytest.raises(SpecError, match=re.escape(f"capture[0].feature_index.name: index name {name!r}")):
+        parse_spec(raw)
 
 
 def test_a_write_that_fails_midway_leaves_the_index_it_was_replacing(store: Path, tmp_path: Path, monkeypatch):

@@ -179,3 +179,43 @@ def test_rows_of_a_batch_retried_image_by_image_are_indexed_on_the_host(tmp_path
     assert status.tolist().count(1) == 8 and status[2] != 1
     assert sorted(paths.host) == [0, 1] and sum(paths.device) == 6  # the retried batch's good rows: on the host
     _same(open_index(str(path)), index(str(path), "layer3", k=3, name="again"), exact=True)
+
+
+@pytest.mark.slow  # a paused job process
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_job_paused_in_its_end_merge_of_the_indexes_while_the_store_was_made_again_stops_in_one_line(
+        images: Path, tmp_path: Path, nth: int):
+    """T5-11: a job with write-time indexes stopped in its end merge (before it names its first index, or its
+    second, whose parts it has yet to read) while another job makes its store again (``--overwrite``) died of a
+    ``KeyError``. It stops in one line saying the store was made again; nothing of the other job's store changes,
+    and that store is whole (its indexes equal a post-hoc pass over it)."""
+    from helpers.stores import wait_dead
+    from test_transactions import local_objects, spec_of, start_paused, wake
+
+    from extractor.store import Objects, read_head
+
+    store = tmp_path / "s.zarr"
+    indexed = [{"layer": "conv", "reduce": "mean", "key": "conv", "feature_index": {"k": 2}},
+               {"layer": "conv", "reduce": "none", "key": "map", "feature_index": {"k": 2}}]
+    spec_a = {**spec_of(images, str(store), "mean"), "capture": indexed}
+    a = start_paused(spec_a, tmp_path, "objects:.*/indexes/zarr\\.json$", nth)
+    try:
+        wait_dead(str(store))
+        spec_b = {**spec_a, "output": {**spec_a["output"], "if_exists": "overwrite"}}
+        assert run(parse_spec(spec_b)).ok == 12
+        gen = read_head(Objects.at(str(store))).generation  # type: ignore[union-attr]
+        before = local_objects(store)
+    finally:
+        code, err = wake(a)
+    assert "Traceback" not in err and "KeyError" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(lines) == 1 and "made again" in lines[0], err
+    after = local_objects(store)
+    assert read_head(Objects.at(str(store))).generation == gen  # type: ignore[union-attr]
+    theirs = {k: v for k, v in before.items() if k == "zarr.json" or k.startswith(f"{gen}/")}
+    assert {k: after.get(k) for k in theirs} == theirs
+    assert not [k for k in after if k.startswith(f"{gen}/") and k not in before]
+    for key in ("conv", "map"):
+        made, by_hand = open_index(str(store), key), index(str(store), key, k=2, name=f"{key}-again")
+        for name in ARRAYS:
+            np.testing.assert_array_equal(np.asarray(made.arrays[name][:]), np.asarray(by_hand.arrays[name][:]))

@@ -5,13 +5,16 @@ were read."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import job
 from helpers.stores import edited, made_again, opened, root_attrs
 from PIL import Image
@@ -156,25 +159,139 @@ def test_a_python_model_with_another_forward_cannot_resume_and_an_older_store_st
         extractor.run(raw, model=gelu, progress=False)
     assert extractor.run(raw, model=relu, progress=False).last_run.shards_run == 0
     attrs = root_attrs(str(tmp_path / "s.zarr"))
-    assert set(attrs["model"]["forward_summary"]) == {"layer1", "fc"}
+    assert set(attrs["model"]["forward"]["summary"]) == {"layer1", "fc"}
     root_attrs(str(tmp_path / "s.zarr"), model={k: v for k, v in attrs["model"].items()  # as a store made before it
-                                                if k != "forward_summary"})
+                                                if k != "forward"})
     assert extractor.run(raw, model=relu, progress=False).last_run.shards_run == 0
 
 
-def test_the_forward_summary_holds_across_float_rounding_and_not_across_another_forward():
-    from extractor.store.forward import forward_differences, forward_summary
+BRIGHT = {**SMALL, "model": {**SMALL["model"], "factory": "toy_models:bright_cnn"}}
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 7, 7)).astype(np.float32)
-    noisy = x * (1 + rng.uniform(-1e-3, 1e-3, x.shape)).astype(np.float32)  # half-precision-like rounding
-    relu, gelu = np.maximum(x, 0), x * 0.5 * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
-    def model(values: np.ndarray) -> dict:
-        return {"forward_summary": forward_summary({"k": values})}
 
-    assert forward_differences(model(x), model(noisy)) == []
-    assert forward_differences(model(relu), model(gelu)) == ["k"]
-    assert forward_differences({}, model(x)) == []  # a store made before it: not compared
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    was = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
+@pytest.mark.parametrize("swap", ["leaky", "relu6"])
+def test_every_relu_swapped_for_a_leaky_relu_or_a_relu6_is_refused_by_reuse_and_resume(image_dir: Path,
+                                                                                      tmp_path: Path, swap: str):
+    """T5-15: a factory that swaps every ReLU for a LeakyReLU(0.01) or a ReLU6 keeps the class and the state dict
+    and moves the values, its forward's summary within the old 5% tolerance: all its rows were reused,
+    and a resume with ``model=`` mixed both forwards in one store. Now both are refused, in the context the store
+    was made in (by the values' digest) and at another thread count (by the summary, within the model's measured
+    rounding noise)."""
+    import toy_models
+
+    import extractor
+
+    with torch_threads(2):
+        run(parse_spec(job(image_dir, tmp_path / "relu.zarr", **BRIGHT)))
+        swapped = {**BRIGHT, "model": {**BRIGHT["model"], "factory": f"toy_models:bright_cnn_{swap}"}}
+        run(parse_spec(job(image_dir, tmp_path / "swapped.zarr", **swapped)))
+    relu, other = open_store(str(tmp_path / "relu.zarr")), open_store(str(tmp_path / "swapped.zarr"))
+    was, now_ = relu.attrs["model"]["forward"], other.attrs["model"]["forward"]
+    for key in ("layer1", "fc"):  # other values, which the old rule took as the same: summaries within 5%
+        a, b = relu.numpy(key), other.numpy(key)
+        assert np.linalg.norm(a - b) / np.linalg.norm(a) > 1e-3
+        x, y = np.asarray(was["summary"][key]), np.asarray(now_["summary"][key])
+        assert np.linalg.norm(x - y) < 0.05 * max(np.linalg.norm(x), np.linalg.norm(y))
+    raw = job(image_dir, tmp_path / "s.zarr", **swapped, output={"reuse": [str(tmp_path / "relu.zarr")]})
+    for threads in (2, 1):
+        with torch_threads(threads), pytest.raises(StoreError, match=r"relu.zarr are not what this job computes: "
+                                                   r"it differs in the model's forward \(other values of fc, layer1"):
+            run(parse_spec(raw))
+    assert not (tmp_path / "s.zarr").exists()
+
+    raw = job(image_dir, tmp_path / "p.zarr", **BRIGHT)
+    raw["model"] = {"device": "cpu"}  # the module given
+    module = toy_models.bright_cnn()
+    swapped_module = getattr(toy_models, f"bright_cnn_{swap}")()
+    swapped_module.load_state_dict(module.state_dict())
+    with torch_threads(2):
+        extractor.run(raw, model=module, progress=False)
+    raw["output"]["if_exists"] = "resume"
+    for threads in (2, 1):
+        with torch_threads(threads), pytest.raises(StoreError, match=r"the model's forward differs \(same weights, "
+                                                                     r"other values of fc, layer1"):
+            extractor.run(raw, model=swapped_module, progress=False)
+
+
+def test_the_same_model_is_taken_in_its_context_and_at_another_thread_count(image_dir: Path, tmp_path: Path):
+    """The same model's rows are reused, and its store resumed, where it was made (equal digests) and at another
+    thread count (its summary within its rounding noise)."""
+    import toy_models
+
+    import extractor
+
+    raw = job(image_dir, tmp_path / "p.zarr", **BRIGHT)
+    raw["model"] = {"device": "cpu"}
+    module = toy_models.bright_cnn()
+    with torch_threads(2):
+        run(parse_spec(job(image_dir, tmp_path / "src.zarr", **BRIGHT)))
+        extractor.run(raw, model=module, progress=False)
+    forward = root_attrs(str(tmp_path / "src.zarr"))["model"]["forward"]
+    assert forward["context"]["threads"] == 2 and set(forward["digest"]) == set(forward["noise"]) == {"layer1", "fc"}
+    assert all(2.0 ** -24 <= n < 1e-5 for n in forward["noise"].values())  # float32 rounding, as measured
+    raw["output"]["if_exists"] = "resume"
+    for threads in (2, 1):
+        with torch_threads(threads):
+            reusing = job(image_dir, tmp_path / f"r{threads}.zarr", **BRIGHT,
+                          output={"reuse": [str(tmp_path / "src.zarr")]})
+            assert run(parse_spec(reusing)).reused == 12
+            assert extractor.run(raw, model=module, progress=False).last_run.shards_run == 0
+
+
+def _record(values: dict, context: dict, noise: float | None = 1e-6, reproducible: bool = True) -> dict:
+    """A store's model record of a forward that gave ``values``, and under rounding noise those values moved by
+    ``noise`` (relatively, at random; None: not measured)."""
+    from extractor.store.forward import forward_record
+
+    rng = np.random.default_rng(1)
+    moved = None if noise is None else {k: v * (1 + noise * rng.uniform(-1, 1, v.shape)).astype(v.dtype)
+                                        for k, v in values.items()}
+    return {"forward": forward_record(values, moved, context, reproducible)}
+
+
+CPU = {"torch": "2", "device": "cpu", "dtype": "float32", "rounding": 2.0 ** -24, "threads": 2}
+
+
+def test_one_context_compares_bits_and_another_the_summary_within_the_measured_noise():
+    """Where two forwards ran in one context (device, dtype, torch, threads), any change of their bits is another
+    forward: one float32 ulp of one value. Elsewhere their summaries may differ by NOISE_FACTOR times the larger
+    rounding noise measured (how far the values moved with every layer moved by the unit roundoff), no more."""
+    from extractor.store.forward import NOISE_FACTOR, UNMEASURED, forward_differences
+
+    x = np.random.default_rng(0).standard_normal((64, 7, 7)).astype(np.float32)
+    ulp = x.copy()
+    ulp[0, 0, 0] = np.nextafter(ulp[0, 0, 0], np.float32(np.inf))
+    other = {**CPU, "threads": 1}  # another context
+    assert forward_differences(_record({"k": x}, CPU), _record({"k": x}, CPU)) == []
+    assert forward_differences(_record({"k": x}, CPU), _record({"k": ulp}, CPU)) == ["k"]
+    assert forward_differences(_record({"k": x}, CPU), _record({"k": ulp}, other)) == []  # within the noise
+    relu, leaky = {"k": np.maximum(x, 0)}, {"k": np.where(x > 0, x, np.float32(0.01) * x)}
+    assert forward_differences(_record(relu, CPU), _record(leaky, CPU)) == ["k"]
+    assert forward_differences(_record(relu, CPU), _record(leaky, other)) == ["k"]
+    # the tolerance is the measured noise's, not a constant: a fifth of it passes, five times it does not
+    recorded = _record({"k": x}, CPU)
+    tolerance = NOISE_FACTOR * recorded["forward"]["noise"]["k"]
+    assert 1e-7 < tolerance / NOISE_FACTOR < 1e-6  # values moved by up to 1e-6 move the summary so much
+    for factor, differ in ((0.2, []), (5.0, ["k"])):
+        assert forward_differences(recorded, _record({"k": x * np.float32(1 + factor * tolerance)}, other)) == differ
+    noisier = _record({"k": x}, other, noise=1e-3)  # the larger noise of the two decides
+    assert forward_differences(recorded, _record({"k": x * np.float32(1 + 5 * tolerance)}, other, noise=1e-3)) == []
+    assert forward_differences(noisier, _record({"k": x * np.float32(1 + 5 * tolerance)}, CPU)) == []
+    # two forwards of one process that differed in their bits: compared by summary in their context too
+    assert forward_differences(_record({"k": x}, CPU, reproducible=False), _record({"k": ulp}, CPU)) == []
+    # noise not measured (a model that refused the hooks): the wide tolerance
+    assert forward_differences(_record(relu, CPU, noise=None),
+                               _record({"k": relu["k"] * np.float32(1 + UNMEASURED / 2)}, other)) == []
+    assert forward_differences({}, _record({"k": x}, CPU)) == []  # a store made before it: not compared
 
 
 def _replace(store: Path, by: Path) -> None:

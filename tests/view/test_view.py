@@ -359,6 +359,59 @@ def test_thumbnails_of_tar_members_and_a_tar_that_is_gone(image_dir: Path, tmp_p
     assert gone.search("7")["hits"][0]["row"] == 7
 
 
+PAGES = ["/", "/index.html", "/search.html?q=cats", "/index/layer3.html", "/index/layer3/0.html",
+         f"/index/{SAE}/1.html", "/image/1.html", "/thumb/1.jpg", "/api/store.json", "/api/search.json?q=1",
+         "/api/index/layer3.json", "/api/index/layer3/0.json", "/api/image/1.json", "/api/index/layer3/patch/1/0.json"]
+
+
+def _said_made_again(answer: Any, url: str) -> bool:
+    """A 410 that says in one line that the store was made again, and to restart the viewer."""
+    said = f"{url} was made again (or removed) since this viewer opened it: restart the viewer (extractor view {url})"
+    if answer.status_code != 410:
+        return False
+    if answer.is_json:
+        reason = answer.get_json()["reason"]
+    else:
+        text = answer.get_data(as_text=True)
+        reason = text.split('<p class="missing-reason">', 1)[1].split("</p>", 1)[0] if "<html" in text else text
+    return said in reason and "\n" not in reason.strip()
+
+
+def test_a_store_made_again_or_removed_while_the_viewer_serves_it_is_said_on_every_page(
+        store_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """T5-7: the viewer of a store made again (``--overwrite``) while it ran served the old store's index pages and
+    thumbnails (200) and 500s elsewhere. Every request (but its own scripts and styles) now says in one line that
+    the store was made again and to restart the viewer: after it was made again, after it was removed, and when it
+    is made again while a page is being read."""
+    pytest.importorskip("flask")
+    from helpers.stores import made_again
+
+    from extractor.view import Site, create_app
+
+    path = tmp_path / "v.zarr"
+    shutil.copytree(store_path, path)
+    client = create_app(str(path)).test_client()
+    assert [client.get(p).status_code for p in PAGES] == [200] * len(PAGES)
+    made_again(str(path))
+    assert [p for p in PAGES if not _said_made_again(client.get(p), str(path))] == []
+    assert client.get("/static/view.js").status_code == 200  # the page that says so keeps its style
+    page = client.get("/image/1.html").get_data(as_text=True)
+    assert "The store was made again" in page and "Back to the store" not in page
+    shutil.rmtree(path)
+    assert [p for p in PAGES if not _said_made_again(client.get(p), str(path))] == []
+
+    shutil.copytree(store_path, path)
+    client = create_app(str(path)).test_client()
+    shown = Site.image_page
+
+    def made_again_meanwhile(site: Site, row: int) -> dict:
+        made_again(str(path))  # after the request's check, before its reads
+        return shown(site, row)
+
+    monkeypatch.setattr(Site, "image_page", made_again_meanwhile)
+    assert _said_made_again(client.get("/api/image/1.json"), str(path))
+
+
 @pytest.mark.slow  # a server in a subprocess
 def test_extractor_view_prints_its_address_and_exports_a_site(store_path: Path, tmp_path: Path):
     import re

@@ -162,18 +162,19 @@ def reuse(data: DataSpec, recorded: Recorded) -> Rows | None:
     return rows if prints is None else replace(rows, fingerprints=prints)
 
 
-def files_now(recorded: Recorded) -> np.ndarray:
-    """The fingerprints now of the files a store's rows name (0: a URL, or a file that cannot be seen), ``BLOCK``
-    rows at a time: a stat each, no listing."""
-    n_rows = len(recorded.rows())
-    out = np.zeros(n_rows, dtype=np.uint64)
-    for start in range(0, n_rows, BLOCK):
-        block = recorded.column("paths", start, min(start + BLOCK, n_rows))
+def files_now(recorded: Recorded, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """The fingerprints now of the files a store's rows ``start:stop`` name (0: a URL, or a file that cannot be
+    seen), ``BLOCK`` rows at a time: a stat each, no listing (about 4 s a million files on a warm local disk,
+    measured)."""
+    stop = len(recorded.rows()) if stop is None else stop
+    out = np.zeros(stop - start, dtype=np.uint64)
+    for at in range(start, stop, BLOCK):
+        block = recorded.column("paths", at, min(at + BLOCK, stop))
         if block.dtype == object:
             block = block.astype(np.dtypes.StringDType())
         plain = not bool(np.strings.find(block, "://").max(initial=-1) >= 0 or
                          np.strings.startswith(block, FS_BYTES).any())
-        out[start:start + len(block)] = _stat_prints(block) if plain else \
+        out[at - start:at - start + len(block)] = _stat_prints(block) if plain else \
             [0 if is_url(p) else local_fingerprint(p) for p in block.tolist()]
     return out
 

@@ -1,7 +1,8 @@
 """The folder source (``data.root``): images under a local or remote folder, walked in sorted order, labelled
 by their class folders. A local folder's listing records each folder walked with its mtime, ctime and number of
-rows: a resume stats those folders (thousands at a million images), not the files, and lists again only those
-whose times moved (a file added, removed or renamed in them; the ctime also when the mtime was put back by hand)."""
+rows: a resume stats those folders (thousands at a million images) and lists again only those whose times moved (a
+file added, removed or renamed in them; the ctime also when the mtime was put back by hand); the files of the others
+are stat-ed by name (``data.verify: files``, the default: a file rewritten in place moves no folder's times)."""
 
 from __future__ import annotations
 
@@ -192,16 +193,16 @@ class _Walk:
         elif stop > start:
             self.runs.append([stored, start, stop])
 
-    def rows(self, settings: dict[str, Any], recorded: Recorded | None = None) -> Rows:
-        """The rows walked (those of the store's runs read from ``recorded``), their listing: ``settings`` and
-        the folders walked."""
+    def rows(self, settings: dict[str, Any], recorded: Recorded | None = None, stat: bool = False) -> Rows:
+        """The rows walked (those of the store's runs read from ``recorded``, their files stat-ed now with ``stat``:
+        ``data.verify: files``), their listing: ``settings`` and the folders walked."""
         listed = self.ids.array()
         ids: Texts | np.ndarray = listed
         paths: Joined | np.ndarray = self.paths.joined(listed)
         prints = np.frombuffer(self.prints, dtype=np.uint64) if self.prints else np.zeros(0, np.uint64)
         if any(stored for stored, _, _ in self.runs):
             assert recorded is not None
-            ids, paths, prints = (self._joined(recorded, name, own, dtype) for name, own, dtype in (
+            ids, paths, prints = (self._joined(recorded, name, own, dtype, stat) for name, own, dtype in (
                 ("ids", listed, STRINGS), ("paths", paths, STRINGS), ("fingerprint", prints, np.uint64)))
         tops = [display_name(_real(rel)).split("/", 1)[0] for rel, *_ in self.folders]  # the root's: ""
         labels, classes = _folder_labels(tops, self.counts, lambda: str(ids[0]))
@@ -210,9 +211,13 @@ class _Walk:
         return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints, listing=listing)
 
 
-    def _joined(self, recorded: Recorded, name: str, own: Any, dtype: Any) -> np.ndarray:
-        """A column of the rows walked: the runs of the store's from its array ``name``, the others from ``own``."""
-        return np.concatenate([np.asarray(recorded.column(name, a, b) if stored else own[a:b], dtype=dtype)
+    def _joined(self, recorded: Recorded, name: str, own: Any, dtype: Any, stat: bool) -> np.ndarray:
+        """A column of the rows walked: the runs of the store's from its array ``name`` (their fingerprints taken
+        now with ``stat``), the others from ``own``."""
+        def stored_run(a: int, b: int) -> np.ndarray:
+            return files_now(recorded, a, b) if stat and name == "fingerprint" else recorded.column(name, a, b)
+
+        return np.concatenate([np.asarray(stored_run(a, b) if stored else own[a:b], dtype=dtype)
                                for stored, a, b in self.runs])
 
 
@@ -257,12 +262,13 @@ class FolderSource(Source):
 
     def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
         """The folders whose times moved listed again (and any new sub-folder of theirs), the others' rows taken
-        from the store. None (all listed again, which says what is wrong) with ``data.verify: files`` (every file
-        is stat-ed anyway) or where the root is no folder now."""
-        if data.verify == "files" or not os.path.isdir(now["root"]):
+        from the store (their files stat-ed, ``data.verify: files``). None (all listed again, which says what is
+        wrong) where the root is no folder now."""
+        if not os.path.isdir(now["root"]):
             return None
         kept = _Kept(recorded.listing, now["folders"])
-        rows = _Walk(now["root"], data.extensions, kept).walk().rows(self._settings(data), recorded)
+        walk = _Walk(now["root"], data.extensions, kept).walk()
+        rows = walk.rows(self._settings(data), recorded, stat=data.verify == "files")
         return rows if data.classes is None else named(rows, list(data.classes), now["root"])
 
     def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
