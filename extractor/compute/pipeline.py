@@ -37,6 +37,7 @@ class Forwarder(Protocol):
     prepare_pool: ThreadPoolExecutor  # opens the next shard
     writer_pool: ThreadPoolExecutor  # compresses and stores chunks
     spare: dict[str, deque[np.ndarray]]  # chunk buffers whose write is done
+    model_info: dict[str, Any]  # the model's record (its prefix tokens: the statistics keep theirs apart)
 
     def batches(self) -> Any: ...
 
@@ -193,7 +194,7 @@ class Pipeline:
             shard, given = self.next.take()  # raises the store's error for this shard
             w = self.worker
             assert w.captures is not None  # probed before any shard runs
-            out = ShardOutput(given, self.shard_began, w.captures, w.extras, w.writer_pool, w.spare)
+            out = ShardOutput(given, self.shard_began, w.captures, w.extras, w.writer_pool, w.spare, w.model_info)
             self._call(self.on_started, shard)
             while (batch := self._next_batch(out)) is not None:
                 self._forward(batch, given, out)

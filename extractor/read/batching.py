@@ -17,6 +17,7 @@ from ..errors import StoreError
 from ..store import (
     CaptureRecord,
     read_rows,
+    stored_prefix,
     take_rows,
 )
 from .epoch import Part, Stream, check_part, epoch_runs, mix_seed, rank_part, skip_jobs
@@ -404,7 +405,7 @@ class Batching:
         arrays = [self[k] for k in keys]
         if spans[0].sampled:  # each stored token's position in the layer's sequence
             arrays.append(self[f"{keys[0]}.token_index"])
-        norms = [self._normalizer(k, normalize) for k in keys]
+        norms = [self._normalizer(k, normalize, span.skip) for k, span in zip(keys, spans, strict=True)]
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
         plan = _Plan.of(self._select_rows(rows, only_ok), _unit(arrays[0], spread), shuffle, seed, part, worker,
                         buffer_chunks if shuffle else 1)
@@ -432,14 +433,25 @@ class Batching:
 
         return Stream(make, {**plan.fixed(buffer_chunks, tokens), "drop_prefix": skip, "spread": spread})
 
-    def _normalizer(self, key: str, normalize: str | Sequence[str] | None) -> tuple[np.ndarray | None, float | None]:
-        """What ``normalize`` subtracts (per feature) and divides by, from the statistics of ``key``."""
+    def normalization(self, key: str, normalize: str | Sequence[str] | None,
+                      drop_prefix: bool | int = False) -> tuple[np.ndarray | None, float | None]:
+        """What :meth:`token_batches` with ``normalize`` and ``drop_prefix`` subtracts from each token of ``key``
+        (per feature, or None) and divides it by (or None): from the store's statistics of every stored token, or
+        of the patches alone where the prefix tokens are left out (the feature index's ``normalize`` reads the
+        same)."""
+        self.token_span(key, drop_prefix)  # a token capture, and a drop_prefix it takes
+        return self._normalizer(key, normalize, self._prefix(key, drop_prefix))
+
+    def _normalizer(self, key: str, normalize: str | Sequence[str] | None,
+                    skip: int) -> tuple[np.ndarray | None, float | None]:
+        """What ``normalize`` subtracts (per feature) and divides by, from the statistics of ``key``'s tokens as a
+        stream that leaves out the first ``skip`` of each row serves them."""
         asked = {normalize} if isinstance(normalize, str) else set(normalize or ())
         if not asked:
             return None, None
         if not asked <= {"mean", "norm"}:
             raise ValueError(f"normalize takes 'mean', 'norm' or both, not {normalize!r}")
-        stats = self.stats.get(key)
+        stats = self._token_stats(key, normalize, skip)
         if not stats or (asked == {"norm"} and stats.get("mean_token_l2") is None):
             raise StoreError(f"normalize={normalize!r} needs the store's per-token statistics of {key!r}, which it "
                              "does not have (a store of a run that did not end, or made before per-token norms): "
@@ -450,6 +462,25 @@ class Batching:
         if asked == {"mean"}:
             return mean, None
         return mean, float(np.sqrt(np.sum(np.square(np.asarray(stats["std"], np.float64)))))
+
+    def _token_stats(self, key: str, normalize: Any, skip: int) -> dict[str, Any] | None:
+        """The statistics of the tokens a stream serves of ``key`` leaving out ``skip`` of each row: of every stored
+        token (none left out, or a capture without prefix tokens), or of the patches alone (its prefix tokens left
+        out); any other cut is refused (the store has no statistics of it)."""
+        stats = self.stats.get(key)
+        prefix = stored_prefix(self.captures[key], self.model)
+        if not skip or not stats:
+            return stats
+        if skip != prefix:
+            held = f"of the patches after its {prefix} prefix tokens" if prefix else "none of a cut of them"
+            raise StoreError(f"normalize={normalize!r} with {skip} tokens of each row of {key!r} left out: the store's "
+                             f"statistics are of every stored token, or {held}; normalise after leaving out "
+                             f"{'its prefix tokens (drop_prefix=True)' if prefix else 'none'}, or leave normalize out")
+        if "patches" not in stats:
+            raise StoreError(f"normalize={normalize!r} with the prefix tokens of {key!r} left out needs the store's "
+                             "statistics of its patches alone, which it does not have (made before they were kept): "
+                             "make the store again, or normalise over every token (drop_prefix=False)")
+        return dict(stats["patches"])
 
     def buffer_bytes(self, key: str, buffer_chunks: int = 8, spread: bool = False) -> int:
         """Bytes of one mixing buffer of :meth:`batches` / :meth:`token_batches` over ``key`` (at most: the last
@@ -496,10 +527,10 @@ class Batching:
         """Tokens to leave out of each stored row of ``key``: a count, or for ``True`` the model's
         prefix-token count, none when the capture is stored without its prefix tokens already."""
         if isinstance(drop_prefix, bool):
-            if not drop_prefix or self.captures[key].get("drop_prefix"):
-                return 0  # not asked, or left out when the store was written: its rows are patch tokens
-            n = self.model.get("prefix_tokens")
-            if not isinstance(n, int):
+            if not drop_prefix:
+                return 0
+            n = stored_prefix(self.captures[key], self.model)  # none where left out when the store was written
+            if n is None:
                 raise StoreError("drop_prefix=True: the store does not record how many prefix tokens the model has "
                                  "(CLS, registers); pass their count, e.g. drop_prefix=1")
             return n

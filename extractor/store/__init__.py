@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         now,
         read_rows,
         root_attrs,
+        stored_prefix,
         take_rows,
     )
     from .ledger import Ledger, Table, blocks_for, new_id

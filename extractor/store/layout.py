@@ -119,6 +119,23 @@ class CaptureRecord(TypedDict):
     feature_index: NotRequired[dict[str, Any]]  # a write-time index: k, pool, threshold, dictionary, name
 
 
+def stored_prefix(record: Mapping[str, Any], model: Mapping[str, Any] | None) -> int | None:
+    """How many of the positions a capture stores per row are its layer's prefix tokens (CLS, registers), in
+    front of its patch tokens: 0 for a capture that is no token sequence, or one stored without them
+    (``drop_prefix``); a sampled capture's ``prefix_kept``; else the model's ``prefix_tokens`` as the store records
+    it (``model``: the store's model record), None where it records none. Every reader of a capture's prefix
+    (statistics, streams, indexes) asks here: the one place to read a per-capture record instead."""
+    names = [d.rsplit(".", 1)[-1] for d in record.get("dims", ())]
+    if names[-2:] != ["token", "feature"]:
+        return 0
+    if record.get("sample_tokens"):
+        return int(record.get("prefix_kept") or 0)
+    if record.get("drop_prefix"):
+        return 0
+    n = (model or {}).get("prefix_tokens")
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 class ExtraRecord(TypedDict):
     """A per-row result of a gradient job (``target``, ``score``, ``*.range``), chunked by shard."""
 

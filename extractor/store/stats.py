@@ -4,7 +4,9 @@ Per capture: count, mean and standard deviation per feature (the channel of a ma
 feature of a token sequence, each element of a vector), global min and max, NaN and Inf
 counts, rows holding any NaN/Inf, and the mean L2 norm of a row; of a token capture (its last dims
 ``token``, ``feature``) also the mean L2 norm of a token (``mean_token_l2``: what a sparse autoencoder
-normalises by). Non-finite values are counted, not folded into the moments.
+normalises by), and where its rows hold prefix tokens (CLS, registers) in front of the patches, the same
+per-token statistics of the patches alone (``patches``: the sums of the prefix tokens are kept apart, the
+patches' are the rest). Non-finite values are counted, not folded into the moments.
 
 A shard's record (``shard_stats[s]``) is JSON whose per-feature sums are base64 of their bytes (records
 written before hold lists of numbers: both are read). The driver merges records into :class:`Totals` as
@@ -18,7 +20,7 @@ import base64
 import io
 import json
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,9 @@ from .layout import get_array, take_rows
 __all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
 
 _SUMS = {"count": np.int64, "sum": np.float64, "sumsq": np.float64}  # per feature
+_PREFIX_SUMS = {"prefix_count": np.int64, "prefix_sum": np.float64, "prefix_sumsq": np.float64}  # of prefix tokens
 _SCALARS = ("nan", "inf", "rows", "nonfinite_row_count", "l2_sum", "l2_rows", "token_l2_sum", "token_l2_count")
+_PREFIX_SCALARS = ("prefix_token_l2_sum", "prefix_token_l2_count", "prefix_rows")
 _FIRST = 20  # rows holding NaN or Inf named, the first ones
 MERGE_SLICE = 32  # shards' records read at once by a merge (24 x 1024 features: 800 KB each)
 
@@ -46,9 +50,10 @@ def feature_axis(dims: Sequence[str]) -> int | None:
 
 
 class ShardStats:
-    """Running sums for one capture over one shard's ok rows."""
+    """Running sums for one capture over one shard's ok rows; of a token capture whose rows hold ``prefix``
+    prefix tokens in front of the patches (:func:`~.layout.stored_prefix`), those tokens' sums apart too."""
 
-    def __init__(self, dims: Sequence[str], shape: Sequence[int]) -> None:
+    def __init__(self, dims: Sequence[str], shape: Sequence[int], prefix: int | None = 0) -> None:
         self.axis = feature_axis(dims)
         names = [d.rsplit(".", 1)[-1] for d in dims]
         self.tokens = names[-2:] == ["token", "feature"]  # per-token norms too
@@ -57,6 +62,12 @@ class ShardStats:
         self.count = np.zeros(n_feat, np.int64)
         self.sum = np.zeros(n_feat, np.float64)
         self.sumsq = np.zeros(n_feat, np.float64)
+        # the prefix tokens' own sums (0: none, or not a token capture, or fewer tokens than that)
+        self.prefix = int(prefix or 0) if self.tokens and int(prefix or 0) < int(shape[-2]) else 0
+        self.prefix_count = np.zeros(n_feat if self.prefix else 0, np.int64)
+        self.prefix_sum = np.zeros(n_feat if self.prefix else 0, np.float64)
+        self.prefix_sumsq = np.zeros(n_feat if self.prefix else 0, np.float64)
+        self.prefix_token_l2_sum, self.prefix_token_l2_count = 0.0, 0
         self.min, self.max = np.inf, -np.inf
         self.nan = self.inf = 0
         self.rows = 0
@@ -75,6 +86,7 @@ class ShardStats:
             axes: tuple[int, ...] = tuple(range(x.ndim))
         else:
             axes = tuple(a for a in range(x.ndim) if a != self.axis)
+        raw = x
         flat = x.reshape(len(x), -1)
         finite_rows = np.isfinite(flat).all(axis=1)
         if not finite_rows.all():  # rare: count the NaN/Inf, then zero them out of the moments
@@ -92,6 +104,8 @@ class ShardStats:
         self.count += count
         self.sum += x.sum(axis=axes, dtype=np.float64).reshape(-1)
         self.sumsq += sq.sum(axis=axes, dtype=np.float64).reshape(-1)
+        if self.prefix:
+            self._add_prefix(raw, x, sq, axes)
         if len(good):
             sq_good = sq[finite_rows] if len(good) < len(x) else sq
             self.l2_sum += float(np.sqrt(sq_good.reshape(len(good), -1).sum(axis=1, dtype=np.float64)).sum())
@@ -100,6 +114,16 @@ class ShardStats:
                 norms = np.sqrt(sq_good.sum(axis=-1, dtype=np.float64))
                 self.token_l2_sum += float(norms.sum())
                 self.token_l2_count += norms.size
+                self.prefix_token_l2_sum += float(norms[..., : self.prefix].sum())
+                self.prefix_token_l2_count += norms[..., : self.prefix].size
+
+    def _add_prefix(self, raw: np.ndarray, x: np.ndarray, sq: np.ndarray, axes: tuple[int, ...]) -> None:
+        """Add the sums of a batch's prefix tokens (``raw`` as given; ``x`` and its squares ``sq`` with non-finite
+        values zeroed), counting their finite values per feature."""
+        p = self.prefix
+        self.prefix_count += np.isfinite(raw[..., :p, :]).sum(axis=axes).reshape(-1).astype(np.int64)
+        self.prefix_sum += x[..., :p, :].sum(axis=axes, dtype=np.float64).reshape(-1)
+        self.prefix_sumsq += sq[..., :p, :].sum(axis=axes, dtype=np.float64).reshape(-1)
 
     def _count_nonfinite(self, x: np.ndarray, rows: np.ndarray, finite_rows: np.ndarray,
                          axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -120,7 +144,7 @@ class ShardStats:
         return x, count
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "count": _pack(self.count), "sum": _pack(self.sum), "sumsq": _pack(self.sumsq),
             "min": self.min if np.isfinite(self.min) else None, "max": self.max if np.isfinite(self.max) else None,
             "nan": self.nan, "inf": self.inf, "rows": self.rows, "nonfinite_rows": self.nonfinite_rows,
@@ -128,6 +152,11 @@ class ShardStats:
             "l2_sum": self.l2_sum, "l2_rows": self.l2_rows,
             "token_l2_sum": self.token_l2_sum, "token_l2_count": self.token_l2_count,
         }
+        if self.prefix:
+            out.update(prefix=self.prefix, prefix_count=_pack(self.prefix_count), prefix_sum=_pack(self.prefix_sum),
+                       prefix_sumsq=_pack(self.prefix_sumsq), prefix_token_l2_sum=self.prefix_token_l2_sum,
+                       prefix_token_l2_count=self.prefix_token_l2_count, prefix_rows=self.rows)
+        return out
 
 
 def _pack(x: np.ndarray) -> str:
@@ -172,6 +201,7 @@ class Totals:
             for k in _SCALARS:
                 a[k] = a.get(k, 0) + d.get(k, 0)  # records (totals) written before per-token norms have none
             a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + d["nonfinite_rows"])[:_FIRST]
+            _add_prefix(a, d)
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per capture: rows, mean and std per feature, min, max, NaN and Inf counts, the rows holding them."""
@@ -194,12 +224,15 @@ class Totals:
             }
             if a.get("token_l2_count"):
                 out[key]["mean_token_l2"] = a["token_l2_sum"] / a["token_l2_count"]
+            if a.get("prefix") and a.get("prefix_rows") == a["rows"] and not a.get("prefix_mixed"):  # every row's
+                out[key]["patches"] = _patches(a)
         return out
 
     def to_bytes(self) -> bytes:
         """The totals as one object: a CRC-32, then npz of the sums and JSON of the rest."""
-        arrays = {f"{k}/{key}": a[k] for key, a in self.acc.items() for k in _SUMS}
-        rest = {key: {k: v for k, v in a.items() if k not in _SUMS} for key, a in self.acc.items()}
+        arrays = {f"{k}/{key}": a[k] for key, a in self.acc.items() for k in (*_SUMS, *_PREFIX_SUMS) if k in a}
+        rest = {key: {k: v for k, v in a.items() if k not in _SUMS and k not in _PREFIX_SUMS}
+                for key, a in self.acc.items()}
         out = io.BytesIO()
         np.savez(out, held=np.packbits(self.held), rest=np.frombuffer(json.dumps(rest).encode(), np.uint8), **arrays)
         payload = out.getvalue()
@@ -218,8 +251,35 @@ class Totals:
                 return None
             totals.held = held[:n_shards].astype(bool)
             for key, rest in json.loads(z["rest"].tobytes()).items():
-                totals.acc[key] = {**rest, **{k: z[f"{k}/{key}"].astype(dtype) for k, dtype in _SUMS.items()}}
+                sums = {k: z[f"{k}/{key}"].astype(dtype) for k, dtype in (*_SUMS.items(), *_PREFIX_SUMS.items())
+                        if f"{k}/{key}" in z.files}
+                totals.acc[key] = {**rest, **sums}
         return totals
+
+
+def _add_prefix(a: dict[str, Any], d: Mapping[str, Any]) -> None:
+    """Add a shard record's sums of its prefix tokens (``d``, where it holds them) to a capture's totals ``a``: the
+    rows they cover count (``prefix_rows``), so patches' statistics are given only where every row's are apart."""
+    if not d.get("prefix"):
+        return
+    if a.setdefault("prefix", d["prefix"]) != d["prefix"]:  # never within one store: no patches' statistics
+        a["prefix_mixed"] = True
+        return
+    for k, dtype in _PREFIX_SUMS.items():
+        v = _unpack(d[k], dtype)
+        a[k] = a[k] + v if k in a else v
+    for k in _PREFIX_SCALARS:
+        a[k] = a.get(k, 0) + d.get(k, 0)
+
+
+def _patches(a: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-token statistics of the patches alone: every token's sums less the prefix tokens'."""
+    count = np.maximum(a["count"] - a["prefix_count"], 1)
+    mean = (a["sum"] - a["prefix_sum"]) / count
+    var = np.maximum((a["sumsq"] - a["prefix_sumsq"]) / count - mean**2, 0.0)
+    tokens = a["token_l2_count"] - a["prefix_token_l2_count"]
+    return {"prefix": a["prefix"], "mean": [float(v) for v in mean], "std": [float(v) for v in np.sqrt(var)],
+            "mean_token_l2": (a["token_l2_sum"] - a["prefix_token_l2_sum"]) / tokens if tokens else None}
 
 
 def shard_record(group: zarr.Group, index: int) -> str:
