@@ -52,10 +52,19 @@ def _make(store: Any, args: argparse.Namespace) -> str:
 
     try:
         made = index(store, args.key, dictionary=args.dictionary, k=args.k, pool=args.pool, name=args.name,
-                     threshold=args.threshold, activation=args.activation, on_progress=on_progress)
+                     threshold=args.threshold, activation=args.activation, include_prefix=args.include_prefix,
+                     normalize=args.normalize, on_progress=on_progress)
     finally:
         bar.close()
     return made.name
+
+
+def _normalize(text: str) -> str | list[str]:
+    """``--normalize``: mean, norm, or both (``mean,norm``)."""
+    asked = [t.strip() for t in text.split(",") if t.strip()]
+    if not asked or not set(asked) <= {"mean", "norm"}:
+        raise argparse.ArgumentTypeError(f"takes mean, norm or mean,norm, not {text!r}")
+    return asked[0] if len(asked) == 1 else asked
 
 
 def add_index_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -70,6 +79,11 @@ def add_index_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     ix.add_argument("--pool", choices=["max", "mean"], default="max",
                     help="what ranks a row: the feature's max over its positions (default) or its mean")
     ix.add_argument("--threshold", type=float, default=0.0, help="a feature fires above this (default 0)")
+    ix.add_argument("--include-prefix", action="store_true", help="index a token sequence's prefix tokens (CLS, "
+                    "registers) too; by default its patches only, as its heatmaps show")
+    ix.add_argument("--normalize", type=_normalize, metavar="mean|norm|mean,norm",
+                    help="scale each token first as token_batches(normalize=...) does, from the store's statistics "
+                    "of the same tokens (patches only unless --include-prefix): an SAE trained on normalised tokens")
     ix.add_argument("--name", help="the index's name in the store (default: KEY, or KEY@DICTIONARY_STEM)")
     ix.add_argument("--feature", type=int, help="draw this feature's top images with its heatmaps to --out")
     ix.add_argument("--densities", action="store_true", help="draw the histogram of all features' densities to --out")

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .device import index_on_device, serves
     from .dictionary import Dictionary, DictionaryError, load_dictionary
     from .post_hoc import index
-    from .reader import FeatureIndex, TopRows, describe, index_names, open_index, summary
+    from .reader import FeatureIndex, TopRows, coverage, describe, index_names, open_index, summary
     from .write_time import JobIndexes, indexed, with_indexes
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it

@@ -24,18 +24,23 @@ ENCODE_VALUES = 1 << 24  # latents a dictionary encodes at once: 64 MB (measured
 
 @dataclass(frozen=True)
 class Layout:
-    """How the rows of a capture are read as (positions, features): a map's channels at its y x x positions, a token
-    sequence's features at its tokens, a vector's features at one position."""
+    """How the rows of a capture are read as the index's (positions, features): a map's channels at its y x x
+    positions, a token sequence's features at its tokens (its prefix tokens left out unless asked for), a vector's
+    features at one position."""
 
     kind: str  # map (channel, y, x), map_last (y, x, channel), tokens (token, feature), vector (feature)
     features: int  # per position, as stored
-    positions: int
+    positions: int  # indexed per row
     grid: tuple[int, int] | None  # the positions after ``prefix`` as a (h, w) grid, when they make one
-    prefix: int  # leading positions not in the grid (a ViT's CLS and registers)
+    prefix: int  # leading positions indexed that are not in the grid (a ViT's CLS and registers, when included)
+    skip: int = 0  # leading positions of each stored row left out (the prefix tokens, unless included)
+    covers: str | None = None  # of a token capture: "patches", "all" (prefix included), "unknown" (none known)
 
     @classmethod
-    def of(cls, key: str, record: Mapping[str, Any], prefix_tokens: int | None) -> Layout:
-        """The layout of capture ``key`` (its CaptureRecord); ``prefix_tokens``: the model's, as the store says."""
+    def of(cls, key: str, record: Mapping[str, Any], prefix: int | None, include_prefix: bool = False) -> Layout:
+        """The layout of capture ``key`` (its CaptureRecord) as an index reads it; ``prefix``: the prefix tokens
+        of its stored rows (:func:`~extractor.store.layout.stored_prefix`; None: not known), which are left out
+        unless ``include_prefix``."""
         names = [d.rsplit(".", 1)[-1] for d in record["dims"]]
         shape = [int(v) for v in record["shape"]]
         if names == ["channel", "y", "x"]:
@@ -45,14 +50,22 @@ class Layout:
         if names == ["feature"] or names == ["channel"]:
             return cls("vector", shape[0], 1, None, 0)
         if names == ["token", "feature"]:
-            if record.get("sample_tokens"):  # sampled positions differ per row: no grid
-                return cls("tokens", shape[1], shape[0], None, int(record.get("prefix_kept") or 0))
-            prefix = 0 if record.get("drop_prefix") else int(prefix_tokens or 0)
-            side = int(round(max(shape[0] - prefix, 0) ** 0.5))
-            grid = (side, side) if side and side * side == shape[0] - prefix else None
-            return cls("tokens", shape[1], shape[0], grid, prefix)
+            return cls._tokens(shape, prefix, include_prefix, bool(record.get("sample_tokens")))
         raise ValueError(f"{key} is stored as ({', '.join(names)}): an index needs channels of a map, a token "
                          "sequence's features or a vector's features")
+
+    @classmethod
+    def _tokens(cls, shape: list[int], prefix: int | None, include: bool, sampled: bool) -> Layout:
+        """A token sequence's layout: its patches (after ``prefix`` leading tokens, when known), or every token."""
+        stored, features = shape
+        known = prefix if prefix is not None and prefix < stored else None
+        said = "unknown" if known is None else "all" if include and known else "patches"
+        skip = 0 if include or known is None else known
+        kept = known if include and known else 0  # prefix tokens indexed, in front of the patches
+        positions = stored - skip
+        side = int(round(max(positions - kept, 0) ** 0.5))
+        grid = (side, side) if not sampled and side and side * side == positions - kept else None
+        return cls("tokens", features, positions, grid, kept, skip, said)
 
     def tokens(self, x: Any) -> Any:
         """Rows ``x`` (n, *shape) as (n, positions, features): a numpy array (float16: a view of ``x``, which the
@@ -64,7 +77,7 @@ class Layout:
         if self.kind == "map":
             x = x.reshape(n, self.features, self.positions).swapaxes(1, 2)
         else:
-            x = x.reshape(n, self.positions, self.features)
+            x = x.reshape(n, self.skip + self.positions, self.features)[:, self.skip :]
         if isinstance(x, np.ndarray):
             return x if x.dtype == np.float16 else np.ascontiguousarray(x, np.float32)
         return x.float()
@@ -85,8 +98,12 @@ class IndexFeed:
     computed batch's blocks made on the device (``extractor.index.device``, from :meth:`blocks`) and the
     chunks of rows it did not compute. The state does not depend on how rows are cut into blocks."""
 
-    def __init__(self, layout: Layout, k: int, pool: str, threshold: float, encoder: Encoder | None = None) -> None:
+    def __init__(self, layout: Layout, k: int, pool: str, threshold: float, encoder: Encoder | None = None,
+                 normalize: tuple[np.ndarray | None, float | None] = (None, None)) -> None:
+        """``normalize``: what is subtracted from each position's stored features (per feature) and what they are
+        divided by before they are indexed or encoded (None: nothing), as a normalised token stream serves them."""
         self.layout, self.encoder = layout, encoder
+        self.shift, self.scale = normalize
         features = encoder.d_sae if encoder is not None else layout.features
         self.state = IndexState(features, layout.positions, k, pool, threshold)
 
@@ -104,10 +121,26 @@ class IndexFeed:
         step = self.state.block_rows(BLOCK_VALUES if self.encoder is None else ENCODE_VALUES)
         for a in range(0, len(x), step):
             acts = self.layout.tokens(x[a : a + step])
+            if self.shift is not None or self.scale is not None:
+                acts = self.normalized(acts)
             if self.encoder is not None:
                 n, t, d = acts.shape
                 acts = self.encoder.encode(acts.reshape(n * t, d)).reshape(n, t, -1)
             yield acts, rows[a : a + step]
+
+    def normalized(self, acts: Any) -> Any:
+        """``(acts - shift) / scale`` in float32 (numpy, or a torch tensor on its device), as ``token_batches``
+        normalises (``extractor.read.batching._normalized``)."""
+        if isinstance(acts, np.ndarray):
+            out = acts.astype(np.float32)
+            if self.shift is not None:
+                out -= self.shift
+            if self.scale is not None:
+                out /= np.float32(self.scale)
+            return out
+        if self.shift is not None:
+            acts = acts - acts.new_tensor(self.shift)
+        return acts / float(self.scale) if self.scale is not None else acts
 
     def add(self, x: np.ndarray, rows: np.ndarray) -> None:
         """Add rows ``x`` (n, *shape) of the capture, store rows ``rows`` (ok rows only), on the host."""

@@ -47,6 +47,10 @@ class IndexRecord(TypedDict):
     examples: int  # rows per quantile group
     written: str  # "write-time" (merged from the job's shards) or "post-hoc"
     created: str
+    include_prefix: bool  # the prefix tokens were asked for (else left out, where known)
+    tokens: str | None  # of a token capture: "patches", "all" (prefix included), "unknown" (no prefix known)
+    left_out: int  # leading positions of each stored row left out (the prefix tokens)
+    normalize: dict[str, Any] | None  # {asked: ["norm"], over: "patches" | "every token", scale, shifted}
     arrays: NotRequired[str]  # the subgroup of indexes/<name> holding its arrays (set by write_index)
 
 
@@ -117,11 +121,13 @@ def index_name(key: str, dictionary_stem: str | None) -> str:
 
 
 def index_record(name: str, key: str, feed: IndexFeed, dictionary: Mapping[str, Any] | None,
-                 state: Mapping[str, Any], written: str) -> IndexRecord:
-    s = feed.state
+                 state: Mapping[str, Any], written: str, include_prefix: bool = False,
+                 normalize: Mapping[str, Any] | None = None) -> IndexRecord:
+    s, layout = feed.state, feed.layout
     return IndexRecord(
         index_version=INDEX_VERSION, name=name, key=key, features=s.features, k=s.k, pool=s.pool,
         dictionary=dict(dictionary) if dictionary is not None else None, rows=s.rows, source_state=dict(state),
-        positions=s.positions, grid=list(feed.layout.grid) if feed.layout.grid else None, prefix=feed.layout.prefix,
+        positions=s.positions, grid=list(layout.grid) if layout.grid else None, prefix=layout.prefix,
         threshold=s.threshold, hist_edges=[round(float(e), 6) for e in HIST_EDGES], quantiles=QUANTILES,
-        examples=EXAMPLES, written=written, created=now())
+        examples=EXAMPLES, written=written, created=now(), include_prefix=include_prefix, tokens=layout.covers,
+        left_out=layout.skip, normalize=dict(normalize) if normalize else None)

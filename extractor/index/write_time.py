@@ -15,7 +15,7 @@ import numpy as np
 import zarr
 
 from ..errors import SpecError
-from ..store import Generation, done_shards, get_array, root_attrs
+from ..store import Generation, done_shards, get_array, root_attrs, stored_prefix
 from .dictionary import cached_dictionary, load_dictionary
 from .feed import IndexFeed, Layout
 from .layout import index_name, index_record, pointer, source_state, write_index
@@ -47,9 +47,11 @@ def merged_parts(group: zarr.Group, key: str, feed: IndexFeed) -> tuple[int, int
 
 
 def feed_of(key: str, record: Mapping[str, Any], prefix_tokens: int | None = None) -> IndexFeed:
-    """The feed of the write-time index a capture's record asks for (its ``feature_index``)."""
+    """The feed of the write-time index a capture's record asks for (its ``feature_index``: the prefix tokens of
+    its rows as the probe found them; of settings made before they were recorded, every token, ``prefix_tokens``
+    the model's)."""
     settings = record["feature_index"]
-    layout = Layout.of(key, record, prefix_tokens)
+    layout = Layout.of(key, record, settings.get("prefix", prefix_tokens), settings.get("include_prefix", True))
     dic = settings.get("dictionary")
     encoder = cached_dictionary(dic["path"], dic["activation"], dic["digest"]) if dic else None
     return IndexFeed(layout, int(settings["k"]), str(settings["pool"]), float(settings["threshold"]), encoder)
@@ -78,7 +80,8 @@ def finish_indexes(group: zarr.Group, generation: Generation) -> list[str]:
             log.warning("index %s not written: %d done shards have no part of it (computed before it was asked "
                         "for); run extractor index", name, missing)
             continue
-        record = index_record(name, key, feed, settings.get("dictionary"), source_state(group), "write-time")
+        record = index_record(name, key, feed, settings.get("dictionary"), source_state(group), "write-time",
+                              bool(settings.get("include_prefix", True)))
         version = pointer(generation, name)
         if version[1] is None and write_index(generation, name, feed.state.finish(), record, version):
             written.append(name)
@@ -95,8 +98,9 @@ def with_indexes(capture_specs: Any, captures: Mapping[str, Any], prefix_tokens:
         if want is None:
             out[key] = record
             continue
+        prefix = stored_prefix(record, {"prefix_tokens": prefix_tokens})
         try:
-            layout = Layout.of(key, record, prefix_tokens)
+            layout = Layout.of(key, record, prefix, want.include_prefix)
         except ValueError as err:
             raise SpecError(f"capture[{record['capture']}].feature_index: {err}") from None
         dic = load_dictionary(want.dictionary, want.activation) if want.dictionary else None
@@ -104,7 +108,8 @@ def with_indexes(capture_specs: Any, captures: Mapping[str, Any], prefix_tokens:
             dic.check_input(layout.features, f"capture[{record['capture']}] {key} {list(record['shape'])}")
         settings = {"k": want.k, "pool": want.pool, "threshold": want.threshold,
                     "dictionary": dic.record() if dic is not None else None,
-                    "name": want.name or index_name(key, dic.stem if dic is not None else None)}
+                    "name": want.name or index_name(key, dic.stem if dic is not None else None),
+                    "include_prefix": want.include_prefix, "prefix": prefix}
         out[key] = {**record, "feature_index": settings}
     return out
 

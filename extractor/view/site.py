@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..index import FeatureIndex, index_names, open_index
+from ..index import FeatureIndex, coverage, index_names, open_index
 from ..read import ActivationStore
 from ..store import OK, STATUS_NAMES, get_array
 from . import svg
@@ -117,7 +117,7 @@ class Site:
         dictionary = index.attrs.get("dictionary")
         return {"slug": slug, "name": index.name, "key": index.key, "features": index.features, "k": index.k,
                 "pool": index.attrs.get("pool"), "rows": index.attrs.get("rows"), "stale": self._is_stale(slug),
-                "dead": len(index.dead), "grid": index.grid, "prefix": _prefix(index),
+                "dead": len(index.dead), "grid": index.grid, "prefix": _prefix(index), "covers": coverage(index),
                 "dictionary": None if not dictionary else {"path": dictionary.get("path"),
                                                            "activation": dictionary.get("activation"),
                                                            "d_sae": dictionary.get("d_sae")},
