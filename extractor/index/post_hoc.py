@@ -44,7 +44,7 @@ def _dictionary(dictionary: str | Path | Dictionary | None, activation: str | No
 def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str | Path | Dictionary | None = None,
           k: int = 16, pool: str = "max", name: str | None = None, *, threshold: float = 0.0,
           activation: str | None = None, include_prefix: bool = False, normalize: str | Sequence[str] | None = None,
-          on_progress: Callable[[int], None] | None = None,
+          atlas: bool = True, on_progress: Callable[[int], None] | None = None,
           storage_options: Mapping[str, Any] | None = None) -> FeatureIndex:
     """Index the features of capture ``key`` (its channels or features, or the latents of ``dictionary``: a file,
     see :func:`~extractor.index.dictionary.load_dictionary`) over the store's ok rows in one pass, write it into
@@ -56,8 +56,9 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
     ``include_prefix`` (where the store does not record them, every token is indexed). ``normalize`` (``"mean"``,
     ``"norm"`` or both) scales each token first as ``token_batches(normalize=..., drop_prefix=...)`` of the same
     tokens does, from the same statistics (of the patches alone where the prefix tokens are left out): an SAE
-    trained on normalised tokens sees its inputs at its scale. The pass reads the store as it was committed when it
-    was opened;
+    trained on normalised tokens sees its inputs at its scale. With ``atlas`` (the default), a bounded second pass
+    adds each feature's neighbours and a map of all (:func:`~extractor.index.atlas.add_atlas`). The pass reads the
+    store as it was committed when it was opened;
     the index is named in the store by one swap of its attributes (:func:`~.layout.write_index`): where another
     process wrote an index of that name meanwhile, this one is refused, and nothing of it is named.
     ``on_progress(rows)`` is called as rows are done; ``storage_options``: fsspec options of a remote store given
@@ -84,7 +85,12 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
     if not _writable(store, lambda: write_index(generation, name, feed.state.finish(), record, at)):
         raise StoreError(f"index {name} of {store.url} was written by another process while this one made it; open "
                          "that one (extractor index STORE --name ...), or run again to replace it")
-    return open_index(open_store(store.url, store.storage_options), name)
+    made = open_store(store.url, store.storage_options)
+    if atlas:
+        from .atlas import add_atlas
+
+        return add_atlas(made, name)
+    return open_index(made, name)
 
 
 def _settings(store: ActivationStore, key: str, layout: Layout, dictionary: str | Path | Dictionary | None,

@@ -31,7 +31,7 @@ from .layout import INDEXES, READ_VERSIONS, source_state
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["open_index", "index_names", "FeatureIndex", "TopRows", "coverage", "describe", "summary"]
+__all__ = ["open_index", "index_names", "FeatureIndex", "Neighbours", "TopRows", "coverage", "describe", "summary"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,15 @@ class TopRows:
     rows: np.ndarray  # (n,) int64 store rows
     ids: np.ndarray  # (n,) their image ids
     values: np.ndarray  # (n,) float32: the feature pooled over each row's positions
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """A feature's nearest others by one measure of the index's atlas, the nearest first."""
+
+    features: np.ndarray  # (n,) int64
+    scores: np.ndarray  # (n,) float32: decoder cosine, Jaccard index of co-occurrence, or correlation
+    counts: np.ndarray | None = None  # (n,) int64, co-occurrence only: the tokens where both fire
 
 
 def _store(store_or_path: ActivationStore | str | Path,
@@ -242,6 +251,53 @@ class FeatureIndex:
             raise OutOfRangeError(f"rank {rank} out of range: the index keeps {self.k} rows per feature")
         values = self._read("top_tokens", (self._feature(f), rank))
         return values[int(self.attrs["prefix"]) :].reshape(self.grid)
+
+    # ------------------------------------------------------------------ the atlas
+    @property
+    def atlas(self) -> dict[str, Any] | None:
+        """What the index's atlas holds (its ``measures``, ``neighbours`` per feature, ``rows`` sampled, ``map``:
+        method, seed, source), or None: it has none (``extractor index --atlas`` adds one)."""
+        atlas = self.attrs.get("atlas")
+        return dict(atlas) if atlas else None
+
+    def _atlas_array(self, name: str) -> zarr.Array:
+        atlas = self.atlas
+        if atlas is None:
+            raise StoreError(f"index {self.name} of {self.store.url} has no atlas: add one with extractor index "
+                             f"{self.store.url} --name {self.name} --atlas")
+        return get_array(self.arrays[atlas["arrays"]], name)  # type: ignore[arg-type]
+
+    def neighbours(self, f: int) -> dict[str, Neighbours]:
+        """Feature ``f``'s nearest features by each measure of the atlas (``decoder`` where the dictionary has a
+        decoder, ``cooccurrence``, ``correlation``), the nearest first."""
+        f = self._feature(f)
+        out = {}
+        for measure in self._atlas_measures():
+            features = np.asarray(self._atlas_array(f"{measure}.features")[f])
+            keep = features >= 0
+            counts = np.asarray(self._atlas_array(f"{measure}.counts")[f])[keep] if measure == "cooccurrence" else None
+            out[measure] = Neighbours(features[keep], np.asarray(self._atlas_array(f"{measure}.scores")[f])[keep],
+                                      counts)
+        return out
+
+    def _atlas_measures(self) -> list[str]:
+        atlas = self.atlas
+        if atlas is None:
+            self._atlas_array("map")  # the error
+        return list(atlas["measures"]) if atlas else []
+
+    @property
+    def map(self) -> np.ndarray:
+        """(F, 2) float32: each feature's place on the atlas's map."""
+        if "map" not in self._cache:
+            self._cache["map"] = np.asarray(self._atlas_array("map")[:])
+        return self._cache["map"]
+
+    @property
+    def atlas_rows(self) -> np.ndarray:
+        """The store rows the atlas was made of, in the order the pass took them (the first ``cooccurrence_rows``
+        counted co-occurrence)."""
+        return np.asarray(self._atlas_array("rows")[:])
 
     # ------------------------------------------------------------------ the encoder
     @property
