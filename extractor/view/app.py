@@ -57,6 +57,8 @@ class _Views:
         return [
             ("/", self.store_page), ("/index.html", self.store_page), ("/search.html", self.search_page),
             ("/index/<slug>.html", self.features_page), ("/index/<slug>/<int:f>.html", self.feature_page),
+            ("/index/<slug>/map.html", self.map_page),
+            ("/api/index/<slug>/map.json", lambda slug: jsonify(self.site.map_page(slug))),
             ("/image/<int:row>.html", self.image_page), ("/thumb/<int:row>.jpg", self.thumb),
             ("/api/store.json", lambda: jsonify(self.site.store_page())),
             ("/api/search.json", lambda: jsonify(self.site.search(_query()))),
@@ -77,6 +79,9 @@ class _Views:
 
     def feature_page(self, slug: str, f: int) -> str:
         return render("feature.html", page_path("feature", slug, f), self.site.feature_page(slug, f), "app")
+
+    def map_page(self, slug: str) -> str:
+        return render("map.html", page_path("map", slug), self.site.map_page(slug), "app")
 
     def image_page(self, row: int) -> str:
         return render("image.html", page_path("image", row), self.site.image_page(row), "app")

@@ -12,10 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import StoreError
 from ..index import FeatureIndex, coverage, index_names, open_index
-from ..read import ActivationStore
+from ..read import ActivationStore, NearestRows
 from ..store import OK, STATUS_NAMES, get_array
 from . import svg
+from .atlas import map_page, neighbour_lists, similar_key, similar_rows
 from .thumbs import Thumbnails
 
 __all__ = ["NotFound", "Site", "page_path"]
@@ -41,6 +43,8 @@ def page_path(kind: str, *parts: object) -> str:
         "image": "image/{0}.html",
         "thumb": "thumb/{0}.jpg",
         "patch": "api/index/{0}/patch/{1}/{2}.json",
+        "map": "index/{0}/map.html",
+        "run": "run.html",
     }
     return paths[kind].format(*parts)
 
@@ -71,6 +75,8 @@ class Site:
             self.indexes[name if _SAFE.match(name) else f"index-{n}"] = open_index(store, name)
         self.cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
         self._stale: dict[str, bool] = {}  # per index, found on first use (it reads the store's status)
+        self.nearest: dict[str, NearestRows] = {}  # per capture, its rows pooled: read on the first image page
+        self.live = False  # "run this image" is offered (the local app, where the model can be built)
 
     # ------------------------------------------------------------------ lookups (404 for anything not held)
     def index(self, slug: str) -> FeatureIndex:
@@ -121,7 +127,8 @@ class Site:
                 "dictionary": None if not dictionary else {"path": dictionary.get("path"),
                                                            "activation": dictionary.get("activation"),
                                                            "d_sae": dictionary.get("d_sae")},
-                "created": index.attrs.get("created"), "page": page_path("features", slug)}
+                "created": index.attrs.get("created"), "page": page_path("features", slug),
+                "map": page_path("map", slug) if index.atlas is not None else None}
 
     # ------------------------------------------------------------------ pages
     def store_page(self) -> dict[str, Any]:
@@ -196,6 +203,7 @@ class Site:
             "top": top,
             "histogram_svg": svg.histogram(counts, edges, "log10 activation", f"{int(counts.sum())} activations"),
             "quantiles": groups[::-1],  # the highest group first
+            "neighbours": neighbour_lists(index, slug, f),
         }
 
     def patch_features(self, slug: str, row: int, token: int, n: int = PATCH_FEATURES) -> dict[str, Any]:
@@ -229,7 +237,23 @@ class Site:
             "indexes": indexes,
             "explorer": ok and any(ix.grid is not None for ix in self.indexes.values()) and not pic["gone"],
             "cams": [self._cam(key, row) for key in self.cams] if ok else [],
+            "similar": self._similar(row) if ok else None,
+            "run": page_path("run") if self.live else None,
         }
+
+    def _similar(self, row: int) -> dict[str, Any] | None:
+        """The images nearest ``row`` by the pooled vector of the store's first capture (None: it has none; or why
+        not, when it cannot be searched)."""
+        key = similar_key(self)
+        if key is None:
+            return None
+        try:
+            return similar_rows(self, key, row)
+        except StoreError as err:
+            return {"key": key, "missing": str(err), "pictures": []}
+
+    def map_page(self, slug: str) -> dict[str, Any]:
+        return map_page(self, slug)
 
     def _image_features(self, slug: str, row: int | None, patches: bool) -> dict[str, Any]:
         """An index's section of an image page: the row's top features (and where each fires), with ``patches``

@@ -27,7 +27,8 @@ SAE = "layer3@sae"  # the index of a dictionary's latents (the other, "layer3": 
 def sae_weights(d_in: int = 32, d_sae: int = 48) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {"W_enc": rng.normal(size=(d_in, d_sae)).astype(np.float32),
-            "b_enc": rng.normal(scale=0.05, size=d_sae).astype(np.float32)}
+            "b_enc": rng.normal(scale=0.05, size=d_sae).astype(np.float32),
+            "W_dec": rng.normal(size=(d_sae, d_in)).astype(np.float32) / np.sqrt(d_in)}
 
 
 def make_store(tmp: Path) -> tuple[Path, Path]:
@@ -301,9 +302,10 @@ def test_the_exported_site_opens_from_disk_and_shows_the_same(store_path: Path, 
     assert written["gone"] == 1  # row 11's image: its pages say so
     site = (tmp_path / "site").resolve().as_uri() + "/"
     x = maps(store_path)
-    for path in ["index.html", "index/layer3.html", "image/0.html", "image/11.html"]:
+    for path in ["index.html", "index/layer3.html", "image/0.html", "image/11.html", f"index/{SAE}/map.html"]:
         tab.open(site + path)
         assert not tab.errors, (path, tab.errors)
+    assert int(tab.page.locator("#atlas-map").get_attribute("data-points") or -1) == 48  # the map, from disk
     f = int(np.argmax(x.max(axis=(0, 2, 3))))
     tab.open(site + f"index/layer3/{f}.html")
     check_feature_page(tab, x, f)
@@ -444,3 +446,72 @@ def test_a_port_out_of_range_or_in_use_is_one_line_saying_which(image_dir: Path,
         with pytest.raises(ExtractorError, match=rf"^port {port} of 127.0.0.1 is in use by another program: pick "
                                                  r"another with --port \(--port 0: any free one\)$"):
             serve(str(tmp_path / "none.zarr"), port=port)
+
+
+# ---------------------------------------------------------------------------------------------- the atlas (issue 59)
+@pytest.mark.slow  # a server and a browser
+def test_the_map_draws_one_point_per_feature_zooms_and_links_each_to_its_page(server: str, tab: Page,
+                                                                             store_path: Path):
+    from extractor.index import open_index
+
+    ix = open_index(str(store_path), SAE)
+    tab.open(server + f"index/{SAE}.html")
+    tab.page.click("a.map-link")
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert tab.page.url.endswith(f"index/{SAE}/map.html")
+    canvas = tab.page.locator("#atlas-map")
+    assert int(canvas.get_attribute("data-points") or -1) == ix.features == 48
+    assert int(canvas.get_attribute("data-shown") or -1) == 48  # the whole map fits at first
+    shot(tab, "map")
+    xy = ix.map.astype(np.float64)
+    gaps = np.linalg.norm(xy[:, None] - xy[None], axis=2) + np.eye(len(xy)) * 1e9
+    f = int(np.argmax(gaps.min(axis=1)))  # the loneliest point: a click there is it, not a neighbour
+    x, y = tab.page.evaluate(f"atlasMap.screen({f})")
+    scale = float(canvas.get_attribute("data-scale") or 0)
+    tab.page.mouse.move(x, y)
+    tab.page.mouse.wheel(0, -300)  # zoom in about the cursor: the point under it stays there
+    tab.page.wait_for_function(f"Number(document.getElementById('atlas-map').dataset.scale) > {scale * 1.5}")
+    x2, y2 = tab.page.evaluate(f"atlasMap.screen({f})")
+    assert abs(x2 - x) < 1.5 and abs(y2 - y) < 1.5
+    assert f"feature {f}:" in tab.page.inner_text("#atlas-hover")
+    tab.page.mouse.click(x2, y2)
+    tab.page.wait_for_url(f"**/index/{SAE}/{f}.html")
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert not tab.errors
+
+
+@pytest.mark.slow  # a server and a browser
+def test_a_feature_page_lists_its_neighbours_by_each_measure(server: str, tab: Page, store_path: Path):
+    from extractor.index import open_index
+
+    ix = open_index(str(store_path), SAE)
+    f = 5
+    tab.open(server + f"index/{SAE}/{f}.html")
+    for measure, near in ix.neighbours(f).items():
+        listed = tab.page.locator(f'section.measure[data-measure="{measure}"] li')
+        assert [int(v) for v in listed.evaluate_all("ls => ls.map(l => l.dataset.feature)")] == \
+            near.features.tolist(), measure
+    assert tab.page.locator("section.measure").count() == 3  # the dictionary has a decoder
+    shot(tab, "feature_neighbours")
+    tab.page.locator('section.measure[data-measure="decoder"] li a').first.click()
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert tab.page.url.endswith(f"index/{SAE}/{int(ix.neighbours(f)['decoder'].features[0])}.html")
+    assert not tab.errors
+
+
+@pytest.mark.slow  # a server and a browser
+def test_an_image_page_shows_the_stored_images_nearest_it_by_hand(server: str, tab: Page, store_path: Path):
+    """Search by image: the rows whose pooled layer3 (mean over positions) has the highest cosine with row 2's,
+    by hand."""
+    x = maps(store_path)
+    pooled = x.reshape(len(x), x.shape[1], -1).mean(axis=2)
+    unit = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    cos = unit @ unit[2]
+    cos[2] = -np.inf
+    want = np.lexsort((np.arange(len(cos)), -cos))[:8]
+    tab.open(server + "image/2.html")
+    shown = tab.page.locator("section.similar figure.pic")
+    assert [int(r) for r in shown.evaluate_all("fs => fs.map(f => f.dataset.row)")] == want.tolist()
+    np.testing.assert_allclose([float(v) for v in tab.page.locator("section.similar .value").all_inner_texts()],
+                               cos[want], rtol=1e-3)
+    assert not tab.errors
