@@ -1,6 +1,6 @@
-"""The viewer as a local web app (Flask): GET only, every path parameter a number or a name looked up among the
-store's own (never a file path), the store read lazily behind it; answers only for the host it listens on
-(:mod:`.hosts`)."""
+"""The viewer as a local web app (Flask): GET only (but the image "run this image" takes: :mod:`.run_views`), every
+path parameter a number or a name looked up among the store's own (never a file path), the store read lazily behind
+it; answers only for the host it listens on (:mod:`.hosts`)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,22 @@ POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'sel
           "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 
 
-def create_app(store: ActivationStore | str, hosts: Hosts = LOOPBACK) -> Flask:
+def create_app(store: ActivationStore | str, hosts: Hosts = LOOPBACK, live: bool = True,
+               device: str = "auto") -> Flask:
     """The Flask app of the viewer over ``store`` (a path or URL, or a store opened already), answering requests
-    for ``hosts`` only (default: this machine's loopback names; any other ``Host``: 403, saying why)."""
+    for ``hosts`` only (default: this machine's loopback names; any other ``Host``: 403, saying why). With ``live``
+    it offers "run this image" and search by text (:mod:`.run`; the store's model built on first use, on
+    ``device``)."""
     site = Site(open_store(store) if isinstance(store, str) else store)
     app = Flask(__name__, static_folder=str(files("extractor.view") / "static"), static_url_path="/static")
     app.before_request(lambda: _foreign(hosts))
     views = _Views(site)
     for rule, view in views.rules():
         app.add_url_rule(rule, rule, view, methods=["GET"])
+    if live:
+        from .run_views import add_run_views
+
+        add_run_views(app, site, device)
     app.register_error_handler(NotFound, lambda err: _missing(str(err.args[0] if err.args else err)))
     app.register_error_handler(404, lambda err: _missing(f"there is no page at {request.path}"))
     app.after_request(_headers)
@@ -125,16 +132,18 @@ def _missing(reason: str) -> tuple[Any, int]:
                   {"title": "not found", "reason": reason}, "app"), 404
 
 
-def serve(store: ActivationStore | str, host: str = HOST, port: int = PORT, announce: Any = print) -> None:
+def serve(store: ActivationStore | str, host: str = HOST, port: int = PORT, announce: Any = print,
+          live: bool = True, device: str = "auto") -> None:
     """Serve the viewer of ``store`` until interrupted; ``announce`` gets the address once it listens (port 0: a
     free one). It answers for the host it listens on only (:class:`~.hosts.Hosts`). A port outside 0 to 65535 is
-    a ValueError; one that cannot be had (in use) an ExtractorError naming it."""
+    a ValueError; one that cannot be had (in use) an ExtractorError naming it. ``live``, ``device``: see
+    :func:`create_app`."""
     from werkzeug.serving import make_server
 
     sock = listen(host, port)  # bound here: Werkzeug's own bind prints its error and exits the process
     with sock:
         bound = sock.getsockname()[0]
-        server = make_server(host, port, create_app(store, Hosts.bound(host, bound)), threaded=True,
+        server = make_server(host, port, create_app(store, Hosts.bound(host, bound), live, device), threaded=True,
                              fd=sock.fileno())  # the server listens on a copy of it
     shown = f"[{host}]" if ":" in host else host
     announce(f"http://{shown}:{server.port}/")

@@ -3,6 +3,7 @@ here, served by the app and exported as a static site opened from disk."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -515,3 +516,135 @@ def test_an_image_page_shows_the_stored_images_nearest_it_by_hand(server: str, t
     np.testing.assert_allclose([float(v) for v in tab.page.locator("section.similar .value").all_inner_texts()],
                                cos[want], rtol=1e-3)
     assert not tab.errors
+
+
+def _strongest_by_hand(values: np.ndarray, n: int = 12) -> list[int]:
+    """The ``n`` features of highest value above 0 over a row's positions, highest first (ties: the lower)."""
+    top = values.max(axis=0)
+    return [int(f) for f in np.lexsort((np.arange(len(top)), -top))[:n] if top[f] > 0]
+
+
+@pytest.mark.slow  # a server, a browser and the store's model
+def test_running_an_image_of_the_store_shows_its_rows_features_and_switching_one_off(server: str, tab: Page,
+                                                                                    store_path: Path):
+    """'Run this image' on an image the store holds (row 2): the page lists the features of the store's own row (the
+    index's encoding of it, by hand from numpy), each beside its stored top rows; switching the first off shows the
+    model's top classes as the same edit gives them by hand."""
+    from extractor.index import open_index
+    from extractor.live import Live
+    from extractor.read import open_store
+
+    s = open_store(str(store_path))
+    ix = open_index(s, SAE)
+    tab.open(server + "image/2.html")
+    tab.page.click("p.run-link a")
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    tab.page.set_input_files("#run-file", str(s.paths[2]))
+    tab.page.wait_for_selector("body[data-run]", state="attached", timeout=120_000)
+    assert tab.page.get_attribute("body", "data-run") != "failed", tab.page.inner_text("#run-status")
+    section = tab.page.locator(f'section.run-index[data-slug="{SAE}"]')
+    items = section.locator("ol.run-features > li")
+    listed = [int(f) for f in items.evaluate_all("ls => ls.map(l => l.dataset.feature)")]
+    by_hand = _strongest_by_hand(ix.encode_row(2))
+    assert listed == by_hand[:8]  # the page shows 8
+    first = section.locator("ol.run-features > li").first
+    stored = [int(r) for r in first.locator("figure.pic").evaluate_all("fs => fs.map(f => f.dataset.row)")]
+    assert stored == ix.top(listed[0]).rows.tolist()
+    shot(tab, "run")
+    first.locator("button.switch").click()
+    tab.page.wait_for_selector(f'body[data-switched="{SAE}/{listed[0]}"]', state="attached", timeout=60_000)
+    live = Live(s, device="cpu")  # the same edit, made again here
+    try:
+        ran = live.run(Path(s.paths[2]).read_bytes())
+        after = live.switched_off(ran, ix, listed[0])
+    finally:
+        live.close()
+    p = np.exp(after - after.max())
+    p /= p.sum()
+    want = np.lexsort((np.arange(len(p)), -p))[:5]
+    rows = tab.page.locator("#run-after tbody tr")
+    assert [int(c) for c in rows.evaluate_all("rs => rs.map(r => r.dataset.class)")] == want.tolist()
+    shown = [float(t.rstrip("%")) / 100 for t in rows.locator("td:nth-child(3)").all_inner_texts()]
+    np.testing.assert_allclose(shown, p[want], rtol=5e-3)  # shown to 3 digits
+    shot(tab, "run_switched")
+    assert not tab.errors
+
+
+@pytest.mark.slow  # a server
+def test_the_one_request_that_is_not_a_get_takes_an_image_only_from_the_page(server: str, store_path: Path):
+    """The image is posted with the viewer's own header (a form elsewhere cannot send it), bounded in size; every
+    other path still answers GET only; nothing of the run is written into the store."""
+    import urllib.error
+    import urllib.request
+
+    from extractor.read import open_store
+
+    def post(path: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        request = urllib.request.Request(server + path, data=data, method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    image = Path(open_store(str(store_path)).paths[0]).read_bytes()
+    before = sorted((p.relative_to(store_path), p.stat().st_mtime_ns) for p in store_path.rglob("*") if p.is_file())
+    code, said = post("api/run", image, {"Content-Type": "text/plain"})
+    assert code == 403 and b"X-Extractor-Run" in said
+    code, said = post("api/run", b"\0" * (17 << 20), {"X-Extractor-Run": "1"})
+    assert code == 413 and b"at most 16,777,216 bytes" in said
+    code, said = post("api/run", b"not an image", {"X-Extractor-Run": "1"})
+    assert code == 400 and b"not an image this reads" in said
+    code, said = post("api/run", image, {"X-Extractor-Run": "1", "Content-Type": "application/octet-stream"})
+    assert code == 200
+    for path in ("index.html", "run.html", f"api/index/{SAE}/text.json"):
+        assert post(path, image, {"X-Extractor-Run": "1"})[0] == 405, path
+    after = sorted((p.relative_to(store_path), p.stat().st_mtime_ns) for p in store_path.rglob("*") if p.is_file())
+    assert after == before  # nothing written into the store
+
+
+@pytest.mark.slow  # a server, a browser and a CLIP
+def test_a_phrase_finds_features_through_a_clip_text_tower_in_the_page(tab: Page, tmp_path: Path):
+    """Search by text in the page, on a random-weight open_clip CLIP: the features listed are those the search
+    ranks (scored by hand in tests/live); a store of a model without a text tower says so in one line."""
+    pytest.importorskip("open_clip")
+    import extractor
+    import extractor.index
+    from extractor.live import TextSearch
+
+    make_images(tmp_path / "imgs", per_class=4, size=72)
+    raw = job(tmp_path / "imgs", tmp_path / "c.zarr",
+              model={"name": "open_clip:ViT-S-32", "device": "cpu", "kwargs": {"force_image_size": 64}},
+              data={"resize": "auto", "crop": "auto", "preprocess": "auto"},
+              capture=[{"layer": "(model)", "key": "embedding"},
+                       {"layer": "transformer.resblocks.1", "reduce": "none", "key": "tokens"}])
+    s = extractor.run(raw, progress=False)
+    ix = extractor.index.index(s, "tokens", k=3)
+    want = TextSearch(s).features(ix, "a red bicycle", n=20).features.tolist()
+    with serving(s) as url:
+        tab.open(url + "index/tokens.html")
+        tab.page.fill("#text-query", "a red bicycle")
+        tab.page.click("#text-search button")
+        tab.page.wait_for_selector('#text-features[data-query="a red bicycle"]', state="attached", timeout=120_000)
+        listed = tab.page.locator("#text-features li").evaluate_all("ls => ls.map(l => l.dataset.feature)")
+        assert [int(f) for f in listed] == want
+        assert "image embeddings (embedding)" in tab.page.inner_text("#text-said")
+        shot(tab, "text_search")
+        assert not tab.errors
+
+
+@contextlib.contextmanager
+def serving(store: Any) -> Iterator[str]:
+    """The app over ``store`` on a free loopback port, in a thread, while the block runs: its base URL."""
+    from werkzeug.serving import make_server
+
+    from extractor.view import create_app
+
+    srv = make_server("127.0.0.1", 0, create_app(store), threaded=True)
+    thread = threading.Thread(target=srv.serve_forever, name="view-test-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}/"
+    finally:
+        srv.shutdown()
+        thread.join(10)

@@ -315,8 +315,134 @@ function atlasMap() {
   draw();
 }
 
+// ---------------------------------------------------------------- run an image (the local app only)
+function el(tag, props, ...children) {
+  const e = Object.assign(document.createElement(tag), props || {});
+  e.append(...children);
+  return e;
+}
+
+function pictureOf(p) {
+  const fig = el("figure", { className: "pic" });
+  fig.dataset.row = p.row;
+  if (p.gone) fig.append(el("div", { className: "gone", textContent: "image not available: " + p.gone }));
+  else fig.append(el("a", { href: link(p.page), className: "frame" }, el("img", { src: link(p.thumb), alt: p.id })));
+  fig.append(el("figcaption", {}, el("a", { href: link(p.page), textContent: p.id }), el("br"),
+    p.label + (p.value === null ? "" : " · "), el("span", { className: "value", textContent: p.value === null ? "" : Number(p.value).toPrecision(4) })));
+  return fig;
+}
+
+function getJSON(url) {
+  return fetch(url).then((r) => r.json().then((body) => {
+    if (!r.ok) throw new Error(body.error || body.reason || r.statusText);
+    return body;
+  }));
+}
+
+function showClasses(list, classes) {
+  list.replaceChildren(...(classes || []).map((c) => {
+    const li = el("li", {}, c.name + " ", el("span", { className: "value", textContent: (100 * c.p).toPrecision(3) + "%" }));
+    li.dataset.class = c.class;
+    return li;
+  }));
+  if (!classes) list.replaceChildren(el("li", { textContent: "the model's output is no vector of class scores" }));
+}
+
+function switchOff(run, slug, feature) {
+  const box = document.getElementById("run-switched");
+  box.hidden = true;
+  getJSON(link("api/run/" + run + "/off/" + slug + "/" + feature + ".json")).then((r) => {
+    document.getElementById("run-switched-title").textContent = "With feature " + feature + " of " + slug + " switched off";
+    const body = document.querySelector("#run-after tbody");
+    body.replaceChildren(...(r.after || []).map((c) => {
+      const tr = el("tr", {}, el("td", { textContent: c.name }), el("td", { className: "value", textContent: (100 * c.before).toPrecision(3) + "%" }),
+        el("td", { className: "value", textContent: (100 * c.p).toPrecision(3) + "%" }));
+      tr.dataset.class = c.class;
+      return tr;
+    }));
+    box.hidden = false;
+    box.dataset.feature = feature;
+    box.dataset.slug = slug;
+    document.body.dataset.switched = slug + "/" + feature;
+  }).catch((e) => { document.getElementById("run-status").textContent = e.message; });
+}
+
+function showRun(r) {
+  document.getElementById("run-picture").src = r.picture || "";
+  showClasses(document.getElementById("run-classes"), r.classes);
+  document.getElementById("run-indexes").replaceChildren(...r.indexes.map((ix) => {
+    const section = el("section", { className: "index run-index" }, el("h2", { textContent: "Features of " + ix.name }));
+    section.dataset.slug = ix.slug;
+    const list = el("ol", { className: "run-features" });
+    ix.top.forEach((t) => {
+      const button = el("button", { type: "button", textContent: "switch off", className: "switch" });
+      button.addEventListener("click", () => switchOff(r.id, ix.slug, t.feature));
+      const li = el("li", {}, el("a", { href: link(t.page), textContent: "feature " + t.feature }), " ",
+        el("span", { className: "value", textContent: Number(t.value).toPrecision(4) }), " ", button,
+        el("div", { className: "grid small" }, ...t.stored.map(pictureOf)));
+      li.dataset.feature = t.feature;
+      list.append(li);
+    });
+    if (!ix.top.length) list.append(el("li", { textContent: "no feature fires on this image" }));
+    section.append(el("p", { className: "hint", textContent: "Its strongest features, each beside the stored images where it is highest." }), list);
+    return section;
+  }));
+  const near = document.getElementById("run-nearest");
+  near.hidden = !r.nearest;
+  if (r.nearest) {
+    document.getElementById("run-nearest-said").textContent = "By " + r.nearest.pooled + " (cosine).";
+    near.querySelector(".grid").replaceChildren(...r.nearest.pictures.map(pictureOf));
+  }
+  document.getElementById("run-result").hidden = false;
+  document.body.dataset.run = r.id;
+}
+
+function runPage() {
+  const input = document.getElementById("run-file");
+  if (!input) return;
+  const status = document.getElementById("run-status");
+  input.addEventListener("change", () => {
+    const file = input.files[0];
+    if (!file) return;
+    status.textContent = "running " + file.name + " (the first run builds the model)…";
+    delete document.body.dataset.run;
+    file.arrayBuffer().then((bytes) => fetch(link("api/run"), {
+      method: "POST", body: bytes, headers: { "Content-Type": "application/octet-stream", "X-Extractor-Run": "1" },
+    })).then((r) => r.json().then((body) => { if (!r.ok) throw new Error(body.error); return body; }))
+      .then((made) => getJSON(link("api/run/" + made.id + ".json")))
+      .then((r) => { status.textContent = ""; showRun(r); })
+      .catch((e) => { status.textContent = e.message; document.body.dataset.run = "failed"; });
+  });
+}
+
+// ---------------------------------------------------------------- features by text (the local app only)
+function textSearch() {
+  const form = document.getElementById("text-search");
+  if (!form) return;
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const q = document.getElementById("text-query").value;
+    const said = document.getElementById("text-said");
+    const list = document.getElementById("text-features");
+    getJSON(link("api/index/" + form.dataset.slug + "/text.json") + "?q=" + encodeURIComponent(q)).then((r) => {
+      said.textContent = r.features.length ? "Scored by " + (r.how === "decoder" ?
+        "the cosine of the phrase with each latent's decoder direction" :
+        "the mean cosine of the phrase with the image embeddings (" + r.joint + ") of each feature's top rows") + ":" : "";
+      list.replaceChildren(...r.features.map((f) => {
+        const li = el("li", {}, el("a", { href: link(f.page), textContent: "feature " + f.feature }), " ",
+          el("span", { className: "value", textContent: Number(f.score).toPrecision(4) }));
+        li.dataset.feature = f.feature;
+        return li;
+      }));
+      list.dataset.query = q;
+    }).catch((e) => { said.textContent = e.message; list.replaceChildren(); list.dataset.query = q; });
+  });
+}
+
 drawHeats();
 featuresTable();
+runPage();
+textSearch();
 patchExplorer();
 exportedSearch();
 atlasMap();
