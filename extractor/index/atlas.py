@@ -88,7 +88,7 @@ def _generation(ix: FeatureIndex) -> Generation:
 def _pass(ix: FeatureIndex, sample: np.ndarray, tokens: int) -> tuple[np.ndarray, Cooccurrence, int]:
     """The sample's rows read (in row order, a block at a time) and encoded as the index encodes them: each row's
     pooled (max) values (rows, F) float32 in the sample's order, and the firing of the tokens of its first rows
-    (at most ``tokens``), in that order; how many rows those are."""
+    (at most ``tokens``); how many rows those are."""
     arr = ix.store[ix.key]
     t = int(ix.attrs["positions"])
     counted = max(1, min(len(sample), tokens // max(t, 1)))
@@ -96,17 +96,13 @@ def _pass(ix: FeatureIndex, sample: np.ndarray, tokens: int) -> tuple[np.ndarray
     cooc = Cooccurrence(ix.features)
     order = np.argsort(sample, kind="stable")  # read in row order
     step = max(1, ENCODE_VALUES // max(1, t * ix.features))
-    fired: dict[int, np.ndarray] = {}  # place in the sample -> its tokens' firing, added in the sample's order
     threshold = float(ix.attrs.get("threshold", 0.0))
     for a in range(0, len(order), step):
         places = order[a : a + step]
         latents = ix.encode(take_rows(arr, sample[places]))  # (n, T, F)
         pooled[places] = latents.max(axis=1)
-        for place, row in zip(places.tolist(), latents, strict=True):
-            if place < counted:
-                fired[place] = row > threshold
-    for place in range(counted):
-        cooc.add(fired.pop(place))
+        counts = places < counted  # the first rows of the sample count co-occurrence (in any order: a sum)
+        cooc.add((latents[counts] > threshold).reshape(-1, ix.features))
     return pooled, cooc, counted
 
 

@@ -14,14 +14,19 @@ no token shared, a constant feature).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import numpy as np
 
 __all__ = ["NEIGHBOURS", "best", "decoder_cosine", "correlation", "Cooccurrence"]
 
 NEIGHBOURS = 16  # kept per feature and measure
-BLOCK_CELLS = 1 << 23  # scores of a block of features against all, at once (64 MB of float64)
-PAIRS = 1 << 24  # (feature, feature) pairs of firing tokens counted at once by the sparse way (128 MB of int64)
+BLOCK_CELLS = 1 << 22  # scores of a block of features against all, at once (32 MB of float64)
+PAIRS = 1 << 22  # (feature, feature) pairs of firing tokens counted at once by numpy's sparse way (32 MB of int64)
 DENSE_COST = 8  # a pair counted by numpy's bincount costs about this many multiply-adds of a matrix product
+FULL_CELLS = 1 << 25  # compiled, features x features counts kept whole up to this many (128 MB of int32): each pair
+# counted once, not twice
 
 
 def _blocks(features: int) -> list[tuple[int, int]]:
@@ -123,8 +128,14 @@ class Cooccurrence:
 
     def counts(self, a: int, b: int, indptr: np.ndarray, indices: np.ndarray) -> np.ndarray:
         """(b - a, F) int64: tokens where feature ``a + i`` and feature ``j`` both fire (the diagonal: where it
-        fires)."""
+        fires). Compiled where numba is installed (the ``index`` extra: each firing pair counted as it is met;
+        measured over 4,096 latents, 50,000 tokens, 93 firing per token: 10x numpy's), else numpy's way."""
         f = self.features
+        kernels = _pairs_kernel()
+        if kernels is not None:
+            out = np.zeros((b - a, f), np.int32)  # counts of at most the tokens (< 2**31)
+            kernels.block(indptr, indices, a, b, out)
+            return out.astype(np.int64)
         lengths = np.diff(indptr)
         token_of = np.repeat(np.arange(len(lengths)), lengths)
         mine = (indices >= a) & (indices < b)
@@ -132,6 +143,18 @@ class Cooccurrence:
         if pairs * DENSE_COST > self.tokens * (b - a) * f:
             return self._dense(a, b, indptr, indices, token_of)
         return self._sparse(a, b, indptr, indices, token_of, mine)
+
+    def _whole(self, indptr: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
+        """Every count at once (F, F) int32, each pair of a token counted once (compiled, and up to FULL_CELLS
+        counts; else None: counted a block at a time)."""
+        kernels = _pairs_kernel()
+        if kernels is None or self.features**2 > FULL_CELLS:
+            return None
+        upper = np.zeros((self.features, self.features), np.int32)
+        kernels.upper(indptr, indices, upper)  # a token's features ascend: f <= g
+        whole = upper + upper.T
+        np.fill_diagonal(whole, np.diagonal(upper))
+        return whole
 
     def _dense(self, a: int, b: int, indptr: np.ndarray, indices: np.ndarray, token_of: np.ndarray) -> np.ndarray:
         f, out = self.features, np.zeros((b - a, self.features), np.float64)
@@ -168,9 +191,10 @@ class Cooccurrence:
         together has none): features, Jaccard indexes, and the counts of tokens shared."""
         indptr, indices = self._csr()
         fires = np.bincount(indices, minlength=self.features).astype(np.int64)
+        whole = self._whole(indptr, indices)
         parts, shared = [], []
         for a, b in _blocks(self.features):
-            c = self.counts(a, b, indptr, indices)
+            c = whole[a:b].astype(np.int64) if whole is not None else self.counts(a, b, indptr, indices)
             union = fires[a:b, None] + fires[None, :] - c
             with np.errstate(invalid="ignore", divide="ignore"):
                 s = np.where(c > 0, c / np.maximum(union, 1), np.nan)
@@ -179,3 +203,39 @@ class Cooccurrence:
             shared.append(np.where(features >= 0, np.take_along_axis(c, np.maximum(features, 0), axis=1), 0))
         joined = _joined(parts, m)
         return joined[0], joined[1], np.concatenate(shared) if shared else np.zeros((0, m), np.int64)
+
+
+_KERNEL: list[Any] = []  # the compiled pair counts, once made (or None without numba)
+
+
+def _pairs_kernel() -> Any:
+    """The compiled pair counts (None without numba): ``block`` (per token, each firing pair of a feature in [a, b)
+    and any), ``upper`` (each pair f <= g once)."""
+    if not _KERNEL:
+        try:
+            import numba
+        except ImportError:
+            _KERNEL.append(None)
+            return None
+
+        @numba.njit(nogil=True, cache=True, boundscheck=False)
+        def block(indptr: Any, indices: Any, a: int, b: int, out: Any) -> None:
+            for t in range(len(indptr) - 1):
+                start, stop = indptr[t], indptr[t + 1]
+                for i in range(start, stop):
+                    fi = indices[i]
+                    if a <= fi < b:
+                        for j in range(start, stop):
+                            out[fi - a, indices[j]] += 1
+
+        @numba.njit(nogil=True, cache=True, boundscheck=False)
+        def upper(indptr: Any, indices: Any, out: Any) -> None:
+            for t in range(len(indptr) - 1):
+                start, stop = indptr[t], indptr[t + 1]
+                for i in range(start, stop):
+                    row = out[indices[i]]
+                    for j in range(i, stop):
+                        row[indices[j]] += 1
+
+        _KERNEL.append(SimpleNamespace(block=block, upper=upper))
+    return _KERNEL[0]

@@ -1,7 +1,8 @@
 """A 2-D map of an index's features (issue 59): one point per feature, near points for features alike. Made by UMAP
 where ``umap-learn`` is installed (the ``atlas`` extra; seeded: the same seed, the same map), else by PCA (numpy:
-the two first principal components, each signed so that its largest coordinate is positive: the same input, the
-same map). What was used is recorded with the map.
+the two first principal components, from the eigenvectors of the smaller of the covariance and the Gram matrix,
+each signed so that its largest coordinate is positive: the same input, the same map). What was used is recorded
+with the map.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ def _pca(x: np.ndarray) -> np.ndarray:
     if len(x) < 2 or not x.size:
         return out
     centred = x - x.mean(axis=0)
-    u, s, _ = np.linalg.svd(centred, full_matrices=False)
-    coords = u[:, :2] * s[:2]
+    if centred.shape[1] <= len(centred):  # the features' covariance (D, D): its two first eigenvectors
+        values, vectors = np.linalg.eigh(centred.T @ centred)
+        coords = centred @ vectors[:, ::-1][:, :2]
+    else:  # fewer features than dimensions: the Gram matrix (F, F), u * s of the SVD
+        values, vectors = np.linalg.eigh(centred @ centred.T)
+        coords = vectors[:, ::-1][:, :2] * np.sqrt(np.maximum(values[::-1][:2], 0))
     for j in range(coords.shape[1]):
         if coords[np.argmax(np.abs(coords[:, j])), j] < 0:
             coords[:, j] = -coords[:, j]

@@ -193,12 +193,14 @@ class TextSearch:
         return Found(order.astype(np.int64), scores[order].astype(np.float32), how)
 
     def _top_rows(self, ix: FeatureIndex, phrase: np.ndarray) -> np.ndarray:
-        """Each feature's mean cosine of ``phrase`` with its top rows' embeddings (NaN: no top row)."""
-        rows = np.asarray(get_array(ix.arrays, "top_rows")[:])  # (F, k), -1 empty
+        """Each feature's mean cosine of ``phrase`` with its top rows' embeddings (NaN: no top row), in float64,
+        summed in row order (features of the same top rows score the same: a tie, to the lower feature)."""
+        rows = np.sort(np.asarray(get_array(ix.arrays, "top_rows")[:]), axis=1)  # (F, k), -1 empty
         e = self.embeddings
         at = np.searchsorted(e.rows, np.maximum(rows, 0))
         known = (rows >= 0) & (at < len(e.rows)) & (e.rows[np.minimum(at, len(e.rows) - 1)] == rows)
-        cos = np.where(known, (e.vectors @ phrase.astype(np.float32))[np.minimum(at, len(e.rows) - 1)], 0.0)
+        each = e.vectors.astype(np.float64) @ phrase.astype(np.float64)
+        cos = np.where(known, each[np.minimum(at, len(e.rows) - 1)], 0.0)
         counts = known.sum(axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(counts > 0, cos.sum(axis=1, dtype=np.float64) / counts, np.nan)

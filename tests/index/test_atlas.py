@@ -66,13 +66,19 @@ def test_decoder_cosine_and_correlation_are_numpy_by_hand():
     _check(correlation(pooled, 5), corr, 5)
 
 
-@pytest.mark.parametrize("way", ["dense", "sparse"])
+@pytest.mark.parametrize("way", ["compiled whole", "compiled blocks", "numpy dense", "numpy sparse"])
 def test_cooccurrence_counts_and_jaccard_are_numpy_by_hand(way: str, monkeypatch: pytest.MonkeyPatch):
-    """Counted by a matrix product or by pairs (the cheaper for each block), in blocks of features and of pairs:
+    """Counted by the compiled pass (every pair once into the whole matrix, or a block of features at a time), or
+    without numba by a matrix product or by pairs (the cheaper for each block), in blocks of features and of pairs:
     the same counts as A.T @ A of the firing matrix, ranked by Jaccard."""
     import extractor.index.neighbours as nb
 
-    monkeypatch.setattr(nb, "DENSE_COST", 0 if way == "sparse" else 10**9)
+    if way.startswith("compiled"):
+        pytest.importorskip("numba")
+        monkeypatch.setattr(nb, "FULL_CELLS", 10**9 if way == "compiled whole" else 0)
+    else:
+        monkeypatch.setattr(nb, "_KERNEL", [None])
+    monkeypatch.setattr(nb, "DENSE_COST", 0 if way == "numpy sparse" else 10**9)
     monkeypatch.setattr(nb, "BLOCK_CELLS", 7 * 30)  # blocks of 7 features
     monkeypatch.setattr(nb, "PAIRS", 50)  # pairs counted 50 at a time
     rng = np.random.default_rng(1)
@@ -90,6 +96,24 @@ def test_cooccurrence_counts_and_jaccard_are_numpy_by_hand(way: str, monkeypatch
     np.testing.assert_array_equal(np.where(features >= 0, counts, -1),
                                   np.where(features >= 0, np.take_along_axis(c, np.maximum(features, 0), 1), -1))
     assert (features[4] == -1).all() and not (features == 4).any()
+
+
+@pytest.mark.parametrize("shape", [(300, 12), (6, 40)])
+def test_the_pca_map_is_the_svds_two_first_components_signed_and_seeded(shape: tuple[int, int],
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    import extractor.index.projection as projection
+
+    monkeypatch.setattr(projection, "_umap", lambda: None)  # where umap-learn is installed too
+    x = np.random.default_rng(4).standard_normal(shape) + np.linspace(0, 3, shape[1])
+    coords, made = projection.feature_map(x, seed=7)
+    u, s, _ = np.linalg.svd(x - x.mean(axis=0), full_matrices=False)
+    want = u[:, :2] * s[:2]
+    want *= np.sign(want[np.argmax(np.abs(want), axis=0), [0, 1]])  # its largest coordinate positive
+    np.testing.assert_allclose(coords, want, rtol=1e-5, atol=1e-5)
+    assert made == {"method": "pca", "seed": 7} and coords.shape == (shape[0], 2)
+    np.testing.assert_array_equal(projection.feature_map(x, seed=7)[0], coords)
+    with pytest.raises(ImportError, match=r"umap-learn: pip install 'extractor\[atlas\]'"):
+        projection.feature_map(x, method="umap")
 
 
 # ---------------------------------------------------------------------------------------------- in a store

@@ -1,7 +1,7 @@
 """The store's model, live (issue 59): an image already in the store run through the model rebuilt from the store's
 record gives the store's own row (to its dtype's precision) and the index's features of it; a model that is not the
-store's is refused; a latent or a channel switched off changes the output as the same edit made by hand; a phrase on
-a random-weight CLIP ranks features by the score computed by hand."""
+store's is refused; a latent or a channel switched off changes the output as the same edit made by hand. (Search by
+text, on a random-weight CLIP: tests/view/test_view.py, whose store it shares.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from helpers.stores import root_attrs
 
 from extractor.driver.runner import run
 from extractor.index import index
-from extractor.live import Live, LiveError, TextSearch
+from extractor.live import Live, LiveError
 from extractor.read import open_store
 from extractor.spec.load import parse_spec
 
@@ -131,46 +131,3 @@ def test_switching_a_latent_or_a_channel_off_is_the_edit_by_hand(store, live: Li
     np.testing.assert_allclose(live.run(Path(s.paths[3]).read_bytes()).output, ran.output, rtol=1e-6)  # undone
     with pytest.raises(LiveError, match="has features 0 to 31, not 32"):
         live.switched_off(ran, open_index(s, "layer3"), 32)
-
-
-# ---------------------------------------------------------------------------------------------- search by text
-def test_a_phrase_ranks_features_by_the_score_computed_by_hand(tmp_path: Path):
-    """A random-weight open_clip CLIP (seeded as extractor builds it): the phrase's embedding by the text tower built
-    by hand, each feature's score the mean cosine with its top rows' stored image embeddings, highest first; an
-    SAE over the embedding itself is matched by its decoder directions."""
-    open_clip = pytest.importorskip("open_clip")
-    make_images(tmp_path / "imgs", per_class=4, size=72)
-    path = tmp_path / "c.zarr"
-    run(parse_spec(job(tmp_path / "imgs", path,
-                       model={"name": "open_clip:ViT-S-32", "device": "cpu", "kwargs": {"force_image_size": 64}},
-                       data={"resize": "auto", "crop": "auto", "preprocess": "auto"},
-                       capture=[{"layer": "(model)", "key": "embedding"},
-                                {"layer": "transformer.resblocks.1", "reduce": "none", "key": "tokens"}])))
-    s = open_store(str(path))
-    ix = index(s, "tokens", k=3, atlas=False)
-    search = TextSearch(s)
-    assert search.joint == "embedding"
-    found = search.features(ix, "a photo of a dog", n=10)
-    torch.manual_seed(0)
-    clip = open_clip.create_model("ViT-S-32", force_image_size=64).eval()
-    with torch.inference_mode():
-        phrase = clip.encode_text(open_clip.get_tokenizer("ViT-S-32")(["a photo of a dog"]))[0].numpy()
-    phrase = phrase / np.linalg.norm(phrase)
-    e = s.numpy("embedding", rows=np.arange(len(s)), only_ok=False).astype(np.float64)
-    e = e / np.linalg.norm(e, axis=1, keepdims=True)
-    top = np.asarray(ix.arrays["top_rows"][:])
-    scores = np.array([np.mean([e[r] @ phrase for r in rows if r >= 0]) for rows in top])
-    want = np.lexsort((np.arange(len(scores)), -scores))[:10]
-    assert found.how == "top rows" and found.features.tolist() == want.tolist()
-    np.testing.assert_allclose(found.scores, scores[want], rtol=1e-4, atol=1e-6)
-    rng = np.random.default_rng(0)
-    d = e.shape[1]
-    sae = {"W_enc": rng.standard_normal((d, 16)).astype(np.float32), "b_enc": np.zeros(16, np.float32),
-           "W_dec": rng.standard_normal((16, d)).astype(np.float32)}
-    np.savez(tmp_path / "sae.npz", **sae)
-    over = index(s, "embedding", dictionary=tmp_path / "sae.npz", k=3, atlas=False)
-    found = search.features(over, "a photo of a dog", n=16)
-    w = sae["W_dec"].astype(np.float64)
-    cos = (w @ phrase) / np.linalg.norm(w, axis=1)
-    assert found.how == "decoder" and found.features.tolist() == np.lexsort((np.arange(16), -cos)).tolist()
-    np.testing.assert_allclose(found.scores, np.sort(cos)[::-1], rtol=1e-5)

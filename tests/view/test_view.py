@@ -603,31 +603,90 @@ def test_the_one_request_that_is_not_a_get_takes_an_image_only_from_the_page(ser
     assert after == before  # nothing written into the store
 
 
-@pytest.mark.slow  # a server, a browser and a CLIP
-def test_a_phrase_finds_features_through_a_clip_text_tower_in_the_page(tab: Page, tmp_path: Path):
-    """Search by text in the page, on a random-weight open_clip CLIP: the features listed are those the search
-    ranks (scored by hand in tests/live); a store of a model without a text tower says so in one line."""
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, dict[str, np.ndarray]]:
+    """A random-weight open_clip CLIP (seeded as extractor builds it) over 8 images: its image embedding ((model))
+    and a block's tokens; an index of the tokens, and one of an SAE over the embedding."""
     pytest.importorskip("open_clip")
     import extractor
     import extractor.index
-    from extractor.live import TextSearch
 
-    make_images(tmp_path / "imgs", per_class=4, size=72)
-    raw = job(tmp_path / "imgs", tmp_path / "c.zarr",
+    tmp = tmp_path_factory.mktemp("clip")
+    make_images(tmp / "imgs", per_class=4, size=72)
+    raw = job(tmp / "imgs", tmp / "c.zarr",
               model={"name": "open_clip:ViT-S-32", "device": "cpu", "kwargs": {"force_image_size": 64}},
               data={"resize": "auto", "crop": "auto", "preprocess": "auto"},
               capture=[{"layer": "(model)", "key": "embedding"},
                        {"layer": "transformer.resblocks.1", "reduce": "none", "key": "tokens"}])
     s = extractor.run(raw, progress=False)
-    ix = extractor.index.index(s, "tokens", k=3)
-    want = TextSearch(s).features(ix, "a red bicycle", n=20).features.tolist()
+    rng = np.random.default_rng(0)
+    d = int(s["embedding"].shape[1])
+    sae = {"W_enc": rng.standard_normal((d, 16)).astype(np.float32), "b_enc": np.zeros(16, np.float32),
+           "W_dec": rng.standard_normal((16, d)).astype(np.float32)}
+    np.savez(tmp / "sae.npz", **sae)
+    extractor.index.index(s, "tokens", k=3, atlas=False)
+    extractor.index.index(s, "embedding", dictionary=tmp / "sae.npz", k=3, atlas=False)
+    return s, tmp, sae
+
+
+def _phrase_by_hand(text: str) -> np.ndarray:
+    """The phrase's unit embedding by the CLIP's text tower, built by hand as extractor builds the image tower."""
+    import open_clip
+    import torch
+
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-S-32", force_image_size=64).eval()
+    with torch.inference_mode():
+        v = model.encode_text(open_clip.get_tokenizer("ViT-S-32")([text]))[0].numpy().astype(np.float64)
+    return v / np.linalg.norm(v)
+
+
+def _ranked_by_hand(s: Any, phrase: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index of tokens' features by the mean cosine of ``phrase`` with their top rows' stored embeddings."""
+    from extractor.index import open_index
+
+    e = s.numpy("embedding", rows=np.arange(len(s)), only_ok=False).astype(np.float64)
+    e = e / np.linalg.norm(e, axis=1, keepdims=True)
+    top = np.asarray(open_index(s, "tokens").arrays["top_rows"][:])
+    scores = np.array([np.mean([e[r] @ phrase for r in sorted(rows) if r >= 0]) for rows in top])  # in row order
+    best = np.lexsort((np.arange(len(scores)), -scores))[:n]
+    return best, scores[best]
+
+
+def test_a_phrase_ranks_features_by_the_score_computed_by_hand(clip):
+    """Search by text on a random-weight CLIP: the phrase by the text tower built by hand, each feature's score the
+    mean cosine with its top rows' stored image embeddings, highest first; an SAE over the embedding itself is
+    matched by its decoder directions."""
+    from extractor.index import open_index
+    from extractor.live import TextSearch
+
+    s, _, sae = clip
+    search = TextSearch(s)
+    assert search.joint == "embedding"
+    phrase = _phrase_by_hand("a photo of a dog")
+    found = search.features(open_index(s, "tokens"), "a photo of a dog", n=10)
+    want, scores = _ranked_by_hand(s, phrase, 10)
+    assert found.how == "top rows" and found.features.tolist() == want.tolist()
+    np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-6)
+    found = search.features(open_index(s, "embedding@sae"), "a photo of a dog", n=16)
+    w = sae["W_dec"].astype(np.float64)
+    cos = (w @ phrase) / np.linalg.norm(w, axis=1)
+    assert found.how == "decoder" and found.features.tolist() == np.lexsort((np.arange(16), -cos)).tolist()
+    np.testing.assert_allclose(found.scores, np.sort(cos)[::-1], rtol=1e-5)
+
+
+@pytest.mark.slow  # a server, a browser and a CLIP
+def test_a_phrase_finds_features_through_a_clip_text_tower_in_the_page(clip, tab: Page):
+    """Search by text in the page: the features listed are those ranked by the score computed by hand."""
+    s, _, _ = clip
+    want, _ = _ranked_by_hand(s, _phrase_by_hand("a red bicycle"), 20)
     with serving(s) as url:
         tab.open(url + "index/tokens.html")
         tab.page.fill("#text-query", "a red bicycle")
         tab.page.click("#text-search button")
         tab.page.wait_for_selector('#text-features[data-query="a red bicycle"]', state="attached", timeout=120_000)
         listed = tab.page.locator("#text-features li").evaluate_all("ls => ls.map(l => l.dataset.feature)")
-        assert [int(f) for f in listed] == want
+        assert [int(f) for f in listed] == want.tolist()
         assert "image embeddings (embedding)" in tab.page.inner_text("#text-said")
         shot(tab, "text_search")
         assert not tab.errors
