@@ -25,7 +25,8 @@ LAYERS = {
     "driver": {"spec", "data", "model", "compute", "store", "index"},  # index: the job's write-time indexes
     "read": {"store", "data"},
     "index": {"spec", "data", "store", "read"},  # feature indexes: stores read through read's ActivationStore
-    "view": {"read", "store", "data", "index"},  # the top floor, beside api and cli: the viewer of a store
+    "live": {"spec", "data", "model", "compute", "store", "read", "index"},  # the store's model run on one image
+    "view": {"read", "store", "data", "index", "live"},  # the top floor, beside api and cli: the viewer of a store
 }
 
 

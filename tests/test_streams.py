@@ -11,6 +11,7 @@ import pytest
 from helpers.stores import root_attrs
 
 from extractor.data import Rows
+from extractor.errors import StoreError
 from extractor.read.reader import ActivationStore, open_store
 from extractor.store.layout import FAILED, OK, StoreArrays
 from extractor.store.synthetic import create_store
@@ -234,6 +235,55 @@ def test_per_token_norms_and_normalized_streams_equal_numpy(tmp_path):
             np.testing.assert_allclose(got, want[index[:, 0], index[:, 1]], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="'mean', 'norm' or both"):
         s.token_batches("t", normalize="unit")
+
+
+def test_a_stream_without_the_prefix_tokens_is_normalised_by_the_patches_statistics(tmp_path):
+    """issue 54: normalize divided by a mean over every token, CLS included, also when the stream leaves the CLS out.
+    The statistics keep the sums of the tokens besides the patches apart (the shard's ``span``); the patches' equal
+    numpy's over tokens 1: of the finite rows, and a stream with drop_prefix=True is scaled by them; a cut the store
+    has no statistics of is refused, as is a store whose records do not keep them apart."""
+    from extractor.store.stats import ShardStats, Totals, dumps
+
+    url = str(tmp_path / "s.zarr")
+    _make(url)  # model.prefix_tokens 1: token 0 of each row is its CLS
+    s = open_store(url)
+    x = np.asarray(s["t"][:], np.float64)
+    x[:, 0] *= 40  # a CLS far larger than the patches (as a ViT's): every-token figures are far off the patches'
+    x[7, 2, 1] = np.nan  # a row holding NaN: out of the norms, as of the moments
+    totals = Totals(2)
+    for shard, rows in enumerate([np.arange(0, 30), np.arange(30, N)]):
+        shape = s.captures["t"]["shape"]
+        st = ShardStats(s.captures["t"]["dims"], shape, span=(1, shape[0] - 1))
+        st.update(x[rows].astype(np.float32), rows)
+        totals.add(shard, dumps({"t": st}))
+    stats = totals.summary()["t"]
+    finite = np.delete(x, 7, axis=0)[:, 1:]
+    patches = stats["patches"]
+    assert patches["span"] == [1, x.shape[1] - 1]
+    np.testing.assert_allclose(patches["mean_token_l2"], np.linalg.norm(finite, axis=-1).mean(), rtol=1e-6)
+    patch_values = x[:, 1:].reshape(-1, FEATURES)  # the moments: every finite value (row 7's others count)
+    np.testing.assert_allclose(patches["mean"], np.nanmean(patch_values, axis=0), rtol=1e-6)
+    np.testing.assert_allclose(patches["std"], np.nanstd(patch_values, axis=0), rtol=1e-5)
+    assert stats["mean_token_l2"] > 3 * patches["mean_token_l2"]  # CLS included: another figure
+    assert Totals.from_bytes(totals.to_bytes(), 2).summary()["t"]["patches"] == patches  # kept as the driver keeps
+
+    root_attrs(url, stats={"t": stats})
+    s = open_store(url)
+    data = np.asarray(s["t"][:], np.float64)
+    for normalize, want in [("norm", data / patches["mean_token_l2"]), ("mean", data - np.asarray(patches["mean"]))]:
+        for index, got in s.token_batches("t", 50, seed=3, drop_prefix=True, normalize=normalize):
+            assert (index[:, 1] >= 1).all()
+            np.testing.assert_allclose(got, want[index[:, 0], index[:, 1]], rtol=1e-5, atol=1e-6)
+        shift, scale = s.normalization("t", normalize, drop_prefix=True)  # what the feature index reads
+        assert (scale, shift is None) == ((patches["mean_token_l2"], True) if normalize == "norm" else (None, False))
+    for index, got in s.token_batches("t", 50, normalize="norm"):  # every token: every token's statistics
+        np.testing.assert_allclose(got, data[index[:, 0], index[:, 1]] / stats["mean_token_l2"], rtol=1e-5)
+    with pytest.raises(StoreError, match=r"over tokens 2 to 5 of each row of 't': the store's statistics are of every "
+                                         r"stored token, or of its patches \(tokens 1 to 5\)"):
+        s.token_batches("t", drop_prefix=2, normalize="norm")
+    root_attrs(url, stats={"t": {k: v for k, v in stats.items() if k != "patches"}})  # made before they were kept
+    with pytest.raises(StoreError, match="statistics of its patches alone, which it does not have"):
+        open_store(url).token_batches("t", drop_prefix=True, normalize="norm")
 
 
 def test_token_batches_of_two_layers_are_aligned_position_by_position(store):

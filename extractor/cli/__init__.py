@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--images", type=_at_least(0), default=1000, metavar="N",
                    help="with --export: image pages of the first N rows, besides those the feature pages show "
                         "(default 1000)")
+    v.add_argument("--no-run", action="store_true", help="offer no \"run this image\" and no search by text (they "
+                   "build the store's model on first use)")
+    v.add_argument("--device", default="auto", help="where the store's model runs an image (default auto)")
     v.set_defaults(func=cmd_view)
 
     su = sub.add_parser("submit", parents=[common], help="submit a job spec to a Ray cluster (Ray Jobs API)")

@@ -22,6 +22,11 @@ def cmd_index(args: argparse.Namespace) -> int:
     if args.key is not None:
         name = _make(store, args)
         store = open_store(args.store, options)  # as it is now: with the index just made
+    elif args.atlas:
+        from ..index import add_atlas
+
+        name = add_atlas(store, name).name
+        store = open_store(args.store, options)
     if args.feature is not None or args.densities:
         ix = open_index(store, name)
         _save(ix.top_figure(args.feature, columns=args.columns) if args.feature is not None else ix.density_figure(),
@@ -52,10 +57,19 @@ def _make(store: Any, args: argparse.Namespace) -> str:
 
     try:
         made = index(store, args.key, dictionary=args.dictionary, k=args.k, pool=args.pool, name=args.name,
-                     threshold=args.threshold, activation=args.activation, on_progress=on_progress)
+                     threshold=args.threshold, activation=args.activation, include_prefix=args.include_prefix,
+                     normalize=args.normalize, atlas=not args.no_atlas, on_progress=on_progress)
     finally:
         bar.close()
     return made.name
+
+
+def _normalize(text: str) -> str | list[str]:
+    """``--normalize``: mean, norm, or both (``mean,norm``)."""
+    asked = [t.strip() for t in text.split(",") if t.strip()]
+    if not asked or not set(asked) <= {"mean", "norm"}:
+        raise argparse.ArgumentTypeError(f"takes mean, norm or mean,norm, not {text!r}")
+    return asked[0] if len(asked) == 1 else asked
 
 
 def add_index_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -70,7 +84,16 @@ def add_index_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     ix.add_argument("--pool", choices=["max", "mean"], default="max",
                     help="what ranks a row: the feature's max over its positions (default) or its mean")
     ix.add_argument("--threshold", type=float, default=0.0, help="a feature fires above this (default 0)")
+    ix.add_argument("--include-prefix", action="store_true", help="index a token sequence's prefix tokens (CLS, "
+                    "registers) too; by default its patches only, as its heatmaps show")
+    ix.add_argument("--normalize", type=_normalize, metavar="mean|norm|mean,norm",
+                    help="scale each token first as token_batches(normalize=...) does, from the store's statistics "
+                    "of the same tokens (patches only unless --include-prefix): an SAE trained on normalised tokens")
     ix.add_argument("--name", help="the index's name in the store (default: KEY, or KEY@DICTIONARY_STEM)")
+    ix.add_argument("--no-atlas", action="store_true", help="no atlas (each feature's neighbours, a map of all) "
+                    "after the pass (it reads at most 1,024 rows more)")
+    ix.add_argument("--atlas", action="store_true", help="without --key: add an atlas to the index named by --name "
+                    "(one made at write time, or with --no-atlas)")
     ix.add_argument("--feature", type=int, help="draw this feature's top images with its heatmaps to --out")
     ix.add_argument("--densities", action="store_true", help="draw the histogram of all features' densities to --out")
     ix.add_argument("--columns", type=_at_least(1), default=4, help="images per row of a --feature picture")

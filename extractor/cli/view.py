@@ -31,7 +31,8 @@ def cmd_view(args: argparse.Namespace) -> int:
     chosen = " (--port 0: a free port, chosen now)" if args.port == 0 else ""
     try:
         serve(store, args.host, args.port,
-              announce=lambda url: print(f"the viewer of {args.store}: {url}{chosen} (Ctrl-C stops it)", flush=True))
+              announce=lambda url: print(f"the viewer of {args.store}: {url}{chosen} (Ctrl-C stops it)", flush=True),
+              live=not args.no_run, device=args.device)
     except KeyboardInterrupt:
         pass
     return 0

@@ -11,7 +11,7 @@ from .._face import face
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .pipeline import CallbackError, Pipeline, ShardQueue
     from .shard import ShardInput, ShardOutput, ShardSummary
-    from .worker import PROBE_FORWARDS, Worker, decode_threads
+    from .worker import PROBE_FORWARDS, Worker, decode_threads, host_array
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
 __all__, __getattr__ = face(__name__, __file__)

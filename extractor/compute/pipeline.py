@@ -39,6 +39,7 @@ class Forwarder(Protocol):
     writer_pool: ThreadPoolExecutor  # compresses and stores chunks
     machine: Machine  # how many chunks may wait for the writer threads
     spare: dict[str, deque[np.ndarray]]  # chunk buffers whose write is done
+    model_info: dict[str, Any]  # the model's record (its prefix tokens: the statistics keep theirs apart)
 
     def batches(self) -> Any: ...
 
@@ -205,7 +206,8 @@ class Pipeline:
             shard, given = self.next.take()  # raises the store's error for this shard
             w = self.worker
             assert w.captures is not None  # probed before any shard runs
-            out = ShardOutput(given, self.shard_began, w.captures, w.extras, w.writer_pool, w.spare, w.machine)
+            out = ShardOutput(given, self.shard_began, w.captures, w.extras, w.writer_pool, w.spare, w.machine,
+                              w.model_info)
             self._call(self.on_started, shard)
             while (batch := self._next_batch(out)) is not None:
                 self._forward(batch, given, out)

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +30,7 @@ from ..store import (
     Ticket,
     fill_value,
     numpy_dtype,
+    patch_span,
 )
 from ..store import dumps as stats_dumps
 
@@ -132,9 +133,10 @@ class ShardOutput:
 
     def __init__(self, given: ShardInput, started: float, captures: dict[str, CaptureRecord],
                  extras: dict[str, ExtraRecord], pool: ThreadPoolExecutor,
-                 spare: dict[str, deque[np.ndarray]], machine: Machine) -> None:
+                 spare: dict[str, deque[np.ndarray]], machine: Machine, model: Mapping[str, Any] | None = None) -> None:
         """``pool``: the writer threads; ``spare``: chunk buffers whose write is done, per capture
-        (shared by the shards of a worker); ``machine``: how many chunks may wait for the writers."""
+        (shared by the shards of a worker); ``machine``: how many chunks may wait for the writers; ``model``: the
+        model's record (an older store's prefix-token count: :func:`~extractor.store.patch_span`)."""
         self.shard, self.writer, self.pool = given.shard, given.writer, pool
         self.started, self.seconds = started, 0.0
         n = self.n = len(self.shard)
@@ -149,7 +151,8 @@ class ShardOutput:
                        for rows in sorted(set(given.chunk_rows[k] for k in captures))]
         self.extras = {k: np.full((n, *m["shape"]), fill_value(m["dtype"]), dtype=m["dtype"])
                        for k, m in extras.items()}
-        self.stats = {k: ShardStats(m["dims"], m["shape"]) for k, m in captures.items()}
+        prefix = (model or {}).get("prefix_tokens")
+        self.stats = {k: ShardStats(m["dims"], m["shape"], patch_span(m, prefix)) for k, m in captures.items()}
         self.indexes = indexed(captures)  # write-time feature indexes (capture.feature_index): this shard's part
         # rows the indexes take on the host (the writer threads, from the chunks): rows copied from other stores, and
         # those of a batch retried image by image (no batch tensor on the device); every other row's block is made on

@@ -5,7 +5,9 @@ Read from ``.safetensors`` (parsed here: no safetensors package needed), ``.npz`
 or the folder SAELens saves (``cfg.json`` + ``sae_weights.safetensors``; its ``d_in``, ``d_sae``, ``architecture``
 or ``activation_fn_str`` with ``activation_fn_kwargs.k``, ``apply_b_dec_to_input``). Tensors: ``W_enc`` (d_in, d_sae),
 ``b_enc`` (d_sae,), optional ``b_dec`` (d_in,) subtracted from the input first, optional ``threshold`` (d_sae,) of a
-JumpReLU; ``encoder.weight`` (d_sae, d_in) and ``encoder.bias`` are read as ``W_enc`` transposed and ``b_enc``.
+JumpReLU; ``encoder.weight`` (d_sae, d_in) and ``encoder.bias`` are read as ``W_enc`` transposed and ``b_enc``; optional
+``W_dec`` (d_sae, d_in), or ``decoder.weight`` (d_in, d_sae), the latents' decoder directions (the atlas's
+neighbours and map, and switching a latent off in the viewer).
 
     pre = (x - b_dec) @ W_enc + b_enc
     relu:      max(pre, 0)
@@ -50,6 +52,7 @@ class Dictionary:
     activation: str  # relu | jumprelu | topk:K
     path: str
     digest: str  # "sha256:..." of the file(s) it was read from
+    w_dec: np.ndarray | None = None  # (d_sae, d_in) float32: each latent's decoder direction; None: not in the file
 
     @property
     def d_in(self) -> int:
@@ -234,11 +237,30 @@ def _build(tensors: dict[str, np.ndarray], activation: str | None, where: str, d
     b_dec = _b_dec(tensors, cfg, w, where)
     threshold = _threshold(tensors, w.shape[1], where)
     chosen = activation or _cfg_activation(cfg) or ("jumprelu" if threshold is not None else "relu")
-    return Dictionary(w, b, b_dec, threshold, _check_activation(chosen, threshold, where), where, digest)
+    return Dictionary(w, b, b_dec, threshold, _check_activation(chosen, threshold, where), where, digest,
+                      _decoder(tensors, w, where))
 
 
-# the tensors the encoder reads (as the file names them); a NaN or an infinity in any makes every latent NaN or 0
-_READ = ("W_enc", "b_enc", "encoder.weight", "encoder.bias", "b_dec", "threshold", "log_threshold")
+# the tensors read (as the file names them); a NaN or an infinity in any makes every latent NaN or 0, or every
+# decoder direction meaningless
+_READ = ("W_enc", "b_enc", "encoder.weight", "encoder.bias", "b_dec", "threshold", "log_threshold", "W_dec",
+         "decoder.weight")
+
+
+def _decoder(t: Mapping[str, np.ndarray], w: np.ndarray, where: str) -> np.ndarray | None:
+    """The decoder directions (d_sae, d_in) float32: ``W_dec``, or ``decoder.weight`` (d_in, d_sae) transposed;
+    None where the file has neither."""
+    if "W_dec" in t:
+        w_dec, name = np.asarray(t["W_dec"], np.float32), "W_dec"
+    elif "decoder.weight" in t:
+        w_dec, name = np.asarray(t["decoder.weight"], np.float32).T, "decoder.weight transposed"
+    else:
+        return None
+    d_in, d_sae = w.shape
+    if w_dec.shape != (d_sae, d_in):
+        raise DictionaryError(f"{where}: {name} {list(w_dec.shape)} does not fit W_enc {list(w.shape)}: the decoder "
+                              f"is (d_sae, d_in) = ({d_sae}, {d_in})")
+    return np.ascontiguousarray(w_dec)
 
 
 def _check_finite(t: Mapping[str, np.ndarray], where: str) -> None:

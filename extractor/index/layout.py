@@ -19,8 +19,8 @@ from .bins import HIST_EDGES
 from .feed import IndexFeed
 from .state import EXAMPLES, QUANTILES, IndexArrays
 
-__all__ = ["INDEX_VERSION", "READ_VERSIONS", "INDEXES", "IndexRecord", "pointer", "write_index", "source_state",
-           "index_name", "index_record"]
+__all__ = ["INDEX_VERSION", "READ_VERSIONS", "INDEXES", "IndexRecord", "pointer", "write_index", "write_atlas",
+           "source_state", "index_name", "index_record"]
 
 INDEX_VERSION = 2  # 2: the arrays in a subgroup the attributes name (``arrays``): an index replaced whole or not at all
 READ_VERSIONS = (1, 2)  # 1: the arrays in the index's group itself
@@ -48,6 +48,10 @@ class IndexRecord(TypedDict):
     examples: int  # rows per quantile group
     written: str  # "write-time" (merged from the job's shards) or "post-hoc"
     created: str
+    include_prefix: bool  # the prefix tokens were asked for (else left out, where known)
+    tokens: str | None  # of a token capture: "patches", "all" (prefix included), "unknown" (no prefix known)
+    left_out: int  # leading positions of each stored row left out (the prefix tokens)
+    normalize: dict[str, Any] | None  # {asked: ["norm"], over: "patches" | "every token", scale, shifted}
     arrays: NotRequired[str]  # the subgroup of indexes/<name> holding its arrays (set by write_index)
 
 
@@ -75,7 +79,7 @@ def write_index(generation: Generation, name: str, arrays: IndexArrays, record: 
     at = f"v{uuid.uuid4().hex[:12]}"
     node = zarr.open_group(store=objects.zarr_store(generation.name, read_only=False), path=f"{INDEXES}/{name}/{at}",
                            mode="w")
-    _write_arrays(node, arrays)
+    _write_arrays(node, arrays.__dict__, arrays.top_tokens[0].size * 4)
     meta = {"zarr_format": 3, "node_type": "group", "attributes": {**dict(record), "arrays": at}}
     if not objects.swap(generation.key(f"{INDEXES}/{name}/zarr.json"), version, json.dumps(meta).encode()):
         objects.remove(generation.key(f"{INDEXES}/{name}/{at}"))
@@ -89,19 +93,47 @@ def write_index(generation: Generation, name: str, arrays: IndexArrays, record: 
 _EMPTY_GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
 
 
-def _write_arrays(node: zarr.Group, arrays: IndexArrays) -> None:
-    """An index's arrays, chunked by feature (about 4 MB a chunk)."""
-    f = arrays.top_rows.shape[0]
-    per = max(1, min(f, (1 << 22) // max(1, arrays.top_tokens[0].size * 4)))  # features per chunk: <= 4 MB
-    for field, value in arrays.__dict__.items():
+def _write_arrays(node: zarr.Group, arrays: Mapping[str, np.ndarray], feature_bytes: int,
+                  unchunked: tuple[str, ...] = ("dead",)) -> None:
+    """An index's arrays (first dimension ``feature``, but ``unchunked`` ones: one chunk, their own dimension),
+    chunked by feature: about 4 MB a chunk of the largest (``feature_bytes`` a feature)."""
+    per = max(1, (1 << 22) // max(1, feature_bytes))  # features per chunk: <= 4 MB
+    for field, value in arrays.items():
         value = np.ascontiguousarray(value)
-        chunks = (per, *value.shape[1:]) if value.ndim and field != "dead" else value.shape
+        whole = field in unchunked or not value.ndim
+        chunks = value.shape if whole else (min(per, max(len(value), 1)), *value.shape[1:])
         if not value.size:
             chunks = (1,) * value.ndim
-        dims = ["feature", *(f"{field}.{i}" for i in range(1, value.ndim))] if field != "dead" else ["dead"]
+        dims = [field] if whole else ["feature", *(f"{field}.{i}" for i in range(1, value.ndim))]
         array = node.create_array(field, shape=value.shape, chunks=chunks, dtype=value.dtype, dimension_names=dims,
                                   fill_value=-1 if value.dtype.kind == "i" else 0)
         array[...] = value
+
+
+def write_atlas(generation: Generation, name: str, arrays: Mapping[str, np.ndarray], record: Mapping[str, Any],
+                at_version: tuple[str | None, str | None], attrs: Mapping[str, Any]) -> bool:
+    """Add an atlas (its ``arrays``, described by ``record``) to index ``name``, whose attributes ``attrs`` were
+    read at ``at_version`` (:func:`pointer`): the arrays into a new subgroup of the index's arrays, then the
+    attributes with ``atlas`` naming it, in one swap. False (nothing named, the arrays removed) where the index was
+    written again meanwhile. An atlas it replaces stays until the next is named (a reader that opened it reads it
+    whole); older ones go."""
+    objects = generation.objects
+    version, named = at_version
+    if named is None or named != attrs.get("arrays"):
+        return False
+    at = f"atlas-{uuid.uuid4().hex[:12]}"
+    where = f"{INDEXES}/{name}/{named}/{at}"
+    node = zarr.open_group(store=objects.zarr_store(generation.name, read_only=False), path=where, mode="w")
+    _write_arrays(node, arrays, max(int(np.prod(a.shape[1:])) * a.itemsize for a in arrays.values()), ("rows",))
+    old = (attrs.get("atlas") or {}).get("arrays")
+    meta = {"zarr_format": 3, "node_type": "group", "attributes": {**dict(attrs), "atlas": {**record, "arrays": at}}}
+    if not objects.swap(generation.key(f"{INDEXES}/{name}/zarr.json"), version, json.dumps(meta).encode()):
+        objects.remove(generation.key(where))
+        return False
+    for gone in objects.list(generation.key(f"{INDEXES}/{name}/{named}")):
+        if gone.startswith("atlas-") and gone not in (at, old):
+            objects.remove(generation.key(f"{INDEXES}/{name}/{named}/{gone}"))
+    return True
 
 
 def source_state(group: zarr.Group) -> dict[str, Any]:
@@ -118,11 +150,13 @@ def index_name(key: str, dictionary_stem: str | None) -> str:
 
 
 def index_record(name: str, key: str, feed: IndexFeed, dictionary: Mapping[str, Any] | None,
-                 state: Mapping[str, Any], written: str) -> IndexRecord:
-    s = feed.state
+                 state: Mapping[str, Any], written: str, include_prefix: bool = False,
+                 normalize: Mapping[str, Any] | None = None) -> IndexRecord:
+    s, layout = feed.state, feed.layout
     return IndexRecord(
         index_version=INDEX_VERSION, name=name, key=key, features=s.features, k=s.k, pool=s.pool,
         dictionary=redact(dict(dictionary)) if dictionary is not None else None, rows=s.rows, source_state=dict(state),
-        positions=s.positions, grid=list(feed.layout.grid) if feed.layout.grid else None, prefix=feed.layout.prefix,
+        positions=s.positions, grid=list(layout.grid) if layout.grid else None, prefix=layout.prefix,
         threshold=s.threshold, hist_edges=[round(float(e), 6) for e in HIST_EDGES], quantiles=QUANTILES,
-        examples=EXAMPLES, written=written, created=now())
+        examples=EXAMPLES, written=written, created=now(), include_prefix=include_prefix, tokens=layout.covers,
+        left_out=layout.skip, normalize=dict(normalize) if normalize else None)

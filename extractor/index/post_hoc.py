@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -45,14 +45,22 @@ def _dictionary(dictionary: str | Path | Dictionary | None, activation: str | No
 
 def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str | Path | Dictionary | None = None,
           k: int = 16, pool: str = "max", name: str | None = None, *, threshold: float = 0.0,
-          activation: str | None = None, on_progress: Callable[[int], None] | None = None,
+          activation: str | None = None, include_prefix: bool = False, normalize: str | Sequence[str] | None = None,
+          atlas: bool = True, on_progress: Callable[[int], None] | None = None,
           storage_options: Mapping[str, Any] | None = None) -> FeatureIndex:
     """Index the features of capture ``key`` (its channels or features, or the latents of ``dictionary``: a file,
     see :func:`~extractor.index.dictionary.load_dictionary`) over the store's ok rows in one pass, write it into
     the store as ``indexes/<name>`` (default: ``key``, or ``key@<dictionary stem>``) and return it.
 
     ``k`` top rows per feature, ranked by the feature pooled over the row's positions by ``pool`` (max or mean); a
-    feature fires where it is above ``threshold``. The pass reads the store as it was committed when it was opened;
+    feature fires where it is above ``threshold``. The positions of a token sequence are its patches: its prefix
+    tokens (CLS, registers), which its heatmaps leave out, are left out of every count too, unless
+    ``include_prefix`` (where the store does not record them, every token is indexed). ``normalize`` (``"mean"``,
+    ``"norm"`` or both) scales each token first as ``token_batches(normalize=..., drop_prefix=...)`` of the same
+    tokens does, from the same statistics (of the patches alone where the prefix tokens are left out): an SAE
+    trained on normalised tokens sees its inputs at its scale. With ``atlas`` (the default), a bounded second pass
+    adds each feature's neighbours and a map of all (:func:`~extractor.index.atlas.add_atlas`). The pass reads the
+    store as it was committed when it was opened;
     the index is named in the store by one swap of its attributes (:func:`~.layout.write_index`): where another
     process wrote an index of that name meanwhile, this one is refused, and nothing of it is named.
     ``on_progress(rows)`` is called as rows are done; ``storage_options``: fsspec options of a remote store given
@@ -60,9 +68,10 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
     if name is not None:
         _checked_name(name)  # before anything is read or said
     store = _store(store_or_path, storage_options)
-    layout = _layout(store, key)
+    layout = _layout(store, key, include_prefix)
     dic, k = _settings(store, key, layout, dictionary, activation, k, threshold)
-    feed = IndexFeed(layout, k, pool, threshold, dic)
+    scaled = _normalization(store, key, layout, normalize)
+    feed = IndexFeed(layout, k, pool, threshold, dic, scaled)
     name = _checked_name(name or index_name(key, dic.stem if dic is not None else None))
     generation = _generation(store)
     at = _writable(store, lambda: pointer(generation, name))
@@ -71,12 +80,21 @@ def index(store_or_path: ActivationStore | str | Path, key: str, dictionary: str
     _pass(store, key, feed, on_progress)
     log.info("indexed %d features of %s over %d rows in %.1f s", feed.state.features, key, feed.state.rows,
              time.perf_counter() - t0)
-    record = index_record(name, key, feed, dic.record() if dic is not None else None, state, "post-hoc")
+    said = None if normalize is None else {
+        "asked": [normalize] if isinstance(normalize, str) else list(normalize), "scale": scaled[1],
+        "shifted": scaled[0] is not None, "over": "patches" if layout.covers == "patches" else "every token"}
+    record = index_record(name, key, feed, dic.record() if dic is not None else None, state, "post-hoc",
+                          include_prefix, said)
     _say_replaced(store, name)
     if not _writable(store, lambda: write_index(generation, name, feed.state.finish(), record, at)):
         raise StoreError(f"index {name} of {store.url} was written by another process while this one made it; open "
                          "that one (extractor index STORE --name ...), or run again to replace it")
-    return open_index(open_store(store.url, store.storage_options), name)
+    made = open_store(store.url, store.storage_options)
+    if atlas:
+        from .atlas import add_atlas
+
+        return add_atlas(made, name)
+    return open_index(made, name)
 
 
 def _settings(store: ActivationStore, key: str, layout: Layout, dictionary: str | Path | Dictionary | None,
@@ -97,6 +115,18 @@ def _settings(store: ActivationStore, key: str, layout: Layout, dictionary: str 
     if k > rows:
         log.warning("k %d is more than the %d ok rows of %s: the index keeps them all (k %d)", k, rows, store.url, rows)
     return dic, min(k, rows)
+
+
+def _normalization(store: ActivationStore, key: str, layout: Layout,
+                   normalize: str | Sequence[str] | None) -> tuple[np.ndarray | None, float | None]:
+    """What the index subtracts and divides each position's features by: the store's statistics of the tokens it
+    covers, as ``token_batches`` reads them (``extractor.read.batching``); nothing without ``normalize``."""
+    if normalize is None:
+        return None, None
+    if layout.kind != "tokens":
+        raise StoreError(f"normalize={normalize!r} scales the tokens of a token sequence as token_batches streams "
+                         f"them; {key} is no token sequence: leave normalize out")
+    return store.normalization(key, normalize, layout.skip)
 
 
 def _generation(store: ActivationStore) -> Generation:

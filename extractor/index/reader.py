@@ -23,15 +23,15 @@ import zarr
 
 from ..errors import OutOfRangeError, StoreError
 from ..read import ActivationStore, open_store
-from ..store import OK, get_array
+from ..store import OK, get_array, patch_span
 from .dictionary import SAELENS_CONFIG, SAELENS_WEIGHTS, Dictionary, DictionaryError, file_digest, load_dictionary
-from .feed import Layout
+from .feed import IndexFeed, Layout
 from .layout import INDEXES, READ_VERSIONS, source_state
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["open_index", "index_names", "FeatureIndex", "TopRows", "describe", "summary"]
+__all__ = ["open_index", "index_names", "FeatureIndex", "Neighbours", "TopRows", "coverage", "describe", "summary"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,15 @@ class TopRows:
     values: np.ndarray  # (n,) float32: the feature pooled over each row's positions
 
 
+@dataclass(frozen=True)
+class Neighbours:
+    """A feature's nearest others by one measure of the index's atlas, the nearest first."""
+
+    features: np.ndarray  # (n,) int64
+    scores: np.ndarray  # (n,) float32: decoder cosine, Jaccard index of co-occurrence, or correlation
+    counts: np.ndarray | None = None  # (n,) int64, co-occurrence only: the tokens where both fire
+
+
 def _store(store_or_path: ActivationStore | str | Path,
            storage_options: Mapping[str, Any] | None = None) -> ActivationStore:
     if isinstance(store_or_path, ActivationStore):
@@ -52,12 +61,13 @@ def _store(store_or_path: ActivationStore | str | Path,
     return open_store(str(store_or_path), storage_options)
 
 
-def _layout(store: ActivationStore, key: str) -> Layout:
+def _layout(store: ActivationStore, key: str, include_prefix: bool = False) -> Layout:
+    """Capture ``key``'s layout as an index reads it: its patches, or with ``include_prefix`` every token."""
     meta = store.captures.get(key)
     if meta is None:
         raise StoreError(f"{key!r} is not a capture of {store.url}; its captures: {', '.join(store.keys)}")
     try:
-        return Layout.of(key, meta, store.model.get("prefix_tokens"))
+        return Layout.of(key, meta, store.model.get("prefix_tokens"), include_prefix)
     except ValueError as err:
         raise StoreError(str(err)) from None
 
@@ -243,6 +253,53 @@ class FeatureIndex:
         first = int(self.attrs["prefix"])
         return values[first : first + self.grid[0] * self.grid[1]].reshape(self.grid)
 
+    # ------------------------------------------------------------------ the atlas
+    @property
+    def atlas(self) -> dict[str, Any] | None:
+        """What the index's atlas holds (its ``measures``, ``neighbours`` per feature, ``rows`` sampled, ``map``:
+        method, seed, source), or None: it has none (``extractor index --atlas`` adds one)."""
+        atlas = self.attrs.get("atlas")
+        return dict(atlas) if atlas else None
+
+    def _atlas_array(self, name: str) -> zarr.Array:
+        atlas = self.atlas
+        if atlas is None:
+            raise StoreError(f"index {self.name} of {self.store.url} has no atlas: add one with extractor index "
+                             f"{self.store.url} --name {self.name} --atlas")
+        return get_array(self.arrays[atlas["arrays"]], name)  # type: ignore[arg-type]
+
+    def neighbours(self, f: int) -> dict[str, Neighbours]:
+        """Feature ``f``'s nearest features by each measure of the atlas (``decoder`` where the dictionary has a
+        decoder, ``cooccurrence``, ``correlation``), the nearest first."""
+        f = self._feature(f)
+        out = {}
+        for measure in self._atlas_measures():
+            features = np.asarray(self._atlas_array(f"{measure}.features")[f])
+            keep = features >= 0
+            counts = np.asarray(self._atlas_array(f"{measure}.counts")[f])[keep] if measure == "cooccurrence" else None
+            out[measure] = Neighbours(features[keep], np.asarray(self._atlas_array(f"{measure}.scores")[f])[keep],
+                                      counts)
+        return out
+
+    def _atlas_measures(self) -> list[str]:
+        atlas = self.atlas
+        if atlas is None:
+            self._atlas_array("map")  # the error
+        return list(atlas["measures"]) if atlas else []
+
+    @property
+    def map(self) -> np.ndarray:
+        """(F, 2) float32: each feature's place on the atlas's map."""
+        if "map" not in self._cache:
+            self._cache["map"] = np.asarray(self._atlas_array("map")[:])
+        return self._cache["map"]
+
+    @property
+    def atlas_rows(self) -> np.ndarray:
+        """The store rows the atlas was made of, in the order the pass took them (the first ``cooccurrence_rows``
+        counted co-occurrence)."""
+        return np.asarray(self._atlas_array("rows")[:])
+
     # ------------------------------------------------------------------ the encoder
     @property
     def dictionary(self) -> Dictionary | None:
@@ -260,18 +317,48 @@ class FeatureIndex:
                             dic["digest"], self._dictionary.digest)
         return self._dictionary
 
+    @property
+    def covers(self) -> str | None:
+        """Which of a token capture's positions the index covers: ``patches`` (its prefix tokens, CLS and
+        registers, left out: the default), ``all`` (included, as asked; or an index made before the choice),
+        ``unknown`` (every token: the store records no prefix tokens); None for a map or a vector."""
+        return self.layout.covers
+
+    @property
+    def layout(self) -> Layout:
+        """How the index reads its capture's rows (the positions it covers: :attr:`positions`)."""
+        return _layout(self.store, self.key, bool(self.attrs.get("include_prefix", True)))
+
+    def normalization(self) -> tuple[np.ndarray | None, float | None]:
+        """What the index subtracts from each position's features and divides them by before encoding (its
+        ``normalize``: the store's statistics, as a normalised token stream of its positions reads them)."""
+        asked = self.attrs.get("normalize")
+        if not asked:
+            return None, None
+        return self.store.normalization(self.key, asked["asked"], self.layout.skip)
+
     def encode_row(self, row: int) -> np.ndarray:
-        """(T, F): every feature at each position of store row ``row`` (which features fire at this patch)."""
+        """(T, F): every feature at each position the index covers of store row ``row`` (which features fire at
+        this patch), normalised as the index was."""
         n = len(self.store.status)
         if not 0 <= int(row) < n:
             raise OutOfRangeError(f"row {row} out of range: {self.store.url} has {n} rows (0 to {n - 1})")
         if self.store.status[int(row)] != OK:
             raise StoreError(f"row {row} ({self.store.ids[int(row)]}) of {self.store.url} is not ok (its image "
                              "failed, or was never computed): it holds no activations")
-        layout = _layout(self.store, self.key)
-        acts = np.asarray(layout.tokens(np.asarray(self.store[self.key][int(row) : int(row) + 1]))[0], np.float32)
+        return self.encode(np.asarray(self.store[self.key][int(row) : int(row) + 1]))[0]
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        """(n, T, F) float32: every feature at each position the index covers of capture rows ``x`` (n, *shape),
+        as stored (or as the model computes them: ``extractor.live``), normalised and encoded as the index was."""
+        feed = IndexFeed(self.layout, 1, "max", 0.0, None, self.normalization())
+        acts = feed.normalized(feed.layout.tokens(np.asarray(x)))
         dic = self.dictionary
-        return acts if dic is None else dic.encode(acts)
+        if dic is None:
+            return np.asarray(acts, np.float32)
+        n, t, d = acts.shape
+        return np.asarray(dic.encode(np.ascontiguousarray(acts, np.float32).reshape(n * t, d)), np.float32) \
+            .reshape(n, t, -1)
 
     # ------------------------------------------------------------------ figures
     def top_figure(self, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.6) -> Figure:
@@ -300,13 +387,30 @@ def _digest_of(path: str) -> str:
     return _DIGESTS[facts]
 
 
+def coverage(ix: FeatureIndex) -> str | None:
+    """What an index's counts are over, in words (None for a map or a vector: all its positions): the patches
+    alone, or every token, and how each token was scaled."""
+    layout, record = ix.layout, ix.store.captures[ix.key]
+    span = patch_span(record, ix.store.model.get("prefix_tokens"))
+    n = int(record["shape"][0]) - span[1] if span else 0  # stored tokens besides the patches
+    tokens = f"{n} token{'s' if n != 1 else ''} besides the patches"
+    said = {"patches": f"patch tokens only (the {tokens} left out)" if n else "patch tokens (stored without others)",
+            "all": f"every token, the {tokens} included",
+            "unknown": "every token (the store does not record which are patches)"}.get(layout.covers or "")
+    scaled = ix.attrs.get("normalize")
+    if said and scaled:
+        said += f"; normalised ({', '.join(scaled['asked'])}) by the store's statistics of the {scaled['over']}"
+    return said
+
+
 def describe(ix: FeatureIndex) -> Iterator[str]:
     """Lines that say what an index holds (the CLI prints them)."""
     d = ix.attrs.get("dictionary")
     over = f" (dictionary {d['path']}, {d['activation']})" if d else ""
     stale = " (STALE: the store changed since; run extractor index again)" if ix.stale else ""
+    covers = coverage(ix)
     yield f"index {ix.name}: {ix.features} features of {ix.key}{over}, top {ix.k} rows by {ix.attrs['pool']}, " \
-          f"{ix.rows} rows{stale}"
+          f"{ix.rows} rows{stale}" + (f"; over {covers}" if covers else "")
     density = ix.density
     alive = density[density > 0]
     yield (f"dead: {len(ix.dead)} of {ix.features}; firing density (tokens) of the others: median "

@@ -47,9 +47,11 @@ def merged_parts(group: zarr.Group, key: str, feed: IndexFeed) -> tuple[int, int
 
 
 def feed_of(key: str, record: Mapping[str, Any], prefix_tokens: int | None = None) -> IndexFeed:
-    """The feed of the write-time index a capture's record asks for (its ``feature_index``)."""
+    """The feed of the write-time index a capture's record asks for (its ``feature_index``; its patches as the
+    record says, :func:`~extractor.store.patch_span`; ``prefix_tokens``: the model's, for an older record; settings
+    made before ``include_prefix`` was recorded: every token)."""
     settings = record["feature_index"]
-    layout = Layout.of(key, record, prefix_tokens)
+    layout = Layout.of(key, record, prefix_tokens, settings.get("include_prefix", True))
     dic = settings.get("dictionary")
     encoder = cached_dictionary(dic["path"], dic["activation"], dic["digest"]) if dic else None
     return IndexFeed(layout, int(settings["k"]), str(settings["pool"]), float(settings["threshold"]), encoder)
@@ -78,7 +80,8 @@ def finish_indexes(group: zarr.Group, generation: Generation) -> list[str]:
             log.warning("index %s not written: %d done shards have no part of it (computed before it was asked "
                         "for); run extractor index", name, missing)
             continue
-        record = index_record(name, key, feed, settings.get("dictionary"), source_state(group), "write-time")
+        record = index_record(name, key, feed, settings.get("dictionary"), source_state(group), "write-time",
+                              bool(settings.get("include_prefix", True)))
         version = pointer(generation, name)
         if version[1] is None and write_index(generation, name, feed.state.finish(), record, version):
             written.append(name)
@@ -96,7 +99,7 @@ def with_indexes(capture_specs: Any, captures: Mapping[str, Any], prefix_tokens:
             out[key] = record
             continue
         try:
-            layout = Layout.of(key, record, prefix_tokens)
+            layout = Layout.of(key, record, prefix_tokens, want.include_prefix)
         except ValueError as err:
             raise SpecError(f"capture[{record['capture']}].feature_index: {err}") from None
         dic = load_dictionary(want.dictionary, want.activation) if want.dictionary else None
@@ -104,7 +107,8 @@ def with_indexes(capture_specs: Any, captures: Mapping[str, Any], prefix_tokens:
             dic.check_input(layout.features, f"capture[{record['capture']}] {key} {list(record['shape'])}")
         settings = {"k": want.k, "pool": want.pool, "threshold": want.threshold,
                     "dictionary": dic.record() if dic is not None else None,
-                    "name": want.name or index_name(key, dic.stem if dic is not None else None)}
+                    "name": want.name or index_name(key, dic.stem if dic is not None else None),
+                    "include_prefix": want.include_prefix}
         out[key] = {**record, "feature_index": settings}
     return out
 

@@ -11,6 +11,7 @@ from .._face import face
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .analysis import finite, linear_probe, pca, principal_components, probe_store, top_rows
     from .figures import bar_chart, figure_grid, gradcam_grid, heatmap, image_grid, new_figure, save, scatter_plot
+    from .nearest import NearestRows
     from .pictures import crop_like_job
     from .reader import ActivationStore, open_store, zarr_store
     from .similarity import compare, linear_cka

@@ -467,7 +467,7 @@ class Batching:
         arrays = [self[k] for k in keys]
         if spans[0].sampled:  # each stored token's position in the layer's sequence
             arrays.append(self[f"{keys[0]}.token_index"])
-        norms = [self._normalizer(k, normalize) for k in keys]
+        norms = [self._normalizer(k, normalize, (span.skip, span.tokens)) for k, span in zip(keys, spans, strict=True)]
         spread = spread and shuffle  # in order, a piece is a whole read run
         buffer_chunks = _pieces(arrays[:1], spread, buffer_chunks)
         # whole chunks in a random order, read a buffer of them at once; their tokens mixed in it
@@ -504,14 +504,24 @@ class Batching:
         kwargs = {k: v for k, v in args.items() if k not in ("self", "follow")}
         return Following(self, method, kwargs, self._opened_again)
 
-    def _normalizer(self, key: str, normalize: str | Sequence[str] | None) -> tuple[np.ndarray | None, float | None]:
-        """What ``normalize`` subtracts (per feature) and divides by, from the statistics of ``key``."""
+    def normalization(self, key: str, normalize: str | Sequence[str] | None,
+                      drop_prefix: bool | int = False) -> tuple[np.ndarray | None, float | None]:
+        """What :meth:`token_batches` with ``normalize`` and ``drop_prefix`` subtracts from each token of ``key``
+        (per feature, or None) and divides it by (or None): from the store's statistics of every stored token, or
+        of the patches alone where the tokens besides them are left out (the feature index's ``normalize`` reads
+        the same)."""
+        return self._normalizer(key, normalize, self.token_span(key, drop_prefix))
+
+    def _normalizer(self, key: str, normalize: str | Sequence[str] | None,
+                    served: tuple[int, int]) -> tuple[np.ndarray | None, float | None]:
+        """What ``normalize`` subtracts (per feature) and divides by, from the statistics of ``key``'s tokens as a
+        stream that serves ``served`` (first, count) of each stored row serves them."""
         asked = {normalize} if isinstance(normalize, str) else set(normalize or ())
         if not asked:
             return None, None
         if not asked <= {"mean", "norm"}:
             raise ValueError(f"normalize takes 'mean', 'norm' or both, not {normalize!r}")
-        stats = self.stats.get(key)
+        stats = self._token_stats(key, normalize, served)
         if not stats or (asked == {"norm"} and stats.get("mean_token_l2") is None):
             raise StoreError(f"normalize={normalize!r} needs the store's per-token statistics of {key!r}, which it "
                              "does not have (a store of a run that did not end, or made before per-token norms): "
@@ -522,6 +532,27 @@ class Batching:
         if asked == {"mean"}:
             return mean, None
         return mean, float(np.sqrt(np.sum(np.square(np.asarray(stats["std"], np.float64)))))
+
+    def _token_stats(self, key: str, normalize: Any, served: tuple[int, int]) -> dict[str, Any] | None:
+        """The statistics of the tokens a stream serves of ``key`` (``served``: first, count of each stored row): of
+        every stored token, or of the patches alone (the tokens besides them left out: :func:`patch_span`); any
+        other cut is refused (the store has no statistics of it)."""
+        stats = self.stats.get(key)
+        stored = int(self.captures[key]["shape"][0])
+        if served == (0, stored) or not stats:
+            return stats
+        span = patch_span(self.captures[key], self.model.get("prefix_tokens"))
+        if served != span:
+            held = f"of its patches (tokens {span[0]} to {sum(span) - 1})" if span and span != (0, stored) else \
+                "of no cut of them"
+            raise StoreError(f"normalize={normalize!r} over tokens {served[0]} to {sum(served) - 1} of each row of "
+                             f"{key!r}: the store's statistics are of every stored token, or {held}; leave out the "
+                             "tokens besides the patches (drop_prefix=True) or none, or leave normalize out")
+        if "patches" not in stats:
+            raise StoreError(f"normalize={normalize!r} with the tokens besides the patches of {key!r} left out needs "
+                             "the store's statistics of its patches alone, which it does not have (made before they "
+                             "were kept): make the store again, or normalise over every token (drop_prefix=False)")
+        return dict(stats["patches"])
 
     def buffer_bytes(self, key: str, buffer_chunks: int | None = None, spread: bool = True) -> int:
         """Bytes of one mixing buffer of :meth:`batches` / :meth:`token_batches` over ``key`` (at most: the last

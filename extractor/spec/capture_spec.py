@@ -53,6 +53,9 @@ class FeatureIndexSpec(_Section):
     """The dictionary's activation (relu, jumprelu, topk:K); default: what its file says."""
     name: str | None = None
     """The index's name in the store (default: the capture's key, ``KEY@<dictionary stem>`` with a dictionary)."""
+    include_prefix: bool = False
+    """Index a token sequence's prefix tokens (CLS, registers) too; by default only its patches, as its heatmaps
+    show (every token where the model's prefix tokens are not known)."""
 
     @field_validator("name")
     @classmethod

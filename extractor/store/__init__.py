@@ -38,7 +38,16 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     )
     from .ledger import Ledger, Table, blocks_for, new_id
     from .objects import Objects
-    from .provenance import Probe, StoreRecord, changed_rows, check_resumable, differences, owner, store_attrs
+    from .provenance import (
+        Probe,
+        StoreRecord,
+        changed_rows,
+        check_resumable,
+        differences,
+        model_differences,
+        owner,
+        store_attrs,
+    )
     from .recorded import StoredRows, current_places, source_digests, stored_rows
     from .reuse import ReuseIndex, check_sources
     from .sampling import BY_DIGEST, draw_keys, projection_matrix, rank_keys

@@ -44,7 +44,7 @@ from .recorded import source_digests
 
 __all__ = [
     "Probe", "StoreRecord", "store_attrs", "check_resumable", "changed_rows", "moved_locators", "owner", "differences",
-    "kept_probe",
+    "kept_probe", "model_differences",
 ]
 
 log = logging.getLogger(__name__)
@@ -308,6 +308,13 @@ def _value_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     if old.get("captures") != new["captures"]:
         problems += ["capture " + d for d in differences(old.get("captures", {}), new["captures"])]
     return problems
+
+
+def model_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What makes a model built now (``new``: a probe's ``preprocess``, ``model`` and ``captures``, as JSON gives
+    them back) give other values than the store's (``old``: its record): the preprocessing, the weights' digest, the
+    forward on the probe's fixed input, the captures' records; [] where none."""
+    return _value_differences(old, new)
 
 
 def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: Any) -> None:

@@ -4,7 +4,10 @@ Per capture: count, mean and standard deviation per feature (the channel of a ma
 feature of a token sequence, each element of a vector), global min and max, NaN and Inf
 counts, rows holding any NaN/Inf, and the mean L2 norm of a row; of a token capture (its last dims
 ``token``, ``feature``) also the mean L2 norm of a token (``mean_token_l2``: what a sparse autoencoder
-normalises by). Non-finite values are counted, not folded into the moments.
+normalises by), and where its rows hold tokens besides the patches (CLS and registers before them, YOLOS's
+detection tokens after them), the same per-token statistics of the patches alone (``patches``: the sums of the
+tokens besides them are kept apart, the patches' are the rest). Non-finite values are counted, not folded into the
+moments.
 
 A shard's record (``shard_stats[s]``) is JSON whose per-feature sums are base64 of their bytes (records
 written before hold lists of numbers: both are read). The driver merges records into :class:`Totals` as
@@ -18,7 +21,7 @@ import base64
 import io
 import json
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +33,9 @@ from .layout import get_array, take_rows
 __all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
 
 _SUMS = {"count": np.int64, "sum": np.float64, "sumsq": np.float64}  # per feature
+_BESIDES_SUMS = {"besides_count": np.int64, "besides_sum": np.float64, "besides_sumsq": np.float64}  # not patches
 _SCALARS = ("nan", "inf", "rows", "nonfinite_row_count", "l2_sum", "l2_rows", "token_l2_sum", "token_l2_count")
+_BESIDES_SCALARS = ("besides_token_l2_sum", "besides_token_l2_count", "besides_rows")
 _FIRST = 20  # rows holding NaN or Inf named, the first ones
 MERGE_SLICE = 32  # shards' records read at once by a merge (24 x 1024 features: 800 KB each)
 
@@ -46,9 +51,11 @@ def feature_axis(dims: Sequence[str]) -> int | None:
 
 
 class ShardStats:
-    """Running sums for one capture over one shard's ok rows."""
+    """Running sums for one capture over one shard's ok rows; of a token capture whose patches are ``span``
+    (first, count) of its stored tokens (:func:`~.tokens.patch_span`), the sums of the tokens besides them apart
+    too."""
 
-    def __init__(self, dims: Sequence[str], shape: Sequence[int]) -> None:
+    def __init__(self, dims: Sequence[str], shape: Sequence[int], span: tuple[int, int] | None = None) -> None:
         self.axis = feature_axis(dims)
         names = [d.rsplit(".", 1)[-1] for d in dims]
         self.tokens = names[-2:] == ["token", "feature"]  # per-token norms too
@@ -57,6 +64,17 @@ class ShardStats:
         self.count = np.zeros(n_feat, np.int64)
         self.sum = np.zeros(n_feat, np.float64)
         self.sumsq = np.zeros(n_feat, np.float64)
+        # the sums of the tokens besides the patches (none: not a token capture, all its tokens patches, not known)
+        stored = int(shape[-2]) if self.tokens else 0
+        kept = span is not None and self.tokens and 0 < span[1] <= stored - span[0] and tuple(span) != (0, stored)
+        self.span: tuple[int, int] | None = (int(span[0]), int(span[1])) if kept and span is not None else None
+        self.besides = np.ones(stored, bool)  # the stored tokens that are not patches
+        if self.span is not None:
+            self.besides[self.span[0] : sum(self.span)] = False
+        self.besides_count = np.zeros(n_feat if self.span else 0, np.int64)
+        self.besides_sum = np.zeros(n_feat if self.span else 0, np.float64)
+        self.besides_sumsq = np.zeros(n_feat if self.span else 0, np.float64)
+        self.besides_token_l2_sum, self.besides_token_l2_count = 0.0, 0
         self.min, self.max = np.inf, -np.inf
         self.nan = self.inf = 0
         self.rows = 0
@@ -75,6 +93,7 @@ class ShardStats:
             axes: tuple[int, ...] = tuple(range(x.ndim))
         else:
             axes = tuple(a for a in range(x.ndim) if a != self.axis)
+        raw = x
         flat = x.reshape(len(x), -1)
         finite_rows = np.isfinite(flat).all(axis=1)
         if not finite_rows.all():  # rare: count the NaN/Inf, then zero them out of the moments
@@ -92,6 +111,8 @@ class ShardStats:
         self.count += count
         self.sum += x.sum(axis=axes, dtype=np.float64).reshape(-1)
         self.sumsq += sq.sum(axis=axes, dtype=np.float64).reshape(-1)
+        if self.span:
+            self._add_besides(raw, x, sq, axes)
         if len(good):
             sq_good = sq[finite_rows] if len(good) < len(x) else sq
             self.l2_sum += float(np.sqrt(sq_good.reshape(len(good), -1).sum(axis=1, dtype=np.float64)).sum())
@@ -100,6 +121,17 @@ class ShardStats:
                 norms = np.sqrt(sq_good.sum(axis=-1, dtype=np.float64))
                 self.token_l2_sum += float(norms.sum())
                 self.token_l2_count += norms.size
+                if self.span:
+                    self.besides_token_l2_sum += float(norms[..., self.besides].sum())
+                    self.besides_token_l2_count += norms[..., self.besides].size
+
+    def _add_besides(self, raw: np.ndarray, x: np.ndarray, sq: np.ndarray, axes: tuple[int, ...]) -> None:
+        """Add the sums of a batch's tokens besides the patches (``raw`` as given; ``x`` and its squares ``sq`` with
+        non-finite values zeroed), counting their finite values per feature."""
+        b = self.besides
+        self.besides_count += np.isfinite(raw[..., b, :]).sum(axis=axes).reshape(-1).astype(np.int64)
+        self.besides_sum += x[..., b, :].sum(axis=axes, dtype=np.float64).reshape(-1)
+        self.besides_sumsq += sq[..., b, :].sum(axis=axes, dtype=np.float64).reshape(-1)
 
     def _count_nonfinite(self, x: np.ndarray, rows: np.ndarray, finite_rows: np.ndarray,
                          axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -120,7 +152,7 @@ class ShardStats:
         return x, count
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "count": _pack(self.count), "sum": _pack(self.sum), "sumsq": _pack(self.sumsq),
             "min": self.min if np.isfinite(self.min) else None, "max": self.max if np.isfinite(self.max) else None,
             "nan": self.nan, "inf": self.inf, "rows": self.rows, "nonfinite_rows": self.nonfinite_rows,
@@ -128,6 +160,12 @@ class ShardStats:
             "l2_sum": self.l2_sum, "l2_rows": self.l2_rows,
             "token_l2_sum": self.token_l2_sum, "token_l2_count": self.token_l2_count,
         }
+        if self.span:
+            out.update(patch_span=list(self.span), besides_count=_pack(self.besides_count),
+                       besides_sum=_pack(self.besides_sum), besides_sumsq=_pack(self.besides_sumsq),
+                       besides_token_l2_sum=self.besides_token_l2_sum,
+                       besides_token_l2_count=self.besides_token_l2_count, besides_rows=self.rows)
+        return out
 
 
 def _pack(x: np.ndarray) -> str:
@@ -175,6 +213,7 @@ class Totals:
             for k in _SCALARS:
                 a[k] = a.get(k, 0) + d.get(k, 0)  # records (totals) written before per-token norms have none
             a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + d["nonfinite_rows"])[:_FIRST]
+            _add_besides(a, d)
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per capture: rows, mean and std per feature, min, max, NaN and Inf counts, the rows holding them."""
@@ -197,12 +236,15 @@ class Totals:
             }
             if a.get("token_l2_count"):
                 out[key]["mean_token_l2"] = a["token_l2_sum"] / a["token_l2_count"]
+            if a.get("patch_span") and a.get("besides_rows") == a["rows"] and not a.get("span_mixed"):  # every row's
+                out[key]["patches"] = _patches(a)
         return out
 
     def to_bytes(self) -> bytes:
         """The totals as one object: a CRC-32, then npz of the sums and JSON of the rest."""
-        arrays = {f"{k}/{key}": a[k] for key, a in self.acc.items() for k in _SUMS}
-        rest = {key: {k: v for k, v in a.items() if k not in _SUMS} for key, a in self.acc.items()}
+        arrays = {f"{k}/{key}": a[k] for key, a in self.acc.items() for k in (*_SUMS, *_BESIDES_SUMS) if k in a}
+        rest = {key: {k: v for k, v in a.items() if k not in _SUMS and k not in _BESIDES_SUMS}
+                for key, a in self.acc.items()}
         out = io.BytesIO()
         np.savez(out, held=np.packbits(self.held), attempts=self.attempts,
                  rest=np.frombuffer(json.dumps(rest).encode(), np.uint8), **arrays)
@@ -224,9 +266,10 @@ class Totals:
             if "attempts" in z.files:
                 totals.attempts = z["attempts"].astype(np.uint64)
             for key, rest in json.loads(z["rest"].tobytes()).items():
-                totals.acc[key] = {**rest, **{k: z[f"{k}/{key}"].astype(dtype) for k, dtype in _SUMS.items()}}
+                sums = {k: z[f"{k}/{key}"].astype(dtype) for k, dtype in (*_SUMS.items(), *_BESIDES_SUMS.items())
+                        if f"{k}/{key}" in z.files}
+                totals.acc[key] = {**rest, **sums}
         return totals
-
 
     def absorb(self, other: Totals) -> bool:
         """Add ``other``'s sums (shards merged by another process), unless it holds a shard these hold already (a
@@ -246,9 +289,38 @@ class Totals:
             for k in _SCALARS:
                 a[k] = a.get(k, 0) + b.get(k, 0)
             a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + b["nonfinite_rows"])[:_FIRST]
+            _add_besides(a, b)
         self.held |= other.held
         self.attempts[other.held] = other.attempts[other.held]
         return True
+
+
+def _add_besides(a: dict[str, Any], d: Mapping[str, Any]) -> None:
+    """Add a shard record's sums of its tokens besides the patches (``d``, where it holds them) to a capture's totals
+    ``a``: the rows they cover count (``besides_rows``), so patches' statistics are given only where every row's are
+    apart."""
+    if d.get("span_mixed"):
+        a["span_mixed"] = True
+    if not d.get("patch_span"):
+        return
+    if a.setdefault("patch_span", d["patch_span"]) != d["patch_span"]:  # never within one store: no patches' stats
+        a["span_mixed"] = True
+        return
+    for k, dtype in _BESIDES_SUMS.items():
+        v = _unpack(d[k], dtype)
+        a[k] = a[k] + v if k in a else v
+    for k in _BESIDES_SCALARS:
+        a[k] = a.get(k, 0) + d.get(k, 0)
+
+
+def _patches(a: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-token statistics of the patches alone: every token's sums less those of the tokens besides them."""
+    count = np.maximum(a["count"] - a["besides_count"], 1)
+    mean = (a["sum"] - a["besides_sum"]) / count
+    var = np.maximum((a["sumsq"] - a["besides_sumsq"]) / count - mean**2, 0.0)
+    tokens = a["token_l2_count"] - a["besides_token_l2_count"]
+    return {"span": list(a["patch_span"]), "mean": [float(v) for v in mean], "std": [float(v) for v in np.sqrt(var)],
+            "mean_token_l2": (a["token_l2_sum"] - a["besides_token_l2_sum"]) / tokens if tokens else None}
 
 
 def shard_record(group: zarr.Group, index: int) -> str:

@@ -1,8 +1,8 @@
-"""The viewer as a local web app (Flask): GET only, every path parameter a number or a name looked up among the
-store's own (never a file path), the store read lazily behind it; answers only for the host it listens on
-(:mod:`.hosts`), and only while the store is the one it opened: once it was made again (``--overwrite``) or
-removed, every request (but the app's own scripts and styles) is a 410 saying so and to restart the viewer (pages
-of the old store beside the new one's rows would mix two stores)."""
+"""The viewer as a local web app (Flask): GET only (but the image "run this image" takes: :mod:`.run_views`), every
+path parameter a number or a name looked up among the store's own (never a file path), the store read lazily behind
+it; answers only for the host it listens on (:mod:`.hosts`), and only while the store is the one it opened: once it
+was made again (``--overwrite``) or removed, every request (but the app's own scripts and styles) is a 410 saying so
+and to restart the viewer (pages of the old store beside the new one's rows would mix two stores)."""
 
 from __future__ import annotations
 
@@ -34,15 +34,22 @@ POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'sel
           "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 
 
-def create_app(store: ActivationStore | str, hosts: Hosts = LOOPBACK) -> Flask:
+def create_app(store: ActivationStore | str, hosts: Hosts = LOOPBACK, live: bool = True,
+               device: str = "auto") -> Flask:
     """The Flask app of the viewer over ``store`` (a path or URL, or a store opened already), answering requests
-    for ``hosts`` only (default: this machine's loopback names; any other ``Host``: 403, saying why)."""
+    for ``hosts`` only (default: this machine's loopback names; any other ``Host``: 403, saying why). With ``live``
+    it offers "run this image" and search by text (:mod:`.run`; the store's model built on first use, on
+    ``device``)."""
     site = Site(open_store(store) if isinstance(store, str) else store)
     app = Flask(__name__, static_folder=str(files("extractor.view") / "static"), static_url_path="/static")
     app.before_request(lambda: _foreign(hosts) or _made_again(site.store))
     views = _Views(site)
     for rule, view in views.rules():
         app.add_url_rule(rule, rule, view, methods=["GET"])
+    if live:
+        from .run_views import add_run_views
+
+        add_run_views(app, site, device)
     app.register_error_handler(NotFound, lambda err: _missing(str(err.args[0] if err.args else err)))
     app.register_error_handler(404, lambda err: _missing(f"there is no page at {request.path}"))
     # made again while a page was read (after the check above): that, not a 500
@@ -62,6 +69,8 @@ class _Views:
         return [
             ("/", self.store_page), ("/index.html", self.store_page), ("/search.html", self.search_page),
             ("/index/<slug>.html", self.features_page), ("/index/<slug>/<int:f>.html", self.feature_page),
+            ("/index/<slug>/map.html", self.map_page),
+            ("/api/index/<slug>/map.json", lambda slug: jsonify(self.site.map_page(slug))),
             ("/image/<int:row>.html", self.image_page), ("/thumb/<int:row>.jpg", self.thumb),
             ("/api/store.json", lambda: jsonify(self.site.store_page())),
             ("/api/search.json", lambda: jsonify(self.site.search(_query()))),
@@ -82,6 +91,9 @@ class _Views:
 
     def feature_page(self, slug: str, f: int) -> str:
         return render("feature.html", page_path("feature", slug, f), self.site.feature_page(slug, f), "app")
+
+    def map_page(self, slug: str) -> str:
+        return render("map.html", page_path("map", slug), self.site.map_page(slug), "app")
 
     def image_page(self, row: int) -> str:
         return render("image.html", page_path("image", row), self.site.image_page(row), "app")
@@ -147,16 +159,18 @@ def _answer(reason: str, status: int, heading: str | None = None) -> tuple[Any, 
     return render("missing.html", request.path.lstrip("/") or "index.html", page, "app"), status
 
 
-def serve(store: ActivationStore | str, host: str = HOST, port: int = PORT, announce: Any = print) -> None:
+def serve(store: ActivationStore | str, host: str = HOST, port: int = PORT, announce: Any = print,
+          live: bool = True, device: str = "auto") -> None:
     """Serve the viewer of ``store`` until interrupted; ``announce`` gets the address once it listens (port 0: a
     free one). It answers for the host it listens on only (:class:`~.hosts.Hosts`). A port outside 0 to 65535 is
-    a ValueError; one that cannot be had (in use) an ExtractorError naming it."""
+    a ValueError; one that cannot be had (in use) an ExtractorError naming it. ``live``, ``device``: see
+    :func:`create_app`."""
     from werkzeug.serving import make_server
 
     sock = listen(host, port)  # bound here: Werkzeug's own bind prints its error and exits the process
     with sock:
         bound = sock.getsockname()[0]
-        server = make_server(host, port, create_app(store, Hosts.bound(host, bound)), threaded=True,
+        server = make_server(host, port, create_app(store, Hosts.bound(host, bound), live, device), threaded=True,
                              fd=sock.fileno())  # the server listens on a copy of it
     shown = f"[{host}]" if ":" in host else host
     announce(f"http://{shown}:{server.port}/")

@@ -56,10 +56,17 @@ def _index_pages(writer: _Writer, slug: str, features: int | None) -> set[int]:
     writer.page("features.html", page_path("features", slug), site.features_page(slug), f"api/index/{slug}.json")
     count = site.indexes[slug].features
     last = count if features is None else min(features, count)
+    atlas = site.map_page(slug)
+    if "map" in atlas:
+        atlas["map"]["written"] = last  # the points of features whose page is written link to it
+    writer.page("map.html", page_path("map", slug), atlas, f"api/index/{slug}/map.json")
     for f in range(last):
         data = site.feature_page(slug, f)
         if f + 1 == last:
             data["next"] = None  # no page beyond the last written
+        for measure in data["neighbours"]:  # links only to pages written
+            for near in measure["features"]:
+                near["page"] = near["page"] if near["feature"] < last else None
         rows.update(p["row"] for p in data["top"])
         rows.update(p["row"] for g in data["quantiles"] for p in g["pictures"])
         writer.page("feature.html", page_path("feature", slug, f), data, f"api/index/{slug}/{f}.json")
@@ -73,6 +80,9 @@ def _image_pages(writer: _Writer, rows: list[int], progress: Callable[[str], Non
         data = writer.site.image_page(row, patches=True)
         data["previous"] = data["previous"] if row - 1 in kept else None  # links only to pages written
         data["next"] = data["next"] if row + 1 in kept else None
+        for pic in (data["similar"] or {}).get("pictures", []):
+            pic["page"] = pic["page"] if pic["row"] in kept else None
+            writer.thumb(pic["row"])
         writer.page("image.html", page_path("image", row), data, f"api/image/{row}.json")
         writer.thumb(row)
         if progress and (n + 1) % 200 == 0:
@@ -96,6 +106,7 @@ class _Writer:
     def __init__(self, root: Path, site: Site) -> None:
         self.root, self.site = root, site
         self.pages = self.thumbs = self.gone = 0
+        self.written: set[int] = set()  # rows whose thumbnail is written (or gone)
 
     def file(self, path: str, data: bytes) -> None:
         target = self.root / path
@@ -109,6 +120,9 @@ class _Writer:
         self.pages += 1
 
     def thumb(self, row: int) -> None:
+        if row in self.written:
+            return
+        self.written.add(row)
         try:
             self.file(page_path("thumb", row), self.site.thumbs.get(row))
             self.thumbs += 1

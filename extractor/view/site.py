@@ -12,10 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from ..index import FeatureIndex, index_names, open_index
-from ..read import ActivationStore
+from ..errors import StoreError
+from ..index import FeatureIndex, coverage, index_names, open_index
+from ..read import ActivationStore, NearestRows
 from ..store import OK, STATUS_NAMES, get_array
 from . import svg
+from .atlas import map_page, nearest_rows, neighbour_lists, similar_key, similar_rows
+from .common import NotFound, page_path
+from .common import number as _number
+from .common import numbers as _numbers
+from .common import strongest as _strongest
+from .common import strongest_each as _strongest_each
 from .thumbs import Thumbnails
 
 __all__ = ["NotFound", "Site", "page_path"]
@@ -25,39 +32,6 @@ TOP_FEATURES = 12  # an image's top features, per index
 SEARCH_HITS = 50
 CAM_CELLS = 56  # a Grad-CAM map is shown at most this many cells a side (block means)
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")  # an index name that is its URL name too
-
-
-class NotFound(LookupError):
-    """A page of something the store does not hold (an unknown index, feature or row): a 404 page."""
-
-
-def page_path(kind: str, *parts: object) -> str:
-    """The path of a page or file, the same in the app's URLs and in the exported site."""
-    paths = {
-        "store": "index.html",
-        "search": "search.html",
-        "features": "index/{0}.html",
-        "feature": "index/{0}/{1}.html",
-        "image": "image/{0}.html",
-        "thumb": "thumb/{0}.jpg",
-        "patch": "api/index/{0}/patch/{1}/{2}.json",
-    }
-    return paths[kind].format(*parts)
-
-
-def _number(value: Any, digits: int = 4) -> float | None:
-    """A float for JSON (None for NaN or infinity), rounded to ``digits`` significant digits."""
-    return _numbers(np.asarray([value]), digits)[0]
-
-
-def _numbers(values: np.ndarray, digits: int = 4) -> list[float | None]:
-    """:func:`_number` of each value (vectorised: a page carries thousands)."""
-    v = np.asarray(values, dtype=np.float64).ravel()
-    finite = np.isfinite(v)
-    nonzero = np.where(finite & (v != 0), np.abs(v), 1.0)
-    scale = 10.0 ** (digits - 1 - np.floor(np.log10(nonzero)))
-    rounded = (np.round(np.where(finite, v, 0) * scale) / scale).tolist()
-    return [r if f else None for r, f in zip(rounded, finite.tolist(), strict=True)]
 
 
 class Site:
@@ -71,6 +45,8 @@ class Site:
             self.indexes[name if _SAFE.match(name) else f"index-{n}"] = open_index(store, name)
         self.cams = [k for k, m in store.captures.items() if m["what"] == "gradcam"]
         self._stale: dict[str, bool] = {}  # per index, found on first use (it reads the store's status)
+        self.nearest: dict[str, NearestRows] = {}  # per capture, its rows pooled: read on the first image page
+        self.live = False  # "run this image" is offered (the local app, where the model can be built)
 
     # ------------------------------------------------------------------ lookups (404 for anything not held)
     def index(self, slug: str) -> FeatureIndex:
@@ -117,11 +93,12 @@ class Site:
         dictionary = index.attrs.get("dictionary")
         return {"slug": slug, "name": index.name, "key": index.key, "features": index.features, "k": index.k,
                 "pool": index.attrs.get("pool"), "rows": index.attrs.get("rows"), "stale": self._is_stale(slug),
-                "dead": len(index.dead), "grid": index.grid, "prefix": _prefix(index),
+                "dead": len(index.dead), "grid": index.grid, "prefix": _prefix(index), "covers": coverage(index),
                 "dictionary": None if not dictionary else {"path": dictionary.get("path"),
                                                            "activation": dictionary.get("activation"),
                                                            "d_sae": dictionary.get("d_sae")},
-                "created": index.attrs.get("created"), "page": page_path("features", slug)}
+                "created": index.attrs.get("created"), "page": page_path("features", slug),
+                "map": page_path("map", slug) if index.atlas is not None else None}
 
     # ------------------------------------------------------------------ pages
     def store_page(self) -> dict[str, Any]:
@@ -150,6 +127,7 @@ class Site:
                         "page": page_path("image", int(r))} for r in failed],
             "indexes": [self._index_record(slug, ix) for slug, ix in self.indexes.items()],
             "cams": self.cams,
+            "run": page_path("run") if self.live else None,
         }
 
     def features_page(self, slug: str) -> dict[str, Any]:
@@ -167,6 +145,7 @@ class Site:
             "density_svg": svg.histogram(counts, edges, "log10 firing density (share of tokens)",
                                          f"{len(alive)} features that fire; {len(density) - len(alive)} never do"),
             "dead": [int(f) for f in index.dead],
+            "text": self.live,  # search by text: the local app only
         }
 
     def feature_page(self, slug: str, f: int) -> dict[str, Any]:
@@ -196,6 +175,7 @@ class Site:
             "top": top,
             "histogram_svg": svg.histogram(counts, edges, "log10 activation", f"{int(counts.sum())} activations"),
             "quantiles": groups[::-1],  # the highest group first
+            "neighbours": neighbour_lists(index, slug, f),
         }
 
     def patch_features(self, slug: str, row: int, token: int, n: int = PATCH_FEATURES) -> dict[str, Any]:
@@ -229,7 +209,24 @@ class Site:
             "indexes": indexes,
             "explorer": ok and any(ix.grid is not None for ix in self.indexes.values()) and not pic["gone"],
             "cams": [self._cam(key, row) for key in self.cams] if ok else [],
+            "similar": self._similar(row) if ok else None,
+            "run": page_path("run") if self.live else None,
         }
+
+    def _similar(self, row: int) -> dict[str, Any] | None:
+        """The images nearest ``row`` by the pooled vector of the store's first capture (None: it has none; or why
+        not, when it cannot be searched)."""
+        key = similar_key(self.store)
+        if key is None:
+            return None
+        try:
+            return similar_rows(nearest_rows(self.nearest, self.store, key), self._pictures, row=row)
+        except StoreError as err:
+            return {"key": key, "missing": str(err), "pictures": []}
+
+    def map_page(self, slug: str) -> dict[str, Any]:
+        index = self.index(slug)
+        return map_page(index, self._index_record(slug, index))
 
     def _image_features(self, slug: str, row: int | None, patches: bool) -> dict[str, Any]:
         """An index's section of an image page: the row's top features (and where each fires), with ``patches``
@@ -299,28 +296,6 @@ def _patches(index: FeatureIndex) -> slice:
 
 def _file_name(path: str) -> str:
     return PurePosixPath(path.rsplit("#", 1)[-1] if "#" in path else path).name
-
-
-def _strongest(values: np.ndarray, n: int, slug: str) -> list[dict[str, Any]]:
-    """The ``n`` features of highest value above 0 (ties: the lower number first), each with its page."""
-    return [{"feature": f, "value": v, "page": page_path("feature", slug, f)} for f, v in _strongest_each(values, n)[0]]
-
-
-def _strongest_each(values: np.ndarray, n: int) -> list[list[tuple[int, float | None]]]:
-    """Of each row of ``values`` (..., F), its ``n`` features of highest value above 0, highest first (ties: the
-    lower number first), with their values."""
-    v = np.nan_to_num(np.atleast_2d(np.asarray(values, dtype=np.float64)), nan=-np.inf)
-    n = min(n, v.shape[1])
-    if n == 0:
-        return [[] for _ in v]
-    best = np.sort(np.argpartition(-v, n - 1, axis=1)[:, :n], axis=1)  # the n highest, by feature number
-    best = np.take_along_axis(best, np.argsort(-np.take_along_axis(v, best, 1), axis=1, kind="stable"), 1)
-    top = np.take_along_axis(v, best, 1)
-    shown = _numbers(top)
-    out = []
-    for r in range(len(v)):
-        out.append([(int(best[r, i]), shown[r * n + i]) for i in range(n) if top[r, i] > 0])
-    return out
 
 
 def _block_means(x: np.ndarray, cells: int) -> np.ndarray:

@@ -121,3 +121,19 @@ def test_a_dictionary_of_nan_or_infinite_weights_is_refused_naming_the_tensor(tm
     save_file({**_sae(), "W_enc": np.full((32, D_SAE), np.nan, np.float32)}, str(folder / "sae_weights.safetensors"))
     said = _refused(load_dictionary, folder)
     assert f"tensor W_enc [32, {D_SAE}] holds {32 * D_SAE} NaN or infinite values (of {32 * D_SAE})" in said, said
+
+
+def test_the_decoder_is_read_as_w_dec_or_a_linears_weight_and_refused_when_it_does_not_fit(tmp_path: Path):
+    """issue 59: the atlas's decoder cosine and the viewer's switched-off latent read each latent's decoder direction:
+    ``W_dec`` (d_sae, d_in), or ``decoder.weight`` (d_in, d_sae) as a Linear holds it."""
+    t = _sae()
+    np.savez(tmp_path / "w.npz", **t)
+    np.testing.assert_array_equal(load_dictionary(tmp_path / "w.npz").w_dec, t["W_dec"])
+    linear = {k: v for k, v in t.items() if k != "W_dec"}
+    np.savez(tmp_path / "l.npz", **linear, **{"decoder.weight": t["W_dec"].T})
+    np.testing.assert_array_equal(load_dictionary(tmp_path / "l.npz").w_dec, t["W_dec"])
+    np.savez(tmp_path / "none.npz", **linear)
+    assert load_dictionary(tmp_path / "none.npz").w_dec is None
+    np.savez(tmp_path / "bad.npz", **linear, W_dec=t["W_dec"].T)
+    said = _refused(load_dictionary, tmp_path / "bad.npz")
+    assert "W_dec [32, 48] does not fit W_enc [32, 48]: the decoder is (d_sae, d_in) = (48, 32)" in said

@@ -422,19 +422,90 @@ def test_a_killed_and_resumed_job_writes_the_index_a_post_hoc_pass_makes_and_an_
 
 
 # ---------------------------------------------------------------------------------------------- a ViT's patches
-def test_heatmaps_of_a_vit_leave_its_cls_token_out(images: Path, tmp_path: Path):
+VIT = {"name": "timm:vit_small_patch16_224", "weights": "random", "device": "cpu",
+       "kwargs": {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 2}}
+
+
+@pytest.fixture(scope="module")
+def vit(images: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny ViT's blocks.1 tokens (a CLS, then 4 x 4 patches) of the 14 ok rows, with a write-time index of k 2."""
     pytest.importorskip("timm")
-    vit = {"name": "timm:vit_small_patch16_224", "weights": "random", "device": "cpu",
-           "kwargs": {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 2}}
-    path = tmp_path / "v.zarr"
-    run(parse_spec(job(images, path, model=vit, data={"resize": 32, "crop": 32, "shard_size": 8, "batch_size": 4},
+    path = tmp_path_factory.mktemp("vit") / "v.zarr"
+    run(parse_spec(job(images, path, model=VIT, data={"resize": 32, "crop": 32, "shard_size": 8, "batch_size": 4},
                        capture=[{"layer": "blocks.1", "reduce": "none", "feature_index": {"k": 2}}])))
-    ix = open_index(str(path))
-    assert (ix.attrs["prefix"], ix.grid, ix.attrs["positions"]) == (1, (4, 4), 17)
+    return path
+
+
+def _tokens(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """blocks.1's ok rows (n, 17, 48), and their store rows."""
     s = open_store(str(path))
+    return s.numpy("blocks.1"), s.ok_rows()
+
+
+def test_an_index_of_a_vit_counts_its_patches_only_as_its_heatmaps_show_them(vit: Path):
+    """issue 54: densities, maxima and top rows were taken over every token, the CLS included, while the heatmaps
+    and the viewer show the patches. Now the index (post-hoc and write-time) is of the patches, by hand, unless
+    asked to include the prefix tokens; its record and listing say which."""
+    x, rows = _tokens(vit)
+    patches = index(str(vit), "blocks.1", k=2, name="patches")
+    _check_against_numpy(x[:, 1:], rows, type("Got", (), _arrays(patches)), 2, "max")
+    assert (patches.attrs["positions"], patches.grid, patches.attrs["prefix"], patches.attrs["left_out"],
+            patches.covers) == (16, (4, 4), 0, 1, "patches")
+    every = index(str(vit), "blocks.1", k=2, name="every", include_prefix=True)
+    _check_against_numpy(x, rows, type("Got", (), _arrays(every)), 2, "max")
+    assert (every.attrs["positions"], every.attrs["prefix"], every.covers) == (17, 1, "all")
+    assert not np.array_equal(patches.density, every.density)  # over 16 tokens a row, not 17
     for f in (0, 47):
-        for rank, row in enumerate(ix.top(f).rows):
-            np.testing.assert_array_equal(ix.heatmap(f, rank), s.numpy("blocks.1", rows=[row])[0, 1:, f].reshape(4, 4))
+        for rank, row in enumerate(patches.top(f).rows):
+            np.testing.assert_array_equal(patches.heatmap(f, rank), x[rows == row][0, 1:, f].reshape(4, 4))
+        np.testing.assert_array_equal(every.heatmap(f, 0), x[rows == every.top(f).rows[0]][0, 1:, f].reshape(4, 4))
+    np.testing.assert_array_equal(patches.encode_row(int(rows[3])), x[3, 1:])
+    np.testing.assert_array_equal(every.encode_row(int(rows[3])), x[3])
+    written = open_index(str(vit), "blocks.1")  # the job's write-time index: the patches too, the same index
+    assert written.attrs["written"] == "write-time" and written.covers == "patches"
+    _same(written, index(str(vit), "blocks.1", k=2, name="again"))
+    from extractor.index import describe
+
+    assert "over patch tokens only (the 1 token besides the patches left out)" in next(describe(patches))
+    assert "over every token, the 1 token besides the patches included" in next(describe(every))
+
+
+def test_an_sae_indexed_with_normalize_sees_the_tokens_a_normalised_stream_gives(vit: Path, store: Path,
+                                                                                 tmp_path: Path):
+    """issue 54: an SAE trained on token_batches(normalize="norm") was indexed on raw tokens (another scale), and
+    norm divided by a mean over every token, CLS included. ``normalize`` applies the stream's own statistics: the
+    index's latents are the SAE applied by hand (numpy) to the stream's normalised batches of the same tokens."""
+    t = _sae(d_in=48)
+    np.savez(tmp_path / "sae.npz", **t)
+    s = open_store(str(vit))
+    x, rows = _tokens(vit)
+    latents = np.zeros((len(rows), 16, D_SAE), np.float32)
+    for at, batch in s.token_batches("blocks.1", 37, shuffle=False, drop_prefix=True, normalize="norm"):
+        by_hand = np.maximum((batch - t["b_dec"]) @ t["W_enc"] + t["b_enc"], 0)
+        latents[np.searchsorted(rows, at[:, 0]), at[:, 1] - 1] = by_hand
+    ix = index(str(vit), "blocks.1", dictionary=tmp_path / "sae.npz", k=3, normalize="norm")
+    scale = s.stats["blocks.1"]["patches"]["mean_token_l2"]
+    assert ix.attrs["normalize"] == {"asked": ["norm"], "scale": scale, "shifted": False, "over": "patches"}
+    assert scale != pytest.approx(s.stats["blocks.1"]["mean_token_l2"], rel=1e-3)  # the CLS moves the mean norm
+    for r in (0, 5, 13):
+        np.testing.assert_allclose(ix.encode_row(int(rows[r])), latents[r], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ix.max_value, latents.max(axis=(0, 1)), rtol=1e-5)
+    got = _arrays(ix)
+    for f in range(D_SAE):
+        by_hand = rows[_by_hand_top(latents.max(axis=1), latents.max(axis=1) > 0, f, 3)]
+        assert list(got["top_rows"][f][got["top_rows"][f] >= 0]) == list(by_hand), f
+    np.testing.assert_allclose(got["density_tokens"], (latents > 0).mean(axis=(0, 1)), atol=1.5 / latents[..., 0].size)
+    raw = index(str(vit), "blocks.1", dictionary=tmp_path / "sae.npz", k=3, name="raw")
+    assert not np.allclose(raw.density, ix.density)  # as saved: another scale, other latents
+    from extractor.cli import main
+
+    assert main(["index", str(vit), "--key", "blocks.1", "--dictionary", str(tmp_path / "sae.npz"), "--k", "3",
+                 "--normalize", "norm", "--name", "cli", "-q"]) == 0
+    np.testing.assert_array_equal(open_index(str(vit), "cli").density, ix.density)
+    with pytest.raises(StoreError, match="normalize='norm' scales the tokens of a token sequence .* layer3 is no"):
+        index(str(store), "layer3", normalize="norm")
+    with pytest.raises(ValueError, match="normalize takes 'mean', 'norm' or both, not 'unit'"):
+        index(str(vit), "blocks.1", normalize="unit")
 
 
 def test_figures_draw_a_features_top_images_and_the_densities(store: Path):

@@ -182,7 +182,15 @@ def test_yolos_detection_tokens_after_the_patches_are_no_patches_to_any_reader(y
     assert list(s.to_xarray(stack=["encoder.layer.0", "encoder.layer.1"])["patch"].values) == list(mask)
     np.testing.assert_allclose(ds["encoder.layer.1"].isel({"encoder.layer.1.token": mask}).values, patches,
                                atol=1e-5, rtol=1e-4)
-    assert Layout.of("encoder.layer.1", s.captures["encoder.layer.1"], 1) == Layout("tokens", 32, 22, (4, 4), 1)
+    assert Layout.of("encoder.layer.1", s.captures["encoder.layer.1"], 1) == Layout("tokens", 32, 16, (4, 4), 0, 1,
+                                                                                  "patches")
+    assert Layout.of("encoder.layer.1", s.captures["encoder.layer.1"], 1, include_prefix=True) == \
+        Layout("tokens", 32, 22, (4, 4), 1, 0, "all")
+    # the statistics of the patches alone: the detection tokens after them are not patches either
+    tokens = last[:, 1:17].reshape(-1, last.shape[-1]).astype(np.float64)
+    np.testing.assert_allclose(s.stats["encoder.layer.1"]["patches"]["mean"], tokens.mean(0), atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(s.stats["encoder.layer.1"]["patches"]["mean_token_l2"],
+                               np.linalg.norm(tokens, axis=1).mean(), rtol=1e-4)
     ix = index(s, "encoder.layer.1", k=2)
     site = Site(open_store(str(tmp_path / "s.zarr")))  # the viewer's pages
     for f in (0, 7):

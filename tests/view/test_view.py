@@ -3,6 +3,7 @@ here, served by the app and exported as a static site opened from disk."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -27,7 +28,8 @@ SAE = "layer3@sae"  # the index of a dictionary's latents (the other, "layer3": 
 def sae_weights(d_in: int = 32, d_sae: int = 48) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {"W_enc": rng.normal(size=(d_in, d_sae)).astype(np.float32),
-            "b_enc": rng.normal(scale=0.05, size=d_sae).astype(np.float32)}
+            "b_enc": rng.normal(scale=0.05, size=d_sae).astype(np.float32),
+            "W_dec": rng.normal(size=(d_sae, d_in)).astype(np.float32) / np.sqrt(d_in)}
 
 
 def make_store(tmp: Path) -> tuple[Path, Path]:
@@ -301,9 +303,10 @@ def test_the_exported_site_opens_from_disk_and_shows_the_same(store_path: Path, 
     assert written["gone"] == 1  # row 11's image: its pages say so
     site = (tmp_path / "site").resolve().as_uri() + "/"
     x = maps(store_path)
-    for path in ["index.html", "index/layer3.html", "image/0.html", "image/11.html"]:
+    for path in ["index.html", "index/layer3.html", "image/0.html", "image/11.html", f"index/{SAE}/map.html"]:
         tab.open(site + path)
         assert not tab.errors, (path, tab.errors)
+    assert int(tab.page.locator("#atlas-map").get_attribute("data-points") or -1) == 48  # the map, from disk
     f = int(np.argmax(x.max(axis=(0, 2, 3))))
     tab.open(site + f"index/layer3/{f}.html")
     check_feature_page(tab, x, f)
@@ -359,7 +362,7 @@ def test_thumbnails_of_tar_members_and_a_tar_that_is_gone(image_dir: Path, tmp_p
     assert gone.search("7")["hits"][0]["row"] == 7
 
 
-PAGES = ["/", "/index.html", "/search.html?q=cats", "/index/layer3.html", "/index/layer3/0.html",
+EVERY_PATH = ["/", "/index.html", "/search.html?q=cats", "/index/layer3.html", "/index/layer3/0.html",
          f"/index/{SAE}/1.html", "/image/1.html", "/thumb/1.jpg", "/api/store.json", "/api/search.json?q=1",
          "/api/index/layer3.json", "/api/index/layer3/0.json", "/api/image/1.json", "/api/index/layer3/patch/1/0.json"]
 
@@ -391,14 +394,14 @@ def test_a_store_made_again_or_removed_while_the_viewer_serves_it_is_said_on_eve
     path = tmp_path / "v.zarr"
     shutil.copytree(store_path, path)
     client = create_app(str(path)).test_client()
-    assert [client.get(p).status_code for p in PAGES] == [200] * len(PAGES)
+    assert [client.get(p).status_code for p in EVERY_PATH] == [200] * len(EVERY_PATH)
     made_again(str(path))
-    assert [p for p in PAGES if not _said_made_again(client.get(p), str(path))] == []
+    assert [p for p in EVERY_PATH if not _said_made_again(client.get(p), str(path))] == []
     assert client.get("/static/view.js").status_code == 200  # the page that says so keeps its style
     page = client.get("/image/1.html").get_data(as_text=True)
     assert "The store was made again" in page and "Back to the store" not in page
     shutil.rmtree(path)
-    assert [p for p in PAGES if not _said_made_again(client.get(p), str(path))] == []
+    assert [p for p in EVERY_PATH if not _said_made_again(client.get(p), str(path))] == []
 
     shutil.copytree(store_path, path)
     client = create_app(str(path)).test_client()
@@ -497,3 +500,263 @@ def test_a_port_out_of_range_or_in_use_is_one_line_saying_which(image_dir: Path,
         with pytest.raises(ExtractorError, match=rf"^port {port} of 127.0.0.1 is in use by another program: pick "
                                                  r"another with --port \(--port 0: any free one\)$"):
             serve(str(tmp_path / "none.zarr"), port=port)
+
+
+# ---------------------------------------------------------------------------------------------- the atlas (issue 59)
+@pytest.mark.slow  # a server and a browser
+def test_the_map_draws_one_point_per_feature_zooms_and_links_each_to_its_page(server: str, tab: Page,
+                                                                             store_path: Path):
+    from extractor.index import open_index
+
+    ix = open_index(str(store_path), SAE)
+    tab.open(server + f"index/{SAE}.html")
+    tab.page.click("a.map-link")
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert tab.page.url.endswith(f"index/{SAE}/map.html")
+    canvas = tab.page.locator("#atlas-map")
+    assert int(canvas.get_attribute("data-points") or -1) == ix.features == 48
+    assert int(canvas.get_attribute("data-shown") or -1) == 48  # the whole map fits at first
+    shot(tab, "map")
+    xy = ix.map.astype(np.float64)
+    gaps = np.linalg.norm(xy[:, None] - xy[None], axis=2) + np.eye(len(xy)) * 1e9
+    f = int(np.argmax(gaps.min(axis=1)))  # the loneliest point: a click there is it, not a neighbour
+    x, y = tab.page.evaluate(f"atlasMap.screen({f})")
+    scale = float(canvas.get_attribute("data-scale") or 0)
+    tab.page.mouse.move(x, y)
+    tab.page.mouse.wheel(0, -300)  # zoom in about the cursor: the point under it stays there
+    tab.page.wait_for_function(f"Number(document.getElementById('atlas-map').dataset.scale) > {scale * 1.5}")
+    x2, y2 = tab.page.evaluate(f"atlasMap.screen({f})")
+    assert abs(x2 - x) < 1.5 and abs(y2 - y) < 1.5
+    assert f"feature {f}:" in tab.page.inner_text("#atlas-hover")
+    tab.page.mouse.click(x2, y2)
+    tab.page.wait_for_url(f"**/index/{SAE}/{f}.html")
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert not tab.errors
+
+
+@pytest.mark.slow  # a server and a browser
+def test_a_feature_page_lists_its_neighbours_by_each_measure(server: str, tab: Page, store_path: Path):
+    from extractor.index import open_index
+
+    ix = open_index(str(store_path), SAE)
+    f = 5
+    tab.open(server + f"index/{SAE}/{f}.html")
+    for measure, near in ix.neighbours(f).items():
+        listed = tab.page.locator(f'section.measure[data-measure="{measure}"] li')
+        assert [int(v) for v in listed.evaluate_all("ls => ls.map(l => l.dataset.feature)")] == \
+            near.features.tolist(), measure
+    assert tab.page.locator("section.measure").count() == 3  # the dictionary has a decoder
+    shot(tab, "feature_neighbours")
+    tab.page.locator('section.measure[data-measure="decoder"] li a').first.click()
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert tab.page.url.endswith(f"index/{SAE}/{int(ix.neighbours(f)['decoder'].features[0])}.html")
+    assert not tab.errors
+
+
+@pytest.mark.slow  # a server and a browser
+def test_an_image_page_shows_the_stored_images_nearest_it_by_hand(server: str, tab: Page, store_path: Path):
+    """Search by image: the rows whose pooled layer3 (mean over positions) has the highest cosine with row 2's,
+    by hand."""
+    x = maps(store_path)
+    pooled = x.reshape(len(x), x.shape[1], -1).mean(axis=2)
+    unit = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    cos = unit @ unit[2]
+    cos[2] = -np.inf
+    want = np.lexsort((np.arange(len(cos)), -cos))[:8]
+    tab.open(server + "image/2.html")
+    shown = tab.page.locator("section.similar figure.pic")
+    assert [int(r) for r in shown.evaluate_all("fs => fs.map(f => f.dataset.row)")] == want.tolist()
+    np.testing.assert_allclose([float(v) for v in tab.page.locator("section.similar .value").all_inner_texts()],
+                               cos[want], rtol=1e-3)
+    assert not tab.errors
+
+
+def _strongest_by_hand(values: np.ndarray, n: int = 12) -> list[int]:
+    """The ``n`` features of highest value above 0 over a row's positions, highest first (ties: the lower)."""
+    top = values.max(axis=0)
+    return [int(f) for f in np.lexsort((np.arange(len(top)), -top))[:n] if top[f] > 0]
+
+
+@pytest.mark.slow  # a server, a browser and the store's model
+def test_running_an_image_of_the_store_shows_its_rows_features_and_switching_one_off(server: str, tab: Page,
+                                                                                    store_path: Path):
+    """'Run this image' on an image the store holds (row 2): the page lists the features of the store's own row (the
+    index's encoding of it, by hand from numpy), each beside its stored top rows; switching the first off shows the
+    model's top classes as the same edit gives them by hand."""
+    from extractor.index import open_index
+    from extractor.live import Live
+    from extractor.read import open_store
+
+    s = open_store(str(store_path))
+    ix = open_index(s, SAE)
+    tab.open(server + "image/2.html")
+    tab.page.click("p.run-link a")
+    tab.page.wait_for_selector("body[data-ready=true]", state="attached")
+    tab.page.set_input_files("#run-file", str(s.paths[2]))
+    tab.page.wait_for_selector("body[data-run]", state="attached", timeout=120_000)
+    assert tab.page.get_attribute("body", "data-run") != "failed", tab.page.inner_text("#run-status")
+    section = tab.page.locator(f'section.run-index[data-slug="{SAE}"]')
+    items = section.locator("ol.run-features > li")
+    listed = [int(f) for f in items.evaluate_all("ls => ls.map(l => l.dataset.feature)")]
+    by_hand = _strongest_by_hand(ix.encode_row(2))
+    assert listed == by_hand[:8]  # the page shows 8
+    first = section.locator("ol.run-features > li").first
+    stored = [int(r) for r in first.locator("figure.pic").evaluate_all("fs => fs.map(f => f.dataset.row)")]
+    assert stored == ix.top(listed[0]).rows.tolist()
+    shot(tab, "run")
+    first.locator("button.switch").click()
+    tab.page.wait_for_selector(f'body[data-switched="{SAE}/{listed[0]}"]', state="attached", timeout=60_000)
+    live = Live(s, device="cpu")  # the same edit, made again here
+    try:
+        ran = live.run(Path(s.paths[2]).read_bytes())
+        after = live.switched_off(ran, ix, listed[0])
+    finally:
+        live.close()
+    p = np.exp(after - after.max())
+    p /= p.sum()
+    want = np.lexsort((np.arange(len(p)), -p))[:5]
+    rows = tab.page.locator("#run-after tbody tr")
+    assert [int(c) for c in rows.evaluate_all("rs => rs.map(r => r.dataset.class)")] == want.tolist()
+    shown = [float(t.rstrip("%")) / 100 for t in rows.locator("td:nth-child(3)").all_inner_texts()]
+    np.testing.assert_allclose(shown, p[want], rtol=5e-3)  # shown to 3 digits
+    shot(tab, "run_switched")
+    assert not tab.errors
+
+
+@pytest.mark.slow  # a server
+def test_the_one_request_that_is_not_a_get_takes_an_image_only_from_the_page(server: str, store_path: Path):
+    """The image is posted with the viewer's own header (a form elsewhere cannot send it), bounded in size; every
+    other path still answers GET only; nothing of the run is written into the store."""
+    import urllib.error
+    import urllib.request
+
+    from extractor.read import open_store
+
+    def post(path: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        request = urllib.request.Request(server + path, data=data, method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    image = Path(open_store(str(store_path)).paths[0]).read_bytes()
+    before = sorted((p.relative_to(store_path), p.stat().st_mtime_ns) for p in store_path.rglob("*") if p.is_file())
+    code, said = post("api/run", image, {"Content-Type": "text/plain"})
+    assert code == 403 and b"X-Extractor-Run" in said
+    code, said = post("api/run", b"\0" * (17 << 20), {"X-Extractor-Run": "1"})
+    assert code == 413 and b"at most 16,777,216 bytes" in said
+    code, said = post("api/run", b"not an image", {"X-Extractor-Run": "1"})
+    assert code == 400 and b"not an image this reads" in said
+    code, said = post("api/run", image, {"X-Extractor-Run": "1", "Content-Type": "application/octet-stream"})
+    assert code == 200
+    for path in ("index.html", "run.html", f"api/index/{SAE}/text.json"):
+        assert post(path, image, {"X-Extractor-Run": "1"})[0] == 405, path
+    after = sorted((p.relative_to(store_path), p.stat().st_mtime_ns) for p in store_path.rglob("*") if p.is_file())
+    assert after == before  # nothing written into the store
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, dict[str, np.ndarray]]:
+    """A random-weight open_clip CLIP (seeded as extractor builds it) over 8 images: its image embedding ((model))
+    and a block's tokens; an index of the tokens, and one of an SAE over the embedding."""
+    pytest.importorskip("open_clip")
+    import extractor
+    import extractor.index
+
+    tmp = tmp_path_factory.mktemp("clip")
+    make_images(tmp / "imgs", per_class=4, size=72)
+    raw = job(tmp / "imgs", tmp / "c.zarr",
+              model={"name": "open_clip:ViT-S-32", "device": "cpu", "kwargs": {"force_image_size": 64}},
+              data={"resize": "auto", "crop": "auto", "preprocess": "auto"},
+              capture=[{"layer": "(model)", "key": "embedding"},
+                       {"layer": "transformer.resblocks.1", "reduce": "none", "key": "tokens"}])
+    s = extractor.run(raw, progress=False)
+    rng = np.random.default_rng(0)
+    d = int(s["embedding"].shape[1])
+    sae = {"W_enc": rng.standard_normal((d, 16)).astype(np.float32), "b_enc": np.zeros(16, np.float32),
+           "W_dec": rng.standard_normal((16, d)).astype(np.float32)}
+    np.savez(tmp / "sae.npz", **sae)
+    extractor.index.index(s, "tokens", k=3, atlas=False)
+    extractor.index.index(s, "embedding", dictionary=tmp / "sae.npz", k=3, atlas=False)
+    return s, tmp, sae
+
+
+def _phrase_by_hand(text: str) -> np.ndarray:
+    """The phrase's unit embedding by the CLIP's text tower, built by hand as extractor builds the image tower."""
+    import open_clip
+    import torch
+
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-S-32", force_image_size=64).eval()
+    with torch.inference_mode():
+        v = model.encode_text(open_clip.get_tokenizer("ViT-S-32")([text]))[0].numpy().astype(np.float64)
+    return v / np.linalg.norm(v)
+
+
+def _ranked_by_hand(s: Any, phrase: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index of tokens' features by the mean cosine of ``phrase`` with their top rows' stored embeddings."""
+    from extractor.index import open_index
+
+    e = s.numpy("embedding", rows=np.arange(len(s)), only_ok=False).astype(np.float64)
+    e = e / np.linalg.norm(e, axis=1, keepdims=True)
+    top = np.asarray(open_index(s, "tokens").arrays["top_rows"][:])
+    scores = np.array([np.mean([e[r] @ phrase for r in sorted(rows) if r >= 0]) for rows in top])  # in row order
+    best = np.lexsort((np.arange(len(scores)), -scores))[:n]
+    return best, scores[best]
+
+
+def test_a_phrase_ranks_features_by_the_score_computed_by_hand(clip):
+    """Search by text on a random-weight CLIP: the phrase by the text tower built by hand, each feature's score the
+    mean cosine with its top rows' stored image embeddings, highest first; an SAE over the embedding itself is
+    matched by its decoder directions."""
+    from extractor.index import open_index
+    from extractor.live import TextSearch
+
+    s, _, sae = clip
+    search = TextSearch(s)
+    assert search.joint == "embedding"
+    phrase = _phrase_by_hand("a photo of a dog")
+    found = search.features(open_index(s, "tokens"), "a photo of a dog", n=10)
+    want, scores = _ranked_by_hand(s, phrase, 10)
+    assert found.how == "top rows" and found.features.tolist() == want.tolist()
+    np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-6)
+    found = search.features(open_index(s, "embedding@sae"), "a photo of a dog", n=16)
+    w = sae["W_dec"].astype(np.float64)
+    cos = (w @ phrase) / np.linalg.norm(w, axis=1)
+    assert found.how == "decoder" and found.features.tolist() == np.lexsort((np.arange(16), -cos)).tolist()
+    np.testing.assert_allclose(found.scores, np.sort(cos)[::-1], rtol=1e-5)
+
+
+@pytest.mark.slow  # a server, a browser and a CLIP
+def test_a_phrase_finds_features_through_a_clip_text_tower_in_the_page(clip, tab: Page):
+    """Search by text in the page: the features listed are those ranked by the score computed by hand."""
+    s, _, _ = clip
+    want, _ = _ranked_by_hand(s, _phrase_by_hand("a red bicycle"), 20)
+    with serving(s) as url:
+        tab.open(url + "index/tokens.html")
+        tab.page.fill("#text-query", "a red bicycle")
+        tab.page.click("#text-search button")
+        tab.page.wait_for_selector('#text-features[data-query="a red bicycle"]', state="attached", timeout=120_000)
+        listed = tab.page.locator("#text-features li").evaluate_all("ls => ls.map(l => l.dataset.feature)")
+        assert [int(f) for f in listed] == want.tolist()
+        assert "image embeddings (embedding)" in tab.page.inner_text("#text-said")
+        shot(tab, "text_search")
+        assert not tab.errors
+
+
+@contextlib.contextmanager
+def serving(store: Any) -> Iterator[str]:
+    """The app over ``store`` on a free loopback port, in a thread, while the block runs: its base URL."""
+    from werkzeug.serving import make_server
+
+    from extractor.view import create_app
+
+    srv = make_server("127.0.0.1", 0, create_app(store), threaded=True)
+    thread = threading.Thread(target=srv.serve_forever, name="view-test-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}/"
+    finally:
+        srv.shutdown()
+        thread.join(10)

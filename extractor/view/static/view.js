@@ -205,8 +205,245 @@ function exportedSearch() {
   }));
 }
 
+// ---------------------------------------------------------------- an index's map: a zoomable scatter of its features
+const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+
+function viridis(t) {
+  const u = Math.min(Math.max(t, 0), 1) * (VIRIDIS.length - 1);
+  const i = Math.min(Math.floor(u), VIRIDIS.length - 2);
+  const f = u - i;
+  return VIRIDIS[i].map((c, k) => Math.round(c + f * (VIRIDIS[i + 1][k] - c)));
+}
+
+function atlasMap() {
+  const canvas = document.getElementById("atlas-map");
+  if (!canvas || !PAGE.map) return;
+  const m = PAGE.map;
+  const n = m.x.length;
+  const ctx = canvas.getContext("2d");
+  const W = canvas.width, H = canvas.height;
+  const logs = m.density.map((d) => (d === null || d <= 0 ? null : Math.log10(d)));
+  const alive = logs.filter((v) => v !== null);
+  const lo = alive.length ? Math.min(...alive) : 0, hi = alive.length ? Math.max(...alive) : 1;
+  const colours = logs.map((v) => (v === null ? "rgba(150,150,150,0.6)" :
+    "rgb(" + viridis(hi > lo ? (v - lo) / (hi - lo) : 1).join(",") + ")"));
+  const xs = m.x.map((v) => v || 0), ys = m.y.map((v) => v || 0);
+  const view = { cx: 0, cy: 0, scale: 1 };
+  function fit() {
+    const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+    view.cx = (x0 + x1) / 2;
+    view.cy = (y0 + y1) / 2;
+    view.scale = 0.9 * Math.min(W / Math.max(x1 - x0, 1e-9), H / Math.max(y1 - y0, 1e-9));
+  }
+  const sx = (f) => (xs[f] - view.cx) * view.scale + W / 2;
+  const sy = (f) => H / 2 - (ys[f] - view.cy) * view.scale;
+  const radius = n > 5000 ? 2 : n > 500 ? 3 : 5;
+  function draw() {
+    ctx.clearRect(0, 0, W, H);
+    let shown = 0;
+    for (let f = 0; f < n; f++) {
+      const x = sx(f), y = sy(f);
+      if (x < -radius || y < -radius || x > W + radius || y > H + radius) continue;
+      ctx.fillStyle = colours[f];
+      ctx.beginPath();
+      ctx.arc(x, y, radius, 0, 2 * Math.PI);
+      ctx.fill();
+      shown++;
+    }
+    canvas.dataset.points = n;
+    canvas.dataset.shown = shown;
+    canvas.dataset.scale = view.scale;
+  }
+  // canvas pixels of a mouse event (the canvas may be drawn smaller than its pixels)
+  function at(event) {
+    const box = canvas.getBoundingClientRect();
+    return [(event.clientX - box.left) * W / box.width, (event.clientY - box.top) * H / box.height];
+  }
+  function nearest(px, py) {
+    let best = -1, dist = (radius + 5) ** 2;
+    for (let f = 0; f < n; f++) {
+      const d = (sx(f) - px) ** 2 + (sy(f) - py) ** 2;
+      if (d < dist) { dist = d; best = f; }
+    }
+    return best;
+  }
+  const linked = (f) => m.written === undefined || f < m.written;
+  const hover = document.getElementById("atlas-hover");
+  let drag = null;
+  canvas.addEventListener("wheel", (event) => {
+    event.preventDefault();
+    const [px, py] = at(event);
+    const wx = (px - W / 2) / view.scale + view.cx, wy = view.cy - (py - H / 2) / view.scale;
+    view.scale *= Math.pow(1.2, -event.deltaY / 100);
+    view.cx = wx - (px - W / 2) / view.scale;  // the point under the cursor stays under it
+    view.cy = wy + (py - H / 2) / view.scale;
+    draw();
+  }, { passive: false });
+  canvas.addEventListener("pointerdown", (event) => { drag = { at: at(event), moved: 0 }; });
+  canvas.addEventListener("pointermove", (event) => {
+    const [px, py] = at(event);
+    if (drag) {
+      view.cx -= (px - drag.at[0]) / view.scale;
+      view.cy += (py - drag.at[1]) / view.scale;
+      drag.moved += Math.abs(px - drag.at[0]) + Math.abs(py - drag.at[1]);
+      drag.at = [px, py];
+      draw();
+      return;
+    }
+    const f = nearest(px, py);
+    canvas.style.cursor = f >= 0 && linked(f) ? "pointer" : "crosshair";
+    hover.textContent = f >= 0 ? "feature " + f + ": density " +
+      (m.density[f] === null ? "–" : (100 * m.density[f]).toPrecision(3) + "%") : "Point at a feature.";
+  });
+  canvas.addEventListener("pointerup", (event) => {
+    const click = drag && drag.moved < 4;
+    drag = null;
+    if (!click) return;
+    const f = nearest(...at(event));
+    if (f >= 0 && linked(f)) location.href = link(m.feature.replace(/F\.html$/, f + ".html"));
+  });
+  document.getElementById("atlas-reset").addEventListener("click", () => { fit(); draw(); });
+  // for tests and for pointing: where feature f is drawn, in the page's pixels
+  window.atlasMap = {
+    view, nearest,
+    screen(f) {
+      const box = canvas.getBoundingClientRect();
+      return [box.left + sx(f) * box.width / W, box.top + sy(f) * box.height / H];
+    },
+  };
+  fit();
+  draw();
+}
+
+// ---------------------------------------------------------------- run an image (the local app only)
+function el(tag, props, ...children) {
+  const e = Object.assign(document.createElement(tag), props || {});
+  e.append(...children);
+  return e;
+}
+
+function pictureOf(p) {
+  const fig = el("figure", { className: "pic" });
+  fig.dataset.row = p.row;
+  if (p.gone) fig.append(el("div", { className: "gone", textContent: "image not available: " + p.gone }));
+  else fig.append(el("a", { href: link(p.page), className: "frame" }, el("img", { src: link(p.thumb), alt: p.id })));
+  fig.append(el("figcaption", {}, el("a", { href: link(p.page), textContent: p.id }), el("br"),
+    p.label + (p.value === null ? "" : " · "), el("span", { className: "value", textContent: p.value === null ? "" : Number(p.value).toPrecision(4) })));
+  return fig;
+}
+
+function getJSON(url) {
+  return fetch(url).then((r) => r.json().then((body) => {
+    if (!r.ok) throw new Error(body.error || body.reason || r.statusText);
+    return body;
+  }));
+}
+
+function showClasses(list, classes) {
+  list.replaceChildren(...(classes || []).map((c) => {
+    const li = el("li", {}, c.name + " ", el("span", { className: "value", textContent: (100 * c.p).toPrecision(3) + "%" }));
+    li.dataset.class = c.class;
+    return li;
+  }));
+  if (!classes) list.replaceChildren(el("li", { textContent: "the model's output is no vector of class scores" }));
+}
+
+function switchOff(run, slug, feature) {
+  const box = document.getElementById("run-switched");
+  box.hidden = true;
+  getJSON(link("api/run/" + run + "/off/" + slug + "/" + feature + ".json")).then((r) => {
+    document.getElementById("run-switched-title").textContent = "With feature " + feature + " of " + slug + " switched off";
+    const body = document.querySelector("#run-after tbody");
+    body.replaceChildren(...(r.after || []).map((c) => {
+      const tr = el("tr", {}, el("td", { textContent: c.name }), el("td", { className: "value", textContent: (100 * c.before).toPrecision(3) + "%" }),
+        el("td", { className: "value", textContent: (100 * c.p).toPrecision(3) + "%" }));
+      tr.dataset.class = c.class;
+      return tr;
+    }));
+    box.hidden = false;
+    box.dataset.feature = feature;
+    box.dataset.slug = slug;
+    document.body.dataset.switched = slug + "/" + feature;
+  }).catch((e) => { document.getElementById("run-status").textContent = e.message; });
+}
+
+function showRun(r) {
+  document.getElementById("run-picture").src = r.picture || "";
+  showClasses(document.getElementById("run-classes"), r.classes);
+  document.getElementById("run-indexes").replaceChildren(...r.indexes.map((ix) => {
+    const section = el("section", { className: "index run-index" }, el("h2", { textContent: "Features of " + ix.name }));
+    section.dataset.slug = ix.slug;
+    const list = el("ol", { className: "run-features" });
+    ix.top.forEach((t) => {
+      const button = el("button", { type: "button", textContent: "switch off", className: "switch" });
+      button.addEventListener("click", () => switchOff(r.id, ix.slug, t.feature));
+      const li = el("li", {}, el("a", { href: link(t.page), textContent: "feature " + t.feature }), " ",
+        el("span", { className: "value", textContent: Number(t.value).toPrecision(4) }), " ", button,
+        el("div", { className: "grid small" }, ...t.stored.map(pictureOf)));
+      li.dataset.feature = t.feature;
+      list.append(li);
+    });
+    if (!ix.top.length) list.append(el("li", { textContent: "no feature fires on this image" }));
+    section.append(el("p", { className: "hint", textContent: "Its strongest features, each beside the stored images where it is highest." }), list);
+    return section;
+  }));
+  const near = document.getElementById("run-nearest");
+  near.hidden = !r.nearest;
+  if (r.nearest) {
+    document.getElementById("run-nearest-said").textContent = "By " + r.nearest.pooled + " (cosine).";
+    near.querySelector(".grid").replaceChildren(...r.nearest.pictures.map(pictureOf));
+  }
+  document.getElementById("run-result").hidden = false;
+  document.body.dataset.run = r.id;
+}
+
+function runPage() {
+  const input = document.getElementById("run-file");
+  if (!input) return;
+  const status = document.getElementById("run-status");
+  input.addEventListener("change", () => {
+    const file = input.files[0];
+    if (!file) return;
+    status.textContent = "running " + file.name + " (the first run builds the model)…";
+    delete document.body.dataset.run;
+    file.arrayBuffer().then((bytes) => fetch(link("api/run"), {
+      method: "POST", body: bytes, headers: { "Content-Type": "application/octet-stream", "X-Extractor-Run": "1" },
+    })).then((r) => r.json().then((body) => { if (!r.ok) throw new Error(body.error); return body; }))
+      .then((made) => getJSON(link("api/run/" + made.id + ".json")))
+      .then((r) => { status.textContent = ""; showRun(r); })
+      .catch((e) => { status.textContent = e.message; document.body.dataset.run = "failed"; });
+  });
+}
+
+// ---------------------------------------------------------------- features by text (the local app only)
+function textSearch() {
+  const form = document.getElementById("text-search");
+  if (!form) return;
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const q = document.getElementById("text-query").value;
+    const said = document.getElementById("text-said");
+    const list = document.getElementById("text-features");
+    getJSON(link("api/index/" + form.dataset.slug + "/text.json") + "?q=" + encodeURIComponent(q)).then((r) => {
+      said.textContent = r.features.length ? "Scored by " + (r.how === "decoder" ?
+        "the cosine of the phrase with each latent's decoder direction" :
+        "the mean cosine of the phrase with the image embeddings (" + r.joint + ") of each feature's top rows") + ":" : "";
+      list.replaceChildren(...r.features.map((f) => {
+        const li = el("li", {}, el("a", { href: link(f.page), textContent: "feature " + f.feature }), " ",
+          el("span", { className: "value", textContent: Number(f.score).toPrecision(4) }));
+        li.dataset.feature = f.feature;
+        return li;
+      }));
+      list.dataset.query = q;
+    }).catch((e) => { said.textContent = e.message; list.replaceChildren(); list.dataset.query = q; });
+  });
+}
+
 drawHeats();
 featuresTable();
+runPage();
+textSearch();
 patchExplorer();
 exportedSearch();
+atlasMap();
 document.body.dataset.ready = "true";
