@@ -63,22 +63,23 @@ def redact(d: Any, inside_options: bool = False) -> Any:
     (:func:`looks_secret`), and every URL's password (``https://user:***@host``), redacted: the one rule for
     every record a command writes (the store's record, a claimant's, an index's)."""
     if isinstance(d, dict):
-        out: dict[Any, Any] = {}
-        for k, v in d.items():
-            if inside_options and k not in _PUBLIC_OPTIONS:
-                out[k] = REDACTED
-            elif inside_options and isinstance(v, dict):  # client_kwargs, config_kwargs: options of their own
-                out[k] = redact(v, True)
-            elif k == "env_vars" and isinstance(v, dict):
-                out[k] = {name: REDACTED if looks_secret(str(name), value) else value for name, value in v.items()}
-            else:
-                out[k] = redact(v, inside_options or k == "storage_options")
-        return out
+        return {k: _redact_item(k, v, inside_options) for k, v in d.items()}
     if isinstance(d, list):
         return [redact(v, inside_options) for v in d]
     if isinstance(d, str) and "@" in d:
         return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}\g<2>", d)
     return d
+
+
+def _redact_item(k: Any, v: Any, inside_options: bool) -> Any:
+    """The value ``v`` of key ``k`` of a record, redacted (``inside_options``: under a ``storage_options`` key)."""
+    if inside_options and k not in _PUBLIC_OPTIONS:
+        return REDACTED
+    if inside_options and isinstance(v, dict):  # client_kwargs, config_kwargs: options of their own
+        return redact(v, True)
+    if k == "env_vars" and isinstance(v, dict):
+        return {name: REDACTED if looks_secret(str(name), value) else value for name, value in v.items()}
+    return redact(v, inside_options or k == "storage_options")
 
 
 def redact_argv(argv: list[str]) -> list[str]:

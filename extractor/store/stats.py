@@ -114,16 +114,19 @@ class ShardStats:
         if self.span:
             self._add_besides(raw, x, sq, axes)
         if len(good):
-            sq_good = sq[finite_rows] if len(good) < len(x) else sq
-            self.l2_sum += float(np.sqrt(sq_good.reshape(len(good), -1).sum(axis=1, dtype=np.float64)).sum())
-            self.l2_rows += len(good)
-            if self.tokens:  # (rows, ..., tokens, features): the norm of each token of the finite rows
-                norms = np.sqrt(sq_good.sum(axis=-1, dtype=np.float64))
-                self.token_l2_sum += float(norms.sum())
-                self.token_l2_count += norms.size
-                if self.span:
-                    self.besides_token_l2_sum += float(norms[..., self.besides].sum())
-                    self.besides_token_l2_count += norms[..., self.besides].size
+            self._add_norms(sq[finite_rows] if len(good) < len(x) else sq)
+
+    def _add_norms(self, sq: np.ndarray) -> None:
+        """Add the L2 norms of the finite rows whose squares are ``sq`` (and of each of their tokens)."""
+        self.l2_sum += float(np.sqrt(sq.reshape(len(sq), -1).sum(axis=1, dtype=np.float64)).sum())
+        self.l2_rows += len(sq)
+        if self.tokens:  # (rows, ..., tokens, features): the norm of each token of the finite rows
+            norms = np.sqrt(sq.sum(axis=-1, dtype=np.float64))
+            self.token_l2_sum += float(norms.sum())
+            self.token_l2_count += norms.size
+            if self.span:
+                self.besides_token_l2_sum += float(norms[..., self.besides].sum())
+                self.besides_token_l2_count += norms[..., self.besides].size
 
     def _add_besides(self, raw: np.ndarray, x: np.ndarray, sq: np.ndarray, axes: tuple[int, ...]) -> None:
         """Add the sums of a batch's tokens besides the patches (``raw`` as given; ``x`` and its squares ``sq`` with
