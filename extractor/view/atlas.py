@@ -24,7 +24,7 @@ MEASURE_NAMES = {"decoder": "decoder cosine", "cooccurrence": "co-occurrence (Ja
 def map_page(index: FeatureIndex, record: dict[str, Any]) -> dict[str, Any]:
     """The map of ``index`` (its page's ``record``): each feature's place, its density (of tokens, the colour) and
     the page its point links to (no atlas: the command that adds one)."""
-    page: dict[str, Any] = {"title": f"{index.name}: map", "index": record}
+    page: dict[str, Any] = {"title": f"{index.name}: map", "index": record, "map": None}
     atlas = index.atlas
     if atlas is None:
         page["missing"] = f"extractor index {index.store.url} --name {index.name} --atlas"

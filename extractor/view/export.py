@@ -57,7 +57,7 @@ def _index_pages(writer: _Writer, slug: str, features: int | None) -> set[int]:
     count = site.indexes[slug].features
     last = count if features is None else min(features, count)
     atlas = site.map_page(slug)
-    if "map" in atlas:
+    if atlas["map"]:
         atlas["map"]["written"] = last  # the points of features whose page is written link to it
     writer.page("map.html", page_path("map", slug), atlas, f"api/index/{slug}/map.json")
     for f in range(last):
