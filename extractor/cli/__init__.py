@@ -142,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=_port, default=8050, help="port to listen on (default 8050; 0: a free one)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--export", metavar="DIR", default=None,
-                   help="write the pages, their JSON and the thumbnails to DIR (a new or empty folder, or an earlier "
-                        "export) instead of serving them: it opens from disk")
+                   help="write the pages and the thumbnails to DIR (a new or empty folder, or an earlier export) "
+                        "instead of serving them: it opens from disk")
+    v.add_argument("--api", action="store_true",
+                   help="with --export: each page's data as JSON too (api/...json, as the app serves it; for scripts)")
     v.add_argument("--features", type=_at_least(1), default=None, metavar="N",
                    help="with --export: the first N feature pages of each index (default: all)")
     v.add_argument("--images", type=_at_least(0), default=1000, metavar="N",

@@ -42,8 +42,14 @@ def _export(store: ActivationStore, args: argparse.Namespace) -> int:
     from ..view import export_site
 
     written = export_site(store, args.export, features=args.features, images=args.images,
-                          progress=lambda line: log.info("%s", line))
+                          progress=lambda line: log.info("%s", line), api=args.api)
     gone = f"; the source of {written['gone']} image(s) is gone (their pages say so)" if written["gone"] else ""
-    print(f"wrote {written['pages']} pages and {written['thumbnails']} thumbnails to {args.export}{gone}")
+    pages, api = written["page_bytes"], f" and their JSON {_mb(written['api_bytes'])}" if args.api else ""
+    print(f"wrote {written['pages']} pages ({_mb(pages)}, {pages / max(written['pages'], 1) / 1024:.0f} KiB a page)"
+          f"{api} and {written['thumbnails']} thumbnails ({_mb(written['thumb_bytes'])}) to {args.export}{gone}")
     print(f"open {Path(args.export).resolve() / 'index.html'}, or serve the folder with any web server")
     return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"

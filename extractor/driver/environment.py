@@ -22,12 +22,23 @@ SUBMITTED = "EXTRACTOR_SUBMITTED_FROM"  # in a submitted job's environment: what
 VALUE_PACKAGES = ("torch", "torchvision", "numpy", "pillow")  # another version may change what is computed
 
 
+CLUSTER_EXTRAS = ("run", "ray")  # what a job on a cluster runs with: the core, and these extras' requirements
+
+
 def _requirements() -> list[str]:
-    """extractor's own requirements (``torch>=2.8``, ...), as installed here; extras left out."""
+    """What a job needs of extractor's requirements (``torch>=2.8``, ...), as installed here: the core's and those of
+    :data:`CLUSTER_EXTRAS` (without their markers; extractor's own extras left out)."""
     try:
-        return [r for r in metadata.requires("extractor") or [] if "extra ==" not in r]
+        requires = metadata.requires("extractor") or []
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return []
+    out = []
+    for r in requires:
+        req, _, marker = (part.strip() for part in r.partition(";"))
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
+        if (not marker or extra and extra.group(1) in CLUSTER_EXTRAS) and _dist_name(req) != "extractor":
+            out.append(req)
+    return out
 
 
 def _dist_name(requirement: str) -> str:

@@ -33,7 +33,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zarr
@@ -43,9 +43,6 @@ from .claimants import Roster, alive
 from .ledger import Ledger, Table
 from .objects import LOCK, Objects
 from .views import ROOT, GenerationStore, read_view
-
-if TYPE_CHECKING:
-    from .stats import Totals
 
 __all__ = ["FORMAT", "Head", "Generation", "read_head", "swap_head", "TXN", "open_group", "read_state",
            "done_shards", "collect_others"]
@@ -170,26 +167,20 @@ class Generation:
         data = self.objects.get(self.txn("final"))
         return json.loads(data) if data else None
 
-    def leave_partial(self, claimant: int, totals: Totals) -> None:
-        """A claimant's statistics of the shards it committed, left for whoever merges them all (written once, under
-        its own name)."""
-        if totals.held.any():
-            self.objects.create(self.txn(f"partials/{claimant:016x}"), totals.to_bytes())
+    def leave_partial(self, claimant: int, totals: bytes) -> None:
+        """A claimant's statistics of the shards it committed (``Totals.to_bytes``), left for whoever merges them all
+        (written once, under its own name)."""
+        self.objects.create(self.txn(f"partials/{claimant:016x}"), totals)
 
-    def partials(self, but: int | None = None) -> list[Totals]:
-        """The statistics the claimants (but ``but``) left (:meth:`leave_partial`); each whole, of this store's
-        shard count (others are left out: read shard by shard instead)."""
-        from .stats import Totals  # (stats reads generations: imported when used)
-
-        n = int((self.root() or {}).get("n_shards") or 0)
+    def partials(self, but: int | None = None) -> list[bytes]:
+        """The statistics the claimants (but ``but``) left (:meth:`leave_partial`), as they wrote them."""
         out = []
         for name in self.objects.list(self.txn("partials")):
             if but is not None and name == f"{but:016x}":
                 continue
             data = self.objects.get(self.txn(f"partials/{name}"))
-            totals = Totals.from_bytes(data, n) if data else None
-            if totals is not None:
-                out.append(totals)
+            if data:
+                out.append(data)
         return out
 
     def finish(self, record: Mapping[str, Any]) -> bool:

@@ -477,8 +477,7 @@ class StoreSession:
             self._check()
             table = ledger.read()
             left = np.flatnonzero(~table.done)
-            if not len(left):
-                self._leave_partial()
+            if not len(left):  # every shard committed: this claimant merges them too (no partial of its own)
                 return []
             claimant = table.entries["claimant"]
             mine = self.claimant.id if self.claimant is not None else 0
@@ -547,8 +546,9 @@ class StoreSession:
             return
         self._left = True
         try:
-            if self.generation.root() is not None:
-                self.generation.leave_partial(self.claimant.id, self.totals)
+            # (a store finished meanwhile merges nothing more: nothing is left in it)
+            if self.generation.root() is not None and self.totals.held.any() and self.generation.final() is None:
+                self.generation.leave_partial(self.claimant.id, self.totals.to_bytes())
         except Exception as err:  # noqa: BLE001 - the storage that stopped the job may refuse this too
             log.debug("statistics of %s's shards not left: %s", self.spec.output.store, err)
 
@@ -560,7 +560,9 @@ class StoreSession:
             self.totals = Totals(len(self.shards))
         mine = self.claimant.id if self.claimant is not None else None
         merged = copy.deepcopy(self.totals)  # this job's own stay its own: the partial it leaves
-        return merge_shards(group, merged, self.generation.partials(but=mine))
+        n = len(self.shards)  # partials of another shard count, or cut short, are left out: their records are read
+        partials = [t for data in self.generation.partials(but=mine) if (t := Totals.from_bytes(data, n)) is not None]
+        return merge_shards(group, merged, partials)
 
     def on_write_failed(self, err: BaseException) -> None:
         """``err`` stopped the job: this claimant ends, saying how (its claims may be taken at once); the command

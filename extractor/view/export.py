@@ -26,12 +26,14 @@ IMAGES = 1000  # image pages besides the rows the feature pages show: the first 
 
 
 def export_site(store: ActivationStore | str, out: str | Path, features: int | None = None, images: int = IMAGES,
-                progress: Callable[[str], None] | None = None) -> dict[str, int]:
+                progress: Callable[[str], None] | None = None, api: bool = False) -> dict[str, int]:
     """Write the viewer's pages of ``store`` to the folder ``out``: the store page, each index's features page and
     its first ``features`` feature pages (None: all), the image page of every row those show and of the first
-    ``images`` rows, their thumbnails, the search page. Returns what it wrote: pages, thumbnails, gone sources."""
+    ``images`` rows, their thumbnails, the search page; with ``api`` each page's data as JSON too (``api/...json``,
+    as the app serves it: for scripts; the pages hold their own). Returns what it wrote: pages, thumbnails, gone
+    sources, and the bytes of each kind (``page_bytes``, ``api_bytes``, ``thumb_bytes``)."""
     site = Site(open_store(store) if isinstance(store, str) else store)
-    writer = _Writer(_folder(Path(out)), site)
+    writer = _Writer(_folder(Path(out)), site, api)
     for name in STATIC:
         writer.file(f"static/{name}", (files("extractor.view") / "static" / name).read_bytes())
     store_page = site.store_page()
@@ -47,7 +49,7 @@ def export_site(store: ActivationStore | str, out: str | Path, features: int | N
     search["rows"] = site.search_list(sorted(rows))
     writer.page("search.html", page_path("search"), search, None)
     writer.file(MARK, b"an extractor view export: extractor view STORE --export writes over this folder\n")
-    return {"pages": writer.pages, "thumbnails": writer.thumbs, "gone": writer.gone}
+    return {"pages": writer.pages, "thumbnails": writer.thumbs, "gone": writer.gone, **writer.bytes}
 
 
 def _index_pages(writer: _Writer, slug: str, features: int | None) -> set[int]:
@@ -103,20 +105,23 @@ def _folder(root: Path) -> Path:
 class _Writer:
     """Writes the pages, their JSON and the thumbnails under one folder, counting them."""
 
-    def __init__(self, root: Path, site: Site) -> None:
-        self.root, self.site = root, site
+    def __init__(self, root: Path, site: Site, api: bool) -> None:
+        self.root, self.site, self.api = root, site, api
         self.pages = self.thumbs = self.gone = 0
+        self.bytes = {"page_bytes": 0, "api_bytes": 0, "thumb_bytes": 0}  # written, by kind
         self.written: set[int] = set()  # rows whose thumbnail is written (or gone)
 
-    def file(self, path: str, data: bytes) -> None:
+    def file(self, path: str, data: bytes, kind: str | None = None) -> None:
         target = self.root / path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
+        if kind is not None:
+            self.bytes[kind] += len(data)
 
     def page(self, template: str, path: str, data: dict[str, Any], api: str | None) -> None:
-        self.file(path, render(template, path, data, "export").encode())
-        if api is not None:
-            self.file(api, json.dumps(data, separators=(",", ":")).encode())
+        self.file(path, render(template, path, data, "export").encode(), "page_bytes")
+        if api is not None and self.api:
+            self.file(api, json.dumps(data, separators=(",", ":")).encode(), "api_bytes")
         self.pages += 1
 
     def thumb(self, row: int) -> None:
@@ -124,7 +129,7 @@ class _Writer:
             return
         self.written.add(row)
         try:
-            self.file(page_path("thumb", row), self.site.thumbs.get(row))
+            self.file(page_path("thumb", row), self.site.thumbs.get(row), "thumb_bytes")
             self.thumbs += 1
         except SourceGone:
             self.gone += 1

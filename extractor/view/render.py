@@ -19,6 +19,7 @@ STATIC = ("view.css", "view.js")  # the package's static files, served under sta
 def _environment() -> Environment:
     env = Environment(loader=PackageLoader("extractor.view", "templates"), autoescape=select_autoescape(),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.policies["json.dumps_kwargs"] = {"sort_keys": True, "separators": (",", ":")}  # a page's data, compact
     env.filters["num"] = _num
     env.filters["percent"] = _percent
     return env

@@ -112,9 +112,11 @@ def test_three_processes_that_join_one_store_fill_it_each_shard_once(images: Pat
     assert sum(shards_said(out) for _, out, _ in results) == 8
     named = {f"{a:016x}" for a in gen.ledger().read().named()}
     assert sorted(p.name for p in (store / gen.name / "__attempts").iterdir()) == sorted(named)  # no garbage left
-    # the statistics: each process left those of its own shards; the last merged them, equal to one job's
+    # the statistics: a process that waited with nothing to take left those of its own shards (one that saw every
+    # shard committed merges them itself); the merge of all equals one job's
     partials = store / gen.name / "__txn" / "partials"
-    assert sorted(p.name for p in partials.iterdir()) == sorted(c["id"] for c in claimants if c["shards"])
+    left = [p.name for p in partials.iterdir()] if partials.exists() else []
+    assert set(left) <= {c["id"] for c in claimants if c["shards"]}, left
     s, c = open_store(str(store)).stats["conv"], open_store(str(clean)).stats["conv"]
     np.testing.assert_allclose(s["mean"], c["mean"], rtol=1e-6)
     np.testing.assert_allclose(s["std"], c["std"], rtol=1e-5)

@@ -299,8 +299,11 @@ def test_the_app_is_read_only_and_takes_no_path_from_the_request(server: str):
 def test_the_exported_site_opens_from_disk_and_shows_the_same(store_path: Path, tmp_path: Path, tab: Page):
     from extractor.view import export_site
 
-    written = export_site(str(store_path), tmp_path / "site", images=4)
+    written = export_site(str(store_path), tmp_path / "site", images=4, api=True)
     assert written["gone"] == 1  # row 11's image: its pages say so
+    sizes = {kind: sum(p.stat().st_size for p in (tmp_path / "site").glob(pattern) if p.is_file())
+             for kind, pattern in [("api_bytes", "api/**/*.json"), ("thumb_bytes", "thumb/*")]}
+    assert sizes == {k: written[k] for k in sizes} and written["page_bytes"] > 0  # the sizes it says
     site = (tmp_path / "site").resolve().as_uri() + "/"
     x = maps(store_path)
     for path in ["index.html", "index/layer3.html", "image/0.html", "image/11.html", f"index/{SAE}/map.html"]:
@@ -448,7 +451,10 @@ def test_extractor_view_prints_its_address_and_exports_a_site(store_path: Path, 
     assert "wrote" in done.stdout and "the source of 1 image(s) is gone" in done.stdout
     site = tmp_path / "site"
     assert (site / "index/layer3/2.html").exists() and not (site / "index/layer3/3.html").exists()
-    assert (site / "image/0.html").exists() and (site / "thumb/0.jpg").exists()
+    assert (site / "image/0.html").exists() and (site / "thumb/0.jpg").exists() and not (site / "api").exists()
+    html = sum(p.stat().st_size for p in site.rglob("*.html"))
+    pages = len(list(site.rglob("*.html")))
+    assert f"wrote {pages} pages ({html / 1e6:.1f} MB, {html / pages / 1024:.0f} KiB a page)" in done.stdout
     again = subprocess.run([*command, "--export", str(tmp_path)], capture_output=True, text=True, timeout=120,
                            env=child_env())
     assert again.returncode != 0 and "is no export of the viewer" in again.stderr
