@@ -159,6 +159,20 @@ def test_only_the_driver_names_ray():
         assert not [n for n in names if n == "ray" or n.startswith("ray.")], path
 
 
+def test_zarrs_internals_are_imported_in_one_guarded_module():
+    """zarr.core is no public API: one module imports what extractor needs of it (and says the version range when a
+    zarr release moves it); s3fs is used through its public calls only (``pipe_file(..., mode="create")``)."""
+    for path in _modules():
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + [
+            n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level
+        ]
+        inside = [n for n in names if n.startswith("zarr.core")]
+        assert not inside or path.name == "_zarr_internal.py", (path, inside)
+        private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("_call_s3", "_s3")]
+        assert not private, (path, private)
+
+
 @pytest.mark.parametrize("package", sorted(LAYERS))
 def test_each_face_serves_its_names_and_no_name_is_a_module_too(package: str):
     face = importlib.import_module(f"extractor.{package}")

@@ -36,13 +36,10 @@ from zarr.buffer import default_buffer_prototype
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, ZstdCodec
 from zarr.codecs.vlen_utf8 import VLenUTF8Codec
 
+from ._zarr_internal import sync
 from .dtypes import is_bfloat16
 
-_sync: Callable[..., Any] | None
-try:  # zarr's event loop (not a public name: pinned below 3.2 in pyproject.toml); without it, chunks go through zarr
-    from zarr.core.sync import sync as _sync
-except ImportError:  # pragma: no cover - a zarr that moved it
-    _sync = None
+_sync: Callable[..., Any] | None = sync  # zarr's event loop (None: chunks go through zarr)
 
 __all__ = ["ChunkCodec", "ShardStream", "write_chunks", "write_at_once", "write_whole", "read_at_once",
            "read_whole", "read_all", "physical_key", "array_objects", "Where"]

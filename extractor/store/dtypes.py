@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-from zarr.core.dtype import data_type_registry
-from zarr.core.dtype.npy.float import BaseFloat
+from zarr.dtype import data_type_registry
+
+from ._zarr_internal import BaseFloat
 
 try:
     import ml_dtypes

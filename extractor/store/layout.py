@@ -38,11 +38,11 @@ from typing import Any, Literal, NotRequired, TypedDict, cast
 import numpy as np
 import zarr
 from zarr.buffer.cpu import NDBuffer
-from zarr.core.array_spec import ArrayConfigParams
 
 from .._text import now as now  # re-exported: the store's face lists it
 from ..data import LocatorArray, Rows, is_url
 from ..errors import StoreError
+from ._zarr_internal import ArrayConfigParams
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
 from .generation import TXN
 from .id_index import write_id_index

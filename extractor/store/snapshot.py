@@ -15,8 +15,8 @@ import contextvars
 import os
 from typing import Any
 
+from zarr.abc.buffer import Buffer, BufferPrototype
 from zarr.abc.store import ByteRequest, RangeByteRequest, SuffixByteRequest
-from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import LocalStore, WrapperStore
 
 # the object whose index this task read last: its key and the open file (None: none)

@@ -26,11 +26,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from zarr.abc.buffer import Buffer, BufferPrototype
 from zarr.abc.store import ByteRequest, Store
-from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.buffer import default_buffer_prototype
 from zarr.storage import WrapperStore
 
 from ..errors import StoreError
+from ._zarr_internal import sync
 from .ledger import Table
 
 __all__ = ["TRANSFORMER", "ATTEMPTS", "ROOT", "Slot", "read_view", "write_view", "GenerationStore", "attempt_prefix"]
@@ -191,8 +193,6 @@ class GenerationStore(WrapperStore[Store]):
         if found is None:
             return key
         if found[0] not in self.slots and found[0] not in self.plain:
-            from zarr.core.sync import sync
-
             sync(self._slot(found[0]))
         return self.physical(key, self.slots.get(found[0]), found[1])
 
@@ -275,8 +275,6 @@ class GenerationStore(WrapperStore[Store]):
 
     def release_root(self) -> None:
         """Write the root held back while the generation was made: from now on it is made."""
-        from zarr.core.sync import sync
-
         if self._root is None:
             raise StoreError(f"{self.url}: no root to write")
         root, self.hold_root, self._root = self._root, False, None
