@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 
 from extractor.cli import main
 from extractor.driver.runner import run

@@ -14,7 +14,8 @@ import pytest
 import torch
 import warm
 import yaml
-from conftest import RESNET18, child_env, job
+from helpers.jobs import RESNET18, job
+from helpers.processes import child_env
 
 import extractor
 from extractor.errors import ClusterError, SpecError

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import warm
-import yaml
-from conftest import child_env, job, make_images
+from helpers.images import make_images
+from helpers.jobs import job, write_job
+from helpers.processes import child_env
 from helpers.stores import committed
 
 from extractor.compute.worker import PROBE_FORWARDS
@@ -30,9 +31,6 @@ def extractor(*args: str, cwd: Path | None = None, timeout: float = 300) -> subp
                           cwd=cwd, env=env, timeout=timeout)
 
 
-def write_job(path: Path, raw: dict) -> Path:
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def slow_job(tmp_path: Path, shard_size: int, chunk_rows: int, reduce: str) -> dict:

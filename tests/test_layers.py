@@ -159,6 +159,19 @@ def test_only_the_driver_names_ray():
         assert not [n for n in names if n == "ray" or n.startswith("ray.")], path
 
 
+def test_no_test_file_imports_another_or_conftest():
+    """What tests share is in tests/helpers/ (a package): a test file imports neither conftest nor another test
+    file, so each can move or be renamed alone."""
+    tests = PACKAGE.parent / "tests"
+    own = {p.stem for p in tests.rglob("test_*.py")} | {"conftest"}
+    for path in sorted(tests.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + [
+            n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level
+        ]
+        assert not [n for n in names if n.split(".")[0] in own], path
+
+
 def test_zarrs_internals_are_imported_in_one_guarded_module():
     """zarr.core is no public API: one module imports what extractor needs of it (and says the version range when a
     zarr release moves it); s3fs is used through its public calls only (``pipe_file(..., mode="create")``)."""

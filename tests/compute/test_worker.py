@@ -8,7 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RESNET18, child_env, job, make_images
+from helpers.images import make_images
+from helpers.jobs import RESNET18, job
+from helpers.preprocess import reference_batch
+from helpers.processes import child_env
 from helpers.stores import pending
 from PIL import Image
 
@@ -16,15 +19,6 @@ from extractor.driver.runner import run
 from extractor.errors import DataError, LayerError, StoreError
 from extractor.read.reader import open_store
 from extractor.spec.load import parse_spec
-
-
-def reference_batch(paths: list[Path], resize: int, crop: int) -> torch.Tensor:
-    """Independent preprocessing: PIL + the classic torchvision transforms."""
-    from torchvision import transforms as T
-
-    tf = T.Compose([T.Resize(resize), T.CenterCrop(crop), T.ToTensor(),
-                    T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
-    return torch.stack([tf(Image.open(p).convert("RGB")) for p in paths])
 
 
 def test_matches_create_feature_extractor_on_real_jpeg_and_png(image_dir: Path, tmp_path: Path):

@@ -138,7 +138,7 @@ def test_read_keeps_the_bytes_and_orientation(tmp_path: Path):
 
 
 def test_gpu_decoding_without_a_gpu_is_a_clear_error(image_dir: Path, tmp_path: Path):
-    from conftest import job
+    from helpers.jobs import job
 
     from extractor.driver.runner import run
     from extractor.errors import ModelError

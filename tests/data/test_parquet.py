@@ -4,14 +4,14 @@ column; the tar source's promises for bad files, bad rows and missing columns.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job
+from helpers.jobs import job
+from helpers.parquet import CLASSES, images_of, parquet_job, write_hub_parquet
+from helpers.sources import write_tars
 from helpers.stores import pending
-from test_sources import write_tars
 
 from extractor.data.listing import list_rows
 from extractor.data.sources.parquet import row_groups
@@ -24,35 +24,12 @@ from extractor.spec.load import parse_spec
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-CLASSES = ["cats", "dogs"]
 
 
-def images_of(image_dir: Path) -> list[Path]:
-    return sorted(p for p in image_dir.rglob("*") if p.is_file())
 
 
-def write_hub_parquet(images: list[Path], out: Path, per_file: int, row_group: int, names: bool = True,
-                      image: str = "image", label: str = "label") -> list[Path]:
-    """Files as the Hub holds them: ``data/train-0000N-of-0000M.parquet``, an image column of {bytes, path}
-    structs, integer labels with their ClassLabel names in the ``huggingface`` schema metadata."""
-    out.mkdir(parents=True, exist_ok=True)
-    chunks = [images[i:i + per_file] for i in range(0, len(images), per_file)]
-    meta = {"info": {"features": {image: {"_type": "Image"},
-                                  label: {"names": CLASSES, "_type": "ClassLabel"} if names else
-                                  {"dtype": "int64", "_type": "Value"}}}}
-    paths = []
-    for n, chunk in enumerate(chunks):
-        table = pa.table({image: [{"bytes": p.read_bytes(), "path": p.name} for p in chunk],
-                          label: [CLASSES.index(p.parent.name) for p in chunk]})
-        table = table.replace_schema_metadata({"huggingface": json.dumps(meta)})
-        path = out / f"train-{n:05d}-of-{len(chunks):05d}.parquet"
-        pq.write_table(table, path, row_group_size=row_group)
-        paths.append(path)
-    return paths
 
 
-def parquet_job(image_dir: Path, store: Path, pattern: str, **data):
-    return job(image_dir, store, data={"source": "parquet", "root": None, "parquet": pattern, **data})
 
 
 def test_parquet_equals_the_folder_and_the_tars_row_for_row(image_dir: Path, tmp_path: Path):

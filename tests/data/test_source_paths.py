@@ -7,8 +7,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import job, make_images
-from test_sources import write_tars
+from helpers.images import make_images
+from helpers.jobs import job
+from helpers.sources import write_tars
 
 from extractor.data import read_bytes
 from extractor.data.decode import open_rgb

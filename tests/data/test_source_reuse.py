@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 from helpers.stores import root_attrs
 
 import extractor.data.sources.folder as folder
@@ -306,7 +307,7 @@ def test_a_manifest_edited_to_the_same_size_and_mtime_is_read_again(tmp_path: Pa
 def test_parquet_files_touched_are_listed_once_then_taken_from_the_store(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch):
     pytest.importorskip("pyarrow")
-    from test_parquet import write_hub_parquet
+    from helpers.parquet import write_hub_parquet
 
     import extractor.data.sources.parquet as parquet
 

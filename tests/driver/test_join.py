@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import warm
 import yaml
-from conftest import child_env, job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
+from helpers.processes import child_env
 from helpers.stores import generation
 
 from extractor.driver.runner import run

@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import child_env, job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
+from helpers.processes import child_env
 from helpers.slurm import local_slurm, missing, squeue
 from helpers.stores import generation
 
@@ -113,7 +115,7 @@ def test_the_kubernetes_indexed_job_runs_its_pods_command_and_survives_preemptio
     """``k8s-indexed-job.yaml``: an indexed Job whose pods join one store, pre-emption ignored (started again, not
     counted as a failure), SIGTERM before the kill; its pod's command, run here as a pod runs it (the job file where
     the ConfigMap puts it), fills the store."""
-    from conftest import cli
+    from helpers.processes import cli
 
     recipe = yaml.safe_load((REPO / "jobs/cluster/k8s-indexed-job.yaml").read_text())
     spec = recipe["spec"]

@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import free_port, job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
+from helpers.processes import free_port
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli, job
-from test_cli import write_job
+from helpers.jobs import job, write_job
+from helpers.processes import cli
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store

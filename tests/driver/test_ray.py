@@ -15,7 +15,10 @@ import pytest
 import torch
 import warm
 import yaml
-from conftest import child_env, job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
+from helpers.processes import child_env
+from helpers.slow import slow_job
 from helpers.stores import committed, generation
 from PIL import Image
 
@@ -31,19 +34,8 @@ TESTS = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def slow_job(root: Path, store: Path, **cluster) -> dict:
-    return job(root, store, model={"name": None, "factory": "toy_models:slow_net", "device": "cpu"},
-               data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 1, "decode_workers": 1},
-               capture=[{"layer": "conv", "reduce": "mean"}, {"layer": "conv", "key": "map"}],
-               output={"store": str(store), "chunk_rows": 1},
-               cluster={"backend": "ray", **cluster})
 
 
-@pytest.fixture(scope="module")
-def slow_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("slow")
-    make_images(root, per_class=6, classes=("a", "b"), size=40)
-    return root
 
 
 def test_two_workers_equal_the_local_backend(ray_cluster, image_dir: Path, tmp_path: Path):

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import warm
 import yaml
-from conftest import child_env, job, kill_processes_mentioning
+from helpers.jobs import job
+from helpers.processes import child_env, kill_processes_mentioning
+from helpers.slow import slow_images, slow_job
 from helpers.stores import committed
-from test_ray import slow_images, slow_job
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store

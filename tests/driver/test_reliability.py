@@ -19,7 +19,10 @@ import pytest
 import warm
 import yaml
 import zarr
-from conftest import child_env, job, make_images
+from helpers.images import make_images
+from helpers.interrupts import interrupted_after
+from helpers.jobs import job
+from helpers.processes import child_env
 from helpers.stores import committed, generation, pending, root_attrs, wait_dead
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -713,18 +716,6 @@ def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_pat
         open_store(url)
 
 
-def _interrupted_after(raw: dict, shards: int) -> None:
-    """Run ``raw`` until ``shards`` shards are done, then interrupt it (Ctrl-C)."""
-    done = []
-
-    def stop(name: str, info: dict) -> None:
-        if name == "shard_done":
-            done.append(info["shard"])
-            if len(done) == shards:
-                raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        run(parse_spec(raw), on_event=stop)
 
 
 def test_an_image_changed_between_a_run_and_its_resume_is_named_or_redone_never_mixed(image_dir: Path,
@@ -739,7 +730,7 @@ def test_an_image_changed_between_a_run_and_its_resume_is_named_or_redone_never_
     root = tmp_path / "imgs"
     shutil.copytree(image_dir, root)
     raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4, "verify": "files"})
-    _interrupted_after(raw, 2)  # shards 0 and 1 done: rows 0-7
+    interrupted_after(raw, 2)  # shards 0 and 1 done: rows 0-7
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.done_shards.tolist()[:2] == [True, True] and s.attrs["status"] == "interrupted"
     victim = root / s.ids[5]
@@ -779,7 +770,7 @@ def test_an_image_rewritten_in_place_is_found_by_a_default_resume(image_dir: Pat
         os.utime(folder, ns=(hour_ago, hour_ago))
     raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
     assert "verify" not in raw["data"]
-    _interrupted_after(raw, 2)  # rows 0-7 done
+    interrupted_after(raw, 2)  # rows 0-7 done
     s = open_store(str(tmp_path / "s.zarr"))
     row = next(i for i in range(8) if s.ids[i].endswith(".jpg"))
     victim = root / s.ids[row]
@@ -806,13 +797,13 @@ def test_an_image_rewritten_in_place_is_found_by_a_default_resume(image_dir: Pat
 
 
 def test_a_changed_tar_member_is_named_on_resume(tmp_path: Path):
-    from test_sources import write_tars
+    from helpers.sources import write_tars
 
     files = make_images(tmp_path / "imgs", per_class=4, classes=("a",), size=40)
     tars = write_tars(files, tmp_path / "tars", per_tar=2)
     raw = job(tmp_path / "imgs", tmp_path / "s.zarr", data={"source": "tar", "root": None, "shard_size": 2,
                                                            "tars": str(tmp_path / "tars" / "shard-{000..001}.tar")})
-    _interrupted_after(raw, 1)
+    interrupted_after(raw, 1)
     Image.fromarray(np.full((40, 40, 3), 9, np.uint8)).save(files[1], format="PNG")
     write_tars(files, tmp_path / "tars", per_tar=2)  # the same members, one with other bytes
     raw["output"]["if_exists"] = "resume"
@@ -826,7 +817,7 @@ def test_a_resume_takes_the_rows_of_unchanged_tars_from_the_store_and_lists_chan
     """Planning once: the store records the tars it was listed from (each one's size and mtime); a resume with the
     same tars reads no tar header and takes its rows from the store; one whose tars changed lists them again (a
     resume with work to do records the new listing; a complete store is never written to by a resume)."""
-    from test_sources import write_tars
+    from helpers.sources import write_tars
 
     import extractor.data.sources.tar as tars_module
 
@@ -836,7 +827,7 @@ def test_a_resume_takes_the_rows_of_unchanged_tars_from_the_store_and_lists_chan
     clean = job(tmp_path / "imgs", tmp_path / "clean.zarr", data=data)
     run(parse_spec(clean))
     raw = job(tmp_path / "imgs", tmp_path / "s.zarr", data=data)
-    _interrupted_after(raw, 1)
+    interrupted_after(raw, 1)
     assert open_store(str(tmp_path / "s.zarr")).attrs["listing"]["tars"][0].endswith("shard-000.tar")
     scanned = []
     real = tars_module.scan_tar

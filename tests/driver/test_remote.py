@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import warm
 import yaml
-from conftest import child_env, free_port, job, kill_processes_mentioning
-from test_sources import write_tars
+from helpers.cluster import VENV_BIN, extractor, jobs_head, start_head, wait_for
+from helpers.jobs import job
+from helpers.processes import child_env, free_port
+from helpers.sources import write_tars
 
 from extractor.driver.runner import run
 from extractor.errors import DataError
@@ -28,19 +25,9 @@ from extractor.read.reader import open_store
 from extractor.spec.load import parse_spec
 
 pytestmark = pytest.mark.slow
-VENV_BIN = Path(sys.executable).parent
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def wait_for(url: str, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"{url} did not answer within {seconds} s")
 
 
 def start_moto(env: dict | None = None):
@@ -114,7 +101,7 @@ def test_parquet_from_s3_by_glob_reads_row_groups_by_range(s3, image_dir: Path, 
     """issue 30: Hub-layout Parquet files on the S3 server, named by a glob: the folder's values, labels and
     class names."""
     pytest.importorskip("pyarrow")
-    from test_parquet import write_hub_parquet
+    from helpers.parquet import write_hub_parquet
 
     fs, options = s3
     images = sorted(p for p in image_dir.rglob("*") if p.is_file())
@@ -152,30 +139,8 @@ def test_missing_bucket_and_bad_credentials_are_clear(s3, image_dir: Path, tmp_p
     assert not (tmp_path / "s.zarr").exists()
 
 
-@contextlib.contextmanager
-def jobs_head(prefix: str, **env_vars: str) -> Iterator[tuple[str, dict[str, str], str]]:
-    """`ray start --head` on loopback with the dashboard (Jobs API), ``env_vars`` in its environment:
-    (its Jobs API address, that environment, its temp dir); its processes killed by pid at the end."""
-    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    dash = free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0", **env_vars}
-    try:
-        yield f"http://127.0.0.1:{dash}", env, tmp  # the caller may check the environment before the head starts
-    finally:
-        kill_processes_mentioning(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def start_head(address: str, env: dict[str, str], tmp: str) -> None:
-    """Start the head of :func:`jobs_head` and wait until its Jobs API answers."""
-    dash = address.rsplit(":", 1)[1]
-    out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", f"--port={free_port()}", "--num-cpus=2",
-                          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                          f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}",
-                          "--disable-usage-stats"], env=env, cwd=tmp, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    wait_for(f"{address}/api/version", 90)
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +151,6 @@ def ray_head():
         yield address, env
 
 
-def extractor(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
-    return warm.run([sys.executable, "-m", "extractor.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
 
 
 def test_submit_wait_status_logs_and_a_failing_job(ray_head, image_dir: Path, tmp_path: Path):

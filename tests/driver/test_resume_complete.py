@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import RESNET18, child_env, job
+from helpers.jobs import RESNET18, job
+from helpers.processes import child_env
 
 import extractor.driver.runner as runner
 import extractor.store.provenance as provenance

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 from helpers.stores import opened
 
 from extractor.data.files import local_fingerprint
@@ -25,7 +26,7 @@ def files_of(store: Path) -> dict[str, bytes]:
 
 
 def test_a_touched_tar_is_listed_once_then_taken_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from test_sources import write_tars
+    from helpers.sources import write_tars
 
     import extractor.data.sources.tar as tars_module
 

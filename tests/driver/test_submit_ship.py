@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import job
-from test_remote import TESTS, VENV_BIN, extractor, jobs_head, start_head
+from helpers.cluster import VENV_BIN, extractor, jobs_head, start_head
+from helpers.jobs import job
 
 from extractor.driver.runner import run
 from extractor.read.reader import open_store
 from extractor.spec.load import parse_spec
+
+TESTS = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 
 from extractor.driver.runner import run
 from extractor.errors import StoreError

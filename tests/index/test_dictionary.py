@@ -8,38 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.index_checks import D_SAE, refused, sae, saelens
 
-from extractor.index.dictionary import DictionaryError, load_dictionary
-
-D_SAE = 48
-
-
-def _sae(seed: int = 0, d_in: int = 32) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {"W_enc": rng.standard_normal((d_in, D_SAE)).astype(np.float32) * 0.5,
-            "b_enc": (rng.standard_normal(D_SAE) * 0.1 - 0.05).astype(np.float32),
-            "b_dec": (rng.standard_normal(d_in) * 0.01).astype(np.float32),
-            "W_dec": rng.standard_normal((D_SAE, d_in)).astype(np.float32)}
-
-
-def _saelens(folder: Path, tensors: dict[str, np.ndarray], **cfg) -> Path:
-    """An SAE saved by hand as SAELens saves one: cfg.json and sae_weights.safetensors."""
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "sae_weights.safetensors"))
-    d_in, d_sae = tensors["W_enc"].shape
-    (folder / "cfg.json").write_text(json.dumps({"d_in": int(d_in), "d_sae": int(d_sae), "architecture": "standard",
-                                                 "apply_b_dec_to_input": True, "normalize_activations": "none",
-                                                 "hook_name": "blocks.3.hook_resid_post", **cfg}))
-    return folder
+from extractor.index.dictionary import load_dictionary
 
 
 @pytest.mark.parametrize("by", ["torch", "numpy"])
 def test_encode_is_the_sae_by_hand_for_each_activation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by: str):
     if by == "numpy":  # where torch is not installed
         monkeypatch.setattr("extractor.index.dictionary._torch", lambda: None)
-    t = _sae()
+    t = sae()
     x = np.random.default_rng(1).standard_normal((20, 32)).astype(np.float32)
     pre = (x - t["b_dec"]) @ t["W_enc"] + t["b_enc"]
     np.savez(tmp_path / "sae.npz", **t)
@@ -51,18 +29,12 @@ def test_encode_is_the_sae_by_hand_for_each_activation(tmp_path: Path, monkeypat
         keep = np.argsort(-pre[i])[:5]
         np.testing.assert_allclose(top[i, keep], np.maximum(pre[i, keep], 0), rtol=1e-5, atol=1e-6)
     threshold = np.full(D_SAE, 0.3, np.float32)
-    folder = _saelens(tmp_path / "jump", {**t, "threshold": threshold}, architecture="jumprelu")
+    folder = saelens(tmp_path / "jump", {**t, "threshold": threshold}, architecture="jumprelu")
     jump = load_dictionary(folder)
     assert jump.activation == "jumprelu"
     np.testing.assert_allclose(jump.encode(x), np.where(pre > 0.3, pre, 0), rtol=1e-5, atol=1e-6)
 
 
-def _refused(call, *args, **kwargs) -> str:
-    """The message of the DictionaryError ``call`` raises: one line."""
-    with pytest.raises(DictionaryError) as err:
-        call(*args, **kwargs)
-    assert "\n" not in str(err.value)
-    return str(err.value)
 
 
 def _damaged(tmp_path: Path, how: str) -> Path:
@@ -70,7 +42,7 @@ def _damaged(tmp_path: Path, how: str) -> Path:
     from safetensors.numpy import save_file
 
     good = tmp_path / "good.npz"
-    np.savez(good, **_sae())
+    np.savez(good, **sae())
     if how == "garbage npz":
         (path := tmp_path / "x.npz").write_bytes(b"PK\x03\x04 not a zip at all" * 20)
     elif how == "npz cut short":
@@ -78,16 +50,16 @@ def _damaged(tmp_path: Path, how: str) -> Path:
     elif how == "empty npz":
         (path := tmp_path / "x.npz").write_bytes(b"")
     elif how in ("safetensors header not of tensors", "safetensors cut short"):
-        save_file(_sae(), str(path := tmp_path / "x.safetensors"))
+        save_file(sae(), str(path := tmp_path / "x.safetensors"))
         if how == "safetensors cut short":
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
         else:
             header = json.dumps({"a": 1}).encode()
             path.write_bytes(len(header).to_bytes(8, "little") + header)
     elif how == "threshold of another width":
-        np.savez(path := tmp_path / "x.npz", **_sae(), threshold=np.zeros(7, np.float32))
+        np.savez(path := tmp_path / "x.npz", **sae(), threshold=np.zeros(7, np.float32))
     else:
-        path = _saelens(tmp_path / "lens", _sae())
+        path = saelens(tmp_path / "lens", sae())
         (path / "cfg.json").write_text("[1, 2]" if how == "cfg not an object" else json.dumps({"d_in": "abc"}))
     return path
 
@@ -97,7 +69,7 @@ def _damaged(tmp_path: Path, how: str) -> Path:
                                  "cfg width not a number"])
 def test_a_damaged_dictionary_file_is_one_line_naming_it(tmp_path: Path, how: str):
     path = _damaged(tmp_path, how)
-    said = _refused(load_dictionary, path)
+    said = refused(load_dictionary, path)
     assert path.name in said or str(path) in said, said
 
 
@@ -107,7 +79,7 @@ def test_a_dictionary_of_nan_or_infinite_weights_is_refused_naming_the_tensor(tm
     everywhere. Refused, one line naming the file and the tensor."""
     from safetensors.numpy import save_file
 
-    t = _sae()
+    t = sae()
     if tensor == "threshold":
         t["threshold"] = np.full(D_SAE, 0.1, np.float32)
     if tensor == "encoder.weight":  # a Linear's weights, (d_sae, d_in)
@@ -115,18 +87,18 @@ def test_a_dictionary_of_nan_or_infinite_weights_is_refused_naming_the_tensor(tm
     t[tensor] = t[tensor].copy()
     t[tensor].reshape(-1)[: 3 if tensor != "W_enc" else None] = np.inf if tensor == "b_dec" else np.nan
     np.savez(npz := tmp_path / "sae.npz", **t)
-    said = _refused(load_dictionary, npz)
+    said = refused(load_dictionary, npz)
     assert said.startswith(str(npz.resolve())) and f"tensor {tensor} " in said and "NaN or infinite" in said, said
-    folder = _saelens(tmp_path / "lens", _sae())  # SAELens's folder, read by the safetensors parser
-    save_file({**_sae(), "W_enc": np.full((32, D_SAE), np.nan, np.float32)}, str(folder / "sae_weights.safetensors"))
-    said = _refused(load_dictionary, folder)
+    folder = saelens(tmp_path / "lens", sae())  # SAELens's folder, read by the safetensors parser
+    save_file({**sae(), "W_enc": np.full((32, D_SAE), np.nan, np.float32)}, str(folder / "sae_weights.safetensors"))
+    said = refused(load_dictionary, folder)
     assert f"tensor W_enc [32, {D_SAE}] holds {32 * D_SAE} NaN or infinite values (of {32 * D_SAE})" in said, said
 
 
 def test_the_decoder_is_read_as_w_dec_or_a_linears_weight_and_refused_when_it_does_not_fit(tmp_path: Path):
     """issue 59: the atlas's decoder cosine and the viewer's switched-off latent read each latent's decoder direction:
     ``W_dec`` (d_sae, d_in), or ``decoder.weight`` (d_in, d_sae) as a Linear holds it."""
-    t = _sae()
+    t = sae()
     np.savez(tmp_path / "w.npz", **t)
     np.testing.assert_array_equal(load_dictionary(tmp_path / "w.npz").w_dec, t["W_dec"])
     linear = {k: v for k, v in t.items() if k != "W_dec"}
@@ -135,5 +107,5 @@ def test_the_decoder_is_read_as_w_dec_or_a_linears_weight_and_refused_when_it_do
     np.savez(tmp_path / "none.npz", **linear)
     assert load_dictionary(tmp_path / "none.npz").w_dec is None
     np.savez(tmp_path / "bad.npz", **linear, W_dec=t["W_dec"].T)
-    said = _refused(load_dictionary, tmp_path / "bad.npz")
+    said = refused(load_dictionary, tmp_path / "bad.npz")
     assert "W_dec [32, 48] does not fit W_enc [32, 48]: the decoder is (d_sae, d_in) = (48, 32)" in said

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_state import ARRAYS, _check_against_numpy
+from helpers.index_checks import ARRAYS, check_against_numpy
 
 from extractor.index import kernel
 from extractor.index.bins import HIST_EDGES
@@ -115,4 +115,4 @@ def test_device_blocks_merged_equal_the_numpy_state_and_numpy_by_hand(t: int, po
         ok = np.isfinite(acts).all(axis=(1, 2))
         part = IndexState(f, t, k, pool, threshold)
         part.add_part(block_part(torch.from_numpy(clean[ok]), rows[ok], k, pool, threshold))
-        _check_against_numpy(clean[ok], rows[ok], part.finish(), k, pool, threshold)
+        check_against_numpy(clean[ok], rows[ok], part.finish(), k, pool, threshold)

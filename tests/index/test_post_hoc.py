@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from conftest import child_env, job, make_images
+from helpers.images import make_images
+from helpers.index_checks import ARRAYS, D_SAE, by_hand_top, check_against_numpy, refused, sae, saelens
+from helpers.jobs import job
+from helpers.processes import child_env
 from helpers.stores import generation, made_again
-from test_dictionary import D_SAE, _refused, _sae, _saelens
-from test_state import ARRAYS, _by_hand_top, _check_against_numpy
 
 from extractor.driver.runner import run
 from extractor.errors import OutOfRangeError, SpecError, StoreError
@@ -80,7 +81,7 @@ def test_an_index_of_a_store_equals_its_capture_by_hand(store: Path):
     ix = index(str(store), "layer3", k=4, name="posthoc")
     acts, rows = _acts(store)
     assert len(rows) == 14 and ix.rows == 14
-    _check_against_numpy(acts, rows, type("Got", (), _arrays(ix)), 4, "max")
+    check_against_numpy(acts, rows, type("Got", (), _arrays(ix)), 4, "max")
     s = open_store(str(store))
     for f in (0, 5, 31):
         top = ix.top(f)
@@ -131,7 +132,7 @@ def test_a_float16_capture_is_indexed_as_its_values_by_hand_at_write_time_and_af
     _same(open_index(str(path), "layer3"), again)
     acts, rows = _acts(path)
     values = acts.astype(np.float32)
-    _check_against_numpy(values, rows, type("Got", (), _arrays(again)), 4, "max")
+    check_against_numpy(values, rows, type("Got", (), _arrays(again)), 4, "max")
     row = again.encode_row(int(rows[3]))
     assert row.dtype == np.float32
     np.testing.assert_array_equal(row, values[3])
@@ -177,10 +178,10 @@ def test_open_index_names_what_the_store_holds(store: Path):
 # ---------------------------------------------------------------------------------------------- dictionaries
 def test_a_saelens_folder_gives_the_index_of_the_same_weights_as_npz_and_pt(store: Path, tmp_path: Path):
     torch = pytest.importorskip("torch")
-    t = _sae()
+    t = sae()
     np.savez(tmp_path / "sae.npz", **t)
     torch.save({k: torch.from_numpy(v) for k, v in t.items()}, tmp_path / "sae.pt")
-    folder = _saelens(tmp_path / "my_sae", t)
+    folder = saelens(tmp_path / "my_sae", t)
     a = index(str(store), "layer3", dictionary=tmp_path / "sae.npz", k=4)
     b = index(str(store), "layer3", dictionary=folder, k=4)
     c = index(str(store), "layer3", dictionary=tmp_path / "sae.pt", k=4)
@@ -192,36 +193,36 @@ def test_a_saelens_folder_gives_the_index_of_the_same_weights_as_npz_and_pt(stor
     acts, rows = _acts(store)
     latents = np.maximum((acts.reshape(-1, 32) - t["b_dec"]) @ t["W_enc"] + t["b_enc"], 0).reshape(len(rows), 4, -1)
     got = type("Got", (), _arrays(b))
-    top = _by_hand_top(latents.max(axis=1), latents.max(axis=1) > 0, 7, 4)
+    top = by_hand_top(latents.max(axis=1), latents.max(axis=1) > 0, 7, 4)
     np.testing.assert_array_equal(got.top_rows[7, : len(top)], rows[top])
     np.testing.assert_allclose(got.top_tokens[7, : len(top)], latents[top, :, 7], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got.density_tokens, (latents > 0).sum(axis=(0, 1)) / latents[..., 0].size)
     np.testing.assert_allclose(b.encode_row(int(rows[2])), latents[2], rtol=1e-5, atol=1e-6)
     assert not open_index(str(store), "layer3@sae").stale  # c's, of the same name as a's
-    torch.save({k: torch.from_numpy(v) for k, v in _sae(9).items()}, tmp_path / "sae.pt")
+    torch.save({k: torch.from_numpy(v) for k, v in sae(9).items()}, tmp_path / "sae.pt")
     assert open_index(str(store), "layer3@sae").stale  # the dictionary file changed since
 
 
 def test_a_dictionary_that_does_not_fit_is_one_line_naming_the_shapes(store: Path, images: Path, tmp_path: Path):
-    np.savez(tmp_path / "narrow.npz", **_sae(d_in=16))
-    said = _refused(index, str(store), "layer3", dictionary=tmp_path / "narrow.npz")
+    np.savez(tmp_path / "narrow.npz", **sae(d_in=16))
+    said = refused(index, str(store), "layer3", dictionary=tmp_path / "narrow.npz")
     assert "d_in 16 (W_enc [16, 48])" in said and "capture layer3 [32, 2, 2] has 32 features per position" in said
-    np.savez(tmp_path / "bad.npz", **{**_sae(), "b_enc": np.zeros(7, np.float32)})
-    assert "W_enc [32, 48] and b_enc [7] do not fit" in _refused(load_dictionary, tmp_path / "bad.npz")
+    np.savez(tmp_path / "bad.npz", **{**sae(), "b_enc": np.zeros(7, np.float32)})
+    assert "W_enc [32, 48] and b_enc [7] do not fit" in refused(load_dictionary, tmp_path / "bad.npz")
     (tmp_path / "sae.txt").write_text("W_enc")
-    assert "not a dictionary file this reads (.safetensors, .npz, .pt" in _refused(load_dictionary,
+    assert "not a dictionary file this reads (.safetensors, .npz, .pt" in refused(load_dictionary,
                                                                                    tmp_path / "sae.txt")
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
-    assert "not a safetensors file" in _refused(load_dictionary, tmp_path / "junk.safetensors")
+    assert "not a safetensors file" in refused(load_dictionary, tmp_path / "junk.safetensors")
     np.savez(tmp_path / "nothing.npz", W_dec=np.zeros((3, 3)))
-    assert "no encoder weights W_enc (or encoder.weight) among its tensors ['W_dec']" in _refused(
+    assert "no encoder weights W_enc (or encoder.weight) among its tensors ['W_dec']" in refused(
         load_dictionary, tmp_path / "nothing.npz")
-    folder = _saelens(tmp_path / "wrong_cfg", _sae(), d_in=64)
-    assert "cfg.json says d_in 64, but W_enc is [32, 48]" in _refused(load_dictionary, folder)
-    gated = _saelens(tmp_path / "gated", _sae(), architecture="gated")
-    assert "gated SAE" in _refused(load_dictionary, gated)
+    folder = saelens(tmp_path / "wrong_cfg", sae(), d_in=64)
+    assert "cfg.json says d_in 64, but W_enc is [32, 48]" in refused(load_dictionary, folder)
+    gated = saelens(tmp_path / "gated", sae(), architecture="gated")
+    assert "gated SAE" in refused(load_dictionary, gated)
     spec = _job(images, tmp_path / "never.zarr", feature_index={"dictionary": str(tmp_path / "narrow.npz")})
-    assert "capture[0] layer3 [32, 2, 2] has 32 features" in _refused(run, parse_spec(spec))
+    assert "capture[0] layer3 [32, 2, 2] has 32 features" in refused(run, parse_spec(spec))
     assert not (tmp_path / "never.zarr").exists()  # refused before the store was touched
 
 
@@ -264,7 +265,7 @@ def test_an_index_name_that_is_a_store_key_a_path_or_reserved_is_one_line_and_wr
     misleading "cannot be written here (File exists)"; on S3 it was written); ``__txn`` was written and then could
     not be opened. Each is refused in one line naming the index name, before anything is read or written, by the
     command, the API and a job's ``feature_index.name``."""
-    from conftest import cli
+    from helpers.processes import cli
 
     path = tmp_path / "copy.zarr"
     shutil.copytree(store, path)
@@ -371,7 +372,7 @@ def test_a_row_that_is_not_there_or_not_ok_is_one_line(store: Path):
 
 
 def test_the_write_time_index_of_a_dictionary_equals_the_post_hoc_one(images: Path, tmp_path: Path):
-    np.savez(tmp_path / "sae.npz", **_sae(3))
+    np.savez(tmp_path / "sae.npz", **sae(3))
     path = tmp_path / "d.zarr"
     run(parse_spec(_job(images, path, feature_index={"k": 3, "dictionary": str(tmp_path / "sae.npz")})))
     written = open_index(str(path), "layer3@sae")
@@ -448,11 +449,11 @@ def test_an_index_of_a_vit_counts_its_patches_only_as_its_heatmaps_show_them(vit
     asked to include the prefix tokens; its record and listing say which."""
     x, rows = _tokens(vit)
     patches = index(str(vit), "blocks.1", k=2, name="patches")
-    _check_against_numpy(x[:, 1:], rows, type("Got", (), _arrays(patches)), 2, "max")
+    check_against_numpy(x[:, 1:], rows, type("Got", (), _arrays(patches)), 2, "max")
     assert (patches.attrs["positions"], patches.grid, patches.attrs["prefix"], patches.attrs["left_out"],
             patches.covers) == (16, (4, 4), 0, 1, "patches")
     every = index(str(vit), "blocks.1", k=2, name="every", include_prefix=True)
-    _check_against_numpy(x, rows, type("Got", (), _arrays(every)), 2, "max")
+    check_against_numpy(x, rows, type("Got", (), _arrays(every)), 2, "max")
     assert (every.attrs["positions"], every.attrs["prefix"], every.covers) == (17, 1, "all")
     assert not np.array_equal(patches.density, every.density)  # over 16 tokens a row, not 17
     for f in (0, 47):
@@ -475,7 +476,7 @@ def test_an_sae_indexed_with_normalize_sees_the_tokens_a_normalised_stream_gives
     """issue 54: an SAE trained on token_batches(normalize="norm") was indexed on raw tokens (another scale), and
     norm divided by a mean over every token, CLS included. ``normalize`` applies the stream's own statistics: the
     index's latents are the SAE applied by hand (numpy) to the stream's normalised batches of the same tokens."""
-    t = _sae(d_in=48)
+    t = sae(d_in=48)
     np.savez(tmp_path / "sae.npz", **t)
     s = open_store(str(vit))
     x, rows = _tokens(vit)
@@ -492,7 +493,7 @@ def test_an_sae_indexed_with_normalize_sees_the_tokens_a_normalised_stream_gives
     np.testing.assert_allclose(ix.max_value, latents.max(axis=(0, 1)), rtol=1e-5)
     got = _arrays(ix)
     for f in range(D_SAE):
-        by_hand = rows[_by_hand_top(latents.max(axis=1), latents.max(axis=1) > 0, f, 3)]
+        by_hand = rows[by_hand_top(latents.max(axis=1), latents.max(axis=1) > 0, f, 3)]
         assert list(got["top_rows"][f][got["top_rows"][f] >= 0]) == list(by_hand), f
     np.testing.assert_allclose(got["density_tokens"], (latents > 0).mean(axis=(0, 1)), atol=1.5 / latents[..., 0].size)
     raw = index(str(vit), "blocks.1", dictionary=tmp_path / "sae.npz", k=3, name="raw")
@@ -543,7 +544,7 @@ def test_the_command_makes_lists_and_draws_an_index(store: Path, tmp_path: Path,
     assert listed["cli"]["features"] == 32 and not listed["cli"]["stale"] and "layer3" in listed
     assert main(["index", str(store), "--name", "cli", "--feature", "3", "--out", str(tmp_path / "f.png")]) == 0
     assert (tmp_path / "f.png").stat().st_size > 0
-    np.savez(tmp_path / "narrow.npz", **_sae(d_in=16))
+    np.savez(tmp_path / "narrow.npz", **sae(d_in=16))
     assert main(["index", str(store), "--key", "layer3", "--dictionary", str(tmp_path / "narrow.npz"), "-q"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: dictionary") and "d_in 16" in err and "\n" not in err
@@ -555,7 +556,7 @@ def test_the_command_makes_lists_and_draws_an_index(store: Path, tmp_path: Path,
     with pytest.raises(SystemExit):
         main(["index", str(store), "--name", "cli", "--feature", "3", "--columns", "0"])
     assert "--columns: must be at least 1" in capsys.readouterr().err
-    from conftest import cli
+    from helpers.processes import cli
 
     monkeypatch.setenv("EXTRACTOR_PROGRESS_S", "0")  # a line at every update (not a terminal: lines, not a bar)
     r = cli("index", str(store), "--key", "layer3", "--k", "4", "--name", "rows")

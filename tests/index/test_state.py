@@ -8,14 +8,11 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.index_checks import ARRAYS, check_against_numpy
 
 from extractor.index import kernel
-from extractor.index.bins import HIST_EDGES
 from extractor.index.feed import Layout
-from extractor.index.state import QUANTILES, IndexState
-
-ARRAYS = ("top_rows", "top_values", "top_tokens", "density_tokens", "density_rows", "mean_active", "max_value",
-          "histogram", "histogram_rows", "quantile_rows", "quantile_values", "dead")
+from extractor.index.state import IndexState
 
 
 @pytest.fixture(params=["compiled", "numpy"])
@@ -28,47 +25,10 @@ def block_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return request.param
 
 
-def _by_hand_top(pooled: np.ndarray, fires: np.ndarray, f: int, k: int) -> np.ndarray:
-    """The rows where feature f fires, by pooled value descending, then the lower row: argsort of the column."""
-    rows = np.flatnonzero(fires[:, f])
-    return rows[np.lexsort((rows, -pooled[rows, f]))][:k]
 
 
-def _hist(values: np.ndarray) -> np.ndarray:
-    """numpy's histogram over the edges 10**HIST_EDGES, the values outside them counted in the end bins."""
-    edges = 10.0**HIST_EDGES
-    return np.histogram(np.clip(values.astype(np.float64), edges[0], np.nextafter(edges[-1], 0)), edges)[0]
 
 
-def _check_against_numpy(acts: np.ndarray, rows: np.ndarray, got, k: int, pool: str, threshold: float = 0.0) -> None:
-    """Every array of an index ``got`` of ``acts`` (n, T, F) of store rows ``rows``, against numpy by hand."""
-    n, t, f = acts.shape
-    fire = acts > threshold
-    pooled = acts.max(axis=1) if pool == "max" else acts.mean(axis=1, dtype=np.float64).astype(np.float32)
-    fires = pooled > threshold if pool == "max" else fire.any(axis=1)
-    np.testing.assert_array_equal(got.density_tokens, fire.sum(axis=(0, 1)) / (n * t))
-    np.testing.assert_array_equal(got.density_rows, fires.sum(axis=0) / n)
-    np.testing.assert_array_equal(got.dead, np.flatnonzero(~fire.any(axis=(0, 1))))
-    np.testing.assert_array_equal(got.max_value, acts.max(axis=(0, 1)))
-    for j in range(f):
-        col = acts[:, :, j]
-        if fire[:, :, j].any():
-            assert got.mean_active[j] == pytest.approx(col[col > threshold].mean(dtype=np.float64), rel=1e-6)
-        np.testing.assert_array_equal(got.histogram[j], _hist(col[col > threshold]))
-        np.testing.assert_array_equal(got.histogram_rows[j], _hist(np.maximum(pooled[fires[:, j], j], 1e-30)))
-        top = _by_hand_top(pooled, fires, j, k)
-        np.testing.assert_array_equal(got.top_rows[j, : len(top)], rows[top])
-        assert (got.top_rows[j, len(top) :] == -1).all()
-        np.testing.assert_array_equal(got.top_values[j, : len(top)], pooled[top, j])
-        np.testing.assert_array_equal(got.top_tokens[j, : len(top)], col[top])  # the heatmaps' values
-        q_rows, q_values = got.quantile_rows[j], got.quantile_values[j]
-        kept = q_rows >= 0
-        at = np.searchsorted(rows, q_rows[kept])
-        assert fires[at, j].all() and len(set(q_rows[kept].tolist())) == kept.sum()  # firing rows, each once
-        np.testing.assert_array_equal(q_values[kept], pooled[at, j])
-        lows = [v[r >= 0].min() for r, v in zip(q_rows, q_values, strict=True) if (r >= 0).any()]
-        assert lows == sorted(lows)  # groups from the lowest values up
-    assert got.quantile_rows.shape[1] == QUANTILES
 
 
 @pytest.mark.usefixtures("block_pass")
@@ -87,7 +47,7 @@ def test_the_streamed_state_equals_numpy_by_hand_in_any_order_and_partition(pool
     for a in range(0, n, 64):
         whole.update(acts[a : a + 64], rows[a : a + 64])
     got = whole.finish()
-    _check_against_numpy(acts, rows, got, k, pool, threshold)
+    check_against_numpy(acts, rows, got, k, pool, threshold)
     if threshold < 0.5:  # feature 7 fires at 0.5 and 2.0 only
         assert got.top_rows[7].tolist() == [rows[50], rows[5], rows[300], -1, -1]
     # the same rows in another order, cut into parts merged through their bytes: the same index
@@ -140,7 +100,7 @@ def test_lanes_on_threads_share_one_states_slots_and_give_its_index():
     for other in states[1:]:
         state.join(other)
     got, want = state.finish(), whole.finish()
-    _check_against_numpy(acts, rows, got, k, "max")
+    check_against_numpy(acts, rows, got, k, "max")
     for name in ARRAYS:
         if name == "mean_active":
             np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-12)
@@ -174,7 +134,7 @@ def test_a_float16_map_read_as_stored_equals_its_float32_values(pool: str, thres
     for name in ARRAYS:
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
     with np.errstate(invalid="ignore"):
-        _check_against_numpy(np.ascontiguousarray(layout.tokens(stored), np.float32), rows, got, k, pool, threshold)
+        check_against_numpy(np.ascontiguousarray(layout.tokens(stored), np.float32), rows, got, k, pool, threshold)
     assert got.histogram[3, -1] >= 1 and (got.histogram[4, 0] >= 1 or threshold > 0)
 
 

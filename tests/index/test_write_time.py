@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job, make_images
-from test_state import ARRAYS
+from helpers.images import make_images
+from helpers.index_checks import ARRAYS
+from helpers.jobs import job
 
 from extractor.driver.runner import run
 from extractor.index import device as index_device
@@ -34,7 +35,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _sae(path: Path, d_in: int) -> Path:
+def sae(path: Path, d_in: int) -> Path:
     rng = np.random.default_rng(d_in)
     np.savez(path, W_enc=rng.standard_normal((d_in, D_SAE)).astype(np.float32) * 0.5,
              b_enc=(rng.standard_normal(D_SAE) * 0.1 - 0.05).astype(np.float32),
@@ -89,7 +90,7 @@ def test_computed_rows_are_indexed_on_the_device_as_the_post_hoc_pass_indexes_th
     capture, model, size, d_in = CASES[case]
     if model is not None:
         pytest.importorskip("timm")
-    want = {"k": 3, "dictionary": str(_sae(tmp_path / "sae.npz", d_in))} if d_in else {"k": 3}
+    want = {"k": 3, "dictionary": str(sae(tmp_path / "sae.npz", d_in))} if d_in else {"k": 3}
     path = tmp_path / "s.zarr"
     sections = {"model": model} if model is not None else {}
     raw = job(images, path, data={"resize": size, "crop": size, "shard_size": 4, "batch_size": 3},
@@ -109,7 +110,7 @@ def test_computed_rows_are_indexed_on_the_device_as_the_post_hoc_pass_indexes_th
 def test_a_cpu_worker_indexes_its_rows_on_the_writer_threads_as_the_post_hoc_pass_does(
         images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """On a CPU the numpy pass (the writer threads, from the chunks) costs less than torch's: every row goes there."""
-    want = {"k": 3, "dictionary": str(_sae(tmp_path / "sae.npz", 32))}
+    want = {"k": 3, "dictionary": str(sae(tmp_path / "sae.npz", 32))}
     path = tmp_path / "s.zarr"
     raw = job(images, path, data={"resize": 32, "crop": 32, "shard_size": 4, "batch_size": 3},
               capture=[{"layer": "layer3", "reduce": "none", "feature_index": want}], output={"chunk_rows": 2})
@@ -189,8 +190,8 @@ def test_a_job_paused_in_its_end_merge_of_the_indexes_while_the_store_was_made_a
     second, whose parts it has yet to read) while another job makes its store again (``--overwrite``) died of a
     ``KeyError``. It stops in one line saying the store was made again; nothing of the other job's store changes,
     and that store is whole (its indexes equal a post-hoc pass over it)."""
+    from helpers.paused_jobs import local_objects, spec_of, start_paused, wake
     from helpers.stores import wait_dead
-    from test_transactions import local_objects, spec_of, start_paused, wake
 
     from extractor.store import Objects, read_head
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 from helpers.stores import root_attrs
 
 from extractor.driver.runner import run

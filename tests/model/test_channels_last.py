@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import job
+from helpers.jobs import job
+from helpers.preprocess import reference_batch
 from helpers.stores import root_attrs
-from test_worker import reference_batch
 
 from extractor.driver.runner import run
 from extractor.errors import LayerError
@@ -22,7 +22,7 @@ DATA = {"resize": 72, "crop": 64}  # maps of 16x16 (features.1), 8x8 (features.3
 
 
 def test_swin_maps_are_reduced_over_space_and_named_channel_last(tmp_path: Path):
-    from conftest import make_images
+    from helpers.images import make_images
     from torchvision.models import swin_t
     from torchvision.models.feature_extraction import create_feature_extractor
 
@@ -74,7 +74,7 @@ def test_a_store_made_before_layout_existed_still_resumes(image_dir: Path, tmp_p
 def test_a_map_whose_height_width_and_channels_are_equal_is_still_read_channels_last(tmp_path: Path):
     """swin_t features.1 at crop 384 is 96x96x96: its shape says nothing, the dims that grow at
     another input size do. The mean is over y and x, as a direct forward's."""
-    from conftest import make_images
+    from helpers.images import make_images
     from torchvision.models import swin_t
     from torchvision.models.feature_extraction import create_feature_extractor
 

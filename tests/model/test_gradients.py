@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import job
+from helpers.jobs import job
 from PIL import Image
 
 from extractor.compute.worker import Worker
@@ -59,7 +59,7 @@ def reference(paths: list[str], target: str | int, labels: np.ndarray | None = N
     """Independent: torchvision's feature extractor on a copy of the job's model (the default toy, resnet18's
     module tree: conftest.TINY_RESNET, seeded as extractor seeds it) without in-place ReLUs, torch.autograd.grad."""
     import torch.nn.functional as F
-    from test_worker import reference_batch
+    from helpers.preprocess import reference_batch
     from torchvision.models.feature_extraction import create_feature_extractor
     from toy_models import tiny_resnet
 
@@ -139,7 +139,7 @@ def test_no_hooks_no_parameter_grads_no_graph_after_a_job(image_dir: Path, tmp_p
 
 
 def test_label_target_needs_labels_and_targets_must_agree(tmp_path: Path):
-    from conftest import make_images
+    from helpers.images import make_images
 
     root = tmp_path / "flat"
     root.mkdir()

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import job
+from helpers.jobs import job
 
 from extractor.compute.worker import Worker
 from extractor.driver.runner import run
@@ -770,7 +770,7 @@ def test_a_model_of_one_channel_is_refused_naming_its_channels_not_the_input_siz
                                                                                   how: str):
     """issue 54: a grayscale model (timm's in_chans 1) failed inside torch's conv, the message suggesting another
     input size. Refused naming the channels it takes and what to do, in the probe and in extractor layers."""
-    from conftest import cli
+    from helpers.processes import cli
 
     if how == "hf num_channels":
         t = transformers

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RESNET18, job
+from helpers.jobs import RESNET18, job
 
 from extractor.driver.runner import run
 from extractor.errors import SpecError

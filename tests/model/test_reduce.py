@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import job
+from helpers.jobs import job
 from helpers.stores import replaced_array
 
 import extractor

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 
 from extractor.compute.worker import Worker
 from extractor.driver.runner import run

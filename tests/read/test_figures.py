@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job
+from helpers.jobs import job
 
 from extractor.cli import main
 from extractor.driver.runner import run

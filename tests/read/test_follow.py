@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 from helpers.stores import committed, generation
 
 import extractor.read.follow as follow

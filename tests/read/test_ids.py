@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job
+from helpers.jobs import job
 from helpers.stores import dropped, generation, root_attrs
 
 import extractor.store.id_index as id_index

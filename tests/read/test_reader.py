@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 from helpers.stores import claimant_record, generation, made_again, opened
 
 from extractor.data.rows import Rows

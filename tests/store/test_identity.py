@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import job
+from helpers.interrupts import interrupted_after
+from helpers.jobs import job
 from helpers.stores import edited, made_again, opened, root_attrs
 from PIL import Image
-from test_reliability import _interrupted_after
 
 from extractor.data.files import fingerprint, local_fingerprint
 from extractor.driver.runner import run
@@ -61,7 +61,7 @@ def test_a_file_rewritten_with_its_size_and_mtime_put_back_is_found_changed(imag
     in place, it leaves its folder's times as they were: ``data.verify: files`` stats each file, issue 39.)"""
     root = _copy(image_dir, tmp_path / "imgs")
     raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4, "verify": "files"})
-    _interrupted_after(raw, 1)  # rows 0-3 done
+    interrupted_after(raw, 1)  # rows 0-3 done
     victim = root / open_store(str(tmp_path / "s.zarr")).ids[2]
     assert victim.suffix == ".jpg"
     rewrite_keeping_size_and_mtime(victim, other_bytes_of_the_same_size)
@@ -75,7 +75,7 @@ def test_a_parquet_file_rewritten_with_its_size_and_mtime_put_back_is_found_chan
     """issue 37, case 4 (Parquet): one row's image bytes replaced inside the file, its size and mtime as they were."""
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    from test_parquet import images_of, parquet_job
+    from helpers.parquet import images_of, parquet_job
 
     images = images_of(image_dir)
     path = tmp_path / "data" / "train.parquet"
@@ -83,7 +83,7 @@ def test_a_parquet_file_rewritten_with_its_size_and_mtime_put_back_is_found_chan
     pq.write_table(pa.table({"image": [{"bytes": p.read_bytes(), "path": p.name} for p in images],
                              "label": [0] * len(images)}), path, compression="none")  # the bytes as they are
     raw = parquet_job(image_dir, tmp_path / "p.zarr", str(path), shard_size=4)
-    _interrupted_after(raw, 1)
+    interrupted_after(raw, 1)
     first = images[0].read_bytes()
     assert images[0].suffix == ".jpg"
 
@@ -104,7 +104,7 @@ def test_a_store_with_fingerprints_of_the_old_form_resumes_after_a_digest_pass(i
     they are listed again; this one does, and its file is rewritten in place: ``data.verify: files``.)"""
     root = _copy(image_dir, tmp_path / "imgs")
     raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4, "verify": "files"})
-    _interrupted_after(raw, 2)  # rows 0-7 done
+    interrupted_after(raw, 2)  # rows 0-7 done
     s = open_store(str(tmp_path / "s.zarr"))
     files = [root / i for i in s.ids]
     old_form = np.array([fingerprint(f.stat().st_size, f.stat().st_mtime_ns) for f in files], np.uint64)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 import zarr
-from conftest import RESNET18, job
+from helpers.jobs import RESNET18, job
 from helpers.stores import generation, opened
 
 from extractor.driver.runner import run

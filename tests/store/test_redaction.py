@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import cli, job
+from helpers.jobs import job
+from helpers.processes import cli
 
 from extractor.spec import REDACTED, redact_argv
 

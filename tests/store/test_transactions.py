@@ -11,21 +11,17 @@ times (once in ``make test``).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import warm
 import yaml
-from conftest import child_env, job, make_images
+from helpers.images import make_images
+from helpers.paused_jobs import local_objects, spec_of, start_paused, wake
 from helpers.stores import generation, wait_dead
 
 from extractor.driver.runner import run
@@ -36,15 +32,8 @@ from extractor.store import Objects, read_head
 
 pytestmark = pytest.mark.slow  # paused job processes, an S3 server: make test, not make check
 REPEAT = range(int(os.environ.get("EXTRACTOR_PAUSE_REPEAT", "1")))
-TIMEOUT_S = 1.0  # the jobs' output.lease_timeout_s: a stopped claimant is dead this long after its last renewal
-MODEL = {"factory": "toy_models:stopped_at_write"}  # stops where EXTRACTOR_TEST_PAUSE says: only in job A's process
 
 
-def spec_of(root: Path, store: str, reduce: str, **output: Any) -> dict:
-    return job(root, Path(store), model={"name": None, "device": "cpu", **MODEL},
-               data={"resize": None, "crop": 32, "shard_size": 2, "batch_size": 1, "decode_workers": 1},
-               capture=[{"layer": "conv", "reduce": reduce, "key": "conv"}],
-               output={"store": store, "chunk_rows": 1, "lease_timeout_s": TIMEOUT_S, "sharding": True, **output})
 
 
 @pytest.fixture(scope="module")
@@ -54,39 +43,12 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def start_paused(spec: dict, tmp_path: Path, key: str, nth: int, inside: bool = False,
-                 *flags: str) -> subprocess.Popen:
-    """Job A (``flags``: ``--overwrite``, ``--resume``) in a process that stops itself at the change named; returns
-    once it has stopped."""
-    marker = tmp_path / "stopped"
-    path = tmp_path / "a.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    pause = f"{key}|{nth}|{marker}|{'inside' if inside else 'before'}"
-    proc = warm.Popen([sys.executable, "-m", "extractor.cli", "run", str(path), "-q", *flags],
-                      env=child_env(EXTRACTOR_TEST_PAUSE=pause), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                      text=True)
-    deadline = time.monotonic() + 180
-    while not (marker.exists() and stopped(proc.pid)):
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, f"job A never reached {key} ({nth})"
-        time.sleep(0.02)
-    return proc
 
 
-def wake(proc: subprocess.Popen) -> tuple[int, str]:
-    os.kill(proc.pid, signal.SIGCONT)
-    _, err = proc.communicate(timeout=180)
-    return proc.returncode, err
 
 
-def local_objects(store: Path) -> dict[str, str]:
-    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(store.rglob("*")) if p.is_file() and not p.name.endswith(".tmp")}
 
 
 def equal_values(url: str, clean: str, **options: Any) -> None:
@@ -333,7 +295,7 @@ def test_an_s3_that_ignores_conditional_writes_is_found_and_named(images: Path, 
     """A storage that accepts a create-only write it should refuse (it replaces the object) is found when a process
     joins the store: the job says what it cannot promise there, and its swaps read, compare and write."""
     pytest.importorskip("s3fs")
-    from conftest import free_port
+    from helpers.processes import free_port
     from moto.s3.responses import S3Response
     from moto.server import ThreadedMotoServer
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import job, make_images
+from helpers.images import make_images
+from helpers.jobs import job
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -334,8 +335,8 @@ def test_thumbnails_of_tar_members_and_a_tar_that_is_gone(image_dir: Path, tmp_p
     the file's); once the tar is gone the page says why, and the app's thumbnail is a 404 saying so."""
     import io
 
+    from helpers.sources import write_tars
     from PIL import Image
-    from test_sources import write_tars
 
     import extractor
     from extractor.view import Site, create_app
@@ -426,7 +427,7 @@ def test_extractor_view_prints_its_address_and_exports_a_site(store_path: Path, 
     import urllib.error
     import urllib.request
 
-    from conftest import child_env
+    from helpers.processes import child_env
 
     command = [sys.executable, "-m", "extractor.cli", "view", str(store_path)]
     server = subprocess.Popen([*command, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -488,7 +489,7 @@ def test_a_port_out_of_range_or_in_use_is_one_line_saying_which(image_dir: Path,
     lines and exited; serve() now refuses each in one line naming the port."""
     import socket
 
-    from conftest import cli
+    from helpers.processes import cli
 
     from extractor.errors import ExtractorError
     from extractor.view import serve
