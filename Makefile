@@ -11,7 +11,7 @@ export RAY_AUTH_MODE := disabled
 # PYTHONDONTWRITEBYTECODE=1 (as these machines do: 10 s of CPU per test process to collect, 0.4 s per import).
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: venv demo test check bench lint clean chromium slurm
+.PHONY: venv demo test check bench lint docs clean chromium slurm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ check: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench.py $(BENCH_ARGS)
+
+# The docs site from docs/ into site/ (strict: a warning, a broken link or a missing page fails it).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check extractor tests bench jobs examples

@@ -1,7 +1,8 @@
 """Quick start for sparse-autoencoder training on ViT activations, as notebook cells (# %%).
 
 Runs a job from Python on sample images, opens the store, trains a tiny sparse autoencoder for a
-few steps on shuffled token rows and plots (or prints) its loss. Run it as a script
+few steps on shuffled token rows, plots (or prints) its loss and indexes the store by its latents (what each
+latent responds to, for `extractor view`). Run it as a script
 (`python examples/sae_quickstart.py [WORK_DIR]`) or cell by cell in Jupyter / VS Code.
 """
 
@@ -45,6 +46,16 @@ for _epoch in range(3):  # three passes over every token
         opt.step()
         losses.append(loss.item())
 print(f"{len(losses)} steps; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+# %% The dictionary saved as extractor reads one (W_enc: d_in x d_sae), the store indexed by its latents
+import numpy as np  # noqa: E402 - a cell of its own
+
+from extractor.index import index  # noqa: E402
+
+np.savez(work / "sae.npz", W_enc=encoder.weight.detach().T.numpy(), b_enc=encoder.bias.detach().numpy(),
+         W_dec=decoder.weight.detach().T.numpy())
+ix = index(store, "resid", dictionary=work / "sae.npz", k=8)  # patch tokens, as the SAE was trained
+print(ix)  # its pages: extractor view WORK/sae.zarr
 
 # %% The loss curve
 try:

@@ -132,17 +132,16 @@ def test_a_module_that_does_not_pickle_is_refused_for_ray_before_it_starts(image
     assert extractor.run(raw, model=_Unpicklable(), progress=False)["conv"].shape == (12, 4)
 
 
-def test_the_readme_python_section_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_the_python_guide_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import re
 
-    text = (TESTS.parent / "README.md").read_text()
-    section = text[text.index("## Use from Python"):text.index("## The job spec")]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    text = (TESTS.parent / "docs" / "guides" / "python.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(blocks) == 2
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+        exec(compile(block, "python.md", "exec"), namespace)  # noqa: S102 - the guide's own code
     assert dict(namespace["sweep"].sizes) == {"layer": 4, "row": 32, "token": 17, "feature": 384}
     assert namespace["cnn"]["embedding"].shape == (32, 512)
 
@@ -152,7 +151,7 @@ def test_the_sae_example_runs(tmp_path: Path):
     r = subprocess.run([sys.executable, str(TESTS.parent / "examples" / "sae_quickstart.py"), str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "steps; loss" in r.stdout and "32 rows" in r.stdout
+    assert "steps; loss" in r.stdout and "32 rows" in r.stdout and "FeatureIndex resid@sae" in r.stdout
 
 
 def test_a_float16_overflow_is_reported_as_such(image_dir: Path, tmp_path: Path):

@@ -161,7 +161,8 @@ class Probing:
                     f"the model's forward is not deterministic in eval mode: two forwards of the same image differ "
                     f"in {key} by up to {gap:.3g} (its values reach {scale:.3g}), so every stored row would be one "
                     "random draw and a resume would mix draws. A model that masks or samples at random (ViTMAE's "
-                    "random_masking) needs its randomness fixed: see the README, 'A forward that draws at random'"
+                    "random_masking) needs its randomness fixed: see the docs, guides/models.md, 'A forward that "
+                    "draws at random'"
                 )
         return first, same_bits
 
@@ -208,7 +209,7 @@ class Probing:
         shapes = dict(self.capturer.original_shapes)
         for t, fact in contradicted_layouts(self.targets, modules, shapes):
             log.warning("capture[%d] %s: layout %s is given, but layer %r (%s) gives %s outputs; its outputs "
-                        "are %s (see the README's capture section)", t.capture, t.key, t.layout,
+                        "are %s (see the docs, reference/spec.md, capture)", t.capture, t.key, t.layout,
                         t.layer or ROOT, type(modules[t.layer]).__name__, fact, fact)
         layouts = settle_layouts(self.targets, modules, shapes, self.capturer.auto_4d, self._shapes_at_another_size)
         if not layouts:

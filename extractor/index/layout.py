@@ -1,6 +1,6 @@
 """A finished feature index as the store keeps it: the group ``indexes/<name>`` (:func:`write_index`), its
 attributes (:class:`IndexRecord`, :func:`index_record`) and what it covers of the store (:func:`source_state`; the
-README's store layout). The reader's view of a stored index is :class:`~.reader.FeatureIndex` (numpy and zarr).
+docs/reference/store.md). The reader's view of a stored index is :class:`~.reader.FeatureIndex` (numpy and zarr).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ INDEXES = "indexes"  # the store's group of indexes: indexes/<name>
 
 
 class IndexRecord(TypedDict):
-    """The attributes of ``indexes/<name>`` (the README's store layout)."""
+    """The attributes of ``indexes/<name>`` (the docs/reference/store.md)."""
 
     index_version: int
     name: str

@@ -79,7 +79,7 @@ class BlockPart:
 
 @dataclass(frozen=True)
 class IndexArrays:
-    """A finished index: the arrays of ``indexes/<name>`` (see the README's store layout)."""
+    """A finished index: the arrays of ``indexes/<name>`` (see docs/reference/store.md)."""
 
     top_rows: np.ndarray  # (F, k) int64, -1 where the feature fired in fewer rows
     top_values: np.ndarray  # (F, k) float32, the pooled value, descending

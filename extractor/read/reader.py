@@ -191,7 +191,7 @@ class ActivationStore(Batching):
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Per capture statistics of the ok rows (README "Store layout").
+        """Per capture statistics of the ok rows (docs/reference/store.md).
 
         ``{}`` until the first run on the store ends or is interrupted (so for a store whose run was
         killed): ``extractor run --resume`` finishes such a store and writes them.

@@ -41,9 +41,9 @@ class OutputSpec(_Section):
     compression: Literal["lz4", "zstd", "blosc", "gzip", "none"] = Field(default="lz4", json_schema_extra=RUN_ONLY)
     """How the capture arrays' chunks are compressed (never changes values: a resumed store keeps its own codecs,
     and reads with any of them). ``lz4`` (the default): blosc's lz4 after a shuffle (``shuffle``), the least CPU at a
-    ratio within 5% of the best on extractor's activations (README "Compression", measured per dtype); ``zstd``
-    (level 3; the default before 0.1.0's issue 55), ``blosc`` (zstd 5 after a bit shuffle), ``gzip`` (level 5),
-    ``none``."""
+    ratio within 5% of the best on extractor's activations (the docs' store layout, "Compression": measured per
+    dtype); ``zstd`` (level 3; the default before 0.1.0's issue 55), ``blosc`` (zstd 5 after a bit shuffle),
+    ``gzip`` (level 5), ``none``."""
     compression_level: int | None = Field(default=None, json_schema_extra=RUN_ONLY)
     shuffle: Literal["auto", "byte", "bit", "none"] = Field(default="auto", json_schema_extra=RUN_ONLY)
     """The byte or bit shuffle before ``lz4`` or ``blosc``: ``auto`` is the one measured best for the values' size

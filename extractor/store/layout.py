@@ -3,7 +3,7 @@ rows (a shard's writer: :mod:`.writer`).
 
 Imports only numpy and zarr, so the reader can use it without torch.
 
-Layout (format version 2; README "Store layout"), all arrays at the generation's root, row dimension ``row``::
+Layout (format version 2; docs/reference/store.md), all arrays at the generation's root, row dimension ``row``::
 
     zarr.json           the job's record under "extractor", and every array's metadata (consolidated)
     ids      (N,)       str      image id (relative path or manifest id)
@@ -65,8 +65,8 @@ PREPROCESS_FIELDS = ("resize", "crop", "interpolation", "mean", "std", "crop_off
 
 
 # output.shuffle: auto, for lz4, by the values' bytes: the shuffle measured best on extractor's activations
-# (bench/bench_codecs.py; README "Compression"): float32 1.16-1.18x by bytes (1.00 unshuffled), float16 1.07x by bits
-# (1.01 by bytes), bfloat16 1.31x by bits for less CPU than 1.30x by bytes
+# (bench/bench_codecs.py; docs/reference/store.md "Compression"): float32 1.16-1.18x by bytes (1.00 unshuffled),
+# float16 1.07x by bits (1.01 by bytes), bfloat16 1.31x by bits for less CPU than 1.30x by bytes
 _Shuffle = Literal["noshuffle", "shuffle", "bitshuffle"]  # blosc's names
 _LZ4_SHUFFLE: dict[int, _Shuffle] = {4: "shuffle", 2: "bitshuffle"}
 _SHUFFLES: dict[str, _Shuffle] = {"byte": "shuffle", "bit": "bitshuffle", "none": "noshuffle"}

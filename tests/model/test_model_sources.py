@@ -449,7 +449,7 @@ def test_drop_prefix_of_a_layer_of_patches_only_keeps_them_all(photos: Path, tmp
 
 def test_a_forward_that_draws_at_random_is_refused_and_the_readme_way_out_works(photos: Path, tmp_path: Path):
     """HF ViTMAE masks and shuffles patches at random in eval mode: refused before a store exists, naming
-    the capture; the README's module (no masking, ordered noise) stores what a direct call computes."""
+    the capture; the models guide's module (no masking, ordered noise) stores what a direct call computes."""
     import re
 
     import extractor
@@ -467,10 +467,10 @@ def test_a_forward_that_draws_at_random_is_refused_and_the_readme_way_out_works(
         run(parse_spec(raw))
     assert not (tmp_path / "s.zarr").exists()
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text[text.index("### A forward that draws at random"):text.index("## Store layout")]
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "models.md").read_text()
+    section = text[text.index("## A forward that draws at random"):]
     namespace: dict = {}
-    exec(compile(re.findall(r"```python\n(.*?)```", section, re.S)[0], "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(re.findall(r"```python\n(.*?)```", section, re.S)[0], "models.md", "exec"), namespace)  # noqa: S102
     module = namespace["UnmaskedViTMAE"](str(tmp_path / "mae")).eval()
     spec = {k: v for k, v in raw.items() if k != "model"}
     spec["capture"] = [{"layer": "mae.layers.1", "key": "tokens"}, {"layer": "(model)", "key": "out"}]

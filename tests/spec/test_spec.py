@@ -165,11 +165,12 @@ def test_true_inside_a_list_of_numbers_is_refused():
         parse_spec({**BASE, "data": {"root": "x", "mean": [True, 0.4, 0.4]}})
 
 
-def test_the_readme_specs_are_valid_and_name_every_field():
-    """The README's spec is what users copy: it parses, and it shows every section's fields."""
+def test_the_docs_spec_is_valid_and_names_every_field():
+    """The docs' spec (the job spec's reference page) is what users copy: it parses, and it shows every section's
+    fields."""
     import re
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "spec.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
     full = next(b for b in blocks if b.startswith("model:"))
     raw = yaml.safe_load(full)
@@ -179,7 +180,7 @@ def test_the_readme_specs_are_valid_and_name_every_field():
     for section, keys in shown.items():
         fields = set(type(getattr(spec, section)).model_fields)
         hidden = {"max_image_pixels", "compression_level", "lease_timeout_s"}  # named in the prose instead
-        assert fields - hidden <= keys, f"{section}: the README does not show {sorted(fields - hidden - keys)}"
+        assert fields - hidden <= keys, f"{section}: the docs' spec does not show {sorted(fields - hidden - keys)}"
     for block in blocks[blocks.index(full) + 1:]:  # the later fragments parse as parts of a spec
         part = yaml.safe_load(block)
         parse_spec({**raw, **{k: ({**raw[k], **v} if isinstance(v, dict) else v) for k, v in part.items()}})
