@@ -18,7 +18,7 @@ import warm
 import yaml
 from helpers.jobs import job
 from helpers.processes import child_env, kill_processes_mentioning
-from helpers.slow import slow_images, slow_job
+from helpers.slow import slow_job
 from helpers.stores import committed
 
 from extractor.driver.runner import run
@@ -27,7 +27,6 @@ from extractor.spec.load import parse_spec
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
-__all__ = ["slow_images"]  # the module fixture, shared with test_ray.py
 
 
 def end_embedded_ray(proc: subprocess.Popen, ray_tmp: str) -> None:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from helpers.images import make_images
 from helpers.jobs import job
 
 
@@ -16,10 +13,3 @@ def slow_job(root: Path, store: Path, **cluster) -> dict:
                capture=[{"layer": "conv", "reduce": "mean"}, {"layer": "conv", "key": "map"}],
                output={"store": str(store), "chunk_rows": 1},
                cluster={"backend": "ray", **cluster})
-
-
-@pytest.fixture(scope="module")
-def slow_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("slow")
-    make_images(root, per_class=6, classes=("a", "b"), size=40)
-    return root
