@@ -11,7 +11,7 @@ export RAY_AUTH_MODE := disabled
 # PYTHONDONTWRITEBYTECODE=1 (as these machines do: 10 s of CPU per test process to collect, 0.4 s per import).
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: venv demo test check bench lint docs clean chromium slurm
+.PHONY: venv demo test check bench lint docs durations clean chromium slurm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadsco
 # Everything (what CI and the README run); the 15 slowest tests are printed so the cost stays visible.
 test: $(STAMP)
 	$(PYTEST) --durations=15
+
+# tests/file_seconds.json from a whole run (the order conftest.py hands files to the test processes in)
+durations: $(STAMP)
+	$(PYTEST) --durations=0 | tee .durations.log
+	$(PY) tests/file_seconds.py .durations.log
 
 # The fast tier for the edit-test loop: unit and in-process tests, no clusters, servers or CLI subprocesses.
 check: $(STAMP)

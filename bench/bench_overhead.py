@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gpu_check import SliceStream  # noqa: E402  # beside this file
+from gpu_check import SliceStream  # beside this file
 from torch import nn
 
 from extractor.compute.worker import Worker

@@ -251,9 +251,9 @@ def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitSta
             return s
 
         stack.enter_context(mock.patch.object(tar, "scan_tar", scan))
-        stack.enter_context(mock.patch.object(tar, "_tar_fingerprint", lambda url, storage: 987654321))
+        stack.enter_context(mock.patch.object(tar, "_tar_fingerprint", lambda url, storage: 987654321))  # noqa: PT008
         return DataSpec(source="tar", tars=f"/data/tars/train-{{000000..{n // per - 1:06d}}}.tar"), stack
-    stack.enter_context(mock.patch.object(parquet, "_scan", lambda url, cols, storage: parquet._File(
+    stack.enter_context(mock.patch.object(parquet, "_scan", lambda url, cols, storage: parquet._File(  # noqa: PT008
         rows=per, labels=[i % 1000 for i in range(per)], ids=None, names=None, print=987654321)))
     files = [f"/data/hub/imagenet-1k/data/train-{f:05d}-of-{n // per:05d}.parquet" for f in range(n // per)]
     return DataSpec(source="parquet", parquet=files), stack

@@ -403,7 +403,7 @@ def stage_jpeg(args: argparse.Namespace, photos: Path) -> None:
     a = open_store(str(work / "jpeg-cpu.zarr")).numpy("avgpool")
     b = open_store(str(work / "jpeg-cuda.zarr")).numpy("avgpool")
     cpu, gpu = statistics.median(results["cpu"]), statistics.median(results["cuda"])
-    RESULTS["jpeg_end_to_end"] = {"images": int(len(a)), "cpu_decode_images_per_s": cpu,
+    RESULTS["jpeg_end_to_end"] = {"images": len(a), "cpu_decode_images_per_s": cpu,
                                   "gpu_decode_images_per_s": gpu, "gpu_over_cpu": gpu / cpu,
                                   "cpu_threads": os.cpu_count(), "avgpool_max_row_rel_diff": rel_err_rows(b, a),
                                   "runs": results}

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-__all__ = ["open_store", "zarr_store", "load_spec", "JobSpec", "run", "__version__"]
+__all__ = ["JobSpec", "__version__", "load_spec", "open_store", "run", "zarr_store"]
 
 if TYPE_CHECKING:
     from .api import run

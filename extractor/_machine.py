@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .errors import SpecError
 
-__all__ = ["Machine", "CPUS_VARIABLE"]
+__all__ = ["CPUS_VARIABLE", "Machine"]
 
 CPUS_VARIABLE = "EXTRACTOR_CPUS"
 MEMORY_SHARE = 16  # a queue or a read-ahead holds at most this share of the memory (1/16)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["Progress", "PROGRESS_LOG_S"]
+__all__ = ["PROGRESS_LOG_S", "Progress"]
 
 log = logging.getLogger("extractor.progress")  # INFO lines: `extractor run` shows them; a script configures logging
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 from .errors import FencedError, LayerError, ShardError, ShardTaken
 
-__all__ = ["describe_error", "device_errors", "device_fault", "not_an_image", "blame", "shard_failed", "whose"]
+__all__ = ["blame", "describe_error", "device_errors", "device_fault", "not_an_image", "shard_failed", "whose"]
 
 
 def describe_error(err: BaseException) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -19,17 +20,10 @@ TESTS = Path(__file__).resolve().parent
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-# Seconds the longest files took in a whole run (`--durations=0`, summed per file; 2026-12-02, 2 cores, loaded).
-# `make test` hands whole files to its processes longest first (xdist's own order is by number of tests), so a
-# long file never starts last and runs on alone. A file not listed is estimated from its tests' markers.
-FILE_SECONDS = {
-    "driver/test_ray.py": 253, "driver/test_ray_driver.py": 211, "driver/test_remote.py": 199,
-    "store/test_fence.py": 196, "driver/test_nodes.py": 180, "driver/test_reliability.py": 162,
-    "test_api.py": 161, "index/test_post_hoc.py": 115, "model/test_channels_last.py": 96,
-    "model/test_model_sources.py": 93, "driver/test_submit_ship.py": 77, "view/test_view.py": 70,
-    "test_cli.py": 57, "store/test_layout.py": 54, "read/test_reader.py": 45, "store/test_identity.py": 43,
-    "model/test_compile.py": 42, "data/test_parquet.py": 40,
-}
+# Seconds the longest files took in a whole run (tests/file_seconds.json, written by `make durations` from a run's
+# `--durations=0`). `make test` hands whole files to its processes longest first (xdist's own order is by number of
+# tests), so a long file never starts last and runs on alone. A file not listed is estimated from its tests' markers.
+FILE_SECONDS: dict[str, float] = json.loads((TESTS / "file_seconds.json").read_text())
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -56,7 +56,7 @@ def test_run_from_python_with_a_module_equals_the_cli_run_of_the_named_model(ima
         np.testing.assert_array_equal(store.numpy(key), cli.numpy(key))
     assert store.model["name"] == "python:torchvision.models.resnet.ResNet"
     assert store.model["state_dict_sha256"] == cli.model["state_dict_sha256"]
-    assert "python object torchvision.models.resnet.ResNet (weights as given)" == store.model["weights"]
+    assert store.model["weights"] == "python object torchvision.models.resnet.ResNet (weights as given)"
     assert [p.requires_grad for p in model.parameters()] == flags and model.training  # given back as it was
     assert all(p.is_contiguous() for p in model.parameters())  # the job ran it channels_last
     assert "12 ok, 0 failed, 0 pending rows; 3 shards run" in store.last_run.report()
@@ -141,7 +141,7 @@ def test_the_python_guide_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     for block in blocks:
-        exec(compile(block, "python.md", "exec"), namespace)  # noqa: S102 - the guide's own code
+        exec(compile(block, "python.md", "exec"), namespace)
     assert dict(namespace["sweep"].sizes) == {"layer": 4, "row": 32, "token": 17, "feature": 384}
     assert namespace["cnn"]["embedding"].shape == (32, 512)
 
@@ -169,7 +169,7 @@ def test_bad_arguments_are_one_line_errors(image_dir: Path, tmp_path: Path):
     with pytest.raises(SpecError, match="a YAML path, a dict or a JobSpec, not int"):
         extractor.run(42)
     raw = _no_model(job(image_dir, tmp_path / "s.zarr"))
-    with pytest.raises(SpecError, match="model= takes a torch.nn.Module, not function"):
+    with pytest.raises(SpecError, match=r"model= takes a torch.nn.Module, not function"):
         extractor.run(raw, model=lambda x: x)
     raw = job(image_dir, tmp_path / "s.zarr", capture=[{"layer": "layer4", "reduce": "mean"}])
     store = extractor.run(raw, overrides="data.batch_size=5", progress=False)  # one override, as a string

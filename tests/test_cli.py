@@ -113,7 +113,7 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
     while not committed(tmp_path / "s.zarr", 1) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     # the printed command is the one that finishes the job: --resume instead of --overwrite, runnable as pasted
     printed = err.strip().splitlines()[-1].strip()
@@ -211,7 +211,7 @@ def test_the_demo_ends_with_the_commands_to_try_next_and_they_run(tmp_path: Path
     prog = [sys.executable, "-m", "extractor.cli"]
     assert [shlex.split(line.split("    # ")[0]) for line in steps] == [[*prog, "index", store, "--key", "layer3"],
                                                                        [*prog, "view", store]]
-    assert main(shlex.split(steps[0].split("    # ")[0])[3:] + ["-q"]) == 0  # the index it names is made
+    assert main([*shlex.split(steps[0].split("    # ")[0])[3:], "-q"]) == 0  # the index it names is made
     assert "index layer3: 256 features of layer3" in capsys.readouterr().out
 
 

@@ -42,12 +42,11 @@ def test_a_device_fault_is_found_behind_the_errors_that_wrap_it_and_is_never_an_
     if accelerator is None:
         pytest.skip("this torch has no AcceleratorError")
     fault = accelerator("CUDA error: an illegal memory access was encountered")
-    try:
+    with pytest.raises(ShardError) as outer:  # noqa: PT012 - the chain as a worker raises it
         try:
             raise fault
         except accelerator as inner:
             raise ShardError("shard 1 failed", 1) from inner
-    except ShardError as outer:
-        assert device_fault(outer) is fault
+    assert device_fault(outer.value) is fault
     assert device_fault(ValueError("x")) is None
     assert accelerator in not_an_image() and LayerError in not_an_image()

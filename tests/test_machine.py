@@ -42,7 +42,7 @@ def test_extractor_cpus_overrides_the_cpus_and_a_bad_value_is_one_line(monkeypat
     monkeypatch.delenv(CPUS_VARIABLE)
     assert Machine.here(cpus=3).cpus == 3
     assert Machine.here().cpus == len(os.sched_getaffinity(0))
-    assert 0 < Machine.here().memory
+    assert Machine.here().memory > 0
     for bad in ("0", "two", "-4", "1.5"):
         monkeypatch.setenv(CPUS_VARIABLE, bad)
         with pytest.raises(SpecError, match=f"EXTRACTOR_CPUS='{bad}': expected a whole number of CPUs"):

@@ -68,9 +68,9 @@ def test_the_readme_and_the_quick_start_run_as_written(tmp_path: Path, monkeypat
         assert done.returncode == 0, (command, done.stderr)
     assert (tmp_path / "demo" / "site" / "index.html").exists()
     namespace: dict = {}
-    exec(compile(_blocks(readme, "python")[0], "README.md", "exec"), namespace)  # noqa: S102 - the README's own
+    exec(compile(_blocks(readme, "python")[0], "README.md", "exec"), namespace)
     assert namespace["embedding"].shape == (32, 512)
     quick = (ROOT / "docs" / "quickstart.md").read_text()
     namespace = {}
-    exec(compile(_blocks(quick, "python")[0], "quickstart.md", "exec"), namespace)  # noqa: S102 - the docs' own
+    exec(compile(_blocks(quick, "python")[0], "quickstart.md", "exec"), namespace)
     assert namespace["x"].shape == (20, 512) and len(namespace["ds"]["embedding"]) == 20

@@ -6,6 +6,7 @@ source through its contract (``data.sources.Source``)."""
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def _locator_names() -> set[str]:
 def _words(name: str) -> set[str]:
     """An identifier's words, lower case (``snake_case`` and ``CamelCase`` split), and each two joined."""
     parts = [p.lower() for p in re.split(r"_+|(?<=[a-z0-9])(?=[A-Z])", name.strip("_")) if p]
-    return set(parts) | {a + b for a, b in zip(parts, parts[1:], strict=False)}
+    return set(parts) | {a + b for a, b in itertools.pairwise(parts)}
 
 
 def _identifiers(node: ast.AST) -> list[str]:

@@ -150,7 +150,7 @@ def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
 
     read = decode.read_bytes
 
-    def read_bytes(item, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the patched function's
+    def read_bytes(item, *args, **kwargs):
         if isinstance(item, str) and os.path.basename(item) == name:
             os._exit(70)
         return read(item, *args, **kwargs)
@@ -419,7 +419,7 @@ def paused_at(point: str, gate: str, marker: str, seconds: float = 0.0) -> nn.Mo
     owner, name = {"claim": (session, "swap_head"), "arrays": (store, "_create_arrays")}[point]
     original = getattr(owner, name)
 
-    def paused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the patched function's signature
+    def paused(*args, **kwargs):
         open(marker, "w").close()
         deadline = time.monotonic() + 120
         while os.path.exists(gate) and time.monotonic() < deadline:

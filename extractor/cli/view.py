@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,12 +30,10 @@ def cmd_view(args: argparse.Namespace) -> int:
         log.warning("the viewer listens on %s: anyone who reaches this machine there can read the store's images "
                     "and activations", args.host)
     chosen = " (--port 0: a free port, chosen now)" if args.port == 0 else ""
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         serve(store, args.host, args.port,
               announce=lambda url: print(f"the viewer of {args.store}: {url}{chosen} (Ctrl-C stops it)", flush=True),
               live=not args.no_run, device=args.device)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -24,7 +24,7 @@ from ..spec import JobSpec
 from ..store import CaptureRecord, ExtraRecord, Ticket, draw_keys
 from .shard import Forwarded, ShardInput, ShardOutput, ShardSummary, failed_shard, taken
 
-__all__ = ["Pipeline", "ShardQueue", "CallbackError", "Forwarder"]
+__all__ = ["CallbackError", "Forwarder", "Pipeline", "ShardQueue"]
 
 
 class Forwarder(Protocol):

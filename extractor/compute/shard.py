@@ -4,6 +4,7 @@ which compress, store and count them (:class:`ShardOutput`); its summary (:class
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -34,16 +35,14 @@ from ..store import (
 )
 from ..store import dumps as stats_dumps
 
-__all__ = ["ShardSummary", "ShardInput", "Forwarded", "ShardOutput", "failed_shard", "drain", "taken"]
+__all__ = ["Forwarded", "ShardInput", "ShardOutput", "ShardSummary", "drain", "failed_shard", "taken"]
 
 
 def drain(pending: deque[Future[None]]) -> None:
     """Wait for writes in flight, ignoring their errors (the shard is failing anyway)."""
     while pending:
-        try:
+        with contextlib.suppress(Exception):
             pending.popleft().result()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def failed_shard(shard: Shard, err: BaseException) -> ShardError:
@@ -148,7 +147,7 @@ class ShardOutput:
         self.shapes = {k: (given.chunk_rows[k], *m["shape"]) for k, m in captures.items()}
         self.dtypes = {k: numpy_dtype(m["dtype"]) for k, m in captures.items()}
         self.chunks = [_Chunks(rows, {k: self._buffer(k) for k in captures if given.chunk_rows[k] == rows})
-                       for rows in sorted(set(given.chunk_rows[k] for k in captures))]
+                       for rows in sorted({given.chunk_rows[k] for k in captures})]
         self.extras = {k: np.full((n, *m["shape"]), fill_value(m["dtype"]), dtype=m["dtype"])
                        for k, m in extras.items()}
         prefix = (model or {}).get("prefix_tokens")

@@ -49,7 +49,7 @@ from .pipeline import Pipeline, ShardQueue
 from .probe import Probing, host_array
 from .shard import Forwarded, ShardSummary
 
-__all__ = ["Worker", "decode_threads", "host_array", "PROBE_FORWARDS"]
+__all__ = ["PROBE_FORWARDS", "Worker", "decode_threads", "host_array"]
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from .sources import read_bytes
 # by _open_checked before decoding) replaces it.
 Image.MAX_IMAGE_PIXELS = None
 
-__all__ = ["ImageDecoder", "JpegDecoder", "EncodedJpeg", "ImageTooLarge", "open_rgb", "rgb_from_bytes"]
+__all__ = ["EncodedJpeg", "ImageDecoder", "ImageTooLarge", "JpegDecoder", "open_rgb", "rgb_from_bytes"]
 
 
 class ImageDecoder:

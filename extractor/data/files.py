@@ -13,9 +13,21 @@ from typing import Any
 
 from ..errors import DataError
 
-__all__ = ["Locator", "is_url", "is_relative", "leaves_root", "absolute", "storable_path", "display_name", "read_file",
-           "remote_error", "content_digest", "fingerprint", "local_fingerprint",
-           "remote_fingerprint"]
+__all__ = [
+    "Locator",
+    "absolute",
+    "content_digest",
+    "display_name",
+    "fingerprint",
+    "is_relative",
+    "is_url",
+    "leaves_root",
+    "local_fingerprint",
+    "read_file",
+    "remote_error",
+    "remote_fingerprint",
+    "storable_path",
+]
 
 
 def is_url(path: str) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import SpecError
 
-__all__ = ["Preprocess", "IMAGENET", "resolve", "from_dict"]
+__all__ = ["IMAGENET", "Preprocess", "from_dict", "resolve"]
 
 
 Size = tuple[int, int]

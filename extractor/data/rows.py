@@ -19,8 +19,21 @@ import numpy as np
 
 from ..errors import DataError
 
-__all__ = ["Rows", "Joined", "Joining", "Shard", "Strings", "Texts", "plan", "labels_of", "distinct", "strings",
-           "duplicate", "named", "text_hashes"]
+__all__ = [
+    "Joined",
+    "Joining",
+    "Rows",
+    "Shard",
+    "Strings",
+    "Texts",
+    "distinct",
+    "duplicate",
+    "labels_of",
+    "named",
+    "plan",
+    "strings",
+    "text_hashes",
+]
 
 log = logging.getLogger(__name__)
 

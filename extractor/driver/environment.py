@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ClusterError
 
-__all__ = ["SUBMITTED", "environment", "check_environment", "check_submitted"]
+__all__ = ["SUBMITTED", "check_environment", "check_submitted", "environment"]
 
 SUBMITTED = "EXTRACTOR_SUBMITTED_FROM"  # in a submitted job's environment: what the submitting machine had (JSON)
 VALUE_PACKAGES = ("torch", "torchvision", "numpy", "pillow")  # another version may change what is computed
@@ -36,7 +36,7 @@ def _requirements() -> list[str]:
     for r in requires:
         req, _, marker = (part.strip() for part in r.partition(";"))
         extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
-        if (not marker or extra and extra.group(1) in CLUSTER_EXTRAS) and _dist_name(req) != "extractor":
+        if (not marker or (extra and extra.group(1) in CLUSTER_EXTRAS)) and _dist_name(req) != "extractor":
             out.append(req)
     return out
 

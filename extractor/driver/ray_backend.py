@@ -13,6 +13,7 @@ imported in the driver only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -216,7 +217,7 @@ class RayBackend:
 
             try:
                 cloudpickle.dumps(model)
-            except Exception as err:  # noqa: BLE001 - whatever pickling raises, the answer is the same
+            except Exception as err:
                 raise ClusterError(
                     f"model= ({type(model).__name__}) cannot be sent to Ray workers: it does not pickle "
                     f"({type(err).__name__}: {err}); use cluster.backend: local, or build it in the workers with "
@@ -296,10 +297,8 @@ class RayBackend:
         """Give ``slot`` a new actor (its old one killed) and call its start without waiting: Ray
         places it when the cluster has room, and the driver hears of it when it is ready."""
         if slot.actor is not None:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(slot.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
             slot.generation += 1
         slot.actor = self.actor_cls.remote(self.spec_dict, max(int(self.cpus), 1), self.driver_cwd, self.model_ref)
         slot.warm = self.warm
@@ -388,10 +387,8 @@ class RayBackend:
 
     def close(self) -> None:
         for slot in self.slots:
-            try:
+            with contextlib.suppress(Exception):  # already gone, or never made
                 ray.kill(slot.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone, or never made
-                pass
         self.slots = []
         if self.started_ray and ray.is_initialized():
             ray.shutdown()

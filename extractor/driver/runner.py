@@ -27,7 +27,7 @@ from ..store import Decision, Outcome, Probe, StoreSession, Ticket
 if TYPE_CHECKING:  # the worker imports torch: only a job that builds its model loads it
     from ..compute import ShardSummary, Worker
 
-__all__ = ["run", "RunSummary", "Backend", "LocalBackend"]
+__all__ = ["Backend", "LocalBackend", "RunSummary", "run"]
 
 log = logging.getLogger(__name__)
 

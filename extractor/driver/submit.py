@@ -27,7 +27,7 @@ from ..errors import ClusterError
 from ..spec import JobSpec
 from .environment import SUBMITTED, environment
 
-__all__ = ["client", "submit", "follow_logs", "JOB_FILE"]
+__all__ = ["JOB_FILE", "client", "follow_logs", "submit"]
 
 JOB_FILE = ".extractor-job.yaml"
 
@@ -137,7 +137,7 @@ def submit(spec: JobSpec, address: str, job_id: str | None = None, resume_comman
                 submission_id=job_id,
                 metadata={"extractor_store": spec.output.store, "extractor_job": name or ""},
             )
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise _explain(address, err) from err
 
 

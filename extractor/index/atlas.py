@@ -31,7 +31,7 @@ from .neighbours import NEIGHBOURS, Cooccurrence, correlation, decoder_cosine
 from .projection import feature_map
 from .reader import FeatureIndex, _store, open_index
 
-__all__ = ["add_atlas", "sample_rows", "ATLAS_ROWS", "ATLAS_TOKENS"]
+__all__ = ["ATLAS_ROWS", "ATLAS_TOKENS", "add_atlas", "sample_rows"]
 
 log = logging.getLogger(__name__)
 ATLAS_ROWS = 1024  # rows of the second pass: their pooled values (correlation, the map without a decoder)

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["HIST_LO", "HIST_STEP", "HIST_BINS", "HIST_EDGES", "bin_tables"]
+__all__ = ["HIST_BINS", "HIST_EDGES", "HIST_LO", "HIST_STEP", "bin_tables"]
 
 HIST_LO, HIST_STEP, HIST_BINS = -4.0, 0.1, 80  # log10 bins: 1e-4 to 1e4, a tenth of a decade each
 HIST_EDGES = HIST_LO + HIST_STEP * np.arange(HIST_BINS + 1)  # values outside count in the first or last bin

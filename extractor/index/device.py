@@ -115,7 +115,7 @@ def _top(x: torch.Tensor, rows: torch.Tensor, pooled: torch.Tensor, fires: torch
          floor: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per feature the block's k best firing rows above its ``floor`` (signed keys; None: none): features, keys,
     values at every position."""
-    n, t, f = x.shape
+    n, _t, f = x.shape
     keys = (((_ordered(pooled) - (1 << 31)) << 32) | (_LOW32 - rows[:, None]))  # (n, F) signed order
     if floor is not None:
         fires = fires & (keys > floor)
@@ -132,7 +132,7 @@ def _examples(rows: torch.Tensor, pooled: torch.Tensor, bins: torch.Tensor,
               floor: torch.Tensor | None) -> tuple[np.ndarray, ...]:
     """Per row bin (feature x HIST_BINS + bin) the block's EXAMPLES firing pairs of the smallest hashes, of those
     above the bin's ``floor`` (signed keys; None: none)."""
-    n, f = pooled.shape
+    _n, f = pooled.shape
     row, feature = torch.nonzero(bins != HIST_BINS, as_tuple=True)
     h = _hashes(rows, f)[row, feature]
     cell = feature * HIST_BINS + bins[row, feature]

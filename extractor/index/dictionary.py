@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import ExtractorError
 
-__all__ = ["Dictionary", "DictionaryError", "load_dictionary", "file_digest"]
+__all__ = ["Dictionary", "DictionaryError", "file_digest", "load_dictionary"]
 
 SAELENS_CONFIG, SAELENS_WEIGHTS = "cfg.json", "sae_weights.safetensors"
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
@@ -167,7 +167,7 @@ def load_dictionary(path: str | Path, activation: str | None = None) -> Dictiona
     """The encoder in ``path`` (see the module's doc); ``activation`` overrides what the file says (else SAELens's
     cfg, else jumprelu when it holds a threshold, else relu)."""
     p = Path(path)
-    if p.is_dir() or p.name in (SAELENS_CONFIG, SAELENS_WEIGHTS) and (p.parent / SAELENS_CONFIG).is_file():
+    if p.is_dir() or (p.name in (SAELENS_CONFIG, SAELENS_WEIGHTS) and (p.parent / SAELENS_CONFIG).is_file()):
         return _saelens(p if p.is_dir() else p.parent, activation)
     if not p.is_file():
         raise DictionaryError(f"no dictionary file at {path}")
@@ -219,7 +219,7 @@ def _cfg_activation(cfg: dict[str, Any]) -> str | None:
 
 
 def _check_activation(activation: str, threshold: np.ndarray | None, where: str) -> str:
-    if activation == "relu" or activation == "jumprelu" and threshold is not None:
+    if activation == "relu" or (activation == "jumprelu" and threshold is not None):
         return activation
     if activation == "jumprelu":
         raise DictionaryError(f"{where}: activation jumprelu needs a 'threshold' tensor (d_sae,); the file has none")

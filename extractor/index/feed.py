@@ -15,7 +15,7 @@ import numpy as np
 from ..store import patch_span
 from .state import IndexState
 
-__all__ = ["Layout", "Encoder", "IndexFeed", "BLOCK_VALUES", "ENCODE_VALUES"]
+__all__ = ["BLOCK_VALUES", "ENCODE_VALUES", "Encoder", "IndexFeed", "Layout"]
 
 BLOCK_VALUES = 1 << 20  # activations (rows x positions x features) taken at once: 4 MB of float32 (measured: 2x
 # faster than 64 MB blocks, whose temporaries are fresh pages each time)

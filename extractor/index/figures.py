@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-__all__ = ["top_figure", "density_figure"]
+__all__ = ["density_figure", "top_figure"]
 
 
 def top_figure(ix: Any, f: int, n: int | None = None, columns: int = 4, alpha: float = 0.6) -> Figure:

@@ -147,7 +147,7 @@ def dense(stored: np.ndarray, threshold: float, means: bool, tables: tuple[np.nd
     where an edge cuts a float32 bucket."""
     if _KERNELS is None or stored.dtype not in (np.float16, np.float32):
         return None
-    n, t, f = stored.shape
+    n, _t, f = stored.shape
     half = stored.dtype == np.float16
     bits = stored.view(np.uint16 if half else np.uint32)
     # read in memory order: features inner where they are the inner axis, else positions (a map's channels first)

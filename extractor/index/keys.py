@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FMIX_MUL", "ROW_MUL", "FEATURE_MUL", "FEATURE_ADD", "PAIR_MUL", "top_keys", "key_rows", "key_values",
-           "sample_hashes", "sample_keys"]
+__all__ = [
+    "FEATURE_ADD",
+    "FEATURE_MUL",
+    "FMIX_MUL",
+    "PAIR_MUL",
+    "ROW_MUL",
+    "key_rows",
+    "key_values",
+    "sample_hashes",
+    "sample_keys",
+    "top_keys",
+]
 
 FMIX_MUL = (0x85EBCA6B, 0xC2B2AE35)  # murmur3's finaliser (fmix32): its two multipliers
 ROW_MUL = 0x9E3779B1  # a row is mixed as fmix32(row x ROW_MUL)

@@ -19,8 +19,18 @@ from .bins import HIST_EDGES
 from .feed import IndexFeed
 from .state import EXAMPLES, QUANTILES, IndexArrays
 
-__all__ = ["INDEX_VERSION", "READ_VERSIONS", "INDEXES", "IndexRecord", "pointer", "write_index", "write_atlas",
-           "source_state", "index_name", "index_record"]
+__all__ = [
+    "INDEXES",
+    "INDEX_VERSION",
+    "READ_VERSIONS",
+    "IndexRecord",
+    "index_name",
+    "index_record",
+    "pointer",
+    "source_state",
+    "write_atlas",
+    "write_index",
+]
 
 INDEX_VERSION = 2  # 2: the arrays in a subgroup the attributes name (``arrays``): an index replaced whole or not at all
 READ_VERSIONS = (1, 2)  # 1: the arrays in the index's group itself

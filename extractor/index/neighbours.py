@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NEIGHBOURS", "best", "decoder_cosine", "correlation", "Cooccurrence"]
+__all__ = ["NEIGHBOURS", "Cooccurrence", "best", "correlation", "decoder_cosine"]
 
 NEIGHBOURS = 16  # kept per feature and measure
 BLOCK_CELLS = 1 << 22  # scores of a block of features against all, at once (32 MB of float64)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["feature_map", "METHODS"]
+__all__ = ["METHODS", "feature_map"]
 
 log = logging.getLogger(__name__)
 METHODS = ("auto", "umap", "pca")

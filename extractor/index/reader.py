@@ -31,7 +31,7 @@ from .layout import INDEXES, READ_VERSIONS, source_state
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["open_index", "index_names", "FeatureIndex", "Neighbours", "TopRows", "coverage", "describe", "summary"]
+__all__ = ["FeatureIndex", "Neighbours", "TopRows", "coverage", "describe", "index_names", "open_index", "summary"]
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from .bins import (
 from .keys import _EMPTY, _ROW_MASK, _feature_mix, _row_mix, key_rows, key_values, sample_hashes, sample_keys, top_keys
 from .slots import _Slots
 
-__all__ = ["QUANTILES", "EXAMPLES", "IndexState", "IndexArrays", "BlockPart"]
+__all__ = ["EXAMPLES", "QUANTILES", "BlockPart", "IndexArrays", "IndexState"]
 
 QUANTILES = 10  # groups of example rows, by the feature's pooled value among the rows where it fires
 EXAMPLES = 4  # example rows kept per (feature, row bin), and shown per quantile group

@@ -73,7 +73,7 @@ def finish_indexes(group: zarr.Group, generation: Generation) -> list[str]:
         if not m.get("feature_index"):
             continue
         feed = feed_of(key, m, (attrs.get("model") or {}).get("prefix_tokens"))
-        merged, missing = merged_parts(group, key, feed)
+        _merged, missing = merged_parts(group, key, feed)
         settings = m["feature_index"]
         name = settings["name"]
         if missing:

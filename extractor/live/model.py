@@ -31,7 +31,7 @@ from ..read import ActivationStore
 from ..spec import apply_overrides, parse_spec
 from ..store import model_differences
 
-__all__ = ["Live", "LiveError", "Ran", "MAX_IMAGE_BYTES"]
+__all__ = ["MAX_IMAGE_BYTES", "Live", "LiveError", "Ran"]
 
 log = logging.getLogger(__name__)
 MAX_IMAGE_BYTES = 16 << 20  # an image given is at most this many bytes (and data.max_image_pixels pixels decoded)

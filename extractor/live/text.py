@@ -29,7 +29,7 @@ from ..spec import ModelSpec, parse_spec
 from ..store import get_array
 from .model import LiveError
 
-__all__ = ["TextTower", "TextSearch", "Found", "text_tower"]
+__all__ = ["Found", "TextSearch", "TextTower", "text_tower"]
 
 # extractor's model build seeds a random init with this (extractor.model.build); the image tower's digest is checked
 # against the store's, so a build that differs is refused, never used

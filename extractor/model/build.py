@@ -17,8 +17,15 @@ from .processors import LibraryProcessor
 from .sources.checkpoint import load_checkpoint
 from .tokens import library_prefix
 
-__all__ = ["build_model", "build_with_processor", "model_call", "resolve_device", "describe_model", "layer_table",
-           "not_rgb"]
+__all__ = [
+    "build_model",
+    "build_with_processor",
+    "describe_model",
+    "layer_table",
+    "model_call",
+    "not_rgb",
+    "resolve_device",
+]
 
 log = logging.getLogger(__name__)
 

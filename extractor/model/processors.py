@@ -24,7 +24,7 @@ import torch
 from ..data import Preprocess, resolve
 from ..errors import SpecError
 
-__all__ = ["LibraryProcessor", "LibraryTransform", "TOLERANCE_LEVELS", "probe_images", "measure", "settle_preprocess"]
+__all__ = ["TOLERANCE_LEVELS", "LibraryProcessor", "LibraryTransform", "measure", "probe_images", "settle_preprocess"]
 
 # the most two outputs may differ, in 8-bit levels (0..255) of the input: the same 8-bit pixels, normalised in
 # another float order (1e-4 levels seen). A resampler that differs (Pillow and torchvision: 0.5 to 2 levels)

@@ -33,7 +33,7 @@ def select(value: Any, index: int | str | None, where: str) -> torch.Tensor:
             return value
         raise LayerError(f"{where} gives a {_describe(value)}; set index (an int for tuples, a key for dicts)")
     try:
-        if isinstance(value, dict):
+        if isinstance(value, dict):  # noqa: SIM114 - two types, and mypy tells them apart this way
             item = value[index]
         elif isinstance(value, (tuple, list)) and isinstance(index, int):
             item = value[index]

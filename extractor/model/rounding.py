@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["forward_context", "unit_roundoff", "reproducible_kernels", "rounding_noise"]
+__all__ = ["forward_context", "reproducible_kernels", "rounding_noise", "unit_roundoff"]
 
 _HALF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # autocast's compute dtypes: half an ulp of 1
 _TF32 = 2.0 ** -11  # TF32's 10-bit mantissa (cuDNN's convolutions by default on Ampere and later)

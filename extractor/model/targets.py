@@ -16,7 +16,7 @@ from ..errors import LayerError
 from ..spec import CaptureSpec
 from .tokens import TokenLayout
 
-__all__ = ["Target", "resolve_targets", "RESERVED_KEYS"]
+__all__ = ["RESERVED_KEYS", "Target", "resolve_targets"]
 
 RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done", "shard_stats", "stats_sums",
                            "lease", "target", "target_score", "digest", "fingerprint", "reused", "id_index",

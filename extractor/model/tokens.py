@@ -19,8 +19,17 @@ from torch import nn
 
 from ..store import TokenRecord
 
-__all__ = ["TokenLayout", "TokenFacts", "Claim", "Unknown", "token_facts", "layer_tokens", "library_prefix",
-           "claim_of", "model_prefix"]
+__all__ = [
+    "Claim",
+    "TokenFacts",
+    "TokenLayout",
+    "Unknown",
+    "claim_of",
+    "layer_tokens",
+    "library_prefix",
+    "model_prefix",
+    "token_facts",
+]
 
 SAME = 1e-5  # two images' values at a position closer than this (relative to the output's largest) are the same
 

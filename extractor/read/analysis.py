@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import StoreError
 from .reader import ActivationStore
 
-__all__ = ["linear_probe", "probe_store", "pca", "principal_components", "top_rows", "finite"]
+__all__ = ["finite", "linear_probe", "pca", "principal_components", "probe_store", "top_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def top_rows(store: ActivationStore, key: str, feature: int | np.ndarray, k: int
     axis = _top_axis(key, meta["dims"], pool, k)
     n_feat = int(meta["shape"][axis - 1])
     direction = None if isinstance(feature, int | np.integer) else np.asarray(feature, np.float64).reshape(-1)
-    if direction is None and not 0 <= int(feature) < n_feat or direction is not None and len(direction) != n_feat:
+    if (direction is None and not 0 <= int(feature) < n_feat) or (direction is not None and len(direction) != n_feat):
         given = f"not {int(feature)}" if direction is None else f"not {len(direction)} values"
         raise StoreError(f"{key} has {n_feat} features along {meta['dims'][axis - 1]}: give an index 0 to "
                          f"{n_feat - 1}, or a direction of {n_feat} values ({given})")

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import zarr
     from matplotlib.figure import Figure
 
-__all__ = ["bar_chart", "scatter_plot", "image_grid", "gradcam_grid", "heatmap", "save", "pixels"]
+__all__ = ["bar_chart", "gradcam_grid", "heatmap", "image_grid", "pixels", "save", "scatter_plot"]
 
 FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 

@@ -20,7 +20,7 @@ from ..store import OK, patch_span
 if TYPE_CHECKING:
     from .reader import ActivationStore
 
-__all__ = ["NearestRows", "MAX_BYTES"]
+__all__ = ["MAX_BYTES", "NearestRows"]
 
 MAX_BYTES = 512 << 20  # pooled vectors held in memory at most (float32): 170,000 rows of 768 features
 
@@ -46,7 +46,7 @@ class NearestRows:
 
     def _width(self) -> int:
         names, shape = self.names, self.shape
-        if names in (["feature"], ["channel"]) or names[-1:] == ["feature"] and len(names) == 2:
+        if names in (["feature"], ["channel"]) or (names[-1:] == ["feature"] and len(names) == 2):
             return shape[-1]
         if names[:1] == ["channel"]:
             return shape[0]

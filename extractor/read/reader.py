@@ -54,7 +54,7 @@ from .batching import (
 from .epoch import check_part
 from .ids import _IdIndex
 
-__all__ = ["open_store", "zarr_store", "ActivationStore"]
+__all__ = ["ActivationStore", "open_store", "zarr_store"]
 
 _IDS_READ_ALONE = 64  # ids the id index checks a chunk each; more: all ids read at once (0.25 s at 1M rows)
 

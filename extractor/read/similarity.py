@@ -12,6 +12,7 @@ that share none is refused. Memory does not grow with the rows:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,7 +127,7 @@ def _cka_features(captures: Sequence[tuple[ActivationStore, str]], rows: list[np
         cross += x.T @ x
         sums += x.sum(axis=0)
     centred = cross - np.outer(sums, sums) / n  # X'X of the centred features: sum x x' - n mean mean'
-    blocks = [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    blocks = [slice(int(a), int(b)) for a, b in itertools.pairwise(edges)]
     norms = [np.linalg.norm(centred[b, b]) for b in blocks]
     k = len(blocks)
     out = np.empty((k, k))

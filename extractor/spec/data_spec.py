@@ -11,7 +11,7 @@ from .identity import RESOLVED, RUN_ONLY
 from .section import _auto_or_at_least, _Section
 from .sources import SOURCE_SETTINGS
 
-__all__ = ["DataSpec", "IMAGE_EXTENSIONS"]
+__all__ = ["IMAGE_EXTENSIONS", "DataSpec"]
 
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
@@ -73,10 +73,10 @@ class DataSpec(_Section):
     processor; or ``imagenet`` (shorter side 256, crop 224, bilinear, ImageNet mean and std); or ``library``:
     the model's own processor runs as it is, per image in the decode workers (CPU; slower, right by
     construction), with no ``data.*`` setting of its own."""
-    resize: int | tuple[int, int] | None | Literal["auto"] = Field(default="auto", json_schema_extra=RESOLVED)
+    resize: int | tuple[int, int] | Literal["auto"] | None = Field(default="auto", json_schema_extra=RESOLVED)
     """``auto`` (see ``preprocess``); an int resizes the shorter side to it; ``[H, W]`` squashes every
     image to that size (no aspect kept); null: no resize."""
-    crop: int | tuple[int, int] | None | Literal["auto"] = Field(default="auto", json_schema_extra=RESOLVED)
+    crop: int | tuple[int, int] | Literal["auto"] | None = Field(default="auto", json_schema_extra=RESOLVED)
     """``auto`` (the model's), a centre crop to a square of this size or to ``[H, W]``, or null
     (no crop: then ``resize`` is ``[H, W]``). The crop is the model's input size."""
     crop_pct: float | None = Field(default=None, gt=0, le=1, json_schema_extra=RESOLVED)

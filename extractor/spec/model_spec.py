@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from .identity import RUN_ONLY
 from .section import _Section
 
-__all__ = ["ModelSpec", "MODEL_SOURCES", "weights_kind", "model_folder", "looks_like_path"]
+__all__ = ["MODEL_SOURCES", "ModelSpec", "looks_like_path", "model_folder", "weights_kind"]
 
 
 MODEL_SOURCES = ("torchvision", "timm", "hf", "open_clip", "python")

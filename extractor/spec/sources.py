@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SourceSettings", "SOURCE_SETTINGS", "PLACES", "SOURCE_ONLY"]
+__all__ = ["PLACES", "SOURCE_ONLY", "SOURCE_SETTINGS", "SourceSettings"]
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,19 @@ from .dtypes import is_bfloat16
 
 _sync: Callable[..., Any] | None = sync  # zarr's event loop (None: chunks go through zarr)
 
-__all__ = ["ChunkCodec", "ShardStream", "write_chunks", "write_at_once", "write_whole", "read_at_once",
-           "read_whole", "read_all", "physical_key", "array_objects", "Where"]
+__all__ = [
+    "ChunkCodec",
+    "ShardStream",
+    "Where",
+    "array_objects",
+    "physical_key",
+    "read_all",
+    "read_at_once",
+    "read_whole",
+    "write_at_once",
+    "write_chunks",
+    "write_whole",
+]
 
 EMPTY = np.uint64(2**64 - 1)  # a shard index's offset and size of an inner chunk that is absent
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}

@@ -35,7 +35,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-__all__ = ["ForwardRecord", "forward_record", "forward_differences", "NOISE_FACTOR"]
+__all__ = ["NOISE_FACTOR", "ForwardRecord", "forward_differences", "forward_record"]
 
 DIRECTIONS = 8  # random projections per capture, besides its root mean square
 SEED = 37

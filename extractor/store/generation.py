@@ -44,8 +44,18 @@ from .ledger import Ledger, Table
 from .objects import LOCK, Objects
 from .views import ROOT, GenerationStore, read_view
 
-__all__ = ["FORMAT", "Head", "Generation", "read_head", "swap_head", "TXN", "open_group", "read_state",
-           "done_shards", "collect_others"]
+__all__ = [
+    "FORMAT",
+    "TXN",
+    "Generation",
+    "Head",
+    "collect_others",
+    "done_shards",
+    "open_group",
+    "read_head",
+    "read_state",
+    "swap_head",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +85,7 @@ def read_head(objects: Objects) -> Head | None:
         data, version = objects.read(HEAD)
     except (StoreError, PermissionError):
         raise
-    except Exception as err:  # noqa: BLE001 - an unreachable endpoint, rejected credentials, no bucket...
+    except Exception as err:
         raise StoreError(f"cannot open {objects.url} as a Zarr group: {type(err).__name__}: {err}; check the store's "
                          "URL and storage_options (endpoint_url, credentials) and that the storage answers") from err
     if data is None:

@@ -15,7 +15,7 @@ import zarr
 from ..data import text_hashes
 from .chunks import read_all
 
-__all__ = ["ID_INDEX", "SortedIds", "write_id_index", "read_id_index", "id_index_objects"]
+__all__ = ["ID_INDEX", "SortedIds", "id_index_objects", "read_id_index", "write_id_index"]
 
 ID_INDEX = "id_index"
 HASH = "utf8-poly64"  # data.rows.text_hashes: the same in every process

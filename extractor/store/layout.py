@@ -29,6 +29,7 @@ each capture array by its ``chunk_rows`` (which divides the shard size), so no t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -221,10 +222,10 @@ def slots(arrays: StoreArrays, n_rows: int, locators: Iterable[str]) -> dict[str
     size = arrays.shard_size
     rows = min(size, max(n_rows, 1))  # per-row arrays: a chunk a shard (of a store smaller than one: its rows)
     per_row, per_shard = Slot("data", rows, size), Slot("data", 1, 1)
-    out = {name: per_row for name in ("status", "errors", "digest")}
+    out = dict.fromkeys(("status", "errors", "digest"), per_row)
     out["shard_stats"] = per_shard
     out.update({name: Slot("rows", rows, size) for name in ("fingerprint", *locators)})
-    out.update({key: per_row for key in arrays.extras})
+    out.update(dict.fromkeys(arrays.extras, per_row))
     if arrays.reuse:
         out["reused"] = per_row
     for key in arrays.captures:  # sharded: a work shard's chunks are one object; else chunks of chunk_rows
@@ -358,9 +359,7 @@ def disk_usage(url: str) -> int | None:
     total = 0
     for dirpath, _dirs, files in os.walk(url.removeprefix("file://")):
         for f in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:
-                pass
     return total
 

@@ -42,8 +42,20 @@ import numpy as np
 from ..errors import StoreError
 from .objects import Objects
 
-__all__ = ["ENTRY", "Ledger", "Table", "Verdict", "blocks_for", "free", "claim", "commit", "reset", "release",
-           "amend_rows", "new_id"]
+__all__ = [
+    "ENTRY",
+    "Ledger",
+    "Table",
+    "Verdict",
+    "amend_rows",
+    "blocks_for",
+    "claim",
+    "commit",
+    "free",
+    "new_id",
+    "release",
+    "reset",
+]
 
 ENTRY = np.dtype([("claimant", "<u8"), ("attempt", "<u8"), ("data", "<u8"), ("rows", "<u8"), ("ok", "<u4"),
                   ("failed", "<u4"), ("nbytes", "<u8"), ("at", "<f8")])

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["Objects", "LOCK", "is_s3", "local_root", "refused"]
+__all__ = ["LOCK", "Objects", "is_s3", "local_root", "refused"]
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +370,7 @@ class RemoteObjects(Objects):
         path = self.path(key)
         try:
             self.fs.pipe_file(path, data, **condition)
-        except Exception as err:  # noqa: BLE001 - a refused condition is told apart; the rest goes up
+        except Exception as err:
             if not refused(err):
                 raise
             return self.get(key) == data  # this very write, its first answer lost and retried
@@ -389,10 +389,8 @@ class RemoteObjects(Objects):
 
     def remove(self, key: str) -> None:
         path = self.path(key)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
         self.fs.invalidate_cache(path)
 
     def zarr_store(self, prefix: str = "", read_only: bool = True) -> Any:

@@ -43,8 +43,16 @@ from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, E
 from .recorded import source_digests
 
 __all__ = [
-    "Probe", "StoreRecord", "store_attrs", "check_resumable", "changed_rows", "moved_locators", "owner", "differences",
-    "kept_probe", "model_differences",
+    "Probe",
+    "StoreRecord",
+    "changed_rows",
+    "check_resumable",
+    "differences",
+    "kept_probe",
+    "model_differences",
+    "moved_locators",
+    "owner",
+    "store_attrs",
 ]
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HASH", "MASK", "BY_DIGEST", "draw_keys", "rank_keys", "token_scores", "sample_positions",
-           "projection_matrix"]
+__all__ = [
+    "BY_DIGEST",
+    "HASH",
+    "MASK",
+    "draw_keys",
+    "projection_matrix",
+    "rank_keys",
+    "sample_positions",
+    "token_scores",
+]
 
 MASK = (1 << 31) - 1  # 31-bit arithmetic: every product below stays under 2**62 in int64
 HASH = (0x5BD1E995, 0x2C1B3C6D, 0x297A2D39, 0x68E31DA4, 0x1B873593)  # odd multipliers, each under 2**31

@@ -46,7 +46,7 @@ from .stats import Totals, merge_shards
 from .views import write_view
 from .writer import Ticket, _Opened
 
-__all__ = ["StoreSession", "Decision", "Outcome", "IndexHooks", "live_claimants"]
+__all__ = ["Decision", "IndexHooks", "Outcome", "StoreSession", "live_claimants"]
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
     if mode == "join":
         _made_by_another(generation, url)  # joined once its maker has made it
     old = generation.state()
-    live = [m for m in generation.roster.live()]
+    live = list(generation.roster.live())
     if live and mode != "join":
         what = "being made" if old.get("status") == "creating" else "in use"
         raise StoreError(f"store {url} is {what} by another extractor job: {_claimants_text(live)}. Wait for it to "
@@ -424,9 +424,9 @@ class StoreSession:
         generation = self.generation
         listing = record.get("listing")
         was, version = generation.listing()
-        if listing is not None and listing != (was if was is not None else (decision.old or {}).get("listing")):
-            if not generation.record_listing(listing, version):
-                log.info("%s: the source's listing was recorded by another process meanwhile", self.spec.output.store)
+        changed = listing is not None and listing != (was if was is not None else (decision.old or {}).get("listing"))
+        if changed and not generation.record_listing(listing, version):
+            log.info("%s: the source's listing was recorded by another process meanwhile", self.spec.output.store)
         columns: dict[str, np.ndarray] = {k: np.asarray(v) for k, v in {
             "fingerprint": decision.fingerprints, **(decision.locators or {})}.items() if v is not None}
         if not columns:

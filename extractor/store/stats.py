@@ -30,7 +30,7 @@ import zarr
 from .generation import committed_attempts, done_shards
 from .layout import get_array, take_rows
 
-__all__ = ["ShardStats", "Totals", "merge", "merge_shards", "feature_axis"]
+__all__ = ["ShardStats", "Totals", "feature_axis", "merge", "merge_shards"]
 
 _SUMS = {"count": np.int64, "sum": np.float64, "sumsq": np.float64}  # per feature
 _BESIDES_SUMS = {"besides_count": np.int64, "besides_sum": np.float64, "besides_sumsq": np.float64}  # not patches

@@ -35,7 +35,7 @@ from ..errors import StoreError
 from ._zarr_internal import sync
 from .ledger import Table
 
-__all__ = ["TRANSFORMER", "ATTEMPTS", "ROOT", "Slot", "read_view", "write_view", "GenerationStore", "attempt_prefix"]
+__all__ = ["ATTEMPTS", "ROOT", "TRANSFORMER", "GenerationStore", "Slot", "attempt_prefix", "read_view", "write_view"]
 
 TRANSFORMER = "extractor-attempts"
 ROOT = "__root.json"  # the generation's root metadata, where zarr reads "zarr.json" of the root through a view: a plain

@@ -14,7 +14,7 @@ from ..read import ActivationStore, NearestRows
 from ..store import OK
 from .common import numbers, page_path
 
-__all__ = ["map_page", "neighbour_lists", "nearest_rows", "similar_key", "similar_rows", "MEASURE_NAMES", "SIMILAR"]
+__all__ = ["MEASURE_NAMES", "SIMILAR", "map_page", "nearest_rows", "neighbour_lists", "similar_key", "similar_rows"]
 
 SIMILAR = 8  # images listed as nearest a row
 MEASURE_NAMES = {"decoder": "decoder cosine", "cooccurrence": "co-occurrence (Jaccard of tokens)",

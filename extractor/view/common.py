@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NotFound", "page_path", "number", "numbers", "strongest", "strongest_each"]
+__all__ = ["NotFound", "number", "numbers", "page_path", "strongest", "strongest_each"]
 
 
 class NotFound(LookupError):

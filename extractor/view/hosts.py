@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import ExtractorError
 
-__all__ = ["Hosts", "LOOPBACK", "check_port", "listen"]
+__all__ = ["LOOPBACK", "Hosts", "check_port", "listen"]
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 

@@ -11,7 +11,7 @@ try:
 except ImportError as err:
     raise ImportError("the viewer needs Jinja2: pip install 'extractor[view]' (make installs it)") from err
 
-__all__ = ["render", "STATIC"]
+__all__ = ["STATIC", "render"]
 
 STATIC = ("view.css", "view.js")  # the package's static files, served under static/
 
@@ -30,14 +30,14 @@ _ENV: Environment | None = None
 
 def _num(value: Any) -> str:
     if value is None:
-        return "–"
+        return "–"  # noqa: RUF001 - an en dash: no value
     if isinstance(value, int):
         return f"{value:,}"
     return f"{value:.4g}"
 
 
 def _percent(value: Any) -> str:
-    return "–" if value is None else f"{100 * value:.3g}%"
+    return "–" if value is None else f"{100 * value:.3g}%"  # noqa: RUF001 - an en dash: no value
 
 
 def render(template: str, path: str, page: dict[str, Any], mode: str) -> str:

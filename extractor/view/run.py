@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..live import Live, Ran, TextSearch
     from .site import Site
 
-__all__ = ["Runs", "HEADER", "KEPT", "CLASSES", "FEATURES"]
+__all__ = ["CLASSES", "FEATURES", "HEADER", "KEPT", "Runs"]
 
 HEADER = "X-Extractor-Run"  # a request that sends an image carries it: a cross-site form cannot
 KEPT = 4  # images run kept in memory (their pixels and captures), the latest

@@ -331,7 +331,7 @@ def test_a_model_that_refuses_the_crop_size_is_a_model_error_naming_data_crop(im
     with pytest.raises(ModelError, match=r"failed on a blank 64x64 image \(data.crop\), before any image was read: "
                                          r"AssertionError: Wrong image height.*set data.crop"):
         worker.probe()
-    with pytest.raises(ModelError, match="cannot run on a 64x64 input.*--input-size"):
+    with pytest.raises(ModelError, match=r"cannot run on a 64x64 input.*--input-size"):
         layer_table(worker.model, 64)  # `extractor layers vit_b_16 --input-size 64`
 
 

@@ -120,7 +120,7 @@ def test_corrupt_and_oversized_files_fail_their_rows_only(tmp_path: Path):
         "text.jpg": b"not an image at all",
         "c.jpg": good,
     }
-    paths, got, failed, ref, _ = decode_both(tmp_path, files)
+    paths, got, failed, _ref, _ = decode_both(tmp_path, files)
     assert sorted(failed) == [1, 3] and sorted(got) == [0, 2, 4]
     assert all(failed[i] for i in failed)
     assert torch.equal(got[0], got[2])
@@ -145,12 +145,13 @@ def test_gpu_decoding_without_a_gpu_is_a_clear_error(image_dir: Path, tmp_path: 
     from extractor.spec.load import parse_spec
 
     raw = job(image_dir, tmp_path / "s.zarr", data={"decode_device": "cuda"})
-    with pytest.raises(ModelError, match="data.decode_device: cuda needs the model on a CUDA GPU.*decode_device: cpu"):
+    with pytest.raises(ModelError, match=r"data.decode_device: cuda needs the model on a CUDA GPU.*decode_device: cpu"):
         run(parse_spec(raw))
     assert not (tmp_path / "s.zarr").exists()
 
 
-@pytest.mark.parametrize("w,h,orientation,scale", [(200, 150, None, 2), (640, 480, None, 4), (1200, 600, 6, 8),
+@pytest.mark.parametrize(("w", "h", "orientation", "scale"), [(200, 150, None, 2), (640, 480, None, 4),
+                                                             (1200, 600, 6, 8),
                                                    (600, 1200, None, 8), (140, 100, None, 1)])
 def test_jpeg_draft_decodes_at_the_smallest_scale_the_resize_allows(w: int, h: int, orientation: int | None,
                                                                      scale: int):
@@ -184,7 +185,7 @@ def test_jpeg_draft_leaves_other_formats_alone_and_is_refused_where_it_would_do_
     drafted = ImageDecoder(DataSpec(root="unused", resize=72, crop=64, jpeg_draft=True))
     assert rgb_from_bytes(png.getvalue(), None, drafted.preprocess).size == (640, 480)
     assert ImageDecoder(DataSpec(root="unused", resize=None, crop=64)).preprocess.draft_size(640, 480) is None
-    with pytest.raises(ValueError, match="resize: null .* would do nothing"):
+    with pytest.raises(ValueError, match=r"resize: null .* would do nothing"):
         DataSpec(root="unused", resize=None, crop=64, jpeg_draft=True)
     with pytest.raises(ValueError, match="decode_device: cuda"):
         DataSpec(root="unused", decode_device="cuda", jpeg_draft=True)

@@ -39,7 +39,7 @@ def test_squash_and_non_square_crops():
     assert resolve(data(resize=[50, 70], crop=[40, 60]), IMAGENET).size == (40, 60)
 
 
-@pytest.mark.parametrize("kw, message", [
+@pytest.mark.parametrize(("kw", "message"), [
     ({"crop": None}, r"data.crop is null but data.resize is 256"),
     ({"resize": 100, "crop_pct": 0.9}, r"data.resize and data.crop_pct both set"),
     ({"crop": [32, 48], "crop_pct": 0.9}, r"crop_pct needs a square data.crop"),

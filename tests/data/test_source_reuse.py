@@ -362,7 +362,7 @@ class _Column:
         return np.asarray(self.paths[start:stop], dtype=np.dtypes.StringDType())
 
 
-@pytest.mark.parametrize("block,by_name", [(2, True), (100_000, True), (3, False)])
+@pytest.mark.parametrize(("block", "by_name"), [(2, True), (100_000, True), (3, False)])
 def test_files_now_are_each_files_own_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int,
                                                   by_name: bool):
     """The resume's stat of each file, by name in its open folder: the fingerprint files.local_fingerprint gives

@@ -162,7 +162,7 @@ def test_a_paused_process_woken_after_its_shard_was_taken_writes_nothing_live(im
         named = {f"{x:016x}" for x in gen.ledger().read().named()}
     finally:
         os.kill(a.pid, signal.SIGCONT)
-    (code, out, err), = ended([a])
+    (code, _out, err), = ended([a])
     assert code == 0 and "Traceback" not in err, err
     same_as(store, clean)
     assert {f"{x:016x}" for x in generation(str(store)).ledger().read().named()} == named  # nothing of A's named

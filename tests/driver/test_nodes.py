@@ -5,6 +5,7 @@ mid-job gets a worker (``cluster.workers: auto``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -63,10 +64,8 @@ class Node:
         """SIGKILL every process of the node at once, as a pre-empted VM goes."""
         pids = descendants(self.proc.pid)
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait()
 
 

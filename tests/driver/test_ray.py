@@ -94,7 +94,7 @@ def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images
     events: list[tuple[str, dict]] = []
     spec = parse_spec(slow_job(slow_images, tmp_path / "s.zarr", workers=2, cpus_per_worker=1))
     summary = run(spec, on_event=lambda n, i: (events.append((n, i)), on_event(n, i)))
-    assert killed and ("worker_died", ) == tuple(n for n, i in events if n == "worker_died")[:1]
+    assert killed and tuple(n for n, i in events if n == "worker_died")[:1] == ("worker_died", )
     died = next(i for n, i in events if n == "worker_died")
     assert died["pid"] == killed[0]
     done = sorted(s.shard for s in summary.per_shard)

@@ -4,6 +4,7 @@ Ray instance in the test process, so that the two files run side by side."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,10 +33,8 @@ pytestmark = pytest.mark.slow
 def end_embedded_ray(proc: subprocess.Popen, ray_tmp: str) -> None:
     """SIGKILL what is left of the Ray that the driver ``proc`` embedded (RAY_TMPDIR ``ray_tmp``), and return once
     none of it is alive: its session's processes, and any that keeps a file of ``ray_tmp`` open (a worker)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + 60
     while kill_processes_mentioning(ray_tmp):  # until a pass finds none (a process killed no longer has files open)
         assert time.monotonic() < deadline, f"processes of {ray_tmp} still alive a minute after SIGKILL"

@@ -185,7 +185,7 @@ def test_an_error_in_a_callers_callback_goes_up_unchanged(tmp_path: Path):
         if name == "shard_done" and info["shard"] == 0:
             raise ValueError("callback bug")
 
-    with pytest.raises(ValueError, match="^callback bug$"):  # not a ShardError blaming a later shard
+    with pytest.raises(ValueError, match=r"^callback bug$"):  # not a ShardError blaming a later shard
         run(parse_spec(picky_job(root, tmp_path / "s.zarr", batch_size=3)), on_event=on_event)
     assert open_store(str(tmp_path / "s.zarr")).done_shards[0]
 
@@ -315,12 +315,12 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tmp_path: Path):
     proc = start(spec)
     wait_for_shard(store, 0, proc)
     proc.send_signal(signal.SIGTERM)  # what a cluster scheduler sends on pre-emption
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "--resume" in err, err
     s = open_store(str(store))
     assert s.attrs["status"] == "interrupted" and not s.done_shards.all()
     proc = start(spec, "--resume")
-    out, err = proc.communicate(timeout=300)
+    _out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert (open_store(str(store)).status == 1).all()
 
@@ -341,18 +341,18 @@ def test_second_job_on_the_same_store_is_refused_until_the_first_is_gone(tmp_pat
     first = start(spec)
     wait_for_file(held, first)
     second = start(spec, "--resume")
-    out, err = second.communicate(timeout=120)
+    _, err = second.communicate(timeout=120)
     assert second.returncode == 1
     assert f"in use by another extractor job: pid {first.pid} on {os.uname().nodename}" in err
     third = start(spec, "--overwrite")
-    out, err = third.communicate(timeout=120)
+    _, err = third.communicate(timeout=120)
     assert third.returncode == 1 and "in use by another extractor job" in err
     assert first.poll() is None  # still running: the refusals above were about a live job
     first.kill()  # the first job dies without a word; on this host its pid is seen to be gone
     first.wait()
     gate.unlink()
     resumed = start(spec, "--resume")
-    out, err = resumed.communicate(timeout=300)
+    _out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     s = open_store(str(store))
     assert (s.status == 1).all() and [c["ended"]["status"] for c in s.claimants() if c.get("ended")] == ["complete"]
@@ -403,7 +403,7 @@ def test_random_invalid_specs_raise_spec_errors_naming_a_field(section: str, key
     try:
         parse_spec(raw)
     except SpecError as err:
-        assert where.split(".")[0].split("[")[0] in str(err)
+        assert where.split(".")[0].split("[")[0] in str(err)  # noqa: PT017 - any input: SpecError or nothing
     except Exception as err:  # noqa: BLE001
         pytest.fail(f"{type(err).__name__} instead of SpecError for {raw}: {err}")
 
@@ -462,7 +462,7 @@ def test_a_job_paused_past_its_lease_writes_nothing_into_the_store_that_took_it_
         run(parse_spec(clean))
     finally:
         proc.send_signal(signal.SIGCONT)
-    out, err = proc.communicate(timeout=120)
+    _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "made again by another job" in err, err
     s, c = open_store(str(store)), open_store(str(tmp_path / "clean.zarr"))
     assert s.attrs["status"] == "complete" and list(s.captures) == ["conv"] and s.done_shards.all()

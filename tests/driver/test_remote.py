@@ -119,7 +119,7 @@ def test_parquet_from_s3_by_glob_reads_row_groups_by_range(s3, image_dir: Path, 
 
 
 def test_missing_bucket_and_bad_credentials_are_clear(s3, image_dir: Path, tmp_path: Path):
-    fs, options = s3
+    _fs, options = s3
     raw = job(image_dir, tmp_path / "s.zarr", data={"source": "tar", "root": None,
                                                      "tars": "s3://no-such-bucket/shard-000.tar",
                                                      "storage_options": options})
@@ -280,7 +280,7 @@ def test_the_ledger_on_s3_is_a_compare_and_swap(s3, image_dir: Path, tmp_path: P
 
     from extractor.store.ledger import Verdict, claim
 
-    fs, options = s3
+    _fs, options = s3
     url = "s3://bucket/ledger.zarr"
     raw = job(image_dir, url, output={"store": url, "chunk_rows": 2, "storage_options": options})
     assert run(parse_spec(raw)).ok == 12

@@ -150,7 +150,7 @@ def test_an_index_another_process_wrote_meanwhile_is_kept_and_this_one_refused(s
         if not other:
             other.append(index(str(path), "layer3", k=2, name="both"))
 
-    with pytest.raises(StoreError, match="index both of .* was written by another process while this one made it"):
+    with pytest.raises(StoreError, match=r"index both of .* was written by another process while this one made it"):
         index(str(path), "layer3", k=4, name="both", on_progress=meanwhile)
     kept = open_index(str(path), "both")
     assert kept.k == 2 and kept.attrs["arrays"] == other[0].attrs["arrays"] and list(kept.group.keys()) == \
@@ -163,7 +163,7 @@ def test_an_index_of_a_store_made_again_since_it_was_opened_is_refused(store: Pa
     shutil.copytree(store, path)
     s = open_store(str(path))
     made_again(str(path))
-    with pytest.raises(StoreError, match="was made again .*since it was opened.*open it again"):
+    with pytest.raises(StoreError, match=r"was made again .*since it was opened.*open it again"):
         index(s, "layer3", k=2, name="late")
 
 
@@ -241,7 +241,7 @@ def test_bad_settings_are_one_line_before_the_pass_and_leave_the_indexes_as_they
         with pytest.raises(StoreError, match=re.escape(said)):
             index(str(path), "layer3", name=kwargs.pop("name", "layer3"), **kwargs)
     monkeypatch.setattr(LocalObjects, "create", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
-    with pytest.raises(StoreError, match="cannot be written here .Read-only file system.; index a writable copy"):
+    with pytest.raises(StoreError, match=r"cannot be written here .Read-only file system.; index a writable copy"):
         index(str(path), "layer3")
     monkeypatch.undo()
     after = open_index(str(path), "layer3")
@@ -323,7 +323,7 @@ def test_an_index_made_again_while_open_reads_as_it_was_and_says_so(store: Path,
     assert second.top(0).rows.size == 2
     third = index(str(path), "layer3", k=3)  # the first one's arrays go; the second's stay, once
     assert sorted(third.group.keys()) == sorted([third.attrs["arrays"], second.attrs["arrays"]])
-    assert ix.attrs["arrays"] not in third.group.keys()
+    assert ix.attrs["arrays"] not in third.group
 
 
 def test_an_index_of_version_1_is_read_and_replaced_whole(store: Path, tmp_path: Path):
@@ -479,7 +479,7 @@ def test_an_sae_indexed_with_normalize_sees_the_tokens_a_normalised_stream_gives
     t = sae(d_in=48)
     np.savez(tmp_path / "sae.npz", **t)
     s = open_store(str(vit))
-    x, rows = _tokens(vit)
+    _x, rows = _tokens(vit)
     latents = np.zeros((len(rows), 16, D_SAE), np.float32)
     for at, batch in s.token_batches("blocks.1", 37, shuffle=False, drop_prefix=True, normalize="norm"):
         by_hand = np.maximum((batch - t["b_dec"]) @ t["W_enc"] + t["b_enc"], 0)
@@ -503,7 +503,7 @@ def test_an_sae_indexed_with_normalize_sees_the_tokens_a_normalised_stream_gives
     assert main(["index", str(vit), "--key", "blocks.1", "--dictionary", str(tmp_path / "sae.npz"), "--k", "3",
                  "--normalize", "norm", "--name", "cli", "-q"]) == 0
     np.testing.assert_array_equal(open_index(str(vit), "cli").density, ix.density)
-    with pytest.raises(StoreError, match="normalize='norm' scales the tokens of a token sequence .* layer3 is no"):
+    with pytest.raises(StoreError, match=r"normalize='norm' scales the tokens of a token sequence .* layer3 is no"):
         index(str(store), "layer3", normalize="norm")
     with pytest.raises(ValueError, match="normalize takes 'mean', 'norm' or both, not 'unit'"):
         index(str(vit), "blocks.1", normalize="unit")

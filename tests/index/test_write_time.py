@@ -57,7 +57,7 @@ class _Paths:
             self.host.extend(np.asarray(rows).tolist())
             add(feed, x, rows)
 
-        def device(state: IndexState, part) -> None:  # noqa: ANN001 - a BlockPart
+        def device(state: IndexState, part) -> None:
             self.device.append(part.rows)
             add_part(state, part)
 
@@ -144,14 +144,14 @@ def test_rows_copied_from_another_store_are_indexed_on_the_host_with_the_compute
     _same(open_index(str(path)), index(str(path), "layer3", k=3, name="again"), exact=True)
 
 
-def picky_net():  # noqa: ANN201 - a model factory (model.factory)
+def picky_net():
     """tiny_resnet, raising on a batch that holds an all-white image: that batch is retried image by image."""
     from toy_models import tiny_resnet
 
     net = tiny_resnet()
     inner = net.forward
 
-    def forward(x):  # noqa: ANN001, ANN202 - the module's forward
+    def forward(x):
         if bool((x[:, 0] > 2.0).flatten(1).all(dim=1).any()):  # white, normalised: (1 - 0.485) / 0.229
             raise RuntimeError("a white image")
         return inner(x)

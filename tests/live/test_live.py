@@ -103,7 +103,7 @@ def _by_hand(live: Live, ran, edit) -> np.ndarray:
 
 
 def test_switching_a_latent_or_a_channel_off_is_the_edit_by_hand(store, live: Live):
-    path, imgs, sae = store
+    path, _imgs, sae = store
     from extractor.index import open_index
 
     s = open_store(str(path))

@@ -24,7 +24,7 @@ def test_checkpoint_loads_with_weights_only(tmp_path: Path):
     torch.manual_seed(123)
     trained = resnet18()
     torch.save({"state_dict": trained.state_dict()}, tmp_path / "ckpt.pt")
-    model, info = build_model(ModelSpec(name="resnet18", weights=str(tmp_path / "ckpt.pt")))
+    _model, info = build_model(ModelSpec(name="resnet18", weights=str(tmp_path / "ckpt.pt")))
     assert info["state_dict_sha256"] == state_dict_hash(trained)
     assert info["weights"] == f"torchvision resnet18, weights from checkpoint {tmp_path / 'ckpt.pt'}"
 
@@ -64,7 +64,7 @@ def test_weights_names_come_from_the_torch_cache_only(tmp_path: Path, monkeypatc
     torch.manual_seed(5)
     ref = resnet18()
     torch.save(ref.state_dict(), ckpt / "resnet18-f37072fd.pth")
-    model, info = build_model(ModelSpec(name="resnet18", weights="IMAGENET1K_V1"))
+    _model, info = build_model(ModelSpec(name="resnet18", weights="IMAGENET1K_V1"))
     assert info["state_dict_sha256"] == state_dict_hash(ref)
 
 
@@ -75,7 +75,7 @@ def test_unknown_model_and_bad_factory():
         build_model(ModelSpec(name=None, factory="no_such_pkg.mod:build"))
     with pytest.raises(ModelError, match="has no attribute"):
         build_model(ModelSpec(name=None, factory="toy_models:nope"))
-    with pytest.raises(ModelError, match="not a torch.nn.Module"):
+    with pytest.raises(ModelError, match=r"not a torch.nn.Module"):
         build_model(ModelSpec(name=None, factory="os:getcwd"))
 
 

@@ -90,11 +90,10 @@ def test_no_hooks_left_after_a_forward_that_raised_and_mode_restored():
     model = toy_models.RaisingNet()
     model.train()
     targets = resolve_targets(model, caps({"layer": "conv"}, {"layer": "head"}))
-    with pytest.raises(RuntimeError, match="boom"):
-        with Capturer(model, targets) as cap:
-            assert not model.training  # captures run in eval mode
-            assert model.conv._forward_hooks and model.head._forward_hooks
-            cap.run(torch.randn(1, 3, 8, 8))
+    with pytest.raises(RuntimeError, match="boom"), Capturer(model, targets) as cap:  # noqa: PT012 - in the hooks' scope
+        assert not model.training  # captures run in eval mode
+        assert model.conv._forward_hooks and model.head._forward_hooks
+        cap.run(torch.randn(1, 3, 8, 8))
     assert model.training
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks

@@ -166,7 +166,7 @@ def test_a_processor_shown_equal_takes_the_fast_path_and_inspect_shows_the_probe
                                                                                    capsys: pytest.CaptureFixture):
     from extractor.cli import main
 
-    model, folder = _vit_folder(tmp_path)
+    _model, folder = _vit_folder(tmp_path)
     raw = job(photos, tmp_path / "s.zarr", model={"name": f"hf:{folder}", "weights": "pretrained", "device": "cpu"},
               data=AUTO,
               capture=[{"layer": "embeddings.patch_embeddings", "what": "input", "layout": "nchw", "key": "pixels"}])

@@ -134,7 +134,7 @@ def test_rows_reused_from_a_store_of_other_rows_keep_the_draw_a_clean_run_makes(
 
 
 def test_cutting_settings_that_cannot_hold_are_refused(image_dir: Path, tmp_path: Path):
-    with pytest.raises(SpecError, match="sample_tokens keeps some tokens .* reduce: none"):
+    with pytest.raises(SpecError, match=r"sample_tokens keeps some tokens .* reduce: none"):
         parse_spec(job(image_dir, tmp_path / "a.zarr", capture=[{"layer": "x", "reduce": "mean", "sample_tokens": 4}]))
     with pytest.raises(SpecError, match="projection applies only with project"):
         parse_spec(job(image_dir, tmp_path / "a.zarr", capture=[{"layer": "x", "projection": "sparse"}]))

@@ -42,7 +42,7 @@ def requests(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     seen: collections.Counter = collections.Counter()
     get = GenerationStore.get
 
-    async def counted(self, key, prototype, byte_range=None):  # noqa: ANN001, ANN202 - the store's signature
+    async def counted(self, key, prototype, byte_range=None):
         if "/c/" in key:  # the array's chunks (its metadata is read once, when it is opened)
             seen[key.split("/")[0]] += 1
         return await get(self, key, prototype, byte_range)
@@ -51,7 +51,7 @@ def requests(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     return seen
 
 
-@pytest.mark.parametrize("shuffle,spread", [(False, True), (True, False)])
+@pytest.mark.parametrize(("shuffle", "spread"), [(False, True), (True, False)])
 def test_an_epoch_of_batches_reads_each_shard_in_one_request(sharded: str, monkeypatch: pytest.MonkeyPatch,
                                                               shuffle: bool, spread: bool):
     s = open_store(sharded)
@@ -81,7 +81,7 @@ def test_a_shuffled_epoch_reads_each_inner_chunk_once_from_anywhere(sharded: str
     np.testing.assert_array_equal(np.concatenate([x for _, x in got]), tokens[index[:, 0], index[:, 1]])
 
 
-@pytest.mark.parametrize("shuffle,spread", [(False, True), (True, False)])
+@pytest.mark.parametrize(("shuffle", "spread"), [(False, True), (True, False)])
 def test_an_epoch_of_tokens_reads_each_shard_in_one_request(sharded: str, monkeypatch: pytest.MonkeyPatch,
                                                              shuffle: bool, spread: bool):
     s = open_store(sharded)
@@ -91,7 +91,8 @@ def test_an_epoch_of_tokens_reads_each_shard_in_one_request(sharded: str, monkey
     assert seen["t"] == 9 + 1 + 2, seen
 
 
-@pytest.mark.parametrize("batch_size, start, drop_last", [(7, 0, False), (25, 3, False), (25, 0, True), (4, 5, False)])
+@pytest.mark.parametrize(("batch_size", "start", "drop_last"),
+                         [(7, 0, False), (25, 3, False), (25, 0, True), (4, 5, False)])
 def test_batches_across_buffers_are_the_rows_in_order_each_its_own_array(batch_size: int, start: int,
                                                                          drop_last: bool):
     """A batch wider than what a buffer has left is gathered into arrays of its own (its rows copied once): the

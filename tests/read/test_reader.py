@@ -72,7 +72,7 @@ ORDERS = {
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=list(ORDERS))
-@pytest.mark.parametrize("shuffle,buffer_chunks", [(False, 8), (True, 1), (True, 8)])
+@pytest.mark.parametrize(("shuffle", "buffer_chunks"), [(False, 8), (True, 1), (True, 8)])
 def test_batches_data_matches_reported_rows_for_any_order(synthetic, order, shuffle, buffer_chunks):
     s, full = synthetic
     rows = [r for r in ORDERS[order] if r != 8]
@@ -100,7 +100,7 @@ def test_batches_leave_out_rows_that_are_not_ok_and_check_sizes(synthetic):
     ids = [str(i) for i in s.ids[:2]]
     with pytest.raises(TypeError, match=f"row_numbers takes a list of image ids; of one: row_numbers\\(\\[{ids[0]!r}"):
         s.row_numbers(ids[0])
-    with pytest.raises(TypeError, match="row takes an image id .a str., not 5; a row by its number"):
+    with pytest.raises(TypeError, match=r"row takes an image id .a str., not 5; a row by its number"):
         s.row(5)
 
 
@@ -131,7 +131,7 @@ class _CountingArray:
         return Rows()
 
 
-@pytest.mark.parametrize("shuffle,buffer_chunks", [(False, 8), (True, 1), (True, 8)])
+@pytest.mark.parametrize(("shuffle", "buffer_chunks"), [(False, 8), (True, 1), (True, 8)])
 def test_batches_read_each_chunk_once(synthetic, monkeypatch, shuffle, buffer_chunks):
     s, _ = synthetic
     counting = _CountingArray(s["emb"])
@@ -267,11 +267,11 @@ def test_a_store_made_again_while_open_is_refused_before_its_rows_are_read(store
     made_again(str(path))
     for read in (s.ok_rows, lambda: s.numpy("layer4"), lambda: next(s.batches("layer4", 2)), lambda: s.status,
                  lambda: s.row(str(ids[0]))):
-        with pytest.raises(StoreError, match="was made again .or removed. since it was opened: .* open it again"):
+        with pytest.raises(StoreError, match=r"was made again .or removed. since it was opened: .* open it again"):
             read()
     assert open_store(str(path)).ids.tolist() == ids.tolist()  # opened again: read
     shutil.rmtree(path)
-    with pytest.raises(StoreError, match="was made again .or removed."):
+    with pytest.raises(StoreError, match=r"was made again .or removed."):
         s.ok_rows()
 
 
@@ -288,7 +288,7 @@ def test_an_array_read_from_a_store_made_again_and_collected_is_refused_never_fi
     made_again(str(path))
     np.testing.assert_array_equal(s["layer4"][:8], before)  # the generation it opened, whole
     shutil.rmtree(path / old)  # collected, as the next job that makes or finishes the store does
-    with pytest.raises(StoreError, match="was made again .or removed. since it was opened"):
+    with pytest.raises(StoreError, match=r"was made again .or removed. since it was opened"):
         s["layer4"][:8]
 
 

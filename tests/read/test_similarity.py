@@ -90,7 +90,7 @@ def test_captures_too_wide_for_the_feature_form_take_the_gram_form_on_a_sample(s
     """The Gram form (n x n kernels of a sample) equals the feature form (widths x widths) on the same rows."""
     import extractor.read.similarity as similarity
 
-    root, x, z, _ = stores
+    root, _x, _z, _ = stores
     a = open_store(str(root / "a.zarr"))
     features = compare([(a, "x"), (a, "z")])
     monkeypatch.setattr(similarity, "FEATURE_WIDTH", 10)  # 20 + 30 features: too wide now
@@ -103,7 +103,7 @@ def test_captures_too_wide_for_the_feature_form_take_the_gram_form_on_a_sample(s
 
 
 def test_rows_are_aligned_by_id_across_stores_and_stores_sharing_none_are_refused(stores):
-    root, x, _, order = stores
+    root, _x, _, order = stores
     a, b = open_store(str(root / "a.zarr")), open_store(str(root / "b.zarr"))
     got = compare([(a, "x"), (b, "x")], rows=1000)
     assert got.shared == 260 - 1 - int(5 in order[1:])  # ok in both: b's first row failed, a's row 5 failed

@@ -326,7 +326,7 @@ def test_cluster_workers_auto_by_default_null_reads_as_auto_and_max_workers_caps
         parse_spec({**BASE, "cluster": {"workers": 0}})
     with pytest.raises(SpecError, match=r"max_workers caps workers: auto; with workers: 2"):
         parse_spec({**BASE, "cluster": {"workers": 2, "max_workers": 4}})
-    with pytest.raises(SpecError, match="cluster.workers"):
+    with pytest.raises(SpecError, match=r"cluster.workers"):
         parse_spec({**BASE, "cluster": {"workers": "many"}})
 
 
@@ -350,7 +350,7 @@ def test_chunk_rows_auto_refuses_a_shard_size_without_a_sensible_divisor_and_a_s
                                         r"16 and 256, and the largest is 1"):
         parse_spec({**BASE, "data": {"root": "images", "shard_size": 1009}})
     assert parse_spec({**BASE, "output": {"chunk_rows": 128}}).output.chunk_rows == 128
-    with pytest.raises(SpecError, match="must divide data.shard_size"):
+    with pytest.raises(SpecError, match=r"must divide data.shard_size"):
         parse_spec({**BASE, "data": {"root": "images", "shard_size": 100}, "output": {"chunk_rows": 64}})
 
 

@@ -30,12 +30,12 @@ def _chunk_files(root: Path, name: str) -> dict[str, bytes]:
     return {str(p.relative_to(root / name)): p.read_bytes() for p in files}
 
 
-@pytest.mark.parametrize("compression,level", [("lz4", None), ("lz4", 1), ("zstd", None), ("zstd", 9),
+@pytest.mark.parametrize(("compression", "level"), [("lz4", None), ("lz4", 1), ("zstd", None), ("zstd", 9),
                                                ("blosc", None), ("blosc", 1), ("gzip", None), ("none", None)])
-@pytest.mark.parametrize("dtype,shape", [("float32", (5,)), ("float16", (3, 2, 2)), ("bfloat16", (4,))])
+@pytest.mark.parametrize(("dtype", "shape"), [("float32", (5,)), ("float16", (3, 2, 2)), ("bfloat16", (4,))])
 def test_whole_chunks_are_the_bytes_zarr_writes(tmp_path: Path, compression: str, level: int | None,
                                                 dtype: str, shape: tuple[int, ...]):
-    group, by_zarr, ours = _pair(tmp_path, compression, level, dtype, shape)
+    _group, by_zarr, ours = _pair(tmp_path, compression, level, dtype, shape)
     codec = ChunkCodec.of(ours)
     assert codec is not None, f"{compression} should have the fast path"
     data = np.random.default_rng(0).standard_normal((10, *shape)).astype(numpy_dtype(dtype))

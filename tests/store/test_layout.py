@@ -55,7 +55,7 @@ def test_documented_layout(store: Path):
     assert g["digest"].dtype == g["fingerprint"].dtype == np.uint64
     import xxhash
 
-    files = [p for p in g["paths"][:]]
+    files = list(g["paths"][:])
     assert g["digest"][:].tolist() == [xxhash.xxh3_64_intdigest(Path(p).read_bytes()) for p in files]  # as read
     assert all(g["fingerprint"][:])  # size and mtime of each file, when listed
     assert g["layer3"].shape == (n, 256, 4, 4) and g["layer3"].dtype == np.float16
@@ -258,7 +258,7 @@ def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
     run(parse_spec(raw))
     create = zarr.Group.create_array
 
-    def failing(self, name, **kwargs):  # noqa: ANN001, ANN202 - zarr's signature
+    def failing(self, name, **kwargs):
         if name == "status":  # before shard_done exists
             raise OSError("disk full")
         return create(self, name, **kwargs)
@@ -271,7 +271,7 @@ def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
     raw["output"]["if_exists"] = "error"  # a plain rerun says how to go on
     with pytest.raises(StoreError, match=r"half-created.*--resume \(or --overwrite\)"):
         run(parse_spec(raw))
-    with pytest.raises(StoreError, match="half-created.*--resume"):
+    with pytest.raises(StoreError, match=r"half-created.*--resume"):
         open_store(str(tmp_path / "s.zarr"))
     for mode in ("resume", "overwrite"):  # issue 17, defect 5: the SLURM recipe always passes --resume
         raw["output"]["if_exists"] = mode

@@ -104,7 +104,7 @@ def test_two_attempts_at_one_shard_never_share_an_object_and_the_unnamed_go_at_t
     s = open_store(str(store))
     codec = ChunkCodec.of(s["layer4"])
     assert codec is not None
-    views = [write_view(gen.objects.zarr_store(gen.name, read_only=False), {"data": new_id()}, range(0, 1))
+    views = [write_view(gen.objects.zarr_store(gen.name, read_only=False), {"data": new_id()}, range(1))
              for _ in range(2)]
     streams = [ShardStream(codec, 0, view, str(store), None) for view in views]
     assert streams[0].where != streams[1].where and streams[0].where.endswith("layer4/c/0/0")

@@ -498,7 +498,7 @@ def test_a_port_out_of_range_or_in_use_is_one_line_saying_which(image_dir: Path,
         r = cli("view", str(tmp_path / "none.zarr"), "--port", port)
         assert r.returncode == 2 and f"argument --port: a port is a number from 1 to 65535 (0: any free one), not " \
             f"{port}" in r.stderr, r.stderr
-    with pytest.raises(ValueError, match="port must be a number from 1 to 65535 .0: any free one., not 70000"):
+    with pytest.raises(ValueError, match=r"port must be a number from 1 to 65535 .0: any free one., not 70000"):
         serve(str(tmp_path / "none.zarr"), port=70000)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

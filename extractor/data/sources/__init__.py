@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import os
 from abc import ABC, abstractmethod
 from dataclasses import replace
@@ -28,8 +29,17 @@ if TYPE_CHECKING:
     from ..rows import Rows
 
 __all__ = [
-    "Source", "Recorded", "LocatorArray", "source", "locator_names", "read_bytes", "forget_reads", "reuse", "files_now",
-    "folder_prints", "REGISTRY",
+    "REGISTRY",
+    "LocatorArray",
+    "Recorded",
+    "Source",
+    "files_now",
+    "folder_prints",
+    "forget_reads",
+    "locator_names",
+    "read_bytes",
+    "reuse",
+    "source",
 ]
 
 
@@ -81,7 +91,7 @@ class Source(ABC):
 
     def forget(self) -> None:
         """Drop what reads keep of the source (a Parquet file's row groups): later reads see it as it is now."""
-        return None
+        return
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """What a listing would be made from now, cheaply (the files' fingerprints, the settings that change it),
@@ -186,7 +196,7 @@ def _stat_prints(paths: np.ndarray) -> np.ndarray:
     folders, seps, names = np.strings.rpartition(paths, np.asarray("/", dtype=paths.dtype))
     starts = [0, *(np.flatnonzero(folders[1:] != folders[:-1]) + 1).tolist(), len(paths)]
     out = np.zeros(len(paths), dtype=np.uint64)
-    for a, b in zip(starts[:-1], starts[1:], strict=False):
+    for a, b in itertools.pairwise(starts):
         folder = str(folders[a]) or ("/" if seps[a] else ".")
         out[a:b] = folder_prints(folder, names[a:b].tolist())
     return out

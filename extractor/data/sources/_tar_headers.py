@@ -10,7 +10,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["_headers", "_members", "_read_at", "_Unusual"]
+__all__ = ["_Unusual", "_headers", "_members", "_read_at"]
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ def _list_remote_folder(root: str, extensions: Sequence[str], storage: dict) -> 
         fs, base = fsspec.core.url_to_fs(root, **storage)
         infos = fs.find(base, detail=True)  # sizes and ETags come with the listing: the rows' fingerprints
         found = sorted(p for p in infos if p.lower().endswith(exts))
-    except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+    except Exception as err:
         raise remote_error("data.root", root, err) from err
     base = base.rstrip("/")
     kept = [p for p in found if not any(part.startswith(".") for part in p[len(base) + 1:].split("/"))]  # hidden

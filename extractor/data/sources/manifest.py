@@ -111,7 +111,7 @@ def _manifest_lines(manifest: str, storage: dict) -> TextIO:
     if not is_url(manifest):
         if not Path(manifest).exists():
             raise DataError(f"data.manifest {manifest} does not exist")
-        return open(manifest, encoding="utf-8-sig", newline="")  # noqa: SIM115 - the caller closes it
+        return open(manifest, encoding="utf-8-sig", newline="")
     import fsspec
 
     try:
@@ -119,7 +119,7 @@ def _manifest_lines(manifest: str, storage: dict) -> TextIO:
             return io.StringIO(f.read().decode("utf-8-sig"), newline="")
     except UnicodeDecodeError:
         raise
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise remote_error("data.manifest", manifest, err) from err
 
 

@@ -43,7 +43,7 @@ from . import Locator, Source
 if TYPE_CHECKING:
     from ...spec import DataSpec
 
-__all__ = ["list_parquet", "parquet_bytes", "is_parquet_row", "row_groups", "hub_files", "file_columns", "SOURCE"]
+__all__ = ["SOURCE", "file_columns", "hub_files", "is_parquet_row", "list_parquet", "parquet_bytes", "row_groups"]
 
 ROW = re.compile(r"^(?P<url>.+\.(?:parquet|arrow))#(?P<column>[^/#]+)/(?P<row>\d+)$", re.IGNORECASE)
 KEEP_GROUPS = 4  # row groups a process keeps decoded (its image column), the most recently used
@@ -77,7 +77,7 @@ def parquet_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any]) 
                 fs, path = fsspec.core.url_to_fs(pattern, **storage)
                 protocol = pattern.split("://", 1)[0]
                 urls += [f"{protocol}://{p}" for p in sorted(fs.glob(path))]
-            except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+            except Exception as err:
                 raise remote_error("data.parquet", pattern, err) from err
         else:
             urls += [absolute(p) for p in sorted(glob.glob(pattern, recursive=True))]

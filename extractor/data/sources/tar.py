@@ -41,7 +41,7 @@ from ._tar_headers import _headers, _members, _read_at, _Unusual
 if TYPE_CHECKING:
     from ...spec import DataSpec
 
-__all__ = ["Samples", "list_tars", "scan_tar", "tar_listing", "tar_url_of", "SOURCE"]
+__all__ = ["SOURCE", "Samples", "list_tars", "scan_tar", "tar_listing", "tar_url_of"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
         raise DataError(f"tar shard {url} is not a readable tar file ({type(err).__name__}: {err})") from None
     except DataError:
         raise
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise remote_error("tar shard", url, err) from err
     finally:
         fobj.close()
@@ -151,7 +151,7 @@ def _open_tar(url: str, storage_options: dict[str, Any]) -> Any:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # headers read without a system call each
     except FileNotFoundError:
         raise DataError(f"tar shard {url} does not exist") from None
-    except Exception as err:  # noqa: BLE001 - every backend raises its own errors
+    except Exception as err:
         raise remote_error("tar shard", url, err) from err
 
 
