@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from .._face import face
 
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
-    from .chunks import ChunkCodec, array_objects, read_all, write_chunks
+    from .chunks import ChunkCodec, array_objects, read_all, read_at_once, write_chunks
     from .claimants import Claimant, alive
     from .dtypes import BFLOAT16, is_bfloat16, numpy_dtype
     from .forward import ForwardRecord, forward_differences, forward_record

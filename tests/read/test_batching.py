@@ -134,3 +134,19 @@ def test_status_is_read_fresh_a_file_a_chunk(tmp_path):
     assert s.status.dtype == np.uint8
     assert s.status.tolist() == opened(url)["status"][:].tolist() == [0] * 3 + [1] * 42 + [0] * 5
     assert s.epoch_rows("x") == 42
+
+
+@pytest.mark.parametrize("buffer_chunks", [3, 64])
+def test_a_shuffled_epoch_of_rows_with_gaps_serves_each_selected_row_once_with_its_values(sharded: str,
+                                                                                         buffer_chunks: int):
+    """The default shuffled stream reads inner chunks from anywhere, those next to each other as one span, a round
+    of spans at once; rows left out of a chunk (not selected, or not ok) are left out of what it serves."""
+    s = open_store(sharded)
+    x = np.asarray(s["x"][:])
+    rows = np.flatnonzero(np.arange(600) % 7 != 3)  # every inner chunk has rows left out
+    seen = []
+    for index, data in s.batches("x", 50, seed=5, rows=rows, buffer_chunks=buffer_chunks):
+        np.testing.assert_array_equal(data, x[index])
+        seen.append(index)
+    got = np.concatenate(seen)
+    assert sorted(got.tolist()) == rows.tolist() and got.tolist() != rows.tolist()  # each once, mixed
