@@ -206,8 +206,7 @@ class ActivationStore(Batching):
 
     def __repr__(self) -> str:
         extras = f", extras {list(self.extras)}" if self.extras else ""
-        status = self.status
-        counts = ", ".join(f"{int((status == v).sum())} {name}" for v, name in STATUS_NAMES.items())
+        counts = ", ".join(f"{n} {name}" for name, n in self.row_counts().items())
         return (f"<ActivationStore {self.url}: {len(self)} rows ({counts}), {self.attrs.get('status')}, "
                 f"captures {self.keys}{extras}>")
 
@@ -588,10 +587,20 @@ class ActivationStore(Batching):
         return {"checked": checked, "missing": missing, "damaged": damaged}
 
     # ------------------------------------------------------------------ summary
+    def row_counts(self) -> dict[str, int]:
+        """Rows by status (pending, ok, failed): the sums of the ledger's commits where the store has one (each
+        records its shard's: read once when the store was opened, whatever its rows), else counted in the status
+        array (a format-1 store: every row read)."""
+        table = getattr(self.group.store, "table", None)
+        if table is not None:
+            ok, failed = table.ok_rows, table.failed_rows
+            return {"pending": len(self) - ok - failed, "ok": ok, "failed": failed}
+        status = self.status
+        return {STATUS_NAMES[v]: int((status == v).sum()) for v in STATUS_NAMES}
+
     def summary(self) -> dict[str, Any]:
         """What ``extractor inspect`` shows: captures, row counts, shards, bytes."""
-        status = self.status
-        counts = {STATUS_NAMES[v]: int((status == v).sum()) for v in STATUS_NAMES}
+        counts = self.row_counts()
         captures = {}
         for key, meta in self.captures.items():
             arr = self[key]

@@ -160,11 +160,13 @@ class Table:
 
     @property
     def ok_rows(self) -> int:
-        return int(self.entries["ok"].sum(dtype=np.int64))
+        """Rows ok in the committed shards (each commit records its shard's)."""
+        return int(self.entries["ok"][self.done].sum(dtype=np.int64))
 
     @property
     def failed_rows(self) -> int:
-        return int(self.entries["failed"].sum(dtype=np.int64))
+        """Rows failed in the committed shards."""
+        return int(self.entries["failed"][self.done].sum(dtype=np.int64))
 
     @property
     def nbytes(self) -> int:

@@ -785,3 +785,34 @@ def test_inspect_verify_objects_finds_an_object_removed_or_cut_short(store, tmp_
     assert "missing: map/c/1/0/0/0" in out and "damaged: layer4/c/3/0" in out
     assert main(["inspect", str(path), "--objects"]) != 0
     assert "--objects checks the store's objects with --verify" in capsys.readouterr().err
+
+
+def test_row_counts_are_the_ledgers_sums_and_equal_the_status_arrays(image_dir: Path, tmp_path: Path):
+    """issue 57: inspect's and repr's counts are summed over the ledger's commits (one read at open, whatever the
+    rows), not counted in the per-row status array: the same figures, with failed rows, part of the shards done, and
+    after the resume that finishes it."""
+    import shutil
+
+    from extractor.store.layout import STATUS_NAMES
+
+    root = tmp_path / "imgs"
+    shutil.copytree(image_dir, root)
+    (root / "cats" / "broken.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    raw = job(root, tmp_path / "s.zarr", data={"shard_size": 4})
+    spec = parse_spec(raw)
+
+    def stop_after_two(name: str, info: dict) -> None:
+        if name == "shard_done" and info["shard"] >= 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(spec, on_event=stop_after_two)
+    for finished in (False, True):
+        s = open_store(str(tmp_path / "s.zarr"))
+        status = s.status
+        by_array = {STATUS_NAMES[v]: int((status == v).sum()) for v in STATUS_NAMES}
+        assert s.row_counts() == by_array == s.summary()["row_status"], finished
+        assert by_array["pending"] > 0 if not finished else by_array["pending"] == 0
+        if not finished:
+            run(parse_spec({**raw, "output": {**raw["output"], "if_exists": "resume"}}))
+    assert by_array["failed"] == 1 and by_array["ok"] == len(s) - 1
