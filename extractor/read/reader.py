@@ -588,12 +588,14 @@ class ActivationStore(Batching):
 
     # ------------------------------------------------------------------ summary
     def row_counts(self) -> dict[str, int]:
-        """Rows by status (pending, ok, failed): the sums of the ledger's commits where the store has one (each
-        records its shard's: read once when the store was opened, whatever its rows), else counted in the status
-        array (a format-1 store: every row read)."""
+        """Rows by status (pending, ok, failed): the sums of the ledger's commits where a job committed its shards
+        (each records its shard's: read once when the store was opened, whatever its rows), else counted in the
+        status array (every row read: a format-1 store, one with no shard committed yet, a synthetic one)."""
         table = getattr(self.group.store, "table", None)
-        if table is not None:
-            ok, failed = table.ok_rows, table.failed_rows
+        done = table.entries[table.done] if table is not None else None
+        if done is not None and len(done) and bool((done["ok"].astype(np.int64) + done["failed"] > 0).all()):
+            # (a store written without a job's commits, as a synthetic one, keeps its rows' status only)
+            ok, failed = int(done["ok"].sum(dtype=np.int64)), int(done["failed"].sum(dtype=np.int64))
             return {"pending": len(self) - ok - failed, "ok": ok, "failed": failed}
         status = self.status
         return {STATUS_NAMES[v]: int((status == v).sum()) for v in STATUS_NAMES}

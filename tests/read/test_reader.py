@@ -816,3 +816,15 @@ def test_row_counts_are_the_ledgers_sums_and_equal_the_status_arrays(image_dir: 
         if not finished:
             run(parse_spec({**raw, "output": {**raw["output"], "if_exists": "resume"}}))
     assert by_array["failed"] == 1 and by_array["ok"] == len(s) - 1
+
+
+def test_a_store_written_without_a_jobs_commits_counts_its_rows_status(tmp_path: Path):
+    """A synthetic store (rows written, no shard committed by a job): its counts are its status array's."""
+    url = str(tmp_path / "syn.zarr")
+    caps = {"x": {"shape": [2], "dtype": "float32", "dims": ["x.feature"], "layer": "x", "what": "output",
+                  "reduce": "none"}}
+    g = create_store(url, Rows(ids=["a", "b", "c"], paths=[""] * 3, labels=[0] * 3),
+                     StoreArrays(captures=caps, extras={}, shard_size=2, chunk_rows={"x": 1}),
+                     {"n_rows": 3, "n_shards": 2, "captures": caps, "format_version": 1, "spec": {}})
+    g["status"][:] = np.array([OK, FAILED, OK], np.uint8)
+    assert open_store(url).row_counts() == {"pending": 0, "ok": 2, "failed": 1}
