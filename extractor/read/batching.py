@@ -40,8 +40,9 @@ SCATTERED_SLICES = 32 << 10  # pieces from anywhere whose chunks are at least th
 # zarr's oindex decodes them one by one (measured on 1 MiB inner chunks: 14 MiB/s against 235 MiB/s for slices, as
 # fast as a sequential read); smaller ones in one oindex call (4 KiB chunks: 8.2 against 2.5 MiB/s; even at 32 KiB)
 SCATTERED_AT_ONCE = 32  # slices of pieces from anywhere read in one round of zarr's event loop (their requests
-# overlap; 8 threads of one slice each funnel into that one loop: a sharded store's shuffled epoch 0.4x its runs',
-# 32 at once 0.55x, measured by make bench --reader-only: each inner chunk is still a read of its shard's index)
+# overlap; 8 threads of one slice each funnelled into that one loop: sharded stores' shuffled epochs 0.36-0.41x of a
+# sequential read, 32 at once 0.50-0.54x, make bench --reader-only: each inner chunk is still a read of its shard's
+# index)
 
 
 def _check_sizes(batch_size: int, buffer_chunks: int | None, seed: int) -> None:
