@@ -11,6 +11,7 @@ read before a commit names it (:mod:`.generation`, :mod:`.ledger`).
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import logging
 import time
@@ -107,7 +108,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
                          "it is read as it is, but not resumed; --overwrite makes it again")
     generation = Generation(objects, head.generation)
     if mode == "join":
-        _made_by_another(generation, url)  # joined once its maker has made it
+        _made_by_another(generation, url, head, spec.output.lease_timeout_s)  # joined once its maker has made it
     old = generation.state()
     live = list(generation.roster.live())
     if live and mode != "join":
@@ -133,14 +134,26 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
     return _resume(spec, rows, shards, old, group, head)
 
 
-def _made_by_another(generation: Generation, url: str) -> None:
-    """Wait while a live process makes the generation (a process joining a store another made a moment before);
-    return at once where it is made, or its maker is gone (half-made: made again)."""
-    while generation.root() is None and generation.roster.live():
+def _made_by_another(generation: Generation, url: str, head: Head, timeout_s: float) -> None:
+    """Wait while a live process makes the generation (a process joining a store another made a moment before), or
+    while the head naming it is younger than a claimant's timeout (its maker swaps the head, then writes its record:
+    a joiner that looks in between finds no claimant yet, and took the generation for one left half-made: it made
+    the store again over it, and the maker stopped, "made again by another job"); return at once where it is made,
+    or its maker is gone (half-made: made again)."""
+    while generation.root() is None and (generation.roster.live() or _age_s(head) < timeout_s):
         if not generation.still_live():
             raise StoreError(f"store {url} was made again by another job while this one waited to join it; run "
                              "again")
         time.sleep(WAIT_S / 4)
+
+
+def _age_s(head: Head) -> float:
+    """Seconds since ``head`` was written (its ``created``; unknown: as old as can be)."""
+    try:
+        made = datetime.datetime.fromisoformat(str(head.attrs["created"]))
+    except (KeyError, ValueError):
+        return float("inf")
+    return (datetime.datetime.now(datetime.timezone.utc) - made).total_seconds()
 
 
 def _timeout(claimants: list[dict[str, Any]]) -> float:

@@ -186,3 +186,40 @@ def test_a_process_stopped_with_sigterm_gives_its_claims_back_at_once(images: Pa
     (code, _, err), = ended(procs[1:])
     assert code == 0, err
     same_as(store, clean)
+
+
+def test_a_joiner_that_looks_before_the_makers_record_waits_for_the_store(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """A maker swaps the store's head, then writes its claimant's record. A joiner that looked in between found a
+    generation with no live claimant and took it for one left half-made: it made the store again over it, and the
+    maker stopped, "made again by another job" (the first task of a Slurm array, started with the others). Now a
+    generation the head names since less than a claimant's timeout is being made: the joiner waits for it."""
+    import threading
+
+    import extractor.store.session as session
+    from extractor.store import Generation, Objects, now, read_head
+    from extractor.store.generation import swap_head
+    from extractor.store.views import ROOT
+
+    objects = Objects.at(str(tmp_path / "s.zarr"))
+    name = swap_head(objects, None, now())  # the maker's head: no record of it yet, no root
+    head = read_head(objects)
+    looked, root = threading.Event(), Generation.root
+
+    def counted(self: Generation):  # the joiner's second look: it waits (it did not take the store as half-made)
+        found = root(self)
+        if found is None and getattr(self, "_looks", 0) >= 1:
+            looked.set()
+        self._looks = getattr(self, "_looks", 0) + 1
+        return found
+
+    monkeypatch.setattr(Generation, "root", counted)
+    monkeypatch.setattr(session, "WAIT_S", 0.04)
+    joiner = threading.Thread(target=session._made_by_another, args=(Generation(objects, name), objects.url, head, 60))
+    joiner.start()
+    while not looked.is_set() and joiner.is_alive():
+        looked.wait(0.05)
+    assert looked.is_set(), "the joiner did not wait for the generation its head names"
+    objects.put(f"{name}/{ROOT}", b'{"attributes": {"extractor": {"n_shards": 1}}}')  # the maker made it
+    joiner.join(30)
+    assert not joiner.is_alive()
