@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import operator
 import re
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
@@ -18,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import DataError
+from . import spill
+from .spill import Bytes, Column, by_hash
 
 __all__ = [
     "Joined",
@@ -28,7 +29,10 @@ __all__ = [
     "Texts",
     "distinct",
     "duplicate",
+    "first_where",
     "labels_of",
+    "labels_of_codes",
+    "looked_up",
     "named",
     "plan",
     "strings",
@@ -95,6 +99,12 @@ class Texts:
         for start in range(0, len(self), BLOCK):
             yield from self._decoded(start, min(start + BLOCK, len(self)))
 
+    def part(self, start: int, stop: int) -> Texts:
+        """Strings ``start:stop`` as a Texts (their bytes not copied, nor decoded)."""
+        base = int(self.ends[start - 1]) if start else 0
+        return Texts(self.data[base:int(self.ends[stop - 1]) if stop > start else base],
+                     np.asarray(self.ends[start:stop], dtype=np.int64) - base)
+
     def tolist(self) -> list[str]:
         return self._decoded(0, len(self))
 
@@ -108,37 +118,58 @@ class Texts:
 
 class Strings:
     """Strings appended one by one into a :class:`Texts`: their UTF-8 into one growing buffer, where each ends
-    into another (no Python object kept a string; the buffers become the Texts' without a copy)."""
+    into another (no Python object kept a string), both spilled onto the disk past a megabyte
+    (:mod:`.spill`: a listing of 400M rows is not held in the driver's memory)."""
 
     def __init__(self) -> None:
-        self.data = bytearray()
-        self.ends = array("q")
+        self.held = bytearray()  # the bytes not spilled yet
+        self.data = Bytes()  # the bytes spilled
+        self.ends = Column("q")
 
     def __len__(self) -> int:
         return len(self.ends)
 
     def __getitem__(self, n: int) -> str:
         """String ``n`` of those appended so far (before :meth:`array`)."""
-        return self.data[self.ends[n - 1] if n else 0:self.ends[n]].decode(*ENCODING)
+        start, stop, spilled = self.ends[n - 1] if n else 0, self.ends[n], len(self.data)
+        if start >= spilled:
+            return self.held[start - spilled:stop - spilled].decode(*ENCODING)
+        return (self.data.read(start, min(stop, spilled)) + self.held[:max(0, stop - spilled)]).decode(*ENCODING)
 
     def append(self, item: str) -> None:
-        self.data += item.encode(*ENCODING)
-        self.ends.append(len(self.data))
+        held = self.held
+        held += item.encode(*ENCODING)
+        self.ends.append(self.data.written + len(held))
+        if len(held) >= spill.SPILL_BYTES:
+            self._spill()
 
     def extend(self, items: Iterable[str]) -> None:
         """Append ``items``: encoded, joined and their ends summed at once (a tar's 10,000 keys)."""
         encoded = [item.encode(*ENCODING) for item in items]
         if encoded:
-            ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded))) + len(self.data)
-            self.data += b"".join(encoded)
-            self.ends.frombytes(ends.tobytes())
+            ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded))) + self.data.written + \
+                len(self.held)
+            self.held += b"".join(encoded)
+            self.ends.extend(ends)
+            if len(self.held) >= spill.SPILL_BYTES:
+                self._spill()
+
+    def extend_utf8(self, data: bytes | memoryview, ends: np.ndarray) -> None:
+        """Append strings given as their UTF-8, one after another, and where each ends in it (an Arrow column's
+        buffers: no string made)."""
+        self.ends.extend(np.asarray(ends, dtype=np.int64) + self.data.written + len(self.held))
+        self.held += data
+        if len(self.held) >= spill.SPILL_BYTES:
+            self._spill()
+
+    def _spill(self) -> None:
+        self.data += self.held
+        self.held = bytearray()
 
     def array(self) -> Texts:
-        """All of them, the buffers handed over (this gathers anew from empty)."""
-        data = np.frombuffer(self.data, dtype=np.uint8) if self.data else np.zeros(0, np.uint8)
-        ends = np.frombuffer(self.ends, dtype=np.int64) if self.ends else np.zeros(0, np.int64)
-        self.data, self.ends = bytearray(), array("q")
-        return Texts(data, ends)
+        """All of them (this gathers anew from empty)."""
+        self._spill()
+        return Texts(self.data.array(), self.ends.array())
 
 
 @dataclass(frozen=True)
@@ -186,7 +217,7 @@ class Joining:
     def __init__(self, heads: Iterable[str], ids: Strings | None = None) -> None:
         self.heads = [*heads, ""]
         self.tails = Strings()
-        self.which = array("i")
+        self.which = Column("i")
         self.ids = ids  # None once a tail differs from its id
 
     def whole(self, text: str) -> None:
@@ -217,7 +248,7 @@ class Joining:
 
     def joined(self, ids: Texts | np.ndarray | None = None) -> Joined:
         """The strings; ``ids``: the array the ids given at the start became."""
-        which = np.frombuffer(self.which, dtype=np.int32) if self.which else np.zeros(0, np.int32)
+        which = self.which.array()
         tails: Texts | np.ndarray = self.tails.array() if self.ids is None or ids is None else ids
         return Joined(np.asarray(self.heads, dtype=STRINGS), tails, which if which.any() else None)
 
@@ -268,20 +299,15 @@ class Rows:
 
 def duplicate(ids: Any) -> tuple[int, int] | None:
     """The rows of the first id that appears again, as (its first row, the row it appears again in); None when
-    all are unique. Found by sorting the ids' hashes (16 bytes a row while it runs; a set of 10M ids was a
-    gigabyte), the few rows whose hash another shares compared as strings."""
-    hashes = _hashes(ids)
-    ordered = np.sort(hashes)
-    shared = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
-    del ordered
-    rows = []
-    for start in range(0, len(hashes) if len(shared) else 0, BLOCK):
-        block = hashes[start:start + BLOCK]
-        at = np.minimum(np.searchsorted(shared, block), len(shared) - 1)
-        rows.append(start + np.flatnonzero(shared[at] == block))
-    del hashes
+    all are unique. Found by sorting the ids' hashes (:func:`.spill.by_hash`: on the disk in buckets past 4M rows;
+    a set of 10M ids was a gigabyte), the few rows whose hash another shares compared as strings."""
+    shared = []
+    for hashes, rows in by_hash(hash_blocks(ids), len(ids)):
+        same = np.flatnonzero(hashes[1:] == hashes[:-1])
+        if len(same):
+            shared.append(rows[np.union1d(same, same + 1)])
     first: dict[str, int] = {}
-    for row in np.concatenate(rows).tolist() if rows else []:  # in row order
+    for row in np.sort(np.concatenate(shared)).tolist() if shared else []:  # in row order
         key = str(ids[row])
         if key in first:
             return first[key], row
@@ -289,15 +315,16 @@ def duplicate(ids: Any) -> tuple[int, int] | None:
     return None
 
 
-def _hashes(ids: Any) -> np.ndarray:
-    """A 64-bit hash of each string (a Texts' in bulk from its bytes; others by Python's ``hash``: 4x faster than
-    making them a Texts first)."""
+def hash_blocks(ids: Any) -> Iterator[np.ndarray]:
+    """A 64-bit hash of each string, a block at a time in order (a Texts' in bulk from its bytes:
+    :func:`text_hashes`; others by Python's ``hash``: 4x faster than making them a Texts first)."""
     if isinstance(ids, Texts):
-        return text_hashes(ids)
-    hashes = np.empty(len(ids), dtype=np.int64)
+        step = BLOCK // 16  # its bytes' terms at 8 bytes each
+        for start in range(0, len(ids), step):
+            yield _text_hashes(ids, start, min(start + step, len(ids)))
+        return
     for start in range(0, len(ids), BLOCK):
-        hashes[start:start + BLOCK] = [hash(i) for i in ids[start:start + BLOCK].tolist()]
-    return hashes
+        yield np.asarray([hash(i) for i in ids[start:start + BLOCK].tolist()], dtype=np.int64)
 
 
 def text_hashes(texts: Texts | Sequence[str]) -> np.ndarray:
@@ -307,13 +334,14 @@ def text_hashes(texts: Texts | Sequence[str]) -> np.ndarray:
     hashes = np.empty(len(texts), dtype=np.int64)
     if not isinstance(texts, Texts):
         for start in range(0, len(texts), BLOCK):
-            block = Strings()
-            block.extend(list(texts[start:start + BLOCK]))
-            hashes[start:start + BLOCK] = text_hashes(block.array())
+            gathered = Strings()
+            gathered.extend(list(texts[start:start + BLOCK]))
+            hashes[start:start + BLOCK] = text_hashes(gathered.array())
         return hashes
-    step = BLOCK // 16  # its bytes' terms at 8 bytes each
-    for start in range(0, len(texts), step):
-        hashes[start:start + step] = _text_hashes(texts, start, min(start + step, len(texts)))
+    at = 0
+    for block in hash_blocks(texts):
+        hashes[at:at + len(block)] = block
+        at += len(block)
     return hashes
 
 
@@ -390,18 +418,24 @@ def labels_of(raw: Iterable[object],
     ``"cat"``); when all of them looked like numbers (``2.5``), with a warning naming
     ``where(row)`` of the first that is not whole. Decided on the distinct values: the rows keep a code each.
     """
-    codes, values, firsts = distinct(raw)
+    return labels_of_codes(*distinct(raw), where)
+
+
+def labels_of_codes(codes: np.ndarray, values: list[object], firsts: list[int],
+                    where: Callable[[int], str] = lambda n: f"row {n + 1}") -> tuple[np.ndarray, list[str]]:
+    """:func:`labels_of` from each row's code into the distinct raw values, and the first row of each
+    (:func:`distinct`'s, or a reader's that finds them in bulk)."""
     present = [k for k, v in enumerate(values) if v not in (None, "")]
     table = np.full(len(values), -1, dtype=np.int64)
     if not present:
-        return table[codes], []
+        return looked_up(table, codes), []
     numbers = {k: d for k in present if (d := _label_number(values[k])) is not None}
     if len(numbers) == len(present):
         odd = [k for k, d in numbers.items() if not _whole(d)]
         if not odd:
             for k, d in numbers.items():
                 table[k] = int(d)
-            return table[codes], []
+            return looked_up(table, codes), []
         first = min(odd, key=firsts.__getitem__)
         log.warning("%s: label %r is not a whole number, so every label is taken as a class name (class indices "
                     "are whole numbers: 3, or 3.0 as spreadsheets write it)", where(firsts[first]), values[first])
@@ -409,13 +443,13 @@ def labels_of(raw: Iterable[object],
     index = {c: i for i, c in enumerate(classes)}
     for k in present:
         table[k] = index[str(values[k])]
-    return table[codes], classes
+    return looked_up(table, codes), classes
 
 
 def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]]:
     """Each row's code into its distinct values (by type and value: ``1`` and ``True`` differ), the values, and
     the first row of each."""
-    codes = array("i")  # (int32: half of int64's bytes at 10M rows)
+    codes = Column("i")  # (int32: half of int64's bytes; on the disk past a megabyte)
     index: dict[tuple[type, object], int] = {}
     values: list[object] = []
     firsts: list[int] = []
@@ -436,7 +470,24 @@ def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]
             values.append(v)
             firsts.append(n)
         codes.append(code)
-    return np.frombuffer(codes, dtype=np.int32) if codes else np.zeros(0, np.int32), values, firsts
+    return codes.array(), values, firsts
+
+
+def first_where(values: np.ndarray, test: Callable[[np.ndarray], np.ndarray]) -> int | None:
+    """The first index where ``test`` of a block of ``values`` is true, a block at a time; None: nowhere."""
+    for start in range(0, len(values), BLOCK):
+        hits = np.flatnonzero(test(values[start:start + BLOCK]))
+        if len(hits):
+            return start + int(hits[0])
+    return None
+
+
+def looked_up(table: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """``table[codes]``, a block at a time into a spilled column (int64 labels of 400M rows: 3.2 GB)."""
+    out = Column("q")
+    for start in range(0, len(codes), BLOCK):
+        out.extend(table[codes[start:start + BLOCK]])
+    return out.array()
 
 
 def named(rows: Rows, classes: list[str], where: str) -> Rows:
@@ -450,11 +501,10 @@ def named(rows: Rows, classes: list[str], where: str) -> Rows:
             raise DataError(f"{where}: labels {', '.join(map(repr, unknown[:10]))} are not in data.classes "
                             f"({len(classes)} names); add them, or remove data.classes to take the labels' own names")
         to = np.asarray([index[c] for c in rows.classes], dtype=np.int64)
-        labels = np.where(labels >= 0, to[np.maximum(labels, 0)], -1)
+        labels = looked_up(np.append(to, -1), labels)  # (-1, none, stays -1)
     else:
-        beyond = np.flatnonzero(labels >= len(classes))
-        if len(beyond):
-            first = int(beyond[0])
+        first = first_where(labels, lambda block: block >= len(classes))
+        if first is not None:
             raise DataError(f"{where}: row {rows.ids[first]!r} has label {labels[first]}, but data.classes names "
                             f"{len(classes)} classes (labels 0 to {len(classes) - 1})")
     return replace(rows, labels=labels, classes=classes)

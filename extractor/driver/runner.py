@@ -15,10 +15,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
 from .._text import count, table
-from ..data import Rows, Shard, absolute, list_rows, plan
+from ..data import Rows, Shard, absolute, first_where, list_rows, plan
 from ..errors import DataError, StoreError
 from ..index import JobIndexes
 from ..spec import JobSpec
@@ -105,19 +103,19 @@ def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
     """``target: label`` differentiates each row's label's logit: every row needs a label, and
     one the model has an output for."""
     if any(c.gradient and c.score_target == "label" for c in spec.capture):
-        missing = np.flatnonzero(rows.labels < 0)
-        if len(missing):
+        labels = rows.labels  # (a block at a time: 400M labels are spilled to the disk, not the driver's memory)
+        missing = first_where(labels, lambda block: block < 0)
+        if missing is not None:
             raise DataError(
-                f"target: label needs a label on every row, but {len(missing)} rows have none "
-                f"(first: {rows.ids[missing[0]]}); use target: predicted or a class index"
+                f"target: label needs a label on every row, but {int((labels < 0).sum())} rows have none "
+                f"(first: {rows.ids[missing]}); use target: predicted or a class index"
             )
-        beyond = np.flatnonzero(rows.labels >= logits) if logits is not None else np.zeros(0, np.int64)
-        if len(beyond) and logits is not None:
-            first = beyond[0]
+        first = first_where(labels, lambda block: block >= logits) if logits is not None else None
+        if first is not None and logits is not None:
             raise DataError(
-                f"target: label needs labels the model has outputs for (0 to {logits - 1}), but {len(beyond)} rows "
-                f"have larger ones (first: {rows.ids[first]}, label {rows.labels[first]}). Labels must be the "
-                "model's class indices; use target: predicted or a class index"
+                f"target: label needs labels the model has outputs for (0 to {logits - 1}), but "
+                f"{int((labels >= logits).sum())} rows have larger ones (first: {rows.ids[first]}, label "
+                f"{labels[first]}). Labels must be the model's class indices; use target: predicted or a class index"
             )
 
 

@@ -163,7 +163,7 @@ class StoreArrays:
     # a shard's part
 
 
-WRITE_ROWS = 1 << 20  # a new store's per-row arrays are written this many rows (rounded to chunks) at a time
+WRITE_ROWS = 1 << 17  # a new store's per-row arrays are written this many rows (rounded to chunks) at a time
 READ_BYTES = 32 << 20  # a streaming read of a sharded array takes chunks of its shard up to about this much
 
 

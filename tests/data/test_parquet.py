@@ -308,3 +308,11 @@ def test_an_image_column_of_another_type_is_refused_at_planning(image_dir: Path,
     paths = tmp_path / "paths.parquet"  # a column of paths is an image column
     pq.write_table(pa.table({"file": [str(p) for p in images_of(image_dir)]}), paths)
     assert len(list_rows(DataSpec(source="parquet", parquet=str(paths), columns={"image": "file"}))) == 12
+
+
+def test_a_files_row_fingerprints_made_at_once_are_each_rows_own():
+    from extractor.data.files import fingerprint
+    from extractor.data.sources.parquet import _row_prints
+
+    assert _row_prints(987654321, 300) == [fingerprint(987654321, r, 0) for r in range(300)]  # a resume compares them
+    assert _row_prints(0, 3) == [0, 0, 0]  # the file's unknown: every row's

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ from helpers.jobs import job
 from helpers.parquet import images_of, write_hub_parquet
 from helpers.sources import write_tars
 
+from extractor.data import list_rows, spill
+from extractor.data.rows import Texts
 from extractor.data.sources import REGISTRY, read_bytes, source
 from extractor.spec.load import parse_spec
 
@@ -64,3 +67,32 @@ def test_every_source_lists_and_reads_the_same_images(name: str, image_dir: Path
 
 def test_every_registered_source_keeps_the_contract():
     assert sorted(REGISTRY) == sorted(["folder", "manifest", "tar", "parquet"])  # a new one: a case above
+
+
+@pytest.mark.parametrize("name", ["folder", "manifest", "tar", "parquet"])
+def test_every_source_lists_the_same_rows_when_they_spill_to_the_disk(name: str, image_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """Issue 57: past a megabyte a column of the listing goes to the disk (``data.spill``); forced at 16 bytes and
+    buckets of 2 hashes, every column listed is the one listed in memory."""
+    data = parse_spec(job(image_dir, tmp_path / "s.zarr", data=_data(name, image_dir, tmp_path))).data
+    held = list_rows(data)
+    monkeypatch.setattr(spill, "SPILL_BYTES", 16)
+    monkeypatch.setattr(spill, "BUCKET_ROWS", 2)
+    spilled = list_rows(data)
+    assert isinstance(spilled.ids, Texts) and _mapped(spilled.ids.data) and _mapped(spilled.labels)  # on the disk
+    assert spilled.ids.tolist() == held.ids.tolist() and list(spilled.paths) == list(held.paths)
+    assert spilled.labels.tolist() == held.labels.tolist() and spilled.classes == held.classes
+    assert (spilled.fingerprints is None) == (held.fingerprints is None)
+    if held.fingerprints is not None:
+        assert spilled.fingerprints.tolist() == held.fingerprints.tolist()
+    assert {k: v.tolist() for k, v in spilled.locators.items()} == {k: v.tolist() for k, v in held.locators.items()}
+    assert spilled.listing == held.listing
+
+
+def _mapped(array: np.ndarray) -> bool:
+    """Whether an array's values are a map of a file (a spilled column, or a view of one)."""
+    while array is not None:
+        if isinstance(array, np.memmap | mmap.mmap):
+            return True
+        array = getattr(array, "base", None)
+    return False

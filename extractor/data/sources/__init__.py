@@ -40,6 +40,7 @@ __all__ = [
     "read_bytes",
     "reuse",
     "source",
+    "stat_prints",
 ]
 
 
@@ -184,21 +185,28 @@ def files_now(recorded: Recorded, start: int = 0, stop: int | None = None) -> np
             block = block.astype(np.dtypes.StringDType())
         plain = not bool(np.strings.find(block, "://").max(initial=-1) >= 0 or
                          np.strings.startswith(block, FS_BYTES).any())
-        out[at - start:at - start + len(block)] = _stat_prints(block) if plain else \
+        out[at - start:at - start + len(block)] = stat_prints(block) if plain else \
             [0 if is_url(p) else local_fingerprint(p) for p in block.tolist()]
     return out
 
 
-def _stat_prints(paths: np.ndarray) -> np.ndarray:
+def stat_prints(paths: np.ndarray) -> np.ndarray:
     """:func:`~extractor.data.files.local_fingerprint` of plain local paths (a million in a resume): split at
     their last ``/`` in numpy, each run of one folder's files stat-ed by name in that folder (no path joined or
-    walked again per file)."""
+    walked again per file); paths whose folders interleave are taken in the order of their folders first."""
     folders, seps, names = np.strings.rpartition(paths, np.asarray("/", dtype=paths.dtype))
-    starts = [0, *(np.flatnonzero(folders[1:] != folders[:-1]) + 1).tolist(), len(paths)]
+    changes = np.flatnonzero(folders[1:] != folders[:-1]) + 1
+    order = None
+    if len(changes) > len(paths) // 8:  # folders interleaved (a manifest in another order): grouped first
+        order = np.argsort(folders, kind="stable")
+        folders, seps, names = folders[order], seps[order], names[order]
+        changes = np.flatnonzero(folders[1:] != folders[:-1]) + 1
     out = np.zeros(len(paths), dtype=np.uint64)
-    for a, b in itertools.pairwise(starts):
+    for a, b in itertools.pairwise([0, *changes.tolist(), len(paths)]):
         folder = str(folders[a]) or ("/" if seps[a] else ".")
         out[a:b] = folder_prints(folder, names[a:b].tolist())
+    if order is not None:
+        out[order] = out.copy()
     return out
 
 

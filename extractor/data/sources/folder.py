@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from ..files import (
     storable_path,
 )
 from ..rows import STRINGS, Joined, Joining, Rows, Strings, Texts, named, strings
+from ..spill import Column
 from . import Recorded, Source, files_now, folder_prints
 
 if TYPE_CHECKING:
@@ -67,7 +67,10 @@ def _folder_labels(tops: Sequence[str], counts: Sequence[int], first: Callable[[
                     "no label (-1). Move them into a class folder, or list them in a manifest",
                     int(n[[t == "" for t in tops]].sum()), first())
     index = {c: i for i, c in enumerate(classes)}
-    return np.repeat(np.asarray([index.get(t, -1) for t in tops], dtype=np.int64), n), classes
+    labels = Column("q")  # a folder's run of its class at a time (on the disk past a megabyte)
+    for top, size in zip(tops, counts, strict=True):
+        labels.extend(np.full(size, index.get(top, -1), dtype=np.int64))
+    return labels.array(), classes
 
 
 def _top(rel: str) -> str:
@@ -139,7 +142,7 @@ class _Walk:
         self.top, self.exts, self.kept = top, tuple(e.lower() for e in extensions), kept
         self.ids = Strings()
         self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
-        self.prints = array("Q")
+        self.prints = Column("Q")
         self.folders: list[list[Any]] = []  # [relative path ("": the root), mtime, ctime] of each folder walked
         self.counts: list[int] = []  # each one's rows
         self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
@@ -199,7 +202,7 @@ class _Walk:
         listed = self.ids.array()
         ids: Texts | np.ndarray = listed
         paths: Joined | np.ndarray = self.paths.joined(listed)
-        prints = np.frombuffer(self.prints, dtype=np.uint64) if self.prints else np.zeros(0, np.uint64)
+        prints = self.prints.array()
         if any(stored for stored, _, _ in self.runs):
             assert recorded is not None
             ids, paths, prints = (self._joined(recorded, name, own, dtype, stat) for name, own, dtype in (

@@ -29,7 +29,6 @@ from ...errors import DataError
 from ..files import (
     absolute,
     expand_braces,
-    fingerprint,
     is_url,
     leaves_root,
     local_fingerprint,
@@ -38,6 +37,7 @@ from ..files import (
     remote_fingerprint,
 )
 from ..rows import Joined, Rows, Strings, duplicate, labels_of, named
+from ..spill import Column
 from . import Locator, Source
 
 if TYPE_CHECKING:
@@ -263,6 +263,16 @@ def hub_files(name: str, split: str, config: str | None) -> list[str]:
     return files
 
 
+def _row_prints(file_print: int, rows: int) -> list[int]:
+    """``fingerprint(file_print, row, 0)`` of each row of a file at once (0: the file's is unknown)."""
+    import xxhash
+
+    if not file_print:
+        return [0] * rows
+    digest, form = xxhash.xxh3_64_intdigest, b"%d|%%d|0" % file_print  # the file's part once
+    return [digest(form % r) or 1 for r in range(rows)]
+
+
 def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], storage: dict[str, Any]) -> Rows:
     """Rows of every row of every Parquet file, in pattern order then row order (``patterns``: a list of files
     as :func:`hub_files` gives them, or patterns)."""
@@ -270,7 +280,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
     cols = _Columns(image=columns.get("image", "image"), label=columns.get("label", "label"),
                     id=columns.get("id", "id"), named=frozenset(columns.values()))
     ids, counts = Strings(), array("q")  # a row's path: its file's head and its row there, two integers
-    prints: list[np.ndarray] = []
+    prints, files, in_file = Column("Q"), Column("i"), Column("q")  # each row's; on the disk past a megabyte
     file_prints: list[int] = []
     names: set[tuple[str, ...]] = set()
     stems = _row_ids(urls)
@@ -278,17 +288,17 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
 
     def labels() -> Any:
         scanned = prefetched(urls, lambda u: _scan(u, cols, storage), 16, min(16, len(urls)))
-        for stem, f in zip(stems, scanned, strict=True):
+        for t, (stem, f) in enumerate(zip(stems, scanned, strict=True)):
             starts.append(len(ids))
+            files.extend(np.full(f.rows, t, dtype=np.int32))
+            in_file.extend(np.arange(f.rows, dtype=np.int64))
             counts.append(f.rows)
             file_prints.append(f.print)
             if f.names:
                 names.add(tuple(f.names))
-            for r in range(f.rows):
-                given = f.ids[r] if f.ids is not None else None
-                ids.append(str(given) if given not in (None, "") else f"{stem}/{r}")
-            prints.append(np.array([fingerprint(f.print, r, 0) if f.print else 0 for r in range(f.rows)],
-                                   dtype=np.uint64))
+            given = f.ids if f.ids is not None else [None] * f.rows
+            ids.extend([str(g) if g not in (None, "") else f"{stem}/{r}" for r, g in enumerate(given)])
+            prints.extend(_row_prints(f.print, f.rows))
             yield from f.labels if f.labels is not None else [None] * f.rows
 
     def where(n: int) -> str:
@@ -301,11 +311,10 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
     if twice is not None:
         raise DataError(f"id {keys[twice[0]]!r} appears twice: {where(twice[0])} and {where(twice[1])}; ids must be "
                         f"unique (data.columns.id names the id column)")
-    files = np.repeat(np.arange(len(urls), dtype=np.int32), counts)
-    in_file = np.arange(len(files)) - np.repeat(np.asarray(starts, dtype=np.int64), counts)
-    paths = Joined([f"{u}#{cols.image}/" for u in urls], in_file, files if files.any() else None)
+    which = files.array()
+    paths = Joined([f"{u}#{cols.image}/" for u in urls], in_file.array(), which if which.any() else None)
     rows = Rows(ids=keys, paths=paths, labels=codes, classes=classes,
-                fingerprints=np.concatenate(prints) if prints else None,
+                fingerprints=prints.array() if len(prints) else None,
                 listing=_listing(urls, file_prints, columns))
     if len(names) > 1:
         raise DataError(f"the Parquet files of data.parquet name their classes differently ({len(names)} lists in "

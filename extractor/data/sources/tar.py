@@ -22,7 +22,6 @@ import logging
 import mmap
 import os
 import tarfile
-from array import array
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from ..._threads import prefetched
 from ...errors import DataError
 from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
 from ..rows import Joined, LocatorArray, Rows, Strings, Texts, duplicate, labels_of, strings
+from ..spill import Column
 from . import Locator, Recorded, Source
 from ._tar_fast import fast_samples
 from ._tar_headers import _headers, _members, _read_at, _Unusual
@@ -280,8 +280,8 @@ class _Columns:
         self.urls = urls
         self.ids = Strings()
         self.ends: dict[str, int] = {}  # the members' extensions (what follows the id), each one's code
-        self.end, self.which = array("h"), array("h")  # int16, made wider when a code does not fit
-        self.offsets, self.sizes, self.prints = array("q"), array("i"), array("Q")
+        self.end, self.which = Column("q"), Column("q")  # (on the disk past a megabyte, as every column here)
+        self.offsets, self.sizes, self.prints = Column("q"), Column("q"), Column("Q")
         self.starts: list[int] = []  # each tar's first row
 
     def add(self, t: int, found: Samples, tar_print: int) -> None:
@@ -290,14 +290,13 @@ class _Columns:
         ends = self.ends
         if found.end_codes is not None:  # a few distinct ends, each sample's code: made the job's codes at once
             codes = np.asarray([ends.setdefault(e, len(ends)) for e in found.end_names], np.int64)
-            self.end = _widened(self.end, codes[found.end_codes].tolist())
+            self.end.extend(codes[found.end_codes])
         else:
-            self.end = _widened(self.end, [ends.setdefault(m[len(k):], len(ends)) for k, m in zip(found.keys,
-                                                                                                   found.members,
-                                                                                                   strict=True)])
-        self.which = _widened(self.which, [t] * len(found))
+            self.end.extend([ends.setdefault(m[len(k):], len(ends)) for k, m in zip(found.keys, found.members,
+                                                                                    strict=True)])
+        self.which.extend(np.full(len(found), t, dtype=np.int64))
         self.offsets.extend(found.offsets)
-        self.sizes = _widened(self.sizes, found.sizes)
+        self.sizes.extend(found.sizes)
         self.prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes) if tar_print else
                            [0] * len(found))
 
@@ -306,30 +305,10 @@ class _Columns:
 
     def rows(self, keys: Texts, codes: np.ndarray, classes: list[str], listing: dict[str, Any]) -> Rows:
         """The rows, the columns handed over."""
-        paths = Joined([f"{url}#" for url in self.urls], keys, _numbers(self.which), list(self.ends),
-                       _numbers(self.end))
+        paths = Joined([f"{url}#" for url in self.urls], keys, self.which.array(), list(self.ends), self.end.array())
         return Rows(ids=keys, paths=paths, labels=codes, classes=classes,
-                    locators={OFFSET: _numbers(self.offsets), SIZE: _numbers(self.sizes)},
-                    fingerprints=np.frombuffer(self.prints, dtype=np.uint64)
-                    if self.prints else np.zeros(0, np.uint64), listing=listing)
-
-
-def _widened(values: array, more: Sequence[int]) -> array:
-    """``values`` (a signed integer array) with ``more`` appended: made int64 first when one does not fit."""
-    n = len(values)
-    try:
-        values.extend(more)
-    except OverflowError:
-        del values[n:]  # (those appended before the one that did not fit)
-        values = array("q", values)
-        values.extend(more)
-    return values
-
-
-def _numbers(values: array) -> np.ndarray:
-    """A signed integer array's numbers as a numpy array of its width, its buffer taken without a copy."""
-    dtype = np.dtype(values.typecode)
-    return np.frombuffer(values, dtype=dtype) if values else np.zeros(0, dtype)
+                    locators={OFFSET: self.offsets.array(), SIZE: self.sizes.array()},
+                    fingerprints=self.prints.array(), listing=listing)
 
 
 def _tar_fingerprint(url: str, storage: dict[str, Any]) -> int:
