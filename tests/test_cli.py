@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -57,7 +58,11 @@ def test_run_inspect_and_resume(image_dir: Path, tmp_path: Path):
     assert info["row_status"] == {"pending": 0, "ok": 12, "failed": 0}
     assert info["shards"] == {"total": 3, "done": 3}
     assert info["captures"]["layer3"]["shape"] == [12, 32, 4, 4]  # the default toy (conftest.TINY_RESNET)
-    assert info["bytes_on_disk"] > 0
+    assert info["bytes_on_disk"] is None and info["captures"]["layer3"]["bytes_stored"] is None  # no object listed
+    # the values the commits recorded, before compression: 12 rows of each capture's float32 values
+    assert info["bytes_committed"] == 12 * 4 * sum(math.prod(c["shape"][1:]) for c in info["captures"].values())
+    du = json.loads(extractor("inspect", str(tmp_path / "s.zarr"), "--json", "--du").stdout)
+    assert du["bytes_on_disk"] > 0 and all(c["bytes_stored"] > 0 for c in du["captures"].values())
     r = extractor("inspect", str(tmp_path / "s.zarr"))
     assert "layer3" in r.stdout and "12 ok" in r.stdout and "shards 3/3 done" in r.stdout
 

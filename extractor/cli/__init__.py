@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--objects", action="store_true",
                    help="with --verify: check every object the store's commits name instead (present, decoding as its "
                         "array says; exit 1 on one missing or damaged)")
+    i.add_argument("--du", action="store_true",
+                   help="each capture's stored bytes and the store's bytes on disk: every object listed or stat-ed "
+                        "(without it: the bytes of values the committed shards wrote, as their commits record them)")
     i.set_defaults(func=cmd_inspect)
 
     la = sub.add_parser("layers", parents=[common], help="list a model's modules with output shapes")

@@ -43,7 +43,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     store = open_store(args.store, _store_options(args))
     if args.verify:
         return _verify_objects(store, args.json) if getattr(args, "objects", False) else _verify(store, args.json)
-    s = store.summary()
+    s = store.summary(du=args.du)
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
@@ -79,7 +79,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"classes {len(s['classes'])}: {shown}")
     rows = [
         [k, c["layer"], c["what"] + (f"[{c['index']!r}]" if c.get("index") is not None else ""), c["reduce"],
-         c["dtype"], "x".join(map(str, c["shape"])), size(c["bytes_stored"])]
+         c["dtype"], "x".join(map(str, c["shape"])), "-" if c["bytes_stored"] is None else size(c["bytes_stored"])]
         for k, c in s["captures"].items()
     ]
     print()
@@ -99,7 +99,13 @@ def _print_summary(s: dict[str, Any]) -> None:
         print()
         print(table(rows, ["key", "mean", "std", "min", "max", "row L2", "NaN", "Inf", "rows NaN/Inf"]))
         print("(mean and std: averaged over the per-feature values; --json has them per feature)")
-    print(f"\nbytes on disk {size(s['bytes_on_disk'])}")
+    lines = [] if s["bytes_committed"] is None else \
+        [f"values its committed shards wrote {size(s['bytes_committed'])} (before compression)"]
+    if s["bytes_on_disk"] is not None:
+        lines.append(f"bytes on disk {size(s['bytes_on_disk'])}")
+    else:
+        lines.append("each capture's stored bytes and the bytes on disk: extractor inspect --du (every object stat-ed)")
+    print("\n" + "\n".join(lines))
 
 
 def _verify(store: Any, as_json: bool) -> int:

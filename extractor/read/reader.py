@@ -591,17 +591,33 @@ class ActivationStore(Batching):
         """Rows by status (pending, ok, failed): the sums of the ledger's commits where a job committed its shards
         (each records its shard's: read once when the store was opened, whatever its rows), else counted in the
         status array (every row read: a format-1 store, one with no shard committed yet, a synthetic one)."""
-        table = getattr(self.group.store, "table", None)
-        done = table.entries[table.done] if table is not None else None
-        if done is not None and len(done) and bool((done["ok"].astype(np.int64) + done["failed"] > 0).all()):
-            # (a store written without a job's commits, as a synthetic one, keeps its rows' status only)
+        done = self._commits()
+        if done is not None:
             ok, failed = int(done["ok"].sum(dtype=np.int64)), int(done["failed"].sum(dtype=np.int64))
             return {"pending": len(self) - ok - failed, "ok": ok, "failed": failed}
         status = self.status
         return {STATUS_NAMES[v]: int((status == v).sum()) for v in STATUS_NAMES}
 
-    def summary(self) -> dict[str, Any]:
-        """What ``extractor inspect`` shows: captures, row counts, shards, bytes."""
+    def _commits(self) -> np.ndarray | None:
+        """The ledger's entries of the committed shards where a job committed them (each records its shard's rows,
+        bytes: read once when the store was opened); None: a format-1 store, one with no shard committed yet, or one
+        written without a job's commits (a synthetic one)."""
+        table = getattr(self.group.store, "table", None)
+        done = table.entries[table.done] if table is not None else None
+        if done is not None and len(done) and bool((done["ok"].astype(np.int64) + done["failed"] > 0).all()):
+            return done
+        return None
+
+    def bytes_committed(self) -> int | None:
+        """The bytes of the values the committed shards wrote, before compression, as their commits record them
+        (no object listed); None where commits do not record them (:meth:`_commits`)."""
+        done = self._commits()
+        return None if done is None else int(done["nbytes"].sum(dtype=np.int64))
+
+    def summary(self, du: bool = False) -> dict[str, Any]:
+        """What ``extractor inspect`` shows: captures, row counts, shards, the bytes of the values the committed
+        shards wrote (from their commits). ``du``: each capture's stored bytes and the store's bytes on disk too,
+        every object listed or stat-ed (at 100,000 shards, a million objects: ``inspect --du``); None without it."""
         counts = self.row_counts()
         captures = {}
         for key, meta in self.captures.items():
@@ -615,7 +631,7 @@ class ActivationStore(Batching):
                 "shape": list(arr.shape),
                 "chunks": list(arr.chunks),
                 "dims": ["row", *meta["dims"]],
-                "bytes_stored": int(arr.nbytes_stored()),
+                "bytes_stored": int(arr.nbytes_stored()) if du else None,
             }
         return {
             "store": self.url,
@@ -634,6 +650,7 @@ class ActivationStore(Batching):
             "classes": self.classes,
             "captures": captures,
             "stats": self.stats,
-            "bytes_on_disk": disk_usage(self.url),
+            "bytes_committed": self.bytes_committed(),
+            "bytes_on_disk": disk_usage(self.url) if du else None,
         }
 
