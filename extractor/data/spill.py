@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["SPILL_BYTES", "Bytes", "Column", "by_hash", "mapped"]
+__all__ = ["SPILL_BYTES", "Bytes", "Column", "by_hash"]
 
 SPILL_BYTES = 1 << 20  # what a builder keeps in memory before it writes to its file
 BUCKET_ROWS = 1 << 20  # (hash, row) pairs sorted at once by by_hash: about 50 MB with its sort's copies
@@ -31,14 +31,20 @@ def _file() -> IO[bytes]:
     return tempfile.TemporaryFile(buffering=0, dir=os.environ.get("EXTRACTOR_SPILL_DIR") or None)
 
 
-def mapped(f: IO[bytes] | None, dtype: Any, n: int, held: bytes | bytearray | array | np.ndarray) -> np.ndarray:
+def _write(f: IO[bytes], data: Any) -> None:
+    """All of ``data``'s bytes to the unbuffered ``f`` (a write may take fewer: the rest is written after)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view) or 0:]
+
+
+def _mapped(f: IO[bytes] | None, dtype: Any, n: int, held: bytes | bytearray | array) -> np.ndarray:
     """``n`` values of ``dtype``: those written to ``f`` (None: none) then ``held``, as one array (a read-only map
     of the file, ``held`` written to it first; or ``held`` itself where nothing was written)."""
     dtype = np.dtype(dtype)
     if f is None:
         return np.frombuffer(held, dtype=dtype) if len(held) else np.zeros(0, dtype)
-    f.write(memoryview(held).cast("B") if not isinstance(held, np.ndarray) else held.tobytes())
-    f.flush()
+    _write(f, held)
     return np.memmap(f, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
 
 
@@ -80,13 +86,13 @@ class Column:
     def _spill(self) -> None:
         if self.file is None:
             self.file = _file()
-        self.file.write(memoryview(self.held).cast("B"))
+        _write(self.file, self.held)
         self.written += len(self.held)
         self.held = array(self.held.typecode)
 
     def array(self) -> np.ndarray:
         """Every value, as one array (the builder is done with: it gathers anew from empty)."""
-        out = mapped(self.file, self.dtype, len(self), self.held)
+        out = _mapped(self.file, self.dtype, len(self), self.held)
         self.held, self.file, self.written = array(self.held.typecode), None, 0
         return out
 
@@ -107,7 +113,7 @@ class Bytes:
         if len(self.held) >= SPILL_BYTES:
             if self.file is None:
                 self.file = _file()
-            self.file.write(self.held)
+            _write(self.file, self.held)
             self.written += len(self.held)
             self.held = bytearray()
         return self
@@ -122,7 +128,7 @@ class Bytes:
 
     def array(self) -> np.ndarray:
         """Every byte, as one uint8 array (the builder gathers anew from empty)."""
-        out = mapped(self.file, np.uint8, len(self), self.held)
+        out = _mapped(self.file, np.uint8, len(self), self.held)
         self.held, self.file, self.written = bytearray(), None, 0
         return out
 

@@ -92,7 +92,7 @@ def _arrow_csv(manifest: str, head: str, names: _Columns, outside_root: bool) ->
     wanted = [names.image, names.id, names.label]
     bulk = _Bulk(head if is_url(head) else os.path.join(absolute(head), ""), names, outside_root)
     try:
-        reader = csv.open_csv(manifest, read_options=csv.ReadOptions(block_size=1 << 24),
+        reader = csv.open_csv(manifest, read_options=csv.ReadOptions(block_size=1 << 20),
                               parse_options=csv.ParseOptions(newlines_in_values=True),
                               convert_options=csv.ConvertOptions(
                                   include_columns=wanted, include_missing_columns=True, strings_can_be_null=False,
