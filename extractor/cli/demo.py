@@ -35,7 +35,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     code = _run_spec(spec, resume, quiet=args.quiet)
     if code == 0:
         print()
-        cmd_inspect(argparse.Namespace(store=spec.output.store, json=False, verify=False))
+        cmd_inspect(argparse.Namespace(store=spec.output.store, json=False, verify=False, du=True))
         from ..read import bar_chart, open_store, principal_components, probe_store, scatter_plot
 
         store = open_store(spec.output.store)

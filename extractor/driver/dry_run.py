@@ -20,7 +20,16 @@ from .._text import count, estimate, size, table
 from ..data import list_rows, plan
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
-from ..store import ROW_ARRAYS, Decision, StoreSession, blocks_for, id_index_objects, numpy_dtype
+from ..store import (
+    ONCE_ARRAYS,
+    ROW_ARRAYS,
+    Decision,
+    StoreSession,
+    blocks_for,
+    id_index_objects,
+    numpy_dtype,
+    once_rows,
+)
 
 __all__ = ["Preview", "preview"]
 
@@ -146,10 +155,13 @@ def preview(spec: JobSpec) -> Preview:
                             objects(*layout[k])) for k, c in probe.captures.items()]
     # a chunk per shard of each per-row array (a shard's finish writes each of its chunks whole, errors too) and
     # its statistics; the ledger's blocks, the final record and the job's claimant's record
-    n_per_row = len(ROW_ARRAYS) + len(probe.extras) + len(rows.locators) + bool(spec.output.reuse) + 1
+    n_per_row = len(ROW_ARRAYS) - len(ONCE_ARRAYS) + len(probe.extras) + len(rows.locators) + \
+        bool(spec.output.reuse) + 1
+    once = len(ONCE_ARRAYS) * math.ceil(len(rows) / once_rows(min(spec.data.shard_size, len(rows)), len(rows)))
     extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
     planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
-                      n_per_row * len(shards) + blocks_for(len(shards)) + 2 + id_index_objects(len(rows)), extras,
+                      n_per_row * len(shards) + once + blocks_for(len(shards)) + 2 + id_index_objects(len(rows)),
+                      extras,
                       _free_bytes(spec.output.store))
     if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
         planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "

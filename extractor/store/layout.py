@@ -164,6 +164,14 @@ class StoreArrays:
 
 
 WRITE_ROWS = 1 << 17  # a new store's per-row arrays are written this many rows (rounded to chunks) at a time
+ONCE_ROWS = 1 << 16  # rows a chunk of the per-row arrays written once, when the store is made (ONCE_ARRAYS), hold
+# at most (whole shards): a chunk a shard was 6-9 us of the driver's CPU a row at 10M rows, zarr's cost a chunk
+ONCE_ARRAYS = ("ids", "paths", "labels")
+
+
+def once_rows(shard_rows: int, n_rows: int) -> int:
+    """Rows a chunk of :data:`ONCE_ARRAYS` (no shard writes them: their chunks need not be a shard's)."""
+    return min(shard_rows * max(1, ONCE_ROWS // shard_rows), max(n_rows, 1))
 READ_BYTES = 32 << 20  # a streaming read of a sharded array takes chunks of its shard up to about this much
 
 
@@ -312,15 +320,18 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
 
 def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...]) -> None:
     """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``), in chunks
-    of ``shard_rows``: what is known before any image is read is written now, a stretch of whole chunks at a time
-    (the paths of a Joined made a stretch at a time)."""
+    of ``shard_rows`` (those written once, :data:`ONCE_ARRAYS`: of whole shards up to :data:`ONCE_ROWS`): what is
+    known before any image is read is written now, a stretch of whole chunks at a time (the paths of a Joined made a
+    stretch at a time)."""
     n = len(rows)
-    step = shard_rows * max(1, WRITE_ROWS // shard_rows)
+    once = once_rows(shard_rows, n)
 
     def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:
+        chunk = once if name in ONCE_ARRAYS else shard_rows
         arr = group.create_array(
-            name, shape=(n,), dtype=dtype, chunks=(shard_rows,), fill_value=fill, dimension_names=["row"]
+            name, shape=(n,), dtype=dtype, chunks=(chunk,), fill_value=fill, dimension_names=["row"]
         )
+        step = chunk * max(1, WRITE_ROWS // chunk)
         for start in range(0, n if data is not None else 0, step):
             arr[start:start + step] = data[start:start + step]
 
