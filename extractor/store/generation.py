@@ -26,6 +26,7 @@ Its state as readers see it (``status``, ``stats``, ...) is read from those (:me
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -177,16 +178,24 @@ class Generation:
         data = self.objects.get(self.txn("final"))
         return json.loads(data) if data else None
 
-    def leave_partial(self, claimant: int, totals: bytes) -> None:
+    def leave_partial(self, claimant: int, totals: bytes, shards: int | None = None) -> str:
         """A claimant's statistics of the shards it committed (``Totals.to_bytes``), left for whoever merges them all
-        (written once, under its own name)."""
-        self.objects.create(self.txn(f"partials/{claimant:016x}"), totals)
+        (written once, under its own name; ``shards``: a checkpoint of that many, named by their number). Its key."""
+        key = self.txn(f"partials/{claimant:016x}" + (f".{shards:010d}" if shards is not None else ""))
+        self.objects.create(key, totals)
+        return key
+
+    def remove_partial(self, key: str) -> None:
+        """A claimant's earlier checkpoint, which its next holds (what cannot be removed is refused by the merge as
+        overlapping, and goes with the generation)."""
+        with contextlib.suppress(OSError):
+            self.objects.remove(key)
 
     def partials(self, but: int | None = None) -> list[bytes]:
         """The statistics the claimants (but ``but``) left (:meth:`leave_partial`), as they wrote them."""
         out = []
         for name in self.objects.list(self.txn("partials")):
-            if but is not None and name == f"{but:016x}":
+            if but is not None and name.split(".", 1)[0] == f"{but:016x}":
                 continue
             data = self.objects.get(self.txn(f"partials/{name}"))
             if data:

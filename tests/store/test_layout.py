@@ -249,6 +249,43 @@ def test_statistics_merged_as_shards_come_and_then_from_the_store_equal_one_merg
     assert (merged["a"]["nan"], merged["a"]["inf"], merged["a"]["rows"]) == (2, 4, 48)
 
 
+def test_a_driver_killed_between_checkpoints_costs_the_resume_only_the_records_since(
+        image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Issue 57: a claimant leaves its statistics as a partial every CHECKPOINT_SHARDS shards (its last one removed);
+    one killed without leaving its own (as SIGKILL or a lost node: ``_leave_partial`` never runs) costs whoever
+    merges them all the records of its shards since its last checkpoint, and the statistics are a whole run's."""
+    from extractor.store import session, stats
+
+    monkeypatch.setattr(session, "CHECKPOINT_SHARDS", 3)
+    raw = job(image_dir, tmp_path / "s.zarr", data={"shard_size": 1, "batch_size": 1}, output={"chunk_rows": 1})
+    done: list[int] = []
+
+    def killed(name: str, info: dict) -> None:
+        if name == "shard_done":
+            done.append(info["shard"])
+            if len(done) == 7:  # (a shard computed meanwhile is still committed and reported)
+                raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(session.StoreSession, "_leave_partial", lambda self: None)
+        with pytest.raises(KeyboardInterrupt):
+            run(parse_spec(raw), on_event=killed)
+    partials = generation(str(tmp_path / "s.zarr")).objects.list(generation(str(tmp_path / "s.zarr")).txn("partials"))
+    assert len(partials) == 1 and partials[0].endswith(".0000000006")  # the last checkpoint: 6 shards; the first gone
+    committed = set(np.flatnonzero(generation(str(tmp_path / "s.zarr")).ledger().read().done).tolist())
+    read: list[int] = []
+    real = stats.take_rows
+    monkeypatch.setattr(stats, "take_rows", lambda records, rows: (read.extend(rows.tolist()), real(records, rows))[1])
+    run(parse_spec({**raw, "output": {**raw["output"], "if_exists": "resume"}}))
+    assert read and sorted(read) == sorted(committed - set(done[:6]))  # the killed run's after its last checkpoint
+    run(parse_spec({**raw, "output": {**raw["output"], "store": str(tmp_path / "whole.zarr")}}))
+    whole, resumed = open_store(str(tmp_path / "whole.zarr")).stats, open_store(str(tmp_path / "s.zarr")).stats
+    for key in whole:
+        np.testing.assert_allclose(resumed[key]["mean"], whole[key]["mean"], rtol=1e-9)
+        np.testing.assert_allclose(resumed[key]["std"], whole[key]["std"], rtol=1e-9)
+        assert resumed[key]["rows"] == whole[key]["rows"] == 12
+
+
 def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
         image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from extractor.errors import StoreError
