@@ -133,10 +133,10 @@ def _complete(path: Path, digests: bool) -> None:
     from extractor.store.writer import ShardWriter
 
     class Finished(LocalBackend):
-        def run(self, todo: Any, url: str, on_progress: Any, on_event: Any, fence: str | None = None) -> list:
+        def run(self, todo: Any, url: str, on_progress: Any, on_event: Any, ticket: Any = None) -> list:
             for shard in todo:
                 n = shard.stop - shard.start
-                writer = ShardWriter(url, shard.start, shard.stop, shard.index, None, fence=fence)
+                writer = ShardWriter(url, shard.start, shard.stop, shard.index, None, ticket)
                 found = np.asarray([content_digest(read_bytes(item)) for item in writer.opening()[0]], np.uint64) \
                     if digests else np.arange(1, n + 1, dtype=np.uint64)
                 writer.finish(np.ones(n, np.uint8), [""] * n, None, "", found)

@@ -296,10 +296,23 @@ class Rows:
     def __len__(self) -> int:
         return len(self.ids) if self.stored is None else int(self.stored["n_rows"])
 
+    def on_disk(self) -> int:
+        """Bytes of its columns spilled to the local disk (:mod:`.spill`: what the driver does not hold in memory)."""
+        columns = [self.labels, self.fingerprints, *self.locators.values()]
+        for strings in (self.ids, self.paths):
+            if isinstance(strings, Joined):
+                columns += [strings.which, strings.end]
+                strings = strings.tails
+            if isinstance(strings, Texts):
+                columns += [strings.data, strings.ends]
+            elif isinstance(strings, np.ndarray):
+                columns.append(strings)
+        return spill.on_disk(*columns)
+
 
 def duplicate(ids: Any) -> tuple[int, int] | None:
     """The rows of the first id that appears again, as (its first row, the row it appears again in); None when
-    all are unique. Found by sorting the ids' hashes (:func:`.spill.by_hash`: on the disk in buckets past 4M rows;
+    all are unique. Found by sorting the ids' hashes (:func:`.spill.by_hash`: on the disk in buckets past 1M rows;
     a set of 10M ids was a gigabyte), the few rows whose hash another shares compared as strings."""
     shared = []
     for hashes, rows in by_hash(hash_blocks(ids), len(ids)):

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["SPILL_BYTES", "Bytes", "Column", "by_hash"]
+__all__ = ["SPILL_BYTES", "Bytes", "Column", "by_hash", "on_disk"]
 
 SPILL_BYTES = 1 << 20  # what a builder keeps in memory before it writes to its file
 BUCKET_ROWS = 1 << 20  # (hash, row) pairs sorted at once by by_hash: about 50 MB with its sort's copies
@@ -46,6 +46,19 @@ def _mapped(f: IO[bytes] | None, dtype: Any, n: int, held: bytes | bytearray | a
         return np.frombuffer(held, dtype=dtype) if len(held) else np.zeros(0, dtype)
     _write(f, held)
     return np.memmap(f, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+
+
+def on_disk(*arrays: Any) -> int:
+    """The bytes of ``arrays`` (numpy arrays, or None) whose values lie in a file mapped read-only (a spilled
+    column, or a view of one), each file counted once."""
+    seen: dict[int, int] = {}
+    for given in arrays:
+        base = given
+        while base is not None and not isinstance(base, np.memmap):
+            base = getattr(base, "base", None)
+        if base is not None:
+            seen[id(base)] = max(seen.get(id(base), 0), int(base.nbytes))
+    return sum(seen.values())
 
 
 class Column:
@@ -142,8 +155,8 @@ def by_hash(blocks: Iterable[np.ndarray], n: int) -> Iterator[tuple[np.ndarray, 
     """The int64 hashes of ``n`` rows (given a block at a time, in row order) sorted, with each one's row (rows that
     share a hash in row order): a bucket at a time, buckets in order, so that what they give one after the other is
     one sorted array. ``n`` up to :data:`BUCKET_ROWS` is sorted in memory; more is split on the disk first by each
-    hash's top bits into at most :data:`BUCKETS` files of (hash, row) pairs (hashes spread evenly: a bucket holds
-    about ``BUCKET_ROWS``, more past ``BUCKETS`` of them: 400M rows, 1.6M a bucket)."""
+    hash's top bits into at most 2 ** :data:`BUCKET_BITS` files of (hash, row) pairs (hashes spread evenly: a bucket
+    holds about ``BUCKET_ROWS``, more past 256 buckets: at 400M rows, 1.6M a bucket)."""
     bits = min(int(np.ceil(np.log2(max(n, 1) / BUCKET_ROWS))), BUCKET_BITS) if n > BUCKET_ROWS else 0
     if not bits:
         hashes = np.concatenate([np.asarray(b, dtype=np.int64) for b in blocks]) if n else np.zeros(0, np.int64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,6 +49,14 @@ class CapturePlan:
 
 
 @dataclass(frozen=True)
+class Listing:
+    """The rows' listing on the driver: its CPU seconds, and the bytes of its columns spilled to the local disk."""
+
+    cpu_s: float
+    on_disk: int
+
+
+@dataclass
 class Preview:
     """What ``extractor run`` would do with a job: rows, shards, captures, totals, the store's fate."""
 
@@ -61,6 +70,7 @@ class Preview:
     per_row_objects: int  # objects besides the captures: ids, paths, status ..., the id index, shard markers
     per_row_bytes: int = 0  # a row's per-row results (KEY.token_index, target ...), uncompressed
     free_bytes: int | None = None  # at a local destination
+    listing: Listing | None = None  # what listing the rows took on this machine (the driver's)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -88,6 +98,10 @@ class Preview:
         ]
         if self.free_bytes is not None:
             lines.append(f"free at the destination: {size(self.free_bytes)}")
+        if self.listing is not None:
+            lines.append(f"the driver listed the rows in {self.listing.cpu_s:.1f} s of CPU; "
+                         f"{size(self.listing.on_disk)} of the listing on its local disk (EXTRACTOR_SPILL_DIR or "
+                         "TMPDIR), not in its memory")
         lines += [f"warning: {w}" for w in self.warnings]
         per_row = {c.key: c.bytes_per_row for c in self.captures}
         lines.append(estimate(self.todo_rows, per_row))  # the line `extractor run` prints
@@ -128,7 +142,9 @@ def preview(spec: JobSpec) -> Preview:
     """What ``run(spec)`` would write; creates, replaces and locks nothing."""
     from .runner import LocalBackend
 
+    started = time.process_time()
     rows = list_rows(spec.data)
+    listed = Listing(time.process_time() - started, rows.on_disk())
     shards = plan(len(rows), spec.data.shard_size)
     backend = LocalBackend(_on_this_machine(spec))
     try:
@@ -161,8 +177,7 @@ def preview(spec: JobSpec) -> Preview:
     extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
     planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
                       n_per_row * len(shards) + once + blocks_for(len(shards)) + 2 + id_index_objects(len(rows)),
-                      extras,
-                      _free_bytes(spec.output.store))
+                      extras, _free_bytes(spec.output.store), listed)
     if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
         planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "
                                 f"{size(planned.free_bytes)} free; cut it with dtype: float16 or bfloat16, "

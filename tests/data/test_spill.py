@@ -11,6 +11,7 @@ import pytest
 from helpers.jobs import job
 from helpers.stores import opened
 
+from extractor._text import size
 from extractor.data import spill
 from extractor.data.rows import Strings, duplicate, text_hashes
 from extractor.driver.runner import run
@@ -108,3 +109,23 @@ def test_a_job_whose_listing_spills_stores_what_a_job_in_memory_stores(image_dir
     manifest.write_text(manifest.read_text() + f"{rows[0].relative_to(image_dir)},x3,cats\n")
     with pytest.raises(DataError, match=rf"id 'x3' appears in rows 4 and {len(rows) + 1}"):
         run(spec(tmp_path / "twice.zarr"))
+
+
+def test_the_listings_bytes_on_the_disk_are_its_spilled_columns_and_plan_says_them(image_dir: Path, tmp_path: Path,
+                                                                                    tiny):
+    from extractor.data import list_rows
+    from extractor.driver.dry_run import preview
+
+    spec = parse_spec(job(image_dir, tmp_path / "s.zarr"))
+    rows = list_rows(spec.data)
+    assert rows.paths.tails is rows.ids  # a folder's paths: its root and the ids, held once
+    expected = rows.ids.data.nbytes + rows.ids.ends.nbytes + rows.labels.nbytes + rows.fingerprints.nbytes
+    assert rows.on_disk() == expected > 0
+    planned = preview(spec)
+    assert planned.listing is not None and planned.listing.on_disk == expected
+    assert f"{size(expected)} of the listing on its local disk" in planned.report()
+
+def test_a_listing_that_stays_small_has_nothing_on_the_disk(image_dir: Path, tmp_path: Path):
+    from extractor.data import list_rows
+
+    assert list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr")).data).on_disk() == 0
