@@ -28,14 +28,29 @@ BUCKET_BITS = 8  # at most 256 buckets (open files) however many rows
 
 def _file() -> IO[bytes]:
     """An unnamed file in the spill folder (removed from the folder at once: freed when closed and unmapped)."""
-    return tempfile.TemporaryFile(buffering=0, dir=os.environ.get("EXTRACTOR_SPILL_DIR") or None)
+    try:
+        return tempfile.TemporaryFile(buffering=0, dir=os.environ.get("EXTRACTOR_SPILL_DIR") or None)
+    except OSError as err:
+        raise _refused(err) from None
 
 
 def _write(f: IO[bytes], data: Any) -> None:
     """All of ``data``'s bytes to the unbuffered ``f`` (a write may take fewer: the rest is written after)."""
     view = memoryview(data).cast("B")
-    while view:
-        view = view[f.write(view) or 0:]
+    try:
+        while view:
+            view = view[f.write(view) or 0:]
+    except OSError as err:
+        raise _refused(err) from None
+
+
+def _refused(err: OSError) -> Exception:
+    """The listing's spill refused by the disk (a missing folder, no room), in one line naming where and what to do."""
+    from ..errors import DataError
+
+    where = os.environ.get("EXTRACTOR_SPILL_DIR") or tempfile.gettempdir()
+    return DataError(f"the driver's listing cannot go to {where} ({err.strerror or err}); set EXTRACTOR_SPILL_DIR to "
+                     "a folder on a local disk with room (about 60 bytes a row)")
 
 
 def _mapped(f: IO[bytes] | None, dtype: Any, n: int, held: bytes | bytearray | array) -> np.ndarray:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +78,7 @@ def test_every_source_lists_the_same_rows_when_they_spill_to_the_disk(name: str,
     monkeypatch.setattr(spill, "SPILL_BYTES", 16)
     monkeypatch.setattr(spill, "BUCKET_ROWS", 2)
     spilled = list_rows(data)
-    assert isinstance(spilled.ids, Texts) and _mapped(spilled.ids.data) and _mapped(spilled.labels)  # on the disk
+    assert isinstance(spilled.ids, Texts) and spill.on_disk(spilled.ids.data) and spill.on_disk(spilled.labels)
     assert spilled.ids.tolist() == held.ids.tolist() and list(spilled.paths) == list(held.paths)
     assert spilled.labels.tolist() == held.labels.tolist() and spilled.classes == held.classes
     assert (spilled.fingerprints is None) == (held.fingerprints is None)
@@ -88,11 +87,3 @@ def test_every_source_lists_the_same_rows_when_they_spill_to_the_disk(name: str,
     assert {k: v.tolist() for k, v in spilled.locators.items()} == {k: v.tolist() for k, v in held.locators.items()}
     assert spilled.listing == held.listing
 
-
-def _mapped(array: np.ndarray) -> bool:
-    """Whether an array's values are a map of a file (a spilled column, or a view of one)."""
-    while array is not None:
-        if isinstance(array, np.memmap | mmap.mmap):
-            return True
-        array = getattr(array, "base", None)
-    return False

@@ -129,3 +129,13 @@ def test_a_listing_that_stays_small_has_nothing_on_the_disk(image_dir: Path, tmp
     from extractor.data import list_rows
 
     assert list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr")).data).on_disk() == 0
+
+
+def test_a_spill_folder_that_cannot_take_the_listing_is_one_clear_error(image_dir: Path, tmp_path: Path, tiny,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    from extractor.data import list_rows
+
+    monkeypatch.setenv("EXTRACTOR_SPILL_DIR", str(tmp_path / "gone"))
+    with pytest.raises(DataError, match=r"listing cannot go to .*gone .*set EXTRACTOR_SPILL_DIR"):
+        list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr")).data)
+    assert not (tmp_path / "s.zarr").exists()  # refused before the store is touched
