@@ -240,19 +240,23 @@ def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitSta
         stack.enter_context(mock.patch.object(folder, "folder_prints", lambda path, names: [12345] * len(names)))
         return DataSpec(source="folder", root=str(work)), stack
     if source == "tar":
-        def scan(url: str, extensions: Any, storage: Any) -> Any:
-            t, s = int(url.rsplit("-", 1)[1][:6]), tar.Samples()
-            for i in range(t * per, t * per + per):
-                s.keys.append(f"imagenet-train/{t:06d}/{i:09d}")
-                s.members.append(f"imagenet-train/{t:06d}/{i:09d}.jpg")
-                s.offsets.append(1536 * i + 512), s.sizes.append(110_000), s.labels.append(str(i % 1000))
-            return s
+        def scan(url: str, extensions: Any, storage: Any) -> Any:  # as the bulk header reader gives them
+            t = int(url.rsplit("-", 1)[1][:6])
+            keys = [f"imagenet-train/{t:06d}/{i:09d}" for i in range(t * per, t * per + per)]
+            return tar.Samples(keys=keys, members=[f"{k}.jpg" for k in keys],
+                               offsets=list(range(t * per * 1536 + 512, (t + 1) * per * 1536 + 512, 1536)),
+                               sizes=[110_000] * per, labels=[str(c) for c in range(1000)],
+                               label_codes=np.arange(t * per, t * per + per) % 1000, end_names=[".jpg"],
+                               end_codes=np.zeros(per, np.int64))
 
         stack.enter_context(mock.patch.object(tar, "scan_tar", scan))
         stack.enter_context(mock.patch.object(tar, "_tar_fingerprint", lambda url, storage: 987654321))  # noqa: PT008
         return DataSpec(source="tar", tars=f"/data/tars/train-{{000000..{n // per - 1:06d}}}.tar"), stack
+    import pyarrow as pa
+
+    labels = pa.array(np.arange(per) % 1000)  # (what _scan reads: the label column, an Arrow array)
     stack.enter_context(mock.patch.object(parquet, "_scan", lambda url, cols, storage: parquet._File(  # noqa: PT008
-        rows=per, labels=[i % 1000 for i in range(per)], ids=None, names=None, print=987654321)))
+        rows=per, labels=labels, ids=None, names=None, print=987654321)))
     files = [f"/data/hub/imagenet-1k/data/train-{f:05d}-of-{n // per:05d}.parquet" for f in range(n // per)]
     return DataSpec(source="parquet", parquet=files), stack
 

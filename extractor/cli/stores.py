@@ -58,6 +58,24 @@ def _model_line(m: dict[str, Any]) -> str:
             f"state sha256 {(m.get('state_dict_sha256') or '?')[:12]}")
 
 
+def _print_stats(stats: dict[str, Any]) -> None:
+    """``extractor inspect``'s table of each capture's statistics."""
+    def g(v: object) -> str:
+        return "-" if v is None else f"{v:.4g}"
+
+    rows = []
+    for k, st in stats.items():
+        # no finite value (no ok rows, or all NaN/Inf): the stored moments are 0 and mean nothing
+        seen = st["min"] is not None
+        mean = sum(st["mean"]) / max(len(st["mean"]), 1) if seen else None
+        std = sum(st["std"]) / max(len(st["std"]), 1) if seen else None
+        rows.append([k, g(mean), g(std), g(st["min"]), g(st["max"]), g(st["mean_l2"]), str(st["nan"]),
+                     str(st["inf"]), str(st["nonfinite_rows"])])
+    print()
+    print(table(rows, ["key", "mean", "std", "min", "max", "row L2", "NaN", "Inf", "rows NaN/Inf"]))
+    print("(mean and std: averaged over the per-feature values; --json has them per feature)")
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     """``extractor inspect``'s lines for people."""
     m = s["model"]
@@ -85,20 +103,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     print()
     print(table(rows, ["key", "layer", "what", "reduce", "dtype", "shape", "stored"]))
     if s["stats"]:
-        def g(v: object) -> str:
-            return "-" if v is None else f"{v:.4g}"
-
-        rows = []
-        for k, st in s["stats"].items():
-            # no finite value (no ok rows, or all NaN/Inf): the stored moments are 0 and mean nothing
-            seen = st["min"] is not None
-            mean = sum(st["mean"]) / max(len(st["mean"]), 1) if seen else None
-            std = sum(st["std"]) / max(len(st["std"]), 1) if seen else None
-            rows.append([k, g(mean), g(std), g(st["min"]), g(st["max"]), g(st["mean_l2"]), str(st["nan"]),
-                         str(st["inf"]), str(st["nonfinite_rows"])])
-        print()
-        print(table(rows, ["key", "mean", "std", "min", "max", "row L2", "NaN", "Inf", "rows NaN/Inf"]))
-        print("(mean and std: averaged over the per-feature values; --json has them per feature)")
+        _print_stats(s["stats"])
     lines = [] if s["bytes_committed"] is None else \
         [f"values its committed shards wrote {size(s['bytes_committed'])} (before compression)"]
     if s["bytes_on_disk"] is not None:

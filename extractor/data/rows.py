@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import operator
 import re
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
@@ -21,6 +22,7 @@ from . import spill
 from .spill import Bytes, Column, by_hash
 
 __all__ = [
+    "Distinct",
     "Joined",
     "Joining",
     "Rows",
@@ -161,6 +163,14 @@ class Strings:
         self.held += data
         if len(self.held) >= spill.SPILL_BYTES:
             self._spill()
+
+    def extend_arrow(self, column: Any) -> None:
+        """Append an Arrow string array's values from its buffers (none made a ``str``; no nulls)."""
+        kind = np.int64 if column.type.id == _large_string_id() else np.int32
+        offsets = np.frombuffer(column.buffers()[1], dtype=kind)[column.offset:column.offset + len(column) + 1]
+        data = column.buffers()[2]
+        self.extend_utf8(memoryview(data)[int(offsets[0]):int(offsets[-1])] if data is not None else b"",
+                         offsets[1:] - offsets[0])
 
     def _spill(self) -> None:
         self.data += self.held
@@ -459,31 +469,106 @@ def labels_of_codes(codes: np.ndarray, values: list[object], firsts: list[int],
     return looked_up(table, codes), classes
 
 
+def _large_string_id() -> int:
+    import pyarrow as pa
+
+    return int(pa.large_string().id)
+
+
 def distinct(raw: Iterable[object]) -> tuple[np.ndarray, list[object], list[int]]:
     """Each row's code into its distinct values (by type and value: ``1`` and ``True`` differ), the values, and
     the first row of each."""
-    codes = Column("i")  # (int32: half of int64's bytes; on the disk past a megabyte)
-    index: dict[tuple[type, object], int] = {}
-    values: list[object] = []
-    firsts: list[int] = []
-    texts: dict[str, int] = {}  # the str values' codes (most labels: no key to make)
-    for n, v in enumerate(raw):
+    found = Distinct()
+    found.add(raw)
+    return found.result()
+
+
+class Distinct:
+    """:func:`distinct` built a block at a time: Python values one by one, or an Arrow array's in bulk (its
+    distinct values found by Arrow, a few made Python values)."""
+
+    def __init__(self) -> None:
+        self.codes = Column("i")  # (int32: half of int64's bytes; on the disk past a megabyte)
+        self.index: dict[tuple[type, object], int] = {}
+        self.values: list[object] = []
+        self.firsts: list[int] = []
+        self.texts: dict[str, int] = {}  # the str values' codes (most labels: no key to make)
+        self.arrow: dict[str, tuple[Any, np.ndarray]] = {}  # by Arrow type: the values seen, and their codes
+
+    def _code(self, v: object, n: int) -> int:
         if type(v) is str:
-            code = texts.get(v)
+            code = self.texts.get(v)
             if code is None:
-                code = texts[v] = index[(str, v)] = len(values)
-                values.append(v)
-                firsts.append(n)
-            codes.append(code)
-            continue
+                code = self.texts[v] = self._new((str, v), v, n)
+            return code
         key = (type(v), v if isinstance(v, str | int | float | None) else repr(v))
-        code = index.get(key)
-        if code is None:
-            code = index[key] = len(values)
-            values.append(v)
-            firsts.append(n)
-        codes.append(code)
-    return codes.array(), values, firsts
+        code = self.index.get(key)
+        return self._new(key, v, n) if code is None else code
+
+    def _new(self, key: tuple[type, object], v: object, n: int) -> int:
+        code = self.index[key] = len(self.values)
+        self.values.append(v)
+        self.firsts.append(n)
+        return code
+
+    def add(self, raw: Iterable[object]) -> None:
+        """Values one by one."""
+        code, block = self._code, array("i")
+        for n, v in enumerate(raw, len(self.codes)):
+            block.append(code(v, n))
+            if len(block) == BLOCK:
+                self.codes.extend(block)
+                block = array("i")
+        self.codes.extend(block)
+
+    def add_coded(self, values: Sequence[object], codes: np.ndarray) -> None:
+        """Values given as the distinct ones and each row's code into them (a reader's that found them in bulk)."""
+        present, first_at = np.unique(codes, return_index=True)  # the values rows have, and the first row of each
+        table = np.full(len(values), -1, dtype=np.int32)
+        at = len(self.codes)
+        table[present] = [self._code(values[k], at + f) for k, f in zip(present.tolist(), first_at.tolist(),
+                                                                       strict=True)]
+        self.codes.extend(table[codes])
+
+    def add_arrow(self, column: Any) -> None:
+        """An Arrow array's values (a null: None), their distinct values found in bulk."""
+        if not len(column):
+            return
+        import pyarrow as pa
+
+        column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+        if pa.types.is_dictionary(column.type):  # its dictionary may hold values no row has
+            column = column.cast(column.type.value_type)
+        try:
+            encoded = column.dictionary_encode(null_encoding="encode")
+        except pa.ArrowNotImplementedError:  # lists, structs...: made Python values
+            self.add(column.to_pylist())
+            return
+        in_block = encoded.indices.to_numpy(zero_copy_only=False)
+        self.codes.extend(self._arrow_codes(encoded.dictionary, in_block)[in_block])
+
+    def _arrow_codes(self, values: Any, in_block: np.ndarray) -> np.ndarray:
+        """The codes of a block's distinct values (an Arrow array): those seen in earlier blocks of this type
+        looked up by Arrow, the new ones given codes (their first row: where the block has them first)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        kind = str(values.type)
+        seen, codes = self.arrow.get(kind, (pa.array([], values.type), np.zeros(0, dtype=np.int32)))
+        at = pc.fill_null(pc.index_in(values, value_set=seen), -1).to_numpy(zero_copy_only=False)
+        table = np.append(codes, -1).astype(np.int32)[at]  # (-1: a value not seen, given its code below)
+        new = np.flatnonzero(at < 0)
+        if len(new):
+            _, first_at = np.unique(in_block, return_index=True)  # each distinct value's first row in the block
+            fresh = values.take(pa.array(new))
+            table[new] = [self._code(v, len(self.codes) + int(first_at[k]))
+                          for k, v in zip(new.tolist(), fresh.to_pylist(), strict=True)]
+            self.arrow[kind] = (pa.concat_arrays([seen, fresh]), np.concatenate([codes, table[new]]))
+        return table
+
+    def result(self) -> tuple[np.ndarray, list[object], list[int]]:
+        """Each row's code, the distinct values, the first row of each (the builder is done with)."""
+        return self.codes.array(), self.values, self.firsts
 
 
 def first_where(values: np.ndarray, test: Callable[[np.ndarray], np.ndarray]) -> int | None:

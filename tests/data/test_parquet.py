@@ -14,6 +14,7 @@ from helpers.sources import write_tars
 from helpers.stores import pending
 
 from extractor.data.listing import list_rows
+from extractor.data.rows import labels_of
 from extractor.data.sources.parquet import row_groups
 from extractor.driver.runner import run
 from extractor.errors import DataError
@@ -175,6 +176,25 @@ def test_an_empty_file_and_ids_twice_in_one_file_are_said_so(tmp_path: Path):
     pq.write_table(pa.table({"image": [b"x"] * 4, "id": ["a", "b", "c", "b"]}), twice)
     with pytest.raises(DataError, match=r"id 'b' appears twice: .*twice.parquet row 1 and .*twice.parquet row 3"):
         list_rows(DataSpec(source="parquet", parquet=str(twice)))
+
+
+def test_ids_and_labels_of_every_column_type_are_each_rows_value(tmp_path: Path):
+    """Ids and labels are taken from Arrow columns in bulk: each row's is what its Python value gives (an empty or
+    missing id: FILE/ROW; a label by type and value)."""
+    files = {"a.parquet": {"id": pa.array(["x", None, "", "é"]), "label": pa.array(["dog", None, "cat", "dog"])},
+             "b.parquet": {"id": pa.array([10, None, 12, 13]), "label": pa.array([1.0, 2.0, None, 1.0])},
+             "c.parquet": {"id": pa.array(["y", "z", "w", "v"], pa.large_string()),
+                           "label": pa.array(["cat", "dog", "bird", "cat"]).dictionary_encode()}}
+    want_ids, want_labels = [], []
+    for name, columns in files.items():
+        pq.write_table(pa.table({"image": [b"x"] * 4, **columns}), tmp_path / name)
+        stem = name.removesuffix(".parquet")
+        want_ids += [str(g) if g not in (None, "") else f"{stem}/{r}" for r, g in enumerate(columns["id"].to_pylist())]
+        want_labels += columns["label"].to_pylist()
+    rows = list_rows(DataSpec(source="parquet", parquet=str(tmp_path / "*.parquet")))
+    assert rows.ids.tolist() == want_ids
+    codes, classes = labels_of(want_labels)  # the reference: the labels one by one (1.0 among names: a name)
+    assert rows.labels.tolist() == codes.tolist() and rows.classes == classes == ["1.0", "2.0", "bird", "cat", "dog"]
 
 
 def test_integer_labels_without_names_take_data_classes(image_dir: Path, tmp_path: Path):

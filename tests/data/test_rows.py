@@ -7,8 +7,21 @@ import hashlib
 import random
 
 import numpy as np
+import pytest
 
-from extractor.data.rows import BLOCK, Joined, Joining, Rows, Strings, Texts, duplicate, labels_of, strings
+from extractor.data.rows import (
+    BLOCK,
+    Distinct,
+    Joined,
+    Joining,
+    Rows,
+    Strings,
+    Texts,
+    distinct,
+    duplicate,
+    labels_of,
+    strings,
+)
 from extractor.store.provenance import _digest
 
 
@@ -95,6 +108,31 @@ def test_labels_decided_on_distinct_values_equal_per_row_labels():
     assert numbers.tolist() == [3, 3, -1, 10, 7] and none == []
     names, named = labels_of(["dog", "cat", "dog", None])
     assert named == ["cat", "dog"] and names.tolist() == [1, 0, 1, -1]
+
+
+def test_distinct_values_found_in_bulk_are_those_found_one_by_one():
+    pa = pytest.importorskip("pyarrow")
+    blocks = [[7, "7"], pa.array([3, None, 1, 3, 1]), pa.array(["a", None, "b", "a", ""]), pa.array([[1], [2], [1]]),
+              pa.array(["x", "y", "x"]).dictionary_encode(), pa.array([1.0, 2.5, 1.0]), [1.0, True, 1],
+              pa.chunked_array([[1, 2], [2, 3]]), pa.array([True, False, True]), pa.array([4, 3, None, 9], pa.int32()),
+              pa.array(["b", "q", None], pa.large_string()), pa.array([None, None], pa.null()), ("dog", "a"),
+              pa.array([], pa.int64()), pa.array([9, 1, 3] * 2000)]
+    found, every = Distinct(), []
+    for block in blocks:  # each kind of block after the others: codes carried over, first rows counted on
+        if isinstance(block, tuple):  # the distinct values and each row's code (the tar reader's)
+            codes = np.array([1, 1, 0, 2])
+            found.add_coded([*block, None], codes)
+            every += [[*block, None][c] for c in codes]
+        elif isinstance(block, list):
+            found.add(block)
+            every += block
+        else:
+            found.add_arrow(block)
+            every += block.to_pylist()
+    codes, values, firsts = found.result()
+    want = distinct(every)  # the reference: one by one (1, 1.0 and True three values; "1" a fourth)
+    assert codes.tolist() == want[0].tolist() and values == want[1] and firsts == want[2]
+    assert [values[c] for c in codes.tolist()] == every
 
 
 def test_the_digest_of_ids_is_the_one_older_stores_recorded():

@@ -44,7 +44,7 @@ def _expected(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, in
 
 def _listed(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, int, Any]]:
     s = scan_tar(str(path), exts, {})
-    return list(zip(s.keys, s.members, s.offsets, s.sizes, s.labels, strict=True))
+    return list(zip(s.keys, s.members, s.offsets, s.sizes, s.each_label(), strict=True))
 
 
 def _fast(path: Path) -> bool:

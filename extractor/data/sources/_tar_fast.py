@@ -207,13 +207,13 @@ def _grouped(mm: mmap.mmap, names: np.ndarray, offsets: np.ndarray, sizes: np.nd
         for g, o, size, text in zip(group[read].tolist(), offsets[read].tolist(), sizes[read].tolist(),
                                     cls[read].tolist(), strict=True):
             labels[g] = label(mm[o:o + size], ".cls" if text else ".json", labels.get(g, none))
-        found = [None if (was := labels.get(g, none)) is none else was for g in samples.tolist()]
+        found, codes = [None if (was := labels.get(g, none)) is none else was for g in samples.tolist()], None
     else:
-        found = bulk[samples].tolist()
+        found, codes = bulk[0], bulk[1][samples]
     end_names, end_codes = _ends(names[member], key_len[member], length[member])
     out = {"keys": _texts(unique[samples]), "members": _texts(names[member].view(f"S{width}").ravel()),
            "offsets": offsets[member].tolist(), "sizes": sizes[member].tolist(), "labels": found,
-           "end_names": end_names, "end_codes": end_codes}
+           "label_codes": codes, "end_names": end_names, "end_codes": end_codes}
     return out, [k.decode("ascii") for k in unique[order[:5]].tolist()]
 
 
@@ -237,8 +237,8 @@ _SHORT = 64  # label members of at most this many bytes are read in bulk
 
 
 def _short_labels(mm: mmap.mmap, group: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, cls: np.ndarray,
-                  n_groups: int, label: Label, none: object) -> np.ndarray | None:
-    """Each sample's label (an object array by sample, None where it has none) where every label member is a
+                  n_groups: int, label: Label, none: object) -> tuple[list[Any], np.ndarray] | None:
+    """The distinct labels (the last None: none) and each sample's code into them where every label member is a
     ``.cls`` of at most ``_SHORT`` bytes, none holding a zero byte, one at most a sample (WebDataset's): their bytes
     gathered at once, ``label`` applied to each distinct text once. None: read them the plain way."""
     if not cls.all() or (sizes > _SHORT).any() or np.bincount(group, minlength=1).max() > 1:
@@ -250,11 +250,9 @@ def _short_labels(mm: mmap.mmap, group: np.ndarray, offsets: np.ndarray, sizes: 
         return None  # (a text's zero bytes would be cut by the bytes dtype)
     raw[~inside] = 0
     texts, codes = np.unique(raw.view(f"S{width}").ravel(), return_inverse=True)
-    table = np.empty(len(texts) + 1, dtype=object)  # the last: no label
-    table[:-1] = [label(t, ".cls", none) for t in texts.tolist()]
-    by_group = np.full(n_groups, len(texts), np.int64)
+    by_group = np.full(n_groups, len(texts), np.int64)  # (len(texts): no label)
     by_group[group] = codes.reshape(-1)
-    return table[by_group]
+    return [label(t, ".cls", none) for t in texts.tolist()] + [None], by_group
 
 
 def _bytes_at(mm: mmap.mmap, offsets: np.ndarray, width: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from ..files import (
     local_fingerprint,
     remote_error,
 )
-from ..rows import STRINGS, Joined, Joining, Rows, Strings, duplicate, labels_of, labels_of_codes
+from ..rows import STRINGS, Distinct, Joined, Joining, Rows, Strings, duplicate, labels_of, labels_of_codes
 from ..spill import Column
 from . import Recorded, Source, files_now, stat_prints
 
@@ -109,11 +109,8 @@ class _Bulk:
 
     def __init__(self, base: str, names: _Columns, outside_root: bool) -> None:
         self.base, self.names, self.outside_root = base, names, outside_root
-        self.ids, self.tails, self.prints, self.codes = Strings(), Strings(), Column("Q"), Column("i")
+        self.ids, self.tails, self.prints, self.labels = Strings(), Strings(), Column("Q"), Distinct()
         self.which, self.shared = Column("i"), True  # shared: every row's id is its path (held once)
-        self.values: list[object] = []  # the distinct labels, the first row of each, and each one's code
-        self.firsts: list[int] = []
-        self.index: dict[object, int] = {}
 
     def take(self, image: Any, given: Any, label: Any) -> bool:
         """Take a block's rows; False where the row-by-row reader is the one to read them (or refuse them)."""
@@ -130,46 +127,21 @@ class _Bulk:
             return False  # a column data.columns names that the file lacks: refused
         named = given if given.null_count == 0 else image
         row_ids = pc.if_else(pc.greater(pc.binary_length(named), 0), named, image)
-        at = len(self.ids)
-        _append(self.ids, row_ids)
+        self.ids.extend_arrow(row_ids)
         self.shared = self.shared and pc.all(pc.equal(row_ids, image)).as_py()
-        _append(self.tails, image)
+        self.tails.extend_arrow(image)
         self.which.extend(np.asarray(whole.to_numpy(zero_copy_only=False), dtype=np.int32))
         self.prints.extend(_prints(pc.if_else(whole, image, pc.binary_join_element_wise(self.base, image, ""))))
-        self.codes.extend(self._labels(label, at))
+        self.labels.add_arrow(label)  # (no label column: every row's label is None)
         return True
-
-    def _labels(self, label: Any, at: int) -> np.ndarray:
-        """Each row's code into the distinct labels (a block's distinct values found in bulk)."""
-        if label.null_count:  # no label column
-            return np.full(len(label), self._code(None, at), dtype=np.int32)
-        raw = label.dictionary_encode()
-        in_block = raw.indices.to_numpy(zero_copy_only=False)
-        _, first_at = np.unique(in_block, return_index=True)  # each distinct label's first row in the block
-        table = [self._code(v, at + int(first_at[k])) for k, v in enumerate(raw.dictionary.to_pylist())]
-        return np.asarray(table, dtype=np.int32)[in_block]
-
-    def _code(self, value: object, row: int) -> int:
-        if value not in self.index:
-            self.index[value] = len(self.values)
-            self.values.append(value)
-            self.firsts.append(row)
-        return self.index[value]
 
     def rows(self, where: Any) -> Rows:
         listed = self.ids.array()
-        labels, classes = labels_of_codes(self.codes.array(), self.values, self.firsts, where)
+        labels, classes = labels_of_codes(*self.labels.result(), where)
         which = self.which.array()
         paths = Joined([self.base, ""], listed if self.shared else self.tails.array(), which if which.any() else None)
         return Rows(ids=listed, paths=paths, labels=labels, classes=classes,
                     fingerprints=self.prints.array() if len(self.prints) else None)
-
-
-def _append(strings: Strings, column: Any) -> None:
-    """An Arrow string column's values appended to ``strings`` from its buffers."""
-    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[column.offset:column.offset + len(column) + 1]
-    data = column.buffers()[2]
-    strings.extend_utf8(memoryview(data)[int(offsets[0]):int(offsets[-1])], offsets[1:] - offsets[0])
 
 
 def _prints(full: Any) -> np.ndarray:

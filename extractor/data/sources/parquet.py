@@ -36,7 +36,7 @@ from ..files import (
     remote_error,
     remote_fingerprint,
 )
-from ..rows import Joined, Rows, Strings, duplicate, labels_of, named
+from ..rows import Distinct, Joined, Rows, Strings, duplicate, labels_of_codes, named
 from ..spill import Column
 from . import Locator, Source
 
@@ -99,8 +99,8 @@ class _File:
     """What planning takes from one Parquet file: its rows, their raw labels and ids, its class names."""
 
     rows: int
-    labels: list[Any] | None
-    ids: list[Any] | None
+    labels: Any  # an Arrow array, or None: no label column
+    ids: Any  # an Arrow array, or None: no id column
     names: list[str] | None  # the label column's ClassLabel names in the Hugging Face metadata
     print: int  # the file's fingerprint (0: unknown)
 
@@ -158,8 +158,8 @@ def _scan(url: str, cols: _Columns, storage: dict[str, Any]) -> _File:
     except (pa.ArrowException, OSError, ValueError) as err:
         raise _unreadable(url, err) from None
 
-    def column(name: str) -> list[Any] | None:
-        return table.column(name).to_pylist() if table is not None and name in read else None
+    def column(name: str) -> Any:
+        return table.column(name).combine_chunks() if table is not None and name in read else None
 
     return _File(rows=n_rows, names=_class_names(schema, cols.label), print=print_,
                  labels=column(cols.label), ids=column(cols.id))
@@ -273,6 +273,22 @@ def _row_prints(file_print: int, rows: int) -> list[int]:
     return [digest(form % r) or 1 for r in range(rows)]
 
 
+def _row_ids_of(ids: Strings, stem: str, f: _File) -> None:
+    """Append a file's row ids to ``ids``: its id column's (as text), or ``STEM/ROW`` where it has none (or a row's is
+    empty). A string column's are taken from its buffers, the rest made one by one."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    made = pc.binary_join_element_wise(f"{stem}/", pc.cast(pa.array(np.arange(f.rows)), pa.string()), "")
+    if f.ids is None:
+        ids.extend_arrow(made)
+    elif pa.types.is_string(f.ids.type) or pa.types.is_large_string(f.ids.type):
+        given = pc.fill_null(f.ids, "")
+        ids.extend_arrow(pc.if_else(pc.greater(pc.binary_length(given), 0), given.cast(made.type), made))
+    else:
+        ids.extend([str(g) if g not in (None, "") else f"{stem}/{r}" for r, g in enumerate(f.ids.to_pylist())])
+
+
 def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], storage: dict[str, Any]) -> Rows:
     """Rows of every row of every Parquet file, in pattern order then row order (``patterns``: a list of files
     as :func:`hub_files` gives them, or patterns)."""
@@ -286,26 +302,27 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
     stems = _row_ids(urls)
     starts: list[int] = []
 
-    def labels() -> Any:
-        scanned = prefetched(urls, lambda u: _scan(u, cols, storage), 16, min(16, len(urls)))
-        for t, (stem, f) in enumerate(zip(stems, scanned, strict=True)):
-            starts.append(len(ids))
-            files.extend(np.full(f.rows, t, dtype=np.int32))
-            in_file.extend(np.arange(f.rows, dtype=np.int64))
-            counts.append(f.rows)
-            file_prints.append(f.print)
-            if f.names:
-                names.add(tuple(f.names))
-            given = f.ids if f.ids is not None else [None] * f.rows
-            ids.extend([str(g) if g not in (None, "") else f"{stem}/{r}" for r, g in enumerate(given)])
-            prints.extend(_row_prints(f.print, f.rows))
-            yield from f.labels if f.labels is not None else [None] * f.rows
-
     def where(n: int) -> str:
         t = bisect.bisect_right(starts, n) - 1
         return f"{urls[t]} row {n - starts[t]}"
 
-    codes, classes = labels_of(labels(), where)
+    labels = Distinct()
+    for t, (stem, f) in enumerate(zip(stems, prefetched(urls, lambda u: _scan(u, cols, storage), 16,
+                                                        min(16, len(urls))), strict=True)):
+        starts.append(len(ids))
+        files.extend(np.full(f.rows, t, dtype=np.int32))
+        in_file.extend(np.arange(f.rows, dtype=np.int64))
+        counts.append(f.rows)
+        file_prints.append(f.print)
+        if f.names:
+            names.add(tuple(f.names))
+        _row_ids_of(ids, stem, f)
+        prints.extend(_row_prints(f.print, f.rows))
+        if f.labels is not None:
+            labels.add_arrow(f.labels)
+        else:
+            labels.add([None] * f.rows)
+    codes, classes = labels_of_codes(*labels.result(), where)
     keys = ids.array()
     twice = duplicate(keys)
     if twice is not None:

@@ -22,7 +22,7 @@ import logging
 import mmap
 import os
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,7 +32,7 @@ import numpy as np
 from ..._threads import prefetched
 from ...errors import DataError
 from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
-from ..rows import Joined, LocatorArray, Rows, Strings, Texts, duplicate, labels_of, strings
+from ..rows import Distinct, Joined, LocatorArray, Rows, Strings, Texts, duplicate, labels_of, labels_of_codes, strings
 from ..spill import Column
 from . import Locator, Recorded, Source
 from ._tar_fast import fast_samples
@@ -62,7 +62,10 @@ class Samples:
     members: list[str] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
+    # each sample's raw label (None: none); or, where ``label_codes`` is given (the bulk reader's), the distinct
+    # ones and each sample's code into them
     labels: list[Any] = field(default_factory=list)
+    label_codes: np.ndarray | None = None
     # what follows each key in its member's name, where the reader found it in bulk: the distinct ones (.jpg) and
     # each sample's code into them (None: taken from the names)
     end_names: list[str] = field(default_factory=list)
@@ -70,6 +73,17 @@ class Samples:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def each_label(self) -> list[Any]:
+        """Each sample's raw label."""
+        return self.labels if self.label_codes is None else [self.labels[c] for c in self.label_codes.tolist()]
+
+    def add_labels(self, to: Distinct) -> None:
+        """Each sample's raw label added to ``to`` (in bulk where the reader found them so)."""
+        if self.label_codes is None:
+            to.add(self.labels)
+        else:
+            to.add_coded(self.labels, self.label_codes)
 
 
 def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any]) -> Samples:
@@ -252,16 +266,15 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
     # and threads contending for it took twice the time of one
     columns = _Columns(urls)
 
-    def labels() -> Iterator[Any]:
-        """Each sample's raw label, as the tars are read: the other columns gathered on the way."""
-        threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
-        # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
-        scanned = prefetched(urls, lambda u: scan_tar(u, extensions, storage), threads + 1, threads)
-        for t, (found, tar_print) in enumerate(zip(scanned, tar_prints, strict=True)):
-            columns.add(t, found, tar_print)
-            yield from found.labels
-
-    codes, classes = labels_of(labels(), lambda n: f"tar shard {columns.tar_of(n)}, sample {columns.ids[n]!r}")
+    threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
+    # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
+    labels = Distinct()
+    for t, (found, tar_print) in enumerate(zip(prefetched(urls, lambda u: scan_tar(u, extensions, storage),
+                                                          threads + 1, threads), tar_prints, strict=True)):
+        columns.add(t, found, tar_print)
+        found.add_labels(labels)
+    codes, classes = labels_of_codes(*labels.result(),
+                                     lambda n: f"tar shard {columns.tar_of(n)}, sample {columns.ids[n]!r}")
     keys = columns.ids.array()
     twice = duplicate(keys)
     if twice is not None:
@@ -377,7 +390,7 @@ class TarSource(Source):
                 parts.append({k: recorded.column(c, a, b) for k, c in _COLUMNS.items()})
                 continue
             found = scan_tar(url, data.extensions, storage)
-            codes, classes = labels_of(found.labels)
+            codes, classes = labels_of(found.each_label())
             if classes:
                 return None
             parts.append({"ids": strings(found.keys), "paths": strings(f"{url}#{m}" for m in found.members),
