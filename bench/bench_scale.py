@@ -370,6 +370,31 @@ def driver_bench(sizes: tuple[int, ...] = (1_000_000, 10_000_000), sources: tupl
     return out
 
 
+def sample_bench(n: int = 100_000_000, sources: tuple[str, ...] = ("parquet", "tar")) -> dict[str, float]:
+    """Issue 57: ``extractor plan``'s listing of a large source, sampled (a part of 16 files spread over it, after a
+    warm-up of one): seconds to its figures at ``n`` synthetic rows, and its estimate of the rows and of the full
+    listing's CPU. Returns each source's wall seconds."""
+    from extractor.data import list_rows, sample_of
+
+    print(f"\nplan of {n:,} rows, sampled (synthetic listings): the listing's part of the plan")
+    out = {}
+    for source in sources:
+        spec, patched = _synthetic(source, n, WORK)
+        with patched:
+            t0, c0 = time.perf_counter(), time.process_time()
+            warm, sampled = sample_of(spec, parts=1), sample_of(spec)
+            assert warm is not None and sampled is not None
+            list_rows(warm.data)
+            c1 = time.process_time()
+            rows = list_rows(sampled.data)
+            cpu = (time.process_time() - c1) * sampled.scale
+            out[source] = wall = time.perf_counter() - t0
+        print(f"  {source:9s} {wall:5.1f} s wall, {time.process_time() - c0:5.1f} s CPU from {sampled}: rows "
+              f"{round(len(rows) * sampled.scale):,} (listed whole: {n:,}), listing them all about {cpu:,.0f} s of "
+              f"CPU ({cpu / n * 1e6:.1f} s a million)")
+    return out
+
+
 def parquet_bench(files: int = 100, per_file: int = 10_000, row_group: int = 1000) -> None:
     """Planning a Parquet source of ``files`` x ``per_file`` rows (Hub layout; images of a few bytes: only the
     footers and the label column are read): wall and CPU seconds."""
@@ -537,6 +562,7 @@ def main(driver_rows: tuple[int, ...] = (1_000_000, 10_000_000),
     tar_us = tar_bench(history=False)
     parquet_bench()
     driver = driver_bench(driver_rows)
+    sampled = sample_bench()
     finish_ms = shard_bench()
     resume_bench()
     ratios = reader.sharded_reader_bench()
@@ -560,6 +586,8 @@ def main(driver_rows: tuple[int, ...] = (1_000_000, 10_000_000),
                    f"{points[0]['anon'] / 1e6:.0f} -> {points[-1]['anon'] / 1e6:.0f} MB", "+50 MB", grew <= 50))
     print(_row("touched tar: tars listed by the next resume, then the one after", f"{touched[0]}, then {touched[1]}",
                "1, then 0", touched == (1, 0)))
+    for source, wall in sampled.items():
+        print(_row(f"plan's listing of 100M rows, sampled, {source}", f"{wall:.1f} s wall", "(none)", None))
     print(_row("tar planning, a sample (bulk header reader)", f"{tar_us:.1f} us CPU", "<= 10 us", tar_us <= 10))
     print(_row("a shard's finish, 4 captures", f"{finish_ms:.1f} ms CPU", "<= 5 ms", finish_ms <= 5))
     print(f"  (resume {fit}; driver memory: the peak of RssAnon over the imported libraries, measured)")
@@ -574,7 +602,7 @@ if __name__ == "__main__":
     p.add_argument("--sources", default="manifest,folder,tar,parquet", help="the sources the memory fit lists")
     p.add_argument("--resume-rows", default="0.1,0.2,0.5", help="millions of rows of the whole-command resume fit")
     p.add_argument("--driver-one", nargs=2, metavar=("SOURCE", "ROWS"), help=argparse.SUPPRESS)
-    p.add_argument("--only", choices=["stats", "tar", "parquet", "rows", "shard", "resume", "row", "driver"],
+    p.add_argument("--only", choices=["stats", "tar", "parquet", "rows", "shard", "resume", "row", "driver", "sample"],
                    help="one of the benches")
     args = p.parse_args()
     sizes = tuple(int(float(m) * 1e6) for m in args.rows.split(","))
@@ -585,6 +613,6 @@ if __name__ == "__main__":
         sources = tuple(args.sources.split(","))
         {"stats": stats_bench, "tar": tar_bench, "parquet": parquet_bench,
          "rows": lambda: planning_bench(sizes, sources), "shard": shard_bench, "resume": resume_bench,
-         "row": row_bench, "driver": lambda: driver_bench(sizes, sources)}[args.only]()
+         "row": row_bench, "driver": lambda: driver_bench(sizes, sources), "sample": sample_bench}[args.only]()
     else:
         main(sizes, tuple(int(float(m) * 1e6) for m in args.resume_rows.split(",")))

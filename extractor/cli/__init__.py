@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--resume", action="store_true", help="as run --resume would finish the existing store")
     pl.add_argument("--overwrite", action="store_true", help="as run --overwrite would replace it")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--full", action="store_true",
+                    help="list every row of a large source (of more than 64 Parquet files, tars or megabytes of a "
+                         "manifest, a part of 16 spread over it is listed and scaled)")
     pl.set_defaults(func=cmd_plan)
 
     i = sub.add_parser("inspect", parents=[common, remote], help="summarise a store")

@@ -84,10 +84,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run_spec(spec, [*resume, again], quiet=args.quiet, resume_command=args.resume_command)
 
 
-def _print_plan(spec: Any, json_out: bool) -> int:
+def _print_plan(spec: Any, json_out: bool, full: bool = False) -> int:
     from ..driver import preview
 
-    planned = preview(spec)
+    planned = preview(spec, full=full)
     print(json.dumps(planned.to_dict(), indent=2) if json_out else planned.report())
     return 1 if planned.action.startswith("run would refuse") else 0
 
@@ -107,5 +107,5 @@ def _job_spec(args: argparse.Namespace) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    return _print_plan(_job_spec(args), json_out=args.json)
+    return _print_plan(_job_spec(args), json_out=args.json, full=args.full)
 

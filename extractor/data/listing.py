@@ -6,9 +6,12 @@ from __future__ import annotations
 from ..errors import DataError
 from ..spec import SOURCE_SETTINGS, DataSpec
 from .rows import Rows, named
-from .sources import source
+from .sources import Sampled, source
 
-__all__ = ["list_rows"]
+__all__ = ["SAMPLE_OVER", "SAMPLE_PARTS", "list_rows", "sample_of"]
+
+SAMPLE_PARTS = 16  # the parts of a large source ``extractor plan`` lists (Parquet files, tars, megabytes of a manifest)
+SAMPLE_OVER = 64  # ... where it has more than this many
 
 
 def list_rows(data: DataSpec) -> Rows:
@@ -20,3 +23,9 @@ def list_rows(data: DataSpec) -> Rows:
     if not len(rows):
         raise DataError(f"no images found in {where} ({src.empty(data)}); check data.{places[0]}")
     return rows if data.classes is None else named(rows, list(data.classes), where)
+
+
+def sample_of(data: DataSpec, parts: int = SAMPLE_PARTS, over: int = SAMPLE_OVER) -> Sampled | None:
+    """A part of a large source to list in its place (:meth:`~.sources.Source.sample`), where it has more than
+    ``over`` parts; None: list it whole (a small one, or a source that cannot be sampled: a folder)."""
+    return source(data.source).sample(data, parts, over)

@@ -13,20 +13,23 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._text import count, estimate, size, table
-from ..data import list_rows, plan
+from ..data import Rows, list_rows, plan, sample_of
 from ..errors import StoreError
 from ..spec import JobSpec, parse_spec
 from ..store import (
     ONCE_ARRAYS,
     ROW_ARRAYS,
     Decision,
+    Probe,
     StoreSession,
     blocks_for,
+    chunking,
     id_index_objects,
     numpy_dtype,
     once_rows,
@@ -50,10 +53,37 @@ class CapturePlan:
 
 @dataclass(frozen=True)
 class Listing:
-    """The rows' listing on the driver: its CPU seconds, and the bytes of its columns spilled to the local disk."""
+    """The rows' listing on the driver: its CPU seconds, the bytes of its columns spilled to the local disk, the
+    driver's peak memory once listed; where only a part of a large source was listed (``sampled``), the seconds and
+    bytes are the whole source's, scaled from that part's."""
 
     cpu_s: float
     on_disk: int
+    peak_bytes: int  # the driver process's peak resident memory when the listing ended (its imports included)
+    sampled: str | None = None  # the part listed ("16 of 40,000 Parquet files"); None: every row
+    rows_listed: int = 0
+
+    def report(self) -> str:
+        held = (f"the driver peaked at {size(self.peak_bytes)} of memory (its columns spill to the disk past a "
+                "megabyte each)")
+        if self.sampled is None:
+            return (f"the driver listed the rows in {self.cpu_s:.1f} s of CPU; {size(self.on_disk)} of the listing on "
+                    f"its local disk (EXTRACTOR_SPILL_DIR or TMPDIR), not in its memory; {held}")
+        return (f"rows and sizes estimated from {self.sampled} ({self.rows_listed:,} rows listed; extractor plan "
+                f"--full lists every row): listing them all takes about {_seconds(self.cpu_s)} of the driver's CPU and "
+                f"{size(self.on_disk)} of its local disk (EXTRACTOR_SPILL_DIR or TMPDIR); listing the part, {held}")
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 60 else f"{s / 60:.0f} minutes" if s < 5400 else f"{s / 3600:.1f} hours"
+
+
+def _peak_bytes() -> int:
+    """This process's peak resident memory so far."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # (bytes on macOS, kilobytes elsewhere)
 
 
 @dataclass
@@ -99,9 +129,7 @@ class Preview:
         if self.free_bytes is not None:
             lines.append(f"free at the destination: {size(self.free_bytes)}")
         if self.listing is not None:
-            lines.append(f"the driver listed the rows in {self.listing.cpu_s:.1f} s of CPU; "
-                         f"{size(self.listing.on_disk)} of the listing on its local disk (EXTRACTOR_SPILL_DIR or "
-                         "TMPDIR), not in its memory")
+            lines.append(self.listing.report())
         lines += [f"warning: {w}" for w in self.warnings]
         per_row = {c.key: c.bytes_per_row for c in self.captures}
         lines.append(estimate(self.todo_rows, per_row))  # the line `extractor run` prints
@@ -138,45 +166,70 @@ def _action(decided: Decision) -> str:
     return f"resume ({count(len(decided.todo), 'shard')} to do)"
 
 
-def preview(spec: JobSpec) -> Preview:
-    """What ``run(spec)`` would write; creates, replaces and locks nothing."""
+def preview(spec: JobSpec, full: bool = False) -> Preview:
+    """What ``run(spec)`` would write; creates, replaces and locks nothing. A source of many parts (Parquet files,
+    tars, megabytes of a manifest: :func:`~extractor.data.sample_of`) is estimated from a part of it spread over it,
+    unless ``full``: its rows and every figure that follows from them scaled by the part's share."""
     from .runner import LocalBackend
 
+    sampled = None if full else sample_of(spec.data)
+    if sampled is not None:  # what a first listing costs once (imports, first calls) is not scaled: paid here
+        warm = sample_of(spec.data, parts=1)
+        list_rows(sampled.data if warm is None else warm.data)
     started = time.process_time()
-    rows = list_rows(spec.data)
-    listed = Listing(time.process_time() - started, rows.on_disk())
-    shards = plan(len(rows), spec.data.shard_size)
+    rows = list_rows(spec.data if sampled is None else sampled.data)
+    scale = 1.0 if sampled is None else sampled.scale
+    listed = Listing((time.process_time() - started) * scale, round(rows.on_disk() * scale), _peak_bytes(),
+                     None if sampled is None else str(sampled), len(rows))
+    n_rows = round(len(rows) * scale)
     backend = LocalBackend(_on_this_machine(spec))
     try:
         probe = backend.probe()
     finally:
         backend.close()
     store = StoreSession(spec)
-    try:
-        decided = store.decide(rows, shards, probe, sources=False)
-        todo, action = sum(len(s) for s in decided.todo), _action(decided)
-        # a store resumed keeps its own chunking and sharding
-        layout = None if decided.create else store.stored_chunking(list(probe.captures))
-    except StoreError as err:
-        todo, action, layout = 0, f"run would refuse: {err}", None
+    if sampled is None:
+        todo, action, layout = _decided(store, rows, probe)
+    else:  # the store's fate is decided on every row; a new store's is plain
+        todo, action = n_rows, "create" if store.recorded() is None else (
+            "a store is there: what a run would do to it is decided on every row (extractor plan --full); the "
+            "figures below are the whole job's")
+        layout = None
     if layout is None:
-        chunk_rows = store.record["chunk_rows"] if store.record is not None else {}
+        chunk_rows = chunking(spec, probe.captures)
         layout = {k: (chunk_rows[k], spec.output.sharding) for k in probe.captures}
+    return _planned(spec, probe, n_rows, len(rows.locators), todo, action, layout, listed)
+
+
+def _decided(store: StoreSession, rows: Rows, probe: Probe) -> tuple[int, str, dict[str, tuple[int, bool]] | None]:
+    """What a run would do to the store, from every row: the rows it would compute, its action, and the chunking and
+    sharding of a store resumed (which keeps its own; None: the job's)."""
+    try:
+        decided = store.decide(rows, plan(len(rows), store.spec.data.shard_size), probe, sources=False)
+        return sum(len(s) for s in decided.todo), _action(decided), \
+            None if decided.create else store.stored_chunking(list(probe.captures))
+    except StoreError as err:
+        return 0, f"run would refuse: {err}", None
+
+
+def _planned(spec: JobSpec, probe: Probe, n_rows: int, locators: int, todo: int, action: str,
+             layout: dict[str, tuple[int, bool]], listed: Listing) -> Preview:
+    """The plan of a job of ``n_rows`` rows (``locators``: the source's per-row arrays beside the paths)."""
     per_row = probe.bytes_per_row()
+    n_shards = math.ceil(n_rows / spec.data.shard_size)
 
     def objects(chunk_rows: int, sharded: bool) -> int:  # sharded: one object per work shard; else one per chunk
-        return len(shards) if sharded else math.ceil(len(rows) / chunk_rows)
+        return n_shards if sharded else math.ceil(n_rows / chunk_rows)
 
     captures = [CapturePlan(k, list(c["shape"]), c["dtype"], per_row[k], layout[k][0], layout[k][0] * per_row[k],
                             objects(*layout[k])) for k, c in probe.captures.items()]
     # a chunk per shard of each per-row array (a shard's finish writes each of its chunks whole, errors too) and
     # its statistics; the ledger's blocks, the final record and the job's claimant's record
-    n_per_row = len(ROW_ARRAYS) - len(ONCE_ARRAYS) + len(probe.extras) + len(rows.locators) + \
-        bool(spec.output.reuse) + 1
-    once = len(ONCE_ARRAYS) * math.ceil(len(rows) / once_rows(min(spec.data.shard_size, len(rows)), len(rows)))
+    n_per_row = len(ROW_ARRAYS) - len(ONCE_ARRAYS) + len(probe.extras) + locators + bool(spec.output.reuse) + 1
+    once = len(ONCE_ARRAYS) * math.ceil(n_rows / once_rows(min(spec.data.shard_size, n_rows), n_rows))
     extras = sum(math.prod(e["shape"]) * numpy_dtype(e["dtype"]).itemsize for e in probe.extras.values())
-    planned = Preview(spec.output.store, len(rows), len(shards), spec.data.shard_size, todo, action, captures,
-                      n_per_row * len(shards) + once + blocks_for(len(shards)) + 2 + id_index_objects(len(rows)),
+    planned = Preview(spec.output.store, n_rows, n_shards, spec.data.shard_size, todo, action, captures,
+                      n_per_row * n_shards + once + blocks_for(n_shards) + 2 + id_index_objects(n_rows),
                       extras, _free_bytes(spec.output.store), listed)
     if planned.free_bytes is not None and planned.total_bytes > planned.free_bytes:
         planned.warnings.append(f"the store may not fit: {size(planned.total_bytes)} before compression, "

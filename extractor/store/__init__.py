@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         StoreRecord,
         changed_rows,
         check_resumable,
+        chunking,
         differences,
         model_differences,
         owner,

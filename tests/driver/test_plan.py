@@ -76,3 +76,78 @@ def test_the_plan_of_a_resume_counts_the_objects_of_the_store_as_it_was_made(ima
     for c in planned["captures"]:
         assert c["chunk_rows"] == 2 and c["objects"] == 6  # 12 rows in chunks of 2, as stored
         assert c["objects"] == _objects(tmp_path / "s.zarr", c["key"])
+
+
+def _sampled(monkeypatch: pytest.MonkeyPatch, parts: int, over: int) -> None:
+    """``extractor plan`` samples sources of more than ``over`` parts, listing ``parts`` of them."""
+    import functools
+
+    import extractor.driver.dry_run as dry_run
+    from extractor.data import sample_of
+
+    monkeypatch.setattr(dry_run, "sample_of", functools.partial(sample_of, parts=parts, over=over))
+
+
+def test_the_plan_of_a_large_source_lists_a_part_of_it_and_scales_every_figure(image_dir: Path, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch):
+    """Issue 57: a source of many Parquet files or tars is planned from a part of its files spread over it; where
+    every file holds as many rows, every figure is the full listing's (rows, shards, bytes, objects)."""
+    from helpers.parquet import images_of, parquet_job, write_hub_parquet
+    from helpers.sources import write_tars
+
+    from extractor.driver.dry_run import preview
+
+    images = images_of(image_dir)
+    write_hub_parquet(images, tmp_path / "pq", per_file=1, row_group=1)
+    write_tars(images, tmp_path / "tars", per_tar=2)
+    specs = {"Parquet files": parquet_job(image_dir, tmp_path / "p.zarr", str(tmp_path / "pq" / "*.parquet")),
+             "tars": job(image_dir, tmp_path / "t.zarr", data={
+                 "source": "tar", "root": None, "tars": str(tmp_path / "tars" / "shard-{000..005}.tar")})}
+    _sampled(monkeypatch, parts=3, over=4)
+    for unit, raw in specs.items():
+        spec = parse_spec(raw)
+        full, part = preview(spec, full=True), preview(spec)
+        assert full.listing is not None and full.listing.sampled is None and full.listing.rows_listed == 12
+        files = 12 if unit == "Parquet files" else 6
+        assert part.listing is not None and part.listing.sampled == f"3 of {files} {unit}"
+        assert part.listing.rows_listed == 36 // files
+        assert (part.rows, part.shards, part.todo_rows, part.action) == (full.rows, full.shards, 12, "create") == \
+            (12, 3, 12, "create")
+        assert (part.total_bytes, part.objects, part.captures) == (full.total_bytes, full.objects, full.captures)
+        assert "extractor plan --full lists every row" in part.report()
+    run(parse_spec(specs["tars"]))
+    again = preview(parse_spec({**specs["tars"], "output": {**specs["tars"]["output"], "if_exists": "resume"}}))
+    assert again.action.startswith("a store is there: what a run would do to it is decided on every row")
+    assert preview(parse_spec(specs["tars"]), full=True).action.startswith("run would refuse")  # decided: exists
+
+
+def test_a_large_manifest_is_planned_from_its_first_megabytes_read_against_its_own_folder(
+        image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import gc
+
+    import extractor.data.sources.manifest as manifest_source
+    from extractor.data import list_rows, sample_of
+    from extractor.driver.dry_run import preview
+
+    (tmp_path / "images").symlink_to(image_dir)
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file()) * 20
+    manifest = tmp_path / "big.csv"  # its paths relative to its own folder (no data.root)
+    manifest.write_text("path,id,label\n" + "".join(f"images/{p.relative_to(image_dir)},r{n:03d},{p.parent.name}\n"
+                                                     for n, p in enumerate(images)))
+    monkeypatch.setattr(manifest_source, "PART_BYTES", 200)
+    spec = parse_spec(job(image_dir, tmp_path / "m.zarr", data={"source": "manifest", "root": None,
+                                                                  "manifest": str(manifest)}))
+    sampled = sample_of(spec.data, parts=2, over=4)
+    assert sampled is not None and sampled.taken <= 400 and sampled.parts == manifest.stat().st_size
+    part = list_rows(sampled.data)
+    whole = list_rows(spec.data)
+    assert part.paths[:].tolist() == whole.paths[:len(part)].tolist()  # the same images, read against its folder
+    assert part.fingerprints.tolist() == whole.fingerprints[:len(part)].tolist() and part.fingerprints.all()
+    folder = Path(sampled.data.manifest).parent
+    del sampled, part
+    gc.collect()
+    assert not folder.exists()  # the part's file goes with the sample
+    _sampled(monkeypatch, parts=2, over=4)
+    planned = preview(spec)
+    assert planned.listing is not None and planned.listing.sampled.endswith("bytes of the manifest")
+    assert abs(planned.rows - len(whole)) <= 0.15 * len(whole), (planned.rows, len(whole))

@@ -15,7 +15,7 @@ import importlib
 import itertools
 import os
 from abc import ABC, abstractmethod
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -32,6 +32,7 @@ __all__ = [
     "REGISTRY",
     "LocatorArray",
     "Recorded",
+    "Sampled",
     "Source",
     "files_now",
     "folder_prints",
@@ -40,6 +41,7 @@ __all__ = [
     "read_bytes",
     "reuse",
     "source",
+    "spread",
     "stat_prints",
 ]
 
@@ -111,10 +113,41 @@ class Source(ABC):
         files`` asks (a folder's or a manifest's files rewritten in place); None: the recorded ones hold."""
         return None
 
+    def sample(self, data: DataSpec, parts: int, over: int) -> Sampled | None:
+        """Where the source has more than ``over`` parts (files, tars, megabytes of a manifest): a data spec of
+        ``parts`` of them spread over it, to list and scale by (``extractor plan`` of a source that takes minutes to
+        list); None: the source is listed whole."""
+        return None
+
     def places(self, recorded: Recorded, storage_options: dict[str, Any]) -> dict[str, np.ndarray] | None:
         """Where each row's bytes are now, when the source moved them since the store recorded them (a rewritten
         tar's members): its :attr:`locators` arrays as they are now, by name; None: where recorded."""
         return None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A part of a source to list in its place: a data spec of ``taken`` of its ``parts`` parts (``unit``)."""
+
+    data: DataSpec
+    taken: int
+    parts: int
+    unit: str  # what a part is, plural: "Parquet files", "tars", "MB of the manifest"
+
+    @property
+    def scale(self) -> float:
+        """The whole source over the part listed."""
+        return self.parts / self.taken
+
+    def __str__(self) -> str:
+        return f"{self.taken:,} of {self.parts:,} {self.unit}"
+
+
+def spread(items: list[str], parts: int) -> list[str]:
+    """``parts`` of ``items`` spread evenly over them, the first and the last included."""
+    if len(items) <= parts:
+        return list(items)
+    return [items[round(k * (len(items) - 1) / (parts - 1))] for k in range(parts)] if parts > 1 else items[:1]
 
 
 _LOADED: dict[str, Source] = {}

@@ -6,6 +6,9 @@ import csv
 import io
 import json
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -24,10 +27,13 @@ from ..files import (
 )
 from ..rows import STRINGS, Distinct, Joined, Joining, Rows, Strings, duplicate, labels_of, labels_of_codes
 from ..spill import Column
-from . import Recorded, Source, files_now, stat_prints
+from . import Recorded, Sampled, Source, files_now, stat_prints
 
 if TYPE_CHECKING:
     from ...spec import DataSpec
+
+
+PART_BYTES = 1 << 20  # a part of a manifest, sampled by ``extractor plan`` (Source.sample)
 
 
 def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False,
@@ -260,6 +266,38 @@ class ManifestSource(Source):
 
     def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
         return files_now(recorded)
+
+    def sample(self, data: DataSpec, parts: int, over: int) -> Sampled | None:
+        """The manifest's first ``parts`` megabytes (whole lines; its header with them), in a file of their own,
+        its paths read against the same root."""
+        assert data.manifest is not None
+        manifest, storage = data.manifest, data.storage_options
+        try:
+            if is_url(manifest):
+                import fsspec
+
+                fs, path = fsspec.core.url_to_fs(manifest, **storage)
+                total = int(fs.size(path))
+                opened = fs.open(path, "rb")
+            else:
+                total, opened = os.path.getsize(manifest), open(manifest, "rb")  # noqa: SIM115 - closed below
+        except Exception:  # noqa: BLE001 - the listing reports what is wrong with it
+            return None
+        if total <= over * PART_BYTES:
+            opened.close()
+            return None
+        with opened:
+            head = opened.read(parts * PART_BYTES)
+        head = head[:head.rfind(b"\n") + 1]
+        folder = tempfile.mkdtemp(prefix="extractor-sample-")
+        part = os.path.join(folder, os.path.basename(manifest.split("?", 1)[0]))
+        with open(part, "wb") as f:
+            f.write(head)
+        base = data.root if data.root is not None else manifest.rsplit("/", 1)[0] if "/" in manifest else "."
+        sampled = Sampled(data.model_copy(update={"manifest": part, "root": base}), len(head), total,
+                          "bytes of the manifest")
+        weakref.finalize(sampled, shutil.rmtree, folder, True)  # the part's file, once the sample is let go
+        return sampled
 
 
 SOURCE = ManifestSource()

@@ -38,7 +38,7 @@ from ..files import (
 )
 from ..rows import Distinct, Joined, Rows, Strings, duplicate, labels_of_codes, named
 from ..spill import Column
-from . import Locator, Source
+from . import Locator, Sampled, Source, spread
 
 if TYPE_CHECKING:
     from ...spec import DataSpec
@@ -490,6 +490,13 @@ class ParquetSource(Source):
 
     def forget(self) -> None:
         row_groups.clear()
+
+    def sample(self, data: DataSpec, parts: int, over: int) -> Sampled | None:
+        urls = parquet_urls(self._files(data), data.storage_options)
+        if len(urls) <= over:
+            return None
+        return Sampled(data.model_copy(update={"parquet": spread(urls, parts), "dataset": None}), parts, len(urls),
+                       "Parquet files")
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         storage = data.storage_options

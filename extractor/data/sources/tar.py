@@ -34,7 +34,7 @@ from ...errors import DataError
 from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
 from ..rows import Distinct, Joined, LocatorArray, Rows, Strings, Texts, duplicate, labels_of, labels_of_codes, strings
 from ..spill import Column
-from . import Locator, Recorded, Source
+from . import Locator, Recorded, Sampled, Source, spread
 from ._tar_fast import fast_samples
 from ._tar_headers import _headers, _members, _read_at, _Unusual
 
@@ -369,6 +369,11 @@ class TarSource(Source):
     def read(self, item: Locator, storage_options: dict | None, outside_root: bool) -> bytes:
         assert isinstance(item, tuple)
         return read_member(item, storage_options)
+
+    def sample(self, data: DataSpec, parts: int, over: int) -> Sampled | None:
+        urls = tar_urls(data.tars)
+        return None if len(urls) <= over else Sampled(data.model_copy(update={"tars": spread(urls, parts)}), parts,
+                                                      len(urls), "tars")
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         now = tar_listing(data.tars, data.extensions, data.storage_options)
