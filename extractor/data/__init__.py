@@ -13,7 +13,19 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .files import absolute, content_digest, expand_braces, fingerprint, is_relative, is_url, local_fingerprint
     from .listing import list_rows, sample_of
     from .preprocess import IMAGENET, PIL_RESAMPLE, Preprocess, from_dict, of_store, resolve
-    from .rows import BLOCK, LocatorArray, Rows, Shard, Texts, first_where, labels_of, plan, strings, text_hashes
+    from .rows import (
+        BLOCK,
+        LocatorArray,
+        Rows,
+        Shard,
+        Texts,
+        first_where,
+        labels_of,
+        plan,
+        strings,
+        text_hashes,
+        utf8,
+    )
     from .sources import Recorded, Sampled, forget_reads, locator_names, read_bytes, reuse, source
     from .sources._dataset import with_dataset
     from .spill import by_hash

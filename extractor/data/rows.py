@@ -39,6 +39,7 @@ __all__ = [
     "plan",
     "strings",
     "text_hashes",
+    "utf8",
 ]
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,51 @@ class Strings:
         return Texts(self.data.array(), self.ends.array())
 
 
+def utf8(strings: Any, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Strings ``start:stop`` (a Texts, a Joined, an array of strings) as their UTF-8 one after another (uint8) and
+    where each ends (int64), made in bulk: no ``str`` made of a Texts or a Joined's tails. None where one holds a
+    surrogate (a file name's escaped byte): its bytes depend on the error handler, the caller's to choose."""
+    stop = min(stop, len(strings))
+    if isinstance(strings, Texts):
+        part = strings.part(start, stop)
+        data, ends = np.asarray(part.data), part.ends
+    elif isinstance(strings, Joined):
+        return strings.utf8(start, stop)
+    else:
+        encoded = [s.encode(*ENCODING) for s in np.asarray(strings[start:stop], dtype=STRINGS).tolist()]
+        data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)))
+    lead = np.flatnonzero(data[:-1] == 0xED)  # a surrogate's UTF-8 (surrogatepass): ED A0..BF ..
+    if len(lead) and (data[lead + 1] >= 0xA0).any():
+        return None
+    return data, ends
+
+
+_TENS = 10 ** np.arange(19, dtype=np.uint64)  # a whole number's digits: how many of these it reaches
+
+
+def _pieces(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's strings from several parts, one after another: a part is (its bytes, each row's start in them,
+    each row's length); the rows' bytes joined and where each row ends."""
+    lengths = np.stack([p[2] for p in parts], axis=1)  # (rows, parts), in the order of the output
+    ends = np.cumsum(lengths.sum(1))
+    source = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.uint8)
+    bases = np.cumsum([0] + [len(p[0]) for p in parts[:-1]])
+    starts = np.stack([p[1] + b for p, b in zip(parts, bases, strict=True)], axis=1)
+    flat_len, flat_start = lengths.reshape(-1), starts.reshape(-1)
+    at = np.cumsum(flat_len) - flat_len  # where each piece begins in the output
+    gather = np.arange(int(flat_len.sum()), dtype=np.int64) + np.repeat(flat_start - at, flat_len)
+    return source[gather], ends
+
+
+def _few(texts: np.ndarray, codes: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A part of :func:`_pieces` from a few strings and each row's code into them (None: the first)."""
+    encoded = [t.encode(*ENCODING) for t in texts.tolist()]
+    lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+    codes = np.zeros(n, np.int64) if codes is None else np.asarray(codes, dtype=np.int64)
+    return np.frombuffer(b"".join(encoded), np.uint8), (np.cumsum(lengths) - lengths)[codes], lengths[codes]
+
+
 @dataclass(frozen=True)
 class Joined:
     """Many strings sharing a few heads, held as the heads and each string's tail: string ``i`` is
@@ -215,6 +261,30 @@ class Joined:
     def __iter__(self) -> Iterator[str]:
         for start in range(0, len(self), BLOCK):
             yield from self[start:start + BLOCK].tolist()
+
+    def utf8(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """:func:`utf8` of strings ``start:stop``: each one's head, tail and end gathered at once."""
+        stop = min(stop, len(self))
+        n = max(0, stop - start)
+        if isinstance(self.tails, np.ndarray) and self.tails.dtype.kind in "iu":  # a Parquet row's number
+            tails = np.asarray(self.tails[start:stop])
+            if len(tails) and tails.min() < 0:
+                return None
+            lengths = np.maximum(np.searchsorted(_TENS, tails, side="right"), 1).astype(np.int64)
+            width = int(lengths.max(initial=1))  # each number's digits, right-aligned in a row of this many
+            digits = (tails.astype(np.uint64)[:, None] // _TENS[width - 1::-1] % 10 + ord("0")).astype(np.uint8)
+            tail = (digits[np.arange(width) >= width - lengths[:, None]], np.cumsum(lengths) - lengths, lengths)
+        else:
+            found = utf8(self.tails, start, stop)
+            if found is None:
+                return None
+            data, ends = found
+            lengths = np.diff(ends, prepend=0)
+            tail = (data, ends - lengths, lengths)
+        parts = [_few(self.heads, None if self.which is None else self.which[start:stop], n), tail]
+        if self.end is not None:
+            parts.append(_few(self.ends, self.end[start:stop], n))
+        return _pieces(parts)
 
 
 class Joining:

@@ -50,8 +50,10 @@ __all__ = [
     "read_all",
     "read_at_once",
     "read_whole",
+    "vlen_utf8",
     "write_at_once",
     "write_chunks",
+    "write_texts",
     "write_whole",
 ]
 
@@ -179,6 +181,27 @@ class ChunkCodec:
             out = compress(out)
         return out
 
+    def encode_utf8(self, data: np.ndarray, ends: np.ndarray) -> Any:
+        """A whole chunk of a string array as zarr stores it, from its strings' UTF-8 one after another and where
+        each ends (a last chunk: padded with empty strings, the fill value): vlen-utf8 made in bulk, then the
+        compressors."""
+        assert self.bits.kind == "O", "not a string array"
+        out: Any = vlen_utf8(data, ends, self.rows)
+        for compress in self.compressors[1:]:
+            out = compress(out)
+        return out
+
+
+def vlen_utf8(data: np.ndarray, ends: np.ndarray, rows: int) -> np.ndarray:
+    """numcodecs' VLenUTF8 of ``rows`` strings given as their UTF-8 and ends (those past ``len(ends)``: empty): their
+    count, then each one's length (uint32, little-endian) and bytes."""
+    n = len(ends)
+    lengths = np.zeros(rows, dtype="<u4")
+    lengths[:n] = np.diff(ends, prepend=0)
+    starts = np.asarray(ends, dtype=np.int64) - lengths[:n]
+    body = np.insert(np.asarray(data, dtype=np.uint8), np.repeat(starts, 4), lengths[:n].view(np.uint8))
+    return np.concatenate([np.asarray([rows], dtype="<u4").view(np.uint8), body, lengths[n:].view(np.uint8)])
+
 
 def write_chunks(start: int, chunks: Mapping[str, tuple[zarr.Array, ChunkCodec | None, np.ndarray]],
                  streams: Mapping[str, ShardStream] | None = None) -> int:
@@ -240,6 +263,26 @@ def _whole(codec: ChunkCodec | None, start: int, data: np.ndarray) -> Any:
     if len(data) != codec.rows and start + len(data) != codec.array.shape[0]:
         return None
     return codec.encode(codec.padded(data))
+
+
+def write_texts(array: zarr.Array, codec: ChunkCodec | None, start: int, strings: Any, stop: int) -> None:
+    """Rows ``start:stop`` of a new string array from ``strings`` (a Texts, a Joined...): each whole chunk (the last
+    padded) encoded from its strings' UTF-8 made in bulk and put with the others at once; through zarr where a
+    string's bytes are not plain UTF-8 (a surrogate) or the array's codecs are not those this module writes."""
+    from ..data import utf8
+
+    if codec is None or codec.shard_rows is not None or start % codec.rows or \
+            ((stop - start) % codec.rows and stop != array.shape[0]):
+        array[start:stop] = strings[start:stop]
+        return
+    puts = []
+    for at in range(start, stop, codec.rows):
+        found = utf8(strings, at, min(at + codec.rows, stop))
+        if found is None:
+            array[start:stop] = strings[start:stop]
+            return
+        puts.append((array.store, codec.key(at), codec.encode_utf8(*found)))
+    _put_all(puts)
 
 
 def _put_all(puts: list[tuple[Any, str, Any]]) -> None:

@@ -23,7 +23,7 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 
 from .._version import __version__
-from ..data import BLOCK, Rows, of_store
+from ..data import BLOCK, Rows, of_store, utf8
 from ..errors import StoreError
 from ..spec import (
     PLACES,
@@ -157,7 +157,12 @@ def _digest(names: Any) -> str:
     hashed a block at a time."""
     h = hashlib.sha256()
     for start in range(0, len(names), BLOCK):
-        h.update(("\0".join(names[start:start + BLOCK].tolist()) + "\0").encode("utf-8", "surrogateescape"))
+        found = utf8(names, start, start + BLOCK)
+        if found is None:  # (a surrogate: its byte as surrogateescape gives it)
+            h.update(("\0".join(names[start:start + BLOCK].tolist()) + "\0").encode("utf-8", "surrogateescape"))
+        else:
+            data, ends = found
+            h.update(np.insert(data, ends, 0).tobytes())  # a NUL after each
     return h.hexdigest()[:16]
 
 

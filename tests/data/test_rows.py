@@ -145,6 +145,9 @@ def test_the_digest_of_ids_is_the_one_older_stores_recorded():
         paths.whole("/r/" + i)
     assert _digest(strings(ids)) == h.hexdigest()[:16]
     assert _digest(paths.joined()) == _digest(strings(["/r/" + i for i in ids]))
+    numbers = Joined(["f.parquet#image/", "g/"], np.arange(BLOCK + 5) * 7, np.arange(BLOCK + 5) % 2, [".a", ""],
+                     np.arange(BLOCK + 5) // BLOCK)  # a Parquet file's rows, and a tar's paths with their ends
+    assert _digest(numbers) == _digest(strings(numbers[:].tolist()))
 
 
 def test_strings_extended_at_once_hold_what_appending_one_by_one_holds():

@@ -104,6 +104,32 @@ def test_a_shards_finishing_writes_are_the_bytes_zarr_writes(tmp_path: Path, com
     np.testing.assert_array_equal(back["ours-digest"][:4], digests[:4])
 
 
+@pytest.mark.parametrize("compression", ["zstd", "gzip", "none"])
+def test_strings_written_from_their_utf8_in_bulk_are_the_bytes_zarr_writes(tmp_path: Path, compression: str):
+    """A new store's ids and paths (a Texts, a Joined of heads and Texts or row numbers, with ends): each chunk's
+    vlen-utf8 made from the strings' UTF-8 in bulk, the last chunk padded: each object as zarr writes it from the
+    strings."""
+    from extractor.data.rows import Joined, strings
+    from extractor.store.chunks import write_texts
+
+    ids = strings([f"n{i % 3:03d}/ü_{i}{'x' * (i % 5)}" for i in range(10)] + ["", "a"])
+    columns = {"texts": ids, "joined": Joined(["/root/", "s3://b/"], ids, np.arange(12) % 2, [".jpg", ".JPEG"],
+                                              np.arange(12) // 7),
+               "numbers": Joined(["f.parquet#image/"], np.arange(12) * 997)}
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    root = tmp_path / "s.zarr"
+    for name, column in columns.items():
+        made = {side: group.create_array(f"{side}-{name}", shape=(12,), chunks=(5,), dtype=str, fill_value="",
+                                         compressors=_compressors(compression, None)) for side in ("zarr", "ours")}
+        made["zarr"][:] = np.asarray(column[0:12])
+        codec = ChunkCodec.of(made["ours"])
+        assert codec is not None
+        write_texts(made["ours"], codec, 0, column, 12)
+        ours, theirs = (_mtime_out(_chunk_files(root, f"{side}-{name}"), compression) for side in ("ours", "zarr"))
+        assert ours == theirs != {} and len(ours) == 3, name
+        assert zarr.open_group(str(root), mode="r")[f"ours-{name}"][:].tolist() == np.asarray(column[0:12]).tolist()
+
+
 @pytest.mark.parametrize("compression", ["zstd", "blosc", "gzip", "none"])
 def test_a_whole_array_read_a_file_a_chunk_is_what_zarr_reads(tmp_path: Path, compression: str):
     """Per-row and per-shard arrays of numbers and strings (chunks of 4 rows and of 1, the last partial, some never
