@@ -10,6 +10,7 @@ replaced or locked.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -20,7 +21,7 @@ from typing import Any
 
 from .._text import count, estimate, size, table
 from ..data import Rows, list_rows, plan, sample_of
-from ..errors import StoreError
+from ..errors import DataError, StoreError
 from ..spec import JobSpec, parse_spec
 from ..store import (
     ONCE_ARRAYS,
@@ -36,6 +37,8 @@ from ..store import (
 )
 
 __all__ = ["Preview", "preview"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,15 +175,7 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
     unless ``full``: its rows and every figure that follows from them scaled by the part's share."""
     from .runner import LocalBackend
 
-    sampled = None if full else sample_of(spec.data)
-    if sampled is not None:  # what a first listing costs once (imports, first calls) is not scaled: paid here
-        warm = sample_of(spec.data, parts=1)
-        list_rows(sampled.data if warm is None else warm.data)
-    started = time.process_time()
-    rows = list_rows(spec.data if sampled is None else sampled.data)
-    scale = 1.0 if sampled is None else sampled.scale
-    listed = Listing((time.process_time() - started) * scale, round(rows.on_disk() * scale), _peak_bytes(),
-                     None if sampled is None else str(sampled), len(rows))
+    rows, listed, scale = _listing(spec, full)
     n_rows = round(len(rows) * scale)
     backend = LocalBackend(_on_this_machine(spec))
     try:
@@ -188,7 +183,7 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
     finally:
         backend.close()
     store = StoreSession(spec)
-    if sampled is None:
+    if listed.sampled is None:
         todo, action, layout = _decided(store, rows, probe)
     else:  # the store's fate is decided on every row; a new store's is plain
         todo, action = n_rows, "create" if store.recorded() is None else (
@@ -199,6 +194,26 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
         chunk_rows = chunking(spec, probe.captures)
         layout = {k: (chunk_rows[k], spec.output.sharding) for k in probe.captures}
     return _planned(spec, probe, n_rows, len(rows.locators), todo, action, layout, listed)
+
+
+def _listing(spec: JobSpec, full: bool) -> tuple[Rows, Listing, float]:
+    """The rows listed (a large source's part, unless ``full``), what listing them took, and the whole source over
+    them."""
+    sampled = None if full else sample_of(spec.data)
+    if sampled is not None:
+        try:
+            warm = sample_of(spec.data, parts=1)  # what a first listing costs once (imports, first calls): not scaled
+            list_rows(sampled.data if warm is None else warm.data)
+            started = time.process_time()
+            rows = list_rows(sampled.data)
+            return rows, Listing((time.process_time() - started) * sampled.scale,
+                                 round(rows.on_disk() * sampled.scale), _peak_bytes(), str(sampled), len(rows)), \
+                sampled.scale
+        except DataError as err:  # a part cut where the whole is not (a newline in a quoted value): all of it
+            log.info("the part of the source (%s) was not listed (%s): every row is", sampled, err)
+    started = time.process_time()
+    rows = list_rows(spec.data)
+    return rows, Listing(time.process_time() - started, rows.on_disk(), _peak_bytes(), None, len(rows)), 1.0
 
 
 def _decided(store: StoreSession, rows: Rows, probe: Probe) -> tuple[int, str, dict[str, tuple[int, bool]] | None]:

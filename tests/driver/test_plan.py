@@ -151,3 +151,14 @@ def test_a_large_manifest_is_planned_from_its_first_megabytes_read_against_its_o
     planned = preview(spec)
     assert planned.listing is not None and planned.listing.sampled.endswith("bytes of the manifest")
     assert abs(planned.rows - len(whole)) <= 0.15 * len(whole), (planned.rows, len(whole))
+    import extractor.driver.dry_run as dry_run
+    from extractor.errors import DataError
+
+    def cut(data):  # a part refused where the whole is not (cut in a quoted value's newline): every row listed
+        if data.manifest != str(manifest):
+            raise DataError(f"{data.manifest} row 9: no image")
+        return list_rows(data)
+
+    monkeypatch.setattr(dry_run, "list_rows", cut)
+    planned = preview(spec)
+    assert planned.listing is not None and planned.listing.sampled is None and planned.rows == len(whole)
