@@ -6,6 +6,7 @@ order, tars in pattern order, so the same spec always gives the same row for the
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import re
@@ -203,7 +204,7 @@ def utf8(strings: Any, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] |
     return data, ends
 
 
-_TENS = 10 ** np.arange(19, dtype=np.uint64)  # a whole number's digits: how many of these it reaches
+_TENS = 10 ** np.arange(20, dtype=np.uint64)  # a whole number's digits: how many of these it reaches
 
 
 def _pieces(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -220,12 +221,20 @@ def _pieces(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.
     return source[gather], ends
 
 
-def _few(texts: np.ndarray, codes: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A part of :func:`_pieces` from a few strings and each row's code into them (None: the first)."""
+def _encoded(texts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Strings' UTF-8 one after another, where each starts, and its length."""
     encoded = [t.encode(*ENCODING) for t in texts.tolist()]
     lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+    return np.frombuffer(b"".join(encoded), np.uint8), np.cumsum(lengths) - lengths, lengths
+
+
+def _few(texts: tuple[np.ndarray, np.ndarray, np.ndarray], codes: np.ndarray | None,
+         n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A part of :func:`_pieces` from a few strings (:func:`_encoded`) and each row's code into them (None: the
+    first)."""
+    data, starts, lengths = texts
     codes = np.zeros(n, np.int64) if codes is None else np.asarray(codes, dtype=np.int64)
-    return np.frombuffer(b"".join(encoded), np.uint8), (np.cumsum(lengths) - lengths)[codes], lengths[codes]
+    return data, starts[codes], lengths[codes]
 
 
 @dataclass(frozen=True)
@@ -270,9 +279,10 @@ class Joined:
             tails = np.asarray(self.tails[start:stop])
             if len(tails) and tails.min() < 0:
                 return None
+            tails = tails.astype(np.uint64)  # (compared as uint64: int64 against uint64 is float64's)
             lengths = np.maximum(np.searchsorted(_TENS, tails, side="right"), 1).astype(np.int64)
             width = int(lengths.max(initial=1))  # each number's digits, right-aligned in a row of this many
-            digits = (tails.astype(np.uint64)[:, None] // _TENS[width - 1::-1] % 10 + ord("0")).astype(np.uint8)
+            digits = (tails[:, None] // _TENS[width - 1::-1] % 10 + ord("0")).astype(np.uint8)
             tail = (digits[np.arange(width) >= width - lengths[:, None]], np.cumsum(lengths) - lengths, lengths)
         else:
             found = utf8(self.tails, start, stop)
@@ -281,10 +291,19 @@ class Joined:
             data, ends = found
             lengths = np.diff(ends, prepend=0)
             tail = (data, ends - lengths, lengths)
-        parts = [_few(self.heads, None if self.which is None else self.which[start:stop], n), tail]
+        parts = [_few(self._heads_utf8, None if self.which is None else self.which[start:stop], n), tail]
         if self.end is not None:
-            parts.append(_few(self.ends, self.end[start:stop], n))
+            parts.append(_few(self._ends_utf8, self.end[start:stop], n))
         return _pieces(parts)
+
+    @functools.cached_property
+    def _heads_utf8(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The heads' UTF-8, where each starts, and its length (once: a Parquet source's thousands of files)."""
+        return _encoded(self.heads)
+
+    @functools.cached_property
+    def _ends_utf8(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _encoded(self.ends)
 
 
 class Joining:
@@ -306,9 +325,12 @@ class Joining:
         else:
             self.part(len(self.heads) - 1, text)
 
-    def parts(self, head: int, tails: Sequence[str]) -> None:
-        """Strings ``heads[head] + tail`` for each of ``tails``."""
+    def parts(self, head: int, tails: Sequence[str], are_ids: bool = False) -> None:
+        """Strings ``heads[head] + tail`` for each of ``tails`` (``are_ids``: the ids appended last, one each)."""
         if self.ids is not None:
+            if are_ids:  # each tail is its row's id still: none kept
+                self.which.extend([head] * len(tails))
+                return
             for tail in tails:
                 self.part(head, tail)
             return
@@ -611,11 +633,12 @@ class Distinct:
             column = column.cast(column.type.value_type)
         try:
             encoded = column.dictionary_encode(null_encoding="encode")
-        except pa.ArrowNotImplementedError:  # lists, structs...: made Python values
+            in_block = encoded.indices.to_numpy(zero_copy_only=False)
+            table = self._arrow_codes(encoded.dictionary, in_block)
+        except pa.ArrowNotImplementedError:  # lists, structs, half floats, views...: made Python values
             self.add(column.to_pylist())
             return
-        in_block = encoded.indices.to_numpy(zero_copy_only=False)
-        self.codes.extend(self._arrow_codes(encoded.dictionary, in_block)[in_block])
+        self.codes.extend(table[in_block])
 
     def _arrow_codes(self, values: Any, in_block: np.ndarray) -> np.ndarray:
         """The codes of a block's distinct values (an Arrow array): those seen in earlier blocks of this type

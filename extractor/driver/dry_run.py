@@ -172,24 +172,20 @@ def _action(decided: Decision) -> str:
 def preview(spec: JobSpec, full: bool = False) -> Preview:
     """What ``run(spec)`` would write; creates, replaces and locks nothing. A source of many parts (Parquet files,
     tars, megabytes of a manifest: :func:`~extractor.data.sample_of`) is estimated from a part of it spread over it,
-    unless ``full``: its rows and every figure that follows from them scaled by the part's share."""
+    unless ``full`` or a store is there (what a run would do to it is decided on every row): its rows and every
+    figure that follows from them scaled by the part's share."""
     from .runner import LocalBackend
 
-    rows, listed, scale = _listing(spec, full)
+    store = StoreSession(spec)
+    # what a run would do to a store that is there is decided on every row (a resume, or a refusal)
+    rows, listed, scale = _listing(spec, full or store.recorded() is not None)
     n_rows = round(len(rows) * scale)
     backend = LocalBackend(_on_this_machine(spec))
     try:
         probe = backend.probe()
     finally:
         backend.close()
-    store = StoreSession(spec)
-    if listed.sampled is None:
-        todo, action, layout = _decided(store, rows, probe)
-    else:  # the store's fate is decided on every row; a new store's is plain
-        todo, action = n_rows, "create" if store.recorded() is None else (
-            "a store is there: what a run would do to it is decided on every row (extractor plan --full); the "
-            "figures below are the whole job's")
-        layout = None
+    todo, action, layout = _decided(store, rows, probe) if listed.sampled is None else (n_rows, "create", None)
     if layout is None:
         chunk_rows = chunking(spec, probe.captures)
         layout = {k: (chunk_rows[k], spec.output.sharding) for k in probe.captures}

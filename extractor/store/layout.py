@@ -338,9 +338,10 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators:
             stop = min(start + step, n)
             if arr.dtype.kind in "TUO":  # strings: each chunk encoded from their UTF-8, made in bulk
                 write_texts(arr, codec, start, data, stop)
-            else:  # whole chunks encoded here and put at once (through zarr: 0.6 ms a chunk)
-                write_whole([(arr, codec, a, np.asarray(data[a:min(a + chunk, stop)]))
-                             for a in range(start, stop, chunk)])
+            else:  # whole chunks encoded here and put at once (through zarr: 0.6 ms a chunk); one of the fill value
+                # alone is not stored, as zarr leaves it (labels of a source without any, fingerprints of URLs)
+                blocks = ((a, np.asarray(data[a:min(a + chunk, stop)])) for a in range(start, stop, chunk))
+                write_whole([(arr, codec, a, block) for a, block in blocks if (block != fill).any()])
 
     row_array("ids", str, "", rows.ids)
     row_array("paths", str, "", rows.paths)

@@ -21,6 +21,7 @@ from extractor.data.rows import (
     duplicate,
     labels_of,
     strings,
+    utf8,
 )
 from extractor.store.provenance import _digest
 
@@ -116,7 +117,8 @@ def test_distinct_values_found_in_bulk_are_those_found_one_by_one():
               pa.array(["x", "y", "x"]).dictionary_encode(), pa.array([1.0, 2.5, 1.0]), [1.0, True, 1],
               pa.chunked_array([[1, 2], [2, 3]]), pa.array([True, False, True]), pa.array([4, 3, None, 9], pa.int32()),
               pa.array(["b", "q", None], pa.large_string()), pa.array([None, None], pa.null()), ("dog", "a"),
-              pa.array([], pa.int64()), pa.array([9, 1, 3] * 2000)]
+              pa.array([], pa.int64()), pa.array([9, 1, 3] * 2000), pa.array(np.array([1, 2, 1], np.float16)),
+              pa.array(["dog", "a", None], pa.string_view()), pa.array([b"x", b"y"], pa.binary_view())]
     found, every = Distinct(), []
     for block in blocks:  # each kind of block after the others: codes carried over, first rows counted on
         if isinstance(block, tuple):  # the distinct values and each row's code (the tar reader's)
@@ -148,6 +150,10 @@ def test_the_digest_of_ids_is_the_one_older_stores_recorded():
     numbers = Joined(["f.parquet#image/", "g/"], np.arange(BLOCK + 5) * 7, np.arange(BLOCK + 5) % 2, [".a", ""],
                      np.arange(BLOCK + 5) // BLOCK)  # a Parquet file's rows, and a tar's paths with their ends
     assert _digest(numbers) == _digest(strings(numbers[:].tolist()))
+    large = np.array([0, 9, 10, 10**16 - 1, 2**53 + 1, 2**63 - 1], np.int64)  # digits exact past float64's
+    for tails in (large, np.array([10**19, 2**64 - 1], np.uint64)):
+        data, ends = utf8(Joined(["r/"], tails), 0, len(tails))
+        assert bytes(data) == "".join(f"r/{int(t)}" for t in tails.tolist()).encode() and len(ends) == len(tails)
 
 
 def test_strings_extended_at_once_hold_what_appending_one_by_one_holds():

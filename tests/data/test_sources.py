@@ -236,7 +236,7 @@ def test_batch_stream_decodes_ahead_across_shards_but_never_mixes_them():
             while (batch := stream.next()) is not None:
                 batches.append(batch)
                 if paths is shards[0] and batch.offsets == [4]:  # shard 0's last batch is out:
-                    deadline = time.monotonic() + 10  # shard 1 already queued: a pool thread starts it
+                    deadline = time.monotonic() + 120  # shard 1 already queued: a pool thread starts it
                     while not any(p.startswith("s1-") for p in started) and time.monotonic() < deadline:
                         time.sleep(0.01)  # (without waiting: a race on a loaded machine)
                     assert any(p.startswith("s1-") for p in started)  # shard 1 already decoding

@@ -115,10 +115,11 @@ def test_the_plan_of_a_large_source_lists_a_part_of_it_and_scales_every_figure(i
             (12, 3, 12, "create")
         assert (part.total_bytes, part.objects, part.captures) == (full.total_bytes, full.objects, full.captures)
         assert "extractor plan --full lists every row" in part.report()
-    run(parse_spec(specs["tars"]))
+    run(parse_spec(specs["tars"]))  # a store there: what a run would do to it is decided on every row
     again = preview(parse_spec({**specs["tars"], "output": {**specs["tars"]["output"], "if_exists": "resume"}}))
-    assert again.action.startswith("a store is there: what a run would do to it is decided on every row")
-    assert preview(parse_spec(specs["tars"]), full=True).action.startswith("run would refuse")  # decided: exists
+    assert again.listing is not None and again.listing.sampled is None and again.action == "nothing to do (complete)"
+    refused = preview(parse_spec(specs["tars"]))
+    assert refused.action.startswith("run would refuse: store") and "already exists" in refused.action
 
 
 def test_a_large_manifest_is_planned_from_its_first_megabytes_read_against_its_own_folder(

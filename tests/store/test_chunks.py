@@ -130,6 +130,27 @@ def test_strings_written_from_their_utf8_in_bulk_are_the_bytes_zarr_writes(tmp_p
         assert zarr.open_group(str(root), mode="r")[f"ours-{name}"][:].tolist() == np.asarray(column[0:12]).tolist()
 
 
+def test_a_new_stores_row_arrays_leave_out_the_chunks_zarr_leaves_out(tmp_path: Path):
+    """A chunk of the fill value alone (the labels of a source without any, the fingerprints of URLs, empty
+    strings) is no object, as zarr leaves it; the others are zarr's objects, byte for byte."""
+    from extractor.data.rows import Rows, strings
+    from extractor.store.layout import _create_row_arrays
+
+    ids = strings([f"i{n}" for n in range(10)])
+    rows = Rows(ids=ids, paths=strings([""] * 5 + [f"/p/{n}" for n in range(5)]),
+                labels=np.asarray([-1] * 8 + [3, -1]), fingerprints=np.asarray([0] * 4 + list(range(1, 7)), np.uint64))
+    ours = zarr.open_group(str(tmp_path / "ours.zarr"), mode="w")
+    _create_row_arrays(ours, 4, rows, ())
+    theirs = zarr.open_group(str(tmp_path / "zarr.zarr"), mode="w")
+    for name, dtype, fill in (("ids", str, ""), ("paths", str, ""), ("labels", "int64", -1),
+                              ("fingerprint", "uint64", 0)):
+        arr = theirs.create_array(name, shape=(10,), dtype=dtype, chunks=ours[name].chunks, fill_value=fill,
+                                  dimension_names=["row"])
+        arr[:] = np.asarray(getattr(rows, {"fingerprint": "fingerprints"}.get(name, name))[0:10])
+        assert _chunk_files(tmp_path / "ours.zarr", name) == _chunk_files(tmp_path / "zarr.zarr", name), name
+    assert ours["fingerprint"].chunks == (4,) and len(_chunk_files(tmp_path / "ours.zarr", "fingerprint")) == 2
+
+
 @pytest.mark.parametrize("compression", ["zstd", "blosc", "gzip", "none"])
 def test_a_whole_array_read_a_file_a_chunk_is_what_zarr_reads(tmp_path: Path, compression: str):
     """Per-row and per-shard arrays of numbers and strings (chunks of 4 rows and of 1, the last partial, some never

@@ -174,14 +174,14 @@ def test_a_job_stopped_inside_a_local_swap_holds_the_store_and_another_waits_for
     try:
         with caplog.at_level("WARNING", logger="extractor"):
             b.start()
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 600  # a guard: B logs it once it meets the lock
             while not any(f"stays locked by process {a.pid}" in r.getMessage() for r in caplog.records):
                 assert time.monotonic() < deadline and b.is_alive(), "B never said which process it waits for"
                 time.sleep(0.05)
         assert "kill -CONT PID" in caplog.text and not got  # B waits: nothing of it landed
     finally:
         code, err = wake(a)
-        b.join(timeout=120)
+        b.join(timeout=600)
     assert got and got[0].ok == 4
     assert code == 1 and "made again" in err, err
     equal_values(str(store), str(local_case["base"] / "clean-b.zarr"))

@@ -131,6 +131,15 @@ class _Kept:
             self.children.setdefault(real.rpartition("/")[0], []).append(real)
 
 
+def _plain(text: str) -> bool:
+    """Names that are their own display name and storable path (UTF-8 without an escaped byte)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _Walk:
     """One walk of a local folder tree in the listing's order: each folder's images sorted by name, then its
     sub-folders in sorted order (hidden ones skipped, links followed, a folder reached again through a link
@@ -148,6 +157,7 @@ class _Walk:
         self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
         self.seen: set[str] = set()  # the real paths walked
         self.settled = time.time_ns() - _UNSETTLED_NS  # a folder modified since: recorded UNSETTLED
+        self.plain = _plain(top) and os.path.join(top, "x") == top.rstrip("/") + "/x"  # names joined as they are
 
     def walk(self) -> _Walk:
         todo = [""]
@@ -180,10 +190,14 @@ class _Walk:
         names = [n for n in files if n.lower().endswith(self.exts) and not n.startswith(".")]
         start = len(self.prints)
         self.prints.extend(folder_prints(path, names))
-        for name in names:
-            sub = f"{rel}/{name}" if rel else name
-            self.ids.append(display_name(sub))
-            self.paths.whole(storable_path(os.path.join(self.top, sub)))  # undecodable names: hex, whole
+        subs = [f"{rel}/{name}" for name in names] if rel else names
+        if _plain("".join(subs)) and self.plain:  # each id its name, each path the root and it: taken at once
+            self.ids.extend(subs)
+            self.paths.parts(0, subs, are_ids=True)
+        else:
+            for sub in subs:
+                self.ids.append(display_name(sub))
+                self.paths.whole(storable_path(os.path.join(self.top, sub)))  # undecodable names: hex, whole
         self._add(rel, times if times is not None and times[0] < self.settled else UNSETTLED, False, start,
                   len(self.prints))
         return [f"{rel}/{d}" if rel else d for d in folders if not d.startswith(".")]  # .git: not classes

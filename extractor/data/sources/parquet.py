@@ -495,7 +495,8 @@ class ParquetSource(Source):
         urls = parquet_urls(self._files(data), data.storage_options)
         if len(urls) <= over:
             return None
-        return Sampled(data.model_copy(update={"parquet": spread(urls, parts), "dataset": None}), parts, len(urls),
+        picked = spread(urls, parts)
+        return Sampled(data.model_copy(update={"parquet": picked, "dataset": None}), len(picked), len(urls),
                        "Parquet files")
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:

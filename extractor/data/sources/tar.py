@@ -372,7 +372,8 @@ class TarSource(Source):
 
     def sample(self, data: DataSpec, parts: int, over: int) -> Sampled | None:
         urls = tar_urls(data.tars)
-        return None if len(urls) <= over else Sampled(data.model_copy(update={"tars": spread(urls, parts)}), parts,
+        picked = spread(urls, parts)
+        return None if len(urls) <= over else Sampled(data.model_copy(update={"tars": picked}), len(picked),
                                                       len(urls), "tars")
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
