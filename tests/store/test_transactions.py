@@ -160,7 +160,9 @@ def test_a_job_stopped_inside_a_local_swap_holds_the_store_and_another_waits_for
     """Stopped with the store's lock file held (a swap's read and compare made, its rename not yet): no other change
     of the store can land meanwhile: another job waits, saying which process it waits for, and goes on once that one
     is woken; the stopped job, woken, finishes its swap; then it finds the store made again (by the other) and
-    stops; the store is the other job's, equal to a clean run of its spec."""
+    stops, or it finished its store first (its next swaps may take the lock before the waiter wakes: flock is not
+    first come, first served; on a loaded machine it did), which the other then makes again; either way the store
+    is the other job's, equal to a clean run of its spec."""
     import threading
 
     store = tmp_path / "s.zarr"
@@ -183,7 +185,7 @@ def test_a_job_stopped_inside_a_local_swap_holds_the_store_and_another_waits_for
         code, err = wake(a)
         b.join(timeout=600)
     assert got and got[0].ok == 4
-    assert code == 1 and "made again" in err, err
+    assert (code == 1 and "made again" in err) or (code == 0 and "Traceback" not in err), (code, err)
     equal_values(str(store), str(local_case["base"] / "clean-b.zarr"))
 
 
