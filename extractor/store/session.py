@@ -28,7 +28,7 @@ from ..spec import JobSpec
 from .chunks import read_all
 from .claimants import Claimant, alive
 from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
-from .layout import FAILED, OK, PENDING, StoreArrays, create_generation, get_array, root_attrs
+from .layout import FAILED, OK, StoreArrays, create_generation, get_array, root_attrs
 from .ledger import Table, Verdict, amend_rows, new_id, reset
 from .objects import Objects, is_s3
 from .provenance import (
@@ -635,13 +635,25 @@ class StoreSession:
         if self.claimant is not None and not self._ended:
             self._end("interrupted")
 
+    def _counts(self, group: Any, table: Table) -> tuple[int, int, int, np.ndarray]:
+        """Rows, ok and failed rows, and the first 20 failed ones: summed from the commits, each of which records
+        its shard's (at 400M rows the status array is 400 MB in 390,625 objects), the failed ones read from the shards
+        that have some; counted in the status array where a commit records none (a store made before they did)."""
+        status = get_array(group, "status")
+        done = table.entries[table.done]
+        if bool((done["ok"].astype(np.int64) + done["failed"] > 0).all()):
+            ok, failed = int(done["ok"].sum(dtype=np.int64)), int(done["failed"].sum(dtype=np.int64))
+            return status.shape[0], ok, failed, _first_failed(status, table, self.spec.data.shard_size, 20)
+        values = read_all(status)
+        failed_rows = np.flatnonzero(values == FAILED)
+        return len(values), int((values == OK).sum()), len(failed_rows), failed_rows[:20]
+
     def _outcome(self) -> Outcome:
         """The store's rows as they are now, read as committed."""
         assert self.generation is not None
         table = self.generation.ledger().read()
         group = self.generation.open(table)
-        status = read_all(get_array(group, "status"))
-        failed_rows = np.flatnonzero(status == FAILED)
+        rows, ok, failed, failed_rows = self._counts(group, table)
         failures = []
         if len(failed_rows):
             ids, errors = get_array(group, "ids"), get_array(group, "errors")
@@ -650,16 +662,28 @@ class StoreSession:
         attrs = root_attrs(group)
         stats = dict(attrs.get("stats") or {})
         return Outcome(
-            rows=len(status),
-            ok=int((status == OK).sum()),
-            failed=len(failed_rows),
-            pending=int((status == PENDING).sum()),
+            rows=rows,
+            ok=ok,
+            failed=failed,
+            pending=rows - ok - failed,
             failures=failures,
             nonfinite={k: (v["nonfinite_rows"], v["first_nonfinite_rows"]) for k, v in stats.items()
                        if v["nonfinite_rows"]},
             float16=[k for k, m in attrs["captures"].items() if m["dtype"] == "float16"],
             complete=bool(table.done.all()),
         )
+
+
+def _first_failed(status: Any, table: Table, size: int, first: int) -> np.ndarray:
+    """The first ``first`` failed rows, read from the status of the committed shards whose commits count failed
+    rows, in order (not every row's)."""
+    e = table.entries
+    found: list[np.ndarray] = []
+    for s in np.flatnonzero(table.done & (e["failed"] > 0)).tolist():
+        found.append(np.flatnonzero(np.asarray(status[s * size:(s + 1) * size]) == FAILED) + s * size)
+        if sum(map(len, found)) >= first:
+            break
+    return np.concatenate(found)[:first] if found else np.zeros(0, np.int64)
 
 
 def live_claimants(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
