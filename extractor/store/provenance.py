@@ -364,8 +364,17 @@ def moved_locators(group: Any, rows: Rows) -> dict[str, np.ndarray] | None:
     ones whose bytes changed are found by :func:`changed_rows`. None: none moved, or the source has none."""
     if not rows.locators or any(name not in group for name in rows.locators):
         return None
-    same = all(np.array_equal(column, group[name][:]) for name, column in rows.locators.items())
+    same = all(np.array_equal(column[a:b], read_all(group[name], a, b)) for name, column in rows.locators.items()
+               for a, b in row_blocks(len(rows)))
     return None if same else dict(rows.locators)
+
+
+COMPARE_ROWS = 1 << 20  # rows of the store's per-row arrays compared with the listing's at a time
+
+
+def row_blocks(n: int) -> list[tuple[int, int]]:
+    """Rows ``0:n`` in blocks of :data:`COMPARE_ROWS` (400M rows' fingerprints are 3.2 GB: never read at once)."""
+    return [(a, min(a + COMPARE_ROWS, n)) for a in range(0, n, COMPARE_ROWS)]
 
 
 def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.ndarray | None]:
@@ -377,18 +386,23 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.n
             log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
                         spec.output.store)
         return [], None
-    current = np.asarray(rows.fingerprints, dtype=np.uint64)
-    stored = read_all(group["fingerprint"])
-    read = read_all(group["status"]) != PENDING
-    unknown = int((read & (current == 0)).sum())
+    current = rows.fingerprints
+    unknown, moved, found = 0, False, []
+    for a, b in row_blocks(len(current)):  # (a block at a time)
+        now = np.asarray(current[a:b], dtype=np.uint64)
+        stored = read_all(group["fingerprint"], a, b)
+        read = read_all(group["status"], a, b) != PENDING
+        unknown += int((read & (now == 0)).sum())
+        moved = moved or bool((now != stored).any())
+        found.append(np.flatnonzero(read & (now != stored) & (now != 0)) + a)
     if unknown:
         log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest): not checked for changed "
                     "images; `extractor inspect --verify` reads them", unknown, spec.output.store)
-    suspects = np.flatnonzero(read & (current != stored) & (current != 0))
+    suspects = np.concatenate(found) if found else np.zeros(0, np.int64)
     changed: list[int] = []
     if len(suspects):
-        digests = np.asarray(group["digest"][:])
+        digests = group["digest"].get_coordinate_selection(suspects)
         places = {name: column[suspects] for name, column in rows.locators.items()} if rows.locators else None
         now_digests = source_digests(group, suspects, spec.data.storage_options, places=places)  # where they are now
-        changed = [int(r) for r, d in zip(suspects, now_digests, strict=True) if d != digests[r]]
-    return changed, (current if bool((current != stored).any()) else None)
+        changed = [int(r) for r, d, was in zip(suspects, now_digests, digests, strict=True) if d != was]
+    return changed, (np.asarray(current, dtype=np.uint64) if moved else None)

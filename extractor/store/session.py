@@ -39,6 +39,7 @@ from .provenance import (
     kept_probe,
     moved_locators,
     owner,
+    row_blocks,
     store_attrs,
 )
 from .recorded import StoredRows
@@ -189,15 +190,20 @@ def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) ->
     label's logit used them."""
     if rows.stored is not None:  # the rows as the store lists them: nothing to compare
         return
-    was = np.asarray(get_array(group, "labels")[:])
-    if len(was) != len(rows):  # another listing altogether: check_resumable refused it
+    stored = get_array(group, "labels")
+    if stored.shape[0] != len(rows):  # another listing altogether: check_resumable refused it
         return
-    differ = np.flatnonzero(was != rows.labels)
-    if not len(differ) and list(old.get("classes") or []) == list(rows.classes):
+    differ = []  # (a block at a time: 400M labels are 3.2 GB)
+    for a, b in row_blocks(len(rows)):
+        differ.append(np.flatnonzero(read_all(stored, a, b) != np.asarray(rows.labels[a:b])) + a)
+    n, first = sum(map(len, differ)), next((int(d[0]) for d in differ if len(d)), None)
+    if not n and list(old.get("classes") or []) == list(rows.classes):
         return
-    what = (f"the labels of {count(len(differ), 'row')} differ from the store's (first: row {differ[0]} "
-            f"{rows.ids[differ[0]]!r}, {was[differ[0]]} in the store, {rows.labels[differ[0]]} now)") if len(differ) \
-        else f"the class names differ from the store's ({old.get('classes')} in the store, {rows.classes} now)"
+    if first is not None:
+        what = (f"the labels of {count(n, 'row')} differ from the store's (first: row {first} {rows.ids[first]!r}, "
+                f"{read_all(stored, first, first + 1)[0]} in the store, {rows.labels[first]} now)")
+    else:
+        what = f"the class names differ from the store's ({old.get('classes')} in the store, {rows.classes} now)"
     raise StoreError(f"cannot resume {spec.output.store}: {what}; its rows keep the labels they were listed with "
                      "(and a gradient of the label's logit used them): resuming would mix both. Use --overwrite")
 
