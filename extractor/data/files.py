@@ -89,6 +89,15 @@ def storable_path(path: str) -> str:
         return FS_BYTES + os.fsencode(path).hex()
 
 
+def plain_utf8(text: str) -> bool:
+    """Text that is UTF-8 as it is (no file name's undecodable byte, held as a surrogate): its own display name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def display_name(path: str) -> str:
     """A readable UTF-8 form of a file name (undecodable bytes shown as \\xNN)."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")

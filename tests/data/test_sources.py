@@ -78,6 +78,24 @@ def test_bad_tars_are_clear_errors(image_dir: Path, tmp_path: Path):
     assert not (tmp_path / "s.zarr").exists()
 
 
+def test_a_tar_member_whose_name_is_not_utf8_is_stored_under_its_shown_name(image_dir: Path, tmp_path: Path):
+    """A member named in Latin-1 (a tar written elsewhere): its id and path show the byte as \\xNN (the store holds
+    UTF-8; the member is read by its byte range), and its values are the same image's from a plain name."""
+    image = sorted(p for p in image_dir.rglob("*.jpg"))[0]
+    data = image.read_bytes()
+    with tarfile.open(tmp_path / "latin.tar", "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tar:
+        for name in ("caf\xe9.jpg", "plain.jpg"):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    summary = run(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
+        "source": "tar", "root": None, "tars": str(tmp_path / "latin.tar")})))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert summary.ok == 2 and s.ids[:].tolist() == ["caf\\xe9", "plain"]
+    assert s.paths[0].endswith("latin.tar#caf\\xe9.jpg")
+    np.testing.assert_array_equal(s.numpy("layer4")[0], s.numpy("layer4")[1])
+
+
 def test_truncated_tar_member_fails_its_row(image_dir: Path, tmp_path: Path):
     images = sorted(p for p in image_dir.rglob("*") if p.is_file())[:4]
     [tar] = write_tars(images, tmp_path / "tars", per_tar=4)

@@ -21,6 +21,7 @@ from ..files import (
     display_name,
     is_url,
     local_path,
+    plain_utf8,
     remote_error,
     remote_fingerprint,
     storable_path,
@@ -131,15 +132,6 @@ class _Kept:
             self.children.setdefault(real.rpartition("/")[0], []).append(real)
 
 
-def _plain(text: str) -> bool:
-    """Names that are their own display name and storable path (UTF-8 without an escaped byte)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 class _Walk:
     """One walk of a local folder tree in the listing's order: each folder's images sorted by name, then its
     sub-folders in sorted order (hidden ones skipped, links followed, a folder reached again through a link
@@ -157,7 +149,7 @@ class _Walk:
         self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
         self.seen: set[str] = set()  # the real paths walked
         self.settled = time.time_ns() - _UNSETTLED_NS  # a folder modified since: recorded UNSETTLED
-        self.plain = _plain(top) and os.path.join(top, "x") == top.rstrip("/") + "/x"  # names joined as they are
+        self.plain = plain_utf8(top) and os.path.join(top, "x") == top.rstrip("/") + "/x"  # names joined as they are
 
     def walk(self) -> _Walk:
         todo = [""]
@@ -191,7 +183,7 @@ class _Walk:
         start = len(self.prints)
         self.prints.extend(folder_prints(path, names))
         subs = [f"{rel}/{name}" for name in names] if rel else names
-        if _plain("".join(subs)) and self.plain:  # each id its name, each path the root and it: taken at once
+        if plain_utf8("".join(subs)) and self.plain:  # each id its name, each path the root and it: taken at once
             self.ids.extend(subs)
             self.paths.parts(0, subs, are_ids=True)
         else:

@@ -31,7 +31,16 @@ import numpy as np
 
 from ..._threads import prefetched
 from ...errors import DataError
-from ..files import absolute, expand_braces, is_url, local_fingerprint, remote_error, remote_fingerprint
+from ..files import (
+    absolute,
+    display_name,
+    expand_braces,
+    is_url,
+    local_fingerprint,
+    plain_utf8,
+    remote_error,
+    remote_fingerprint,
+)
 from ..rows import Distinct, Joined, LocatorArray, Rows, Strings, Texts, duplicate, labels_of, labels_of_codes, strings
 from ..spill import Column
 from . import Locator, Recorded, Sampled, Source, spread
@@ -106,6 +115,9 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
     if not samples:
         names = ", ".join(keys[:5]) or "no members"
         raise DataError(f"tar shard {url} holds no image members (keys: {names}); check data.extensions")
+    if not plain_utf8("".join(samples.keys)):  # a name's bytes that are not UTF-8 shown as \xNN (the store holds
+        samples.keys = [display_name(k) for k in samples.keys]  # UTF-8; the member is read by its byte range)
+        samples.members = [display_name(m) for m in samples.members]
     return samples
 
 
