@@ -198,7 +198,7 @@ def _listing(spec: JobSpec, full: bool) -> tuple[Rows, Listing, float]:
     sampled = None if full else sample_of(spec.data)
     if sampled is not None:
         try:
-            warm = sample_of(spec.data, parts=1)  # what a first listing costs once (imports, first calls): not scaled
+            warm = sample_of(sampled.data, parts=1, over=0)  # the first listing's imports and first calls: not scaled
             list_rows(sampled.data if warm is None else warm.data)
             started = time.process_time()
             rows = list_rows(sampled.data)

@@ -109,12 +109,20 @@ def test_the_plan_of_a_large_source_lists_a_part_of_it_and_scales_every_figure(i
         full, part = preview(spec, full=True), preview(spec)
         assert full.listing is not None and full.listing.sampled is None and full.listing.rows_listed == 12
         files = 12 if unit == "Parquet files" else 6
-        assert part.listing is not None and part.listing.sampled == f"3 of {files} {unit}"
+        footers = "; every file's rows counted from its footer" if unit == "Parquet files" else ""
+        assert part.listing is not None and part.listing.sampled == f"3 of {files} {unit}{footers}"
         assert part.listing.rows_listed == 36 // files
         assert (part.rows, part.shards, part.todo_rows, part.action) == (full.rows, full.shards, 12, "create") == \
             (12, 3, 12, "create")
         assert (part.total_bytes, part.objects, part.captures) == (full.total_bytes, full.objects, full.captures)
         assert "extractor plan --full lists every row" in part.report()
+    uneven = tmp_path / "uneven"  # local Parquet files of other sizes: their rows counted from every footer
+    write_hub_parquet(images[:4], uneven / "a", per_file=1, row_group=1)
+    write_hub_parquet(images[4:], uneven / "b", per_file=8, row_group=8)  # by files: 10 rows x 5 / 3
+    spec = parse_spec(parquet_job(image_dir, tmp_path / "u.zarr", str(uneven / "*" / "*.parquet")))
+    part = preview(spec)
+    assert part.listing is not None and part.listing.sampled == "3 of 5 Parquet files; every file's rows counted " \
+        "from its footer" and (part.rows, part.shards) == (12, 3)
     run(parse_spec(specs["tars"]))  # a store there: what a run would do to it is decided on every row
     again = preview(parse_spec({**specs["tars"], "output": {**specs["tars"]["output"], "if_exists": "resume"}}))
     assert again.listing is not None and again.listing.sampled is None and again.action == "nothing to do (complete)"

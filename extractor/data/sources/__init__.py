@@ -133,14 +133,16 @@ class Sampled:
     taken: int
     parts: int
     unit: str  # what a part is, plural: "Parquet files", "tars", "MB of the manifest"
+    rows: tuple[int, int] | None = None  # the part's rows and the whole's, where the source counts them cheaply
 
     @property
     def scale(self) -> float:
-        """The whole source over the part listed."""
-        return self.parts / self.taken
+        """The whole source over the part listed (its rows, where counted)."""
+        return self.rows[1] / self.rows[0] if self.rows and self.rows[0] else self.parts / self.taken
 
     def __str__(self) -> str:
-        return f"{self.taken:,} of {self.parts:,} {self.unit}"
+        return f"{self.taken:,} of {self.parts:,} {self.unit}" + ("; every file's rows counted from its footer" if
+                                                                   self.rows else "")
 
 
 def spread(items: list[str], parts: int) -> list[str]:

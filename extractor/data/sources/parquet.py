@@ -457,6 +457,20 @@ def _file_fingerprint(url: str, storage: dict[str, Any], handle: Any = None) -> 
         return 0
 
 
+def _counted(urls: list[str], picked: list[str]) -> tuple[int, int] | None:
+    """The rows of the files ``picked`` and of all ``urls``, from their footers, where every file is a local Parquet
+    file (a footer read: about 0.6 ms); None elsewhere (a remote file's footer is a request: the rows are scaled)."""
+    if any(is_url(u) or _is_arrow(u) for u in urls):
+        return None
+    pq = _pyarrow()
+    try:
+        with ThreadPoolExecutor(min(16, len(urls))) as pool:
+            counts = dict(zip(urls, pool.map(lambda u: pq.ParquetFile(u).metadata.num_rows, urls), strict=True))
+    except Exception:  # noqa: BLE001 - a file the listing of the part, or the run, reports
+        return None
+    return sum(counts[u] for u in picked), sum(counts.values())
+
+
 def _listing(urls: list[str], prints: list[int], columns: dict[str, str]) -> dict[str, Any] | None:
     """What a listing of the files was made from (a resume takes the rows from the store while it is the same);
     None when a file's fingerprint is unknown."""
@@ -497,7 +511,7 @@ class ParquetSource(Source):
             return None
         picked = spread(urls, parts)
         return Sampled(data.model_copy(update={"parquet": picked, "dataset": None}), len(picked), len(urls),
-                       "Parquet files")
+                       "Parquet files", _counted(urls, picked))
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         storage = data.storage_options
