@@ -33,6 +33,15 @@ def committed(url: str, shard: int | None = None, storage_options: Mapping[str, 
     return bool(done.all() if shard is None else done[shard])
 
 
+def committed_count(url: str, storage_options: Mapping[str, Any] | None = None) -> int:
+    """How many shards are committed (0 while the store is being made, or absent)."""
+    try:
+        gen = generation(str(url), storage_options)
+        return 0 if gen.root() is None else int(gen.ledger().read().done.sum())
+    except (AssertionError, OSError, ValueError):
+        return 0
+
+
 def claimants(url: str, storage_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The records of the processes that wrote into the store's live generation."""
     return generation(str(url), storage_options).roster.all()
