@@ -718,9 +718,8 @@ def test_a_store_being_created_by_a_live_job_is_said_so(image_dir: Path, tmp_pat
 
 
 
-@pytest.mark.parametrize("compare_rows", [1 << 20, 5])  # and the store's arrays compared 5 rows at a time
 def test_an_image_changed_between_a_run_and_its_resume_is_named_or_redone_never_mixed(
-        image_dir: Path, tmp_path: Path, compare_rows: int, monkeypatch: pytest.MonkeyPatch):
+        image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """issue 26, defect 2 (T3-1): an image replaced at the same path between a run and --resume was accepted:
     done rows kept the old image's values, pending rows got the new one's. Per-row content digests: the
     resume names the changed rows; with output.on_change: redo their shards are computed again, and the
@@ -728,7 +727,7 @@ def test_an_image_changed_between_a_run_and_its_resume_is_named_or_redone_never_
     folder's mtime as it was: ``data.verify: files`` has each file stat-ed (issue 39)."""
     import extractor.store.provenance as provenance
 
-    monkeypatch.setattr(provenance, "COMPARE_ROWS", compare_rows)
+    monkeypatch.setattr(provenance, "COMPARE_ROWS", 5)  # the store's arrays compared 5 rows at a time
     import shutil
 
     root = tmp_path / "imgs"
@@ -852,16 +851,15 @@ def test_a_resume_takes_the_rows_of_unchanged_tars_from_the_store_and_lists_chan
     assert run(parse_spec(raw)).shards_run == 0 and len(scanned) == 3  # listed again, compared, nothing to do
 
 
-@pytest.mark.parametrize("compare_rows", [1 << 20, 3])  # and the store's arrays compared 3 rows at a time
 def test_a_rewritten_tar_names_only_the_image_that_changed_and_a_changed_label_is_refused(
-        tmp_path: Path, compare_rows: int, monkeypatch: pytest.MonkeyPatch):
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A tar rewritten with one image changed moves every member after it: the content of the moved ones is
     read where they are now and found the same, so only the changed row is named (and with on_change: redo only
     its shard is computed again). A .cls rewritten since the store was listed is refused: the store's rows keep
     the labels they were listed with."""
     import extractor.store.provenance as provenance
 
-    monkeypatch.setattr(provenance, "COMPARE_ROWS", compare_rows)
+    monkeypatch.setattr(provenance, "COMPARE_ROWS", 3)  # the store's arrays compared 3 rows at a time
     import io
     import tarfile
 
