@@ -271,8 +271,8 @@ def write_texts(array: zarr.Array, codec: ChunkCodec | None, start: int, strings
     string's bytes are not plain UTF-8 (a surrogate) or the array's codecs are not those this module writes."""
     from ..data import utf8
 
-    if codec is None or codec.shard_rows is not None or start % codec.rows or \
-            ((stop - start) % codec.rows and stop != array.shape[0]):
+    if codec is None or codec.shard_rows is not None or start % codec.rows or array.fill_value != "" or \
+            ((stop - start) % codec.rows and stop != array.shape[0]) or not _vlen_checked():
         array[start:stop] = strings[start:stop]
         return
     puts = []
@@ -281,8 +281,29 @@ def write_texts(array: zarr.Array, codec: ChunkCodec | None, start: int, strings
         if found is None:
             array[start:stop] = strings[start:stop]
             return
-        puts.append((array.store, codec.key(at), codec.encode_utf8(*found)))
+        if found[1].any():  # a chunk of empty strings (the fill value) is not stored, as zarr leaves it
+            puts.append((array.store, codec.key(at), codec.encode_utf8(*found)))
     _put_all(puts)
+
+
+_VLEN_SAME: list[bool] = []  # once a process: vlen_utf8 gives numcodecs' bytes (else strings go through zarr)
+
+
+def _vlen_checked() -> bool:
+    """Whether :func:`vlen_utf8` encodes as numcodecs does, checked once against numcodecs itself (a numcodecs
+    that changed its format: the strings go through zarr, with a warning)."""
+    if not _VLEN_SAME:
+        items = ["", "a", "ünï", "x" * 300]
+        encoded = [t.encode() for t in items]
+        ours = vlen_utf8(np.frombuffer(b"".join(encoded), np.uint8), np.cumsum([len(e) for e in encoded]), 6)
+        same = bytes(ours) == bytes(numcodecs.VLenUTF8().encode(np.asarray([*items, "", ""], dtype=object)))
+        if not same:
+            import logging
+
+            logging.getLogger(__name__).warning("numcodecs' vlen-utf8 differs from extractor's: strings are written "
+                                                "through zarr")
+        _VLEN_SAME.append(same)
+    return _VLEN_SAME[0]
 
 
 def _put_all(puts: list[tuple[Any, str, Any]]) -> None:

@@ -149,6 +149,29 @@ def test_a_new_stores_row_arrays_leave_out_the_chunks_zarr_leaves_out(tmp_path: 
         arr[:] = np.asarray(getattr(rows, {"fingerprint": "fingerprints"}.get(name, name))[0:10])
         assert _chunk_files(tmp_path / "ours.zarr", name) == _chunk_files(tmp_path / "zarr.zarr", name), name
     assert ours["fingerprint"].chunks == (4,) and len(_chunk_files(tmp_path / "ours.zarr", "fingerprint")) == 2
+    from extractor.store.chunks import write_texts
+
+    empty = {side: zarr.open_group(str(tmp_path / f"{side}-e.zarr"), mode="w").create_array(
+        "e", shape=(8,), dtype=str, chunks=(4,), fill_value="") for side in ("ours", "zarr")}
+    texts = strings(["", "", "", "", "a", "", "b", ""])  # its first chunk empty strings alone: no object
+    empty["zarr"][:] = np.asarray(texts[0:8])
+    write_texts(empty["ours"], ChunkCodec.of(empty["ours"]), 0, texts, 8)
+    assert _chunk_files(tmp_path / "ours-e.zarr", "e") == _chunk_files(tmp_path / "zarr-e.zarr", "e") and \
+        list(_chunk_files(tmp_path / "ours-e.zarr", "e")) == ["c/1"]
+
+
+def test_strings_go_through_zarr_where_numcodecs_encodes_them_otherwise(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """vlen-utf8 made in bulk is checked once against numcodecs itself: where they differ, zarr writes the strings."""
+    import extractor.store.chunks as chunks
+    from extractor.data.rows import strings
+
+    monkeypatch.setattr(chunks, "_VLEN_SAME", [])
+    monkeypatch.setattr(chunks, "vlen_utf8", lambda data, ends, rows: np.zeros(4, np.uint8))  # a wrong encoding
+    arr = zarr.open_group(str(tmp_path / "s.zarr"), mode="w").create_array("t", shape=(4,), dtype=str, chunks=(4,),
+                                                                          fill_value="")
+    chunks.write_texts(arr, ChunkCodec.of(arr), 0, strings(["a", "bé", "", "c"]), 4)
+    assert chunks._VLEN_SAME == [False] and arr[:].tolist() == ["a", "bé", "", "c"]
 
 
 @pytest.mark.parametrize("compression", ["zstd", "blosc", "gzip", "none"])
