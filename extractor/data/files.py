@@ -6,9 +6,11 @@ A row's stored path is a local path (absolute), a URL, or a locator of its sourc
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DataError
@@ -165,6 +167,28 @@ def remote_fingerprint(info: dict[str, Any]) -> int:
 
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}|\{([^{}]*,[^{}]*)\}")
+
+
+def matched_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any], setting: str) -> list[str]:
+    """The files a setting (``data.parquet``, ``data.tars``) names, in order: brace patterns expanded, globs matched
+    (sorted; an object store's through fsspec), other paths as they are (absolute)."""
+    pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
+    urls: list[str] = []
+    for pattern in (p for pat in pats for p in expand_braces(pat)):
+        if not glob.has_magic(pattern):
+            urls.append(absolute(pattern))
+        elif is_url(pattern):
+            import fsspec
+
+            try:
+                fs, path = fsspec.core.url_to_fs(pattern, **storage)
+                protocol = pattern.split("://", 1)[0]
+                urls += [f"{protocol}://{p}" for p in sorted(fs.glob(path))]
+            except Exception as err:
+                raise remote_error(setting, pattern, err) from err
+        else:
+            urls += [absolute(p) for p in sorted(glob.glob(pattern, recursive=True))]
+    return urls
 
 
 def expand_braces(pattern: str) -> list[str]:

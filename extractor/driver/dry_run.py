@@ -117,12 +117,18 @@ class Preview:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total_bytes": self.total_bytes, "objects": self.objects}
 
+    @property
+    def _about(self) -> str:
+        """"about " where the figures are scaled from a part of the source (they read as counts otherwise)."""
+        return "about " if self.listing is not None and self.listing.sampled is not None else ""
+
     def report(self) -> str:
         rows = [[c.key, "x".join(map(str, c.shape)), c.dtype, size(c.bytes_per_row), str(c.chunk_rows),
                  size(c.chunk_bytes), f"{c.objects:,}", size(c.bytes_per_row * self.rows)] for c in self.captures]
         lines = [
             f"{self.store}: {self.action}",
-            f"{self.rows:,} rows in {count(self.shards, 'shard')} of {self.shard_size}",
+            f"{self._about}{self.rows:,} rows in {count(self.shards, 'shard')} of {self.shard_size}"
+            + (f" (estimated from {self.listing.sampled})" if self.listing is not None and self._about else ""),
             table(rows, ["capture", "shape per row", "dtype", "per row", "chunk rows", "chunk", "objects", "total"]),
             f"total {size(self.total_bytes)} before compression in {self.objects:,} objects "
             f"({self.per_row_objects:,} of them per-row arrays, the id index and shard markers"
@@ -135,7 +141,7 @@ class Preview:
             lines.append(self.listing.report())
         lines += [f"warning: {w}" for w in self.warnings]
         per_row = {c.key: c.bytes_per_row for c in self.captures}
-        lines.append(estimate(self.todo_rows, per_row))  # the line `extractor run` prints
+        lines.append(self._about + estimate(self.todo_rows, per_row))  # the line `extractor run` prints
         return "\n".join(lines)
 
 

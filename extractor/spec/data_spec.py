@@ -32,7 +32,8 @@ class DataSpec(_Section):
     a manifest row is refused before any work, such a Parquet row fails without its file being opened, so
     neither can point the job at any file the machine can read."""
     tars: str | tuple[str, ...] | None = None
-    """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``)."""
+    """WebDataset tar shards: paths or URLs with brace patterns (``shards/{000000..000099}.tar``) or globs
+    (``shards/*.tar``, sorted)."""
     parquet: str | tuple[str, ...] | None = None
     """Parquet files: paths or URLs with globs (``data/train-*.parquet``) or brace patterns. Each row holds an
     image (encoded bytes, a struct of ``bytes`` and ``path`` as Hugging Face writes it, or a path), and optionally

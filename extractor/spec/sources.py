@@ -25,7 +25,8 @@ SOURCE_SETTINGS: dict[str, SourceSettings] = {
     "folder": SourceSettings(("root",), "data.root (the image folder)", paths=("root",)),
     "manifest": SourceSettings(("manifest",), "data.manifest (a .csv or .jsonl file)", paths=("manifest",),
                                columns=True),
-    "tar": SourceSettings(("tars",), "data.tars (tar paths or URLs, brace patterns allowed)", paths=("tars",)),
+    "tar": SourceSettings(("tars",), "data.tars (tar paths or URLs, brace patterns and globs allowed)",
+                          paths=("tars",)),
     "parquet": SourceSettings(("parquet", "dataset"), "data.parquet (Parquet paths or URLs, globs and brace patterns "
                               "allowed) or data.dataset (a Hugging Face data set in the local cache: ORG/NAME)",
                               paths=("parquet",), only=("dataset",), columns=True),

@@ -336,3 +336,24 @@ def test_a_files_row_fingerprints_made_at_once_are_each_rows_own():
 
     assert _row_prints(987654321, 300) == [fingerprint(987654321, r, 0) for r in range(300)]  # a resume compares them
     assert _row_prints(0, 3) == [0, 0, 0]  # the file's unknown: every row's
+
+
+def test_rows_whose_image_is_a_path_are_said_to_be_unchecked_by_a_resume(image_dir: Path, tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture):
+    """A row whose image is a file its path names (no bytes in the Parquet file) has the Parquet file's fingerprint:
+    a resume does not see that image file rewritten in place. The listing says how many such rows there are, from
+    the footers' statistics (a path column: every row); files whose images are bytes say nothing."""
+    images = images_of(image_dir)
+    mixed = [{"bytes": None, "path": str(p)} for p in images[:3]] + \
+        [{"bytes": p.read_bytes(), "path": p.name} for p in images[3:5]]
+    pq.write_table(pa.table({"image": mixed, "label": [0] * 5}), tmp_path / "mixed.parquet", row_group_size=2)
+    pq.write_table(pa.table({"image": [str(p) for p in images[:2]], "label": [0, 0]}), tmp_path / "paths.parquet")
+    pq.write_table(pa.table({"image": mixed[3:], "label": [0, 0]}), tmp_path / "bytes.parquet")
+    with caplog.at_level("WARNING", logger="extractor.data.sources.parquet"):
+        assert len(list_rows(DataSpec(source="parquet", parquet=str(tmp_path / "bytes.parquet")))) == 2
+        assert not caplog.records
+        rows = list_rows(DataSpec(source="parquet", parquet=[str(tmp_path / "mixed.parquet"),
+                                                             str(tmp_path / "paths.parquet")]))
+    assert len(rows) == 7
+    assert [r.getMessage().split(" rows")[0] for r in caplog.records] == ["5"]  # 3 of the first, 2 of the second
+    assert "a resume sees the Parquet files change, not those image files" in caplog.records[0].getMessage()

@@ -20,6 +20,7 @@ from extractor.data.rows import plan
 from extractor.driver.runner import run
 from extractor.errors import DataError, SpecError
 from extractor.read.reader import open_store
+from extractor.spec.data_spec import DataSpec
 from extractor.spec.load import parse_spec
 
 
@@ -421,3 +422,26 @@ def test_a_sample_with_two_images_is_refused_naming_both(image_dir: Path, tmp_pa
     rows = list_rows(parse_spec(job(image_dir, tmp_path / "s.zarr", data={
         "source": "tar", "root": None, "tars": str(tar), "extensions": [".jpg"]})).data)
     assert rows.ids.tolist() == ["k0", "k1"] and [p.rsplit("#", 1)[1] for p in rows.paths] == ["k0.jpg", "k1.jpg"]
+
+
+@pytest.mark.parametrize("text", ["", "path,label\n"])
+def test_an_empty_manifest_is_said_to_hold_no_rows_not_to_lack_extensions(tmp_path: Path, text: str):
+    """A manifest with a header alone, or nothing: said so (its rows are not filtered by data.extensions, which
+    the message named)."""
+    (tmp_path / "m.csv").write_text(text)
+    with pytest.raises(DataError, match=r"^no images found in .*m\.csv \(it holds no rows: a header at most\); check "
+                                        r"data\.manifest$"):
+        list_rows(DataSpec(source="manifest", manifest=str(tmp_path / "m.csv"), root=str(tmp_path)))
+
+
+def test_data_tars_takes_globs_as_data_parquet_does(image_dir: Path, tmp_path: Path):
+    """``data.tars: shards/*.tar`` lists the tars it matches, sorted (it was taken as one file named ``*.tar``, "does
+    not exist"); one that matches nothing says what patterns the setting takes."""
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    write_tars(images, tmp_path / "tars", per_tar=5)
+    braces = list_rows(DataSpec(source="tar", tars=str(tmp_path / "tars" / "shard-{000..002}.tar")))
+    globbed = list_rows(DataSpec(source="tar", tars=str(tmp_path / "tars" / "*.tar")))
+    assert list(globbed.ids) == list(braces.ids) and list(globbed.paths) == list(braces.paths) and len(braces) == 12
+    with pytest.raises(DataError, match=r"data\.tars '.*nothing-\*\.tar' names no tar shards; check the paths and "
+                                        r"patterns \(brace ranges .*, or globs such as shards/\*\.tar\)$"):
+        list_rows(DataSpec(source="tar", tars=str(tmp_path / "tars" / "nothing-*.tar")))

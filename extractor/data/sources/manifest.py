@@ -240,6 +240,9 @@ class ManifestSource(Source):
 
     name = "manifest"
 
+    def empty(self, data: DataSpec) -> str:
+        return "it holds no rows: a header at most"  # (a manifest's rows are not filtered by data.extensions)
+
     def list(self, data: DataSpec) -> Rows:
         assert data.manifest is not None  # the spec validator guarantees it
         listing = self.listing(data)  # before the read: a manifest written meanwhile is read again next time

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import glob
 import json
+import logging
 import os
 import re
 import threading
@@ -27,11 +28,10 @@ import numpy as np
 from ..._threads import prefetched
 from ...errors import DataError
 from ..files import (
-    absolute,
-    expand_braces,
     is_url,
     leaves_root,
     local_fingerprint,
+    matched_urls,
     read_file,
     remote_error,
     remote_fingerprint,
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from ...spec import DataSpec
 
 __all__ = ["SOURCE", "file_columns", "hub_files", "is_parquet_row", "list_parquet", "parquet_bytes", "row_groups"]
+
+log = logging.getLogger(__name__)
 
 ROW = re.compile(r"^(?P<url>.+\.(?:parquet|arrow))#(?P<column>[^/#]+)/(?P<row>\d+)$", re.IGNORECASE)
 KEEP_GROUPS = 4  # row groups a process keeps decoded (its image column), the most recently used
@@ -65,22 +67,7 @@ def is_parquet_row(item: object) -> bool:
 
 def parquet_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any]) -> list[str]:
     """The files ``data.parquet`` names, in order: brace patterns expanded, globs matched (sorted)."""
-    pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
-    urls: list[str] = []
-    for pattern in (p for pat in pats for p in expand_braces(pat)):
-        if not glob.has_magic(pattern):
-            urls.append(absolute(pattern))
-        elif is_url(pattern):
-            import fsspec
-
-            try:
-                fs, path = fsspec.core.url_to_fs(pattern, **storage)
-                protocol = pattern.split("://", 1)[0]
-                urls += [f"{protocol}://{p}" for p in sorted(fs.glob(path))]
-            except Exception as err:
-                raise remote_error("data.parquet", pattern, err) from err
-        else:
-            urls += [absolute(p) for p in sorted(glob.glob(pattern, recursive=True))]
+    urls = matched_urls(patterns, storage, "data.parquet")
     if not urls:
         raise DataError(f"data.parquet {patterns!r} names no Parquet files; check the paths and patterns")
     return urls
@@ -103,6 +90,7 @@ class _File:
     ids: Any  # an Arrow array, or None: no id column
     names: list[str] | None  # the label column's ClassLabel names in the Hugging Face metadata
     print: int  # the file's fingerprint (0: unknown)
+    by_path: int = 0  # rows whose image is not in the file but a file its path names (a footer's count)
 
 
 def _open(url: str, storage: dict[str, Any]) -> Any:
@@ -152,6 +140,7 @@ def _scan(url: str, cols: _Columns, storage: dict[str, Any]) -> _File:
         read = [c for c in (cols.label, cols.id) if c in schema.names]
         table = (f.select(read) if _is_arrow(url) else f.read(columns=read)) if read else None
         n_rows = f.num_rows if _is_arrow(url) else f.metadata.num_rows
+        by_path = _by_path(f, schema.field(cols.image).type, cols.image, n_rows)
         print_ = _file_fingerprint(url, storage, handle)
     except DataError:
         raise
@@ -162,7 +151,32 @@ def _scan(url: str, cols: _Columns, storage: dict[str, Any]) -> _File:
         return table.column(name).combine_chunks() if table is not None and name in read else None
 
     return _File(rows=n_rows, names=_class_names(schema, cols.label), print=print_,
-                 labels=column(cols.label), ids=column(cols.id))
+                 labels=column(cols.label), ids=column(cols.id), by_path=by_path)
+
+
+def _by_path(f: Any, kind: Any, image: str, n_rows: int) -> int:
+    """Rows of a file (a ParquetFile, or an Arrow file's table) whose image is a file its path names, not bytes in
+    it: every row of a path column; of a struct of bytes and path, the rows without bytes, as the footer's
+    statistics count them (an Arrow table: its own count; a footer without statistics: none known)."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_string(kind) or t.is_large_string(kind) or t.is_string_view(kind):
+        return n_rows
+    if not t.is_struct(kind) or kind.get_field_index("bytes") < 0:
+        return 0
+    if not hasattr(f, "metadata"):  # an Arrow file's table, read whole
+        import pyarrow.compute as pc
+
+        return int(pc.struct_field(f.column(image).combine_chunks(), "bytes").null_count)
+    md, leaf, found = f.metadata, f"{image}.bytes", 0
+    for g in range(md.num_row_groups):
+        group = md.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            if column.path_in_schema == leaf and column.statistics is not None and column.statistics.has_null_count:
+                found += int(column.statistics.null_count)
+    return found
 
 
 def _check_columns(url: str, names: list[str], cols: _Columns) -> None:
@@ -306,7 +320,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
         t = bisect.bisect_right(starts, n) - 1
         return f"{urls[t]} row {n - starts[t]}"
 
-    labels = Distinct()
+    labels, by_path = Distinct(), 0
     for t, (stem, f) in enumerate(zip(stems, prefetched(urls, lambda u: _scan(u, cols, storage), 16,
                                                         min(16, len(urls))), strict=True)):
         starts.append(len(ids))
@@ -314,6 +328,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
         in_file.extend(np.arange(f.rows, dtype=np.int64))
         counts.append(f.rows)
         file_prints.append(f.print)
+        by_path += f.by_path
         if f.names:
             names.add(tuple(f.names))
         _row_ids_of(ids, stem, f)
@@ -322,6 +337,10 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
             labels.add_arrow(f.labels)
         else:
             labels.add([None] * f.rows)
+    if by_path:  # their fingerprint is the Parquet file's: an image file rewritten in place is not seen
+        log.warning("%d rows of data.parquet name their image by a path (no bytes in the Parquet file): a resume sees "
+                    "the Parquet files change, not those image files; `extractor inspect --verify` reads them again",
+                    by_path)
     codes, classes = labels_of_codes(*labels.result(), where)
     keys = ids.array()
     twice = duplicate(keys)

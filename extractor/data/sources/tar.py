@@ -32,11 +32,10 @@ import numpy as np
 from ..._threads import prefetched
 from ...errors import DataError
 from ..files import (
-    absolute,
     display_name,
-    expand_braces,
     is_url,
     local_fingerprint,
+    matched_urls,
     plain_utf8,
     remote_error,
     remote_fingerprint,
@@ -248,12 +247,12 @@ def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[
     return [digest(form % pair) or 1 for pair in zip(offsets, sizes, strict=True)]
 
 
-def tar_urls(patterns: str | Sequence[str] | None) -> list[str]:
-    """The tars that ``data.tars`` names, in order."""
-    pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
-    urls = [absolute(u) for p in pats for u in expand_braces(p)]
+def tar_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any] | None = None) -> list[str]:
+    """The tars that ``data.tars`` names, in order: brace patterns expanded, globs matched (sorted)."""
+    urls = matched_urls(patterns, dict(storage or {}), "data.tars")
     if not urls:
-        raise DataError("data.tars names no tar shards")
+        raise DataError(f"data.tars {patterns!r} names no tar shards; check the paths and patterns (brace ranges "
+                        "such as shard-{000000..000099}.tar, or globs such as shards/*.tar)")
     return urls
 
 
@@ -261,7 +260,7 @@ def tar_listing(patterns: str | Sequence[str] | None, extensions: Sequence[str],
                 storage: dict[str, Any]) -> dict[str, Any]:
     """What a listing of the tars is made from: the tars, their fingerprints (size and mtime or ETag; 0 unknown),
     the extensions; a listing recorded with a store is good as long as this is the same."""
-    urls = tar_urls(patterns)
+    urls = tar_urls(patterns, storage)
     with ThreadPoolExecutor(min(16, len(urls))) as pool:
         prints = list(pool.map(lambda u: _tar_fingerprint(u, storage), urls))
     return {"tars": urls, "fingerprints": prints, "extensions": list(extensions)}
@@ -383,7 +382,7 @@ class TarSource(Source):
         return read_member(item, storage_options)
 
     def sample(self, data: DataSpec, parts: int, over: int) -> Sampled | None:
-        urls = tar_urls(data.tars)
+        urls = tar_urls(data.tars, data.storage_options)
         picked = spread(urls, parts)
         return None if len(urls) <= over else Sampled(data.model_copy(update={"tars": picked}), len(picked),
                                                       len(urls), "tars")
@@ -414,7 +413,9 @@ class TarSource(Source):
             parts.append({"ids": strings(found.keys), "paths": strings(f"{url}#{m}" for m in found.members),
                           "labels": codes, "offsets": found.offsets, "sizes": found.sizes,
                           "fingerprints": member_fingerprints(now["fingerprints"][t], found.offsets, found.sizes)})
-        columns = {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in _COLUMNS}
+        # each column in its own dtype: the stored fingerprints (uint64) beside a tar's listed again (int64 where
+        # none is past 2^63) were promoted to float64, every fingerprint rounded: every row seen as moved
+        columns = {k: np.concatenate([np.asarray(p[k], dtype=_DTYPES.get(k)) for p in parts]) for k in _COLUMNS}
         if duplicate(columns["ids"]) is not None:
             return None  # a full listing names the duplicate
         listing = {**now, "rows": [len(p["ids"]) for p in parts]}
@@ -448,5 +449,6 @@ class TarSource(Source):
 
 _COLUMNS = {"ids": "ids", "paths": "paths", "labels": "labels", "offsets": OFFSET, "sizes": SIZE,
             "fingerprints": "fingerprint"}  # a row's columns and the store's arrays that hold them
+_DTYPES = {"labels": np.int64, "offsets": np.int64, "sizes": np.int64, "fingerprints": np.uint64}
 
 SOURCE = TarSource()
