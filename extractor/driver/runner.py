@@ -173,7 +173,7 @@ class LocalBackend:
                 on_event("shard_skipped", {"shard": shard.index, "worker": 0, "held": summary.taken})
                 return
             on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
-            summaries.append(summary)
+            summaries.append(summary.kept())  # its statistics record merged by the event, then let go
 
         def report(keep: int) -> None:
             """Report the shards that are committed; wait while more than ``keep`` are not."""
@@ -212,15 +212,18 @@ def _backend(spec: JobSpec) -> Backend:
     return RayBackend(spec)
 
 
-def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per worker slot: shards, images, seconds, images/s, restarts (its process replaced) and
-    retries (shards that failed on it and counted a retry), from the event log."""
-    table: dict[int, dict[str, Any]] = {}
-    for name, info in events:
+class _Workers:
+    """Per worker slot: shards, images, seconds, images/s, restarts (its process replaced) and retries (shards that
+    failed on it and counted a retry), counted as the events come (a log of every event grew with the shards)."""
+
+    def __init__(self) -> None:
+        self.table: dict[int, dict[str, Any]] = {}
+
+    def add(self, name: str, info: dict[str, Any]) -> None:
         if "worker" not in info:
-            continue
-        row = table.setdefault(info["worker"], {"worker": info["worker"], "pids": [], "nodes": [], "shards": 0,
-                                                "images": 0, "seconds": 0.0, "restarts": 0, "retries": 0})
+            return
+        row = self.table.setdefault(info["worker"], {"worker": info["worker"], "pids": [], "nodes": [], "shards": 0,
+                                                     "images": 0, "seconds": 0.0, "restarts": 0, "retries": 0})
         if name == "worker_started" and info["pid"] not in row["pids"]:
             row["pids"].append(info["pid"])
             if info.get("node") and info["node"] not in row["nodes"]:
@@ -235,9 +238,12 @@ def _worker_table(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, An
         elif name == "worker_died":
             row["restarts"] += 1
             row["retries"] += info.get("charged") is not None
-    for row in table.values():
-        row["images_per_s"] = row["images"] / row["seconds"] if row["seconds"] else 0.0
-    return [table[k] for k in sorted(table)]
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = [dict(self.table[k]) for k in sorted(self.table)]
+        for row in out:
+            row["images_per_s"] = row["images"] / row["seconds"] if row["seconds"] else 0.0
+        return out
 
 
 def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Progress, on_event: Event,
@@ -311,7 +317,7 @@ def run(
     finally:
         backend.close()
         session.close()  # the claimant ended (its record removed); a store's end was merged before
-    summary.workers = _worker_table(events.log)
+    summary.workers = events.workers.rows()
     return summary
 
 
@@ -363,16 +369,17 @@ def _recorded(spec: JobSpec) -> Rows | None:
 
 
 class _Events:
-    """The job's worker and shard events: kept for the report's worker table, logged, passed on. Once the
-    store is the job's (``session``), each shard done has its statistics merged as it comes."""
+    """The job's worker and shard events: counted for the report's worker table, logged, passed on (none kept: a
+    job's events grow with its shards). Once the store is the job's (``session``), each shard done has its
+    statistics merged as it comes."""
 
     def __init__(self, on_event: Event | None) -> None:
-        self.log: list[tuple[str, dict[str, Any]]] = []
+        self.workers = _Workers()
         self.on_event = on_event
         self.session: StoreSession | None = None
 
     def __call__(self, name: str, info: dict[str, Any]) -> None:
-        self.log.append((name, info))
+        self.workers.add(name, info)
         log.debug("%s %s", name, info)
         if name == "shard_done" and self.session is not None:
             self.session.shard_done(info["shard"], info["summary"].stats, info["summary"].attempt)

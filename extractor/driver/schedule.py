@@ -302,7 +302,7 @@ class _Job:
             for each in [shard, *self.plan.drop(summary.skip)]:
                 self.on_event("shard_skipped", {"shard": each.index, "worker": slot.index, "held": summary.taken})
             return
-        self.summaries.append(summary)
+        self.summaries.append(summary.kept())  # its statistics record merged by the event, then let go
         self.finished_rows += summary.rows
         self.on_event("shard_done", {"shard": shard.index, "worker": slot.index, "summary": summary})
 

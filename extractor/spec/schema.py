@@ -60,7 +60,8 @@ class OutputSpec(_Section):
     on_change: Literal["refuse", "redo"] = Field(default="refuse", json_schema_extra=RUN_ONLY)
     """What ``--resume`` does when images of rows already computed changed since (their content digest
     differs where the source's size, modification time or ETag did): ``refuse`` names them; ``redo``
-    computes their shards again. Never a store that mixes both versions."""
+    computes their shards again (also how rows that failed, their image fixed since, are computed). Never a store
+    that mixes both versions."""
     lease_timeout_s: float = Field(default=60.0, gt=0, json_schema_extra=RUN_ONLY)
     """A running job's claimant renews its heartbeat record in the store; one silent this long is taken to be dead
     (its claimed shards are another's to compute; its late commits are refused)."""

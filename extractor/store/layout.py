@@ -30,6 +30,7 @@ each capture array by its ``chunk_rows`` (which divides the shard size), so no t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -41,7 +42,7 @@ import zarr
 from zarr.buffer.cpu import NDBuffer
 
 from .._text import now as now  # re-exported: the store's face lists it
-from ..data import LocatorArray, Rows, is_url
+from ..data import BLOCK, LocatorArray, Rows, is_url, utf8
 from ..errors import StoreError
 from ._zarr_internal import ArrayConfigParams
 from .chunks import ChunkCodec, write_texts, write_whole
@@ -173,6 +174,37 @@ ONCE_ARRAYS = ("ids", "paths", "labels")
 def once_rows(shard_rows: int, n_rows: int) -> int:
     """Rows a chunk of :data:`ONCE_ARRAYS` (no shard writes them: their chunks need not be a shard's)."""
     return min(shard_rows * max(1, ONCE_ROWS // shard_rows), max(n_rows, 1))
+
+
+class NamesDigest:
+    """The store's digest of its ids or of its paths (``ids_digest``, ``paths_digest``: what a resume compares), made
+    as they come, in order: each one's UTF-8 and a NUL, hashed (SHA-256, its first 16 hex digits)."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+
+    def add(self, data: np.ndarray, ends: np.ndarray) -> None:
+        """Strings given as their UTF-8 bytes ``data`` and each one's end in it."""
+        self.hash.update(np.insert(data, ends, 0).tobytes())  # a NUL after each
+
+    def add_strings(self, strings: Any) -> None:
+        """Strings as Python strings (a surrogate: its byte as surrogateescape gives it)."""
+        self.hash.update(("\0".join(strings) + "\0").encode("utf-8", "surrogateescape") if len(strings) else b"")
+
+    def hexdigest(self) -> str:
+        return self.hash.hexdigest()[:16]
+
+    @classmethod
+    def of(cls, names: Any) -> str:
+        """The digest of ``names`` (an array of strings or a Joined), hashed a block at a time."""
+        digest = cls()
+        for start in range(0, len(names), BLOCK):
+            found = utf8(names, start, start + BLOCK)
+            if found is None:
+                digest.add_strings(names[start:start + BLOCK].tolist())
+            else:
+                digest.add(*found)
+        return digest.hexdigest()
 READ_BYTES = 32 << 20  # a streaming read of a sharded array takes chunks of its shard up to about this much
 
 
@@ -282,7 +314,8 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     n_shards = -(-n // shard_size)
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
-    _create_row_arrays(group, shard_rows, rows, arrays.locators)
+    unmade = [name for name in ("ids", "paths") if f"{name}_digest" in attrs and attrs[f"{name}_digest"] is None]
+    attrs = {**attrs, **_create_row_arrays(group, shard_rows, rows, arrays.locators, unmade)}
     write_id_index(group, rows.ids, attrs.get("ids_digest"))
     group.create_array("shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="",
                        dimension_names=["shard"])
@@ -319,13 +352,16 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     group.attrs.update({ATTR: dict(attrs)})
 
 
-def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...]) -> None:
+def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...],
+                       digests: Iterable[str] = ()) -> dict[str, str]:
     """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``), in chunks
     of ``shard_rows`` (those written once, :data:`ONCE_ARRAYS`: of whole shards up to :data:`ONCE_ROWS`): what is
     known before any image is read is written now, a stretch of whole chunks at a time (the paths of a Joined made a
-    stretch at a time)."""
+    stretch at a time). Returns the record's digests of the string arrays ``digests`` (``ids``, ``paths``), made from
+    the UTF-8 written (the bytes made once, not once more for the digest)."""
     n = len(rows)
     once = once_rows(shard_rows, n)
+    made: dict[str, str] = {}
 
     def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:
         chunk = once if name in ONCE_ARRAYS else shard_rows
@@ -334,14 +370,18 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators:
         )
         step = chunk * max(1, WRITE_ROWS // chunk)
         codec = ChunkCodec.of(arr)
+        digest = NamesDigest() if name in digests else None
         for start in range(0, n if data is not None else 0, step):
             stop = min(start + step, n)
             if arr.dtype.kind in "TUO":  # strings: each chunk encoded from their UTF-8, made in bulk
-                write_texts(arr, codec, start, data, stop)
+                if not write_texts(arr, codec, start, data, stop, digest.add if digest is not None else None):
+                    digest = None  # (through zarr: it saw none of them) made on its own below
             else:  # whole chunks encoded here and put at once (through zarr: 0.6 ms a chunk); one of the fill value
                 # alone is not stored, as zarr leaves it (labels of a source without any, fingerprints of URLs)
                 blocks = ((a, np.asarray(data[a:min(a + chunk, stop)])) for a in range(start, stop, chunk))
                 write_whole([(arr, codec, a, block) for a, block in blocks if (block != fill).any()])
+        if name in digests:
+            made[f"{name}_digest"] = digest.hexdigest() if digest is not None else NamesDigest.of(data)
 
     row_array("ids", str, "", rows.ids)
     row_array("paths", str, "", rows.paths)
@@ -354,6 +394,7 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators:
     row_array("errors", str, "")
     row_array("digest", "uint64", 0)  # written with each shard's status
     row_array("fingerprint", "uint64", 0, rows.fingerprints)
+    return made
 
 
 def locator_arrays(group: zarr.Group, names: Iterable[str] | None = None) -> tuple[str, ...]:

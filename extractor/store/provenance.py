@@ -10,7 +10,6 @@ or moved since. The driver decides what to do with the answers; nothing here wri
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -23,7 +22,7 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 
 from .._version import __version__
-from ..data import BLOCK, Rows, of_store, utf8
+from ..data import BLOCK, Rows, of_store
 from ..errors import StoreError
 from ..spec import (
     PLACES,
@@ -39,7 +38,7 @@ from ..spec import (
 from .chunks import read_all
 from .dtypes import numpy_dtype
 from .forward import forward_differences
-from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, now
+from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, NamesDigest, now
 from .recorded import source_digests
 
 __all__ = [
@@ -53,6 +52,7 @@ __all__ = [
     "moved_locators",
     "owner",
     "store_attrs",
+    "with_digests",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ class StoreRecord(TypedDict):
     n_shards: int
     shard_size: int
     chunk_rows: dict[str, int]  # per capture
-    ids_digest: str
-    paths_digest: str
+    ids_digest: str | None  # None until needed: a resume's comparison (:func:`with_digests`), or a new store's
+    paths_digest: str | None  # making, which hashes them from the bytes it writes
     versions: dict[str, str]
     reused_from: NotRequired[list[str]]  # output.reuse's stores
     listing: NotRequired[dict[str, Any]]  # the source's listing (Source.listing), to take the rows from the store
@@ -153,17 +153,17 @@ def owner() -> dict[str, Any]:
 
 
 def _digest(names: Any) -> str:
-    """A short hash of ids or paths (an array of strings or a Joined), in order: each one's UTF-8 and a NUL,
-    hashed a block at a time."""
-    h = hashlib.sha256()
-    for start in range(0, len(names), BLOCK):
-        found = utf8(names, start, start + BLOCK)
-        if found is None:  # (a surrogate: its byte as surrogateescape gives it)
-            h.update(("\0".join(names[start:start + BLOCK].tolist()) + "\0").encode("utf-8", "surrogateescape"))
-        else:
-            data, ends = found
-            h.update(np.insert(data, ends, 0).tobytes())  # a NUL after each
-    return h.hexdigest()[:16]
+    """A short hash of ids or paths (an array of strings or a Joined), in order (:class:`~.layout.NamesDigest`)."""
+    return NamesDigest.of(names)
+
+
+def with_digests(record: StoreRecord, rows: Rows) -> StoreRecord:
+    """``record`` with the digests of ``rows``' ids and paths that :func:`store_attrs` left out made (in place)."""
+    if record["ids_digest"] is None:
+        record["ids_digest"] = _digest(rows.ids)
+    if record["paths_digest"] is None:
+        record["paths_digest"] = _digest(rows.paths)
+    return record
 
 
 def chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int]:
@@ -193,9 +193,10 @@ def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> Store
         "n_shards": n_shards,
         "shard_size": spec.data.shard_size,
         "chunk_rows": chunking(spec, probe.captures),
-        # where the images are read from, resolved; rows left in their store: the digests it recorded of them
-        "ids_digest": _digest(rows.ids) if rows.stored is None else rows.stored["ids_digest"],
-        "paths_digest": _digest(rows.paths) if rows.stored is None else rows.stored["paths_digest"],
+        # where the images are read from, resolved; rows left in their store: the digests it recorded of them; else
+        # made where they are needed (with_digests), or by the store's making from the bytes it writes
+        "ids_digest": None if rows.stored is None else rows.stored["ids_digest"],
+        "paths_digest": None if rows.stored is None else rows.stored["paths_digest"],
         "versions": versions(),
     }
     if spec.output.reuse:  # the reused array's stores
@@ -330,10 +331,28 @@ def model_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return _value_differences(old, new)
 
 
-def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: Any) -> None:
+REORDER_ROWS = 10_000_000  # up to this many rows, a refused image list is compared with the store's in any order
+
+
+def _reordered(group: Any, ids: Any, n_rows: Any) -> str:
+    """``"; the same ids in another order"`` where the listing's ids are the store's as a set (their hashes, as the
+    store's id index holds them sorted), else "" (or where the store has no id index, or more than
+    :data:`REORDER_ROWS` rows)."""
+    from ..data import text_hashes
+    from .id_index import ID_INDEX
+
+    if ids is None or n_rows != len(ids) or len(ids) > REORDER_ROWS or f"{ID_INDEX}/hashes" not in group:
+        return ""
+    stored = np.asarray(group[f"{ID_INDEX}/hashes"][:])
+    return "; the same ids in another order" if np.array_equal(np.sort(text_hashes(ids)), stored) else ""
+
+
+def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: Any,
+                    ids: Any = None) -> None:
     """Refuse to resume a store made by another format, spec, model or data listing, or whose
-    images the job would read from another place (``paths``: this run's, resolved). ``new``: this job's
-    :func:`store_attrs` (as JSON would give them back)."""
+    images the job would read from another place (``paths``: this run's, resolved; ``ids``: its ids, to say where a
+    refused list holds the store's ids in another order). ``new``: this job's :func:`store_attrs` (as JSON would
+    give them back)."""
     problems: list[str] = []
     if old.get("format_version") != FORMAT_VERSION:
         problems.append(f"format version {old.get('format_version')} in the store, {FORMAT_VERSION} now")
@@ -343,7 +362,8 @@ def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: A
             problems += _spec_differences(old, new, same_places=moved is None)
         problems += _value_differences(old, new)
         if old.get("ids_digest") != new["ids_digest"]:
-            problems.append(f"the image list differs ({old.get('n_rows')} rows in the store, {new['n_rows']} now)")
+            problems.append(f"the image list differs ({old.get('n_rows')} rows in the store, {new['n_rows']} now"
+                            f"{_reordered(group, ids, old.get('n_rows'))})")
         elif moved is not None:
             problems.append(
                 f"the images would be read from another place: {moved}; a relative data.root, data.manifest or "
@@ -369,6 +389,17 @@ def moved_locators(group: Any, rows: Rows) -> dict[str, np.ndarray] | None:
     return None if same else dict(rows.locators)
 
 
+def _say_gone(spec: JobSpec, group: Any, gone: np.ndarray) -> None:
+    """Warn of computed rows whose image file cannot be seen now (removed, renamed, unreadable): their values are
+    of the image as it was read, kept."""
+    if len(gone):
+        first = int(gone[0])
+        log.warning("%d computed rows of %s name image files that cannot be seen now (removed or renamed since; row "
+                    "%d: %s): their stored values are of the images as they were read; `extractor inspect --verify` "
+                    "names every one", len(gone), spec.output.store, first,
+                    str(np.asarray(group["paths"][first:first + 1])[0]))
+
+
 COMPARE_ROWS = 1 << 20  # rows of the store's per-row arrays compared with the listing's at a time
 
 
@@ -387,17 +418,20 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.n
                         spec.output.store)
         return [], None
     current = rows.fingerprints
-    unknown, moved, found = 0, False, []
+    unknown, moved, found, gone = 0, False, [], []
     for a, b in row_blocks(len(current)):  # (a block at a time)
         now = np.asarray(current[a:b], dtype=np.uint64)
         stored = read_all(group["fingerprint"], a, b)
         read = read_all(group["status"], a, b) != PENDING
-        unknown += int((read & (now == 0)).sum())
+        unknown += int((read & (now == 0) & (stored == 0)).sum())
+        gone.append(np.flatnonzero(read & (now == 0) & (stored != 0)) + a)  # a file that cannot be seen now
         moved = moved or bool((now != stored).any())
         found.append(np.flatnonzero(read & (now != stored) & (now != 0)) + a)
     if unknown:
-        log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest): not checked for changed "
-                    "images; `extractor inspect --verify` reads them", unknown, spec.output.store)
+        log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest, or image files gone since "
+                    "an earlier resume): not checked for changed images; `extractor inspect --verify` reads them",
+                    unknown, spec.output.store)
+    _say_gone(spec, group, np.concatenate(gone) if gone else np.zeros(0, np.int64))
     suspects = np.concatenate(found) if found else np.zeros(0, np.int64)
     changed: list[int] = []
     if len(suspects):

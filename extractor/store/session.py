@@ -28,7 +28,7 @@ from ..spec import JobSpec
 from .chunks import read_all
 from .claimants import Claimant, alive
 from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
-from .layout import FAILED, OK, StoreArrays, create_generation, get_array, root_attrs
+from .layout import FAILED, OK, StoreArrays, create_generation, get_array, locator_arrays, root_attrs
 from .ledger import Table, Verdict, amend_rows, new_id, reset
 from .objects import Objects, is_s3
 from .provenance import (
@@ -41,6 +41,7 @@ from .provenance import (
     owner,
     row_blocks,
     store_attrs,
+    with_digests,
 )
 from .recorded import StoredRows
 from .reuse import check_sources
@@ -132,7 +133,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
         )
     if mode == "overwrite":
         return Decision(True, old, shards, head=head)
-    check_resumable(url, old, json.loads(json.dumps(attrs)), group, rows.paths)
+    check_resumable(url, old, json.loads(json.dumps(with_digests(attrs, rows))), group, rows.paths, rows.ids)
     return _resume(spec, rows, shards, old, group, head)
 
 
@@ -171,17 +172,28 @@ def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any],
     hit = {r // spec.data.shard_size for r in changed}  # shards are contiguous runs of shard_size rows
     redo = [s for s in shards if done[s.index] and s.index in hit]
     if changed and spec.output.on_change != "redo":
-        ids = rows.ids if rows.stored is None else get_array(group, "ids")  # rows left in the store: its ids
-        named = ", ".join(f"{str(ids[r])!r}" for r in changed[:10])
-        raise StoreError(
-            f"cannot resume {spec.output.store}: the images of {count(len(changed), 'row')} computed before have "
-            f"changed since (their content digest differs): {named}{' ...' if len(changed) > 10 else ''}. Their "
-            "stored values are the old images'; resuming would mix both. Set output.on_change: redo (--set "
-            "output.on_change=redo) to compute their shards again, or --overwrite"
-        )
+        raise StoreError(_changed_text(spec, rows, group, changed))
     redone = {s.index for s in redo}
     return Decision(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
                     moved_locators(group, rows), head)
+
+
+def _changed_text(spec: JobSpec, rows: Rows, group: Any, changed: list[int]) -> str:
+    """The refusal of a resume that found images changed since their rows were read: those computed (their values
+    are the old images') and those that failed (no values: a file restored or fixed since) said apart."""
+    ids = rows.ids if rows.stored is None else get_array(group, "ids")  # rows left in the store: its ids
+    failed = np.asarray(get_array(group, "status").get_coordinate_selection(np.asarray(changed))) == FAILED
+    said = []
+    for rows_of, what in (([r for r, f in zip(changed, failed, strict=True) if not f], "computed before"),
+                          ([r for r, f in zip(changed, failed, strict=True) if f], "that failed before")):
+        if rows_of:
+            named = ", ".join(f"{str(ids[r])!r}" for r in rows_of[:10])
+            said.append(f"the images of {count(len(rows_of), 'row')} {what} have changed since (their content "
+                        f"digest differs): {named}{' ...' if len(rows_of) > 10 else ''}")
+    why = ("Their stored values are the old images'; resuming would mix both" if not failed.all() else
+           "They hold no values (they failed); their images can be read again")
+    return (f"cannot resume {spec.output.store}: {'; '.join(said)}. {why}. Set output.on_change: redo (--set "
+            "output.on_change=redo) to compute their shards again, or --overwrite")
 
 
 def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) -> None:
@@ -249,6 +261,7 @@ class StoreSession:
         self.totals: Totals | None = None  # committed shards' statistics, merged as they come
         self._left = False  # their partial left for the merge of all (:meth:`_leave_partial`)
         self._checkpoint: tuple[str, int] | None = None  # the last one left (:meth:`_leave_checkpoint`): key, shards
+        self._merged = 0  # shards whose statistics this job merged as they came (those the totals hold)
         self._probe: Probe | None = None  # decide's
         self._ended = False
 
@@ -453,17 +466,17 @@ class StoreSession:
         if not columns:
             return
         group = generation.open(table)
-        size = self.spec.data.shard_size
-        moved = sorted({int(r) // size for k, v in columns.items()
-                        for r in np.flatnonzero(v != read_all(get_array(group, k)))})
+        moved = _moved_shards(group, columns, self.spec.data.shard_size)
         if moved:
-            attempt = self._write_rows(columns, moved)
+            attempt = self._write_rows(columns, moved, group)
             dead, claimant = generation.roster.dead, self.claimant.id if self.claimant is not None else 0
             generation.ledger().apply(moved, lambda e, _s: amend_rows(e, attempt, claimant, dead))
 
-    def _write_rows(self, columns: Mapping[str, np.ndarray], shards: list[int]) -> int:
-        """The rows of ``shards`` of the ``rows`` slot's arrays ``columns`` (whole arrays) written under a new
-        attempt; the attempt."""
+    def _write_rows(self, columns: Mapping[str, np.ndarray], shards: list[int], group: Any) -> int:
+        """The rows of ``shards`` of every array of the ``rows`` slot written under a new attempt, which the ledger
+        then names for those shards: from ``columns`` (whole arrays) where given, else as ``group`` (the store as
+        committed) holds them (an attempt holds every array of its slot: one left out read as fill values, a tar's
+        member offsets -1 once its fingerprints alone had moved); the attempt."""
         import zarr
 
         assert self.generation is not None
@@ -472,10 +485,11 @@ class StoreSession:
                           url=self.objects.url)
         with zarr.config.set({"array.write_empty_chunks": True}):
             target = zarr.open_group(store=view, mode="r+", use_consolidated=False)
-            for name, column in columns.items():
-                array = get_array(target, name)
+            for name in ("fingerprint", *locator_arrays(group)):  # the rows slot's arrays (layout.slots)
+                array, column = get_array(target, name), columns.get(name)
                 for s in shards:
-                    array[s * size : (s + 1) * size] = column[s * size : (s + 1) * size]
+                    a, b = s * size, min((s + 1) * size, array.shape[0])
+                    array[a:b] = column[a:b] if column is not None else read_all(get_array(group, name), a, b)
         return attempt
 
     # ---------------------------------------------------------------------------------------------- shards
@@ -483,9 +497,9 @@ class StoreSession:
     def shard_done(self, index: int, stats: str, attempt: int = 0) -> None:
         """Merge the statistics record ``stats`` of a shard this job committed now, by ``attempt`` (what is not merged
         now, the end merges from the store)."""
-        if self.totals is not None:
-            self.totals.add(index, stats, attempt)
-            if int(self.totals.held.sum()) - (self._checkpoint[1] if self._checkpoint else 0) >= CHECKPOINT_SHARDS:
+        if self.totals is not None and self.totals.add(index, stats, attempt):
+            self._merged += 1  # (counted: the shards held, summed at every shard, cost O(shards) a shard)
+            if self._merged - (self._checkpoint[1] if self._checkpoint else 0) >= CHECKPOINT_SHARDS:
                 self._leave_checkpoint()
         if self.claimant is not None:
             self.claimant.committed()
@@ -497,7 +511,7 @@ class StoreSession:
         of 800 KB)."""
         if self.totals is None or self.claimant is None or self.generation is None:
             return
-        held = int(self.totals.held.sum())
+        held = self._merged
         try:
             if self.generation.final() is not None:  # finished meanwhile: nothing is left to merge
                 return
@@ -678,6 +692,13 @@ class StoreSession:
             float16=[k for k, m in attrs["captures"].items() if m["dtype"] == "float16"],
             complete=bool(table.done.all()),
         )
+
+
+def _moved_shards(group: Any, columns: Mapping[str, np.ndarray], size: int) -> list[int]:
+    """The shards (of ``size`` rows) where any of ``columns`` (whole per-row arrays) differs from the store's, compared
+    a block of rows at a time."""
+    return sorted({int(r) // size for k, v in columns.items() for a, b in row_blocks(len(v))
+                   for r in np.flatnonzero(v[a:b] != read_all(get_array(group, k), a, b)) + a})
 
 
 def _first_failed(status: Any, table: Table, size: int, first: int) -> np.ndarray:

@@ -195,11 +195,11 @@ class Totals:
         self.attempts = np.zeros(n_shards, np.uint64)  # the attempt whose record each shard held is (0: not known)
         self.acc: dict[str, dict[str, Any]] = {}
 
-    def add(self, index: int, text: str, attempt: int = 0) -> None:
+    def add(self, index: int, text: str, attempt: int = 0) -> bool:
         """Add shard ``index``'s record, of ``attempt`` (once: a shard held already adds nothing; "" is a shard with
-        none)."""
+        none); whether it was added."""
         if self.held[index]:
-            return
+            return False
         record = json.loads(text) if text else {}
         self.held[index] = True
         self.attempts[index] = attempt
@@ -217,6 +217,7 @@ class Totals:
                 a[k] = a.get(k, 0) + d.get(k, 0)  # records (totals) written before per-token norms have none
             a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + d["nonfinite_rows"])[:_FIRST]
             _add_besides(a, d)
+        return True
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per capture: rows, mean and std per feature, min, max, NaN and Inf counts, the rows holding them."""

@@ -407,3 +407,26 @@ def test_an_interrupt_during_a_resumes_start_leaves_the_store_saying_interrupted
         assert s.attrs["status"] == "interrupted" and s.attrs.get("error", "").startswith("KeyboardInterrupt")
     summary = run(parse_spec(raw))
     assert summary.ok == 12 and open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
+
+
+def test_the_driver_keeps_no_shards_statistics_once_merged_and_counts_its_workers_as_events_come(image_dir: Path,
+                                                                                                 tmp_path: Path):
+    """Each shard's statistics record reaches the driver with its summary and is merged as it comes; the run's
+    summary keeps each shard's summary without it (up to 800 KB a shard: at 390,000 shards, hundreds of GB), and the
+    store's statistics are those records merged. The worker table is counted from the events (not a log of them)."""
+    from extractor.store.stats import merge
+
+    records: list[str] = []
+    toy = {"name": None, "factory": "toy_models:slow_net", "factory_kwargs": {"seconds": 0}, "device": "cpu"}
+    raw = job(image_dir, tmp_path / "s.zarr", model=toy, capture=[{"layer": "conv", "reduce": "mean"}],
+              data={"shard_size": 4, "resize": None, "crop": 32})
+    summary = run(parse_spec(raw), on_event=lambda name, info: records.append(info["summary"].stats)
+                  if name == "shard_done" else None)
+    assert len(records) == 3 and all(records)  # 12 images, shards of 4: each with its record
+    assert [s.stats for s in summary.per_shard] == ["", "", ""] and sorted(s.shard for s in summary.per_shard) == \
+        [0, 1, 2]
+    stored, merged = open_store(str(tmp_path / "s.zarr")).attrs["stats"]["conv"], merge(records)["conv"]
+    np.testing.assert_allclose(stored["mean"], merged["mean"])
+    np.testing.assert_allclose(stored["std"], merged["std"])
+    assert stored["rows"] == merged["rows"] == 12
+    assert [(w["worker"], w["shards"], w["images"]) for w in summary.workers] == [(0, 3, 12)]

@@ -36,7 +36,12 @@ def test_a_touched_tar_is_listed_once_then_taken_from_the_store(tmp_path: Path, 
             "tars": str(tmp_path / "tars" / "shard-{000..001}.tar")}
     raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, data=data,
               capture=[{"layer": "conv", "reduce": "mean"}])
+    real_prints = tars_module.member_fingerprints  # every member's under 2^63 (int64 as listed; 1 in 8 tars of 3
+    monkeypatch.setattr(tars_module, "member_fingerprints",  # members by chance): the stored ones beside them
+                        lambda *a: [p >> 1 or 1 for p in real_prints(*a)])  # were promoted to float64 and rounded
     assert run(parse_spec(raw)).ok == 6
+    s = open_store(str(tmp_path / "s.zarr"))
+    where, prints = [s.locator(i) for i in range(6)], opened(tmp_path / "s.zarr")["fingerprint"][:].tolist()
     scanned: list[str] = []
     real = tars_module.scan_tar
     monkeypatch.setattr(tars_module, "scan_tar", lambda *a: scanned.append(a[0]) or real(*a))
@@ -48,6 +53,10 @@ def test_a_touched_tar_is_listed_once_then_taken_from_the_store(tmp_path: Path, 
     recorded = open_store(str(tmp_path / "s.zarr")).attrs["listing"]
     assert recorded["fingerprints"][1] == local_fingerprint(str(tmp_path / "tars" / "shard-001.tar"))
     assert recorded["rows"] == [3, 3]
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert [s.locator(i) for i in range(6)] == where  # every member's offset and size kept: the untouched tar's
+    now = opened(tmp_path / "s.zarr")["fingerprint"][:].tolist()  # rows as they were (bit for bit), the touched
+    assert now[:3] == prints[:3] and all(a != b for a, b in zip(now[3:], prints[3:], strict=True))  # one's new
     before = files_of(tmp_path / "s.zarr")
     assert run(parse_spec(raw)).shards_run == 0 and len(scanned) == 1  # the record says so: no tar listed
     assert files_of(tmp_path / "s.zarr") == before  # and nothing written
@@ -71,3 +80,80 @@ def test_a_touched_file_is_read_again_once(tmp_path: Path, monkeypatch: pytest.M
     assert run(parse_spec(raw)).shards_run == 0 and read == [1]  # recorded: not read again
     stored = np.asarray(opened(str(tmp_path / "s.zarr"))["fingerprint"][:])
     assert (stored != 0).all()
+
+
+def test_a_computed_rows_image_file_gone_is_named_as_gone_not_as_a_url(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture):
+    """A manifest's image removed after its row was computed: the resume says that file cannot be seen now, naming
+    it (it blamed URLs in a manifest, which this one has none of), keeps the row's values, and says it again next
+    time without blaming URLs."""
+    files = make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
+    manifest = tmp_path / "list.csv"
+    manifest.write_text("path\n" + "".join(f"{f.relative_to(tmp_path / 'imgs')}\n" for f in files))
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
+              data={"source": "manifest", "manifest": str(manifest), "resize": None, "crop": 32, "shard_size": 2})
+    assert run(parse_spec(raw)).ok == 3
+    values = open_store(str(tmp_path / "s.zarr"))["conv"][:]
+    files[1].unlink()
+    raw["output"]["if_exists"] = "resume"
+    said = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="extractor.store.provenance"):
+            assert run(parse_spec(raw)).shards_run == 0
+        said.append([r.getMessage() for r in caplog.records])
+    assert len(said[0]) == 1 and said[0][0].startswith("1 computed rows of ") and \
+        f"cannot be seen now (removed or renamed since; row 1: {files[1]})" in said[0][0]
+    assert len(said[1]) == 1 and "no cheap fingerprint (URLs in a manifest, or image files gone since an earlier " \
+        "resume)" in said[1][0]
+    np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr"))["conv"][:], values)
+
+
+def test_a_failed_rows_image_restored_is_said_to_have_failed_and_redo_computes_it(tmp_path: Path):
+    """A manifest's image missing when its row was read (the row failed), put back since: the resume's refusal says
+    that row failed before and holds no values (it said its stored values were the old image's), and
+    ``output.on_change: redo`` computes it, equal to a run that never missed it."""
+    from extractor.errors import StoreError
+
+    files = make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
+    manifest = tmp_path / "list.csv"
+    manifest.write_text("path\n" + "".join(f"{f.relative_to(tmp_path / 'imgs')}\n" for f in files))
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
+              data={"source": "manifest", "manifest": str(manifest), "resize": None, "crop": 32, "shard_size": 2})
+    whole = {**raw, "output": {**raw["output"], "store": str(tmp_path / "whole.zarr")}}
+    assert run(parse_spec(whole)).ok == 3
+    kept = files[2].read_bytes()
+    files[2].unlink()
+    assert run(parse_spec(raw)).failed == 1
+    files[2].write_bytes(kept)
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=r"the images of 1 row that failed before have changed since \(their content "
+                                         r"digest differs\): 'a/a02\.\w+'\. They hold no values \(they failed\)"):
+        run(parse_spec(raw))
+    raw["output"]["on_change"] = "redo"
+    assert run(parse_spec(raw)).ok == 3
+    np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr"))["conv"][:],
+                                  open_store(str(tmp_path / "whole.zarr"))["conv"][:])
+
+
+def test_a_manifest_in_another_order_is_refused_saying_so(tmp_path: Path):
+    """A manifest whose rows were put in another order: the refusal says the ids are the store's in another order
+    (it said "the image list differs (3 rows in the store, 3 now)"); another image list does not say it."""
+    from extractor.errors import StoreError
+
+    files = make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
+    names = [f"{f.relative_to(tmp_path / 'imgs')}\n" for f in files]
+    manifest = tmp_path / "list.csv"
+    manifest.write_text("path\n" + "".join(names))
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
+              data={"source": "manifest", "manifest": str(manifest), "resize": None, "crop": 32, "shard_size": 2})
+    assert run(parse_spec(raw)).ok == 3
+    raw["output"]["if_exists"] = "resume"
+    manifest.write_text("path\n" + "".join(reversed(names)))
+    with pytest.raises(StoreError, match=r"the image list differs \(3 rows in the store, 3 now; the same ids in "
+                                         r"another order\)"):
+        run(parse_spec(raw))
+    (tmp_path / "imgs" / "a" / "extra.jpg").write_bytes(files[0].read_bytes())
+    manifest.write_text("path\n" + "".join([*names[:2], "a/extra.jpg\n"]))  # another list of as many rows
+    with pytest.raises(StoreError, match=r"the image list differs \(3 rows in the store, 3 now\)"):
+        run(parse_spec(raw))

@@ -477,3 +477,46 @@ def test_a_store_resumed_with_chunk_rows_auto_keeps_its_own_chunking(
     for key in ("layer3", "layer4"):
         np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr")).numpy(key),
                                       open_store(str(tmp_path / "ref.zarr")).numpy(key))
+
+
+@pytest.mark.parametrize("kind", ["texts", "joined", "through zarr"])
+def test_a_new_stores_digests_made_from_the_bytes_it_writes_are_those_a_resume_compares(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str):
+    """A new store hashes its ids and paths as it writes them (not in a pass of their own): its record holds the
+    digests of the definition older stores recorded (each one's UTF-8 and a NUL, SHA-256), over many chunks and
+    writes, a Joined's paths, and strings that zarr writes (where numcodecs' format would differ from this one's)."""
+    import hashlib
+
+    import extractor
+    import extractor.store.layout as layout
+    from extractor.data import Rows
+    from extractor.data.rows import Joined
+    from extractor.store import StoreArrays
+    from extractor.store.synthetic import create_store
+
+    monkeypatch.setattr(layout, "ONCE_ROWS", 8)  # chunks of 8 rows, written 24 rows at a time
+    monkeypatch.setattr(layout, "WRITE_ROWS", 24)
+    n = 61
+    ids = [f"n{i % 7:03d}/img_{i}_ünï.jpg" for i in range(n)]
+    if kind == "through zarr":
+        import extractor.store.chunks as chunks
+
+        monkeypatch.setattr(chunks, "_vlen_checked", lambda: False)
+    paths = Joined(["/data/train.parquet#image/"], np.arange(n)) if kind == "joined" else [f"/r/{i}" for i in ids]
+    url = str(tmp_path / "s.zarr")
+    create_store(url, Rows(ids=ids, paths=paths, labels=[0] * n), StoreArrays(
+        captures={}, extras={}, shard_size=4, chunk_rows={}), {"n_rows": n, "n_shards": 16, "captures": {},
+                                                               "ids_digest": None, "paths_digest": None})
+
+    def by_hand(names: list[str]) -> str:
+        h = hashlib.sha256()
+        for name in names:
+            h.update(name.encode("utf-8", "surrogateescape") + b"\0")
+        return h.hexdigest()[:16]
+
+    want_paths = [f"/data/train.parquet#image/{i}" for i in range(n)] if kind == "joined" else paths
+    s = open_store(url)
+    assert s.attrs["ids_digest"] == by_hand(ids) and s.attrs["paths_digest"] == by_hand(want_paths)
+    assert s.ids.tolist() == ids  # what was written is what was hashed
+    g = zarr.open_group(extractor.zarr_store(url), mode="r")
+    assert g["id_index"].attrs["ids_digest"] == by_hand(ids)  # the id index names the same digest: it is used

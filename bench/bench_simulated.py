@@ -1,0 +1,164 @@
+"""Issue 57: a whole job of N rows simulated without images, through ``run()`` as ``extractor run`` runs it: a
+synthetic Parquet listing (files that are not there: the listing patched, as bench_scale's), the store made, then
+every shard claimed, its rows read from the store, its per-row arrays written and committed by a worker that reads
+no image and computes nothing (a real worker's writes but the values), each shard's statistics merged by the
+driver as it is committed; then a resume of the complete store (in this process: the synthetic listing is patched
+here) and ``extractor inspect`` (a new interpreter). What grows with the rows and the shards, measured at that size.
+
+    python bench/bench_simulated.py --rows 1            (millions; 100 takes about an hour on this machine)
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".bench"
+
+
+def _spec(n: int, store: Path, shard_size: int) -> Any:
+    """The job: resnet18 (random weights; probed, never run on an image), its pooled features stored."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_scale import _synthetic
+
+    from extractor.spec import parse_spec
+
+    data, patched = _synthetic("parquet", n, WORK)
+    spec = parse_spec({
+        "model": {"name": "resnet18", "weights": None, "device": "cpu"},
+        "data": {"source": "parquet", "parquet": data.parquet, "resize": 72, "crop": 64, "batch_size": 32,
+                 "shard_size": shard_size},
+        "capture": [{"layer": "avgpool", "reduce": "flatten", "key": "embedding", "dtype": "float16"}],
+        "output": {"store": str(store), "if_exists": "overwrite"}, "cluster": {"backend": "local"}})
+    return spec, patched
+
+
+def _backend(spec: Any, on_first: Any, worker_cpu: list[float]) -> Any:
+    """A LocalBackend whose worker writes each shard as a worker does, but no values: every row ok."""
+    from extractor.compute import ShardSummary
+    from extractor.driver.runner import LocalBackend
+    from extractor.store.stats import ShardStats, dumps
+    from extractor.store.writer import ShardWriter
+
+    one = ShardStats(["embedding.feature"], [512])  # a shard's statistics record, as the worker makes it
+    one.update(np.zeros((spec.data.shard_size, 512), np.float32), np.arange(spec.data.shard_size))
+    stats = dumps({"embedding": one})
+
+    class Simulated(LocalBackend):
+        def run(self, todo: Any, url: str, on_progress: Any, on_event: Any, ticket: Any = None) -> list:
+            out, done = [], [0]
+            for shard in todo:
+                if not out:
+                    on_first()
+                on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": 0})
+                n = shard.stop - shard.start
+                c = _cpu()
+                writer = ShardWriter(url, shard.start, shard.stop, shard.index, None, ticket)
+                writer.opening()
+                writer.finish(np.ones(n, np.uint8), [""] * n, None, stats, np.arange(1, n + 1, dtype=np.uint64))
+                summary = ShardSummary(shard=shard.index, rows=n, ok=n, failed=0, seconds=0.0, bytes=0, pid=0,
+                                       stats=stats, attempt=writer.attempt)
+                worker_cpu[0] += _cpu() - c
+                on_event("shard_done", {"shard": shard.index, "worker": 0, "summary": summary})
+                out.append(summary.kept())  # as LocalBackend keeps it
+                done[0] += n
+                on_progress(done[0])
+            return out
+
+    return Simulated(spec)
+
+
+def _anon() -> int:
+    """The process's anonymous memory now (RssAnon), bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def simulated(n: int, shard_size: int = 1024, keep: bool = False) -> dict[str, float]:
+    """The job of ``n`` rows run whole, resumed, inspected; seconds (wall and CPU) of each step."""
+    from extractor.driver.runner import run
+
+    store = WORK / f"simulated-{n}.zarr"
+    shutil.rmtree(store, ignore_errors=True)
+    spec, patched = _spec(n, store, shard_size)
+    first: dict[str, float] = {}
+    worker_cpu = [0.0]
+    with patched:
+        t0, c0 = time.perf_counter(), _cpu()
+
+        def on_first() -> None:
+            first.update(wall=time.perf_counter() - t0, cpu=_cpu() - c0, anon=_anon())
+
+        summary = run(spec, backend=_backend(spec, on_first, worker_cpu))
+        wall, cpu, grew = time.perf_counter() - t0, _cpu() - c0, _anon() - first["anon"]
+        assert summary.ok == n and summary.shards_run == summary.shards, summary
+        resumed = spec.model_copy(update={"output": spec.output.model_copy(update={"if_exists": "resume"})})
+        t1, c1 = time.perf_counter(), _cpu()
+        again = run(resumed, backend=_backend(resumed, lambda: None, [0.0]))
+        resume_wall, resume_cpu = time.perf_counter() - t1, _cpu() - c1
+        assert again.shards_run == 0 and again.ok == n, again
+    c2, t2 = _children_cpu(), time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "extractor.cli", "inspect", str(store)], capture_output=True,
+                         text=True, cwd=REPO, check=True)
+    inspect_cpu, inspect_wall = _children_cpu() - c2, time.perf_counter() - t2
+    assert f"{n:,}" in out.stdout or str(n) in out.stdout, out.stdout[-2000:]
+    c3 = _children_cpu()
+    subprocess.run([sys.executable, "-c", "import extractor.cli"], check=True, cwd=REPO)
+    bare = _children_cpu() - c3
+    if not keep:
+        shutil.rmtree(store, ignore_errors=True)
+    shards = summary.shards
+    got = {"rows": n, "shards": shards, "first_wall": first["wall"], "first_cpu": first["cpu"], "wall": wall,
+           "cpu": cpu, "per_shard_ms": (cpu - first["cpu"]) / shards * 1e3,
+           "per_shard_wall_ms": (wall - first["wall"]) / shards * 1e3,
+           "worker_ms": worker_cpu[0] / shards * 1e3, "grew": grew, "resume_cpu": resume_cpu,
+           "resume_wall": resume_wall, "inspect_cpu": inspect_cpu, "inspect_wall": inspect_wall,
+           "import_cpu": bare}
+    driver_ms = got["per_shard_ms"] - got["worker_ms"]
+    print(f"  {n:>12,} rows, {shards:,} shards of {shard_size:,}: first shard after {first['wall']:.1f} s "
+          f"({first['cpu']:.1f} s CPU: listing, probe, store); then {got['per_shard_ms']:.1f} ms CPU a shard "
+          f"({got['per_shard_wall_ms']:.1f} ms wall), the worker's {got['worker_ms']:.1f} ms (claim, its rows read, "
+          f"its arrays written, commit) and the driver's {driver_ms:.1f} ms; its memory {grew / 1e6:+.0f} MB from the "
+          f"first shard to the last; {wall:.0f} s in all; resume "
+          f"{resume_cpu:.1f} s CPU ({resume_wall:.1f} s wall); inspect {inspect_cpu:.1f} s CPU (a new interpreter; "
+          f"importing the CLI alone {bare:.1f} s)", flush=True)
+    return got
+
+
+def main(sizes: tuple[int, ...], shard_size: int = 1024) -> list[dict[str, float]]:
+    print("\na whole job simulated (no images; synthetic Parquet listing), in this process: "
+          f"{', '.join(f'{n:,}' for n in sizes)} rows")
+    return [simulated(n, shard_size) for n in sizes]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="0.1,1", help="millions of rows, each a job")
+    p.add_argument("--shard-size", type=int, default=1024)
+    p.add_argument("--json", help="write the figures to this file")
+    args = p.parse_args()
+    WORK.mkdir(exist_ok=True)
+    figures = main(tuple(int(float(m) * 1e6) for m in args.rows.split(",")), args.shard_size)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
