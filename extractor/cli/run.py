@@ -89,7 +89,7 @@ def _print_plan(spec: Any, json_out: bool, full: bool = False) -> int:
 
     planned = preview(spec, full=full)
     print(json.dumps(planned.to_dict(), indent=2) if json_out else planned.report())
-    return 1 if planned.action.startswith("run would refuse") else 0
+    return 1 if planned.refused else 0
 
 
 def _job_spec(args: argparse.Namespace) -> Any:

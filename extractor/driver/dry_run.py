@@ -122,7 +122,14 @@ class Preview:
         """"about " where the figures are scaled from a part of the source (they read as counts otherwise)."""
         return "about " if self.listing is not None and self.listing.sampled is not None else ""
 
+    @property
+    def refused(self) -> bool:
+        """Whether a run would refuse this store (the plan then says why, not what the run would write)."""
+        return self.action.startswith("run would refuse")
+
     def report(self) -> str:
+        if self.refused:  # (the new listing's table read as what the run would do)
+            return "\n".join([f"{self.store}: {self.action}", *([self.listing.report()] if self.listing else [])])
         rows = [[c.key, "x".join(map(str, c.shape)), c.dtype, size(c.bytes_per_row), str(c.chunk_rows),
                  size(c.chunk_bytes), f"{c.objects:,}", size(c.bytes_per_row * self.rows)] for c in self.captures]
         lines = [

@@ -132,6 +132,9 @@ def test_the_plan_of_a_large_source_lists_a_part_of_it_and_scales_every_figure(i
     assert again.listing is not None and again.listing.sampled is None and again.action == "nothing to do (complete)"
     refused = preview(parse_spec(specs["tars"]))
     assert refused.action.startswith("run would refuse: store") and "already exists" in refused.action
+    said = refused.report()  # the refusal and the listing, not a table of what a refused run would write
+    assert said.startswith(f"{specs['tars']['output']['store']}: run would refuse: store") and refused.refused
+    assert " shards of " not in said and "images to process" not in said and "the driver listed" in said
 
 
 def test_a_large_manifest_is_planned_from_its_first_megabytes_read_against_its_own_folder(
