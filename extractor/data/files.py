@@ -175,7 +175,7 @@ def matched_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any], 
     pats = [patterns] if isinstance(patterns, str) else list(patterns or [])
     urls: list[str] = []
     for pattern in (p for pat in pats for p in expand_braces(pat)):
-        if not glob.has_magic(pattern):
+        if not _a_glob(pattern):
             urls.append(absolute(pattern))
         elif is_url(pattern):
             import fsspec
@@ -183,12 +183,21 @@ def matched_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any], 
             try:
                 fs, path = fsspec.core.url_to_fs(pattern, **storage)
                 protocol = pattern.split("://", 1)[0]
-                urls += [f"{protocol}://{p}" for p in sorted(fs.glob(path))]
+                urls += [p if "://" in p else f"{protocol}://{p}" for p in sorted(fs.glob(path))]
             except Exception as err:
                 raise remote_error(setting, pattern, err) from err
         else:
             urls += [absolute(p) for p in sorted(glob.glob(pattern, recursive=True))]
     return urls
+
+
+def _a_glob(pattern: str) -> bool:
+    """Whether a path is matched as a glob: it holds ``*``, ``?`` or ``[``, is not an HTTP URL (a query string's
+    ``?``: ``...tar?download=true``), and is not a local file that exists as named (``run[1]/shard.tar``, or a
+    listing's recorded files named again)."""
+    if not glob.has_magic(pattern) or pattern.lower().startswith(("http://", "https://")):
+        return False
+    return is_url(pattern) or not os.path.exists(pattern)
 
 
 def expand_braces(pattern: str) -> list[str]:

@@ -129,7 +129,8 @@ class Preview:
 
     def report(self) -> str:
         if self.refused:  # (the new listing's table read as what the run would do)
-            return "\n".join([f"{self.store}: {self.action}", *([self.listing.report()] if self.listing else [])])
+            return "\n".join([f"{self.store}: {self.action}", *([self.listing.report()] if self.listing else []),
+                              *(f"warning: {w}" for w in self.warnings)])
         rows = [[c.key, "x".join(map(str, c.shape)), c.dtype, size(c.bytes_per_row), str(c.chunk_rows),
                  size(c.chunk_bytes), f"{c.objects:,}", size(c.bytes_per_row * self.rows)] for c in self.captures]
         lines = [

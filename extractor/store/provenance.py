@@ -38,7 +38,7 @@ from ..spec import (
 from .chunks import read_all
 from .dtypes import numpy_dtype
 from .forward import forward_differences
-from .layout import FORMAT_VERSION, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, NamesDigest, now
+from .layout import FORMAT_VERSION, OK, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, NamesDigest, now
 from .recorded import source_digests
 
 __all__ = [
@@ -422,9 +422,10 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.n
     for a, b in row_blocks(len(current)):  # (a block at a time)
         now = np.asarray(current[a:b], dtype=np.uint64)
         stored = read_all(group["fingerprint"], a, b)
-        read = read_all(group["status"], a, b) != PENDING
-        unknown += int((read & (now == 0) & (stored == 0)).sum())
-        gone.append(np.flatnonzero(read & (now == 0) & (stored != 0)) + a)  # a file that cannot be seen now
+        status = read_all(group["status"], a, b)
+        read, computed = status != PENDING, status == OK  # (a failed row holds no values to say anything of)
+        unknown += int((computed & (now == 0) & (stored == 0)).sum())
+        gone.append(np.flatnonzero(computed & (now == 0) & (stored != 0)) + a)  # a file that cannot be seen now
         moved = moved or bool((now != stored).any())
         found.append(np.flatnonzero(read & (now != stored) & (now != 0)) + a)
     if unknown:

@@ -445,3 +445,19 @@ def test_data_tars_takes_globs_as_data_parquet_does(image_dir: Path, tmp_path: P
     with pytest.raises(DataError, match=r"data\.tars '.*nothing-\*\.tar' names no tar shards; check the paths and "
                                         r"patterns \(brace ranges .*, or globs such as shards/\*\.tar\)$"):
         list_rows(DataSpec(source="tar", tars=str(tmp_path / "tars" / "nothing-*.tar")))
+
+
+def test_a_path_with_glob_characters_is_taken_as_named_where_it_is_one(tmp_path: Path):
+    """A tar's URL with a query string (``?download=true``) and a local file whose folder is named ``run[1]`` are
+    the files they name, not globs (a glob matching nothing refused them); ``*`` still matches."""
+    from extractor.data.files import matched_urls
+
+    url = "https://huggingface.co/datasets/o/n/resolve/main/shard-000.tar?download=true"
+    assert matched_urls(url, {}, "data.tars") == [url]
+    (tmp_path / "run[1]").mkdir()
+    (tmp_path / "run[1]" / "shard-000.tar").write_bytes(b"")
+    (tmp_path / "run[1]" / "shard-001.tar").write_bytes(b"")
+    named = str(tmp_path / "run[1]" / "shard-000.tar")
+    assert matched_urls(named, {}, "data.tars") == [named]
+    assert matched_urls(str(tmp_path / "run?1?" / "*.tar"), {}, "data.tars") == \
+        [named, str(tmp_path / "run[1]" / "shard-001.tar")]

@@ -88,13 +88,17 @@ def test_a_computed_rows_image_file_gone_is_named_as_gone_not_as_a_url(tmp_path:
     it (it blamed URLs in a manifest, which this one has none of), keeps the row's values, and says it again next
     time without blaming URLs."""
     files = make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
+    broken = tmp_path / "imgs" / "a" / "broken.jpg"  # a row that fails (no values), its file gone too: not said
+    broken.write_bytes(b"not an image")
     manifest = tmp_path / "list.csv"
-    manifest.write_text("path\n" + "".join(f"{f.relative_to(tmp_path / 'imgs')}\n" for f in files))
+    manifest.write_text("path\n" + "".join(f"{f.relative_to(tmp_path / 'imgs')}\n" for f in [*files, broken]))
     raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
               data={"source": "manifest", "manifest": str(manifest), "resize": None, "crop": 32, "shard_size": 2})
-    assert run(parse_spec(raw)).ok == 3
+    summary = run(parse_spec(raw))
+    assert (summary.ok, summary.failed) == (3, 1)
     values = open_store(str(tmp_path / "s.zarr"))["conv"][:]
     files[1].unlink()
+    broken.unlink()
     raw["output"]["if_exists"] = "resume"
     said = []
     for _ in range(2):
