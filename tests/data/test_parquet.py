@@ -349,11 +349,13 @@ def test_rows_whose_image_is_a_path_are_said_to_be_unchecked_by_a_resume(image_d
     pq.write_table(pa.table({"image": mixed, "label": [0] * 5}), tmp_path / "mixed.parquet", row_group_size=2)
     pq.write_table(pa.table({"image": [str(p) for p in images[:2]], "label": [0, 0]}), tmp_path / "paths.parquet")
     pq.write_table(pa.table({"image": mixed[3:], "label": [0, 0]}), tmp_path / "bytes.parquet")
+    pq.write_table(pa.table({"image": [{"path": str(images[0])}], "label": [0]}), tmp_path / "struct.parquet")
     with caplog.at_level("WARNING", logger="extractor.data.sources.parquet"):
         assert len(list_rows(DataSpec(source="parquet", parquet=str(tmp_path / "bytes.parquet")))) == 2
         assert not caplog.records
         rows = list_rows(DataSpec(source="parquet", parquet=[str(tmp_path / "mixed.parquet"),
-                                                             str(tmp_path / "paths.parquet")]))
-    assert len(rows) == 7
-    assert [r.getMessage().split(" rows")[0] for r in caplog.records] == ["5"]  # 3 of the first, 2 of the second
+                                                             str(tmp_path / "paths.parquet"),
+                                                             str(tmp_path / "struct.parquet")]))
+    assert len(rows) == 8
+    assert [r.getMessage().split(" rows")[0] for r in caplog.records] == ["6"]  # 3, 2 and 1 of the three files
     assert "a resume sees the Parquet files change, not those image files" in caplog.records[0].getMessage()

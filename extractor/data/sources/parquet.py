@@ -163,8 +163,10 @@ def _by_path(f: Any, kind: Any, image: str, n_rows: int) -> int:
     t = pa.types
     if t.is_string(kind) or t.is_large_string(kind) or t.is_string_view(kind):
         return n_rows
-    if not t.is_struct(kind) or kind.get_field_index("bytes") < 0:
+    if not t.is_struct(kind):
         return 0
+    if kind.get_field_index("bytes") < 0:  # a struct of a path alone
+        return n_rows
     if not hasattr(f, "metadata"):  # an Arrow file's table, read whole
         import pyarrow.compute as pc
 
