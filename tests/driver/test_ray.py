@@ -154,6 +154,8 @@ def test_a_worker_that_fails_as_a_whole_is_replaced_and_the_job_finishes(ray_clu
     assert len(died) == 1 and re.search(words, died[0]["error"]), died
     assert died[0]["shards"] and not [i for n, i in events if n == "shard_failed"]
     assert summary.ok == 12 and summary.failed == 0 and sorted(s.shard for s in summary.per_shard) == list(range(6))
+    assert all(i["summary"].stats for n, i in events if n == "shard_done")  # each record came with its shard,
+    assert not any(s.stats for s in summary.per_shard)  # and the driver kept none of them once merged
     assert len(summary.workers[0]["pids"]) == 2 and summary.workers[0]["restarts"] == 1  # replaced
     assert summary.workers[0]["retries"] == (died[0]["charged"] is not None)
     a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
