@@ -509,7 +509,7 @@ class StoreSession:
         one removed), so that a process killed without leaving its partial (SIGKILL, a node lost) costs whoever
         merges them all the records of its shards since, not of all of them (at 400M rows, up to 390,000 records
         of 800 KB)."""
-        if self.totals is None or self.claimant is None or self.generation is None:
+        if self.totals is None or self.claimant is None or self.generation is None or self.totals.torn:
             return
         held = self._merged
         try:
@@ -598,8 +598,8 @@ class StoreSession:
         """Once this claimant has no shard left to take (or stops): the statistics of the shards it committed, left
         for whoever merges them all, who then reads none of their records (at 400M rows, 390,000 records of up to
         800 KB)."""
-        if self._left or self.totals is None or self.claimant is None or self.generation is None:
-            return
+        if self._left or self.totals is None or self.claimant is None or self.generation is None or self.totals.torn:
+            return  # (torn totals: whoever merges them all reads this claimant's shards' records from the store)
         self._left = True
         try:
             # (a store finished meanwhile merges nothing more: nothing is left in it)
@@ -614,7 +614,7 @@ class StoreSession:
         """Every committed shard's statistics, merged: those this job merged as they came, those other claimants left
         merged (their partials), and the records of the shards in neither, read from the store."""
         assert self.generation is not None
-        if self.totals is None:
+        if self.totals is None or self.totals.torn:  # (torn: this job's shards' records read from the store)
             self.totals = Totals(len(self.shards))
         mine = self.claimant.id if self.claimant is not None else None
         merged = copy.deepcopy(self.totals)  # this job's own stay its own: the partial it leaves

@@ -194,6 +194,7 @@ class Totals:
         self.held = np.zeros(n_shards, bool)
         self.attempts = np.zeros(n_shards, np.uint64)  # the attempt whose record each shard held is (0: not known)
         self.acc: dict[str, dict[str, Any]] = {}
+        self.torn = False  # an add stopped part way (a signal's exception): these totals are not to be kept or merged
 
     def add(self, index: int, text: str, attempt: int = 0) -> bool:
         """Add shard ``index``'s record, of ``attempt`` (once: a shard held already adds nothing; "" is a shard with
@@ -201,6 +202,7 @@ class Totals:
         if self.held[index]:
             return False
         record = json.loads(text) if text else {}
+        self.torn = True  # until the record is added whole (a SIGTERM's exception part way left a capture without sums)
         self.held[index] = True
         self.attempts[index] = attempt
         for key, d in record.items():
@@ -217,6 +219,7 @@ class Totals:
                 a[k] = a.get(k, 0) + d.get(k, 0)  # records (totals) written before per-token norms have none
             a["nonfinite_rows"] = sorted(a["nonfinite_rows"] + d["nonfinite_rows"])[:_FIRST]
             _add_besides(a, d)
+        self.torn = False
         return True
 
     def summary(self) -> dict[str, dict[str, Any]]:
@@ -272,6 +275,8 @@ class Totals:
             for key, rest in json.loads(z["rest"].tobytes()).items():
                 sums = {k: z[f"{k}/{key}"].astype(dtype) for k, dtype in (*_SUMS.items(), *_BESIDES_SUMS.items())
                         if f"{k}/{key}" in z.files}
+                if not set(_SUMS) <= set(sums):  # left torn (an add stopped part way, before it was said so): its
+                    return None  # shards' records are read from the store instead
                 totals.acc[key] = {**rest, **sums}
         return totals
 
