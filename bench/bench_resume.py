@@ -133,8 +133,11 @@ def _complete(path: Path, digests: bool) -> None:
     from extractor.store.writer import ShardWriter
 
     class Finished(LocalBackend):
-        def run(self, todo: Any, url: str, on_progress: Any, on_event: Any, ticket: Any = None) -> list:
+        def run(self, todo: Any, url: str, on_progress: Any, on_event: Any, ticket: Any = None,
+                ready: Any = None) -> list:
             for shard in todo:
+                if ready is not None:  # a new store's rows written meanwhile
+                    ready.wait(shard.index)
                 n = shard.stop - shard.start
                 writer = ShardWriter(url, shard.start, shard.stop, shard.index, None, ticket)
                 found = np.asarray([content_digest(read_bytes(item)) for item in writer.opening()[0]], np.uint64) \

@@ -54,9 +54,12 @@ def _backend(spec: Any, on_first: Any, worker_cpu: list[float]) -> Any:
     stats = dumps({"embedding": one})
 
     class Simulated(LocalBackend):
-        def run(self, todo: Any, url: str, on_progress: Any, on_event: Any, ticket: Any = None) -> list:
+        def run(self, todo: Any, url: str, on_progress: Any, on_event: Any, ticket: Any = None,
+                ready: Any = None) -> list:
             out, done = [], [0]
             for shard in todo:
+                if ready is not None:  # a new store's rows written meanwhile
+                    ready.wait(shard.index)
                 if not out:
                     on_first()
                 on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": 0})

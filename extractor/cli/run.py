@@ -55,7 +55,8 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
             print(f"error: the storage failed: {type(err).__name__}: {err}\n{kept}; once fixed, "
                   f"finish the job with:\n  {finish}", file=sys.stderr)
         else:
-            print(f"error: {err}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
+            kept = " The store is half-created: --resume makes it again." if getattr(err, "creating", False) else ""
+            print(f"error: {err}{kept}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
         return 1
     finally:
         bar.close()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .._face import face
 
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
-    from .pipeline import CallbackError, Pipeline, ShardQueue
+    from .pipeline import CallbackError, Pipeline, Ready, ShardQueue
     from .shard import ShardInput, ShardOutput, ShardSummary
     from .worker import PROBE_FORWARDS, Worker, decode_threads, host_array
 

@@ -47,15 +47,26 @@ class Forwarder(Protocol):
                      ) -> Forwarded: ...
 
 
-class ShardQueue:
-    """Shards for a running pipeline: ``put`` from any thread, ``close`` once no more will come.
-    ``Worker.run_shards`` on a queue that stays open keeps its pipeline across calls (a Ray
-    actor fed by the driver)."""
+class Ready(Protocol):
+    """Which shards may be begun (a new store's rows are written behind its making: a shard once its rows are in)."""
 
-    def __init__(self, shards: Iterable[Shard] = ()) -> None:
+    def ready(self, shard: int) -> bool: ...
+
+    def wait(self, shard: int) -> None: ...
+
+
+class ShardQueue:
+    """Shards for a running pipeline: ``put`` from any thread, ``close`` once no more will come (``closed``: a
+    fixed list). ``Worker.run_shards`` on a queue that stays open keeps its pipeline across calls (a Ray
+    actor fed by the driver). ``ready``: a shard is given once it says so; where it raises, the queue ends (the
+    shards begun finish) and its :attr:`error` is the caller's to raise."""
+
+    def __init__(self, shards: Iterable[Shard] = (), ready: Ready | None = None, closed: bool = False) -> None:
         self.items: deque[Shard] = deque(shards)
         self.cond = threading.Condition()
-        self.closed = False
+        self.closed = closed
+        self.ready = ready
+        self.error: Exception | None = None
 
     def put(self, shard: Shard, first: bool = False) -> None:
         with self.cond:
@@ -80,10 +91,29 @@ class ShardQueue:
 
     def get(self, block: bool) -> Shard | None:
         """The next shard; None when there is none now (``block=False``) or ever (closed)."""
-        with self.cond:
-            while block and not self.items and not self.closed:
-                self.cond.wait()
-            return self.items.popleft() if self.items else None
+        while True:
+            with self.cond:
+                while block and not self.items and not self.closed:
+                    self.cond.wait()
+                first = self.items[0] if self.items else None
+                if first is None or self.ready is None or self._ready(first.index, False):
+                    return self.items.popleft() if first is not None else None
+            if not block:
+                return None
+            self._ready(first.index, True)  # (not holding the queue: others may put or drop meanwhile)
+
+    def _ready(self, shard: int, wait: bool) -> bool:
+        assert self.ready is not None
+        try:
+            if wait:
+                self.ready.wait(shard)
+                return True
+            return self.ready.ready(shard)
+        except Exception as err:  # noqa: BLE001 - the caller's to raise, once the shards begun are finished
+            with self.cond:
+                self.error, self.closed = err, True
+                self.items.clear()
+            return False
 
 
 class NextShard:

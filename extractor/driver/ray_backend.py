@@ -25,7 +25,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from ..compute import ShardQueue, ShardSummary
+from ..compute import Ready, ShardQueue, ShardSummary
 from ..data import Shard
 from ..errors import ClusterError, ExtractorError, ShardError
 from ..spec import JobSpec
@@ -373,8 +373,8 @@ class RayBackend:
 
     # ------------------------------------------------------------------ the job
     def run(self, todo: list[Shard], url: str, on_progress: Any, on_event: Any,
-            ticket: Ticket | None = None) -> list[ShardSummary]:
-        job = _Job(self, todo, url, ticket, on_progress, on_event)
+            ticket: Ticket | None = None, ready: Ready | None = None) -> list[ShardSummary]:
+        job = _Job(self, todo, url, ticket, on_progress, on_event, ready)
         for slot in self.slots:
             if slot.ready:
                 on_event("worker_started", slot.event())

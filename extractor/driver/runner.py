@@ -23,7 +23,7 @@ from ..spec import JobSpec
 from ..store import Decision, Outcome, Probe, StoreSession, Ticket
 
 if TYPE_CHECKING:  # the worker imports torch: only a job that builds its model loads it
-    from ..compute import ShardSummary, Worker
+    from ..compute import Ready, ShardSummary, Worker
 
 __all__ = ["Backend", "LocalBackend", "RunSummary", "run"]
 
@@ -130,9 +130,10 @@ class Backend(Protocol):
         """Compile the model where the job compiles it; called only when there are shards to compute."""
 
     def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event,
-            ticket: Ticket | None = None) -> list[ShardSummary]:
+            ticket: Ticket | None = None, ready: Ready | None = None) -> list[ShardSummary]:
         """Compute and write the shards ``todo`` into the store at ``url``, each claimed and committed for
-        ``ticket``'s claimant (one another claimant holds is left); returns the summaries of the shards committed."""
+        ``ticket``'s claimant (one another claimant holds is left); returns the summaries of the shards committed.
+        ``ready``: a new store's rows written meanwhile; a shard is begun once its rows are in the store."""
 
     def close(self) -> None:
         """Stop the workers (a no-op when done twice)."""
@@ -156,7 +157,9 @@ class LocalBackend:
         self.worker.warm_up()
 
     def run(self, todo: list[Shard], url: str, on_progress: Progress, on_event: Event,
-            ticket: Ticket | None = None) -> list[ShardSummary]:
+            ticket: Ticket | None = None, ready: Ready | None = None) -> list[ShardSummary]:
+        from ..compute import ShardQueue
+
         summaries: list[ShardSummary] = []
         processed = [0]
         pid = os.getpid()
@@ -186,13 +189,16 @@ class LocalBackend:
             finishing.append((shard, future))
             report(keep=1)
 
+        queue = ShardQueue(todo, ready=ready, closed=True)
         try:
             self.worker.run_shards(
-                todo, url, on_batch=on_batch, on_computed=computed,
+                queue, url, on_batch=on_batch, on_computed=computed,
                 on_started=lambda shard: on_event("shard_started", {"shard": shard.index, "worker": 0, "pid": pid}),
                 ticket=ticket,
             )
             report(keep=0)
+            if queue.error is not None:  # the store's rows could not be written: the shards left cannot begin
+                raise queue.error
         except BaseException:
             for shard, future in finishing:  # what was computed is still written before the error goes up
                 if future.exception() is None:
@@ -256,7 +262,8 @@ def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Pr
     summaries: list[ShardSummary] = []
     stalled = 0  # passes in a row that committed nothing and left the same shards
     while todo:
-        done = backend.run(todo, url, on_progress, on_event, ticket=ticket)
+        ready = session.rows_ready
+        done = backend.run(todo, url, on_progress, on_event, ticket=ticket, **({"ready": ready} if ready else {}))
         summaries += done
         left = session.remaining(wait=True)
         stalled = stalled + 1 if not done and {s.index for s in left} == {s.index for s in todo} else 0

@@ -20,6 +20,7 @@ from ..faults import whose
 from ..spec import ClusterSpec
 
 if TYPE_CHECKING:
+    from ..compute import Ready
     from ..spec import JobSpec
     from ..store import Ticket
 
@@ -60,9 +61,10 @@ class _Schedule:
     lost with its node (or its connection) blames no shard.
     """
 
-    def __init__(self, todo: list[Shard], max_retries: int) -> None:
+    def __init__(self, todo: list[Shard], max_retries: int, ready: Ready | None = None) -> None:
         self.queue: deque[Shard] = deque(todo)
         self.max_retries = max_retries
+        self.ready = ready  # a new store's rows written meanwhile: a shard is handed out once its rows are in
         self.attempts: dict[int, int] = {}
         self.suspects: set[int] = set()
         self.failure: tuple[Shard, str] | None = None  # the first shard out of retries, and its last error
@@ -72,6 +74,8 @@ class _Schedule:
         if self.failure is not None or len(held) >= IN_FLIGHT or any(s.index in self.suspects for s in held):
             return None
         for k, shard in enumerate(self.queue):
+            if self.ready is not None and not self.ready.ready(shard.index):
+                return None  # rows are written in row order: neither are the shards after it (those put back were)
             if not held or shard.index not in self.suspects:
                 del self.queue[k]
                 return shard
@@ -191,10 +195,10 @@ class _Job:
     runner (progress, events)."""
 
     def __init__(self, backend: _Backend, todo: list[Shard], url: str, ticket: Ticket | None, on_progress: Any,
-                 on_event: Any) -> None:
+                 on_event: Any, ready: Ready | None = None) -> None:
         self.backend, self.url, self.ticket = backend, url, ticket
         self.on_progress, self.on_event = on_progress, on_event
-        self.plan = _Schedule(todo, backend.spec.cluster.max_retries)
+        self.plan = _Schedule(todo, backend.spec.cluster.max_retries, ready)
         self.running: dict[Any, tuple[_Slot, Shard, int]] = {}  # task ref -> (slot, shard, actor generation)
         self.started: set[int] = set()  # shards whose start was reported (in their current attempt)
         self.summaries: list[ShardSummary] = []

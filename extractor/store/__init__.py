@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         STATUS_NAMES,
         CaptureRecord,
         ExtraRecord,
+        RowsBehind,
         StoreArrays,
         create_generation,
         disk_usage,

@@ -270,25 +270,28 @@ def write_texts(array: zarr.Array, codec: ChunkCodec | None, start: int, strings
     """Rows ``start:stop`` of a new string array from ``strings`` (a Texts, a Joined...): each whole chunk (the last
     padded) encoded from its strings' UTF-8 made in bulk and put with the others at once; through zarr where a
     string's bytes are not plain UTF-8 (a surrogate) or the array's codecs are not those this module writes.
-    ``seen(data, ends)``: given each chunk's UTF-8, in order, as it is made (the store's digest of its ids and paths,
-    made from the same bytes). Whether it was (False: the strings went through zarr, and ``seen`` missed some)."""
+    ``seen(data, ends)``: given each chunk's UTF-8, in order, once every chunk's is made (the store's digest of its
+    ids and paths, made from the same bytes). Whether it was (False: the strings went through zarr, and ``seen`` was
+    given none of them)."""
     from ..data import utf8
 
     if codec is None or codec.shard_rows is not None or start % codec.rows or array.fill_value != "" or \
             ((stop - start) % codec.rows and stop != array.shape[0]) or not _vlen_checked():
         array[start:stop] = strings[start:stop]
         return False
-    puts = []
+    puts, made = [], []
     for at in range(start, stop, codec.rows):
         found = utf8(strings, at, min(at + codec.rows, stop))
         if found is None:
             array[start:stop] = strings[start:stop]
             return False
-        if seen is not None:
-            seen(*found)
+        made.append(found)
         if found[1].any():  # a chunk of empty strings (the fill value) is not stored, as zarr leaves it
             puts.append((array.store, codec.key(at), codec.encode_utf8(*found)))
     _put_all(puts)
+    if seen is not None:
+        for found in made:
+            seen(*found)
     return True
 
 

@@ -167,6 +167,15 @@ class Generation:
             self._root = dict((json.loads(data).get("attributes") or {}).get(ATTR) or {})
         return self._root
 
+    def made(self) -> bool:
+        """Whether the generation is made: its root written, and its rows (a generation whose rows are written
+        behind its making, :class:`~.layout.RowsBehind`, records ``rows_written`` false until they are all in it)."""
+        root = self.root()
+        if root is not None and root.get("rows_written") is False:
+            self._root = None  # read again: its record is rewritten once its rows are written
+            root = self.root()
+        return root is not None and root.get("rows_written") is not False
+
     def ledger(self) -> Ledger:
         root = self.root()
         if root is None:
@@ -228,10 +237,9 @@ class Generation:
         """The generation's record as readers see it: its root's attributes with its state now: ``status``
         (creating, running, complete, incomplete, interrupted, failed), ``stats``, ``updated``, ``error``,
         ``listing`` and the ``generation``'s name."""
-        root = self.root()
-        if root is None:
-            return {"status": "creating", "format_version": FORMAT, "generation": self.name}
-        attrs = dict(root)
+        if not self.made():  # (a root whose rows are not all written: its record as far as it goes)
+            return {**(self.root() or {}), "status": "creating", "format_version": FORMAT, "generation": self.name}
+        attrs = dict(self.root() or {})
         final = self.final()
         listing, _ = self.listing()
         if listing is not None:
@@ -251,8 +259,8 @@ class Generation:
             return (f"store {self.objects.url} is being created by another extractor job now: pid {m.get('pid')} on "
                     f"{m.get('host')} (user {m.get('user')}, started {m.get('started')}); open it once that job has "
                     "created it")
-        return (f"store {self.objects.url} was left half-created by a run that failed while creating it: it holds no "
-                "data; run the job again with --resume (or --overwrite)")
+        return (f"store {self.objects.url} was left half-created by a run that failed while creating it (or while "
+                "writing its rows' arrays): nothing in it is kept; run the job again with --resume (or --overwrite)")
 
     def open(self, table: Table | None = None) -> zarr.Group:
         """The generation's root group, read as ``table`` (default: the ledger now) names its shards' attempts."""
@@ -332,7 +340,7 @@ def open_group(url: str, storage_options: Mapping[str, Any] | None = None) -> za
             kwargs["storage_options"] = dict(storage_options)
         return zarr.open_group(url, **kwargs)
     generation = Generation(objects, head.generation)
-    if generation.root() is None:
+    if not generation.made():
         raise StoreError(generation.being_made())
     return generation.open()
 

@@ -15,7 +15,7 @@ import zarr
 from ..data import BLOCK, Texts, by_hash, text_hashes
 from .chunks import read_all
 
-__all__ = ["ID_INDEX", "SortedIds", "id_index_objects", "read_id_index", "write_id_index"]
+__all__ = ["ID_INDEX", "SortedIds", "create_id_index", "id_index_objects", "read_id_index", "write_id_index"]
 
 ID_INDEX = "id_index"
 HASH = "utf8-poly64"  # data.rows.text_hashes: the same in every process
@@ -40,16 +40,24 @@ def hash_ids(ids: Sequence[str] | Any) -> np.ndarray:
     return text_hashes(ids)
 
 
-def write_id_index(group: zarr.Group, ids: Any, ids_digest: str | None) -> None:
-    """Write ``id_index`` into the new store whose root is ``group`` (through its job's fence): ``hashes`` (int64,
-    sorted) and ``rows`` (the row of each; rows sharing a hash in row order), then its record. The hashes are sorted
-    by :func:`~extractor.data.spill.by_hash` (on the disk in buckets past 4M ids: 400M ids are 6.4 GB of pairs) and
-    written a whole chunk at a time."""
-    n = len(ids)
+def create_id_index(group: zarr.Group, n: int) -> None:
+    """Make ``id_index`` in the new store whose root is ``group``, for ``n`` ids: its arrays, empty, and no record
+    (:func:`write_id_index` writes them; its record says it is whole)."""
     node = group.create_group(ID_INDEX)
     chunk = max(1, min(n, CHUNK))
-    arrays = [node.create_array(name, shape=(n,), dtype=np.int64, chunks=(chunk,), fill_value=0,
-                                dimension_names=["by_hash"]) for name in ("hashes", "rows")]
+    for name in ("hashes", "rows"):
+        node.create_array(name, shape=(n,), dtype=np.int64, chunks=(chunk,), fill_value=0, dimension_names=["by_hash"])
+
+
+def write_id_index(group: zarr.Group, ids: Any, ids_digest: str | None) -> None:
+    """Write ``id_index`` (:func:`create_id_index`) of the new store whose root is ``group`` (through its job's
+    fence): ``hashes`` (int64, sorted) and ``rows`` (the row of each; rows sharing a hash in row order), then its
+    record. The hashes are sorted by :func:`~extractor.data.spill.by_hash` (on the disk in buckets past 4M ids: 400M
+    ids are 6.4 GB of pairs) and written a whole chunk at a time."""
+    n = len(ids)
+    node = cast(zarr.Group, group[ID_INDEX])
+    arrays = [cast(zarr.Array, node[name]) for name in ("hashes", "rows")]
+    chunk = int(arrays[0].chunks[0])
     buffers = np.empty((2, chunk), dtype=np.int64)  # a chunk of (hashes, rows) gathered, then written whole
     at = held = 0
     for pair in by_hash(_hash_blocks(ids), n):

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict, cast
 
@@ -48,11 +50,11 @@ from ._zarr_internal import ArrayConfigParams
 from .chunks import ChunkCodec, write_texts, write_whole
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
 from .generation import TXN
-from .id_index import write_id_index
+from .id_index import create_id_index, write_id_index
 from .ledger import Ledger, blocks_for, new_id
 from .objects import Objects
 from .tokens import TokenRecord
-from .views import GenerationStore, Slot, write_view
+from .views import ROOT, GenerationStore, Slot, write_view
 
 FORMAT_VERSION = 2
 PENDING, OK, FAILED = 0, 1, 2
@@ -194,16 +196,20 @@ class NamesDigest:
     def hexdigest(self) -> str:
         return self.hash.hexdigest()[:16]
 
+    def add_names(self, names: Any, start: int, stop: int) -> None:
+        """Strings ``start:stop`` of ``names`` (an array of strings or a Joined), a block at a time."""
+        for at in range(start, stop, BLOCK):
+            found = utf8(names, at, min(at + BLOCK, stop))
+            if found is None:
+                self.add_strings(names[at:min(at + BLOCK, stop)].tolist())
+            else:
+                self.add(*found)
+
     @classmethod
     def of(cls, names: Any) -> str:
         """The digest of ``names`` (an array of strings or a Joined), hashed a block at a time."""
         digest = cls()
-        for start in range(0, len(names), BLOCK):
-            found = utf8(names, start, start + BLOCK)
-            if found is None:
-                digest.add_strings(names[start:start + BLOCK].tolist())
-            else:
-                digest.add(*found)
+        digest.add_names(names, 0, len(names))
         return digest.hexdigest()
 READ_BYTES = 32 << 20  # a streaming read of a sharded array takes chunks of its shard up to about this much
 
@@ -278,45 +284,153 @@ def slots(arrays: StoreArrays, n_rows: int, locators: Iterable[str]) -> dict[str
 
 def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
                       committed: bool = False) -> GenerationStore:
-    """Write generation ``name`` of the store under ``objects`` (its head names it already: no one reads it until
-    its root is written, last): its arrays, the rows' per-row arrays known before any image is read, the id index,
-    its ledger (every shard pending; ``committed``: every shard held by one attempt, committed at once, for a store
-    written without a job), then its root with the job's record and every array's metadata in one object. Returns
-    the view that wrote it (its attempts: ``rows``, and ``data`` where committed)."""
+    """Write generation ``name`` of the store under ``objects`` whole (:func:`start_generation`, then its rows
+    written here: :meth:`RowsBehind.write`). Returns the view that wrote it (its attempts: ``rows``, and ``data``
+    where ``committed``)."""
+    behind = start_generation(objects, name, rows, arrays, attrs, committed)
+    behind.write()
+    return behind.store
+
+
+def start_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
+                     committed: bool = False) -> RowsBehind:
+    """Make generation ``name`` of the store under ``objects`` (its head names it already: no one reads it until
+    its root is written) but for its rows: its arrays, its ledger (every shard pending; ``committed``: every shard
+    held by one attempt, committed at once, for a store written without a job), then its root with the job's record
+    (``rows_written`` false) and every array's metadata in one object. Its per-row arrays, id index and digests are
+    written by the :class:`RowsBehind` returned, in row order, while the first shards run (issue 57); until then the
+    generation is not made (:meth:`.generation.Generation.made`): a driver stopped before leaves it half-made."""
     n_shards = -(-len(rows) // arrays.shard_size)
     attrs = {**attrs, "format_version": FORMAT_VERSION, "n_rows": len(rows), "n_shards": n_shards,
-             "shard_size": arrays.shard_size, "ledger_blocks": blocks_for(n_shards)}
+             "shard_size": arrays.shard_size, "ledger_blocks": blocks_for(n_shards), "rows_written": False}
     locators = [locator.name for locator in arrays.locators]
     attempts = {"rows": new_id(), **({"data": new_id()} if committed else {})}
     store = write_view(objects.zarr_store(name, read_only=False), attempts,
                        slots=slots(arrays, len(rows), locators), url=objects.url, hold_root=True)
-    try:
-        with zarr.config.set({"array.write_empty_chunks": True}):
-            group = zarr.open_group(store=store, mode="a", use_consolidated=False)
-            _create_arrays(group, rows, arrays, attrs)
+    with _storage_errors(objects.url), zarr.config.set({"array.write_empty_chunks": True}):
+        group = zarr.open_group(store=store, mode="a", use_consolidated=False)
+        columns = _create_arrays(group, rows, arrays, attrs)
         Ledger(objects, f"{name}/{TXN}/ledger", n_shards, int(attrs["ledger_blocks"]), name).create(
             attempts["rows"], attempts.get("data", 0))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification" (yet)
-            zarr.consolidate_metadata(store, path=None)
-        store.release_root()  # the generation is made
+        _consolidate(store)
+        store.release_root()  # the generation is made, but for its rows
+    return RowsBehind(objects, name, store, group, rows, columns, arrays.shard_size, attrs.get("ids_digest"))
+
+
+@contextlib.contextmanager
+def _storage_errors(url: str) -> Iterator[None]:
+    try:
+        yield
     except (OSError, ValueError):  # a storage error (the head's swap showed the place writable: a disk full...), or
         raise  # rows that lack what their source declares
     except Exception as err:  # what an object store's client raises otherwise (credentials, a bucket gone)
-        raise StoreError(f"cannot create the store at output.store {objects.url}: {type(err).__name__}: "
+        raise StoreError(f"cannot create the store at output.store {url}: {type(err).__name__}: "
                          f"{str(err).rstrip('.')}; check output.store and output.storage_options") from err
-    return store
 
 
-def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any]) -> None:
-    """The arrays of a new generation, with what is known before any image is read, then its attributes."""
+def _consolidate(store: GenerationStore) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # consolidated metadata "not part of the Zarr v3 specification" (yet)
+        zarr.consolidate_metadata(store, path=None)
+
+
+class RowsBehind:
+    """A new generation's rows written behind its making (:func:`start_generation`): its per-row arrays a stretch of
+    whole chunks at a time in row order, each shard handed out once its rows are in the store (:meth:`ready`,
+    :meth:`wait`: the driver's queue of shards and Ray's schedule ask); then its id index, and its root's record
+    with the ids' and paths' digests and ``rows_written`` (the generation made). :meth:`write` runs in a thread
+    of the driver; an error there is raised to whoever asks after, as a :class:`StoreError` naming it."""
+
+    def __init__(self, objects: Objects, name: str, store: GenerationStore, group: zarr.Group, rows: Rows,
+                 columns: _RowArrays, shard_size: int, ids_digest: str | None) -> None:
+        self.objects, self.name, self.store, self.group = objects, name, store, group
+        self.rows: Rows | None = rows  # let go once written
+        self.columns, self.shard_size, self.ids_digest, self.n = columns, shard_size, ids_digest, len(rows)
+        self.written = 0  # rows whose arrays are in the store
+        self.made = False
+        self.error: BaseException | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+
+    @property
+    def stretches(self) -> int:
+        """The stretches of rows :meth:`write` writes one after another."""
+        return max(1, -(-self.n // self.columns.step))
+
+    def write(self) -> None:
+        """Write every row, then the id index and the root's record (raises what stopped it)."""
+        n, rows = self.n, self.rows
+        assert rows is not None, "written once"
+        try:
+            with _storage_errors(self.objects.url), zarr.config.set({"array.write_empty_chunks": True}):
+                for start in range(0, n, self.columns.step):
+                    if self._stop:
+                        raise StoreError(f"the rows of {self.objects.url} were not all written: its job stopped")
+                    stop = min(start + self.columns.step, n)
+                    self.columns.write(start, stop)
+                    self._advance(stop)
+                digests = self.columns.digests()
+                write_id_index(self.group, rows.ids, digests.get("ids_digest", self.ids_digest))
+                _consolidate(self.store)  # the id index's record beside the others' metadata
+                self._record({**digests, "rows_written": True})
+        except BaseException as err:
+            with self._cond:
+                self.error = err
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self.made, self.rows = True, None
+            self._cond.notify_all()
+
+    def _advance(self, rows: int) -> None:
+        with self._cond:
+            self.written = rows
+            self._cond.notify_all()
+
+    def _record(self, more: Mapping[str, Any]) -> None:
+        """The root's record with ``more`` (one write: its metadata and consolidated metadata as they are)."""
+        key = f"{self.name}/{ROOT}"
+        root = json.loads(self.objects.get(key) or b"{}")
+        root.setdefault("attributes", {}).setdefault(ATTR, {}).update(more)
+        self.objects.put(key, json.dumps(root).encode())
+
+    def ready(self, shard: int) -> bool:
+        """Whether ``shard``'s rows are in the store (raises the writer's error)."""
+        with self._cond:
+            self._raise()
+            return self._ready(shard)
+
+    def wait(self, shard: int) -> None:
+        """Until ``shard``'s rows are in the store (raises the writer's error)."""
+        with self._cond:
+            while not self._ready(shard):
+                self._cond.wait()
+            self._raise()
+
+    def _ready(self, shard: int) -> bool:
+        return self.error is not None or self.made or self.written >= min((shard + 1) * self.shard_size, self.n)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            err = self.error
+            raise StoreError(f"the rows of store {self.objects.url} could not be written: {type(err).__name__}: "
+                             f"{str(err).rstrip('.')}") from err
+
+    def stop(self) -> None:
+        """Stop writing after the stretch being written (the generation stays half-made)."""
+        with self._cond:
+            self._stop = True
+
+
+def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any]) -> _RowArrays:
+    """The arrays of a new generation and its attributes; its per-row arrays to write (:class:`_RowArrays`)."""
     n = len(rows)
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
     n_shards = -(-n // shard_size)
     shard_rows = min(shard_size, max(n, 1))  # per-row arrays: one chunk per shard
     unmade = [name for name in ("ids", "paths") if f"{name}_digest" in attrs and attrs[f"{name}_digest"] is None]
-    attrs = {**attrs, **_create_row_arrays(group, shard_rows, rows, arrays.locators, unmade)}
-    write_id_index(group, rows.ids, attrs.get("ids_digest"))
+    columns = _create_row_arrays(group, shard_rows, rows, arrays.locators, unmade)
+    create_id_index(group, n)
     group.create_array("shard_stats", shape=(n_shards,), dtype=str, chunks=(1,), fill_value="",
                        dimension_names=["shard"])
     if arrays.reuse:  # -1: computed here; i: copied from output.reuse[i] (the reused_from attribute)
@@ -350,51 +464,68 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
         group.create_array(f"{INDEX_PARTS}/{key}", shape=(n_shards, size), dtype="uint8", chunks=(1, size),
                            fill_value=0, dimension_names=["shard", "part_byte"])
     group.attrs.update({ATTR: dict(attrs)})
+    return columns
 
 
 def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...],
-                       digests: Iterable[str] = ()) -> dict[str, str]:
-    """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``), in chunks
-    of ``shard_rows`` (those written once, :data:`ONCE_ARRAYS`: of whole shards up to :data:`ONCE_ROWS`): what is
-    known before any image is read is written now, a stretch of whole chunks at a time (the paths of a Joined made a
-    stretch at a time). Returns the record's digests of the string arrays ``digests`` (``ids``, ``paths``), made from
-    the UTF-8 written (the bytes made once, not once more for the digest)."""
-    n = len(rows)
-    once = once_rows(shard_rows, n)
-    made: dict[str, str] = {}
+                       digests: Iterable[str] = ()) -> _RowArrays:
+    """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``) made, in
+    chunks of ``shard_rows`` (those written once, :data:`ONCE_ARRAYS`: of whole shards up to :data:`ONCE_ROWS`);
+    what is known of them before any image is read to write (:class:`_RowArrays`), with the record's digests of
+    the string arrays ``digests`` (``ids``, ``paths``)."""
+    made = _RowArrays(group, shard_rows, len(rows), digests)
+    made.add("ids", str, "", rows.ids)
+    made.add("paths", str, "", rows.paths)
+    made.add("labels", "int64", -1, rows.labels)
+    for locator in locators:  # where the source finds each image's bytes, beside its path
+        if locator.name not in rows.locators:
+            raise ValueError(f"the rows carry no {locator.name!r} column, which their source declares")
+        made.add(locator.name, locator.dtype, locator.fill, rows.locators[locator.name])
+    made.add("status", "uint8", PENDING)
+    made.add("errors", str, "")
+    made.add("digest", "uint64", 0)  # written with each shard's status
+    made.add("fingerprint", "uint64", 0, rows.fingerprints)
+    return made
 
-    def row_array(name: str, dtype: Any, fill: Any, data: Any = None) -> None:
-        chunk = once if name in ONCE_ARRAYS else shard_rows
-        arr = group.create_array(
-            name, shape=(n,), dtype=dtype, chunks=(chunk,), fill_value=fill, dimension_names=["row"]
-        )
-        step = chunk * max(1, WRITE_ROWS // chunk)
-        codec = ChunkCodec.of(arr)
-        digest = NamesDigest() if name in digests else None
-        for start in range(0, n if data is not None else 0, step):
-            stop = min(start + step, n)
+
+class _RowArrays:
+    """A new generation's per-row arrays, made, and the columns known before any image is read, written a stretch
+    of whole chunks at a time (:meth:`write`; the paths of a Joined made a stretch at a time); the digests of
+    those named (:meth:`digests`) made from the UTF-8 written (the bytes made once, not once more for them)."""
+
+    def __init__(self, group: zarr.Group, shard_rows: int, n: int, digests: Iterable[str]) -> None:
+        self.group, self.shard_rows, self.n, self.named = group, shard_rows, n, set(digests)
+        self.once = once_rows(shard_rows, n)
+        self.step = self.once * max(1, WRITE_ROWS // self.once)  # whole chunks of every array (shard_rows | once)
+        self.columns: list[tuple[str, zarr.Array, ChunkCodec | None, Any, Any]] = []
+        self.hashes: dict[str, NamesDigest] = {}
+
+    def add(self, name: str, dtype: Any, fill: Any, data: Any = None) -> None:
+        chunk = self.once if name in ONCE_ARRAYS else self.shard_rows
+        arr = self.group.create_array(name, shape=(self.n,), dtype=dtype, chunks=(chunk,), fill_value=fill,
+                                      dimension_names=["row"])
+        if data is not None:
+            self.columns.append((name, arr, ChunkCodec.of(arr), fill, data))
+        if name in self.named:
+            self.hashes[name] = NamesDigest()
+
+    def write(self, start: int, stop: int) -> None:
+        """Rows ``start:stop`` (whole chunks of every array, but the last) of every column."""
+        for name, arr, codec, fill, data in self.columns:
+            chunk = int(arr.chunks[0])
             if arr.dtype.kind in "TUO":  # strings: each chunk encoded from their UTF-8, made in bulk
-                if not write_texts(arr, codec, start, data, stop, digest.add if digest is not None else None):
-                    digest = None  # (through zarr: it saw none of them) made on its own below
+                digest = self.hashes.get(name)
+                if not write_texts(arr, codec, start, data, stop, digest.add if digest is not None else None) \
+                        and digest is not None:  # (through zarr: it saw none of them)
+                    digest.add_names(data, start, stop)
             else:  # whole chunks encoded here and put at once (through zarr: 0.6 ms a chunk); one of the fill value
                 # alone is not stored, as zarr leaves it (labels of a source without any, fingerprints of URLs)
                 blocks = ((a, np.asarray(data[a:min(a + chunk, stop)])) for a in range(start, stop, chunk))
                 write_whole([(arr, codec, a, block) for a, block in blocks if (block != fill).any()])
-        if name in digests:
-            made[f"{name}_digest"] = digest.hexdigest() if digest is not None else NamesDigest.of(data)
 
-    row_array("ids", str, "", rows.ids)
-    row_array("paths", str, "", rows.paths)
-    row_array("labels", "int64", -1, rows.labels)
-    for locator in locators:  # where the source finds each image's bytes, beside its path
-        if locator.name not in rows.locators:
-            raise ValueError(f"the rows carry no {locator.name!r} column, which their source declares")
-        row_array(locator.name, locator.dtype, locator.fill, rows.locators[locator.name])
-    row_array("status", "uint8", PENDING)
-    row_array("errors", str, "")
-    row_array("digest", "uint64", 0)  # written with each shard's status
-    row_array("fingerprint", "uint64", 0, rows.fingerprints)
-    return made
+    def digests(self) -> dict[str, str]:
+        """The record's digests of the columns named (once every row is written)."""
+        return {f"{name}_digest": digest.hexdigest() for name, digest in self.hashes.items()}
 
 
 def locator_arrays(group: zarr.Group, names: Iterable[str] | None = None) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ import copy
 import datetime
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from ..spec import JobSpec
 from .chunks import read_all
 from .claimants import Claimant, alive
 from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
-from .layout import FAILED, OK, StoreArrays, create_generation, get_array, locator_arrays, root_attrs
+from .layout import FAILED, OK, RowsBehind, StoreArrays, get_array, locator_arrays, root_attrs, start_generation
 from .ledger import Table, Verdict, amend_rows, new_id, reset
 from .objects import Objects, is_s3
 from .provenance import (
@@ -143,7 +144,7 @@ def _made_by_another(generation: Generation, url: str, head: Head, timeout_s: fl
     a joiner that looks in between finds no claimant yet, and took the generation for one left half-made: it made
     the store again over it, and the maker stopped, "made again by another job"); return at once where it is made,
     or its maker is gone (half-made: made again)."""
-    while generation.root() is None and (generation.roster.live() or _age_s(head) < timeout_s):
+    while not generation.made() and (generation.roster.live() or _age_s(head) < timeout_s):
         if not generation.still_live():
             raise StoreError(f"store {url} was made again by another job while this one waited to join it; run "
                              "again")
@@ -264,6 +265,8 @@ class StoreSession:
         self._merged = 0  # shards whose statistics this job merged as they came (those the totals hold)
         self._probe: Probe | None = None  # decide's
         self._ended = False
+        self.behind: RowsBehind | None = None  # a new generation's rows, written behind its making (on_write_start)
+        self._writing: threading.Thread | None = None  # ... by this thread
 
     @property
     def ticket(self) -> Ticket | None:
@@ -347,6 +350,11 @@ class StoreSession:
                 decision = self.decide(rows, self.shards, self._probe, sources=False)
         assert self.generation is not None and self.claimant is not None
         self.totals = Totals(len(self.shards))
+        if self.behind is not None and self.behind.stretches == 1:  # nothing to write beside: written now
+            self.behind.write()
+        elif self.behind is not None:  # its shards are handed out as their rows are written (rows_ready)
+            self._writing = threading.Thread(target=self._write_rows_behind, name="extractor-rows", daemon=True)
+            self._writing.start()
         done = self.generation.ledger().read().done
         todo = [s for s in self.shards if not done[s.index]]
         if spec.output.if_exists == "join" and todo:  # joiners start apart, so that their claims rarely meet
@@ -374,9 +382,33 @@ class StoreSession:
         legacy = decision.head is not None and decision.head.generation is None  # a store of format 1 replaced
         if collect_others(self.objects, name, legacy):
             log.info("%s: the objects of its earlier generation were removed", spec.output.store)
-        create_generation(self.objects, name, rows, self._arrays(record), {**record, "status": "running"})
+        self.behind = start_generation(self.objects, name, rows, self._arrays(record), {**record, "status": "running"})
         if not self.generation.still_live():  # made again while this process made it (it was stopped meanwhile)
             self._live()
+
+    @property
+    def rows_ready(self) -> RowsBehind | None:
+        """Asked which shards' rows are in the store (``ready``, ``wait``) while a new store's rows are written behind
+        its making; None: all of them are."""
+        return self.behind if self.behind is not None and not self.behind.made else None
+
+    def _write_rows_behind(self) -> None:
+        assert self.behind is not None
+        try:
+            self.behind.write()
+        except BaseException as err:  # noqa: BLE001 - raised to whoever asks for a shard's rows next
+            log.debug("the rows of %s were not all written: %s", self.spec.output.store, err)
+
+    def _rows_written(self, stop: bool) -> None:
+        """Wait for the rows written behind (``stop``: after the stretch being written); their error raised."""
+        if self._writing is None or self.behind is None:
+            return
+        if stop:
+            self.behind.stop()
+        self._writing.join()
+        self._writing = None
+        if not stop:
+            self.behind.wait(len(self.shards) - 1)  # raises what stopped it
 
     def _made_meanwhile(self, decision: Decision) -> str:
         """What to say where the store was made (again) by another job between this one's look and its swap."""
@@ -432,7 +464,7 @@ class StoreSession:
         """Joining a generation another live process is still making: wait until it is made (its maker gone
         first: refused)."""
         assert self.generation is not None
-        while self.generation.root() is None:
+        while not self.generation.made():
             if not self.generation.roster.live() or not self.generation.still_live():
                 raise StoreError(f"store {self.spec.output.store} was left half-made by the job that made it; run "
                                  "again with --resume (or --overwrite)")
@@ -565,6 +597,7 @@ class StoreSession:
         otherwise this claimant says it ended incomplete. A storage that refuses is a StoreError that says the
         committed shards are kept."""
         assert self.generation is not None
+        self._rows_written(stop=False)
         self._live()
         try:
             complete = bool(self.generation.ledger().read().done.all())
@@ -626,13 +659,14 @@ class StoreSession:
     def on_write_failed(self, err: BaseException) -> None:
         """``err`` stopped the job: this claimant ends, saying how (its claims may be taken at once); the command
         that finishes the store is said by the CLI (``err.resumable``)."""
+        self._rows_written(stop=True)
         if self.claimant is None:
             return
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
         self._end(status, f"{type(err).__name__}: {err}"[:1000])  # its own record: no one else's object
         if isinstance(err, FencedError):
             return
-        creating = self.generation is not None and self.generation.root() is None
+        creating = self.generation is not None and not self.generation.made()
         err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
         err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store
 
@@ -643,7 +677,7 @@ class StoreSession:
         stats: dict[str, Any] | None = None
         if status != "complete":
             self._leave_partial()
-        if status != "complete" and self.generation is not None and self.generation.root() is not None:
+        if status != "complete" and self.generation is not None and self.generation.made():
             try:
                 stats = self._stats(self.generation.open())
             except Exception as err:  # noqa: BLE001 - the storage that stopped the job may refuse this too
@@ -652,6 +686,7 @@ class StoreSession:
 
     def close(self) -> None:
         """End this claimant's part (one that did not say how it ended is ended as interrupted)."""
+        self._rows_written(stop=True)
         if self.claimant is not None and not self._ended:
             self._end("interrupted")
 

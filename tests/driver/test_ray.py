@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -194,6 +195,60 @@ def test_shards_lost_together_are_redone_alone_and_only_a_lone_death_is_charged(
     assert plan.next_for([]) == shards[1]
     assert plan.lost([shards[1]], "died again") == shards[1]  # alone: its death is its own
     assert plan.failure == (shards[1], "died again") and plan.next_for([]) is None
+
+
+def test_a_shard_is_handed_out_once_its_rows_are_in_the_store():
+    """A new store's rows are written behind its making (issue 57): Ray's schedule hands a shard out once they
+    say it may begin, in row order; a shard put back (its worker died) was begun, so it goes first; the rows'
+    writer's error stops the job."""
+    from extractor.driver.schedule import _Schedule
+
+    class Rows:
+        written, error = 1, None  # shards whose rows are in
+
+        def ready(self, shard: int) -> bool:
+            if self.error is not None:
+                raise self.error
+            return shard < self.written
+
+        def wait(self, shard: int) -> None:  # (Ray's loop asks ready, never waits)
+            raise AssertionError
+
+    shards, rows = [Shard(i, 2 * i, 2 * i + 2) for i in range(4)], Rows()
+    plan = _Schedule(shards, max_retries=1, ready=rows)
+    first = plan.next_for([])
+    assert first == shards[0] and plan.next_for([]) is None and plan.next_for([first]) is None
+    rows.written = 3
+    assert plan.next_for([first]) == shards[1] and plan.next_for([]) == shards[2] and plan.next_for([]) is None
+    assert plan.lost([first], "died") == first and plan.next_for([]) == first  # begun before: no wait
+    rows.error = OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left"):
+        plan.next_for([])
+
+
+def test_on_ray_a_new_stores_rows_are_written_behind_its_first_shards(ray_cluster, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    """The whole path on a Ray cluster: the rows written a shard at a time (stretches made tiny), workers given each
+    shard once its rows are in; the store holds what a direct forward gives."""
+    from helpers.preprocess import tiny_resnet_mean
+
+    import extractor.store.layout as layout
+
+    root = tmp_path / "imgs"
+    make_images(root, per_class=4, classes=("a", "b"), size=40)
+    spec: dict[str, Any] = {"data": {"shard_size": 2, "batch_size": 2},
+                            "capture": [{"layer": "layer4", "reduce": "mean", "dtype": "float32"}]}
+    monkeypatch.setattr(layout, "WRITE_ROWS", 2)
+    monkeypatch.setattr(layout, "ONCE_ROWS", 2)
+    written = []
+    write = layout._RowArrays.write
+    monkeypatch.setattr(layout._RowArrays, "write", lambda self, a, b: (write(self, a, b), written.append(a)))
+    raw = job(root, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1}, **spec)
+    assert run(parse_spec(raw)).ok == 8 and written == [0, 2, 4, 6]  # 4 stretches, written behind
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.attrs["rows_written"] is True and s.attrs["status"] == "complete" and s.row(str(s.ids[5]))["row"] == 5
+    ref = tiny_resnet_mean([Path(p) for p in s.paths]).numpy()
+    assert np.abs(s.numpy("layer4") - ref).max() <= 2e-3 * np.abs(ref).max()
 
 
 def test_shard_failing_every_time_fails_the_job_then_resume_completes(ray_cluster, tmp_path: Path):

@@ -43,7 +43,7 @@ def started(spec: dict, store: Path) -> threading.Thread:
     deadline = time.monotonic() + 120
     while True:
         try:
-            if generation(str(store)).root() is not None:
+            if generation(str(store)).made():
                 break
         except (AssertionError, OSError, ValueError):
             pass

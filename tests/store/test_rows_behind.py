@@ -1,0 +1,117 @@
+"""A new store's rows written behind its making (issue 57): the store is made (its arrays' metadata, its ledger) once
+the rows are counted, its per-row arrays are written in row order beside the first shards, each shard handed out
+once its rows are in the store, then the id index and the digests: the first shard no longer waits for every row.
+
+The stretches of rows are made tiny here (a stretch a shard) so that a store of a few images is written behind."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers.images import make_images
+from helpers.jobs import job
+from helpers.preprocess import tiny_resnet_mean
+from helpers.stores import opened
+
+import extractor.store.layout as layout
+from extractor.driver.runner import run
+from extractor.errors import StoreError
+from extractor.read.reader import open_store
+from extractor.spec.load import parse_spec
+from extractor.store import read_id_index, read_state
+from extractor.store.layout import NamesDigest
+
+WAIT_S = 120  # a bound on waiting for an event, never a pause
+
+
+@pytest.fixture
+def stretch_a_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layout, "WRITE_ROWS", 2)
+    monkeypatch.setattr(layout, "ONCE_ROWS", 2)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("behind") / "imgs"
+    make_images(root, per_class=4, classes=("a", "b"), size=40)  # 8 images: 4 shards of 2
+    return root
+
+
+def _spec(images: Path, store: Path, **output: Any) -> Any:
+    return parse_spec(job(images, store, data={"shard_size": 2, "batch_size": 2},
+                          capture=[{"layer": "layer4", "reduce": "mean", "dtype": "float32"}],
+                          output={"chunk_rows": 2, **output}))
+
+
+def _held_rows(monkeypatch: pytest.MonkeyPatch, release: threading.Event, order: list[str]) -> None:
+    """The rows writer writes its first stretch, then waits for ``release`` before each next one."""
+    write = layout._RowArrays.write
+
+    def held(self: Any, start: int, stop: int) -> None:
+        if start:
+            assert release.wait(WAIT_S), "the first shard never began while the rows waited"
+        write(self, start, stop)
+        order.append(f"rows {start}-{stop}")
+
+    monkeypatch.setattr(layout._RowArrays, "write", held)
+
+
+def test_the_first_shards_run_while_the_rows_are_written_and_the_store_holds_what_a_direct_forward_gives(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    release, order = threading.Event(), []
+    _held_rows(monkeypatch, release, order)
+    url = str(tmp_path / "s.zarr")
+    seen_while: list[str] = []
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_started" and info["shard"] == 0:
+            order.append("shard 0 began")
+            seen_while.append(str((read_state(url) or {}).get("status")))
+            with pytest.raises(StoreError, match="being created"):  # readers wait for the rows, as for the making
+                open_store(url)
+            release.set()
+
+    summary = run(_spec(images, tmp_path / "s.zarr"), on_event=on_event)
+    assert summary.ok == 8 and summary.failed == 0
+    assert order[:3] == ["rows 0-2", "shard 0 began", "rows 2-4"], order  # shard 0 began before the rows after it
+    assert seen_while == ["creating"]  # not made until its rows are all in
+    s = open_store(url)
+    assert s.attrs["status"] == "complete" and s.attrs["rows_written"] is True
+    ids = [str(i) for i in s.ids]
+    assert ids == sorted(str(p.relative_to(images)) for p in images.rglob("*") if p.is_file())
+    assert s.attrs["ids_digest"] == NamesDigest.of(np.asarray(ids)) and \
+        s.attrs["paths_digest"] == NamesDigest.of(np.asarray([str(p) for p in s.paths]))
+    assert [s.row(i)["row"] for i in reversed(ids)] == list(range(7, -1, -1))
+    index = read_id_index(opened(url), 8, s.attrs["ids_digest"], lambda rows: [ids[r] for r in rows])
+    assert index is not None and index.find(ids[::-1]).tolist() == list(range(7, -1, -1))  # written last, whole
+    ref = tiny_resnet_mean([Path(p) for p in s.paths]).numpy()
+    assert np.abs(s.numpy("layer4") - ref).max() <= 2e-3 * np.abs(ref).max()
+    again = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert again.shards_run == 0 and again.ok == 8  # its digests are the listing's: nothing to do
+
+
+def test_a_store_whose_rows_could_not_be_written_is_half_made_and_its_resume_makes_it_again(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    write, calls = layout._RowArrays.write, []
+
+    def failing(self: Any, start: int, stop: int) -> None:
+        calls.append(start)
+        if start == 4:
+            raise OSError(28, "No space left on device")
+        write(self, start, stop)
+
+    monkeypatch.setattr(layout._RowArrays, "write", failing)
+    url = str(tmp_path / "s.zarr")
+    with pytest.raises(StoreError, match=r"the rows of store .* could not be written: OSError: .*No space left"):
+        run(_spec(images, tmp_path / "s.zarr"))
+    assert (read_state(url) or {})["status"] == "creating"  # half-made: nothing in it is trusted
+    with pytest.raises(StoreError, match="half-created"):
+        open_store(url)
+    monkeypatch.undo()
+    summary = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert summary.ok == 8 and summary.shards_run == 4  # made again: every shard computed
+    assert open_store(url).attrs["status"] == "complete"
