@@ -22,7 +22,7 @@ import zarr
 from helpers.images import make_images
 from helpers.interrupts import interrupted_after
 from helpers.jobs import job
-from helpers.processes import child_env
+from helpers.processes import child_env, stopped_outside_a_swap
 from helpers.stores import committed, generation, pending, root_attrs, wait_dead
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -451,7 +451,7 @@ def test_a_job_paused_past_its_lease_writes_nothing_into_the_store_that_took_it_
     raw_a = yaml.safe_load(spec_a.read_text())
     proc = start(spec_a)
     wait_for_shard(store, 0, proc)
-    proc.send_signal(signal.SIGSTOP)  # SLURM suspend, a frozen VM, a long storage stall
+    stopped_outside_a_swap(proc, store)  # SLURM suspend, a frozen VM, a long storage stall
     try:
         wait_dead(str(store))
         raw_b = {**raw_a, "capture": [{"layer": "conv", "reduce": "max", "key": "conv"}],  # A's key, B's values

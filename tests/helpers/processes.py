@@ -88,3 +88,29 @@ def kill_processes_mentioning(text: str) -> list[int]:
             except ProcessLookupError:
                 pass
     return killed
+
+
+def stopped_outside_a_swap(proc: subprocess.Popen, store: Path, seconds: float = 120) -> None:
+    """SIGSTOP ``proc`` where it holds no swap's lock of the local store ``store`` (a process stopped inside a swap
+    holds the store, and another job waits for it, as the store promises: CI run b6, beside two CPU burners, stopped
+    a job there): stopped (its state seen as such), the lock tried; where the process held it, it goes on and is
+    stopped again."""
+    import fcntl
+    import signal
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        proc.send_signal(signal.SIGSTOP)
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "Tt":
+            assert time.monotonic() < deadline, "the process never stopped"
+        fd = os.open(store / "__lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+        except BlockingIOError:
+            proc.send_signal(signal.SIGCONT)  # stopped inside a swap: on to its end
+        finally:
+            os.close(fd)
+    raise AssertionError(f"process {proc.pid} held the lock of {store} every time it was stopped")
