@@ -262,8 +262,7 @@ def _compute(spec: JobSpec, backend: Backend, todo: list[Shard], on_progress: Pr
     summaries: list[ShardSummary] = []
     stalled = 0  # passes in a row that committed nothing and left the same shards
     while todo:
-        ready = session.rows_ready
-        done = backend.run(todo, url, on_progress, on_event, ticket=ticket, **({"ready": ready} if ready else {}))
+        done = backend.run(todo, url, on_progress, on_event, ticket=ticket, ready=session.rows_ready)
         summaries += done
         left = session.remaining(wait=True)
         stalled = stalled + 1 if not done and {s.index for s in left} == {s.index for s in todo} else 0
