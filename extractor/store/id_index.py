@@ -49,11 +49,13 @@ def create_id_index(group: zarr.Group, n: int) -> None:
         node.create_array(name, shape=(n,), dtype=np.int64, chunks=(chunk,), fill_value=0, dimension_names=["by_hash"])
 
 
-def write_id_index(group: zarr.Group, ids: Any, ids_digest: str | None) -> None:
+def write_id_index(group: zarr.Group, ids: Any, ids_digest: str | None,
+                   go_on: Callable[[], None] | None = None) -> None:
     """Write ``id_index`` (:func:`create_id_index`) of the new store whose root is ``group`` (through its job's
     fence): ``hashes`` (int64, sorted) and ``rows`` (the row of each; rows sharing a hash in row order), then its
     record. The hashes are sorted by :func:`~extractor.data.spill.by_hash` (on the disk in buckets past 4M ids: 400M
-    ids are 6.4 GB of pairs) and written a whole chunk at a time."""
+    ids are 6.4 GB of pairs) and written a whole chunk at a time. ``go_on``: called between buckets, raises to stop
+    (a job stopped: minutes of sorting at 400M ids)."""
     n = len(ids)
     node = cast(zarr.Group, group[ID_INDEX])
     arrays = [cast(zarr.Array, node[name]) for name in ("hashes", "rows")]
@@ -61,6 +63,8 @@ def write_id_index(group: zarr.Group, ids: Any, ids_digest: str | None) -> None:
     buffers = np.empty((2, chunk), dtype=np.int64)  # a chunk of (hashes, rows) gathered, then written whole
     at = held = 0
     for pair in by_hash(_hash_blocks(ids), n):
+        if go_on is not None:
+            go_on()
         taken = 0
         while taken < len(pair[0]):
             size = min(chunk - held, len(pair[0]) - taken)

@@ -49,7 +49,7 @@ from ..errors import StoreError
 from ._zarr_internal import ArrayConfigParams
 from .chunks import ChunkCodec, write_texts, write_whole
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
-from .generation import TXN
+from .generation import TXN, read_head
 from .id_index import create_id_index, write_id_index
 from .ledger import Ledger, blocks_for, new_id
 from .objects import Objects
@@ -364,23 +364,34 @@ class RowsBehind:
         try:
             with _storage_errors(self.objects.url), zarr.config.set({"array.write_empty_chunks": True}):
                 for start in range(0, n, self.columns.step):
-                    if self._stop:
-                        raise StoreError(f"the rows of {self.objects.url} were not all written: its job stopped")
+                    self._go_on()
                     stop = min(start + self.columns.step, n)
                     self.columns.write(start, stop)
                     self._advance(stop)
                 digests = self.columns.digests()
-                write_id_index(self.group, rows.ids, digests.get("ids_digest", self.ids_digest))
+                write_id_index(self.group, rows.ids, digests.get("ids_digest", self.ids_digest), self._go_on)
                 _consolidate(self.store)  # the id index's record beside the others' metadata
+                self._go_on()
                 self._record({**digests, "rows_written": True})
         except BaseException as err:
             with self._cond:
                 self.error = err
                 self._cond.notify_all()
             raise
+        finally:
+            self.rows, self.columns.columns = None, []  # the listing (spilled to the local disk) let go
         with self._cond:
-            self.made, self.rows = True, None
+            self.made = True
             self._cond.notify_all()
+
+    def _go_on(self) -> None:
+        """Raise where the job stopped writing (:meth:`stop`), or the store was made again by another job (a driver
+        paused past its lease: its generation is another's garbage now)."""
+        if self._stop:
+            raise StoreError(f"the rows of {self.objects.url} were not all written: its job stopped")
+        head = read_head(self.objects)
+        if head is None or head.generation != self.name:
+            raise StoreError(f"{self.objects.url} was made again by another job while this one wrote its rows")
 
     def _advance(self, rows: int) -> None:
         with self._cond:
@@ -390,7 +401,10 @@ class RowsBehind:
     def _record(self, more: Mapping[str, Any]) -> None:
         """The root's record with ``more`` (one write: its metadata and consolidated metadata as they are)."""
         key = f"{self.name}/{ROOT}"
-        root = json.loads(self.objects.get(key) or b"{}")
+        data = self.objects.get(key)
+        if data is None:
+            raise StoreError(f"{self.objects.url}: the root of generation {self.name} is gone (made again)")
+        root = json.loads(data)
         root.setdefault("attributes", {}).setdefault(ATTR, {}).update(more)
         self.objects.put(key, json.dumps(root).encode())
 

@@ -357,7 +357,8 @@ class StoreSession:
             self._writing.start()
         done = self.generation.ledger().read().done
         todo = [s for s in self.shards if not done[s.index]]
-        if spec.output.if_exists == "join" and todo:  # joiners start apart, so that their claims rarely meet
+        if spec.output.if_exists == "join" and todo and self._writing is None:  # joiners start apart, so that their
+            # claims rarely meet (the maker of a store whose rows are written behind starts at its first rows)
             at = self.claimant.id % len(todo)
             todo = todo[at:] + todo[:at]
         return todo
@@ -399,15 +400,19 @@ class StoreSession:
         except BaseException as err:  # noqa: BLE001 - raised to whoever asks for a shard's rows next
             log.debug("the rows of %s were not all written: %s", self.spec.output.store, err)
 
-    def _rows_written(self, stop: bool) -> None:
-        """Wait for the rows written behind (``stop``: after the stretch being written); their error raised."""
+    def _rows_written(self, stop: bool = False, failed: bool = False) -> None:
+        """Wait for the rows written behind (``stop``: only the stretch being written); their error raised, but where
+        the job ``failed`` (its own error goes up)."""
         if self._writing is None or self.behind is None:
             return
         if stop:
             self.behind.stop()
+        elif failed and not self.behind.made and self.behind.error is None:
+            log.warning("writing the rest of %s's rows, so that its resume keeps the shards committed so far",
+                        self.spec.output.store)
         self._writing.join()
         self._writing = None
-        if not stop:
+        if not failed:
             self.behind.wait(len(self.shards) - 1)  # raises what stopped it
 
     def _made_meanwhile(self, decision: Decision) -> str:
@@ -597,7 +602,7 @@ class StoreSession:
         otherwise this claimant says it ended incomplete. A storage that refuses is a StoreError that says the
         committed shards are kept."""
         assert self.generation is not None
-        self._rows_written(stop=False)
+        self._rows_written()
         self._live()
         try:
             complete = bool(self.generation.ledger().read().done.all())
@@ -659,7 +664,9 @@ class StoreSession:
     def on_write_failed(self, err: BaseException) -> None:
         """``err`` stopped the job: this claimant ends, saying how (its claims may be taken at once); the command
         that finishes the store is said by the CLI (``err.resumable``)."""
-        self._rows_written(stop=True)
+        # interrupted, or no longer the store's job: its rows stop now (the store half-made); any other error lets
+        # them finish, so that the shards committed so far are kept by the resume (rows cost little beside them)
+        self._rows_written(stop=not isinstance(err, Exception) or isinstance(err, FencedError), failed=True)
         if self.claimant is None:
             return
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
@@ -686,7 +693,7 @@ class StoreSession:
 
     def close(self) -> None:
         """End this claimant's part (one that did not say how it ended is ended as interrupted)."""
-        self._rows_written(stop=True)
+        self._rows_written(stop=True, failed=True)
         if self.claimant is not None and not self._ended:
             self._end("interrupted")
 

@@ -110,7 +110,9 @@ def stopped_outside_a_swap(proc: subprocess.Popen, store: Path, seconds: float =
             fcntl.flock(fd, fcntl.LOCK_UN)
             return
         except BlockingIOError:
-            proc.send_signal(signal.SIGCONT)  # stopped inside a swap: on to its end
+            proc.send_signal(signal.SIGCONT)  # stopped inside a swap: on to its end (the lock then free)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
     raise AssertionError(f"process {proc.pid} held the lock of {store} every time it was stopped")

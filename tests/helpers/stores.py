@@ -22,7 +22,8 @@ def generation(url: str, storage_options: Mapping[str, Any] | None = None) -> Ge
 
 
 def committed(url: str, shard: int | None = None, storage_options: Mapping[str, Any] | None = None) -> bool:
-    """Whether ``shard`` (None: every shard) is committed (False while the store is being made, or absent)."""
+    """Whether ``shard`` (None: every shard) is committed (False before the store's root is written, or absent; a
+    shard may be committed while a new store's rows are still written behind it)."""
     try:
         gen = generation(str(url), storage_options)
         if gen.root() is None:
@@ -34,7 +35,7 @@ def committed(url: str, shard: int | None = None, storage_options: Mapping[str, 
 
 
 def committed_count(url: str, storage_options: Mapping[str, Any] | None = None) -> int:
-    """How many shards are committed (0 while the store is being made, or absent)."""
+    """How many shards are committed (0 before the store's root is written, or absent)."""
     try:
         gen = generation(str(url), storage_options)
         return 0 if gen.root() is None else int(gen.ledger().read().done.sum())

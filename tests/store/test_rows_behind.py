@@ -15,7 +15,7 @@ import pytest
 from helpers.images import make_images
 from helpers.jobs import job
 from helpers.preprocess import tiny_resnet_mean
-from helpers.stores import opened
+from helpers.stores import committed_count, opened
 
 import extractor.store.layout as layout
 from extractor.driver.runner import run
@@ -94,6 +94,48 @@ def test_the_first_shards_run_while_the_rows_are_written_and_the_store_holds_wha
     assert again.shards_run == 0 and again.ok == 8  # its digests are the listing's: nothing to do
 
 
+def test_a_job_that_fails_while_its_rows_are_written_finishes_them_and_its_resume_keeps_its_shards(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    """An error that is not an interrupt (here the caller's callback; a shard out of retries, a device) lets the
+    rows be written to the end: the store is made, and the resume computes only what was not committed."""
+    release, order = threading.Event(), []
+    _held_rows(monkeypatch, release, order)
+    url = str(tmp_path / "s.zarr")
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_started" and info["shard"] == 0:
+            release.set()
+        if name == "shard_started" and info["shard"] == 2:
+            raise RuntimeError("the caller's callback broke")
+
+    with pytest.raises(Exception, match="callback broke"):
+        run(_spec(images, tmp_path / "s.zarr"), on_event=on_event)
+    state = read_state(url) or {}
+    assert state["status"] == "failed" and state["rows_written"] is True, state  # made: its shards are kept
+    kept = committed_count(url)
+    assert kept >= 1
+    again = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert again.ok == 8 and again.shards_run == 4 - kept
+
+
+def test_an_interrupt_while_the_rows_are_written_stops_them_and_the_store_is_made_again(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    release, order = threading.Event(), []
+    _held_rows(monkeypatch, release, order)
+    url = str(tmp_path / "s.zarr")
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_started" and info["shard"] == 0:
+            release.set()
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(_spec(images, tmp_path / "s.zarr"), on_event=on_event)
+    assert len(order) < 4 and (read_state(url) or {})["status"] == "creating", order  # stopped: half-made
+    again = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert again.ok == 8 and again.shards_run == 4  # made again
+
+
 def test_a_store_whose_rows_could_not_be_written_is_half_made_and_its_resume_makes_it_again(
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
     write, calls = layout._RowArrays.write, []
@@ -111,7 +153,7 @@ def test_a_store_whose_rows_could_not_be_written_is_half_made_and_its_resume_mak
     assert (read_state(url) or {})["status"] == "creating"  # half-made: nothing in it is trusted
     with pytest.raises(StoreError, match="half-created"):
         open_store(url)
-    monkeypatch.undo()
+    monkeypatch.undo()  # (the stretches too: the store made again is written before its first shard)
     summary = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
     assert summary.ok == 8 and summary.shards_run == 4  # made again: every shard computed
     assert open_store(url).attrs["status"] == "complete"
