@@ -60,6 +60,22 @@ def _held_rows(monkeypatch: pytest.MonkeyPatch, release: threading.Event, order:
     monkeypatch.setattr(layout._RowArrays, "write", held)
 
 
+def _stopped(images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard: int, err: BaseException,
+             order: list[str]) -> None:
+    """Run a job whose rows are held after their first stretch until shard 0 begins, and whose callback raises
+    ``err`` as shard ``shard`` begins; the stretches written go to ``order``."""
+    release = threading.Event()
+    _held_rows(monkeypatch, release, order)
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_started" and info["shard"] == 0:
+            release.set()
+        if name == "shard_started" and info["shard"] == shard:
+            raise err
+
+    run(_spec(images, tmp_path / "s.zarr"), on_event=on_event)
+
+
 def test_the_first_shards_run_while_the_rows_are_written_and_the_store_holds_what_a_direct_forward_gives(
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
     release, order = threading.Event(), []
@@ -98,18 +114,9 @@ def test_a_job_that_fails_while_its_rows_are_written_finishes_them_and_its_resum
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
     """An error that is not an interrupt (here the caller's callback; a shard out of retries, a device) lets the
     rows be written to the end: the store is made, and the resume computes only what was not committed."""
-    release, order = threading.Event(), []
-    _held_rows(monkeypatch, release, order)
     url = str(tmp_path / "s.zarr")
-
-    def on_event(name: str, info: dict) -> None:
-        if name == "shard_started" and info["shard"] == 0:
-            release.set()
-        if name == "shard_started" and info["shard"] == 2:
-            raise RuntimeError("the caller's callback broke")
-
     with pytest.raises(Exception, match="callback broke"):
-        run(_spec(images, tmp_path / "s.zarr"), on_event=on_event)
+        _stopped(images, tmp_path, monkeypatch, 2, RuntimeError("the caller's callback broke"), [])
     state = read_state(url) or {}
     assert state["status"] == "failed" and state["rows_written"] is True, state  # made: its shards are kept
     kept = committed_count(url)
@@ -120,18 +127,10 @@ def test_a_job_that_fails_while_its_rows_are_written_finishes_them_and_its_resum
 
 def test_an_interrupt_while_the_rows_are_written_stops_them_and_the_store_is_made_again(
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
-    release, order = threading.Event(), []
-    _held_rows(monkeypatch, release, order)
-    url = str(tmp_path / "s.zarr")
-
-    def on_event(name: str, info: dict) -> None:
-        if name == "shard_started" and info["shard"] == 0:
-            release.set()
-            raise KeyboardInterrupt
-
+    url, order = str(tmp_path / "s.zarr"), []
     with pytest.raises(KeyboardInterrupt):
-        run(_spec(images, tmp_path / "s.zarr"), on_event=on_event)
-    assert len(order) < 4 and (read_state(url) or {})["status"] == "creating", order  # stopped: half-made
+        _stopped(images, tmp_path, monkeypatch, 0, KeyboardInterrupt(), order)
+    assert 1 <= len(order) < 4 and (read_state(url) or {})["status"] == "creating", order  # stopped: half-made
     again = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
     assert again.ok == 8 and again.shards_run == 4  # made again
 
