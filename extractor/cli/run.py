@@ -42,8 +42,9 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
         if not getattr(err, "resumable", False):
             print("\ninterrupted before the job touched its store: nothing was written", file=sys.stderr)
             return 130
-        kept = "the store was being created (what it held before is gone)" if getattr(err, "creating", False) \
-            else "finished shards are kept"
+        creating = getattr(err, "creating", False)
+        kept = ("the store was being created (what it held before is gone; its finished shards are kept)" if creating
+                else "finished shards are kept")
         print(f"\ninterrupted; {kept}. To finish the job run:\n  {finish}", file=sys.stderr)
         return 130
     except (ExtractorError, OSError) as err:
@@ -51,11 +52,13 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
         if not getattr(err, "resumable", False) or isinstance(err, FencedError):
             raise  # before the store was touched, or the store's own word: one line from main()
         if isinstance(err, OSError) and not isinstance(err, ExtractorError):  # a full disk, a dead endpoint
-            kept = "The store is half-created" if getattr(err, "creating", False) else "Finished shards are kept"
+            kept = "The store is half-created, its finished shards kept" if getattr(err, "creating", False) \
+                else "Finished shards are kept"
             print(f"error: the storage failed: {type(err).__name__}: {err}\n{kept}; once fixed, "
                   f"finish the job with:\n  {finish}", file=sys.stderr)
         else:
-            kept = " The store is half-created: --resume makes it again." if getattr(err, "creating", False) else ""
+            kept = (" The store is half-created: --resume writes its rows again and keeps its finished shards."
+                    if getattr(err, "creating", False) else "")
             print(f"error: {err}{kept}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
         return 1
     finally:

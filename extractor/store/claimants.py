@@ -27,7 +27,7 @@ from ..spec import redact
 from .ledger import new_id
 from .objects import Objects
 
-__all__ = ["Claimant", "ClaimantRecord", "Roster", "alive"]
+__all__ = ["Claimant", "ClaimantRecord", "Roster", "alive", "gone"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,15 @@ def alive(record: Mapping[str, Any], now: float | None = None) -> bool:
     if now - float(record.get("heartbeat", 0)) > float(record.get("timeout_s", 0)):
         return False
     return not (record.get("host") == socket.gethostname() and not _running(int(record.get("pid", 0))))
+
+
+def gone(record: Mapping[str, Any]) -> bool:
+    """A claimant known to write nothing more: it ended (its writers stopped first), or its process ran on this
+    machine and is gone. One silent on another machine is dead to :func:`alive` once its timeout passed (its claims
+    are taken), but it may be paused, and write when it wakes."""
+    if record.get("ended") or record.get("id") in _ENDED:
+        return True
+    return record.get("host") == socket.gethostname() and not _running(int(record.get("pid", 0)))
 
 
 def _running(pid: int) -> bool:

@@ -260,7 +260,8 @@ class Generation:
                     f"{m.get('host')} (user {m.get('user')}, started {m.get('started')}); open it once that job has "
                     "created it")
         return (f"store {self.objects.url} was left half-created by a run that failed while creating it (or while "
-                "writing its rows' arrays): nothing in it is kept; run the job again with --resume (or --overwrite)")
+                "writing its rows' arrays): run the job again with --resume (it writes the rows again and keeps the "
+                "shards finished meanwhile) or --overwrite")
 
     def open(self, table: Table | None = None) -> zarr.Group:
         """The generation's root group, read as ``table`` (default: the ledger now) names its shards' attempts."""

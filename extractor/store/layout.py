@@ -317,6 +317,23 @@ def start_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArray
     return RowsBehind(objects, name, store, group, rows, columns, arrays.shard_size, attrs.get("ids_digest"))
 
 
+def rewrite_rows(objects: Objects, name: str, rows: Rows, attempt: int,
+                 locators: tuple[LocatorArray, ...]) -> RowsBehind:
+    """Generation ``name``, left half-made (its rows not all written: its maker stopped, and wrote nothing since),
+    its rows written again from ``rows`` (their listing now, checked against the rows its committed shards
+    computed) behind its shards: every per-row array, the id index and the record's digests, as
+    :func:`start_generation` would, the ``rows`` slot's under ``attempt`` (the ledger's for every shard, named when
+    the generation was made)."""
+    store = write_view(objects.zarr_store(name, read_only=False), {"rows": attempt}, url=objects.url)
+    with _storage_errors(objects.url):
+        group = zarr.open_group(store=store, mode="r+", use_consolidated=False)  # (its slots learnt from the root)
+        attrs = root_attrs(group)
+        unmade = [key for key in ("ids", "paths") if attrs.get(f"{key}_digest", "") is None]
+        shard_rows, once = (int(get_array(group, key).chunks[0]) for key in ("status", "ids"))
+        columns = _create_row_arrays(group, shard_rows, rows, locators, unmade, once=once)
+    return RowsBehind(objects, name, store, group, rows, columns, int(attrs["shard_size"]), attrs.get("ids_digest"))
+
+
 @contextlib.contextmanager
 def _storage_errors(url: str) -> Iterator[None]:
     try:
@@ -482,12 +499,13 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
 
 
 def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...],
-                       digests: Iterable[str] = ()) -> _RowArrays:
+                       digests: Iterable[str] = (), once: int | None = None) -> _RowArrays:
     """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``) made, in
     chunks of ``shard_rows`` (those written once, :data:`ONCE_ARRAYS`: of whole shards up to :data:`ONCE_ROWS`);
     what is known of them before any image is read to write (:class:`_RowArrays`), with the record's digests of
-    the string arrays ``digests`` (``ids``, ``paths``)."""
-    made = _RowArrays(group, shard_rows, len(rows), digests)
+    the string arrays ``digests`` (``ids``, ``paths``). ``once``: the arrays are there already (made with
+    :data:`ONCE_ARRAYS` in chunks of ``once`` rows), to write again."""
+    made = _RowArrays(group, shard_rows, len(rows), digests, once)
     made.add("ids", str, "", rows.ids)
     made.add("paths", str, "", rows.paths)
     made.add("labels", "int64", -1, rows.labels)
@@ -507,17 +525,23 @@ class _RowArrays:
     of whole chunks at a time (:meth:`write`; the paths of a Joined made a stretch at a time); the digests of
     those named (:meth:`digests`) made from the UTF-8 written (the bytes made once, not once more for them)."""
 
-    def __init__(self, group: zarr.Group, shard_rows: int, n: int, digests: Iterable[str]) -> None:
+    def __init__(self, group: zarr.Group, shard_rows: int, n: int, digests: Iterable[str],
+                 once: int | None = None) -> None:
         self.group, self.shard_rows, self.n, self.named = group, shard_rows, n, set(digests)
-        self.once = once_rows(shard_rows, n)
+        self.made = once is not None  # the arrays are there: written again
+        self.once = once if once is not None else once_rows(shard_rows, n)
         self.step = self.once * max(1, WRITE_ROWS // self.once)  # whole chunks of every array (shard_rows | once)
         self.columns: list[tuple[str, zarr.Array, ChunkCodec | None, Any, Any]] = []
         self.hashes: dict[str, NamesDigest] = {}
 
     def add(self, name: str, dtype: Any, fill: Any, data: Any = None) -> None:
         chunk = self.once if name in ONCE_ARRAYS else self.shard_rows
-        arr = self.group.create_array(name, shape=(self.n,), dtype=dtype, chunks=(chunk,), fill_value=fill,
-                                      dimension_names=["row"])
+        arr = get_array(self.group, name) if self.made else \
+            self.group.create_array(name, shape=(self.n,), dtype=dtype, chunks=(chunk,), fill_value=fill,
+                                    dimension_names=["row"])
+        if self.made and (arr.shape, int(arr.chunks[0])) != ((self.n,), chunk):
+            raise StoreError(f"the store's {name!r} array is {arr.shape[0]} rows in chunks of {arr.chunks[0]}, not "
+                             f"{self.n} in chunks of {chunk}: its rows cannot be written again; --overwrite")
         if data is not None:
             self.columns.append((name, arr, ChunkCodec.of(arr), fill, data))
         if name in self.named:

@@ -45,7 +45,9 @@ __all__ = [
     "Probe",
     "StoreRecord",
     "changed_rows",
+    "check_half_made",
     "check_resumable",
+    "committed_blocks",
     "differences",
     "kept_probe",
     "model_differences",
@@ -370,12 +372,54 @@ def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: A
                 "data.tars means a place under the folder the job runs from: run it from the folder of its first "
                 "run, or give that path absolute"
             )
+    _refuse(url, problems)
+
+
+def _refuse(url: str, problems: list[str]) -> None:
     if problems:
         listed = "\n  ".join(problems[:10])
         raise StoreError(
             f"cannot resume {url}: it was made by a different job:\n  {listed}\n"
             "Use --overwrite to replace it, or set output.store to write a new store."
         )
+
+
+def check_half_made(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, rows: Rows,
+                    blocks: list[tuple[int, int]]) -> None:
+    """:func:`check_resumable` for a store left half-made (its rows not all written, so no digest of them
+    recorded): its format, spec, model and captures, its count of rows, and the ids and paths of the rows its
+    committed shards computed (``blocks``: :func:`committed_blocks`) against this listing; its other rows are
+    written again from this listing."""
+    if old.get("n_rows") != len(rows):
+        _refuse(url, [f"the image list differs ({old.get('n_rows')} rows in the store, {len(rows)} now)"])
+    new = dict(new)
+    for name in ("ids", "paths"):  # compared where both sides know them (a manifest's ids are hashed as listed)
+        key = f"{name}_digest"
+        if old.get(key) is None:
+            new[key] = None
+        elif new[key] is None:
+            new[key] = _digest(getattr(rows, name))
+    check_resumable(url, old, new, group, rows.paths, rows.ids)
+    for a, b in blocks:
+        for name, what in (("ids", "the image list differs"), ("paths", "the images would be read from another "
+                                                                        "place")):
+            stored, listed = read_all(group[name], a, b), np.asarray(getattr(rows, name)[a:b])
+            differ = np.flatnonzero(stored != listed)
+            if len(differ):
+                r = int(differ[0])
+                _refuse(url, [f"{what} (row {a + r}, computed before: {str(stored[r])!r} in the store, "
+                              f"{str(listed[r])!r} now)"])
+
+
+def committed_blocks(done: np.ndarray, shard_size: int, n_rows: int) -> list[tuple[int, int]]:
+    """The rows of the committed shards (``done``), as runs of at most :data:`COMPARE_ROWS` rows."""
+    shards = np.flatnonzero(done)
+    cuts = np.flatnonzero(np.diff(shards) != 1) + 1
+    out = []
+    for run in np.split(shards, cuts) if len(shards) else []:
+        first, last = int(run[0]) * shard_size, min((int(run[-1]) + 1) * shard_size, n_rows)
+        out += [(a, min(a + COMPARE_ROWS, last)) for a in range(first, last, COMPARE_ROWS)]
+    return out
 
 
 def moved_locators(group: Any, rows: Rows) -> dict[str, np.ndarray] | None:
@@ -408,10 +452,12 @@ def row_blocks(n: int) -> list[tuple[int, int]]:
     return [(a, min(a + COMPARE_ROWS, n)) for a in range(0, n, COMPARE_ROWS)]
 
 
-def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.ndarray | None]:
+def changed_rows(spec: JobSpec, group: Any, rows: Rows,
+                 blocks: list[tuple[int, int]]) -> tuple[list[int], np.ndarray | None]:
     """Rows already read (ok or failed) whose image is not the one they read: where the source's fingerprint
     (size, mtime, ETag) differs from the stored one, the bytes are read and their content digest compared
-    (a file touched but unchanged passes). Also the source's fingerprints, when any differ (to record)."""
+    (a file touched but unchanged passes). Also the source's fingerprints, when any differ (to record).
+    ``blocks``: the rows to look at (:func:`row_blocks`; a half-made store's: :func:`committed_blocks`)."""
     if "digest" not in group or rows.fingerprints is None:
         if "digest" not in group:
             log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
@@ -419,7 +465,7 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows) -> tuple[list[int], np.n
         return [], None
     current = rows.fingerprints
     unknown, moved, found, gone = 0, False, [], []
-    for a, b in row_blocks(len(current)):  # (a block at a time)
+    for a, b in blocks:  # (a block at a time)
         now = np.asarray(current[a:b], dtype=np.uint64)
         stored = read_all(group["fingerprint"], a, b)
         status = read_all(group["status"], a, b)

@@ -27,16 +27,28 @@ from ..data import Rows, Shard, reuse, source
 from ..errors import FencedError, StoreError
 from ..spec import JobSpec
 from .chunks import read_all
-from .claimants import Claimant, alive
+from .claimants import Claimant, alive, gone
 from .generation import FORMAT, Generation, Head, collect_others, done_shards, open_group, read_head, swap_head
-from .layout import FAILED, OK, RowsBehind, StoreArrays, get_array, locator_arrays, root_attrs, start_generation
+from .layout import (
+    FAILED,
+    OK,
+    RowsBehind,
+    StoreArrays,
+    get_array,
+    locator_arrays,
+    rewrite_rows,
+    root_attrs,
+    start_generation,
+)
 from .ledger import Table, Verdict, amend_rows, new_id, reset
 from .objects import Objects, is_s3
 from .provenance import (
     Probe,
     StoreRecord,
     changed_rows,
+    check_half_made,
     check_resumable,
+    committed_blocks,
     kept_probe,
     moved_locators,
     owner,
@@ -81,6 +93,7 @@ class Decision:
     fingerprints: np.ndarray | None = None  # the source's, to record on resume where they changed
     locators: dict[str, np.ndarray] | None = None  # the source's locator arrays now, where it moved the bytes
     head: Head | None = None  # the store's head as read (a new generation is swapped in from it)
+    rows_again: bool = False  # a store left half-made: its rows written again behind its shards (RowsBehind)
 
     @property
     def nothing_to_do(self) -> bool:
@@ -120,9 +133,15 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
         raise StoreError(f"store {url} is {what} by another extractor job: {_claimants_text(live)}. Wait for it to "
                          "finish, run this job with --join to compute beside it, or, if it died, run again once "
                          f"its heartbeat is {_timeout(live):.0f} s old (output.lease_timeout_s)")
-    if old.get("status") == "creating":  # left half-made by a job that is gone: --resume starts it again
+    if old.get("status") == "creating":  # left half-made by a job that is gone
         if mode == "error":
             raise StoreError(generation.being_made())
+        if mode == "resume" and generation.root() is not None:  # its rows were being written: written again
+            writers = _writers(generation)
+            if not writers:
+                return _resume(spec, rows, shards, old, generation.open(), head, attrs)
+            log.warning("%s was left half-made by a job that wrote its rows and may only be paused (%s: silent, "
+                        "not known to have ended); it is made again", url, _claimants_text(writers))
         return Decision(True, old, shards, head=head)
     group = generation.open()
     if mode == "error":
@@ -136,6 +155,12 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
         return Decision(True, old, shards, head=head)
     check_resumable(url, old, json.loads(json.dumps(with_digests(attrs, rows))), group, rows.paths, rows.ids)
     return _resume(spec, rows, shards, old, group, head)
+
+
+def _writers(generation: Generation) -> list[dict[str, Any]]:
+    """The claimants of a half-made generation that may write its rows still: those that made or resumed it (a
+    joiner waits for it made, writing nothing) not known to be gone (:func:`~.claimants.gone`)."""
+    return [r for r in generation.roster.all() if not r.get("join") and not gone(r)]
 
 
 def _made_by_another(generation: Generation, url: str, head: Head, timeout_s: float) -> None:
@@ -164,19 +189,28 @@ def _timeout(claimants: list[dict[str, Any]]) -> float:
     return max(float(m.get("timeout_s", 0)) for m in claimants)
 
 
-def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any], group: Any, head: Head) -> Decision:
+def _resume(spec: JobSpec, rows: Rows, shards: list[Shard], old: dict[str, Any], group: Any, head: Head,
+            half_made: StoreRecord | None = None) -> Decision:
     """What resuming a store made by this job computes: the shards not committed, and the committed ones whose
-    images changed since (refused unless output.on_change: redo)."""
-    _check_labels(spec, rows, old, group)
+    images changed since (refused unless output.on_change: redo). ``half_made``: this job's record, the store left
+    half-made (its rows not all written: they are written again, from this listing, behind its shards), compared
+    with the rows its committed shards computed (their ids, paths and labels) and their images."""
     done = done_shards(group)
-    changed, prints = changed_rows(spec, group, rows)
+    blocks = row_blocks(len(rows))
+    if half_made is not None:
+        blocks = committed_blocks(done, spec.data.shard_size, len(rows))
+        check_half_made(spec.output.store, old, json.loads(json.dumps(half_made)), group, rows, blocks)
+    _check_labels(spec, rows, old, group, blocks)
+    changed, prints = changed_rows(spec, group, rows, blocks)
     hit = {r // spec.data.shard_size for r in changed}  # shards are contiguous runs of shard_size rows
     redo = [s for s in shards if done[s.index] and s.index in hit]
     if changed and spec.output.on_change != "redo":
         raise StoreError(_changed_text(spec, rows, group, changed))
     redone = {s.index for s in redo}
-    return Decision(False, old, [s for s in shards if not done[s.index] or s.index in redone], redo, prints,
-                    moved_locators(group, rows), head)
+    todo = [s for s in shards if not done[s.index] or s.index in redone]
+    if half_made is not None:  # (every row's source facts are written again)
+        return Decision(False, old, todo, redo, head=head, rows_again=True)
+    return Decision(False, old, todo, redo, prints, moved_locators(group, rows), head)
 
 
 def _changed_text(spec: JobSpec, rows: Rows, group: Any, changed: list[int]) -> str:
@@ -197,17 +231,17 @@ def _changed_text(spec: JobSpec, rows: Rows, group: Any, changed: list[int]) -> 
             "output.on_change=redo) to compute their shards again, or --overwrite")
 
 
-def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any) -> None:
+def _check_labels(spec: JobSpec, rows: Rows, old: dict[str, Any], group: Any, blocks: list[tuple[int, int]]) -> None:
     """Refuse to resume a store whose source now gives other labels or class names (a tar's ``.cls`` rewritten, a
     manifest's label column edited): its rows keep the labels they were listed with, and a gradient of the
-    label's logit used them."""
+    label's logit used them. ``blocks``: the rows to compare (:func:`~.provenance.row_blocks`)."""
     if rows.stored is not None:  # the rows as the store lists them: nothing to compare
         return
     stored = get_array(group, "labels")
     if stored.shape[0] != len(rows):  # another listing altogether: check_resumable refused it
         return
     differ = []  # (a block at a time: 400M labels are 3.2 GB)
-    for a, b in row_blocks(len(rows)):
+    for a, b in blocks:
         differ.append(np.flatnonzero(read_all(stored, a, b) != np.asarray(rows.labels[a:b])) + a)
     n, first = sum(map(len, differ)), next((int(d[0]) for d in differ if len(d)), None)
     if not n and list(old.get("classes") or []) == list(rows.classes):
@@ -340,7 +374,7 @@ class StoreSession:
         spec = self.spec
         for _ in range(3):
             if not decision.create:
-                self._resume(decision, record)
+                self._resume(decision, record, rows)
                 break
             try:
                 self._make(decision, record, rows)
@@ -424,9 +458,10 @@ class StoreSession:
         return (f"store {self.spec.output.store} was {what} by another job after this one looked at it{who}; run "
                 "again (--resume finishes it)")
 
-    def _resume(self, decision: Decision, record: StoreRecord) -> None:
+    def _resume(self, decision: Decision, record: StoreRecord, rows: Rows) -> None:
         """This process a claimant of the generation :meth:`decide` read (refused where the head names another
-        now), its changed shards made pending again, the source recorded where it moved."""
+        now), its changed shards made pending again, the source recorded where it moved; a generation left
+        half-made, its rows to write again (:attr:`behind`)."""
         head = read_head(self.objects)
         assert decision.head is not None
         if head is None or head.generation is None or head.generation != decision.head.generation:
@@ -434,9 +469,31 @@ class StoreSession:
                              "it; run again (--resume finishes it)")
         self.generation = Generation(self.objects, head.generation)
         self._join()
-        self._wait_made()
+        if not decision.rows_again:
+            self._wait_made()
         table = self._redo(decision)
         self._record_source(decision, record, table)
+        if decision.rows_again:
+            self._rows_again(rows, table)
+
+    def _rows_again(self, rows: Rows, table: Table) -> None:
+        """The rows of a generation left half-made, to write again behind its shards (:meth:`decide` found every
+        process that wrote them gone); refused where another job resumes it too."""
+        assert self.generation is not None and self.claimant is not None
+        mine = f"{self.claimant.id:016x}"
+        others = [r for r in _writers(self.generation) if r.get("id") != mine]
+        if others:
+            raise StoreError(f"store {self.spec.output.store} is being resumed by another extractor job now: "
+                             f"{_claimants_text(others)}. Wait for it to finish, or run this job with --join to "
+                             "compute beside it")
+        attempts = np.unique(table.attempts("rows"))
+        if len(attempts) != 1 or not attempts[0]:  # (named once, when the generation was made)
+            raise StoreError(f"cannot resume {self.spec.output.store}: its rows are held by {len(attempts)} attempts, "
+                             "not the one it was made with; --overwrite makes it again")
+        log.info("%s was left half-made: its rows are written again, its %s kept", self.spec.output.store,
+                 count(int(table.done.sum()), "committed shard"))
+        self.behind = rewrite_rows(self.objects, self.generation.name, rows, int(attempts[0]),
+                                   source(self.spec.data.source).locators)
 
     def _arrays(self, record: StoreRecord) -> StoreArrays:
         spec = self.spec

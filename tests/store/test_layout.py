@@ -306,7 +306,7 @@ def test_a_store_left_half_created_is_created_again_by_resume_and_overwrite(
         run(parse_spec(raw))
     monkeypatch.undo()
     raw["output"]["if_exists"] = "error"  # a plain rerun says how to go on
-    with pytest.raises(StoreError, match=r"half-created.*--resume \(or --overwrite\)"):
+    with pytest.raises(StoreError, match=r"half-created.*--resume .*keeps the shards.* or --overwrite"):
         run(parse_spec(raw))
     with pytest.raises(StoreError, match=r"half-created.*--resume"):
         open_store(str(tmp_path / "s.zarr"))

@@ -6,6 +6,8 @@ The stretches of rows are made tiny here (a stretch a shard) so that a store of 
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,9 @@ import pytest
 from helpers.images import make_images
 from helpers.jobs import job
 from helpers.preprocess import tiny_resnet_mean
-from helpers.stores import committed_count, opened
+from helpers.stores import committed_count, generation, opened
 
+import extractor.store.claimants as claimants
 import extractor.store.layout as layout
 from extractor.driver.runner import run
 from extractor.errors import StoreError
@@ -125,17 +128,96 @@ def test_a_job_that_fails_while_its_rows_are_written_finishes_them_and_its_resum
     assert again.ok == 8 and again.shards_run == 4 - kept
 
 
-def test_an_interrupt_while_the_rows_are_written_stops_them_and_the_store_is_made_again(
-        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
-    url, order = str(tmp_path / "s.zarr"), []
+def _interrupted_half_made(images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, int]:
+    """A job interrupted once shard 0 is committed while its rows from row 4 on are held: the store half-made
+    (rows 0-6 written, the stretch after the interrupt's stop included). Its URL and its shards committed."""
+    url, go, order = str(tmp_path / "s.zarr"), threading.Event(), []
+    write, stop = layout._RowArrays.write, layout.RowsBehind.stop
+
+    def held(self: Any, start: int, end: int) -> None:
+        if start >= 4:
+            assert go.wait(WAIT_S), "the job never stopped its rows"
+        write(self, start, end)
+        order.append(start)
+
+    def stopping(self: Any) -> None:
+        stop(self)
+        go.set()  # the stretch held is written, then the writer stops before the next
+
+    monkeypatch.setattr(layout._RowArrays, "write", held)
+    monkeypatch.setattr(layout.RowsBehind, "stop", stopping)
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_done" and info["shard"] == 0:
+            raise KeyboardInterrupt
+
     with pytest.raises(KeyboardInterrupt):
-        _stopped(images, tmp_path, monkeypatch, 0, KeyboardInterrupt(), order)
-    assert 1 <= len(order) < 4 and (read_state(url) or {})["status"] == "creating", order  # stopped: half-made
-    again = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
-    assert again.ok == 8 and again.shards_run == 4  # made again
+        run(_spec(images, tmp_path / "s.zarr"), on_event=on_event)
+    monkeypatch.undo()
+    monkeypatch.setattr(layout, "WRITE_ROWS", 2)  # (undone too: the resume writes them behind as well)
+    monkeypatch.setattr(layout, "ONCE_ROWS", 2)
+    assert order == [0, 2, 4] and (read_state(url) or {})["status"] == "creating", order  # half-made
+    return url, committed_count(url)
 
 
-def test_a_store_whose_rows_could_not_be_written_is_half_made_and_its_resume_makes_it_again(
+def test_an_interrupt_while_the_rows_are_written_leaves_the_store_half_made_and_its_resume_keeps_its_shards(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    """The resume of a store left half-made by a job that ended (here interrupted) writes its rows again behind
+    its shards and keeps those committed: the store holds what a direct forward gives, its digests and id index
+    are its rows'."""
+    url, kept = _interrupted_half_made(images, tmp_path, monkeypatch)
+    assert kept >= 1  # shard 0's commit was reported
+    gen = generation(url)
+    before = {k: v for k, v in enumerate(gen.ledger().read().attempts("data")) if v}
+    summary = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert summary.ok == 8 and summary.shards_run == 4 - kept  # the committed shards kept
+    assert generation(url).name == gen.name and all(
+        generation(url).ledger().read().attempts("data")[k] == v for k, v in before.items())  # as they were
+    s = open_store(url)
+    assert s.attrs["status"] == "complete" and s.attrs["rows_written"] is True
+    ids = [str(i) for i in s.ids]
+    assert ids == sorted(str(p.relative_to(images)) for p in images.rglob("*") if p.is_file())
+    assert s.attrs["ids_digest"] == NamesDigest.of(np.asarray(ids)) and \
+        s.attrs["paths_digest"] == NamesDigest.of(np.asarray([str(p) for p in s.paths]))
+    assert [s.row(i)["row"] for i in reversed(ids)] == list(range(7, -1, -1))  # the id index, written again
+    assert (np.asarray(s.labels) == [0] * 4 + [1] * 4).all()
+    ref = tiny_resnet_mean([Path(p) for p in s.paths]).numpy()
+    assert np.abs(s.numpy("layer4") - ref).max() <= 2e-3 * np.abs(ref).max()
+
+
+def test_a_half_made_store_whose_computed_rows_are_listed_otherwise_is_refused_and_left_as_it_is(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    url, kept = _interrupted_half_made(images, tmp_path, monkeypatch)
+    moved = tmp_path / "moved"
+    shutil.copytree(images, moved)
+    (moved / "a" / "a00.jpg").rename(moved / "a" / "a000.jpg")  # row 0 (computed) is another image now
+    with pytest.raises(StoreError, match=r"(?s)image list differs \(row 0, computed before: 'a/a00.jpg' in the store, "
+                                         r"'a/a000.jpg' now\).*--overwrite"):
+        run(_spec(moved, tmp_path / "s.zarr", if_exists="resume"))
+    (moved / "c").mkdir()
+    shutil.copy(moved / "a" / "a01.png", moved / "c" / "c09.png")
+    with pytest.raises(StoreError, match=r"image list differs \(8 rows in the store, 9 now\)"):
+        run(_spec(moved, tmp_path / "s.zarr", if_exists="resume"))
+    assert (read_state(url) or {})["status"] == "creating" and committed_count(url) == kept  # nothing written
+    assert run(_spec(images, tmp_path / "s.zarr", if_exists="resume")).shards_run == 4 - kept
+
+
+def test_a_half_made_store_whose_maker_may_be_paused_on_another_machine_is_made_again(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    """A maker silent past its timeout on another machine may wake and write a stretch of rows at fixed keys:
+    the store is made again (a new generation, where nothing it writes is read), never written beside it."""
+    url, _kept = _interrupted_half_made(images, tmp_path, monkeypatch)
+    gen = generation(url)
+    monkeypatch.setattr(claimants, "_ENDED", set())  # (this process's claimants that ended: as another's would be)
+    for record in gen.roster.all():  # as a maker killed without a word on another host would have left it
+        record.pop("ended")
+        record.update(host="another-host", heartbeat=record["heartbeat"] - 3600)
+        gen.objects.put(f"{gen.claimants_prefix}/{record['id']}", json.dumps(record).encode())
+    summary = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert summary.ok == 8 and summary.shards_run == 4 and generation(url).name != gen.name  # made again
+
+
+def test_a_store_whose_rows_could_not_be_written_is_half_made_and_its_resume_writes_them_again(
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
     write, calls = layout._RowArrays.write, []
 
@@ -152,7 +234,8 @@ def test_a_store_whose_rows_could_not_be_written_is_half_made_and_its_resume_mak
     assert (read_state(url) or {})["status"] == "creating"  # half-made: nothing in it is trusted
     with pytest.raises(StoreError, match="half-created"):
         open_store(url)
-    monkeypatch.undo()  # (the stretches too: the store made again is written before its first shard)
+    kept = committed_count(url)
+    monkeypatch.undo()  # (the stretches too: the rows written again before the first shard)
     summary = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
-    assert summary.ok == 8 and summary.shards_run == 4  # made again: every shard computed
+    assert summary.ok == 8 and summary.shards_run == 4 - kept  # its rows written again, its shards kept
     assert open_store(url).attrs["status"] == "complete"

@@ -389,7 +389,7 @@ def test_ctrl_c_while_overwrite_makes_the_store_says_the_old_one_is_gone(
     monkeypatch.setattr(fmt, "write_id_index", interrupted)
     assert main(["run", str(spec), "-q", "--overwrite"]) == 130
     err = capsys.readouterr().err
-    assert "nothing was written" not in err and "the store was being created (what it held before is gone)" in err
+    assert "nothing was written" not in err and "the store was being created (what it held before is gone;" in err
     assert f"run {spec} -q --resume" in err, err
     monkeypatch.undo()
     assert main(["run", str(spec), "-q", "--resume"]) == 0
