@@ -13,6 +13,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ..errors import DataError
 
 __all__ = [
@@ -139,6 +141,31 @@ def fingerprint(*facts: object) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest("|".join(map(str, facts)).encode("utf-8", "surrogateescape")) or 1
+
+
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def part_fingerprints(part_print: int, *places: Any) -> np.ndarray:
+    """The fingerprint of each row of a part (a Parquet file, a tar) from the part's fingerprint and the row's
+    place in it (``places``: arrays of integers, a row's row number; a member's offset and size), in bulk: each
+    place folded in by splitmix64's finalizer, a bijection, so rows at one place differ where their parts' prints
+    do. uint64, never 0; all 0 (unknown) where ``part_print`` is. (``fingerprint(part, row, 0)`` a row at a time
+    before: 0.7 us of Python a row, most of a 100M-row Parquet listing.)"""
+    n = len(places[0]) if places else 0
+    if not part_print:
+        return np.zeros(n, np.uint64)
+    out = np.full(n, np.uint64(part_print % (1 << 64)), np.uint64)
+    with np.errstate(over="ignore"):
+        for place in places:
+            out ^= np.asarray(place).astype(np.uint64) * _GOLDEN
+            out ^= out >> np.uint64(30)
+            out *= _MIX1
+            out ^= out >> np.uint64(27)
+            out *= _MIX2
+            out ^= out >> np.uint64(31)
+    out[out == 0] = 1
+    return out
 
 
 def local_fingerprint(path: str) -> int:

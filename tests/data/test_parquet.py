@@ -4,6 +4,7 @@ column; the tar source's promises for bad files, bad rows and missing columns.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -176,6 +177,12 @@ def test_an_empty_file_and_ids_twice_in_one_file_are_said_so(tmp_path: Path):
     pq.write_table(pa.table({"image": [b"x"] * 4, "id": ["a", "b", "c", "b"]}), twice)
     with pytest.raises(DataError, match=r"id 'b' appears twice: .*twice.parquet row 1 and .*twice.parquet row 3"):
         list_rows(DataSpec(source="parquet", parquet=str(twice)))
+    table = pa.table({"image": [b"x"] * 2})  # no id column: FILE/ROW, of two files of one name but its extension
+    pq.write_table(table, tmp_path / "same.parquet")
+    with pa.ipc.new_stream(str(tmp_path / "same.arrow"), table.schema) as stream:
+        stream.write_table(table)
+    with pytest.raises(DataError, match=r"id 'same/0' appears twice: .*same.parquet row 0 and .*same.arrow row 0"):
+        list_rows(DataSpec(source="parquet", parquet=[str(tmp_path / "same.parquet"), str(tmp_path / "same.arrow")]))
 
 
 def test_ids_and_labels_of_every_column_type_are_each_rows_value(tmp_path: Path):
@@ -330,12 +337,56 @@ def test_an_image_column_of_another_type_is_refused_at_planning(image_dir: Path,
     assert len(list_rows(DataSpec(source="parquet", parquet=str(paths), columns={"image": "file"}))) == 12
 
 
-def test_a_files_row_fingerprints_made_at_once_are_each_rows_own():
-    from extractor.data.files import fingerprint
-    from extractor.data.sources.parquet import _row_prints
+def _mixed(part: int, *places: int) -> int:
+    """splitmix64's finalizer over each place, in Python integers (what part_fingerprints does in bulk)."""
+    m, x = (1 << 64) - 1, part
+    for place in places:
+        x ^= (place * 0x9E3779B97F4A7C15) & m
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & m
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & m
+        x ^= x >> 31
+    return x or 1
 
-    assert _row_prints(987654321, 300) == [fingerprint(987654321, r, 0) for r in range(300)]  # a resume compares them
-    assert _row_prints(0, 3) == [0, 0, 0]  # the file's unknown: every row's
+
+def test_a_files_row_fingerprints_made_at_once_are_each_rows_own():
+    from extractor.data.sources.parquet import _row_prints
+    from extractor.data.sources.tar import member_fingerprints
+
+    prints = _row_prints(987654321, 300)
+    assert prints.dtype == np.uint64 and prints.tolist() == [_mixed(987654321, r) for r in range(300)]
+    assert len(set(prints.tolist())) == 300 and 0 not in prints  # each row's own; never "unknown"
+    other = _row_prints(987654322, 300)  # the file rewritten: every row's differs (a bijection for each row)
+    assert (other != prints).all()
+    assert _row_prints(0, 3).tolist() == [0, 0, 0]  # the file's unknown: every row's
+    members = member_fingerprints(2**63 + 5, [512, 2048], [1000, 7])  # (a tar's print past 2^63)
+    assert members.tolist() == [_mixed(2**63 + 5, 512, 1000), _mixed(2**63 + 5, 2048, 7)]
+
+
+def test_a_parquet_store_with_row_fingerprints_of_the_old_form_resumes_after_a_digest_pass(image_dir: Path,
+                                                                                            tmp_path: Path):
+    """Stores made before the rows' fingerprints were mixed in bulk recorded ``fingerprint(file, row, 0)``. While
+    the source is as listed a resume takes its rows from the store; once it is listed again (here the file is
+    touched), every row's fingerprint differs: the images are read once to compare content digests (all agree:
+    nothing is computed again, nothing refused), and the new fingerprints are recorded."""
+    from helpers.stores import edited, opened
+
+    from extractor.data.files import fingerprint
+    from extractor.data.sources.parquet import _file_fingerprint, _row_prints
+
+    paths = write_hub_parquet(images_of(image_dir), tmp_path / "data", per_file=12, row_group=4)
+    raw = parquet_job(image_dir, tmp_path / "p.zarr", str(paths[0]), shard_size=4)
+    run(parse_spec(raw))
+    file_print = _file_fingerprint(str(paths[0]), {})
+    edited(str(tmp_path / "p.zarr"))["fingerprint"][:] = np.array([fingerprint(file_print, r, 0) for r in range(12)],
+                                                                    np.uint64)
+    raw["output"]["if_exists"] = "resume"
+    os.utime(paths[0], ns=(paths[0].stat().st_atime_ns, paths[0].stat().st_mtime_ns + 10**9))
+    assert run(parse_spec(raw)).shards_run == 0
+    file_print = _file_fingerprint(str(paths[0]), {})
+    assert np.asarray(opened(str(tmp_path / "p.zarr"))["fingerprint"][:]).tolist() == \
+        _row_prints(file_print, 12).tolist()
 
 
 def test_rows_whose_image_is_a_path_are_said_to_be_unchecked_by_a_resume(image_dir: Path, tmp_path: Path,

@@ -32,6 +32,7 @@ from ..files import (
     leaves_root,
     local_fingerprint,
     matched_urls,
+    part_fingerprints,
     read_file,
     remote_error,
     remote_fingerprint,
@@ -279,14 +280,10 @@ def hub_files(name: str, split: str, config: str | None) -> list[str]:
     return files
 
 
-def _row_prints(file_print: int, rows: int) -> list[int]:
-    """``fingerprint(file_print, row, 0)`` of each row of a file at once (0: the file's is unknown)."""
-    import xxhash
-
-    if not file_print:
-        return [0] * rows
-    digest, form = xxhash.xxh3_64_intdigest, b"%d|%%d|0" % file_print  # the file's part once
-    return [digest(form % r) or 1 for r in range(rows)]
+def _row_prints(file_print: int, rows: int) -> np.ndarray:
+    """Each row's fingerprint, from its file's and its row number (:func:`~..files.part_fingerprints`; 0: the
+    file's is unknown)."""
+    return part_fingerprints(file_print, np.arange(rows, dtype=np.int64))
 
 
 def _row_ids_of(ids: Strings, stem: str, f: _File) -> None:
@@ -322,7 +319,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
         t = bisect.bisect_right(starts, n) - 1
         return f"{urls[t]} row {n - starts[t]}"
 
-    labels, by_path = Distinct(), 0
+    labels, by_path, given = Distinct(), 0, False
     for t, (stem, f) in enumerate(zip(stems, prefetched(urls, lambda u: _scan(u, cols, storage), 16,
                                                         min(16, len(urls))), strict=True)):
         starts.append(len(ids))
@@ -333,6 +330,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
         by_path += f.by_path
         if f.names:
             names.add(tuple(f.names))
+        given = given or f.ids is not None
         _row_ids_of(ids, stem, f)
         prints.extend(_row_prints(f.print, f.rows))
         if f.labels is not None:
@@ -345,7 +343,8 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
                     by_path)
     codes, classes = labels_of_codes(*labels.result(), where)
     keys = ids.array()
-    twice = duplicate(keys)
+    # ids made as STEM/ROW from distinct stems are distinct (the last "/" parts them): no sort of 100M hashes
+    twice = duplicate(keys) if given or len(set(stems)) < len(stems) else None
     if twice is not None:
         raise DataError(f"id {keys[twice[0]]!r} appears twice: {where(twice[0])} and {where(twice[1])}; ids must be "
                         f"unique (data.columns.id names the id column)")

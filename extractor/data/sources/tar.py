@@ -36,6 +36,7 @@ from ..files import (
     is_url,
     local_fingerprint,
     matched_urls,
+    part_fingerprints,
     plain_utf8,
     remote_error,
     remote_fingerprint,
@@ -239,12 +240,10 @@ def check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
             )
 
 
-def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
-    """``fingerprint(tar_print, offset, size)`` of each member of a tar, at once (a tar's million members)."""
-    import xxhash
-
-    digest, form = xxhash.xxh3_64_intdigest, b"%d|%%d|%%d" % tar_print  # b"TAR|%d|%d": the tar's part once
-    return [digest(form % pair) or 1 for pair in zip(offsets, sizes, strict=True)]
+def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+    """Each member's fingerprint, from its tar's, its offset and its size (:func:`~..files.part_fingerprints`: a
+    tar's million members at once; 0: the tar's is unknown)."""
+    return part_fingerprints(tar_print, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
 
 
 def tar_urls(patterns: str | Sequence[str] | None, storage: dict[str, Any] | None = None) -> list[str]:
@@ -321,8 +320,7 @@ class _Columns:
         self.which.extend(np.full(len(found), t, dtype=np.int64))
         self.offsets.extend(found.offsets)
         self.sizes.extend(found.sizes)
-        self.prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes) if tar_print else
-                           [0] * len(found))
+        self.prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes))
 
     def tar_of(self, n: int) -> str:
         return self.urls[bisect.bisect_right(self.starts, n) - 1]
