@@ -22,14 +22,18 @@ KEY, SECRET = "AKIDEXAMPLE7Q3ZK4WJ", "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY" 
 LEAKS = (KEY.encode(), SECRET.encode())
 
 
-def _commands(store: str, spec: Path, options: dict[str, Any], out: Path) -> Iterator[list[str]]:
-    """Every command that takes storage options, as a user would give them the secrets."""
+def _commands(store: str, spec: Path, options: dict[str, Any], out: Path, readers: bool = True
+              ) -> Iterator[list[str]]:
+    """Every command that takes storage options, as a user would give them the secrets (``readers``: those that
+    only read the store and write beside it too)."""
     given = [x for k, v in options.items() for x in ("--storage-option", f"{k}={v}")]
     yield ["run", str(spec), "--set", f"output.storage_options.secret={SECRET}", "-q"]
     yield ["run", str(spec), "--resume", "--set", f"output.storage_options.key={KEY}", "-q"]
     yield ["index", store, "--key", "layer4", "-q", *given]
     yield ["index", store, "--key", "layer4", "--feature", "0", "--out", str(out / "feature.png"), *given]
     yield ["inspect", store, "--verify", "--objects", "--json", *given]
+    if not readers:
+        return
     yield ["show", store, "--rows", "0:4", "--out", str(out / "show.png"), *given]
     yield ["probe", store, "--folds", "2", "--json", *given]
     yield ["compare", f"{store}:layer4", f"{store}:layer3", "--rows", "6", "--rsa-rows", "6", "--json", *given]
@@ -82,7 +86,9 @@ def test_no_command_leaves_a_secret_in_the_store_or_its_output(image_dir: Path, 
     spec.write_text(yaml.safe_dump(raw))
     out = tmp_path / "out"
     out.mkdir()
-    for args in _commands(store, spec, options, out):
+    # on S3 (moto: 4 s a command), the commands that write into the store, and a reader; the others read it as
+    # they read a local store, their output checked there
+    for args in _commands(store, spec, options, out, readers=not store.startswith("s3://")):
         monkeypatch.setattr(sys, "argv", ["extractor", "-vv", *args])  # what a claimant's record keeps
         done = cli("-vv", *args)
         assert done.returncode == 0, (args, done.stderr[-2000:])

@@ -50,6 +50,23 @@ def _spec(images: Path, store: Path, **output: Any) -> Any:
                           output={"chunk_rows": 2, **output}))
 
 
+def _made_as_listed(url: str, images: Path) -> None:
+    """The store is made, complete, and holds the images' rows as listed (ids, labels, digests, id index) and what
+    a direct forward of the toy model on hand-preprocessed images gives."""
+    s = open_store(url)
+    assert s.attrs["status"] == "complete" and s.attrs["rows_written"] is True
+    ids = [str(i) for i in s.ids]
+    assert ids == sorted(str(p.relative_to(images)) for p in images.rglob("*") if p.is_file())
+    assert (np.asarray(s.labels) == [0] * 4 + [1] * 4).all()
+    assert s.attrs["ids_digest"] == NamesDigest.of(np.asarray(ids)) and \
+        s.attrs["paths_digest"] == NamesDigest.of(np.asarray([str(p) for p in s.paths]))
+    assert [s.row(i)["row"] for i in reversed(ids)] == list(range(7, -1, -1))
+    index = read_id_index(opened(url), 8, s.attrs["ids_digest"], lambda rows: [ids[r] for r in rows])
+    assert index is not None and index.find(ids[::-1]).tolist() == list(range(7, -1, -1))  # written last, whole
+    ref = tiny_resnet_mean([Path(p) for p in s.paths]).numpy()
+    assert np.abs(s.numpy("layer4") - ref).max() <= 2e-3 * np.abs(ref).max()
+
+
 def _held_rows(monkeypatch: pytest.MonkeyPatch, release: threading.Event, order: list[str]) -> None:
     """The rows writer writes its first stretch, then waits for ``release`` before each next one."""
     write = layout._RowArrays.write
@@ -98,17 +115,7 @@ def test_the_first_shards_run_while_the_rows_are_written_and_the_store_holds_wha
     assert summary.ok == 8 and summary.failed == 0
     assert order[:3] == ["rows 0-2", "shard 0 began", "rows 2-4"], order  # shard 0 began before the rows after it
     assert seen_while == ["creating"]  # not made until its rows are all in
-    s = open_store(url)
-    assert s.attrs["status"] == "complete" and s.attrs["rows_written"] is True
-    ids = [str(i) for i in s.ids]
-    assert ids == sorted(str(p.relative_to(images)) for p in images.rglob("*") if p.is_file())
-    assert s.attrs["ids_digest"] == NamesDigest.of(np.asarray(ids)) and \
-        s.attrs["paths_digest"] == NamesDigest.of(np.asarray([str(p) for p in s.paths]))
-    assert [s.row(i)["row"] for i in reversed(ids)] == list(range(7, -1, -1))
-    index = read_id_index(opened(url), 8, s.attrs["ids_digest"], lambda rows: [ids[r] for r in rows])
-    assert index is not None and index.find(ids[::-1]).tolist() == list(range(7, -1, -1))  # written last, whole
-    ref = tiny_resnet_mean([Path(p) for p in s.paths]).numpy()
-    assert np.abs(s.numpy("layer4") - ref).max() <= 2e-3 * np.abs(ref).max()
+    _made_as_listed(url, images)
     again = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
     assert again.shards_run == 0 and again.ok == 8  # its digests are the listing's: nothing to do
 
@@ -173,16 +180,7 @@ def test_an_interrupt_while_the_rows_are_written_leaves_the_store_half_made_and_
     assert summary.ok == 8 and summary.shards_run == 4 - kept  # the committed shards kept
     assert generation(url).name == gen.name and all(
         generation(url).ledger().read().attempts("data")[k] == v for k, v in before.items())  # as they were
-    s = open_store(url)
-    assert s.attrs["status"] == "complete" and s.attrs["rows_written"] is True
-    ids = [str(i) for i in s.ids]
-    assert ids == sorted(str(p.relative_to(images)) for p in images.rglob("*") if p.is_file())
-    assert s.attrs["ids_digest"] == NamesDigest.of(np.asarray(ids)) and \
-        s.attrs["paths_digest"] == NamesDigest.of(np.asarray([str(p) for p in s.paths]))
-    assert [s.row(i)["row"] for i in reversed(ids)] == list(range(7, -1, -1))  # the id index, written again
-    assert (np.asarray(s.labels) == [0] * 4 + [1] * 4).all()
-    ref = tiny_resnet_mean([Path(p) for p in s.paths]).numpy()
-    assert np.abs(s.numpy("layer4") - ref).max() <= 2e-3 * np.abs(ref).max()
+    _made_as_listed(url, images)  # its rows, id index and digests written again
 
 
 def test_a_half_made_store_whose_computed_rows_are_listed_otherwise_is_refused_and_left_as_it_is(
