@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .preprocess import IMAGENET, PIL_RESAMPLE, Preprocess, from_dict, of_store, resolve
     from .rows import (
         BLOCK,
+        Joined,
         LocatorArray,
         Rows,
         Shard,

@@ -271,6 +271,9 @@ class Joined:
         for start in range(0, len(self), BLOCK):
             yield from self[start:start + BLOCK].tolist()
 
+    def tolist(self) -> list[str]:
+        return list(self)
+
     def utf8(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
         """:func:`utf8` of strings ``start:stop``: each one's head, tail and end gathered at once."""
         stop = min(stop, len(self))
@@ -449,9 +452,14 @@ def text_hashes(texts: Texts | Sequence[str]) -> np.ndarray:
     hashes = np.empty(len(texts), dtype=np.int64)
     if not isinstance(texts, Texts):
         for start in range(0, len(texts), BLOCK):
-            gathered = Strings()
-            gathered.extend(list(texts[start:start + BLOCK]))
-            hashes[start:start + BLOCK] = text_hashes(gathered.array())
+            found = texts.utf8(start, start + BLOCK) if isinstance(texts, Joined) else None  # (made in bulk)
+            if found is None:
+                gathered = Strings()
+                gathered.extend(list(texts[start:start + BLOCK]))
+                part = gathered.array()
+            else:
+                part = Texts(*found)
+            hashes[start:start + BLOCK] = text_hashes(part)
         return hashes
     at = 0
     for block in hash_blocks(texts):

@@ -188,7 +188,8 @@ def test_an_empty_file_and_ids_twice_in_one_file_are_said_so(tmp_path: Path):
 def test_ids_and_labels_of_every_column_type_are_each_rows_value(tmp_path: Path):
     """Ids and labels are taken from Arrow columns in bulk: each row's is what its Python value gives (an empty or
     missing id: FILE/ROW; a label by type and value)."""
-    files = {"a.parquet": {"id": pa.array(["x", None, "", "é"]), "label": pa.array(["dog", None, "cat", "dog"])},
+    files = {"0.parquet": {"label": pa.array(["cat", "cat", "dog", "dog"])},  # no id column: made, then as text
+             "a.parquet": {"id": pa.array(["x", None, "", "é"]), "label": pa.array(["dog", None, "cat", "dog"])},
              "b.parquet": {"id": pa.array([10, None, 12, 13]), "label": pa.array([1.0, 2.0, None, 1.0])},
              "c.parquet": {"id": pa.array(["y", "z", "w", "v"], pa.large_string()),
                            "label": pa.array(["cat", "dog", "bird", "cat"]).dictionary_encode()}}
@@ -196,12 +197,29 @@ def test_ids_and_labels_of_every_column_type_are_each_rows_value(tmp_path: Path)
     for name, columns in files.items():
         pq.write_table(pa.table({"image": [b"x"] * 4, **columns}), tmp_path / name)
         stem = name.removesuffix(".parquet")
-        want_ids += [str(g) if g not in (None, "") else f"{stem}/{r}" for r, g in enumerate(columns["id"].to_pylist())]
+        given = columns["id"].to_pylist() if "id" in columns else [None] * 4
+        want_ids += [str(g) if g not in (None, "") else f"{stem}/{r}" for r, g in enumerate(given)]
         want_labels += columns["label"].to_pylist()
     rows = list_rows(DataSpec(source="parquet", parquet=str(tmp_path / "*.parquet")))
     assert rows.ids.tolist() == want_ids
     codes, classes = labels_of(want_labels)  # the reference: the labels one by one (1.0 among names: a name)
     assert rows.labels.tolist() == codes.tolist() and rows.classes == classes == ["1.0", "2.0", "bird", "cat", "dog"]
+
+
+def test_ids_made_from_file_and_row_are_held_as_the_files_and_numbers_and_hash_as_their_text(tmp_path: Path):
+    """Files without an id column: each id ``FILE/ROW`` held as its file's part and its row's number (no string
+    made a row), read, hashed for the store's id index and digested as the strings they are."""
+    from extractor.data.rows import Joined, strings, text_hashes
+    from extractor.store.layout import NamesDigest
+
+    for name, n in (("a.parquet", 3), ("sub/b.parquet", 12)):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        pq.write_table(pa.table({"image": [b"x"] * n}), tmp_path / name)
+    rows = list_rows(DataSpec(source="parquet", parquet=[str(tmp_path / "a.parquet"), str(tmp_path / "sub/b.parquet")]))
+    want = [f"a/{r}" for r in range(3)] + [f"sub/b/{r}" for r in range(12)]
+    assert isinstance(rows.ids, Joined) and rows.ids[0:15].tolist() == want and rows.ids[14] == "sub/b/11"
+    assert text_hashes(rows.ids).tolist() == text_hashes(strings(want)).tolist()  # the id index's, as text's
+    assert NamesDigest.of(rows.ids) == NamesDigest.of(strings(want))
 
 
 def test_integer_labels_without_names_take_data_classes(image_dir: Path, tmp_path: Path):

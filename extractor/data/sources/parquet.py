@@ -37,7 +37,7 @@ from ..files import (
     remote_error,
     remote_fingerprint,
 )
-from ..rows import Distinct, Joined, Rows, Strings, duplicate, labels_of_codes, named
+from ..rows import Distinct, Joined, Rows, Strings, Texts, duplicate, labels_of_codes, named
 from ..spill import Column
 from . import Locator, Sampled, Source, spread
 
@@ -302,27 +302,52 @@ def _row_ids_of(ids: Strings, stem: str, f: _File) -> None:
         ids.extend([str(g) if g not in (None, "") else f"{stem}/{r}" for r, g in enumerate(f.ids.to_pylist())])
 
 
+class _Ids:
+    """The rows' ids as the files come: ``STEM/ROW`` held as a Joined of the files' stems and the rows' numbers (no
+    string made a row: half a 100M-row listing's CPU) until a file has an id column; from then on every id as
+    text, those of the files before it made then."""
+
+    def __init__(self, stems: list[str]) -> None:
+        self.stems = stems
+        self.texts: Strings | None = None
+        self.files: list[_File] = []  # (while no file had an id column: for their row counts)
+
+    def add(self, t: int, f: _File) -> None:
+        if self.texts is None and f.ids is not None:
+            self.texts = Strings()
+            for stem, before in zip(self.stems, self.files, strict=False):
+                _row_ids_of(self.texts, stem, before)
+            self.files = []
+        if self.texts is None:
+            self.files.append(_File(rows=f.rows, names=None, print=0, labels=None, ids=None))
+        else:
+            _row_ids_of(self.texts, self.stems[t], f)
+
+    def array(self, in_file: np.ndarray, which: np.ndarray | None) -> Texts | Joined:
+        if self.texts is not None:
+            return self.texts.array()
+        return Joined([f"{stem}/" for stem in self.stems], in_file, which)
+
+
 def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], storage: dict[str, Any]) -> Rows:
     """Rows of every row of every Parquet file, in pattern order then row order (``patterns``: a list of files
     as :func:`hub_files` gives them, or patterns)."""
     urls = parquet_urls(patterns, storage)
     cols = _Columns(image=columns.get("image", "image"), label=columns.get("label", "label"),
                     id=columns.get("id", "id"), named=frozenset(columns.values()))
-    ids, counts = Strings(), array("q")  # a row's path: its file's head and its row there, two integers
+    ids, counts = _Ids(stems := _row_ids(urls)), array("q")  # a row's path: its file's head and its row there
     prints, files, in_file = Column("Q"), Column("i"), Column("q")  # each row's; on the disk past a megabyte
     file_prints: list[int] = []
     names: set[tuple[str, ...]] = set()
-    stems = _row_ids(urls)
     starts: list[int] = []
 
     def where(n: int) -> str:
         t = bisect.bisect_right(starts, n) - 1
         return f"{urls[t]} row {n - starts[t]}"
 
-    labels, by_path, given = Distinct(), 0, False
-    for t, (stem, f) in enumerate(zip(stems, prefetched(urls, lambda u: _scan(u, cols, storage), 16,
-                                                        min(16, len(urls))), strict=True)):
-        starts.append(len(ids))
+    labels, by_path = Distinct(), 0
+    for t, f in enumerate(prefetched(urls, lambda u: _scan(u, cols, storage), 16, min(16, len(urls)))):
+        starts.append(len(in_file))
         files.extend(np.full(f.rows, t, dtype=np.int32))
         in_file.extend(np.arange(f.rows, dtype=np.int64))
         counts.append(f.rows)
@@ -330,8 +355,7 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
         by_path += f.by_path
         if f.names:
             names.add(tuple(f.names))
-        given = given or f.ids is not None
-        _row_ids_of(ids, stem, f)
+        ids.add(t, f)
         prints.extend(_row_prints(f.print, f.rows))
         if f.labels is not None:
             labels.add_arrow(f.labels)
@@ -342,14 +366,15 @@ def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], 
                     "the Parquet files change, not those image files; `extractor inspect --verify` reads them again",
                     by_path)
     codes, classes = labels_of_codes(*labels.result(), where)
-    keys = ids.array()
+    numbers, which = in_file.array(), files.array()
+    of_file = which if which.any() else None  # (one file: none)
+    keys = ids.array(numbers, of_file)
     # ids made as STEM/ROW from distinct stems are distinct (the last "/" parts them): no sort of 100M hashes
-    twice = duplicate(keys) if given or len(set(stems)) < len(stems) else None
+    twice = duplicate(keys) if ids.texts is not None or len(set(stems)) < len(stems) else None
     if twice is not None:
         raise DataError(f"id {keys[twice[0]]!r} appears twice: {where(twice[0])} and {where(twice[1])}; ids must be "
                         f"unique (data.columns.id names the id column)")
-    which = files.array()
-    paths = Joined([f"{u}#{cols.image}/" for u in urls], in_file.array(), which if which.any() else None)
+    paths = Joined([f"{u}#{cols.image}/" for u in urls], numbers, of_file)
     rows = Rows(ids=keys, paths=paths, labels=codes, classes=classes,
                 fingerprints=prints.array() if len(prints) else None,
                 listing=_listing(urls, file_prints, columns))
