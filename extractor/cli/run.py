@@ -42,24 +42,19 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
         if not getattr(err, "resumable", False):
             print("\ninterrupted before the job touched its store: nothing was written", file=sys.stderr)
             return 130
-        creating = getattr(err, "creating", False)
-        kept = ("the store was being created (what it held before is gone; its finished shards are kept)" if creating
-                else "finished shards are kept")
-        print(f"\ninterrupted; {kept}. To finish the job run:\n  {finish}", file=sys.stderr)
+        print(f"\ninterrupted; {_left(err, 'interrupted')}. To finish the job run:\n  {finish}", file=sys.stderr)
         return 130
     except (ExtractorError, OSError) as err:
         # the runner marks what stopped a job whose store it holds: said with the command that finishes it
         if not getattr(err, "resumable", False) or isinstance(err, FencedError):
             raise  # before the store was touched, or the store's own word: one line from main()
         if isinstance(err, OSError) and not isinstance(err, ExtractorError):  # a full disk, a dead endpoint
-            kept = "The store is half-created, its finished shards kept" if getattr(err, "creating", False) \
-                else "Finished shards are kept"
-            print(f"error: the storage failed: {type(err).__name__}: {err}\n{kept}; once fixed, "
+            print(f"error: the storage failed: {type(err).__name__}: {err}\n{_left(err, 'storage')}; once fixed, "
                   f"finish the job with:\n  {finish}", file=sys.stderr)
         else:
-            kept = (" The store is half-created: --resume writes its rows again and keeps its finished shards."
-                    if getattr(err, "creating", False) else "")
-            print(f"error: {err}{kept}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
+            kept = _left(err, "error")
+            said = str(err) if not kept or str(err).endswith(".") else f"{err}."
+            print(f"error: {said}{kept}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
         return 1
     finally:
         bar.close()
@@ -71,6 +66,22 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
               f"data.{SOURCE_SETTINGS[spec.data.source].places[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def _left(err: BaseException, how: str) -> str:
+    """What a job stopped by ``err`` left of its store, said after an interrupt, a storage error or another error
+    (``how``): its finished shards are kept, and where the store was half-made (its rows not all written) and what
+    it held before (``err.creating``, ``err.replaced``: the store's session marks them)."""
+    creating, replaced = getattr(err, "creating", False), getattr(err, "replaced", False)
+    if how == "interrupted":
+        if creating and replaced:
+            return "the store was being created (what it held before is gone; its finished shards are kept)"
+        return "the store's rows were being written (its finished shards are kept)" if creating else \
+            "finished shards are kept"
+    if how == "storage":
+        return "The store is half-created, its finished shards kept" if creating else "Finished shards are kept"
+    return " The store is half-created: --resume writes its rows again and keeps its finished shards." if creating \
+        else ""
 
 
 def cmd_run(args: argparse.Namespace) -> int:

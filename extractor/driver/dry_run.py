@@ -180,7 +180,8 @@ def _action(decided: Decision) -> str:
         return "create" if decided.old is None else "overwrite"
     if decided.nothing_to_do:
         return "nothing to do (complete)"
-    return f"resume ({count(len(decided.todo), 'shard')} to do)"
+    again = "; a half-made store: its rows written again" if decided.rows_again else ""
+    return f"resume ({count(len(decided.todo), 'shard')} to do{again})"
 
 
 def preview(spec: JobSpec, full: bool = False) -> Preview:

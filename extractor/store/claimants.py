@@ -44,6 +44,7 @@ class ClaimantRecord(TypedDict, total=False):
     started: str
     command: str
     join: bool  # joined a store that others write too (--join)
+    rows: bool  # writes the generation's rows (made it, or writes them again: a half-made store resumed)
     shards: int  # shards it committed so far
     ended: dict[str, Any]  # how it ended: status (complete, incomplete, interrupted, failed), error, at, stats
 

@@ -45,7 +45,7 @@ from zarr.buffer.cpu import NDBuffer
 
 from .._text import now as now  # re-exported: the store's face lists it
 from ..data import BLOCK, LocatorArray, Rows, is_url, utf8
-from ..errors import StoreError
+from ..errors import FencedError, StoreError
 from ._zarr_internal import ArrayConfigParams
 from .chunks import ChunkCodec, write_texts, write_whole
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
@@ -407,8 +407,9 @@ class RowsBehind:
         if self._stop:
             raise StoreError(f"the rows of {self.objects.url} were not all written: its job stopped")
         head = read_head(self.objects)
-        if head is None or head.generation != self.name:
-            raise StoreError(f"{self.objects.url} was made again by another job while this one wrote its rows")
+        if head is None or head.generation != self.name:  # (this job's claim is lost: said as the claimant says it)
+            raise FencedError(f"{self.objects.url} was made again by another job while this one wrote its rows; "
+                              "this job stops. Look at the store with `extractor inspect`")
 
     def _advance(self, rows: int) -> None:
         with self._cond:
@@ -442,6 +443,8 @@ class RowsBehind:
         return self.error is not None or self.made or self.written >= min((shard + 1) * self.shard_size, self.n)
 
     def _raise(self) -> None:
+        if isinstance(self.error, FencedError):
+            raise self.error
         if self.error is not None:
             err = self.error
             raise StoreError(f"the rows of store {self.objects.url} could not be written: {type(err).__name__}: "

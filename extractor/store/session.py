@@ -136,7 +136,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
     if old.get("status") == "creating":  # left half-made by a job that is gone
         if mode == "error":
             raise StoreError(generation.being_made())
-        if mode == "resume" and generation.root() is not None:  # its rows were being written: written again
+        if mode in ("resume", "join") and generation.root() is not None:  # its rows were being written: again
             writers = _writers(generation)
             if not writers:
                 return _resume(spec, rows, shards, old, generation.open(), head, attrs)
@@ -158,9 +158,11 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
 
 
 def _writers(generation: Generation) -> list[dict[str, Any]]:
-    """The claimants of a half-made generation that may write its rows still: those that made or resumed it (a
-    joiner waits for it made, writing nothing) not known to be gone (:func:`~.claimants.gone`)."""
-    return [r for r in generation.roster.all() if not r.get("join") and not gone(r)]
+    """The claimants of a half-made generation that may write its rows still, the first started first: those that
+    made it or write its rows again (``rows``; records made before it said so: those that did not join) not known
+    to be gone (:func:`~.claimants.gone`)."""
+    found = [r for r in generation.roster.all() if r.get("rows", not r.get("join")) and not gone(r)]
+    return sorted(found, key=lambda r: (str(r.get("started", "")), str(r.get("id", ""))))
 
 
 def _made_by_another(generation: Generation, url: str, head: Head, timeout_s: float) -> None:
@@ -168,8 +170,9 @@ def _made_by_another(generation: Generation, url: str, head: Head, timeout_s: fl
     while the head naming it is younger than a claimant's timeout (its maker swaps the head, then writes its record:
     a joiner that looks in between finds no claimant yet, and took the generation for one left half-made: it made
     the store again over it, and the maker stopped, "made again by another job"); return at once where it is made,
-    or its maker is gone (half-made: made again)."""
-    while not generation.made() and (generation.roster.live() or _age_s(head) < timeout_s):
+    or its maker is gone (half-made: its rows written again, or the store made again)."""
+    while not generation.made() and (generation.roster.live() or (not generation.roster.all() and
+                                                                  _age_s(head) < timeout_s)):
         if not generation.still_live():
             raise StoreError(f"store {url} was made again by another job while this one waited to join it; run "
                              "again")
@@ -301,6 +304,7 @@ class StoreSession:
         self._ended = False
         self.behind: RowsBehind | None = None  # a new generation's rows, written behind its making (on_write_start)
         self._writing: threading.Thread | None = None  # ... by this thread
+        self._replaced = False  # this job made the store again over one that was there (on_write_start)
 
     @property
     def ticket(self) -> Ticket | None:
@@ -328,8 +332,11 @@ class StoreSession:
         return reuse(self.spec.data, StoredRows(group, labels))
 
     def stored_chunking(self, keys: list[str]) -> dict[str, tuple[int, bool]]:
-        """Rows per chunk and whether sharded, of the store's capture arrays ``keys``."""
-        group = open_group(self.spec.output.store, self.spec.output.storage_options)
+        """Rows per chunk and whether sharded, of the store's capture arrays ``keys`` (the generation :meth:`decide`
+        read: one left half-made too, its arrays made)."""
+        head = self.decision.head if self.decision is not None else None
+        group = Generation(self.objects, head.generation).open() if head is not None and head.generation else \
+            open_group(self.spec.output.store, self.spec.output.storage_options)
         arrays = {k: get_array(group, k) for k in keys}
         return {k: (int(a.chunks[0]), bool(getattr(a, "shards", None))) for k, a in arrays.items()}
 
@@ -413,6 +420,7 @@ class StoreSession:
                 f"{str(err).rstrip('.')}. Its parent folder or bucket must exist and be writable (check "
                 "output.store and output.storage_options)") from err
         self.generation = Generation(self.objects, name)
+        self._replaced = decision.old is not None
         self._join()
         legacy = decision.head is not None and decision.head.generation is None  # a store of format 1 replaced
         if collect_others(self.objects, name, legacy):
@@ -468,7 +476,7 @@ class StoreSession:
             raise StoreError(f"store {self.spec.output.store} was replaced by another job after this one looked at "
                              "it; run again (--resume finishes it)")
         self.generation = Generation(self.objects, head.generation)
-        self._join()
+        self._join(rows=decision.rows_again)
         if not decision.rows_again:
             self._wait_made()
         table = self._redo(decision)
@@ -478,14 +486,19 @@ class StoreSession:
 
     def _rows_again(self, rows: Rows, table: Table) -> None:
         """The rows of a generation left half-made, to write again behind its shards (:meth:`decide` found every
-        process that wrote them gone); refused where another job resumes it too."""
+        process that wrote them gone). Where another job came to write them too, the one that started first does:
+        this one, joining, waits for the store made; resuming, it is refused."""
         assert self.generation is not None and self.claimant is not None
-        mine = f"{self.claimant.id:016x}"
-        others = [r for r in _writers(self.generation) if r.get("id") != mine]
-        if others:
+        writers = _writers(self.generation)  # (this one's record among them: written before it looked)
+        if writers and writers[0].get("id") != f"{self.claimant.id:016x}":
+            if self.spec.output.if_exists == "join":
+                log.info("%s: its rows are written again by another job; this one waits for them",
+                         self.spec.output.store)
+                self._wait_made()
+                return
             raise StoreError(f"store {self.spec.output.store} is being resumed by another extractor job now: "
-                             f"{_claimants_text(others)}. Wait for it to finish, or run this job with --join to "
-                             "compute beside it")
+                             f"{_claimants_text(writers[:1])}. Wait for it to finish, or run this job with --join "
+                             "to compute beside it")
         attempts = np.unique(table.attempts("rows"))
         if len(attempts) != 1 or not attempts[0]:  # (named once, when the generation was made)
             raise StoreError(f"cannot resume {self.spec.output.store}: its rows are held by {len(attempts)} attempts, "
@@ -505,11 +518,12 @@ class StoreSession:
                            sharded=spec.output.sharding, locators=source(spec.data.source).locators,
                            index_parts=parts)
 
-    def _join(self) -> None:
-        """This process, a claimant of the generation (its record renewed until the session ends)."""
+    def _join(self, rows: bool = True) -> None:
+        """This process, a claimant of the generation (its record renewed until the session ends); ``rows``: it
+        writes the generation's rows (it makes it, or writes them again)."""
         assert self.generation is not None
         generation = self.generation
-        info = {**owner(), "join": self.spec.output.if_exists == "join"}
+        info = {**owner(), "join": self.spec.output.if_exists == "join", "rows": rows}
         self.claimant = Claimant(self.objects, generation.claimants_prefix, self.spec.output.lease_timeout_s, info,
                              still_ours=generation.still_live)
         self.claimant.start()
@@ -730,9 +744,11 @@ class StoreSession:
         self._end(status, f"{type(err).__name__}: {err}"[:1000])  # its own record: no one else's object
         if isinstance(err, FencedError):
             return
-        creating = self.generation is not None and not self.generation.made()
+        gen = self.generation
+        creating = gen is not None and not gen.made() and gen.still_live()
         err.resumable = True  # type: ignore[attr-defined]  # the CLI prints the command that finishes it
-        err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store
+        err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store: half-made,
+        err.replaced = self._replaced  # type: ignore[attr-defined]  # and what it held before gone
 
     def _end(self, status: str, error: str | None = None) -> None:
         if self.claimant is None or self._ended:

@@ -183,6 +183,47 @@ def test_an_interrupt_while_the_rows_are_written_leaves_the_store_half_made_and_
     _made_as_listed(url, images)  # its rows, id index and digests written again
 
 
+def test_a_half_made_store_is_planned_and_joined_as_it_is_resumed(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    """``plan --resume`` says what ``run --resume`` does, and ``--join`` (what its interrupt's message names for a
+    job that joined) writes its rows again and keeps its shards too, at once: its maker's record is there, gone,
+    so the joiner does not wait for the head to age as for a maker not yet on the roster."""
+    import extractor.store.session as session
+    from extractor.driver.dry_run import preview
+
+    url, kept = _interrupted_half_made(images, tmp_path, monkeypatch)
+    planned = preview(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert planned.action == f"resume ({4 - kept} shards to do; a half-made store: its rows written again)"
+
+    def aged(head: Any) -> float:
+        raise AssertionError("the joiner waited on the head's age")
+
+    monkeypatch.setattr(session, "_age_s", aged)
+    summary = run(_spec(images, tmp_path / "s.zarr", if_exists="join"))
+    assert summary.ok == 8 and summary.shards_run == 4 - kept
+    _made_as_listed(url, images)
+
+
+def test_a_rows_writer_whose_store_was_made_again_stops_as_fenced(tmp_path: Path, images: Path):
+    """A driver paused while it wrote a new store's rows, woken after another job made the store again: its rows
+    writer stops at its next stretch, and says so as a claim lost (no "half-created", no resume to run)."""
+    from extractor.data import list_rows
+    from extractor.errors import FencedError
+    from extractor.store import Objects
+    from extractor.store.generation import read_head, swap_head
+    from extractor.store.layout import StoreArrays, now, start_generation
+
+    objects = Objects.at(str(tmp_path / "s.zarr"))
+    name = swap_head(objects, None, now())
+    rows = list_rows(_spec(images, tmp_path / "s.zarr").data)
+    behind = start_generation(objects, name, rows, StoreArrays({}, {}, 2, {}), {"ids_digest": None})
+    swap_head(objects, read_head(objects), now())  # made again meanwhile
+    with pytest.raises(FencedError, match="made again by another job while this one wrote its rows"):
+        behind.write()
+    with pytest.raises(FencedError):
+        behind.ready(3)
+
+
 def test_a_half_made_store_whose_computed_rows_are_listed_otherwise_is_refused_and_left_as_it_is(
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
     url, kept = _interrupted_half_made(images, tmp_path, monkeypatch)

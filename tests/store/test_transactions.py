@@ -391,6 +391,9 @@ def test_ctrl_c_while_overwrite_makes_the_store_says_the_old_one_is_gone(
     err = capsys.readouterr().err
     assert "nothing was written" not in err and "the store was being created (what it held before is gone;" in err
     assert f"run {spec} -q --resume" in err, err
+    assert main(["run", str(spec), "-q", "--resume"]) == 130  # its rows written again, interrupted again
+    err = capsys.readouterr().err
+    assert "the store's rows were being written (its finished shards are kept)" in err and "gone" not in err, err
     monkeypatch.undo()
     assert main(["run", str(spec), "-q", "--resume"]) == 0
     assert open_store(str(tmp_path / "s.zarr")).attrs["status"] == "complete"
