@@ -477,28 +477,32 @@ class StoreSession:
                              "it; run again (--resume finishes it)")
         self.generation = Generation(self.objects, head.generation)
         self._join(rows=decision.rows_again)
-        if not decision.rows_again:
+        again = decision.rows_again and self._first_to_write_rows()
+        if not again:
             self._wait_made()
         table = self._redo(decision)
         self._record_source(decision, record, table)
-        if decision.rows_again:
+        if again:
             self._rows_again(rows, table)
 
-    def _rows_again(self, rows: Rows, table: Table) -> None:
-        """The rows of a generation left half-made, to write again behind its shards (:meth:`decide` found every
-        process that wrote them gone). Where another job came to write them too, the one that started first does:
-        this one, joining, waits for the store made; resuming, it is refused."""
+    def _first_to_write_rows(self) -> bool:
+        """Whether this process writes the rows of the half-made generation again: of the jobs that came to write
+        them (:meth:`decide` found every one before gone), the one that started first does; another, joining, waits
+        for the store made (False); resuming, it is refused."""
         assert self.generation is not None and self.claimant is not None
         writers = _writers(self.generation)  # (this one's record among them: written before it looked)
-        if writers and writers[0].get("id") != f"{self.claimant.id:016x}":
-            if self.spec.output.if_exists == "join":
-                log.info("%s: its rows are written again by another job; this one waits for them",
-                         self.spec.output.store)
-                self._wait_made()
-                return
-            raise StoreError(f"store {self.spec.output.store} is being resumed by another extractor job now: "
-                             f"{_claimants_text(writers[:1])}. Wait for it to finish, or run this job with --join "
-                             "to compute beside it")
+        if not writers or writers[0].get("id") == f"{self.claimant.id:016x}":
+            return True
+        if self.spec.output.if_exists == "join":
+            log.info("%s: its rows are written again by another job; this one waits for them", self.spec.output.store)
+            return False
+        raise StoreError(f"store {self.spec.output.store} is being resumed by another extractor job now: "
+                         f"{_claimants_text(writers[:1])}. Wait for it to finish, or run this job with --join to "
+                         "compute beside it")
+
+    def _rows_again(self, rows: Rows, table: Table) -> None:
+        """The rows of a generation left half-made, to write again behind its shards (:attr:`behind`)."""
+        assert self.generation is not None
         attempts = np.unique(table.attempts("rows"))
         if len(attempts) != 1 or not attempts[0]:  # (named once, when the generation was made)
             raise StoreError(f"cannot resume {self.spec.output.store}: its rows are held by {len(attempts)} attempts, "

@@ -204,6 +204,33 @@ def test_a_half_made_store_is_planned_and_joined_as_it_is_resumed(
     _made_as_listed(url, images)
 
 
+def test_of_two_jobs_that_come_to_write_a_half_made_stores_rows_the_one_started_first_does(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    """Two resumes that both found the writers gone (between one's look and its record, the other's record came):
+    the one started later is refused, naming the other, and writes nothing."""
+    import os
+    import socket
+    import time
+
+    from extractor.store.session import StoreSession
+
+    url, kept = _interrupted_half_made(images, tmp_path, monkeypatch)
+    gen = generation(url)
+    join = StoreSession._join
+
+    def beside(self: Any, rows: bool = True) -> None:
+        join(self, rows)  # another resume's record, live, started before this one
+        other = {"id": "00000000000000aa", "host": socket.gethostname(), "pid": os.getpid(), "rows": True,
+                 "join": False, "started": "2000-01-01T00:00:00+00:00", "heartbeat": time.time(), "timeout_s": 600}
+        gen.objects.put(f"{gen.claimants_prefix}/{other['id']}", json.dumps(other).encode())
+
+    monkeypatch.setattr(StoreSession, "_join", beside)
+    with pytest.raises(StoreError, match=r"being resumed by another extractor job now: pid \d+ .*started "
+                                         r"2000-01-01.*--join"):
+        run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert (read_state(url) or {})["status"] == "creating" and committed_count(url) == kept
+
+
 def test_a_rows_writer_whose_store_was_made_again_stops_as_fenced(tmp_path: Path, images: Path):
     """A driver paused while it wrote a new store's rows, woken after another job made the store again: its rows
     writer stops at its next stretch, and says so as a claim lost (no "half-created", no resume to run)."""
