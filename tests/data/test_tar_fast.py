@@ -39,12 +39,14 @@ def _expected(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, in
                 meta = json.loads(tar.extractfile(m).read())
                 if "label" in meta:
                     s.setdefault("json", meta["label"])
-    return [(k, *s["image"], s.get("cls", s.get("json"))) for k, s in samples.items() if "image" in s]
+    imageless = [k for k, s in samples.items() if "image" not in s]  # left out: their count and the first
+    return [(k, *s["image"], s.get("cls", s.get("json"))) for k, s in samples.items() if "image" in s] + \
+        [(len(imageless), imageless[0] if imageless else None)]
 
 
 def _listed(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, int, Any]]:
     s = scan_tar(str(path), exts, {})
-    return list(zip(s.keys, s.members, s.offsets, s.sizes, s.each_label(), strict=True))
+    return [*zip(s.keys, s.members, s.offsets, s.sizes, s.each_label(), strict=True), (s.left_out, s.left_out_key)]
 
 
 def _fast(path: Path) -> bool:
@@ -104,19 +106,34 @@ def test_tars_the_bulk_reader_leaves_to_the_plain_one_list_the_same(tmp_path: Pa
         assert _listed(path, (".jpg",)) == _expected(path, (".jpg",))
 
 
+def test_samples_without_an_image_are_left_out_with_one_warning_naming_the_first(tmp_path: Path,
+                                                                                 caplog: pytest.LogCaptureFixture):
+    first = _write(tmp_path / "0.tar", [("a/k0.jpg", b"x"), ("a/k0.cls", b"1"), ("a/k1.tiff", b"y"),
+                                       ("a/k1.cls", b"2")])
+    _write(tmp_path / "1.tar", [("b/k2.tif", b"z"), ("b/k3.jpg", b"w")])
+    with caplog.at_level("WARNING", logger="extractor.data.sources.tar"):
+        rows = list_tars(str(tmp_path / "{0..1}.tar"), [".jpg"], {})
+    assert list(rows.ids) == ["a/k0", "b/k3"]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("2 samples of data.tars have no member whose extension is one of "
+                                                 f"data.extensions (.jpg), and are left out (the first: 'a/k1' in "
+                                                 f"{first})"), said
+
+
 def test_a_tar_cut_short_lists_the_members_before_the_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     path = _write(tmp_path / "t.tar", _members(40))
     whole = _listed(path, (".jpg",))
     cut = tmp_path / "cut.tar"
     cut.write_bytes(path.read_bytes()[: whole[20][2] - 300])  # inside the header of the 21st image
     assert _fast(cut)
-    assert _listed(cut, (".jpg",)) == _expected(cut, (".jpg",)) == whole[:20]
+    assert _listed(cut, (".jpg",)) == _expected(cut, (".jpg",))
+    assert _listed(cut, (".jpg",))[:-1] == whole[:20]  # (then the samples left out: their count, the first)
     assert "ends early" in caplog.text
     junk = tmp_path / "junk.tar"  # a block of noise where the 21st image's header was
     data = bytearray(path.read_bytes())
     data[whole[20][2] - 512:whole[20][2]] = np.random.default_rng(0).bytes(512)
     junk.write_bytes(bytes(data))
-    assert _listed(junk, (".jpg",)) == whole[:20]
+    assert _listed(junk, (".jpg",))[:-1] == whole[:20]
 
 
 def test_two_images_under_one_key_are_refused_naming_both(tmp_path: Path):
@@ -129,7 +146,7 @@ def test_list_tars_rows_are_tarfiles_members(tmp_path: Path):
     """The rows' ids, paths (TAR#MEMBER), offsets, sizes and labels equal tarfile's listing of the same tars."""
     tars = [_write(tmp_path / f"{t}.tar", [(f"t{t}/{name}", d) for name, d in _members(30 + t)]) for t in range(3)]
     rows = list_tars([str(t) for t in tars], [".jpg"], {})
-    want = [(k, f"{t}#{m}", o, s, lab) for t in tars for k, m, o, s, lab in _expected(t, (".jpg",))]
+    want = [(k, f"{t}#{m}", o, s, lab) for t in tars for k, m, o, s, lab in _expected(t, (".jpg",))[:-1]]
     offsets, sizes = rows.locators["byte_offset"].tolist(), rows.locators["byte_size"].tolist()
     assert list(zip(rows.ids, rows.paths, offsets, sizes, strict=True)) == \
         [w[:4] for w in want]

@@ -211,9 +211,11 @@ def _grouped(mm: mmap.mmap, names: np.ndarray, offsets: np.ndarray, sizes: np.nd
     else:
         found, codes = bulk[0], bulk[1][samples]
     end_names, end_codes = _ends(names[member], key_len[member], length[member])
+    imageless = order[chosen[order] < 0]  # keys without an image member: not samples
     out = {"keys": _texts(unique[samples]), "members": _texts(names[member].view(f"S{width}").ravel()),
            "offsets": offsets[member].tolist(), "sizes": sizes[member].tolist(), "labels": found,
-           "label_codes": codes, "end_names": end_names, "end_codes": end_codes}
+           "label_codes": codes, "end_names": end_names, "end_codes": end_codes, "left_out": len(imageless),
+           "left_out_key": unique[imageless[0]].decode("ascii") if len(imageless) else None}
     return out, [k.decode("ascii") for k in unique[order[:5]].tolist()]
 
 

@@ -79,6 +79,8 @@ class Samples:
     # each sample's code into them (None: taken from the names)
     end_names: list[str] = field(default_factory=list)
     end_codes: np.ndarray | None = None
+    left_out: int = 0  # samples (keys) with no image member of data.extensions: not rows
+    left_out_key: str | None = None  # the first of them
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -152,7 +154,10 @@ def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str
             rec[3] = _read_label(_read_at(fobj, offset, size), ext, rec[3])
     out = Samples()
     for key, (member, offset, size, label) in found.items():
-        if member is not None:
+        if member is None:
+            out.left_out += 1
+            out.left_out_key = out.left_out_key or key
+        else:
             out.keys.append(key)
             out.members.append(member)
             out.offsets.append(offset)
@@ -278,11 +283,18 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
 
     threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
     # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
-    labels = Distinct()
+    labels, left_out, first = Distinct(), 0, ""
     for t, (found, tar_print) in enumerate(zip(prefetched(urls, lambda u: scan_tar(u, extensions, storage),
                                                           threads + 1, threads), tar_prints, strict=True)):
         columns.add(t, found, tar_print)
         found.add_labels(labels)
+        if found.left_out and not left_out:
+            first = f"{found.left_out_key!r} in {urls[t]}"
+        left_out += found.left_out
+    if left_out:  # (a member of another extension than data.extensions names: not an image to the job)
+        log.warning("%d samples of data.tars have no member whose extension is one of data.extensions (%s), and are "
+                    "left out (the first: %s); add their image's extension to data.extensions to read them", left_out,
+                    ", ".join(extensions), first)
     codes, classes = labels_of_codes(*labels.result(),
                                      lambda n: f"tar shard {columns.tar_of(n)}, sample {columns.ids[n]!r}")
     keys = columns.ids.array()
