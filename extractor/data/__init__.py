@@ -15,7 +15,6 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .preprocess import IMAGENET, PIL_RESAMPLE, Preprocess, from_dict, of_store, resolve
     from .rows import (
         BLOCK,
-        Joined,
         LocatorArray,
         Rows,
         Shard,
@@ -25,6 +24,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         plan,
         strings,
         text_hashes,
+        texts_part,
         utf8,
     )
     from .sources import Recorded, Sampled, forget_reads, locator_names, read_bytes, reuse, source

@@ -445,6 +445,16 @@ def hash_blocks(ids: Any) -> Iterator[np.ndarray]:
         yield np.asarray([hash(i) for i in ids[start:start + BLOCK].tolist()], dtype=np.int64)
 
 
+def texts_part(strings: Any, start: int, stop: int) -> Any:
+    """Strings ``start:stop`` as a Texts where they are held as bytes (a Texts' part; a Joined's made in bulk, but
+    one holding a surrogate), else sliced as given."""
+    stop = min(stop, len(strings))
+    if isinstance(strings, Texts):
+        return strings.part(start, stop)
+    found = strings.utf8(start, stop) if isinstance(strings, Joined) else None
+    return Texts(*found) if found is not None else strings[start:stop]
+
+
 def text_hashes(texts: Texts | Sequence[str]) -> np.ndarray:
     """A 64-bit hash (int64) of each string from its UTF-8 (:func:`_text_hashes`), the same in every process, unlike
     Python's ``hash``: a store's index of its ids keeps them. A sequence that is not a Texts is made one a block at
@@ -452,13 +462,11 @@ def text_hashes(texts: Texts | Sequence[str]) -> np.ndarray:
     hashes = np.empty(len(texts), dtype=np.int64)
     if not isinstance(texts, Texts):
         for start in range(0, len(texts), BLOCK):
-            found = texts.utf8(start, start + BLOCK) if isinstance(texts, Joined) else None  # (made in bulk)
-            if found is None:
+            part = texts_part(texts, start, start + BLOCK)
+            if not isinstance(part, Texts):
                 gathered = Strings()
-                gathered.extend(list(texts[start:start + BLOCK]))
+                gathered.extend(list(part))
                 part = gathered.array()
-            else:
-                part = Texts(*found)
             hashes[start:start + BLOCK] = text_hashes(part)
         return hashes
     at = 0

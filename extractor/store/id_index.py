@@ -12,7 +12,7 @@ from typing import Any, TypedDict, cast
 import numpy as np
 import zarr
 
-from ..data import BLOCK, Joined, Texts, by_hash, text_hashes, utf8
+from ..data import BLOCK, by_hash, text_hashes, texts_part
 from .chunks import read_all
 
 __all__ = ["ID_INDEX", "SortedIds", "create_id_index", "id_index_objects", "read_id_index", "write_id_index"]
@@ -83,10 +83,7 @@ def _hash_blocks(ids: Any) -> Any:
     """:func:`hash_ids` of ``ids`` a block at a time (a Texts' blocks, and a Joined's made in bulk, as Texts: hashed
     from their bytes)."""
     for start in range(0, len(ids), BLOCK):
-        stop = min(start + BLOCK, len(ids))
-        found = None if isinstance(ids, Texts) else utf8(ids, start, stop) if isinstance(ids, Joined) else None
-        yield hash_ids(ids.part(start, stop) if isinstance(ids, Texts) else Texts(*found) if found is not None
-                       else ids[start:stop])
+        yield hash_ids(texts_part(ids, start, start + BLOCK))
 
 
 class SortedIds:
