@@ -40,7 +40,7 @@ import numpy as np
 import zarr
 
 from ..errors import StoreError
-from .claimants import Roster, alive
+from .claimants import Roster, alive, gone
 from .ledger import Ledger, Table
 from .objects import LOCK, Objects
 from .views import ROOT, GenerationStore, read_view
@@ -227,6 +227,27 @@ class Generation:
         """Record the source's listing, if it is still at ``version`` (False otherwise)."""
         data = json.dumps({"listing": listing, "nonce": uuid.uuid4().hex}).encode()
         return self.objects.swap(self.txn("listing"), version, data)
+
+    def take_rows(self, claimant: int) -> int | None:
+        """Take the next turn at writing this half-made generation's rows again (its maker's turn gone): the turns
+        are create-only objects, numbered, so the storage lets one process have each; the next is taken only once
+        the holder of the last is gone (:func:`~.claimants.gone`: ended, or its process gone from this machine).
+        None where ``claimant`` took it; else the claimant whose turn it is. (Two resumes that both found the
+        writers gone, one paused between its look and its record, chose by their records' start times before:
+        both could write.)"""
+        turns = self.objects.list(self.txn("rows-turns"))
+        if turns:
+            holder = self._turn_holder(turns[-1])
+            record = json.loads(self.objects.get(f"{self.claimants_prefix}/{holder:016x}") or b"{}")  # (as it is now)
+            if holder != claimant and record and not gone(record):
+                return holder
+        name = f"{len(turns):08d}"
+        if self.objects.create(self.txn(f"rows-turns/{name}"), f"{claimant:016x}".encode()):
+            return None
+        return self._turn_holder(name)
+
+    def _turn_holder(self, turn: str) -> int:
+        return int(self.objects.get(self.txn(f"rows-turns/{turn}")) or b"0", 16)
 
     def still_live(self) -> bool:
         """Whether this generation is still the one the store's head names."""

@@ -419,12 +419,14 @@ class RowsBehind:
     def _record(self, more: Mapping[str, Any]) -> None:
         """The root's record with ``more`` (one write: its metadata and consolidated metadata as they are)."""
         key = f"{self.name}/{ROOT}"
-        data = self.objects.get(key)
-        if data is None:
-            raise StoreError(f"{self.objects.url}: the root of generation {self.name} is gone (made again)")
-        root = json.loads(data)
-        root.setdefault("attributes", {}).setdefault(ATTR, {}).update(more)
-        self.objects.put(key, json.dumps(root).encode())
+        while True:  # (a swap: a write of the root between the read and the write is read again, never lost)
+            data, version = self.objects.read(key)
+            if data is None:
+                raise StoreError(f"{self.objects.url}: the root of generation {self.name} is gone (made again)")
+            root = json.loads(data)
+            root.setdefault("attributes", {}).setdefault(ATTR, {}).update(more)
+            if self.objects.swap(key, version, json.dumps(root).encode()):
+                return
 
     def ready(self, shard: int) -> bool:
         """Whether ``shard``'s rows are in the store (raises the writer's error)."""

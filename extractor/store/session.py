@@ -158,7 +158,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
 
 
 def _writers(generation: Generation) -> list[dict[str, Any]]:
-    """The claimants of a half-made generation that may write its rows still, the first started first: those that
+    """The claimants of a half-made generation that may write its rows still (the first started first): those that
     made it or write its rows again (``rows``; records made before it said so: those that did not join) not known
     to be gone (:func:`~.claimants.gone`)."""
     found = [r for r in generation.roster.all() if r.get("rows", not r.get("join")) and not gone(r)]
@@ -486,19 +486,19 @@ class StoreSession:
             self._rows_again(rows, table)
 
     def _first_to_write_rows(self) -> bool:
-        """Whether this process writes the rows of the half-made generation again: of the jobs that came to write
-        them (:meth:`decide` found every one before gone), the one that started first does; another, joining, waits
-        for the store made (False); resuming, it is refused."""
+        """Whether this process writes the rows of the half-made generation again: the one that takes the turn
+        (:meth:`.generation.Generation.take_rows`, a create-only write) does, where they are still to write; of
+        the others, one joining waits for the store made (False), one resuming is refused."""
         assert self.generation is not None and self.claimant is not None
-        writers = _writers(self.generation)  # (this one's record among them: written before it looked)
-        if not writers or writers[0].get("id") == f"{self.claimant.id:016x}":
-            return True
+        holder = self.generation.take_rows(self.claimant.id)
+        if holder is None:
+            return not self.generation.made()  # (made meanwhile by the turn before, gone since: nothing to write)
         if self.spec.output.if_exists == "join":
             log.info("%s: its rows are written again by another job; this one waits for them", self.spec.output.store)
             return False
         raise StoreError(f"store {self.spec.output.store} is being resumed by another extractor job now: "
-                         f"{_claimants_text(writers[:1])}. Wait for it to finish, or run this job with --join to "
-                         "compute beside it")
+                         f"{_claimants_text([self.generation.roster.record(holder)])}. Wait for it to finish, or run "
+                         "this job with --join to compute beside it")
 
     def _rows_again(self, rows: Rows, table: Table) -> None:
         """The rows of a generation left half-made, to write again behind its shards (:attr:`behind`)."""

@@ -44,16 +44,16 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _spec(images: Path, store: Path, **output: Any) -> Any:
+def _spec(images: Path, store: Path | str, **output: Any) -> Any:
     return parse_spec(job(images, store, data={"shard_size": 2, "batch_size": 2},
                           capture=[{"layer": "layer4", "reduce": "mean", "dtype": "float32"}],
                           output={"chunk_rows": 2, **output}))
 
 
-def _made_as_listed(url: str, images: Path) -> None:
+def _made_as_listed(url: str, images: Path, options: dict | None = None) -> None:
     """The store is made, complete, and holds the images' rows as listed (ids, labels, digests, id index) and what
     a direct forward of the toy model on hand-preprocessed images gives."""
-    s = open_store(url)
+    s = open_store(url, options)
     assert s.attrs["status"] == "complete" and s.attrs["rows_written"] is True
     ids = [str(i) for i in s.ids]
     assert ids == sorted(str(p.relative_to(images)) for p in images.rglob("*") if p.is_file())
@@ -61,7 +61,7 @@ def _made_as_listed(url: str, images: Path) -> None:
     assert s.attrs["ids_digest"] == NamesDigest.of(np.asarray(ids)) and \
         s.attrs["paths_digest"] == NamesDigest.of(np.asarray([str(p) for p in s.paths]))
     assert [s.row(i)["row"] for i in reversed(ids)] == list(range(7, -1, -1))
-    index = read_id_index(opened(url), 8, s.attrs["ids_digest"], lambda rows: [ids[r] for r in rows])
+    index = read_id_index(opened(url, options), 8, s.attrs["ids_digest"], lambda rows: [ids[r] for r in rows])
     assert index is not None and index.find(ids[::-1]).tolist() == list(range(7, -1, -1))  # written last, whole
     ref = tiny_resnet_mean([Path(p) for p in s.paths]).numpy()
     assert np.abs(s.numpy("layer4") - ref).max() <= 2e-3 * np.abs(ref).max()
@@ -135,10 +135,12 @@ def test_a_job_that_fails_while_its_rows_are_written_finishes_them_and_its_resum
     assert again.ok == 8 and again.shards_run == 4 - kept
 
 
-def _interrupted_half_made(images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, int]:
+def _interrupted_half_made(images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str = "",
+                           options: dict | None = None) -> tuple[str, int]:
     """A job interrupted once shard 0 is committed while its rows from row 4 on are held: the store half-made
-    (rows 0-6 written, the stretch after the interrupt's stop included). Its URL and its shards committed."""
-    url, go, order = str(tmp_path / "s.zarr"), threading.Event(), []
+    (rows 0-6 written, the stretch after the interrupt's stop included), at ``url`` (a store under ``tmp_path``
+    where none is given). Its URL and its shards committed."""
+    url, go, order = url or str(tmp_path / "s.zarr"), threading.Event(), []
     write, stop = layout._RowArrays.write, layout.RowsBehind.stop
 
     def held(self: Any, start: int, end: int) -> None:
@@ -159,12 +161,12 @@ def _interrupted_half_made(images: Path, tmp_path: Path, monkeypatch: pytest.Mon
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run(_spec(images, tmp_path / "s.zarr"), on_event=on_event)
+        run(_spec(images, url, **({"storage_options": options} if options else {})), on_event=on_event)
     monkeypatch.undo()
     monkeypatch.setattr(layout, "WRITE_ROWS", 2)  # (undone too: the resume writes them behind as well)
     monkeypatch.setattr(layout, "ONCE_ROWS", 2)
-    assert order == [0, 2, 4] and (read_state(url) or {})["status"] == "creating", order  # half-made
-    return url, committed_count(url)
+    assert order == [0, 2, 4] and (read_state(url, options) or {})["status"] == "creating", order  # half-made
+    return url, committed_count(url, options)
 
 
 def test_an_interrupt_while_the_rows_are_written_leaves_the_store_half_made_and_its_resume_keeps_its_shards(
@@ -181,6 +183,22 @@ def test_an_interrupt_while_the_rows_are_written_leaves_the_store_half_made_and_
     assert generation(url).name == gen.name and all(
         generation(url).ledger().read().attempts("data")[k] == v for k, v in before.items())  # as they were
     _made_as_listed(url, images)  # its rows, id index and digests written again
+
+
+def test_a_half_made_store_on_s3_is_resumed_in_place(images: Path, tmp_path: Path, stretch_a_shard: None,
+                                                     monkeypatch: pytest.MonkeyPatch, moto_s3: dict[str, str]):
+    """On an S3 server (moto): the resume's turn is a conditional create there, its root's record a swap (If-Match),
+    and the store holds what a direct forward gives, its committed shards kept."""
+    import s3fs
+
+    s3fs.S3FileSystem(**moto_s3).mkdir("behind")
+    url = f"s3://behind/{tmp_path.name}.zarr"
+    url, kept = _interrupted_half_made(images, tmp_path, monkeypatch, url, moto_s3)
+    summary = run(_spec(images, url, if_exists="resume", storage_options=moto_s3))
+    assert summary.ok == 8 and summary.shards_run == 4 - kept
+    gen = generation(url, moto_s3)
+    assert gen.objects.list(gen.txn("rows-turns")) == ["00000000"]
+    _made_as_listed(url, images, moto_s3)
 
 
 def test_a_half_made_store_is_planned_and_joined_as_it_is_resumed(
@@ -204,10 +222,11 @@ def test_a_half_made_store_is_planned_and_joined_as_it_is_resumed(
     _made_as_listed(url, images)
 
 
-def test_of_two_jobs_that_come_to_write_a_half_made_stores_rows_the_one_started_first_does(
+def test_of_two_jobs_that_come_to_write_a_half_made_stores_rows_the_one_that_takes_the_turn_does(
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
-    """Two resumes that both found the writers gone (between one's look and its record, the other's record came):
-    the one started later is refused, naming the other, and writes nothing."""
+    """Two resumes that both found the writers gone: the turn, a create-only object, goes to one; the other is
+    refused, naming it, and writes nothing, though it started first (what chose before: both wrote where the one
+    started first was paused between its look and its record)."""
     import os
     import socket
     import time
@@ -219,16 +238,73 @@ def test_of_two_jobs_that_come_to_write_a_half_made_stores_rows_the_one_started_
     join = StoreSession._join
 
     def beside(self: Any, rows: bool = True) -> None:
-        join(self, rows)  # another resume's record, live, started before this one
+        join(self, rows)  # another resume, started after this one, took the turn meanwhile
         other = {"id": "00000000000000aa", "host": socket.gethostname(), "pid": os.getpid(), "rows": True,
-                 "join": False, "started": "2000-01-01T00:00:00+00:00", "heartbeat": time.time(), "timeout_s": 600}
+                 "join": False, "started": "2099-01-01T00:00:00+00:00", "heartbeat": time.time(), "timeout_s": 600}
         gen.objects.put(f"{gen.claimants_prefix}/{other['id']}", json.dumps(other).encode())
+        assert gen.objects.create(gen.txn("rows-turns/00000000"), other["id"].encode())
 
     monkeypatch.setattr(StoreSession, "_join", beside)
     with pytest.raises(StoreError, match=r"being resumed by another extractor job now: pid \d+ .*started "
-                                         r"2000-01-01.*--join"):
+                                         r"2099-01-01.*--join"):
         run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
     assert (read_state(url) or {})["status"] == "creating" and committed_count(url) == kept
+
+
+def test_a_turn_at_a_half_made_stores_rows_is_taken_once_and_after_its_holder_is_gone(tmp_path: Path):
+    """The turns as two processes see them: one takes it, the other is told whose it is; once the holder ended
+    (or its process is gone from this machine), the next turn is the other's, once."""
+    import os
+    import socket
+    import time
+
+    from extractor.store import Objects
+    from extractor.store.generation import Generation
+
+    gen = Generation(Objects.at(str(tmp_path / "s.zarr")), "g")
+
+    def record(claimant: int, **more: Any) -> None:
+        info = {"id": f"{claimant:016x}", "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time(),
+                "timeout_s": 600, **more}
+        gen.objects.put(f"{gen.claimants_prefix}/{claimant:016x}", json.dumps(info).encode())
+
+    record(1), record(2)
+    assert gen.take_rows(1) is None and gen.take_rows(2) == 1 and gen.take_rows(2) == 1
+    record(1, ended=True)
+    assert gen.take_rows(2) is None and gen.take_rows(1) == 2
+    record(2, pid=2 ** 22 + 12345)  # (no such process: gone from this machine)
+    record(3, host="another-host")
+    assert gen.take_rows(3) is None and gen.take_rows(1) == 3  # one silent elsewhere is never taken over
+    assert gen.objects.list(gen.txn("rows-turns")) == ["00000000", "00000001", "00000002"]
+
+
+def test_a_resume_interrupted_while_it_wrote_the_rows_leaves_the_next_turn_to_the_next_resume(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    url, _kept = _interrupted_half_made(images, tmp_path, monkeypatch)
+    hold, write, stop = threading.Event(), layout._RowArrays.write, layout.RowsBehind.stop
+
+    def held(self: Any, start: int, end: int) -> None:
+        if start >= 6:  # (shards 1 and 2 may run)
+            assert hold.wait(WAIT_S), "the resume never stopped its rows"
+        write(self, start, end)
+
+    def stopping(self: Any) -> None:
+        stop(self)
+        hold.set()
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_started":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(layout._RowArrays, "write", held)
+    monkeypatch.setattr(layout.RowsBehind, "stop", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        run(_spec(images, tmp_path / "s.zarr", if_exists="resume"), on_event=on_event)
+    gen = generation(url)
+    assert (read_state(url) or {})["status"] == "creating" and gen.objects.list(gen.txn("rows-turns")) == ["00000000"]
+    assert run(_spec(images, tmp_path / "s.zarr", if_exists="resume")).ok == 8
+    assert gen.objects.list(gen.txn("rows-turns")) == ["00000000", "00000001"]
+    _made_as_listed(url, images)
 
 
 def test_a_rows_writer_whose_store_was_made_again_stops_as_fenced(tmp_path: Path, images: Path):
@@ -249,6 +325,36 @@ def test_a_rows_writer_whose_store_was_made_again_stops_as_fenced(tmp_path: Path
         behind.write()
     with pytest.raises(FencedError):
         behind.ready(3)
+
+
+def test_the_roots_record_of_rows_written_loses_no_write_made_between_its_read_and_its_write(
+        tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatch):
+    """The record that the rows are written is a swap of the root: another write of the root landing between its
+    read and its write is read again and kept (a read then a plain put lost it)."""
+    from extractor.data import list_rows
+    from extractor.store import Objects
+    from extractor.store.generation import swap_head
+    from extractor.store.layout import ATTR, ROOT, StoreArrays, now, start_generation
+
+    objects = Objects.at(str(tmp_path / "s.zarr"))
+    name = swap_head(objects, None, now())
+    behind = start_generation(objects, name, list_rows(_spec(images, tmp_path / "s.zarr").data),
+                              StoreArrays({}, {}, 2, {}), {"ids_digest": None})
+    read, key = type(objects).read, f"{name}/{ROOT}"
+
+    def read_then_another_writes(self: Any, at: str) -> Any:
+        got = read(self, at)
+        if at == key and not hasattr(read_then_another_writes, "done"):
+            read_then_another_writes.done = True  # type: ignore[attr-defined]
+            root = json.loads(got[0])
+            root["attributes"][ATTR]["note"] = "another write"
+            self.put(key, json.dumps(root).encode())
+        return got
+
+    monkeypatch.setattr(type(objects), "read", read_then_another_writes)
+    behind.write()
+    attrs = json.loads(objects.get(key))["attributes"][ATTR]  # type: ignore[arg-type]
+    assert attrs["note"] == "another write" and attrs["rows_written"] is True and attrs["ids_digest"]
 
 
 def test_a_half_made_store_whose_computed_rows_are_listed_otherwise_is_refused_and_left_as_it_is(
