@@ -77,10 +77,17 @@ def test_relative_paths_reach_workers_that_run_in_another_directory(ray_cluster,
     assert (s.status == 1).all() and s.done_shards.all() and s.attrs["spec"]["output"]["store"] == "s.zarr"
 
 
-def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images: Path, tmp_path: Path):
-    ref = slow_job(slow_images, tmp_path / "ref.zarr")
+@pytest.fixture(scope="module")
+def slow_reference(slow_images: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store a clean run of the slow job makes on the local backend (what a Ray job of it must equal)."""
+    ref = slow_job(slow_images, tmp_path_factory.mktemp("reference") / "ref.zarr")
     ref["cluster"] = {"backend": "local"}
     run(parse_spec(ref))
+    return Path(ref["output"]["store"])
+
+
+def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images: Path, slow_reference: Path,
+                                                        tmp_path: Path):
     killed: list[int] = []
     pids: dict[int, int] = {}
 
@@ -107,7 +114,7 @@ def test_killed_worker_is_replaced_and_its_shard_redone(ray_cluster, slow_images
     # the replacement starts in the background: worker 1 may finish the job before it is ready
     assert summary.workers[0]["restarts"] == 1 and len(summary.workers[0]["pids"]) in (1, 2)
     assert summary.workers[0]["retries"] == (died["charged"] is not None)  # a death with two in flight is no retry
-    a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
+    a, b = open_store(str(slow_reference)), open_store(str(tmp_path / "s.zarr"))
     assert (b.status == 1).all() and b.done_shards.all()
     for key in ("conv", "map"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
@@ -138,16 +145,14 @@ def test_a_worker_killed_by_an_image_of_its_queued_shard_charges_that_shard(ray_
     ("broken_worker", "failed: WorkerBroken: the worker's state is broken"),  # an error that is no shard's
 ])
 def test_a_worker_that_fails_as_a_whole_is_replaced_and_the_job_finishes(ray_cluster, slow_images: Path,
-                                                                         tmp_path: Path, factory: str, words: str):
+                                                                         slow_reference: Path, tmp_path: Path,
+                                                                         factory: str, words: str):
     """A worker whose device faults, or that raises an error of its own (neither a shard's nor a
     death), fails every call it holds: it is replaced rather than kept (a CUDA context may be
     broken), its shards are redone without a shard_failed (a shard pays a retry only if it was
     alone on it), and the store equals a clean run."""
     import re
 
-    ref = slow_job(slow_images, tmp_path / "ref.zarr")
-    ref["cluster"] = {"backend": "local"}
-    run(parse_spec(ref))
     raw = slow_job(slow_images, tmp_path / "s.zarr", workers=1, cpus_per_worker=1, max_retries=1)
     after = PROBE_FORWARDS + 2  # in the second shard
     raw["model"].update(factory=f"toy_models:{factory}", factory_kwargs={"marker": str(tmp_path / "fault"),
@@ -162,7 +167,7 @@ def test_a_worker_that_fails_as_a_whole_is_replaced_and_the_job_finishes(ray_clu
     assert not any(s.stats for s in summary.per_shard)  # and the driver kept none of them once merged
     assert len(summary.workers[0]["pids"]) == 2 and summary.workers[0]["restarts"] == 1  # replaced
     assert summary.workers[0]["retries"] == (died[0]["charged"] is not None)
-    a, b = open_store(str(tmp_path / "ref.zarr")), open_store(str(tmp_path / "s.zarr"))
+    a, b = open_store(str(slow_reference)), open_store(str(tmp_path / "s.zarr"))
     assert (b.status == 1).all() and b.done_shards.all()
     for key in ("conv", "map"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
