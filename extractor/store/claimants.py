@@ -166,6 +166,12 @@ class Claimant:
             raise FencedError(f"{self.objects.url} was made again by another job (--overwrite) while this one wrote "
                               "into it; this job stops. Look at the store with `extractor inspect`")
 
+    def say(self, **fields: Any) -> None:
+        """Add ``fields`` to the record, written now."""
+        with self._lock:
+            self.record.update(fields)  # type: ignore[typeddict-item]
+        self._write()
+
     def committed(self, n: int = 1) -> None:
         with self._lock:
             self.record["shards"] = int(self.record.get("shards", 0)) + n

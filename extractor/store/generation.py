@@ -235,19 +235,23 @@ class Generation:
         None where ``claimant`` took it; else the claimant whose turn it is. (Two resumes that both found the
         writers gone, one paused between its look and its record, chose by their records' start times before:
         both could write.)"""
-        turns = self.objects.list(self.txn("rows-turns"))
+        turns = self.rows_turns()
         if turns:
-            holder = self._turn_holder(turns[-1])
+            holder = turns[-1][1]
             record = json.loads(self.objects.get(f"{self.claimants_prefix}/{holder:016x}") or b"{}")  # (as it is now)
             if holder != claimant and record and not gone(record):
                 return holder
-        name = f"{len(turns):08d}"
+        name = f"{turns[-1][0] + 1 if turns else 0:08d}"
         if self.objects.create(self.txn(f"rows-turns/{name}"), f"{claimant:016x}".encode()):
             return None
-        return self._turn_holder(name)
+        return int(self.objects.get(self.txn(f"rows-turns/{name}")) or b"0", 16)
 
-    def _turn_holder(self, turn: str) -> int:
-        return int(self.objects.get(self.txn(f"rows-turns/{turn}")) or b"0", 16)
+    def rows_turns(self) -> list[tuple[int, int]]:
+        """The turns taken at writing the rows again (:meth:`take_rows`), in order: each one's number and holder
+        (a local store's creates leave their temporary files beside them a moment, or for good where killed
+        between: not turns)."""
+        numbers = sorted(int(t) for t in self.objects.list(self.txn("rows-turns")) if len(t) == 8 and t.isdigit())
+        return [(n, int(self.objects.get(self.txn(f"rows-turns/{n:08d}")) or b"0", 16)) for n in numbers]
 
     def still_live(self) -> bool:
         """Whether this generation is still the one the store's head names."""

@@ -158,10 +158,13 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
 
 
 def _writers(generation: Generation) -> list[dict[str, Any]]:
-    """The claimants of a half-made generation that may write its rows still (the first started first): those that
-    made it or write its rows again (``rows``; records made before it said so: those that did not join) not known
-    to be gone (:func:`~.claimants.gone`)."""
-    found = [r for r in generation.roster.all() if r.get("rows", not r.get("join")) and not gone(r)]
+    """The claimants of a half-made generation that may write its rows still (the first started first): the one
+    that made it (``rows``; records made before it said so: those that did not join) and those that took a turn at
+    writing them again (:meth:`~.generation.Generation.take_rows`; not those that came to and did not), not known to
+    be gone (:func:`~.claimants.gone`)."""
+    turns = {f"{holder:016x}" for _n, holder in generation.rows_turns()}
+    found = [r for r in generation.roster.all()
+             if (r.get("rows", not r.get("join")) or r.get("id") in turns) and not gone(r)]
     return sorted(found, key=lambda r: (str(r.get("started", "")), str(r.get("id", ""))))
 
 
@@ -476,7 +479,7 @@ class StoreSession:
             raise StoreError(f"store {self.spec.output.store} was replaced by another job after this one looked at "
                              "it; run again (--resume finishes it)")
         self.generation = Generation(self.objects, head.generation)
-        self._join(rows=decision.rows_again)
+        self._join(rows=False)  # (one that writes a half-made store's rows again says so once it took its turn)
         again = decision.rows_again and self._first_to_write_rows()
         if not again:
             self._wait_made()
@@ -488,17 +491,29 @@ class StoreSession:
     def _first_to_write_rows(self) -> bool:
         """Whether this process writes the rows of the half-made generation again: the one that takes the turn
         (:meth:`.generation.Generation.take_rows`, a create-only write) does, where they are still to write; of
-        the others, one joining waits for the store made (False), one resuming is refused."""
+        the others, one resuming is refused, one joining waits for the store made (False), and takes the next turn
+        where the holder's is gone first."""
         assert self.generation is not None and self.claimant is not None
-        holder = self.generation.take_rows(self.claimant.id)
-        if holder is None:
-            return not self.generation.made()  # (made meanwhile by the turn before, gone since: nothing to write)
-        if self.spec.output.if_exists == "join":
-            log.info("%s: its rows are written again by another job; this one waits for them", self.spec.output.store)
-            return False
-        raise StoreError(f"store {self.spec.output.store} is being resumed by another extractor job now: "
-                         f"{_claimants_text([self.generation.roster.record(holder)])}. Wait for it to finish, or run "
-                         "this job with --join to compute beside it")
+        said = False
+        while (holder := self.generation.take_rows(self.claimant.id)) is not None:
+            if self.spec.output.if_exists != "join":
+                err = StoreError(f"store {self.spec.output.store} is being resumed by another extractor job now: "
+                                 f"{_claimants_text([self.generation.roster.record(holder)])}. Wait for it to "
+                                 "finish, or run this job with --join to compute beside it")
+                err.busy = True  # type: ignore[attr-defined]  # (no command to finish it said after: it is not this job's)
+                raise err
+            if self.generation.made():
+                return False
+            if not self.generation.still_live():
+                raise StoreError(f"store {self.spec.output.store} was made again by another job while this one waited "
+                                 "to join it; run again")
+            if not said:
+                log.info("%s: its rows are written again by another job; this one waits for them",
+                         self.spec.output.store)
+                said = True
+            time.sleep(WAIT_S / 4)
+        self.claimant.say(rows=True)  # (its turn says so already: _writers)
+        return not self.generation.made()  # (made meanwhile by the turn before, gone since: nothing to write)
 
     def _rows_again(self, rows: Rows, table: Table) -> None:
         """The rows of a generation left half-made, to write again behind its shards (:attr:`behind`)."""
@@ -543,9 +558,11 @@ class StoreSession:
     def _wait_made(self) -> None:
         """Joining a generation another live process is still making: wait until it is made (its maker gone
         first: refused)."""
-        assert self.generation is not None
+        assert self.generation is not None and self.claimant is not None
+        mine = f"{self.claimant.id:016x}"
         while not self.generation.made():
-            if not self.generation.roster.live() or not self.generation.still_live():
+            others = [r for r in self.generation.roster.live() if r.get("id") != mine]  # (this one's is live too)
+            if not others or not self.generation.still_live():
                 raise StoreError(f"store {self.spec.output.store} was left half-made by the job that made it; run "
                                  "again with --resume (or --overwrite)")
             time.sleep(WAIT_S / 4)
@@ -746,7 +763,7 @@ class StoreSession:
             return
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
         self._end(status, f"{type(err).__name__}: {err}"[:1000])  # its own record: no one else's object
-        if isinstance(err, FencedError):
+        if isinstance(err, FencedError) or getattr(err, "busy", False):
             return
         gen = self.generation
         creating = gen is not None and not gen.made() and gen.still_live()

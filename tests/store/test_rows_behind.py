@@ -246,9 +246,73 @@ def test_of_two_jobs_that_come_to_write_a_half_made_stores_rows_the_one_that_tak
 
     monkeypatch.setattr(StoreSession, "_join", beside)
     with pytest.raises(StoreError, match=r"being resumed by another extractor job now: pid \d+ .*started "
-                                         r"2099-01-01.*--join"):
+                                         r"2099-01-01.*--join") as refused:
         run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert not getattr(refused.value, "resumable", False)  # (no "--resume finishes it" said after: not its to)
     assert (read_state(url) or {})["status"] == "creating" and committed_count(url) == kept
+
+
+def test_a_joiner_that_found_the_turn_taken_takes_the_next_once_its_holder_is_gone(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    """A ``--join`` that found another writing the rows waits; where that one stops before they are all written,
+    it takes the next turn and writes them (it waited on its own record for ever before)."""
+    import os
+    import socket
+    import time
+
+    from extractor.store.generation import Generation
+    from extractor.store.session import StoreSession
+
+    url, kept = _interrupted_half_made(images, tmp_path, monkeypatch)
+    gen = generation(url)
+    other = {"id": "00000000000000aa", "host": socket.gethostname(), "pid": os.getpid(), "rows": True,
+             "join": False, "started": "2099-01-01T00:00:00+00:00", "heartbeat": time.time(), "timeout_s": 600}
+    join, take = StoreSession._join, Generation.take_rows
+
+    def beside(self: Any, rows: bool = True) -> None:
+        join(self, rows)  # another resume took the turn meanwhile
+        gen.objects.put(f"{gen.claimants_prefix}/{other['id']}", json.dumps(other).encode())
+        assert gen.objects.create(gen.txn("rows-turns/00000000"), other["id"].encode())
+
+    def taking(self: Generation, claimant: int) -> int | None:
+        holder = take(self, claimant)
+        if holder is not None:  # the holder stops, its rows not all written
+            ended = {**other, "ended": {"status": "failed"}}
+            gen.objects.put(f"{gen.claimants_prefix}/{other['id']}", json.dumps(ended).encode())
+        return holder
+
+    monkeypatch.setattr(StoreSession, "_join", beside)
+    monkeypatch.setattr(Generation, "take_rows", taking)
+    summary = run(_spec(images, tmp_path / "s.zarr", if_exists="join"))
+    assert summary.ok == 8 and summary.shards_run == 4 - kept
+    assert [n for n, _holder in gen.rows_turns()] == [0, 1] and gen.rows_turns()[1][1] != 0xaa
+    _made_as_listed(url, images)
+
+
+def test_a_job_that_came_to_write_the_rows_and_did_not_is_no_rows_writer(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    """A resume refused the turn, its record then as one silent on another machine leaves it: it wrote no row (its
+    record says so), so the next resume writes them in place and keeps the shards (it made the store again, losing
+    them, before: every resume of a half-made store said it wrote rows)."""
+    test_of_two_jobs_that_come_to_write_a_half_made_stores_rows_the_one_that_takes_the_turn_does(
+        images, tmp_path, stretch_a_shard, monkeypatch)
+    monkeypatch.undo()
+    monkeypatch.setattr(layout, "WRITE_ROWS", 2)
+    monkeypatch.setattr(layout, "ONCE_ROWS", 2)
+    monkeypatch.setattr(claimants, "_ENDED", set())  # (this process's claimants that ended: as another's would be)
+    gen = generation(str(tmp_path / "s.zarr"))
+    kept = committed_count(str(tmp_path / "s.zarr"))
+    for record in gen.roster.all():
+        if record["id"] == "00000000000000aa":  # the turn's holder ends, its rows not all written
+            record["ended"] = {"status": "failed"}
+        elif not record["ended"]["error"].startswith("KeyboardInterrupt"):  # the refused one: silent elsewhere
+            assert record["rows"] is False
+            record.pop("ended")
+            record.update(host="another-host", heartbeat=record["heartbeat"] - 3600)
+        gen.objects.put(f"{gen.claimants_prefix}/{record['id']}", json.dumps(record).encode())
+    summary = run(_spec(images, tmp_path / "s.zarr", if_exists="resume"))
+    assert summary.shards_run == 4 - kept and generation(str(tmp_path / "s.zarr")).name == gen.name
+    _made_as_listed(str(tmp_path / "s.zarr"), images)
 
 
 def test_a_turn_at_a_half_made_stores_rows_is_taken_once_and_after_its_holder_is_gone(tmp_path: Path):
@@ -268,14 +332,15 @@ def test_a_turn_at_a_half_made_stores_rows_is_taken_once_and_after_its_holder_is
                 "timeout_s": 600, **more}
         gen.objects.put(f"{gen.claimants_prefix}/{claimant:016x}", json.dumps(info).encode())
 
-    record(1), record(2)
+    record(1), record(2)  # (and what a local create killed between its two steps leaves: no turn)
+    gen.objects.put(gen.txn("rows-turns/00000000.0123456789ab.tmp"), b"0000000000000009")
     assert gen.take_rows(1) is None and gen.take_rows(2) == 1 and gen.take_rows(2) == 1
     record(1, ended=True)
     assert gen.take_rows(2) is None and gen.take_rows(1) == 2
     record(2, pid=2 ** 22 + 12345)  # (no such process: gone from this machine)
     record(3, host="another-host")
     assert gen.take_rows(3) is None and gen.take_rows(1) == 3  # one silent elsewhere is never taken over
-    assert gen.objects.list(gen.txn("rows-turns")) == ["00000000", "00000001", "00000002"]
+    assert gen.rows_turns() == [(0, 1), (1, 2), (2, 3)]
 
 
 def test_a_resume_interrupted_while_it_wrote_the_rows_leaves_the_next_turn_to_the_next_resume(
