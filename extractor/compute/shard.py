@@ -70,15 +70,17 @@ class ShardSummary:
     skip: tuple[int, ...] = ()  # with taken: other shards the same read found another's (the driver drops them)
     stats: str = ""  # the shard's statistics record, as committed (the driver merges it without reading the store)
     attempt: int = 0  # the attempt its commit named (what the statistics merged are of)
+    # its parts of the write-time indexes, as committed (the driver merges them as it merges the statistics)
+    parts: dict[str, np.ndarray] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """As JSON gives it (without its statistics record: the store keeps it)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("stats", "attempt")}
+        """As JSON gives it (without its statistics record and index parts: the store keeps them)."""
+        return {k: v for k, v in asdict(self.kept()).items() if k not in ("stats", "attempt", "parts")}
 
     def kept(self) -> ShardSummary:
-        """What a driver keeps of it for the run's summary once its statistics record is merged: all but the record
-        (up to 800 KB a shard: at 390,000 shards, hundreds of GB)."""
-        return replace(self, stats="")
+        """What a driver keeps of it for the run's summary once its statistics record and index parts are merged:
+        all but those (up to 800 KB and 14 MB a shard: at 390,000 shards, terabytes)."""
+        return replace(self, stats="", parts=None)
 
 
 def taken(shard: Shard, err: ShardTaken) -> ShardSummary:
@@ -341,6 +343,7 @@ class ShardOutput:
             reused=int((self.reused >= 0).sum()),
             stats=stats,
             attempt=self.writer.attempt,
+            parts=parts or None,
         )
 
     def abandon(self) -> None:

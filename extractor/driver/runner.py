@@ -377,7 +377,7 @@ def _recorded(spec: JobSpec) -> Rows | None:
 class _Events:
     """The job's worker and shard events: counted for the report's worker table, logged, passed on (none kept: a
     job's events grow with its shards). Once the store is the job's (``session``), each shard done has its
-    statistics merged as it comes."""
+    statistics and index parts merged as it comes."""
 
     def __init__(self, on_event: Event | None) -> None:
         self.workers = _Workers()
@@ -388,7 +388,8 @@ class _Events:
         self.workers.add(name, info)
         log.debug("%s %s", name, info)
         if name == "shard_done" and self.session is not None:
-            self.session.shard_done(info["shard"], info["summary"].stats, info["summary"].attempt)
+            summary = info["summary"]
+            self.session.shard_done(info["shard"], summary.stats, summary.attempt, summary.parts)
         if self.on_event is not None:
             self.on_event(name, info)
 

@@ -16,6 +16,7 @@ import zarr
 
 from ..errors import SpecError
 from ..store import Generation, done_shards, get_array, root_attrs
+from ..store.stats import Fresh
 from .dictionary import cached_dictionary, load_dictionary
 from .feed import IndexFeed, Layout
 from .layout import index_name, index_record, pointer, source_state, write_index
@@ -31,10 +32,12 @@ def part_array(group: zarr.Group, key: str) -> zarr.Array:
     return get_array(group, f"{PARTS}/{key}")
 
 
-def merged_parts(group: zarr.Group, key: str, feed: IndexFeed) -> tuple[int, int]:
-    """Merge into ``feed`` the part of every done shard, read one at a time (memory: two states); returns (merged,
-    missing): done shards whose part is not there (made before the index was asked for) are missing."""
-    done = np.flatnonzero(done_shards(group))
+def merged_parts(group: zarr.Group, key: str, feed: IndexFeed, held: np.ndarray | None = None) -> tuple[int, int]:
+    """Merge into ``feed`` the part of every done shard (but those ``held``: merged already), read one at a time
+    (memory: two states); returns (merged, missing): done shards whose part is not there (made before the index
+    was asked for) are missing."""
+    done = done_shards(group)
+    done = np.flatnonzero(done & ~held if held is not None else done)
     parts = part_array(group, key)
     one = IndexState(feed.state.features, feed.state.positions, feed.state.k, feed.state.pool, feed.state.threshold)
     missing = 0
@@ -62,18 +65,22 @@ def indexed(captures: Mapping[str, Mapping[str, Any]]) -> dict[str, IndexFeed]:
     return {key: feed_of(key, m) for key, m in captures.items() if m.get("feature_index")}
 
 
-def finish_indexes(group: zarr.Group, generation: Generation) -> list[str]:
+def finish_indexes(group: zarr.Group, generation: Generation, merged: Mapping[str, IndexState] | None = None,
+                   held: Mapping[str, np.ndarray] | None = None) -> list[str]:
     """At a store's end (every shard committed): each write-time index merged from the parts of the committed shards
-    (``group``: the generation read as committed) and written (``indexes/<name>``); the names written. One whose parts
-    are missing (shards committed before it was asked for) is left out, with a warning; one another process wrote
-    first (it finished the store too) is that process's."""
+    (``group``: the generation read as committed; ``merged``: each index's parts of the shards ``held`` merged
+    already, as they were committed) and written (``indexes/<name>``); the names written. One whose parts are
+    missing (shards committed before it was asked for) is left out, with a warning; one another process wrote first
+    (it finished the store too) is that process's."""
     attrs = root_attrs(group)
     written = []
     for key, m in attrs["captures"].items():
         if not m.get("feature_index"):
             continue
         feed = feed_of(key, m, (attrs.get("model") or {}).get("prefix_tokens"))
-        _merged, missing = merged_parts(group, key, feed)
+        if merged and key in merged and held and key in held:
+            feed.state.merge(merged[key])
+        _merged, missing = merged_parts(group, key, feed, (held or {}).get(key))
         settings = m["feature_index"]
         name = settings["name"]
         if missing:
@@ -121,5 +128,20 @@ class JobIndexes:
     def parts(self, captures: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
         return {key: feed.state.nbytes() for key, feed in indexed(captures).items()}
 
-    def finish(self, group: zarr.Group, generation: Generation) -> list[str]:
-        return finish_indexes(group, generation)
+    def fresh(self, captures: Mapping[str, Mapping[str, Any]], prefix_tokens: int | None) -> Fresh | None:
+        """An empty part of each indexed capture's index, by its key (None: a key not indexed; None: none is)."""
+        settings = {key: (s.features, s.positions, s.k, s.pool, s.threshold)
+                    for key, m in captures.items() if m.get("feature_index")
+                    for s in (feed_of(key, m, prefix_tokens).state,)}
+        if not settings:
+            return None
+
+        def fresh(key: str) -> IndexState | None:
+            made = settings.get(key)
+            return None if made is None else IndexState(*made[:4], threshold=made[4])
+
+        return fresh
+
+    def finish(self, group: zarr.Group, generation: Generation, merged: Mapping[str, Any] | None = None,
+               held: Mapping[str, np.ndarray] | None = None) -> list[str]:
+        return finish_indexes(group, generation, merged, held)

@@ -58,7 +58,7 @@ from .provenance import (
 )
 from .recorded import StoredRows
 from .reuse import check_sources
-from .stats import Totals, merge_shards
+from .stats import Fresh, Totals, merge_shards
 from .views import write_view
 from .writer import Ticket, _Opened
 
@@ -77,9 +77,13 @@ class IndexHooks(Protocol):
     def parts(self, captures: Mapping[str, Any]) -> dict[str, int]:
         """The bytes of a shard's part of each indexed capture's index (their arrays are made with the store)."""
 
-    def finish(self, group: Any, generation: Generation) -> list[str]:
-        """Every committed shard's parts merged into the indexes (``group``: the generation read as committed),
-        written into ``generation``; the names written."""
+    def fresh(self, captures: Mapping[str, Any], prefix_tokens: int | None) -> Fresh | None:
+        """An empty part of each indexed capture's index, by its key (None: no capture is indexed)."""
+
+    def finish(self, group: Any, generation: Generation, merged: Mapping[str, Any],
+               held: Mapping[str, np.ndarray]) -> list[str]:
+        """Every committed shard's parts merged into the indexes (``group``: the generation read as committed; those
+        of the shards ``held`` given ``merged`` already), written into ``generation``; the names written."""
 
 
 @dataclass(frozen=True)
@@ -393,7 +397,7 @@ class StoreSession:
                 assert self._probe is not None
                 decision = self.decide(rows, self.shards, self._probe, sources=False)
         assert self.generation is not None and self.claimant is not None
-        self.totals = Totals(len(self.shards))
+        self.totals = Totals(len(self.shards), self._fresh(record))
         if self.behind is not None and self.behind.stretches == 1:  # nothing to write beside: written now
             self.behind.write()
         elif self.behind is not None:  # its shards are handed out as their rows are written (rows_ready)
@@ -623,10 +627,16 @@ class StoreSession:
 
     # ---------------------------------------------------------------------------------------------- shards
 
-    def shard_done(self, index: int, stats: str, attempt: int = 0) -> None:
-        """Merge the statistics record ``stats`` of a shard this job committed now, by ``attempt`` (what is not merged
-        now, the end merges from the store)."""
-        if self.totals is not None and self.totals.add(index, stats, attempt):
+    def _fresh(self, record: StoreRecord) -> Fresh | None:
+        if self.index is None:
+            return None
+        return self.index.fresh(record["captures"], (record.get("model") or {}).get("prefix_tokens"))
+
+    def shard_done(self, index: int, stats: str, attempt: int = 0,
+                   parts: Mapping[str, np.ndarray] | None = None) -> None:
+        """Merge the statistics record ``stats`` and the index ``parts`` of a shard this job committed now, by
+        ``attempt`` (what is not merged now, the end merges from the store)."""
+        if self.totals is not None and self.totals.add(index, stats, attempt, parts):
             self._merged += 1  # (counted: the shards held, summed at every shard, cost O(shards) a shard)
             if self._merged - (self._checkpoint[1] if self._checkpoint else 0) >= CHECKPOINT_SHARDS:
                 self._leave_checkpoint()
@@ -714,9 +724,10 @@ class StoreSession:
         assert self.generation is not None
         generation = self.generation
         group = generation.open()
-        stats = self._stats(group)
+        merged = self._merged_all(group)
+        stats = merged.summary()
         if self.index is not None:
-            self.index.finish(group, generation)
+            self.index.finish(group, generation, merged.parts, merged.parts_held)
         by = f"{self.claimant.id:016x}" if self.claimant is not None else None
         if generation.finish({"status": "complete", "stats": stats, "at": now(), "by": by}):
             removed = generation.collect()
@@ -741,17 +752,24 @@ class StoreSession:
             log.debug("statistics of %s's shards not left: %s", self.spec.output.store, err)
 
     def _stats(self, group: Any) -> dict[str, Any]:
+        """Every committed shard's statistics, merged (:meth:`_merged_all`; the partials' index parts not read)."""
+        return self._merged_all(group, parts=False).summary()
+
+    def _merged_all(self, group: Any, parts: bool = True) -> Totals:
         """Every committed shard's statistics, merged: those this job merged as they came, those other claimants left
-        merged (their partials), and the records of the shards in neither, read from the store."""
+        merged (their partials), and the records of the shards in neither, read from the store; with the index
+        parts of the shards of the first two (those of the others the end reads from the store)."""
         assert self.generation is not None
         if self.totals is None or self.totals.torn:  # (torn: this job's shards' records read from the store)
-            self.totals = Totals(len(self.shards))
+            self.totals = Totals(len(self.shards), self.totals.fresh if self.totals is not None else None)
         mine = self.claimant.id if self.claimant is not None else None
         merged = copy.deepcopy(self.totals)  # this job's own stay its own: the partial it leaves
-        n = len(self.shards)  # partials of another shard count, or cut short, are left out: their records are read
-        partials = [t for data in self.generation.partials(but=mine) if (t := Totals.from_bytes(data, n)) is not None]
+        n, fresh = len(self.shards), self.totals.fresh if parts else None  # partials of another shard count, or cut
+        partials = [t for data in self.generation.partials(but=mine)  # short, are left out: their records are read
+                    if (t := Totals.from_bytes(data, n, fresh)) is not None]
         partials.sort(key=lambda t: -int(t.held.sum()))  # a claimant's last (most shards) before its earlier ones,
-        return merge_shards(group, merged, partials)  # which it holds too: refused as overlapping
+        merge_shards(group, merged, partials)  # which it holds too: refused as overlapping
+        return merged
 
     def on_write_failed(self, err: BaseException) -> None:
         """``err`` stopped the job: this claimant ends, saying how (its claims may be taken at once); the command

@@ -40,9 +40,19 @@ pytestmark = pytest.mark.slow
 
 
 
-def test_two_workers_equal_the_local_backend(ray_cluster, image_dir: Path, tmp_path: Path):
+def test_two_workers_equal_the_local_backend(ray_cluster, image_dir: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch):
+    """Also: each shard's part of a write-time index comes back with its result, and is merged by the driver as it
+    comes (its end reads none from the store), the index as the post-hoc pass makes it."""
+    from extractor.index import write_time
+    from extractor.index.post_hoc import index
+    from extractor.index.reader import open_index
+
     local = job(image_dir, tmp_path / "local.zarr")
     remote = job(image_dir, tmp_path / "ray.zarr", cluster={"backend": "ray", "workers": 2, "cpus_per_worker": 1})
+    remote["capture"][1]["feature_index"] = {"k": 2}
+    read, merged_parts = [], write_time.merged_parts
+    monkeypatch.setattr(write_time, "merged_parts", lambda *a: read.append(merged_parts(*a)[0]) or (read[-1], 0))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker (cpus_per_worker: 1): oneDNN's sums depend on the thread count
     try:
@@ -60,6 +70,12 @@ def test_two_workers_equal_the_local_backend(ray_cluster, image_dir: Path, tmp_p
     for key in ("layer3", "layer4"):
         np.testing.assert_array_equal(a.numpy(key), b.numpy(key))
     assert [w["shards"] for w in summary.workers] and sum(w["shards"] for w in summary.workers) == 3
+    assert all(i["summary"].parts for n, i in events if n == "shard_done") and read == [0]
+    store = str(tmp_path / "ray.zarr")
+    written, again = open_index(store, "layer4"), index(store, "layer4", k=2, name="again")
+    assert written.attrs["written"] == "write-time"
+    for name in ("top_rows", "top_values", "density_rows", "histogram"):
+        np.testing.assert_array_equal(np.asarray(written.arrays[name][:]), np.asarray(again.arrays[name][:]))
 
 
 def test_relative_paths_reach_workers_that_run_in_another_directory(ray_cluster, image_dir: Path, tmp_path: Path,

@@ -35,3 +35,39 @@ def test_totals_cut_short_by_a_signal_are_torn_and_a_torn_partial_is_refused(mon
     torn.held[0] = True
     torn.acc["x"] = {"min": None, "max": None, "nonfinite_rows": [], **dict.fromkeys(st._SCALARS, 0)}
     assert Totals.from_bytes(torn.to_bytes(), 2) is None  # refused: its shards' records are read instead
+
+
+def test_index_parts_merged_with_the_sums_travel_in_the_partials_and_are_absorbed_once():
+    """Totals given a job's write-time indexes (``fresh``) merge each shard's parts with its record, write them in
+    their bytes with the shards they hold, read them back only with ``fresh``, and absorb another's (the union of
+    their shards); a part of a shard the totals do not hold is not taken."""
+    from extractor.index.state import IndexState
+
+    def fresh(key: str) -> IndexState | None:
+        return IndexState(3, 2, k=2) if key == "x" else None
+
+    def part(seed: int, rows: range) -> np.ndarray:
+        state = IndexState(3, 2, k=2)
+        state.update(np.random.default_rng(seed).standard_normal((len(rows), 2, 3)).astype(np.float32),
+                     np.asarray(rows))
+        return state.to_bytes()
+
+    a, b, whole = Totals(4, fresh), Totals(4, fresh), IndexState(3, 2, k=2)
+    for shard, totals in ((0, a), (1, a), (2, b), (3, b)):
+        blob = part(shard, range(4 * shard, 4 * shard + 4))
+        totals.add(shard, _record(shard), 7, {"x": blob, "other": blob})
+        one = IndexState(3, 2, k=2)
+        assert one.load(blob)
+        whole.merge(one)
+    assert list(a.parts) == ["x"] and a.parts_held["x"].tolist() == [True, True, False, False]
+    assert Totals.from_bytes(a.to_bytes(), 4).parts == {}  # (without fresh: its shards' parts read at the end)
+    back = Totals.from_bytes(b.to_bytes(), 4, fresh)
+    assert back is not None and back.parts_held["x"].tolist() == [False, False, True, True]
+    assert a.absorb(back) and a.parts_held["x"].all() and not a.absorb(Totals.from_bytes(b.to_bytes(), 4, fresh))
+    merged, direct = a.parts["x"].finish(), whole.finish()  # each shard's part once (sums: to rounding)
+    for name, value in vars(direct).items():
+        np.testing.assert_allclose(getattr(merged, name), value, rtol=1e-12, err_msg=name)
+    odd = Totals(4, fresh)
+    odd.add(0, _record(0), 7, {"x": part(0, range(4))})
+    odd.parts_held["x"][1] = True  # a part said to hold a shard the totals do not
+    assert Totals.from_bytes(odd.to_bytes(), 4, fresh).parts == {}
