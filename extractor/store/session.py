@@ -58,7 +58,7 @@ from .provenance import (
 )
 from .recorded import StoredRows
 from .reuse import check_sources
-from .stats import Fresh, Totals, merge_shards
+from .stats import Fresh, PartMerger, Totals, merge_shards
 from .views import write_view
 from .writer import Ticket, _Opened
 
@@ -304,6 +304,7 @@ class StoreSession:
         self.generation: Generation | None = None  # the store's, from on_write_start
         self.claimant: Claimant | None = None  # this process, a claimant of it from on_write_start
         self.totals: Totals | None = None  # committed shards' statistics, merged as they come
+        self._parts: PartMerger | None = None  # and their index parts, by a thread of their own (with fresh)
         self._left = False  # their partial left for the merge of all (:meth:`_leave_partial`)
         self._checkpoint: tuple[str, int] | None = None  # the last one left (:meth:`_leave_checkpoint`): key, shards
         self._merged = 0  # shards whose statistics this job merged as they came (those the totals hold)
@@ -398,6 +399,7 @@ class StoreSession:
                 decision = self.decide(rows, self.shards, self._probe, sources=False)
         assert self.generation is not None and self.claimant is not None
         self.totals = Totals(len(self.shards), self._fresh(record))
+        self._parts = PartMerger(self.totals) if self.totals.fresh is not None else None
         if self.behind is not None and self.behind.stretches == 1:  # nothing to write beside: written now
             self.behind.write()
         elif self.behind is not None:  # its shards are handed out as their rows are written (rows_ready)
@@ -636,7 +638,9 @@ class StoreSession:
                    parts: Mapping[str, np.ndarray] | None = None) -> None:
         """Merge the statistics record ``stats`` and the index ``parts`` of a shard this job committed now, by
         ``attempt`` (what is not merged now, the end merges from the store)."""
-        if self.totals is not None and self.totals.add(index, stats, attempt, parts):
+        if self.totals is not None and self.totals.add(index, stats, attempt):
+            if parts and self._parts is not None:
+                self._parts.offer(index, parts)
             self._merged += 1  # (counted: the shards held, summed at every shard, cost O(shards) a shard)
             if self._merged - (self._checkpoint[1] if self._checkpoint else 0) >= CHECKPOINT_SHARDS:
                 self._leave_checkpoint()
@@ -654,7 +658,7 @@ class StoreSession:
         try:
             if self.generation.final() is not None:  # finished meanwhile: nothing is left to merge
                 return
-            key = self.generation.leave_partial(self.claimant.id, self.totals.to_bytes(), held)
+            key = self.generation.leave_partial(self.claimant.id, self._totals_bytes(), held)
             if self._checkpoint is not None:
                 self.generation.remove_partial(self._checkpoint[0])  # held in the new one too
         except Exception as err:  # noqa: BLE001 - a checkpoint saves work; the storage may refuse it, the job goes on
@@ -742,14 +746,24 @@ class StoreSession:
         if self._left or self.totals is None or self.claimant is None or self.generation is None or self.totals.torn:
             return  # (torn totals: whoever merges them all reads this claimant's shards' records from the store)
         self._left = True
+        if self._parts is not None:
+            self._parts.drain()  # (a few parts at most: their merges, then the partial holds them)
         try:
             # (a store finished meanwhile merges nothing more: nothing is left in it)
             if self.generation.root() is not None and self.totals.held.any() and self.generation.final() is None:
-                self.generation.leave_partial(self.claimant.id, self.totals.to_bytes())
+                self.generation.leave_partial(self.claimant.id, self._totals_bytes())
                 if self._checkpoint is not None:
                     self.generation.remove_partial(self._checkpoint[0])  # held in this one too
         except Exception as err:  # noqa: BLE001 - the storage that stopped the job may refuse this too
             log.debug("statistics of %s's shards not left: %s", self.spec.output.store, err)
+
+    def _totals_bytes(self) -> bytes:
+        """This claimant's totals as its partial holds them (no part merged meanwhile)."""
+        assert self.totals is not None
+        if self._parts is None:
+            return self.totals.to_bytes()
+        with self._parts.held() as totals:
+            return totals.to_bytes()
 
     def _stats(self, group: Any) -> dict[str, Any]:
         """Every committed shard's statistics, merged (:meth:`_merged_all`; the partials' index parts not read)."""
@@ -760,10 +774,19 @@ class StoreSession:
         merged (their partials), and the records of the shards in neither, read from the store; with the index
         parts of the shards of the first two (those of the others the end reads from the store)."""
         assert self.generation is not None
+        if self._parts is not None and parts:
+            self._parts.drain()  # (the parts of the shards committed so far: none read from the store again)
         if self.totals is None or self.totals.torn:  # (torn: this job's shards' records read from the store)
             self.totals = Totals(len(self.shards), self.totals.fresh if self.totals is not None else None)
+            if self._parts is not None:
+                with self._parts.held():
+                    self._parts.totals = self.totals
         mine = self.claimant.id if self.claimant is not None else None
-        merged = copy.deepcopy(self.totals)  # this job's own stay its own: the partial it leaves
+        if self._parts is not None:
+            with self._parts.held() as totals:
+                merged = copy.deepcopy(totals)  # this job's own stay its own: the partial it leaves
+        else:
+            merged = copy.deepcopy(self.totals)
         n, fresh = len(self.shards), self.totals.fresh if parts else None  # partials of another shard count, or cut
         partials = [t for data in self.generation.partials(but=mine)  # short, are left out: their records are read
                     if (t := Totals.from_bytes(data, n, fresh)) is not None]

@@ -71,3 +71,36 @@ def test_index_parts_merged_with_the_sums_travel_in_the_partials_and_are_absorbe
     odd.add(0, _record(0), 7, {"x": part(0, range(4))})
     odd.parts_held["x"][1] = True  # a part said to hold a shard the totals do not
     assert Totals.from_bytes(odd.to_bytes(), 4, fresh).parts == {}
+
+
+def test_parts_that_find_the_merger_busy_are_left_to_the_end_and_the_rest_merged_once():
+    """The driver's events never wait on a merge: parts offered while the merger's queue is full are left (the
+    store's end reads them); those merged and those left make the whole index, each shard once."""
+    from extractor.index.state import IndexState
+    from extractor.store.stats import PartMerger
+
+    def fresh(key: str) -> IndexState:
+        return IndexState(3, 2, k=2)
+
+    totals, whole = Totals(6, fresh), IndexState(3, 2, k=2)
+    merger, blobs = PartMerger(totals, depth=2), {}
+    with merger.held():  # the merger busy: at most one taken, two waiting
+        for shard in range(6):
+            state = IndexState(3, 2, k=2)
+            state.update(np.random.default_rng(shard).standard_normal((4, 2, 3)).astype(np.float32),
+                         np.arange(4 * shard, 4 * shard + 4))
+            blobs[shard] = state.to_bytes()
+            whole.merge(state)
+            assert totals.add(shard, _record(shard), 7)
+            merger.offer(shard, {"x": blobs[shard]})
+    merger.drain()
+    held = totals.parts_held["x"]
+    assert merger.left >= 3 and int(held.sum()) + merger.left == 6
+    end = totals.parts["x"]
+    for shard in np.flatnonzero(~held).tolist():  # what the end reads from the store
+        one = IndexState(3, 2, k=2)
+        assert one.load(blobs[shard])
+        end.merge(one)
+    merged, direct = end.finish(), whole.finish()
+    for name, value in vars(direct).items():
+        np.testing.assert_allclose(getattr(merged, name), value, rtol=1e-12, err_msg=name)
