@@ -454,14 +454,14 @@ def merge_shards(group: zarr.Group, totals: Totals | None = None, partials: Iter
     """The store's statistics: ``totals`` (shards merged already) with other processes' ``partials`` (their own
     shards, merged as they committed them) and every committed shard's record in none of them added, read
     ``MERGE_SLICE`` shards at a time (``totals`` are updated): each record is read once, by whoever merged it first.
-    Totals holding a shard that is not committed (made pending since, to be computed again) are started over;
-    partials holding a shard whose commit names another attempt now (made pending, or committed again, since) are
-    left out."""
-    done = done_shards(group)
+    Totals holding a shard that is not committed (made pending since, to be computed again), or whose commit names
+    another attempt now (committed again by another process since: a joiner that redid it), are started over;
+    partials holding such a shard are left out."""
+    done, committed = done_shards(group), committed_attempts(group)
     totals = totals if totals is not None else Totals(len(done))
-    if (totals.held & ~done).any():
+    known = totals.held & (totals.attempts != 0) & (committed != 0)  # (0: not known: records read from the store)
+    if (totals.held & ~done).any() or (totals.attempts[known] != committed[known]).any():
         totals.__init__(len(done), totals.fresh)  # type: ignore[misc]  # started over, in place: the caller's object
-    committed = committed_attempts(group)
     for partial in partials:  # of the shards as committed now: none made pending, or committed again, since
         if (partial.attempts[partial.held] == committed[partial.held]).all():
             totals.absorb(partial)

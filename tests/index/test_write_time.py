@@ -273,3 +273,33 @@ def test_the_parts_are_merged_as_the_shards_are_committed_and_left_with_the_stat
     run(parse_spec(resumed))
     assert read[1:] == [done]  # their parts read from the store at the end
     _same(open_index(str(path), "layer3"), index(str(path), "layer3", k=3, name="again"), exact=True)
+
+
+def test_a_driver_whose_shard_was_committed_again_by_another_merges_it_from_the_store(images: Path, tmp_path: Path):
+    """A shard this driver merged (its record and index part, of its attempt) that another process committed again
+    since (a joiner with ``on_change: redo``, after its image changed): the end does not keep this driver's merge
+    of it (an audit found the index, and the statistics, holding the old one): its totals start over from the
+    store, and the index made of them is the one the store's parts make."""
+    from helpers.stores import generation
+
+    from extractor.index.write_time import JobIndexes, feed_of, merged_parts
+    from extractor.store.stats import Totals, merge_shards, shard_record
+
+    path = tmp_path / "s.zarr"
+    raw = job(images, path, data={"resize": 32, "crop": 32, "shard_size": 4, "batch_size": 3},
+              capture=[{"layer": "layer3", "reduce": "none", "feature_index": {"k": 3}}], output={"chunk_rows": 2})
+    run(parse_spec(raw))
+    group = generation(str(path)).open()
+    captures = dict(group.attrs["extractor"])["captures"]
+    parts = group["index_parts/layer3"]
+    totals = Totals(parts.shape[0], JobIndexes().fresh(captures, None))
+    totals.add(0, shard_record(group, 0), 12345, {"layer3": np.asarray(parts[1])})  # another attempt, another part
+    merge_shards(group, totals)
+    assert totals.parts == {} and totals.held.all()  # started over: every record read from the store
+    feed = feed_of("layer3", captures["layer3"])
+    if "layer3" in totals.parts:
+        feed.state.merge(totals.parts["layer3"])
+    merged_parts(group, "layer3", feed, totals.parts_held.get("layer3"))
+    made, written = feed.state.finish(), open_index(str(path), "layer3")
+    for name in ("top_rows", "top_values", "histogram", "histogram_rows"):
+        np.testing.assert_array_equal(getattr(made, name), np.asarray(written.arrays[name][:]), err_msg=name)
