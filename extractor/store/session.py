@@ -513,6 +513,13 @@ class StoreSession:
             if not self.generation.still_live():
                 raise StoreError(f"store {self.spec.output.store} was made again by another job while this one waited "
                                  "to join it; run again")
+            record = self.generation.roster.record(holder)
+            if gone(record):
+                continue  # (its turn ended meanwhile: the next is taken)
+            if not alive(record):  # silent past its timeout elsewhere: it may only be paused, or gone with its host
+                raise StoreError(f"store {self.spec.output.store} was left half-made by a job that wrote its rows and "
+                                 f"is silent now ({_claimants_text([record])}); run again with --resume (it is made "
+                                 "again where that job may only be paused)")
             if not said:
                 log.info("%s: its rows are written again by another job; this one waits for them",
                          self.spec.output.store)

@@ -289,6 +289,32 @@ def test_a_joiner_that_found_the_turn_taken_takes_the_next_once_its_holder_is_go
     _made_as_listed(url, images)
 
 
+def test_a_joiner_whose_turn_holder_is_silent_elsewhere_stops_saying_so(
+        images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
+    """The turn's holder silent past its timeout on another machine (paused, or gone with its host): a joiner waiting
+    for the rows stops, naming it and what to run, and writes nothing (it waited for ever)."""
+    import time
+
+    from extractor.store.session import StoreSession
+
+    url, kept = _interrupted_half_made(images, tmp_path, monkeypatch)
+    gen = generation(url)
+    join = StoreSession._join
+
+    def beside(self: Any, rows: bool = True) -> None:
+        join(self, rows)
+        silent = {"id": "00000000000000cc", "host": "another-host", "pid": 1, "rows": True, "join": False,
+                  "started": "2099-01-01T00:00:00+00:00", "heartbeat": time.time() - 3600, "timeout_s": 600}
+        gen.objects.put(f"{gen.claimants_prefix}/{silent['id']}", json.dumps(silent).encode())
+        assert gen.objects.create(gen.txn("rows-turns/00000000"), silent["id"].encode())
+
+    monkeypatch.setattr(StoreSession, "_join", beside)
+    with pytest.raises(StoreError, match=r"left half-made by a job that wrote its rows and is silent now .*another-host"
+                                         r".*--resume"):
+        run(_spec(images, tmp_path / "s.zarr", if_exists="join"))
+    assert (read_state(url) or {})["status"] == "creating" and committed_count(url) == kept
+
+
 def test_a_job_that_came_to_write_the_rows_and_did_not_is_no_rows_writer(
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
     """A resume refused the turn, its record then as one silent on another machine leaves it: it wrote no row (its
