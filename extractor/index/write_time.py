@@ -15,8 +15,7 @@ import numpy as np
 import zarr
 
 from ..errors import SpecError
-from ..store import Generation, done_shards, get_array, root_attrs
-from ..store.stats import Fresh
+from ..store import Fresh, Generation, done_shards, get_array, root_attrs
 from .dictionary import cached_dictionary, load_dictionary
 from .feed import IndexFeed, Layout
 from .layout import index_name, index_record, pointer, source_state, write_index

@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .sampling import BY_DIGEST, draw_keys, projection_matrix, rank_keys
     from .session import Decision, IndexHooks, Outcome, StoreSession, live_claimants
     from .snapshot import snapshot_store
-    from .stats import ShardStats, Totals, dumps, feature_axis, merge, merge_shards, shard_record
+    from .stats import Fresh, ShardStats, Totals, dumps, feature_axis, merge, merge_shards, shard_record
     from .synthetic import create_store
     from .tokens import TokenRecord, patch_span
     from .writer import ShardWriter, Ticket
