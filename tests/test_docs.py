@@ -14,6 +14,7 @@ import ast
 import builtins
 import importlib
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,11 @@ def _attr(obj: Any, name: str) -> Any:
         return getattr(obj, name)
     except AttributeError:
         pass
+    if isinstance(obj, types.ModuleType) and hasattr(obj, "__path__"):  # a package's module not imported yet (in
+        try:  # this test process: which ones are depends on the tests it ran before)
+            return importlib.import_module(f"{obj.__name__}.{name}")
+        except ImportError:
+            pass
     if isinstance(obj, type):
         fields = getattr(obj, "model_fields", None) or getattr(obj, "__dataclass_fields__", None) or {}
         if name in fields:
