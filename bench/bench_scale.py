@@ -250,6 +250,7 @@ def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitSta
                                end_codes=np.zeros(per, np.int64))
 
         stack.enter_context(mock.patch.object(tar, "scan_tar", scan))
+        stack.enter_context(mock.patch.object(tar, "listing_processes", return_value=0))  # (scan: this process's)
         stack.enter_context(mock.patch.object(tar, "_tar_fingerprint", lambda url, storage: 987654321))  # noqa: PT008
         return DataSpec(source="tar", tars=f"/data/tars/train-{{000000..{n // per - 1:06d}}}.tar"), stack
     import pyarrow as pa

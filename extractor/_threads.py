@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -14,7 +14,7 @@ _R = TypeVar("_R")
 
 
 def prefetched(items: Iterable[_T], fn: Callable[[_T], _R], depth: int, threads: int = 2,
-               name: str = "extractor") -> Iterator[_R]:
+               name: str = "extractor") -> Generator[_R, None, None]:
     """``fn(item)`` for each item, in order, computed up to ``depth`` ahead on ``threads`` background threads
     (``pool.map`` computes all of them at once, holding every result until it is taken); ``depth`` 0: inline."""
     if depth <= 0:

@@ -185,3 +185,44 @@ def test_a_webdataset_tar_is_grouped_and_labelled_in_bulk(tmp_path: Path, monkey
         path = _write(tmp_path / name, members)
         assert _listed(path, (".jpg",)) == _expected(path, (".jpg",)), name
         assert bulk == [name in ("again.tar", "order.tar")], name
+
+
+def test_a_listing_shared_out_to_worker_processes_gives_the_same_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Many tars are listed by worker processes (``python -m``, one a core; issue 57): the rows are those this process
+    lists itself (bulk and plain headers, labels, samples of no image, fingerprints, the listing's record); a tar
+    that cannot be listed stops the listing with the error this process gives, and no worker is left."""
+    import subprocess
+
+    import extractor.data.sources._tar_processes as tp
+
+    tars = [_write(tmp_path / f"{t}.tar", [(f"t{t}/{'ü' if t == 2 else ''}{n}", d) for n, d in _members(20 + t)],
+                   fmt=tarfile.PAX_FORMAT if t == 2 else tarfile.GNU_FORMAT) for t in range(6)]
+    urls = [str(t) for t in tars]
+    here = list_tars(urls, [".jpg"], {})
+    monkeypatch.setattr(tp, "PROCESS_TARS", 2)
+    monkeypatch.setattr(tp.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def spawn(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(tp.subprocess, "Popen", spawn)
+    there = list_tars(urls, [".jpg"], {})
+    assert len(started) == 2 and all(p.returncode == 0 for p in started)
+    assert list(there.ids) == list(here.ids) and list(there.paths) == list(here.paths)
+    assert there.classes == here.classes and there.labels.tolist() == here.labels.tolist()
+    assert there.fingerprints.tolist() == here.fingerprints.tolist() and there.listing == here.listing  # type: ignore[union-attr]
+    for name, column in here.locators.items():
+        assert there.locators[name].tolist() == column.tolist(), name
+    (tmp_path / "bad.tar").write_bytes(b"not a tar, " * 100)
+    broken = [*urls[:3], str(tmp_path / "bad.tar"), *urls[3:]]
+    monkeypatch.setattr(tp, "PROCESS_TARS", 10**9)
+    with pytest.raises(DataError) as in_here:
+        list_tars(broken, [".jpg"], {})
+    monkeypatch.setattr(tp, "PROCESS_TARS", 2)
+    started.clear()
+    with pytest.raises(DataError) as in_workers:
+        list_tars(broken, [".jpg"], {})
+    assert str(in_workers.value) == str(in_here.value) and started and all(p.poll() is not None for p in started)

@@ -16,13 +16,14 @@ make that ambiguous. Local tar paths are stored absolute.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import json
 import logging
 import mmap
 import os
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,7 @@ from ..spill import Column
 from . import Locator, Recorded, Sampled, Source, spread
 from ._tar_fast import fast_samples
 from ._tar_headers import _headers, _members, _read_at, _Unusual
+from ._tar_processes import listing_processes, scanned
 
 if TYPE_CHECKING:
     from ...spec import DataSpec
@@ -277,20 +279,22 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
     for url in urls:
         if "#" in url:
             check_unambiguous(url, storage)
-    # remote tars on 16 threads (their reads wait on the network); local ones on one: parsing holds the GIL,
-    # and threads contending for it took twice the time of one
+    # many tars on worker processes, one a core (parsing holds the GIL); else remote tars on 16 threads (their
+    # reads wait on the network), local ones on one (threads contending for the GIL took twice the time of one)
     columns = _Columns(urls)
-
+    processes = listing_processes(len(urls))
     threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
+    each: Generator[Samples, None, None] = scanned(urls, extensions, storage, processes) if processes else \
+        prefetched(urls, lambda u: scan_tar(u, extensions, storage), threads + 1, threads)
     # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
     labels, left_out, first = Distinct(), 0, ""
-    for t, (found, tar_print) in enumerate(zip(prefetched(urls, lambda u: scan_tar(u, extensions, storage),
-                                                          threads + 1, threads), tar_prints, strict=True)):
-        columns.add(t, found, tar_print)
-        found.add_labels(labels)
-        if found.left_out and not left_out:
-            first = f"{found.left_out_key!r} in {urls[t]}"
-        left_out += found.left_out
+    with contextlib.closing(each):  # (its workers ended, whatever stops the listing)
+        for t, (found, tar_print) in enumerate(zip(each, tar_prints, strict=True)):
+            columns.add(t, found, tar_print)
+            found.add_labels(labels)
+            if found.left_out and not left_out:
+                first = f"{found.left_out_key!r} in {urls[t]}"
+            left_out += found.left_out
     if left_out:  # (a member of another extension than data.extensions names: not an image to the job)
         log.warning("%d samples of data.tars have no member whose extension is one of data.extensions (%s), and are "
                     "left out (the first: %s); add their image's extension to data.extensions to read them", left_out,
