@@ -226,3 +226,9 @@ def test_a_listing_shared_out_to_worker_processes_gives_the_same_rows(tmp_path: 
     with pytest.raises(DataError) as in_workers:
         list_tars(broken, [".jpg"], {})
     assert str(in_workers.value) == str(in_here.value) and started and all(p.poll() is not None for p in started)
+    started.clear()
+    monkeypatch.setenv("EXTRACTOR_LISTING_PROCESSES", "0")  # the driver lists them itself
+    assert list(list_tars(urls, [".jpg"], {}).ids) == list(here.ids) and not started
+    monkeypatch.setenv("EXTRACTOR_LISTING_PROCESSES", "many")
+    with pytest.raises(DataError, match="EXTRACTOR_LISTING_PROCESSES='many' is not a number of processes"):
+        list_tars(urls, [".jpg"], {})
