@@ -226,6 +226,12 @@ def test_a_listing_shared_out_to_worker_processes_gives_the_same_rows(tmp_path: 
     with pytest.raises(DataError) as in_workers:
         list_tars(broken, [".jpg"], {})
     assert str(in_workers.value) == str(in_here.value) and started and all(p.poll() is not None for p in started)
+    worker = tp._WORKER
+    monkeypatch.setattr(tp, "_WORKER", "import sys; sys.stdin.buffer.read(); sys.exit(3)")  # a worker that dies
+    with pytest.raises(DataError, match=r"the process listing tar shard .*0\.tar stopped \(exit status 3\); its error "
+                                        r"is above \(EXTRACTOR_LISTING_PROCESSES=0 lists the tars in the driver\)"):
+        list_tars(urls, [".jpg"], {})
+    monkeypatch.setattr(tp, "_WORKER", worker)
     started.clear()
     monkeypatch.setenv("EXTRACTOR_LISTING_PROCESSES", "0")  # the driver lists them itself
     assert list(list_tars(urls, [".jpg"], {}).ids) == list(here.ids) and not started
