@@ -304,7 +304,7 @@ class StoreSession:
         self.generation: Generation | None = None  # the store's, from on_write_start
         self.claimant: Claimant | None = None  # this process, a claimant of it from on_write_start
         self.totals: Totals | None = None  # committed shards' statistics, merged as they come
-        self._parts: PartMerger | None = None  # and their index parts, by a thread of their own (with fresh)
+        self._parts: PartMerger | None = None  # and their index parts, by a thread of their own (with the totals)
         self._left = False  # their partial left for the merge of all (:meth:`_leave_partial`)
         self._checkpoint: tuple[str, int] | None = None  # the last one left (:meth:`_leave_checkpoint`): key, shards
         self._merged = 0  # shards whose statistics this job merged as they came (those the totals hold)
@@ -399,7 +399,7 @@ class StoreSession:
                 decision = self.decide(rows, self.shards, self._probe, sources=False)
         assert self.generation is not None and self.claimant is not None
         self.totals = Totals(len(self.shards), self._fresh(record))
-        self._parts = PartMerger(self.totals) if self.totals.fresh is not None else None
+        self._parts = PartMerger(self.totals)  # (its thread started by the first part offered)
         if self.behind is not None and self.behind.stretches == 1:  # nothing to write beside: written now
             self.behind.write()
         elif self.behind is not None:  # its shards are handed out as their rows are written (rows_ready)
@@ -766,9 +766,7 @@ class StoreSession:
 
     def _totals_bytes(self) -> bytes:
         """This claimant's totals as its partial holds them (no part merged meanwhile)."""
-        assert self.totals is not None
-        if self._parts is None:
-            return self.totals.to_bytes()
+        assert self._parts is not None
         with self._parts.held() as totals:
             return totals.to_bytes()
 
@@ -785,15 +783,11 @@ class StoreSession:
             self._parts.drain()  # (the parts of the shards committed so far: none read from the store again)
         if self.totals is None or self.totals.torn:  # (torn: this job's shards' records read from the store)
             self.totals = Totals(len(self.shards), self.totals.fresh if self.totals is not None else None)
-            if self._parts is not None:
-                with self._parts.held():
-                    self._parts.totals = self.totals
+            self._parts = self._parts.restart(self.totals) if self._parts is not None else PartMerger(self.totals)
+        assert self._parts is not None
         mine = self.claimant.id if self.claimant is not None else None
-        if self._parts is not None:
-            with self._parts.held() as totals:
-                merged = copy.deepcopy(totals)  # this job's own stay its own: the partial it leaves
-        else:
-            merged = copy.deepcopy(self.totals)
+        with self._parts.held() as totals:
+            merged = copy.deepcopy(totals)  # this job's own stay its own: the partial it leaves
         n, fresh = len(self.shards), self.totals.fresh if parts else None  # partials of another shard count, or cut
         partials = [t for data in self.generation.partials(but=mine)  # short, are left out: their records are read
                     if (t := Totals.from_bytes(data, n, fresh)) is not None]

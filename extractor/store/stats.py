@@ -405,6 +405,12 @@ class PartMerger:
             finally:
                 self._queue.task_done()
 
+    def restart(self, totals: Totals) -> PartMerger:
+        """Merge into ``totals`` from now on (those before started over: their shards' parts read at the end)."""
+        with self.lock:
+            self.totals = totals
+        return self
+
     def drain(self) -> None:
         """Until the parts offered so far are merged."""
         if self._thread is not None:
