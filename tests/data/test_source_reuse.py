@@ -362,13 +362,18 @@ class _Column:
         return np.asarray(self.paths[start:stop], dtype=np.dtypes.StringDType())
 
 
-@pytest.mark.parametrize(("block", "by_name"), [(2, True), (100_000, True), (3, False)])
+@pytest.mark.parametrize(("block", "by_name", "piece", "threads"),
+                         [(2, True, 1024, "16"), (100_000, True, 1, "3"), (3, False, 2, "16"), (100_000, True, 1, "0")])
 def test_files_now_are_each_files_own_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int,
-                                                  by_name: bool):
+                                                  by_name: bool, piece: int, threads: str):
     """The resume's stat of each file, by name in its open folder: the fingerprint files.local_fingerprint gives
     that path (0 where it cannot be seen), for files in several folders, a folder back again after another, one
-    missing, a folder that cannot be read (searched only) and a symbolic link, across blocks of rows."""
+    missing, a folder that cannot be read (searched only) and a symbolic link, across blocks of rows; stat-ed by
+    threads a piece of a folder at a time (or one at a time, EXTRACTOR_STAT_THREADS=0), taken in order."""
     import extractor.data.sources as sources
+
+    monkeypatch.setattr(sources, "STAT_PIECE", piece)
+    monkeypatch.setenv("EXTRACTOR_STAT_THREADS", threads)
 
     for d in ("a", "b", "c", "hidden"):
         (tmp_path / d).mkdir()
@@ -386,3 +391,61 @@ def test_files_now_are_each_files_own_fingerprint(tmp_path: Path, monkeypatch: p
         (tmp_path / "hidden").chmod(0o755)
     expected = [local_fingerprint(p) for p in paths]
     assert now.tolist() == expected and expected[5] == 0 and 0 not in expected[:5] + expected[6:]
+
+
+def _stats_meet(monkeypatch: pytest.MonkeyPatch, at_once: int) -> list[str]:
+    """``os.stat`` made to wait, in each of its first ``at_once`` calls on an image, until all of them are in it (a
+    barrier): files stat-ed one at a time never get past the first (its wait fails); the images stat-ed."""
+    import threading
+
+    real, barrier, seen = os.stat, threading.Barrier(at_once, timeout=60), []  # (60 s: the failure's, not a pace)
+    lock = threading.Lock()
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if not os.fsdecode(path).endswith(".jpg"):  # (a folder's times: the walk's own thread)
+            return real(path, *args, **kwargs)
+        with lock:
+            seen.append(os.fsdecode(path))
+            first = len(seen) <= at_once
+        if first:
+            barrier.wait()
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    return seen
+
+
+def test_a_folder_s_files_are_stat_ed_by_threads_and_listed_in_order(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """A folder walk's stats and a resume's (files_now) run four at a time here (a stat on a network file system
+    waits for its server: 10M files one at a time take hours), their fingerprints taken in the rows' order: the
+    rows equal a walk that stats one file at a time, and each file's fingerprint is its own."""
+    import extractor.data.sources as sources
+
+    for d in ("a", "b/c", "b/d"):
+        (tmp_path / d).mkdir(parents=True)
+        for i in range(5):
+            (tmp_path / d / f"{i}.jpg").write_bytes(bytes(i + len(d)))
+    data = parse_spec(job(tmp_path, tmp_path / "s.zarr")).data
+    monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "0")
+    alone = list_rows(data)
+    monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "4")
+    monkeypatch.setattr(sources, "STAT_PIECE", 2)  # a piece of a folder a thread: 8 pieces of 15 files
+    seen = _stats_meet(monkeypatch, 4)
+    rows = list_rows(data)
+    assert len(seen) == 15
+    assert list(rows.ids) == list(alone.ids) and len(rows) == 15
+    assert list(rows.fingerprints) == list(alone.fingerprints) == [local_fingerprint(p) for p in rows.paths]
+    assert rows.listing == alone.listing and list(rows.labels) == list(alone.labels)
+    paths = [str(p) for p in rows.paths][::-1]  # another order: folders interleave
+    expected = [local_fingerprint(p) for p in paths]
+    seen = _stats_meet(monkeypatch, 4)  # (around the first: its own four have met)
+    assert sources.files_now(_Column(paths)).tolist() == expected and len(seen) == 15
+
+
+def test_a_bad_number_of_stat_threads_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import extractor.data.sources as sources
+
+    monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "many")
+    with pytest.raises(DataError, match=r"EXTRACTOR_STAT_THREADS='many' is not a number of threads; set it to 0"):
+        sources.files_now(_Column([str(tmp_path / "a.jpg")]))

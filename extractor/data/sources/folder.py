@@ -28,7 +28,7 @@ from ..files import (
 )
 from ..rows import STRINGS, Joined, Joining, Rows, Strings, Texts, named, strings
 from ..spill import Column
-from . import Recorded, Source, files_now, folder_prints
+from . import Recorded, Source, ask_prints, files_now, stats_ahead
 
 if TYPE_CHECKING:
     from ...spec import DataSpec
@@ -143,7 +143,9 @@ class _Walk:
         self.top, self.exts, self.kept = top, tuple(e.lower() for e in extensions), kept
         self.ids = Strings()
         self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
-        self.prints = Column("Q")
+        self.prints = Column("Q")  # (taken from the threads that stat the files, :func:`.stats_ahead`, in order)
+        self.listed = 0  # rows listed (their files asked to be stat-ed)
+        self._stats = stats_ahead()
         self.folders: list[list[Any]] = []  # [relative path ("": the root), mtime, ctime] of each folder walked
         self.counts: list[int] = []  # each one's rows
         self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
@@ -153,9 +155,15 @@ class _Walk:
 
     def walk(self) -> _Walk:
         todo = [""]
-        while todo:
-            todo.extend(reversed(self._folder(todo.pop())))
+        with self._stats:
+            while todo:
+                todo.extend(reversed(self._folder(todo.pop())))
+            self._prints(list(self._stats.rest()))
         return self
+
+    def _prints(self, due: list[list[int]]) -> None:
+        for prints in due:
+            self.prints.extend(prints)
 
     def _folder(self, rel: str) -> list[str]:
         """Take folder ``rel``'s rows; its sub-folders to walk, in order."""
@@ -180,8 +188,9 @@ class _Walk:
             log.warning("cannot list %s: %s", path, err.strerror)
             files, folders, times = [], [], None
         names = [n for n in files if n.lower().endswith(self.exts) and not n.startswith(".")]
-        start = len(self.prints)
-        self.prints.extend(folder_prints(path, names))
+        start = self.listed
+        self._prints(ask_prints(self._stats, path, names))
+        self.listed += len(names)
         subs = [f"{rel}/{name}" for name in names] if rel else names
         if plain_utf8("".join(subs)) and self.plain:  # each id its name, each path the root and it: taken at once
             self.ids.extend(subs)
@@ -191,7 +200,7 @@ class _Walk:
                 self.ids.append(display_name(sub))
                 self.paths.whole(storable_path(os.path.join(self.top, sub)))  # undecodable names: hex, whole
         self._add(rel, times if times is not None and times[0] < self.settled else UNSETTLED, False, start,
-                  len(self.prints))
+                  self.listed)
         return [f"{rel}/{d}" if rel else d for d in folders if not d.startswith(".")]  # .git: not classes
 
     def _add(self, rel: str, times: list[int], stored: bool, start: int, stop: int) -> None:
