@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from ...errors import DataError
+from ..rows import Texts
 from ._tar_headers import _check_end, _checksum_ok, _number
 
-Columns = dict[str, Any]  # each a list, but end_codes: an array
+Columns = dict[str, Any]  # each a list, but the keys (a Texts) and end_codes (an array)
 
 __all__ = ["fast_samples"]
 
@@ -212,7 +213,7 @@ def _grouped(mm: mmap.mmap, names: np.ndarray, offsets: np.ndarray, sizes: np.nd
         found, codes = bulk[0], bulk[1][samples]
     end_names, end_codes = _ends(names[member], key_len[member], length[member])
     imageless = order[chosen[order] < 0]  # keys without an image member: not samples
-    out = {"keys": _texts(unique[samples]), "members": _texts(names[member].view(f"S{width}").ravel()),
+    out = {"keys": _utf8(unique[samples]), "members": _texts(names[member].view(f"S{width}").ravel()),
            "offsets": offsets[member].tolist(), "sizes": sizes[member].tolist(), "labels": found,
            "label_codes": codes, "end_names": end_names, "end_codes": end_codes, "left_out": len(imageless),
            "left_out_key": unique[imageless[0]].decode("ascii") if len(imageless) else None}
@@ -228,6 +229,14 @@ def _keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         unique, first, group = np.unique(keys, return_index=True, return_inverse=True)
         return unique, first, group.reshape(-1)
     return heads, starts, np.cumsum(np.r_[False, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
+
+
+def _utf8(names: np.ndarray) -> Texts:
+    """ASCII names (a fixed-width bytes array, zeros after each) as a Texts: their bytes one after another, and
+    where each ends (no ``str`` made: the listing takes them as they are)."""
+    rows = names.view(np.uint8).reshape(len(names), -1) if len(names) else np.zeros((0, 1), np.uint8)
+    length = _first_zero(rows)
+    return Texts(rows[_COLUMN[:rows.shape[1]] < length[:, None]], np.cumsum(length, dtype=np.int64))
 
 
 def _texts(names: np.ndarray) -> list[str]:

@@ -69,7 +69,7 @@ class Samples:
     """A tar's samples with an image, in the order of their first member, as columns: key, image member, its
     data offset and size, raw label (None: none)."""
 
-    keys: list[str] = field(default_factory=list)
+    keys: list[str] | Texts = field(default_factory=list)  # (a Texts from the bulk reader: ASCII, no str made)
     members: list[str] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
@@ -119,8 +119,10 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
     if not samples:
         names = ", ".join(keys[:5]) or "no members"
         raise DataError(f"tar shard {url} holds no image members (keys: {names}); check data.extensions")
-    if not plain_utf8("".join(samples.keys)):  # a name's bytes that are not UTF-8 shown as \xNN (the store holds
-        samples.keys = [display_name(k) for k in samples.keys]  # UTF-8; the member is read by its byte range)
+    # a name's bytes that are not UTF-8 shown as \xNN (the store holds UTF-8; the member is read by its byte range);
+    # the bulk reader's names are ASCII
+    if not isinstance(samples.keys, Texts) and not plain_utf8("".join(samples.keys)):
+        samples.keys = [display_name(k) for k in samples.keys]
         samples.members = [display_name(m) for m in samples.members]
     return samples
 
@@ -154,17 +156,18 @@ def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str
             rec[0], rec[1], rec[2] = name, offset, size
         elif ext in (".cls", ".json") and size < 1 << 20:
             rec[3] = _read_label(_read_at(fobj, offset, size), ext, rec[3])
-    out = Samples()
+    out, keys = Samples(), []
     for key, (member, offset, size, label) in found.items():
         if member is None:
             out.left_out += 1
             out.left_out_key = out.left_out_key or key
         else:
-            out.keys.append(key)
+            keys.append(key)
             out.members.append(member)
             out.offsets.append(offset)
             out.sizes.append(size)
             out.labels.append(None if label is _NO_LABEL else label)
+    out.keys = keys
     return out, list(found)
 
 
@@ -325,7 +328,10 @@ class _Columns:
 
     def add(self, t: int, found: Samples, tar_print: int) -> None:
         self.starts.append(len(self.offsets))
-        self.ids.extend(found.keys)
+        if isinstance(found.keys, Texts):
+            self.ids.extend_utf8(found.keys.data.data, found.keys.ends)
+        else:
+            self.ids.extend(found.keys)
         ends = self.ends
         if found.end_codes is not None:  # a few distinct ends, each sample's code: made the job's codes at once
             codes = np.asarray([ends.setdefault(e, len(ends)) for e in found.end_names], np.int64)
