@@ -135,6 +135,20 @@ def test_ctrl_c_leaves_a_resumable_store(tmp_path: Path):
     assert np.isfinite(s.numpy("conv")).all()
 
 
+def test_a_signal_once_the_command_is_done_ends_it_with_the_command_s_exit_code(tmp_path: Path):
+    """A Ctrl-C that came as the process exited (torch's and Ray's exit callbacks run then) printed a traceback
+    ("Exception ignored in atexit callback"), or made a complete job's exit 130 without a word (a helper's audit):
+    it ends the process with the command's own exit code now. Here the signal comes from an exit callback."""
+    code = ("import atexit, os, signal, sys\n"
+            "from extractor.cli import main\n"
+            "atexit.register(os.kill, os.getpid(), signal.SIGINT)\n"
+            f"sys.argv = ['extractor', 'run', {str(tmp_path / 'none.yaml')!r}]\n"
+            "sys.exit(main())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "none.yaml" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+
+
 def test_progress_lines_count_the_rate_from_the_first_rows_done(caplog: pytest.LogCaptureFixture):
     """issue 54: `extractor index` said images, and a rate from its start: the warm-up before the first rows (a
     kernel compiled, the lease taken) made a 30-second pass say minutes left. The rate counts from the first rows."""

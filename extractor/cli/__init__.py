@@ -5,6 +5,7 @@ Only this package prints."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -195,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     # torch's transparent-huge-page allocator: +26% CPU throughput measured here (NOTES.md)
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     args = build_parser().parse_args(argv)
-    signals = _Signals() if argv is None else None  # the real command line: SIGTERM stops like Ctrl-C
     level = logging.WARNING - 10 * min(verbosity(args), 2)
     # -vv debugs extractor, not the libraries under it: botocore's debug log prints access key ids
     logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s %(name)s: %(message)s")
@@ -206,6 +206,19 @@ def main(argv: list[str] | None = None) -> int:
         print("error: name a model (extractor layers resnet50), a job (extractor layers JOB.yaml) or pass --factory",
               file=sys.stderr)
         return 2
+    signals = _Signals() if argv is None else None  # the real command line: SIGTERM stops like Ctrl-C
+    code = 1  # (an error none of these catches: Python's own traceback, exit 1)
+    try:
+        code = _command(args)
+        return code
+    finally:
+        if signals is not None:
+            signals.settle(code)
+        _quiet_teardown()
+
+
+def _command(args: argparse.Namespace) -> int:
+    """The command's exit code; an error it raises said in one line."""
     try:
         return int(args.func(args))
     except ExtractorError as err:
@@ -223,10 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    finally:
-        if signals is not None:
-            signals.settle()
-        _quiet_teardown()
 
 
 def _quiet_teardown() -> None:
@@ -245,8 +254,8 @@ def _quiet_teardown() -> None:
 class _Signals:
     """Ctrl-C and SIGTERM (cluster pre-emption) on the command line: the first stops the job cleanly
     (KeyboardInterrupt: the store marked interrupted, the resume command printed); a second one while
-    that runs (a slow storage) ends the process at once, still with exit code 130; one that comes as the
-    process ends is ignored (Python restores the default handler as it exits: that one killed it, -2)."""
+    that runs (a slow storage) ends the process at once, still with exit code 130; one that comes once the
+    command is done ends the process at once with the command's exit code (:meth:`settle`)."""
 
     def __init__(self) -> None:
         import signal
@@ -262,12 +271,19 @@ class _Signals:
         self.stopping = True
         raise KeyboardInterrupt(f"signal {signum}")
 
-    def settle(self) -> None:
-        """The command is done: once it was stopped, later signals change nothing."""
+    def settle(self, code: int) -> None:
+        """The command is done, its exit code ``code``: a signal from now on ends the process at once with that
+        code, its output flushed. What is left is the interpreter's exit (torch's and Ray's exit callbacks), where a
+        KeyboardInterrupt printed a traceback, or made a complete job's exit 130 without a word."""
         import signal
 
-        if self.stopping:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
+        def done(signum: int, frame: object) -> None:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, done)
 
 
