@@ -65,14 +65,16 @@ class Listing:
     peak_bytes: int  # the driver process's peak resident memory when the listing ended (its imports included)
     sampled: str | None = None  # the part listed ("16 of 40,000 Parquet files"); None: every row
     rows_listed: int = 0
+    counted: bool = False  # the whole source's rows counted (every Parquet file's footer), not scaled
 
     def report(self) -> str:
-        held = (f"the driver peaked at {size(self.peak_bytes)} of memory (its columns spill to the disk past a "
-                "megabyte each)")
+        held = (f"the driver peaked at {size(self.peak_bytes)} of resident memory, its imported libraries included "
+                "(its columns spill to the disk past a megabyte each)")
         if self.sampled is None:
             return (f"the driver listed the rows in {self.cpu_s:.1f} s of CPU; {size(self.on_disk)} of the listing on "
                     f"its local disk (EXTRACTOR_SPILL_DIR or TMPDIR), not in its memory; {held}")
-        return (f"rows and sizes estimated from {self.sampled} ({self.rows_listed:,} rows listed; extractor plan "
+        what = "the listing's time and disk" if self.counted else "rows and sizes"
+        return (f"{what} estimated from {self.sampled} ({self.rows_listed:,} rows listed; extractor plan "
                 f"--full lists every row): listing them all takes about {_seconds(self.cpu_s)} of the driver's CPU and "
                 f"{size(self.on_disk)} of its local disk (EXTRACTOR_SPILL_DIR or TMPDIR); listing the part, {held}")
 
@@ -119,8 +121,10 @@ class Preview:
 
     @property
     def _about(self) -> str:
-        """"about " where the figures are scaled from a part of the source (they read as counts otherwise)."""
-        return "about " if self.listing is not None and self.listing.sampled is not None else ""
+        """"about " where the figures are scaled from a part of the source (they read as counts otherwise; as they
+        are where the whole source's rows were counted)."""
+        listing = self.listing
+        return "about " if listing is not None and listing.sampled is not None and not listing.counted else ""
 
     @property
     def refused(self) -> bool:
@@ -218,7 +222,8 @@ def _listing(spec: JobSpec, full: bool) -> tuple[Rows, Listing, float]:
             started = time.process_time()
             rows = list_rows(sampled.data)
             return rows, Listing((time.process_time() - started) * sampled.scale,
-                                 round(rows.on_disk() * sampled.scale), _peak_bytes(), str(sampled), len(rows)), \
+                                 round(rows.on_disk() * sampled.scale), _peak_bytes(), str(sampled), len(rows),
+                                 sampled.rows is not None), \
                 sampled.scale
         except DataError as err:  # a part cut where the whole is not (a newline in a quoted value): all of it
             log.info("the part of the source (%s) was not listed (%s): every row is", sampled, err)

@@ -349,6 +349,24 @@ def _reordered(group: Any, ids: Any, n_rows: Any) -> str:
     return "; the same ids in another order" if np.array_equal(np.sort(text_hashes(ids)), stored) else ""
 
 
+def _first_difference(group: Any, ids: Any) -> str:
+    """``"; the first that differs: row N, ID in the store, ID now"`` (a file renamed, added or removed: where the
+    lists part), else "" (the store's ids or these not given, or more than :data:`REORDER_ROWS` of them)."""
+    if ids is None or "ids" not in group or min(len(ids), group["ids"].shape[0]) > REORDER_ROWS:
+        return ""
+    n = min(len(ids), group["ids"].shape[0])
+    for a, b in row_blocks(n):
+        stored, listed = read_all(group["ids"], a, b), np.asarray(ids[a:b])
+        differ = np.flatnonzero(stored != listed)
+        if len(differ):
+            r = int(differ[0])
+            return f"; the first that differs: row {a + r}, {str(stored[r])!r} in the store, {str(listed[r])!r} now"
+    if len(ids) == group["ids"].shape[0]:
+        return ""
+    longer, where = (ids, "now") if len(ids) > n else (group["ids"], "in the store")
+    return f"; the first that differs: row {n}, {str(np.asarray(longer[n:n + 1])[0])!r} {where} only"
+
+
 def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: Any, paths: Any,
                     ids: Any = None) -> None:
     """Refuse to resume a store made by another format, spec, model or data listing, or whose
@@ -365,7 +383,7 @@ def check_resumable(url: str, old: dict[str, Any], new: dict[str, Any], group: A
         problems += _value_differences(old, new)
         if old.get("ids_digest") != new["ids_digest"]:
             problems.append(f"the image list differs ({old.get('n_rows')} rows in the store, {new['n_rows']} now"
-                            f"{_reordered(group, ids, old.get('n_rows'))})")
+                            f"{_reordered(group, ids, old.get('n_rows')) or _first_difference(group, ids)})")
         elif moved is not None:
             problems.append(
                 f"the images would be read from another place: {moved}; a relative data.root, data.manifest or "

@@ -235,6 +235,9 @@ def test_a_listing_shared_out_to_worker_processes_gives_the_same_rows(tmp_path: 
     started.clear()
     monkeypatch.setenv("EXTRACTOR_LISTING_PROCESSES", "0")  # the driver lists them itself
     assert list(list_tars(urls, [".jpg"], {}).ids) == list(here.ids) and not started
+    monkeypatch.setenv("EXTRACTOR_LISTING_PROCESSES", "-3")  # (it was taken as none)
+    with pytest.raises(DataError, match="EXTRACTOR_LISTING_PROCESSES='-3' is not a number of processes"):
+        list_tars(urls, [".jpg"], {})
     monkeypatch.setenv("EXTRACTOR_LISTING_PROCESSES", "many")
     with pytest.raises(DataError, match="EXTRACTOR_LISTING_PROCESSES='many' is not a number of processes"):
         list_tars(urls, [".jpg"], {})

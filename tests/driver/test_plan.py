@@ -116,9 +116,13 @@ def test_the_plan_of_a_large_source_lists_a_part_of_it_and_scales_every_figure(i
             (12, 3, 12, "create")
         assert (part.total_bytes, part.objects, part.captures) == (full.total_bytes, full.objects, full.captures)
         assert "extractor plan --full lists every row" in part.report()
-        said = part.report().splitlines()  # its counts say they are estimates where they are said
-        assert said[1] == f"about 12 rows in 3 shards of 4 (estimated from 3 of {files} {unit}{footers})"
-        assert said[-1].startswith("about 12 images to process")
+        said = part.report().splitlines()  # its counts say they are estimates where they are (not counted rows)
+        about = "" if footers else "about "
+        assert said[1] == f"{about}12 rows in 3 shards of 4" + (f" (estimated from 3 of {files} {unit})" * bool(about))
+        assert said[-1].startswith(f"{about}12 images to process")
+        listed = [line for line in said if line.startswith(("the listing's time", "rows and sizes"))]
+        assert len(listed) == 1 and listed[0].startswith(
+            f"{'the listing' + chr(39) + 's time and disk' if footers else 'rows and sizes'} estimated from 3 of")
         assert full.report().splitlines()[1] == "12 rows in 3 shards of 4"
     uneven = tmp_path / "uneven"  # local Parquet files of other sizes: their rows counted from every footer
     write_hub_parquet(images[:4], uneven / "a", per_file=1, row_group=1)

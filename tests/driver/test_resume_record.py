@@ -142,7 +142,10 @@ def test_a_failed_rows_image_restored_is_said_to_have_failed_and_redo_computes_i
 
 def test_a_manifest_in_another_order_is_refused_saying_so(tmp_path: Path):
     """A manifest whose rows were put in another order: the refusal says the ids are the store's in another order
-    (it said "the image list differs (3 rows in the store, 3 now)"); another image list does not say it."""
+    (it said "the image list differs (3 rows in the store, 3 now)"); another image list names the first row that
+    differs (a file renamed looked like nothing changed: a helper's audit), and a longer one the first row added."""
+    import re
+
     from extractor.errors import StoreError
 
     files = make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
@@ -159,5 +162,11 @@ def test_a_manifest_in_another_order_is_refused_saying_so(tmp_path: Path):
         run(parse_spec(raw))
     (tmp_path / "imgs" / "a" / "extra.jpg").write_bytes(files[0].read_bytes())
     manifest.write_text("path\n" + "".join([*names[:2], "a/extra.jpg\n"]))  # another list of as many rows
-    with pytest.raises(StoreError, match=r"the image list differs \(3 rows in the store, 3 now\)"):
+    third = re.escape(repr(names[2].strip()))
+    with pytest.raises(StoreError, match=r"the image list differs \(3 rows in the store, 3 now; the first that "
+                                         rf"differs: row 2, {third} in the store, 'a/extra.jpg' now\)"):
+        run(parse_spec(raw))
+    manifest.write_text("path\n" + "".join([*names, "a/extra.jpg\n"]))  # a row added at the end
+    with pytest.raises(StoreError, match=r"the image list differs \(3 rows in the store, 4 now; the first that "
+                                         r"differs: row 3, 'a/extra.jpg' now only\)"):
         run(parse_spec(raw))

@@ -37,11 +37,10 @@ def listing_processes(tars: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     most = os.environ.get("EXTRACTOR_LISTING_PROCESSES", "").strip()
     if most:
-        try:
-            cores = min(cores, int(most))
-        except ValueError:
+        if not most.isdigit():  # (a negative number too: none is fewer than none)
             raise DataError(f"EXTRACTOR_LISTING_PROCESSES={most!r} is not a number of processes; set it to 0 (list "
-                            "tars in the driver) or more") from None
+                            "tars in the driver) or more")
+        cores = min(cores, int(most))
     if cores < 2 or tars < PROCESS_TARS:
         return 0
     return max(2, min(cores, MAX_PROCESSES, tars // 8))
