@@ -211,9 +211,11 @@ def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitSta
     (class folders of 1,300, tars and Parquet files of 10,000 rows); a manifest is written once (CSV)."""
     from unittest import mock
 
+    import extractor.data.sources as sources
     import extractor.data.sources.folder as folder
     import extractor.data.sources.parquet as parquet
     import extractor.data.sources.tar as tar
+    from extractor.data.rows import Strings
     from extractor.spec import DataSpec
 
     stack, per = contextlib.ExitStack(), 10_000
@@ -237,13 +239,15 @@ def _synthetic(source: str, n: int, work: Path) -> tuple[Any, contextlib.ExitSta
             return [f"n{c:08d}_{i}.JPEG" for i in range(c * 1300, min(n, c * 1300 + 1300))], []
 
         stack.enter_context(mock.patch.object(folder, "_entries", entries))
-        stack.enter_context(mock.patch.object(folder, "folder_prints", lambda path, names: [12345] * len(names)))
+        stack.enter_context(mock.patch.object(sources, "folder_prints", lambda path, names: [12345] * len(names)))
         return DataSpec(source="folder", root=str(work)), stack
     if source == "tar":
         def scan(url: str, extensions: Any, storage: Any) -> Any:  # as the bulk header reader gives them
             t = int(url.rsplit("-", 1)[1][:6])
             keys = [f"imagenet-train/{t:06d}/{i:09d}" for i in range(t * per, t * per + per)]
-            return tar.Samples(keys=keys, members=[f"{k}.jpg" for k in keys],
+            held = Strings()  # (the keys as the bulk reader hands them: their bytes and ends)
+            held.extend(keys)
+            return tar.Samples(keys=held.array(), members=[f"{k}.jpg" for k in keys],
                                offsets=list(range(t * per * 1536 + 512, (t + 1) * per * 1536 + 512, 1536)),
                                sizes=[110_000] * per, labels=[str(c) for c in range(1000)],
                                label_codes=np.arange(t * per, t * per + per) % 1000, end_names=[".jpg"],
@@ -499,6 +503,32 @@ def resume_bench(files: int = 200_000, folders: int = 200) -> None:
     print(f"    the folders' mtimes    {tree:6.2f} s CPU   1M: {tree * per:5.1f} s  (a stat a folder recorded)")
     print(f"    each file's stat, hash {stats:6.2f} s CPU   1M: {stats * per:5.1f} s  (files_now: data.verify: files)")
     print(f"    a bare stat a file     {floor:6.2f} s CPU   1M: {floor * per:5.1f} s  (the floor of a per-file check)")
+    nfs_bench(np.asarray(rows.paths[:20_000].tolist()))
+
+
+def nfs_bench(paths: np.ndarray, wait_s: float = 0.0003) -> None:
+    """A network file system, simulated: each stat waits ``wait_s`` (a server's answer, 0.1-1 ms on NFS or Lustre)
+    before the real one; ``stat_prints`` of ``paths`` one at a time and on its threads, wall seconds."""
+    from unittest import mock
+
+    from extractor.data.sources import STAT_THREADS, stat_prints
+
+    real = os.stat
+
+    def stat(*args: object, **kwargs: object) -> os.stat_result:
+        time.sleep(wait_s)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    walls = {}
+    with mock.patch.object(os, "stat", stat):
+        for threads in (0, STAT_THREADS):
+            with mock.patch.dict(os.environ, {"EXTRACTOR_STAT_THREADS": str(threads)}):
+                t0 = time.perf_counter()
+                stat_prints(paths)
+                walls[threads] = time.perf_counter() - t0
+    print(f"  a network file system, simulated ({wait_s * 1e3:.1f} ms a stat), {len(paths):,} files: one at a time "
+          f"{walls[0]:.2f} s wall, {STAT_THREADS} threads {walls[STAT_THREADS]:.2f} s "
+          f"({walls[0] / walls[STAT_THREADS]:.1f}x; 1M files: {walls[STAT_THREADS] * 1e6 / len(paths):.0f} s)")
 
 
 def row_bench(n: int = 1_000_000) -> tuple[float, float]:

@@ -44,6 +44,7 @@ class InOrder(Generic[_R]):
     def __exit__(self, *exc: object) -> None:
         for future in self._pending:  # (an error stopped the loop: what is not begun is not done)
             future.cancel()
+        self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 

@@ -393,23 +393,29 @@ def test_files_now_are_each_files_own_fingerprint(tmp_path: Path, monkeypatch: p
     assert now.tolist() == expected and expected[5] == 0 and 0 not in expected[:5] + expected[6:]
 
 
-def _stats_meet(monkeypatch: pytest.MonkeyPatch, at_once: int) -> list[str]:
+def _stats_meet(monkeypatch: pytest.MonkeyPatch, at_once: int, last: str) -> list[str]:
     """``os.stat`` made to wait, in each of its first ``at_once`` calls on an image, until all of them are in it (a
-    barrier): files stat-ed one at a time never get past the first (its wait fails); the images stat-ed."""
+    barrier), and in its first call until image ``last`` (its name) was stat-ed: the first piece is done last.
+    Files stat-ed one at a time never get past the first (its wait fails); the images stat-ed."""
     import threading
 
     real, barrier, seen = os.stat, threading.Barrier(at_once, timeout=60), []  # (60 s: the failure's, not a pace)
-    lock = threading.Lock()
+    lock, last_done = threading.Lock(), threading.Event()
 
     def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
         if not os.fsdecode(path).endswith(".jpg"):  # (a folder's times: the walk's own thread)
             return real(path, *args, **kwargs)
         with lock:
             seen.append(os.fsdecode(path))
-            first = len(seen) <= at_once
+            first, very_first = len(seen) <= at_once, len(seen) == 1
         if first:
             barrier.wait()
-        return real(path, *args, **kwargs)
+        if very_first:
+            assert last_done.wait(60), f"{last} was not stat-ed while the first piece waited: {seen}"
+        out = real(path, *args, **kwargs)
+        if os.fsdecode(path).endswith(last):
+            last_done.set()
+        return out
 
     monkeypatch.setattr(os, "stat", stat)
     return seen
@@ -425,13 +431,13 @@ def test_a_folder_s_files_are_stat_ed_by_threads_and_listed_in_order(tmp_path: P
     for d in ("a", "b/c", "b/d"):
         (tmp_path / d).mkdir(parents=True)
         for i in range(5):
-            (tmp_path / d / f"{i}.jpg").write_bytes(bytes(i + len(d)))
+            (tmp_path / d / f"{d[-1]}{i}.jpg").write_bytes(bytes(i + len(d)))  # (a name each: stat-ed by name)
     data = parse_spec(job(tmp_path, tmp_path / "s.zarr")).data
     monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "0")
     alone = list_rows(data)
     monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "4")
-    monkeypatch.setattr(sources, "STAT_PIECE", 2)  # a piece of a folder a thread: 8 pieces of 15 files
-    seen = _stats_meet(monkeypatch, 4)
+    monkeypatch.setattr(sources, "STAT_PIECE", 2)  # a piece of a folder a thread: 9 pieces of 15 files
+    seen = _stats_meet(monkeypatch, 4, "d4.jpg")  # (the first piece's fingerprints come in after the last's)
     rows = list_rows(data)
     assert len(seen) == 15
     assert list(rows.ids) == list(alone.ids) and len(rows) == 15
@@ -439,7 +445,7 @@ def test_a_folder_s_files_are_stat_ed_by_threads_and_listed_in_order(tmp_path: P
     assert rows.listing == alone.listing and list(rows.labels) == list(alone.labels)
     paths = [str(p) for p in rows.paths][::-1]  # another order: folders interleave
     expected = [local_fingerprint(p) for p in paths]
-    seen = _stats_meet(monkeypatch, 4)  # (around the first: its own four have met)
+    seen = _stats_meet(monkeypatch, 4, "d0.jpg")  # (around the first, whose waits are over)
     assert sources.files_now(_Column(paths)).tolist() == expected and len(seen) == 15
 
 

@@ -268,7 +268,7 @@ def stats_ahead() -> InOrder[list[int]]:
     """Where files are stat-ed (:func:`ask_prints`): :data:`STAT_THREADS` threads (the environment's
     ``EXTRACTOR_STAT_THREADS``; 0: one file at a time, in the caller's thread)."""
     threads = os.environ.get("EXTRACTOR_STAT_THREADS", "").strip() or str(STAT_THREADS)
-    if not threads.isdigit():
+    if not (threads.isascii() and threads.isdigit()):
         raise DataError(f"EXTRACTOR_STAT_THREADS={threads!r} is not a number of threads; set it to 0 (files stat-ed "
                         f"one at a time) or more (default {STAT_THREADS})")
     return InOrder(2 * int(threads), int(threads), "extractor-stat")

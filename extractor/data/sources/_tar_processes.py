@@ -37,7 +37,7 @@ def listing_processes(tars: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     most = os.environ.get("EXTRACTOR_LISTING_PROCESSES", "").strip()
     if most:
-        if not most.isdigit():  # (a negative number too: none is fewer than none)
+        if not (most.isascii() and most.isdigit()):  # (a negative number too: none is fewer than none)
             raise DataError(f"EXTRACTOR_LISTING_PROCESSES={most!r} is not a number of processes; set it to 0 (list "
                             "tars in the driver) or more")
         cores = min(cores, int(most))
