@@ -373,6 +373,8 @@ def test_files_now_are_each_files_own_fingerprint(tmp_path: Path, monkeypatch: p
     import extractor.data.sources as sources
 
     monkeypatch.setattr(sources, "STAT_PIECE", piece)
+    monkeypatch.setattr(sources, "SLOW_STAT_S", 0.0)  # (threads after the first piece)
+    monkeypatch.setattr(sources, "STAT_SAMPLE", 1)
     monkeypatch.setenv("EXTRACTOR_STAT_THREADS", threads)
 
     for d in ("a", "b", "c", "hidden"):
@@ -393,27 +395,32 @@ def test_files_now_are_each_files_own_fingerprint(tmp_path: Path, monkeypatch: p
     assert now.tolist() == expected and expected[5] == 0 and 0 not in expected[:5] + expected[6:]
 
 
-def _stats_meet(monkeypatch: pytest.MonkeyPatch, at_once: int, last: str) -> list[str]:
-    """``os.stat`` made to wait, in each of its first ``at_once`` calls on an image, until all of them are in it (a
-    barrier), and in its first call until image ``last`` (its name) was stat-ed: the first piece is done last.
-    Files stat-ed one at a time never get past the first (its wait fails); the images stat-ed."""
+def _stats_meet(monkeypatch: pytest.MonkeyPatch, at_once: int, last: str) -> list[tuple[str, bool]]:
+    """``os.stat`` of an image made to wait, in each of its first ``at_once`` calls on a thread other than the
+    caller's, until all of them are in it (a barrier), and in the first of them until image ``last`` (its name) was
+    stat-ed: that piece is done last. Files stat-ed one at a time on threads never get past the first (its wait
+    fails). The images stat-ed, each with whether the caller's own thread stat-ed it."""
     import threading
 
     real, barrier, seen = os.stat, threading.Barrier(at_once, timeout=60), []  # (60 s: the failure's, not a pace)
-    lock, last_done = threading.Lock(), threading.Event()
+    lock, last_done, threaded = threading.Lock(), threading.Event(), []
 
     def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
-        if not os.fsdecode(path).endswith(".jpg"):  # (a folder's times: the walk's own thread)
+        name = os.fsdecode(path)
+        if not name.endswith(".jpg"):  # (a folder's times: the walk's own thread)
             return real(path, *args, **kwargs)
+        inline = threading.current_thread() is threading.main_thread()
         with lock:
-            seen.append(os.fsdecode(path))
-            first, very_first = len(seen) <= at_once, len(seen) == 1
+            seen.append((name, inline))
+            if not inline:
+                threaded.append(name)
+            first, very_first = not inline and len(threaded) <= at_once, not inline and len(threaded) == 1
         if first:
             barrier.wait()
         if very_first:
             assert last_done.wait(60), f"{last} was not stat-ed while the first piece waited: {seen}"
         out = real(path, *args, **kwargs)
-        if os.fsdecode(path).endswith(last):
+        if name.endswith(last):
             last_done.set()
         return out
 
@@ -421,32 +428,59 @@ def _stats_meet(monkeypatch: pytest.MonkeyPatch, at_once: int, last: str) -> lis
     return seen
 
 
-def test_a_folder_s_files_are_stat_ed_by_threads_and_listed_in_order(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch):
-    """A folder walk's stats and a resume's (files_now) run four at a time here (a stat on a network file system
-    waits for its server: 10M files one at a time take hours), their fingerprints taken in the rows' order: the
-    rows equal a walk that stats one file at a time, and each file's fingerprint is its own."""
-    import extractor.data.sources as sources
-
+def _three_folders(tmp_path: Path) -> Any:
     for d in ("a", "b/c", "b/d"):
         (tmp_path / d).mkdir(parents=True)
         for i in range(5):
             (tmp_path / d / f"{d[-1]}{i}.jpg").write_bytes(bytes(i + len(d)))  # (a name each: stat-ed by name)
-    data = parse_spec(job(tmp_path, tmp_path / "s.zarr")).data
+    return parse_spec(job(tmp_path, tmp_path / "s.zarr")).data
+
+
+def test_slow_stats_go_to_threads_and_their_fingerprints_come_in_order(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """Once stats are found slow (a network file system waits for its server: 10M files one at a time took hours),
+    a folder walk's stats and a resume's (files_now) run four at a time here, their fingerprints taken in the rows'
+    order though the first piece on the threads finishes last: the rows equal a walk that stats one file at a time,
+    and each file's fingerprint is its own."""
+    import extractor.data.sources as sources
+
+    data = _three_folders(tmp_path)
     monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "0")
     alone = list_rows(data)
     monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "4")
-    monkeypatch.setattr(sources, "STAT_PIECE", 2)  # a piece of a folder a thread: 9 pieces of 15 files
-    seen = _stats_meet(monkeypatch, 4, "d4.jpg")  # (the first piece's fingerprints come in after the last's)
+    monkeypatch.setattr(sources, "STAT_PIECE", 2)  # pieces of 2 files: 9 pieces of 15 files
+    monkeypatch.setattr(sources, "SLOW_STAT_S", 0.0)  # every stat slow: threads after the first piece, timed
+    monkeypatch.setattr(sources, "STAT_SAMPLE", 1)
+    seen = _stats_meet(monkeypatch, 4, "d4.jpg")  # (the first piece on the threads done after the last)
     rows = list_rows(data)
-    assert len(seen) == 15
+    assert [inline for _, inline in seen].count(True) == 2 and len(seen) == 15  # the timed piece, then threads
     assert list(rows.ids) == list(alone.ids) and len(rows) == 15
     assert list(rows.fingerprints) == list(alone.fingerprints) == [local_fingerprint(p) for p in rows.paths]
     assert rows.listing == alone.listing and list(rows.labels) == list(alone.labels)
     paths = [str(p) for p in rows.paths][::-1]  # another order: folders interleave
     expected = [local_fingerprint(p) for p in paths]
     seen = _stats_meet(monkeypatch, 4, "d0.jpg")  # (around the first, whose waits are over)
-    assert sources.files_now(_Column(paths)).tolist() == expected and len(seen) == 15
+    assert sources.files_now(_Column(paths)).tolist() == expected
+    assert [inline for _, inline in seen].count(True) == 2 and len(seen) == 15
+
+
+@pytest.mark.parametrize(("threads", "slow_s"), [("16", 1.0), ("0", 0.0)])
+def test_quick_stats_stay_on_the_caller_s_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: str,
+                                                 slow_s: float):
+    """A local disk's stats answer at once: on threads they took twice the wall time and 2.5 times the CPU
+    (contending for the GIL), so they stay on the caller's thread while quick; EXTRACTOR_STAT_THREADS=0 keeps
+    them there however slow."""
+    import extractor.data.sources as sources
+
+    data = _three_folders(tmp_path)
+    monkeypatch.setenv("EXTRACTOR_STAT_THREADS", threads)
+    monkeypatch.setattr(sources, "STAT_PIECE", 2)
+    monkeypatch.setattr(sources, "SLOW_STAT_S", slow_s)
+    monkeypatch.setattr(sources, "STAT_SAMPLE", 1)
+    seen = _stats_meet(monkeypatch, 1, "d4.jpg")
+    rows = list_rows(data)
+    assert len(seen) == 15 and all(inline for _, inline in seen)
+    assert list(rows.fingerprints) == [local_fingerprint(p) for p in rows.paths]
 
 
 def test_a_bad_number_of_stat_threads_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -10,10 +10,13 @@ here whose ``SOURCE`` is a :class:`Source`, and its tests.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import itertools
+import logging
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -36,6 +39,7 @@ __all__ = [
     "Recorded",
     "Sampled",
     "Source",
+    "Stats",
     "files_now",
     "folder_prints",
     "forget_reads",
@@ -45,10 +49,10 @@ __all__ = [
     "source",
     "spread",
     "stat_prints",
-    "stats_ahead",
 ]
 
 
+log = logging.getLogger(__name__)
 REGISTRY: dict[str, str] = {name: name for name in SOURCE_SETTINGS}  # data.source -> its module here
 
 
@@ -217,22 +221,23 @@ def files_now(recorded: Recorded, start: int = 0, stop: int | None = None) -> np
     measured)."""
     stop = len(recorded.rows()) if stop is None else stop
     out = np.zeros(stop - start, dtype=np.uint64)
-    for at in range(start, stop, BLOCK):
-        block = recorded.column("paths", at, min(at + BLOCK, stop))
-        if block.dtype == object:
-            block = block.astype(np.dtypes.StringDType())
-        plain = not bool(np.strings.find(block, "://").max(initial=-1) >= 0 or
-                         np.strings.startswith(block, FS_BYTES).any())
-        out[at - start:at - start + len(block)] = stat_prints(block) if plain else \
-            [0 if is_url(p) else local_fingerprint(p) for p in block.tolist()]
+    with Stats() as stats:  # (one for every block: found slow once)
+        for at in range(start, stop, BLOCK):
+            block = recorded.column("paths", at, min(at + BLOCK, stop))
+            if block.dtype == object:
+                block = block.astype(np.dtypes.StringDType())
+            plain = not bool(np.strings.find(block, "://").max(initial=-1) >= 0 or
+                             np.strings.startswith(block, FS_BYTES).any())
+            out[at - start:at - start + len(block)] = stat_prints(block, stats) if plain else \
+                [0 if is_url(p) else local_fingerprint(p) for p in block.tolist()]
     return out
 
 
-def stat_prints(paths: np.ndarray) -> np.ndarray:
+def stat_prints(paths: np.ndarray, stats: Stats | None = None) -> np.ndarray:
     """:func:`~extractor.data.files.local_fingerprint` of plain local paths (a million in a resume): split at
     their last ``/`` in numpy, each run of one folder's files stat-ed by name in that folder (no path joined or
-    walked again per file; :func:`stats_ahead`'s threads at once); paths whose folders interleave are taken in the
-    order of their folders first."""
+    walked again per file; on threads where stats are slow, :class:`Stats`); paths whose folders interleave are
+    taken in the order of their folders first. ``stats``: where they are stat-ed (its threads left running)."""
     folders, seps, names = np.strings.rpartition(paths, np.asarray("/", dtype=paths.dtype))
     changes = np.flatnonzero(folders[1:] != folders[:-1]) + 1
     order = None
@@ -249,38 +254,66 @@ def stat_prints(paths: np.ndarray) -> np.ndarray:
             out[taken:taken + len(prints)] = prints
             taken += len(prints)
 
-    with stats_ahead() as ahead:
+    with contextlib.nullcontext(stats) if stats is not None else Stats() as where:
         for a, b in itertools.pairwise([0, *changes.tolist(), len(paths)]):
             folder = str(folders[a]) or ("/" if seps[a] else ".")
-            take(ask_prints(ahead, folder, names[a:b].tolist()))
-        take(list(ahead.rest()))
+            take(where.ask(folder, names[a:b].tolist()))
+        take(where.rest())
     if order is not None:
         out[order] = out.copy()
     return out
 
 
-STAT_THREADS = 16  # files stat-ed at once: a stat on a network file system (NFS, Lustre) waits 0.1-1 ms for the
-# server, hours at 10M files one at a time; on a local disk the threads cost no more CPU (measured)
-STAT_PIECE = 1024  # files of one folder a thread stats in one go
+STAT_THREADS = 16  # threads that stat files once stats are found slow (a network file system's)
+STAT_PIECE = 1024  # files of one folder stat-ed in one go
+SLOW_STAT_S = 25e-6  # a stat this slow or slower (on average, over STAT_SAMPLE files at least) waits for a server:
+STAT_SAMPLE = 256  # the files after are stat-ed on threads (a stat of a warm local disk: about 3 us)
 
 
-def stats_ahead() -> InOrder[list[int]]:
-    """Where files are stat-ed (:func:`ask_prints`): :data:`STAT_THREADS` threads (the environment's
-    ``EXTRACTOR_STAT_THREADS``; 0: one file at a time, in the caller's thread)."""
-    threads = os.environ.get("EXTRACTOR_STAT_THREADS", "").strip() or str(STAT_THREADS)
-    if not (threads.isascii() and threads.isdigit()):
-        raise DataError(f"EXTRACTOR_STAT_THREADS={threads!r} is not a number of threads; set it to 0 (files stat-ed "
-                        f"one at a time) or more (default {STAT_THREADS})")
-    return InOrder(2 * int(threads), int(threads), "extractor-stat")
+class Stats:
+    """Where files are stat-ed (:meth:`ask`): in the caller's thread while stats answer at once (a local disk: 16
+    threads contending for the GIL took twice the wall time and 2.5 times the CPU of one, measured); on
+    :data:`STAT_THREADS` threads (the environment's ``EXTRACTOR_STAT_THREADS``; 0: never) once the files stat-ed so
+    far took :data:`SLOW_STAT_S` a file: a network file system (NFS, Lustre) waits 0.1-1 ms for its server, and 10M
+    files one at a time took hours (at 0.3 ms a stat, simulated: 9x faster on the threads). Their fingerprints come
+    back in the order they were asked for (``with``: the threads end with it)."""
 
+    def __init__(self) -> None:
+        threads = os.environ.get("EXTRACTOR_STAT_THREADS", "").strip() or str(STAT_THREADS)
+        if not (threads.isascii() and threads.isdigit()):
+            raise DataError(f"EXTRACTOR_STAT_THREADS={threads!r} is not a number of threads; set it to 0 (files "
+                            f"stat-ed one at a time) or more (default {STAT_THREADS})")
+        self.threads = int(threads)
+        self.ahead: InOrder[list[int]] = InOrder(0)  # (inline until stats are found slow)
+        self.timed = [0, 0.0]  # files stat-ed inline, and their seconds
 
-def ask_prints(ahead: InOrder[list[int]], folder: str, names: list[str]) -> list[list[int]]:
-    """Ask ``ahead`` for :func:`folder_prints` of files ``names`` of ``folder``, :data:`STAT_PIECE` at a time; the
-    fingerprints now due (of these files or of those asked for before), in the order they were asked for."""
-    due = []
-    for a in range(0, len(names), STAT_PIECE):
-        due += ahead.submit(folder_prints, folder, names[a:a + STAT_PIECE])
-    return due
+    def ask(self, folder: str, names: list[str]) -> list[list[int]]:
+        """Ask for :func:`folder_prints` of files ``names`` of ``folder``, :data:`STAT_PIECE` at a time; the
+        fingerprints now due (of these files or of those asked for before), in the order they were asked for."""
+        due = []
+        for a in range(0, len(names), STAT_PIECE):
+            piece = names[a:a + STAT_PIECE]
+            if self.ahead.depth or not self.threads:
+                due += self.ahead.submit(folder_prints, folder, piece)
+                continue
+            started = time.perf_counter()
+            due += self.ahead.submit(folder_prints, folder, piece)
+            self.timed = [self.timed[0] + len(piece), self.timed[1] + time.perf_counter() - started]
+            if self.timed[0] >= STAT_SAMPLE and self.timed[1] >= SLOW_STAT_S * self.timed[0]:
+                log.debug("stats take %.0f us a file: %d threads stat the files from here on",
+                          self.timed[1] / self.timed[0] * 1e6, self.threads)
+                self.ahead = InOrder(2 * self.threads, self.threads, "extractor-stat")  # (nothing pending inline)
+        return due
+
+    def rest(self) -> list[list[int]]:
+        """The fingerprints still to come, in order."""
+        return list(self.ahead.rest())
+
+    def __enter__(self) -> Stats:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ahead.__exit__(*exc)
 
 
 _BY_NAME = os.stat in os.supports_dir_fd and hasattr(os, "O_DIRECTORY")

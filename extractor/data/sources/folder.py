@@ -28,7 +28,7 @@ from ..files import (
 )
 from ..rows import STRINGS, Joined, Joining, Rows, Strings, Texts, named, strings
 from ..spill import Column
-from . import Recorded, Source, ask_prints, files_now, stats_ahead
+from . import Recorded, Source, Stats, files_now
 
 if TYPE_CHECKING:
     from ...spec import DataSpec
@@ -143,9 +143,9 @@ class _Walk:
         self.top, self.exts, self.kept = top, tuple(e.lower() for e in extensions), kept
         self.ids = Strings()
         self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
-        self.prints = Column("Q")  # (taken from the threads that stat the files, :func:`.stats_ahead`, in order)
+        self.prints = Column("Q")  # (taken in order from where the files are stat-ed, :class:`.Stats`)
         self.listed = 0  # rows listed (their files asked to be stat-ed)
-        self._stats = stats_ahead()
+        self._stats = Stats()
         self.folders: list[list[Any]] = []  # [relative path ("": the root), mtime, ctime] of each folder walked
         self.counts: list[int] = []  # each one's rows
         self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
@@ -158,7 +158,7 @@ class _Walk:
         with self._stats:
             while todo:
                 todo.extend(reversed(self._folder(todo.pop())))
-            self._prints(list(self._stats.rest()))
+            self._prints(self._stats.rest())
         return self
 
     def _prints(self, due: list[list[int]]) -> None:
@@ -189,7 +189,7 @@ class _Walk:
             files, folders, times = [], [], None
         names = [n for n in files if n.lower().endswith(self.exts) and not n.startswith(".")]
         start = self.listed
-        self._prints(ask_prints(self._stats, path, names))
+        self._prints(self._stats.ask(path, names))
         self.listed += len(names)
         subs = [f"{rel}/{name}" for name in names] if rel else names
         if plain_utf8("".join(subs)) and self.plain:  # each id its name, each path the root and it: taken at once
