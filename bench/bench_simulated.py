@@ -6,10 +6,13 @@ driver as it is committed; then a resume of the complete store (in this process:
 here) and ``extractor inspect`` (a new interpreter). What grows with the rows and the shards, measured at that size.
 
     python bench/bench_simulated.py --rows 1            (millions; 100 takes about an hour on this machine)
+    python bench/bench_simulated.py --first --real --rows 100   (the time to the first shard alone, from real
+                                                                 Parquet files: 1.5 GB written once under .bench)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import shutil
@@ -25,14 +28,19 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".bench"
 
 
-def _spec(n: int, store: Path, shard_size: int) -> Any:
-    """The job: resnet18 (random weights; probed, never run on an image), its pooled features stored."""
+def _spec(n: int, store: Path, shard_size: int, real: bool = False) -> Any:
+    """The job: resnet18 (random weights; probed, never run on an image), its pooled features stored. ``real``:
+    real Parquet files of 10,000 rows (written once, kept under .bench), not the synthetic listing."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_scale import _synthetic
+    from bench_scale import _synthetic, real_parquet
 
-    from extractor.spec import parse_spec
+    from extractor.spec import DataSpec, parse_spec
 
-    data, patched = _synthetic("parquet", n, WORK)
+    if real:
+        data, patched = DataSpec(source="parquet", parquet=str(real_parquet(n // 10_000) / "*.parquet")), \
+            contextlib.ExitStack()
+    else:
+        data, patched = _synthetic("parquet", n, WORK)
     spec = parse_spec({
         "model": {"name": "resnet18", "weights": None, "device": "cpu"},
         "data": {"source": "parquet", "parquet": data.parquet, "resize": 72, "crop": 64, "batch_size": 32,
@@ -147,6 +155,31 @@ def simulated(n: int, shard_size: int = 1024, keep: bool = False) -> dict[str, f
     return got
 
 
+def first_shard(n: int, shard_size: int = 1024, real: bool = False) -> dict[str, float]:
+    """The job of ``n`` rows until its first shard begins (the job stopped there, as by Ctrl-C): seconds of wall
+    time and CPU from ``run()``'s call (listing, probe, the store made; a listing streamed goes on meanwhile).
+    ``real``: from real Parquet files."""
+    from extractor.driver.runner import run
+
+    store = WORK / f"first-{n}.zarr"
+    shutil.rmtree(store, ignore_errors=True)
+    spec, patched = _spec(n, store, shard_size, real)
+    first: dict[str, float] = {}
+    with patched:
+        t0, c0 = time.perf_counter(), _cpu()
+
+        def on_first() -> None:
+            first.update(wall=time.perf_counter() - t0, cpu=_cpu() - c0)
+            raise KeyboardInterrupt
+
+        with contextlib.suppress(KeyboardInterrupt):  # (stopped at the first shard)
+            run(spec, backend=_backend(spec, on_first, [0.0]))
+    shutil.rmtree(store, ignore_errors=True)
+    print(f"  {n:>12,} rows{' (real files)' if real else ''}: first shard after {first['wall']:.1f} s "
+          f"({first['cpu']:.1f} s CPU)", flush=True)
+    return {"rows": n, "first_wall": first["wall"], "first_cpu": first["cpu"]}
+
+
 def main(sizes: tuple[int, ...], shard_size: int = 1024) -> list[dict[str, float]]:
     print("\na whole job simulated (no images; synthetic Parquet listing), in this process: "
           f"{', '.join(f'{n:,}' for n in sizes)} rows")
@@ -160,8 +193,12 @@ if __name__ == "__main__":
     p.add_argument("--rows", default="0.1,1", help="millions of rows, each a job")
     p.add_argument("--shard-size", type=int, default=1024)
     p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--first", action="store_true", help="only the time to the first shard (the job stopped there)")
+    p.add_argument("--real", action="store_true", help="--first from real Parquet files of 10,000 rows")
     args = p.parse_args()
     WORK.mkdir(exist_ok=True)
-    figures = main(tuple(int(float(m) * 1e6) for m in args.rows.split(",")), args.shard_size)
+    sizes = tuple(int(float(m) * 1e6) for m in args.rows.split(","))
+    figures = [first_shard(n, args.shard_size, args.real) for n in sizes] if args.first else \
+        main(sizes, args.shard_size)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -11,7 +11,7 @@ from .._face import face
 if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .decode import EncodedJpeg, ImageDecoder, JpegDecoder, open_rgb, rgb_from_bytes
     from .files import absolute, content_digest, expand_braces, fingerprint, is_relative, is_url, local_fingerprint
-    from .listing import list_rows, sample_of
+    from .listing import list_rows, sample_of, stream_rows
     from .preprocess import IMAGENET, PIL_RESAMPLE, Preprocess, from_dict, of_store, resolve
     from .rows import (
         BLOCK,
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
     from .sources._dataset import with_dataset
     from .spill import by_hash
     from .stream import Batch, BatchStream, Reused, Slots, iter_batches
+    from .streamed import Streamed
 
 # a name of the face is never a module's name too: the module, once imported, would shadow it
 __all__, __getattr__ = face(__name__, __file__)

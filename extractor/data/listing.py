@@ -7,8 +7,9 @@ from ..errors import DataError
 from ..spec import SOURCE_SETTINGS, DataSpec
 from .rows import Rows, named
 from .sources import Sampled, source
+from .streamed import Streamed
 
-__all__ = ["SAMPLE_OVER", "SAMPLE_PARTS", "list_rows", "sample_of"]
+__all__ = ["SAMPLE_OVER", "SAMPLE_PARTS", "list_rows", "sample_of", "stream_rows"]
 
 SAMPLE_PARTS = 16  # the parts of a large source ``extractor plan`` lists (Parquet files, tars, megabytes of a manifest)
 SAMPLE_OVER = 64  # ... where it has more than this many
@@ -16,13 +17,23 @@ SAMPLE_OVER = 64  # ... where it has more than this many
 
 def list_rows(data: DataSpec) -> Rows:
     """List the images of a data spec, or raise :class:`DataError` before any work starts."""
-    src = source(data.source)
-    rows = src.list(data)
+    return _whole(data, source(data.source).list(data))
+
+
+def _whole(data: DataSpec, rows: Rows) -> Rows:
+    """A listing checked (not empty) and given data.classes' names."""
     places = SOURCE_SETTINGS[data.source].places
     where = str(next((getattr(data, p) for p in places if getattr(data, p)), None))
     if not len(rows):
-        raise DataError(f"no images found in {where} ({src.empty(data)}); check data.{places[0]}")
+        raise DataError(f"no images found in {where} ({source(data.source).empty(data)}); check data.{places[0]}")
     return rows if data.classes is None else named(rows, list(data.classes), where)
+
+
+def stream_rows(data: DataSpec) -> Streamed | None:
+    """The images of a data spec listed on a thread behind the job's start, where the source counts them without
+    listing them (:meth:`~.sources.Source.stream`); None: :func:`list_rows` lists them first. What stops the listing
+    (an unreadable file, a duplicate id, a label beyond data.classes) is raised to whoever reads the rows after."""
+    return source(data.source).stream(data, lambda rows: _whole(data, rows))
 
 
 def sample_of(data: DataSpec, parts: int = SAMPLE_PARTS, over: int = SAMPLE_OVER) -> Sampled | None:

@@ -183,6 +183,11 @@ class Strings:
         self._spill()
         return Texts(self.data.array(), self.ends.array())
 
+    def snapshot(self) -> Texts:
+        """Those appended so far, the builder going on (:meth:`.spill.Column.snapshot`)."""
+        self._spill()
+        return Texts(self.data.snapshot(), self.ends.snapshot())
+
 
 def utf8(strings: Any, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Strings ``start:stop`` (a Texts, a Joined, an array of strings) as their UTF-8 one after another (uint8) and
@@ -400,6 +405,21 @@ class Rows:
 
     def __len__(self) -> int:
         return len(self.ids) if self.stored is None else int(self.stored["n_rows"])
+
+    # as a listing streamed (:class:`~.streamed.Streamed`) is read: these rows are all listed
+    @property
+    def fingerprinted(self) -> bool:
+        return self.fingerprints is not None
+
+    @property
+    def locator_names(self) -> tuple[str, ...]:
+        return tuple(self.locators)
+
+    def upto(self, stop: int) -> Rows:
+        return self
+
+    def whole(self) -> Rows:
+        return self
 
     def on_disk(self) -> int:
         """Bytes of its columns spilled to the local disk (:mod:`.spill`: what the driver does not hold in memory)."""

@@ -118,6 +118,15 @@ class Column:
         self.written += len(self.held)
         self.held = array(self.held.typecode)
 
+    def snapshot(self) -> np.ndarray:
+        """The values appended so far, as one read-only array (a map of the file, written first), the builder going
+        on (a listing read while it goes on: :class:`~.streamed.Streamed`)."""
+        if not len(self):
+            return np.zeros(0, self.dtype)
+        self._spill()
+        assert self.file is not None
+        return np.memmap(self.file, dtype=self.dtype, mode="r", shape=(self.written,))
+
     def array(self) -> np.ndarray:
         """Every value, as one array (the builder is done with: it gathers anew from empty)."""
         out = _mapped(self.file, self.dtype, len(self), self.held)
@@ -139,12 +148,23 @@ class Bytes:
     def __iadd__(self, more: bytes | bytearray) -> Bytes:
         self.held += more
         if len(self.held) >= SPILL_BYTES:
-            if self.file is None:
-                self.file = _file()
-            _write(self.file, self.held)
-            self.written += len(self.held)
-            self.held = bytearray()
+            self._spill()
         return self
+
+    def _spill(self) -> None:
+        if self.file is None:
+            self.file = _file()
+        _write(self.file, self.held)
+        self.written += len(self.held)
+        self.held = bytearray()
+
+    def snapshot(self) -> np.ndarray:
+        """The bytes appended so far, as one read-only uint8 array, the builder going on (:meth:`Column.snapshot`)."""
+        if not len(self):
+            return np.zeros(0, np.uint8)
+        self._spill()
+        assert self.file is not None
+        return np.memmap(self.file, dtype=np.uint8, mode="r", shape=(self.written,))
 
     def read(self, start: int, stop: int) -> bytes:
         """Bytes ``start:stop`` of those appended so far."""

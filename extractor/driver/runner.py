@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._text import count, table
-from ..data import Rows, Shard, absolute, first_where, list_rows, plan
+from ..data import Rows, Shard, Streamed, absolute, first_where, list_rows, plan, stream_rows
 from ..errors import DataError, StoreError
 from ..index import JobIndexes
 from ..spec import JobSpec
@@ -99,10 +99,10 @@ class RunSummary:
         return d
 
 
-def _check_targets(spec: JobSpec, rows: Rows, logits: int | None) -> None:
+def _check_targets(spec: JobSpec, rows: Rows | Streamed, logits: int | None) -> None:
     """``target: label`` differentiates each row's label's logit: every row needs a label, and
     one the model has an output for."""
-    if any(c.gradient and c.score_target == "label" for c in spec.capture):
+    if _label_targets(spec):
         labels = rows.labels  # (a block at a time: 400M labels are spilled to the disk, not the driver's memory)
         missing = first_where(labels, lambda block: block < 0)
         if missing is not None:
@@ -295,6 +295,7 @@ def run(
     """
     t0 = time.perf_counter()
     rows = _list(spec, backend)
+    listing = rows if isinstance(rows, Streamed) else None  # listed on a thread: stopped where the job stops first
     shards = plan(len(rows), spec.data.shard_size)
     log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
     events = _Events(on_event)
@@ -311,6 +312,7 @@ def run(
             return _summary(spec, session.unchanged(), shards, [], [], per_row, time.perf_counter() - t0)
         todo = session.on_write_start(rows)  # from here on the store is this job's
         del rows  # the store holds them now, and workers read their shards' rows from it: the driver lets them go
+        listing = None  # (the store's writer of its rows stops it now)
         events.session = session  # each shard done has its statistics merged as it comes
         t_compute = time.perf_counter()
         summaries = _compute(spec, backend, todo, on_progress or (lambda n: None), events, session)
@@ -321,13 +323,15 @@ def run(
         session.on_write_failed(err)
         raise
     finally:
+        if listing is not None:
+            listing.stop()
         backend.close()
         session.close()  # the claimant ended (its record removed); a store's end was merged before
     summary.workers = events.workers.rows()
     return summary
 
 
-def _complete(spec: JobSpec, rows: Rows, shards: list[Shard], session: StoreSession,
+def _complete(spec: JobSpec, rows: Rows | Streamed, shards: list[Shard], session: StoreSession,
               on_start: Callable[[int, dict[str, int]], None] | None, t0: float) -> RunSummary | None:
     """A resume of a complete store whose record fixes what this job's model would measure
     (:meth:`StoreSession.kept_probe`): decided from that record, without torch or the model. The run's summary when
@@ -344,14 +348,30 @@ def _complete(spec: JobSpec, rows: Rows, shards: list[Shard], session: StoreSess
     return _summary(spec, session.unchanged(), shards, [], [], per_row, time.perf_counter() - t0)
 
 
-def _list(spec: JobSpec, backend: Backend | None) -> Rows:
+def _list(spec: JobSpec, backend: Backend | None) -> Rows | Streamed:
     """The job's rows; a backend given to the job is closed when they cannot be listed."""
     try:
-        return _recorded(spec) or list_rows(spec.data)
+        return _recorded(spec) or _streamed(spec) or list_rows(spec.data)
     except BaseException:
         if backend is not None:
             backend.close()
         raise
+
+
+def _streamed(spec: JobSpec) -> Streamed | None:
+    """A new store's rows, listed on a thread while the model is built, the store made and its first shards run,
+    where the source counts them without listing them (:func:`~extractor.data.stream_rows`); None: listed whole
+    first, where the job needs every row before it starts (labels as gradient targets, rows taken from other
+    stores, a store to resume or join: its rows compared with the listing)."""
+    if spec.output.if_exists == "join" or spec.output.reuse or _label_targets(spec):
+        return None
+    if spec.output.if_exists != "overwrite" and StoreSession(spec).recorded() is not None:
+        return None
+    return stream_rows(spec.data)
+
+
+def _label_targets(spec: JobSpec) -> bool:
+    return any(c.gradient and c.score_target == "label" for c in spec.capture)
 
 
 def _recorded(spec: JobSpec) -> Rows | None:
@@ -366,8 +386,7 @@ def _recorded(spec: JobSpec) -> Rows | None:
         return None
     if not all(k in old for k in ("n_rows", "ids_digest", "paths_digest")):
         return None
-    labels = any(c.gradient and c.score_target == "label" for c in spec.capture)  # _check_targets reads them
-    rows = store.stored_rows(labels=labels)
+    rows = store.stored_rows(labels=_label_targets(spec))  # (_check_targets reads them)
     if rows is not None:
         log.info("the source is as listed for %s%s", spec.output.store, ": its rows are taken from it" if
                  rows.stored is not None else " but for the parts listed again")
@@ -394,7 +413,7 @@ class _Events:
             self.on_event(name, info)
 
 
-def _look(spec: JobSpec, rows: Rows, shards: list[Shard], backend: Backend,
+def _look(spec: JobSpec, rows: Rows | Streamed, shards: list[Shard], backend: Backend,
           session: StoreSession) -> tuple[Decision, dict[str, int]]:
     """Everything that can fail before the first image (model, shapes, layouts, preprocessing, compile, the
     estimate, the store's state), before the store is touched: what the job will do to the store, and the bytes

@@ -30,12 +30,13 @@ each capture array by its ``chunk_rows`` (which divides the shard size), so no t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict, cast
 
@@ -44,8 +45,8 @@ import zarr
 from zarr.buffer.cpu import NDBuffer
 
 from .._text import now as now  # re-exported: the store's face lists it
-from ..data import BLOCK, LocatorArray, Rows, is_url, utf8
-from ..errors import FencedError, StoreError
+from ..data import BLOCK, LocatorArray, Rows, Streamed, is_url, utf8
+from ..errors import DataError, FencedError, StoreError
 from ._zarr_internal import ArrayConfigParams
 from .chunks import ChunkCodec, write_texts, write_whole
 from .dtypes import numpy_dtype  # and zarr knows bfloat16 wherever a store opens
@@ -282,7 +283,7 @@ def slots(arrays: StoreArrays, n_rows: int, locators: Iterable[str]) -> dict[str
     return out
 
 
-def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
+def create_generation(objects: Objects, name: str, rows: Rows | Streamed, arrays: StoreArrays, attrs: Mapping[str, Any],
                       committed: bool = False) -> GenerationStore:
     """Write generation ``name`` of the store under ``objects`` whole (:func:`start_generation`, then its rows
     written here: :meth:`RowsBehind.write`). Returns the view that wrote it (its attempts: ``rows``, and ``data``
@@ -292,7 +293,7 @@ def create_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArra
     return behind.store
 
 
-def start_generation(objects: Objects, name: str, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any],
+def start_generation(objects: Objects, name: str, rows: Rows | Streamed, arrays: StoreArrays, attrs: Mapping[str, Any],
                      committed: bool = False) -> RowsBehind:
     """Make generation ``name`` of the store under ``objects`` (its head names it already: no one reads it until
     its root is written) but for its rows: its arrays, its ledger (every shard pending; ``committed``: every shard
@@ -358,10 +359,10 @@ class RowsBehind:
     with the ids' and paths' digests and ``rows_written`` (the generation made). :meth:`write` runs in a thread
     of the driver; an error there is raised to whoever asks after, as a :class:`StoreError` naming it."""
 
-    def __init__(self, objects: Objects, name: str, store: GenerationStore, group: zarr.Group, rows: Rows,
+    def __init__(self, objects: Objects, name: str, store: GenerationStore, group: zarr.Group, rows: Rows | Streamed,
                  columns: _RowArrays, shard_size: int, ids_digest: str | None) -> None:
         self.objects, self.name, self.store, self.group = objects, name, store, group
-        self.rows: Rows | None = rows  # let go once written
+        self.rows: Rows | Streamed | None = rows  # let go once written
         self.columns, self.shard_size, self.ids_digest, self.n = columns, shard_size, ids_digest, len(rows)
         self.written = 0  # rows whose arrays are in the store
         self.made = False
@@ -383,13 +384,15 @@ class RowsBehind:
                 for start in range(0, n, self.columns.step):
                     self._go_on()
                     stop = min(start + self.columns.step, n)
-                    self.columns.write(start, stop)
+                    self.columns.write(start, stop, rows.upto(stop))  # (a listing streamed: once they are listed)
                     self._advance(stop)
+                whole = rows.whole()  # (streamed: its ids checked at its end, its record made)
                 digests = self.columns.digests()
-                write_id_index(self.group, rows.ids, digests.get("ids_digest", self.ids_digest), self._go_on)
+                write_id_index(self.group, whole.ids, digests.get("ids_digest", self.ids_digest), self._go_on)
                 _consolidate(self.store)  # the id index's record beside the others' metadata
                 self._go_on()
-                self._record({**digests, "rows_written": True})
+                listed = {"listing": whole.listing} if isinstance(rows, Streamed) and whole.listing else {}
+                self._record({**digests, **listed, "rows_written": True})
         except BaseException as err:
             with self._cond:
                 self.error = err
@@ -445,7 +448,7 @@ class RowsBehind:
         return self.error is not None or self.made or self.written >= min((shard + 1) * self.shard_size, self.n)
 
     def _raise(self) -> None:
-        if isinstance(self.error, FencedError):
+        if isinstance(self.error, (FencedError, DataError)):  # (DataError: its listing's, streamed: a duplicate id)
             raise self.error
         if self.error is not None:
             err = self.error
@@ -453,12 +456,16 @@ class RowsBehind:
                              f"{str(err).rstrip('.')}") from err
 
     def stop(self) -> None:
-        """Stop writing after the stretch being written (the generation stays half-made)."""
+        """Stop writing after the stretch being written (the generation stays half-made), and the listing streamed."""
         with self._cond:
             self._stop = True
+            rows = self.rows
+        if isinstance(rows, Streamed):
+            rows.stop()
 
 
-def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Mapping[str, Any]) -> _RowArrays:
+def _create_arrays(group: zarr.Group, rows: Rows | Streamed, arrays: StoreArrays,
+                   attrs: Mapping[str, Any]) -> _RowArrays:
     """The arrays of a new generation and its attributes; its per-row arrays to write (:class:`_RowArrays`)."""
     n = len(rows)
     shard_size, captures, extras = arrays.shard_size, arrays.captures, arrays.extras
@@ -503,7 +510,7 @@ def _create_arrays(group: zarr.Group, rows: Rows, arrays: StoreArrays, attrs: Ma
     return columns
 
 
-def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators: tuple[LocatorArray, ...],
+def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows | Streamed, locators: tuple[LocatorArray, ...],
                        digests: Iterable[str] = (), once: int | None = None) -> _RowArrays:
     """The per-row arrays (``ROW_ARRAYS``, and the source's ``locators``, their columns from ``rows``) made, in
     chunks of ``shard_rows`` (those written once, :data:`ONCE_ARRAYS`: of whole shards up to :data:`ONCE_ROWS`);
@@ -511,18 +518,22 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows, locators:
     the string arrays ``digests`` (``ids``, ``paths``). ``once``: the arrays are there already (made with
     :data:`ONCE_ARRAYS` in chunks of ``once`` rows), to write again."""
     made = _RowArrays(group, shard_rows, len(rows), digests, once)
-    made.add("ids", str, "", rows.ids)
-    made.add("paths", str, "", rows.paths)
-    made.add("labels", "int64", -1, rows.labels)
+    made.add("ids", str, "", lambda r: r.ids)
+    made.add("paths", str, "", lambda r: r.paths)
+    made.add("labels", "int64", -1, lambda r: r.labels)
     for locator in locators:  # where the source finds each image's bytes, beside its path
-        if locator.name not in rows.locators:
+        if locator.name not in rows.locator_names:
             raise ValueError(f"the rows carry no {locator.name!r} column, which their source declares")
-        made.add(locator.name, locator.dtype, locator.fill, rows.locators[locator.name])
+        made.add(locator.name, locator.dtype, locator.fill, functools.partial(_locator, name=locator.name))
     made.add("status", "uint8", PENDING)
     made.add("errors", str, "")
     made.add("digest", "uint64", 0)  # written with each shard's status
-    made.add("fingerprint", "uint64", 0, rows.fingerprints)
+    made.add("fingerprint", "uint64", 0, (lambda r: r.fingerprints) if rows.fingerprinted else None)
     return made
+
+
+def _locator(rows: Rows, name: str) -> np.ndarray:
+    return rows.locators[name]
 
 
 class _RowArrays:
@@ -536,10 +547,11 @@ class _RowArrays:
         self.made = once is not None  # the arrays are there: written again
         self.once = once if once is not None else once_rows(shard_rows, n)
         self.step = self.once * max(1, WRITE_ROWS // self.once)  # whole chunks of every array (shard_rows | once)
-        self.columns: list[tuple[str, zarr.Array, ChunkCodec | None, Any, Any]] = []
+        self.columns: list[tuple[str, zarr.Array, ChunkCodec | None, Any, Callable[[Rows], Any]]] = []
         self.hashes: dict[str, NamesDigest] = {}
 
-    def add(self, name: str, dtype: Any, fill: Any, data: Any = None) -> None:
+    def add(self, name: str, dtype: Any, fill: Any, data: Callable[[Rows], Any] | None = None) -> None:
+        """Array ``name`` made; ``data``: its column of the rows, written here."""
         chunk = self.once if name in ONCE_ARRAYS else self.shard_rows
         arr = get_array(self.group, name) if self.made else \
             self.group.create_array(name, shape=(self.n,), dtype=dtype, chunks=(chunk,), fill_value=fill,
@@ -552,10 +564,11 @@ class _RowArrays:
         if name in self.named:
             self.hashes[name] = NamesDigest()
 
-    def write(self, start: int, stop: int) -> None:
-        """Rows ``start:stop`` (whole chunks of every array, but the last) of every column."""
-        for name, arr, codec, fill, data in self.columns:
-            chunk = int(arr.chunks[0])
+    def write(self, start: int, stop: int, rows: Rows) -> None:
+        """Rows ``start:stop`` (whole chunks of every array, but the last) of every column, from ``rows`` (those listed
+        so far, at least ``stop`` of them)."""
+        for name, arr, codec, fill, column in self.columns:
+            data, chunk = column(rows), int(arr.chunks[0])
             if arr.dtype.kind in "TUO":  # strings: each chunk encoded from their UTF-8, made in bulk
                 digest = self.hashes.get(name)
                 if not write_texts(arr, codec, start, data, stop, digest.add if digest is not None else None) \

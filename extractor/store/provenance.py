@@ -22,7 +22,7 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 
 from .._version import __version__
-from ..data import BLOCK, Rows, of_store
+from ..data import BLOCK, Rows, Streamed, of_store
 from ..errors import StoreError
 from ..spec import (
     PLACES,
@@ -177,7 +177,7 @@ def chunking(spec: JobSpec, captures: dict[str, CaptureRecord]) -> dict[str, int
             for k, c in captures.items()}
 
 
-def store_attrs(spec: JobSpec, rows: Rows, n_shards: int, probe: Probe) -> StoreRecord:
+def store_attrs(spec: JobSpec, rows: Rows | Streamed, n_shards: int, probe: Probe) -> StoreRecord:
     """The store's ``extractor`` attributes at its creation (or, on resume, what it must match)."""
     record: StoreRecord = {
         "format_version": FORMAT_VERSION,

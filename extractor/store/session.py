@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._text import count, now
-from ..data import Rows, Shard, reuse, source
+from ..data import Rows, Shard, Streamed, reuse, source
 from ..errors import FencedError, StoreError
 from ..spec import JobSpec
 from .chunks import read_all
@@ -113,7 +113,7 @@ def _claimants_text(claimants: list[dict[str, Any]]) -> str:
             f"heartbeat {age:.0f} s ago){more}")
 
 
-def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, objects: Objects) -> Decision:
+def decide(spec: JobSpec, rows: Rows | Streamed, shards: list[Shard], attrs: StoreRecord, objects: Objects) -> Decision:
     """Whether the job may create, replace, resume or join the store, and what it would compute; refuses (another
     job's live claimants without --join, an existing store without --resume or --overwrite, a store made by another
     job) without writing anything."""
@@ -143,7 +143,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
         if mode in ("resume", "join") and generation.root() is not None:  # its rows were being written: again
             writers = _writers(generation)
             if not writers:
-                return _resume(spec, rows, shards, old, generation.open(), head, attrs)
+                return _resume(spec, rows.whole(), shards, old, generation.open(), head, attrs)
             log.warning("%s was left half-made by a job that wrote its rows and may only be paused (%s: silent, "
                         "not known to have ended); it is made again", url, _claimants_text(writers))
         return Decision(True, old, shards, head=head)
@@ -157,6 +157,7 @@ def decide(spec: JobSpec, rows: Rows, shards: list[Shard], attrs: StoreRecord, o
         )
     if mode == "overwrite":
         return Decision(True, old, shards, head=head)
+    rows = rows.whole()  # (a listing streamed: a store there is resumed from its rows, all of them)
     check_resumable(url, old, json.loads(json.dumps(with_digests(attrs, rows))), group, rows.paths, rows.ids)
     return _resume(spec, rows, shards, old, group, head)
 
@@ -348,7 +349,7 @@ class StoreSession:
         arrays = {k: get_array(group, k) for k in keys}
         return {k: (int(a.chunks[0]), bool(getattr(a, "shards", None))) for k, a in arrays.items()}
 
-    def decide(self, rows: Rows, shards: list[Shard], probe: Probe, sources: bool = True) -> Decision:
+    def decide(self, rows: Rows | Streamed, shards: list[Shard], probe: Probe, sources: bool = True) -> Decision:
         """What the job would do to the store (:func:`decide`), writing nothing; ``sources``: the stores of
         output.reuse checked first. The store record this job writes is :attr:`record` from then on."""
         spec = self.spec
@@ -381,7 +382,7 @@ class StoreSession:
 
     # ---------------------------------------------------------------------------------------------- start
 
-    def on_write_start(self, rows: Rows) -> list[Shard]:
+    def on_write_start(self, rows: Rows | Streamed) -> list[Shard]:
         """Make the store (a new generation, swapped in by the head: refused when the head changed since
         :meth:`decide` read it; joining, the store another process made meanwhile is joined) or resume it, as a
         claimant; the shards to compute (those not committed; joining, from a place of this claimant's own)."""
@@ -389,7 +390,7 @@ class StoreSession:
         spec = self.spec
         for _ in range(3):
             if not decision.create:
-                self._resume(decision, record, rows)
+                self._resume(decision, record, rows.whole())
                 break
             try:
                 self._make(decision, record, rows)
@@ -413,7 +414,7 @@ class StoreSession:
             todo = todo[at:] + todo[:at]
         return todo
 
-    def _make(self, decision: Decision, record: StoreRecord, rows: Rows) -> None:
+    def _make(self, decision: Decision, record: StoreRecord, rows: Rows | Streamed) -> None:
         """A new generation swapped in by the head (from the version :meth:`decide` read), this process its claimant,
         the other generations removed, the new one written."""
         spec = self.spec

@@ -54,6 +54,24 @@ def test_columns_past_their_limit_are_the_values_appended(tiny):
     assert not isinstance(small.array(), np.memmap)  # a column that stays small never touches the disk
 
 
+@pytest.mark.parametrize("limit", [16, 1 << 20])
+def test_snapshots_of_growing_columns_hold_what_was_appended_and_stay_so(limit: int, monkeypatch):
+    """A listing streamed takes its rows so far while its builders grow (past their limit on the disk, or not yet):
+    each snapshot holds the values appended before it, after more are appended and once the builder is made whole."""
+    monkeypatch.setattr(spill, "SPILL_BYTES", limit)
+    values, texts = np.arange(300, dtype=np.int64) * 7 - 50, [f"{'é' * (n % 5)}r{n}" for n in range(300)]
+    column, strings, taken = spill.Column("q"), Strings(), []
+    assert spill.Column("q").snapshot().tolist() == [] and spill.Bytes().snapshot().tolist() == []
+    for start, stop in ((0, 1), (1, 40), (40, 41), (41, 300)):
+        column.extend(values[start:stop])
+        strings.extend(texts[start:stop])
+        taken.append((stop, column.snapshot(), strings.snapshot()))
+    whole, all_texts = column.array(), strings.array()
+    for stop, numbers, part in taken:
+        assert numbers.tolist() == values[:stop].tolist() and part.tolist() == texts[:stop]
+    assert whole.tolist() == values.tolist() and all_texts.tolist() == texts
+
+
 def test_hashes_sorted_in_buckets_on_the_disk_are_numpys_stable_sort(tiny):
     rng = np.random.default_rng(1)
     hashes = rng.integers(-(2**63), 2**63 - 1, 300, dtype=np.int64)

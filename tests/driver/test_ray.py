@@ -267,9 +267,9 @@ def test_on_ray_a_new_stores_rows_are_written_behind_its_first_shards(ray_cluste
     written, release = [], threading.Event()
     write = layout._RowArrays.write
 
-    def held(self: Any, start: int, stop: int) -> None:  # the first stretch, then the others once shard 0 began
+    def held(self: Any, start: int, stop: int, rows: Any) -> None:  # stretch 0, then the rest once shard 0 began
         assert not start or release.wait(120), "shard 0 never began while the rows waited"
-        write(self, start, stop)
+        write(self, start, stop, rows)
         written.append(start)
 
     def on_event(name: str, info: dict) -> None:

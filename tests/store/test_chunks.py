@@ -140,7 +140,7 @@ def test_a_new_stores_row_arrays_leave_out_the_chunks_zarr_leaves_out(tmp_path: 
     rows = Rows(ids=ids, paths=strings([""] * 5 + [f"/p/{n}" for n in range(5)]),
                 labels=np.asarray([-1] * 8 + [3, -1]), fingerprints=np.asarray([0] * 4 + list(range(1, 7)), np.uint64))
     ours = zarr.open_group(str(tmp_path / "ours.zarr"), mode="w")
-    _create_row_arrays(ours, 4, rows, ()).write(0, 10)
+    _create_row_arrays(ours, 4, rows, ()).write(0, 10, rows)
     theirs = zarr.open_group(str(tmp_path / "zarr.zarr"), mode="w")
     for name, dtype, fill in (("ids", str, ""), ("paths", str, ""), ("labels", "int64", -1),
                               ("fingerprint", "uint64", 0)):

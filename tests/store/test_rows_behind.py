@@ -71,10 +71,10 @@ def _held_rows(monkeypatch: pytest.MonkeyPatch, release: threading.Event, order:
     """The rows writer writes its first stretch, then waits for ``release`` before each next one."""
     write = layout._RowArrays.write
 
-    def held(self: Any, start: int, stop: int) -> None:
+    def held(self: Any, start: int, stop: int, rows: Any) -> None:
         if start:
             assert release.wait(WAIT_S), "the first shard never began while the rows waited"
-        write(self, start, stop)
+        write(self, start, stop, rows)
         order.append(f"rows {start}-{stop}")
 
     monkeypatch.setattr(layout._RowArrays, "write", held)
@@ -143,10 +143,10 @@ def _interrupted_half_made(images: Path, tmp_path: Path, monkeypatch: pytest.Mon
     url, go, order = url or str(tmp_path / "s.zarr"), threading.Event(), []
     write, stop = layout._RowArrays.write, layout.RowsBehind.stop
 
-    def held(self: Any, start: int, end: int) -> None:
+    def held(self: Any, start: int, end: int, rows: Any) -> None:
         if start >= 4:
             assert go.wait(WAIT_S), "the job never stopped its rows"
-        write(self, start, end)
+        write(self, start, end, rows)
         order.append(start)
 
     def stopping(self: Any) -> None:
@@ -374,10 +374,10 @@ def test_a_resume_interrupted_while_it_wrote_the_rows_leaves_the_next_turn_to_th
     url, _kept = _interrupted_half_made(images, tmp_path, monkeypatch)
     hold, write, stop = threading.Event(), layout._RowArrays.write, layout.RowsBehind.stop
 
-    def held(self: Any, start: int, end: int) -> None:
+    def held(self: Any, start: int, end: int, rows: Any) -> None:
         if start >= 6:  # (shards 1 and 2 may run)
             assert hold.wait(WAIT_S), "the resume never stopped its rows"
-        write(self, start, end)
+        write(self, start, end, rows)
 
     def stopping(self: Any) -> None:
         stop(self)
@@ -484,11 +484,11 @@ def test_a_store_whose_rows_could_not_be_written_is_half_made_and_its_resume_wri
         images: Path, tmp_path: Path, stretch_a_shard: None, monkeypatch: pytest.MonkeyPatch):
     write, calls = layout._RowArrays.write, []
 
-    def failing(self: Any, start: int, stop: int) -> None:
+    def failing(self: Any, start: int, stop: int, rows: Any) -> None:
         calls.append(start)
         if start == 4:
             raise OSError(28, "No space left on device")
-        write(self, start, stop)
+        write(self, start, stop, rows)
 
     monkeypatch.setattr(layout._RowArrays, "write", failing)
     url = str(tmp_path / "s.zarr")

@@ -30,8 +30,11 @@ from ..files import FS_BYTES, Locator, is_url, local_fingerprint, read_file
 from ..rows import BLOCK, LocatorArray
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ...spec import DataSpec
     from ..rows import Rows
+    from ..streamed import Streamed
 
 __all__ = [
     "REGISTRY",
@@ -85,6 +88,12 @@ class Source(ABC):
         """Every row, in a fixed order, with its fingerprint where one is cheap (0: unknown) and, where the source
         can tell cheaply whether it changed, ``Rows.listing``: what the listing was made from (:meth:`listing`, with
         ``rows``: each part's number of rows, where it has parts)."""
+
+    def stream(self, data: DataSpec, then: Callable[[Rows], Rows]) -> Streamed | None:
+        """The rows of :meth:`list`, listed on a thread behind the job's start (:class:`~..streamed.Streamed`), where
+        their number is known without listing them; None: listed whole first. ``then``: made of the whole listing at
+        its end (data.classes given their names)."""
+        return None
 
     def empty(self, data: DataSpec) -> str:
         """Why a listing found no rows, in the error's words."""

@@ -10,15 +10,15 @@ once, and only its image column (:class:`RowGroups`), by ranged reads: never a w
 from __future__ import annotations
 
 import bisect
+import functools
 import glob
 import json
 import logging
 import os
 import re
 import threading
-from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,8 +37,9 @@ from ..files import (
     remote_error,
     remote_fingerprint,
 )
-from ..rows import Distinct, Joined, Rows, Strings, Texts, duplicate, labels_of_codes, named
+from ..rows import STRINGS, Distinct, Joined, Rows, Strings, Texts, duplicate, labels_of_codes, named
 from ..spill import Column
+from ..streamed import Lister, Streamed
 from . import Locator, Sampled, Source, spread
 
 if TYPE_CHECKING:
@@ -323,67 +324,175 @@ class _Ids:
         else:
             _row_ids_of(self.texts, self.stems[t], f)
 
-    def array(self, in_file: np.ndarray, which: np.ndarray | None) -> Texts | Joined:
+    def array(self, in_file: np.ndarray, which: np.ndarray | None, files: int | None = None) -> Texts | Joined:
+        """All of them (``files``: made of the first files' rows only, a listing's prefix)."""
         if self.texts is not None:
             return self.texts.array()
-        return Joined([f"{stem}/" for stem in self.stems], in_file, which)
+        return Joined([f"{stem}/" for stem in self.stems[:files]], in_file, which)
+
+
+def _columns(columns: dict[str, str]) -> _Columns:
+    return _Columns(image=columns.get("image", "image"), label=columns.get("label", "label"),
+                    id=columns.get("id", "id"), named=frozenset(columns.values()))
+
+
+class _Listing:
+    """The rows of Parquet files as their files come, one after another (:meth:`add`): each row's file and row there,
+    id, label and fingerprint, on the disk past a megabyte each. :meth:`rows`: all of them (their ids checked, their
+    labels coded); :meth:`prefix`: those listed so far, the listing going on (a listing streamed: ``coded``, where
+    every label is a class index as it is, :func:`stream_parquet`)."""
+
+    def __init__(self, urls: list[str], columns: dict[str, str], coded: bool = False) -> None:
+        self.urls, self.columns, self.cols = urls, columns, _columns(columns)
+        self.stems = _row_ids(urls)
+        self.heads = np.asarray([f"{u}#{self.cols.image}/" for u in urls], dtype=STRINGS)  # a row's path: its
+        self.ids = _Ids(self.stems)  # file's head and its row there; its id (made): its file's stem and its row
+        self.prints, self.files, self.in_file = Column("Q"), Column("i"), Column("q")  # each row's
+        self.labels: Column | Distinct = Column("q") if coded else Distinct()
+        self.file_prints: list[int] = []
+        self.names: set[tuple[str, ...]] = set()
+        self.starts: list[int] = []
+        self.by_path = 0
+        self.beyond_first = False  # a row of a file past the first (else each row's file is not kept: 0)
+
+    def where(self, n: int) -> str:
+        t = bisect.bisect_right(self.starts, n) - 1
+        return f"{self.urls[t]} row {n - self.starts[t]}"
+
+    def add(self, t: int, f: _File) -> None:
+        """File ``t``'s rows, as its scan found them."""
+        self.starts.append(len(self.in_file))
+        self.files.extend(np.full(f.rows, t, dtype=np.int32))
+        self.in_file.extend(np.arange(f.rows, dtype=np.int64))
+        self.beyond_first |= t > 0 and f.rows > 0
+        self.file_prints.append(f.print)
+        self.by_path += f.by_path
+        if f.names:
+            self.names.add(tuple(f.names))
+        self.ids.add(t, f)
+        self.prints.extend(_row_prints(f.print, f.rows))
+        if isinstance(self.labels, Column):  # class indices as they are, -1 where none
+            self.labels.extend(np.full(f.rows, -1, np.int64) if f.labels is None else
+                               f.labels.cast("int64").fill_null(-1).to_numpy(zero_copy_only=False))
+        elif f.labels is not None:
+            self.labels.add_arrow(f.labels)
+        else:
+            self.labels.add([None] * f.rows)
+
+    def prefix(self) -> Rows:
+        """The rows listed so far (none copied: maps of the builders' files), the listing going on."""
+        assert isinstance(self.labels, Column), "coded labels only: others are coded once all are listed"
+        numbers, which = self.in_file.snapshot(), self.files.snapshot() if self.beyond_first else None
+        files = len(self.starts)
+        ids = self.ids.texts.snapshot() if self.ids.texts is not None else self.ids.array(numbers, which, files)
+        return Rows(ids=ids, paths=Joined(self.heads[:files], numbers, which), labels=self.labels.snapshot(),
+                    fingerprints=self.prints.snapshot())
+
+    def rows(self) -> Rows:
+        """Every row listed: their labels coded, their ids checked to be unique, the listing's record made."""
+        if self.by_path:  # their fingerprint is the Parquet file's: an image file rewritten in place is not seen
+            log.warning("%d rows of data.parquet name their image by a path (no bytes in the Parquet file): a resume "
+                        "sees the Parquet files change, not those image files; `extractor inspect --verify` reads "
+                        "them again", self.by_path)
+        if isinstance(self.labels, Column):
+            codes, classes = self.labels.array(), list[str]()
+        else:
+            codes, classes = labels_of_codes(*self.labels.result(), self.where)
+        numbers, which = self.in_file.array(), self.files.array()
+        of_file = which if self.beyond_first else None  # (one file: none)
+        keys = self.ids.array(numbers, of_file)
+        # ids made as STEM/ROW from distinct stems are distinct (the last "/" parts them): no sort of 100M hashes
+        twice = duplicate(keys) if self.ids.texts is not None or len(set(self.stems)) < len(self.stems) else None
+        if twice is not None:
+            raise DataError(f"id {keys[twice[0]]!r} appears twice: {self.where(twice[0])} and "
+                            f"{self.where(twice[1])}; ids must be unique (data.columns.id names the id column)")
+        rows = Rows(ids=keys, paths=Joined(self.heads, numbers, of_file), labels=codes, classes=classes,
+                    fingerprints=self.prints.array() if len(self.prints) else None,
+                    listing=_listing(self.urls, self.file_prints, self.columns))
+        if len(self.names) > 1:
+            raise DataError(_names_differ(len(self.names)))
+        if self.names and not classes:
+            return named(rows, list(next(iter(self.names))), f"{self.urls[0]} (its Hugging Face ClassLabel names)")
+        return rows
+
+
+def _names_differ(lists: int) -> str:
+    return (f"the Parquet files of data.parquet name their classes differently ({lists} lists in their Hugging Face "
+            "metadata); list them once in data.classes")
+
+
+def _scans(urls: list[str], scan: Any) -> Any:
+    """``scan(url)`` of each file, in order, 16 ahead on 16 threads (a remote file's reads wait on the network)."""
+    return prefetched(urls, scan, 16, min(16, len(urls)))
 
 
 def list_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], storage: dict[str, Any]) -> Rows:
     """Rows of every row of every Parquet file, in pattern order then row order (``patterns``: a list of files
     as :func:`hub_files` gives them, or patterns)."""
+    listing = _Listing(parquet_urls(patterns, storage), columns)
+    for t, f in enumerate(_scans(listing.urls, lambda u: _scan(u, listing.cols, storage))):
+        listing.add(t, f)
+    return listing.rows()
+
+
+@dataclass(frozen=True)
+class _Footer:
+    """What a Parquet file's footer tells before its rows are listed."""
+
+    rows: int
+    coded: bool  # its labels are class indices as they are (an integer column, or none)
+    names: list[str] | None  # its label column's ClassLabel names
+
+
+def _footer(url: str, cols: _Columns, storage: dict[str, Any]) -> _Footer:
+    """A Parquet file's footer: its rows, whether its labels are integers, its class names; its columns checked."""
+    pq = _pyarrow()
+    import pyarrow as pa
+
+    try:
+        schema = (f := pq.ParquetFile(_open(url, storage))).schema_arrow
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise _unreadable(url, err) from None
+    _check_columns(url, schema.names, cols)
+    _check_image_type(url, schema.field(cols.image), cols.image)
+    label = schema.field(cols.label).type if cols.label in schema.names else None
+    coded = label is None or (pa.types.is_integer(label) and not pa.types.is_uint64(label))
+    return _Footer(f.metadata.num_rows, coded, _class_names(schema, cols.label))
+
+
+def stream_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str], storage: dict[str, Any],
+                   classes: Sequence[str] | None, then: Callable[[Rows], Rows]) -> Streamed | None:
+    """The rows of :func:`list_parquet`, listed on a thread (:class:`~..streamed.Streamed`) once every file's footer
+    is read: their number and class names known from them. None where they cannot be: an Arrow file (no footer),
+    labels that are not class indices (their classes are known once every label is read), ClassLabel names that
+    data.classes (``classes``) renumbers, no rows. ``then``: what the whole listing is made at its end (data.classes
+    given their names)."""
     urls = parquet_urls(patterns, storage)
-    cols = _Columns(image=columns.get("image", "image"), label=columns.get("label", "label"),
-                    id=columns.get("id", "id"), named=frozenset(columns.values()))
-    ids, counts = _Ids(stems := _row_ids(urls)), array("q")  # a row's path: its file's head and its row there
-    prints, files, in_file = Column("Q"), Column("i"), Column("q")  # each row's; on the disk past a megabyte
-    file_prints: list[int] = []
-    names: set[tuple[str, ...]] = set()
-    starts: list[int] = []
-
-    def where(n: int) -> str:
-        t = bisect.bisect_right(starts, n) - 1
-        return f"{urls[t]} row {n - starts[t]}"
-
-    labels, by_path = Distinct(), 0
-    for t, f in enumerate(prefetched(urls, lambda u: _scan(u, cols, storage), 16, min(16, len(urls)))):
-        starts.append(len(in_file))
-        files.extend(np.full(f.rows, t, dtype=np.int32))
-        in_file.extend(np.arange(f.rows, dtype=np.int64))
-        counts.append(f.rows)
-        file_prints.append(f.print)
-        by_path += f.by_path
-        if f.names:
-            names.add(tuple(f.names))
-        ids.add(t, f)
-        prints.extend(_row_prints(f.print, f.rows))
-        if f.labels is not None:
-            labels.add_arrow(f.labels)
-        else:
-            labels.add([None] * f.rows)
-    if by_path:  # their fingerprint is the Parquet file's: an image file rewritten in place is not seen
-        log.warning("%d rows of data.parquet name their image by a path (no bytes in the Parquet file): a resume sees "
-                    "the Parquet files change, not those image files; `extractor inspect --verify` reads them again",
-                    by_path)
-    codes, classes = labels_of_codes(*labels.result(), where)
-    numbers, which = in_file.array(), files.array()
-    of_file = which if which.any() else None  # (one file: none)
-    keys = ids.array(numbers, of_file)
-    # ids made as STEM/ROW from distinct stems are distinct (the last "/" parts them): no sort of 100M hashes
-    twice = duplicate(keys) if ids.texts is not None or len(set(stems)) < len(stems) else None
-    if twice is not None:
-        raise DataError(f"id {keys[twice[0]]!r} appears twice: {where(twice[0])} and {where(twice[1])}; ids must be "
-                        f"unique (data.columns.id names the id column)")
-    paths = Joined([f"{u}#{cols.image}/" for u in urls], numbers, of_file)
-    rows = Rows(ids=keys, paths=paths, labels=codes, classes=classes,
-                fingerprints=prints.array() if len(prints) else None,
-                listing=_listing(urls, file_prints, columns))
+    cols = _columns(columns)
+    if any(_is_arrow(u) for u in urls):
+        return None
+    footers = list(_scans(urls, lambda u: _footer(u, cols, storage)))
+    names = {tuple(f.names) for f in footers if f.names}
+    n = sum(f.rows for f in footers)
+    if not n or not all(f.coded for f in footers) or (names and classes is not None):
+        return None
     if len(names) > 1:
-        raise DataError(f"the Parquet files of data.parquet name their classes differently ({len(names)} lists in "
-                        "their Hugging Face metadata); list them once in data.classes")
-    if names and not classes:
-        return named(rows, list(next(iter(names))), f"{urls[0]} (its Hugging Face ClassLabel names)")
-    return rows
+        raise DataError(_names_differ(len(names)))
+
+    listing = _Listing(urls, columns, coded=True)
+
+    def lister() -> Lister:
+        listed = 0
+        for t, f in enumerate(_scans(urls, lambda u: _scan(u, cols, storage))):
+            if f.rows != footers[t].rows:
+                raise DataError(f"{urls[t]} changed while it was listed ({footers[t].rows} rows in its footer, then "
+                                f"{f.rows}); run again")
+            listed += f.rows
+            yield listed, functools.partial(listing.add, t, f)
+        return then(listing.rows())
+
+    return Streamed(n, list(classes) if classes is not None else list(next(iter(names))) if names else [], lister(),
+                    listing.prefix, fingerprinted=True)
 
 
 class RowGroups:
@@ -536,6 +645,10 @@ class ParquetSource(Source):
 
     def list(self, data: DataSpec) -> Rows:
         return list_parquet(self._files(data), {str(k): v for k, v in data.columns.items()}, data.storage_options)
+
+    def stream(self, data: DataSpec, then: Callable[[Rows], Rows]) -> Streamed | None:
+        return stream_parquet(self._files(data), {str(k): v for k, v in data.columns.items()}, data.storage_options,
+                              data.classes, then)
 
     def empty(self, data: DataSpec) -> str:
         return "its files hold no rows"
