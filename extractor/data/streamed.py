@@ -52,6 +52,12 @@ class Streamed:
     def __len__(self) -> int:
         return self.n
 
+    @property
+    def done(self) -> bool:
+        """Whether the listing ended (listed whole, or stopped by an error)."""
+        with self._cond:
+            return self._rows is not None or self._error is not None
+
     def _list(self, lister: Lister) -> None:
         try:
             while True:

@@ -299,11 +299,16 @@ def run(
     shards = plan(len(rows), spec.data.shard_size)
     log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
     events = _Events(on_event)
-    session = StoreSession(spec, JobIndexes())  # the store meets the job's write-time indexes through them
-    done = _complete(spec, rows, shards, session, on_start, t0) if backend is None else None
-    if done is not None:  # a complete store, its model fixed by its record: nothing built, nothing computed
-        return done
-    backend = backend if backend is not None else _backend(spec)
+    try:
+        session = StoreSession(spec, JobIndexes())  # the store meets the job's write-time indexes through them
+        done = _complete(spec, rows, shards, session, on_start, t0) if backend is None else None
+        if done is not None:  # a complete store, its model fixed by its record: nothing built, nothing computed
+            return done
+        backend = backend if backend is not None else _backend(spec)
+    except BaseException:
+        if listing is not None:
+            listing.stop()
+        raise
     try:
         decided, per_row = _look(spec, rows, shards, backend, session)
         if on_start is not None:

@@ -371,6 +371,12 @@ class RowsBehind:
         self._cond = threading.Condition()
 
     @property
+    def listing(self) -> bool:
+        """Whether its rows are still being listed (a listing streamed: :class:`~extractor.data.Streamed`)."""
+        rows = self.rows
+        return isinstance(rows, Streamed) and not rows.done
+
+    @property
     def stretches(self) -> int:
         """The stretches of rows :meth:`write` writes one after another."""
         return max(1, -(-self.n // self.columns.step))

@@ -457,8 +457,8 @@ class StoreSession:
         the job ``failed`` (its own error goes up)."""
         if self._writing is None or self.behind is None:
             return
-        if stop:
-            self.behind.stop()
+        if stop or (failed and self.behind.listing):  # (a listing streamed: the rest may be minutes away, and the
+            self.behind.stop()  # resume of the half-made store keeps the shards committed as it writes them again)
         elif failed and not self.behind.made and self.behind.error is None:
             log.warning("writing the rest of %s's rows, so that its resume keeps the shards committed so far",
                         self.spec.output.store)

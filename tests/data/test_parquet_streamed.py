@@ -54,15 +54,22 @@ def test_a_streamed_listing_gives_the_rows_of_a_whole_one_prefix_by_prefix(tmp_p
         pq.write_table(pa.table({"image": pa.array([b"x"] * n, pa.binary()), **columns}), tmp_path / name)
     data = DataSpec(source="parquet", parquet=str(tmp_path / "*.parquet"))
     want = list_rows(data)
-    for stop in (1, 3, 4, 8, 14, 15):
-        streamed = stream_rows(data)
-        assert isinstance(streamed, Streamed) and len(streamed) == 14 and streamed.classes == []
-        prefix = streamed.upto(stop)
-        assert len(prefix) >= min(stop, 14) and (stop <= 14 or prefix.listing is not None)  # (past: the whole)
-        _same(prefix, want, stop)
-        whole = streamed.whole()
-        _same(whole, want, 14)
-        assert whole.classes == want.classes and whole.listing == want.listing is not None
+    for held in ("c.parquet", "d.parquet"):  # the ids of the prefixes: files and rows; then texts, from d's on
+        with pytest.MonkeyPatch.context() as patch:
+            release = _hold(patch, held)
+            streamed = stream_rows(data)
+            assert isinstance(streamed, Streamed) and len(streamed) == 14 and streamed.classes == []
+            before = 5 if held == "c.parquet" else 10  # rows of the files before the one held
+            for stop in (1, 3, before):
+                prefix = streamed.upto(stop)
+                assert stop <= len(prefix) <= before and prefix.listing is None  # (the listing held: a part)
+                _same(prefix, want, len(prefix))
+            release.set()
+            for stop in (before + 1, 14):
+                _same(streamed.upto(stop), want, stop)
+            whole = streamed.whole()
+            _same(whole, want, 14)
+            assert whole.classes == want.classes and whole.listing == want.listing is not None
     assert want.ids.tolist()[:4] == ["a/0", "a/1", "a/2", "bb/0"] and want.ids.tolist()[10:] == ["x", "d/1", "d/2", "y"]
     assert want.labels.tolist() == [3, -1, 1, -1, 5, 0, 2, -1, 2, 1, 1, 1, 0, 7]  # (the reference: the files' values)
 
@@ -91,19 +98,32 @@ def test_sources_whose_rows_cannot_be_counted_first_are_listed_whole(image_dir: 
         beyond.whole()
 
 
-def _hold_last_file(monkeypatch: pytest.MonkeyPatch, last: str) -> threading.Event:
-    """The listing waits before it scans the file ``last`` until the event returned is set."""
-    release, scan = threading.Event(), parquet._scan
+class _Held(threading.Event):
+    timed_out = False  # the wait's bound was reached: whoever should have released it never did
+
+
+def _hold(monkeypatch: pytest.MonkeyPatch, last: str, fail: BaseException | None = None) -> _Held:
+    """The listing waits before it scans the file ``last`` until the event returned is set (then ``fail`` raised
+    there, where given: a file found unreadable)."""
+    release, scan = _Held(), parquet._scan
 
     def held(url: str, cols: Any, storage: Any) -> Any:
         if url.endswith(last):
-            assert release.wait(WAIT_S), "the listing was never released: no shard ran while it listed"
+            release.timed_out = not release.wait(WAIT_S)
+            assert not release.timed_out, "the listing was never released: no shard ran while it listed"
+            if fail is not None:
+                raise fail
         return scan(url, cols, storage)
 
     monkeypatch.setattr(parquet, "_scan", held)
+    return release
+
+
+def _hold_last_file(monkeypatch: pytest.MonkeyPatch, last: str, fail: BaseException | None = None) -> _Held:
+    """:func:`_hold` in a job whose store's rows are written behind it a shard at a time."""
     monkeypatch.setattr(layout, "WRITE_ROWS", 2)  # a stretch a shard: a store of a few rows written behind
     monkeypatch.setattr(layout, "ONCE_ROWS", 2)
-    return release
+    return _hold(monkeypatch, last, fail)
 
 
 def test_the_first_shards_run_while_the_files_are_listed(image_dir: Path, tmp_path: Path,
@@ -192,3 +212,71 @@ def test_a_job_stopped_while_its_files_are_listed_stops_the_listing(image_dir: P
     s = open_store(str(tmp_path / "s.zarr"))
     want = list_rows(DataSpec(source="parquet", parquet=[str(p) for p in paths]))
     assert s.ids.tolist() == want.ids.tolist() and s.labels.tolist() == want.labels.tolist()
+
+
+def test_a_file_found_unreadable_as_it_is_listed_stops_the_job_and_the_resume_keeps_its_shards(
+        image_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The last file's footer read, its rows not (its storage failed meanwhile): the job stops with the listing's
+    one line once shard 0 is done, the store half-made; the resume, the file readable again, computes only the
+    shards not committed and stores what a listing made whole gives."""
+    paths = write_hub_parquet(images_of(image_dir), tmp_path / "data", per_file=5, row_group=5)
+    gone = DataError(f"{paths[-1]} is not a readable Parquet file (OSError: the storage went away)")
+    release = _hold_last_file(monkeypatch, paths[-1].name, fail=gone)
+    spec = parquet_job(image_dir, tmp_path / "s.zarr", str(tmp_path / "data" / "*.parquet"), shard_size=2,
+                       batch_size=2)
+    done: list[int] = []
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_done":
+            done.append(info["shard"])
+            release.set()
+
+    with pytest.raises(DataError, match=r"train-00002-of-00003.parquet is not a readable Parquet file"):
+        run(parse_spec(spec), on_event=on_event)
+    assert done and (read_state(str(tmp_path / "s.zarr")) or {})["status"] == "creating"
+    monkeypatch.undo()
+    spec["output"]["if_exists"] = "resume"
+    again = run(parse_spec(spec))
+    assert again.ok == 12 and again.shards_run == 6 - len(done)  # the shards committed before are kept
+    want = list_rows(DataSpec(source="parquet", parquet=[str(p) for p in paths]))
+    s = open_store(str(tmp_path / "s.zarr"))
+    assert s.ids.tolist() == want.ids.tolist() and s.labels.tolist() == want.labels.tolist()
+
+
+def test_a_job_that_fails_stops_its_listing_and_does_not_wait_for_it(image_dir: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    """A job that fails before its store is made (a layer the model lacks), and one that fails once a shard is
+    done: each raises its own error while the listing is still held (the rest of a listing streamed may be minutes
+    of files away), and the listing stops."""
+    from extractor.driver import runner
+    from extractor.errors import LayerError
+
+    paths = write_hub_parquet(images_of(image_dir), tmp_path / "data", per_file=5, row_group=5)
+    made: list[Streamed] = []
+
+    def kept(data: Any) -> Any:
+        made.append(stream_rows(data))
+        return made[-1]
+
+    monkeypatch.setattr(runner, "stream_rows", kept)
+    pattern = str(tmp_path / "data" / "*.parquet")
+    bad = parquet_job(image_dir, tmp_path / "a.zarr", pattern, shard_size=2, batch_size=2)
+    bad["capture"] = [{"layer": "no_such_layer", "reduce": "mean"}]
+    release = _hold_last_file(monkeypatch, paths[-1].name)
+
+    def failing(name: str, info: dict) -> None:
+        if name == "shard_done":
+            raise RuntimeError("a callback failed")
+
+    for spec, error, on_event in ((bad, LayerError, None), (parquet_job(
+            image_dir, tmp_path / "b.zarr", pattern, shard_size=2, batch_size=2), RuntimeError, failing)):
+        with pytest.raises(error):
+            run(parse_spec(spec), on_event=on_event)
+        assert not release.is_set() and not release.timed_out  # raised while the listing was held
+        streamed = made[-1]
+        release.set()  # the listing goes on to its next file, and stops there
+        streamed._thread.join(WAIT_S)
+        assert not streamed._thread.is_alive()
+        with pytest.raises(DataError, match="the listing stopped"):
+            streamed.whole()
+        release.clear()

@@ -324,11 +324,10 @@ class _Ids:
         else:
             _row_ids_of(self.texts, self.stems[t], f)
 
-    def array(self, in_file: np.ndarray, which: np.ndarray | None, files: int | None = None) -> Texts | Joined:
-        """All of them (``files``: made of the first files' rows only, a listing's prefix)."""
+    def array(self, in_file: np.ndarray, which: np.ndarray | None) -> Texts | Joined:
         if self.texts is not None:
             return self.texts.array()
-        return Joined([f"{stem}/" for stem in self.stems[:files]], in_file, which)
+        return Joined([f"{stem}/" for stem in self.stems], in_file, which)
 
 
 def _columns(columns: dict[str, str]) -> _Columns:
@@ -347,6 +346,7 @@ class _Listing:
         self.stems = _row_ids(urls)
         self.heads = np.asarray([f"{u}#{self.cols.image}/" for u in urls], dtype=STRINGS)  # a row's path: its
         self.ids = _Ids(self.stems)  # file's head and its row there; its id (made): its file's stem and its row
+        self.id_heads = np.asarray([f"{stem}/" for stem in self.stems], dtype=STRINGS)
         self.prints, self.files, self.in_file = Column("Q"), Column("i"), Column("q")  # each row's
         self.labels: Column | Distinct = Column("q") if coded else Distinct()
         self.file_prints: list[int] = []
@@ -372,19 +372,28 @@ class _Listing:
         self.ids.add(t, f)
         self.prints.extend(_row_prints(f.print, f.rows))
         if isinstance(self.labels, Column):  # class indices as they are, -1 where none
-            self.labels.extend(np.full(f.rows, -1, np.int64) if f.labels is None else
-                               f.labels.cast("int64").fill_null(-1).to_numpy(zero_copy_only=False))
+            self.labels.extend(np.full(f.rows, -1, np.int64) if f.labels is None else self._coded(t, f.labels))
         elif f.labels is not None:
             self.labels.add_arrow(f.labels)
         else:
             self.labels.add([None] * f.rows)
+
+    def _coded(self, t: int, labels: Any) -> np.ndarray:
+        import pyarrow as pa
+
+        try:
+            return labels.cast(pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
+        except pa.ArrowException as err:  # (its footer said integers: the file changed since)
+            raise DataError(f"{self.urls[t]}: its labels are not class indices ({labels.type}: {err}); it changed "
+                            "while it was listed: run again") from None
 
     def prefix(self) -> Rows:
         """The rows listed so far (none copied: maps of the builders' files), the listing going on."""
         assert isinstance(self.labels, Column), "coded labels only: others are coded once all are listed"
         numbers, which = self.in_file.snapshot(), self.files.snapshot() if self.beyond_first else None
         files = len(self.starts)
-        ids = self.ids.texts.snapshot() if self.ids.texts is not None else self.ids.array(numbers, which, files)
+        ids = self.ids.texts.snapshot() if self.ids.texts is not None else Joined(self.id_heads[:files], numbers,
+                                                                                 which)
         return Rows(ids=ids, paths=Joined(self.heads[:files], numbers, which), labels=self.labels.snapshot(),
                     fingerprints=self.prints.snapshot())
 
@@ -471,10 +480,14 @@ def stream_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str]
     cols = _columns(columns)
     if any(_is_arrow(u) for u in urls):
         return None
-    footers = list(_scans(urls, lambda u: _footer(u, cols, storage)))
+    footers: list[_Footer] = []
+    for f in _scans(urls, lambda u: _footer(u, cols, storage)):
+        if not f.coded or (f.names and classes is not None):  # (the footers left are not read)
+            return None
+        footers.append(f)
     names = {tuple(f.names) for f in footers if f.names}
     n = sum(f.rows for f in footers)
-    if not n or not all(f.coded for f in footers) or (names and classes is not None):
+    if not n:
         return None
     if len(names) > 1:
         raise DataError(_names_differ(len(names)))
@@ -484,9 +497,9 @@ def stream_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str]
     def lister() -> Lister:
         listed = 0
         for t, f in enumerate(_scans(urls, lambda u: _scan(u, cols, storage))):
-            if f.rows != footers[t].rows:
-                raise DataError(f"{urls[t]} changed while it was listed ({footers[t].rows} rows in its footer, then "
-                                f"{f.rows}); run again")
+            if (f.rows, f.names) != (footers[t].rows, footers[t].names):  # (what the store was made with)
+                raise DataError(f"{urls[t]} changed while it was listed ({footers[t].rows} rows and class names "
+                                f"{footers[t].names} in its footer, then {f.rows} and {f.names}); run again")
             listed += f.rows
             yield listed, functools.partial(listing.add, t, f)
         return then(listing.rows())
