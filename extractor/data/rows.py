@@ -543,6 +543,12 @@ def plan(n_rows: int, shard_size: int) -> list[Shard]:
 _NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # no "+": "+1"/"-1" stay two class names, as before
 
 
+def _missing(value: object) -> bool:
+    """No label: none, an empty text, or a float NaN (pandas' missing value: an integer column with gaps is
+    written as floats)."""
+    return value is None or value == "" or (isinstance(value, float) and value != value)
+
+
 def _label_number(value: object) -> Decimal | None:
     """A label read as a number: a JSON int or float, or text such as ``3``, ``3.0``, ``1e1``
     (what pandas writes for an integer column with gaps); None for a class name."""
@@ -576,7 +582,7 @@ def labels_of_codes(codes: np.ndarray, values: list[object], firsts: list[int],
                     where: Callable[[int], str] = lambda n: f"row {n + 1}") -> tuple[np.ndarray, list[str]]:
     """:func:`labels_of` from each row's code into the distinct raw values, and the first row of each
     (:func:`distinct`'s, or a reader's that finds them in bulk)."""
-    present = [k for k, v in enumerate(values) if v not in (None, "")]
+    present = [k for k, v in enumerate(values) if not _missing(v)]
     table = np.full(len(values), -1, dtype=np.int64)
     if not present:
         return looked_up(table, codes), []
@@ -717,9 +723,9 @@ def looked_up(table: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return out.array()
 
 
-def named(rows: Rows, classes: list[str], where: str) -> Rows:
-    """``rows`` with the class names ``data.classes``: integer labels checked to be among them, labels that were
-    names (or folders) given their index in them."""
+def named(rows: Rows, classes: list[str], where: str, what: str = "data.classes") -> Rows:
+    """``rows`` with the class names ``data.classes`` (``what`` names them): integer labels checked to be among
+    them (0 to n - 1, or -1: none), labels that were names (or folders) given their index in them."""
     labels = rows.labels
     if rows.classes:  # names: their index in the given list
         index = {c: i for i, c in enumerate(classes)}
@@ -730,8 +736,8 @@ def named(rows: Rows, classes: list[str], where: str) -> Rows:
         to = np.asarray([index[c] for c in rows.classes], dtype=np.int64)
         labels = looked_up(np.append(to, -1), labels)  # (-1, none, stays -1)
     else:
-        first = first_where(labels, lambda block: block >= len(classes))
+        first = first_where(labels, lambda block: (block >= len(classes)) | (block < -1))
         if first is not None:
-            raise DataError(f"{where}: row {rows.ids[first]!r} has label {labels[first]}, but data.classes names "
-                            f"{len(classes)} classes (labels 0 to {len(classes) - 1})")
+            raise DataError(f"{where}: row {rows.ids[first]!r} has label {labels[first]}, but {what} names "
+                            f"{len(classes)} classes (labels 0 to {len(classes) - 1}, or -1: none)")
     return replace(rows, labels=labels, classes=classes)

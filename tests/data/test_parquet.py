@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -230,6 +231,38 @@ def test_integer_labels_without_names_take_data_classes(image_dir: Path, tmp_pat
     assert named.classes == ["cat", "dog"] and named.labels.tolist() == plain.labels.tolist()
     with pytest.raises(DataError, match=r"has label 1, but data.classes names 1 classes"):
         list_rows(DataSpec(source="parquet", parquet=str(path), classes=("cat",)))
+
+
+def test_labels_a_dataframe_wrote_as_floats_are_class_indices_and_labels_beside_class_names_are_checked(
+        tmp_path: Path):
+    """pandas writes an integer column with gaps as floats, its gaps NaN: whole numbers are class indices, NaN none,
+    and the files' ClassLabel names apply. A label below -1 is refused (it indexed the names from their end), and
+    so is a label column of names in files whose metadata names classes (it was taken as names, the metadata
+    ignored)."""
+    import json
+
+    def write(name: str, labels: Any, names: list[str] | None = ("cat", "dog", "eel")) -> str:
+        table = pa.table({"image": [b"x"] * len(labels), "label": labels})
+        if names:
+            table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": {
+                "label": {"names": list(names), "_type": "ClassLabel"}}}})})
+        pq.write_table(table, tmp_path / name)
+        return str(tmp_path / name)
+
+    floats = write("f.parquet", pa.array([0.0, 2.0, None, 2.0, float("nan")], pa.float64()))
+    rows = list_rows(DataSpec(source="parquet", parquet=floats))
+    assert rows.labels.tolist() == [0, 2, -1, 2, -1] and rows.classes == ["cat", "dog", "eel"]
+    below = write("n.parquet", pa.array([0, -2, 1], pa.int16()))
+    for classes in (None, ("eel", "cat", "dog")):
+        with pytest.raises(DataError, match=r"row 'n/1' has label -2, but their Hugging Face metadata names "
+                                            r"3 classes \(labels 0 to 2, or -1: none\)"):
+            list_rows(DataSpec(source="parquet", parquet=below, classes=classes))
+    names = write("s.parquet", pa.array(["cat", "eel"]))
+    with pytest.raises(DataError, match=r"the label column 'label' holds names or numbers that are not class indices "
+                                        r"\('cat', 'eel'\), but the files' Hugging Face metadata names its classes"):
+        list_rows(DataSpec(source="parquet", parquet=names))
+    plain = write("p.parquet", pa.array([3.0, float("nan")]), names=None)  # no names: indices all the same
+    assert list_rows(DataSpec(source="parquet", parquet=plain)).labels.tolist() == [3, -1]
 
 
 def test_a_datasets_dataset_is_read_from_its_arrow_files_and_refused_where_it_cannot_be(image_dir: Path,

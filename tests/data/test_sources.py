@@ -395,7 +395,8 @@ def test_data_classes_name_integer_labels_and_order_named_ones(tmp_path: Path):
     run(parse_spec(raw))
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.classes == ["apple", "banana"] and s.labels.tolist() == [0, 0, 1, 1]
-    with pytest.raises(DataError, match=r"row 'b/\w+' has label 1, but data.classes names 1 classes \(labels 0 to 0\)"):
+    with pytest.raises(DataError, match=r"row 'b/\w+' has label 1, but data.classes names 1 classes \(labels 0 to 0, "
+                                        r"or -1: none\)"):
         list_rows(DataSpec(source="tar", tars=pattern, classes=("apple",)))
     folder = list_rows(DataSpec(root=str(tmp_path / "imgs"), classes=("b", "a")))  # names: the order given
     assert folder.classes == ["b", "a"] and list(folder.labels) == [1, 1, 0, 0]

@@ -420,8 +420,13 @@ class _Listing:
                     listing=_listing(self.urls, self.file_prints, self.columns))
         if len(self.names) > 1:
             raise DataError(_names_differ(len(self.names)))
-        if self.names and not classes:
-            return named(rows, list(next(iter(self.names))), f"{self.urls[0]} (its Hugging Face ClassLabel names)")
+        if self.names and classes:  # (a ClassLabel column holds indices: these files say one thing and hold another)
+            raise DataError(f"data.parquet: the label column {self.cols.label!r} holds names or numbers that are not "
+                            f"class indices ({', '.join(map(repr, classes[:5]))}), but the files' Hugging Face "
+                            "metadata names its classes; make the labels the classes' indices (0, 1...), or name "
+                            "another column with data.columns: {label: COLUMN}")
+        if self.names:
+            return named(rows, list(next(iter(self.names))), "data.parquet", "their Hugging Face metadata")
         return rows
 
 
