@@ -324,10 +324,6 @@ class _Ids:
         else:
             _row_ids_of(self.texts, self.stems[t], f)
 
-    def array(self, in_file: np.ndarray, which: np.ndarray | None) -> Texts | Joined:
-        if self.texts is not None:
-            return self.texts.array()
-        return Joined([f"{stem}/" for stem in self.stems], in_file, which)
 
 
 def _columns(columns: dict[str, str]) -> _Columns:
@@ -387,15 +383,22 @@ class _Listing:
             raise DataError(f"{self.urls[t]}: its labels are not class indices ({labels.type}: {err}); it changed "
                             "while it was listed: run again") from None
 
+    def _keys(self, numbers: np.ndarray, which: np.ndarray | None, files: int, whole: bool) -> Texts | Joined:
+        """The ids of the rows listed: those of the files' id columns (``whole``: all of them, the builder done), else
+        made from the first ``files`` files' names and the rows' numbers."""
+        texts = self.ids.texts
+        if texts is not None:
+            return texts.array() if whole else texts.snapshot()
+        return Joined(self.id_heads[:files], numbers, which)
+
     def prefix(self) -> Rows:
         """The rows listed so far (none copied: maps of the builders' files), the listing going on."""
         assert isinstance(self.labels, Column), "coded labels only: others are coded once all are listed"
         numbers, which = self.in_file.snapshot(), self.files.snapshot() if self.beyond_first else None
         files = len(self.starts)
-        ids = self.ids.texts.snapshot() if self.ids.texts is not None else Joined(self.id_heads[:files], numbers,
-                                                                                 which)
-        return Rows(ids=ids, paths=Joined(self.heads[:files], numbers, which), labels=self.labels.snapshot(),
-                    fingerprints=self.prints.snapshot())
+        return Rows(ids=self._keys(numbers, which, files, whole=False), paths=Joined(self.heads[:files], numbers,
+                                                                                     which),
+                    labels=self.labels.snapshot(), fingerprints=self.prints.snapshot())
 
     def rows(self) -> Rows:
         """Every row listed: their labels coded, their ids checked to be unique, the listing's record made."""
@@ -409,7 +412,7 @@ class _Listing:
             codes, classes = labels_of_codes(*self.labels.result(), self.where)
         numbers, which = self.in_file.array(), self.files.array()
         of_file = which if self.beyond_first else None  # (one file: none)
-        keys = self.ids.array(numbers, of_file)
+        keys = self._keys(numbers, of_file, len(self.urls), whole=True)
         # ids made as STEM/ROW from distinct stems are distinct (the last "/" parts them): no sort of 100M hashes
         twice = duplicate(keys) if self.ids.texts is not None or len(set(self.stems)) < len(self.stems) else None
         if twice is not None:
