@@ -63,6 +63,11 @@ def _mapped(f: IO[bytes] | None, dtype: Any, n: int, held: bytes | bytearray | a
     return np.memmap(f, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
 
 
+def _spilled(f: IO[bytes] | None, dtype: Any, n: int) -> np.ndarray:
+    """The ``n`` values of ``dtype`` written to ``f`` so far, mapped read-only (the file may grow after)."""
+    return np.memmap(f, dtype=dtype, mode="r", shape=(n,)) if f is not None and n else np.zeros(0, dtype)
+
+
 def on_disk(*arrays: Any) -> int:
     """The bytes of ``arrays`` (numpy arrays, or None) whose values lie in a file mapped read-only (a spilled
     column, or a view of one), each file counted once."""
@@ -121,11 +126,9 @@ class Column:
     def snapshot(self) -> np.ndarray:
         """The values appended so far, as one read-only array (a map of the file, written first), the builder going
         on (a listing read while it goes on: :class:`~.streamed.Streamed`)."""
-        if not len(self):
-            return np.zeros(0, self.dtype)
-        self._spill()
-        assert self.file is not None
-        return np.memmap(self.file, dtype=self.dtype, mode="r", shape=(self.written,))
+        if len(self):
+            self._spill()
+        return _spilled(self.file, self.dtype, self.written)
 
     def array(self) -> np.ndarray:
         """Every value, as one array (the builder is done with: it gathers anew from empty)."""
@@ -160,11 +163,9 @@ class Bytes:
 
     def snapshot(self) -> np.ndarray:
         """The bytes appended so far, as one read-only uint8 array, the builder going on (:meth:`Column.snapshot`)."""
-        if not len(self):
-            return np.zeros(0, np.uint8)
-        self._spill()
-        assert self.file is not None
-        return np.memmap(self.file, dtype=np.uint8, mode="r", shape=(self.written,))
+        if len(self):
+            self._spill()
+        return _spilled(self.file, np.uint8, self.written)
 
     def read(self, start: int, stop: int) -> bytes:
         """Bytes ``start:stop`` of those appended so far."""

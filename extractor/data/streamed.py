@@ -33,10 +33,10 @@ class Streamed:
     each part's adding holds: on demand, in the reader's thread, while the lister waits on its next file."""
 
     def __init__(self, n: int, classes: list[str], lister: Lister, prefix: Callable[[], Rows], *,
-                 fingerprinted: bool, locators: tuple[str, ...] = (), name: str = "listing") -> None:
+                 fingerprinted: bool) -> None:
         self.n, self.classes = n, classes
         self.fingerprinted = fingerprinted  # whether its rows carry fingerprints (``Rows.fingerprints`` not None)
-        self.locator_names = locators  # the locator columns its rows carry
+        self.locator_names: tuple[str, ...] = ()  # the locator columns its rows carry (a Parquet source's: none)
         self.stored: dict[str, Any] | None = None  # (as a Rows: these are listed, not left in a store)
         self.listing: dict[str, Any] | None = None  # what it was listed from: known at its end (:meth:`whole`)
         self.listed = 0
@@ -46,7 +46,7 @@ class Streamed:
         self._error: BaseException | None = None
         self._stop = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._list, args=(lister,), name=f"extractor-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._list, args=(lister,), name="extractor-listing", daemon=True)
         self._thread.start()
 
     def __len__(self) -> int:
