@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .._text import estimate
-from ..errors import ExtractorError, FencedError
+from ..errors import DataError, ExtractorError, FencedError
 from .common import Estimate, _command
 
 
@@ -80,8 +80,12 @@ def _left(err: BaseException, how: str) -> str:
             "finished shards are kept"
     if how == "storage":
         return "The store is half-created, its finished shards kept" if creating else "Finished shards are kept"
-    return " The store is half-created: --resume writes its rows again and keeps its finished shards." if creating \
-        else ""
+    if not creating:
+        return ""
+    if isinstance(err, DataError):  # found as the rows were listed behind the first shards (a streamed listing)
+        return (" The store is half-created: once the data is fixed, --resume writes its rows again and keeps its "
+                "finished shards (a fix in the job's spec, such as data.classes, needs --overwrite instead).")
+    return " The store is half-created: --resume writes its rows again and keeps its finished shards."
 
 
 def cmd_run(args: argparse.Namespace) -> int:

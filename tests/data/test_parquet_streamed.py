@@ -17,6 +17,7 @@ from helpers.stores import opened
 
 import extractor.data.sources.parquet as parquet
 import extractor.store.layout as layout
+from extractor.cli.run import _left
 from extractor.data.listing import list_rows, stream_rows
 from extractor.data.streamed import Streamed
 from extractor.driver.runner import run
@@ -165,7 +166,8 @@ def test_the_first_shards_run_while_the_files_are_listed(image_dir: Path, tmp_pa
 def test_a_duplicate_id_found_at_the_listings_end_stops_the_job_and_its_resume(image_dir: Path, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch):
     """An id in the last file that an earlier file holds: found once every row is listed (shard 0 done by then), the
-    job stops naming both rows, its store left half-made; the resume lists whole first and refuses it so."""
+    job stops naming both rows, its store left half-made, and `extractor run` says to fix the data and resume; the
+    resume lists whole first and refuses it so until the id is fixed, then keeps the shards committed before."""
     for name, ids in (("a.parquet", ["p", "q", "r", "t"]), ("b.parquet", ["s", "q"])):
         pq.write_table(pa.table({"image": [p.read_bytes() for p in images_of(image_dir)[:len(ids)]], "id": ids}),
                        tmp_path / name)
@@ -179,12 +181,19 @@ def test_a_duplicate_id_found_at_the_listings_end_stops_the_job_and_its_resume(i
             release.set()
 
     twice = r"id 'q' appears twice: .*a.parquet row 1 and .*b.parquet row 1; ids must be unique"
-    with pytest.raises(DataError, match=twice):
+    with pytest.raises(DataError, match=twice) as failed:
         run(parse_spec(spec), on_event=on_event)
     assert done and (read_state(str(tmp_path / "s.zarr")) or {})["status"] == "creating"
+    assert "once the data is fixed, --resume" in _left(failed.value, "error")  # what `extractor run` adds
     spec["output"]["if_exists"] = "resume"
     with pytest.raises(DataError, match=twice):
         run(parse_spec(spec))
+    monkeypatch.undo()
+    pq.write_table(pa.table({"image": [p.read_bytes() for p in images_of(image_dir)[:2]], "id": ["s", "u"]}),
+                   tmp_path / "b.parquet")  # the data fixed: the resume keeps what was committed
+    again = run(parse_spec(spec))
+    assert again.ok == 6 and again.shards_run == 3 - len(done)
+    assert open_store(str(tmp_path / "s.zarr")).ids.tolist() == ["p", "q", "r", "t", "s", "u"]
 
 
 def test_a_job_stopped_while_its_files_are_listed_stops_the_listing(image_dir: Path, tmp_path: Path,
