@@ -28,23 +28,33 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".bench"
 
 
-def _spec(n: int, store: Path, shard_size: int, real: bool = False) -> Any:
+def _spec(n: int, store: Path, shard_size: int, real: bool = False, manifest: bool = False) -> Any:
     """The job: resnet18 (random weights; probed, never run on an image), its pooled features stored. ``real``:
-    real Parquet files of 10,000 rows (written once, kept under .bench), not the synthetic listing."""
+    real Parquet files of 10,000 rows (written once, kept under .bench), not the synthetic listing. ``manifest``: a
+    CSV manifest of ``n`` paths and no labels (a LAION-like list; written once), its files not there (each stat-ed)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_scale import _synthetic, real_parquet
 
     from extractor.spec import DataSpec, parse_spec
 
-    if real:
-        data, patched = DataSpec(source="parquet", parquet=str(real_parquet(n // 10_000) / "*.parquet")), \
-            contextlib.ExitStack()
+    if manifest:
+        path = WORK / f"manifest-nolabel-{n}.csv"
+        if not path.exists():
+            with open(path, "w") as f:
+                f.write("path\n")
+                f.writelines(f"train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG\n" for i in range(n))
+        source = {"source": "manifest", "manifest": str(path), "root": "/data/imagenet"}
+        patched = contextlib.ExitStack()
     else:
-        data, patched = _synthetic("parquet", n, WORK)
+        if real:
+            data, patched = DataSpec(source="parquet", parquet=str(real_parquet(n // 10_000) / "*.parquet")), \
+                contextlib.ExitStack()
+        else:
+            data, patched = _synthetic("parquet", n, WORK)
+        source = {"source": "parquet", "parquet": data.parquet}
     spec = parse_spec({
         "model": {"name": "resnet18", "weights": None, "device": "cpu"},
-        "data": {"source": "parquet", "parquet": data.parquet, "resize": 72, "crop": 64, "batch_size": 32,
-                 "shard_size": shard_size},
+        "data": {**source, "resize": 72, "crop": 64, "batch_size": 32, "shard_size": shard_size},
         "capture": [{"layer": "avgpool", "reduce": "flatten", "key": "embedding", "dtype": "float16"}],
         "output": {"store": str(store), "if_exists": "overwrite"}, "cluster": {"backend": "local"}})
     return spec, patched
@@ -155,15 +165,15 @@ def simulated(n: int, shard_size: int = 1024, keep: bool = False) -> dict[str, f
     return got
 
 
-def first_shard(n: int, shard_size: int = 1024, real: bool = False) -> dict[str, float]:
+def first_shard(n: int, shard_size: int = 1024, real: bool = False, manifest: bool = False) -> dict[str, float]:
     """The job of ``n`` rows until its first shard begins (the job stopped there, as by Ctrl-C): seconds of wall
     time and CPU from ``run()``'s call (listing, probe, the store made; a listing streamed goes on meanwhile).
-    ``real``: from real Parquet files."""
+    ``real``: from real Parquet files; ``manifest``: from a CSV manifest without labels."""
     from extractor.driver.runner import run
 
     store = WORK / f"first-{n}.zarr"
     shutil.rmtree(store, ignore_errors=True)
-    spec, patched = _spec(n, store, shard_size, real)
+    spec, patched = _spec(n, store, shard_size, real, manifest)
     first: dict[str, float] = {}
     with patched:
         t0, c0 = time.perf_counter(), _cpu()
@@ -175,7 +185,8 @@ def first_shard(n: int, shard_size: int = 1024, real: bool = False) -> dict[str,
         with contextlib.suppress(KeyboardInterrupt):  # (stopped at the first shard)
             run(spec, backend=_backend(spec, on_first, [0.0]))
     shutil.rmtree(store, ignore_errors=True)
-    print(f"  {n:>12,} rows{' (real files)' if real else ''}: first shard after {first['wall']:.1f} s "
+    kind = " (real files)" if real else " (a manifest)" if manifest else ""
+    print(f"  {n:>12,} rows{kind}: first shard after {first['wall']:.1f} s "
           f"({first['cpu']:.1f} s CPU)", flush=True)
     return {"rows": n, "first_wall": first["wall"], "first_cpu": first["cpu"]}
 
@@ -195,10 +206,11 @@ if __name__ == "__main__":
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--first", action="store_true", help="only the time to the first shard (the job stopped there)")
     p.add_argument("--real", action="store_true", help="--first from real Parquet files of 10,000 rows")
+    p.add_argument("--manifest", action="store_true", help="--first from a CSV manifest of paths, no labels")
     args = p.parse_args()
     WORK.mkdir(exist_ok=True)
     sizes = tuple(int(float(m) * 1e6) for m in args.rows.split(","))
-    figures = [first_shard(n, args.shard_size, args.real) for n in sizes] if args.first else \
+    figures = [first_shard(n, args.shard_size, args.real, args.manifest) for n in sizes] if args.first else \
         main(sizes, args.shard_size)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

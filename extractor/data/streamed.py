@@ -46,7 +46,9 @@ class Streamed:
         self._error: BaseException | None = None
         self._stop = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._list, args=(lister,), name="extractor-listing", daemon=True)
+        # not a daemon: the process ends once the part being listed is read, where its job stopped the listing (a
+        # thread left in a reader's native code at the process's exit aborts it: pyarrow's CSV reader)
+        self._thread = threading.Thread(target=self._list, args=(lister,), name="extractor-listing")
         self._thread.start()
 
     def __len__(self) -> int:

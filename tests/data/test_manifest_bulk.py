@@ -99,3 +99,40 @@ def test_what_the_row_by_row_reader_reports_it_still_reports(tmp_path: Path, mon
         return
     with pytest.raises(DataError, match=match):
         manifest_source._list_manifest(str(csv), str(tmp_path), {}, columns=columns)
+
+
+def test_a_remote_manifest_lists_as_a_local_one_read_as_it_is_parsed(tmp_path: Path, moto_s3: dict[str, str],
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """A manifest on S3 (moto): its CSV read by pyarrow and its JSON lines row by row, each from the server a block
+    at a time (it was read whole, and decoded whole: 12 GB in the driver for 100M rows), list what the same local
+    file lists; one not there is named with the hint to check its path."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**moto_s3)
+    fs.mkdir("manifests")
+    lines = [f"train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG,{i % 7}" for i in range(240_000)]
+    local = tmp_path / "m.csv"
+    local.write_text("path,label\n" + "\n".join(lines) + "\n")
+    fs.put(str(local), "manifests/m.csv")
+    small = tmp_path / "m.jsonl"
+    small.write_text("".join(f'{{"path": "a/{i}.jpg", "id": "r{i}", "label": "c{i % 3}"}}\n' for i in range(50)))
+    fs.put(str(small), "manifests/m.jsonl")
+    fetched: list[int] = []
+    real = s3fs.core.S3File._fetch_range
+
+    def fetch(self, start: int, end: int) -> bytes:
+        fetched.append(end - start)
+        return real(self, start, end)
+
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", fetch)
+    root = "s3://images/train-root"  # (its images are URLs: none stat-ed)
+    for url, path in (("s3://manifests/m.csv", local), ("s3://manifests/m.jsonl", small)):
+        remote = manifest_source._list_manifest(url, root, moto_s3)
+        want = manifest_source._list_manifest(str(path), root, {})
+        assert len(remote) == len(want) > 0 and remote.ids.tolist() == want.ids.tolist()
+        assert list(remote.paths[:100]) == list(want.paths[:100]) and remote.paths[-1] == want.paths[-1]
+        assert remote.labels.tolist() == want.labels.tolist() and remote.classes == want.classes
+        if path == local:  # a block at a time: never the whole file in one read
+            assert local.stat().st_size > 8 << 20 and max(fetched) <= 6 << 20 and len(fetched) > 1, fetched
+    with pytest.raises(DataError, match=r"cannot read data.manifest s3://manifests/gone.csv: .*check the bucket"):
+        manifest_source._list_manifest("s3://manifests/gone.csv", root, moto_s3)

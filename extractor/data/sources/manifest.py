@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import functools
 import io
 import json
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -27,6 +29,7 @@ from ..files import (
 )
 from ..rows import STRINGS, Distinct, Joined, Joining, Rows, Strings, duplicate, labels_of, labels_of_codes
 from ..spill import Column
+from ..streamed import Lister, Streamed
 from . import Recorded, Sampled, Source, files_now, stat_prints
 
 if TYPE_CHECKING:
@@ -36,16 +39,26 @@ if TYPE_CHECKING:
 PART_BYTES = 1 << 20  # a part of a manifest, sampled by ``extractor plan`` (Source.sample)
 
 
+def _base(manifest: str, root: str | None) -> str:
+    """Where a manifest's relative paths lie: data.root, or the manifest's folder."""
+    return root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
+
+
+def _made(head: str) -> str:
+    """The head of a manifest's relative paths (its base, a trailing "/"), as absolute() makes their whole paths."""
+    return head if is_url(head) else os.path.join(absolute(head), "")
+
+
 def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False,
                    columns: dict[str, str] | None = None) -> Rows:
-    base = root if root is not None else (manifest.rsplit("/", 1)[0] if "/" in manifest else ".")
+    base = _base(manifest, root)
     names = _Columns(manifest, columns or {})
     head = base.rstrip("/") + "/"
-    fast = _arrow_csv(manifest, head, names, outside_root)
+    fast = _arrow_csv(manifest, storage, _made(head), names, outside_root)
     if fast is not None:
         return _checked(manifest, fast, lambda n: f"{manifest} row {n + 1}")
     ids = Strings()
-    paths = Joining([head if is_url(head) else os.path.join(absolute(head), "")], ids)  # as absolute() makes them
+    paths = Joining([_made(head)], ids)
     prints = Column("Q")
 
     def labels() -> Iterator[Any]:
@@ -69,6 +82,61 @@ def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root:
                                    fingerprints=prints.array() if len(prints) else None), None)
 
 
+def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool, columns: dict[str, str],
+                     classes: list[str], then: Callable[[Rows], Rows]) -> Streamed | None:
+    """The rows of :func:`_list_manifest`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted:
+    a CSV manifest read by pyarrow whose rows are its lines (:func:`_lines`), without a label column (every label
+    known first: none). None otherwise. A block the bulk reader leaves to the row-by-row reader has the whole file
+    listed again by that one (the rows handed out before are the same rows). ``then``: made of the whole listing."""
+    names = _Columns(manifest, columns)
+    if not _bulk_reads(manifest):
+        return None
+    n = _lines(manifest, storage, names)
+    if not n:
+        return None
+    bulk = _Bulk(_made(_base(manifest, root).rstrip("/") + "/"), names, outside_root)
+
+    def lister() -> Lister:
+        with _blocks(manifest, storage, names) as blocks:
+            for block in blocks:
+                whole = None if block is None else bulk.check(*block)
+                if block is None or whole is None:
+                    break
+                yield len(bulk.ids) + len(block[0]), functools.partial(bulk.add, *block, whole)
+            else:
+                return then(_checked(manifest, bulk.rows(lambda n: f"{manifest} row {n + 1}"), None))
+        return then(_list_manifest(manifest, root, storage, outside_root, columns))
+
+    return Streamed(n, classes, lister(), bulk.prefix, fingerprinted=True)
+
+
+def _bulk_reads(manifest: str) -> bool:
+    """Whether pyarrow may read the manifest in bulk (:func:`_arrow_csv`): installed, a CSV, a URL or a file."""
+    try:
+        import pyarrow.csv  # noqa: F401
+    except ImportError:
+        return False
+    return _suffix(manifest) == ".csv" and (is_url(manifest) or os.path.isfile(manifest))
+
+
+def _lines(manifest: str, storage: dict, names: _Columns) -> int | None:
+    """The rows of a CSV manifest counted as its lines after its header, where each is a row: none quoted (a
+    quoted value may hold a line break), no carriage return, no blank line (neither is a row); and no label
+    column (its labels' classes are known once all are read), every column data.columns names there. None
+    otherwise. A read of the file at the speed of the disk or the network: no row parsed."""
+    with _opened(manifest, storage) as f:
+        header = next(csv.reader([f.readline().decode("utf-8-sig", errors="replace")]), [])
+        if names.label in header or names.image not in header or any(c not in header for c in names.mapped):
+            return None
+        n, last = 0, b"\n"
+        while block := f.read(16 << 20):
+            if b'"' in block or b"\r" in block or b"\n\n" in block or (last == b"\n" and block[:1] == b"\n"):
+                return None
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
 def _checked(manifest: str, rows: Rows, where: Any) -> Rows:
     """The rows of a manifest, their ids checked to be unique."""
     twice = duplicate(rows.ids)
@@ -83,31 +151,52 @@ def _checked(manifest: str, rows: Rows, where: Any) -> Rows:
 _UNUSUAL = r"(^|/)\.\.?(/|$)|(^|[^:])//|\\|/$|^file://"
 
 
-def _arrow_csv(manifest: str, head: str, names: _Columns, outside_root: bool) -> Rows | None:
-    """A local CSV manifest's rows read by pyarrow a block at a time, made in bulk (issue 57: Python's csv and a
+def _arrow_csv(manifest: str, storage: dict, head: str, names: _Columns, outside_root: bool) -> Rows | None:
+    """A CSV manifest's rows read by pyarrow a block at a time, made in bulk (issue 57: Python's csv and a
     path joined and checked a row at a time were 11 s of CPU a million rows): the rows the reader of every manifest
-    makes. None where that reader is the one to take (it reports, or reads row by row): pyarrow not installed, not
-    a local CSV, a row without its image or its columns, a path that leaves the root or that absolute() changes."""
-    try:
-        import pyarrow as pa
-        from pyarrow import csv
-    except ImportError:
+    makes (a remote one read as it is parsed, never held whole). None where that reader is the one to take (it
+    reports, or reads row by row): pyarrow not installed, not a CSV, a local one not there, a row without its image
+    or its columns, a path that leaves the root or that absolute() changes."""
+    if not _bulk_reads(manifest):
         return None
-    if is_url(manifest) or not manifest.lower().endswith(".csv") or not os.path.isfile(manifest):
-        return None
-    wanted = [names.image, names.id, names.label]
-    bulk = _Bulk(head if is_url(head) else os.path.join(absolute(head), ""), names, outside_root)
-    try:
-        reader = csv.open_csv(manifest, read_options=csv.ReadOptions(block_size=1 << 20),
-                              parse_options=csv.ParseOptions(newlines_in_values=True),
-                              convert_options=csv.ConvertOptions(
-                                  include_columns=wanted, include_missing_columns=True, strings_can_be_null=False,
-                                  column_types=dict.fromkeys(wanted, pa.string())))
-        if not all(bulk.take(*(batch.column(n) for n in range(3))) for batch in reader):
+    bulk = _Bulk(head, names, outside_root)
+    with _blocks(manifest, storage, names) as blocks:
+        if not all(block is not None and bulk.take(*block) for block in blocks):
             return None
-    except (pa.ArrowInvalid, UnicodeDecodeError):
-        return None  # what Python's csv reads otherwise, or reports: row by row
     return bulk.rows(lambda n: f"{manifest} row {n + 1}")
+
+
+BLOCK_BYTES = 1 << 20  # a block of a CSV manifest, as pyarrow reads it
+
+
+@contextlib.contextmanager
+def _blocks(manifest: str, storage: dict, names: _Columns) -> Iterator[Iterator[tuple[Any, Any, Any] | None]]:
+    """The image, id and label columns of a CSV manifest (Arrow arrays, a block of rows at a time); None, the last,
+    where Python's csv reads the file otherwise, or reports what is wrong with it (pyarrow cannot parse a block,
+    or it is not UTF-8): the caller lists it row by row then."""
+    import pyarrow as pa
+    from pyarrow import csv
+
+    wanted = [names.image, names.id, names.label]
+
+    def blocks(f: Any) -> Iterator[tuple[Any, Any, Any] | None]:
+        try:
+            reader = csv.open_csv(f, read_options=csv.ReadOptions(block_size=BLOCK_BYTES),
+                                  parse_options=csv.ParseOptions(newlines_in_values=True),
+                                  convert_options=csv.ConvertOptions(
+                                      include_columns=wanted, include_missing_columns=True, strings_can_be_null=False,
+                                      column_types=dict.fromkeys(wanted, pa.string())))
+            for batch in reader:
+                yield batch.column(0), batch.column(1), batch.column(2)
+        except (pa.ArrowInvalid, UnicodeDecodeError):
+            yield None
+        except Exception as err:
+            if is_url(manifest):  # its storage failed as it was read
+                raise remote_error("data.manifest", manifest, err) from err
+            raise
+
+    with _opened(manifest, storage) if is_url(manifest) else contextlib.nullcontext(manifest) as f:
+        yield blocks(f)
 
 
 class _Bulk:
@@ -117,35 +206,59 @@ class _Bulk:
         self.base, self.names, self.outside_root = base, names, outside_root
         self.ids, self.tails, self.prints, self.labels = Strings(), Strings(), Column("Q"), Distinct()
         self.which, self.shared = Column("i"), True  # shared: every row's id is its path (held once)
+        self.any_whole = False  # whether a row's path is whole (absolute, a URL), not under the base
 
     def take(self, image: Any, given: Any, label: Any) -> bool:
         """Take a block's rows; False where the row-by-row reader is the one to read them (or refuse them)."""
+        whole = self.check(image, given, label)
+        if whole is not None:
+            self.add(image, given, label, whole)
+        return whole is not None
+
+    def check(self, image: Any, given: Any, label: Any) -> Any:
+        """Which of a block's paths are whole (absolute, URLs: a boolean array); None where the row-by-row reader
+        is the one to read them (or refuse them)."""
         import pyarrow.compute as pc
 
         if image.null_count or not pc.all(pc.greater(pc.binary_length(image), 0)).as_py() or \
                 pc.any(pc.match_substring_regex(image, _UNUSUAL)).as_py():
-            return False  # a row without its image, or a path made absolute otherwise
+            return None  # a row without its image, or a path made absolute otherwise
         whole = pc.or_(pc.starts_with(image, "/"), pc.match_substring(image, "://"))
         if pc.any(whole).as_py() and not self.outside_root:
-            return False  # refused, naming the first
+            return None  # refused, naming the first
         if any(self.names.mapped.get(c) and column.null_count == len(column) > 0
                for c, column in ((self.names.id, given), (self.names.label, label))):
-            return False  # a column data.columns names that the file lacks: refused
+            return None  # a column data.columns names that the file lacks: refused
+        return whole
+
+    def add(self, image: Any, given: Any, label: Any, whole: Any) -> None:
+        """A block's rows, :meth:`check`-ed (``whole``: its answer)."""
+        import pyarrow.compute as pc
+
         named = given if given.null_count == 0 else image
         row_ids = pc.if_else(pc.greater(pc.binary_length(named), 0), named, image)
         self.ids.extend_arrow(row_ids)
         self.shared = self.shared and pc.all(pc.equal(row_ids, image)).as_py()
         self.tails.extend_arrow(image)
         self.which.extend(np.asarray(whole.to_numpy(zero_copy_only=False), dtype=np.int32))
+        self.any_whole = self.any_whole or pc.any(whole).as_py()
         self.prints.extend(_prints(pc.if_else(whole, image, pc.binary_join_element_wise(self.base, image, ""))))
         self.labels.add_arrow(label)  # (no label column: every row's label is None)
-        return True
+
+    def prefix(self) -> Rows:
+        """The rows taken so far (none copied: maps of the builders' files), the reading going on: a manifest without
+        labels (:func:`_stream_manifest`)."""
+        ids = self.ids.snapshot()
+        which = self.which.snapshot() if self.any_whole else None
+        return Rows(ids=ids, paths=Joined([self.base, ""], self.tails.snapshot(), which),
+                    labels=np.broadcast_to(np.int64(-1), (len(ids),)), fingerprints=self.prints.snapshot())
 
     def rows(self, where: Any) -> Rows:
         listed = self.ids.array()
         labels, classes = labels_of_codes(*self.labels.result(), where)
         which = self.which.array()
-        paths = Joined([self.base, ""], listed if self.shared else self.tails.array(), which if which.any() else None)
+        tails = listed if self.shared else self.tails.array()
+        paths = Joined([self.base, ""], tails, which if self.any_whole else None)
         return Rows(ids=listed, paths=paths, labels=labels, classes=classes,
                     fingerprints=self.prints.array() if len(self.prints) else None)
 
@@ -195,32 +308,41 @@ class _Columns:
 
 
 def _manifest_records(manifest: str, storage: dict) -> Iterator[Any]:
-    """The rows of a CSV or JSONL manifest (local or a URL), parsed one at a time from the file (the whole text
-    and a list of every row's record held at once were 300 bytes a row at the peak of planning)."""
-    suffix = Path(manifest.split("?", 1)[0]).suffix.lower()
+    """The rows of a CSV or JSONL manifest (local or a URL), parsed one at a time as the file is read (the whole
+    text and a list of every row's record held at once were 300 bytes a row at the peak of planning)."""
+    suffix = _suffix(manifest)
     if suffix not in (".csv", ".jsonl", ".ndjson"):
         raise DataError(f"data.manifest {manifest}: expected a .csv or .jsonl file")
-    try:
-        with _manifest_lines(manifest, storage) as lines:
+    # (a spreadsheet's byte-order mark is not a column name)
+    with io.TextIOWrapper(_opened(manifest, storage), encoding="utf-8-sig", newline="") as lines:
+        try:
             yield from csv.DictReader(lines) if suffix == ".csv" else _json_lines(manifest, lines)
-    except UnicodeDecodeError as err:
-        raise DataError(f"data.manifest {manifest} is not UTF-8 text: {err}") from None
+        except UnicodeDecodeError as err:
+            raise DataError(f"data.manifest {manifest} is not UTF-8 text: {err}") from None
+        except (DataError, csv.Error):
+            raise
+        except Exception as err:
+            if is_url(manifest):  # its storage failed as it was read
+                raise remote_error("data.manifest", manifest, err) from err
+            raise
 
 
-def _manifest_lines(manifest: str, storage: dict) -> TextIO:
-    """The manifest as text lines (a spreadsheet's byte-order mark is not a column name): a local file read as
-    it is parsed, a remote one read whole."""
+def _suffix(manifest: str) -> str:
+    return Path(manifest.split("?", 1)[0]).suffix.lower()
+
+
+def _opened(manifest: str, storage: dict) -> BinaryIO:
+    """The manifest's bytes, read as they are parsed: a local file, or a remote one a block at a time (a list of
+    100M rows is gigabytes: never held whole)."""
     if not is_url(manifest):
         if not Path(manifest).exists():
             raise DataError(f"data.manifest {manifest} does not exist")
-        return open(manifest, encoding="utf-8-sig", newline="")
+        return open(manifest, "rb")  # (the caller's to close)
     import fsspec
 
     try:
-        with fsspec.open(manifest, "rb", **storage) as f:
-            return io.StringIO(f.read().decode("utf-8-sig"), newline="")
-    except UnicodeDecodeError:
-        raise
+        fs, path = fsspec.core.url_to_fs(manifest, **storage)
+        return fs.open(path, "rb", block_size=4 << 20)
     except Exception as err:
         raise remote_error("data.manifest", manifest, err) from err
 
@@ -249,6 +371,13 @@ class ManifestSource(Source):
         rows = _list_manifest(data.manifest, data.root, data.storage_options, data.outside_root,
                               {str(k): v for k, v in data.columns.items()})
         return replace(rows, listing=listing)
+
+    def stream(self, data: DataSpec, then: Callable[[Rows], Rows]) -> Streamed | None:
+        assert data.manifest is not None
+        listing = self.listing(data)  # (before the read, as list's)
+        return _stream_manifest(data.manifest, data.root, data.storage_options, data.outside_root,
+                                {str(k): v for k, v in data.columns.items()}, list(data.classes or []),
+                                lambda rows: then(replace(rows, listing=listing)))
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """A local manifest's size, mtime and content digest, and the settings that change its rows."""

@@ -1,0 +1,163 @@
+"""A CSV manifest listed behind the job's start (issue 57): its rows counted as its lines, the store made, the rows
+read by pyarrow a block at a time on a thread and written as they come (each file stat-ed meanwhile: 5.6 s of CPU a
+million rows), the first shards run meanwhile. Each test holds the listing at a block until a shard is done, which
+a listing made whole first never lets happen (the wait's bound fails it); what is stored equals a listing made
+whole."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers.jobs import job
+from helpers.parquet import images_of
+from helpers.stores import opened
+
+import extractor.data.sources.manifest as manifest
+import extractor.store.layout as layout
+from extractor.data.listing import list_rows, stream_rows
+from extractor.data.streamed import Streamed
+from extractor.driver.runner import run
+from extractor.errors import DataError
+from extractor.read.reader import open_store
+from extractor.spec.data_spec import DataSpec
+from extractor.spec.load import parse_spec
+from extractor.store import read_state
+
+pytest.importorskip("pyarrow")
+
+WAIT_S = 120  # a bound on waiting for an event, never a pause
+
+
+class _Held(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached = threading.Event()  # the listing waits at the block held
+
+
+def _hold(monkeypatch: pytest.MonkeyPatch, block: int) -> _Held:
+    """The first listing waits before it checks its block ``block`` (from 0) until the event returned is set; blocks
+    of 64 bytes (a few rows each)."""
+    monkeypatch.setattr(manifest, "BLOCK_BYTES", 64)
+    release, check, seen = _Held(), manifest._Bulk.check, [0]
+
+    def held(self: Any, *block_columns: Any) -> Any:
+        seen[0] += 1
+        if seen[0] == block + 1:
+            release.reached.set()
+            assert release.wait(WAIT_S), "the listing was never released: no shard ran while it listed"
+        return check(self, *block_columns)
+
+    monkeypatch.setattr(manifest._Bulk, "check", held)
+    return release
+
+
+def _same(got: Any, want: Any, n: int) -> None:
+    """Rows ``0:n`` of two listings hold the same ids, paths, labels and fingerprints."""
+    assert n > 0
+    assert np.asarray(got.ids[0:n]).tolist() == np.asarray(want.ids[0:n]).tolist()
+    assert np.asarray(got.paths[0:n]).tolist() == np.asarray(want.paths[0:n]).tolist()
+    assert np.asarray(got.labels[:n]).tolist() == np.asarray(want.labels[:n]).tolist()
+    assert np.asarray(got.fingerprints[:n]).tolist() == np.asarray(want.fingerprints[:n]).tolist()
+
+
+def _manifest(path: Path, lines: list[str], header: str = "path,id") -> Path:
+    path.write_text(header + "\n" + "\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("last", ["b/9.jpg,", "./b/9.jpg,"])  # the last read in bulk, or row by row
+def test_a_streamed_manifest_gives_the_rows_of_a_whole_listing_prefix_by_prefix(tmp_path: Path, last: str):
+    """Relative and absolute paths (some files there: fingerprinted), ids given or not: each prefix handed out while
+    the listing is held holds the whole listing's first rows, and the whole equals list_rows' (its listing record
+    too). A last block that the bulk reader leaves to the row-by-row reader (a path absolute() changes) has the
+    whole file listed again that way, the rows handed out before the same."""
+    root = tmp_path / "images"
+    (root / "a").mkdir(parents=True)
+    for i in range(0, 20, 3):
+        (root / "a" / f"{i}.jpg").write_bytes(b"x" * i)
+    lines = [f"a/{i}.jpg,{'id' + str(i) if i % 2 else ''}" for i in range(20)] + [f"{root}/a/3.jpg,again", last]
+    data = DataSpec(source="manifest", manifest=str(_manifest(tmp_path / "m.csv", lines)), root=str(root),
+                    outside_root=True)
+    want = list_rows(data)
+    with pytest.MonkeyPatch.context() as patch:
+        release = _hold(patch, 3)
+        streamed = stream_rows(data)
+        assert isinstance(streamed, Streamed) and len(streamed) == 22 and streamed.classes == []
+        assert release.reached.wait(WAIT_S)
+        listed = streamed.listed
+        assert 0 < listed < 22
+        prefix = streamed.upto(listed)
+        assert len(prefix) == listed and prefix.listing is None  # (held: a part)
+        _same(prefix, want, listed)
+        release.set()
+        whole = streamed.whole()
+    _same(whole, want, 22)
+    assert whole.classes == want.classes == [] and whole.listing == want.listing is not None
+    assert want.ids[0] == "a/0.jpg" and want.ids[1] == "id1" and want.fingerprints[3] != 0 == want.fingerprints[1]
+
+
+def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path):
+    """A label column (its classes are known once all are read), a quoted value (it may span lines), a carriage
+    return, a blank line, JSON lines, a column data.columns names that the file lacks: no stream, and the listing
+    made whole is what it was. data.classes beside no label column: the stream's classes from the start."""
+    rows = [f"x/{i}.jpg" for i in range(4)]
+    cases = {"labels.csv": "path,label\n" + "".join(f"{r},cat\n" for r in rows),
+             "quoted.csv": "path\n" + "".join(f'"{r}"\n' for r in rows),
+             "crlf.csv": "path\r\n" + "".join(f"{r}\r\n" for r in rows),
+             "blank.csv": "path\n" + "\n".join(rows[:2]) + "\n\n" + "\n".join(rows[2:]) + "\n",
+             "blank_first.csv": "path\n\n" + "\n".join(rows) + "\n",
+             "lines.jsonl": "".join(f'{{"path": "{r}"}}\n' for r in rows)}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        data = DataSpec(source="manifest", manifest=str(tmp_path / name))
+        assert stream_rows(data) is None, name
+        assert len(list_rows(data)) == 4, name
+    (tmp_path / "plain.csv").write_text("path\n" + "\n".join(rows))  # (no line break at its end)
+    lacks = DataSpec(source="manifest", manifest=str(tmp_path / "plain.csv"), columns={"id": "key"})
+    assert stream_rows(lacks) is None
+    with pytest.raises(DataError, match=r"data.columns.id: 'key' is not a column"):
+        list_rows(lacks)
+    named = stream_rows(DataSpec(source="manifest", manifest=str(tmp_path / "plain.csv"), classes=("c", "d")))
+    assert named is not None and len(named) == 4 and named.classes == ["c", "d"]
+    assert named.whole().classes == ["c", "d"] and named.whole().labels.tolist() == [-1] * 4
+
+
+def test_a_job_runs_its_first_shards_while_its_manifest_is_listed(image_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch):
+    """The manifest's last blocks are read only once shard 0 is done; the store then holds what a listing made
+    whole gives (ids, paths, labels, fingerprints, the listing's record) and the folder's store's features. A
+    duplicate id in the last block, found then, stops the job naming both rows, the store half-made."""
+    lines = [f"{p.relative_to(image_dir)},r{i}" for i, p in enumerate(images_of(image_dir))]
+    path = _manifest(tmp_path / "m.csv", lines)
+    monkeypatch.setattr(layout, "WRITE_ROWS", 2)  # a stretch a shard: a store of a few rows written behind
+    monkeypatch.setattr(layout, "ONCE_ROWS", 2)
+    release = _hold(monkeypatch, 3)
+
+    def on_event(name: str, info: dict) -> None:
+        if name == "shard_done":
+            release.set()
+
+    data = {"source": "manifest", "manifest": str(path), "shard_size": 2, "batch_size": 2}
+    summary = run(parse_spec(job(image_dir, tmp_path / "m.zarr", data=data)), on_event=on_event)
+    assert summary.ok == 12 and release.is_set()
+    monkeypatch.undo()
+    want = list_rows(DataSpec(source="manifest", manifest=str(path), root=str(image_dir)))
+    s = open_store(str(tmp_path / "m.zarr"))
+    assert s.attrs["status"] == "complete" and s.attrs["listing"] == want.listing is not None
+    assert s.ids.tolist() == want.ids.tolist() and [str(p) for p in s.paths] == want.paths.tolist()
+    assert s.labels.tolist() == want.labels.tolist() == [-1] * 12
+    assert opened(str(tmp_path / "m.zarr"))["fingerprint"][:].tolist() == want.fingerprints.tolist()
+    assert run(parse_spec(job(image_dir, tmp_path / "f.zarr", data={"shard_size": 2, "batch_size": 2}))).ok == 12
+    np.testing.assert_array_equal(s.numpy("layer4"), open_store(str(tmp_path / "f.zarr")).numpy("layer4"))
+
+    _manifest(path, [*lines[:-1], lines[-1].replace(",r11", ",r0")])
+    monkeypatch.setattr(layout, "WRITE_ROWS", 2)
+    monkeypatch.setattr(layout, "ONCE_ROWS", 2)
+    release = _hold(monkeypatch, 3)
+    with pytest.raises(DataError, match=r"id 'r0' appears in rows 1 and 12; ids must be unique"):
+        run(parse_spec(job(image_dir, tmp_path / "d.zarr", data=data)), on_event=on_event)
+    assert release.is_set() and (read_state(str(tmp_path / "d.zarr")) or {})["status"] == "creating"
