@@ -106,11 +106,12 @@ def examples(pooled: np.ndarray, fires: np.ndarray, row_mix: np.ndarray, feature
     to ``counts`` (F x bins + 8 spill slots, int64), and returns the pairs that may take an example slot: flat
     indices (r x F + feature), bins and hashes (``sample_hashes``: the row and feature mixes given, combined here)
     where the hash is at most the bin's ``ceiling`` (F, bins) uint32. None without numba."""
-    if _KERNELS is None:
+    kernels = _kernels()
+    if kernels is None:
         return None
-    kernel = _KERNELS.get("examples")
+    kernel = kernels.get("examples")
     if kernel is None:
-        kernel = _KERNELS["examples"] = _compiled_examples()
+        kernel = kernels["examples"] = _compiled_examples()
     n, f = pooled.shape
     pooled = np.ascontiguousarray(pooled, np.float32)
     at, found, hashes = np.empty(n * f, np.int64), np.empty(n * f, np.intp), np.empty(n * f, np.uint32)
@@ -128,11 +129,21 @@ def _numba() -> bool:
     return True
 
 
-_KERNELS: dict[Any, Any] | None = {} if _numba() else None  # (features_last, half, means) or "examples"
+_UNKNOWN: Any = object()
+# the kernels compiled, by (features_last, half, means) or "examples"; None without numba; unknown until first asked
+# (numba's import is 0.3 s of every process that imports the index's modules: each Ray worker and `extractor run`)
+_KERNELS: Any = _UNKNOWN
+
+
+def _kernels() -> dict[Any, Any] | None:
+    global _KERNELS
+    if _KERNELS is _UNKNOWN:
+        _KERNELS = {} if _numba() else None
+    return _KERNELS
 
 
 def available() -> bool:
-    return _KERNELS is not None
+    return _kernels() is not None
 
 
 def dense(stored: np.ndarray, threshold: float, means: bool, tables: tuple[np.ndarray, ...], bins: int,
@@ -145,7 +156,8 @@ def dense(stored: np.ndarray, threshold: float, means: bool, tables: tuple[np.nd
     ``tables``: the float16 values as float32, their bins, and the float32 bin tables (``_BIN_TABLE``,
     ``_BIN_LOW``, ``_EDGES32``), which give ``bins`` (one past the last) where a value never fires; ``ambiguous``
     where an edge cuts a float32 bucket."""
-    if _KERNELS is None or stored.dtype not in (np.float16, np.float32):
+    kernels = _kernels()
+    if kernels is None or stored.dtype not in (np.float16, np.float32):
         return None
     n, _t, f = stored.shape
     half = stored.dtype == np.float16
@@ -159,9 +171,9 @@ def dense(stored: np.ndarray, threshold: float, means: bool, tables: tuple[np.nd
     peak = np.full((n, f), -np.inf, np.float32)
     row_sums = np.zeros((n, f) if means else (1, 1), np.float64)
     f32, bin16, table, low, edges = tables
-    kernel = _KERNELS.get((features_last, half, means))
+    kernel = kernels.get((features_last, half, means))
     if kernel is None:
-        kernel = _KERNELS[features_last, half, means] = _compiled(features_last, half, means)
+        kernel = kernels[features_last, half, means] = _compiled(features_last, half, means)
     kernel(arranged, values, np.float32(threshold), f32, bin16, table, low, edges, bins, ambiguous, sums, hist, peak,
            row_sums)
     return sums, hist[: f * bins].reshape(f, bins), peak, row_sums if means else None
