@@ -252,25 +252,35 @@ def test_a_shard_is_handed_out_once_its_rows_are_in_the_store():
 
 def test_on_ray_a_new_stores_rows_are_written_behind_its_first_shards(ray_cluster, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch):
-    """The whole path on a Ray cluster: the rows written a shard at a time (stretches made tiny), workers given each
-    shard once its rows are in; the store holds what a direct forward gives."""
+    """The whole path on a Ray cluster: a manifest listed behind the job's start (its last rows read once shard 0
+    began), the rows written a shard at a time (stretches made tiny), workers given each shard once its rows are in;
+    the store holds the manifest's rows and what a direct forward gives."""
     from helpers.preprocess import tiny_resnet_mean
 
+    import extractor.data.sources.manifest as manifest
     import extractor.store.layout as layout
 
     root = tmp_path / "imgs"
-    make_images(root, per_class=4, classes=("a", "b"), size=40)
-    spec: dict[str, Any] = {"data": {"shard_size": 2, "batch_size": 2},
+    images = make_images(root, per_class=4, classes=("a", "b"), size=40)
+    (tmp_path / "m.csv").write_text("path\n" + "".join(f"{p.relative_to(root)}\n" for p in images))
+    spec: dict[str, Any] = {"data": {"source": "manifest", "manifest": str(tmp_path / "m.csv"), "shard_size": 2,
+                                     "batch_size": 2},
                             "capture": [{"layer": "layer4", "reduce": "mean", "dtype": "float32"}]}
     monkeypatch.setattr(layout, "WRITE_ROWS", 2)
     monkeypatch.setattr(layout, "ONCE_ROWS", 2)
+    monkeypatch.setattr(manifest, "BLOCK_BYTES", 32)  # a row or two a block
     written, release = [], threading.Event()
-    write = layout._RowArrays.write
+    write, check, blocks = layout._RowArrays.write, manifest._Bulk.check, []
 
     def held(self: Any, start: int, stop: int, rows: Any) -> None:  # stretch 0, then the rest once shard 0 began
         assert not start or release.wait(120), "shard 0 never began while the rows waited"
         write(self, start, stop, rows)
         written.append(start)
+
+    def listed(self: Any, *block: Any) -> Any:  # the manifest's blocks past its second once shard 0 began
+        blocks.append(len(block[0]))
+        assert len(blocks) < 3 or release.wait(120), "shard 0 never began while the manifest was listed"
+        return check(self, *block)
 
     def on_event(name: str, info: dict) -> None:
         if name == "shard_started" and info["shard"] == 0:
@@ -278,11 +288,14 @@ def test_on_ray_a_new_stores_rows_are_written_behind_its_first_shards(ray_cluste
             release.set()
 
     monkeypatch.setattr(layout._RowArrays, "write", held)
+    monkeypatch.setattr(manifest._Bulk, "check", listed)
     raw = job(root, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1}, **spec)
     assert run(parse_spec(raw), on_event=on_event).ok == 8
     assert written == [0, "shard 0 began", 2, 4, 6], written  # 4 stretches, shard 0 begun behind the first
+    assert len(blocks) >= 3 and sum(blocks) == 8  # (streamed: a listing made whole first never lets shard 0 begin)
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.attrs["rows_written"] is True and s.attrs["status"] == "complete" and s.row(str(s.ids[5]))["row"] == 5
+    assert s.ids.tolist() == [str(p.relative_to(root)) for p in images] and s.attrs["listing"]["source"] == "manifest"
     ref = tiny_resnet_mean([Path(p) for p in s.paths]).numpy()
     assert np.abs(s.numpy("layer4") - ref).max() <= 2e-3 * np.abs(ref).max()
 
