@@ -83,8 +83,9 @@ def _left(err: BaseException, how: str) -> str:
     if not creating:
         return ""
     if isinstance(err, DataError):  # found as the rows were listed behind the first shards (a streamed listing)
-        return (" The store is half-created: once the data is fixed, --resume writes its rows again and keeps its "
-                "finished shards (a fix in the job's spec, such as data.classes, needs --overwrite instead).")
+        return (" The store is half-created: once the data is fixed in place (the same rows), --resume writes its "
+                "rows again and keeps its finished shards; a fix that adds or removes rows, or one in the job's spec "
+                "(data.classes, data.outside_root), needs --overwrite instead.")
     return " The store is half-created: --resume writes its rows again and keeps its finished shards."
 
 

@@ -47,12 +47,18 @@ class Streamed:
         self._stop = False
         self._cond = threading.Condition()
         # not a daemon: the process ends once the part being listed is read, where its job stopped the listing (a
-        # thread left in a reader's native code at the process's exit aborts it: pyarrow's CSV reader)
+        # thread left in a reader's native code at the process's exit aborts it: pyarrow's CSV reader). A listing's
+        # end (its ids checked for duplicates: seconds at 100M rows) is one part.
         self._thread = threading.Thread(target=self._list, args=(lister,), name="extractor-listing")
         self._thread.start()
 
     def __len__(self) -> int:
         return self.n
+
+    @property
+    def stopping(self) -> bool:
+        """Whether its job stopped it (:meth:`stop`): a lister that reads long between two parts asks."""
+        return self._stop
 
     @property
     def done(self) -> bool:
@@ -102,6 +108,7 @@ class Streamed:
                     return self._prefix
                 if self.n >= stop <= self.listed:  # listed, not taken yet
                     self._prefix = self._take()
+                    assert len(self._prefix) >= stop, f"a prefix of {len(self._prefix)} rows, {self.listed} listed"
                     return self._prefix
                 self._cond.wait()
 

@@ -296,10 +296,10 @@ def run(
     t0 = time.perf_counter()
     rows = _list(spec, backend)
     listing = rows if isinstance(rows, Streamed) else None  # listed on a thread: stopped where the job stops first
-    shards = plan(len(rows), spec.data.shard_size)
-    log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
-    events = _Events(on_event)
     try:
+        shards = plan(len(rows), spec.data.shard_size)
+        log.info("%d images in %d shards of %d", len(rows), len(shards), spec.data.shard_size)
+        events = _Events(on_event)
         session = StoreSession(spec, JobIndexes())  # the store meets the job's write-time indexes through them
         done = _complete(spec, rows, shards, session, on_start, t0) if backend is None else None
         if done is not None:  # a complete store, its model fixed by its record: nothing built, nothing computed

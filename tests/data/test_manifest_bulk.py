@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from extractor.data.listing import list_rows, stream_rows
 from extractor.data.sources import manifest as manifest_source
 from extractor.errors import DataError
+from extractor.spec.data_spec import DataSpec
 
 pytest.importorskip("pyarrow")
 
@@ -105,7 +107,7 @@ def test_a_remote_manifest_lists_as_a_local_one_read_as_it_is_parsed(tmp_path: P
                                                                      monkeypatch: pytest.MonkeyPatch):
     """A manifest on S3 (moto): its CSV read by pyarrow and its JSON lines row by row, each from the server a block
     at a time (it was read whole, and decoded whole: 12 GB in the driver for 100M rows), list what the same local
-    file lists; one not there is named with the hint to check its path."""
+    file lists, streamed too; one not there is named with the hint to check its path."""
     import s3fs
 
     fs = s3fs.S3FileSystem(**moto_s3)
@@ -126,6 +128,14 @@ def test_a_remote_manifest_lists_as_a_local_one_read_as_it_is_parsed(tmp_path: P
 
     monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", fetch)
     root = "s3://images/train-root"  # (its images are URLs: none stat-ed)
+    paths = tmp_path / "paths.csv"  # no label column: streamed
+    paths.write_text("path\n" + "".join(f"{line.split(',')[0]}\n" for line in lines[:50_000]))
+    fs.put(str(paths), "manifests/paths.csv")
+    streamed = stream_rows(DataSpec(source="manifest", manifest="s3://manifests/paths.csv", root=root,
+                                    storage_options=moto_s3))
+    want = list_rows(DataSpec(source="manifest", manifest=str(paths), root=root))
+    assert streamed is not None and len(streamed) == len(want) == 50_000
+    assert streamed.whole().ids.tolist() == want.ids.tolist() and streamed.whole().paths[-1] == want.paths[-1]
     for url, path in (("s3://manifests/m.csv", local), ("s3://manifests/m.jsonl", small)):
         remote = manifest_source._list_manifest(url, root, moto_s3)
         want = manifest_source._list_manifest(str(path), root, {})
@@ -136,3 +146,22 @@ def test_a_remote_manifest_lists_as_a_local_one_read_as_it_is_parsed(tmp_path: P
             assert local.stat().st_size > 8 << 20 and max(fetched) <= 6 << 20 and len(fetched) > 1, fetched
     with pytest.raises(DataError, match=r"cannot read data.manifest s3://manifests/gone.csv: .*check the bucket"):
         manifest_source._list_manifest("s3://manifests/gone.csv", root, moto_s3)
+
+
+def test_a_nul_byte_a_column_named_twice_and_bytes_not_utf8_are_one_line_each(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch):
+    """A path with a NUL byte (a stat raised ValueError: a traceback), a header naming a column twice (pyarrow took
+    the first, Python's csv the last: two readers, two listings), bytes that are not UTF-8 (named by their line):
+    refused by either reader, with one line that says what to fix."""
+    (tmp_path / "nul.csv").write_bytes(b"path\na/0.jpg\na/\x001.jpg\n")
+    (tmp_path / "nul.jsonl").write_bytes(b'{"path": "a/0.jpg"}\n{"path": "a/\\u00001.jpg"}\n')
+    for name in ("nul.csv", "nul.jsonl"):
+        with pytest.raises(DataError, match=r"row 2: path 'a/\\x001.jpg' holds a NUL byte"):
+            manifest_source._list_manifest(str(tmp_path / name), str(tmp_path), {})
+    (tmp_path / "twice.csv").write_text("path,id,path\na/0.jpg,x,b/0.jpg\n")
+    for bulk in (True, False):
+        with pytest.raises(DataError, match=r"its header names column 'path' twice; name each once"):
+            _listed(tmp_path / "twice.csv", str(tmp_path), bulk, monkeypatch)
+    (tmp_path / "latin.csv").write_bytes(b"path\n" + b"".join(b"a/%d.jpg\n" % i for i in range(3000)) + b"a/\xe9.jpg\n")
+    with pytest.raises(DataError, match=r"not UTF-8 text \(line 3002: invalid continuation byte, .*save it as UTF-8"):
+        manifest_source._list_manifest(str(tmp_path / "latin.csv"), str(tmp_path), {})

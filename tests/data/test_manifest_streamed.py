@@ -39,19 +39,19 @@ class _Held(threading.Event):
 
 
 def _hold(monkeypatch: pytest.MonkeyPatch, block: int) -> _Held:
-    """The first listing waits before it checks its block ``block`` (from 0) until the event returned is set; blocks
+    """The first listing waits before it reads its block ``block`` (from 0) until the event returned is set; blocks
     of 64 bytes (a few rows each)."""
     monkeypatch.setattr(manifest, "BLOCK_BYTES", 64)
-    release, check, seen = _Held(), manifest._Bulk.check, [0]
+    release, prepare, seen = _Held(), manifest._Bulk.prepare, [0]
 
     def held(self: Any, *block_columns: Any) -> Any:
         seen[0] += 1
         if seen[0] == block + 1:
             release.reached.set()
             assert release.wait(WAIT_S), "the listing was never released: no shard ran while it listed"
-        return check(self, *block_columns)
+        return prepare(self, *block_columns)
 
-    monkeypatch.setattr(manifest._Bulk, "check", held)
+    monkeypatch.setattr(manifest._Bulk, "prepare", held)
     return release
 
 
@@ -100,22 +100,39 @@ def test_a_streamed_manifest_gives_the_rows_of_a_whole_listing_prefix_by_prefix(
     assert want.ids[0] == "a/0.jpg" and want.ids[1] == "id1" and want.fingerprints[3] != 0 == want.fingerprints[1]
 
 
-def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path):
+def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch):
     """A label column (its classes are known once all are read), a quoted value (it may span lines), a carriage
-    return, a blank line, JSON lines, a column data.columns names that the file lacks: no stream, and the listing
-    made whole is what it was. data.classes beside no label column: the stream's classes from the start."""
+    return (in the header too), a blank line, JSON lines, a column data.columns names that the file lacks, a first
+    block that the listing refuses (absolute paths: data.outside_root is a fix of the spec, so refused before any
+    store is made): no stream (its digest not made for nothing), and the listing made whole is what it was.
+    data.classes beside no label column: the stream's classes from the start."""
     rows = [f"x/{i}.jpg" for i in range(4)]
     cases = {"labels.csv": "path,label\n" + "".join(f"{r},cat\n" for r in rows),
+             "cr_header.csv": "path\r" + "".join(f"{r}\n" for r in rows),
              "quoted.csv": "path\n" + "".join(f'"{r}"\n' for r in rows),
              "crlf.csv": "path\r\n" + "".join(f"{r}\r\n" for r in rows),
              "blank.csv": "path\n" + "\n".join(rows[:2]) + "\n\n" + "\n".join(rows[2:]) + "\n",
              "blank_first.csv": "path\n\n" + "\n".join(rows) + "\n",
              "lines.jsonl": "".join(f'{{"path": "{r}"}}\n' for r in rows)}
+    recorded, record = [], manifest.ManifestSource.listing
+
+    def listing(self: Any, data: DataSpec, was: Any = None) -> Any:
+        recorded.append(data.manifest)
+        return record(self, data, was)
+
+    monkeypatch.setattr(manifest.ManifestSource, "listing", listing)
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
         data = DataSpec(source="manifest", manifest=str(tmp_path / name))
         assert stream_rows(data) is None, name
+        assert not recorded  # (the manifest's digest, a read of it whole, made once: by the listing made whole)
         assert len(list_rows(data)) == 4, name
+        recorded.clear()
+    (tmp_path / "whole.csv").write_text("path\n" + "".join(f"{tmp_path}/{r}\n" for r in rows))
+    assert stream_rows(DataSpec(source="manifest", manifest=str(tmp_path / "whole.csv"))) is None
+    with pytest.raises(DataError, match=r"row 1: path .* lies outside data.root"):  # (before a store is made)
+        list_rows(DataSpec(source="manifest", manifest=str(tmp_path / "whole.csv")))
     (tmp_path / "plain.csv").write_text("path\n" + "\n".join(rows))  # (no line break at its end)
     lacks = DataSpec(source="manifest", manifest=str(tmp_path / "plain.csv"), columns={"id": "key"})
     assert stream_rows(lacks) is None
@@ -161,3 +178,71 @@ def test_a_job_runs_its_first_shards_while_its_manifest_is_listed(image_dir: Pat
     with pytest.raises(DataError, match=r"id 'r0' appears in rows 1 and 12; ids must be unique"):
         run(parse_spec(job(image_dir, tmp_path / "d.zarr", data=data)), on_event=on_event)
     assert release.is_set() and (read_state(str(tmp_path / "d.zarr")) or {})["status"] == "creating"
+
+
+def test_a_listing_stopped_in_its_row_by_row_part_stops_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A path the bulk reader leaves to Python's csv (``./``) has the file listed row by row, in one part of the
+    stream: its job's stop is seen within STOP_ROWS rows there, not once the file is read (at 100M rows, 18 minutes
+    of a process that would not exit)."""
+    path = _manifest(tmp_path / "m.csv", [f"a/{i}.jpg," for i in range(30)] + ["./a/x.jpg,"])
+    monkeypatch.setattr(manifest, "STOP_ROWS", 2)
+    monkeypatch.setattr(manifest, "BLOCK_BYTES", 64)  # (a first block the bulk reader takes: streamed)
+    reached, release, read, records = threading.Event(), threading.Event(), [], manifest._manifest_records
+
+    def held(*args: Any) -> Any:  # (only the row-by-row reader reads records)
+        for n, rec in enumerate(records(*args)):
+            read.append(n)
+            if n == 5:
+                reached.set()
+                assert release.wait(WAIT_S)
+            yield rec
+
+    monkeypatch.setattr(manifest, "_manifest_records", held)
+    streamed = stream_rows(DataSpec(source="manifest", manifest=str(path), root=str(tmp_path)))
+    assert streamed is not None and reached.wait(WAIT_S)
+    streamed.stop()
+    release.set()
+    with pytest.raises(DataError, match="the listing stopped: its job stopped"):
+        streamed.whole()
+    streamed._thread.join(WAIT_S)
+    assert not streamed._thread.is_alive() and len(read) <= 8
+
+
+def test_a_store_that_fails_as_its_rows_are_written_stops_the_listing(image_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """The store's writer of rows fails (its storage, here a full disk) while the manifest is listed: the job stops
+    with that error, and so does the listing (it read on to the manifest's end, with no job left to take it)."""
+    lines = [f"{p.relative_to(image_dir)},r{i}" for i, p in enumerate(images_of(image_dir))]
+    path = _manifest(tmp_path / "m.csv", lines)
+    monkeypatch.setattr(layout, "WRITE_ROWS", 2)
+    monkeypatch.setattr(layout, "ONCE_ROWS", 2)
+    release = _hold(monkeypatch, 2)
+    checked, prepare = [], manifest._Bulk.prepare
+
+    def counted(self: Any, *block: Any) -> Any:
+        checked.append(len(block[0]))
+        return prepare(self, *block)
+
+    monkeypatch.setattr(manifest._Bulk, "prepare", counted)
+    write, made = layout._RowArrays.write, []
+
+    def full(self: Any, start: int, stop: int, rows: Any) -> None:
+        if start:
+            raise OSError(28, "No space left on device")
+        write(self, start, stop, rows)
+
+    monkeypatch.setattr(layout._RowArrays, "write", full)
+    streams = manifest.ManifestSource.stream
+
+    def stream(self: Any, data: Any, then: Any) -> Any:
+        made.append(streams(self, data, then))
+        return made[-1]
+
+    monkeypatch.setattr(manifest.ManifestSource, "stream", stream)
+    data = {"source": "manifest", "manifest": str(path), "shard_size": 2, "batch_size": 2}
+    with pytest.raises(Exception, match="No space left on device"):
+        run(parse_spec(job(image_dir, tmp_path / "m.zarr", data=data)))
+    assert made and made[0] is not None and made[0].stopping
+    release.set()
+    made[0]._thread.join(WAIT_S)
+    assert not made[0]._thread.is_alive() and sum(checked) < 12

@@ -270,7 +270,7 @@ def test_on_ray_a_new_stores_rows_are_written_behind_its_first_shards(ray_cluste
     monkeypatch.setattr(layout, "ONCE_ROWS", 2)
     monkeypatch.setattr(manifest, "BLOCK_BYTES", 32)  # a row or two a block
     written, release = [], threading.Event()
-    write, check, blocks = layout._RowArrays.write, manifest._Bulk.check, []
+    write, prepare, blocks = layout._RowArrays.write, manifest._Bulk.prepare, []
 
     def held(self: Any, start: int, stop: int, rows: Any) -> None:  # stretch 0, then the rest once shard 0 began
         assert not start or release.wait(120), "shard 0 never began while the rows waited"
@@ -280,7 +280,7 @@ def test_on_ray_a_new_stores_rows_are_written_behind_its_first_shards(ray_cluste
     def listed(self: Any, *block: Any) -> Any:  # the manifest's blocks past its second once shard 0 began
         blocks.append(len(block[0]))
         assert len(blocks) < 3 or release.wait(120), "shard 0 never began while the manifest was listed"
-        return check(self, *block)
+        return prepare(self, *block)
 
     def on_event(name: str, info: dict) -> None:
         if name == "shard_started" and info["shard"] == 0:
@@ -288,7 +288,7 @@ def test_on_ray_a_new_stores_rows_are_written_behind_its_first_shards(ray_cluste
             release.set()
 
     monkeypatch.setattr(layout._RowArrays, "write", held)
-    monkeypatch.setattr(manifest._Bulk, "check", listed)
+    monkeypatch.setattr(manifest._Bulk, "prepare", listed)
     raw = job(root, tmp_path / "s.zarr", cluster={"backend": "ray", "workers": 1, "cpus_per_worker": 1}, **spec)
     assert run(parse_spec(raw), on_event=on_event).ok == 8
     assert written == [0, "shard 0 began", 2, 4, 6], written  # 4 stretches, shard 0 begun behind the first

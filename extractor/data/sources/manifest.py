@@ -6,13 +6,14 @@ import contextlib
 import csv
 import functools
 import io
+import itertools
 import json
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -50,11 +51,14 @@ def _made(head: str) -> str:
 
 
 def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False,
-                   columns: dict[str, str] | None = None) -> Rows:
+                   columns: dict[str, str] | None = None, stopped: Callable[[], bool] | None = None) -> Rows:
+    """A manifest's rows: read in bulk by pyarrow where it can (:func:`_arrow_csv`), else row by row. ``stopped``:
+    asked now and then, row by row (a listing streamed whose job stopped: :func:`_stream_manifest`; it is the
+    row-by-row reader's turn then)."""
     base = _base(manifest, root)
     names = _Columns(manifest, columns or {})
     head = base.rstrip("/") + "/"
-    fast = _arrow_csv(manifest, storage, _made(head), names, outside_root)
+    fast = _arrow_csv(manifest, storage, _made(head), names, outside_root) if stopped is None else None
     if fast is not None:
         return _checked(manifest, fast, lambda n: f"{manifest} row {n + 1}")
     ids = Strings()
@@ -63,7 +67,12 @@ def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root:
 
     def labels() -> Iterator[Any]:
         for n, rec in enumerate(_manifest_records(manifest, storage)):
+            if stopped is not None and not n % STOP_ROWS and stopped():
+                raise DataError("the listing stopped: its job stopped")
             p = names.image_of(rec, n)
+            if "\0" in p:
+                raise DataError(f"{manifest} row {n + 1}: path {p!r} holds a NUL byte, which no file name does; fix "
+                                "the row")
             if not outside_root and leaves_root(p):
                 raise DataError(f"{manifest} row {n + 1}: path {p!r} lies outside data.root ({base}); a manifest "
                                 "names images under its root, by relative paths that stay inside it. If its paths are "
@@ -82,12 +91,18 @@ def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root:
                                    fingerprints=prints.array() if len(prints) else None), None)
 
 
+STOP_ROWS = 65_536  # rows a listing streamed reads between two looks at whether its job stopped
+
+
 def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool, columns: dict[str, str],
-                     classes: list[str], then: Callable[[Rows], Rows]) -> Streamed | None:
+                     classes: list[str], record: Callable[[], dict[str, Any] | None],
+                     then: Callable[[Rows], Rows]) -> Streamed | None:
     """The rows of :func:`_list_manifest`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted:
     a CSV manifest read by pyarrow whose rows are its lines (:func:`_lines`), without a label column (every label
-    known first: none). None otherwise. A block the bulk reader leaves to the row-by-row reader has the whole file
-    listed again by that one (the rows handed out before are the same rows). ``then``: made of the whole listing."""
+    known first: none). None otherwise. A block the bulk reader leaves to the row-by-row reader has the file listed
+    row by row from its start (the rows handed out before are the same rows). ``record``: the manifest's listing
+    record (a read of the whole file: made once it streams, before its rows are read); ``then``: made of the whole
+    listing."""
     names = _Columns(manifest, columns)
     if not _bulk_reads(manifest):
         return None
@@ -95,19 +110,32 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
     if not n:
         return None
     bulk = _Bulk(_made(_base(manifest, root).rstrip("/") + "/"), names, outside_root)
+    with _blocks(manifest, storage, names) as blocks:  # what its first block refuses, refused before a store is made
+        first = next(blocks, None)
+        if first is None or bulk.check(*first) is None:
+            return None
+    listing = record()
+    made: list[Streamed] = []
+
+    def stopped() -> bool:
+        return bool(made) and made[0].stopping
 
     def lister() -> Lister:
+        listed = 0
         with _blocks(manifest, storage, names) as blocks:
             for block in blocks:
-                whole = None if block is None else bulk.check(*block)
-                if block is None or whole is None:
+                taken = None if block is None else bulk.prepare(*block)
+                if taken is None:
                     break
-                yield len(bulk.ids) + len(block[0]), functools.partial(bulk.add, *block, whole)
+                listed += taken.rows  # (counted here: the builders are read under the lock only)
+                yield listed, functools.partial(bulk.add, taken)
             else:
-                return then(_checked(manifest, bulk.rows(lambda n: f"{manifest} row {n + 1}"), None))
-        return then(_list_manifest(manifest, root, storage, outside_root, columns))
+                return then(replace(_checked(manifest, bulk.rows(lambda n: f"{manifest} row {n + 1}"), None),
+                                    listing=listing))
+        return then(replace(_list_manifest(manifest, root, storage, outside_root, columns, stopped), listing=listing))
 
-    return Streamed(n, classes, lister(), bulk.prefix, fingerprinted=True)
+    made.append(Streamed(n, classes, lister(), bulk.prefix, fingerprinted=True))
+    return made[0]
 
 
 def _bulk_reads(manifest: str) -> bool:
@@ -120,20 +148,57 @@ def _bulk_reads(manifest: str) -> bool:
 
 
 def _lines(manifest: str, storage: dict, names: _Columns) -> int | None:
-    """The rows of a CSV manifest counted as its lines after its header, where each is a row: none quoted (a
-    quoted value may hold a line break), no carriage return, no blank line (neither is a row); and no label
-    column (its labels' classes are known once all are read), every column data.columns names there. None
-    otherwise. A read of the file at the speed of the disk or the network: no row parsed."""
-    with _opened(manifest, storage) as f:
-        header = next(csv.reader([f.readline().decode("utf-8-sig", errors="replace")]), [])
-        if names.label in header or names.image not in header or any(c not in header for c in names.mapped):
-            return None
-        n, last = 0, b"\n"
-        while block := f.read(16 << 20):
-            if b'"' in block or b"\r" in block or b"\n\n" in block or (last == b"\n" and block[:1] == b"\n"):
+    """The rows of a CSV manifest counted as its lines after its header, where each is a row: no quote (a quoted
+    value may hold a line break), no carriage return, no blank line (neither is a row); and no label column (its
+    labels' classes are known once all are read), every column data.columns names there. None otherwise. A read of
+    the file at the speed of the disk or the network: no row parsed."""
+    try:
+        with _opened(manifest, storage) as f:
+            first = f.read(1 << 20)
+            end = first.find(b"\n") + 1
+            header = _header(first[:end])
+            if header is None or names.label in header or names.image not in header or \
+                    any(c not in header for c in names.mapped):
                 return None
-            n += block.count(b"\n")
-            last = block[-1:]
+            return _counted(itertools.chain([first[end:]], iter(lambda: f.read(16 << 20), b"")))
+    except Exception as err:
+        if is_url(manifest) and not isinstance(err, DataError):  # its storage failed as it was read
+            raise remote_error("data.manifest", manifest, err) from err
+        raise
+
+
+def _header(line: bytes) -> list[str] | None:
+    """A CSV manifest's column names from its first line, where pyarrow and Python's csv read them alike: a whole
+    line, no quote, no carriage return, no name twice (pyarrow takes the first such column, Python's csv the last).
+    None otherwise."""
+    if not line.endswith(b"\n") or b"\r" in line or b'"' in line:
+        return None
+    names = line[:-1].decode("utf-8-sig", errors="replace").split(",")
+    return names if len(set(names)) == len(names) else None
+
+
+def _named_twice(manifest: str, storage: dict) -> bool:
+    """Whether a CSV manifest's header names a column twice (pyarrow reads the first of them, Python's csv the
+    last, and refuses it: :func:`_unique_columns`)."""
+    with _opened(manifest, storage) as f:
+        first = f.read(1 << 20)
+    try:
+        names = next(csv.reader(io.StringIO(first.decode("utf-8-sig", errors="replace"), newline="")), [])
+    except csv.Error:
+        return True  # (read row by row, where it is reported)
+    return len(set(names)) < len(names)
+
+
+def _counted(blocks: Iterable[bytes]) -> int | None:
+    """The lines of the rest of a file (``blocks``), where each is a row (:func:`_lines`); None otherwise."""
+    n, last = 0, b"\n"
+    for block in blocks:
+        if not block:
+            continue
+        if b'"' in block or b"\r" in block or b"\n\n" in block or (last == b"\n" and block[:1] == b"\n"):
+            return None
+        n += block.count(b"\n")
+        last = block[-1:]
     return n + (last != b"\n")
 
 
@@ -148,7 +213,7 @@ def _checked(manifest: str, rows: Rows, where: Any) -> Rows:
 
 # a path that absolute() changes (., .., //, a trailing /) or that is read otherwise (a backslash climbing out,
 # file://): a manifest with one is read row by row
-_UNUSUAL = r"(^|/)\.\.?(/|$)|(^|[^:])//|\\|/$|^file://"
+_UNUSUAL = r"(^|/)\.\.?(/|$)|(^|[^:])//|\\|/$|^file://|\x00"
 
 
 def _arrow_csv(manifest: str, storage: dict, head: str, names: _Columns, outside_root: bool) -> Rows | None:
@@ -157,7 +222,7 @@ def _arrow_csv(manifest: str, storage: dict, head: str, names: _Columns, outside
     makes (a remote one read as it is parsed, never held whole). None where that reader is the one to take (it
     reports, or reads row by row): pyarrow not installed, not a CSV, a local one not there, a row without its image
     or its columns, a path that leaves the root or that absolute() changes."""
-    if not _bulk_reads(manifest):
+    if not _bulk_reads(manifest) or _named_twice(manifest, storage):
         return None
     bulk = _Bulk(head, names, outside_root)
     with _blocks(manifest, storage, names) as blocks:
@@ -179,7 +244,7 @@ def _blocks(manifest: str, storage: dict, names: _Columns) -> Iterator[Iterator[
 
     wanted = [names.image, names.id, names.label]
 
-    def blocks(f: Any) -> Iterator[tuple[Any, Any, Any] | None]:
+    def blocks(f: Any) -> Generator[tuple[Any, Any, Any] | None, None, None]:
         try:
             reader = csv.open_csv(f, read_options=csv.ReadOptions(block_size=BLOCK_BYTES),
                                   parse_options=csv.ParseOptions(newlines_in_values=True),
@@ -195,8 +260,23 @@ def _blocks(manifest: str, storage: dict, names: _Columns) -> Iterator[Iterator[
                 raise remote_error("data.manifest", manifest, err) from err
             raise
 
-    with _opened(manifest, storage) if is_url(manifest) else contextlib.nullcontext(manifest) as f:
-        yield blocks(f)
+    with _opened(manifest, storage) if is_url(manifest) else contextlib.nullcontext(manifest) as f, \
+            contextlib.closing(blocks(f)) as read:  # (its reader closed before the file it reads)
+        yield read
+
+
+@dataclass(frozen=True)
+class _Taken:
+    """A block of a manifest's rows, ready to add to the builders (:meth:`_Bulk.prepare`)."""
+
+    rows: int
+    ids: Any  # Arrow strings: each row's id (its path where it names none)
+    image: Any  # Arrow strings: each row's path as the manifest gives it
+    label: Any  # Arrow strings (nulls: no label column)
+    which: np.ndarray  # int32: 1 where the path is whole (absolute, a URL), 0 where it lies under the base
+    any_whole: bool
+    shared: bool  # every row's id is its path
+    prints: np.ndarray  # uint64: each row's fingerprint (0: a URL)
 
 
 class _Bulk:
@@ -210,14 +290,14 @@ class _Bulk:
 
     def take(self, image: Any, given: Any, label: Any) -> bool:
         """Take a block's rows; False where the row-by-row reader is the one to read them (or refuse them)."""
-        whole = self.check(image, given, label)
-        if whole is not None:
-            self.add(image, given, label, whole)
-        return whole is not None
+        taken = self.prepare(image, given, label)
+        if taken is not None:
+            self.add(taken)
+        return taken is not None
 
     def check(self, image: Any, given: Any, label: Any) -> Any:
-        """Which of a block's paths are whole (absolute, URLs: a boolean array); None where the row-by-row reader
-        is the one to read them (or refuse them)."""
+        """Which of a block's paths are whole (absolute, URLs: an Arrow boolean array); None where the row-by-row
+        reader is the one to read them (or refuse them)."""
         import pyarrow.compute as pc
 
         if image.null_count or not pc.all(pc.greater(pc.binary_length(image), 0)).as_py() or \
@@ -231,19 +311,29 @@ class _Bulk:
             return None  # a column data.columns names that the file lacks: refused
         return whole
 
-    def add(self, image: Any, given: Any, label: Any, whole: Any) -> None:
-        """A block's rows, :meth:`check`-ed (``whole``: its answer)."""
+    def prepare(self, image: Any, given: Any, label: Any) -> _Taken | None:
+        """A block's rows made ready to add (each local file stat-ed); None where the row-by-row reader is the one
+        to read them (or refuse them)."""
         import pyarrow.compute as pc
 
+        whole = self.check(image, given, label)
+        if whole is None:
+            return None
         named = given if given.null_count == 0 else image
         row_ids = pc.if_else(pc.greater(pc.binary_length(named), 0), named, image)
-        self.ids.extend_arrow(row_ids)
-        self.shared = self.shared and pc.all(pc.equal(row_ids, image)).as_py()
-        self.tails.extend_arrow(image)
-        self.which.extend(np.asarray(whole.to_numpy(zero_copy_only=False), dtype=np.int32))
-        self.any_whole = self.any_whole or pc.any(whole).as_py()
-        self.prints.extend(_prints(pc.if_else(whole, image, pc.binary_join_element_wise(self.base, image, ""))))
-        self.labels.add_arrow(label)  # (no label column: every row's label is None)
+        return _Taken(len(image), row_ids, image, label, np.asarray(whole.to_numpy(zero_copy_only=False), np.int32),
+                      bool(pc.any(whole).as_py()), pc.all(pc.equal(row_ids, image)).as_py(),
+                      _prints(pc.if_else(whole, image, pc.binary_join_element_wise(self.base, image, ""))))
+
+    def add(self, taken: _Taken) -> None:
+        """A block's rows, :meth:`prepare`-d."""
+        self.ids.extend_arrow(taken.ids)
+        self.shared = self.shared and taken.shared
+        self.tails.extend_arrow(taken.image)
+        self.which.extend(taken.which)
+        self.any_whole = self.any_whole or taken.any_whole
+        self.prints.extend(taken.prints)
+        self.labels.add_arrow(taken.label)  # (no label column: every row's label is None)
 
     def prefix(self) -> Rows:
         """The rows taken so far (none copied: maps of the builders' files), the reading going on: a manifest without
@@ -315,16 +405,39 @@ def _manifest_records(manifest: str, storage: dict) -> Iterator[Any]:
         raise DataError(f"data.manifest {manifest}: expected a .csv or .jsonl file")
     # (a spreadsheet's byte-order mark is not a column name)
     with io.TextIOWrapper(_opened(manifest, storage), encoding="utf-8-sig", newline="") as lines:
+        reader = csv.DictReader(lines) if suffix == ".csv" else None
         try:
-            yield from csv.DictReader(lines) if suffix == ".csv" else _json_lines(manifest, lines)
+            yield from _unique_columns(manifest, reader) if reader is not None else _json_lines(manifest, lines)
         except UnicodeDecodeError as err:
-            raise DataError(f"data.manifest {manifest} is not UTF-8 text: {err}") from None
+            raise DataError(f"data.manifest {manifest} is not UTF-8 text (line {_not_utf8(manifest, storage)}: "
+                            f"{err.reason}, {err.object[err.start:err.end]!r}); save it as UTF-8") from None
         except (DataError, csv.Error):
             raise
         except Exception as err:
             if is_url(manifest):  # its storage failed as it was read
                 raise remote_error("data.manifest", manifest, err) from err
             raise
+
+
+def _not_utf8(manifest: str, storage: dict) -> int:
+    """The first line of a manifest that is not UTF-8 (read again, once it was found not to be)."""
+    with _opened(manifest, storage) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return n
+    return 0
+
+
+def _unique_columns(manifest: str, reader: csv.DictReader) -> Iterator[dict[str, Any]]:
+    """A CSV's records, its header refused where it names a column twice (pyarrow takes the first of them, Python's
+    csv the last)."""
+    names = reader.fieldnames or []
+    twice = sorted({c for c in names if names.count(c) > 1})
+    if twice:
+        raise DataError(f"data.manifest {manifest}: its header names column {twice[0]!r} twice; name each once")
+    yield from reader
 
 
 def _suffix(manifest: str) -> str:
@@ -374,10 +487,9 @@ class ManifestSource(Source):
 
     def stream(self, data: DataSpec, then: Callable[[Rows], Rows]) -> Streamed | None:
         assert data.manifest is not None
-        listing = self.listing(data)  # (before the read, as list's)
         return _stream_manifest(data.manifest, data.root, data.storage_options, data.outside_root,
                                 {str(k): v for k, v in data.columns.items()}, list(data.classes or []),
-                                lambda rows: then(replace(rows, listing=listing)))
+                                lambda: self.listing(data), then)
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """A local manifest's size, mtime and content digest, and the settings that change its rows."""
