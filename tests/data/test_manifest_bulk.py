@@ -165,3 +165,15 @@ def test_a_nul_byte_a_column_named_twice_and_bytes_not_utf8_are_one_line_each(tm
     (tmp_path / "latin.csv").write_bytes(b"path\n" + b"".join(b"a/%d.jpg\n" % i for i in range(3000)) + b"a/\xe9.jpg\n")
     with pytest.raises(DataError, match=r"not UTF-8 text \(line 3002: invalid continuation byte, .*save it as UTF-8"):
         manifest_source._list_manifest(str(tmp_path / "latin.csv"), str(tmp_path), {})
+
+
+def test_ids_given_from_a_later_block_on_list_as_row_by_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Blocks of a few rows (64 bytes): the first ones' ids are their paths (held once), then ids are given (the
+    paths so far copied as ids, a part at a time), then not: the ids equal the row-by-row reader's."""
+    monkeypatch.setattr(manifest_source, "BLOCK_BYTES", 64)
+    csv = tmp_path / "m.csv"
+    csv.write_text("path,id\n" + "".join(f"a/{i}.jpg,{'r' + str(i) if 20 <= i < 30 else ''}\n" for i in range(40)))
+    real = manifest_source._copy
+    monkeypatch.setattr(manifest_source, "_copy", lambda a, b: real(a, b, part=3))
+    rows = _same(csv, str(tmp_path), monkeypatch)
+    assert rows.ids[19] == "a/19.jpg" and rows.ids[20] == "r20" and rows.ids[39] == "a/39.jpg"

@@ -71,15 +71,16 @@ def _manifest(path: Path, lines: list[str], header: str = "path,id") -> Path:
 
 @pytest.mark.parametrize("last", ["b/9.jpg,", "./b/9.jpg,"])  # the last read in bulk, or row by row
 def test_a_streamed_manifest_gives_the_rows_of_a_whole_listing_prefix_by_prefix(tmp_path: Path, last: str):
-    """Relative and absolute paths (some files there: fingerprinted), ids given or not: each prefix handed out while
-    the listing is held holds the whole listing's first rows, and the whole equals list_rows' (its listing record
-    too). A last block that the bulk reader leaves to the row-by-row reader (a path absolute() changes) has the
-    whole file listed again that way, the rows handed out before the same."""
+    """Relative and absolute paths (some files there: fingerprinted), ids given from a later block on: each prefix
+    handed out while the listing is held holds the whole listing's first rows, and the whole equals list_rows' (its
+    listing record too). A last block that the bulk reader leaves to the row-by-row reader (a path absolute()
+    changes) has the file listed row by row, the rows handed out before the same."""
     root = tmp_path / "images"
     (root / "a").mkdir(parents=True)
     for i in range(0, 20, 3):
         (root / "a" / f"{i}.jpg").write_bytes(b"x" * i)
-    lines = [f"a/{i}.jpg,{'id' + str(i) if i % 2 else ''}" for i in range(20)] + [f"{root}/a/3.jpg,again", last]
+    lines = [f"a/{i}.jpg,{'id' + str(i) if i % 2 and i > 12 else ''}" for i in range(20)] + [
+        f"{root}/a/3.jpg,again", last]  # (ids their paths in the prefix, then given: the paths copied as ids)
     data = DataSpec(source="manifest", manifest=str(_manifest(tmp_path / "m.csv", lines)), root=str(root),
                     outside_root=True)
     want = list_rows(data)
@@ -97,7 +98,7 @@ def test_a_streamed_manifest_gives_the_rows_of_a_whole_listing_prefix_by_prefix(
         whole = streamed.whole()
     _same(whole, want, 22)
     assert whole.classes == want.classes == [] and whole.listing == want.listing is not None
-    assert want.ids[0] == "a/0.jpg" and want.ids[1] == "id1" and want.fingerprints[3] != 0 == want.fingerprints[1]
+    assert want.ids[1] == "a/1.jpg" and want.ids[13] == "id13" and want.fingerprints[3] != 0 == want.fingerprints[1]
 
 
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,

@@ -265,6 +265,14 @@ def _blocks(manifest: str, storage: dict, names: _Columns) -> Iterator[Iterator[
         yield read
 
 
+def _copy(source: Strings, to: Strings, part: int = 1 << 20) -> None:
+    """Append every string of ``source`` to ``to``, ``part`` strings at a time (each a read of the spill file)."""
+    texts = source.snapshot()
+    for start in range(0, len(texts), part):
+        piece = texts.part(start, min(start + part, len(texts)))
+        to.extend_utf8(piece.data.tobytes(), piece.ends)
+
+
 @dataclass(frozen=True)
 class _Taken:
     """A block of a manifest's rows, ready to add to the builders (:meth:`_Bulk.prepare`)."""
@@ -285,7 +293,9 @@ class _Bulk:
     def __init__(self, base: str, names: _Columns, outside_root: bool) -> None:
         self.base, self.names, self.outside_root = base, names, outside_root
         self.ids, self.tails, self.prints, self.labels = Strings(), Strings(), Column("Q"), Distinct()
-        self.which, self.shared = Column("i"), True  # shared: every row's id is its path (held once)
+        # shared: every row's id is its path, so far: the ids are the tails (not written twice: at 10M rows a third
+        # of what the listing spills), copied into ``ids`` at the first row whose id is not its path
+        self.which, self.shared = Column("i"), True
         self.any_whole = False  # whether a row's path is whole (absolute, a URL), not under the base
 
     def take(self, image: Any, given: Any, label: Any) -> bool:
@@ -327,8 +337,11 @@ class _Bulk:
 
     def add(self, taken: _Taken) -> None:
         """A block's rows, :meth:`prepare`-d."""
-        self.ids.extend_arrow(taken.ids)
+        if self.shared and not taken.shared:
+            _copy(self.tails, self.ids)
         self.shared = self.shared and taken.shared
+        if not self.shared:
+            self.ids.extend_arrow(taken.ids)
         self.tails.extend_arrow(taken.image)
         self.which.extend(taken.which)
         self.any_whole = self.any_whole or taken.any_whole
@@ -338,13 +351,14 @@ class _Bulk:
     def prefix(self) -> Rows:
         """The rows taken so far (none copied: maps of the builders' files), the reading going on: a manifest without
         labels (:func:`_stream_manifest`)."""
-        ids = self.ids.snapshot()
+        tails = self.tails.snapshot()
+        ids = tails if self.shared else self.ids.snapshot()
         which = self.which.snapshot() if self.any_whole else None
-        return Rows(ids=ids, paths=Joined([self.base, ""], self.tails.snapshot(), which),
+        return Rows(ids=ids, paths=Joined([self.base, ""], tails, which),
                     labels=np.broadcast_to(np.int64(-1), (len(ids),)), fingerprints=self.prints.snapshot())
 
     def rows(self, where: Any) -> Rows:
-        listed = self.ids.array()
+        listed = (self.tails if self.shared else self.ids).array()
         labels, classes = labels_of_codes(*self.labels.result(), where)
         which = self.which.array()
         tails = listed if self.shared else self.tails.array()
