@@ -247,3 +247,17 @@ def test_a_store_that_fails_as_its_rows_are_written_stops_the_listing(image_dir:
     release.set()
     made[0]._thread.join(WAIT_S)
     assert not made[0]._thread.is_alive() and sum(checked) < 12
+
+
+def test_a_remote_manifest_whose_storage_fails_as_its_lines_are_counted_is_one_line(monkeypatch: pytest.MonkeyPatch):
+    """A read that fails while a remote manifest's lines are counted (before any store) is the one line a listing
+    gives for its storage, not a traceback."""
+    import io
+
+    class Failing(io.BytesIO):
+        def read(self, size: int | None = -1) -> bytes:
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(manifest, "_opened", lambda url, storage: Failing())
+    with pytest.raises(DataError, match=r"cannot read data.manifest s3://b/m.csv: ConnectionResetError: .*network"):
+        stream_rows(DataSpec(source="manifest", manifest="s3://b/m.csv"))
