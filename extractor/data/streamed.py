@@ -1,6 +1,6 @@
 """A listing made on a thread of the driver while the store is made and its first shards run (issue 57): a source
-whose rows can be counted without listing them (a Parquet file's footer) lists them behind the job's start instead
-of before it."""
+whose rows can be counted without listing them (Parquet files' footers, a manifest's lines) lists them behind the
+job's start instead of before it."""
 
 from __future__ import annotations
 

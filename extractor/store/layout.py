@@ -400,8 +400,7 @@ class RowsBehind:
                 listed = {"listing": whole.listing} if isinstance(rows, Streamed) and whole.listing else {}
                 self._record({**digests, **listed, "rows_written": True})
         except BaseException as err:
-            if isinstance(rows, Streamed):  # (stopped by the store: the listing stops too, not listed to its end)
-                rows.stop()
+            self.stop()  # (a listing streamed stops too: no one takes its rows now)
             with self._cond:
                 self.error = err
                 self._cond.notify_all()
