@@ -33,6 +33,7 @@ __all__ = [
     "distinct",
     "duplicate",
     "first_where",
+    "label_number",
     "labels_of",
     "labels_of_codes",
     "looked_up",
@@ -41,6 +42,7 @@ __all__ = [
     "strings",
     "text_hashes",
     "utf8",
+    "whole_number",
 ]
 
 log = logging.getLogger(__name__)
@@ -549,7 +551,7 @@ def _missing(value: object) -> bool:
     return value is None or value == "" or (isinstance(value, float) and value != value)
 
 
-def _label_number(value: object) -> Decimal | None:
+def label_number(value: object) -> Decimal | None:
     """A label read as a number: a JSON int or float, or text such as ``3``, ``3.0``, ``1e1``
     (what pandas writes for an integer column with gaps); None for a class name."""
     if isinstance(value, bool):  # JSON true/false: names, as before
@@ -561,7 +563,7 @@ def _label_number(value: object) -> Decimal | None:
     return None
 
 
-def _whole(d: Decimal) -> bool:
+def whole_number(d: Decimal) -> bool:
     """A label's number (a Decimal) is a class index: finite, whole, an int64."""
     return bool(d.is_finite() and d == d.to_integral_value() and -(2**63) <= d < 2**63)
 
@@ -586,9 +588,9 @@ def labels_of_codes(codes: np.ndarray, values: list[object], firsts: list[int],
     table = np.full(len(values), -1, dtype=np.int64)
     if not present:
         return looked_up(table, codes), []
-    numbers = {k: d for k in present if (d := _label_number(values[k])) is not None}
+    numbers = {k: d for k in present if (d := label_number(values[k])) is not None}
     if len(numbers) == len(present):
-        odd = [k for k, d in numbers.items() if not _whole(d)]
+        odd = [k for k, d in numbers.items() if not whole_number(d)]
         if not odd:
             for k, d in numbers.items():
                 table[k] = int(d)

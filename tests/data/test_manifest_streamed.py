@@ -101,6 +101,59 @@ def test_a_streamed_manifest_gives_the_rows_of_a_whole_listing_prefix_by_prefix(
     assert want.ids[1] == "a/1.jpg" and want.ids[13] == "id13" and want.fingerprints[3] != 0 == want.fingerprints[1]
 
 
+@pytest.mark.parametrize("kind", ["names", "indices"])
+def test_a_manifest_whose_labels_data_classes_names_streams_them_as_indices(tmp_path: Path, kind: str):
+    """Labels that data.classes names (its names, or its indices as numbers: 3.0 too), some rows without one:
+    each prefix handed out while the listing is held holds the class indices a listing made whole gives, and so
+    does the whole (its classes data.classes)."""
+    classes = ["cat", "dog", "emu"]
+    label = (lambda i: classes[i % 3]) if kind == "names" else (lambda i: f"{i % 3}{'.0' if i == 7 else ''}")
+    lines = [f"a/{i}.jpg,{'' if i % 5 == 4 else label(i)}" for i in range(24)]
+    data = DataSpec(source="manifest", manifest=str(_manifest(tmp_path / "m.csv", lines, "path,label")),
+                    root=str(tmp_path), classes=tuple(classes))
+    want = list_rows(data)
+    assert want.labels.tolist()[:5] == [0, 1, 2, 0, -1] and want.classes == classes
+    with pytest.MonkeyPatch.context() as patch:
+        release = _hold(patch, 3)
+        streamed = stream_rows(data)
+        assert isinstance(streamed, Streamed) and len(streamed) == 24 and streamed.classes == classes
+        assert release.reached.wait(WAIT_S)
+        listed = streamed.listed
+        assert 0 < listed < 24
+        _same(streamed.upto(listed), want, listed)
+        release.set()
+        whole = streamed.whole()
+    _same(whole, want, 24)
+    assert whole.classes == classes and whole.listing == want.listing is not None
+
+
+@pytest.mark.parametrize(("labels", "error"), [
+    (["cat"] * 12 + ["yak"], r"m.csv row 13: label 'yak' is not in data.classes \(2 names\)"),
+    (["1"] * 12 + ["2"], r"m.csv row 13: label '2' is none of data.classes' indices \(0 to 1, or -1: none\)"),
+    (["1"] * 12 + ["0.5"], r"m.csv row 13: label '0.5' is none of data.classes' indices"),
+    (["0", ""] * 6 + ["dog"], r"m.csv: row 1's label '0' is a class index, row 13's 'dog' a class name"),
+])
+def test_a_streamed_manifest_refuses_a_label_where_it_reads_it(tmp_path: Path, labels: list[str], error: str):
+    """A label that a listing made whole refuses once every label is read (a name not in data.classes, a number that
+    is none of its indices, numbers beside names) stops the streamed listing at the row that holds it, its first
+    blocks handed out; a listing made whole refuses it too. Where data.classes has a name that reads as a number
+    (the label 3 could be an index or that name), the manifest is listed whole."""
+    lines = [f"a/{i}.jpg,{v}" for i, v in enumerate(labels)]
+    data = DataSpec(source="manifest", manifest=str(_manifest(tmp_path / "m.csv", lines, "path,label")),
+                    root=str(tmp_path), classes=("cat", "dog"))
+    with pytest.raises(DataError, match=r"not in data.classes|data.classes names 2 classes"):
+        list_rows(data)
+    with pytest.MonkeyPatch.context() as patch:
+        release = _hold(patch, 2)  # (row 13 is in a later block)
+        streamed = stream_rows(data)
+        assert streamed is not None and release.reached.wait(WAIT_S)
+        assert 0 < streamed.listed < 13 and len(streamed.upto(streamed.listed)) == streamed.listed
+        release.set()
+        with pytest.raises(DataError, match=error):
+            streamed.whole()
+    assert stream_rows(data.model_copy(update={"classes": ("cat", "3")})) is None
+
+
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch):
     """A label column (its classes are known once all are read), a quoted value (it may span lines), a carriage
@@ -147,10 +200,13 @@ def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whol
 def test_a_job_runs_its_first_shards_while_its_manifest_is_listed(image_dir: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch):
     """The manifest's last blocks are read only once shard 0 is done; the store then holds what a listing made
-    whole gives (ids, paths, labels, fingerprints, the listing's record) and the folder's store's features. A
-    duplicate id in the last block, found then, stops the job naming both rows, the store half-made."""
-    lines = [f"{p.relative_to(image_dir)},r{i}" for i, p in enumerate(images_of(image_dir))]
-    path = _manifest(tmp_path / "m.csv", lines)
+    whole gives (ids, paths, labels: names of data.classes, fingerprints, the listing's record) and the folder's
+    store's features. A duplicate id in the last block, found then, stops the job naming both rows, the store
+    half-made."""
+    images = images_of(image_dir)
+    classes = sorted({p.parent.name for p in images})
+    lines = [f"{p.relative_to(image_dir)},r{i},{p.parent.name}" for i, p in enumerate(images)]
+    path = _manifest(tmp_path / "m.csv", lines, "path,id,label")
     monkeypatch.setattr(layout, "WRITE_ROWS", 2)  # a stretch a shard: a store of a few rows written behind
     monkeypatch.setattr(layout, "ONCE_ROWS", 2)
     release = _hold(monkeypatch, 3)
@@ -159,20 +215,21 @@ def test_a_job_runs_its_first_shards_while_its_manifest_is_listed(image_dir: Pat
         if name == "shard_done":
             release.set()
 
-    data = {"source": "manifest", "manifest": str(path), "shard_size": 2, "batch_size": 2}
+    data = {"source": "manifest", "manifest": str(path), "shard_size": 2, "batch_size": 2, "classes": classes}
     summary = run(parse_spec(job(image_dir, tmp_path / "m.zarr", data=data)), on_event=on_event)
     assert summary.ok == 12 and release.is_set()
     monkeypatch.undo()
-    want = list_rows(DataSpec(source="manifest", manifest=str(path), root=str(image_dir)))
+    want = list_rows(DataSpec(source="manifest", manifest=str(path), root=str(image_dir), classes=tuple(classes)))
     s = open_store(str(tmp_path / "m.zarr"))
     assert s.attrs["status"] == "complete" and s.attrs["listing"] == want.listing is not None
     assert s.ids.tolist() == want.ids.tolist() and [str(p) for p in s.paths] == want.paths.tolist()
-    assert s.labels.tolist() == want.labels.tolist() == [-1] * 12
+    assert s.labels.tolist() == want.labels.tolist() == [classes.index(p.parent.name) for p in images]
+    assert len(classes) > 1 and s.classes == classes
     assert opened(str(tmp_path / "m.zarr"))["fingerprint"][:].tolist() == want.fingerprints.tolist()
     assert run(parse_spec(job(image_dir, tmp_path / "f.zarr", data={"shard_size": 2, "batch_size": 2}))).ok == 12
     np.testing.assert_array_equal(s.numpy("layer4"), open_store(str(tmp_path / "f.zarr")).numpy("layer4"))
 
-    _manifest(path, [*lines[:-1], lines[-1].replace(",r11", ",r0")])
+    _manifest(path, [*lines[:-1], lines[-1].replace(",r11,", ",r0,")], "path,id,label")
     monkeypatch.setattr(layout, "WRITE_ROWS", 2)
     monkeypatch.setattr(layout, "ONCE_ROWS", 2)
     release = _hold(monkeypatch, 3)

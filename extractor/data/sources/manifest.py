@@ -28,7 +28,19 @@ from ..files import (
     local_fingerprint,
     remote_error,
 )
-from ..rows import STRINGS, Distinct, Joined, Joining, Rows, Strings, duplicate, labels_of, labels_of_codes
+from ..rows import (
+    STRINGS,
+    Distinct,
+    Joined,
+    Joining,
+    Rows,
+    Strings,
+    duplicate,
+    label_number,
+    labels_of,
+    labels_of_codes,
+    whole_number,
+)
 from ..spill import Column
 from ..streamed import Lister, Streamed
 from . import Recorded, Sampled, Source, files_now, stat_prints
@@ -95,25 +107,24 @@ STOP_ROWS = 65_536  # rows a listing streamed reads between two looks at whether
 
 
 def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool, columns: dict[str, str],
-                     classes: list[str], record: Callable[[], dict[str, Any] | None],
+                     classes: list[str] | None, record: Callable[[], dict[str, Any] | None],
                      then: Callable[[Rows], Rows]) -> Streamed | None:
     """The rows of :func:`_list_manifest`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted:
-    a CSV manifest read by pyarrow whose rows are its lines (:func:`_lines`), without a label column (every label
-    known first: none). None otherwise. A block the bulk reader leaves to the row-by-row reader has the file listed
-    row by row from its start (the rows handed out before are the same rows). ``record``: the manifest's listing
-    record (a read of the whole file: made once it streams, before its rows are read); ``then``: made of the whole
-    listing."""
+    a CSV manifest read by pyarrow whose rows are its lines (:func:`_lines`), its labels known as they are read
+    (none, or :class:`_ClassCodes`: data.classes, ``classes``, names them). None otherwise. A block the bulk reader
+    leaves to the row-by-row reader has the file listed row by row from its start (the rows handed out before are
+    the same rows). ``record``: the manifest's listing record (a read of the whole file: made once it streams,
+    before its rows are read); ``then``: made of the whole listing."""
     names = _Columns(manifest, columns)
     if not _bulk_reads(manifest):
         return None
-    n = _lines(manifest, storage, names)
+    n = _lines(manifest, storage, names, labeled=_ClassCodes.usable(classes))
     if not n:
         return None
-    bulk = _Bulk(_made(_base(manifest, root).rstrip("/") + "/"), names, outside_root)
-    with _blocks(manifest, storage, names) as blocks:  # what its first block refuses, refused before a store is made
-        first = next(blocks, None)
-        if first is None or bulk.check(*first) is None:
-            return None
+    base = _made(_base(manifest, root).rstrip("/") + "/")
+    if not _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ClassCodes.of(manifest, classes))):
+        return None
+    bulk = _Bulk(base, names, outside_root, _ClassCodes.of(manifest, classes))
     listing = record()
     made: list[Streamed] = []
 
@@ -134,8 +145,79 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
                                     listing=listing))
         return then(replace(_list_manifest(manifest, root, storage, outside_root, columns, stopped), listing=listing))
 
-    made.append(Streamed(n, classes, lister(), bulk.prefix, fingerprinted=True))
+    made.append(Streamed(n, list(classes or []), lister(), bulk.prefix, fingerprinted=True))
     return made[0]
+
+
+class _ClassCodes:
+    """A manifest's labels made class indices a block at a time, where data.classes names its classes and none of
+    their names reads as a number: a label is then an index where it is a number and a name of data.classes where
+    it is not, as a listing made whole decides once every label is read. What that listing refuses at its end is
+    refused where it is first seen: a name not in data.classes, a number that is none of its indices (0 to n - 1,
+    or -1: none), numbers beside names (a manifest's labels are all indices or all names)."""
+
+    def __init__(self, manifest: str, classes: list[str]) -> None:
+        self.manifest, self.classes = manifest, classes
+        self.known: dict[str, int] = {"": -1, **{c: i for i, c in enumerate(classes)}}  # (""": no label)
+        self.numbers: set[str] = set()  # the labels seen that are numbers
+        self.first: dict[bool, tuple[int, str]] = {}  # whether a number: the first row with such a label, and it
+        self.rows = 0  # rows coded so far
+
+    @staticmethod
+    def usable(classes: list[str] | None) -> bool:
+        return bool(classes) and not any(label_number(c) is not None for c in classes or [])
+
+    @classmethod
+    def of(cls, manifest: str, classes: list[str] | None) -> _ClassCodes | None:
+        return cls(manifest, list(classes or [])) if cls.usable(classes) else None
+
+    def coded(self, label: Any) -> np.ndarray:
+        """A block's labels (Arrow strings; nulls: no label column) as class indices (int64; -1: none)."""
+        encoded = label.dictionary_encode()
+        values: list[str] = encoded.dictionary.to_pylist()
+        at = encoded.indices.fill_null(len(values)).to_numpy(zero_copy_only=False)
+        firsts: dict[int, int] = {}
+        if any(v not in self.known for v in values) or \
+                any((v in self.numbers) not in self.first for v in values if v):
+            value_at, first_at = np.unique(at, return_index=True)
+            firsts = dict(zip(value_at.tolist(), (self.rows + first_at).tolist(), strict=True))
+        for k, v in enumerate(values):
+            if v not in self.known:
+                self.known[v] = self._number(v, firsts[k])
+            if v and (v in self.numbers) not in self.first:
+                self.first[v in self.numbers] = (firsts[k], v)
+        if len(self.first) == 2:
+            (n, number), (m, name) = self.first[True], self.first[False]
+            raise DataError(f"{self.manifest}: row {n + 1}'s label {number!r} is a class index, row {m + 1}'s "
+                            f"{name!r} a class name; make every label an index of data.classes or every one a name "
+                            "there")
+        self.rows += len(at)
+        return np.append(np.asarray([self.known[v] for v in values], dtype=np.int64), -1)[at]
+
+    def _number(self, v: str, row: int) -> int:
+        """A label that is not a name of data.classes: its number, a class index."""
+        d = label_number(v)
+        n = len(self.classes)
+        if d is None:
+            raise DataError(f"{self.manifest} row {row + 1}: label {v!r} is not in data.classes ({n} names); add "
+                            "it, or remove data.classes to take the labels' own names")
+        if not whole_number(d) or not -1 <= int(d) < n:
+            raise DataError(f"{self.manifest} row {row + 1}: label {v!r} is none of data.classes' indices (0 to "
+                            f"{n - 1}, or -1: none) nor a name there; fix the label or data.classes")
+        self.numbers.add(v)
+        return int(d)
+
+
+def _first_taken(manifest: str, storage: dict, bulk: _Bulk) -> bool:
+    """Whether the bulk reader takes a manifest's first block, its labels coded (else it is listed whole, which
+    refuses what is wrong there before a store is made); its files are not stat-ed."""
+    with _blocks(manifest, storage, bulk.names) as blocks:
+        first = next(blocks, None)
+        try:
+            return first is not None and bulk.check(*first) is not None and \
+                (bulk.codes is None or bulk.codes.coded(first[2]) is not None)
+        except DataError:
+            return False
 
 
 def _bulk_reads(manifest: str) -> bool:
@@ -147,17 +229,18 @@ def _bulk_reads(manifest: str) -> bool:
     return _suffix(manifest) == ".csv" and (is_url(manifest) or os.path.isfile(manifest))
 
 
-def _lines(manifest: str, storage: dict, names: _Columns) -> int | None:
+def _lines(manifest: str, storage: dict, names: _Columns, labeled: bool) -> int | None:
     """The rows of a CSV manifest counted as its lines after its header, where each is a row: no quote (a quoted
-    value may hold a line break), no carriage return, no blank line (neither is a row); and no label column (its
-    labels' classes are known once all are read), every column data.columns names there. None otherwise. A read of
-    the file at the speed of the disk or the network: no row parsed."""
+    value may hold a line break), no carriage return, no blank line (neither is a row); and no label column but
+    where ``labeled`` (data.classes names them: :class:`_ClassCodes`; else their classes are known once all are
+    read), every column data.columns names there. None otherwise. A read of the file at the speed of the disk or
+    the network: no row parsed."""
     try:
         with _opened(manifest, storage) as f:
             first = f.read(1 << 20)
             end = first.find(b"\n") + 1
             header = _header(first[:end])
-            if header is None or names.label in header or names.image not in header or \
+            if header is None or (names.label in header and not labeled) or names.image not in header or \
                     any(c not in header for c in names.mapped):
                 return None
             return _counted(itertools.chain([first[end:]], iter(lambda: f.read(16 << 20), b"")))
@@ -280,7 +363,7 @@ class _Taken:
     rows: int
     ids: Any  # Arrow strings: each row's id (its path where it names none)
     image: Any  # Arrow strings: each row's path as the manifest gives it
-    label: Any  # Arrow strings (nulls: no label column)
+    label: Any  # Arrow strings (nulls: no label column), or int64 class indices (:class:`_ClassCodes`)
     which: np.ndarray  # int32: 1 where the path is whole (absolute, a URL), 0 where it lies under the base
     any_whole: bool
     shared: bool  # every row's id is its path
@@ -290,9 +373,13 @@ class _Taken:
 class _Bulk:
     """The columns of a manifest's rows made from blocks of its image, id and label columns (Arrow arrays)."""
 
-    def __init__(self, base: str, names: _Columns, outside_root: bool) -> None:
+    def __init__(self, base: str, names: _Columns, outside_root: bool, codes: _ClassCodes | None = None) -> None:
         self.base, self.names, self.outside_root = base, names, outside_root
-        self.ids, self.tails, self.prints, self.labels = Strings(), Strings(), Column("Q"), Distinct()
+        self.ids, self.tails, self.prints = Strings(), Strings(), Column("Q")
+        # the labels: each row's code into their distinct values (their classes known once all are read), or each
+        # row's class index where data.classes names them (``codes``: a manifest streamed)
+        self.codes = codes
+        self.labels: Distinct | Column = Distinct() if codes is None else Column("q")
         # shared: every row's id is its path, so far: the ids are the tails (not written twice: at 10M rows a third
         # of what the listing spills), copied into ``ids`` at the first row whose id is not its path
         self.which, self.shared = Column("i"), True
@@ -331,7 +418,8 @@ class _Bulk:
             return None
         named = given if given.null_count == 0 else image
         row_ids = pc.if_else(pc.greater(pc.binary_length(named), 0), named, image)
-        return _Taken(len(image), row_ids, image, label, np.asarray(whole.to_numpy(zero_copy_only=False), np.int32),
+        labels = label if self.codes is None else self.codes.coded(label)
+        return _Taken(len(image), row_ids, image, labels, np.asarray(whole.to_numpy(zero_copy_only=False), np.int32),
                       bool(pc.any(whole).as_py()), pc.all(pc.equal(row_ids, image)).as_py(),
                       _prints(pc.if_else(whole, image, pc.binary_join_element_wise(self.base, image, ""))))
 
@@ -346,20 +434,26 @@ class _Bulk:
         self.which.extend(taken.which)
         self.any_whole = self.any_whole or taken.any_whole
         self.prints.extend(taken.prints)
-        self.labels.add_arrow(taken.label)  # (no label column: every row's label is None)
+        if isinstance(self.labels, Column):
+            self.labels.extend(taken.label)
+        else:
+            self.labels.add_arrow(taken.label)  # (no label column: every row's label is None)
 
     def prefix(self) -> Rows:
         """The rows taken so far (none copied: maps of the builders' files), the reading going on: a manifest without
-        labels (:func:`_stream_manifest`)."""
+        labels, or with labels that data.classes names (:func:`_stream_manifest`)."""
         tails = self.tails.snapshot()
         ids = tails if self.shared else self.ids.snapshot()
         which = self.which.snapshot() if self.any_whole else None
-        return Rows(ids=ids, paths=Joined([self.base, ""], tails, which),
-                    labels=np.broadcast_to(np.int64(-1), (len(ids),)), fingerprints=self.prints.snapshot())
+        labels = self.labels.snapshot() if isinstance(self.labels, Column) else \
+            np.broadcast_to(np.int64(-1), (len(ids),))
+        return Rows(ids=ids, paths=Joined([self.base, ""], tails, which), labels=labels,
+                    fingerprints=self.prints.snapshot())
 
     def rows(self, where: Any) -> Rows:
         listed = (self.tails if self.shared else self.ids).array()
-        labels, classes = labels_of_codes(*self.labels.result(), where)
+        labels, classes = (self.labels.array(), []) if isinstance(self.labels, Column) else \
+            labels_of_codes(*self.labels.result(), where)  # (class indices: named by data.classes after)
         which = self.which.array()
         tails = listed if self.shared else self.tails.array()
         paths = Joined([self.base, ""], tails, which if self.any_whole else None)
@@ -502,7 +596,8 @@ class ManifestSource(Source):
     def stream(self, data: DataSpec, then: Callable[[Rows], Rows]) -> Streamed | None:
         assert data.manifest is not None
         return _stream_manifest(data.manifest, data.root, data.storage_options, data.outside_root,
-                                {str(k): v for k, v in data.columns.items()}, list(data.classes or []),
+                                {str(k): v for k, v in data.columns.items()},
+                                None if data.classes is None else list(data.classes),
                                 lambda: self.listing(data), then)
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
