@@ -28,16 +28,28 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".bench"
 
 
-def _spec(n: int, store: Path, shard_size: int, real: bool = False, manifest: bool = False) -> Any:
+def _spec(n: int, store: Path, shard_size: int, real: bool = False, manifest: bool = False,
+          tars: str = "") -> Any:
     """The job: resnet18 (random weights; probed, never run on an image), its pooled features stored. ``real``:
     real Parquet files of 10,000 rows (written once, kept under .bench), not the synthetic listing. ``manifest``: a
-    CSV manifest of ``n`` paths and no labels (a LAION-like list; written once), its files not there (each stat-ed)."""
+    CSV manifest of ``n`` paths and no labels (a LAION-like list; written once), its files not there (each stat-ed).
+    ``tars``: bench_scale's synthetic tars of 10,000 samples (class indices), ``stats``: each counted by the stats
+    file img2dataset writes beside it (a stand-in: its count), so streamed; ``whole``: none, so listed whole."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_scale import _synthetic, real_parquet
 
     from extractor.spec import DataSpec, parse_spec
 
-    if manifest:
+    if tars:
+        from unittest import mock
+
+        import extractor.data.sources.tar as tar_source
+
+        data, patched = _synthetic("tar", n, WORK)
+        patched.enter_context(mock.patch.object(tar_source, "_counted", lambda url, storage: (  # noqa: PT008
+            10_000 if tars == "stats" else None)))
+        source = {"source": "tar", "tars": data.tars}
+    elif manifest:
         path = WORK / f"manifest-nolabel-{n}.csv"
         if not path.exists():
             with open(path, "w") as f:
@@ -165,15 +177,17 @@ def simulated(n: int, shard_size: int = 1024, keep: bool = False) -> dict[str, f
     return got
 
 
-def first_shard(n: int, shard_size: int = 1024, real: bool = False, manifest: bool = False) -> dict[str, float]:
+def first_shard(n: int, shard_size: int = 1024, real: bool = False, manifest: bool = False,
+                tars: str = "") -> dict[str, float]:
     """The job of ``n`` rows until its first shard begins (the job stopped there, as by Ctrl-C): seconds of wall
     time and CPU from ``run()``'s call (listing, probe, the store made; a listing streamed goes on meanwhile).
-    ``real``: from real Parquet files; ``manifest``: from a CSV manifest without labels."""
+    ``real``: from real Parquet files; ``manifest``: from a CSV manifest without labels; ``tars``: from tars
+    (:func:`_spec`)."""
     from extractor.driver.runner import run
 
     store = WORK / f"first-{n}.zarr"
     shutil.rmtree(store, ignore_errors=True)
-    spec, patched = _spec(n, store, shard_size, real, manifest)
+    spec, patched = _spec(n, store, shard_size, real, manifest, tars)
     first: dict[str, float] = {}
     with patched:
         t0, c0 = time.perf_counter(), _cpu()
@@ -185,7 +199,7 @@ def first_shard(n: int, shard_size: int = 1024, real: bool = False, manifest: bo
         with contextlib.suppress(KeyboardInterrupt):  # (stopped at the first shard)
             run(spec, backend=_backend(spec, on_first, [0.0]))
     shutil.rmtree(store, ignore_errors=True)
-    kind = " (real files)" if real else " (a manifest)" if manifest else ""
+    kind = " (real files)" if real else " (a manifest)" if manifest else f" (tars, {tars})" if tars else ""
     print(f"  {n:>12,} rows{kind}: first shard after {first['wall']:.1f} s "
           f"({first['cpu']:.1f} s CPU)", flush=True)
     return {"rows": n, "first_wall": first["wall"], "first_cpu": first["cpu"]}
@@ -207,10 +221,12 @@ if __name__ == "__main__":
     p.add_argument("--first", action="store_true", help="only the time to the first shard (the job stopped there)")
     p.add_argument("--real", action="store_true", help="--first from real Parquet files of 10,000 rows")
     p.add_argument("--manifest", action="store_true", help="--first from a CSV manifest of paths, no labels")
+    p.add_argument("--tars", choices=["stats", "whole"], help="--first from synthetic tars, counted by img2dataset's "
+                   "stats files (streamed) or not (listed whole)")
     args = p.parse_args()
     WORK.mkdir(exist_ok=True)
     sizes = tuple(int(float(m) * 1e6) for m in args.rows.split(","))
-    figures = [first_shard(n, args.shard_size, args.real, args.manifest) for n in sizes] if args.first else \
-        main(sizes, args.shard_size)
+    figures = [first_shard(n, args.shard_size, args.real, args.manifest, args.tars or "") for n in sizes] \
+        if args.first else main(sizes, args.shard_size)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

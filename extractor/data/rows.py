@@ -23,6 +23,7 @@ from . import spill
 from .spill import Bytes, Column, by_hash
 
 __all__ = [
+    "ClassCodes",
     "Distinct",
     "Joined",
     "Joining",
@@ -706,6 +707,57 @@ class Distinct:
     def result(self) -> tuple[np.ndarray, list[object], list[int]]:
         """Each row's code, the distinct values, the first row of each (the builder is done with)."""
         return self.codes.array(), self.values, self.firsts
+
+
+class ClassCodes:
+    """A listing's labels made class indices as they are read (a listing streamed), each decided alone as
+    :func:`labels_of` and :func:`named` decide them once every label is read: with ``classes`` (data.classes, none
+    of whose names reads as a number: :meth:`usable`), a label is an index where it is a number and a name there
+    where it is not; without, every label is an index (a name cannot be numbered before all are read: refused,
+    saying to name the classes). What a listing made whole refuses at its end is refused where it is first read,
+    ``where(row)`` naming it: a name not in data.classes, a number that is none of its indices (0 to n - 1, or -1:
+    none; any whole number without data.classes), numbers beside names."""
+
+    def __init__(self, classes: list[str] | None, where: Callable[[int], str]) -> None:
+        self.classes, self.where = classes, where
+        self.names = {c: i for i, c in enumerate(classes or [])}
+        self.first: dict[bool, tuple[int, object]] = {}  # whether a number: the first row with such a label, and it
+
+    @staticmethod
+    def usable(classes: Sequence[str] | None) -> bool:
+        """Whether labels can be coded as read with these classes: none given, or none that reads as a number."""
+        return classes is None or not any(label_number(c) is not None for c in classes)
+
+    def table(self, values: Sequence[object], firsts: Sequence[int]) -> np.ndarray:
+        """The class index (int64; -1: none) of each of a block's distinct raw labels ``values``, the first row of
+        each ``firsts``."""
+        out = np.full(len(values), -1, dtype=np.int64)
+        for k, v in enumerate(values):
+            if _missing(v):
+                continue
+            number = label_number(v)
+            self.first.setdefault(number is not None, (firsts[k], v))
+            out[k] = self._index(v, number, firsts[k])
+        if len(self.first) == 2:
+            (n, index), (m, name) = self.first[True], self.first[False]
+            raise DataError(f"{self.where(n)}'s label {index!r} is a class index, {self.where(m)}'s {name!r} a class "
+                            "name; make every label an index of data.classes or every one a name there")
+        return out
+
+    def _index(self, v: object, number: Decimal | None, row: int) -> int:
+        n = len(self.names)
+        if number is not None and whole_number(number) and (self.classes is None or -1 <= number < n):
+            return int(number)
+        if number is None and str(v) in self.names:
+            return self.names[str(v)]
+        if self.classes is None:  # (a number that is not whole makes every label a name, as a name does)
+            raise DataError(f"{self.where(row)}: label {v!r} is a class name, and names are numbered once every "
+                            "label is read; list the classes' names in data.classes to take them as they come")
+        if number is None:
+            raise DataError(f"{self.where(row)}: label {v!r} is not in data.classes ({n} names); add it, or remove "
+                            "data.classes to take the labels' own names")
+        raise DataError(f"{self.where(row)}: label {v!r} is none of data.classes' indices (0 to {n - 1}, or -1: "
+                        "none) nor a name there; fix the label or data.classes")
 
 
 def first_where(values: np.ndarray, test: Callable[[np.ndarray], np.ndarray]) -> int | None:

@@ -15,6 +15,7 @@ import pytest
 from helpers.jobs import job
 from helpers.parquet import images_of
 from helpers.stores import opened
+from helpers.streamed import WAIT_S, Held, held_at, same_rows
 
 import extractor.data.sources.manifest as manifest
 import extractor.store.layout as layout
@@ -29,39 +30,14 @@ from extractor.store import read_state
 
 pytest.importorskip("pyarrow")
 
-WAIT_S = 120  # a bound on waiting for an event, never a pause
-
-
-class _Held(threading.Event):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reached = threading.Event()  # the listing waits at the block held
-
-
-def _hold(monkeypatch: pytest.MonkeyPatch, block: int) -> _Held:
+def _hold(monkeypatch: pytest.MonkeyPatch, block: int) -> Held:
     """The first listing waits before it reads its block ``block`` (from 0) until the event returned is set; blocks
     of 64 bytes (a few rows each)."""
     monkeypatch.setattr(manifest, "BLOCK_BYTES", 64)
-    release, prepare, seen = _Held(), manifest._Bulk.prepare, [0]
-
-    def held(self: Any, *block_columns: Any) -> Any:
-        seen[0] += 1
-        if seen[0] == block + 1:
-            release.reached.set()
-            assert release.wait(WAIT_S), "the listing was never released: no shard ran while it listed"
-        return prepare(self, *block_columns)
-
-    monkeypatch.setattr(manifest._Bulk, "prepare", held)
-    return release
+    return held_at(monkeypatch, manifest._Bulk, "prepare", block)
 
 
-def _same(got: Any, want: Any, n: int) -> None:
-    """Rows ``0:n`` of two listings hold the same ids, paths, labels and fingerprints."""
-    assert n > 0
-    assert np.asarray(got.ids[0:n]).tolist() == np.asarray(want.ids[0:n]).tolist()
-    assert np.asarray(got.paths[0:n]).tolist() == np.asarray(want.paths[0:n]).tolist()
-    assert np.asarray(got.labels[:n]).tolist() == np.asarray(want.labels[:n]).tolist()
-    assert np.asarray(got.fingerprints[:n]).tolist() == np.asarray(want.fingerprints[:n]).tolist()
+_same = same_rows
 
 
 def _manifest(path: Path, lines: list[str], header: str = "path,id") -> Path:
@@ -131,7 +107,7 @@ def test_a_manifest_whose_labels_data_classes_names_streams_them_as_indices(tmp_
     (["cat"] * 12 + ["yak"], r"m.csv row 13: label 'yak' is not in data.classes \(2 names\)"),
     (["1"] * 12 + ["2"], r"m.csv row 13: label '2' is none of data.classes' indices \(0 to 1, or -1: none\)"),
     (["1"] * 12 + ["0.5"], r"m.csv row 13: label '0.5' is none of data.classes' indices"),
-    (["0", ""] * 6 + ["dog"], r"m.csv: row 1's label '0' is a class index, row 13's 'dog' a class name"),
+    (["0", ""] * 6 + ["dog"], r"m.csv row 1's label '0' is a class index, \S+m.csv row 13's 'dog' a class name"),
 ])
 def test_a_streamed_manifest_refuses_a_label_where_it_reads_it(tmp_path: Path, labels: list[str], error: str):
     """A label that a listing made whole refuses once every label is read (a name not in data.classes, a number that

@@ -30,16 +30,15 @@ from ..files import (
 )
 from ..rows import (
     STRINGS,
+    ClassCodes,
     Distinct,
     Joined,
     Joining,
     Rows,
     Strings,
     duplicate,
-    label_number,
     labels_of,
     labels_of_codes,
-    whole_number,
 )
 from ..spill import Column
 from ..streamed import Lister, Streamed
@@ -111,20 +110,20 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
                      then: Callable[[Rows], Rows]) -> Streamed | None:
     """The rows of :func:`_list_manifest`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted:
     a CSV manifest read by pyarrow whose rows are its lines (:func:`_lines`), its labels known as they are read
-    (none, or :class:`_ClassCodes`: data.classes, ``classes``, names them). None otherwise. A block the bulk reader
+    (none, or :class:`_ArrowCodes`: data.classes, ``classes``, names them). None otherwise. A block the bulk reader
     leaves to the row-by-row reader has the file listed row by row from its start (the rows handed out before are
     the same rows). ``record``: the manifest's listing record (a read of the whole file: made once it streams,
     before its rows are read); ``then``: made of the whole listing."""
     names = _Columns(manifest, columns)
     if not _bulk_reads(manifest):
         return None
-    n = _lines(manifest, storage, names, labeled=_ClassCodes.usable(classes))
+    n = _lines(manifest, storage, names, labeled=_ArrowCodes.usable(classes))
     if not n:
         return None
     base = _made(_base(manifest, root).rstrip("/") + "/")
-    if not _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ClassCodes.of(manifest, classes))):
+    if not _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ArrowCodes.of(manifest, classes))):
         return None
-    bulk = _Bulk(base, names, outside_root, _ClassCodes.of(manifest, classes))
+    bulk = _Bulk(base, names, outside_root, _ArrowCodes.of(manifest, classes))
     listing = record()
     made: list[Streamed] = []
 
@@ -149,63 +148,36 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
     return made[0]
 
 
-class _ClassCodes:
-    """A manifest's labels made class indices a block at a time, where data.classes names its classes and none of
-    their names reads as a number: a label is then an index where it is a number and a name of data.classes where
-    it is not, as a listing made whole decides once every label is read. What that listing refuses at its end is
-    refused where it is first seen: a name not in data.classes, a number that is none of its indices (0 to n - 1,
-    or -1: none), numbers beside names (a manifest's labels are all indices or all names)."""
+class _ArrowCodes:
+    """A manifest's labels (Arrow strings, a block at a time) made class indices as they are read
+    (:class:`~..rows.ClassCodes`), where data.classes names them (none of its names reads as a number)."""
 
     def __init__(self, manifest: str, classes: list[str]) -> None:
-        self.manifest, self.classes = manifest, classes
-        self.known: dict[str, int] = {"": -1, **{c: i for i, c in enumerate(classes)}}  # (""": no label)
-        self.numbers: set[str] = set()  # the labels seen that are numbers
-        self.first: dict[bool, tuple[int, str]] = {}  # whether a number: the first row with such a label, and it
+        self.codes = ClassCodes(classes, lambda n: f"{manifest} row {n + 1}")
+        self.known: dict[str, int] = {"": -1}  # each label read so far: its class index
         self.rows = 0  # rows coded so far
 
     @staticmethod
     def usable(classes: list[str] | None) -> bool:
-        return bool(classes) and not any(label_number(c) is not None for c in classes or [])
+        return bool(classes) and ClassCodes.usable(classes)
 
     @classmethod
-    def of(cls, manifest: str, classes: list[str] | None) -> _ClassCodes | None:
+    def of(cls, manifest: str, classes: list[str] | None) -> _ArrowCodes | None:
         return cls(manifest, list(classes or [])) if cls.usable(classes) else None
 
     def coded(self, label: Any) -> np.ndarray:
-        """A block's labels (Arrow strings; nulls: no label column) as class indices (int64; -1: none)."""
+        """A block's labels (nulls: no label column) as class indices (int64; -1: none)."""
         encoded = label.dictionary_encode()
         values: list[str] = encoded.dictionary.to_pylist()
         at = encoded.indices.fill_null(len(values)).to_numpy(zero_copy_only=False)
-        firsts: dict[int, int] = {}
-        if any(v not in self.known for v in values) or \
-                any((v in self.numbers) not in self.first for v in values if v):
+        new = [k for k, v in enumerate(values) if v not in self.known]
+        if new:
             value_at, first_at = np.unique(at, return_index=True)
             firsts = dict(zip(value_at.tolist(), (self.rows + first_at).tolist(), strict=True))
-        for k, v in enumerate(values):
-            if v not in self.known:
-                self.known[v] = self._number(v, firsts[k])
-            if v and (v in self.numbers) not in self.first:
-                self.first[v in self.numbers] = (firsts[k], v)
-        if len(self.first) == 2:
-            (n, number), (m, name) = self.first[True], self.first[False]
-            raise DataError(f"{self.manifest}: row {n + 1}'s label {number!r} is a class index, row {m + 1}'s "
-                            f"{name!r} a class name; make every label an index of data.classes or every one a name "
-                            "there")
+            table = self.codes.table([values[k] for k in new], [firsts[k] for k in new])
+            self.known.update(zip([values[k] for k in new], table.tolist(), strict=True))
         self.rows += len(at)
         return np.append(np.asarray([self.known[v] for v in values], dtype=np.int64), -1)[at]
-
-    def _number(self, v: str, row: int) -> int:
-        """A label that is not a name of data.classes: its number, a class index."""
-        d = label_number(v)
-        n = len(self.classes)
-        if d is None:
-            raise DataError(f"{self.manifest} row {row + 1}: label {v!r} is not in data.classes ({n} names); add "
-                            "it, or remove data.classes to take the labels' own names")
-        if not whole_number(d) or not -1 <= int(d) < n:
-            raise DataError(f"{self.manifest} row {row + 1}: label {v!r} is none of data.classes' indices (0 to "
-                            f"{n - 1}, or -1: none) nor a name there; fix the label or data.classes")
-        self.numbers.add(v)
-        return int(d)
 
 
 def _first_taken(manifest: str, storage: dict, bulk: _Bulk) -> bool:
@@ -232,7 +204,7 @@ def _bulk_reads(manifest: str) -> bool:
 def _lines(manifest: str, storage: dict, names: _Columns, labeled: bool) -> int | None:
     """The rows of a CSV manifest counted as its lines after its header, where each is a row: no quote (a quoted
     value may hold a line break), no carriage return, no blank line (neither is a row); and no label column but
-    where ``labeled`` (data.classes names them: :class:`_ClassCodes`; else their classes are known once all are
+    where ``labeled`` (data.classes names them: :class:`_ArrowCodes`; else their classes are known once all are
     read), every column data.columns names there. None otherwise. A read of the file at the speed of the disk or
     the network: no row parsed."""
     try:
@@ -363,7 +335,7 @@ class _Taken:
     rows: int
     ids: Any  # Arrow strings: each row's id (its path where it names none)
     image: Any  # Arrow strings: each row's path as the manifest gives it
-    label: Any  # Arrow strings (nulls: no label column), or int64 class indices (:class:`_ClassCodes`)
+    label: Any  # Arrow strings (nulls: no label column), or int64 class indices (:class:`_ArrowCodes`)
     which: np.ndarray  # int32: 1 where the path is whole (absolute, a URL), 0 where it lies under the base
     any_whole: bool
     shared: bool  # every row's id is its path
@@ -373,7 +345,7 @@ class _Taken:
 class _Bulk:
     """The columns of a manifest's rows made from blocks of its image, id and label columns (Arrow arrays)."""
 
-    def __init__(self, base: str, names: _Columns, outside_root: bool, codes: _ClassCodes | None = None) -> None:
+    def __init__(self, base: str, names: _Columns, outside_root: bool, codes: _ArrowCodes | None = None) -> None:
         self.base, self.names, self.outside_root = base, names, outside_root
         self.ids, self.tails, self.prints = Strings(), Strings(), Column("Q")
         # the labels: each row's code into their distinct values (their classes known once all are read), or each

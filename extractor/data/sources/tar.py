@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import io
 import json
 import logging
 import mmap
 import os
 import tarfile
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,8 +43,21 @@ from ..files import (
     remote_error,
     remote_fingerprint,
 )
-from ..rows import Distinct, Joined, LocatorArray, Rows, Strings, Texts, duplicate, labels_of, labels_of_codes, strings
+from ..rows import (
+    ClassCodes,
+    Distinct,
+    Joined,
+    LocatorArray,
+    Rows,
+    Strings,
+    Texts,
+    duplicate,
+    labels_of,
+    labels_of_codes,
+    strings,
+)
 from ..spill import Column
+from ..streamed import Lister, Streamed
 from . import Locator, Recorded, Sampled, Source, spread
 from ._tar_fast import fast_samples
 from ._tar_headers import _headers, _members, _read_at, _Unusual
@@ -52,7 +66,7 @@ from ._tar_processes import listing_processes, scanned
 if TYPE_CHECKING:
     from ...spec import DataSpec
 
-__all__ = ["SOURCE", "Samples", "list_tars", "scan_tar", "tar_listing", "tar_url_of"]
+__all__ = ["SOURCE", "Samples", "list_tars", "scan_tar", "stream_tars", "tar_listing", "tar_url_of"]
 
 log = logging.getLogger(__name__)
 
@@ -279,54 +293,147 @@ def list_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], s
     """Rows of every sample of every tar, in pattern order then member order."""
     listing = tar_listing(patterns, extensions, storage)  # recorded with the store: a resume may reuse the rows
     urls, tar_prints = listing["tars"], listing["fingerprints"]
-    for url in urls:
-        if "#" in url:
-            check_unambiguous(url, storage)
-    # many tars on worker processes, one a core (parsing holds the GIL); else remote tars on 16 threads (their
-    # reads wait on the network), local ones on one (threads contending for the GIL took twice the time of one)
+    _unambiguous(urls, storage)
     columns = _Columns(urls)
-    processes = listing_processes(len(urls))
-    threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
-    each: Generator[Samples, None, None] = scanned(urls, extensions, storage, processes) if processes else \
-        prefetched(urls, lambda u: scan_tar(u, extensions, storage), threads + 1, threads)
     # each tar's records taken as it comes, then let go (all of them held at once: 700 bytes a row)
-    labels, left_out, first = Distinct(), 0, ""
-    with contextlib.closing(each):  # (its workers ended, whatever stops the listing)
+    labels, left_out = Distinct(), _LeftOut()
+    with contextlib.closing(_scans(urls, extensions, storage)) as each:  # (its workers ended, whatever stops it)
         for t, (found, tar_print) in enumerate(zip(each, tar_prints, strict=True)):
             columns.add(t, found, tar_print)
             found.add_labels(labels)
-            if found.left_out and not left_out:
-                first = f"{found.left_out_key!r} in {urls[t]}"
-            left_out += found.left_out
-    if left_out:  # (a member of another extension than data.extensions names: not an image to the job)
-        log.warning("%d samples of data.tars have no member whose extension is one of data.extensions (%s), and are "
-                    "left out (the first: %s); add their image's extension to data.extensions to read them", left_out,
-                    ", ".join(extensions), first)
+            left_out.add(found, urls[t])
+    left_out.warn(extensions)
     codes, classes = labels_of_codes(*labels.result(),
                                      lambda n: f"tar shard {columns.tar_of(n)}, sample {columns.ids[n]!r}")
-    keys = columns.ids.array()
-    twice = duplicate(keys)
-    if twice is not None:
-        raise DataError(f"sample key {keys[twice[0]]!r} appears in {columns.tar_of(twice[0])} and "
-                        f"{columns.tar_of(twice[1])}; keys must be unique")
-    listing["rows"] = np.diff([*columns.starts, len(keys)]).tolist()  # each tar's: a resume re-lists one alone
-    return columns.rows(keys, codes, classes, listing)
+    return columns.rows(codes, classes, listing)
+
+
+def _unambiguous(urls: list[str], storage: dict[str, Any]) -> None:
+    for url in urls:
+        if "#" in url:
+            check_unambiguous(url, storage)
+
+
+def _scans(urls: Sequence[str], extensions: Sequence[str], storage: dict[str, Any]) -> Generator[Samples, None, None]:
+    """Each tar's samples, in order: many tars on worker processes, one a core (parsing holds the GIL); else remote
+    tars on 16 threads (their reads wait on the network), local ones on one (threads contending for the GIL took
+    twice the time of one)."""
+    processes = listing_processes(len(urls))
+    threads = min(16, len(urls)) if any(is_url(u) for u in urls) else 1
+    return scanned(urls, extensions, storage, processes) if processes else \
+        prefetched(urls, lambda u: scan_tar(u, extensions, storage), threads + 1, threads)
+
+
+class _LeftOut:
+    """The samples of the tars listed that have no member of data.extensions: not rows, counted and warned of."""
+
+    def __init__(self) -> None:
+        self.n, self.first = 0, ""
+
+    def add(self, found: Samples, url: str) -> None:
+        if found.left_out and not self.n:
+            self.first = f"{found.left_out_key!r} in {url}"
+        self.n += found.left_out
+
+    def warn(self, extensions: Sequence[str]) -> None:
+        if self.n:  # (a member of another extension than data.extensions names: not an image to the job)
+            log.warning("%d samples of data.tars have no member whose extension is one of data.extensions (%s), and "
+                        "are left out (the first: %s); add their image's extension to data.extensions to read them",
+                        self.n, ", ".join(extensions), self.first)
+
+
+STATS = "_stats.json"  # img2dataset's record beside each tar it writes (NAME.tar: NAME_stats.json)
+
+
+def _counted(url: str, storage: dict[str, Any]) -> int | None:
+    """The samples with an image of a tar as the stats file img2dataset writes beside it counts them
+    (``successes``); None: no such file, or not such a record."""
+    if not url.endswith(".tar"):
+        return None
+    stats = url[:-len(".tar")] + STATS
+    try:
+        if is_url(stats):
+            import fsspec
+
+            with fsspec.open(stats, "rb", **storage) as f:
+                raw = f.read(1 << 20)
+        else:
+            with open(stats.removeprefix("file://"), "rb") as f:
+                raw = f.read(1 << 20)
+        n = json.loads(raw).get("successes")
+    except Exception:  # noqa: BLE001 - none there, or not img2dataset's: the tars are listed whole
+        return None
+    return n if type(n) is int and n >= 0 else None
+
+
+def stream_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str], storage: dict[str, Any],
+                classes: Sequence[str] | None, then: Callable[[Rows], Rows]) -> Streamed | None:
+    """The rows of :func:`list_tars`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted: where
+    every tar has img2dataset's stats file beside it (``NAME_stats.json``: its samples with an image), and its
+    first tar, listed now, holds as many as its file says and labels that can be coded as they are read
+    (:class:`~..rows.ClassCodes`: none, class indices, or names of data.classes, ``classes``). None otherwise. A tar
+    listed later that holds another number of samples than its file says stops the listing, naming it. ``then``:
+    made of the whole listing."""
+    if not ClassCodes.usable(classes):
+        return None
+    urls = tar_urls(patterns, storage)
+    with ThreadPoolExecutor(min(16, len(urls))) as pool:
+        counts = list(pool.map(lambda u: _counted(u, storage), urls))
+    if None in counts or not sum(c or 0 for c in counts):
+        return None
+    _unambiguous(urls, storage)
+    listing = tar_listing(patterns, extensions, storage)  # (before the tars are read, as list_tars makes it)
+    columns = _Columns(urls, coded=True, classes=None if classes is None else list(classes))
+    first = scan_tar(urls[0], extensions, storage)  # (what it refuses, refused before a store is made)
+    try:
+        labels = columns.coded(first)
+    except DataError:
+        return None  # (labels that are names, data.classes not given: listed whole)
+    if len(first) != counts[0]:
+        return None
+    left_out = _LeftOut()
+
+    def lister() -> Lister:
+        listed, found, coded = 0, first, labels
+        with contextlib.closing(_scans(urls[1:], extensions, storage)) as rest:
+            for t, tar_print in enumerate(listing["fingerprints"]):
+                if t:
+                    found = next(rest)
+                    coded = columns.coded(found)
+                if len(found) != counts[t]:
+                    raise DataError(f"tar shard {urls[t]} holds {len(found)} samples with an image of data.extensions "
+                                    f"({', '.join(extensions)}), but its {STATS} counts {counts[t]}; fix or remove "
+                                    "the stats files (the tars are then listed whole first), or data.extensions")
+                left_out.add(found, urls[t])
+                listed += len(found)
+                yield listed, functools.partial(columns.add, t, found, tar_print, coded)
+        left_out.warn(extensions)
+        return then(columns.rows(columns.labels.array(), [], listing))
+
+    streamed = Streamed(sum(c or 0 for c in counts), list(classes or []), lister(), columns.prefix,
+                        fingerprinted=True)
+    streamed.locator_names = (OFFSET, SIZE)
+    return streamed
 
 
 class _Columns:
     """The tars' rows as they are scanned, in compact columns: each sample's id; its image member's name held as
     the id and the member's extension (a code into the few there are); its tar (a code into the URLs), data
-    offset, size and fingerprint; each tar's first row. 10M rows: about 70 bytes a row."""
+    offset, size and fingerprint; each tar's first row; where ``coded`` (a listing streamed), its label as a class
+    index (:meth:`coded`). 10M rows: about 70 bytes a row."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], coded: bool = False, classes: list[str] | None = None) -> None:
         self.urls = urls
         self.ids = Strings()
         self.ends: dict[str, int] = {}  # the members' extensions (what follows the id), each one's code
         self.end, self.which = Column("q"), Column("q")  # (on the disk past a megabyte, as every column here)
         self.offsets, self.sizes, self.prints = Column("q"), Column("q"), Column("Q")
         self.starts: list[int] = []  # each tar's first row
+        self.codes = ClassCodes(classes, self.where) if coded else None
+        self.labels = Column("q")  # (coded only)
+        self.coding: Samples | None = None  # the tar whose labels are being coded, not added yet
 
-    def add(self, t: int, found: Samples, tar_print: int) -> None:
+    def add(self, t: int, found: Samples, tar_print: int, labels: np.ndarray | None = None) -> None:
         self.starts.append(len(self.offsets))
         if isinstance(found.keys, Texts):
             self.ids.extend_utf8(found.keys.data.data, found.keys.ends)
@@ -343,15 +450,50 @@ class _Columns:
         self.offsets.extend(found.offsets)
         self.sizes.extend(found.sizes)
         self.prints.extend(member_fingerprints(tar_print, found.offsets, found.sizes))
+        if labels is not None:
+            self.labels.extend(labels)
+
+    def coded(self, found: Samples) -> np.ndarray:
+        """The class index of each of the next tar's samples (:class:`~..rows.ClassCodes`), before it is added."""
+        assert self.codes is not None
+        labels = Distinct()
+        found.add_labels(labels)
+        codes, values, firsts = labels.result()
+        self.coding = found
+        start = len(self.offsets)
+        return self.codes.table(values, [start + f for f in firsts])[codes] if len(values) else \
+            np.full(len(found), -1, dtype=np.int64)
+
+    def where(self, n: int) -> str:
+        """Row ``n``, named by its tar and sample (its tar being coded, not added yet, where past those added)."""
+        if n >= len(self.offsets) and self.coding is not None:
+            return f"tar shard {self.urls[len(self.starts)]}, sample {self.coding.keys[n - len(self.offsets)]!r}"
+        return f"tar shard {self.tar_of(n)}, sample {self.ids[n]!r}"
 
     def tar_of(self, n: int) -> str:
         return self.urls[bisect.bisect_right(self.starts, n) - 1]
 
-    def rows(self, keys: Texts, codes: np.ndarray, classes: list[str], listing: dict[str, Any]) -> Rows:
-        """The rows, the columns handed over."""
-        paths = Joined([f"{url}#" for url in self.urls], keys, self.which.array(), list(self.ends), self.end.array())
-        return Rows(ids=keys, paths=paths, labels=codes, classes=classes,
-                    locators={OFFSET: self.offsets.array(), SIZE: self.sizes.array()},
+    def prefix(self) -> Rows:
+        """The rows added so far (none copied: maps of the builders' files), the listing going on."""
+        keys = self.ids.snapshot()
+        return Rows(ids=keys, paths=self._paths(keys, self.which.snapshot(), self.end.snapshot()),
+                    labels=self.labels.snapshot(), fingerprints=self.prints.snapshot(),
+                    locators={OFFSET: self.offsets.snapshot(), SIZE: self.sizes.snapshot()})
+
+    def _paths(self, keys: Texts, which: np.ndarray, end: np.ndarray) -> Joined:
+        return Joined([f"{url}#" for url in self.urls], keys, which, list(self.ends), end)
+
+    def rows(self, codes: np.ndarray, classes: list[str], listing: dict[str, Any]) -> Rows:
+        """The rows, the columns handed over: their keys checked to be unique, each tar's count of rows recorded in
+        ``listing`` (a resume lists one alone)."""
+        keys = self.ids.array()
+        twice = duplicate(keys)
+        if twice is not None:
+            raise DataError(f"sample key {keys[twice[0]]!r} appears in {self.tar_of(twice[0])} and "
+                            f"{self.tar_of(twice[1])}; keys must be unique")
+        listing["rows"] = np.diff([*self.starts, len(keys)]).tolist()
+        return Rows(ids=keys, paths=self._paths(keys, self.which.array(), self.end.array()), labels=codes,
+                    classes=classes, locators={OFFSET: self.offsets.array(), SIZE: self.sizes.array()},
                     fingerprints=self.prints.array(), listing=listing)
 
 
@@ -393,6 +535,9 @@ class TarSource(Source):
 
     def list(self, data: DataSpec) -> Rows:
         return list_tars(data.tars, data.extensions, data.storage_options)
+
+    def stream(self, data: DataSpec, then: Callable[[Rows], Rows]) -> Streamed | None:
+        return stream_tars(data.tars, data.extensions, data.storage_options, data.classes, then)
 
     def reads(self, item: Locator) -> bool:
         return isinstance(item, tuple)
