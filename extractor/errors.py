@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "ClusterError",
+    "CountError",
     "DataError",
     "DeviceError",
     "ExtractorError",
@@ -36,6 +37,11 @@ class SpecError(ExtractorError, ValueError):
 
 class DataError(ExtractorError, ValueError):
     """The image source cannot be used: missing root, empty data set, bad manifest."""
+
+
+class CountError(DataError):
+    """A source listed behind the job's start holds another number of rows than it was counted to hold, which the
+    store was made with: no resume finishes that store; ``--overwrite`` makes it again."""
 
 
 class ModelError(ExtractorError, ValueError):

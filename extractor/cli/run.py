@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .._text import estimate
-from ..errors import DataError, ExtractorError, FencedError
+from ..errors import CountError, DataError, ExtractorError, FencedError
 from .common import Estimate, _command
 
 
@@ -52,9 +52,7 @@ def _run_spec(spec: Any, resume: list[str], quiet: bool = False, resume_command:
             print(f"error: the storage failed: {type(err).__name__}: {err}\n{_left(err, 'storage')}; once fixed, "
                   f"finish the job with:\n  {finish}", file=sys.stderr)
         else:
-            kept = _left(err, "error")
-            said = str(err) if not kept or str(err).endswith(".") else f"{err}."
-            print(f"error: {said}{kept}\nOnce fixed, finish the job with:\n  {finish}", file=sys.stderr)
+            print(_stopped(err, finish, resume, resume_command), file=sys.stderr)
         return 1
     finally:
         bar.close()
@@ -82,11 +80,25 @@ def _left(err: BaseException, how: str) -> str:
         return "The store is half-created, its finished shards kept" if creating else "Finished shards are kept"
     if not creating:
         return ""
+    if isinstance(err, CountError):  # the store was made for another number of rows
+        return " The store was made for the rows counted first: once fixed, --overwrite makes it again."
     if isinstance(err, DataError):  # found as the rows were listed behind the first shards (a streamed listing)
         return (" The store is half-created: once the data is fixed in place (the same rows), --resume writes its "
                 "rows again and keeps its finished shards; a fix that adds or removes rows, or one in the job's spec "
                 "(data.classes, data.outside_root), needs --overwrite instead.")
     return " The store is half-created: --resume writes its rows again and keeps its finished shards."
+
+
+def _stopped(err: ExtractorError, finish: str, resume: list[str], resume_command: str | None) -> str:
+    """What an error that stopped a job whose store it holds says: itself, what it left, and the command that
+    finishes the job (``finish``), or makes its store again where no resume can (a :class:`CountError`)."""
+    kept = _left(err, "error")
+    said = str(err) if not kept or str(err).endswith(".") else f"{err}."
+    if isinstance(err, CountError) and getattr(err, "creating", False):
+        again = _command(*resume[:-1], "--overwrite") if resume_command is None else \
+            resume_command.replace("--resume", "--overwrite")
+        return f"error: {said}{kept}\nOnce fixed, run the job again with:\n  {again}"
+    return f"error: {said}{kept}\nOnce fixed, finish the job with:\n  {finish}"
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -740,8 +740,8 @@ class ClassCodes:
             out[k] = self._index(v, number, firsts[k])
         if len(self.first) == 2:
             (n, index), (m, name) = self.first[True], self.first[False]
-            raise DataError(f"{self.where(n)}'s label {index!r} is a class index, {self.where(m)}'s {name!r} a class "
-                            "name; make every label an index of data.classes or every one a name there")
+            raise DataError(f"labels are class indices ({self.where(n)}: {index!r}) and class names ({self.where(m)}: "
+                            f"{name!r}); make every label an index of data.classes or every one a name there")
         return out
 
     def _index(self, v: object, number: Decimal | None, row: int) -> int:

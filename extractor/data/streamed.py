@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DataError, ExtractorError
+from ..errors import CountError, DataError, ExtractorError
 from .rows import Joined, Rows, Texts
 
 __all__ = ["Lister", "Streamed"]
@@ -83,7 +83,7 @@ class Streamed:
                         self._prefix = self._take()
                     self._cond.notify_all()
             if len(rows) != self.n:
-                raise DataError(f"the source changed while it was listed: {self.n} rows counted first, {len(rows)} "
+                raise CountError(f"the source changed while it was listed: {self.n} rows counted first, {len(rows)} "
                                 "listed; run again")
         except BaseException as err:  # noqa: BLE001 - raised to whoever asks for the rows
             with self._cond:

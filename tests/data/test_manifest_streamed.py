@@ -107,7 +107,8 @@ def test_a_manifest_whose_labels_data_classes_names_streams_them_as_indices(tmp_
     (["cat"] * 12 + ["yak"], r"m.csv row 13: label 'yak' is not in data.classes \(2 names\)"),
     (["1"] * 12 + ["2"], r"m.csv row 13: label '2' is none of data.classes' indices \(0 to 1, or -1: none\)"),
     (["1"] * 12 + ["0.5"], r"m.csv row 13: label '0.5' is none of data.classes' indices"),
-    (["0", ""] * 6 + ["dog"], r"m.csv row 1's label '0' is a class index, \S+m.csv row 13's 'dog' a class name"),
+    (["0", ""] * 6 + ["dog"],
+     r"labels are class indices \(\S+m.csv row 1: '0'\) and class names \(\S+m.csv row 13: 'dog'\)"),
 ])
 def test_a_streamed_manifest_refuses_a_label_where_it_reads_it(tmp_path: Path, labels: list[str], error: str):
     """A label that a listing made whole refuses once every label is read (a name not in data.classes, a number that

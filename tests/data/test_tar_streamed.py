@@ -20,10 +20,11 @@ from helpers.streamed import WAIT_S, Held, held_at, same_rows
 
 import extractor.data.sources.tar as tar
 import extractor.store.layout as layout
+from extractor.cli.run import _stopped
 from extractor.data.listing import list_rows, stream_rows
 from extractor.data.streamed import Streamed
 from extractor.driver.runner import run
-from extractor.errors import DataError
+from extractor.errors import CountError, DataError
 from extractor.read.reader import open_store
 from extractor.spec.data_spec import DataSpec
 from extractor.spec.load import parse_spec
@@ -116,6 +117,23 @@ def test_a_later_tar_that_disagrees_stops_the_listing_naming_it(image_dir: Path,
                                         rf"{images[first].stem}': label 'emu' is a class name, .* list the classes' "
                                         r"names in data.classes"):
         streamed.whole()
+
+
+def test_a_job_whose_later_tar_disagrees_says_to_make_its_store_again(image_dir: Path, tmp_path: Path):
+    """The store was made for the rows the stats files count: a later tar that holds another number stops the job,
+    and the command it says to run once the stats are fixed is --overwrite (no resume can finish that store); it
+    then completes."""
+    pattern = _tars(image_dir, tmp_path / "tars", None, counts=[4, 4, 5])
+    spec = job(image_dir, tmp_path / "t.zarr", data={"source": "tar", "tars": pattern, "shard_size": 4,
+                                                     "batch_size": 4})
+    with pytest.raises(CountError, match=r"its _stats\.json counts 5") as failed:
+        run(parse_spec(spec))
+    said = _stopped(failed.value, "extractor run job.yaml --resume", ["run", "job.yaml", "--resume"], None)
+    assert "--overwrite makes it again" in said and "run the job again with:" in said
+    assert said.endswith("run job.yaml --overwrite") and "--resume" not in said
+    (tmp_path / "tars" / "shard-002_stats.json").write_text(json.dumps({"successes": 4}))
+    spec["output"]["if_exists"] = "overwrite"
+    assert run(parse_spec(spec)).ok == 12
 
 
 def test_a_job_runs_its_first_shards_while_its_tars_are_listed(image_dir: Path, tmp_path: Path,

@@ -181,15 +181,13 @@ class _ArrowCodes:
 
 
 def _first_taken(manifest: str, storage: dict, bulk: _Bulk) -> bool:
-    """Whether the bulk reader takes a manifest's first block, its labels coded (else it is listed whole, which
-    refuses what is wrong there before a store is made); its files are not stat-ed."""
+    """Whether the bulk reader takes a manifest's first block (else it is listed whole, which refuses what is wrong
+    there before a store is made); its labels coded, a label refused there refused now, naming its row; its files
+    are not stat-ed."""
     with _blocks(manifest, storage, bulk.names) as blocks:
         first = next(blocks, None)
-        try:
-            return first is not None and bulk.check(*first) is not None and \
-                (bulk.codes is None or bulk.codes.coded(first[2]) is not None)
-        except DataError:
-            return False
+        return first is not None and bulk.check(*first) is not None and \
+            (bulk.codes is None or bulk.codes.coded(first[2]) is not None)
 
 
 def _bulk_reads(manifest: str) -> bool:

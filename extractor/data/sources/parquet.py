@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._threads import prefetched
-from ...errors import DataError
+from ...errors import CountError, DataError
 from ..files import (
     is_url,
     leaves_root,
@@ -506,7 +506,7 @@ def stream_parquet(patterns: str | Sequence[str] | None, columns: dict[str, str]
         listed = 0
         for t, f in enumerate(_scans(urls, lambda u: _scan(u, cols, storage))):
             if (f.rows, f.names) != (footers[t].rows, footers[t].names):  # (what the store was made with)
-                raise DataError(f"{urls[t]} changed while it was listed ({footers[t].rows} rows and class names "
+                raise CountError(f"{urls[t]} changed while it was listed ({footers[t].rows} rows and class names "
                                 f"{footers[t].names} in its footer, then {f.rows} and {f.names}); run again")
             listed += f.rows
             yield listed, functools.partial(listing.add, t, f)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._threads import prefetched
-from ...errors import DataError
+from ...errors import CountError, DataError
 from ..files import (
     display_name,
     is_url,
@@ -380,6 +380,9 @@ def stream_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str],
     with ThreadPoolExecutor(min(16, len(urls))) as pool:
         counts = list(pool.map(lambda u: _counted(u, storage), urls))
     if None in counts or not sum(c or 0 for c in counts):
+        if any(c is not None for c in counts):
+            log.info("data.tars listed whole first: %s has no img2dataset stats file (NAME%s) that counts its "
+                     "samples", urls[counts.index(None)], STATS)
         return None
     _unambiguous(urls, storage)
     listing = tar_listing(patterns, extensions, storage)  # (before the tars are read, as list_tars makes it)
@@ -387,9 +390,12 @@ def stream_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str],
     first = scan_tar(urls[0], extensions, storage)  # (what it refuses, refused before a store is made)
     try:
         labels = columns.coded(first)
-    except DataError:
-        return None  # (labels that are names, data.classes not given: listed whole)
+    except DataError as err:  # (labels that are names, data.classes not given)
+        log.info("data.tars listed whole first: %s", err)
+        return None
     if len(first) != counts[0]:
+        log.info("data.tars listed whole first: %s holds %d samples with an image of data.extensions, its %s counts "
+                 "%d", urls[0], len(first), STATS, counts[0])
         return None
     left_out = _LeftOut()
 
@@ -401,9 +407,10 @@ def stream_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str],
                     found = next(rest)
                     coded = columns.coded(found)
                 if len(found) != counts[t]:
-                    raise DataError(f"tar shard {urls[t]} holds {len(found)} samples with an image of data.extensions "
-                                    f"({', '.join(extensions)}), but its {STATS} counts {counts[t]}; fix or remove "
-                                    "the stats files (the tars are then listed whole first), or data.extensions")
+                    raise CountError(f"tar shard {urls[t]} holds {len(found)} samples with an image of "
+                                     f"data.extensions ({', '.join(extensions)}), but its {STATS} counts "
+                                     f"{counts[t]}; fix or remove the stats files (the tars are then listed whole "
+                                     "first), or data.extensions")
                 left_out.add(found, urls[t])
                 listed += len(found)
                 yield listed, functools.partial(columns.add, t, found, tar_print, coded)
