@@ -4,6 +4,7 @@ otherwise: each case is listed both ways and compared column by column."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,18 +21,18 @@ pytest.importorskip("pyarrow")
 def _listed(csv: Path, root: str | None, bulk: bool, monkeypatch: pytest.MonkeyPatch, **kwargs):
     """The manifest's rows, read in bulk (the bulk reader must take it) or row by row."""
     taken = []
-    real = manifest_source._arrow_csv
+    real = manifest_source._arrow_bulk
 
     def spy(*args):
         out = None if not bulk else real(*args)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(manifest_source, "_arrow_csv", spy)
+    monkeypatch.setattr(manifest_source, "_arrow_bulk", spy)
     try:
         return manifest_source._list_manifest(str(csv), root, {}, **kwargs), taken[0]
     finally:
-        monkeypatch.setattr(manifest_source, "_arrow_csv", real)
+        monkeypatch.setattr(manifest_source, "_arrow_bulk", real)
 
 
 def _same(csv: Path, root: str | None, monkeypatch: pytest.MonkeyPatch, bulk_expected: bool = True, **kwargs):
@@ -75,6 +76,39 @@ def test_numbers_absolute_paths_urls_and_a_url_root_list_as_row_by_row(tmp_path:
     rows = _same(plain, "s3://bucket/root/", monkeypatch)
     assert list(rows.paths) == ["s3://bucket/root/a/1.jpg", "s3://bucket/root/b/2.jpg"]
     assert rows.labels.tolist() == [-1, -1] and rows.fingerprints.tolist() == [0, 0]
+
+
+def test_json_lines_list_in_bulk_as_row_by_row(tmp_path: Path, monkeypatch):
+    """JSON lines read by pyarrow (ids as texts or whole numbers, some rows without one; labels as numbers, as
+    names, null or absent; escapes; other fields; a blank line, which no reader takes for a row) list what Python's
+    json lists; types that change from row to row, a first row that is not an object, a key given twice, or an id
+    that is a number that is not whole: read row by row."""
+    root = tmp_path / "images"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "0.jpg").write_bytes(b"x")
+    rows = [{"path": f"a/{i}.jpg", "caption": "a \"cat\"\n", "id": i * 10 if i % 4 else None,
+             "label": (i % 3) if i % 5 else None} for i in range(40)]
+    rows[7].pop("label")
+    rows[9]["path"] = "a/caf\u00e9.jpg"
+    text = "".join(json.dumps(r) + "\n" for r in rows[:20]) + "\n" + "".join(json.dumps(r) + "\n" for r in rows[20:])
+    jsonl = tmp_path / "m.jsonl"
+    jsonl.write_text(text)
+    got = _same(jsonl, str(root), monkeypatch)
+    assert got.ids[:2].tolist() == ["a/0.jpg", "10"] and got.labels[:6].tolist() == [-1, 1, 2, 0, 1, -1]
+    assert got.paths[9] == f"{root}/a/café.jpg" and got.fingerprints[0] != 0
+    names = tmp_path / "names.jsonl"
+    names.write_text("".join(json.dumps({"path": f"b/{i}.jpg", "label": ["cat", "dog", ""][i % 3]}) + "\n"
+                             for i in range(9)))
+    assert _same(names, str(root), monkeypatch).classes == ["cat", "dog"]
+    for odd in ('{"path": "a.jpg", "label": 1}\n{"path": "b.jpg", "label": "cat"}\n',
+                '["a.jpg"]\n', '{"path": "a.jpg", "path": "b.jpg"}\n', '{"path": "a.jpg", "id": 1.5}\n',
+                '{"path": "a.jpg", "id": 1}\n{"path": "b.jpg", "id": "x"}\n'):
+        jsonl.write_text(odd)
+        if odd.startswith("["):
+            with pytest.raises(DataError, match="missing 'path'"):
+                manifest_source._list_manifest(str(jsonl), str(root), {})
+            continue
+        _same(jsonl, str(root), monkeypatch, bulk_expected=False)
 
 
 @pytest.mark.parametrize("path", ["./a.jpg", "a/../b.jpg", "a//b.jpg", "dir/", "file:///x/a.jpg"])

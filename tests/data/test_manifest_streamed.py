@@ -6,6 +6,7 @@ whole."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,54 @@ def test_a_streamed_manifest_refuses_a_label_where_it_reads_it(tmp_path: Path, l
     assert stream_rows(data.model_copy(update={"classes": ("cat", "3")})) is None
 
 
+@pytest.mark.parametrize("kind", ["none", "indices", "names"])
+def test_json_lines_stream_prefix_by_prefix(tmp_path: Path, kind: str):
+    """JSON lines (other fields, quotes, escapes; ids as whole numbers in some rows): no labels, class indices
+    without data.classes, names of data.classes: each prefix handed out while the listing is held holds the whole
+    listing's first rows, and the whole equals list_rows'."""
+    label = {"none": lambda i: None, "indices": lambda i: i % 3, "names": lambda i: ["cat", "dog", "emu"][i % 3]}[kind]
+    lines = [json.dumps({"path": f"a/{i}.jpg", "text": 'a "quoted" word', "id": i if i % 2 else None,
+                         **({} if label(i) is None or i % 5 == 4 else {"label": label(i)})}) for i in range(24)]
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    data = DataSpec(source="manifest", manifest=str(path), root=str(tmp_path),
+                    classes=("cat", "dog", "emu") if kind == "names" else None)
+    want = list_rows(data)
+    with pytest.MonkeyPatch.context() as patch:
+        release = _hold(patch, 3)
+        patch.setattr(manifest, "BLOCK_BYTES", 160)  # (pyarrow's JSON blocks hold a row at least)
+        streamed = stream_rows(data)
+        assert isinstance(streamed, Streamed) and len(streamed) == 24
+        assert release.reached.wait(WAIT_S)
+        listed = streamed.listed
+        assert 0 < listed < 24
+        _same(streamed.upto(listed), want, listed)
+        release.set()
+        whole = streamed.whole()
+    _same(whole, want, 24)
+    assert whole.classes == want.classes and whole.listing == want.listing is not None
+    assert want.labels.tolist()[:5] == ([-1] * 5 if kind == "none" else [0, 1, 2, 0, -1])
+
+
+def test_json_lines_with_names_but_no_data_classes(tmp_path: Path):
+    """Label names in the first block of JSON lines, data.classes not given: listed whole (its names numbered once
+    all are read). A name first read in a later block: the listing stops there, naming the row and saying to list
+    the classes in data.classes."""
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", "label": "cat"}) + "\n" for i in range(4)))
+    assert stream_rows(DataSpec(source="manifest", manifest=str(path))) is None
+    path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", **({"label": "cat"} if i == 20 else {})}) + "\n"
+                            for i in range(24)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest, "BLOCK_BYTES", 160)
+        streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
+        assert streamed is not None
+        with pytest.raises(DataError, match=r"m.jsonl row 21: label 'cat' is a class name, .* list the classes' "
+                                            r"names in data.classes"):
+            streamed.whole()
+    assert list_rows(DataSpec(source="manifest", manifest=str(path))).classes == ["cat"]
+
+
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch):
     """A label column (its classes are known once all are read), a quoted value (it may span lines), a carriage
@@ -145,7 +194,8 @@ def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whol
              "crlf.csv": "path\r\n" + "".join(f"{r}\r\n" for r in rows),
              "blank.csv": "path\n" + "\n".join(rows[:2]) + "\n\n" + "\n".join(rows[2:]) + "\n",
              "blank_first.csv": "path\n\n" + "\n".join(rows) + "\n",
-             "lines.jsonl": "".join(f'{{"path": "{r}"}}\n' for r in rows)}
+             "blank.jsonl": "".join(f'{{"path": "{r}"}}\n\n' for r in rows),
+             "crlf.jsonl": "".join(f'{{"path": "{r}"}}\r\n' for r in rows)}
     recorded, record = [], manifest.ManifestSource.listing
 
     def listing(self: Any, data: DataSpec, was: Any = None) -> Any:

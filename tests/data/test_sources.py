@@ -61,6 +61,32 @@ def test_json_labels_and_class_names(image_dir: Path, tmp_path: Path):
     assert list(rows.locators) == ["byte_offset", "byte_size"] and len(rows.locators["byte_size"]) == 12
 
 
+def test_json_metadata_without_a_label_is_not_parsed_and_a_key_written_with_escapes_is(tmp_path: Path):
+    """img2dataset's .json metadata (no label) is skipped unparsed; a label key written with an escape, or in
+    metadata beside others, is still read as json.loads reads it; a .cls after it wins, as before."""
+    import io
+    import tarfile
+
+    import extractor.data.sources.tar as tar
+
+    members = {"a.jpg": b"x", "a.json": b'{"url": "http://e/a.jpg", "caption": "no label here"}',
+               "b.jpg": b"x", "b.json": b'{"\\u006cabel": "cat", "url": "u"}',
+               "c.jpg": b"x", "c.json": b'{"status": "success",\n "label": 4}',
+               "d.jpg": b"x", "d.json": b'{"label": 1}', "d.cls": b"2"}
+    with tarfile.open(tmp_path / "t.tar", "w") as f:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            f.addfile(info, io.BytesIO(data))
+    found = tar.scan_tar(str(tmp_path / "t.tar"), (".jpg",), {})
+    assert found.each_label() == [None, "cat", 4, "2"]
+    parsed, loads = [], tar.json.loads
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tar.json, "loads", lambda text: parsed.append(text) or loads(text))
+        assert tar.scan_tar(str(tmp_path / "t.tar"), (".jpg",), {}).each_label() == [None, "cat", 4, "2"]
+    assert len(parsed) == 3 and not any("no label here" in t for t in parsed)
+
+
 def test_bad_tars_are_clear_errors(image_dir: Path, tmp_path: Path):
     def tar_job(pattern: str) -> dict:
         return job(image_dir, tmp_path / "s.zarr", data={"source": "tar", "root": None, "tars": pattern})

@@ -63,13 +63,13 @@ def _made(head: str) -> str:
 
 def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root: bool = False,
                    columns: dict[str, str] | None = None, stopped: Callable[[], bool] | None = None) -> Rows:
-    """A manifest's rows: read in bulk by pyarrow where it can (:func:`_arrow_csv`), else row by row. ``stopped``:
+    """A manifest's rows: read in bulk by pyarrow where it can (:func:`_arrow_bulk`), else row by row. ``stopped``:
     asked now and then, row by row (a listing streamed whose job stopped: :func:`_stream_manifest`; it is the
     row-by-row reader's turn then)."""
     base = _base(manifest, root)
     names = _Columns(manifest, columns or {})
     head = base.rstrip("/") + "/"
-    fast = _arrow_csv(manifest, storage, _made(head), names, outside_root) if stopped is None else None
+    fast = _arrow_bulk(manifest, storage, _made(head), names, outside_root) if stopped is None else None
     if fast is not None:
         return _checked(manifest, fast, lambda n: f"{manifest} row {n + 1}")
     ids = Strings()
@@ -109,8 +109,9 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
                      classes: list[str] | None, record: Callable[[], dict[str, Any] | None],
                      then: Callable[[Rows], Rows]) -> Streamed | None:
     """The rows of :func:`_list_manifest`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted:
-    a CSV manifest read by pyarrow whose rows are its lines (:func:`_lines`), its labels known as they are read
-    (none, or :class:`_ArrowCodes`: data.classes, ``classes``, names them). None otherwise. A block the bulk reader
+    a CSV or JSON-lines manifest read by pyarrow whose rows are its lines (:func:`_lines`), its labels known as
+    they are read (none, or :class:`_ArrowCodes`: data.classes, ``classes``, names them; in JSON lines, class
+    indices without it). None otherwise. A block the bulk reader
     leaves to the row-by-row reader has the file listed row by row from its start (the rows handed out before are
     the same rows). ``record``: the manifest's listing record (a read of the whole file: made once it streams,
     before its rows are read); ``then``: made of the whole listing."""
@@ -121,6 +122,8 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
     if not n:
         return None
     base = _made(_base(manifest, root).rstrip("/") + "/")
+    if _json(manifest) and _ArrowCodes.of(manifest, classes) is None:
+        return None  # (its labels, if any, would be known once all are read)
     if not _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ArrowCodes.of(manifest, classes))):
         return None
     bulk = _Bulk(base, names, outside_root, _ArrowCodes.of(manifest, classes))
@@ -149,12 +152,15 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
 
 
 class _ArrowCodes:
-    """A manifest's labels (Arrow strings, a block at a time) made class indices as they are read
-    (:class:`~..rows.ClassCodes`), where data.classes names them (none of its names reads as a number)."""
+    """A manifest's labels (an Arrow array a block at a time: texts, or a JSON-lines manifest's numbers) made class
+    indices as they are read (:class:`~..rows.ClassCodes`): where data.classes names them (none of its names reads
+    as a number); or, in JSON lines (whose rows may or may not have a label: nothing says which before they are
+    read), without data.classes, where every label is a class index (a name stops the listing, saying to name the
+    classes; in the first block, it is listed whole instead)."""
 
-    def __init__(self, manifest: str, classes: list[str]) -> None:
+    def __init__(self, manifest: str, classes: list[str] | None) -> None:
         self.codes = ClassCodes(classes, lambda n: f"{manifest} row {n + 1}")
-        self.known: dict[str, int] = {"": -1}  # each label read so far: its class index
+        self.known: dict[object, int] = {"": -1}  # each label read so far: its class index
         self.rows = 0  # rows coded so far
 
     @staticmethod
@@ -163,12 +169,14 @@ class _ArrowCodes:
 
     @classmethod
     def of(cls, manifest: str, classes: list[str] | None) -> _ArrowCodes | None:
+        if _json(manifest):
+            return cls(manifest, classes) if ClassCodes.usable(classes) else None
         return cls(manifest, list(classes or [])) if cls.usable(classes) else None
 
     def coded(self, label: Any) -> np.ndarray:
-        """A block's labels (nulls: no label column) as class indices (int64; -1: none)."""
+        """A block's labels (nulls: none) as class indices (int64; -1: none)."""
         encoded = label.dictionary_encode()
-        values: list[str] = encoded.dictionary.to_pylist()
+        values: list[object] = encoded.dictionary.to_pylist()
         at = encoded.indices.fill_null(len(values)).to_numpy(zero_copy_only=False)
         new = [k for k, v in enumerate(values) if v not in self.known]
         if new:
@@ -182,32 +190,49 @@ class _ArrowCodes:
 
 def _first_taken(manifest: str, storage: dict, bulk: _Bulk) -> bool:
     """Whether the bulk reader takes a manifest's first block (else it is listed whole, which refuses what is wrong
-    there before a store is made); its labels coded, a label refused there refused now, naming its row; its files
-    are not stat-ed."""
+    there before a store is made); its labels coded, a label refused there refused now, naming its row (but a name
+    in JSON lines without data.classes: listed whole, which numbers the names); its files are not stat-ed."""
     with _blocks(manifest, storage, bulk.names) as blocks:
         first = next(blocks, None)
-        return first is not None and bulk.check(*first) is not None and \
-            (bulk.codes is None or bulk.codes.coded(first[2]) is not None)
+        if first is None or bulk.check(*first) is None:
+            return False
+        try:
+            return bulk.codes is None or bulk.codes.coded(first[2]) is not None
+        except DataError:
+            if bulk.codes is not None and bulk.codes.codes.classes is None:
+                return False
+            raise
 
 
 def _bulk_reads(manifest: str) -> bool:
-    """Whether pyarrow may read the manifest in bulk (:func:`_arrow_csv`): installed, a CSV, a URL or a file."""
+    """Whether pyarrow may read the manifest in bulk (:func:`_arrow_bulk`): installed, a CSV or JSON lines, a URL
+    or a file."""
     try:
         import pyarrow.csv  # noqa: F401
     except ImportError:
         return False
-    return _suffix(manifest) == ".csv" and (is_url(manifest) or os.path.isfile(manifest))
+    return _suffix(manifest) in (".csv", *JSON_LINES) and (is_url(manifest) or os.path.isfile(manifest))
+
+
+JSON_LINES = (".jsonl", ".ndjson")
+
+
+def _json(manifest: str) -> bool:
+    return _suffix(manifest) in JSON_LINES
 
 
 def _lines(manifest: str, storage: dict, names: _Columns, labeled: bool) -> int | None:
-    """The rows of a CSV manifest counted as its lines after its header, where each is a row: no quote (a quoted
-    value may hold a line break), no carriage return, no blank line (neither is a row); and no label column but
+    """The rows of a CSV manifest counted as its lines after its header (of JSON lines, as its lines), where each
+    is a row: no quote in a CSV (a quoted value may hold a line break), no carriage return, no blank line (neither
+    is a row); and in a CSV, no label column but
     where ``labeled`` (data.classes names them: :class:`_ArrowCodes`; else their classes are known once all are
     read), every column data.columns names there. None otherwise. A read of the file at the speed of the disk or
     the network: no row parsed."""
     try:
         with _opened(manifest, storage) as f:
             first = f.read(1 << 20)
+            if _json(manifest):  # (no header; a line holds no line break: JSON writes one in a text as \n)
+                return _counted(itertools.chain([first], iter(lambda: f.read(16 << 20), b"")), quotes=True)
             end = first.find(b"\n") + 1
             header = _header(first[:end])
             if header is None or (names.label in header and not labeled) or names.image not in header or \
@@ -242,13 +267,15 @@ def _named_twice(manifest: str, storage: dict) -> bool:
     return len(set(names)) < len(names)
 
 
-def _counted(blocks: Iterable[bytes]) -> int | None:
-    """The lines of the rest of a file (``blocks``), where each is a row (:func:`_lines`); None otherwise."""
+def _counted(blocks: Iterable[bytes], quotes: bool = False) -> int | None:
+    """The lines of the rest of a file (``blocks``), where each is a row (:func:`_lines`; ``quotes``: a quote
+    allowed, as in JSON lines); None otherwise."""
     n, last = 0, b"\n"
     for block in blocks:
         if not block:
             continue
-        if b'"' in block or b"\r" in block or b"\n\n" in block or (last == b"\n" and block[:1] == b"\n"):
+        if (b'"' in block and not quotes) or b"\r" in block or b"\n\n" in block or \
+                (last == b"\n" and block[:1] == b"\n"):
             return None
         n += block.count(b"\n")
         last = block[-1:]
@@ -269,13 +296,13 @@ def _checked(manifest: str, rows: Rows, where: Any) -> Rows:
 _UNUSUAL = r"(^|/)\.\.?(/|$)|(^|[^:])//|\\|/$|^file://|\x00"
 
 
-def _arrow_csv(manifest: str, storage: dict, head: str, names: _Columns, outside_root: bool) -> Rows | None:
-    """A CSV manifest's rows read by pyarrow a block at a time, made in bulk (issue 57: Python's csv and a
+def _arrow_bulk(manifest: str, storage: dict, head: str, names: _Columns, outside_root: bool) -> Rows | None:
+    """A CSV or JSON-lines manifest's rows read by pyarrow a block at a time, made in bulk (issue 57: Python's csv and a
     path joined and checked a row at a time were 11 s of CPU a million rows): the rows the reader of every manifest
     makes (a remote one read as it is parsed, never held whole). None where that reader is the one to take (it
     reports, or reads row by row): pyarrow not installed, not a CSV, a local one not there, a row without its image
     or its columns, a path that leaves the root or that absolute() changes."""
-    if not _bulk_reads(manifest) or _named_twice(manifest, storage):
+    if not _bulk_reads(manifest) or (not _json(manifest) and _named_twice(manifest, storage)):
         return None
     bulk = _Bulk(head, names, outside_root)
     with _blocks(manifest, storage, names) as blocks:
@@ -284,14 +311,14 @@ def _arrow_csv(manifest: str, storage: dict, head: str, names: _Columns, outside
     return bulk.rows(lambda n: f"{manifest} row {n + 1}")
 
 
-BLOCK_BYTES = 1 << 20  # a block of a CSV manifest, as pyarrow reads it
+BLOCK_BYTES = 1 << 20  # a block of a manifest, as pyarrow reads it
 
 
 @contextlib.contextmanager
 def _blocks(manifest: str, storage: dict, names: _Columns) -> Iterator[Iterator[tuple[Any, Any, Any] | None]]:
-    """The image, id and label columns of a CSV manifest (Arrow arrays, a block of rows at a time); None, the last,
-    where Python's csv reads the file otherwise, or reports what is wrong with it (pyarrow cannot parse a block,
-    or it is not UTF-8): the caller lists it row by row then."""
+    """The image, id and label columns of a CSV or JSON-lines manifest (Arrow arrays, a block of rows at a time;
+    a JSON id as text); None, the last, where Python's csv or json reads the file otherwise, or reports what is
+    wrong with it (pyarrow cannot parse a block, or it is not UTF-8): the caller lists it row by row then."""
     import pyarrow as pa
     from pyarrow import csv
 
@@ -299,6 +326,9 @@ def _blocks(manifest: str, storage: dict, names: _Columns) -> Iterator[Iterator[
 
     def blocks(f: Any) -> Generator[tuple[Any, Any, Any] | None, None, None]:
         try:
+            if _json(manifest):
+                yield from _json_blocks(f, _json_types(manifest, storage, names), names)
+                return
             reader = csv.open_csv(f, read_options=csv.ReadOptions(block_size=BLOCK_BYTES),
                                   parse_options=csv.ParseOptions(newlines_in_values=True),
                                   convert_options=csv.ConvertOptions(
@@ -306,7 +336,7 @@ def _blocks(manifest: str, storage: dict, names: _Columns) -> Iterator[Iterator[
                                       column_types=dict.fromkeys(wanted, pa.string())))
             for batch in reader:
                 yield batch.column(0), batch.column(1), batch.column(2)
-        except (pa.ArrowInvalid, UnicodeDecodeError):
+        except (pa.ArrowInvalid, UnicodeDecodeError, _NotBulk):
             yield None
         except Exception as err:
             if is_url(manifest):  # its storage failed as it was read
@@ -316,6 +346,54 @@ def _blocks(manifest: str, storage: dict, names: _Columns) -> Iterator[Iterator[
     with _opened(manifest, storage) if is_url(manifest) else contextlib.nullcontext(manifest) as f, \
             contextlib.closing(blocks(f)) as read:  # (its reader closed before the file it reads)
         yield read
+
+
+class _NotBulk(Exception):
+    """A JSON-lines manifest that the bulk reader leaves to Python's json (its first row is not an object, or gives
+    an id or label of a type that Arrow reads otherwise)."""
+
+
+SNIFF_ROWS = 1000  # the first rows of a JSON-lines manifest whose ids and labels give their types (_json_types)
+
+
+def _json_types(manifest: str, storage: dict, names: _Columns) -> Any:
+    """The Arrow schema a JSON-lines manifest's image, id and label are read with, from the first of its first
+    :data:`SNIFF_ROWS` rows (Python's json) that has each: the image a text; the id a text, or a whole number (made
+    its decimal text, as ``str`` makes it); the label as that row gives it (a text, a whole number, a number, true
+    or false). A row whose types differ is refused by Arrow: the file is then listed row by row."""
+    import pyarrow as pa
+
+    found: dict[str, type] = {}
+    with _opened(manifest, storage) as f:
+        for line in itertools.islice((ln for ln in f if ln.strip()), SNIFF_ROWS):
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise _NotBulk from None
+            if not isinstance(row, dict):
+                raise _NotBulk
+            for name in (names.id, names.label):
+                if row.get(name) is not None:
+                    found.setdefault(name, type(row[name]))
+            if len(found) == 2:
+                break
+    types = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
+    if found.get(names.id, str) not in (str, int):
+        raise _NotBulk
+    return pa.schema([(names.image, pa.string()), (names.id, types[found.get(names.id, str)]),
+                      (names.label, types.get(found.get(names.label, str), pa.string()))])
+
+
+def _json_blocks(f: Any, schema: Any, names: _Columns) -> Iterator[tuple[Any, Any, Any]]:
+    """A JSON-lines manifest's image, id (as texts) and label columns, a block of rows at a time."""
+    import pyarrow as pa
+    from pyarrow import json as arrow_json
+
+    reader = arrow_json.open_json(f, read_options=arrow_json.ReadOptions(block_size=BLOCK_BYTES),
+                                  parse_options=arrow_json.ParseOptions(explicit_schema=schema,
+                                                                        unexpected_field_behavior="ignore"))
+    for batch in reader:
+        yield (batch.column(names.image), batch.column(names.id).cast(pa.string()), batch.column(names.label))
 
 
 def _copy(source: Strings, to: Strings, part: int = 1 << 20) -> None:
@@ -386,7 +464,7 @@ class _Bulk:
         whole = self.check(image, given, label)
         if whole is None:
             return None
-        named = given if given.null_count == 0 else image
+        named = pc.fill_null(given, "")  # (no id: its path, as an empty one)
         row_ids = pc.if_else(pc.greater(pc.binary_length(named), 0), named, image)
         labels = label if self.codes is None else self.codes.coded(label)
         return _Taken(len(image), row_ids, image, labels, np.asarray(whole.to_numpy(zero_copy_only=False), np.int32),

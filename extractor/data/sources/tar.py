@@ -207,7 +207,11 @@ def _open_tar(url: str, storage_options: dict[str, Any]) -> Any:
 
 def _read_label(raw: bytes, ext: str, label: Any) -> Any:
     """A sample's label from its ``.cls`` member (the text), or its ``.json`` member's ``label``
-    field when no label was found before (``label``: the one found before, or _NO_LABEL)."""
+    field when no label was found before (``label``: the one found before, or _NO_LABEL). A ``.json`` whose bytes
+    hold neither ``"label"`` nor an escape (``\\u``: a key written otherwise) is not parsed: img2dataset's metadata,
+    one a sample, parsed took half of a tar's listing (9.7 us a sample)."""
+    if ext != ".cls" and (label is not _NO_LABEL or (b'"label"' not in raw and b"\\u" not in raw)):
+        return label
     text = raw.decode("utf-8", "replace").strip()
     if ext == ".cls":
         return text
