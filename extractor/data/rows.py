@@ -784,6 +784,11 @@ def named(rows: Rows, classes: list[str], where: str, what: str = "data.classes"
     if rows.classes:  # names: their index in the given list
         index = {c: i for i, c in enumerate(classes)}
         unknown = sorted(set(rows.classes) - set(index))
+        known = [c for c in rows.classes if c in index]
+        if unknown and known and all(label_number(c) is not None for c in unknown):  # (their numbers made names)
+            raise DataError(f"{where}: labels are class indices ({', '.join(map(repr, unknown[:5]))}) and class names "
+                            f"({', '.join(map(repr, known[:5]))}); make every label an index of {what} or every one "
+                            "a name there")
         if unknown:
             raise DataError(f"{where}: labels {', '.join(map(repr, unknown[:10]))} are not in data.classes "
                             f"({len(classes)} names); add them, or remove data.classes to take the labels' own names")

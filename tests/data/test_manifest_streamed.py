@@ -119,8 +119,10 @@ def test_a_streamed_manifest_refuses_a_label_where_it_reads_it(tmp_path: Path, l
     lines = [f"a/{i}.jpg,{v}" for i, v in enumerate(labels)]
     data = DataSpec(source="manifest", manifest=str(_manifest(tmp_path / "m.csv", lines, "path,label")),
                     root=str(tmp_path), classes=("cat", "dog"))
-    with pytest.raises(DataError, match=r"not in data.classes|data.classes names 2 classes"):
+    with pytest.raises(DataError, match=r"not in data.classes|data.classes names 2 classes|labels are class indices "
+                                        r"\('0'\) and class names \('dog'\)") as refused:
         list_rows(data)
+    assert ("labels are class indices" in str(refused.value)) == ("dog" in labels)  # (not "add them")
     with pytest.MonkeyPatch.context() as patch:
         release = _hold(patch, 2)  # (row 13 is in a later block)
         streamed = stream_rows(data)
