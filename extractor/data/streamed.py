@@ -82,6 +82,9 @@ class Streamed:
                     if listed >= self.n:  # every row: taken now, as the builders are made whole after
                         self._prefix = self._take()
                     self._cond.notify_all()
+            if list(rows.classes) != list(self.classes):  # (the store's, and the prefixes' labels, coded by these)
+                raise DataError(f"the source's classes changed while it was listed: {self.classes[:5]} first, then "
+                                f"{list(rows.classes)[:5]}; list them in data.classes")
             if len(rows) != self.n:
                 raise CountError(f"the source changed while it was listed: {self.n} rows counted first, {len(rows)} "
                                 "listed; run again")

@@ -180,6 +180,38 @@ def test_json_lines_with_names_but_no_data_classes(tmp_path: Path):
                                             r"names in data.classes"):
             streamed.whole()
     assert list_rows(DataSpec(source="manifest", manifest=str(path))).classes == ["cat"]
+    path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", "label": "cat" if i == 20 else i % 3}) + "\n"
+                            for i in range(24)))  # (read by pyarrow as numbers: the name's block read row by row)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest, "BLOCK_BYTES", 160)
+        streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
+        assert streamed is not None
+        with pytest.raises(DataError, match=r"m.jsonl: labels '0', '1', '2', 'cat' are class names, .* list the "
+                                            r"classes' names in data.classes"):
+            streamed.whole()
+
+
+def test_json_lines_that_are_not_one_object_a_line(tmp_path: Path):
+    """A line of white space (no row to either reader): not streamed. Two objects on one line, or one over two
+    lines (pyarrow reads them, Python's json refuses them): the listing made whole reads it row by row and refuses
+    it naming the line; streamed, Python's json refuses it where pyarrow refuses its block, else its counts of
+    lines and of rows differ, said so at its end (the store made for the lines: --overwrite once it is fixed)."""
+    rows = [json.dumps({"path": f"a/{i}.jpg"}) for i in range(24)]
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join([*rows[:10], "  \t", *rows[10:]]) + "\n")
+    assert stream_rows(DataSpec(source="manifest", manifest=str(path))) is None
+    assert len(list_rows(DataSpec(source="manifest", manifest=str(path)))) == 24
+    for odd, match in ((rows[10] + rows[11], "Extra data"), ('{"path":\n"a/10.jpg"}', "Expecting")):
+        path.write_text("\n".join([*rows[:10], odd, *rows[12:]]) + "\n")
+        with pytest.raises(DataError, match=rf"m.jsonl:11: not valid JSON: {match}"):
+            list_rows(DataSpec(source="manifest", manifest=str(path)))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(manifest, "SNIFF_ROWS", 5)  # (its types taken before the odd line)
+            streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
+        assert streamed is not None
+        with pytest.raises(DataError, match=r"m.jsonl:11: not valid JSON|m.jsonl: \d+ lines, but \d+ rows read from "
+                                            r"them: a line holds more than one object, or an object spans lines"):
+            streamed.whole()  # (refused by Python's json where pyarrow refused its block, else counted)
 
 
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,

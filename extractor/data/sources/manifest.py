@@ -9,6 +9,7 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ...errors import DataError
+from ...errors import CountError, DataError
 from ..files import (
     absolute,
     is_relative,
@@ -143,9 +144,18 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
                 listed += taken.rows  # (counted here: the builders are read under the lock only)
                 yield listed, functools.partial(bulk.add, taken)
             else:
+                if listed != n and _json(manifest):
+                    raise CountError(f"{manifest}: {n} lines, but {listed} rows read from them: a line holds more "
+                                     "than one object, or an object spans lines (or the file changed while it was "
+                                     "read); write one object a line")
                 return then(replace(_checked(manifest, bulk.rows(lambda n: f"{manifest} row {n + 1}"), None),
                                     listing=listing))
-        return then(replace(_list_manifest(manifest, root, storage, outside_root, columns, stopped), listing=listing))
+        rows = _list_manifest(manifest, root, storage, outside_root, columns, stopped)
+        if bulk.codes is not None and bulk.codes.codes.classes is None and rows.classes:  # (the prefixes: indices)
+            raise DataError(f"{manifest}: labels {', '.join(map(repr, rows.classes[:5]))} are class names, and names "
+                            "are numbered once every label is read; list the classes' names in data.classes to take "
+                            "them as they come")
+        return then(replace(rows, listing=listing))
 
     made.append(Streamed(n, list(classes or []), lister(), bulk.prefix, fingerprinted=True))
     return made[0]
@@ -267,19 +277,46 @@ def _named_twice(manifest: str, storage: dict) -> bool:
     return len(set(names)) < len(names)
 
 
+_SPACE_LINE = re.compile(rb"(?:\A|\n)[ \t\x0b\x0c]+\n")  # a whole line of white space only
+
+
 def _counted(blocks: Iterable[bytes], quotes: bool = False) -> int | None:
-    """The lines of the rest of a file (``blocks``), where each is a row (:func:`_lines`; ``quotes``: a quote
-    allowed, as in JSON lines); None otherwise."""
-    n, last = 0, b"\n"
+    """The lines of the rest of a file (``blocks``), where each is a row (:func:`_lines`; ``quotes``: JSON lines,
+    a quote allowed and a line of white space refused, which Python's json and pyarrow skip); None otherwise."""
+    n, last, tail = 0, b"\n", b""
     for block in blocks:
         if not block:
             continue
         if (b'"' in block and not quotes) or b"\r" in block or b"\n\n" in block or \
                 (last == b"\n" and block[:1] == b"\n"):
             return None
+        if quotes:  # (its whole lines: the last block's unfinished line, then this one's to its last line break)
+            joined = tail + block
+            cut = joined.rfind(b"\n") + 1
+            if _SPACE_LINE.search(joined, 0, cut):
+                return None
+            tail = joined[cut:]
         n += block.count(b"\n")
         last = block[-1:]
+    if tail and not tail.strip():
+        return None
     return n + (last != b"\n")
+
+
+_FILLED_LINE = re.compile(rb"(?m)^[ \t\x0b\x0c\r]*[^\s]")  # a line with more than white space: one match a line
+
+
+def _json_rows(manifest: str, storage: dict) -> int:
+    """The lines of a JSON-lines manifest with more than white space (its rows, as Python's json reads them: what
+    pyarrow reads is checked against them, since it also takes two objects on a line, or one over several)."""
+    n, tail = 0, b""
+    with _opened(manifest, storage) as f:
+        for block in iter(lambda: f.read(16 << 20), b""):
+            joined = tail + block
+            cut = joined.rfind(b"\n") + 1
+            n += len(_FILLED_LINE.findall(joined, 0, cut))
+            tail = joined[cut:]
+    return n + bool(tail.strip())
 
 
 def _checked(manifest: str, rows: Rows, where: Any) -> Rows:
@@ -308,6 +345,8 @@ def _arrow_bulk(manifest: str, storage: dict, head: str, names: _Columns, outsid
     with _blocks(manifest, storage, names) as blocks:
         if not all(block is not None and bulk.take(*block) for block in blocks):
             return None
+    if _json(manifest) and len(bulk.which) != _json_rows(manifest, storage):
+        return None  # (a line of two objects, or an object over lines: Python's json refuses it, naming the line)
     return bulk.rows(lambda n: f"{manifest} row {n + 1}")
 
 
