@@ -41,6 +41,25 @@ def _hold(monkeypatch: pytest.MonkeyPatch, block: int) -> Held:
 _same = same_rows
 
 
+def _streams_as_listed(data: DataSpec, want: Any, block_bytes: int = 64) -> None:
+    """``data`` streams its rows (held at its fourth block of ``block_bytes``): the prefix handed out while it is
+    held holds the whole listing's (``want``) first rows, and the whole equals it, its classes and record too."""
+    with pytest.MonkeyPatch.context() as patch:
+        release = _hold(patch, 3)
+        patch.setattr(manifest, "BLOCK_BYTES", block_bytes)
+        streamed = stream_rows(data)
+        assert isinstance(streamed, Streamed) and len(streamed) == len(want)
+        assert streamed.classes == want.classes
+        assert release.reached.wait(WAIT_S)
+        listed = streamed.listed
+        assert 0 < listed < len(want)
+        _same(streamed.upto(listed), want, listed)
+        release.set()
+        whole = streamed.whole()
+    _same(whole, want, len(want))
+    assert whole.classes == want.classes and whole.listing == want.listing is not None
+
+
 def _manifest(path: Path, lines: list[str], header: str = "path,id") -> Path:
     path.write_text(header + "\n" + "\n".join(lines) + "\n")
     return path
@@ -90,18 +109,8 @@ def test_a_manifest_whose_labels_data_classes_names_streams_them_as_indices(tmp_
                     root=str(tmp_path), classes=tuple(classes))
     want = list_rows(data)
     assert want.labels.tolist()[:5] == [0, 1, 2, 0, -1] and want.classes == classes
-    with pytest.MonkeyPatch.context() as patch:
-        release = _hold(patch, 3)
-        streamed = stream_rows(data)
-        assert isinstance(streamed, Streamed) and len(streamed) == 24 and streamed.classes == classes
-        assert release.reached.wait(WAIT_S)
-        listed = streamed.listed
-        assert 0 < listed < 24
-        _same(streamed.upto(listed), want, listed)
-        release.set()
-        whole = streamed.whole()
-    _same(whole, want, 24)
-    assert whole.classes == classes and whole.listing == want.listing is not None
+    _streams_as_listed(data, want)
+    assert want.classes == classes
 
 
 @pytest.mark.parametrize(("labels", "error"), [
@@ -147,19 +156,7 @@ def test_json_lines_stream_prefix_by_prefix(tmp_path: Path, kind: str):
     data = DataSpec(source="manifest", manifest=str(path), root=str(tmp_path),
                     classes=("cat", "dog", "emu") if kind == "names" else None)
     want = list_rows(data)
-    with pytest.MonkeyPatch.context() as patch:
-        release = _hold(patch, 3)
-        patch.setattr(manifest, "BLOCK_BYTES", 160)  # (pyarrow's JSON blocks hold a row at least)
-        streamed = stream_rows(data)
-        assert isinstance(streamed, Streamed) and len(streamed) == 24
-        assert release.reached.wait(WAIT_S)
-        listed = streamed.listed
-        assert 0 < listed < 24
-        _same(streamed.upto(listed), want, listed)
-        release.set()
-        whole = streamed.whole()
-    _same(whole, want, 24)
-    assert whole.classes == want.classes and whole.listing == want.listing is not None
+    _streams_as_listed(data, want, block_bytes=160)  # (pyarrow's JSON blocks hold a row at least)
     assert want.labels.tolist()[:5] == ([-1] * 5 if kind == "none" else [0, 1, 2, 0, -1])
 
 
