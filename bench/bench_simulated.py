@@ -46,7 +46,7 @@ def _spec(n: int, store: Path, shard_size: int, real: bool = False, manifest: bo
         import extractor.data.sources.tar as tar_source
 
         data, patched = _synthetic("tar", n, WORK)
-        patched.enter_context(mock.patch.object(tar_source, "_counted", lambda url, storage: (  # noqa: PT008
+        patched.enter_context(mock.patch.object(tar_source, "_stats_count", lambda url, storage: (  # noqa: PT008
             10_000 if tars == "stats" else None)))
         source = {"source": "tar", "tars": data.tars}
     elif manifest:

@@ -349,7 +349,7 @@ class _LeftOut:
 STATS = "_stats.json"  # img2dataset's record beside each tar it writes (NAME.tar: NAME_stats.json)
 
 
-def _counted(url: str, storage: dict[str, Any]) -> int | None:
+def _stats_count(url: str, storage: dict[str, Any]) -> int | None:
     """The samples with an image of a tar as the stats file img2dataset writes beside it counts them
     (``successes``); None: no such file, or not such a record."""
     if not url.endswith(".tar"):
@@ -382,7 +382,7 @@ def stream_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str],
         return None
     urls = tar_urls(patterns, storage)
     with ThreadPoolExecutor(min(16, len(urls))) as pool:
-        counts = list(pool.map(lambda u: _counted(u, storage), urls))
+        counts = list(pool.map(lambda u: _stats_count(u, storage), urls))
     if None in counts or not sum(c or 0 for c in counts):
         if any(c is not None for c in counts):
             log.info("data.tars listed whole first: %s has no img2dataset stats file (NAME%s) that counts its "
@@ -390,6 +390,8 @@ def stream_tars(patterns: str | Sequence[str] | None, extensions: Sequence[str],
         return None
     _unambiguous(urls, storage)
     listing = tar_listing(patterns, extensions, storage)  # (before the tars are read, as list_tars makes it)
+    if listing["tars"] != urls:  # (a tar came or went since: its count was not read)
+        return None
     columns = _Columns(urls, coded=True, classes=None if classes is None else list(classes))
     first = scan_tar(urls[0], extensions, storage)  # (what it refuses, refused before a store is made)
     try:
