@@ -107,7 +107,7 @@ class Streamed:
                 if self._rows is not None:
                     return self._rows
                 self._raise()
-                if self._prefix is not None and len(self._prefix) >= stop:
+                if self._prefix is not None and stop <= self.n and len(self._prefix) >= stop:
                     return self._prefix
                 if self.n >= stop <= self.listed:  # listed, not taken yet
                     self._prefix = self._take()

@@ -169,22 +169,20 @@ def test_json_lines_with_names_but_no_data_classes(tmp_path: Path):
     assert stream_rows(DataSpec(source="manifest", manifest=str(path))) is None
     path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", **({"label": "cat"} if i == 20 else {})}) + "\n"
                             for i in range(24)))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(manifest, "BLOCK_BYTES", 160)
-        streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
-        assert streamed is not None
-        with pytest.raises(DataError, match=r"m.jsonl row 21: label 'cat' is a class name, .* list the classes' "
-                                            r"names in data.classes"):
-            streamed.whole()
+    _stops(path, r"m.jsonl row 21: label 'cat' is a class name, .* list the classes' names in data.classes")
     assert list_rows(DataSpec(source="manifest", manifest=str(path))).classes == ["cat"]
     path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", "label": "cat" if i == 20 else i % 3}) + "\n"
                             for i in range(24)))  # (read by pyarrow as numbers: the name's block read row by row)
+    _stops(path, r"m.jsonl: labels '0', '1', '2', 'cat' are class names, .* list the classes' names in data.classes")
+
+
+def _stops(path: Path, error: str) -> None:
+    """The JSON lines at ``path`` stream (blocks of 160 bytes), and their listing stops with ``error``."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(manifest, "BLOCK_BYTES", 160)
         streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
         assert streamed is not None
-        with pytest.raises(DataError, match=r"m.jsonl: labels '0', '1', '2', 'cat' are class names, .* list the "
-                                            r"classes' names in data.classes"):
+        with pytest.raises(DataError, match=error):
             streamed.whole()
 
 
@@ -205,10 +203,44 @@ def test_json_lines_that_are_not_one_object_a_line(tmp_path: Path):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(manifest, "SNIFF_ROWS", 5)  # (its types taken before the odd line)
             streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
-        assert streamed is not None
-        with pytest.raises(DataError, match=r"m.jsonl:11: not valid JSON|m.jsonl: \d+ lines, but \d+ rows read from "
-                                            r"them: a line holds more than one object, or an object spans lines"):
-            streamed.whole()  # (refused by Python's json where pyarrow refused its block, else counted)
+            assert streamed is not None
+            with pytest.raises(DataError, match=r"m.jsonl: \d+ lines, but \d+ rows read from them: a line holds more "
+                                                r"than one object, or an object spans lines"):
+                streamed.whole()
+
+
+def test_a_listing_of_more_rows_than_counted_never_hands_out_a_prefix_as_its_whole():
+    """A lister that lists more rows than were counted: whole() waits for its end and raises, rather than return the
+    prefix taken once the count was reached (it did: a JSON line of two objects was then listed without a word)."""
+    from extractor.data.rows import Rows
+
+    def rows(n: int) -> Rows:
+        return Rows(ids=np.asarray([f"r{i}" for i in range(n)]), paths=np.asarray([f"p{i}" for i in range(n)]),
+                    labels=np.full(n, -1), fingerprints=np.zeros(n, np.uint64))
+
+    listed, reached, release, got = [0], threading.Event(), threading.Event(), []
+
+    def lister() -> Any:
+        for n in (2, 4):
+            yield n, lambda n=n: listed.__setitem__(0, n)
+        reached.set()  # (its 4 rows added, the count passed: the listing's end held)
+        assert release.wait(WAIT_S)
+        return rows(4)
+
+    streamed = Streamed(3, [], lister(), lambda: rows(listed[0]), fingerprinted=True)
+    assert reached.wait(WAIT_S)
+
+    def whole() -> None:
+        try:
+            got.append(len(streamed.whole()))
+        except DataError as err:
+            got.append(err)
+
+    asking = threading.Thread(target=whole)
+    asking.start()
+    release.set()
+    asking.join(WAIT_S)
+    assert len(got) == 1 and isinstance(got[0], DataError) and "3 rows counted first, 4" in str(got[0])
 
 
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,
