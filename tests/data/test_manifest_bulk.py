@@ -211,3 +211,25 @@ def test_ids_given_from_a_later_block_on_list_as_row_by_row(tmp_path: Path, monk
     monkeypatch.setattr(manifest_source, "_copy", lambda a, b: real(a, b, part=3))
     rows = _same(csv, str(tmp_path), monkeypatch)
     assert rows.ids[19] == "a/19.jpg" and rows.ids[20] == "r20" and rows.ids[39] == "a/39.jpg"
+
+
+@pytest.mark.parametrize(("row", "match"), [
+    ({"path": "a/1.jpg", "label": {"name": "cat"}}, r"row 2: 'label' is a JSON object \(\{\"name\": \"cat\"\}\)"),
+    ({"path": "a/1.jpg", "label": [1, 2]}, r"row 2: 'label' is a JSON list \(\[1, 2\]\)"),
+    ({"path": "a/1.jpg", "id": {"k": 1}}, r"row 2: 'id' is a JSON object \(\{\"k\": 1\}\)"),
+    ({"path": ["a/1.jpg"]}, r"row 2: 'path' is a JSON list \(\[\"a/1.jpg\"\]\)"),
+])
+def test_a_json_object_or_list_where_a_value_goes_is_refused_naming_its_row(tmp_path: Path, row: dict, match: str):
+    """A label, id or path that is a JSON object or list was taken as its text as Python writes it (a class named
+    "{'name': 'cat'}"); each reader refuses it, naming the row (the bulk reader leaves such rows to Python's json)."""
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"path": "a/0.jpg", "label": 1, "id": "x"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=match + r"; give a text or a number there"):
+        list_rows(DataSpec(source="manifest", manifest=str(manifest), root=str(tmp_path)))
+
+
+def test_a_compressed_manifest_is_refused_saying_to_decompress_it(tmp_path: Path):
+    manifest = tmp_path / "m.jsonl.gz"
+    manifest.write_bytes(b"")
+    with pytest.raises(DataError, match=r"expected a .csv, .jsonl or .ndjson file \(uncompressed: decompress it"):
+        list_rows(DataSpec(source="manifest", manifest=str(manifest), root=str(tmp_path)))

@@ -90,11 +90,12 @@ def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root:
                                 "names images under its root, by relative paths that stay inside it. If its paths are "
                                 "absolute, URLs or lead elsewhere by design, set data.outside_root: true")
             full = absolute(f"{head}{p}" if is_relative(p) else p)
-            ids.append(str(rec[names.id]) if rec.get(names.id) not in (None, "") else p)
+            given = names.scalar(rec, names.id, n)
+            ids.append(str(given) if given not in (None, "") else p)
             paths.whole(full)
             # local files: fingerprinted now; URLs: unknown (one request each), checked by inspect --verify
             prints.append(0 if is_url(full) else local_fingerprint(full))
-            yield rec.get(names.label)
+            yield names.scalar(rec, names.label, n)
 
     codes, classes = labels_of(labels(), lambda n: f"{manifest} row {n + 1}")
     names.check_seen()
@@ -583,7 +584,17 @@ class _Columns:
                             "{image: file_name})")
         if self.mapped:
             self.seen.update(k for k in self.mapped if k in rec)
-        return str(rec[self.image])
+        return str(self.scalar(rec, self.image, n))
+
+    def scalar(self, rec: dict[str, Any], name: str, n: int) -> Any:
+        """Column ``name`` of record ``rec`` (row ``n``), refused where it is a JSON object or list (its text as
+        Python writes it was taken for a path, an id or a class name)."""
+        value = rec.get(name)
+        if isinstance(value, dict | list):
+            kind = "object" if isinstance(value, dict) else "list"
+            raise DataError(f"{self.manifest} row {n + 1}: {name!r} is a JSON {kind} ({json.dumps(value)[:60]}); give "
+                            "a text or a number there, or map another key in data.columns")
+        return value
 
     def check_seen(self) -> None:
         """Refuse a label or id column named in data.columns that no row has."""
@@ -597,7 +608,8 @@ def _manifest_records(manifest: str, storage: dict) -> Iterator[Any]:
     text and a list of every row's record held at once were 300 bytes a row at the peak of planning)."""
     suffix = _suffix(manifest)
     if suffix not in (".csv", ".jsonl", ".ndjson"):
-        raise DataError(f"data.manifest {manifest}: expected a .csv or .jsonl file")
+        raise DataError(f"data.manifest {manifest}: expected a .csv, .jsonl or .ndjson file"
+                        + (" (uncompressed: decompress it first)" if suffix in _COMPRESSED else ""))
     # (a spreadsheet's byte-order mark is not a column name)
     with io.TextIOWrapper(_opened(manifest, storage), encoding="utf-8-sig", newline="") as lines:
         reader = csv.DictReader(lines) if suffix == ".csv" else None
@@ -612,6 +624,9 @@ def _manifest_records(manifest: str, storage: dict) -> Iterator[Any]:
             if is_url(manifest):  # its storage failed as it was read
                 raise remote_error("data.manifest", manifest, err) from err
             raise
+
+
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")
 
 
 def _not_utf8(manifest: str, storage: dict) -> int:
