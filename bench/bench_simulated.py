@@ -28,13 +28,29 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".bench"
 
 
+def _folder(n: int) -> Path:
+    """A real folder of ``n`` empty files in ImageNet's shape (class folders of 1,300), written once under .bench."""
+    root = WORK / f"folder-{n}"
+    if not (root / ".made").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        for c in range(-(-n // 1300)):
+            (root / f"n{c:08d}").mkdir(parents=True)
+            for i in range(c * 1300, min(n, (c + 1) * 1300)):
+                open(root / f"n{c:08d}" / f"n{c:08d}_{i}.JPEG", "wb").close()
+        (root / ".made").touch()
+    return root
+
+
 def _spec(n: int, store: Path, shard_size: int, real: bool = False, manifest: bool = False,
-          tars: str = "") -> Any:
+          tars: str = "", folder: str = "", stat_ms: float = 0.0) -> Any:
     """The job: resnet18 (random weights; probed, never run on an image), its pooled features stored. ``real``:
     real Parquet files of 10,000 rows (written once, kept under .bench), not the synthetic listing. ``manifest``: a
     CSV manifest of ``n`` paths and no labels (a LAION-like list; written once), its files not there (each stat-ed).
     ``tars``: bench_scale's synthetic tars of 10,000 samples (class indices), ``stats``: each counted by the stats
-    file img2dataset writes beside it (a stand-in: its count), so streamed; ``whole``: none, so listed whole."""
+    file img2dataset writes beside it (a stand-in: its count), so streamed; ``whole``: none, so listed whole.
+    ``folder``: a real folder of empty files (:func:`_folder`), ``streamed`` (counted by name, then walked behind
+    the first shards) or ``whole`` (listed whole first, as before); ``stat_ms``: each stat waits this long first
+    (a network file system's server, simulated)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_scale import _synthetic, real_parquet
 
@@ -49,6 +65,25 @@ def _spec(n: int, store: Path, shard_size: int, real: bool = False, manifest: bo
         patched.enter_context(mock.patch.object(tar_source, "_stats_count", lambda url, storage: (  # noqa: PT008
             10_000 if tars == "stats" else None)))
         source = {"source": "tar", "tars": data.tars}
+    elif folder:
+        from unittest import mock
+
+        import extractor.data.sources.folder as folder_source
+
+        source, patched = {"source": "folder", "root": str(_folder(n))}, contextlib.ExitStack()
+        if stat_ms:  # a network file system, simulated: each stat waits for its server first
+            import os
+
+            real_stat = os.stat
+
+            def stat(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(stat_ms / 1e3)
+                return real_stat(*args, **kwargs)
+
+            patched.enter_context(mock.patch.object(os, "stat", stat))
+        if folder == "whole":
+            patched.enter_context(mock.patch.object(folder_source.FolderSource, "stream",  # noqa: PT008
+                                                    lambda self, data, then: None))
     elif manifest:
         path = WORK / f"manifest-nolabel-{n}.csv"
         if not path.exists():
@@ -178,16 +213,16 @@ def simulated(n: int, shard_size: int = 1024, keep: bool = False) -> dict[str, f
 
 
 def first_shard(n: int, shard_size: int = 1024, real: bool = False, manifest: bool = False,
-                tars: str = "") -> dict[str, float]:
+                tars: str = "", folder: str = "", stat_ms: float = 0.0) -> dict[str, float]:
     """The job of ``n`` rows until its first shard begins (the job stopped there, as by Ctrl-C): seconds of wall
     time and CPU from ``run()``'s call (listing, probe, the store made; a listing streamed goes on meanwhile).
-    ``real``: from real Parquet files; ``manifest``: from a CSV manifest without labels; ``tars``: from tars
-    (:func:`_spec`)."""
+    ``real``: from real Parquet files; ``manifest``: from a CSV manifest without labels; ``tars``: from tars;
+    ``folder``: from a real folder (:func:`_spec`)."""
     from extractor.driver.runner import run
 
     store = WORK / f"first-{n}.zarr"
     shutil.rmtree(store, ignore_errors=True)
-    spec, patched = _spec(n, store, shard_size, real, manifest, tars)
+    spec, patched = _spec(n, store, shard_size, real, manifest, tars, folder, stat_ms)
     first: dict[str, float] = {}
     with patched:
         t0, c0 = time.perf_counter(), _cpu()
@@ -199,7 +234,8 @@ def first_shard(n: int, shard_size: int = 1024, real: bool = False, manifest: bo
         with contextlib.suppress(KeyboardInterrupt):  # (stopped at the first shard)
             run(spec, backend=_backend(spec, on_first, [0.0]))
     shutil.rmtree(store, ignore_errors=True)
-    kind = " (real files)" if real else " (a manifest)" if manifest else f" (tars, {tars})" if tars else ""
+    kind = " (real files)" if real else " (a manifest)" if manifest else f" (tars, {tars})" if tars else \
+        f" (a folder, {folder}{f', {stat_ms} ms a stat' if stat_ms else ''})" if folder else ""
     print(f"  {n:>12,} rows{kind}: first shard after {first['wall']:.1f} s "
           f"({first['cpu']:.1f} s CPU)", flush=True)
     return {"rows": n, "first_wall": first["wall"], "first_cpu": first["cpu"]}
@@ -223,10 +259,15 @@ if __name__ == "__main__":
     p.add_argument("--manifest", action="store_true", help="--first from a CSV manifest of paths, no labels")
     p.add_argument("--tars", choices=["stats", "whole"], help="--first from synthetic tars, counted by img2dataset's "
                    "stats files (streamed) or not (listed whole)")
+    p.add_argument("--folder", choices=["streamed", "whole"], help="--first from a real folder of empty files "
+                   "(written once under .bench), streamed or listed whole")
+    p.add_argument("--stat-ms", type=float, default=0.0, help="--folder: each stat waits this long first (a network "
+                   "file system, simulated)")
     args = p.parse_args()
     WORK.mkdir(exist_ok=True)
     sizes = tuple(int(float(m) * 1e6) for m in args.rows.split(","))
-    figures = [first_shard(n, args.shard_size, args.real, args.manifest, args.tars or "") for n in sizes] \
+    figures = [first_shard(n, args.shard_size, args.real, args.manifest, args.tars or "", args.folder or "",
+                           args.stat_ms) for n in sizes] \
         if args.first else main(sizes, args.shard_size)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -109,8 +109,8 @@ class Texts:
     def part(self, start: int, stop: int) -> Texts:
         """Strings ``start:stop`` as a Texts (their bytes not copied, nor decoded)."""
         base = int(self.ends[start - 1]) if start else 0
-        return Texts(self.data[base:int(self.ends[stop - 1]) if stop > start else base],
-                     np.asarray(self.ends[start:stop], dtype=np.int64) - base)
+        ends = np.asarray(self.ends[start:stop], dtype=np.int64)
+        return Texts(self.data[base:int(self.ends[stop - 1]) if stop > start else base], ends - base if base else ends)
 
     def tolist(self) -> list[str]:
         return self._decoded(0, len(self))
@@ -358,6 +358,12 @@ class Joining:
             self.ids = None
         self.which.append(head)
         self.tails.append(tail)
+
+    def snapshot(self, ids: Texts) -> Joined:
+        """The first strings gathered, as many as ``ids`` (a prefix of the ids given at the start), the gathering
+        going on (:meth:`.spill.Column.snapshot`: none copied)."""
+        tails = ids if self.ids is not None else self.tails.snapshot().part(0, len(ids))
+        return Joined(np.asarray(self.heads, dtype=STRINGS), tails, self.which.snapshot()[:len(ids)])
 
     def joined(self, ids: Texts | np.ndarray | None = None) -> Joined:
         """The strings; ``ids``: the array the ids given at the start became."""

@@ -77,7 +77,7 @@ def test_a_streamed_listing_gives_the_rows_of_a_whole_one_prefix_by_prefix(tmp_p
 
 def test_sources_whose_rows_cannot_be_counted_first_are_listed_whole(image_dir: Path, tmp_path: Path):
     """String labels (their classes are known once all are read), an Arrow file, ClassLabel names that data.classes
-    renumbers, other sources: no stream. A ClassLabel's names, or data.classes of integer labels, are the stream's
+    renumbers, a remote folder: no stream. A ClassLabel's names, or data.classes of integer labels, are the stream's
     classes from the start; a label beyond data.classes stops it at its end."""
     pq.write_table(pa.table({"image": [b"x"] * 2, "label": ["cat", "dog"]}), tmp_path / "s.parquet")
     assert stream_rows(DataSpec(source="parquet", parquet=str(tmp_path / "s.parquet"))) is None
@@ -85,7 +85,7 @@ def test_sources_whose_rows_cannot_be_counted_first_are_listed_whole(image_dir: 
     with pa.ipc.new_stream(str(tmp_path / "a.arrow"), table.schema) as stream:
         stream.write_table(table)
     assert stream_rows(DataSpec(source="parquet", parquet=str(tmp_path / "a.arrow"))) is None
-    assert stream_rows(DataSpec(source="folder", root=str(image_dir))) is None
+    assert stream_rows(DataSpec(source="folder", root="memory://images")) is None  # (a remote folder: one request)
     paths = write_hub_parquet(images_of(image_dir), tmp_path / "hub", per_file=5, row_group=5)
     hub = stream_rows(DataSpec(source="parquet", parquet=[str(p) for p in paths]))
     assert hub is not None and hub.classes == ["cats", "dogs"] == hub.whole().classes

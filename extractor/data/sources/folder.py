@@ -6,10 +6,11 @@ are stat-ed by name (``data.verify: files``, the default: a file rewritten in pl
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from ..files import (
 )
 from ..rows import STRINGS, Joined, Joining, Rows, Strings, Texts, named, strings
 from ..spill import Column
+from ..streamed import Lister, Streamed
 from . import Recorded, Source, Stats, files_now
 
 if TYPE_CHECKING:
@@ -72,6 +74,18 @@ def _folder_labels(tops: Sequence[str], counts: Sequence[int], first: Callable[[
     for top, size in zip(tops, counts, strict=True):
         labels.extend(np.full(size, index.get(top, -1), dtype=np.int64))
     return labels.array(), classes
+
+
+def _top_of(rel: str) -> str:
+    """The top-level folder of a folder's relative path as a listing records it (the root's: "")."""
+    return display_name(_real(rel)).split("/", 1)[0] if rel else ""
+
+
+def _nothing() -> None:
+    pass
+
+
+_NOTHING: Callable[[], None] = _nothing  # (a folder skipped: no rows to take)
 
 
 def _top(rel: str) -> str:
@@ -139,8 +153,13 @@ class _Walk:
     listing a resume checks by a stat per folder, no file stat-ed. ``kept``: an earlier walk's folders, from a
     store: one unchanged since is not listed, its rows taken from the store (``recorded``)."""
 
-    def __init__(self, top: str, extensions: Sequence[str], kept: _Kept | None = None) -> None:
+    def __init__(self, top: str, extensions: Sequence[str], kept: _Kept | None = None, counting: bool = False,
+                 index: dict[str, int] | None = None) -> None:
         self.top, self.exts, self.kept = top, tuple(e.lower() for e in extensions), kept
+        self.counting = counting  # only the images counted, each folder's (no name kept, no file stat-ed)
+        # streamed (:func:`_stream_folder`): each row's class index (of its top folder in ``index``) as it is taken
+        self.index, self.labels = index, Column("q") if index is not None else None
+        self.printed = 0  # rows whose fingerprints are asked for and due (taken once their folder's are)
         self.ids = Strings()
         self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
         self.prints = Column("Q")  # (taken in order from where the files are stat-ed, :class:`.Stats`)
@@ -154,54 +173,91 @@ class _Walk:
         self.plain = plain_utf8(top) and os.path.join(top, "x") == top.rstrip("/") + "/x"  # names joined as they are
 
     def walk(self) -> _Walk:
+        for _, take in self.steps():
+            take()
+        return self
+
+    def steps(self) -> Generator[tuple[int, Callable[[], None]], None, None]:
+        """The walk a folder at a time: each folder listed (its images asked to be stat-ed), and how to take its
+        rows (the builders grow there only: a listing streamed takes them under its lock), with the rows whose
+        fingerprints are due once it is taken; last the fingerprints still to come."""
         todo = [""]
         with self._stats:
             while todo:
-                todo.extend(reversed(self._folder(todo.pop())))
-            self._prints(self._stats.rest())
-        return self
+                subs, take = self._folder(todo.pop())
+                todo.extend(reversed(subs))
+                yield self.printed, take
+            due = self._stats.rest()
+            self.printed = self.listed
+            yield self.printed, functools.partial(self._prints, due)
 
     def _prints(self, due: list[list[int]]) -> None:
         for prints in due:
             self.prints.extend(prints)
 
-    def _folder(self, rel: str) -> list[str]:
-        """Take folder ``rel``'s rows; its sub-folders to walk, in order."""
+    def _folder(self, rel: str) -> tuple[list[str], Callable[[], None]]:
+        """Folder ``rel``: its sub-folders to walk, in order, and how to take its rows."""
         path = os.path.join(self.top, rel) if rel else self.top
         real = os.path.realpath(path)
         if real in self.seen:  # a symlink loop, or a second link to a folder already walked
-            log.warning("skipping %s: it leads back to %s, already listed", path, real)
-            return []
+            if not self.counting:  # (said once: by the walk that takes the rows)
+                log.warning("skipping %s: it leads back to %s, already listed", path, real)
+            return [], _NOTHING
         self.seen.add(real)
         if self.kept is not None and rel in self.kept.same:
             was, start, stop = self.kept.same[rel]
-            self._add(rel, was, True, start, stop)
-            return self.kept.children.get(rel, [])
+            return self.kept.children.get(rel, []), functools.partial(self._add, rel, was, True, start, stop)
         return self._listed(rel, path)
 
-    def _listed(self, rel: str, path: str) -> list[str]:
-        """Folder ``rel`` listed now, its images stat-ed: its sub-folders to walk, in order."""
+    def _listed(self, rel: str, path: str) -> tuple[list[str], Callable[[], None]]:
+        """Folder ``rel`` listed now, its images asked to be stat-ed: its sub-folders to walk, in order, and how to
+        take its rows."""
         times = _times(path)  # before the listing: an entry added meanwhile moves them after
         try:
             files, folders = _entries(path)
         except OSError as err:
-            log.warning("cannot list %s: %s", path, err.strerror)
+            if not self.counting:
+                log.warning("cannot list %s: %s", path, err.strerror)
             files, folders, times = [], [], None
         names = [n for n in files if n.lower().endswith(self.exts) and not n.startswith(".")]
         start = self.listed
-        self._prints(self._stats.ask(path, names))
         self.listed += len(names)
+        subfolders = [f"{rel}/{d}" if rel else d for d in folders if not d.startswith(".")]  # .git: not classes
+        record = functools.partial(self._add, rel, times if times is not None and times[0] < self.settled
+                                   else UNSETTLED, False, start, self.listed)
+        if self.counting:
+            return subfolders, record
+        due = self._stats.ask(path, names)
+        self.printed += sum(map(len, due))
         subs = [f"{rel}/{name}" for name in names] if rel else names
-        if plain_utf8("".join(subs)) and self.plain:  # each id its name, each path the root and it: taken at once
-            self.ids.extend(subs)
-            self.paths.parts(0, subs, are_ids=True)
-        else:
-            for sub in subs:
-                self.ids.append(display_name(sub))
-                self.paths.whole(storable_path(os.path.join(self.top, sub)))  # undecodable names: hex, whole
-        self._add(rel, times if times is not None and times[0] < self.settled else UNSETTLED, False, start,
-                  self.listed)
-        return [f"{rel}/{d}" if rel else d for d in folders if not d.startswith(".")]  # .git: not classes
+
+        def take() -> None:
+            self._prints(due)
+            if plain_utf8("".join(subs)) and self.plain:  # each id its name, each path the root and it: at once
+                self.ids.extend(subs)
+                self.paths.parts(0, subs, are_ids=True)
+            else:
+                for sub in subs:
+                    self.ids.append(display_name(sub))
+                    self.paths.whole(storable_path(os.path.join(self.top, sub)))  # undecodable names: hex, whole
+            if self.labels is not None and self.index is not None:
+                self.labels.extend(np.full(len(subs), self.index.get(_top_of(storable_path(rel)), -1), np.int64))
+            record()
+
+        return subfolders, take
+
+    def tops(self) -> list[str]:
+        """The top-level folder of each folder walked (the root's: "")."""
+        return [_top_of(rel) for rel, *_ in self.folders]
+
+    def prefix(self) -> Rows:
+        """The rows taken so far whose fingerprints are in (none copied: maps of the builders' files), the walk
+        going on (streamed: :func:`_stream_folder`)."""
+        assert self.labels is not None
+        prints = self.prints.snapshot()
+        ids = self.ids.snapshot().part(0, len(prints))
+        return Rows(ids=ids, paths=self.paths.snapshot(ids), labels=self.labels.snapshot()[:len(prints)],
+                    fingerprints=prints)
 
     def _add(self, rel: str, times: list[int], stored: bool, start: int, stop: int) -> None:
         self.folders.append([storable_path(rel), *times])  # (a name that is not UTF-8: hex, as a path)
@@ -222,8 +278,7 @@ class _Walk:
             assert recorded is not None
             ids, paths, prints = (self._joined(recorded, name, own, dtype, stat) for name, own, dtype in (
                 ("ids", listed, STRINGS), ("paths", paths, STRINGS), ("fingerprint", prints, np.uint64)))
-        tops = [display_name(_real(rel)).split("/", 1)[0] for rel, *_ in self.folders]  # the root's: ""
-        labels, classes = _folder_labels(tops, self.counts, lambda: str(ids[0]))
+        labels, classes = _folder_labels(self.tops(), self.counts, lambda: str(ids[0]))
         listing = {**settings, "folders": self.folders, "rows": self.counts} if len(self.folders) <= _MAX_FOLDERS \
             else None
         return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints, listing=listing)
@@ -247,6 +302,30 @@ def _list_folder(root: Path, extensions: Sequence[str], settings: dict[str, Any]
     return _Walk(absolute(str(root)), extensions).walk().rows(settings)
 
 
+def _stream_folder(root: Path, extensions: Sequence[str], settings: dict[str, Any], classes: list[str] | None,
+                   then: Callable[[Rows], Rows]) -> Streamed | None:
+    """The rows of :func:`_list_folder`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted: a
+    walk that only counts each folder's images by name (no file stat-ed), then the walk that takes them, a folder
+    at a time, its files stat-ed (on threads where stats are slow: a network file system). Their classes are the
+    top-level folders that hold images, known from the count (where data.classes, ``classes``, names them all:
+    their indices there). None (listed whole: it says what is wrong) where there is nothing to count."""
+    if not root.is_dir():
+        return None
+    top = absolute(str(root))
+    counted = _Walk(top, extensions, counting=True).walk()
+    present = sorted({t for t, c in zip(counted.tops(), counted.counts, strict=True) if c and t})
+    if not counted.listed or (classes is not None and not set(present) <= set(classes)):
+        return None  # (the whole listing names the folders data.classes does not)
+    named = list(classes) if classes is not None else present
+    walk = _Walk(top, extensions, index={c: i for i, c in enumerate(named)})
+
+    def lister() -> Lister:
+        yield from walk.steps()
+        return then(walk.rows(settings))
+
+    return Streamed(counted.listed, named, lister(), walk.prefix, fingerprinted=True)
+
+
 class FolderSource(Source):
     """A folder of images (``data.root``), local or remote, walked in sorted order; ImageFolder labels."""
 
@@ -257,6 +336,13 @@ class FolderSource(Source):
         if is_url(data.root):
             return _list_remote_folder(data.root, data.extensions, data.storage_options)
         return _list_folder(Path(data.root), data.extensions, self._settings(data))
+
+    def stream(self, data: DataSpec, then: Callable[[Rows], Rows]) -> Streamed | None:
+        assert data.root is not None
+        if is_url(data.root):
+            return None  # (listed by one request: fs.find)
+        return _stream_folder(Path(data.root), data.extensions, self._settings(data),
+                              None if data.classes is None else list(data.classes), then)
 
     def _settings(self, data: DataSpec) -> dict[str, Any]:
         """What a listing records beside its folders: the settings that change its rows."""
