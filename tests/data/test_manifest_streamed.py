@@ -176,10 +176,29 @@ def test_json_lines_with_names_but_no_data_classes(tmp_path: Path):
     _stops(path, r"m.jsonl: labels '0', '1', '2', 'cat' are class names, .* list the classes' names in data.classes")
 
 
-def _stops(path: Path, error: str) -> None:
-    """The JSON lines at ``path`` stream (blocks of 160 bytes), and their listing stops with ``error``."""
+def test_a_csv_of_class_indices_without_data_classes_streams_them(tmp_path: Path):
+    """Labels that are class indices (3, 3.0, none), data.classes not given: streamed, each prefix the whole
+    listing's rows. Names in the first block: listed whole (the names numbered once all are read). A name first
+    read in a later block: the listing stops at its row, saying to list the classes in data.classes (the listing
+    made whole takes every label for a name there)."""
+    lines = [f"a/{i}.jpg,{'' if i % 5 == 4 else f'{i % 3}.0' if i == 7 else i % 3}" for i in range(24)]
+    data = DataSpec(source="manifest", manifest=str(_manifest(tmp_path / "m.csv", lines, "path,label")),
+                    root=str(tmp_path))
+    want = list_rows(data)
+    assert want.labels.tolist()[:9] == [0, 1, 2, 0, -1, 2, 0, 1, 2] and want.classes == []
+    _streams_as_listed(data, want)
+    _manifest(tmp_path / "n.csv", ["a/0.jpg,cat", "a/1.jpg,0"], "path,label")
+    assert stream_rows(DataSpec(source="manifest", manifest=str(tmp_path / "n.csv"))) is None
+    late = _manifest(tmp_path / "late.csv", [f"a/{i}.jpg,{'cat' if i == 20 else i % 3}" for i in range(24)],
+                     "path,label")
+    _stops(late, r"late.csv row 21: label 'cat' is a class name, .* list the classes' names in data.classes", 64)
+    assert list_rows(DataSpec(source="manifest", manifest=str(late))).classes == ["0", "1", "2", "cat"]
+
+
+def _stops(path: Path, error: str, block_bytes: int = 160) -> None:
+    """The manifest at ``path`` streams (blocks of ``block_bytes``), and its listing stops with ``error``."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(manifest, "BLOCK_BYTES", 160)
+        patch.setattr(manifest, "BLOCK_BYTES", block_bytes)
         streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
         assert streamed is not None
         with pytest.raises(DataError, match=error):
@@ -245,9 +264,9 @@ def test_a_listing_of_more_rows_than_counted_never_hands_out_a_prefix_as_its_who
 
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch):
-    """A label column (its classes are known once all are read), a quoted value (it may span lines), a carriage
-    return (in the header too), a blank line, JSON lines, a column data.columns names that the file lacks, a first
-    block that the listing refuses (absolute paths: data.outside_root is a fix of the spec, so refused before any
+    """A label column of names (their classes are known once all are read), a quoted value (it may span lines), a
+    carriage return (in the header too), a blank line, JSON lines, a column data.columns names that the file lacks, a
+    first block that the listing refuses (absolute paths: data.outside_root is a fix of the spec, so refused before any
     store is made): no stream (its digest not made for nothing), and the listing made whole is what it was.
     data.classes beside no label column: the stream's classes from the start."""
     rows = [f"x/{i}.jpg" for i in range(4)]

@@ -112,20 +112,20 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
                      then: Callable[[Rows], Rows]) -> Streamed | None:
     """The rows of :func:`_list_manifest`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted:
     a CSV or JSON-lines manifest read by pyarrow whose rows are its lines (:func:`_lines`), its labels known as
-    they are read (none, or :class:`_ArrowCodes`: data.classes, ``classes``, names them; in JSON lines, class
-    indices without it). None otherwise. A block the bulk reader
+    they are read (none, or :class:`_ArrowCodes`: data.classes, ``classes``, names them; class indices without
+    it). None otherwise. A block the bulk reader
     leaves to the row-by-row reader has the file listed row by row from its start (the rows handed out before are
     the same rows). ``record``: the manifest's listing record (a read of the whole file: made once it streams,
     before its rows are read); ``then``: made of the whole listing."""
     names = _Columns(manifest, columns)
     if not _bulk_reads(manifest):
         return None
-    n = _lines(manifest, storage, names, labeled=_ArrowCodes.usable(classes))
+    n = _lines(manifest, storage, names, labeled=ClassCodes.usable(classes))
     if not n:
         return None
     base = _made(_base(manifest, root).rstrip("/") + "/")
-    if _json(manifest) and _ArrowCodes.of(manifest, classes) is None:
-        return None  # (its labels, if any, would be known once all are read)
+    if _ArrowCodes.of(manifest, classes) is None:
+        return None  # (data.classes with a name that reads as a number: its labels are known once all are read)
     if not _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ArrowCodes.of(manifest, classes))):
         return None
     bulk = _Bulk(base, names, outside_root, _ArrowCodes.of(manifest, classes))
@@ -165,24 +165,17 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
 class _ArrowCodes:
     """A manifest's labels (an Arrow array a block at a time: texts, or a JSON-lines manifest's numbers) made class
     indices as they are read (:class:`~..rows.ClassCodes`): where data.classes names them (none of its names reads
-    as a number); or, in JSON lines (whose rows may or may not have a label: nothing says which before they are
-    read), without data.classes, where every label is a class index (a name stops the listing, saying to name the
-    classes; in the first block, it is listed whole instead)."""
+    as a number); or, without data.classes, where every label is a class index (a name stops the listing, saying
+    to name the classes; in the first block, it is listed whole instead, which numbers the names)."""
 
     def __init__(self, manifest: str, classes: list[str] | None) -> None:
         self.codes = ClassCodes(classes, lambda n: f"{manifest} row {n + 1}")
         self.known: dict[object, int] = {"": -1}  # each label read so far: its class index
         self.rows = 0  # rows coded so far
 
-    @staticmethod
-    def usable(classes: list[str] | None) -> bool:
-        return bool(classes) and ClassCodes.usable(classes)
-
     @classmethod
     def of(cls, manifest: str, classes: list[str] | None) -> _ArrowCodes | None:
-        if _json(manifest):
-            return cls(manifest, classes) if ClassCodes.usable(classes) else None
-        return cls(manifest, list(classes or [])) if cls.usable(classes) else None
+        return cls(manifest, classes) if ClassCodes.usable(classes) else None
 
     def coded(self, label: Any) -> np.ndarray:
         """A block's labels (nulls: none) as class indices (int64; -1: none)."""
@@ -235,9 +228,8 @@ def _json(manifest: str) -> bool:
 def _lines(manifest: str, storage: dict, names: _Columns, labeled: bool) -> int | None:
     """The rows of a CSV manifest counted as its lines after its header (of JSON lines, as its lines), where each
     is a row: no quote in a CSV (a quoted value may hold a line break), no carriage return, no blank line (neither
-    is a row); and in a CSV, no label column but
-    where ``labeled`` (data.classes names them: :class:`_ArrowCodes`; else their classes are known once all are
-    read), every column data.columns names there. None otherwise. A read of the file at the speed of the disk or
+    is a row); and in a CSV, no label column but where ``labeled`` (they are coded as read: :class:`_ArrowCodes`),
+    every column data.columns names there. None otherwise. A read of the file at the speed of the disk or
     the network: no row parsed."""
     try:
         with _opened(manifest, storage) as f:
