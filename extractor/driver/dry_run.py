@@ -193,7 +193,7 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
     tars, megabytes of a manifest: :func:`~extractor.data.sample_of`) is estimated from a part of it spread over it,
     unless ``full`` or a store is there (what a run would do to it is decided on every row): its rows and every
     figure that follows from them scaled by the part's share."""
-    from .runner import LocalBackend
+    from .runner import LocalBackend, label_targets
 
     store = StoreSession(spec)
     # what a run would do to a store that is there is decided on every row (a resume, or a refusal)
@@ -208,7 +208,22 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
     if layout is None:
         chunk_rows = chunking(spec, probe.captures)
         layout = {k: (chunk_rows[k], spec.output.sharding) for k in probe.captures}
-    return _planned(spec, probe, n_rows, len(rows.locators), todo, action, layout, listed)
+    planned = _planned(spec, probe, n_rows, len(rows.locators), todo, action, layout, listed)
+    first = _FIRST_PART.get(spec.data.source)
+    if first and spec.data.classes is None and rows.classes and action in ("create", "overwrite") \
+            and not (spec.output.reuse or label_targets(spec)):  # (a run streams it: :func:`.runner._streamed`)
+        shown = ", ".join(map(repr, rows.classes[:5])) + (", ..." if len(rows.classes) > 5 else "")
+        planned.warnings.append(
+            f"labels are class names ({shown}) and data.classes is not given: names are numbered once every label "
+            f"is read, so the run lists this source whole before its first shard where its first {first} holds a "
+            "name, and stops at the row of a name first read later (its rows taken as class indices until then); "
+            "list the classes' names in data.classes to take them as they come")
+    return planned
+
+
+# the sources whose listing streamed takes labels as class indices where data.classes is not given (a name read
+# after its first part stops it), and that first part
+_FIRST_PART = {"manifest": "block (a megabyte)", "tar": "tar"}
 
 
 def _listing(spec: JobSpec, full: bool) -> tuple[Rows, Listing, float]:

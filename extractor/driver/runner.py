@@ -102,7 +102,7 @@ class RunSummary:
 def _check_targets(spec: JobSpec, rows: Rows | Streamed, logits: int | None) -> None:
     """``target: label`` differentiates each row's label's logit: every row needs a label, and
     one the model has an output for."""
-    if _label_targets(spec):
+    if label_targets(spec):
         labels = rows.labels  # (a block at a time: 400M labels are spilled to the disk, not the driver's memory)
         missing = first_where(labels, lambda block: block < 0)
         if missing is not None:
@@ -368,14 +368,15 @@ def _streamed(spec: JobSpec) -> Streamed | None:
     where the source counts them without listing them (:func:`~extractor.data.stream_rows`); None: listed whole
     first, where the job needs every row before it starts (labels as gradient targets, rows taken from other
     stores, a store to resume or join: its rows compared with the listing)."""
-    if spec.output.if_exists == "join" or spec.output.reuse or _label_targets(spec):
+    if spec.output.if_exists == "join" or spec.output.reuse or label_targets(spec):
         return None
     if spec.output.if_exists != "overwrite" and StoreSession(spec).recorded() is not None:
         return None
     return stream_rows(spec.data)
 
 
-def _label_targets(spec: JobSpec) -> bool:
+def label_targets(spec: JobSpec) -> bool:
+    """Whether a capture takes the rows' labels as its gradients' targets (its listing is then made whole first)."""
     return any(c.gradient and c.score_target == "label" for c in spec.capture)
 
 
@@ -391,7 +392,7 @@ def _recorded(spec: JobSpec) -> Rows | None:
         return None
     if not all(k in old for k in ("n_rows", "ids_digest", "paths_digest")):
         return None
-    rows = store.stored_rows(labels=_label_targets(spec))  # (_check_targets reads them)
+    rows = store.stored_rows(labels=label_targets(spec))  # (_check_targets reads them)
     if rows is not None:
         log.info("the source is as listed for %s%s", spec.output.store, ": its rows are taken from it" if
                  rows.stored is not None else " but for the parts listed again")

@@ -4,6 +4,7 @@ sizes are the stored ones, and an existing store is left exactly as it was."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,26 @@ def test_a_large_manifest_is_planned_from_its_first_megabytes_read_against_its_o
     monkeypatch.setattr(dry_run, "list_rows", cut)
     planned = preview(spec)
     assert planned.listing is not None and planned.listing.sampled is None and planned.rows == len(whole)
+
+
+def test_the_plan_of_labels_named_without_data_classes_says_how_the_run_takes_them(image_dir: Path, tmp_path: Path):
+    """A manifest whose labels are names, data.classes not given: the plan says that the run lists it whole where its
+    first block holds a name and stops at a name read later, and to list the classes; with data.classes given, or
+    labels that are class indices, or a folder (its classes are its folders): no such word."""
+    from extractor.driver.dry_run import preview
+
+    images = sorted(p for p in image_dir.rglob("*") if p.is_file())
+    for name, label in (("names", lambda p: p.parent.name), ("indices", lambda p: str(len(p.parent.name) % 2))):
+        (tmp_path / f"{name}.csv").write_text("path,label\n" + "".join(
+            f"{p.relative_to(image_dir)},{label(p)}\n" for p in images))
+    said = r"labels are class names \('cats', 'dogs'\) and data.classes is not given: .* first block \(a megabyte\) " \
+        r"holds a name, and stops at the row of a name first read later .*; list the classes' names in data.classes"
+
+    def warned(data: dict) -> list[str]:
+        return preview(parse_spec(job(image_dir, tmp_path / "s.zarr", data=data))).warnings
+
+    manifest = {"source": "manifest", "root": str(image_dir)}
+    assert any(re.search(said, w) for w in warned({**manifest, "manifest": str(tmp_path / "names.csv")}))
+    assert warned({**manifest, "manifest": str(tmp_path / "names.csv"), "classes": ["cats", "dogs"]}) == []
+    assert warned({**manifest, "manifest": str(tmp_path / "indices.csv")}) == []
+    assert warned({}) == []
