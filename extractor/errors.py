@@ -39,9 +39,22 @@ class DataError(ExtractorError, ValueError):
     """The image source cannot be used: missing root, empty data set, bad manifest."""
 
 
-class CountError(DataError):
+class RemakeError(DataError):
+    """A source listed behind the job's start contradicts what its store was made with (``made_for``: its count of
+    rows, its classes, labels taken as class indices): no resume finishes that store; ``--overwrite`` makes it
+    again."""
+
+    def __init__(self, message: str, made_for: str) -> None:
+        super().__init__(message)
+        self.made_for = made_for
+
+
+class CountError(RemakeError):
     """A source listed behind the job's start holds another number of rows than it was counted to hold, which the
-    store was made with: no resume finishes that store; ``--overwrite`` makes it again."""
+    store was made with."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "the rows counted first")
 
 
 class ModelError(ExtractorError, ValueError):

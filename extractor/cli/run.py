@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .._text import estimate
-from ..errors import CountError, DataError, ExtractorError, FencedError
+from ..errors import DataError, ExtractorError, FencedError, RemakeError
 from .common import Estimate, _command
 
 
@@ -80,8 +80,8 @@ def _left(err: BaseException, how: str) -> str:
         return "The store is half-created, its finished shards kept" if creating else "Finished shards are kept"
     if not creating:
         return ""
-    if isinstance(err, CountError):  # the store was made for another number of rows
-        return " The store was made for the rows counted first: once fixed, --overwrite makes it again."
+    if isinstance(err, RemakeError):  # the store was made for what the rest of the listing contradicts
+        return f" The store was made for {err.made_for}: once fixed, --overwrite makes it again."
     if isinstance(err, DataError):  # found as the rows were listed behind the first shards (a streamed listing)
         return (" The store is half-created: once the data is fixed in place (the same rows), --resume writes its "
                 "rows again and keeps its finished shards; a fix that adds or removes rows, or one in the job's spec "
@@ -91,10 +91,10 @@ def _left(err: BaseException, how: str) -> str:
 
 def _stopped(err: ExtractorError, finish: str, resume: list[str], resume_command: str | None) -> str:
     """What an error that stopped a job whose store it holds says: itself, what it left, and the command that
-    finishes the job (``finish``), or makes its store again where no resume can (a :class:`CountError`)."""
+    finishes the job (``finish``), or makes its store again where no resume can (a :class:`RemakeError`)."""
     kept = _left(err, "error")
     said = str(err) if not kept or str(err).endswith(".") else f"{err}."
-    if isinstance(err, CountError) and getattr(err, "creating", False):
+    if isinstance(err, RemakeError) and getattr(err, "creating", False):
         again = _command(*resume[:-1], "--overwrite") if resume_command is None else \
             resume_command.replace("--resume", "--overwrite")
         return f"error: {said}{kept}\nOnce fixed, run the job again with:\n  {again}"

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import DataError, RemakeError
 from . import spill
 from .spill import Bytes, Column, by_hash
 
@@ -757,13 +757,21 @@ class ClassCodes:
         if number is None and str(v) in self.names:
             return self.names[str(v)]
         if self.classes is None:  # (a number that is not whole makes every label a name, as a name does)
-            raise DataError(f"{self.where(row)}: label {v!r} is a class name, and names are numbered once every "
-                            "label is read; list the classes' names in data.classes to take them as they come")
+            raise late_name(f"{self.where(row)}: label {v!r} is a class name")
         if number is None:
             raise DataError(f"{self.where(row)}: label {v!r} is not in data.classes ({n} names); add it, or remove "
                             "data.classes to take the labels' own names")
         raise DataError(f"{self.where(row)}: label {v!r} is none of data.classes' indices (0 to {n - 1}, or -1: "
                         "none) nor a name there; fix the label or data.classes")
+
+
+def late_name(what: str) -> RemakeError:
+    """The error of a listing streamed without data.classes, its labels taken as class indices as they came (the
+    store's so far), that reads a class name (``what``: the label and its row): names are numbered once every label
+    is read, so the store is made again with the classes listed."""
+    return RemakeError(f"{what}, and names are numbered once every label is read; list the classes' names in "
+                       "data.classes to take them as they come", "labels taken as class indices (data.classes not "
+                       "given)")
 
 
 def first_where(values: np.ndarray, test: Callable[[np.ndarray], np.ndarray]) -> int | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CountError, DataError, ExtractorError
+from ..errors import CountError, DataError, ExtractorError, RemakeError
 from .rows import Joined, Rows, Texts
 
 __all__ = ["Lister", "Streamed"]
@@ -83,8 +83,8 @@ class Streamed:
                         self._prefix = self._take()
                     self._cond.notify_all()
             if list(rows.classes) != list(self.classes):  # (the store's, and the prefixes' labels, coded by these)
-                raise DataError(f"the source's classes changed while it was listed: {self.classes[:5]} first, then "
-                                f"{list(rows.classes)[:5]}; list them in data.classes")
+                raise RemakeError(f"the source's classes changed while it was listed: {self.classes[:5]} first, then "
+                                  f"{list(rows.classes)[:5]}", "the classes listed first")
             if len(rows) != self.n:
                 raise CountError(f"the source changed while it was listed: {self.n} rows counted first, {len(rows)} "
                                 "listed; run again")

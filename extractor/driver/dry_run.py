@@ -19,8 +19,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .._text import count, estimate, size, table
-from ..data import Rows, list_rows, plan, sample_of
+from ..data import Rows, first_where, list_rows, plan, sample_of
+from ..data.rows import label_number, whole_number
 from ..errors import DataError, StoreError
 from ..spec import JobSpec, parse_spec
 from ..store import (
@@ -209,16 +212,25 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
         chunk_rows = chunking(spec, probe.captures)
         layout = {k: (chunk_rows[k], spec.output.sharding) for k in probe.captures}
     planned = _planned(spec, probe, n_rows, len(rows.locators), todo, action, layout, listed)
-    first = _FIRST_PART.get(spec.data.source)
-    if first and spec.data.classes is None and rows.classes and action in ("create", "overwrite") \
-            and not (spec.output.reuse or label_targets(spec)):  # (a run streams it: :func:`.runner._streamed`)
-        shown = ", ".join(map(repr, rows.classes[:5])) + (", ..." if len(rows.classes) > 5 else "")
-        planned.warnings.append(
-            f"labels are class names ({shown}) and data.classes is not given: names are numbered once every label "
-            f"is read, so the run lists this source whole before its first shard where its first {first} holds a "
-            "name, and stops at the row of a name first read later (its rows taken as class indices until then); "
-            "list the classes' names in data.classes to take them as they come")
+    if spec.data.source in _FIRST_PART and spec.data.classes is None and rows.classes and \
+            action in ("create", "overwrite") and not (spec.output.reuse or label_targets(spec)):  # (a run streams it)
+        planned.warnings.append(_named_labels(spec.data.source, rows, listed.sampled))
     return planned
+
+
+def _named_labels(source: str, rows: Rows, sampled: str | None) -> str:
+    """The warning of a plan whose labels are class names, data.classes not given: how a run takes them (a listing
+    streamed takes labels as class indices as they come: :func:`.runner._streamed`)."""
+    names = [k for k, c in enumerate(rows.classes) if (d := label_number(c)) is None or not whole_number(d)]
+    row = first_where(rows.labels, lambda block: np.isin(block, names))
+    assert row is not None
+    first = f"{rows.classes[int(rows.labels[row])]!r}, row {row + 1}{' of the part listed' if sampled else ''}"
+    said = f"labels are class indices beside class names (the first name: {first})" \
+        if len(names) < len(rows.classes) else f"labels are class names (the first: {first})"
+    return (f"{said} and data.classes is not given: names are numbered once every label is read, so the run lists "
+            f"this source whole before its first shard where its first {_FIRST_PART[source]} holds a name, and "
+            "stops at the first name read after it (its rows taken as class indices until then); list the classes' "
+            "names in data.classes to take them as they come")
 
 
 # the sources whose listing streamed takes labels as class indices where data.classes is not given (a name read

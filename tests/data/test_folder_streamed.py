@@ -5,6 +5,7 @@ the second walk at a folder; what is handed out and stored equals a listing made
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,8 @@ from extractor.spec.load import parse_spec
 
 
 def _tree(root: Path) -> int:
-    """Class folders with sub-folders, an image in the root, files that are not images, a hidden file and folder,
-    a name that is not UTF-8: its folders."""
+    """Class folders with sub-folders, an image in the root, files that are not images (a FIFO named .jpg too), a
+    hidden file and folder, a name that is not UTF-8: its folders."""
     for c in ("cat", "dog", "yak"):
         for sub in ("", "a", "a/deep", "b"):
             (root / c / sub).mkdir(parents=True, exist_ok=True)
@@ -39,6 +40,7 @@ def _tree(root: Path) -> int:
     (root / ".git").mkdir()
     (root / ".git" / "x.jpg").write_bytes(b"g")
     (root / "yak" / "empty").mkdir()
+    os.mkfifo(root / "dog" / "a" / "fifo.jpg")  # (no image: its read waited forever)
     with open(bytes(root / "yak" / "b") + b"/\xff.jpg", "wb") as f:  # a name that is not UTF-8
         f.write(b"odd")
     return 1 + 3 * 4 + 1  # the root; each class's own, a, a/deep and b; yak/empty
@@ -85,8 +87,9 @@ def test_a_streamed_folder_gives_the_rows_of_a_whole_listing_prefix_by_prefix(tm
 
 
 def test_a_folder_that_changes_between_its_count_and_its_walk_stops_the_listing(tmp_path: Path):
-    """An image added after the count (the store is made for the rows counted), or a class folder added: the
-    listing stops at its end saying the source changed; nothing that streamed is taken for the whole."""
+    """An image added after the count (the store is made for the rows counted), a class folder added, a folder
+    removed: the listing stops at its end naming the folder (a CountError: the CLI says --overwrite); nothing that
+    streamed is taken for the whole."""
     folders = _tree(tmp_path / "images")
     data = DataSpec(source="folder", root=str(tmp_path / "images"))
     with pytest.MonkeyPatch.context() as patch:
@@ -95,8 +98,8 @@ def test_a_folder_that_changes_between_its_count_and_its_walk_stops_the_listing(
         assert isinstance(streamed, Streamed) and release.reached.wait(WAIT_S)
         (tmp_path / "images" / "yak" / "b" / "9.jpg").write_bytes(b"new")
         release.set()
-        with pytest.raises(CountError, match=r"the source changed while it was listed: 47 rows counted first, 48 "
-                                             r"listed"):
+        with pytest.raises(CountError, match=r"data.root \S+images changed while it was listed: folder 'yak/b' held 5 "
+                                             r"images when they were counted, 6 now"):
             streamed.whole()
     with pytest.MonkeyPatch.context() as patch:
         release = _hold(patch, folders, 0)  # (before the root is listed: its new folder is walked)
@@ -105,8 +108,19 @@ def test_a_folder_that_changes_between_its_count_and_its_walk_stops_the_listing(
         (tmp_path / "images" / "zebu").mkdir()
         (tmp_path / "images" / "zebu" / "0.jpg").write_bytes(b"z")
         release.set()
-        with pytest.raises(DataError, match=r"the source's classes changed while it was listed: \['cat', 'dog', "
-                                            r"'yak'\] first, then \['cat', 'dog', 'yak', 'zebu'\]"):
+        with pytest.raises(CountError, match=r"changed while it was listed: folder 'zebu' is there now, not when its "
+                                             r"images were counted"):
+            streamed.whole()
+    with pytest.MonkeyPatch.context() as patch:
+        release = _hold(patch, folders + 1, 0)
+        streamed = stream_rows(data)
+        assert isinstance(streamed, Streamed) and release.reached.wait(WAIT_S)
+        for name in os.listdir(tmp_path / "images" / "cat" / "a" / "deep"):
+            os.remove(tmp_path / "images" / "cat" / "a" / "deep" / name)
+        os.rmdir(tmp_path / "images" / "cat" / "a" / "deep")
+        release.set()
+        with pytest.raises(CountError, match=r"changed while it was listed: folder 'cat/a/deep' was there when its "
+                                             r"images were counted, and is gone now"):
             streamed.whole()
 
 
@@ -157,3 +171,30 @@ def test_a_job_runs_its_first_shards_while_its_folder_is_walked(image_dir: Path,
     monkeypatch.setattr(folder.FolderSource, "stream", lambda self, data, then: None)
     assert run(parse_spec(job(image_dir, tmp_path / "w.zarr", data=data))).ok == 12
     np.testing.assert_array_equal(s.numpy("layer4"), open_store(str(tmp_path / "w.zarr")).numpy("layer4"))
+
+
+def test_a_stopped_job_stops_its_folder_listing_within_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A job stopped (Ctrl-C) while a large folder's files are stat-ed: the listing stops before its next piece of
+    files, not at the folder's end (a million files of a network file system: minutes)."""
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    for i in range(40):
+        (tmp_path / "images" / "cat" / f"{i:02d}.jpg").write_bytes(b"x")
+    monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "0")
+    monkeypatch.setattr(sources, "STAT_PIECE", 2)
+    calls = [0]
+    real = sources.folder_prints
+
+    def counted(*args: object) -> object:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(sources, "folder_prints", counted)
+    release = held_at(monkeypatch, sources, "folder_prints", 3)
+    streamed = stream_rows(DataSpec(source="folder", root=str(tmp_path / "images")))
+    assert isinstance(streamed, Streamed) and release.reached.wait(WAIT_S)
+    streamed.stop()
+    release.set()
+    with pytest.raises(DataError, match=r"the listing stopped: its job stopped"):
+        streamed.whole()
+    streamed._thread.join(WAIT_S)  # (the listing's own end: what it stat-ed after the stop)
+    assert not streamed._thread.is_alive() and calls[0] == 4  # (the piece it was stat-ing, none of the other 16)

@@ -173,7 +173,7 @@ def test_json_lines_with_names_but_no_data_classes(tmp_path: Path):
     assert list_rows(DataSpec(source="manifest", manifest=str(path))).classes == ["cat"]
     path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", "label": "cat" if i == 20 else i % 3}) + "\n"
                             for i in range(24)))  # (read by pyarrow as numbers: the name's block read row by row)
-    _stops(path, r"m.jsonl: labels '0', '1', '2', 'cat' are class names, .* list the classes' names in data.classes")
+    _stops(path, r"m.jsonl row 21: label 'cat' is a class name, .* list the classes' names in data.classes")
 
 
 def test_a_csv_of_class_indices_without_data_classes_streams_them(tmp_path: Path):
@@ -193,6 +193,9 @@ def test_a_csv_of_class_indices_without_data_classes_streams_them(tmp_path: Path
                      "path,label")
     _stops(late, r"late.csv row 21: label 'cat' is a class name, .* list the classes' names in data.classes", 64)
     assert list_rows(DataSpec(source="manifest", manifest=str(late))).classes == ["0", "1", "2", "cat"]
+    odd = _manifest(tmp_path / "odd.csv", [f"{'./' if i == 16 else ''}a/{i}.jpg,{'cat' if i == 20 else i % 3}"
+                                           for i in range(24)], "path,label")  # (row 17 read row by row from the start)
+    _stops(odd, r"odd.csv row 21: label 'cat' is a class name, .* list the classes' names in data.classes", 64)
 
 
 def _stops(path: Path, error: str, block_bytes: int = 160) -> None:

@@ -24,7 +24,7 @@ from extractor.cli.run import _stopped
 from extractor.data.listing import list_rows, stream_rows
 from extractor.data.streamed import Streamed
 from extractor.driver.runner import run
-from extractor.errors import CountError, DataError
+from extractor.errors import CountError, DataError, RemakeError
 from extractor.read.reader import open_store
 from extractor.spec.data_spec import DataSpec
 from extractor.spec.load import parse_spec
@@ -132,6 +132,28 @@ def test_a_job_whose_later_tar_disagrees_says_to_make_its_store_again(image_dir:
     assert "--overwrite makes it again" in said and "run the job again with:" in said
     assert said.endswith("run job.yaml --overwrite") and "--resume" not in said
     (tmp_path / "tars" / "shard-002_stats.json").write_text(json.dumps({"successes": 4}))
+    spec["output"]["if_exists"] = "overwrite"
+    assert run(parse_spec(spec)).ok == 12
+
+
+def test_a_job_whose_later_tar_holds_a_class_name_says_to_make_its_store_again(image_dir: Path, tmp_path: Path):
+    """Labels taken as class indices as the tars came (data.classes not given), then a name: the job stops at its
+    sample, and the command it says to run once data.classes lists the classes is --overwrite (a resume with
+    another data.classes is refused: the store was made without it); that run completes."""
+    images = images_of(image_dir)
+    folders = sorted({p.parent.name for p in images})
+    labels: dict[str, object] = {f: i for i, f in enumerate(folders)}
+    labels[images[-1].parent.name] = "emu"
+    spec = job(image_dir, tmp_path / "t.zarr", data={"source": "tar", "tars": _tars(image_dir, tmp_path / "tars",
+                                                                                    labels), "shard_size": 4,
+                                                     "batch_size": 4})
+    with pytest.raises(RemakeError, match=r"label 'emu' is a class name") as failed:
+        run(parse_spec(spec))
+    said = _stopped(failed.value, "extractor run job.yaml --resume", ["run", "job.yaml", "--resume"], None)
+    assert "The store was made for labels taken as class indices (data.classes not given): once fixed, --overwrite " \
+        "makes it again" in said and said.endswith("run job.yaml --overwrite") and "--resume" not in said
+    assert folders[0] != images[-1].parent.name  # (the first folder's label 0, the last's "emu")
+    spec["data"]["classes"] = ["0", "emu"]
     spec["output"]["if_exists"] = "overwrite"
     assert run(parse_spec(spec)).ok == 12
 

@@ -195,8 +195,9 @@ def test_the_plan_of_labels_named_without_data_classes_says_how_the_run_takes_th
     for name, label in (("names", lambda p: p.parent.name), ("indices", lambda p: str(len(p.parent.name) % 2))):
         (tmp_path / f"{name}.csv").write_text("path,label\n" + "".join(
             f"{p.relative_to(image_dir)},{label(p)}\n" for p in images))
-    said = r"labels are class names \('cats', 'dogs'\) and data.classes is not given: .* first block \(a megabyte\) " \
-        r"holds a name, and stops at the row of a name first read later .*; list the classes' names in data.classes"
+    said = r"labels are class names \(the first: 'cats', row 1\) and data.classes is not given: .* first block \(a " \
+        r"megabyte\) holds a name, and stops at the first name read after it .*; list the classes' names in " \
+        r"data.classes"
 
     def warned(data: dict) -> list[str]:
         return preview(parse_spec(job(image_dir, tmp_path / "s.zarr", data=data))).warnings
@@ -205,4 +206,8 @@ def test_the_plan_of_labels_named_without_data_classes_says_how_the_run_takes_th
     assert any(re.search(said, w) for w in warned({**manifest, "manifest": str(tmp_path / "names.csv")}))
     assert warned({**manifest, "manifest": str(tmp_path / "names.csv"), "classes": ["cats", "dogs"]}) == []
     assert warned({**manifest, "manifest": str(tmp_path / "indices.csv")}) == []
+    (tmp_path / "mixed.csv").write_text("path,label\n" + "".join(
+        f"{p.relative_to(image_dir)},{'emu' if i == 9 else i % 2}\n" for i, p in enumerate(images)))
+    assert any(re.search(r"labels are class indices beside class names \(the first name: 'emu', row 10\)", w)
+               for w in warned({**manifest, "manifest": str(tmp_path / "mixed.csv")}))
     assert warned({}) == []

@@ -287,7 +287,8 @@ class Stats:
     files one at a time took hours (at 0.3 ms a stat, simulated: 9x faster on the threads). Their fingerprints come
     back in the order they were asked for (``with``: the threads end with it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stopped: Callable[[], bool] | None = None) -> None:
+        self.stopped = stopped  # asked before each piece of files: a listing streamed whose job stopped stops there
         threads = os.environ.get("EXTRACTOR_STAT_THREADS", "").strip() or str(STAT_THREADS)
         if not (threads.isascii() and threads.isdigit()):
             raise DataError(f"EXTRACTOR_STAT_THREADS={threads!r} is not a number of threads; set it to 0 (files "
@@ -301,6 +302,8 @@ class Stats:
         fingerprints now due (of these files or of those asked for before), in the order they were asked for."""
         due = []
         for a in range(0, len(names), STAT_PIECE):
+            if self.stopped is not None and self.stopped():
+                raise DataError("the listing stopped: its job stopped")
             piece = names[a:a + STAT_PIECE]
             if self.ahead.depth or not self.threads:
                 due += self.ahead.submit(folder_prints, folder, piece)

@@ -7,6 +7,7 @@ are stat-ed by name (``data.verify: files``, the default: a file rewritten in pl
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import DataError
+from ...errors import CountError, DataError
 from ..files import (
     absolute,
     display_name,
@@ -116,16 +117,19 @@ def _times(path: str) -> list[int] | None:
 
 
 def _entries(path: str) -> tuple[list[str], list[str]]:
-    """A folder's entries as :func:`os.walk` following links sorts them: (files, folders), each sorted."""
+    """A folder's entries as :func:`os.walk` following links sorts them: (files, folders), each sorted; a FIFO,
+    socket or device is neither (a read of a FIFO named ``x.jpg`` waited forever)."""
     files: list[str] = []
     folders: list[str] = []
     with os.scandir(path) as entries:
         for entry in entries:
             try:
                 is_dir = entry.is_dir()
+                is_file = not is_dir and (entry.is_symlink() or entry.is_file())  # (a broken link: a file, as before)
             except OSError:
-                is_dir = False
-            (folders if is_dir else files).append(entry.name)
+                is_dir, is_file = False, True
+            if is_dir or is_file:
+                (folders if is_dir else files).append(entry.name)
     return sorted(files), sorted(folders)
 
 
@@ -154,7 +158,7 @@ class _Walk:
     store: one unchanged since is not listed, its rows taken from the store (``recorded``)."""
 
     def __init__(self, top: str, extensions: Sequence[str], kept: _Kept | None = None, counting: bool = False,
-                 index: dict[str, int] | None = None) -> None:
+                 index: dict[str, int] | None = None, stopped: Callable[[], bool] | None = None) -> None:
         self.top, self.exts, self.kept = top, tuple(e.lower() for e in extensions), kept
         self.counting = counting  # only the images counted, each folder's (no name kept, no file stat-ed)
         # streamed (:func:`_stream_folder`): each row's class index (of its top folder in ``index``) as it is taken
@@ -164,7 +168,7 @@ class _Walk:
         self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
         self.prints = Column("Q")  # (taken in order from where the files are stat-ed, :class:`.Stats`)
         self.listed = 0  # rows listed (their files asked to be stat-ed)
-        self._stats = Stats()
+        self._stats = Stats(stopped)
         self.folders: list[list[Any]] = []  # [relative path ("": the root), mtime, ctime] of each folder walked
         self.counts: list[int] = []  # each one's rows
         self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
@@ -246,6 +250,22 @@ class _Walk:
 
         return subfolders, take
 
+    def change_from(self, counted: _Walk) -> str | None:
+        """What differs from the walk that ``counted`` the images first: the first folder there in one walk only,
+        or that holds another number of images; None: none."""
+        now = [(f[0], n) for f, n in zip(self.folders, self.counts, strict=True)]
+        was = [(f[0], n) for f, n in zip(counted.folders, counted.counts, strict=True)]
+        for (rel, n), (rel_was, m) in itertools.zip_longest(now, was, fillvalue=(None, 0)):
+            if rel != rel_was:  # (walked in order: the first of the two is there in one walk only)
+                new = rel_was is None or (rel is not None and rel.split("/") < rel_was.split("/"))
+                shown = display_name(_real(str(rel if new else rel_was)))
+                return f"folder {shown!r} " + ("is there now, not when its images were counted" if new else
+                                               "was there when its images were counted, and is gone now")
+            if n != m:
+                return f"folder {display_name(_real(str(rel))) or '.'!r} held {m} images when they were counted, " \
+                    f"{n} now"
+        return None
+
     def tops(self) -> list[str]:
         """The top-level folder of each folder walked (the root's: "")."""
         return [_top_of(rel) for rel, *_ in self.folders]
@@ -317,13 +337,22 @@ def _stream_folder(root: Path, extensions: Sequence[str], settings: dict[str, An
     if not counted.listed or (classes is not None and not set(present) <= set(classes)):
         return None  # (the whole listing names the folders data.classes does not)
     named = list(classes) if classes is not None else present
-    walk = _Walk(top, extensions, index={c: i for i, c in enumerate(named)})
+    made: list[Streamed] = []
+
+    def stopped() -> bool:  # (asked from its listing's thread, which may start before it is made)
+        return bool(made) and made[0].stopping
+
+    walk = _Walk(top, extensions, index={c: i for i, c in enumerate(named)}, stopped=stopped)
 
     def lister() -> Lister:
         yield from walk.steps()
+        changed = walk.change_from(counted)
+        if changed:
+            raise CountError(f"data.root {top} changed while it was listed: {changed}")
         return then(walk.rows(settings))
 
-    return Streamed(counted.listed, named, lister(), walk.prefix, fingerprinted=True)
+    made.append(Streamed(counted.listed, named, lister(), walk.prefix, fingerprinted=True))
+    return made[0]
 
 
 class FolderSource(Source):

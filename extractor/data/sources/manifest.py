@@ -38,8 +38,12 @@ from ..rows import (
     Rows,
     Strings,
     duplicate,
+    first_where,
+    label_number,
     labels_of,
     labels_of_codes,
+    late_name,
+    whole_number,
 )
 from ..spill import Column
 from ..streamed import Lister, Streamed
@@ -153,13 +157,20 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
                                     listing=listing))
         rows = _list_manifest(manifest, root, storage, outside_root, columns, stopped)
         if bulk.codes is not None and bulk.codes.codes.classes is None and rows.classes:  # (the prefixes: indices)
-            raise DataError(f"{manifest}: labels {', '.join(map(repr, rows.classes[:5]))} are class names, and names "
-                            "are numbered once every label is read; list the classes' names in data.classes to take "
-                            "them as they come")
+            raise _first_name(manifest, rows)
         return then(replace(rows, listing=listing))
 
     made.append(Streamed(n, list(classes or []), lister(), bulk.prefix, fingerprinted=True))
     return made[0]
+
+
+def _first_name(manifest: str, rows: Rows) -> DataError:
+    """The error of a streamed listing of class indices whose rows, read row by row, hold a class name: the first
+    name, named by its row (the listing made whole numbers every label as a name then, indices included)."""
+    names = [k for k, c in enumerate(rows.classes) if (d := label_number(c)) is None or not whole_number(d)]
+    row = first_where(rows.labels, lambda block: np.isin(block, names))
+    assert row is not None
+    return late_name(f"{manifest} row {row + 1}: label {rows.classes[int(rows.labels[row])]!r} is a class name")
 
 
 class _ArrowCodes:
