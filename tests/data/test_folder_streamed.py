@@ -198,3 +198,22 @@ def test_a_stopped_job_stops_its_folder_listing_within_a_folder(tmp_path: Path, 
         streamed.whole()
     streamed._thread.join(WAIT_S)  # (the listing's own end: what it stat-ed after the stop)
     assert not streamed._thread.is_alive() and calls[0] == 4  # (the piece it was stat-ing, none of the other 16)
+
+
+def test_a_name_that_is_not_utf8_and_one_written_as_it_is_shown_are_refused(tmp_path: Path):
+    """An id shows a name that is not UTF-8 with its bytes as \\xNN; a file named so too made two rows of one id
+    (``row(id)`` found the first). Both listings refuse it, naming the id and the rows."""
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    with open(bytes(tmp_path / "images" / "cat") + b"/\xff.jpg", "wb") as f:
+        f.write(b"odd")
+    (tmp_path / "images" / "cat" / "\\xff.jpg").write_bytes(b"plain")
+    (tmp_path / "images" / "cat" / "ok.jpg").write_bytes(b"ok")
+    data = DataSpec(source="folder", root=str(tmp_path / "images"))
+    said = r"'cat/\\\\xff.jpg' names two images: a name that is not UTF-8 \(its bytes shown as \\xNN\) and one " \
+        r"written so \(rows 1 and 3\); rename one of them"
+    with pytest.raises(DataError, match=said):
+        list_rows(data)
+    streamed = stream_rows(data)
+    assert isinstance(streamed, Streamed)
+    with pytest.raises(DataError, match=said):
+        streamed.whole()

@@ -28,7 +28,7 @@ from ..files import (
     remote_fingerprint,
     storable_path,
 )
-from ..rows import STRINGS, Joined, Joining, Rows, Strings, Texts, named, strings
+from ..rows import STRINGS, Joined, Joining, Rows, Strings, Texts, duplicate, named, strings
 from ..spill import Column
 from ..streamed import Lister, Streamed
 from . import Recorded, Source, Stats, files_now
@@ -164,6 +164,7 @@ class _Walk:
         # streamed (:func:`_stream_folder`): each row's class index (of its top folder in ``index``) as it is taken
         self.index, self.labels = index, Column("q") if index is not None else None
         self.printed = 0  # rows whose fingerprints are asked for and due (taken once their folder's are)
+        self.escaped = False  # whether an id is a name that is not UTF-8, its bytes shown as \xNN
         self.ids = Strings()
         self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
         self.prints = Column("Q")  # (taken in order from where the files are stat-ed, :class:`.Stats`)
@@ -242,7 +243,9 @@ class _Walk:
                 self.paths.parts(0, subs, are_ids=True)
             else:
                 for sub in subs:
-                    self.ids.append(display_name(sub))
+                    shown = display_name(sub)
+                    self.escaped = self.escaped or shown != sub  # (its id may be another file's name: checked)
+                    self.ids.append(shown)
                     self.paths.whole(storable_path(os.path.join(self.top, sub)))  # undecodable names: hex, whole
             if self.labels is not None and self.index is not None:
                 self.labels.extend(np.full(len(subs), self.index.get(_top_of(storable_path(rel)), -1), np.int64))
@@ -298,6 +301,11 @@ class _Walk:
             assert recorded is not None
             ids, paths, prints = (self._joined(recorded, name, own, dtype, stat) for name, own, dtype in (
                 ("ids", listed, STRINGS), ("paths", paths, STRINGS), ("fingerprint", prints, np.uint64)))
+        twice = duplicate(ids) if self.escaped else None
+        if twice is not None:
+            raise DataError(f"data.root {self.top}: {str(ids[twice[0]])!r} names two images: a name that is not UTF-8 "
+                            r"(its bytes shown as \xNN) and one written so (rows "
+                            f"{twice[0] + 1} and {twice[1] + 1}); rename one of them")
         labels, classes = _folder_labels(self.tops(), self.counts, lambda: str(ids[0]))
         listing = {**settings, "folders": self.folders, "rows": self.counts} if len(self.folders) <= _MAX_FOLDERS \
             else None
