@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         Rows,
         Shard,
         Texts,
+        first_name,
         first_where,
         labels_of,
         plan,

@@ -765,6 +765,15 @@ class ClassCodes:
                         "none) nor a name there; fix the label or data.classes")
 
 
+def first_name(rows: Rows) -> tuple[int, bool] | None:
+    """The first row whose label is a class name that is not a class index (as :func:`labels_of` made every label
+    a name: ``rows.classes``), and whether every class is such a name (else indices and names were mixed); None:
+    the rows have no classes."""
+    names = [k for k, c in enumerate(rows.classes) if (d := label_number(c)) is None or not whole_number(d)]
+    row = first_where(rows.labels, lambda block: np.isin(block, names)) if names else None
+    return None if row is None else (row, len(names) == len(rows.classes))
+
+
 def late_name(what: str) -> RemakeError:
     """The error of a listing streamed without data.classes, its labels taken as class indices as they came (the
     store's so far), that reads a class name (``what``: the label and its row): names are numbered once every label

@@ -19,11 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .._text import count, estimate, size, table
-from ..data import Rows, first_where, list_rows, plan, sample_of
-from ..data.rows import label_number, whole_number
+from ..data import Rows, first_name, list_rows, plan, sample_of
 from ..errors import DataError, StoreError
 from ..spec import JobSpec, parse_spec
 from ..store import (
@@ -221,12 +218,12 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
 def _named_labels(source: str, rows: Rows, sampled: str | None) -> str:
     """The warning of a plan whose labels are class names, data.classes not given: how a run takes them (a listing
     streamed takes labels as class indices as they come: :func:`.runner._streamed`)."""
-    names = [k for k, c in enumerate(rows.classes) if (d := label_number(c)) is None or not whole_number(d)]
-    row = first_where(rows.labels, lambda block: np.isin(block, names))
-    assert row is not None
+    found = first_name(rows)
+    assert found is not None
+    row, only_names = found
     first = f"{rows.classes[int(rows.labels[row])]!r}, row {row + 1}{' of the part listed' if sampled else ''}"
-    said = f"labels are class indices beside class names (the first name: {first})" \
-        if len(names) < len(rows.classes) else f"labels are class names (the first: {first})"
+    said = f"labels are class names (the first: {first})" if only_names else \
+        f"labels are class indices beside class names (the first name: {first})"
     return (f"{said} and data.classes is not given: names are numbered once every label is read, so the run lists "
             f"this source whole before its first shard where its first {_FIRST_PART[source]} holds a name, and "
             "stops at the first name read after it (its rows taken as class indices until then); list the classes' "

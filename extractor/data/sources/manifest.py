@@ -38,12 +38,10 @@ from ..rows import (
     Rows,
     Strings,
     duplicate,
-    first_where,
-    label_number,
+    first_name,
     labels_of,
     labels_of_codes,
     late_name,
-    whole_number,
 )
 from ..spill import Column
 from ..streamed import Lister, Streamed
@@ -167,10 +165,10 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
 def _first_name(manifest: str, rows: Rows) -> DataError:
     """The error of a streamed listing of class indices whose rows, read row by row, hold a class name: the first
     name, named by its row (the listing made whole numbers every label as a name then, indices included)."""
-    names = [k for k, c in enumerate(rows.classes) if (d := label_number(c)) is None or not whole_number(d)]
-    row = first_where(rows.labels, lambda block: np.isin(block, names))
-    assert row is not None
-    return late_name(f"{manifest} row {row + 1}: label {rows.classes[int(rows.labels[row])]!r} is a class name")
+    first = first_name(rows)
+    assert first is not None
+    return late_name(f"{manifest} row {first[0] + 1}: label {rows.classes[int(rows.labels[first[0]])]!r} is a class "
+                     "name")
 
 
 class _ArrowCodes:
