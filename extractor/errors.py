@@ -44,8 +44,8 @@ class RemakeError(DataError):
     rows, its classes, labels taken as class indices): no resume finishes that store; ``--overwrite`` makes it
     again."""
 
-    def __init__(self, message: str, made_for: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, made_for: str = "") -> None:  # (made again from its message when unpickled,
+        super().__init__(message)  # its made_for put back with its other attributes)
         self.made_for = made_for
 
 
@@ -53,8 +53,8 @@ class CountError(RemakeError):
     """A source listed behind the job's start holds another number of rows than it was counted to hold, which the
     store was made with."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "the rows counted first")
+    def __init__(self, message: str, made_for: str = "the rows counted first") -> None:
+        super().__init__(message, made_for)
 
 
 class ModelError(ExtractorError, ValueError):

@@ -50,3 +50,19 @@ def test_a_device_fault_is_found_behind_the_errors_that_wrap_it_and_is_never_an_
     assert device_fault(outer.value) is fault
     assert device_fault(ValueError("x")) is None
     assert accelerator in not_an_image() and LayerError in not_an_image()
+
+
+def test_an_error_that_says_to_make_the_store_again_crosses_processes_whole():
+    """A RemakeError (and a CountError) pickled and read back (a listing process's, a Ray job's) keeps its message,
+    what the store was made for (the CLI's --overwrite line) and what the session marked on it."""
+    import pickle
+
+    from extractor.errors import CountError, RemakeError
+
+    late = RemakeError("row 9: label 'emu' is a class name", "labels taken as class indices")
+    late.creating = True  # type: ignore[attr-defined]
+    for err, made_for in ((late, "labels taken as class indices"), (CountError("3 rows, 4 listed"),
+                                                                   "the rows counted first")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and back.made_for == made_for
+    assert pickle.loads(pickle.dumps(late)).creating is True
