@@ -120,17 +120,15 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
     the same rows). ``record``: the manifest's listing record (a read of the whole file: made once it streams,
     before its rows are read); ``then``: made of the whole listing."""
     names = _Columns(manifest, columns)
-    if not _bulk_reads(manifest):
-        return None
-    n = _lines(manifest, storage, names, labeled=ClassCodes.usable(classes))
+    if not _bulk_reads(manifest) or not ClassCodes.usable(classes):
+        return None  # (data.classes with a name that reads as a number: its labels are known once all are read)
+    n = _lines(manifest, storage, names)
     if not n:
         return None
     base = _made(_base(manifest, root).rstrip("/") + "/")
-    if _ArrowCodes.of(manifest, classes) is None:
-        return None  # (data.classes with a name that reads as a number: its labels are known once all are read)
-    if not _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ArrowCodes.of(manifest, classes))):
+    if not _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ArrowCodes(manifest, classes))):
         return None
-    bulk = _Bulk(base, names, outside_root, _ArrowCodes.of(manifest, classes))
+    bulk = _Bulk(base, names, outside_root, _ArrowCodes(manifest, classes))
     listing = record()
     made: list[Streamed] = []
 
@@ -182,10 +180,6 @@ class _ArrowCodes:
         self.known: dict[object, int] = {"": -1}  # each label read so far: its class index
         self.rows = 0  # rows coded so far
 
-    @classmethod
-    def of(cls, manifest: str, classes: list[str] | None) -> _ArrowCodes | None:
-        return cls(manifest, classes) if ClassCodes.usable(classes) else None
-
     def coded(self, label: Any) -> np.ndarray:
         """A block's labels (nulls: none) as class indices (int64; -1: none)."""
         encoded = label.dictionary_encode()
@@ -234,12 +228,11 @@ def _json(manifest: str) -> bool:
     return _suffix(manifest) in JSON_LINES
 
 
-def _lines(manifest: str, storage: dict, names: _Columns, labeled: bool) -> int | None:
+def _lines(manifest: str, storage: dict, names: _Columns) -> int | None:
     """The rows of a CSV manifest counted as its lines after its header (of JSON lines, as its lines), where each
     is a row: no quote in a CSV (a quoted value may hold a line break), no carriage return, no blank line (neither
-    is a row); and in a CSV, no label column but where ``labeled`` (they are coded as read: :class:`_ArrowCodes`),
-    every column data.columns names there. None otherwise. A read of the file at the speed of the disk or
-    the network: no row parsed."""
+    is a row); and in a CSV, every column data.columns names there. None otherwise. A read of the file at the speed
+    of the disk or the network: no row parsed."""
     try:
         with _opened(manifest, storage) as f:
             first = f.read(1 << 20)
@@ -247,8 +240,7 @@ def _lines(manifest: str, storage: dict, names: _Columns, labeled: bool) -> int 
                 return _counted(itertools.chain([first], iter(lambda: f.read(16 << 20), b"")), quotes=True)
             end = first.find(b"\n") + 1
             header = _header(first[:end])
-            if header is None or (names.label in header and not labeled) or names.image not in header or \
-                    any(c not in header for c in names.mapped):
+            if header is None or names.image not in header or any(c not in header for c in names.mapped):
                 return None
             return _counted(itertools.chain([first[end:]], iter(lambda: f.read(16 << 20), b"")))
     except Exception as err:
