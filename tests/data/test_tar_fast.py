@@ -18,6 +18,19 @@ from extractor.data.sources.tar import list_tars, scan_tar
 from extractor.errors import DataError
 
 
+@pytest.fixture(autouse=True, params=["interpreted", "compiled"])
+def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test with the headers walked by the interpreter (no numba), then by the compiled walk (numba, the
+    ``index`` extra), each past a tar's first header (as a tar of more than ``_INTERPRETED`` headers)."""
+    monkeypatch.setattr(_tar_fast, "_INTERPRETED", 1)
+    if request.param == "compiled":
+        pytest.importorskip("numba")
+        assert _tar_fast._walk_kernel() is not None
+    else:
+        monkeypatch.setattr(_tar_fast, "_KERNEL", [None])
+    return str(request.param)
+
+
 def _expected(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, int, Any]]:
     """(key, image member, data offset, size, raw label) of each sample with an image, from tarfile's members:
     the key is the name to the first dot of its file name; the label the last ``.cls`` text, else the first
@@ -94,6 +107,36 @@ def test_the_bulk_reader_gives_tarfiles_samples(tmp_path: Path):
     assert _listed(path, (".jpg",)) == _expected(path, (".jpg",))
     ustar = _write(tmp_path / "u.tar", _members(50), fmt=tarfile.USTAR_FORMAT)
     assert _fast(ustar) and _listed(ustar, (".jpg",)) == _expected(ustar, (".jpg",))
+
+
+def test_the_compiled_walk_finds_what_the_bulk_steps_find(tmp_path: Path, walk: str):
+    """Where the walk is compiled it also gives each header's size, byte sum and name length: the same as the bulk
+    steps make of the headers (the reference, as without numba), on a tar of many kinds of member. A size field
+    the compiled walk does not read (spaces before its digits, which tarfile and ``int()`` read) hands the rest of
+    the tar to the interpreted walk: the same members, the facts then made in bulk."""
+    path = _write(tmp_path / "t.tar", _members(300))
+    data = bytearray(path.read_bytes())
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        starts, stop, facts = _tar_fast._walk(mm)
+        block = _tar_fast._gathered(mm, starts)
+    assert len(starts) > 300 and data[stop:stop + 512] == bytes(512)  # (members, folders, links; the end mark)
+    assert (facts is not None) == (walk == "compiled")
+    if facts is not None:
+        assert facts[0].tolist() == _tar_fast._octal(block[:, 124:136], 11).tolist()
+        assert facts[1].tolist() == block.sum(1).tolist()
+        assert facts[2].tolist() == _tar_fast._first_zero(block[:, :100]).tolist()
+    third = int(starts[3])  # a member's header: its size field written "  000000017" (as some writers pad)
+    field = bytes(data[third + 124:third + 135])
+    assert field[:2] == b"00"
+    data[third + 124:third + 135] = b"  " + field[2:]
+    data[third + 148:third + 156] = b" " * 8
+    data[third + 148:third + 156] = b"%06o\0 " % sum(data[third:third + 512])
+    odd = tmp_path / "odd.tar"
+    odd.write_bytes(bytes(data))
+    with open(odd, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        again, _, facts = _tar_fast._walk(mm)
+    assert again.tolist() == starts.tolist() and facts is None
+    assert _fast(odd) and _listed(odd, (".jpg",)) == _expected(odd, (".jpg",)) == _expected(path, (".jpg",))
 
 
 def test_tars_the_bulk_reader_leaves_to_the_plain_one_list_the_same(tmp_path: Path):

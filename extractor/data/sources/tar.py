@@ -85,8 +85,8 @@ class Samples:
 
     keys: list[str] | Texts = field(default_factory=list)  # (a Texts from the bulk reader: ASCII, no str made)
     members: list[str] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
+    offsets: list[int] | np.ndarray = field(default_factory=list)  # (arrays from the bulk reader)
+    sizes: list[int] | np.ndarray = field(default_factory=list)
     # each sample's raw label (None: none); or, where ``label_codes`` is given (the bulk reader's), the distinct
     # ones and each sample's code into them
     labels: list[Any] = field(default_factory=list)
@@ -170,7 +170,7 @@ def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str
             rec[0], rec[1], rec[2] = name, offset, size
         elif ext in (".cls", ".json") and size < 1 << 20:
             rec[3] = _read_label(_read_at(fobj, offset, size), ext, rec[3])
-    out, keys = Samples(), []
+    out, keys, offsets, sizes = Samples(), [], [], []
     for key, (member, offset, size, label) in found.items():
         if member is None:
             out.left_out += 1
@@ -178,10 +178,10 @@ def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str
         else:
             keys.append(key)
             out.members.append(member)
-            out.offsets.append(offset)
-            out.sizes.append(size)
+            offsets.append(offset)
+            sizes.append(size)
             out.labels.append(None if label is _NO_LABEL else label)
-    out.keys = keys
+    out.keys, out.offsets, out.sizes = keys, offsets, sizes
     return out, list(found)
 
 
@@ -268,7 +268,8 @@ def check_unambiguous(url: str, storage_options: dict[str, Any]) -> None:
             )
 
 
-def member_fingerprints(tar_print: int, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+def member_fingerprints(tar_print: int, offsets: Sequence[int] | np.ndarray,
+                        sizes: Sequence[int] | np.ndarray) -> np.ndarray:
     """Each member's fingerprint, from its tar's, its offset and its size (:func:`~..files.part_fingerprints`: a
     tar's million members at once; 0: the tar's is unknown)."""
     return part_fingerprints(tar_print, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
