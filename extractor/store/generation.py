@@ -284,6 +284,11 @@ class Generation:
             return (f"store {self.objects.url} is being created by another extractor job now: pid {m.get('pid')} on "
                     f"{m.get('host')} (user {m.get('user')}, started {m.get('started')}); open it once that job has "
                     "created it")
+        ended = [m["ended"] for m in self.roster.all() if m.get("ended")]  # (the latest started last)
+        if ended and ended[-1].get("remake"):  # its listing found what the store was not made for: no resume can
+            error = str(ended[-1].get("error") or "").split(": ", 1)[-1].rstrip(".")
+            return (f"store {self.objects.url} was left half-created by a run whose listing stopped it ({error}); "
+                    f"the store was made for {ended[-1]['remake']}: once fixed, run the job again with --overwrite")
         return (f"store {self.objects.url} was left half-created by a run that failed while creating it (or while "
                 "writing its rows' arrays): run the job again with --resume (it writes the rows again and keeps the "
                 "shards finished meanwhile) or --overwrite")

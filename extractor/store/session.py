@@ -24,7 +24,7 @@ import numpy as np
 
 from .._text import count, now
 from ..data import Rows, Shard, Streamed, reuse, source
-from ..errors import FencedError, StoreError
+from ..errors import FencedError, RemakeError, StoreError
 from ..spec import JobSpec
 from .chunks import read_all
 from .claimants import Claimant, alive, gone
@@ -805,7 +805,9 @@ class StoreSession:
         if self.claimant is None:
             return
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-        self._end(status, f"{type(err).__name__}: {err}"[:1000])  # its own record: no one else's object
+        # its own record: no one else's object; what the store was made for where only --overwrite finishes it
+        self._end(status, f"{type(err).__name__}: {err}"[:1000],
+                  **({"remake": err.made_for} if isinstance(err, RemakeError) else {}))
         if isinstance(err, FencedError) or getattr(err, "busy", False):
             return
         gen = self.generation
@@ -814,7 +816,7 @@ class StoreSession:
         err.creating = creating  # type: ignore[attr-defined]  # and says what is left of the store: half-made,
         err.replaced = self._replaced  # type: ignore[attr-defined]  # and what it held before gone
 
-    def _end(self, status: str, error: str | None = None) -> None:
+    def _end(self, status: str, error: str | None = None, **said: Any) -> None:
         if self.claimant is None or self._ended:
             return
         self._ended = True
@@ -826,7 +828,7 @@ class StoreSession:
                 stats = self._stats(self.generation.open())
             except Exception as err:  # noqa: BLE001 - the storage that stopped the job may refuse this too
                 log.debug("statistics of %s not merged: %s", self.spec.output.store, err)
-        self.claimant.end(status, error, **({"stats": stats} if stats is not None else {}))
+        self.claimant.end(status, error, **said, **({"stats": stats} if stats is not None else {}))
 
     def close(self) -> None:
         """End this claimant's part (one that did not say how it ended is ended as interrupted)."""

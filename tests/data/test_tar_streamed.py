@@ -24,7 +24,7 @@ from extractor.cli.run import _stopped
 from extractor.data.listing import list_rows, stream_rows
 from extractor.data.streamed import Streamed
 from extractor.driver.runner import run
-from extractor.errors import CountError, DataError, RemakeError
+from extractor.errors import CountError, DataError, RemakeError, StoreError
 from extractor.read.reader import open_store
 from extractor.spec.data_spec import DataSpec
 from extractor.spec.load import parse_spec
@@ -131,6 +131,12 @@ def test_a_job_whose_later_tar_disagrees_says_to_make_its_store_again(image_dir:
     said = _stopped(failed.value, "extractor run job.yaml --resume", ["run", "job.yaml", "--resume"], None)
     assert "--overwrite makes it again" in said and "run the job again with:" in said
     assert said.endswith("run job.yaml --overwrite") and "--resume" not in said
+    for again in (lambda: run(parse_spec(spec)), lambda: open_store(str(tmp_path / "t.zarr"))):  # (run, inspect)
+        with pytest.raises(StoreError) as left:  # the half-made store says the same, not --resume
+            again()
+        assert "left half-created by a run whose listing stopped it (tar shard " in str(left.value)
+        assert str(left.value).endswith("the store was made for the rows counted first: once fixed, run the job "
+                                         "again with --overwrite") and "--resume" not in str(left.value)
     (tmp_path / "tars" / "shard-002_stats.json").write_text(json.dumps({"successes": 4}))
     spec["output"]["if_exists"] = "overwrite"
     assert run(parse_spec(spec)).ok == 12
