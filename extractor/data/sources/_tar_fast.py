@@ -110,44 +110,48 @@ def _walk_kernel() -> Any:
     about 0.05 us, the pages it reads the same."""
     if not _KERNEL:
         try:
-            import numba
-        except ImportError:
+            _KERNEL.append(_compiled())
+        except (ImportError, RuntimeError):  # no numba; or no folder its cache can be kept in: interpreted
             _KERNEL.append(None)
-            return None
-
-        @numba.njit(nogil=True, cache=True, boundscheck=False)
-        def size_at(data: Any, pos: int) -> int:  # the size field's first 11 bytes as octal digits; -1: not so
-            size = 0
-            for k in range(pos + 124, pos + 135):
-                digit = int(data[k]) - 48
-                if digit < 0 or digit > 7:
-                    return -1
-                size = size * 8 + digit
-            return size
-
-        @numba.njit(nogil=True, cache=True, boundscheck=False)
-        def walk(data: Any, pos: int, out: Any) -> tuple[int, int]:
-            n, last = 0, len(data) - _BLOCK
-            while pos <= last and n < out.shape[1]:
-                size = size_at(data, pos)
-                if size < 0:
-                    break
-                out[0, n], out[1, n] = pos, size
-                n += 1
-                pos += 1023 + size & -512
-            for i in range(n):  # (summed as unsigned numbers, apart from the walk: 15 times as quick)
-                block, total, name = data[out[0, i]:out[0, i] + _BLOCK], np.uint32(0), 100
-                for k in range(_BLOCK):
-                    total += block[k]
-                for k in range(100):
-                    if block[k] == 0:
-                        name = k
-                        break
-                out[2, i], out[3, i] = total, name
-            return n, pos
-
-        _KERNEL.append(walk)
     return _KERNEL[0]
+
+
+def _compiled() -> Any:
+    """:func:`_walk_kernel`'s compiled walk (compiled when first called, and cached beside this module)."""
+    import numba
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def size_at(data: Any, pos: int) -> int:  # the size field's first 11 bytes as octal digits; -1: not so
+        size = 0
+        for k in range(pos + 124, pos + 135):
+            digit = int(data[k]) - 48
+            if digit < 0 or digit > 7:
+                return -1
+            size = size * 8 + digit
+        return size
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def walk(data: Any, pos: int, out: Any) -> tuple[int, int]:
+        n, last = 0, len(data) - _BLOCK
+        while pos <= last and n < out.shape[1]:
+            size = size_at(data, pos)
+            if size < 0:
+                break
+            out[0, n], out[1, n] = pos, size
+            n += 1
+            pos += 1023 + size & -512
+        for i in range(n):  # (summed as unsigned numbers, apart from the walk: 15 times as quick)
+            block, total, name = data[out[0, i]:out[0, i] + _BLOCK], np.uint32(0), 100
+            for k in range(_BLOCK):
+                total += block[k]
+            for k in range(100):
+                if block[k] == 0:
+                    name = k
+                    break
+            out[2, i], out[3, i] = total, name
+        return n, pos
+
+    return walk
 
 
 def _members(mm: mmap.mmap, url: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
