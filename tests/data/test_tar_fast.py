@@ -139,6 +139,19 @@ def test_the_compiled_walk_finds_what_the_bulk_steps_find(tmp_path: Path, walk: 
     assert _fast(odd) and _listed(odd, (".jpg",)) == _expected(odd, (".jpg",)) == _expected(path, (".jpg",))
 
 
+def test_a_numba_that_does_not_load_leaves_the_walk_interpreted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """numba installed but broken (llvmlite's library not loaded: an OSError on import; a compile error; no folder
+    for its cache): the tar is listed as without numba, never refused."""
+    path = _write(tmp_path / "t.tar", _members(40))
+
+    def broken() -> None:
+        raise OSError("Could not find/load shared object file: libllvmlite.so")
+
+    monkeypatch.setattr(_tar_fast, "_KERNEL", [])
+    monkeypatch.setattr(_tar_fast, "_compiled", broken)
+    assert _listed(path, (".jpg",)) == _expected(path, (".jpg",)) and _tar_fast._KERNEL == [None]
+
+
 def test_tars_the_bulk_reader_leaves_to_the_plain_one_list_the_same(tmp_path: Path):
     """pax headers (a name beyond ASCII, a long name) and a ustar prefix folder: read the plain way, as tarfile."""
     for name, fmt, extra in (("pax.tar", tarfile.PAX_FORMAT, [("ünï/cödé.jpg", b"u")]),

@@ -111,13 +111,14 @@ def _walk_kernel() -> Any:
     if not _KERNEL:
         try:
             _KERNEL.append(_compiled())
-        except (ImportError, RuntimeError):  # no numba; or no folder its cache can be kept in: interpreted
-            _KERNEL.append(None)
+        except Exception:  # noqa: BLE001 - no numba, a numba that does not load or compile, or no folder for its
+            _KERNEL.append(None)  # cache: the walk interpreted (an optional extra never stops a listing)
     return _KERNEL[0]
 
 
 def _compiled() -> Any:
-    """:func:`_walk_kernel`'s compiled walk (compiled when first called, and cached beside this module)."""
+    """:func:`_walk_kernel`'s compiled walk, compiled now for a mapped file's bytes (read-only; cached beside this
+    module, or in the user's cache folder)."""
     import numba
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -151,6 +152,9 @@ def _compiled() -> Any:
             out[2, i], out[3, i] = total, name
         return n, pos
 
+    empty = np.zeros(_BLOCK, np.uint8)
+    empty.flags.writeable = False  # (as a mapping's bytes are: the type it is compiled for)
+    walk(empty, 0, np.zeros((4, 1), np.int64))
     return walk
 
 
