@@ -121,6 +121,9 @@ def _compiled() -> Any:
     module, or in the user's cache folder)."""
     import numba
 
+    if getattr(numba.config, "DISABLE_JIT", False):  # (NUMBA_DISABLE_JIT=1: the loop below interpreted, a byte at
+        raise RuntimeError("numba's compiler is off")  # a time, is 50 times slower than the interpreted walk)
+
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def size_at(data: Any, pos: int) -> int:  # the size field's first 11 bytes as octal digits; -1: not so
         size = 0
