@@ -17,12 +17,17 @@ from extractor.data.sources import _tar_fast
 from extractor.data.sources.tar import list_tars, scan_tar
 from extractor.errors import DataError
 
+PROBE, FAR = _tar_fast._PROBE, _tar_fast._FAR  # (as the module sets them: the fixture below changes them)
 
-@pytest.fixture(autouse=True, params=["interpreted", "compiled"])
+
+@pytest.fixture(autouse=True, params=["interpreted", "compiled", "pread"])
 def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test with the headers walked by the interpreter (no numba), then by the compiled walk (numba, the
-    ``index`` extra), each past a tar's first header (as a tar of more than ``_INTERPRETED`` headers)."""
+    """Each test with the headers walked in the tar's mapping by the interpreter (no numba), then by the compiled
+    walk (numba, the ``index`` extra), each past a tar's first header (as a tar of more than ``_INTERPRETED``
+    headers); then read by ``pread`` (as a tar whose headers are far apart: large images)."""
     monkeypatch.setattr(_tar_fast, "_INTERPRETED", 1)
+    monkeypatch.setattr(_tar_fast, "_PROBE", 1)
+    monkeypatch.setattr(_tar_fast, "_FAR", 0 if request.param == "pread" else 1 << 62)
     if request.param == "compiled":
         pytest.importorskip("numba")
         assert _tar_fast._walk_kernel() is not None
@@ -64,7 +69,7 @@ def _listed(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, int,
 
 def _fast(path: Path) -> bool:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return _tar_fast.fast_samples(mm, (".jpg",), str(path), lambda *a: None, object()) is not None
+        return _tar_fast.fast_samples(mm, f.fileno(), (".jpg",), str(path), lambda *a: None, object()) is not None
 
 
 def _write(path: Path, members: list[tuple[str, bytes]], fmt: int = tarfile.GNU_FORMAT, **kw: Any) -> Path:
@@ -117,8 +122,11 @@ def test_the_compiled_walk_finds_what_the_bulk_steps_find(tmp_path: Path, walk: 
     path = _write(tmp_path / "t.tar", _members(300))
     data = bytearray(path.read_bytes())
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        starts, stop, facts = _tar_fast._walk(mm)
+        starts, stop, facts, heads = _tar_fast._walk(mm, f.fileno())
         block = _tar_fast._gathered(mm, starts)
+    assert (heads is not None) == (walk == "pread")
+    if heads is not None:  # (each header, and the first bytes of its data: what follows it in the file)
+        assert heads.tolist() == [list(data[s:s + 576].ljust(576, b"\0")) for s in starts.tolist()]
     assert len(starts) > 300 and data[stop:stop + 512] == bytes(512)  # (members, folders, links; the end mark)
     assert (facts is not None) == (walk == "compiled")
     if facts is not None:
@@ -134,9 +142,36 @@ def test_the_compiled_walk_finds_what_the_bulk_steps_find(tmp_path: Path, walk: 
     odd = tmp_path / "odd.tar"
     odd.write_bytes(bytes(data))
     with open(odd, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        again, _, facts = _tar_fast._walk(mm)
+        again, _, facts, _ = _tar_fast._walk(mm, f.fileno())
     assert again.tolist() == starts.tolist() and facts is None
     assert _fast(odd) and _listed(odd, (".jpg",)) == _expected(odd, (".jpg",)) == _expected(path, (".jpg",))
+
+
+def test_headers_far_apart_are_read_by_pread_and_list_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A tar whose first headers are far apart on average (images of 70-90 KB: a page fault a header in the
+    mapping, or its read-ahead) is read by ``pread``, one of near headers in the mapping, one of fewer headers than
+    the probe reads by ``pread``: each lists as tarfile does (labels of .cls and .json members read from the
+    file)."""
+    monkeypatch.setattr(_tar_fast, "_PROBE", PROBE)
+    monkeypatch.setattr(_tar_fast, "_FAR", FAR)
+    rng = np.random.default_rng(0)
+
+    def members(n: int, low: int, high: int) -> list[tuple[str, bytes]]:
+        out = []
+        for i in range(n):
+            out.append((f"s/{i:04d}.jpg", rng.bytes(int(rng.integers(low, high)))))
+            if i % 2:
+                out.append((f"s/{i:04d}.cls", f"{i % 7}".encode()))
+            if i % 3 == 0:
+                out.append((f"s/{i:04d}.json", json.dumps({"label": f"j{i % 5}", "pad": "x" * 90}).encode()))
+        return out
+
+    for name, n, low, high, far in (("far.tar", 70, 70_000, 90_000, True), ("near.tar", 90, 100, 900, False),
+                                    ("few.tar", 10, 100, 900, True)):
+        path = _write(tmp_path / name, members(n, low, high))
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            assert (_tar_fast._walk(mm, f.fileno())[3] is not None) == far, name
+        assert _listed(path, (".jpg",)) == _expected(path, (".jpg",)), name
 
 
 def test_a_numba_that_does_not_load_leaves_the_walk_interpreted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -149,6 +184,7 @@ def test_a_numba_that_does_not_load_leaves_the_walk_interpreted(tmp_path: Path, 
 
     monkeypatch.setattr(_tar_fast, "_KERNEL", [])
     monkeypatch.setattr(_tar_fast, "_compiled", broken)
+    monkeypatch.setattr(_tar_fast, "_FAR", 1 << 62)  # (walked in the mapping)
     assert _listed(path, (".jpg",)) == _expected(path, (".jpg",)) and _tar_fast._KERNEL == [None]
 
 
@@ -182,6 +218,14 @@ def test_a_tar_cut_short_lists_the_members_before_the_cut(tmp_path: Path, caplog
     cut = tmp_path / "cut.tar"
     cut.write_bytes(path.read_bytes()[: whole[20][2] - 300])  # inside the header of the 21st image
     assert _fast(cut)
+    inside = tmp_path / "inside.tar"  # 10 bytes into the 21st image's data: its header read, zeros past the end
+    inside.write_bytes(path.read_bytes()[: whole[20][2] + 10])
+    with open(inside, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        starts, _, _, heads = _tar_fast._walk(mm, f.fileno())
+    assert int(starts[-1]) == whole[20][2] - 512
+    if heads is not None:  # (as the mapping's gather gives the bytes past the end: zeros)
+        raw = inside.read_bytes()
+        assert heads.tolist() == [list(raw[s:s + 576].ljust(576, b"\0")) for s in starts.tolist()]
     assert _listed(cut, (".jpg",)) == _expected(cut, (".jpg",))
     assert _listed(cut, (".jpg",))[:-1] == whole[:20]  # (then the samples left out: their count, the first)
     assert "ends early" in caplog.text

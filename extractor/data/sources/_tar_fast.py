@@ -13,6 +13,7 @@ pins both to tarfile's listing.
 from __future__ import annotations
 
 import mmap
+import os
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -40,31 +41,41 @@ _COLUMN = np.arange(_BLOCK)
 Label = Callable[[bytes, str, Any], Any]  # a label member's bytes, extension, the label so far -> the label
 
 
-def fast_samples(mm: mmap.mmap, exts: tuple[str, ...], url: str, label: Label,
+def fast_samples(mm: mmap.mmap, fd: int, exts: tuple[str, ...], url: str, label: Label,
                  none: object) -> tuple[Columns, list[str]] | None:
     """The tar's samples with an image, as :func:`._tar_headers` and the plain grouping give them (key, image
     member, data offset, size, raw label: columns by those names), and the first keys seen; or None: read it
-    the plain way. ``label`` reads a label member, ``none`` (no label yet) given first."""
+    the plain way. ``mm`` maps the tar, ``fd`` is its open file; ``label`` reads a label member, ``none`` (no
+    label yet) given first."""
     if not all(e.isascii() for e in exts):
         return None
-    members = _members(mm, url)
+    members = _members(mm, fd, url)
     if members is None:
         return None
-    return _grouped(mm, *members, exts, url, label, none)
+    names, lengths, offsets, sizes, leading = members  # (leading: read with the headers by pread, else None)
+    read_at = (lambda at, n: mm[at:at + n]) if leading is None else (lambda at, n: os.pread(fd, n, at))
+    return _grouped(mm, names, lengths, offsets, sizes, leading, exts, url, label, none, read_at)
 
 
-def _walk(mm: mmap.mmap) -> tuple[np.ndarray, int, np.ndarray | None]:
+def _walk(mm: mmap.mmap, fd: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]:
     """Each header's position, each next header found past the last one's data (the size read as its field's
     first 11 bytes; the 12th is checked in bulk), up to the first block not read so: the end mark, the end of the
-    file, or a header for the plain reader. Also where it stopped; and, where the compiled walk read every header
+    file, or a header for the plain reader. Also where it stopped; where the compiled walk read every header
     (:func:`_walk_kernel`), each one's size, the sum of its bytes and its name's length (rows of an array; else
-    None: made in bulk)."""
-    starts = array("q")
-    pos = _walked(mm, 0, starts, _INTERPRETED)
-    kernel = _walk_kernel() if len(starts) == _INTERPRETED else None
+    None: made in bulk); and where the headers were read by ``pread`` (a tar of fewer than ``_PROBE`` headers, or
+    whose first ``_PROBE`` are ``_FAR`` bytes apart on average: large images), each header with the first bytes of
+    its data (rows of ``_HEAD`` bytes; else None: gathered from the mapping)."""
+    starts, heads = array("q"), bytearray()
+    pos = _read(fd, len(mm), 0, starts, heads, _PROBE)
+    if len(starts) < _PROBE or (starts[-1] - starts[0]) / max(len(starts) - 1, 1) >= _FAR:
+        if len(starts) == _PROBE:
+            pos = _read(fd, len(mm), pos, starts, heads)
+        return np.frombuffer(starts, np.int64).copy(), pos, None, np.frombuffer(heads, np.uint8).reshape(-1, _HEAD)
+    pos = _walked(mm, pos, starts, max(_INTERPRETED - len(starts), 0))
+    kernel = _walk_kernel() if len(starts) >= _INTERPRETED else None
     if kernel is None:
         pos = _walked(mm, pos, starts)  # (the rest, where there is more)
-        return np.frombuffer(starts, np.int64) if starts else np.zeros(0, np.int64), pos, None
+        return np.frombuffer(starts, np.int64) if starts else np.zeros(0, np.int64), pos, None, None
     data, parts = np.frombuffer(mm, dtype=np.uint8), []
     try:
         pos, n = 0, _CHUNK
@@ -77,7 +88,7 @@ def _walk(mm: mmap.mmap) -> tuple[np.ndarray, int, np.ndarray | None]:
     found = np.concatenate(parts, axis=1)
     starts = array("q", found[0].tobytes())
     stop = _walked(mm, pos, starts)  # where it stopped, a size field in a form it does not read: read here
-    return np.frombuffer(starts, np.int64), stop, found[1:] if stop == pos else None
+    return np.frombuffer(starts, np.int64), stop, found[1:] if stop == pos else None, None
 
 
 def _walked(mm: mmap.mmap, pos: int, starts: array, most: int = -1) -> int:
@@ -97,6 +108,44 @@ def _walked(mm: mmap.mmap, pos: int, starts: array, most: int = -1) -> int:
     return pos
 
 
+def _read(fd: int, size: int, pos: int, starts: array, heads: bytearray, most: int = -1) -> int:
+    """:func:`_walked` by ``pread``, each header read with what follows it (``_WINDOW`` bytes at a time: a
+    WebDataset sample's label member, its text and its image's header in one read), its first ``_HEAD`` bytes
+    added to ``heads`` (zeros past the file's end). For headers far apart (issue 57): a tar not in the page cache
+    is read a few KB a header, where a fault of the mapping reads ahead as far as the kernel's read-ahead goes
+    (128 KB by default: about an image of that size; 8 MB on the machine measured, the whole tar); one in the
+    page cache as small writes left it costs a fault a header (6 us here) and its unmapping (3 us)."""
+    add, pread, last = starts.append, os.pread, size - _BLOCK
+    buf, base = b"", pos
+    while pos <= last and most:  # (the loop of a member: a slice, an int(), an append and a copy)
+        at = pos - base
+        if at + _HEAD > len(buf):
+            buf, base, at = pread(fd, _WINDOW, pos), pos, 0
+            if pos + len(buf) >= size:
+                buf += bytes(_HEAD)
+            elif len(buf) < _HEAD:
+                break  # (a short read inside the file: the plain reader reads from here)
+        try:
+            length = int(buf[at + 124:at + 135], 8)
+        except ValueError:
+            break
+        if length < 0:
+            break
+        add(pos)
+        heads += buf[at:at + _HEAD]
+        pos += 1023 + length & -512
+        most -= 1
+    return pos
+
+
+_WINDOW = 2048  # bytes a pread reads (2,048 measured quicker than 1,024 or 4,096 for WebDataset's samples)
+_SHORT = 64  # label members of at most this many bytes are read in bulk
+_HEAD = _BLOCK + _SHORT  # a header and the first bytes of its data, as the pread walk keeps them
+_PROBE = 64  # headers read by pread first: their mean distance decides how the rest are read
+_FAR = 32_768  # mean bytes between the first headers from which the rest are read by pread: a sample of a 64 KB
+# image or more, each header an I/O either way where the tar is not in the page cache. 100 KB images (`make bench`'s
+# large tars): not in the page cache 113 us a sample, 23 MB read (mapped: 533 us, 412 MB); in it as read-ahead
+# left it 6.6 us (mapped: 5.7), as small writes left it 7.7 (mapped: 16.5).
 _INTERPRETED = 1024  # headers walked by the interpreter first: a tar of more is walked again, compiled
 _KERNEL: list[Any] = []  # the compiled walk, once made (None without numba)
 
@@ -161,14 +210,18 @@ def _compiled() -> Any:
     return walk
 
 
-def _members(mm: mmap.mmap, url: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+Members = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
+
+
+def _members(mm: mmap.mmap, fd: int, url: str) -> Members | None:
     """The regular files' names (bytes, a row as wide as the longest, zero past the name), their lengths, data
-    offsets and sizes; None: a header this path does not read. A block that is no header ends the listing as the
-    plain reader's does."""
-    starts, stop, walked = _walk(mm)
-    names, lengths, offsets, kept = [], [], [], []
+    offsets and sizes, and where the walk read them by ``pread`` the first ``_SHORT`` bytes of their data (else
+    None); None: a header this path does not read. A block that is no header ends the listing as the plain
+    reader's does."""
+    starts, stop, walked, heads = _walk(mm, fd)
+    names, lengths, rows, kept = [], [], [], []
     for at in range(0, len(starts), _CHUNK):
-        block = _gathered(mm, starts[at:at + _CHUNK])
+        block = _gathered(mm, starts[at:at + _CHUNK]) if heads is None else heads[at:at + _CHUNK, :_BLOCK]
         facts = None if walked is None else walked[:, at:at + _CHUNK]  # (sizes, sums, name lengths)
         bad = np.flatnonzero(~_checksums_ok(block, None if facts is None else facts[1]))
         if len(bad):  # the listing ends at the first block that is no header
@@ -182,7 +235,7 @@ def _members(mm: mmap.mmap, url: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
             return None
         names.append(files[0])
         lengths.append(files[1])
-        offsets.append(starts[at:at + len(block)][files[2]] + _BLOCK)
+        rows.append(at + files[2])
         kept.append(sizes[files[2]])
         if len(bad):
             break
@@ -190,11 +243,18 @@ def _members(mm: mmap.mmap, url: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
     if len(end) == _BLOCK and _checksum_ok(end):
         return None  # a header whose size field is not 11 octal digits: the plain reader reads it
     _check_end(end, len(starts), stop, url)
+    return _joined(names, lengths, rows, kept, starts, heads)
+
+
+def _joined(names: list[np.ndarray], lengths: list[np.ndarray], rows: list[np.ndarray], sizes: list[np.ndarray],
+            starts: np.ndarray, heads: np.ndarray | None) -> Members:
+    """:func:`_members`' parts joined (``rows``: each file's header among ``starts``, and ``heads``)."""
     if not names:
-        return np.zeros((0, 1), np.uint8), *(np.zeros(0, np.int64),) * 3
+        names, lengths, rows, sizes = [np.zeros((0, 1), np.uint8)], *([np.zeros(0, np.int64)],) * 3
     width = max(n.shape[1] for n in names)
-    names = [np.pad(n, ((0, 0), (0, width - n.shape[1]))) for n in names]
-    return np.concatenate(names), np.concatenate(lengths), np.concatenate(offsets), np.concatenate(kept)
+    row = np.concatenate(rows)
+    return (np.concatenate([np.pad(n, ((0, 0), (0, width - n.shape[1]))) for n in names]), np.concatenate(lengths),
+            starts[row] + _BLOCK, np.concatenate(sizes), None if heads is None else heads[row, _BLOCK:])
 
 
 def _gathered(mm: mmap.mmap, starts: np.ndarray) -> np.ndarray:
@@ -283,10 +343,13 @@ def _octal_any(field: np.ndarray) -> np.ndarray:
 
 
 def _grouped(mm: mmap.mmap, names: np.ndarray, length: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
-             exts: tuple[str, ...], url: str, label: Label, none: object) -> tuple[Columns, list[str]]:
+             firsts: np.ndarray | None, exts: tuple[str, ...], url: str, label: Label, none: object,
+             read_at: Callable[[int, int], bytes]) -> tuple[Columns, list[str]]:
     """The members grouped into samples by key (the name up to the first dot of its file name), in the order of
     their first member: each sample's image (the member whose extension ends with one of ``exts``) and label (the
-    text of its last ``.cls``, else the ``label`` of its first ``.json`` that has one), as the plain grouping."""
+    text of its last ``.cls``, else the ``label`` of its first ``.json`` that has one), as the plain grouping.
+    ``firsts``: each member's first bytes where the walk read them (else read from ``mm``); ``read_at(offset,
+    size)``: a member's bytes."""
     width = names.shape[1]
     dots = names == ord(".")
     slashes = names[:, ::-1] == ord("/")
@@ -303,12 +366,13 @@ def _grouped(mm: mmap.mmap, names: np.ndarray, length: np.ndarray, offsets: np.n
     order = np.argsort(first, kind="stable") if (first[1:] < first[:-1]).any() else np.arange(len(first))
     samples = order[chosen[order] >= 0]
     member = chosen[samples]
-    bulk = _short_labels(mm, group[read], offsets[read], sizes[read], cls[read], len(unique), label, none)
+    bulk = _short_labels(mm, group[read], offsets[read], sizes[read], cls[read], len(unique), label, none,
+                         None if firsts is None else firsts[read])
     if bulk is None:  # the plain way: each label member read in member order
         labels: dict[int, Any] = {}
         for g, o, size, text in zip(group[read].tolist(), offsets[read].tolist(), sizes[read].tolist(),
                                     cls[read].tolist(), strict=True):
-            labels[g] = label(mm[o:o + size], ".cls" if text else ".json", labels.get(g, none))
+            labels[g] = label(read_at(o, size), ".cls" if text else ".json", labels.get(g, none))
         found, codes = [None if (was := labels.get(g, none)) is none else was for g in samples.tolist()], None
     else:
         found, codes = bulk[0], bulk[1][samples]
@@ -348,18 +412,18 @@ def _texts(names: np.ndarray) -> list[str]:
     return b"\0".join(names.tolist()).decode("ascii").split("\0") if len(names) else []
 
 
-_SHORT = 64  # label members of at most this many bytes are read in bulk
-
 
 def _short_labels(mm: mmap.mmap, group: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, cls: np.ndarray,
-                  n_groups: int, label: Label, none: object) -> tuple[list[Any], np.ndarray] | None:
+                  n_groups: int, label: Label, none: object,
+                  firsts: np.ndarray | None = None) -> tuple[list[Any], np.ndarray] | None:
     """The distinct labels (the last None: none) and each sample's code into them where every label member is a
     ``.cls`` of at most ``_SHORT`` bytes, none holding a zero byte, one at most a sample (WebDataset's): their bytes
-    gathered at once, ``label`` applied to each distinct text once. None: read them the plain way."""
+    gathered at once (from ``firsts``, where the walk read them), ``label`` applied to each distinct text once.
+    None: read them the plain way."""
     if not cls.all() or (sizes > _SHORT).any() or np.bincount(group, minlength=1).max() > 1:
         return None
     width = max(int(sizes.max(initial=0)), 1)
-    raw = _bytes_at(mm, offsets, width)
+    raw = _bytes_at(mm, offsets, width) if firsts is None else firsts[:, :width].copy()
     inside = _COLUMN[:width] < sizes[:, None]
     if (inside & (raw == 0)).any():
         return None  # (a text's zero bytes would be cut by the bytes dtype)

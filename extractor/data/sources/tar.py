@@ -115,11 +115,11 @@ class Samples:
 
 def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any]) -> Samples:
     """The samples of one tar that have an image (key, member, offset, size, raw label)."""
-    fobj = _open_tar(url, storage_options)
+    fobj, fd = _open_tar(url, storage_options)
     exts = tuple(e.lower() for e in extensions)
     try:
         # a local tar of plain headers read in bulk; else the plain header reader, else tarfile
-        fast = fast_samples(fobj, exts, url, _read_label, _NO_LABEL) if isinstance(fobj, mmap.mmap) else None
+        fast = None if fd is None else fast_samples(fobj, fd, exts, url, _read_label, _NO_LABEL)
         samples, keys = _samples(_listed(fobj, url), fobj, exts, url) if fast is None else (Samples(**fast[0]),
                                                                                             fast[1])
     except tarfile.TarError as err:
@@ -130,6 +130,8 @@ def scan_tar(url: str, extensions: Sequence[str], storage_options: dict[str, Any
         raise remote_error("tar shard", url, err) from err
     finally:
         fobj.close()
+        if fd is not None:
+            os.close(fd)
     if not samples:
         names = ", ".join(keys[:5]) or "no members"
         raise DataError(f"tar shard {url} holds no image members (keys: {names}); check data.extensions")
@@ -188,17 +190,23 @@ def _samples(members: Sequence[tuple[str, int, int]], fobj: Any, exts: tuple[str
 _NO_LABEL = object()  # no .cls or .json label read yet (None: a .json label that is null)
 
 
-def _open_tar(url: str, storage_options: dict[str, Any]) -> Any:
-    """The tar's file object, local or remote; a missing or unreadable one is a DataError."""
+def _open_tar(url: str, storage_options: dict[str, Any]) -> tuple[Any, int | None]:
+    """The tar's file object, local (mapped) or remote, and a local one's open file (headers far apart are read
+    from it by ``pread``; else None); a missing or unreadable one is a DataError."""
     try:
         if is_url(url):
             import fsspec
 
-            return fsspec.open(url, "rb", **storage_options).open()
+            return fsspec.open(url, "rb", **storage_options).open(), None
         with open(url.removeprefix("file://"), "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
-                return io.BytesIO(b"")  # (an empty file cannot be mapped)
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # headers read without a system call each
+                return io.BytesIO(b""), None  # (an empty file cannot be mapped)
+            fd = os.dup(f.fileno())
+            try:
+                return mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd  # (close headers read without a system call)
+            except BaseException:
+                os.close(fd)
+                raise
     except FileNotFoundError:
         raise DataError(f"tar shard {url} does not exist") from None
     except Exception as err:
