@@ -229,20 +229,20 @@ def _json(manifest: str) -> bool:
 
 
 def _lines(manifest: str, storage: dict, names: _Columns) -> int | None:
-    """The rows of a CSV manifest counted as its lines after its header (of JSON lines, as its lines), where each
-    is a row: no quote in a CSV (a quoted value may hold a line break), no carriage return, no blank line (neither
-    is a row); and in a CSV, every column data.columns names there. None otherwise. A read of the file at the speed
-    of the disk or the network: no row parsed."""
+    """The rows of a CSV manifest counted from its line breaks after its header (:func:`_csv_rows`: those outside
+    quoted values), of JSON lines as its lines, where each is a row: no carriage return, no blank line (neither is
+    a row); and in a CSV, every column data.columns names there. None otherwise. A read of the file at the speed of
+    the disk or the network: no row parsed."""
     try:
         with _opened(manifest, storage) as f:
             first = f.read(1 << 20)
             if _json(manifest):  # (no header; a line holds no line break: JSON writes one in a text as \n)
-                return _counted(itertools.chain([first], iter(lambda: f.read(16 << 20), b"")), quotes=True)
+                return _json_counted(itertools.chain([first], iter(lambda: f.read(16 << 20), b"")))
             end = first.find(b"\n") + 1
             header = _header(first[:end])
             if header is None or names.image not in header or any(c not in header for c in names.mapped):
                 return None
-            return _counted(itertools.chain([first[end:]], iter(lambda: f.read(16 << 20), b"")))
+            return _csv_rows(itertools.chain([first[end:]], iter(lambda: f.read(16 << 20), b"")))
     except Exception as err:
         if is_url(manifest) and not isinstance(err, DataError):  # its storage failed as it was read
             raise remote_error("data.manifest", manifest, err) from err
@@ -251,11 +251,15 @@ def _lines(manifest: str, storage: dict, names: _Columns) -> int | None:
 
 def _header(line: bytes) -> list[str] | None:
     """A CSV manifest's column names from its first line, where pyarrow and Python's csv read them alike: a whole
-    line, no quote, no carriage return, no name twice (pyarrow takes the first such column, Python's csv the last).
-    None otherwise."""
-    if not line.endswith(b"\n") or b"\r" in line or b'"' in line:
+    line, no quote but around a whole name, no carriage return, no name twice (pyarrow takes the first such column,
+    Python's csv the last). None otherwise."""
+    if not line.endswith(b"\n") or b"\r" in line:
         return None
     names = line[:-1].decode("utf-8-sig", errors="replace").split(",")
+    if any('"' in n for n in names):  # (each name wholly quoted, none holding a quote: R's and QUOTE_ALL's)
+        if not all(len(n) >= 2 and n[0] == n[-1] == '"' and '"' not in n[1:-1] for n in names):
+            return None
+        names = [n[1:-1] for n in names]
     return names if len(set(names)) == len(names) else None
 
 
@@ -274,27 +278,66 @@ def _named_twice(manifest: str, storage: dict) -> bool:
 _SPACE_LINE = re.compile(rb"(?:\A|\n)[ \t\x0b\x0c]+\n")  # a whole line of white space only
 
 
-def _counted(blocks: Iterable[bytes], quotes: bool = False) -> int | None:
-    """The lines of the rest of a file (``blocks``), where each is a row (:func:`_lines`; ``quotes``: JSON lines,
-    a quote allowed and a line of white space refused, which Python's json and pyarrow skip); None otherwise."""
+def _json_counted(blocks: Iterable[bytes]) -> int | None:
+    """The lines of a JSON-lines file (``blocks``), where each is a row (:func:`_lines`: a line of white space
+    refused, which Python's json and pyarrow skip); None otherwise."""
     n, last, tail = 0, b"\n", b""
     for block in blocks:
         if not block:
             continue
-        if (b'"' in block and not quotes) or b"\r" in block or b"\n\n" in block or \
-                (last == b"\n" and block[:1] == b"\n"):
+        if b"\r" in block or b"\n\n" in block or (last == b"\n" and block[:1] == b"\n"):
             return None
-        if quotes:  # (its whole lines: the last block's unfinished line, then this one's to its last line break)
-            joined = tail + block
-            cut = joined.rfind(b"\n") + 1
-            if _SPACE_LINE.search(joined, 0, cut):
-                return None
-            tail = joined[cut:]
+        joined = tail + block  # (its whole lines: the last block's unfinished line, then this one's to its last break)
+        cut = joined.rfind(b"\n") + 1
+        if _SPACE_LINE.search(joined, 0, cut):
+            return None
+        tail = joined[cut:]
         n += block.count(b"\n")
         last = block[-1:]
     if tail and not tail.strip():
         return None
     return n + (last != b"\n")
+
+
+_QUOTE, _COMMA, _BREAK = ord('"'), ord(","), ord("\n")
+_AROUND_QUOTE = np.isin(np.arange(256), [_QUOTE, _COMMA, _BREAK])  # what may stand before an opening quote (at a
+# value's start, or the second of a doubled one) and after a closing one (at its end, or the first of a doubled one)
+
+
+def _csv_rows(blocks: Iterable[bytes]) -> int | None:
+    """The rows of the rest of a CSV (``blocks``, after its header) counted from its bytes, where pyarrow and
+    Python's csv read them alike: a line break ends a row outside quotes only (a quoted value may hold one, its
+    quotes doubled); a quote opens a value only at its start and closes it only at its end (``ab"c`` or
+    ``"ab"c``: read otherwise by each, so None); no carriage return, no blank line (neither is a row). None
+    otherwise. Quotes and line breaks found in bulk, a block at a time (about 20 ms of CPU a 16 MB block)."""
+    n, quotes, prev, closes_at_end, ended = 0, 0, _BREAK, False, True
+    for block in blocks:
+        if not block:
+            continue
+        if b"\r" in block:
+            return None
+        data = np.frombuffer(block, np.uint8)
+        if closes_at_end and not _AROUND_QUOTE[data[0]]:
+            return None  # (the last block's closing quote: what follows it)
+        at = np.flatnonzero(data == _QUOTE)
+        opening = (np.arange(len(at)) + quotes) % 2 == 0  # (quotes alternate: one opens a value, the next closes it)
+        before = np.where(at > 0, data[np.maximum(at - 1, 0)], prev)
+        after = data[np.minimum(at + 1, len(data) - 1)]
+        closes_at_end = bool(len(at)) and at[-1] == len(data) - 1 and not opening[-1]
+        if not _AROUND_QUOTE[before[opening]].all() or \
+                not (_AROUND_QUOTE[after[~opening]] | (at[~opening] == len(data) - 1)).all():
+            return None
+        breaks = np.flatnonzero(data == _BREAK)
+        ends = breaks[(np.searchsorted(at, breaks) + quotes) % 2 == 0]  # (outside quotes: rows' ends)
+        if len(ends) and (np.where(ends > 0, data[np.maximum(ends - 1, 0)], prev) == _BREAK).any():
+            return None  # a blank line (a row's end right after another's, or after the header)
+        n += len(ends)
+        quotes += len(at)
+        prev = int(data[-1])
+        ended = bool(len(ends)) and ends[-1] == len(data) - 1
+    if quotes % 2:
+        return None  # a quote left open at the end
+    return n + (not ended)  # (a last row without a line break)
 
 
 _FILLED_LINE = re.compile(rb"(?m)^[ \t\x0b\x0c\r]*[^\s]")  # a line with more than white space: one match a line
