@@ -99,17 +99,24 @@ def test_a_streamed_manifest_gives_the_rows_of_a_whole_listing_prefix_by_prefix(
 
 def test_a_csv_of_quoted_values_streams_its_rows_counted_from_the_breaks_outside_quotes(tmp_path: Path):
     """Quoted values as Python's csv writes them (a path with a comma, captions with line breaks, doubled quotes
-    and a blank line inside; a header quoted whole, as R and QUOTE_ALL write it): counted from the line breaks
+    and a blank line inside; a header quoted whole, as R and QUOTE_ALL write it), lines ended by \\n or \\r\\n
+    (Python's csv's own), blank lines between rows (no row to pyarrow or Python's csv): counted from the line breaks
     outside quotes, streamed prefix by prefix, the whole equal to a listing made whole, which Python's csv reads
-    (and the count to it). Quotes Python's csv and pyarrow read otherwise, or left open: listed whole."""
+    (and the count to it). Quotes that Python's csv and pyarrow read otherwise, or left open, a carriage return
+    alone: listed whole."""
     import csv
 
     rows = [[f"a/{i},{i}.jpg" if i % 4 == 0 else f"a/{i}.jpg", f"c{i % 3}",
-             ['a "big" dog', "two\nlines", "one, two", "", "blank\n\nline"][i % 5]] for i in range(30)]
-    for name, quoting in (("minimal.csv", csv.QUOTE_MINIMAL), ("all.csv", csv.QUOTE_ALL)):
+             ['a "big" dog', "two\nlines", "one, two", "", "blank\r\n\r\nline"][i % 5]] for i in range(30)]
+    for name, quoting, end in (("minimal.csv", csv.QUOTE_MINIMAL, "\n"), ("all.csv", csv.QUOTE_ALL, "\r\n"),
+                               ("blank.csv", csv.QUOTE_MINIMAL, "\r\n")):
         with open(tmp_path / name, "w", newline="") as f:
-            writer = csv.writer(f, lineterminator="\n", quoting=quoting)
-            writer.writerows([["path", "label", "caption"], *rows])
+            writer = csv.writer(f, lineterminator=end, quoting=quoting)
+            writer.writerow(["path", "label", "caption"])
+            for i, row in enumerate(rows):
+                f.write(end if name == "blank.csv" and i % 7 == 0 else "")  # (after the header, then every 7th)
+                writer.writerow(row)
+            f.write(end if name == "blank.csv" else "")
         assert manifest._lines(str(tmp_path / name), {}, manifest._Columns(name, {})) == 30, name
         data = DataSpec(source="manifest", manifest=str(tmp_path / name), root=str(tmp_path),
                         classes=("c0", "c1", "c2"))
@@ -121,6 +128,7 @@ def test_a_csv_of_quoted_values_streams_its_rows_counted_from_the_breaks_outside
                        ("after.csv", 'path,caption\na/1.jpg,"tall"er\na/2.jpg,x\n'),  # text after a closing one
                        ("open.csv", 'path,caption\na/1.jpg,"never closed\na/2.jpg,x\n'),
                        ("space.csv", 'path,caption\na/1.jpg, "spaced"\na/2.jpg,x\n'),
+                       ("return.csv", 'path,caption\na/1.jpg,x\ra/2.jpg,x\n'),  # (a line end to both: not counted)
                        ("header.csv", 'path,"cap""tion"\na/1.jpg,x\n')):
         (tmp_path / name).write_text(text)
         assert stream_rows(DataSpec(source="manifest", manifest=str(tmp_path / name), root=str(tmp_path))) is None, name
@@ -296,17 +304,14 @@ def test_a_listing_of_more_rows_than_counted_never_hands_out_a_prefix_as_its_who
 
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch):
-    """A label column of names (their classes are known once all are read), a carriage return (in the header
-    too), a blank line, JSON lines, a column data.columns names that the file lacks, a
-    first block that the listing refuses (absolute paths: data.outside_root is a fix of the spec, so refused before any
-    store is made): no stream (its digest not made for nothing), and the listing made whole is what it was.
+    """A label column of names (their classes are known once all are read), a carriage return alone (in the
+    header), JSON lines with blank lines or carriage returns, a column data.columns names that the file lacks, a
+    first block that the listing refuses (absolute paths: data.outside_root is a fix of the spec, so refused before
+    any store is made): no stream (its digest not made for nothing), and the listing made whole is what it was.
     data.classes beside no label column: the stream's classes from the start."""
     rows = [f"x/{i}.jpg" for i in range(4)]
     cases = {"labels.csv": "path,label\n" + "".join(f"{r},cat\n" for r in rows),
              "cr_header.csv": "path\r" + "".join(f"{r}\n" for r in rows),
-             "crlf.csv": "path\r\n" + "".join(f"{r}\r\n" for r in rows),
-             "blank.csv": "path\n" + "\n".join(rows[:2]) + "\n\n" + "\n".join(rows[2:]) + "\n",
-             "blank_first.csv": "path\n\n" + "\n".join(rows) + "\n",
              "blank.jsonl": "".join(f'{{"path": "{r}"}}\n\n' for r in rows),
              "crlf.jsonl": "".join(f'{{"path": "{r}"}}\r\n' for r in rows)}
     recorded, record = [], manifest.ManifestSource.listing
