@@ -182,19 +182,24 @@ def test_a_streamed_manifest_refuses_a_label_where_it_reads_it(tmp_path: Path, l
 
 @pytest.mark.parametrize("kind", ["none", "indices", "names"])
 def test_json_lines_stream_prefix_by_prefix(tmp_path: Path, kind: str):
-    """JSON lines (other fields, quotes, escapes; ids as whole numbers in some rows): no labels, class indices
-    without data.classes, names of data.classes: each prefix handed out while the listing is held holds the whole
-    listing's first rows, and the whole equals list_rows'."""
+    """JSON lines (other fields, quotes, escapes; ids as whole numbers in some rows; lines ended by \\n, or by \\r\\n
+    among blank ones): no labels, class indices without data.classes, names of data.classes: each prefix handed out
+    while the listing is held holds the whole listing's first rows, and the whole equals list_rows'."""
     label = {"none": lambda i: None, "indices": lambda i: i % 3, "names": lambda i: ["cat", "dog", "emu"][i % 3]}[kind]
     lines = [json.dumps({"path": f"a/{i}.jpg", "text": 'a "quoted" word', "id": i if i % 2 else None,
                          **({} if label(i) is None or i % 5 == 4 else {"label": label(i)})}) for i in range(24)]
     path = tmp_path / "m.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    data = DataSpec(source="manifest", manifest=str(path), root=str(tmp_path),
-                    classes=("cat", "dog", "emu") if kind == "names" else None)
-    want = list_rows(data)
-    _streams_as_listed(data, want, block_bytes=160)  # (pyarrow's JSON blocks hold a row at least)
-    assert want.labels.tolist()[:5] == ([-1] * 5 if kind == "none" else [0, 1, 2, 0, -1])
+    spaced = tmp_path / "spaced.jsonl"  # \r\n line ends, blank lines and lines of spaces: no row to either reader
+    spaced.write_bytes(b"\r\n" + b"".join(line.encode() + (b"\r\n  \r\n\n" if i % 5 == 0 else b"\r\n")
+                                          for i, line in enumerate(lines)) + b" \t")
+    for source in (path, spaced):
+        data = DataSpec(source="manifest", manifest=str(source), root=str(tmp_path),
+                        classes=("cat", "dog", "emu") if kind == "names" else None)
+        want = list_rows(data)
+        assert len(want) == 24
+        _streams_as_listed(data, want, block_bytes=160)  # (pyarrow's JSON blocks hold a row at least)
+        assert want.labels.tolist()[:5] == ([-1] * 5 if kind == "none" else [0, 1, 2, 0, -1])
 
 
 def test_json_lines_with_names_but_no_data_classes(tmp_path: Path):
@@ -246,15 +251,16 @@ def _stops(path: Path, error: str, block_bytes: int = 160) -> None:
 
 
 def test_json_lines_that_are_not_one_object_a_line(tmp_path: Path):
-    """A line of white space (no row to either reader): not streamed. Two objects on one line, or one over two
-    lines (pyarrow reads them, Python's json refuses them): the listing made whole reads it row by row and refuses
-    it naming the line; streamed, Python's json refuses it where pyarrow refuses its block, else its counts of
+    """A line of white space (no row to either reader): streamed, no row counted. Two objects on one line, or one
+    over two lines (pyarrow reads them, Python's json refuses them): the listing made whole reads it row by row and
+    refuses it naming the line; streamed, Python's json refuses it where pyarrow refuses its block, else its counts of
     lines and of rows differ, said so at its end (the store made for the lines: --overwrite once it is fixed)."""
     rows = [json.dumps({"path": f"a/{i}.jpg"}) for i in range(24)]
     path = tmp_path / "m.jsonl"
     path.write_text("\n".join([*rows[:10], "  \t", *rows[10:]]) + "\n")
-    assert stream_rows(DataSpec(source="manifest", manifest=str(path))) is None
-    assert len(list_rows(DataSpec(source="manifest", manifest=str(path)))) == 24
+    spaced = stream_rows(DataSpec(source="manifest", manifest=str(path)))
+    assert spaced is not None and len(spaced) == 24
+    _same(spaced.whole(), list_rows(DataSpec(source="manifest", manifest=str(path))), 24)
     for odd, match in ((rows[10] + rows[11], "Extra data"), ('{"path":\n"a/10.jpg"}', "Expecting")):
         path.write_text("\n".join([*rows[:10], odd, *rows[12:]]) + "\n")
         with pytest.raises(DataError, match=rf"m.jsonl:11: not valid JSON: {match}"):
@@ -305,15 +311,14 @@ def test_a_listing_of_more_rows_than_counted_never_hands_out_a_prefix_as_its_who
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch):
     """A label column of names (their classes are known once all are read), a carriage return alone (in the
-    header), JSON lines with blank lines or carriage returns, a column data.columns names that the file lacks, a
+    header, in JSON lines), a column data.columns names that the file lacks, a
     first block that the listing refuses (absolute paths: data.outside_root is a fix of the spec, so refused before
     any store is made): no stream (its digest not made for nothing), and the listing made whole is what it was.
     data.classes beside no label column: the stream's classes from the start."""
     rows = [f"x/{i}.jpg" for i in range(4)]
     cases = {"labels.csv": "path,label\n" + "".join(f"{r},cat\n" for r in rows),
              "cr_header.csv": "path\r" + "".join(f"{r}\n" for r in rows),
-             "blank.jsonl": "".join(f'{{"path": "{r}"}}\n\n' for r in rows),
-             "crlf.jsonl": "".join(f'{{"path": "{r}"}}\r\n' for r in rows)}
+             "return.jsonl": "".join(f'{{"path":\r"{r}"}}\n' for r in rows)}  # (a line's end to Python alone)
     recorded, record = [], manifest.ManifestSource.listing
 
     def listing(self: Any, data: DataSpec, was: Any = None) -> Any:

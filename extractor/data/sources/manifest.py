@@ -276,28 +276,30 @@ def _named_twice(manifest: str, storage: dict) -> bool:
     return len(set(names)) < len(names)
 
 
-_SPACE_LINE = re.compile(rb"(?:\A|\n)[ \t\x0b\x0c]+\n")  # a whole line of white space only
-
-
 def _json_counted(blocks: Iterable[bytes]) -> int | None:
-    """The lines of a JSON-lines file (``blocks``), where each is a row (:func:`_lines`: a line of white space
-    refused, which Python's json and pyarrow skip); None otherwise."""
-    n, last, tail = 0, b"\n", b""
+    """The rows of a JSON-lines file (``blocks``): its lines with more than white space (:func:`_filled_lines`;
+    pyarrow and Python's json skip the others), where no carriage return stands alone (Python's file reading ends
+    a line there, pyarrow does not); None otherwise."""
+    return _filled_lines(blocks, alone=_LONE_RETURN)
+
+
+def _filled_lines(blocks: Iterable[bytes], alone: re.Pattern | None = None) -> int | None:
+    """The lines of a file (``blocks``) with more than white space; None where ``alone`` is found in a line."""
+    n, tail = 0, b""
     for block in blocks:
-        if not block:
-            continue
-        if b"\r" in block or b"\n\n" in block or (last == b"\n" and block[:1] == b"\n"):
-            return None
         joined = tail + block  # (its whole lines: the last block's unfinished line, then this one's to its last break)
         cut = joined.rfind(b"\n") + 1
-        if _SPACE_LINE.search(joined, 0, cut):
+        if alone is not None and alone.search(joined, 0, cut):
             return None
+        n += len(_FILLED_LINE.findall(joined, 0, cut))
         tail = joined[cut:]
-        n += block.count(b"\n")
-        last = block[-1:]
-    if tail and not tail.strip():
+    if alone is not None and alone.search(tail):
         return None
-    return n + (last != b"\n")
+    return n + bool(tail.strip())
+
+
+_FILLED_LINE = re.compile(rb"(?m)^[ \t\x0b\x0c\r]*[^\s]")  # a line with more than white space: one match a line
+_LONE_RETURN = re.compile(rb"\r(?!\n)")
 
 
 _QUOTE, _COMMA, _BREAK, _RETURN = ord('"'), ord(","), ord("\n"), ord("\r")
@@ -345,20 +347,13 @@ def _outside(data: np.ndarray, quotes_at: np.ndarray, quotes_before: int, byte: 
     return found[(np.searchsorted(quotes_at, found) + quotes_before) % 2 == 0]
 
 
-_FILLED_LINE = re.compile(rb"(?m)^[ \t\x0b\x0c\r]*[^\s]")  # a line with more than white space: one match a line
-
-
 def _json_rows(manifest: str, storage: dict) -> int:
     """The lines of a JSON-lines manifest with more than white space (its rows, as Python's json reads them: what
     pyarrow reads is checked against them, since it also takes two objects on a line, or one over several)."""
-    n, tail = 0, b""
     with _opened(manifest, storage) as f:
-        for block in iter(lambda: f.read(16 << 20), b""):
-            joined = tail + block
-            cut = joined.rfind(b"\n") + 1
-            n += len(_FILLED_LINE.findall(joined, 0, cut))
-            tail = joined[cut:]
-    return n + bool(tail.strip())
+        n = _filled_lines(iter(lambda: f.read(16 << 20), b""))
+    assert n is not None
+    return n
 
 
 def _checked(manifest: str, rows: Rows, where: Any) -> Rows:
