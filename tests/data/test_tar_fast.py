@@ -166,9 +166,14 @@ def test_headers_far_apart_are_read_by_pread_and_list_the_same(tmp_path: Path, m
                 out.append((f"s/{i:04d}.json", json.dumps({"label": f"j{i % 5}", "pad": "x" * 90}).encode()))
         return out
 
-    for name, n, low, high, far in (("far.tar", 70, 70_000, 90_000, True), ("near.tar", 90, 100, 900, False),
-                                    ("few.tar", 10, 100, 900, True)):
-        path = _write(tmp_path / name, members(n, low, high))
+    def three(n: int) -> list[tuple[str, bytes]]:  # (img2dataset's: an image, its .json and .txt; headers 27 KB apart)
+        meta = [json.dumps({"label": i % 4, "url": "x" * 600}).encode() for i in range(n)]
+        return [m for i in range(n) for m in ((f"{i:05d}.jpg", rng.bytes(int(rng.integers(70_000, 90_000)))),
+                                              (f"{i:05d}.json", meta[i]), (f"{i:05d}.txt", b"a caption"))]
+
+    for name, made, far in (("far.tar", members(70, 70_000, 90_000), True), ("near.tar", members(90, 100, 900), False),
+                            ("few.tar", members(10, 100, 900), True), ("three.tar", three(40), True)):
+        path = _write(tmp_path / name, made)
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             assert (_tar_fast._walk(mm, f.fileno())[3] is not None) == far, name
         assert _listed(path, (".jpg",)) == _expected(path, (".jpg",)), name

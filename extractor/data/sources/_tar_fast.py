@@ -63,13 +63,13 @@ def _walk(mm: mmap.mmap, fd: int) -> tuple[np.ndarray, int, np.ndarray | None, n
     file, or a header for the plain reader. Also where it stopped; where the compiled walk read every header
     (:func:`_walk_kernel`), each one's size, the sum of its bytes and its name's length (rows of an array; else
     None: made in bulk); and where the headers were read by ``pread`` (a tar of fewer than ``_PROBE`` headers, or
-    whose first ``_PROBE`` are ``_FAR`` bytes apart on average: large images), each header with the first bytes of
-    its data (rows of ``_HEAD`` bytes; else None: gathered from the mapping)."""
+    whose first ``_PROBE`` took a read each ``_FAR`` bytes or more on average: large images), each header with the
+    first bytes of its data (rows of ``_HEAD`` bytes; else None: gathered from the mapping)."""
     starts, heads = array("q"), bytearray()
-    pos = _read(fd, len(mm), 0, starts, heads, _PROBE)
-    if len(starts) < _PROBE or (starts[-1] - starts[0]) / max(len(starts) - 1, 1) >= _FAR:
+    pos, reads = _read(fd, len(mm), 0, starts, heads, _PROBE)
+    if starts and (len(starts) < _PROBE or pos / reads >= _FAR):
         if len(starts) == _PROBE:
-            pos = _read(fd, len(mm), pos, starts, heads)
+            pos = _read(fd, len(mm), pos, starts, heads)[0]
         return np.frombuffer(starts, np.int64).copy(), pos, None, np.frombuffer(heads, np.uint8).reshape(-1, _HEAD)
     pos = _walked(mm, pos, starts, max(_INTERPRETED - len(starts), 0))
     kernel = _walk_kernel() if len(starts) >= _INTERPRETED else None
@@ -108,19 +108,20 @@ def _walked(mm: mmap.mmap, pos: int, starts: array, most: int = -1) -> int:
     return pos
 
 
-def _read(fd: int, size: int, pos: int, starts: array, heads: bytearray, most: int = -1) -> int:
+def _read(fd: int, size: int, pos: int, starts: array, heads: bytearray, most: int = -1) -> tuple[int, int]:
     """:func:`_walked` by ``pread``, each header read with what follows it (``_WINDOW`` bytes at a time: a
     WebDataset sample's label member, its text and its image's header in one read), its first ``_HEAD`` bytes
     added to ``heads`` (zeros past the file's end). For headers far apart (issue 57): a tar not in the page cache
     is read a few KB a header, where a fault of the mapping reads ahead as far as the kernel's read-ahead goes
     (128 KB by default: about an image of that size; 8 MB on the machine measured, the whole tar); one in the
-    page cache as small writes left it costs a fault a header (6 us here) and its unmapping (3 us)."""
-    add, pread, last = starts.append, os.pread, size - _BLOCK
+    page cache as small writes left it costs a fault a header (6 us here) and its unmapping (3 us). Returns where
+    it stopped, and how many reads it made."""
+    add, pread, last, reads = starts.append, os.pread, size - _BLOCK, 0
     buf, base = b"", pos
     while pos <= last and most:  # (the loop of a member: a slice, an int(), an append and a copy)
         at = pos - base
         if at + _HEAD > len(buf):
-            buf, base, at = pread(fd, _WINDOW, pos), pos, 0
+            buf, base, at, reads = pread(fd, _WINDOW, pos), pos, 0, reads + 1
             if pos + len(buf) >= size:
                 buf += bytes(_HEAD)
             elif len(buf) < _HEAD:
@@ -135,17 +136,17 @@ def _read(fd: int, size: int, pos: int, starts: array, heads: bytearray, most: i
         heads += buf[at:at + _HEAD]
         pos += 1023 + length & -512
         most -= 1
-    return pos
+    return pos, reads
 
 
 _WINDOW = 2048  # bytes a pread reads (2,048 measured quicker than 1,024 or 4,096 for WebDataset's samples)
 _SHORT = 64  # label members of at most this many bytes are read in bulk
 _HEAD = _BLOCK + _SHORT  # a header and the first bytes of its data, as the pread walk keeps them
-_PROBE = 64  # headers read by pread first: their mean distance decides how the rest are read
-_FAR = 32_768  # mean bytes between the first headers from which the rest are read by pread: a sample of a 64 KB
-# image or more, each header an I/O either way where the tar is not in the page cache. 100 KB images (`make bench`'s
-# large tars): not in the page cache 113 us a sample, 23 MB read (mapped: 533 us, 412 MB); in it as read-ahead
-# left it 6.6 us (mapped: 5.7), as small writes left it 7.7 (mapped: 16.5).
+_PROBE = 64  # headers read by pread first: the bytes they took a read decide how the rest are read
+_FAR = 32_768  # mean bytes a read of the first headers from which the rest are read by pread: a WebDataset sample
+# of 32 KB or more (its .cls and its image's header in one read), img2dataset's of 64 KB (.jpg, then .json and .txt).
+# 100 KB images (`make bench`'s large tars): not in the page cache 113 us a sample, 23 MB read (mapped: 533 us,
+# 412 MB); in it as read-ahead left it 6.6 us (mapped: 5.7), as small writes left it 7.7 (mapped: 16.5).
 _INTERPRETED = 1024  # headers walked by the interpreter first: a tar of more is walked again, compiled
 _KERNEL: list[Any] = []  # the compiled walk, once made (None without numba)
 
