@@ -257,10 +257,10 @@ def _header(line: bytes) -> list[str] | None:
     if not line.endswith(b"\n") or b"\r" in line:
         return None
     names = line[:-1].decode("utf-8-sig", errors="replace").split(",")
-    if any('"' in n for n in names):  # (each name wholly quoted, none holding a quote: R's and QUOTE_ALL's)
-        if not all(len(n) >= 2 and n[0] == n[-1] == '"' and '"' not in n[1:-1] for n in names):
+    if any('"' in n for n in names):  # (a name quoted whole, holding no quote: R's and QUOTE_ALL's)
+        if not all('"' not in n or (len(n) >= 2 and n[0] == n[-1] == '"' and '"' not in n[1:-1]) for n in names):
             return None
-        names = [n[1:-1] for n in names]
+        names = [n[1:-1] if n[:1] == '"' else n for n in names]
     return names if len(set(names)) == len(names) else None
 
 
@@ -284,21 +284,28 @@ def _json_counted(blocks: Iterable[bytes]) -> int | None:
 
 
 def _filled_lines(blocks: Iterable[bytes], alone: re.Pattern | None = None) -> int | None:
-    """The lines of a file (``blocks``) with more than white space; None where ``alone`` is found in a line."""
+    """The lines of a file (``blocks``) with more than white space (as Python's ``str.strip`` sees it); None where
+    ``alone`` is found in a line. Its line breaks counted, less its lines of white space (found from the line break
+    before each: a regular expression's quick search for a byte)."""
     n, tail = 0, b""
     for block in blocks:
         joined = tail + block  # (its whole lines: the last block's unfinished line, then this one's to its last break)
         cut = joined.rfind(b"\n") + 1
         if alone is not None and alone.search(joined, 0, cut):
             return None
-        n += len(_FILLED_LINE.findall(joined, 0, cut))
+        n += joined.count(b"\n", 0, cut) - len(_BLANK_LINE.findall(joined, 0, cut)) - \
+            bool(cut and _BLANK_FIRST.match(joined, 0, cut))
         tail = joined[cut:]
     if alone is not None and alone.search(tail):
         return None
-    return n + bool(tail.strip())
+    return n + (_SPACES.fullmatch(tail) is None)
 
 
-_FILLED_LINE = re.compile(rb"(?m)^[ \t\x0b\x0c\r]*[^\s]")  # a line with more than white space: one match a line
+_SPACE = (rb"(?:[ \t\x0b\x0c\r\x1c-\x1f]|\xc2[\x85\xa0]|\xe1\x9a\x80|\xe2\x80[\x80-\x8a\xa8\xa9\xaf]|\xe2\x81\x9f"
+          rb"|\xe3\x80\x80)")  # white space to Python's str.strip, in UTF-8 (NBSP, U+2028, U+3000 too)
+_BLANK_LINE = re.compile(rb"\n" + _SPACE + rb"*(?=\n)")  # a line of white space, after the line break before it
+_BLANK_FIRST = re.compile(_SPACE + rb"*\n")  # the first line, so
+_SPACES = re.compile(_SPACE + rb"*")
 _LONE_RETURN = re.compile(rb"\r(?!\n)")
 
 
@@ -441,7 +448,7 @@ def _json_types(manifest: str, storage: dict, names: _Columns) -> Any:
 
     found: dict[str, type] = {}
     with _opened(manifest, storage) as f:
-        for line in itertools.islice((ln for ln in f if ln.strip()), SNIFF_ROWS):
+        for line in itertools.islice((ln for ln in f if ln.decode("utf-8", "replace").strip()), SNIFF_ROWS):
             try:
                 row = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError):
@@ -654,8 +661,12 @@ def _manifest_records(manifest: str, storage: dict) -> Iterator[Any]:
         except UnicodeDecodeError as err:
             raise DataError(f"data.manifest {manifest} is not UTF-8 text (line {_not_utf8(manifest, storage)}: "
                             f"{err.reason}, {err.object[err.start:err.end]!r}); save it as UTF-8") from None
-        except (DataError, csv.Error):
+        except DataError:
             raise
+        except csv.Error as err:  # (a value over csv's field limit, 128 KiB; a NUL byte in an old Python)
+            line = reader.line_num + 1 if reader else "?"  # (the line being read)
+            raise DataError(f"data.manifest {manifest} line {line} is not a row Python's csv reads ({err}); fix that "
+                            "line") from None
         except Exception as err:
             if is_url(manifest):  # its storage failed as it was read
                 raise remote_error("data.manifest", manifest, err) from err
