@@ -413,7 +413,6 @@ def _texts(names: np.ndarray) -> list[str]:
     return b"\0".join(names.tolist()).decode("ascii").split("\0") if len(names) else []
 
 
-
 def _short_labels(mm: mmap.mmap, group: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, cls: np.ndarray,
                   n_groups: int, label: Label, none: object,
                   firsts: np.ndarray | None = None) -> tuple[list[Any], np.ndarray] | None:

@@ -230,9 +230,9 @@ def _json(manifest: str) -> bool:
 
 def _lines(manifest: str, storage: dict, names: _Columns) -> int | None:
     """The rows of a CSV manifest counted from its line breaks after its header (:func:`_csv_rows`: those outside
-    quoted values), of JSON lines as its lines, where each is a row: no carriage return, no blank line (neither is
-    a row); and in a CSV, every column data.columns names there. None otherwise. A read of the file at the speed of
-    the disk or the network: no row parsed."""
+    quoted values, blank lines left out), of JSON lines as its lines with more than white space
+    (:func:`_json_counted`); in a CSV, every column data.columns names in its header. None where they cannot be
+    counted so. A read of the file at the speed of the disk or the network: no row parsed."""
     try:
         with _opened(manifest, storage) as f:
             first = f.read(1 << 20)
