@@ -67,6 +67,17 @@ def _listed(path: Path, exts: tuple[str, ...]) -> list[tuple[str, str, int, int,
     return [*zip(s.keys, s.members, s.offsets, s.sizes, s.each_label(), strict=True), (s.left_out, s.left_out_key)]
 
 
+def _walked(mm: mmap.mmap, fd: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]:
+    """The walk's parts joined: the headers' positions, where it stopped, the compiled walk's facts (None unless
+    every part has them), each header with the first bytes of its data (None unless every part was read by pread)."""
+    walk = _tar_fast._Walk(mm, fd)
+    parts = list(walk.parts())
+    starts = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+    facts = None if any(p[2] is None for p in parts) else np.concatenate([p[2] for p in parts], axis=1)
+    heads = None if any(p[3] is None for p in parts) else np.concatenate([np.hstack([p[1], p[3]]) for p in parts])
+    return starts, walk.stop, facts, heads
+
+
 def _fast(path: Path) -> bool:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         return _tar_fast.fast_samples(mm, f.fileno(), (".jpg",), str(path), lambda *a: None, object()) is not None
@@ -122,7 +133,7 @@ def test_the_compiled_walk_finds_what_the_bulk_steps_find(tmp_path: Path, walk: 
     path = _write(tmp_path / "t.tar", _members(300))
     data = bytearray(path.read_bytes())
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        starts, stop, facts, heads = _tar_fast._walk(mm, f.fileno())
+        starts, stop, facts, heads = _walked(mm, f.fileno())
         block = _tar_fast._gathered(mm, starts)
     assert (heads is not None) == (walk == "pread")
     if heads is not None:  # (each header, and the first bytes of its data: what follows it in the file)
@@ -142,7 +153,7 @@ def test_the_compiled_walk_finds_what_the_bulk_steps_find(tmp_path: Path, walk: 
     odd = tmp_path / "odd.tar"
     odd.write_bytes(bytes(data))
     with open(odd, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        again, _, facts, _ = _tar_fast._walk(mm, f.fileno())
+        again, _, facts, _ = _walked(mm, f.fileno())
     assert again.tolist() == starts.tolist() and facts is None
     assert _fast(odd) and _listed(odd, (".jpg",)) == _expected(odd, (".jpg",)) == _expected(path, (".jpg",))
 
@@ -175,8 +186,31 @@ def test_headers_far_apart_are_read_by_pread_and_list_the_same(tmp_path: Path, m
                             ("few.tar", members(10, 100, 900), True), ("three.tar", three(40), True)):
         path = _write(tmp_path / name, made)
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            assert (_tar_fast._walk(mm, f.fileno())[3] is not None) == far, name
+            assert (_walked(mm, f.fileno())[3] is not None) == far, name
         assert _listed(path, (".jpg",)) == _expected(path, (".jpg",)), name
+
+
+def test_a_tar_of_far_headers_then_near_ones_is_read_by_pread_then_walked_in_its_mapping(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Large images first (read by pread, a part at a time), then small ones: from the first part that took less
+    than ``_FAR`` bytes a read, the rest is walked in the mapping (compiled where numba is); the labels of both
+    (.cls texts kept by pread, then gathered from the mapping) and the listing as tarfile's."""
+    monkeypatch.setattr(_tar_fast, "_PROBE", 4)
+    monkeypatch.setattr(_tar_fast, "_FAR", FAR)
+    monkeypatch.setattr(_tar_fast, "_CHUNK", 16)
+    rng = np.random.default_rng(1)
+    members = [m for i in range(100) for m in ((f"s/{i:04d}.jpg", rng.bytes(70_000 if i < 20 else 300)),
+                                               (f"s/{i:04d}.cls", f"label{i % 9}".encode()))]
+    path = _write(tmp_path / "mixed.tar", members)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        walk = _tar_fast._Walk(mm, f.fileno())
+        ways = [p[3] is not None for p in walk.parts()]
+        members = _tar_fast._members(mm, f.fileno(), str(path))
+    assert ways[0] and not ways[-1] and ways == sorted(ways, reverse=True) and len(ways) > 4  # (pread, then mapped)
+    assert members is not None and members[4] is not None
+    raw = path.read_bytes()  # (each member's first bytes: kept by pread, then gathered from the mapping)
+    assert members[4].tolist() == [list(raw[o:o + 64]) for o in members[2].tolist()]
+    assert _listed(path, (".jpg",)) == _expected(path, (".jpg",))
 
 
 def test_a_numba_that_does_not_load_leaves_the_walk_interpreted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -226,7 +260,7 @@ def test_a_tar_cut_short_lists_the_members_before_the_cut(tmp_path: Path, caplog
     inside = tmp_path / "inside.tar"  # 10 bytes into the 21st image's data: its header read, zeros past the end
     inside.write_bytes(path.read_bytes()[: whole[20][2] + 10])
     with open(inside, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        starts, _, _, heads = _tar_fast._walk(mm, f.fileno())
+        starts, _, _, heads = _walked(mm, f.fileno())
     assert int(starts[-1]) == whole[20][2] - 512
     if heads is not None:  # (as the mapping's gather gives the bytes past the end: zeros)
         raw = inside.read_bytes()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -57,43 +57,73 @@ def fast_samples(mm: mmap.mmap, fd: int, exts: tuple[str, ...], url: str, label:
     return _grouped(mm, names, lengths, offsets, sizes, leading, exts, url, label, none, read_at)
 
 
-def _walk(mm: mmap.mmap, fd: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]:
-    """Each header's position, each next header found past the last one's data (the size read as its field's
-    first 11 bytes; the 12th is checked in bulk), up to the first block not read so: the end mark, the end of the
-    file, or a header for the plain reader. Also where it stopped; where the compiled walk read every header
-    (:func:`_walk_kernel`), each one's size, the sum of its bytes and its name's length (rows of an array; else
-    None: made in bulk); and where the headers were read by ``pread`` (a tar of fewer than ``_PROBE`` headers, or
-    whose first ``_PROBE`` took a read each ``_FAR`` bytes or more on average: large images), each header with the
-    first bytes of its data (rows of ``_HEAD`` bytes; else None: gathered from the mapping)."""
-    starts, heads = array("q"), bytearray()
-    pos, reads = _read(fd, len(mm), 0, starts, heads, _PROBE)
-    if starts and (len(starts) < _PROBE or pos / reads >= _FAR):
-        if len(starts) == _PROBE:
-            pos = _read(fd, len(mm), pos, starts, heads)[0]
-        return np.frombuffer(starts, np.int64).copy(), pos, None, np.frombuffer(heads, np.uint8).reshape(-1, _HEAD)
-    pos = _walked(mm, pos, starts, max(_INTERPRETED - len(starts), 0))
-    kernel = _walk_kernel() if len(starts) >= _INTERPRETED else None
-    if kernel is None:
-        pos = _walked(mm, pos, starts)  # (the rest, where there is more)
-        return np.frombuffer(starts, np.int64) if starts else np.zeros(0, np.int64), pos, None, None
-    data, parts = np.frombuffer(mm, dtype=np.uint8), []
-    try:
-        pos, n = 0, _CHUNK
-        while n == _CHUNK:  # (a part at a time: no buffer for the most members the file could hold)
-            part = np.empty((4, _CHUNK), np.int64)  # (positions, sizes, sums, name lengths)
-            n, pos = kernel(data, pos, part)
-            parts.append(part[:, :n])
-    finally:
-        del data  # (no view of the mapping outlives this: one would keep it from closing)
-    found = np.concatenate(parts, axis=1)
-    starts = array("q", found[0].tobytes())
-    stop = _walked(mm, pos, starts)  # where it stopped, a size field in a form it does not read: read here
-    return np.frombuffer(starts, np.int64), stop, found[1:] if stop == pos else None, None
+Part = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]  # (positions, header blocks, facts, firsts)
+
+
+class _Walk:
+    """A tar's headers, each next one found past the last one's data (the size read as its field's first 11 bytes;
+    the 12th is checked in bulk), a part of at most ``_CHUNK`` at a time, up to the first block not read so (the
+    end mark, the end of the file, or a header for the plain reader; ``stop``: where, once the parts are read).
+    Each part: the headers' positions, their blocks, where the compiled walk read them (:func:`_walk_kernel`) each
+    one's size, byte sum and name's length (rows of an array; else None: made in bulk), and where they were read
+    by ``pread`` (:func:`_read`) the first ``_SHORT`` bytes of each one's data (else None). The first ``_PROBE``
+    headers are read by ``pread``: where they took a read each ``_FAR`` bytes or more on average (large images),
+    or are all the tar holds, the headers are read so, a part at a time, until a part took less a read; the rest
+    are walked in the tar's mapping (no view of it kept between parts: one would keep it from closing)."""
+
+    def __init__(self, mm: mmap.mmap, fd: int) -> None:
+        self.mm, self.fd, self.stop = mm, fd, 0
+
+    def parts(self) -> Iterator[Part]:
+        size, starts, heads = len(self.mm), array("q"), bytearray()
+        pos, reads = _read(self.fd, size, 0, starts, heads, _PROBE)
+        if not starts or (len(starts) == _PROBE and pos / reads < _FAR):
+            yield from self._mapped(0)
+            return
+        begin = 0
+        while True:
+            if len(starts) in (0, _PROBE):  # (a new part, or the probe's headers: read on to a part's end)
+                pos, more = _read(self.fd, size, pos, starts, heads, _CHUNK - len(starts))
+                reads += more
+            rows = np.frombuffer(heads, np.uint8).reshape(-1, _HEAD)
+            if starts:
+                yield np.frombuffer(starts, np.int64).copy(), rows[:, :_BLOCK], None, rows[:, _BLOCK:]
+            if len(starts) < _CHUNK or not reads or (pos - begin) / reads < _FAR:
+                break  # (the tar's end; or headers near each other from here: walked in the mapping)
+            starts, heads, begin, reads = array("q"), bytearray(), pos, 0
+        if len(starts) < _CHUNK:
+            self.stop = pos
+        else:
+            yield from self._mapped(pos)
+
+    def _mapped(self, pos: int) -> Iterator[Part]:
+        """The headers from ``pos`` walked in the mapping: by the interpreter, then (a tar of more than
+        ``_INTERPRETED`` headers, where numba is) walked again from ``pos`` by the compiled walk, a part at a time;
+        from a size field in a form it does not read, by the interpreter again."""
+        starts = array("q")
+        end = _walked(self.mm, pos, starts, _INTERPRETED)
+        kernel = _walk_kernel() if len(starts) == _INTERPRETED else None
+        n = _CHUNK if kernel is not None else 0
+        while kernel is not None and n == _CHUNK:
+            found = np.empty((4, _CHUNK), np.int64)  # (positions, sizes, sums, name lengths)
+            data = np.frombuffer(self.mm, dtype=np.uint8)
+            try:
+                n, pos = kernel(data, pos, found)
+            finally:
+                del data  # (no view of the mapping outlives this: one would keep it from closing)
+            if n:
+                yield found[0, :n], _gathered(self.mm, found[0, :n]), found[1:, :n], None
+            starts, end = array("q"), pos
+        end = _walked(self.mm, end, starts)  # (the rest: all of it without the compiled walk)
+        for at in range(0, len(starts), _CHUNK):
+            part = np.frombuffer(starts, np.int64)[at:at + _CHUNK].copy()
+            yield part, _gathered(self.mm, part), None, None
+        self.stop = end
 
 
 def _walked(mm: mmap.mmap, pos: int, starts: array, most: int = -1) -> int:
-    """:func:`_walk` from ``pos``, interpreted, adding to ``starts`` (at most ``most`` more; -1: no limit); where it
-    stopped."""
+    """:class:`_Walk`'s walk from ``pos``, interpreted, adding to ``starts`` (at most ``most`` more; -1: no limit);
+    where it stopped."""
     add, last = starts.append, len(mm) - _BLOCK
     while pos <= last and most:  # (the loop of a member: kept to a slice, an int() and an append)
         try:
@@ -216,46 +246,49 @@ Members = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | Non
 
 def _members(mm: mmap.mmap, fd: int, url: str) -> Members | None:
     """The regular files' names (bytes, a row as wide as the longest, zero past the name), their lengths, data
-    offsets and sizes, and where the walk read them by ``pread`` the first ``_SHORT`` bytes of their data (else
+    offsets and sizes, and where the walk read any by ``pread`` the first ``_SHORT`` bytes of their data (else
     None); None: a header this path does not read. A block that is no header ends the listing as the plain
     reader's does."""
-    starts, stop, walked, heads = _walk(mm, fd)
-    names, lengths, rows, kept = [], [], [], []
-    for at in range(0, len(starts), _CHUNK):
-        block = _gathered(mm, starts[at:at + _CHUNK]) if heads is None else heads[at:at + _CHUNK, :_BLOCK]
-        facts = None if walked is None else walked[:, at:at + _CHUNK]  # (sizes, sums, name lengths)
+    walk, seen = _Walk(mm, fd), 0
+    names, lengths, offsets, kept, firsts = [], [], [], [], []
+    for starts, block, facts, first in walk.parts():
         bad = np.flatnonzero(~_checksums_ok(block, None if facts is None else facts[1]))
         if len(bad):  # the listing ends at the first block that is no header
-            first = int(bad[0])
-            block = block[:first]
-            stop = int(starts[at + first])
-            starts = starts[:at + first]
+            block = block[:int(bad[0])]
         sizes = _octal(block[:, 124:136], 11, None if facts is None else facts[0][:len(block)])  # as the walk read
         files = _plain(block, sizes, None if facts is None else facts[2][:len(block)])
         if files is None:
             return None
+        seen += len(block)
         names.append(files[0])
         lengths.append(files[1])
-        rows.append(at + files[2])
+        offsets.append(starts[files[2]] + _BLOCK)
         kept.append(sizes[files[2]])
+        firsts.append(None if first is None else first[files[2]])
         if len(bad):
+            walk.stop = int(starts[bad[0]])
             break
-    end = bytes(mm[stop:stop + _BLOCK])
+    end = bytes(mm[walk.stop:walk.stop + _BLOCK])
     if len(end) == _BLOCK and _checksum_ok(end):
         return None  # a header whose size field is not 11 octal digits: the plain reader reads it
-    _check_end(end, len(starts), stop, url)
-    return _joined(names, lengths, rows, kept, starts, heads)
+    _check_end(end, seen, walk.stop, url)
+    return _joined(mm, names, lengths, offsets, kept, firsts)
 
 
-def _joined(names: list[np.ndarray], lengths: list[np.ndarray], rows: list[np.ndarray], sizes: list[np.ndarray],
-            starts: np.ndarray, heads: np.ndarray | None) -> Members:
-    """:func:`_members`' parts joined (``rows``: each file's header among ``starts``, and ``heads``)."""
+def _joined(mm: mmap.mmap, names: list[np.ndarray], lengths: list[np.ndarray], offsets: list[np.ndarray],
+            sizes: list[np.ndarray], firsts: list[np.ndarray | None]) -> Members:
+    """:func:`_members`' parts joined; their data's first bytes where a part's were read by ``pread`` (those of a
+    part walked in the mapping then gathered from it)."""
     if not names:
-        names, lengths, rows, sizes = [np.zeros((0, 1), np.uint8)], *([np.zeros(0, np.int64)],) * 3
+        return np.zeros((0, 1), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), None
     width = max(n.shape[1] for n in names)
-    row = np.concatenate(rows)
+    if all(f is None for f in firsts):
+        first = None
+    else:
+        first = np.concatenate([_bytes_at(mm, o, _SHORT) if f is None else f for o, f in zip(offsets, firsts,
+                                                                                             strict=True)])
     return (np.concatenate([np.pad(n, ((0, 0), (0, width - n.shape[1]))) for n in names]), np.concatenate(lengths),
-            starts[row] + _BLOCK, np.concatenate(sizes), None if heads is None else heads[row, _BLOCK:])
+            np.concatenate(offsets), np.concatenate(sizes), first)
 
 
 def _gathered(mm: mmap.mmap, starts: np.ndarray) -> np.ndarray:
