@@ -176,6 +176,7 @@ def large_tar_bench(tars: int = 2, per_tar: int = 2_000) -> dict[str, dict[str, 
     import io
     import tarfile
 
+    import extractor.data.sources._tar_fast as fast
     from extractor.data.sources.tar import list_tars
 
     root = WORK / f"tars-{tars}x{per_tar}-100k"
@@ -213,32 +214,29 @@ def large_tar_bench(tars: int = 2, per_tar: int = 2_000) -> dict[str, dict[str, 
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
 
-    import extractor.data.sources._tar_fast as fast
-
-    def both() -> dict[str, tuple[float, float, float]]:  # (the headers read by pread, as the listing chooses
-        times, far = (1 if cold else 3), fast._FAR  # for these tars; then walked in the mapping)
+    def both(cold: bool) -> dict[str, tuple[float, float, float]]:
+        """The headers read by pread (as the listing chooses for these tars), then walked in the mapping."""
+        far = fast._FAR
         try:
             evicted() if cold else None
-            read = listed(times)
+            read = listed(1 if cold else 3)
             fast._FAR = 1 << 62
             evicted() if cold else None
-            return {"pread": read, "mapped": listed(times)}
+            return {"pread": read, "mapped": listed(1 if cold else 3)}
         finally:
             fast._FAR = far
 
-    out, cold = {}, True
-    out["not in the page cache (read as listed)"] = both()
-    cold = False
+    out = {"not in the page cache (read as listed)": both(cold=True)}
     evicted()
     for path in paths:
         path.read_bytes()  # (read ahead by the kernel, as a file read from the disk is)
-    out["in the page cache, read from the disk"] = both()
+    out["in the page cache, read from the disk"] = both(cold=False)
     for path in paths:  # rewritten a tar block at a time, as tarfile writes: small folios
         with open(path, "rb") as f, open(path.with_suffix(".new"), "wb", buffering=0) as g:
             while block := f.read(10_240):
                 g.write(block)
         path.with_suffix(".new").replace(path)
-    out["in the page cache, as written in small writes"] = both()
+    out["in the page cache, as written in small writes"] = both(cold=False)
     print(f"\ntar planning, {tars} tars x {per_tar:,} samples of 60-140 KB images (.cls + .jpg), a sample: headers "
           "read by pread (as listed), and walked in the mapping")
     for state, ways in out.items():

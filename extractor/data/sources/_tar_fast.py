@@ -282,11 +282,8 @@ def _joined(mm: mmap.mmap, names: list[np.ndarray], lengths: list[np.ndarray], o
     if not names:
         return np.zeros((0, 1), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), None
     width = max(n.shape[1] for n in names)
-    if all(f is None for f in firsts):
-        first = None
-    else:
-        first = np.concatenate([_bytes_at(mm, o, _SHORT) if f is None else f for o, f in zip(offsets, firsts,
-                                                                                             strict=True)])
+    first = None if all(f is None for f in firsts) else np.concatenate(
+        [_bytes_at(mm, o, _SHORT) if f is None else f for o, f in zip(offsets, firsts, strict=True)])
     return (np.concatenate([np.pad(n, ((0, 0), (0, width - n.shape[1]))) for n in names]), np.concatenate(lengths),
             np.concatenate(offsets), np.concatenate(sizes), first)
 

@@ -203,7 +203,7 @@ def _open_tar(url: str, storage_options: dict[str, Any]) -> tuple[Any, int | Non
                 return io.BytesIO(b""), None  # (an empty file cannot be mapped)
             fd = os.dup(f.fileno())
             try:
-                return mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd  # (close headers read without a system call)
+                return mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd  # (near headers read with no system call each)
             except BaseException:
                 os.close(fd)
                 raise
