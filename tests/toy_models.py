@@ -148,14 +148,14 @@ def crash_on_read(name: str, seconds: float = 0.15) -> nn.Module:
 
     import extractor.data.decode as decode
 
-    read = decode.read_bytes
+    read = decode.read_printed
 
-    def read_bytes(item, *args, **kwargs):
+    def read_printed(item, *args, **kwargs):
         if isinstance(item, str) and os.path.basename(item) == name:
             os._exit(70)
         return read(item, *args, **kwargs)
 
-    decode.read_bytes = read_bytes
+    decode.read_printed = read_printed
     return SlowNet(seconds)
 
 

@@ -277,7 +277,7 @@ class Pipeline:
         """Record the batch's decode failures, send its images to the device, read back the batch before."""
         for off, err in batch.failed.items():
             out.fail(off, err)
-        out.read(batch.digests)
+        out.read(batch.digests, batch.prints)
         if batch.images is not None:
             offsets = np.asarray(batch.offsets)
             labels = given.labels[offsets] if given.labels is not None else None

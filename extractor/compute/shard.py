@@ -149,6 +149,7 @@ class ShardOutput:
         self.status = np.zeros(n, dtype=np.uint8)
         self.errors = [""] * n
         self.digests = np.zeros(n, dtype=np.uint64)  # content digest of each row's bytes as read (0: not read)
+        self.prints = np.zeros(n, dtype=np.uint64)  # fingerprint of each row's file as read (0: none, not a file)
         self.reused = np.full(n, -1, dtype=np.int16)  # the store each row was copied from (-1: computed here)
         self.spare = spare
         self.shapes = {k: (given.chunk_rows[k], *m["shape"]) for k, m in captures.items()}
@@ -187,10 +188,13 @@ class ShardOutput:
         if self.forward_failed == self.decoded and self.decoded >= min(self.n, 2):
             raise RuntimeError(f"every image so far made the model raise; last: {done.bad[max(done.bad)]}")
 
-    def read(self, digests: dict[int, int]) -> None:
-        """The content digests of rows whose bytes were read (offset -> digest)."""
+    def read(self, digests: dict[int, int], prints: dict[int, int]) -> None:
+        """The content digests of rows whose bytes were read, and the fingerprints of the files they were read from
+        (offset -> digest, offset -> fingerprint)."""
         for offset, digest in digests.items():
             self.digests[offset] = digest
+        for offset, printed in prints.items():
+            self.prints[offset] = printed
 
     def fail(self, offset: int, err: str) -> None:
         self.status[offset], self.errors[offset] = FAILED, err
@@ -319,7 +323,8 @@ class ShardOutput:
                 self.pending.popleft().result()
             parts = {key: feed.state.to_bytes() for key, feed in self.indexes.items()}
             stats = stats_dumps(self.stats)
-            self.writer.finish(self.status, self.errors, self.extras, stats, self.digests, self.reused, parts)
+            self.writer.finish(self.status, self.errors, self.extras, stats, self.digests, self.reused, parts,
+                               self.prints)
         except ShardTaken as err:  # joined: taken over while this process was stopped; the other claimant's now
             self.writer.abandon()
             return taken(self.shard, err)

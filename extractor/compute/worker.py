@@ -401,7 +401,7 @@ class Worker(Probing):
         threads = max(self.decode_threads, 1)
         h, w = self.preprocess.size
         ahead = self.machine.decode_ahead(bs, threads, bs * 3 * h * w)
-        common: dict[str, Any] = {"read": self.decode.read, "reuse": reuse, "prefetch_batches": ahead,
+        common: dict[str, Any] = {"read": self.decode.read_printed, "reuse": reuse, "prefetch_batches": ahead,
                                   "pieces": 2 * threads}
         if self.jpeg is not None:
             return BatchStream(bs, self.jpeg.prepare, self.pool, collate=self.jpeg.collate, **common)

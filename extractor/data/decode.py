@@ -15,7 +15,7 @@ from ..spec import DataSpec
 from .files import Locator
 from .preprocess import IMAGENET, Preprocess
 from .preprocess import resolve as resolve_preprocess
-from .sources import read_bytes
+from .sources import read_bytes, read_printed
 
 # A process-wide setting, made once here: Pillow's own pixel limit is off, data.max_image_pixels (checked
 # by _open_checked before decoding) replaces it.
@@ -49,6 +49,10 @@ class ImageDecoder:
     def read(self, item: Locator) -> bytes:
         """The bytes of an image (a file, a URL, a tar member)."""
         return read_bytes(item, self.storage_options, self.outside_root)
+
+    def read_printed(self, item: Locator) -> tuple[bytes, int]:
+        """:meth:`read`, with the fingerprint of the file it opened (:func:`~extractor.data.sources.read_printed`)."""
+        return read_printed(item, self.storage_options, self.outside_root)
 
     def from_bytes(self, data: bytes):  # -> torch.Tensor (3, h, w) uint8
         return self.transform.apply(rgb_from_bytes(data, self.max_pixels, self.draft))

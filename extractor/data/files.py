@@ -28,6 +28,7 @@ __all__ = [
     "leaves_root",
     "local_fingerprint",
     "read_file",
+    "read_file_printed",
     "remote_error",
     "remote_fingerprint",
     "storable_path",
@@ -117,13 +118,21 @@ def local_path(path: str) -> str | bytes:
 def read_file(item: str, storage_options: dict | None = None) -> bytes:
     """The bytes of a file: a local path (``fsbytes:`` names too) or an fsspec URL. A source's own locators (a tar
     member, a Parquet row) are read by :func:`~extractor.data.sources.read_bytes`."""
+    return read_file_printed(item, storage_options)[0]
+
+
+def read_file_printed(item: str, storage_options: dict | None = None) -> tuple[bytes, int]:
+    """:func:`read_file`, with the :func:`local_fingerprint` of the file it opened, taken before its bytes are read
+    (0: a URL). A fingerprint never newer than the bytes read: a file rewritten meanwhile differs from it later, and
+    a resume compares its content."""
     if is_url(item):
         import fsspec
 
         with fsspec.open(item, "rb", **(storage_options or {})) as f:
-            return f.read()
+            return f.read(), 0
     with open(local_path(item), "rb") as f:
-        return f.read()
+        printed = stat_fingerprint(os.fstat(f.fileno()))  # (before the read)
+        return f.read(), printed
 
 
 def content_digest(data: bytes) -> int:
@@ -179,9 +188,13 @@ def local_fingerprint(path: str) -> int:
     answer.
     """
     try:
-        st = os.stat(local_path(path))
+        return stat_fingerprint(os.stat(local_path(path)))
     except OSError:
         return 0
+
+
+def stat_fingerprint(st: os.stat_result) -> int:
+    """:func:`local_fingerprint` of a file stat-ed (by its name, or the file opened)."""
     return fingerprint(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 

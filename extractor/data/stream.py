@@ -32,6 +32,7 @@ class Batch:
     failed: dict[int, str]  # row offset -> error text
     digests: dict[int, int] = field(default_factory=dict)  # row offset -> content digest of the bytes it read
     reused: dict[int, Any] = field(default_factory=dict)  # row offset -> its values from another store (Reused)
+    prints: dict[int, int] = field(default_factory=dict)  # row offset -> fingerprint of the file it read (local)
     give_back: Callable[[], None] | None = None  # gives ``images``' buffer back to the stream's slots (None: none)
 
     def release(self) -> None:
@@ -79,6 +80,7 @@ class _Piece:
     failed: dict[int, str] = field(default_factory=dict)  # row offset -> error text
     digests: dict[int, int] = field(default_factory=dict)
     reused: dict[int, Any] = field(default_factory=dict)
+    prints: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,8 +104,9 @@ class BatchStream:
     With ``slots`` (:class:`Slots`), each image is written into its row of a reused buffer by its decode thread;
     the batch gives the buffer back once released. Otherwise ``collate(items)`` turns a batch's decoded items into
     ``(images, {position: error})``; by default the items are uint8 tensors, stacked. With ``read``
-    (a locator's bytes), ``decode`` takes those bytes, and each row's bytes get a content digest
-    (also those of a row that fails to decode); without, ``decode`` takes the locator. ``reuse(digest)``
+    (a locator's bytes and the fingerprint of the file read: :func:`~extractor.data.sources.read_printed`),
+    ``decode`` takes those bytes, and each row's bytes get a content digest (also those of a row that fails to
+    decode) and its fingerprint is kept (where not 0); without, ``decode`` takes the locator. ``reuse(digest)``
     gives a row's values from another store instead of its decoded image (or None: decode it).
     """
 
@@ -121,27 +124,30 @@ class BatchStream:
         self.shards.append(paths)
         self._fill()
 
-    def _safe(self, path: Locator) -> tuple[Any, str | None, int]:
-        """(decoded item, None, digest) or (None, error, digest): any failure fails its row only."""
-        digest = 0
+    def _safe(self, path: Locator) -> tuple[Any, str | None, int, int]:
+        """(decoded item, None, digest, fingerprint) or (None, error, digest, fingerprint): any failure fails its
+        row only."""
+        digest = printed = 0
         try:
             if self.read is None:
-                return self.decode(path), None, 0
-            data = self.read(path)
+                return self.decode(path), None, 0, 0
+            data, printed = self.read(path)
             digest = content_digest(data)
             reused = self.reuse(digest) if self.reuse is not None else None
-            return (reused if reused is not None else self.decode(data)), None, digest
+            return (reused if reused is not None else self.decode(data)), None, digest, printed
         except Exception as err:  # noqa: BLE001 - any read or decode failure fails its row only
-            return None, describe_error(err), digest
+            return None, describe_error(err), digest, printed
 
     def _piece(self, paths: Sequence[Locator], start: int, first: int, stop: int, buffer: Any) -> _Piece:
         """On a decode thread: rows ``first:stop`` of a batch that begins at row ``start``, each written into its
         row of ``buffer`` where it has one and the image fits."""
         piece = _Piece(items=None if buffer is not None else [])
         for i in range(first, stop):
-            img, err, digest = self._safe(paths[i])
+            img, err, digest, printed = self._safe(paths[i])
             if digest:
                 piece.digests[i] = digest
+            if printed:
+                piece.prints[i] = printed
             if err is not None:
                 piece.failed[i] = err
             elif isinstance(img, Reused):
@@ -200,18 +206,19 @@ class BatchStream:
     def _batch(self, decoding: _Decoding, pieces: list[_Piece]) -> Batch:
         """The batch its pieces make."""
         ok = [j for p in pieces for j in p.ok]
-        failed, digests, reused = {}, {}, {}
+        failed, digests, reused, prints = {}, {}, {}, {}
         for p in pieces:
             failed.update(p.failed)
             digests.update(p.digests)
             reused.update(p.reused)
+            prints.update(p.prints)
         offsets = [decoding.start + j for j in ok]
         if decoding.buffer is not None:
             images, release = self._from_buffer(decoding, ok)
         else:
             images, release = self._collated([x for p in pieces for x in p.items or ()], offsets, failed), None
             offsets = [o for o in offsets if o not in failed]
-        return Batch(offsets, images, dict(sorted(failed.items())), digests, reused, release)
+        return Batch(offsets, images, dict(sorted(failed.items())), digests, reused, prints, release)
 
     def _from_buffer(self, decoding: _Decoding, ok: list[int]) -> tuple[Any, _Release | None]:
         """The images of a batch decoded into its buffer (rows ``ok``), and what gives the buffer back."""

@@ -19,9 +19,10 @@ from .tokens import TokenLayout
 __all__ = ["RESERVED_KEYS", "Target", "resolve_targets"]
 
 RESERVED_KEYS = frozenset({"ids", "paths", "labels", "status", "errors", "shard_done", "shard_stats", "stats_sums",
-                           "lease", "target", "target_score", "digest", "fingerprint", "reused", "id_index",
-                           "index_parts", "indexes"})  # and the sources' locators; names beginning "__" (a generation's
-# own: its attempts and ledger), refused where a key is checked
+                           "lease", "target", "target_score", "digest", "fingerprint", "read_fingerprint", "reused",
+                           "id_index", "index_parts", "indexes"})
+# and the sources' locators; names beginning "__" (a generation's own: its attempts and ledger), refused where a key
+# is checked
 
 
 @dataclass(frozen=True)

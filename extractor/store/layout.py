@@ -12,6 +12,8 @@ Layout (format version 2; docs/reference/store.md), all arrays at the generation
     <locators> (N,)     the source's own per-row arrays beside paths, where it has them (``Source.locators``:
                         a tar source's byte_offset, byte_size, int64: the image's bytes inside its tar)  [rows]
     fingerprint (N,)    uint64   the source's cheap facts about those bytes (size, mtime / ETag; 0: unknown)  [rows]
+    read_fingerprint (N,) uint64 a local file's facts (size, mtime, ctime, inode) as its row's worker opened it;
+                        where ``fingerprint`` is 0 (a manifest stats no file), the row's fingerprint (0: none)  [data]
     status   (N,)       uint8    0 pending, 1 ok, 2 failed  [data]
     errors   (N,)       str      why a failed row failed ("" otherwise)  [data]
     digest   (N,)       uint64   xxh3-64 of the image's bytes as its row read them (0: not read)  [data]
@@ -60,7 +62,8 @@ from .views import ROOT, GenerationStore, Slot, write_view
 FORMAT_VERSION = 2
 PENDING, OK, FAILED = 0, 1, 2
 STATUS_NAMES = {PENDING: "pending", OK: "ok", FAILED: "failed"}
-ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint")
+READ_PRINT = "read_fingerprint"  # each row's file's fingerprint as its worker read it (a local file's; 0: none)
+ROW_ARRAYS = ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint", READ_PRINT)
 ATTR = "extractor"  # root attribute holding everything this package records
 INDEX_PARTS = "index_parts"  # write-time feature indexes: each shard's part, per capture
 # every chunk of a shard is written, also one of fill values only: a committed shard's chunk that is missing is a
@@ -270,7 +273,7 @@ def slots(arrays: StoreArrays, n_rows: int, locators: Iterable[str]) -> dict[str
     size = arrays.shard_size
     rows = min(size, max(n_rows, 1))  # per-row arrays: a chunk a shard (of a store smaller than one: its rows)
     per_row, per_shard = Slot("data", rows, size), Slot("data", 1, 1)
-    out = dict.fromkeys(("status", "errors", "digest"), per_row)
+    out = dict.fromkeys(("status", "errors", "digest", READ_PRINT), per_row)
     out["shard_stats"] = per_shard
     out.update({name: Slot("rows", rows, size) for name in ("fingerprint", *locators)})
     out.update(dict.fromkeys(arrays.extras, per_row))
@@ -535,6 +538,7 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows | Streamed
     made.add("status", "uint8", PENDING)
     made.add("errors", str, "")
     made.add("digest", "uint64", 0)  # written with each shard's status
+    made.add(READ_PRINT, "uint64", 0)  # so is this
     made.add("fingerprint", "uint64", 0, (lambda r: r.fingerprints) if rows.fingerprinted else None)
     return made
 

@@ -22,7 +22,7 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 
 from .._version import __version__
-from ..data import BLOCK, Rows, Streamed, of_store
+from ..data import BLOCK, Rows, Streamed, of_store, paths_now, source
 from ..errors import StoreError
 from ..spec import (
     PLACES,
@@ -38,7 +38,17 @@ from ..spec import (
 from .chunks import read_all
 from .dtypes import numpy_dtype
 from .forward import forward_differences
-from .layout import FORMAT_VERSION, OK, PENDING, PREPROCESS_FIELDS, CaptureRecord, ExtraRecord, NamesDigest, now
+from .layout import (
+    FORMAT_VERSION,
+    OK,
+    PENDING,
+    PREPROCESS_FIELDS,
+    READ_PRINT,
+    CaptureRecord,
+    ExtraRecord,
+    NamesDigest,
+    now,
+)
 from .recorded import source_digests
 
 __all__ = [
@@ -470,38 +480,70 @@ def row_blocks(n: int) -> list[tuple[int, int]]:
     return [(a, min(a + COMPARE_ROWS, n)) for a in range(0, n, COMPARE_ROWS)]
 
 
+def stored_prints(group: Any, a: int, b: int) -> np.ndarray:
+    """The fingerprints the store holds of rows ``a:b``: its source's (``fingerprint``), else, where that is 0, the
+    file's as its worker read it (``read_fingerprint``: a manifest's, whose listing stats no file)."""
+    stored = read_all(group["fingerprint"], a, b)
+    unknown = stored == 0
+    if READ_PRINT in group and unknown.any():
+        stored = np.where(unknown, read_all(group[READ_PRINT], a, b), stored)
+    return stored
+
+
+def _prints_now(spec: JobSpec, rows: Rows) -> tuple[np.ndarray | None, bool]:
+    """The source's fingerprints of the rows now, and whether the files of the rows read are to be stat-ed into them
+    (a source whose listing stats no file, a manifest: when it was listed again, or where data.verify: files asks;
+    its rows taken from the store otherwise are taken as they were); None: not known (nothing is compared)."""
+    given = rows.fingerprints
+    stat = given is None and source(spec.data.source).prints_on_read and (rows.stored is None or
+                                                                           spec.data.verify == "files")
+    if stat:
+        return np.zeros(len(rows), np.uint64), True  # (the read rows' filled block by block)
+    return given, False
+
+
 def changed_rows(spec: JobSpec, group: Any, rows: Rows,
                  blocks: list[tuple[int, int]]) -> tuple[list[int], np.ndarray | None]:
     """Rows already read (ok or failed) whose image is not the one they read: where the source's fingerprint
     (size, mtime, ETag) differs from the stored one, the bytes are read and their content digest compared
     (a file touched but unchanged passes). Also the source's fingerprints, when any differ (to record).
     ``blocks``: the rows to look at (:func:`row_blocks`; a half-made store's: :func:`committed_blocks`)."""
-    if "digest" not in group or rows.fingerprints is None:
-        if "digest" not in group:
-            log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
-                        spec.output.store)
+    if "digest" not in group:
+        log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
+                    spec.output.store)
         return [], None
-    current = rows.fingerprints
+    current, stat = _prints_now(spec, rows)
+    if current is None:
+        return [], None
     unknown, moved, found, gone = 0, False, [], []
     for a, b in blocks:  # (a block at a time)
-        now = np.asarray(current[a:b], dtype=np.uint64)
-        stored = read_all(group["fingerprint"], a, b)
+        stored = stored_prints(group, a, b)
         status = read_all(group["status"], a, b)
         read, computed = status != PENDING, status == OK  # (a failed row holds no values to say anything of)
+        if stat:
+            at = np.flatnonzero(read)
+            paths = rows.paths[a:b] if rows.stored is None else read_all(group["paths"], a, b)
+            current[a + at] = paths_now(np.asarray(paths)[at])
+        now = np.asarray(current[a:b], dtype=np.uint64)
         unknown += int((computed & (now == 0) & (stored == 0)).sum())
         gone.append(np.flatnonzero(computed & (now == 0) & (stored != 0)) + a)  # a file that cannot be seen now
-        moved = moved or bool((now != stored).any())
+        moved = moved or bool(((now != stored) & (read | (stored != 0))).any())  # (0 of a row not read: not known)
         found.append(np.flatnonzero(read & (now != stored) & (now != 0)) + a)
     if unknown:
         log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest, or image files gone since "
                     "an earlier resume): not checked for changed images; `extractor inspect --verify` reads them",
                     unknown, spec.output.store)
     _say_gone(spec, group, np.concatenate(gone) if gone else np.zeros(0, np.int64))
-    suspects = np.concatenate(found) if found else np.zeros(0, np.int64)
-    changed: list[int] = []
-    if len(suspects):
-        digests = group["digest"].get_coordinate_selection(suspects)
-        places = {name: column[suspects] for name, column in rows.locators.items()} if rows.locators else None
-        now_digests = source_digests(group, suspects, spec.data.storage_options, places=places)  # where they are now
-        changed = [int(r) for r, d, was in zip(suspects, now_digests, digests, strict=True) if d != was]
+    changed = _digests_differ(spec, group, rows, np.concatenate(found) if found else np.zeros(0, np.int64))
     return changed, (np.asarray(current, dtype=np.uint64) if moved else None)
+
+
+def _digests_differ(spec: JobSpec, group: Any, rows: Rows, suspects: np.ndarray) -> list[int]:
+    """Of rows ``suspects`` (their fingerprints moved), those whose image's content digest differs now from the
+    stored one (read where the source holds it now)."""
+    if not len(suspects):
+        return []
+    digests = group["digest"].get_coordinate_selection(suspects)
+    places = {name: column[suspects] for name, column in rows.locators.items()} if rows.locators else None
+    now_digests = source_digests(group, suspects, spec.data.storage_options, places=places)  # where they are now
+    return [int(r) for r, d, was in zip(suspects, now_digests, digests, strict=True) if d != was]

@@ -54,6 +54,7 @@ from .provenance import (
     owner,
     row_blocks,
     store_attrs,
+    stored_prints,
     with_digests,
 )
 from .recorded import StoredRows
@@ -876,10 +877,17 @@ class StoreSession:
 
 
 def _moved_shards(group: Any, columns: Mapping[str, np.ndarray], size: int) -> list[int]:
-    """The shards (of ``size`` rows) where any of ``columns`` (whole per-row arrays) differs from the store's, compared
-    a block of rows at a time."""
+    """The shards (of ``size`` rows) where any of ``columns`` (whole per-row arrays) differs from what the store holds,
+    compared a block of rows at a time; its fingerprints (:func:`~.provenance.stored_prints`) where one is known now
+    (0: a file that cannot be seen now, which each resume names again, is not recorded over the one it had)."""
+    def moved(k: str, v: np.ndarray, a: int, b: int) -> np.ndarray:
+        if k != "fingerprint":
+            return np.flatnonzero(v[a:b] != read_all(get_array(group, k), a, b))
+        now = np.asarray(v[a:b])
+        return np.flatnonzero((now != stored_prints(group, a, b)) & (now != 0))
+
     return sorted({int(r) // size for k, v in columns.items() for a, b in row_blocks(len(v))
-                   for r in np.flatnonzero(v[a:b] != read_all(get_array(group, k), a, b)) + a})
+                   for r in moved(k, v, a, b) + a})
 
 
 def _first_failed(status: Any, table: Table, size: int, first: int) -> np.ndarray:

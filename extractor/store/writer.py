@@ -23,7 +23,7 @@ from ..errors import FencedError, ShardTaken
 from .chunks import ChunkCodec, ShardStream, read_at_once, write_chunks, write_whole
 from .claimants import SUPERSEDED
 from .generation import Generation, read_head
-from .layout import INDEX_PARTS, WRITE_CONFIG, get_array, locator_arrays
+from .layout import INDEX_PARTS, READ_PRINT, WRITE_CONFIG, get_array, locator_arrays
 from .ledger import Ledger, Verdict, commit, new_id
 from .objects import Objects
 from .views import GenerationStore, Slot, write_view
@@ -129,18 +129,19 @@ class ShardWriter:
         digests: np.ndarray | None = None,
         reused: np.ndarray | None = None,
         index_parts: Mapping[str, np.ndarray] | None = None,
+        prints: np.ndarray | None = None,
     ) -> None:
         """The shard's sharded objects made whole, its per-row and per-shard arrays written (every array of the
         attempt, fill values where nothing is given), then the commit. ``index_parts``: this shard's part of each
-        write-time feature index."""
+        write-time feature index; ``prints``: the fingerprint of each row's file as its bytes were read (0: none)."""
         self.check_fence()
         with self._moved_on():
-            self._write_rest(status, errors, extras, stats, digests, reused, index_parts)
+            self._write_rest(status, errors, extras, stats, digests, reused, index_parts, prints)
         self._commit(int((status == 1).sum()), int((status == 2).sum()))
 
     def _write_rest(self, status: np.ndarray, errors: Sequence[str], extras: Mapping[str, np.ndarray] | None,
                     stats: str, digests: np.ndarray | None, reused: np.ndarray | None,
-                    index_parts: Mapping[str, np.ndarray] | None) -> None:
+                    index_parts: Mapping[str, np.ndarray] | None, prints: np.ndarray | None) -> None:
         """:meth:`finish`'s writes: the sharded objects made whole, every per-row and per-shard array."""
         with self._lock:
             keys = list(self._streams)
@@ -154,6 +155,8 @@ class ShardWriter:
             given["digest"] = (rows, digests)
         if reused is not None:
             given["reused"] = (rows, reused)
+        if prints is not None:
+            given[READ_PRINT] = (rows, prints)
         given.update({f"{INDEX_PARTS}/{key}": (one, np.asarray(part)[None])
                       for key, part in (index_parts or {}).items()})
         given.update(status=(rows, status), errors=(rows, np.asarray(errors, dtype=object)),

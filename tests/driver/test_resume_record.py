@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.images import make_images
+from helpers.interrupts import interrupted_after
 from helpers.jobs import job
 from helpers.stores import opened
 
@@ -86,7 +87,7 @@ def test_a_computed_rows_image_file_gone_is_named_as_gone_not_as_a_url(tmp_path:
                                                                          caplog: pytest.LogCaptureFixture):
     """A manifest's image removed after its row was computed: the resume says that file cannot be seen now, naming
     it (it blamed URLs in a manifest, which this one has none of), keeps the row's values, and says it again next
-    time without blaming URLs."""
+    time."""
     files = make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
     broken = tmp_path / "imgs" / "a" / "broken.jpg"  # a row that fails (no values), its file gone too: not said
     broken.write_bytes(b"not an image")
@@ -100,16 +101,18 @@ def test_a_computed_rows_image_file_gone_is_named_as_gone_not_as_a_url(tmp_path:
     files[1].unlink()
     broken.unlink()
     raw["output"]["if_exists"] = "resume"
-    said = []
+    said, written = [], []
     for _ in range(2):
         caplog.clear()
+        before = files_of(tmp_path / "s.zarr")
         with caplog.at_level("WARNING", logger="extractor.store.provenance"):
             assert run(parse_spec(raw)).shards_run == 0
         said.append([r.getMessage() for r in caplog.records])
-    assert len(said[0]) == 1 and said[0][0].startswith("1 computed rows of ") and \
-        f"cannot be seen now (removed or renamed since; row 1: {files[1]})" in said[0][0]
-    assert len(said[1]) == 1 and "no cheap fingerprint (URLs in a manifest, or image files gone since an earlier " \
-        "resume)" in said[1][0]
+        written.append(files_of(tmp_path / "s.zarr") != before)
+    assert written == [False, False]  # (a file gone: no fingerprint to record)
+    for each in said:  # (the file's fingerprint as its worker read it is kept: the next resume names it again)
+        assert len(each) == 1 and each[0].startswith("1 computed rows of ") and \
+            f"cannot be seen now (removed or renamed since; row 1: {files[1]})" in each[0]
     np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr"))["conv"][:], values)
 
 
@@ -170,3 +173,75 @@ def test_a_manifest_in_another_order_is_refused_saying_so(tmp_path: Path):
     with pytest.raises(StoreError, match=r"the image list differs \(3 rows in the store, 4 now; the first that "
                                          r"differs: row 3, 'a/extra.jpg' now only\)"):
         run(parse_spec(raw))
+
+
+@pytest.mark.parametrize("relisted", [False, True], ids=["rows-from-the-store", "manifest-touched"])
+def test_a_manifests_files_are_fingerprinted_by_the_workers_that_read_them(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           relisted: bool):
+    """Issue 57: a manifest's listing stats no image file (3.3 s of CPU a million rows); each row's worker takes the
+    fingerprint of the file it opens (the store's ``read_fingerprint``, as ``os.stat`` gives it), and a resume
+    stats the files of the rows read only, whether it takes the rows from the store or lists a touched manifest
+    again. A done row's image rewritten in place with its mtime put back is named; one written again with the same
+    bytes is read once, its new fingerprint recorded, and not read again."""
+    from PIL import Image
+
+    import extractor.data.files as files_module
+    import extractor.data.sources as sources_module
+    import extractor.store.provenance as provenance
+    from extractor.errors import StoreError
+
+    files = make_images(tmp_path / "imgs", per_class=10, classes=("a", "b"), size=40)
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("path,label\n" + "".join(f"{f.relative_to(tmp_path / 'imgs')},{f.parent.name}\n"
+                                                 for f in files))
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
+              data={"source": "manifest", "manifest": str(manifest), "resize": None, "crop": 32, "shard_size": 2})
+
+    def no_stat(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a manifest's listing stat-ed an image file")
+
+    with monkeypatch.context() as listing:
+        for name in ("stat_prints", "folder_prints", "local_fingerprint"):
+            listing.setattr(sources_module, name, no_stat)
+        listing.setattr(files_module, "local_fingerprint", no_stat)
+        interrupted_after(raw, 2)  # rows 0-3 computed, and maybe a shard or two more
+    g = opened(str(tmp_path / "s.zarr"))
+    paths, read = [str(p) for p in g["paths"][:]], np.asarray(g["status"][:]) != 0
+    assert not np.asarray(g["fingerprint"][:]).any() and read[:4].all() and not read.all()
+    read_prints = np.asarray(g["read_fingerprint"][:])
+    assert read_prints[read].tolist() == [local_fingerprint(p) for p, r in zip(paths, read, strict=True) if r]
+    assert read_prints[read].all() and not read_prints[~read].any()
+
+    victim, touched = Path(paths[3]), Path(paths[1])
+    was = victim.stat()
+    Image.fromarray(np.full((50, 60, 3), 200, np.uint8)).save(victim, format=Image.open(victim).format)
+    os.utime(victim, ns=(was.st_atime_ns, was.st_mtime_ns))  # its mtime put back: its ctime moved all the same
+    touched.write_bytes(touched.read_bytes())  # the same bytes: another mtime, the same digest
+    if relisted:
+        os.utime(manifest, ns=(was.st_atime_ns, was.st_mtime_ns - 10**9))  # listed again: its rows not taken
+    stat_ed: list[int] = []
+    digested: list[int] = []
+    real_now, real_digests = provenance.paths_now, provenance.source_digests
+    monkeypatch.setattr(provenance, "paths_now", lambda p, *a: stat_ed.append(len(p)) or real_now(p, *a))
+    monkeypatch.setattr(provenance, "source_digests",
+                        lambda g_, rows, *a, **k: digested.extend(rows.tolist()) or real_digests(g_, rows, *a, **k))
+    raw["output"]["if_exists"] = "resume"
+    with pytest.raises(StoreError, match=r"the images of 1 row computed before have changed since \(their content "
+                                         r"digest differs\): 'a/a03\.png'"):
+        run(parse_spec(raw))
+    assert sum(stat_ed) == read.sum() and sorted(digested) == [1, 3]  # the rows read, stat-ed; the two moved, read
+    raw["output"]["on_change"] = "redo"
+    summary = run(parse_spec(raw))
+    pending = {s for s in range(10) if not read[2 * s]}
+    assert {p.shard for p in summary.per_shard} == {1} | pending  # the changed row's shard again, and the others
+    clean = job(tmp_path / "imgs", tmp_path / "clean.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
+                data={"source": "manifest", "manifest": str(manifest), "resize": None, "crop": 32, "shard_size": 2})
+    run(parse_spec(clean))
+    a, b = open_store(str(tmp_path / "s.zarr")), open_store(str(tmp_path / "clean.zarr"))
+    np.testing.assert_array_equal(a.numpy("conv"), b.numpy("conv"))
+    np.testing.assert_array_equal(a.digests, b.digests)
+    digested.clear()
+    before = files_of(tmp_path / "s.zarr")
+    assert run(parse_spec(raw)).shards_run == 0 and digested == []  # settled: every fingerprint as it is now
+    assert files_of(tmp_path / "s.zarr") == before  # and nothing written

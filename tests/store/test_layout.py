@@ -43,10 +43,10 @@ def test_documented_layout(store: Path):
 
     g = zarr.open_group(extractor.zarr_store(str(store)), mode="r")
     assert sorted(g.array_keys()) == sorted(["ids", "paths", "labels", "status", "errors", "digest", "fingerprint",
-                                             "shard_stats", "layer3", "pooled"])
+                                             "read_fingerprint", "shard_stats", "layer3", "pooled"])
     n = 12
     expect = {"ids": ("row",), "paths": ("row",), "labels": ("row",), "status": ("row",), "errors": ("row",),
-              "digest": ("row",), "fingerprint": ("row",), "shard_stats": ("shard",),
+              "digest": ("row",), "fingerprint": ("row",), "read_fingerprint": ("row",), "shard_stats": ("shard",),
               "layer3": ("row", "layer3.channel", "layer3.y", "layer3.x"),
               "pooled": ("row", "pooled.channel")}
     for name, dims in expect.items():

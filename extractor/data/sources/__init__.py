@@ -26,7 +26,7 @@ import numpy as np
 from ..._threads import InOrder
 from ...errors import DataError
 from ...spec import SOURCE_SETTINGS
-from ..files import FS_BYTES, Locator, is_url, local_fingerprint, read_file
+from ..files import FS_BYTES, Locator, is_url, local_fingerprint, read_file, read_file_printed
 from ..rows import BLOCK, LocatorArray
 
 if TYPE_CHECKING:
@@ -47,7 +47,9 @@ __all__ = [
     "folder_prints",
     "forget_reads",
     "locator_names",
+    "paths_now",
     "read_bytes",
+    "read_printed",
     "reuse",
     "source",
     "spread",
@@ -82,6 +84,9 @@ class Source(ABC):
     # tar member's byte range): its rows carry them (``Rows.locators``), the store writes them, and a row's
     # locator read back from the store is ``(path, *their values)``, in this order, handed to :meth:`read`
     locators: ClassVar[tuple[LocatorArray, ...]] = ()
+    # its listing stats no file (its rows' fingerprints None): each row's file is fingerprinted by the worker that
+    # reads it (the store's ``read_fingerprint``), and by a resume that lists it again, for the rows read before
+    prints_on_read: ClassVar[bool] = False
 
     @abstractmethod
     def list(self, data: DataSpec) -> Rows:
@@ -192,13 +197,20 @@ def read_bytes(item: Locator, storage_options: dict | None = None, outside_root:
     """The bytes of one image: a file or URL, or a locator a source reads itself (a tar member's byte range, a
     Parquet file's row). ``outside_root`` false: a path a source's row names that leaves its folder is refused,
     not opened (the job's decoders pass ``data.outside_root``)."""
+    return read_printed(item, storage_options, outside_root)[0]
+
+
+def read_printed(item: Locator, storage_options: dict | None = None, outside_root: bool = True) -> tuple[bytes, int]:
+    """:func:`read_bytes`, with the fingerprint of the local file it opened
+    (:func:`~extractor.data.files.read_file_printed`; 0: a URL, or a locator a source reads, whose fingerprint its
+    listing holds). A worker records it: a manifest's listing stats no file."""
     for name in REGISTRY:
         reader = source(name)
         if reader.reads(item):
-            return reader.read(item, storage_options, outside_root)
+            return reader.read(item, storage_options, outside_root), 0
     if not isinstance(item, str):
         raise ValueError(f"no data source reads {item!r}")
-    return read_file(item, storage_options)
+    return read_file_printed(item, storage_options)
 
 
 def forget_reads() -> None:
@@ -233,13 +245,20 @@ def files_now(recorded: Recorded, start: int = 0, stop: int | None = None) -> np
     with Stats() as stats:  # (one for every block: found slow once)
         for at in range(start, stop, BLOCK):
             block = recorded.column("paths", at, min(at + BLOCK, stop))
-            if block.dtype == object:
-                block = block.astype(np.dtypes.StringDType())
-            plain = not bool(np.strings.find(block, "://").max(initial=-1) >= 0 or
-                             np.strings.startswith(block, FS_BYTES).any())
-            out[at - start:at - start + len(block)] = stat_prints(block, stats) if plain else \
-                [0 if is_url(p) else local_fingerprint(p) for p in block.tolist()]
+            out[at - start:at - start + len(block)] = paths_now(block, stats)
     return out
+
+
+def paths_now(paths: Any, stats: Stats | None = None) -> np.ndarray:
+    """The fingerprints now of the files ``paths`` name (a block of them; 0: a URL, or a file that cannot be seen):
+    plain local paths stat-ed in bulk (:func:`stat_prints`), others one at a time."""
+    block = np.asarray(paths)
+    if block.dtype == object:
+        block = block.astype(np.dtypes.StringDType())
+    plain = not bool(np.strings.find(block, "://").max(initial=-1) >= 0 or
+                     np.strings.startswith(block, FS_BYTES).any())
+    return stat_prints(block, stats) if plain else \
+        np.asarray([0 if is_url(p) else local_fingerprint(p) for p in block.tolist()], dtype=np.uint64)
 
 
 def stat_prints(paths: np.ndarray, stats: Stats | None = None) -> np.ndarray:

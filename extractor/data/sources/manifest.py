@@ -26,11 +26,9 @@ from ..files import (
     is_relative,
     is_url,
     leaves_root,
-    local_fingerprint,
     remote_error,
 )
 from ..rows import (
-    STRINGS,
     ClassCodes,
     Distinct,
     Joined,
@@ -45,7 +43,7 @@ from ..rows import (
 )
 from ..spill import Column
 from ..streamed import Lister, Streamed
-from . import Recorded, Sampled, Source, files_now, stat_prints
+from . import Sampled, Source
 
 if TYPE_CHECKING:
     from ...spec import DataSpec
@@ -77,7 +75,6 @@ def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root:
         return _checked(manifest, fast, lambda n: f"{manifest} row {n + 1}")
     ids = Strings()
     paths = Joining([_made(head)], ids)
-    prints = Column("Q")
 
     def labels() -> Iterator[Any]:
         for n, rec in enumerate(_manifest_records(manifest, storage)):
@@ -95,15 +92,12 @@ def _list_manifest(manifest: str, root: str | None, storage: dict, outside_root:
             given = names.scalar(rec, names.id, n)
             ids.append(str(given) if given not in (None, "") else p)
             paths.whole(full)
-            # local files: fingerprinted now; URLs: unknown (one request each), checked by inspect --verify
-            prints.append(0 if is_url(full) else local_fingerprint(full))
             yield names.scalar(rec, names.label, n)
 
     codes, classes = labels_of(labels(), lambda n: f"{manifest} row {n + 1}")
     names.check_seen()
     listed = ids.array()
-    return _checked(manifest, Rows(ids=listed, paths=paths.joined(listed), labels=codes, classes=classes,
-                                   fingerprints=prints.array() if len(prints) else None), None)
+    return _checked(manifest, Rows(ids=listed, paths=paths.joined(listed), labels=codes, classes=classes), None)
 
 
 STOP_ROWS = 65_536  # rows a listing streamed reads between two looks at whether its job stopped
@@ -156,7 +150,7 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
             raise _first_name(manifest, rows)
         return then(replace(rows, listing=listing))
 
-    made.append(Streamed(n, list(classes or []), lister(), bulk.prefix, fingerprinted=True))
+    made.append(Streamed(n, list(classes or []), lister(), bulk.prefix, fingerprinted=False))
     return made[0]
 
 
@@ -198,7 +192,7 @@ class _ArrowCodes:
 def _first_taken(manifest: str, storage: dict, bulk: _Bulk) -> bool:
     """Whether the bulk reader takes a manifest's first block (else it is listed whole, which refuses what is wrong
     there before a store is made); its labels coded, a label refused there refused now, naming its row (but a name
-    in JSON lines without data.classes: listed whole, which numbers the names); its files are not stat-ed."""
+    in JSON lines without data.classes: listed whole, which numbers the names)."""
     with _blocks(manifest, storage, bulk.names) as blocks:
         first = next(blocks, None)
         if first is None or bulk.check(*first) is None:
@@ -498,7 +492,6 @@ class _Taken:
     which: np.ndarray  # int32: 1 where the path is whole (absolute, a URL), 0 where it lies under the base
     any_whole: bool
     shared: bool  # every row's id is its path
-    prints: np.ndarray  # uint64: each row's fingerprint (0: a URL)
 
 
 class _Bulk:
@@ -506,7 +499,7 @@ class _Bulk:
 
     def __init__(self, base: str, names: _Columns, outside_root: bool, codes: _ArrowCodes | None = None) -> None:
         self.base, self.names, self.outside_root = base, names, outside_root
-        self.ids, self.tails, self.prints = Strings(), Strings(), Column("Q")
+        self.ids, self.tails = Strings(), Strings()
         # the labels: each row's code into their distinct values (their classes known once all are read), or each
         # row's class index where data.classes names them (``codes``: a manifest streamed)
         self.codes = codes
@@ -540,7 +533,7 @@ class _Bulk:
         return whole
 
     def prepare(self, image: Any, given: Any, label: Any) -> _Taken | None:
-        """A block's rows made ready to add (each local file stat-ed); None where the row-by-row reader is the one
+        """A block's rows made ready to add; None where the row-by-row reader is the one
         to read them (or refuse them)."""
         import pyarrow.compute as pc
 
@@ -551,8 +544,7 @@ class _Bulk:
         row_ids = pc.if_else(pc.greater(pc.binary_length(named), 0), named, image)
         labels = label if self.codes is None else self.codes.coded(label)
         return _Taken(len(image), row_ids, image, labels, np.asarray(whole.to_numpy(zero_copy_only=False), np.int32),
-                      bool(pc.any(whole).as_py()), pc.all(pc.equal(row_ids, image)).as_py(),
-                      _prints(pc.if_else(whole, image, pc.binary_join_element_wise(self.base, image, ""))))
+                      bool(pc.any(whole).as_py()), pc.all(pc.equal(row_ids, image)).as_py())
 
     def add(self, taken: _Taken) -> None:
         """A block's rows, :meth:`prepare`-d."""
@@ -564,7 +556,6 @@ class _Bulk:
         self.tails.extend_arrow(taken.image)
         self.which.extend(taken.which)
         self.any_whole = self.any_whole or taken.any_whole
-        self.prints.extend(taken.prints)
         if isinstance(self.labels, Column):
             self.labels.extend(taken.label)
         else:
@@ -578,8 +569,7 @@ class _Bulk:
         which = self.which.snapshot() if self.any_whole else None
         labels = self.labels.snapshot() if isinstance(self.labels, Column) else \
             np.broadcast_to(np.int64(-1), (len(ids),))
-        return Rows(ids=ids, paths=Joined([self.base, ""], tails, which), labels=labels,
-                    fingerprints=self.prints.snapshot())
+        return Rows(ids=ids, paths=Joined([self.base, ""], tails, which), labels=labels)
 
     def rows(self, where: Any) -> Rows:
         listed = (self.tails if self.shared else self.ids).array()
@@ -588,24 +578,7 @@ class _Bulk:
         which = self.which.array()
         tails = listed if self.shared else self.tails.array()
         paths = Joined([self.base, ""], tails, which if self.any_whole else None)
-        return Rows(ids=listed, paths=paths, labels=labels, classes=classes,
-                    fingerprints=self.prints.array() if len(self.prints) else None)
-
-
-def _prints(full: Any) -> np.ndarray:
-    """The fingerprints of a block's images (:func:`~extractor.data.files.local_fingerprint`; 0: a URL), each
-    folder's files stat-ed by name in it."""
-    import pyarrow.compute as pc
-
-    if pc.all(pc.match_substring(full, "://")).as_py():
-        return np.zeros(len(full), dtype=np.uint64)
-    paths = np.asarray(full.to_pylist(), dtype=STRINGS)
-    urls = np.strings.find(paths, "://") >= 0
-    if not urls.any():
-        return stat_prints(paths)
-    out = np.zeros(len(paths), dtype=np.uint64)
-    out[~urls] = stat_prints(paths[~urls])
-    return out
+        return Rows(ids=listed, paths=paths, labels=labels, classes=classes)
 
 
 class _Columns:
@@ -731,6 +704,7 @@ class ManifestSource(Source):
     """A manifest (``data.manifest``): a CSV or JSON-lines file of rows, each a path or URL, an id, a label."""
 
     name = "manifest"
+    prints_on_read = True  # (a stat a row: 3.3 s of CPU a million rows of the listing, measured)
 
     def empty(self, data: DataSpec) -> str:
         return "it holds no rows: a header at most"  # (a manifest's rows are not filtered by data.extensions)
@@ -765,9 +739,6 @@ class ManifestSource(Source):
         return {"source": self.name, "manifest": absolute(data.manifest), "size": st.st_size,
                 "mtime": st.st_mtime_ns, "digest": h.hexdigest(), "root": root, "outside_root": data.outside_root,
                 "columns": dict(sorted((str(k), v) for k, v in data.columns.items()))}
-
-    def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
-        return files_now(recorded)
 
     def sample(self, data: DataSpec, parts: int, over: int) -> Sampled | None:
         """The manifest's first ``parts`` megabytes (whole lines; its header with them), in a file of their own,
