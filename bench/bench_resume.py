@@ -27,7 +27,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".bench" / "resume"
 PER_PART = 10_000  # rows per tar or Parquet file, files per class folder: 1,300 (ImageNet's)
-SOURCES = ("folder", "manifest", "tar", "parquet")
+SOURCES = ("folder", "manifest", "tar", "parquet", "folder:listing", "manifest:listing")  # SOURCE:VERIFY:
+# a resume with data.verify: VERIFY (default: files; a folder's or manifest's files stat-ed, those of the rows read)
 
 
 def _files(n: int) -> Path:
@@ -127,7 +128,7 @@ def job(source: str, n: int, digests: bool = False) -> Path:
 def _complete(path: Path, digests: bool) -> None:
     """The job's store, complete: listed, probed and created as a run does, each shard finished as a worker
     finishes it (every row ok), no values computed."""
-    from extractor.data import content_digest, read_bytes
+    from extractor.data import content_digest, local_fingerprint, read_bytes
     from extractor.driver.runner import LocalBackend, run
     from extractor.spec import load_spec
     from extractor.store.writer import ShardWriter
@@ -140,9 +141,12 @@ def _complete(path: Path, digests: bool) -> None:
                     ready.wait(shard.index)
                 n = shard.stop - shard.start
                 writer = ShardWriter(url, shard.start, shard.stop, shard.index, None, ticket)
-                found = np.asarray([content_digest(read_bytes(item)) for item in writer.opening()[0]], np.uint64) \
+                items = writer.opening()[0]
+                found = np.asarray([content_digest(read_bytes(item)) for item in items], np.uint64) \
                     if digests else np.arange(1, n + 1, dtype=np.uint64)
-                writer.finish(np.ones(n, np.uint8), [""] * n, None, "", found)
+                # each local file's fingerprint, as a worker takes it from the file it opens
+                prints = np.asarray([local_fingerprint(i) if isinstance(i, str) else 0 for i in items], np.uint64)
+                writer.finish(np.ones(n, np.uint8), [""] * n, None, "", found, prints=prints)
             return []
 
     spec = load_spec(str(path), ["output.if_exists=overwrite"])
@@ -154,12 +158,13 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def resume_cpu(path: Path, profile: str | None = None) -> tuple[float, float]:
+def resume_cpu(path: Path, profile: str | None = None, verify: str | None = None) -> tuple[float, float]:
     """CPU and wall seconds of ``extractor run JOB --resume -q`` in a new interpreter (``profile``: a cProfile
-    output file of it)."""
+    output file of it; ``verify``: its ``data.verify``, where not the job's)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     prof = ["-m", "cProfile", "-o", profile] if profile else []
-    cmd = [sys.executable, *prof, "-m", "extractor.cli", "run", str(path), "--resume", "-q"]
+    cmd = [sys.executable, *prof, "-m", "extractor.cli", "run", str(path), "--resume", "-q",
+           *(["--set", f"data.verify={verify}"] if verify else [])]
     c0, t0 = _children_cpu(), time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     used, wall = _children_cpu() - c0, time.perf_counter() - t0
@@ -182,19 +187,20 @@ def resume_bench(sizes: tuple[int, ...] = (100_000, 200_000, 500_000), sources: 
     WORK.mkdir(parents=True, exist_ok=True)
     for source in sources:  # made first: their making loads the machine
         for n in sizes:
-            job(source, n)
+            job(source.partition(":")[0], n)
     print(f"\nresume of a complete store, the whole command (python -m extractor.cli run JOB --resume, a new "
           f"interpreter; resnet18, shards of 1,024), CPU user+sys, best of {repeats}; load "
           f"{os.getloadavg()[0]:.1f}; a bare interpreter: {bare_cpu():.2f} s")
     fitted = {}
     for source in sources:
-        points = [(n, min(resume_cpu(job(source, n))[0] for _ in range(repeats))) for n in sizes]
+        name, _, verify = source.partition(":")
+        points = [(n, min(resume_cpu(job(name, n), verify=verify or None)[0] for _ in range(repeats))) for n in sizes]
         a, b = np.polyfit([p[0] for p in points], [p[1] for p in points], 1) if len(points) > 1 else \
             (0.0, points[0][1])
         one, ten = a * 1e6 + b, a * 1e7 + b
         fitted[source] = (one, ten)
         measured = ", ".join(f"{n / 1e6:g}M {s:.2f} s" for n, s in points)
-        print(f"  {source:9s} {measured}; fitted: 1M {one:5.2f} s (target 5 s), 10M {ten:5.2f} s "
+        print(f"  {source:16s} {measured}; fitted: 1M {one:5.2f} s (target 5 s), 10M {ten:5.2f} s "
               f"(+{ten - one:.2f} s; target +2 s)")
     return fitted
 
