@@ -534,17 +534,23 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows | Streamed
     for locator in locators:  # where the source finds each image's bytes, beside its path
         if locator.name not in rows.locator_names:
             raise ValueError(f"the rows carry no {locator.name!r} column, which their source declares")
-        made.add(locator.name, locator.dtype, locator.fill, functools.partial(_locator, name=locator.name))
+        made.add(locator.name, locator.dtype, locator.fill, functools.partial(_locator, name=locator.name), True)
     made.add("status", "uint8", PENDING)
     made.add("errors", str, "")
     made.add("digest", "uint64", 0)  # written with each shard's status
     made.add(READ_PRINT, "uint64", 0)  # so is this
-    made.add("fingerprint", "uint64", 0, (lambda r: r.fingerprints) if rows.fingerprinted else None)
+    made.add("fingerprint", "uint64", 0, _fingerprints, True)
     return made
 
 
 def _locator(rows: Rows, name: str) -> np.ndarray:
     return rows.locators[name]
+
+
+def _fingerprints(rows: Rows) -> Any:
+    """The rows' fingerprints as listed; 0 (unknown) where the listing stats no file (a folder's, a manifest's:
+    their workers fingerprint the files they read)."""
+    return rows.fingerprints if rows.fingerprints is not None else np.broadcast_to(np.uint64(0), (len(rows),))
 
 
 class _RowArrays:
@@ -559,10 +565,14 @@ class _RowArrays:
         self.once = once if once is not None else once_rows(shard_rows, n)
         self.step = self.once * max(1, WRITE_ROWS // self.once)  # whole chunks of every array (shard_rows | once)
         self.columns: list[tuple[str, zarr.Array, ChunkCodec | None, Any, Callable[[Rows], Any]]] = []
+        self.slotted: set[str] = set()  # arrays of the rows slot: every chunk written, also one of fill values
         self.hashes: dict[str, NamesDigest] = {}
 
-    def add(self, name: str, dtype: Any, fill: Any, data: Callable[[Rows], Any] | None = None) -> None:
-        """Array ``name`` made; ``data``: its column of the rows, written here."""
+    def add(self, name: str, dtype: Any, fill: Any, data: Callable[[Rows], Any] | None = None,
+            slotted: bool = False) -> None:
+        """Array ``name`` made; ``data``: its column of the rows, written here; ``slotted``: an array of the rows
+        slot (its chunks a shard's, under the rows attempt: each one written, as a committed shard's are, so that a
+        missing one is a damaged store)."""
         chunk = self.once if name in ONCE_ARRAYS else self.shard_rows
         arr = get_array(self.group, name) if self.made else \
             self.group.create_array(name, shape=(self.n,), dtype=dtype, chunks=(chunk,), fill_value=fill,
@@ -572,6 +582,8 @@ class _RowArrays:
                              f"{self.n} in chunks of {chunk}: its rows cannot be written again; --overwrite")
         if data is not None:
             self.columns.append((name, arr, ChunkCodec.of(arr), fill, data))
+        if slotted:
+            self.slotted.add(name)
         if name in self.named:
             self.hashes[name] = NamesDigest()
 
@@ -586,9 +598,10 @@ class _RowArrays:
                         and digest is not None:  # (through zarr: it saw none of them)
                     digest.add_names(data, start, stop)
             else:  # whole chunks encoded here and put at once (through zarr: 0.6 ms a chunk); one of the fill value
-                # alone is not stored, as zarr leaves it (labels of a source without any, fingerprints of URLs)
+                # alone is not stored, as zarr leaves it (labels of a source without any), but a rows slot's
                 blocks = ((a, np.asarray(data[a:min(a + chunk, stop)])) for a in range(start, stop, chunk))
-                write_whole([(arr, codec, a, block) for a, block in blocks if (block != fill).any()])
+                write_whole([(arr, codec, a, block) for a, block in blocks
+                             if name in self.slotted or (block != fill).any()])
 
     def digests(self) -> dict[str, str]:
         """The record's digests of the columns named (once every row is written)."""

@@ -17,6 +17,7 @@ from helpers.streamed import WAIT_S, Held, held_at, same_rows
 import extractor.data.sources as sources
 import extractor.data.sources.folder as folder
 import extractor.store.layout as layout
+from extractor.data.files import local_fingerprint
 from extractor.data.listing import list_rows, stream_rows
 from extractor.data.streamed import Streamed
 from extractor.driver.runner import run
@@ -56,9 +57,8 @@ def _hold(monkeypatch: pytest.MonkeyPatch, folders: int, nth: int) -> Held:
 def test_a_streamed_folder_gives_the_rows_of_a_whole_listing_prefix_by_prefix(tmp_path: Path, threads: bool,
                                                                               classes: tuple[str, ...] | None):
     """While the walk is held at a folder, the rows handed out are the whole listing's first rows (ids, paths,
-    labels as the folders' classes or data.classes' indices, fingerprints), also where the files are stat-ed on
-    threads (their fingerprints come after their names: a prefix holds the rows whose fingerprints are in); the
-    whole equals list_rows', its classes and its record of the folders walked too."""
+    labels as the folders' classes or data.classes' indices; no fingerprints: no file is stat-ed), whatever the
+    stat threads' settings; the whole equals list_rows', its classes and its record of the folders walked too."""
     folders = _tree(tmp_path / "images")
     data = DataSpec(source="folder", root=str(tmp_path / "images"), classes=classes)
     want = list_rows(data)
@@ -76,7 +76,7 @@ def test_a_streamed_folder_gives_the_rows_of_a_whole_listing_prefix_by_prefix(tm
         listed = streamed.listed
         assert 0 < listed < len(want)
         prefix = streamed.upto(listed)
-        assert len(prefix) == len(prefix.paths) == len(prefix.labels) == len(prefix.fingerprints) == listed
+        assert len(prefix) == len(prefix.paths) == len(prefix.labels) == listed and prefix.fingerprints is None
         same_rows(prefix, want, listed)
         release.set()
         whole = streamed.whole()
@@ -142,8 +142,8 @@ def test_folders_whose_classes_are_not_named_or_that_hold_no_image_are_listed_wh
 def test_a_job_runs_its_first_shards_while_its_folder_is_walked(image_dir: Path, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch):
     """The folder's last class folder is walked only once shard 0 is done; the store then holds what a listing
-    made whole gives (ids, paths, labels, classes, fingerprints, its record of the folders) and the features of
-    the same job listed whole first."""
+    made whole gives (ids, paths, labels, classes, its record of the folders; each file's fingerprint as read) and
+    the features of the same job listed whole first."""
     folders = len([p for p in image_dir.rglob("*") if p.is_dir()]) + 1
     assert folders == 3  # the root and two class folders: the last is walked after shard 0
     monkeypatch.setattr(layout, "WRITE_ROWS", 2)  # a stretch a shard: a store of a few rows written behind
@@ -167,37 +167,39 @@ def test_a_job_runs_its_first_shards_while_its_folder_is_walked(image_dir: Path,
                for f, w in zip(got["folders"], want.listing["folders"], strict=True))
     assert s.ids.tolist() == want.ids.tolist() and [str(p) for p in s.paths] == want.paths.tolist()
     assert s.labels.tolist() == want.labels.tolist() and s.classes == want.classes and len(want.classes) == 2
-    assert opened(str(tmp_path / "s.zarr"))["fingerprint"][:].tolist() == want.fingerprints.tolist()
+    g = opened(str(tmp_path / "s.zarr"))  # no file stat-ed by the listing: each fingerprinted as its worker read it
+    assert want.fingerprints is None and not g["fingerprint"][:].any()
+    assert g["read_fingerprint"][:].tolist() == [local_fingerprint(p) for p in want.paths.tolist()]
     monkeypatch.setattr(folder.FolderSource, "stream", lambda self, data, then: None)
     assert run(parse_spec(job(image_dir, tmp_path / "w.zarr", data=data))).ok == 12
     np.testing.assert_array_equal(s.numpy("layer4"), open_store(str(tmp_path / "w.zarr")).numpy("layer4"))
 
 
-def test_a_stopped_job_stops_its_folder_listing_within_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A job stopped (Ctrl-C) while a large folder's files are stat-ed: the listing stops before its next piece of
-    files, not at the folder's end (a million files of a network file system: minutes)."""
-    (tmp_path / "images" / "cat").mkdir(parents=True)
-    for i in range(40):
-        (tmp_path / "images" / "cat" / f"{i:02d}.jpg").write_bytes(b"x")
-    monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "0")
-    monkeypatch.setattr(sources, "STAT_PIECE", 2)
+def test_a_stopped_job_stops_its_folder_listing_before_its_next_folder(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    """A job stopped (Ctrl-C) while its folder is walked: the listing stops before its next folder (no file is
+    stat-ed: a folder's listing is one read of its names)."""
+    for c in ("a", "b", "c", "d"):
+        (tmp_path / "images" / c).mkdir(parents=True)
+        for i in range(2):
+            (tmp_path / "images" / c / f"{i:02d}.jpg").write_bytes(b"x")
     calls = [0]
-    real = sources.folder_prints
+    real = folder._entries
 
     def counted(*args: object) -> object:
         calls[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(sources, "folder_prints", counted)
-    release = held_at(monkeypatch, sources, "folder_prints", 3)
+    monkeypatch.setattr(folder, "_entries", counted)
+    release = held_at(monkeypatch, folder, "_entries", 5 + 2)  # (the count's 5 folders, then the walk's third)
     streamed = stream_rows(DataSpec(source="folder", root=str(tmp_path / "images")))
     assert isinstance(streamed, Streamed) and release.reached.wait(WAIT_S)
     streamed.stop()
     release.set()
     with pytest.raises(DataError, match=r"the listing stopped: its job stopped"):
         streamed.whole()
-    streamed._thread.join(WAIT_S)  # (the listing's own end: what it stat-ed after the stop)
-    assert not streamed._thread.is_alive() and calls[0] == 4  # (the piece it was stat-ing, none of the other 16)
+    streamed._thread.join(WAIT_S)  # (the listing's own end: what it listed after the stop)
+    assert not streamed._thread.is_alive() and calls[0] == 5 + 3  # (the folder it was listing, not the other 2)
 
 
 def test_a_name_that_is_not_utf8_and_one_written_as_it_is_shown_are_refused(tmp_path: Path):

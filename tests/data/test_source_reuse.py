@@ -90,8 +90,7 @@ def assert_listed_as_now(rows: Rows | None, raw: dict[str, Any]) -> None:
     assert rows is not None and rows.stored is None
     assert list(rows.ids) == list(listed.ids) and list(rows.paths) == list(listed.paths)
     assert rows.labels.tolist() == listed.labels.tolist() and rows.classes == listed.classes
-    assert rows.fingerprints is not None and listed.fingerprints is not None
-    assert rows.fingerprints.tolist() == listed.fingerprints.tolist()
+    assert rows.fingerprints is None and listed.fingerprints is None  # (the workers fingerprint the files they read)
 
 
 def folder_job(tmp_path: Path, per_class: int = 3, classes: tuple[str, ...] = ("a", "b"),
@@ -439,29 +438,26 @@ def _three_folders(tmp_path: Path) -> Any:
 def test_slow_stats_go_to_threads_and_their_fingerprints_come_in_order(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch):
     """Once stats are found slow (a network file system waits for its server: 10M files one at a time took hours),
-    a folder walk's stats and a resume's (files_now) run four at a time here, their fingerprints taken in the rows'
-    order though the first piece on the threads finishes last: the rows equal a walk that stats one file at a time,
-    and each file's fingerprint is its own."""
+    a resume's stats (files_now) run four at a time here, their fingerprints taken in the rows' order though the
+    first piece on the threads finishes last: each file's fingerprint is its own. The folder's listing stats no
+    file (each row's worker fingerprints the file it reads)."""
     import extractor.data.sources as sources
 
     data = _three_folders(tmp_path)
-    monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "0")
-    alone = list_rows(data)
     monkeypatch.setenv("EXTRACTOR_STAT_THREADS", "4")
     monkeypatch.setattr(sources, "STAT_PIECE", 2)  # pieces of 2 files: 9 pieces of 15 files
     monkeypatch.setattr(sources, "SLOW_STAT_S", 0.0)  # every stat slow: threads after the first piece, timed
     monkeypatch.setattr(sources, "STAT_SAMPLE", 1)
-    seen = _stats_meet(monkeypatch, 4, "d4.jpg")  # (the first piece on the threads done after the last)
-    rows = list_rows(data)
-    assert [inline for _, inline in seen].count(True) == 2 and len(seen) == 15  # the timed piece, then threads
-    assert list(rows.ids) == list(alone.ids) and len(rows) == 15
-    assert list(rows.fingerprints) == list(alone.fingerprints) == [local_fingerprint(p) for p in rows.paths]
-    assert rows.listing == alone.listing and list(rows.labels) == list(alone.labels)
-    paths = [str(p) for p in rows.paths][::-1]  # another order: folders interleave
-    expected = [local_fingerprint(p) for p in paths]
-    seen = _stats_meet(monkeypatch, 4, "d0.jpg")  # (around the first, whose waits are over)
-    assert sources.files_now(_Column(paths)).tolist() == expected
-    assert [inline for _, inline in seen].count(True) == 2 and len(seen) == 15
+    with monkeypatch.context() as listing:
+        seen = _stats_meet(listing, 4, "d4.jpg")
+        rows = list_rows(data)
+    assert seen == [] and rows.fingerprints is None and len(rows) == 15
+    for last, paths in (("d4.jpg", [str(p) for p in rows.paths]), ("d0.jpg", [str(p) for p in rows.paths][::-1])):
+        expected = [local_fingerprint(p) for p in paths]  # (reversed: folders interleave)
+        with monkeypatch.context() as resume:
+            seen = _stats_meet(resume, 4, last)  # (the first piece on the threads done after the last)
+            assert sources.files_now(_Column(paths)).tolist() == expected
+        assert [inline for _, inline in seen].count(True) == 2 and len(seen) == 15  # the timed piece, then threads
 
 
 @pytest.mark.parametrize(("threads", "slow_s"), [("16", 1.0), ("0", 0.0)])
@@ -477,10 +473,11 @@ def test_quick_stats_stay_on_the_caller_s_thread(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(sources, "STAT_PIECE", 2)
     monkeypatch.setattr(sources, "SLOW_STAT_S", slow_s)
     monkeypatch.setattr(sources, "STAT_SAMPLE", 1)
+    paths = [str(p) for p in list_rows(data).paths]
+    expected = [local_fingerprint(p) for p in paths]
     seen = _stats_meet(monkeypatch, 1, "d4.jpg")
-    rows = list_rows(data)
+    assert sources.files_now(_Column(paths)).tolist() == expected
     assert len(seen) == 15 and all(inline for _, inline in seen)
-    assert list(rows.fingerprints) == [local_fingerprint(p) for p in rows.paths]
 
 
 def test_a_bad_number_of_stat_threads_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

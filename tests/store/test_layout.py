@@ -15,6 +15,7 @@ import zarr
 from helpers.jobs import RESNET18, job
 from helpers.stores import generation, opened
 
+from extractor.data.files import local_fingerprint
 from extractor.driver.runner import run
 from extractor.errors import ShardError, StoreError
 from extractor.read.reader import open_store
@@ -57,7 +58,8 @@ def test_documented_layout(store: Path):
 
     files = list(g["paths"][:])
     assert g["digest"][:].tolist() == [xxhash.xxh3_64_intdigest(Path(p).read_bytes()) for p in files]  # as read
-    assert all(g["fingerprint"][:])  # size and mtime of each file, when listed
+    assert not g["fingerprint"][:].any()  # no file stat-ed by the listing: each as its worker opened it
+    assert g["read_fingerprint"][:].tolist() == [local_fingerprint(p) for p in files] and all(g["read_fingerprint"][:])
     assert g["layer3"].shape == (n, 256, 4, 4) and g["layer3"].dtype == np.float16
     assert g["layer3"].chunks == (2, 256, 4, 4)  # chunk_rows
     assert g["status"].chunks == (4,)  # one chunk per shard
@@ -75,8 +77,8 @@ def test_documented_objects(store: Path):
     gen = _generation(store)
     assert sorted(p.name for p in store.iterdir()) == sorted(["zarr.json", "__lock", gen.name])
     slots = {}
-    for name in ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint", "shard_stats", "layer3",
-                 "pooled"):
+    for name in ("ids", "paths", "labels", "status", "errors", "digest", "fingerprint", "read_fingerprint",
+                 "shard_stats", "layer3", "pooled"):
         meta = json.loads((gen / name / "zarr.json").read_text())
         t = meta.get("storage_transformers")
         slots[name] = t[0]["configuration"]["slot"] if t else None
@@ -85,7 +87,8 @@ def test_documented_objects(store: Path):
             assert t == [{"name": "extractor-attempts", "configuration": {
                 "slot": slots[name], "chunk_rows": per, "shard_rows": per}}], name
     assert slots == {"ids": None, "paths": None, "labels": None, "fingerprint": "rows", "status": "data",
-                     "errors": "data", "digest": "data", "shard_stats": "data", "layer3": "data", "pooled": "data"}
+                     "errors": "data", "digest": "data", "read_fingerprint": "data", "shard_stats": "data",
+                     "layer3": "data", "pooled": "data"}
     ledger = json.loads((gen / "__root.json").read_text())["attributes"]["extractor"]["ledger_blocks"]
     assert sorted(p.name for p in (gen / "__txn" / "ledger").iterdir()) == [str(b) for b in range(ledger)]
     assert (gen / "__txn" / "final").is_file() and len(list((gen / "__txn" / "claimants").iterdir())) == 1

@@ -253,6 +253,8 @@ def paths_now(paths: Any, stats: Stats | None = None) -> np.ndarray:
     """The fingerprints now of the files ``paths`` name (a block of them; 0: a URL, or a file that cannot be seen):
     plain local paths stat-ed in bulk (:func:`stat_prints`), others one at a time."""
     block = np.asarray(paths)
+    if not len(block):
+        return np.zeros(0, dtype=np.uint64)
     if block.dtype == object:
         block = block.astype(np.dtypes.StringDType())
     plain = not bool(np.strings.find(block, "://").max(initial=-1) >= 0 or

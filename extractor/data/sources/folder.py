@@ -1,8 +1,9 @@
 """The folder source (``data.root``): images under a local or remote folder, walked in sorted order, labelled
 by their class folders. A local folder's listing records each folder walked with its mtime, ctime and number of
 rows: a resume stats those folders (thousands at a million images) and lists again only those whose times moved (a
-file added, removed or renamed in them; the ctime also when the mtime was put back by hand); the files of the others
-are stat-ed by name (``data.verify: files``, the default: a file rewritten in place moves no folder's times)."""
+file added, removed or renamed in them; the ctime also when the mtime was put back by hand). No image file is stat-ed
+by the listing: each row's worker fingerprints the file it opens, and a resume stats the files of the rows read
+(``data.verify: files``, the default: a file rewritten in place moves no folder's times)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..files import (
 from ..rows import STRINGS, Joined, Joining, Rows, Strings, Texts, duplicate, named, strings
 from ..spill import Column
 from ..streamed import Lister, Streamed
-from . import Recorded, Source, Stats, files_now
+from . import Recorded, Source
 
 if TYPE_CHECKING:
     from ...spec import DataSpec
@@ -154,22 +155,21 @@ class _Walk:
     """One walk of a local folder tree in the listing's order: each folder's images sorted by name, then its
     sub-folders in sorted order (hidden ones skipped, links followed, a folder reached again through a link
     skipped). Each folder is stat-ed before it is listed, and recorded with its times and number of rows: the
-    listing a resume checks by a stat per folder, no file stat-ed. ``kept``: an earlier walk's folders, from a
+    listing a resume checks by a stat per folder; no file is stat-ed (each row's worker fingerprints the file it
+    reads). ``kept``: an earlier walk's folders, from a
     store: one unchanged since is not listed, its rows taken from the store (``recorded``)."""
 
     def __init__(self, top: str, extensions: Sequence[str], kept: _Kept | None = None, counting: bool = False,
                  index: dict[str, int] | None = None, stopped: Callable[[], bool] | None = None) -> None:
         self.top, self.exts, self.kept = top, tuple(e.lower() for e in extensions), kept
-        self.counting = counting  # only the images counted, each folder's (no name kept, no file stat-ed)
+        self.counting = counting  # only the images counted, each folder's (no name kept)
         # streamed (:func:`_stream_folder`): each row's class index (of its top folder in ``index``) as it is taken
         self.index, self.labels = index, Column("q") if index is not None else None
-        self.printed = 0  # rows whose fingerprints are asked for and due (taken once their folder's are)
+        self.stopped = stopped  # asked before each folder: a listing streamed whose job stopped stops there
         self.escaped = False  # whether an id is a name that is not UTF-8, its bytes shown as \xNN
         self.ids = Strings()
         self.paths = Joining([os.path.join(top, "")], self.ids)  # a relative path is its id: held once
-        self.prints = Column("Q")  # (taken in order from where the files are stat-ed, :class:`.Stats`)
-        self.listed = 0  # rows listed (their files asked to be stat-ed)
-        self._stats = Stats(stopped)
+        self.listed = 0  # rows listed
         self.folders: list[list[Any]] = []  # [relative path ("": the root), mtime, ctime] of each folder walked
         self.counts: list[int] = []  # each one's rows
         self.runs: list[list[Any]] = []  # [from the store, start, stop]: runs of rows, the store's or listed now
@@ -183,22 +183,15 @@ class _Walk:
         return self
 
     def steps(self) -> Generator[tuple[int, Callable[[], None]], None, None]:
-        """The walk a folder at a time: each folder listed (its images asked to be stat-ed), and how to take its
-        rows (the builders grow there only: a listing streamed takes them under its lock), with the rows whose
-        fingerprints are due once it is taken; last the fingerprints still to come."""
+        """The walk a folder at a time: each folder listed, and how to take its rows (the builders grow there only:
+        a listing streamed takes them under its lock), with the rows listed once it is taken."""
         todo = [""]
-        with self._stats:
-            while todo:
-                subs, take = self._folder(todo.pop())
-                todo.extend(reversed(subs))
-                yield self.printed, take
-            due = self._stats.rest()
-            self.printed = self.listed
-            yield self.printed, functools.partial(self._prints, due)
-
-    def _prints(self, due: list[list[int]]) -> None:
-        for prints in due:
-            self.prints.extend(prints)
+        while todo:
+            if self.stopped is not None and self.stopped():
+                raise DataError("the listing stopped: its job stopped")
+            subs, take = self._folder(todo.pop())
+            todo.extend(reversed(subs))
+            yield self.listed, take
 
     def _folder(self, rel: str) -> tuple[list[str], Callable[[], None]]:
         """Folder ``rel``: its sub-folders to walk, in order, and how to take its rows."""
@@ -215,8 +208,7 @@ class _Walk:
         return self._listed(rel, path)
 
     def _listed(self, rel: str, path: str) -> tuple[list[str], Callable[[], None]]:
-        """Folder ``rel`` listed now, its images asked to be stat-ed: its sub-folders to walk, in order, and how to
-        take its rows."""
+        """Folder ``rel`` listed now: its sub-folders to walk, in order, and how to take its rows."""
         times = _times(path)  # before the listing: an entry added meanwhile moves them after
         try:
             files, folders = _entries(path)
@@ -232,12 +224,9 @@ class _Walk:
                                    else UNSETTLED, False, start, self.listed)
         if self.counting:
             return subfolders, record
-        due = self._stats.ask(path, names)
-        self.printed += sum(map(len, due))
         subs = [f"{rel}/{name}" for name in names] if rel else names
 
         def take() -> None:
-            self._prints(due)
             if plain_utf8("".join(subs)) and self.plain:  # each id its name, each path the root and it: at once
                 self.ids.extend(subs)
                 self.paths.parts(0, subs, are_ids=True)
@@ -274,13 +263,11 @@ class _Walk:
         return [_top_of(rel) for rel, *_ in self.folders]
 
     def prefix(self) -> Rows:
-        """The rows taken so far whose fingerprints are in (none copied: maps of the builders' files), the walk
-        going on (streamed: :func:`_stream_folder`)."""
+        """The rows taken so far (none copied: maps of the builders' files), the walk going on (streamed:
+        :func:`_stream_folder`)."""
         assert self.labels is not None
-        prints = self.prints.snapshot()
-        ids = self.ids.snapshot().part(0, len(prints))
-        return Rows(ids=ids, paths=self.paths.snapshot(ids), labels=self.labels.snapshot()[:len(prints)],
-                    fingerprints=prints)
+        ids = self.ids.snapshot()
+        return Rows(ids=ids, paths=self.paths.snapshot(ids), labels=self.labels.snapshot()[:len(ids)])
 
     def _add(self, rel: str, times: list[int], stored: bool, start: int, stop: int) -> None:
         self.folders.append([storable_path(rel), *times])  # (a name that is not UTF-8: hex, as a path)
@@ -290,17 +277,15 @@ class _Walk:
         elif stop > start:
             self.runs.append([stored, start, stop])
 
-    def rows(self, settings: dict[str, Any], recorded: Recorded | None = None, stat: bool = False) -> Rows:
-        """The rows walked (those of the store's runs read from ``recorded``, their files stat-ed now with ``stat``:
-        ``data.verify: files``), their listing: ``settings`` and the folders walked."""
+    def rows(self, settings: dict[str, Any], recorded: Recorded | None = None) -> Rows:
+        """The rows walked (those of the store's runs read from ``recorded``), their listing: ``settings`` and the
+        folders walked. No fingerprints: a resume stats the files of the rows read."""
         listed = self.ids.array()
         ids: Texts | np.ndarray = listed
         paths: Joined | np.ndarray = self.paths.joined(listed)
-        prints = self.prints.array()
         if any(stored for stored, _, _ in self.runs):
             assert recorded is not None
-            ids, paths, prints = (self._joined(recorded, name, own, dtype, stat) for name, own, dtype in (
-                ("ids", listed, STRINGS), ("paths", paths, STRINGS), ("fingerprint", prints, np.uint64)))
+            ids, paths = (self._joined(recorded, name, own) for name, own in (("ids", listed), ("paths", paths)))
         twice = duplicate(ids) if self.escaped else None
         if twice is not None:
             raise DataError(f"data.root {self.top}: {str(ids[twice[0]])!r} names two images: a name that is not UTF-8 "
@@ -309,16 +294,12 @@ class _Walk:
         labels, classes = _folder_labels(self.tops(), self.counts, lambda: str(ids[0]))
         listing = {**settings, "folders": self.folders, "rows": self.counts} if len(self.folders) <= _MAX_FOLDERS \
             else None
-        return Rows(ids=ids, paths=paths, labels=labels, classes=classes, fingerprints=prints, listing=listing)
+        return Rows(ids=ids, paths=paths, labels=labels, classes=classes, listing=listing)
 
 
-    def _joined(self, recorded: Recorded, name: str, own: Any, dtype: Any, stat: bool) -> np.ndarray:
-        """A column of the rows walked: the runs of the store's from its array ``name`` (their fingerprints taken
-        now with ``stat``), the others from ``own``."""
-        def stored_run(a: int, b: int) -> np.ndarray:
-            return files_now(recorded, a, b) if stat and name == "fingerprint" else recorded.column(name, a, b)
-
-        return np.concatenate([np.asarray(stored_run(a, b) if stored else own[a:b], dtype=dtype)
+    def _joined(self, recorded: Recorded, name: str, own: Any) -> np.ndarray:
+        """A column of the rows walked: the runs of the store's from its array ``name``, the others from ``own``."""
+        return np.concatenate([np.asarray(recorded.column(name, a, b) if stored else own[a:b], dtype=STRINGS)
                                for stored, a, b in self.runs])
 
 
@@ -333,8 +314,8 @@ def _list_folder(root: Path, extensions: Sequence[str], settings: dict[str, Any]
 def _stream_folder(root: Path, extensions: Sequence[str], settings: dict[str, Any], classes: list[str] | None,
                    then: Callable[[Rows], Rows]) -> Streamed | None:
     """The rows of :func:`_list_folder`, listed on a thread (:class:`~..streamed.Streamed`) once they are counted: a
-    walk that only counts each folder's images by name (no file stat-ed), then the walk that takes them, a folder
-    at a time, its files stat-ed (on threads where stats are slow: a network file system). Their classes are the
+    walk that only counts each folder's images by name, then the walk that takes them, a folder at a time (no file
+    stat-ed by either). Their classes are the
     top-level folders that hold images, known from the count (where data.classes, ``classes``, names them all:
     their indices there). None (listed whole: it says what is wrong) where there is nothing to count."""
     if not root.is_dir():
@@ -359,7 +340,7 @@ def _stream_folder(root: Path, extensions: Sequence[str], settings: dict[str, An
             raise CountError(f"data.root {top} changed while it was listed: {changed}")
         return then(walk.rows(settings))
 
-    made.append(Streamed(counted.listed, named, lister(), walk.prefix, fingerprinted=True))
+    made.append(Streamed(counted.listed, named, lister(), walk.prefix, fingerprinted=False))
     return made[0]
 
 
@@ -367,6 +348,7 @@ class FolderSource(Source):
     """A folder of images (``data.root``), local or remote, walked in sorted order; ImageFolder labels."""
 
     name = "folder"
+    prints_on_read = True  # (a local folder's; a remote one's listing brings every object's fingerprint)
 
     def list(self, data: DataSpec) -> Rows:
         assert data.root is not None  # the spec validator guarantees it
@@ -403,17 +385,14 @@ class FolderSource(Source):
 
     def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
         """The folders whose times moved listed again (and any new sub-folder of theirs), the others' rows taken
-        from the store (their files stat-ed, ``data.verify: files``). None (all listed again, which says what is
+        from the store. None (all listed again, which says what is
         wrong) where the root is no folder now."""
         if not os.path.isdir(now["root"]):
             return None
         kept = _Kept(recorded.listing, now["folders"])
         walk = _Walk(now["root"], data.extensions, kept).walk()
-        rows = walk.rows(self._settings(data), recorded, stat=data.verify == "files")
+        rows = walk.rows(self._settings(data), recorded)
         return rows if data.classes is None else named(rows, list(data.classes), now["root"])
-
-    def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
-        return files_now(recorded)
 
 
 SOURCE = FolderSource()
