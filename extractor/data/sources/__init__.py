@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -85,7 +85,8 @@ class Source(ABC):
     # locator read back from the store is ``(path, *their values)``, in this order, handed to :meth:`read`
     locators: ClassVar[tuple[LocatorArray, ...]] = ()
     # its listing stats no file (its rows' fingerprints None): each row's file is fingerprinted by the worker that
-    # reads it (the store's ``read_fingerprint``), and by a resume that lists it again, for the rows read before
+    # reads it (the store's ``read_fingerprint``), and, for the rows read before, by a resume that lists it again or
+    # takes its rows from the store where data.verify: files asks (:func:`~extractor.store.provenance.changed_rows`)
     prints_on_read: ClassVar[bool] = False
 
     @abstractmethod
@@ -127,11 +128,6 @@ class Source(ABC):
     def relist(self, data: DataSpec, recorded: Recorded, now: dict[str, Any]) -> Rows | None:
         """The rows, when the source changed since ``recorded`` was listed (``now``: :meth:`listing` now): the parts
         that changed listed again, the others taken from the store. None: list it all."""
-        return None
-
-    def refresh(self, data: DataSpec, recorded: Recorded) -> np.ndarray | None:
-        """The rows' fingerprints now, for rows taken from the store when its listing holds and ``data.verify:
-        files`` asks (a folder's or a manifest's files rewritten in place); None: the recorded ones hold."""
         return None
 
     def sample(self, data: DataSpec, parts: int, over: int) -> Sampled | None:
@@ -222,8 +218,9 @@ def forget_reads() -> None:
 
 def reuse(data: DataSpec, recorded: Recorded) -> Rows | None:
     """A resume's rows, from the store where the source is as it was listed: all of them when its listing is the
-    same (their fingerprints taken again where ``data.verify: files`` asks), the changed parts listed again
-    otherwise; None: the source lists them all again."""
+    same (a folder's or manifest's files then stat-ed by the resume where ``data.verify: files`` asks:
+    :attr:`Source.prints_on_read`), the changed parts listed again otherwise; None: the source lists them all
+    again."""
     src = source(data.source)
     now = src.listing(data, recorded.listing)
     if now is None:
@@ -231,9 +228,7 @@ def reuse(data: DataSpec, recorded: Recorded) -> Rows | None:
     was = {k: v for k, v in recorded.listing.items() if k != "rows"}
     if was != now:
         return src.relist(data, recorded, now)
-    rows = recorded.rows()
-    prints = src.refresh(data, recorded) if data.verify == "files" else None
-    return rows if prints is None else replace(rows, fingerprints=prints)
+    return recorded.rows()
 
 
 def files_now(recorded: Recorded, start: int = 0, stop: int | None = None) -> np.ndarray:

@@ -156,8 +156,8 @@ class _Walk:
     sub-folders in sorted order (hidden ones skipped, links followed, a folder reached again through a link
     skipped). Each folder is stat-ed before it is listed, and recorded with its times and number of rows: the
     listing a resume checks by a stat per folder; no file is stat-ed (each row's worker fingerprints the file it
-    reads). ``kept``: an earlier walk's folders, from a
-    store: one unchanged since is not listed, its rows taken from the store (``recorded``)."""
+    reads). ``kept``: an earlier walk's folders, from a store: one unchanged since is not listed, its rows taken
+    from the store (``recorded``)."""
 
     def __init__(self, top: str, extensions: Sequence[str], kept: _Kept | None = None, counting: bool = False,
                  index: dict[str, int] | None = None, stopped: Callable[[], bool] | None = None) -> None:
