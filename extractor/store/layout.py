@@ -13,7 +13,7 @@ Layout (format version 2; docs/reference/store.md), all arrays at the generation
                         a tar source's byte_offset, byte_size, int64: the image's bytes inside its tar)  [rows]
     fingerprint (N,)    uint64   the source's cheap facts about those bytes (size, mtime / ETag; 0: unknown)  [rows]
     read_fingerprint (N,) uint64 a local file's facts (size, mtime, ctime, inode) as its row's worker opened it;
-                        where ``fingerprint`` is 0 (a manifest stats no file), the row's fingerprint (0: none)  [data]
+                        where ``fingerprint`` is 0 (a folder's or manifest's listing stats no file), the row's  [data]
     status   (N,)       uint8    0 pending, 1 ok, 2 failed  [data]
     errors   (N,)       str      why a failed row failed ("" otherwise)  [data]
     digest   (N,)       uint64   xxh3-64 of the image's bytes as its row read them (0: not read)  [data]
@@ -538,7 +538,7 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows | Streamed
     made.add("status", "uint8", PENDING)
     made.add("errors", str, "")
     made.add("digest", "uint64", 0)  # written with each shard's status
-    made.add(READ_PRINT, "uint64", 0)  # so is this
+    made.add(READ_PRINT, "uint64", 0)  # (written with each shard's status too)
     made.add("fingerprint", "uint64", 0, _fingerprints, True)
     return made
 

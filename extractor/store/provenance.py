@@ -482,7 +482,7 @@ def row_blocks(n: int) -> list[tuple[int, int]]:
 
 def stored_prints(group: Any, a: int, b: int) -> np.ndarray:
     """The fingerprints the store holds of rows ``a:b``: its source's (``fingerprint``), else, where that is 0, the
-    file's as its worker read it (``read_fingerprint``: a manifest's, whose listing stats no file)."""
+    file's as its worker read it (``read_fingerprint``: a folder's or a manifest's, whose listing stats no file)."""
     stored = read_all(group["fingerprint"], a, b)
     unknown = stored == 0
     if READ_PRINT in group and unknown.any():
@@ -492,7 +492,7 @@ def stored_prints(group: Any, a: int, b: int) -> np.ndarray:
 
 def _prints_now(spec: JobSpec, rows: Rows) -> tuple[np.ndarray | None, bool]:
     """The source's fingerprints of the rows now, and whether the files of the rows read are to be stat-ed into them
-    (a source whose listing stats no file, a manifest: when it was listed again, or where data.verify: files asks;
+    (a source whose listing stats no file, a folder or a manifest: when listed again, or where data.verify: files asks;
     its rows taken from the store otherwise are taken as they were); None: not known (nothing is compared)."""
     given = rows.fingerprints
     stat = given is None and source(spec.data.source).prints_on_read and (rows.stored is None or
