@@ -38,6 +38,7 @@ __all__ = [
     "labels_of",
     "labels_of_codes",
     "looked_up",
+    "missing_label",
     "named",
     "plan",
     "strings",
@@ -552,7 +553,7 @@ def plan(n_rows: int, shard_size: int) -> list[Shard]:
 _NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # no "+": "+1"/"-1" stay two class names, as before
 
 
-def _missing(value: object) -> bool:
+def missing_label(value: object) -> bool:
     """No label: none, an empty text, or a float NaN (pandas' missing value: an integer column with gaps is
     written as floats)."""
     return value is None or value == "" or (isinstance(value, float) and value != value)
@@ -591,7 +592,7 @@ def labels_of_codes(codes: np.ndarray, values: list[object], firsts: list[int],
                     where: Callable[[int], str] = lambda n: f"row {n + 1}") -> tuple[np.ndarray, list[str]]:
     """:func:`labels_of` from each row's code into the distinct raw values, and the first row of each
     (:func:`distinct`'s, or a reader's that finds them in bulk)."""
-    present = [k for k, v in enumerate(values) if not _missing(v)]
+    present = [k for k, v in enumerate(values) if not missing_label(v)]
     table = np.full(len(values), -1, dtype=np.int64)
     if not present:
         return looked_up(table, codes), []
@@ -739,7 +740,7 @@ class ClassCodes:
         each ``firsts``."""
         out = np.full(len(values), -1, dtype=np.int64)
         for k, v in enumerate(values):
-            if _missing(v):
+            if missing_label(v):
                 continue
             number = label_number(v)
             self.first.setdefault(number is not None, (firsts[k], v))

@@ -211,23 +211,26 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
     planned = _planned(spec, probe, n_rows, len(rows.locators), todo, action, layout, listed)
     if spec.data.source in _FIRST_PART and spec.data.classes is None and rows.classes and \
             action in ("create", "overwrite") and not (spec.output.reuse or label_targets(spec)):  # (a run streams it)
-        planned.warnings.append(_named_labels(spec.data.source, rows, listed.sampled))
+        planned.warnings += _named_labels(spec.data.source, rows, listed.sampled)
     return planned
 
 
-def _named_labels(source: str, rows: Rows, sampled: str | None) -> str:
+def _named_labels(source: str, rows: Rows, sampled: str | None) -> list[str]:
     """The warning of a plan whose labels are class names, data.classes not given: how a run takes them (a listing
-    streamed takes labels as class indices as they come: :func:`.runner._streamed`)."""
+    streamed takes labels as class indices as they come: :func:`.runner._streamed`); none for a manifest of names
+    alone (its labels read first, its rows streamed with them)."""
     found = first_name(rows)
     assert found is not None
     row, only_names = found
+    if only_names and source == "manifest":
+        return []
     first = f"{rows.classes[int(rows.labels[row])]!r}, row {row + 1}{' of the part listed' if sampled else ''}"
     said = f"labels are class names (the first: {first})" if only_names else \
         f"labels are class indices beside class names (the first name: {first})"
-    return (f"{said} and data.classes is not given: names are numbered once every label is read, so the run lists "
+    return [f"{said} and data.classes is not given: names are numbered once every label is read, so the run lists "
             f"this source whole before its first shard where its first {_FIRST_PART[source]} holds a name, and "
             "stops at the first name read after it (its rows taken as class indices until then); list the classes' "
-            "names in data.classes to take them as they come")
+            "names in data.classes to take them as they come"]
 
 
 # the sources whose listing streamed takes labels as class indices where data.classes is not given (a name read

@@ -210,12 +210,16 @@ def test_json_lines_stream_prefix_by_prefix(tmp_path: Path, kind: str):
 
 
 def test_json_lines_with_names_but_no_data_classes(tmp_path: Path):
-    """Label names in the first block of JSON lines, data.classes not given: listed whole (its names numbered once
-    all are read). A name first read in a later block: the listing stops there, naming the row and saying to list
+    """Label names in the first block of JSON lines, data.classes not given: streamed, its names read first (as a
+    listing made whole numbers them; :func:`test_a_manifest_of_names_without_data_classes_streams_them`). A name
+    first read in a later block, after class indices: the listing stops there, naming the row and saying to list
     the classes in data.classes."""
     path = tmp_path / "m.jsonl"
-    path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", "label": "cat"}) + "\n" for i in range(4)))
-    assert stream_rows(DataSpec(source="manifest", manifest=str(path))) is None
+    path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", "label": ["dog", "cat"][i % 2]}) + "\n"
+                            for i in range(4)))
+    streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
+    assert streamed is not None and streamed.classes == ["cat", "dog"]
+    assert streamed.whole().labels.tolist() == [1, 0, 1, 0]
     path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", **({"label": "cat"} if i == 20 else {})}) + "\n"
                             for i in range(24)))
     _stops(path, r"m.jsonl row 21: label 'cat' is a class name, .* list the classes' names in data.classes")
@@ -223,6 +227,48 @@ def test_json_lines_with_names_but_no_data_classes(tmp_path: Path):
     path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", "label": "cat" if i == 20 else i % 3}) + "\n"
                             for i in range(24)))  # (read by pyarrow as numbers: the name's block read row by row)
     _stops(path, r"m.jsonl row 21: label 'cat' is a class name, .* list the classes' names in data.classes")
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_a_manifest_of_names_without_data_classes_streams_them(tmp_path: Path, kind: str):
+    """Label names (some rows without one, names first read in later blocks that sort before the first ones),
+    data.classes not given: the label column is read first, alone, so the rows stream as if data.classes named
+    the names sorted (as a listing made whole numbers them): each prefix handed out while the listing is held holds
+    the whole listing's class indices, and so does the whole. Names beside numbers, or more distinct labels than
+    NAMES_MOST: listed whole (it decides what the numbers are)."""
+    label = ["yak", "emu", "dog"]
+    names = [("" if i % 5 == 4 else label[i % 3] if i < 12 else f"ant{i % 2}") for i in range(24)]
+    if kind == "csv":
+        path = _manifest(tmp_path / "m.csv", [f"a/{i}.jpg,{v}" for i, v in enumerate(names)], "path,label")
+    else:
+        path = tmp_path / "m.jsonl"
+        path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", **({"label": v} if v else {})}) + "\n"
+                                for i, v in enumerate(names)))
+    data = DataSpec(source="manifest", manifest=str(path), root=str(tmp_path))
+    want = list_rows(data)
+    assert want.classes == ["ant0", "ant1", "dog", "emu", "yak"]
+    assert want.labels.tolist()[:5] == [4, 3, 2, 4, -1] and want.labels.tolist()[12:14] == [0, 1]
+    _streams_as_listed(data, want, block_bytes=64 if kind == "csv" else 160)
+    mixed = _manifest(tmp_path / "mixed.csv", [f"a/{i}.jpg,{'cat' if i < 12 else i % 3}" for i in range(24)],
+                      "path,label")
+    assert stream_rows(DataSpec(source="manifest", manifest=str(mixed))) is None
+    assert list_rows(DataSpec(source="manifest", manifest=str(mixed))).classes == ["0", "1", "2", "cat"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest, "NAMES_MOST", 4)
+        assert stream_rows(data) is None
+
+
+def test_names_read_first_refuse_one_that_came_later(tmp_path: Path):
+    """A streamed manifest's names read first (data.classes not given) meet a label that was not there then (the
+    file rewritten while it was listed): the listing stops, naming its row and saying why, not taking it for a
+    name missing from data.classes."""
+    codes = manifest._ArrowCodes("m.csv", ["cat", "dog"], found=True)
+    pa = pytest.importorskip("pyarrow")
+    assert codes.coded(pa.array(["dog", "", "cat"])).tolist() == [1, -1, 0]
+    for late in ("emu", "3"):
+        with pytest.raises(DataError, match=rf"m.csv row 5: label '{late}' was not there when the labels were read "
+                                            r"first: m.csv changed while it was listed; run again"):
+            codes.coded(pa.array(["cat", late]))
 
 
 def test_a_csv_of_class_indices_without_data_classes_streams_them(tmp_path: Path):
@@ -320,13 +366,13 @@ def test_a_listing_of_more_rows_than_counted_never_hands_out_a_prefix_as_its_who
 
 def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whole(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch):
-    """A label column of names (their classes are known once all are read), a carriage return alone (in the
-    header, in JSON lines), a column data.columns names that the file lacks, a
-    first block that the listing refuses (absolute paths: data.outside_root is a fix of the spec, so refused before
-    any store is made): no stream (its digest not made for nothing), and the listing made whole is what it was.
+    """A label column of names beside numbers (what they are is known once all are read), a carriage return alone
+    (in the header, in JSON lines), a column data.columns names that the file lacks, a first block that the
+    listing refuses (absolute paths: data.outside_root is a fix of the spec, so refused before any store is made):
+    no stream (its digest not made for nothing), and the listing made whole is what it was.
     data.classes beside no label column: the stream's classes from the start."""
     rows = [f"x/{i}.jpg" for i in range(4)]
-    cases = {"labels.csv": "path,label\n" + "".join(f"{r},cat\n" for r in rows),
+    cases = {"labels.csv": "path,label\n" + "".join(f"{r},{'cat' if i else 0}\n" for i, r in enumerate(rows)),
              "cr_header.csv": "path\r" + "".join(f"{r}\n" for r in rows),
              "return.jsonl": "".join(f'{{"path":\r"{r}"}}\n' for r in rows)}  # (a line's end to Python alone)
     recorded, record = [], manifest.ManifestSource.listing
@@ -357,12 +403,13 @@ def test_manifests_whose_rows_are_not_their_lines_or_have_labels_are_listed_whol
     assert named.whole().classes == ["c", "d"] and named.whole().labels.tolist() == [-1] * 4
 
 
+@pytest.mark.parametrize("named", [True, False])
 def test_a_job_runs_its_first_shards_while_its_manifest_is_listed(image_dir: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch):
+                                                                   monkeypatch: pytest.MonkeyPatch, named: bool):
     """The manifest's last blocks are read only once shard 0 is done; the store then holds what a listing made
-    whole gives (ids, paths, labels: names of data.classes, fingerprints, the listing's record) and the folder's
-    store's features. A duplicate id in the last block, found then, stops the job naming both rows, the store
-    half-made."""
+    whole gives (ids, paths, labels: names of data.classes, or, ``named`` False, the labels' own names read first;
+    fingerprints, the listing's record) and the folder's store's features. A duplicate id in the last block, found
+    then, stops the job naming both rows, the store half-made."""
     images = images_of(image_dir)
     classes = sorted({p.parent.name for p in images})
     lines = [f"{p.relative_to(image_dir)},r{i},{p.parent.name}" for i, p in enumerate(images)]
@@ -375,11 +422,13 @@ def test_a_job_runs_its_first_shards_while_its_manifest_is_listed(image_dir: Pat
         if name == "shard_done":
             release.set()
 
-    data = {"source": "manifest", "manifest": str(path), "shard_size": 2, "batch_size": 2, "classes": classes}
+    data = {"source": "manifest", "manifest": str(path), "shard_size": 2, "batch_size": 2,
+            **({"classes": classes} if named else {})}
     summary = run(parse_spec(job(image_dir, tmp_path / "m.zarr", data=data)), on_event=on_event)
     assert summary.ok == 12 and release.is_set()
     monkeypatch.undo()
-    want = list_rows(DataSpec(source="manifest", manifest=str(path), root=str(image_dir), classes=tuple(classes)))
+    want = list_rows(DataSpec(source="manifest", manifest=str(path), root=str(image_dir),
+                              classes=tuple(classes) if named else None))
     s = open_store(str(tmp_path / "m.zarr"))
     assert s.attrs["status"] == "complete" and s.attrs["listing"] == want.listing is not None
     assert s.ids.tolist() == want.ids.tolist() and [str(p) for p in s.paths] == want.paths.tolist()
@@ -390,7 +439,8 @@ def test_a_job_runs_its_first_shards_while_its_manifest_is_listed(image_dir: Pat
     assert g["read_fingerprint"][:].tolist() == [local_fingerprint(str(p)) for p in want.paths.tolist()]
     assert run(parse_spec(job(image_dir, tmp_path / "f.zarr", data={"shard_size": 2, "batch_size": 2}))).ok == 12
     np.testing.assert_array_equal(s.numpy("layer4"), open_store(str(tmp_path / "f.zarr")).numpy("layer4"))
-
+    if not named:
+        return
     _manifest(path, [*lines[:-1], lines[-1].replace(",r11,", ",r0,")], "path,id,label")
     monkeypatch.setattr(layout, "WRITE_ROWS", 2)
     monkeypatch.setattr(layout, "ONCE_ROWS", 2)

@@ -186,24 +186,28 @@ def test_a_large_manifest_is_planned_from_its_first_megabytes_read_against_its_o
 
 
 def test_the_plan_of_labels_named_without_data_classes_says_how_the_run_takes_them(image_dir: Path, tmp_path: Path):
-    """A manifest whose labels are names, data.classes not given: the plan says that the run lists it whole where its
-    first block holds a name and stops at a name read later, and to list the classes; with data.classes given, or
-    labels that are class indices, or a folder (its classes are its folders): no such word."""
+    """A manifest whose labels are indices beside names, data.classes not given: the plan says that the run lists it
+    whole where its first block holds a name and stops at a name read later, and to list the classes; labels that
+    are all names (the run reads them first and streams the rows), data.classes given, labels that are class
+    indices, or a folder (its classes are its folders): no such word."""
     from extractor.driver.dry_run import preview
 
     images = sorted(p for p in image_dir.rglob("*") if p.is_file())
     for name, label in (("names", lambda p: p.parent.name), ("indices", lambda p: str(len(p.parent.name) % 2))):
         (tmp_path / f"{name}.csv").write_text("path,label\n" + "".join(
             f"{p.relative_to(image_dir)},{label(p)}\n" for p in images))
-    said = r"labels are class names \(the first: 'cats', row 1\) and data.classes is not given: .* first block \(a " \
-        r"megabyte\) holds a name, and stops at the first name read after it .*; list the classes' names in " \
-        r"data.classes"
+    said = r"labels are class indices beside class names \(the first name: 'cats', row 1\) and data.classes is not " \
+        r"given: .* first block \(a megabyte\) holds a name, and stops at the first name read after it .*; list " \
+        r"the classes' names in data.classes"
 
     def warned(data: dict) -> list[str]:
         return preview(parse_spec(job(image_dir, tmp_path / "s.zarr", data=data))).warnings
 
     manifest = {"source": "manifest", "root": str(image_dir)}
-    assert any(re.search(said, w) for w in warned({**manifest, "manifest": str(tmp_path / "names.csv")}))
+    assert warned({**manifest, "manifest": str(tmp_path / "names.csv")}) == []
+    (tmp_path / "first.csv").write_text("path,label\n" + "".join(
+        f"{p.relative_to(image_dir)},{p.parent.name if i == 0 else i % 2}\n" for i, p in enumerate(images)))
+    assert any(re.search(said, w) for w in warned({**manifest, "manifest": str(tmp_path / "first.csv")}))
     assert warned({**manifest, "manifest": str(tmp_path / "names.csv"), "classes": ["cats", "dogs"]}) == []
     assert warned({**manifest, "manifest": str(tmp_path / "indices.csv")}) == []
     (tmp_path / "mixed.csv").write_text("path,label\n" + "".join(
