@@ -28,9 +28,9 @@ if TYPE_CHECKING:  # the face: what other layers may import, each name once
         texts_part,
         utf8,
     )
-    from .sources import Recorded, Sampled, forget_reads, locator_names, paths_now, read_bytes, reuse, source
+    from .sources import Recorded, Sampled, Stats, forget_reads, locator_names, paths_now, read_bytes, reuse, source
     from .sources._dataset import with_dataset
-    from .spill import by_hash
+    from .spill import Column, by_hash
     from .stream import Batch, BatchStream, Reused, Slots, iter_batches
     from .streamed import Streamed
 

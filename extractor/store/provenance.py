@@ -22,7 +22,7 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 
 from .._version import __version__
-from ..data import BLOCK, Rows, Streamed, of_store, paths_now, source
+from ..data import BLOCK, Column, Rows, Stats, Streamed, of_store, paths_now, source
 from ..errors import StoreError
 from ..spec import (
     PLACES,
@@ -491,15 +491,34 @@ def stored_prints(group: Any, a: int, b: int) -> np.ndarray:
 
 
 def _prints_now(spec: JobSpec, rows: Rows) -> tuple[np.ndarray | None, bool]:
-    """The source's fingerprints of the rows now, and whether the files of the rows read are to be stat-ed into them
-    (a source whose listing stats no file, a folder or a manifest: when listed again, or where data.verify: files asks;
-    its rows taken from the store otherwise are taken as they were); None: not known (nothing is compared)."""
+    """The source's fingerprints of the rows now (None: not given), and whether the files of the rows read are to be
+    stat-ed instead (a source whose listing stats no file, a folder or a manifest: when listed again, or where
+    data.verify: files asks; its rows taken from the store otherwise are taken as they were). Neither: not known
+    (nothing is compared)."""
     given = rows.fingerprints
     stat = given is None and source(spec.data.source).prints_on_read and (rows.stored is None or
                                                                            spec.data.verify == "files")
-    if stat:
-        return np.zeros(len(rows), np.uint64), True  # (the read rows' filled block by block)
-    return given, False
+    return given, stat
+
+
+def _read_prints_now(rows: Rows, group: Any, a: int, b: int, read: np.ndarray, stats: Stats) -> np.ndarray:
+    """The fingerprints now of the files of rows ``a:b`` that were read (``read``; 0 for the others), stat-ed
+    :data:`~extractor.data.BLOCK` rows at a time (a block of a million paths as Python's and numpy's strings is
+    380 MB: never held at once); their paths as listed now, or as the store holds them (rows taken from it)."""
+    now = np.zeros(b - a, dtype=np.uint64)
+    for c in range(a, b, BLOCK):
+        d = min(c + BLOCK, b)
+        at = np.flatnonzero(read[c - a:d - a])
+        if len(at):
+            paths = rows.paths[c:d] if rows.stored is None else read_all(group["paths"], c, d)
+            now[c - a + at] = paths_now(np.asarray(paths)[at], stats)
+    return now
+
+
+def _zeros_to(column: Column, n: int) -> None:
+    """``column`` made ``n`` long with 0s, :data:`~extractor.data.BLOCK` at a time."""
+    while len(column) < n:
+        column.extend(np.zeros(min(BLOCK, n - len(column)), dtype=np.uint64))
 
 
 def changed_rows(spec: JobSpec, group: Any, rows: Rows,
@@ -512,30 +531,38 @@ def changed_rows(spec: JobSpec, group: Any, rows: Rows,
         log.warning("%s predates content digests: images changed since its rows were computed cannot be told",
                     spec.output.store)
         return [], None
-    current, stat = _prints_now(spec, rows)
-    if current is None:
+    given, stat = _prints_now(spec, rows)
+    if given is None and not stat:
         return [], None
+    stated = Column("Q")  # (the stats, on the disk: 8 bytes a row, 3.2 GB at 400M rows)
     unknown, moved, found, gone = 0, False, [], []
-    for a, b in blocks:  # (a block at a time)
-        stored = stored_prints(group, a, b)
-        status = read_all(group["status"], a, b)
-        read, computed = status != PENDING, status == OK  # (a failed row holds no values to say anything of)
-        if stat:
-            at = np.flatnonzero(read)
-            paths = rows.paths[a:b] if rows.stored is None else read_all(group["paths"], a, b)
-            current[a + at] = paths_now(np.asarray(paths)[at])
-        now = np.asarray(current[a:b], dtype=np.uint64)
-        unknown += int((computed & (now == 0) & (stored == 0)).sum())
-        gone.append(np.flatnonzero(computed & (now == 0) & (stored != 0)) + a)  # a file that cannot be seen now
-        moved = moved or bool(((now != stored) & (read | (stored != 0))).any())  # (0 of a row not read: not known)
-        found.append(np.flatnonzero(read & (now != stored) & (now != 0)) + a)
+    with Stats() as stats:  # (one for every block: found slow once)
+        for a, b in blocks:  # (a block at a time)
+            stored = stored_prints(group, a, b)
+            status = read_all(group["status"], a, b)
+            read, computed = status != PENDING, status == OK  # (a failed row holds no values to say anything of)
+            if given is not None:
+                now = np.asarray(given[a:b], dtype=np.uint64)
+            else:
+                now = _read_prints_now(rows, group, a, b, read, stats)
+                _zeros_to(stated, a)
+                stated.extend(now)
+            unknown += int((computed & (now == 0) & (stored == 0)).sum())
+            gone.append(np.flatnonzero(computed & (now == 0) & (stored != 0)) + a)  # a file that cannot be seen now
+            moved = moved or bool(((now != stored) & (read | (stored != 0))).any())  # (0 of a row not read: unknown)
+            found.append(np.flatnonzero(read & (now != stored) & (now != 0)) + a)
     if unknown:
         log.warning("%d computed rows of %s have no cheap fingerprint (URLs in a manifest, or image files gone since "
                     "an earlier resume): not checked for changed images; `extractor inspect --verify` reads them",
                     unknown, spec.output.store)
     _say_gone(spec, group, np.concatenate(gone) if gone else np.zeros(0, np.int64))
     changed = _digests_differ(spec, group, rows, np.concatenate(found) if found else np.zeros(0, np.int64))
-    return changed, (np.asarray(current, dtype=np.uint64) if moved else None)
+    if not moved:
+        return changed, None
+    if given is not None:
+        return changed, np.asarray(given, dtype=np.uint64)
+    _zeros_to(stated, len(rows))
+    return changed, stated.array()
 
 
 def _digests_differ(spec: JobSpec, group: Any, rows: Rows, suspects: np.ndarray) -> list[int]:

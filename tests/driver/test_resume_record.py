@@ -178,15 +178,18 @@ def test_a_manifest_in_another_order_is_refused_saying_so(tmp_path: Path):
         run(parse_spec(raw))
 
 
-@pytest.mark.parametrize("relisted", [False, True], ids=["rows-from-the-store", "manifest-touched"])
+@pytest.mark.parametrize(("relisted", "blocks"), [(False, None), (True, None), (False, (5, 3))],
+                         ids=["rows-from-the-store", "manifest-touched", "small-blocks"])
 def test_a_manifests_files_are_fingerprinted_by_the_workers_that_read_them(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch,
-                                                                           relisted: bool):
+                                                                           relisted: bool,
+                                                                           blocks: tuple[int, int] | None):
     """Issue 57: a manifest's listing stats no image file (3.3 s of CPU a million rows); each row's worker takes the
     fingerprint of the file it opens (the store's ``read_fingerprint``, as ``os.stat`` gives it), and a resume
     stats the files of the rows read only, whether it takes the rows from the store or lists a touched manifest
     again. A done row's image rewritten in place with its mtime put back is named; one written again with the same
-    bytes is read once, its new fingerprint recorded, and not read again."""
+    bytes is read once, its new fingerprint recorded, and not read again. ``blocks``: rows compared, and stat-ed,
+    at a time (a million and 65,536; their fingerprints now kept on the disk)."""
     from PIL import Image
 
     import extractor.data.files as files_module
@@ -225,6 +228,9 @@ def test_a_manifests_files_are_fingerprinted_by_the_workers_that_read_them(tmp_p
         os.utime(manifest, ns=(was.st_atime_ns, was.st_mtime_ns - 10**9))  # listed again: its rows not taken
     stat_ed: list[int] = []
     digested: list[int] = []
+    if blocks is not None:
+        monkeypatch.setattr(provenance, "COMPARE_ROWS", blocks[0])
+        monkeypatch.setattr(provenance, "BLOCK", blocks[1])
     real_now, real_digests = provenance.paths_now, provenance.source_digests
     monkeypatch.setattr(provenance, "paths_now", lambda p, *a: stat_ed.append(len(p)) or real_now(p, *a))
     monkeypatch.setattr(provenance, "source_digests",
