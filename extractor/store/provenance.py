@@ -428,15 +428,17 @@ def check_half_made(url: str, old: dict[str, Any], new: dict[str, Any], group: A
         elif new[key] is None:
             new[key] = _digest(getattr(rows, name))
     check_resumable(url, old, new, group, rows.paths, rows.ids)
-    for a, b in blocks:
+    for start, stop in blocks:
         for name, what in (("ids", "the image list differs"), ("paths", "the images would be read from another "
                                                                         "place")):
-            stored, listed = read_all(group[name], a, b), np.asarray(getattr(rows, name)[a:b])
-            differ = np.flatnonzero(stored != listed)
-            if len(differ):
-                r = int(differ[0])
-                _refuse(url, [f"{what} (row {a + r}, computed before: {str(stored[r])!r} in the store, "
-                              f"{str(listed[r])!r} now)"])
+            for a in range(start, stop, BLOCK):  # (BLOCK rows at a time: a million ids or paths as strings are 380 MB)
+                b = min(a + BLOCK, stop)
+                stored, listed = read_all(group[name], a, b), np.asarray(getattr(rows, name)[a:b])
+                differ = np.flatnonzero(stored != listed)
+                if len(differ):
+                    r = int(differ[0])
+                    _refuse(url, [f"{what} (row {a + r}, computed before: {str(stored[r])!r} in the store, "
+                                  f"{str(listed[r])!r} now)"])
 
 
 def committed_blocks(done: np.ndarray, shard_size: int, n_rows: int) -> list[tuple[int, int]]:

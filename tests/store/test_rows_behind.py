@@ -21,6 +21,7 @@ from helpers.stores import committed_count, generation, opened
 
 import extractor.store.claimants as claimants
 import extractor.store.layout as layout
+import extractor.store.provenance as provenance
 from extractor.driver.runner import run
 from extractor.errors import StoreError
 from extractor.read.reader import open_store
@@ -457,6 +458,14 @@ def test_a_half_made_store_whose_computed_rows_are_listed_otherwise_is_refused_a
     with pytest.raises(StoreError, match=r"(?s)image list differs \(row 0, computed before: 'a/a00.jpg' in the store, "
                                          r"'a/a000.jpg' now\).*--overwrite"):
         run(_spec(moved, tmp_path / "s.zarr", if_exists="resume"))
+    (moved / "a" / "a000.jpg").rename(moved / "a" / "a00.jpg")  # row 1 another image (its ids compared a row at a
+    (moved / "a" / "a01.png").rename(moved / "a" / "a010.png")  # time: BLOCK is 65,536 rows) in another folder
+    with monkeypatch.context() as patch:
+        patch.setattr(provenance, "BLOCK", 1)
+        with pytest.raises(StoreError, match=r"(?s)image list differs \(row 1, computed before: 'a/a01.png' in the "
+                                             r"store, 'a/a010.png' now\).*--overwrite"):
+            run(_spec(moved, tmp_path / "s.zarr", if_exists="resume"))
+    (moved / "a" / "a010.png").rename(moved / "a" / "a01.png")
     (moved / "c").mkdir()
     shutil.copy(moved / "a" / "a01.png", moved / "c" / "c09.png")
     with pytest.raises(StoreError, match=r"image list differs \(8 rows in the store, 9 now\)"):
