@@ -21,6 +21,7 @@ from typing import Any
 
 from .._text import count, estimate, size, table
 from ..data import Rows, first_name, list_rows, plan, sample_of
+from ..data import source as source_of
 from ..errors import DataError, StoreError
 from ..spec import JobSpec, parse_spec
 from ..store import (
@@ -211,19 +212,20 @@ def preview(spec: JobSpec, full: bool = False) -> Preview:
     planned = _planned(spec, probe, n_rows, len(rows.locators), todo, action, layout, listed)
     if spec.data.source in _FIRST_PART and spec.data.classes is None and rows.classes and \
             action in ("create", "overwrite") and not (spec.output.reuse or label_targets(spec)):  # (a run streams it)
-        planned.warnings += _named_labels(spec.data.source, rows, listed.sampled)
+        planned.warnings += _named_labels(spec, rows, listed.sampled)
     return planned
 
 
-def _named_labels(source: str, rows: Rows, sampled: str | None) -> list[str]:
+def _named_labels(spec: JobSpec, rows: Rows, sampled: str | None) -> list[str]:
     """The warning of a plan whose labels are class names, data.classes not given: how a run takes them (a listing
-    streamed takes labels as class indices as they come: :func:`.runner._streamed`); none for a manifest of names
-    alone (its labels read first, its rows streamed with them)."""
+    streamed takes labels as class indices as they come: :func:`.runner._streamed`); none where they are all names
+    and the run reads them first (:meth:`~..data.sources.Source.names_first`)."""
     found = first_name(rows)
     assert found is not None
     row, only_names = found
-    if only_names and source == "manifest":
+    if only_names and source_of(spec.data.source).names_first(spec.data):
         return []
+    source = spec.data.source
     first = f"{rows.classes[int(rows.labels[row])]!r}, row {row + 1}{' of the part listed' if sampled else ''}"
     said = f"labels are class names (the first: {first})" if only_names else \
         f"labels are class indices beside class names (the first name: {first})"

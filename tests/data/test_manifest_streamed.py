@@ -254,21 +254,63 @@ def test_a_manifest_of_names_without_data_classes_streams_them(tmp_path: Path, k
     assert stream_rows(DataSpec(source="manifest", manifest=str(mixed))) is None
     assert list_rows(DataSpec(source="manifest", manifest=str(mixed))).classes == ["0", "1", "2", "cat"]
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest, "NAMES_MOST", 5)  # (5 names; the empty label is none)
+        _streams_as_listed(data, want, block_bytes=64 if kind == "csv" else 160)
         patch.setattr(manifest, "NAMES_MOST", 4)
         assert stream_rows(data) is None
 
 
-def test_names_read_first_refuse_one_that_came_later(tmp_path: Path):
-    """A streamed manifest's names read first (data.classes not given) meet a label that was not there then (the
-    file rewritten while it was listed): the listing stops, naming its row and saying why, not taking it for a
-    name missing from data.classes."""
+@pytest.mark.parametrize("late", ["names", "halves", "indices"])
+def test_a_csv_whose_first_block_has_no_label_reads_its_labels_first(tmp_path: Path, late: str):
+    """A CSV whose header names a label column, its first block (64 bytes here) holding none: what its labels are
+    is read first. Names after: streamed with them as its classes, as a listing made whole numbers them. Names and
+    whole numbers after, or numbers that are not whole (every label a name to the listing made whole): listed
+    whole. Class indices after: streamed as indices. JSON lines have no header to say a label is to come: a name
+    after a first block without one stops the job, saying to list the classes."""
+    after = {"names": lambda i: ["dog", "cat"][i % 2], "halves": lambda i: f"{i % 3}.5", "indices": lambda i: i % 3}
+    lines = [f"a/{i}.jpg,{after[late](i) if i >= 10 else ''}" for i in range(24)]
+    data = DataSpec(source="manifest", manifest=str(_manifest(tmp_path / "m.csv", lines, "path,label")))
+    want = list_rows(data)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest, "BLOCK_BYTES", 64)
+        if late == "halves":
+            assert stream_rows(data) is None and want.classes == ["0.5", "1.5", "2.5"]
+            return
+    assert want.labels.tolist()[9:12] == ([-1, 1, 0] if late == "names" else [-1, 1, 2])
+    assert want.classes == (["cat", "dog"] if late == "names" else [])
+    _streams_as_listed(data, want)
+    if late == "names":
+        path = tmp_path / "m.jsonl"
+        path.write_text("".join(json.dumps({"path": f"a/{i}.jpg", **({"label": "cat"} if i >= 10 else {})}) + "\n"
+                                for i in range(24)))
+        _stops(path, r"m.jsonl row 11: label 'cat' is a class name, .* list the classes' names in data.classes")
+
+
+def test_names_read_first_refuse_a_manifest_changed_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A streamed manifest's names read first (data.classes not given) meet a label that was not there then, or
+    miss one that was (the file rewritten while it was listed: the indices after it would be the listing's, less
+    one): the listing stops, naming the label and saying why (not taking it for a name missing from data.classes),
+    and the store, made for those names, is made again (a RemakeError: --overwrite)."""
+    from extractor.errors import RemakeError
+
     codes = manifest._ArrowCodes("m.csv", ["cat", "dog"], found=True)
     pa = pytest.importorskip("pyarrow")
     assert codes.coded(pa.array(["dog", "", "cat"])).tolist() == [1, -1, 0]
-    for late in ("emu", "3"):
-        with pytest.raises(DataError, match=rf"m.csv row 5: label '{late}' was not there when the labels were read "
-                                            r"first: m.csv changed while it was listed; run again"):
-            codes.coded(pa.array(["cat", late]))
+    for added in ("emu", "3"):
+        with pytest.raises(RemakeError, match=rf"m.csv changed while it was listed \(m.csv row 5: label '{added}' was "
+                                              r"not there when the labels were read first\); run again"):
+            codes.coded(pa.array(["cat", added]))
+    path = _manifest(tmp_path / "m.csv", [f"a/{i}.jpg,{['dog', 'cat'][i % 2]}" for i in range(24)], "path,label")
+    real = manifest._label_names
+    monkeypatch.setattr(manifest, "_label_names", lambda *a: ["ant", *real(*a)])  # ("ant": rewritten to "cat")
+    for last in ("a/23.jpg", "./a/23.jpg"):  # (read in bulk, or the file read row by row from its start)
+        _manifest(path, [*(f"a/{i}.jpg,{['dog', 'cat'][i % 2]}" for i in range(23)), f"{last},cat"], "path,label")
+        monkeypatch.setattr(manifest, "BLOCK_BYTES", 64)
+        streamed = stream_rows(DataSpec(source="manifest", manifest=str(path)))
+        assert streamed is not None and streamed.classes == ["ant", "cat", "dog"]
+        with pytest.raises(RemakeError, match=r"m.csv changed while it was listed \((no row's label is 'ant' now|its "
+                                              r"labels name 2 classes, 3 when they were read first)\); run again"):
+            streamed.whole()
 
 
 def test_a_csv_of_class_indices_without_data_classes_streams_them(tmp_path: Path):

@@ -185,11 +185,14 @@ def test_a_large_manifest_is_planned_from_its_first_megabytes_read_against_its_o
     assert planned.listing is not None and planned.listing.sampled is None and planned.rows == len(whole)
 
 
-def test_the_plan_of_labels_named_without_data_classes_says_how_the_run_takes_them(image_dir: Path, tmp_path: Path):
+def test_the_plan_of_labels_named_without_data_classes_says_how_the_run_takes_them(image_dir: Path, tmp_path: Path,
+                                                                                     monkeypatch: pytest.MonkeyPatch):
     """A manifest whose labels are indices beside names, data.classes not given: the plan says that the run lists it
-    whole where its first block holds a name and stops at a name read later, and to list the classes; labels that
-    are all names (the run reads them first and streams the rows), data.classes given, labels that are class
+    whole where its first block holds a name and stops at a name read later, and to list the classes; so for JSON
+    lines of names whose first block holds none. Labels that are all names (a CSV's, or JSON lines' with a name in
+    their first block: the run reads them first and streams the rows), data.classes given, labels that are class
     indices, or a folder (its classes are its folders): no such word."""
+    import extractor.data.sources.manifest as manifest_module
     from extractor.driver.dry_run import preview
 
     images = sorted(p for p in image_dir.rglob("*") if p.is_file())
@@ -215,3 +218,12 @@ def test_the_plan_of_labels_named_without_data_classes_says_how_the_run_takes_th
     assert any(re.search(r"labels are class indices beside class names \(the first name: 'emu', row 10\)", w)
                for w in warned({**manifest, "manifest": str(tmp_path / "mixed.csv")}))
     assert warned({}) == []
+    monkeypatch.setattr(manifest_module, "BLOCK_BYTES", 100)  # (a block of two or three rows)
+    for first in (0, 6):  # the first name in the first block, or after it
+        (tmp_path / "m.jsonl").write_text("".join(json.dumps(
+            {"path": str(p.relative_to(image_dir)), **({"label": p.parent.name} if i >= first else {})}) + "\n"
+            for i, p in enumerate(images)))
+        found = warned({**manifest, "manifest": str(tmp_path / "m.jsonl")})
+        assert (first == 6) == any(re.search(r"labels are class names \(the first: '\w+', row 7\) and data.classes "
+                                             r"is not given: .*stops at the first name read after it", w)
+                                   for w in found) and (first == 6 or found == [])

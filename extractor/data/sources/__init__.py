@@ -101,6 +101,12 @@ class Source(ABC):
         its end (data.classes given their names)."""
         return None
 
+    def names_first(self, data: DataSpec) -> bool:
+        """Whether :meth:`stream` reads labels that are class names (data.classes not given) before their rows, and
+        streams them as if data.classes named them; else such a listing takes labels as class indices as they
+        come (a name in its first part: listed whole first; later: the job stops)."""
+        return False
+
     def empty(self, data: DataSpec) -> str:
         """Why a listing found no rows, in the error's words."""
         return f"looked for files ending in {', '.join(data.extensions)}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ...errors import CountError, DataError
+from ...errors import CountError, DataError, RemakeError
 from ..files import (
     absolute,
     is_relative,
@@ -42,6 +42,7 @@ from ..rows import (
     labels_of_codes,
     late_name,
     missing_label,
+    whole_number,
 )
 from ..spill import Column
 from ..streamed import Lister, Streamed
@@ -123,10 +124,12 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
         return None
     base = _made(_base(manifest, root).rstrip("/") + "/")
     taken = _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ArrowCodes(manifest, classes)))
-    found = _label_names(manifest, storage, names) if taken == "names" else None
-    if taken != "bulk" and found is None:
+    found: list[str] | None = []  # (none: the labels taken as the first block has them)
+    if taken == "names" or (taken == "unlabeled" and _label_column(manifest, storage, names)):
+        found = _label_names(manifest, storage, names)
+    if taken == "whole" or found is None or (taken == "names" and not found):
         return None
-    bulk = _Bulk(base, names, outside_root, _ArrowCodes(manifest, found or classes, found is not None))
+    bulk = _Bulk(base, names, outside_root, _ArrowCodes(manifest, found or classes, bool(found)))
     listing = record()
     made: list[Streamed] = []
 
@@ -147,19 +150,53 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
                     raise CountError(f"{manifest}: {n} lines, but {listed} rows read from them: a line holds more "
                                      "than one object, or an object spans lines (or the file changed while it was "
                                      "read); write one object a line")
-                rows = bulk.rows(lambda n: f"{manifest} row {n + 1}")
-                return then(replace(_checked(manifest, replace(rows, classes=found or rows.classes), None),
-                                    listing=listing))
+                return then(replace(_bulk_listed(manifest, bulk, found), listing=listing))
         rows = _list_manifest(manifest, root, storage, outside_root, columns, stopped)
-        if bulk.codes is not None and bulk.codes.codes.classes is None and rows.classes:  # (the prefixes: indices)
-            raise _first_name(manifest, rows)
-        if found is not None and rows.classes != found:  # (the prefixes: indices into those found first)
-            raise DataError(f"{manifest} changed while it was listed: its labels name {len(rows.classes)} classes, "
-                            f"{len(found)} when they were read first; run again")
-        return then(replace(rows, listing=listing))
+        return then(replace(_row_by_row_listed(manifest, rows, bulk, found), listing=listing))
 
     made.append(Streamed(n, list(found or classes or []), lister(), bulk.prefix, fingerprinted=False))
     return made[0]
+
+
+def _bulk_listed(manifest: str, bulk: _Bulk, found: list[str]) -> Rows:
+    """The rows of a manifest streamed, every block read in bulk (``found``: the class names read first, if any);
+    refused where one of those names is no row's label now (the indices of the names after it are the listing's,
+    less one)."""
+    rows = bulk.rows(lambda n: f"{manifest} row {n + 1}")
+    gone = bulk.codes.unread() if found and bulk.codes is not None else []
+    if gone:
+        raise _changed(manifest, f"no row's label is {gone[0]!r} now")
+    return _checked(manifest, replace(rows, classes=found or rows.classes), None)
+
+
+def _row_by_row_listed(manifest: str, rows: Rows, bulk: _Bulk, found: list[str]) -> Rows:
+    """``rows``, a manifest streamed and then read row by row from its start (a block the bulk reader left),
+    refused where their labels are not what the prefixes handed out took them for: class indices (a name read:
+    ``found`` empty and data.classes not given), or indices into the names read first (``found``)."""
+    if bulk.codes is not None and bulk.codes.codes.classes is None and rows.classes:
+        raise _first_name(manifest, rows)
+    if found and rows.classes != found:
+        raise _changed(manifest, f"its labels name {len(rows.classes)} classes, {len(found)} when they were read "
+                                 "first")
+    return rows
+
+
+def _changed(manifest: str, what: str) -> RemakeError:
+    """The error of a manifest whose class names, read first (:func:`_label_names`), are not those of its labels as
+    they are listed: it changed meanwhile (``what``: how)."""
+    return RemakeError(f"{manifest} changed while it was listed ({what}); run again", "the class names its labels "
+                       "had when they were read first")
+
+
+def _label_column(manifest: str, storage: dict, names: _Columns) -> bool:
+    """Whether a CSV manifest's header names its label column (JSON lines have no header: False; a label first read
+    after their first block is taken as a class index)."""
+    if _json(manifest):
+        return False
+    with _opened(manifest, storage) as f:
+        first = f.read(1 << 20)
+    header = _header(first[:first.find(b"\n") + 1])
+    return header is not None and names.label in header
 
 
 def _first_name(manifest: str, rows: Rows) -> DataError:
@@ -196,30 +233,37 @@ class _ArrowCodes:
             odd = [k for k in new if self.found and not missing_label(values[k]) and
                    str(values[k]) not in self.codes.names]
             if odd:  # (a name, or a number, that no label was when they were read first)
-                raise DataError(f"{self.codes.where(firsts[odd[0]])}: label {values[odd[0]]!r} was not there when "
-                                f"the labels were read first: {self.manifest} changed while it was listed; run again")
+                raise _changed(self.manifest, f"{self.codes.where(firsts[odd[0]])}: label {values[odd[0]]!r} was not "
+                                              "there when the labels were read first")
             table = self.codes.table([values[k] for k in new], [firsts[k] for k in new])
             self.known.update(zip([values[k] for k in new], table.tolist(), strict=True))
         self.rows += len(at)
         return np.append(np.asarray([self.known[v] for v in values], dtype=np.int64), -1)[at]
 
+    def unread(self) -> list[str]:
+        """The names of data.classes (or read first) that no label read so far is."""
+        read = {str(v) for v in self.known if not missing_label(v)}
+        return [c for c in self.codes.names if c not in read]
+
 
 def _first_taken(manifest: str, storage: dict, bulk: _Bulk) -> str:
     """Whether the bulk reader takes a manifest's first block, "bulk" (else "whole": it is listed whole, which
     refuses what is wrong there before a store is made); its labels coded, a label refused there refused now,
-    naming its row; "names" where it holds a class name and data.classes is not given (:func:`_label_names`)."""
+    naming its row. data.classes not given: "names" where it holds a class name, "unlabeled" where it holds no
+    label (what the labels are is read first then: :func:`_label_names`)."""
     with _blocks(manifest, storage, bulk.names) as blocks:
         first = next(blocks, None)
         if first is None or bulk.check(*first) is None:
             return "whole"
+        if bulk.codes is None:
+            return "bulk"
         try:
-            if bulk.codes is not None:
-                bulk.codes.coded(first[2])
+            coded = bulk.codes.coded(first[2])
         except DataError:
-            if bulk.codes is not None and bulk.codes.codes.classes is None:
+            if bulk.codes.codes.classes is None:
                 return "names"
             raise
-        return "bulk"
+        return "unlabeled" if bulk.codes.codes.classes is None and not (coded >= 0).any() else "bulk"
 
 
 NAMES_MOST = 1 << 16  # distinct labels a manifest's first read of them keeps (:func:`_label_names`)
@@ -228,21 +272,24 @@ NAMES_MOST = 1 << 16  # distinct labels a manifest's first read of them keeps (:
 def _label_names(manifest: str, storage: dict, names: _Columns) -> list[str] | None:
     """The class names of a manifest whose labels are names, data.classes not given, numbered as a listing made
     whole numbers them (sorted), from a read of its label column alone before its rows are listed (a CSV's other
-    columns not made: 0.1-0.2 s of CPU a million rows): its rows then stream as if data.classes named them. None
-    (listed whole) where a label reads as a number (the listing made whole decides what numbers beside names are),
-    a block is not read in bulk, or there are more than :data:`NAMES_MOST` distinct labels."""
+    columns not made: 0.1-0.2 s of CPU a million rows): its rows then stream as if data.classes named them. [] where
+    no label is a name (none, or class indices: taken as they come); None (listed whole) where names and numbers
+    both are (the listing made whole decides what the numbers are), a block is not read in bulk, or there are more
+    than :data:`NAMES_MOST` distinct labels."""
     seen: set[object] = set()
     with _blocks(manifest, storage, names, labels_only=True) as blocks:
         for block in blocks:
             if block is None:
                 return None
             seen.update(block[2].dictionary_encode().dictionary.to_pylist())  # (nulls: not in the dictionary)
+            seen.discard("")
             if len(seen) > NAMES_MOST:
                 return None
     present = [v for v in seen if not missing_label(v)]
-    if not present or any(label_number(v) is not None for v in present):
-        return None
-    return sorted({str(v) for v in present})
+    numbers = [label_number(v) for v in present]
+    if all(d is not None and whole_number(d) for d in numbers):
+        return []
+    return None if any(d is not None for d in numbers) else sorted({str(v) for v in present})
 
 
 def _bulk_reads(manifest: str) -> bool:
@@ -765,6 +812,20 @@ class ManifestSource(Source):
                                 {str(k): v for k, v in data.columns.items()},
                                 None if data.classes is None else list(data.classes),
                                 lambda: self.listing(data), then)
+
+    def names_first(self, data: DataSpec) -> bool:
+        """A CSV whose header names its label column (:func:`_label_column`), JSON lines whose first block holds a
+        name (:func:`_first_taken`)."""
+        assert data.manifest is not None
+        manifest, storage = data.manifest, data.storage_options
+        names = _Columns(manifest, {str(k): v for k, v in data.columns.items()})
+        if not _bulk_reads(manifest):
+            return False
+        if not _json(manifest):
+            return _label_column(manifest, storage, names)
+        base = _made(_base(manifest, data.root).rstrip("/") + "/")
+        bulk = _Bulk(base, names, data.outside_root, _ArrowCodes(manifest, None))
+        return _first_taken(manifest, storage, bulk) == "names"
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """A local manifest's size, mtime and content digest, and the settings that change its rows."""
