@@ -600,27 +600,37 @@ class StoreSession:
         attempt of the ``rows`` slot, named shard by shard in the ledger; its listing recorded (a swap)."""
         assert self.generation is not None
         generation = self.generation
-        listing = record.get("listing")
-        was, version = generation.listing()
-        changed = listing is not None and listing != (was if was is not None else (decision.old or {}).get("listing"))
-        if changed and not generation.record_listing(listing, version):
-            log.info("%s: the source's listing was recorded by another process meanwhile", self.spec.output.store)
+        self._record_listing(decision, record)
         columns: dict[str, np.ndarray] = {k: np.asarray(v) for k, v in {
             "fingerprint": decision.fingerprints, **(decision.locators or {})}.items() if v is not None}
-        if not columns:
+        redone = [s.index for s in decision.redo] if source(self.spec.data.source).prints_on_read else []
+        if not columns and not redone:
             return
-        group = generation.open(table)
-        moved = _moved_shards(group, columns, self.spec.data.shard_size)
+        group = generation.open(table)  # (a shard computed again: its workers' fingerprints, not this resume's)
+        size = self.spec.data.shard_size
+        moved = sorted((set(_moved_shards(group, columns, size)) - set(redone)) |
+                       set(_printed_shards(group, redone, size)))
         if moved:
-            attempt = self._write_rows(columns, moved, group)
+            attempt = self._write_rows(columns, moved, group, set(redone))
             dead, claimant = generation.roster.dead, self.claimant.id if self.claimant is not None else 0
             generation.ledger().apply(moved, lambda e, _s: amend_rows(e, attempt, claimant, dead))
 
-    def _write_rows(self, columns: Mapping[str, np.ndarray], shards: list[int], group: Any) -> int:
+    def _record_listing(self, decision: Decision, record: StoreRecord) -> None:
+        """The source's listing recorded (a swap), where it differs from the one recorded."""
+        assert self.generation is not None
+        listing = record.get("listing")
+        was, version = self.generation.listing()
+        changed = listing is not None and listing != (was if was is not None else (decision.old or {}).get("listing"))
+        if changed and not self.generation.record_listing(listing, version):
+            log.info("%s: the source's listing was recorded by another process meanwhile", self.spec.output.store)
+
+    def _write_rows(self, columns: Mapping[str, np.ndarray], shards: list[int], group: Any,
+                    zeroed: set[int]) -> int:
         """The rows of ``shards`` of every array of the ``rows`` slot written under a new attempt, which the ledger
         then names for those shards: from ``columns`` (whole arrays) where given, else as ``group`` (the store as
         committed) holds them (an attempt holds every array of its slot: one left out read as fill values, a tar's
-        member offsets -1 once its fingerprints alone had moved); the attempt."""
+        member offsets -1 once its fingerprints alone had moved); the fingerprints of the shards ``zeroed`` 0 (their
+        workers' are the ones to compare: :func:`_printed_shards`); the attempt."""
         import zarr
 
         assert self.generation is not None
@@ -633,7 +643,8 @@ class StoreSession:
                 array, column = get_array(target, name), columns.get(name)
                 for s in shards:
                     a, b = s * size, min((s + 1) * size, array.shape[0])
-                    array[a:b] = column[a:b] if column is not None else read_all(get_array(group, name), a, b)
+                    array[a:b] = 0 if name == "fingerprint" and s in zeroed else column[a:b] if column is not None \
+                        else read_all(get_array(group, name), a, b)
         return attempt
 
     # ---------------------------------------------------------------------------------------------- shards
@@ -888,6 +899,15 @@ def _moved_shards(group: Any, columns: Mapping[str, np.ndarray], size: int) -> l
 
     return sorted({int(r) // size for k, v in columns.items() for a, b in row_blocks(len(v))
                    for r in moved(k, v, a, b) + a})
+
+
+def _printed_shards(group: Any, redone: list[int], size: int) -> list[int]:
+    """Of the shards ``redone`` (a folder's or a manifest's, computed again: their files read anew), those whose rows
+    hold a fingerprint a resume recorded (``fingerprint``, which :func:`~.provenance.stored_prints` prefers to the
+    worker's ``read_fingerprint``): it is of the file before the shard is computed again, and a file that changed
+    meanwhile and then came back to it (a link pointed back) would pass for the one computed."""
+    stored = get_array(group, "fingerprint")
+    return [s for s in redone if read_all(stored, s * size, min((s + 1) * size, stored.shape[0])).any()]
 
 
 def _first_failed(status: Any, table: Table, size: int, first: int) -> np.ndarray:

@@ -280,3 +280,48 @@ def test_a_store_with_a_block_of_rows_none_read_resumes(tmp_path: Path, monkeypa
     assert run(parse_spec(raw)).ok > 0
     s = open_store(str(tmp_path / "s.zarr"))
     assert s.attrs["status"] == "complete" and (s.status == 1).all()
+
+
+def test_a_redo_drops_the_fingerprints_a_resume_recorded_so_a_link_pointed_back_is_named(tmp_path: Path):
+    """A resume that redoes a manifest's shard (its image changed) records no fingerprint of its own for that
+    shard's rows, and drops one it recorded before: the worker that computes the shard again fingerprints the file
+    it reads. Else (found by an audit): a row's link pointed at A2, its redo stopped before the shard ran, the link
+    pointed at B, the shard computed from B, the link pointed back at A2: the stored print was A2's, so the next
+    resume took B's values for A2's image."""
+    from PIL import Image
+
+    from extractor.errors import StoreError
+
+    files = sorted(make_images(tmp_path / "imgs", per_class=4, classes=("a", "b"), size=40))
+    (tmp_path / "m.csv").write_text("path\n" + "".join(f"{f.relative_to(tmp_path / 'imgs')}\n" for f in files))
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
+              data={"source": "manifest", "manifest": str(tmp_path / "m.csv"), "resize": None, "crop": 32,
+                    "shard_size": 2, "batch_size": 2})
+    row = files[4]
+    targets = {}
+    for name, shade in (("A", 30), ("A2", 120), ("B", 220)):
+        targets[name] = tmp_path / f"{name}.png"
+        Image.fromarray(np.full((40, 40, 3), shade, np.uint8)).save(targets[name])
+
+    def point(name: str) -> None:
+        row.unlink()
+        row.symlink_to(targets[name])
+
+    point("A")
+    run(parse_spec(raw))
+    point("A2")
+    raw["output"].update(if_exists="resume", on_change="redo")
+
+    def stop(name: str, info: dict) -> None:
+        if name == "shard_started":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_spec(raw), on_event=stop)  # (shard 2 made pending again, not computed)
+    point("B")
+    raw["output"]["on_change"] = "refuse"
+    assert run(parse_spec(raw)).shards_run == 1  # shard 2, from B
+    point("A2")
+    with pytest.raises(StoreError, match=r"the images of 1 row computed before have changed since \(their content "
+                                         rf"digest differs\): '{row.relative_to(tmp_path / 'imgs')}'"):
+        run(parse_spec(raw))
