@@ -534,12 +534,12 @@ def _create_row_arrays(group: zarr.Group, shard_rows: int, rows: Rows | Streamed
     for locator in locators:  # where the source finds each image's bytes, beside its path
         if locator.name not in rows.locator_names:
             raise ValueError(f"the rows carry no {locator.name!r} column, which their source declares")
-        made.add(locator.name, locator.dtype, locator.fill, functools.partial(_locator, name=locator.name), True)
+        made.add(locator.name, locator.dtype, locator.fill, functools.partial(_locator, name=locator.name))
     made.add("status", "uint8", PENDING)
     made.add("errors", str, "")
     made.add("digest", "uint64", 0)  # written with each shard's status
     made.add(READ_PRINT, "uint64", 0)  # (written with each shard's status too)
-    made.add("fingerprint", "uint64", 0, _fingerprints, True)
+    made.add("fingerprint", "uint64", 0, _fingerprints)
     return made
 
 
@@ -564,15 +564,12 @@ class _RowArrays:
         self.made = once is not None  # the arrays are there: written again
         self.once = once if once is not None else once_rows(shard_rows, n)
         self.step = self.once * max(1, WRITE_ROWS // self.once)  # whole chunks of every array (shard_rows | once)
-        self.columns: list[tuple[str, zarr.Array, ChunkCodec | None, Any, Callable[[Rows], Any]]] = []
-        self.slotted: set[str] = set()  # arrays of the rows slot: every chunk written, also one of fill values
+        self.columns: list[tuple[str, zarr.Array, ChunkCodec | None, Callable[[Rows], Any]]] = []
         self.hashes: dict[str, NamesDigest] = {}
 
-    def add(self, name: str, dtype: Any, fill: Any, data: Callable[[Rows], Any] | None = None,
-            slotted: bool = False) -> None:
-        """Array ``name`` made; ``data``: its column of the rows, written here; ``slotted``: an array of the rows
-        slot (its chunks a shard's, under the rows attempt: each one written, as a committed shard's are, so that a
-        missing one is a damaged store)."""
+    def add(self, name: str, dtype: Any, fill: Any, data: Callable[[Rows], Any] | None = None) -> None:
+        """Array ``name`` made; ``data``: its column of the rows, written here, every chunk of it (one of fill values
+        too: each object the store was made with is there, so that a missing one is a damaged store)."""
         chunk = self.once if name in ONCE_ARRAYS else self.shard_rows
         arr = get_array(self.group, name) if self.made else \
             self.group.create_array(name, shape=(self.n,), dtype=dtype, chunks=(chunk,), fill_value=fill,
@@ -581,27 +578,24 @@ class _RowArrays:
             raise StoreError(f"the store's {name!r} array is {arr.shape[0]} rows in chunks of {arr.chunks[0]}, not "
                              f"{self.n} in chunks of {chunk}: its rows cannot be written again; --overwrite")
         if data is not None:
-            self.columns.append((name, arr, ChunkCodec.of(arr), fill, data))
-        if slotted:
-            self.slotted.add(name)
+            self.columns.append((name, arr, ChunkCodec.of(arr), data))
         if name in self.named:
             self.hashes[name] = NamesDigest()
 
     def write(self, start: int, stop: int, rows: Rows) -> None:
         """Rows ``start:stop`` (whole chunks of every array, but the last) of every column, from ``rows`` (those listed
         so far, at least ``stop`` of them)."""
-        for name, arr, codec, fill, column in self.columns:
+        for name, arr, codec, column in self.columns:
             data, chunk = column(rows), int(arr.chunks[0])
             if arr.dtype.kind in "TUO":  # strings: each chunk encoded from their UTF-8, made in bulk
                 digest = self.hashes.get(name)
                 if not write_texts(arr, codec, start, data, stop, digest.add if digest is not None else None) \
                         and digest is not None:  # (through zarr: it saw none of them)
                     digest.add_names(data, start, stop)
-            else:  # whole chunks encoded here and put at once (through zarr: 0.6 ms a chunk); one of the fill value
-                # alone is not stored, as zarr leaves it (labels of a source without any), but a rows slot's
+            else:  # whole chunks encoded here and put at once (through zarr: 0.6 ms a chunk), one of the fill value
+                # alone too (zarr leaves it out: labels of a source without any, a rows slot's URLs' fingerprints)
                 blocks = ((a, np.asarray(data[a:min(a + chunk, stop)])) for a in range(start, stop, chunk))
-                write_whole([(arr, codec, a, block) for a, block in blocks
-                             if name in self.slotted or (block != fill).any()])
+                write_whole([(arr, codec, a, block) for a, block in blocks])
 
     def digests(self) -> dict[str, str]:
         """The record's digests of the columns named (once every row is written)."""
