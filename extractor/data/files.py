@@ -10,6 +10,7 @@ import glob
 import itertools
 import os
 import re
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -130,9 +131,17 @@ def read_file_printed(item: str, storage_options: dict | None = None) -> tuple[b
 
         with fsspec.open(item, "rb", **(storage_options or {})) as f:
             return f.read(), 0
-    with open(local_path(item), "rb") as f:
-        printed = stat_fingerprint(os.fstat(f.fileno()))  # (before the read)
-        return f.read(), printed
+    fd = os.open(local_path(item), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # (a FIFO's open waits for a writer)
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):  # (a FIFO, a device, a folder: no image, and a read may never end)
+        os.close(fd)
+        raise OSError(f"{item} is not a regular file")
+    with open(fd, "rb") as f:
+        return f.read(), stat_fingerprint(st)  # (stat-ed before the read)
 
 
 def content_digest(data: bytes) -> int:
@@ -194,7 +203,10 @@ def local_fingerprint(path: str) -> int:
 
 
 def stat_fingerprint(st: os.stat_result) -> int:
-    """:func:`local_fingerprint` of a file stat-ed (by its name, or the file opened)."""
+    """:func:`local_fingerprint` of a file stat-ed (by its name, or the file opened); 0 where it is not a regular
+    file (a folder, a FIFO, a device: as a file that cannot be seen, its bytes not read)."""
+    if not stat.S_ISREG(st.st_mode):
+        return 0
     return fingerprint(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 

@@ -468,9 +468,9 @@ def _say_gone(spec: JobSpec, group: Any, gone: np.ndarray) -> None:
     of the image as it was read, kept."""
     if len(gone):
         first = int(gone[0])
-        log.warning("%d computed rows of %s name image files that cannot be seen now (removed or renamed since; row "
-                    "%d: %s): their stored values are of the images as they were read; `extractor inspect --verify` "
-                    "names every one", len(gone), spec.output.store, first,
+        log.warning("%d computed rows of %s name image files that cannot be seen now (removed, renamed or no longer "
+                    "a file since; row %d: %s): their stored values are of the images as they were read; `extractor "
+                    "inspect --verify` names every one", len(gone), spec.output.store, first,
                     str(np.asarray(group["paths"][first:first + 1])[0]))
 
 

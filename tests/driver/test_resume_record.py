@@ -86,9 +86,11 @@ def test_a_touched_file_is_read_again_once(tmp_path: Path, monkeypatch: pytest.M
     assert np.asarray(g["fingerprint"][:]).tolist() == [*stored[:2], 0]  # (recorded for the touched one's shard)
 
 
+@pytest.mark.parametrize("gone", ["removed", "fifo", "folder"])
 def test_a_computed_rows_image_file_gone_is_named_as_gone_not_as_a_url(tmp_path: Path,
-                                                                         caplog: pytest.LogCaptureFixture):
-    """A manifest's image removed after its row was computed: the resume says that file cannot be seen now, naming
+                                                                         caplog: pytest.LogCaptureFixture, gone: str):
+    """A manifest's image removed after its row was computed, or put in place of a FIFO or a folder (a FIFO's read
+    never ended; a folder was said to be a changed image): the resume says that file cannot be seen now, naming
     it (it blamed URLs in a manifest, which this one has none of), keeps the row's values, and says it again next
     time."""
     files = make_images(tmp_path / "imgs", per_class=3, classes=("a",), size=40)
@@ -102,6 +104,10 @@ def test_a_computed_rows_image_file_gone_is_named_as_gone_not_as_a_url(tmp_path:
     assert (summary.ok, summary.failed) == (3, 1)
     values = open_store(str(tmp_path / "s.zarr"))["conv"][:]
     files[1].unlink()
+    if gone == "fifo":
+        os.mkfifo(files[1])
+    elif gone == "folder":
+        files[1].mkdir()
     broken.unlink()
     raw["output"]["if_exists"] = "resume"
     said, written = [], []
@@ -115,8 +121,23 @@ def test_a_computed_rows_image_file_gone_is_named_as_gone_not_as_a_url(tmp_path:
     assert written == [False, False]  # (a file gone: no fingerprint to record)
     for each in said:  # (the file's fingerprint as its worker read it is kept: the next resume names it again)
         assert len(each) == 1 and each[0].startswith("1 computed rows of ") and \
-            f"cannot be seen now (removed or renamed since; row 1: {files[1]})" in each[0]
+            f"cannot be seen now (removed, renamed or no longer a file since; row 1: {files[1]})" in each[0]
     np.testing.assert_array_equal(open_store(str(tmp_path / "s.zarr"))["conv"][:], values)
+
+
+def test_a_row_whose_path_is_a_fifo_or_a_folder_fails_without_waiting(tmp_path: Path):
+    """A manifest's row naming a FIFO (its open waited for a writer, forever) or a folder fails, saying it is not a
+    regular file; the others are computed."""
+    files = make_images(tmp_path / "imgs", per_class=2, classes=("a",), size=40)
+    os.mkfifo(tmp_path / "imgs" / "a" / "pipe.jpg")
+    (tmp_path / "imgs" / "a" / "dir.jpg").mkdir()
+    (tmp_path / "list.csv").write_text("path\n" + "".join(f"a/{f.name}\n" for f in files) + "a/pipe.jpg\na/dir.jpg\n")
+    raw = job(tmp_path / "imgs", tmp_path / "s.zarr", model=TOY, capture=[{"layer": "conv", "reduce": "mean"}],
+              data={"source": "manifest", "manifest": str(tmp_path / "list.csv"), "resize": None, "crop": 32})
+    summary = run(parse_spec(raw))
+    assert (summary.ok, summary.failed) == (2, 2)
+    assert sorted(e for _r, _i, e in summary.failures) == [
+        f"OSError: {tmp_path / 'imgs' / 'a' / name} is not a regular file" for name in ("dir.jpg", "pipe.jpg")]
 
 
 def test_a_failed_rows_image_restored_is_said_to_have_failed_and_redo_computes_it(tmp_path: Path):

@@ -19,6 +19,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from stat import S_ISREG
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -370,6 +371,9 @@ def folder_prints(folder: str, names: list[str]) -> list[int]:
             try:
                 st = stat(name)
             except OSError:
+                out.append(0)
+                continue
+            if not S_ISREG(st.st_mode):  # (a folder, a FIFO, a device: as files.stat_fingerprint has it)
                 out.append(0)
                 continue
             # as files.fingerprint(size, mtime, ctime, inode) has it
