@@ -125,7 +125,7 @@ def _stream_manifest(manifest: str, root: str | None, storage: dict, outside_roo
     base = _made(_base(manifest, root).rstrip("/") + "/")
     taken = _first_taken(manifest, storage, _Bulk(base, names, outside_root, _ArrowCodes(manifest, classes)))
     found: list[str] | None = []  # (none: the labels taken as the first block has them)
-    if taken == "names" or (taken == "unlabeled" and _label_column(manifest, storage, names)):
+    if _names_read_first(manifest, storage, names, taken):
         found = _label_names(manifest, storage, names)
     if taken == "whole" or found is None or (taken == "names" and not found):
         return None
@@ -186,6 +186,13 @@ def _changed(manifest: str, what: str) -> RemakeError:
     they are listed: it changed meanwhile (``what``: how)."""
     return RemakeError(f"{manifest} changed while it was listed ({what}); run again", "the class names its labels "
                        "had when they were read first")
+
+
+def _names_read_first(manifest: str, storage: dict, names: _Columns, taken: str) -> bool:
+    """Whether what a manifest's labels are is read first (:func:`_label_names`), its first block ``taken`` so
+    (:func:`_first_taken`, data.classes not given): it holds a name, or no label where a CSV's header names the
+    label column."""
+    return taken == "names" or (taken == "unlabeled" and _label_column(manifest, storage, names))
 
 
 def _label_column(manifest: str, storage: dict, names: _Columns) -> bool:
@@ -814,18 +821,16 @@ class ManifestSource(Source):
                                 lambda: self.listing(data), then)
 
     def names_first(self, data: DataSpec) -> bool:
-        """A CSV whose header names its label column (:func:`_label_column`), JSON lines whose first block holds a
-        name (:func:`_first_taken`)."""
+        """Where its first block holds a name, or no label in a CSV whose header names the label column
+        (:func:`_names_read_first`)."""
         assert data.manifest is not None
         manifest, storage = data.manifest, data.storage_options
         names = _Columns(manifest, {str(k): v for k, v in data.columns.items()})
         if not _bulk_reads(manifest):
             return False
-        if not _json(manifest):
-            return _label_column(manifest, storage, names)
         base = _made(_base(manifest, data.root).rstrip("/") + "/")
-        bulk = _Bulk(base, names, data.outside_root, _ArrowCodes(manifest, None))
-        return _first_taken(manifest, storage, bulk) == "names"
+        taken = _first_taken(manifest, storage, _Bulk(base, names, data.outside_root, _ArrowCodes(manifest, None)))
+        return _names_read_first(manifest, storage, names, taken)
 
     def listing(self, data: DataSpec, was: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """A local manifest's size, mtime and content digest, and the settings that change its rows."""
